@@ -1,0 +1,19 @@
+"""dask-surge: SuperBatch embedding of Dask DataFrame text columns.
+
+>>> import dask_surge                            # registers ddf.surge
+>>> # ddf.surge.encode("text", output="emb/")    # doctest: +SKIP
+"""
+
+from . import config  # noqa: F401  (registers surge.* defaults in dask.config)
+from . import accessor  # noqa: F401  (registers the .surge accessor)
+from ._version import __version__
+from .api import EncodeResult, SurgePlan, encode, plan, read_embeddings, status
+from .encoders import Encoder
+from .errors import SurgeError, SurgeInputError, SurgeModelError, SurgeOutputError, SurgeValueError
+from .policy import OnlinePlanner, SuperBatch, plan_superbatches
+
+__all__ = [
+    "__version__", "encode", "plan", "read_embeddings", "status", "Encoder", "EncodeResult", "SurgePlan",
+    "OnlinePlanner", "SuperBatch", "plan_superbatches",
+    "SurgeError", "SurgeInputError", "SurgeModelError", "SurgeOutputError", "SurgeValueError",
+]

@@ -1,0 +1,449 @@
+"""Typed functions behind the ``.surge`` accessor and the CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from . import config
+from ._version import __version__
+from .encoders import Encoder
+from .errors import SurgeInputError, SurgeValueError
+from .graph import superbatch_collection
+from .manifest import Manifest, current_run, finish_run, open_run
+from .policy import SuperBatch, plan_superbatches, validate_thresholds
+from .progress import Progress
+from .sink import SuperBatchWriter
+from .sizes import PartitionSizes, partition_sizes
+from .superbatch import SuperBatchEncoder
+
+__all__ = ["encode", "plan", "EncodeResult", "SurgePlan"]
+
+logger = logging.getLogger(__name__)
+RESERVED = ("partition", "row", "embedding")
+SCHEDULERS = (None, "sync", "synchronous", "threads")
+
+
+@dataclass
+class SurgePlan:
+    """What :func:`encode` will do: partition sizes and SuperBatch boundaries."""
+
+    sizes: PartitionSizes
+    superbatches: list[SuperBatch]
+    b_min: int
+    b_max: int
+
+    @property
+    def rows(self) -> int:
+        return self.sizes.total
+
+    def summary(self) -> dict:
+        rows = [sb.rows for sb in self.superbatches]
+        sizes = np.asarray(self.sizes.sizes, dtype=float)
+        return {
+            "partitions": len(self.sizes.sizes), "rows": self.rows, "superbatches": len(rows),
+            "b_min": self.b_min, "b_max": self.b_max, "sizes_source": self.sizes.source,
+            "largest_superbatch": max(rows, default=0), "smallest_superbatch": min(rows, default=0),
+            "n_max": int(sizes.max()) if sizes.size else 0,
+            "cv": float(sizes.std() / sizes.mean()) if sizes.size and sizes.mean() else 0.0,
+        }
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        return (f"SurgePlan({s['rows']:,} rows in {s['partitions']:,} partitions -> "
+                f"{s['superbatches']:,} SuperBatches of {s['smallest_superbatch']:,}-"
+                f"{s['largest_superbatch']:,} rows; b_min={s['b_min']:,}, b_max={s['b_max']:,}, "
+                f"sizes from {s['sizes_source']})")
+
+
+@dataclass
+class EncodeResult:
+    """Summary of a written encode run."""
+
+    output: str
+    run_id: str
+    rows: int
+    partitions: int
+    superbatches: int
+    skipped_superbatches: int
+    seconds: float
+    ttfo_s: float | None
+    sizes_source: str
+    resumed: bool
+    records: list[dict] = field(default_factory=list, repr=False)
+
+    @property
+    def texts_per_s(self) -> float:
+        """Rows encoded in this call per second (resumed rows not counted)."""
+        done = sum(r["rows"] for r in self.records)
+        return done / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("records")
+        d["texts_per_s"] = self.texts_per_s
+        return d
+
+    def __str__(self) -> str:
+        ttfo = f"{self.ttfo_s:.2f} s" if self.ttfo_s is not None else "n/a"
+        return (f"{self.rows:,} rows from {self.partitions:,} partitions in {self.superbatches:,} "
+                f"SuperBatches ({self.skipped_superbatches:,} already committed) -> {self.output}\n"
+                f"{self.seconds:.1f} s, {self.texts_per_s:,.0f} texts/s, first output after {ttfo}")
+
+
+def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
+    columns = list(ddf.columns)
+    if not isinstance(column, str) or column not in columns:
+        raise SurgeInputError(
+            f"text column {column!r} is not in the DataFrame, whose columns are {columns}. "
+            "Fix: pass the name of the column that holds the texts."
+        )
+    if isinstance(keep, str):
+        keep = [keep]
+    keep = tuple(dict.fromkeys(keep))
+    missing = [k for k in keep if k not in columns]
+    if missing:
+        raise SurgeInputError(f"keep={list(keep)} names missing column(s) {missing}; columns are {columns}.")
+    clash = [k for k in keep if k in RESERVED]
+    if clash:
+        raise SurgeInputError(
+            f"keep={list(keep)} includes {clash}, which the output reserves for (partition, row, "
+            "embedding). Fix: rename those columns first, e.g. ddf.rename(columns={...})."
+        )
+    return keep
+
+
+def _resolve_encoder(model: Any, opts: dict) -> Encoder:
+    if isinstance(model, Encoder):
+        return model
+    model = config.get("model") if model is None else model
+    return Encoder(
+        model, device=config.get("device", opts.get("device")), dtype=config.get("dtype", opts.get("dtype")),
+        engine=config.get("engine", opts.get("engine")), batch_size=config.get("batch-size", opts.get("batch_size")),
+        max_tokens=config.get("max-tokens", opts.get("max_tokens")),
+    )
+
+
+def plan(ddf, column: str, *, b_min: int | None = None, b_max: int | None = None) -> SurgePlan:
+    """Plan the SuperBatches for ``ddf[column]`` without encoding anything.
+
+    Examples
+    --------
+    >>> import pandas as pd, dask.dataframe as dd
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a"] * 10}), npartitions=5)
+    >>> plan(ddf, "text", b_min=4, b_max=6)
+    SurgePlan(10 rows in 5 partitions -> 3 SuperBatches of 2-4 rows; b_min=4, b_max=6, sizes from metadata)
+    """
+    _check_columns(ddf, column, ())
+    b_min, b_max = validate_thresholds(config.get("b-min", b_min), config.get("b-max", b_max))
+    sizes = partition_sizes(ddf[[column]])
+    return SurgePlan(sizes, plan_superbatches(sizes.sizes, b_min, b_max), b_min, b_max)
+
+
+@contextlib.contextmanager
+def _client_for(scheduler):
+    """The active distributed Client, or a new LocalCluster's (closed at exit), or None."""
+    if scheduler not in SCHEDULERS and not hasattr(scheduler, "submit"):
+        raise SurgeValueError(
+            f"scheduler={scheduler!r} is not supported; pass None (the active distributed Client, "
+            "or a new local cluster), a distributed.Client, 'threads' or 'sync'."
+        )
+    if hasattr(scheduler, "submit"):
+        yield scheduler
+        return
+    if scheduler is not None:
+        yield None
+        return
+    from distributed import Client, get_client
+
+    with contextlib.suppress(ValueError):
+        yield get_client()
+        return
+    from .cluster import local_cluster
+
+    with local_cluster() as cluster, Client(cluster) as client:
+        logger.warning("dask-surge: started %s; dashboard: %s", type(cluster).__name__, client.dashboard_link)
+        yield client
+
+
+def encode(
+    ddf,
+    column: str,
+    output: str | None = None,
+    *,
+    model: Any = None,
+    b_min: int | None = None,
+    b_max: int | None = None,
+    keep: Sequence[str] = (),
+    normalize: bool | None = None,
+    precision: str | None = None,
+    on_null: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    engine: str | None = None,
+    batch_size: int | None = None,
+    max_tokens: int | None = None,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    scheduler: Any = None,
+    progress: bool | None = None,
+):
+    """Embed ``ddf[column]`` in SuperBatches.
+
+    Parameters
+    ----------
+    ddf : dask.dataframe.DataFrame
+        Input; partition ``i`` of ``ddf`` is logical partition ``i``.
+    column : str
+        The text column.
+    output : str, optional
+        Directory (local path or fsspec URL) to write to. ``None`` returns a lazy
+        Dask DataFrame instead.
+    model : str, path, SentenceTransformer, callable or Encoder, optional
+        Default ``surge.model`` (the packaged all-MiniLM-L6-v2).
+    b_min, b_max : int, optional
+        SuperBatch flush threshold and hard cap, in rows (``surge.b-min``/``b-max``).
+    keep : sequence of str
+        Input columns to carry into the output beside ``partition``/``row``.
+    normalize : bool, optional
+        L2-normalize embeddings.
+    precision : {"float32", "float16"}, optional
+        Storage type of the embedding values.
+    on_null : {"error", "empty"}, optional
+        A null text raises (default) or is encoded as ``""``.
+    device, dtype, engine, batch_size, max_tokens : optional
+        Encoder options, see :class:`dask_surge.Encoder`.
+    overwrite : bool
+        Replace a different run found at ``output`` (only once this run completes).
+    storage_options : dict, optional
+        fsspec options for ``output``.
+    scheduler : None, distributed.Client, "threads" or "sync"
+        Where to run when writing: ``None`` uses the active Client or starts a
+        local cluster for this call.
+    progress : bool, optional
+        Print progress while writing (``surge.progress``).
+
+    Returns
+    -------
+    dask.dataframe.DataFrame or EncodeResult
+        Lazy frame with columns ``partition``, ``row``, kept columns and
+        ``embedding`` (one partition per SuperBatch) when ``output`` is None;
+        otherwise the run summary.
+
+    Examples
+    --------
+    >>> import dask.dataframe as dd, pandas as pd
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a b", "c", "d e f"]}), npartitions=2)
+    >>> out = encode(ddf, "text", b_min=2, b_max=4, device="cpu")
+    >>> out.compute()[["partition", "row"]].values.tolist()
+    [[0, 0], [0, 1], [1, 0]]
+    """
+    keep = _check_columns(ddf, column, keep)
+    if not isinstance(overwrite, bool):
+        raise SurgeValueError(f"overwrite={overwrite!r} must be True or False.")
+    b_min, b_max = validate_thresholds(config.get("b-min", b_min), config.get("b-max", b_max))
+    sbe = SuperBatchEncoder(
+        column, keep,
+        _resolve_encoder(model, dict(device=device, dtype=dtype, engine=engine, batch_size=batch_size,
+                                     max_tokens=max_tokens)),
+        normalize=config.get("normalize", normalize), precision=config.get("precision", precision),
+        on_null=config.get("on-null", on_null),
+    )
+    frame = ddf[[column, *[k for k in keep if k != column]]]
+    if output is None:
+        return _lazy(frame, sbe, b_min, b_max)
+    with _client_for(scheduler) as client:
+        return _write(frame, sbe, output, b_min, b_max, client=client, scheduler=scheduler,
+                      overwrite=overwrite, storage_options=storage_options,
+                      progress=config.get("progress", progress))
+
+
+def _lazy(frame, sbe: SuperBatchEncoder, b_min: int, b_max: int):
+    _register(sbe.encoder)
+    sizes = partition_sizes(frame)
+    superbatches = plan_superbatches(sizes.sizes, b_min, b_max)
+    return superbatch_collection(frame, superbatches, sizes.sizes, sbe, sbe.meta(frame._meta))
+
+
+def _register(encoder: Encoder, client=None) -> None:
+    """Ship the encoder to the workers of ``client`` (or the active one) once."""
+    if client is None:
+        try:
+            from distributed import get_client
+
+            client = get_client()
+        except ValueError:
+            return
+    from .plugins import register_encoder
+
+    register_encoder(client, encoder)
+
+
+def fingerprint(frame, sbe: SuperBatchEncoder, sizes: PartitionSizes, b_min: int, b_max: int) -> dict:
+    """What makes two runs the same run (and lets a rerun resume)."""
+    import hashlib
+
+    digest = hashlib.sha256(np.asarray(sizes.sizes, dtype=np.int64).tobytes()).hexdigest()[:16]
+    return {
+        "input": frame._name, "column": sbe.column, "keep": list(sbe.keep),
+        "partitions": len(sizes.sizes), "rows": sizes.total, "sizes": digest,
+        "model": sbe.encoder.identity(), "dimension": sbe.encoder.dimension,
+        "b_min": b_min, "b_max": b_max, "normalize": sbe.normalize, "precision": sbe.precision,
+        "on_null": sbe.on_null, "library": __version__,
+    }
+
+
+def _write(frame, sbe, output, b_min, b_max, *, client, scheduler, overwrite, storage_options, progress):
+    t0 = time.perf_counter()
+    sizes = partition_sizes(frame)
+    superbatches = plan_superbatches(sizes.sizes, b_min, b_max)
+    fp = fingerprint(frame, sbe, sizes, b_min, b_max)
+    summary = {"superbatches": len(superbatches), "partitions": len(sizes.sizes), "rows": sizes.total}
+    manifest, resumed = open_run(output, fp, overwrite=overwrite, storage_options=storage_options,
+                                 plan_summary=summary)
+    done = manifest.committed()
+    todo = [sb for sb in superbatches if sb.index not in done]
+    bar = Progress(len(superbatches), sizes.total, enabled=progress, done_sbs=len(done),
+                   done_rows=sum(r["rows"] for r in done.values()))
+    records: list[dict] = []
+    ttfo = None
+    if todo:
+        writer = SuperBatchWriter(sbe, manifest)
+        coll = superbatch_collection(frame, todo, sizes.sizes, writer, writer.meta())
+        try:
+            for rec in _run(coll, client, scheduler):
+                if ttfo is None:
+                    ttfo = time.perf_counter() - t0
+                records.append(rec)
+                bar.update(int(rec["rows"]))
+        except KeyboardInterrupt:
+            _interrupted(manifest, output, len(superbatches))
+            raise
+    committed = manifest.committed()
+    missing = [sb.index for sb in superbatches if sb.index not in committed]
+    if missing:  # pragma: no cover - each SB either raised or committed above
+        raise SurgeInputError(
+            f"{len(missing)} SuperBatch(es) were not committed (first: {missing[:5]}); the output is "
+            "incomplete. Rerun the same call to resume."
+        )
+    finish_run(manifest)
+    return EncodeResult(
+        output=str(output), run_id=manifest.run_id, rows=sizes.total, partitions=len(sizes.sizes),
+        superbatches=len(superbatches), skipped_superbatches=len(done), seconds=time.perf_counter() - t0,
+        ttfo_s=ttfo, sizes_source=sizes.source, resumed=resumed, records=records,
+    )
+
+
+def _interrupted(manifest: Manifest, output: str, planned: int) -> None:
+    n = len(manifest.committed())
+    logger.warning(
+        "dask-surge: interrupted; %d of %d SuperBatches are committed in %s and kept. "
+        "Rerun the same call to resume from there.", n, planned, output,
+    )
+
+
+def _run(coll, client, scheduler):
+    """Yield commit records as SuperBatches finish (in plan order as far as possible)."""
+    if client is None:
+        sched = "sync" if scheduler in ("sync", "synchronous") else scheduler
+        for part in coll.to_delayed():
+            yield from part.compute(scheduler=sched).to_dict("records")
+        return
+    from distributed import as_completed, futures_of
+
+    _register(coll.expr.operand("func").encoder.encoder, client)
+    persisted = client.persist(coll)
+    futures = futures_of(persisted)
+    try:
+        for fut in as_completed(futures):
+            yield from fut.result().to_dict("records")
+    finally:
+        client.cancel(futures)
+
+
+def status(output: str, storage_options: dict | None = None) -> dict:
+    """Progress of the run in ``output``: SuperBatches and rows committed of planned.
+
+    Examples
+    --------
+    >>> status("/nonexistent/path")["state"]
+    'empty'
+    """
+    manifest = current_run(output, storage_options)
+    if manifest is None:
+        return {"output": output, "state": "empty"}
+    info = manifest.fs.cat_file(f"{manifest.run_dir}/run.json")
+    import json
+
+    planned = json.loads(info).get("plan", {})
+    committed = manifest.committed()
+    rows = sum(r["rows"] for r in committed.values())
+    state = "complete" if len(committed) == planned.get("superbatches") else "incomplete"
+    last = max((r["committed_at"] for r in committed.values()), default=None)
+    return {
+        "output": output, "state": state, "run": manifest.run_id,
+        "superbatches_committed": len(committed), "superbatches_planned": planned.get("superbatches"),
+        "rows_committed": rows, "rows_planned": planned.get("rows"), "last_commit": last,
+    }
+
+
+def read_embeddings(path: str, *, partition: int | None = None, columns: Sequence[str] | None = None,
+                    storage_options: dict | None = None):
+    """Read the committed rows of an output directory as a Dask DataFrame.
+
+    Only files named by commit records of the current run are read; orphan or
+    half-written files are never a source of rows.
+
+    Parameters
+    ----------
+    path : str
+        Output directory of :func:`encode`.
+    partition : int, optional
+        Only this input partition's rows (only the files that hold it are read).
+    columns : sequence of str, optional
+        Columns to read.
+
+    Examples
+    --------
+    >>> ddf = read_embeddings("emb/")          # doctest: +SKIP
+    >>> ddf.partition.nunique().compute()      # doctest: +SKIP
+    """
+    import dask.dataframe as dd
+
+    manifest = current_run(path, storage_options)
+    if manifest is None:
+        raise SurgeInputError(
+            f"{path!r} holds no dask-surge run (no {path}/_surge/CURRENT). Fix: pass the output "
+            "directory of ddf.surge.encode(..., output=...)."
+        )
+    records = sorted(manifest.committed().values(), key=lambda r: r["sb"])
+    if partition is not None:
+        records = [r for r in records if any(s[0] == partition and s[2] > s[1] for s in r["spans"])]
+    files = [f"{manifest.root}/{r['file']}" for r in records]
+    proto = manifest.fs.protocol if isinstance(manifest.fs.protocol, str) else manifest.fs.protocol[0]
+    if proto not in ("file", "local"):
+        files = [f"{proto}://{f}" for f in files]
+    if not files:
+        raise SurgeInputError(f"{path!r} has no committed rows" + (
+            f" for partition {partition}" if partition is not None else "") + ".")
+    filters = [("partition", "==", partition)] if partition is not None else None
+    return dd.read_parquet(files, columns=list(columns) if columns else None, filters=filters,
+                           storage_options=storage_options,
+                           arrow_to_pandas={"types_mapper": _embedding_types})
+
+
+def _embedding_types(pa_type):
+    """Read fixed-size lists (embeddings) as pandas ArrowDtype columns, zero-copy."""
+    import pyarrow as pa
+
+    return pd.ArrowDtype(pa_type) if pa.types.is_fixed_size_list(pa_type) else None
+
+
+__all__ += ["status", "read_embeddings", "fingerprint"]

@@ -1,0 +1,56 @@
+"""Clusters: one worker per GPU when there are GPUs, else a CPU ``LocalCluster``."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+__all__ = ["local_cluster", "gpu_count"]
+
+logger = logging.getLogger(__name__)
+
+
+def gpu_count() -> int:
+    """Number of CUDA devices torch can see in this process (0 without torch/CUDA)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a runtime dependency
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_cluster(**kwargs):
+    """A local Dask cluster sized for this machine.
+
+    With GPUs and ``dask-cuda`` installed: a ``LocalCUDACluster`` with one
+    worker per visible GPU (each worker sees its GPU as device 0). Otherwise a ``LocalCluster`` with one
+    single-threaded worker per core (torch uses one thread per worker, so the
+    cores are not oversubscribed).
+
+    Parameters
+    ----------
+    **kwargs
+        Passed to the cluster class, overriding the defaults above.
+
+    Examples
+    --------
+    >>> from distributed import Client
+    >>> with local_cluster(n_workers=1, processes=False) as cluster:  # doctest: +SKIP
+    ...     client = Client(cluster)
+    """
+    gpus = gpu_count()
+    if gpus:
+        try:
+            from dask_cuda import LocalCUDACluster
+        except ImportError:
+            logger.warning(
+                "dask-surge: %d GPU(s) visible but dask-cuda is not installed; using a CPU "
+                "LocalCluster. Fix: pip install 'dask-surge[gpu]'.", gpus,
+            )
+        else:
+            return LocalCUDACluster(**kwargs)
+    from distributed import LocalCluster
+
+    opts = {"n_workers": max(1, os.cpu_count() or 1), "threads_per_worker": 1, "dashboard_address": ":0"}
+    opts.update(kwargs)
+    return LocalCluster(**opts)

@@ -1,0 +1,79 @@
+"""Configuration under ``surge.`` in ``dask.config``, with shipped defaults.
+
+Every option can be set in Dask's YAML config, with ``dask.config.set``, or
+through environment variables such as ``DASK_SURGE__B_MIN=50000``. Values are
+resolved when a function runs, never frozen at import.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import dask.config
+import yaml
+
+from .errors import SurgeValueError
+
+__all__ = ["get", "DEFAULTS_PATH", "OPTIONS"]
+
+DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "surge.yaml")
+
+with open(DEFAULTS_PATH) as _f:
+    _defaults = yaml.safe_load(_f)
+
+dask.config.update_defaults(_defaults)
+
+#: option name (as in the YAML) -> allowed values, or a type check
+OPTIONS: dict[str, Any] = {
+    "b-min": "positive-int",
+    "b-max": "positive-int",
+    "model": "str",
+    "device": ("str", None),
+    "dtype": ("auto", "float32", "float16", "bfloat16"),
+    "engine": ("auto", "fast", "sentence-transformers"),
+    "batch-size": "positive-int",
+    "max-tokens": ("positive-int", None),
+    "normalize": "bool",
+    "precision": ("float32", "float16"),
+    "on-null": ("error", "empty"),
+    "progress": "bool",
+}
+
+
+def _check(name: str, value: Any) -> Any:
+    rule = OPTIONS[name]
+    allowed = rule if isinstance(rule, tuple) else (rule,)
+    for option in allowed:
+        if option is None and value is None:
+            return value
+        if option == "positive-int" and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        if option == "str" and isinstance(value, str):
+            return value
+        if option == "bool" and isinstance(value, bool):
+            return value
+        if isinstance(option, str) and option not in ("positive-int", "str", "bool") and value == option:
+            return value
+    raise SurgeValueError(
+        f"surge.{name}={value!r} is not allowed: expected {' or '.join(map(str, allowed))}. "
+        f"Fix: dask.config.set({{'surge.{name}': ...}}) or the DASK_SURGE__{name.upper().replace('-', '_')} "
+        "environment variable."
+    )
+
+
+def get(name: str, value: Any = None) -> Any:
+    """Return ``value`` if given, else the configured ``surge.<name>``, validated.
+
+    Examples
+    --------
+    >>> get("b-min") > 0
+    True
+    >>> get("precision", "float16")
+    'float16'
+    """
+    if name not in OPTIONS:
+        raise SurgeValueError(f"unknown option surge.{name!r}; known: {sorted(OPTIONS)}")
+    if value is None:
+        value = dask.config.get(f"surge.{name}")
+    return _check(name, value)

@@ -1,0 +1,230 @@
+"""The SuperBatch two-threshold policy (SURGE, Lemma 3).
+
+This module is pure: no Dask, no I/O. It turns a sequence of partition sizes
+into SuperBatches, either all at once (:func:`plan_superbatches`, sizes known
+up front) or incrementally (:class:`OnlinePlanner`, sizes arriving one by one as
+partitions finish). Both produce exactly the same SuperBatches for the same
+sizes.
+
+The rule, walking partitions in order with a buffer of ``b`` rows:
+
+1. if ``n_i > b_max``: flush the buffer (if non-empty), then emit
+   ``ceil(n_i / b_max)`` row-slices of partition ``i``;
+2. else if ``b + n_i > b_max``: flush, then start the buffer with ``i``;
+3. else add ``i``; if now ``b >= b_min``, flush;
+4. at the end, flush what remains.
+
+Every SuperBatch then holds at most ``min(b_max, b_min - 1 + n_max)`` rows, so
+the memory a worker needs for one SuperBatch does not grow with the number of
+rows ``N``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from .errors import SurgeValueError
+
+__all__ = ["Span", "SuperBatch", "plan_superbatches", "OnlinePlanner", "validate_thresholds"]
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Rows ``[start, stop)`` of input partition ``partition``."""
+
+    partition: int
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class SuperBatch:
+    """One encode call: consecutive spans of consecutive partitions.
+
+    Attributes
+    ----------
+    index : int
+        Position of this SuperBatch in the plan (0, 1, 2, ...). Deterministic:
+        the same sizes and thresholds always give the same indices.
+    spans : tuple of Span
+        The row ranges it covers, in input order. Either whole partitions, or
+        a single row-slice of one partition larger than ``b_max``.
+    """
+
+    index: int
+    spans: tuple[Span, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(s.rows for s in self.spans)
+
+    @property
+    def partitions(self) -> tuple[int, ...]:
+        return tuple(s.partition for s in self.spans)
+
+
+def validate_thresholds(b_min: object, b_max: object) -> tuple[int, int]:
+    """Check the two thresholds and return them as ints.
+
+    Raises
+    ------
+    SurgeValueError
+        If either is not a positive integer or ``b_min > b_max``.
+
+    Examples
+    --------
+    >>> validate_thresholds(100, 1000)
+    (100, 1000)
+    """
+    for name, value in (("b_min", b_min), ("b_max", b_max)):
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise SurgeValueError(
+                f"{name}={value!r} is not an integer: thresholds count rows. "
+                f"Pass a positive int, e.g. {name}=100_000."
+            )
+        if operator.index(value) <= 0:  # type: ignore[arg-type]
+            raise SurgeValueError(
+                f"{name}={value!r} must be positive: a SuperBatch holds at least one row. "
+                f"Pass a positive int, e.g. {name}=100_000."
+            )
+    b_min, b_max = operator.index(b_min), operator.index(b_max)  # type: ignore[arg-type]
+    if b_min > b_max:
+        raise SurgeValueError(
+            f"b_min={b_min} is larger than b_max={b_max}: the flush threshold must not "
+            f"exceed the hard cap. Lower b_min or raise b_max (e.g. b_max={4 * b_min})."
+        )
+    return b_min, b_max
+
+
+class OnlinePlanner:
+    """Form SuperBatches as partition sizes arrive, one at a time.
+
+    Parameters
+    ----------
+    b_min, b_max : int
+        Flush threshold and hard cap, in rows.
+
+    Examples
+    --------
+    >>> p = OnlinePlanner(b_min=5, b_max=8)
+    >>> [sb.rows for sb in p.push(3)], [sb.rows for sb in p.push(4)]
+    ([], [7])
+    >>> [sb.rows for sb in p.push(20)], [sb.rows for sb in p.finish()]
+    ([8, 8, 4], [])
+    """
+
+    def __init__(self, b_min: int, b_max: int) -> None:
+        self.b_min, self.b_max = validate_thresholds(b_min, b_max)
+        self._buffer: list[Span] = []
+        self._rows = 0
+        self._next_partition = 0
+        self._next_index = 0
+        self._finished = False
+
+    @property
+    def partitions_seen(self) -> int:
+        return self._next_partition
+
+    @property
+    def buffered_rows(self) -> int:
+        return self._rows
+
+    def _emit(self, spans: Sequence[Span]) -> SuperBatch:
+        sb = SuperBatch(self._next_index, tuple(spans))
+        self._next_index += 1
+        return sb
+
+    def _flush(self) -> list[SuperBatch]:
+        if not self._buffer:
+            return []
+        sb = self._emit(self._buffer)
+        self._buffer, self._rows = [], 0
+        return [sb]
+
+    def push(self, size: int) -> list[SuperBatch]:
+        """Add the next partition (of ``size`` rows); return the SuperBatches it completes."""
+        if self._finished:
+            raise SurgeValueError("push() after finish(): create a new OnlinePlanner per run.")
+        if isinstance(size, bool) or int(size) != size or size < 0:
+            raise SurgeValueError(
+                f"partition {self._next_partition} has size {size!r}: sizes must be "
+                f"non-negative integers (row counts)."
+            )
+        n, i = int(size), self._next_partition
+        self._next_partition += 1
+        out: list[SuperBatch] = []
+        if n > self.b_max:
+            out += self._flush()
+            for start in range(0, n, self.b_max):
+                out.append(self._emit([Span(i, start, min(start + self.b_max, n))]))
+        elif self._rows + n > self.b_max:
+            out += self._flush()
+            self._buffer, self._rows = [Span(i, 0, n)], n
+            # b_min <= b_max and n <= b_max: a lone partition may itself reach b_min
+            if self._rows >= self.b_min:
+                out += self._flush()
+        else:
+            self._buffer.append(Span(i, 0, n))
+            self._rows += n
+            if self._rows >= self.b_min:
+                out += self._flush()
+        return out
+
+    def finish(self) -> list[SuperBatch]:
+        """Flush what remains (the last, possibly under-filled, SuperBatch)."""
+        self._finished = True
+        return self._flush()
+
+
+def iter_superbatches(sizes: Iterable[int], b_min: int, b_max: int) -> Iterator[SuperBatch]:
+    """Lazily yield the SuperBatches for ``sizes`` (see :class:`OnlinePlanner`)."""
+    planner = OnlinePlanner(b_min, b_max)
+    for n in sizes:
+        yield from planner.push(n)
+    yield from planner.finish()
+
+
+def plan_superbatches(sizes: Iterable[int], b_min: int, b_max: int) -> list[SuperBatch]:
+    """Plan SuperBatches for known partition sizes.
+
+    Parameters
+    ----------
+    sizes : iterable of int
+        Rows in each partition, in partition order. Zero is allowed (an empty
+        partition is carried in a SuperBatch as an empty span, so every input
+        partition is accounted for).
+    b_min : int
+        Flush threshold: a SuperBatch is emitted once it holds ``>= b_min`` rows.
+    b_max : int
+        Hard cap: no SuperBatch holds more than ``b_max`` rows.
+
+    Returns
+    -------
+    list of SuperBatch
+
+    Examples
+    --------
+    >>> [sb.rows for sb in plan_superbatches([3, 4, 20, 1], b_min=5, b_max=8)]
+    [7, 8, 8, 4, 1]
+    >>> plan_superbatches([3, 4], 5, 8)[0].partitions
+    (0, 1)
+    """
+    return list(iter_superbatches(sizes, b_min, b_max))
+
+
+def max_superbatch_rows(sizes: Sequence[int], b_min: int, b_max: int) -> int:
+    """The Lemma 3 bound ``min(b_max, b_min - 1 + n_max)`` for these sizes."""
+    n_max = max(sizes, default=0)
+    return min(b_max, b_min - 1 + n_max) if n_max else 0
+
+
+def n_slices(n: int, b_max: int) -> int:
+    """Row-slices an over-size partition of ``n`` rows is cut into."""
+    return math.ceil(n / b_max)

@@ -1,0 +1,124 @@
+"""What one SuperBatch task does: gather its rows, encode them in one call, frame the result."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .arrow import embedding_array
+from .encoders import Encoder
+from .errors import SurgeInputError
+from .policy import Span
+
+__all__ = ["SuperBatchEncoder", "texts_of"]
+
+NULL_POLICIES = ("error", "empty")
+
+
+def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> list[str]:
+    """Return the texts of ``series`` as a list of ``str``, enforcing the null policy.
+
+    Raises
+    ------
+    SurgeInputError
+        On a null text (with ``on_null="error"``) or a value that is not a string,
+        naming the first offending ``(partition, row)``.
+    """
+    nulls = series.isna().to_numpy()
+    if nulls.any():
+        if on_null == "error":
+            first = int(np.flatnonzero(nulls)[0])
+            raise SurgeInputError(
+                f"text column {series.name!r} has {int(nulls.sum())} null value(s) in partition "
+                f"{partition}, first at row {start + first}: null texts are refused by default so "
+                "that no row is silently dropped or invented. Fix: clean the column, or pass "
+                "on_null='empty' to encode nulls as the empty string."
+            )
+        series = series.where(~nulls, "")
+    values = series.tolist()
+    for i, v in enumerate(values):
+        if type(v) is not str:
+            if isinstance(v, str):  # str subclass (e.g. numpy.str_)
+                values[i] = str(v)
+                continue
+            raise SurgeInputError(
+                f"text column {series.name!r} holds a {type(v).__name__} ({v!r:.60}) in partition "
+                f"{partition}, row {start + i}: only strings can be encoded. Fix: convert the "
+                f"column first, e.g. ddf[{series.name!r}] = ddf[{series.name!r}].astype(str)."
+            )
+    return values
+
+
+@dataclass(frozen=True)
+class SuperBatchEncoder:
+    """Callable run by each SuperBatch task: ``(partitions, sb_index, spans) -> DataFrame``.
+
+    The result has columns ``partition`` (int64), ``row`` (int64, offset within
+    the partition), the kept columns, and ``embedding`` (fixed-size list of
+    float32/float16), sorted by ``(partition, row)``.
+    """
+
+    column: str
+    keep: tuple[str, ...]
+    encoder: Encoder
+    normalize: bool = False
+    precision: str = "float32"
+    on_null: str = "error"
+
+    def __dask_tokenize__(self):
+        return ("SuperBatchEncoder", self.column, self.keep, self.encoder.spec, self.normalize,
+                self.precision, self.on_null)
+
+    def gather(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]):
+        """Slice the planned rows out of the input partitions, checking their sizes."""
+        pieces, texts = [], []
+        by_partition = dict(zip(sorted({s.partition for s, _ in spans}), parts))
+        for span, planned in spans:
+            part = by_partition[span.partition]
+            if len(part) != planned:
+                raise SurgeInputError(
+                    f"partition {span.partition} has {len(part)} rows but {planned} were planned: "
+                    "the input changed between planning and execution (non-deterministic "
+                    "partitions?). Nothing was written for it. Fix: persist or write the input "
+                    "to Parquet first so every read returns the same rows."
+                )
+            piece = part.iloc[span.start : span.stop]
+            texts += texts_of(piece[self.column], span.partition, span.start, self.on_null)
+            pieces.append((span, piece))
+        return pieces, texts
+
+    def frame(self, pieces, emb: np.ndarray) -> pd.DataFrame:
+        """Assemble the output DataFrame (embedding column built zero-copy)."""
+        partition = np.concatenate(
+            [np.full(span.rows, span.partition, dtype=np.int64) for span, _ in pieces]
+        ) if pieces else np.zeros(0, dtype=np.int64)
+        row = np.concatenate(
+            [np.arange(span.start, span.stop, dtype=np.int64) for span, _ in pieces]
+        ) if pieces else np.zeros(0, dtype=np.int64)
+        data = {"partition": partition, "row": row}
+        for col in self.keep:
+            kept = [piece[col] for _, piece in pieces]
+            data[col] = pd.concat(kept, ignore_index=True) if kept else pd.Series([], dtype=object)
+        out = pd.DataFrame(data)
+        out["embedding"] = pd.arrays.ArrowExtensionArray(embedding_array(emb, self.precision))
+        return out
+
+    def __call__(self, parts: Sequence[pd.DataFrame], sb_index: int, spans: Sequence[tuple[Span, int]]) -> pd.DataFrame:
+        pieces, texts = self.gather(parts, spans)
+        emb = self.encoder.encode(texts, normalize=self.normalize) if texts else np.zeros(
+            (0, self.encoder.dimension), dtype=np.float32
+        )
+        return self.frame(pieces, emb)
+
+    def meta(self, frame_meta: pd.DataFrame) -> pd.DataFrame:
+        """Empty frame with the output schema."""
+        data = {"partition": np.zeros(0, np.int64), "row": np.zeros(0, np.int64)}
+        out = pd.DataFrame(data)
+        for col in self.keep:
+            out[col] = frame_meta[col].iloc[:0].reset_index(drop=True)
+        emb = np.zeros((0, self.encoder.dimension), dtype=np.float32)
+        out["embedding"] = pd.arrays.ArrowExtensionArray(embedding_array(emb, self.precision))
+        return out
