@@ -14,6 +14,7 @@ import pandas as pd
 
 from . import config
 from ._version import __version__
+from .cluster import gpu_count
 from .encoders import Encoder
 from .errors import SurgeInputError, SurgeValueError
 from .graph import superbatch_collection
@@ -108,15 +109,15 @@ def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
     if isinstance(keep, str):
         keep = [keep]
     keep = tuple(dict.fromkeys(keep))
-    missing = [k for k in keep if k not in columns]
-    if missing:
-        raise SurgeInputError(f"keep={list(keep)} names missing column(s) {missing}; columns are {columns}.")
     clash = [k for k in keep if k in RESERVED]
     if clash:
         raise SurgeInputError(
             f"keep={list(keep)} includes {clash}, which the output reserves for (partition, row, "
             "embedding). Fix: rename those columns first, e.g. ddf.rename(columns={...})."
         )
+    missing = [k for k in keep if k not in columns]
+    if missing:
+        raise SurgeInputError(f"keep={list(keep)} names missing column(s) {missing}; columns are {columns}.")
     return keep
 
 
@@ -142,7 +143,7 @@ def plan(ddf, column: str, *, b_min: int | None = None, b_max: int | None = None
     SurgePlan(10 rows in 5 partitions -> 3 SuperBatches of 2-4 rows; b_min=4, b_max=6, sizes from metadata)
     """
     _check_columns(ddf, column, ())
-    b_min, b_max = validate_thresholds(config.get("b-min", b_min), config.get("b-max", b_max))
+    b_min, b_max = validate_thresholds(*config.thresholds(b_min, b_max, gpu=gpu_count() > 0))
     sizes = partition_sizes(ddf[[column]])
     return SurgePlan(sizes, plan_superbatches(sizes.sizes, b_min, b_max), b_min, b_max)
 
@@ -208,8 +209,9 @@ def encode(
         Dask DataFrame instead.
     model : str, path, SentenceTransformer, callable or Encoder, optional
         Default ``surge.model`` (the packaged all-MiniLM-L6-v2).
-    b_min, b_max : int, optional
-        SuperBatch flush threshold and hard cap, in rows (``surge.b-min``/``b-max``).
+    b_min, b_max : int or "auto", optional
+        SuperBatch flush threshold and hard cap, in rows (``surge.b-min``/``b-max``;
+        ``"auto"`` is 100,000/400,000 on a GPU and 4,096/16,384 on a CPU).
     keep : sequence of str
         Input columns to carry into the output beside ``partition``/``row``.
     normalize : bool, optional
@@ -248,11 +250,12 @@ def encode(
     keep = _check_columns(ddf, column, keep)
     if not isinstance(overwrite, bool):
         raise SurgeValueError(f"overwrite={overwrite!r} must be True or False.")
-    b_min, b_max = validate_thresholds(config.get("b-min", b_min), config.get("b-max", b_max))
+    encoder = _resolve_encoder(model, dict(device=device, dtype=dtype, engine=engine, batch_size=batch_size,
+                                           max_tokens=max_tokens))
+    on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
+    b_min, b_max = validate_thresholds(*config.thresholds(b_min, b_max, gpu=on_gpu))
     sbe = SuperBatchEncoder(
-        column, keep,
-        _resolve_encoder(model, dict(device=device, dtype=dtype, engine=engine, batch_size=batch_size,
-                                     max_tokens=max_tokens)),
+        column, keep, encoder,
         normalize=config.get("normalize", normalize), precision=config.get("precision", precision),
         on_null=config.get("on-null", on_null),
     )
@@ -308,7 +311,7 @@ def _write(frame, sbe, output, b_min, b_max, *, client, scheduler, overwrite, st
     summary = {"superbatches": len(superbatches), "partitions": len(sizes.sizes), "rows": sizes.total}
     manifest, resumed = open_run(output, fp, overwrite=overwrite, storage_options=storage_options,
                                  plan_summary=summary)
-    done = manifest.committed()
+    done = manifest.committed(repair=True)
     todo = [sb for sb in superbatches if sb.index not in done]
     bar = Progress(len(superbatches), sizes.total, enabled=progress, done_sbs=len(done),
                    done_rows=sum(r["rows"] for r in done.values()))

@@ -394,7 +394,8 @@ def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
                 )
         if engine is not None:
             return _Loaded(lambda texts, norm: engine.encode(texts, normalize=norm), engine.dimension, "fast", lock)
-        dim = obj.get_sentence_embedding_dimension()
+        get_dim = getattr(obj, "get_embedding_dimension", None) or obj.get_sentence_embedding_dimension
+        dim = get_dim()
 
         def st_encode(texts: list[str], norm: bool) -> np.ndarray:
             with lock:

@@ -135,8 +135,13 @@ class Manifest:
         data = json.dumps(record, sort_keys=True).encode()
         return create_exclusive(self.fs, self.record_path(record["sb"]), data)
 
-    def committed(self) -> dict[int, dict]:
-        """Commit records by SuperBatch index. Torn or foreign records are skipped."""
+    def committed(self, *, repair: bool = False) -> dict[int, dict]:
+        """Commit records by SuperBatch index. Torn or foreign records are skipped.
+
+        With ``repair=True`` a torn record (unparseable, e.g. from a crash on a
+        filesystem without atomic create) is renamed aside so its SuperBatch can
+        be committed again.
+        """
         out: dict[int, dict] = {}
         try:
             names = self.fs.ls(self.commits_dir, detail=False)
@@ -153,7 +158,10 @@ class Manifest:
                 if name != f"{sb:06d}.json" or rec.get("run") != self.run_id:
                     continue
             except (ValueError, KeyError, TypeError, OSError):
-                continue  # torn record: that SuperBatch is simply not committed
+                # torn record: that SuperBatch is not committed
+                if repair:
+                    self.fs.mv(path, f"{self.commits_dir}/.torn-{name}-{time.time_ns()}")
+                continue
             out[sb] = rec
         return out
 

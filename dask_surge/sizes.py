@@ -31,7 +31,7 @@ def metadata_lengths(expr) -> tuple[int, ...] | None:
         folded = Lengths(expr).simplify()
     except Exception:  # pragma: no cover - private API drift: fall back to counting
         return None
-    if isinstance(folded, Literal):
+    if isinstance(folded, Literal) and isinstance(folded.operand("value"), (tuple, list)):
         return tuple(int(n) for n in folded.operand("value"))
     return None
 
@@ -54,5 +54,8 @@ def partition_sizes(frame) -> PartitionSizes:
     lengths = metadata_lengths(frame.expr)
     if lengths is not None and len(lengths) == frame.npartitions:
         return PartitionSizes(lengths, "metadata")
-    counted = frame.map_partitions(len, enforce_metadata=False, meta=(None, "int64")).compute()
+    from dask.dataframe.dask_expr import new_collection
+    from dask.dataframe.dask_expr._expr import Lengths
+
+    counted = new_collection(Lengths(frame.expr)).compute()
     return PartitionSizes(tuple(int(n) for n in counted), "len-pass")

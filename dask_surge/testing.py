@@ -86,7 +86,12 @@ def make_tiny_model(
     (1, 32)
     """
     import torch
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+
+    try:  # sentence-transformers >= 6 moved the modules
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:  # pragma: no cover - older sentence-transformers
+        from sentence_transformers import models
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     out = Path(path)
@@ -187,3 +192,32 @@ def make_partitioned_frame(sizes, *, seed: int = 0, text_column: str = "text"):
 
 def _identity(frame):
     return frame
+
+
+def write_partitioned_parquet(path, sizes, *, seed: int = 0, text_column: str = "text") -> list[str]:
+    """Write one Parquet file per partition (``part-00000.parquet``, ...) with ``sizes[i]`` rows.
+
+    Columns: ``text_column`` (string), ``doc_id`` (int64, globally unique).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> len(write_partitioned_parquet(tempfile.mkdtemp(), [2, 0, 3]))
+    3
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = [int(s) for s in sizes]
+    texts = make_texts(sum(sizes), seed=seed)
+    files, start = [], 0
+    for i, s in enumerate(sizes):
+        table = pa.table({text_column: pa.array(texts[start : start + s], type=pa.string()),
+                          "doc_id": pa.array(np.arange(start, start + s, dtype=np.int64))})
+        name = out / f"part-{i:05d}.parquet"
+        pq.write_table(table, name)
+        files.append(str(name))
+        start += s
+    return files

@@ -1,0 +1,112 @@
+"""Time ``TransformerEngine.encode`` against ``SentenceTransformer.encode`` on the same texts.
+
+Usage::
+
+    python benchmarks/engine_cpu.py [--n 3000] [--model packaged|tiny] [--repeats 3]
+                                    [--max-tokens 2048[,4096,...]] [--threads N]
+                                    [--out benchmarks/results/engine_cpu.json]
+
+Runs are interleaved (ST, engine(s), ST, engine(s), ...) and the median of the
+repeats is reported. Several ``--max-tokens`` values tune the micro-batch budget
+in one run. The JSON holds the machine facts and the exact command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from dask_surge.engine import TransformerEngine  # noqa: E402
+from dask_surge.testing import make_texts, make_tiny_model, packaged_model_dir  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=3000, help="number of texts (default 3000)")
+    parser.add_argument("--model", choices=("packaged", "tiny"), default="packaged")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=32, help="SentenceTransformer.encode batch_size")
+    parser.add_argument("--max-tokens", default="auto", help="engine token budget(s), comma-separated, or 'auto'")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--out", default="benchmarks/results/engine_cpu.json")
+    args = parser.parse_args(argv)
+
+    from sentence_transformers import SentenceTransformer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    path = packaged_model_dir() if args.model == "packaged" else make_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    model = SentenceTransformer(str(path), device="cpu")
+    budgets = [None if b == "auto" else int(b) for b in args.max_tokens.split(",")]
+    engines = {}
+    for b in budgets:
+        engine = TransformerEngine.from_sentence_transformer(model, max_tokens=b)
+        engines[f"engine[max_tokens={engine.max_tokens}]"] = engine
+    texts = make_texts(args.n, seed=args.seed)
+    runners = {"st": lambda t: model.encode(t, batch_size=args.batch_size, convert_to_numpy=True)}
+    runners |= {name: e.encode for name, e in engines.items()}
+
+    for run in runners.values():  # warm up allocators and thread pools
+        run(texts[:64])
+    seconds = {name: [] for name in runners}
+    outputs = {}
+    for _ in range(args.repeats):
+        for name, run in runners.items():
+            t0 = time.perf_counter()
+            outputs[name] = run(texts)
+            seconds[name].append(time.perf_counter() - t0)
+
+    ref = outputs["st"]
+    report = {
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+        "model": args.model,
+        "n_texts": len(texts),
+        "n_tokens": int(next(iter(engines.values())).count_tokens(texts).sum()),
+        "repeats": args.repeats,
+        "st_batch_size": args.batch_size,
+        "results": {},
+    }
+    st_rate = len(texts) / statistics.median(seconds["st"])
+    for name, secs in seconds.items():
+        rate = len(texts) / statistics.median(secs)
+        emb = outputs[name]
+        cos = (ref * emb).sum(1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(emb, axis=1))
+        report["results"][name] = {
+            "seconds": secs,
+            "texts_per_s": rate,
+            "speedup_vs_st": rate / st_rate,
+            "min_cosine_vs_st": float(cos.min()),
+        }
+        print(f"{name:28s} {rate:9.1f} texts/s  x{rate / st_rate:5.2f}  min cos {cos.min():.7f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

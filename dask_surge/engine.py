@@ -1,0 +1,321 @@
+"""Tokenize-sort-forward inference engine for sentence-transformers models.
+
+:class:`TransformerEngine` replaces ``SentenceTransformer.encode`` for the most
+common model shape (a Hugging Face encoder, a ``Pooling`` module and an optional
+``Normalize`` module). It tokenizes with the Rust tokenizer in one call, sorts the
+texts by token length, cuts micro-batches under a token budget so that padding is
+nearly zero, runs the encoder, pools on the device and puts the rows back in the
+caller's order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from .errors import SurgeInputError, SurgeValueError
+
+__all__ = ["TransformerEngine"]
+
+_DTYPES = {None: None, "float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_POOLING_MODES = frozenset({"cls", "max", "mean"})
+_TEXT_ONLY = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
+#: Token budget per micro-batch on CPU (rows x padded length); measured best on 2 cores.
+_CPU_MAX_TOKENS = 2048
+#: Texts tokenized (and length-sorted) together; on CUDA the next chunk is tokenized during compute.
+_CHUNK_TEXTS = 16384
+
+
+class TransformerEngine:
+    """Fast ``encode`` for Transformer + Pooling (+ Normalize) sentence-transformers models.
+
+    Build it with :meth:`from_sentence_transformer`; the constructor is internal.
+    The engine shares the weights of the model it was built from and snapshots its
+    truncation length, so change ``model.max_seq_length`` before building it.
+
+    Attributes
+    ----------
+    dimension : int
+        Embedding size.
+    max_seq_length : int
+        Truncation length in tokens, the model's.
+    max_tokens : int
+        Token budget of one micro-batch (rows times padded length).
+    device : torch.device
+        Device the encoder runs on.
+
+    Examples
+    --------
+    >>> from sentence_transformers import SentenceTransformer
+    >>> from dask_surge.testing import packaged_model_dir
+    >>> model = SentenceTransformer(str(packaged_model_dir()), device="cpu")
+    >>> engine = TransformerEngine.from_sentence_transformer(model)
+    >>> engine.encode(["a dog", "", "a cat"]).shape
+    (3, 384)
+    """
+
+    def __init__(self, transformer, pooling_modes, *, normalize, max_tokens, dtype):
+        hf_tokenizer = transformer.tokenizer
+        self._hf = transformer.auto_model.eval()
+        self._modes = pooling_modes
+        self._normalize = normalize
+        self._amp = _DTYPES[dtype]
+        self.device = next(self._hf.parameters()).device
+        self.max_seq_length = int(transformer.max_seq_length)
+        self.dimension = len(pooling_modes) * self._hf.config.hidden_size
+        self._tokenizer = hf_tokenizer.backend_tokenizer.__class__.from_str(hf_tokenizer.backend_tokenizer.to_str())
+        self._tokenizer.no_padding()
+        self._tokenizer.enable_truncation(
+            self.max_seq_length, strategy="longest_first", direction=hf_tokenizer.truncation_side
+        )
+        self._encode_batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        self._pad_id = hf_tokenizer.pad_token_id or 0
+        self._type_ids = "token_type_ids" in hf_tokenizer.model_input_names
+        self.max_tokens = self._auto_max_tokens() if max_tokens is None else max_tokens
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_sentence_transformer(
+        cls, model, *, max_tokens: int | None = None, dtype: str | None = None
+    ) -> TransformerEngine | None:
+        """Build an engine for ``model``, or return None when its structure is not supported.
+
+        Supported: a ``Transformer`` module wrapping a Hugging Face encoder (BERT-like,
+        not a decoder), a ``Pooling`` module in ``cls``, ``mean`` or ``max`` mode (or a
+        combination of them), and optionally a ``Normalize`` module; no default prompt
+        and no ``truncate_dim``. Anything else returns None, and the caller should use
+        ``model.encode``.
+
+        Parameters
+        ----------
+        model : sentence_transformers.SentenceTransformer
+            The model; the engine shares its weights and device.
+        max_tokens : int, optional
+            Token budget per micro-batch: rows times the longest token length in
+            the batch. None picks 2048 on CPU and a budget sized from free memory
+            on CUDA (at most 65536). A single text always fits.
+        dtype : {None, "float32", "float16", "bfloat16"}, optional
+            Compute dtype of the forward pass. Half precisions run under autocast
+            and need a CUDA device; pooling is always done in float32.
+
+        Returns
+        -------
+        TransformerEngine or None
+
+        Raises
+        ------
+        SurgeValueError
+            If ``max_tokens`` is not a positive int, ``dtype`` is unknown, or a half
+            precision is asked for on a non-CUDA device.
+
+        Examples
+        --------
+        >>> from sentence_transformers import SentenceTransformer
+        >>> from dask_surge.testing import packaged_model_dir
+        >>> model = SentenceTransformer(str(packaged_model_dir()), device="cpu")
+        >>> TransformerEngine.from_sentence_transformer(model).dimension
+        384
+        """
+        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise SurgeValueError(
+                f"max_tokens={max_tokens!r} is not a positive int: it is the token budget of one micro-batch; "
+                "pass e.g. max_tokens=2048, or None to pick it automatically"
+            )
+        if dtype not in _DTYPES:
+            raise SurgeValueError(
+                f"dtype={dtype!r} is not supported: the compute dtype must be one of None, 'float32', "
+                "'float16' or 'bfloat16'; pass one of those"
+            )
+        modules = list(model)
+        if not 2 <= len(modules) <= 3 or type(modules[0]) is not Transformer or type(modules[1]) is not Pooling:
+            return None
+        transformer, pooling, *rest = modules
+        if rest and (
+            type(rest[0]) is not Normalize
+            or (rest[0].module_input_name, rest[0].module_output_name) != ("sentence_embedding",) * 2
+        ):
+            return None
+        modes = (pooling.pooling_mode,) if isinstance(pooling.pooling_mode, str) else tuple(pooling.pooling_mode)
+        tokenizer = transformer.tokenizer
+        config = transformer.auto_model.config
+        if (
+            not set(modes) <= _POOLING_MODES
+            or getattr(transformer, "transformer_task", "feature-extraction") != "feature-extraction"
+            or getattr(transformer, "modality_config", _TEXT_ONLY) != _TEXT_ONLY
+            or getattr(transformer, "module_output_name", "token_embeddings") != "token_embeddings"
+            or getattr(transformer, "processing_kwargs", None)
+            or tokenizer is None
+            or not getattr(tokenizer, "is_fast", False)
+            or tokenizer.padding_side != "right"
+            or not isinstance(transformer.max_seq_length, int)
+            or getattr(config, "is_decoder", False)
+            or getattr(config, "is_encoder_decoder", False)
+            or getattr(model, "truncate_dim", None) is not None
+            or (model.default_prompt_name is not None and model.prompts.get(model.default_prompt_name))
+        ):
+            return None
+        device = next(transformer.auto_model.parameters()).device
+        if _DTYPES[dtype] is not None and device.type != "cuda":
+            raise SurgeValueError(
+                f"dtype={dtype!r} needs a CUDA device but the model is on {device}: half precision only runs "
+                "on CUDA; pass dtype=None (or 'float32') on CPU, or load the model with device='cuda'"
+            )
+        return cls(transformer, modes, normalize=bool(rest), max_tokens=max_tokens, dtype=dtype)
+
+    def encode(self, texts: Sequence[str], *, normalize: bool = False) -> np.ndarray:
+        """Embed ``texts`` and return the rows in the order of ``texts``.
+
+        Parameters
+        ----------
+        texts : sequence of str
+            Texts to embed; empty strings are allowed. Texts longer than
+            :attr:`max_seq_length` tokens are truncated, as ``model.encode`` does.
+        normalize : bool, default False
+            L2-normalize the embeddings (always done when the model ends with a
+            ``Normalize`` module).
+
+        Returns
+        -------
+        numpy.ndarray
+            ``(len(texts), dimension)`` float32, C-contiguous.
+
+        Raises
+        ------
+        SurgeInputError
+            If an element of ``texts`` is not a str.
+
+        Examples
+        --------
+        >>> from sentence_transformers import SentenceTransformer
+        >>> from dask_surge.testing import packaged_model_dir
+        >>> engine = TransformerEngine.from_sentence_transformer(
+        ...     SentenceTransformer(str(packaged_model_dir()), device="cpu"))
+        >>> engine.encode([]).shape
+        (0, 384)
+        """
+        texts = texts if isinstance(texts, list) else list(texts)
+        out = np.empty((len(texts), self.dimension), dtype=np.float32)
+        for start, encodings in self._tokenized_chunks(texts):
+            order, embeddings = self._embed(encodings, normalize or self._normalize)
+            if self.device.type == "cuda":
+                host = torch.empty(embeddings.shape, dtype=embeddings.dtype, pin_memory=True)
+                embeddings = host.copy_(embeddings)
+            out[start + order] = embeddings.numpy()
+        return out
+
+    def count_tokens(self, texts: Sequence[str]) -> np.ndarray:
+        """Token length of each text after truncation, special tokens included.
+
+        Parameters
+        ----------
+        texts : sequence of str
+
+        Returns
+        -------
+        numpy.ndarray
+            int32 array of length ``len(texts)``, each value in ``[0, max_seq_length]``.
+
+        Examples
+        --------
+        >>> from sentence_transformers import SentenceTransformer
+        >>> from dask_surge.testing import packaged_model_dir
+        >>> engine = TransformerEngine.from_sentence_transformer(
+        ...     SentenceTransformer(str(packaged_model_dir()), device="cpu"))
+        >>> engine.count_tokens(["", "hello world"]).tolist()
+        [2, 4]
+        """
+        texts = texts if isinstance(texts, list) else list(texts)
+        return np.fromiter(map(len, self._tokenize(texts)), dtype=np.int32, count=len(texts))
+
+    def _auto_max_tokens(self) -> int:
+        if self.device.type != "cuda":
+            return _CPU_MAX_TOKENS
+        config = self._hf.config
+        # fp32 bytes of the widest activations alive per token during one layer
+        per_token = 4 * (
+            getattr(config, "intermediate_size", 4 * config.hidden_size)
+            + 6 * config.hidden_size
+            + getattr(config, "num_attention_heads", 1) * self.max_seq_length
+        )
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return int(min(65536, max(4096, free // 4 // per_token)))
+
+    def _tokenize(self, texts: list[str]) -> list:
+        try:
+            return self._encode_batch(texts)
+        except TypeError:
+            bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+            if bad is None:
+                raise
+            raise SurgeInputError(
+                f"texts[{bad}]={texts[bad]!r} is a {type(texts[bad]).__name__}, but every text must be a str; "
+                "drop or fill missing values first (e.g. series.fillna(''))"
+            ) from None
+
+    def _tokenized_chunks(self, texts: list[str]) -> Iterator[tuple[int, list]]:
+        """Yield ``(offset, encodings)`` per chunk; on CUDA the next chunk tokenizes in the background."""
+        starts = range(0, len(texts), _CHUNK_TEXTS)
+        if self.device.type != "cuda" or len(starts) < 2:
+            for start in starts:
+                yield start, self._tokenize(texts[start : start + _CHUNK_TEXTS])
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="surge-tokenize") as pool:
+            pending = pool.submit(self._tokenize, texts[:_CHUNK_TEXTS])
+            for start in starts:
+                encodings = pending.result()
+                nxt = start + _CHUNK_TEXTS
+                if nxt < len(texts):
+                    pending = pool.submit(self._tokenize, texts[nxt : nxt + _CHUNK_TEXTS])
+                yield start, encodings
+
+    def _embed(self, encodings: list, normalize: bool) -> tuple[np.ndarray, torch.Tensor]:
+        """Embed one chunk; return the length-descending order and the embeddings in that order."""
+        lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+        order = np.argsort(-lengths, kind="stable")
+        result = torch.empty((len(encodings), self.dimension), dtype=torch.float32, device=self.device)
+        start = 0
+        while start < len(order):
+            width = max(int(lengths[order[start]]), 1)
+            stop = min(len(order), start + max(1, self.max_tokens // width))
+            rows = order[start:stop]
+            ids = np.full((len(rows), width), self._pad_id, dtype=np.int64)
+            types = np.zeros((len(rows), width), dtype=np.int64) if self._type_ids else None
+            for r, i in enumerate(rows):
+                enc = encodings[i]
+                ids[r, : len(enc)] = enc.ids
+                if types is not None:
+                    types[r, : len(enc)] = enc.type_ids
+            mask = (np.arange(width) < lengths[rows, None]).astype(np.int64)
+            result[start:stop] = self._forward(ids, mask, types)
+            start = stop
+        if normalize:
+            result = torch.nn.functional.normalize(result, p=2, dim=-1)
+        return order, result
+
+    def _forward(self, ids: np.ndarray, mask: np.ndarray, types: np.ndarray | None) -> torch.Tensor:
+        amp = torch.autocast("cuda", dtype=self._amp) if self._amp is not None else contextlib.nullcontext()
+        with self._lock, torch.inference_mode(), amp:
+            inputs = {"input_ids": ids, "attention_mask": mask} | ({} if types is None else {"token_type_ids": types})
+            inputs = {k: torch.from_numpy(v).to(self.device, non_blocking=True) for k, v in inputs.items()}
+            hidden = self._hf(**inputs, return_dict=True).last_hidden_state.float()
+            return self._pool(hidden, inputs["attention_mask"])
+
+    def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Pool like ``sentence_transformers`` ``Pooling`` (right padding, no prompt)."""
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        parts = []
+        for mode in self._modes:
+            if mode == "cls":
+                parts.append(hidden[:, 0])
+            elif mode == "max":
+                parts.append(hidden.masked_fill(weights == 0, float("-inf")).max(dim=1).values)
+            else:
+                parts.append((hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

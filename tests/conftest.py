@@ -1,0 +1,47 @@
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A random-weight BERT sentence-transformers model (mean pooling), built offline."""
+    from dask_surge.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def client():
+    """A real 2-process local cluster: exercises pickling, plugins and priorities."""
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster:
+        with Client(cluster) as c:
+            yield c
+
+
+class CountingEncoder:
+    """A deterministic callable model that counts its calls (same process only)."""
+
+    def __init__(self, dim: int = 8):
+        self.dim = dim
+        self.calls: list[int] = []
+
+    def __call__(self, texts):
+        import numpy as np
+
+        self.calls.append(len(texts))
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for i, t in enumerate(texts):
+            out[i, 0] = len(t)
+            out[i, 1 + (hash(t) % (self.dim - 1))] = 1.0
+        return out
+
+
+@pytest.fixture
+def counting_encoder():
+    return CountingEncoder()

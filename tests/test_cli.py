@@ -1,0 +1,54 @@
+import json
+
+import pandas as pd
+import pytest
+
+import dask_surge
+from dask_surge.cli import main
+from dask_surge.testing import make_texts, write_partitioned_parquet
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "jsonl"])
+def test_encode_each_format(tmp_path, tiny_model, fmt, capsys):
+    src = tmp_path / "in"
+    src.mkdir()
+    sizes = [4, 0, 9, 1] if fmt == "parquet" else [4, 9, 1]
+    if fmt == "parquet":
+        write_partitioned_parquet(src, sizes)
+    else:
+        texts, start = make_texts(sum(sizes), seed=2), 0
+        for i, n in enumerate(sizes):
+            df = pd.DataFrame({"text": texts[start:start + n], "doc_id": range(start, start + n)})
+            start += n
+            if fmt == "csv":
+                df.to_csv(src / f"p{i}.csv", index=False)
+            else:
+                df.to_json(src / f"p{i}.jsonl", orient="records", lines=True)
+    out = tmp_path / "emb"
+    code = main(["encode", str(src), "--text-column", "text", "--output", str(out), "--keep", "doc_id",
+                 "--model", tiny_model, "--b-min", "5", "--b-max", "10", "--device", "cpu",
+                 "--scheduler", "sync", "--no-progress", "--json"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["rows"] == sum(sizes)
+    back = dask_surge.read_embeddings(str(out)).compute()
+    assert sorted(back.doc_id) == list(range(sum(sizes)))
+    assert main(["status", str(out)]) == 0
+    assert json.loads(capsys.readouterr().out)["rows_committed"] == sum(sizes)
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    write_partitioned_parquet(tmp_path / "in", [2])
+    code = main(["encode", str(tmp_path / "in"), "--text-column", "nope", "--output", str(tmp_path / "o"),
+                 "--scheduler", "sync"])
+    assert code == 2
+    assert "text column 'nope' is not in the DataFrame" in capsys.readouterr().err
+    assert main(["encode", str(tmp_path / "missing.parquet"), "--text-column", "t", "--output", "x"]) == 2
+
+
+def test_demo_small(tmp_path, tiny_model, capsys):
+    code = main(["demo", "--rows", "300", "--partitions", "30", "--dir", str(tmp_path / "demo"),
+                 "--model", tiny_model, "--device", "cpu", "--scheduler", "sync", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "read back 300 rows, 300 distinct (partition, row) of 300 input rows: OK" in out

@@ -1,0 +1,41 @@
+import dask.config
+import pytest
+import yaml
+
+import dask_surge
+from dask_surge import config
+from dask_surge.errors import SurgeValueError
+
+
+def test_yaml_and_option_table_agree():
+    with open(config.DEFAULTS_PATH) as f:
+        shipped = yaml.safe_load(f)["surge"]
+    assert set(shipped) == set(config.OPTIONS)
+    for name, value in shipped.items():
+        assert config.get(name, value) == value  # every shipped default is valid
+
+
+def test_env_and_set_override(monkeypatch):
+    with dask.config.set({"surge.b-min": 123}):
+        assert config.thresholds()[0] == 123
+    monkeypatch.setenv("DASK_SURGE__PRECISION", "float16")
+    dask.config.refresh()
+    try:
+        assert config.get("precision") == "float16"
+    finally:
+        monkeypatch.delenv("DASK_SURGE__PRECISION")
+        dask.config.refresh()
+
+
+def test_bad_config_value_is_named():
+    with dask.config.set({"surge.on-null": "drop"}):
+        with pytest.raises(SurgeValueError, match=r"surge.on-null='drop' is not allowed"):
+            config.get("on-null")
+
+
+def test_accessor_registered():
+    import dask.dataframe as dd
+    import pandas as pd
+
+    ddf = dd.from_pandas(pd.DataFrame({"text": ["a"]}), npartitions=1)
+    assert hasattr(ddf, "surge") and dask_surge.__version__

@@ -1,0 +1,263 @@
+"""End-to-end: ddf.surge.encode, lazily and to Parquet, checked against sentence-transformers."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import dask.dataframe as dd
+
+import dask_surge
+from dask_surge import Encoder, SurgeInputError, SurgeOutputError, SurgeValueError
+from dask_surge.testing import make_partitioned_frame, make_texts
+
+
+def _emb(frame):
+    return np.stack(frame["embedding"].to_numpy()).astype(np.float32)
+
+
+def _cosine(a, b):
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def _reference(model_path, texts):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(model_path, device="cpu").encode(texts, convert_to_numpy=True)
+
+
+EDGE_SIZES = [1, 0, 0, 57, 1, 1, 0, 3, 1]  # empty, one-row, and one partition > b_max
+
+
+def test_lazy_result_matches_sentence_transformers(tiny_model):
+    ddf = make_partitioned_frame(EDGE_SIZES, seed=11)
+    out = ddf.surge.encode("text", model=tiny_model, b_min=5, b_max=20, keep=["doc_id"], device="cpu")
+    assert list(out.columns) == ["partition", "row", "doc_id", "embedding"]
+    df = out.compute(scheduler="sync")
+    # every input row exactly once, keyed by (partition, row), in order
+    expected = [(p, r) for p, n in enumerate(EDGE_SIZES) for r in range(n)]
+    assert list(zip(df.partition, df.row)) == expected
+    assert df.doc_id.tolist() == list(range(sum(EDGE_SIZES)))
+    texts = ddf.text.compute().tolist()
+    assert _cosine(_emb(df), _reference(tiny_model, texts)).min() >= 0.9999
+
+
+def test_packaged_minilm_matches_on_unseen_texts():
+    texts = make_texts(60, seed=1234) + ["", "x " * 600]  # empty and truncated texts too
+    ddf = dd.from_pandas(pd.DataFrame({"text": texts}), npartitions=7)
+    df = ddf.surge.encode("text", b_min=16, b_max=32, device="cpu").compute(scheduler="sync")
+    ref = _reference(dask_surge.encoders.resolve_model_path("default"), texts)
+    assert df.shape[0] == len(texts)
+    assert _cosine(_emb(df), ref).min() >= 0.9999
+
+
+def test_one_encode_call_per_superbatch(counting_encoder):
+    sizes = [3, 4, 20, 1, 0, 5, 5, 5]
+    ddf = make_partitioned_frame(sizes)
+    out = ddf.surge.encode("text", model=counting_encoder, b_min=5, b_max=8)
+    plan = dask_surge.plan_superbatches(sizes, 5, 8)
+    assert out.npartitions == len(plan)
+    counting_encoder.calls.clear()
+    df = out.compute(scheduler="sync")
+    # one call per non-empty SuperBatch (an all-empty SuperBatch needs no model call)
+    assert sorted(counting_encoder.calls) == sorted(sb.rows for sb in plan if sb.rows)
+    assert len(counting_encoder.calls) < len(sizes)
+    assert len(df) == sum(sizes)
+
+
+def test_graph_has_one_task_per_superbatch_over_partition_tasks():
+    sizes = [2] * 30
+    ddf = make_partitioned_frame(sizes)
+    out = ddf.surge.encode("text", model=lambda t: np.ones((len(t), 4)), b_min=10, b_max=20)
+    graph = out.optimize().__dask_graph__()
+    sb_keys = [k for k in graph if isinstance(k, tuple) and str(k[0]).startswith("surge-superbatch")]
+    assert len(sb_keys) == 6
+    assert out.npartitions == 6
+
+
+def test_parquet_sizes_come_from_footers_without_reading_data(tmp_path):
+    from dask.callbacks import Callback
+
+    from dask_surge.sizes import partition_sizes
+    from dask_surge.testing import write_partitioned_parquet
+
+    sizes = [5, 0, 17, 3]
+    write_partitioned_parquet(tmp_path / "in", sizes)
+    ddf = dd.read_parquet(str(tmp_path / "in"))
+    started = []
+    with Callback(pretask=lambda key, dsk, state: started.append(key)):
+        got = partition_sizes(ddf[["text"]])
+    assert got.sizes == tuple(sizes) and got.source == "metadata"
+    assert started == []  # no task ran: nothing was read
+    # and a frame whose lengths are unknowable falls back to a len pass
+    filtered = ddf[ddf.doc_id % 2 == 0]
+    assert partition_sizes(filtered[["text"]]).source == "len-pass"
+
+
+def test_projected_parquet_keeps_its_partition_ids(tmp_path):
+    """Dask's tune pass would merge the files of a narrow projection; the plan must not shift."""
+    from dask_surge.testing import write_partitioned_parquet
+
+    sizes = [3, 1, 4, 1, 5, 9, 2, 6]
+    files = write_partitioned_parquet(tmp_path / "in", sizes)
+    wide = pd.read_parquet(files[0]).assign(**{f"pad{i}": 1.0 for i in range(30)})
+    for f, n in zip(files, sizes):  # add many columns so the text column is a small fraction
+        pd.concat([pd.read_parquet(f)] + [wide[[f"pad{i}" for i in range(30)]].iloc[:0]], axis=1).fillna(1.0) \
+            .to_parquet(f, index=False) if n else None
+    ddf = dd.read_parquet(str(tmp_path / "in"))
+    df = ddf.surge.encode("text", model=lambda t: np.ones((len(t), 2)), b_min=4, b_max=8).compute(scheduler="sync")
+    assert list(zip(df.partition, df.row)) == [(p, r) for p, n in enumerate(sizes) for r in range(n)]
+
+
+def test_write_read_back_and_resume(tmp_path, tiny_model):
+    ddf = make_partitioned_frame(EDGE_SIZES, seed=3)
+    out = str(tmp_path / "emb")
+    kw = dict(model=tiny_model, b_min=5, b_max=20, keep=["doc_id"], device="cpu", scheduler="sync", progress=False)
+    res = ddf.surge.encode("text", out, **kw)
+    plan = dask_surge.plan_superbatches(EDGE_SIZES, 5, 20)
+    assert (res.rows, res.superbatches, res.skipped_superbatches) == (sum(EDGE_SIZES), len(plan), 0)
+    assert res.ttfo_s is not None and res.ttfo_s <= res.seconds
+    files = sorted(p.name for p in (tmp_path / "emb").glob("part-*.parquet"))
+    assert len(files) == len(plan)
+    back = dask_surge.read_embeddings(out).compute().sort_values(["partition", "row"])
+    assert list(zip(back.partition, back.row)) == [(p, r) for p, n in enumerate(EDGE_SIZES) for r in range(n)]
+    assert back.embedding.dtype.pyarrow_dtype.list_size == 32
+    # each file is one SuperBatch, within the thresholds
+    import pyarrow.parquet as pq
+
+    for f in files:
+        assert pq.read_metadata(tmp_path / "emb" / f).num_rows <= 20
+    # one partition without scanning all files
+    one = dask_surge.read_embeddings(out, partition=3).compute()
+    assert sorted(one.row) == list(range(57))
+    # rerun: everything committed, nothing recomputed or duplicated
+    again = ddf.surge.encode("text", out, **kw)
+    assert again.skipped_superbatches == len(plan) and again.records == []
+    assert len(dask_surge.read_embeddings(out).compute()) == sum(EDGE_SIZES)
+    assert dask_surge.status(out)["state"] == "complete"
+
+
+def test_resume_after_partial_run(tmp_path, counting_encoder):
+    """Drop some commit records (as if the run died) and check only those SBs are redone."""
+    sizes = [4] * 12
+    ddf = make_partitioned_frame(sizes)
+    out = tmp_path / "emb"
+    kw = dict(model=counting_encoder, b_min=8, b_max=8, scheduler="sync", progress=False)
+    ddf.surge.encode("text", str(out), **kw)
+    first = dask_surge.read_embeddings(str(out)).compute().sort_values(["partition", "row"])
+    records = sorted((out / "_surge" / "runs").glob("*/commits/*.json"))
+    for rec in records[2:4]:
+        rec.unlink()
+    (out / "_surge" / "runs" / records[0].parent.parent.name / "commits" / "000005.json").write_text("{torn")
+    counting_encoder.calls.clear()
+    res = ddf.surge.encode("text", str(out), **kw)
+    assert res.skipped_superbatches == 3 and len(counting_encoder.calls) == 3
+    second = dask_surge.read_embeddings(str(out)).compute().sort_values(["partition", "row"])
+    assert len(second) == sum(sizes) == len(second[["partition", "row"]].drop_duplicates())
+    np.testing.assert_array_equal(_emb(first), _emb(second))
+    # orphan files of the broken attempts were cleaned when the run completed
+    assert len(list(out.glob("part-*.parquet"))) == 6
+
+
+def test_other_run_is_refused_then_overwritten(tmp_path, counting_encoder):
+    ddf = make_partitioned_frame([3, 3, 3])
+    out = str(tmp_path / "emb")
+    kw = dict(model=counting_encoder, scheduler="sync", progress=False)
+    ddf.surge.encode("text", out, b_min=3, b_max=3, **kw)
+    with pytest.raises(SurgeOutputError, match=r"different run \(b_max: 3 -> 6; b_min: 3 -> 6"):
+        ddf.surge.encode("text", out, b_min=6, b_max=6, **kw)
+    assert len(dask_surge.read_embeddings(out).compute()) == 9  # old output untouched
+    res = ddf.surge.encode("text", out, b_min=6, b_max=6, overwrite=True, **kw)
+    assert res.superbatches == 2
+    assert len(list((tmp_path / "emb").glob("part-*.parquet"))) == 2
+    assert len(dask_surge.read_embeddings(out).compute()) == 9
+
+
+def test_output_that_is_a_file_is_refused(tmp_path, counting_encoder):
+    target = tmp_path / "file.txt"
+    target.write_text("x")
+    ddf = make_partitioned_frame([2])
+    with pytest.raises(SurgeOutputError, match="is a file"):
+        ddf.surge.encode("text", str(target), model=counting_encoder, scheduler="sync")
+
+
+def test_memory_filesystem(counting_encoder):
+    ddf = make_partitioned_frame([2, 5, 1])
+    res = ddf.surge.encode("text", "memory://surge-test/emb", model=counting_encoder, b_min=3, b_max=4,
+                           scheduler="sync", progress=False)
+    assert res.rows == 8
+    back = dask_surge.read_embeddings("memory://surge-test/emb").compute()
+    assert sorted(zip(back.partition, back.row)) == [(0, 0), (0, 1)] + [(1, r) for r in range(5)] + [(2, 0)]
+
+
+def test_distributed_cluster_end_to_end(tmp_path, tiny_model, client):
+    sizes = [30, 1, 0, 12, 7, 80, 2]
+    ddf = make_partitioned_frame(sizes, seed=5)
+    res = ddf.surge.encode("text", str(tmp_path / "emb"), model=tiny_model, b_min=20, b_max=40,
+                           keep=["doc_id"], device="cpu", progress=False)
+    assert res.rows == sum(sizes)
+    back = dask_surge.read_embeddings(str(tmp_path / "emb")).compute().sort_values("doc_id")
+    assert back.doc_id.tolist() == list(range(sum(sizes)))
+    ref = _reference(tiny_model, ddf.text.compute().tolist())
+    assert _cosine(_emb(back), ref).min() >= 0.9999
+    # records arrive in plan order (priorities), first one well before the end
+    assert [r["sb"] for r in res.records][:2] == [0, 1]
+
+
+def test_in_memory_model_ships_through_plugin(client, counting_encoder):
+    ddf = make_partitioned_frame([3, 2, 4])
+    df = ddf.surge.encode("text", model=counting_encoder, b_min=4, b_max=8).compute()
+    assert len(df) == 9 and _emb(df).shape == (9, 8)
+
+
+def test_encoder_usable_with_map_partitions(tiny_model):
+    enc = Encoder(tiny_model, device="cpu")
+    ddf = make_partitioned_frame([3, 4])
+    s = ddf.text.map_partitions(enc.embed, meta=enc.meta).compute(scheduler="sync")
+    assert len(s) == 7 and str(s.dtype).startswith("fixed_size_list")
+    import pickle
+
+    assert len(pickle.dumps(enc)) < 2000
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(column="nope"), SurgeInputError, "text column 'nope' is not in the DataFrame"),
+    (dict(keep=["missing"]), SurgeInputError, "missing column"),
+    (dict(keep=["partition"]), SurgeInputError, "reserves"),
+    (dict(b_min=10, b_max=5), SurgeValueError, "larger than b_max"),
+    (dict(b_min=0), SurgeValueError, "must be positive"),
+    (dict(precision="int3"), SurgeValueError, "precision"),
+    (dict(model="/does/not/exist"), dask_surge.SurgeModelError, "does not exist"),
+    (dict(device="cuda:0"), SurgeValueError if not __import__("torch").cuda.is_available() else type(None),
+     "asks for a GPU"),
+])
+def test_bad_arguments_fail_before_any_work(kwargs, err, match, tmp_path):
+    ddf = make_partitioned_frame([2, 2])
+    column = kwargs.pop("column", "text")
+    if err is type(None):
+        pytest.skip("a GPU is present")
+    with pytest.raises(err, match=match):
+        res = ddf.surge.encode(column, str(tmp_path / "o"), scheduler="sync", progress=False, **kwargs)
+        res.compute() if hasattr(res, "compute") else None
+    assert not list(tmp_path.glob("o/part-*"))
+
+
+def test_null_text_is_refused_by_default_or_encoded_empty(counting_encoder, tmp_path):
+    ddf = dd.from_pandas(pd.DataFrame({"text": ["a", None, "c"]}), npartitions=1)
+    with pytest.raises(SurgeInputError, match=r"partition 0, first at row 1"):
+        ddf.surge.encode("text", str(tmp_path / "o"), model=counting_encoder, scheduler="sync", progress=False)
+    assert dask_surge.status(str(tmp_path / "o"))["superbatches_committed"] == 0
+    df = ddf.surge.encode("text", model=counting_encoder, on_null="empty").compute(scheduler="sync")
+    assert len(df) == 3
+
+
+def test_non_string_text_is_refused(counting_encoder):
+    ddf = dd.from_pandas(pd.DataFrame({"text": [1, 2]}), npartitions=1)
+    with pytest.raises(SurgeInputError, match="only strings can be encoded"):
+        ddf.surge.encode("text", model=counting_encoder).compute(scheduler="sync")
+
+
+def test_plan_accessor():
+    ddf = make_partitioned_frame([5, 5, 30])
+    p = ddf.surge.plan("text", b_min=8, b_max=12)
+    assert [sb.rows for sb in p.superbatches] == [10, 12, 12, 6]
+    assert "4 SuperBatches" in repr(p)

@@ -1,0 +1,177 @@
+"""Tests of dask_surge.engine.TransformerEngine against SentenceTransformer.encode."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.sentence_transformer.modules import Dense, Pooling
+
+from dask_surge.engine import TransformerEngine
+from dask_surge.errors import SurgeInputError, SurgeValueError
+from dask_surge.testing import make_texts, make_tiny_model, packaged_model_dir
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+EDGE_TEXTS = ["", " ", "\t\n", " ".join(["token"] * 2000), "  spaced   out  ", "Ünïcödé café 日本語 🙂", "x"]
+
+
+def mixed_texts(n: int, seed: int = 0) -> list[str]:
+    texts = make_texts(n, seed=seed) + EDGE_TEXTS
+    np.random.default_rng(seed).shuffle(texts)
+    return texts
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, SentenceTransformer]:
+    root = tmp_path_factory.mktemp("engine-models")
+    out = {"packaged": SentenceTransformer(str(packaged_model_dir()), device="cpu")}
+    for pooling in ("mean", "cls", "max"):
+        out[f"tiny-{pooling}"] = SentenceTransformer(make_tiny_model(root / pooling, pooling=pooling), device="cpu")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(models) -> SentenceTransformer:
+    return models["tiny-mean"]
+
+
+@pytest.mark.parametrize("name", ["packaged", "tiny-mean", "tiny-cls", "tiny-max"])
+def test_matches_sentence_transformers(models, name):
+    model = models[name]
+    texts = mixed_texts(60 if name == "packaged" else 200, seed=len(name))
+    engine = TransformerEngine.from_sentence_transformer(model)
+    assert engine is not None
+    assert (engine.dimension, engine.max_seq_length) == (model.get_embedding_dimension(), model.max_seq_length)
+    for normalize in (False, True):
+        expected = model.encode(texts, convert_to_numpy=True, normalize_embeddings=normalize)
+        got = engine.encode(texts, normalize=normalize)
+        assert got.shape == expected.shape and got.dtype == np.float32 and got.flags.c_contiguous
+        assert min_cosine(got, expected) >= 0.9999
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(expected, axis=1), rtol=1e-4)
+
+
+def test_combined_pooling_modes(tiny):
+    model = SentenceTransformer(modules=[tiny[0], Pooling(32, pooling_mode=("cls", "max", "mean"))], device="cpu")
+    texts = mixed_texts(50)
+    engine = TransformerEngine.from_sentence_transformer(model)
+    assert engine.dimension == 96
+    assert min_cosine(engine.encode(texts), model.encode(texts, convert_to_numpy=True)) >= 0.9999
+
+
+def test_tiny_budget_still_fits_every_text(tiny):
+    texts = mixed_texts(30)
+    engine = TransformerEngine.from_sentence_transformer(tiny, max_tokens=1)
+    assert min_cosine(engine.encode(texts), tiny.encode(texts, convert_to_numpy=True)) >= 0.9999
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(lambda m: SentenceTransformer(modules=[*m, Dense(32, 8)], device="cpu"), id="extra-dense"),
+        pytest.param(
+            lambda m: SentenceTransformer(modules=[m[0], Pooling(32, pooling_mode="weightedmean")], device="cpu"),
+            id="weightedmean-pooling",
+        ),
+        pytest.param(lambda m: SentenceTransformer(modules=[m[0]], device="cpu"), id="no-pooling"),
+        pytest.param(
+            lambda m: SentenceTransformer(modules=list(m), device="cpu", truncate_dim=8), id="truncate-dim"
+        ),
+        pytest.param(
+            lambda m: SentenceTransformer(
+                modules=list(m), device="cpu", prompts={"query": "query: "}, default_prompt_name="query"
+            ),
+            id="default-prompt",
+        ),
+    ],
+)
+def test_unsupported_structure_returns_none(tiny, build):
+    assert TransformerEngine.from_sentence_transformer(build(tiny)) is None
+
+
+def test_empty_input(tiny):
+    engine = TransformerEngine.from_sentence_transformer(tiny)
+    out = engine.encode([])
+    assert out.shape == (0, engine.dimension) and out.dtype == np.float32
+    assert engine.count_tokens([]).shape == (0,)
+
+
+def test_order_is_restored(tiny):
+    texts = mixed_texts(120, seed=3)
+    engine = TransformerEngine.from_sentence_transformer(tiny, max_tokens=256)
+    batch = engine.encode(texts)
+    np.testing.assert_allclose(engine.encode(texts[::-1]), batch[::-1], rtol=1e-4, atol=1e-5)
+    singles = np.concatenate([engine.encode([t]) for t in texts[:20]])
+    np.testing.assert_allclose(singles, batch[:20], rtol=1e-4, atol=1e-5)
+
+
+def test_accepts_any_sequence(tiny):
+    texts = make_texts(10)
+    engine = TransformerEngine.from_sentence_transformer(tiny)
+    np.testing.assert_array_equal(engine.encode(tuple(texts)), engine.encode(np.array(texts, dtype=object)))
+
+
+def test_count_tokens_truncates(tiny):
+    engine = TransformerEngine.from_sentence_transformer(tiny)
+    counts = engine.count_tokens(["", "hello world", " ".join(["token"] * 2000)])
+    assert counts.dtype == np.int32
+    assert counts.tolist() == [2, 4, engine.max_seq_length]
+
+
+def test_non_str_text_raises(tiny):
+    engine = TransformerEngine.from_sentence_transformer(tiny)
+    with pytest.raises(SurgeInputError, match=r"texts\[1\]=None.*must be a str"):
+        engine.encode(["ok", None])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_on_cpu_raises(tiny, dtype):
+    with pytest.raises(ValueError, match=rf"dtype='{dtype}' needs a CUDA device.*dtype=None"):
+        TransformerEngine.from_sentence_transformer(tiny, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"dtype": "int8"}, "dtype='int8' is not supported"), ({"max_tokens": 0}, "max_tokens=0 is not a positive int")],
+)
+def test_bad_options_raise(tiny, kwargs, match):
+    with pytest.raises(SurgeValueError, match=match):
+        TransformerEngine.from_sentence_transformer(tiny, **kwargs)
+
+
+def test_float32_dtype_and_auto_budget_on_cpu(tiny):
+    engine = TransformerEngine.from_sentence_transformer(tiny, dtype="float32")
+    assert engine.device.type == "cpu" and engine.max_tokens == 2048
+
+
+def test_concurrent_calls_from_threads(tiny):
+    engine = TransformerEngine.from_sentence_transformer(tiny, max_tokens=512)
+    inputs = [mixed_texts(80, seed=s) for s in range(4)]
+    expected = [engine.encode(t) for t in inputs]
+    results: dict[int, np.ndarray] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.encode(inputs[i]))) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        np.testing.assert_allclose(results[i], expected[i], rtol=1e-4, atol=1e-5)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [None, "float16", "bfloat16"])
+def test_cuda_matches_sentence_transformers(dtype):
+    texts = mixed_texts(20_000)  # more than one tokenization chunk: exercises the background tokenizer
+    model = SentenceTransformer(str(packaged_model_dir()), device="cuda")
+    expected = model.encode(texts, convert_to_numpy=True, batch_size=256)
+    engine = TransformerEngine.from_sentence_transformer(model, dtype=dtype)
+    assert engine.device.type == "cuda" and engine.max_tokens >= 4096
+    assert min_cosine(engine.encode(texts), expected) >= (0.9999 if dtype is None else 0.999)

@@ -1,0 +1,101 @@
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_surge import OnlinePlanner, SurgeValueError, plan_superbatches
+from dask_surge.policy import max_superbatch_rows, validate_thresholds
+
+sizes_st = st.lists(st.integers(min_value=0, max_value=500), min_size=0, max_size=80)
+
+
+@st.composite
+def layouts(draw):
+    sizes = draw(sizes_st)
+    b_min = draw(st.integers(min_value=1, max_value=300))
+    b_max = draw(st.integers(min_value=b_min, max_value=600))
+    return sizes, b_min, b_max
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_every_row_exactly_once_in_order(layout):
+    sizes, b_min, b_max = layout
+    plan = plan_superbatches(sizes, b_min, b_max)
+    flat = [(s.partition, r) for sb in plan for s in sb.spans for r in range(s.start, s.stop)]
+    expected = [(p, r) for p, n in enumerate(sizes) for r in range(n)]
+    assert flat == expected
+    # every partition, even an empty one, is covered, in order
+    covered = [s.partition for sb in plan for s in sb.spans]
+    assert sorted(set(covered)) == list(range(len(sizes)))
+    assert [sb.index for sb in plan] == list(range(len(plan)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_thresholds_and_lemma3_bound(layout):
+    sizes, b_min, b_max = layout
+    plan = plan_superbatches(sizes, b_min, b_max)
+    bound = max_superbatch_rows(sizes, b_min, b_max)
+    for k, sb in enumerate(plan):
+        assert sb.rows <= b_max
+        assert sb.rows <= bound
+        is_slice = len(sb.spans) == 1 and sizes[sb.spans[0].partition] > b_max
+        if k < len(plan) - 1 and not is_slice:
+            # every SB but the last reaches b_min ... unless the next partition would overflow b_max
+            nxt = plan[k + 1].spans[0].partition
+            assert sb.rows >= b_min or sb.rows + sizes[nxt] > b_max
+        if is_slice:
+            n = sizes[sb.spans[0].partition]
+            assert sb.spans[0].start % b_max == 0
+            assert len([x for x in plan if x.spans[0].partition == sb.spans[0].partition
+                        and len(x.spans) == 1]) >= math.ceil(n / b_max)
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts())
+def test_online_equals_offline(layout):
+    sizes, b_min, b_max = layout
+    planner = OnlinePlanner(b_min, b_max)
+    online = [sb for n in sizes for sb in planner.push(n)] + planner.finish()
+    assert online == plan_superbatches(sizes, b_min, b_max)
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts())
+def test_multi_partition_superbatches_hold_whole_partitions(layout):
+    sizes, b_min, b_max = layout
+    for sb in plan_superbatches(sizes, b_min, b_max):
+        if len(sb.spans) > 1:
+            assert all(s.start == 0 and s.stop == sizes[s.partition] for s in sb.spans)
+            assert [s.partition for s in sb.spans] == list(range(sb.spans[0].partition, sb.spans[-1].partition + 1))
+
+
+def test_worked_example():
+    plan = plan_superbatches([3, 4, 20, 1], b_min=5, b_max=8)
+    assert [sb.rows for sb in plan] == [7, 8, 8, 4, 1]
+    assert [tuple((s.partition, s.start, s.stop) for s in sb.spans) for sb in plan] == [
+        ((0, 0, 3), (1, 0, 4)), ((2, 0, 8),), ((2, 8, 16),), ((2, 16, 20),), ((3, 0, 1),)]
+
+
+def test_no_partitions_no_superbatches():
+    assert plan_superbatches([], 10, 20) == []
+
+
+@pytest.mark.parametrize("b_min,b_max,match", [
+    (0, 10, "must be positive"), (-1, 10, "must be positive"), (10, 5, "larger than b_max"),
+    (1.5, 10, "not an integer"), ("10", 20, "not an integer"), (True, 10, "not an integer"),
+])
+def test_bad_thresholds_are_named(b_min, b_max, match):
+    with pytest.raises(SurgeValueError, match=match):
+        validate_thresholds(b_min, b_max)
+
+
+def test_bad_size_and_push_after_finish():
+    p = OnlinePlanner(2, 4)
+    with pytest.raises(SurgeValueError, match="partition 0 has size -1"):
+        p.push(-1)
+    p.finish()
+    with pytest.raises(SurgeValueError, match="after finish"):
+        p.push(1)
