@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     for run in runners.values():  # warm up allocators and thread pools
         run(texts[:64])
+    load_before = os.getloadavg()
     seconds = {name: [] for name in runners}
     outputs = {}
     for _ in range(args.repeats):
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
             "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(),
             "torch": torch.__version__,
+            "loadavg_before_after": [load_before, os.getloadavg()],  # other work on the machine skews timings
         },
         "model": args.model,
         "n_texts": len(texts),
@@ -98,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
             "seconds": secs,
             "texts_per_s": rate,
             "speedup_vs_st": rate / st_rate,
+            "paired_speedups": [st / s for st, s in zip(seconds["st"], secs)],
             "min_cosine_vs_st": float(cos.min()),
         }
         print(f"{name:28s} {rate:9.1f} texts/s  x{rate / st_rate:5.2f}  min cos {cos.min():.7f}")

@@ -1,7 +1,9 @@
 """dask-surge: SuperBatch embedding of Dask DataFrame text columns.
 
->>> import dask_surge                            # registers ddf.surge
->>> # ddf.surge.encode("text", output="emb/")    # doctest: +SKIP
+Importing the package registers the ``.surge`` accessor on Dask DataFrames::
+
+    import dask_surge
+    ddf.surge.encode("text", output="emb/")
 """
 
 from . import config  # noqa: F401  (registers surge.* defaults in dask.config)

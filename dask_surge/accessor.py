@@ -30,6 +30,3 @@ class SurgeAccessor:
         """See :func:`dask_surge.api.plan`."""
         return api.plan(self._ddf, column, **kwargs)
 
-
-SurgeAccessor.encode.__doc__ = api.encode.__doc__
-SurgeAccessor.plan.__doc__ = api.plan.__doc__

@@ -18,6 +18,7 @@ from .cluster import gpu_count
 from .encoders import Encoder
 from .errors import SurgeInputError, SurgeValueError
 from .graph import superbatch_collection
+from .identity import input_identity
 from .manifest import Manifest, current_run, finish_run, open_run
 from .policy import SuperBatch, plan_superbatches, validate_thresholds
 from .progress import Progress
@@ -295,7 +296,7 @@ def fingerprint(frame, sbe: SuperBatchEncoder, sizes: PartitionSizes, b_min: int
 
     digest = hashlib.sha256(np.asarray(sizes.sizes, dtype=np.int64).tobytes()).hexdigest()[:16]
     return {
-        "input": frame._name, "column": sbe.column, "keep": list(sbe.keep),
+        "input": input_identity(frame), "column": sbe.column, "keep": list(sbe.keep),
         "partitions": len(sizes.sizes), "rows": sizes.total, "sizes": digest,
         "model": sbe.encoder.identity(), "dimension": sbe.encoder.dimension,
         "b_min": b_min, "b_max": b_max, "normalize": sbe.normalize, "precision": sbe.precision,
@@ -320,8 +321,11 @@ def _write(frame, sbe, output, b_min, b_max, *, client, scheduler, overwrite, st
     if todo:
         writer = SuperBatchWriter(sbe, manifest)
         coll = superbatch_collection(frame, todo, sizes.sizes, writer, writer.meta())
+        window = config.get("in-flight") or 2 * max(1, sum(client.nthreads().values()) if client else 1)
+        if client is not None:
+            _register(sbe.encoder, client)
         try:
-            for rec in _run(coll, client, scheduler):
+            for rec in _run(coll, todo, client, scheduler, window):
                 if ttfo is None:
                     ttfo = time.perf_counter() - t0
                 records.append(rec)
@@ -352,23 +356,78 @@ def _interrupted(manifest: Manifest, output: str, planned: int) -> None:
     )
 
 
-def _run(coll, client, scheduler):
-    """Yield commit records as SuperBatches finish (in plan order as far as possible)."""
-    if client is None:
-        sched = "sync" if scheduler in ("sync", "synchronous") else scheduler
-        for part in coll.to_delayed():
-            yield from part.compute(scheduler=sched).to_dict("records")
-        return
-    from distributed import as_completed, futures_of
+def _chunks(superbatches: Sequence[SuperBatch]) -> list[list[SuperBatch]]:
+    """Group SuperBatches for submission: the slices of one partition travel together
+    (so the partition is read once), every other SuperBatch alone."""
+    chunks: list[list[SuperBatch]] = []
+    for sb in superbatches:
+        first = sb.spans[0].partition
+        if chunks and len(sb.spans) == 1 and chunks[-1][-1].spans[-1].partition == first \
+                and len(chunks[-1][-1].spans) == 1:
+            chunks[-1].append(sb)
+        else:
+            chunks.append([sb])
+    return chunks
 
-    _register(coll.expr.operand("func").encoder.encoder, client)
-    persisted = client.persist(coll)
-    futures = futures_of(persisted)
+
+def _cull(dsk: dict, keys: list) -> dict:
+    """The tasks ``keys`` need, and nothing else."""
+    out, stack = {}, list(keys)
+    while stack:
+        key = stack.pop()
+        if key in out or key not in dsk:
+            continue
+        out[key] = task = dsk[key]
+        stack.extend(getattr(task, "dependencies", ()))
+    return out
+
+
+def _run(coll, todo, client, scheduler, in_flight: int):
+    """Yield commit records as SuperBatches finish, with at most ``in_flight`` SBs submitted.
+
+    The SuperBatch graph is optimized and materialized once; SuperBatches are then
+    submitted in plan order, a few at a time, each with only the input tasks it
+    consumes. So the first commits early (TTFO) and no worker is handed more than
+    a bounded number of SuperBatches (memory ``O(b_min + n_max)`` per SB).
+    """
+    opt = coll.optimize()
+    dsk = dict(opt.__dask_graph__())
+    keys = opt.__dask_keys__()
+    position = {sb.index: i for i, sb in enumerate(todo)}
+    batches = [[keys[position[sb.index]] for sb in chunk] for chunk in _chunks(todo)]
+    if client is None:
+        from dask.local import get_sync
+        from dask.threaded import get as get_threads
+
+        get = get_sync if scheduler in ("sync", "synchronous") else get_threads
+        for batch in batches:
+            for frame in get(_cull(dsk, batch), batch):
+                yield from frame.to_dict("records")
+        return
+    from distributed import as_completed
+
+    pending = iter(batches)
+    running = as_completed()
+    live: list = []
+
+    def submit_more() -> None:
+        while running.count() < in_flight:
+            batch = next(pending, None)
+            if batch is None:
+                return
+            futures = client.get(_cull(dsk, batch), batch, sync=False)
+            live.extend(futures)
+            running.update(futures)
+
     try:
-        for fut in as_completed(futures):
-            yield from fut.result().to_dict("records")
+        submit_more()
+        for fut in running:
+            records = fut.result().to_dict("records")
+            fut.release()
+            submit_more()
+            yield from records
     finally:
-        client.cancel(futures)
+        client.cancel([f for f in live if not f.done()])
 
 
 def status(output: str, storage_options: dict | None = None) -> dict:

@@ -97,9 +97,19 @@ def read_input(inputs: list[str], fmt: str | None):
     for item in inputs:
         path = Path(item)
         files += sorted(str(p) for p in path.iterdir() if FORMATS.get(p.suffix) == fmt) if path.is_dir() else [item]
-    if fmt == "csv":
-        return dd.read_csv(files, blocksize=None, dtype_backend="pyarrow")
-    return dd.read_json(files, lines=True, blocksize=None)
+    return dd.from_map(_read_csv if fmt == "csv" else _read_jsonl, files, enforce_metadata=False)
+
+
+def _read_csv(path: str):
+    import pandas as pd
+
+    return pd.read_csv(path, dtype_backend="pyarrow")
+
+
+def _read_jsonl(path: str):
+    import pandas as pd
+
+    return pd.read_json(path, lines=True, dtype_backend="pyarrow")
 
 
 def _scheduler(value):

@@ -38,6 +38,7 @@ OPTIONS: dict[str, Any] = {
     "precision": ("float32", "float16"),
     "on-null": ("error", "empty"),
     "progress": "bool",
+    "in-flight": ("positive-int", None),
 }
 
 
@@ -67,8 +68,8 @@ def get(name: str, value: Any = None) -> Any:
 
     Examples
     --------
-    >>> get("b-min") > 0
-    True
+    >>> get("b-max", 1000)
+    1000
     >>> get("precision", "float16")
     'float16'
     """

@@ -11,6 +11,7 @@ caller's order.
 from __future__ import annotations
 
 import contextlib
+import copy
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -62,10 +63,12 @@ class TransformerEngine:
     def __init__(self, transformer, pooling_modes, *, normalize, max_tokens, dtype):
         hf_tokenizer = transformer.tokenizer
         self._hf = transformer.auto_model.eval()
+        self.device = next(self._hf.parameters()).device
+        if self.device.type == "cpu":
+            self._hf = _with_onednn_linear(self._hf)
         self._modes = pooling_modes
         self._normalize = normalize
         self._amp = _DTYPES[dtype]
-        self.device = next(self._hf.parameters()).device
         self.max_seq_length = int(transformer.max_seq_length)
         self.dimension = len(pooling_modes) * self._hf.config.hidden_size
         self._tokenizer = hf_tokenizer.backend_tokenizer.__class__.from_str(hf_tokenizer.backend_tokenizer.to_str())
@@ -155,6 +158,7 @@ class TransformerEngine:
             or not getattr(tokenizer, "is_fast", False)
             or tokenizer.padding_side != "right"
             or not isinstance(transformer.max_seq_length, int)
+            or not 0 < transformer.max_seq_length < 2**31
             or getattr(config, "is_decoder", False)
             or getattr(config, "is_encoder_decoder", False)
             or getattr(model, "truncate_dim", None) is not None
@@ -319,3 +323,26 @@ class TransformerEngine:
             else:
                 parts.append((hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+class _OneDNNLinear(torch.nn.Linear):
+    """``nn.Linear`` computed by oneDNN: same fp32 math, ~10% faster than MKL sgemm on AVX-512 CPUs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or self.weight.dtype != torch.float32:
+            return super().forward(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def _with_onednn_linear(hf: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the module tree of ``hf`` sharing its weights, with oneDNN linears; ``hf`` is untouched."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return hf
+    try:
+        clone = copy.deepcopy(hf, {id(t): t for t in (*hf.parameters(), *hf.buffers())})
+    except (TypeError, RuntimeError):  # modules holding uncopyable state keep the stock path
+        return hf
+    for module in clone.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = _OneDNNLinear
+    return clone

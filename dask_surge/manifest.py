@@ -17,6 +17,7 @@ them. Parquet readers pointed at ``out/`` skip ``_surge`` (``_`` prefix) and the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -48,17 +49,23 @@ def write_bytes_atomic(fs, path: str, data: bytes) -> None:
     """Write ``data`` to ``path`` via a temporary name: fsync, then rename over."""
     parent, name = path.rsplit("/", 1)
     tmp = f"{parent}/.{name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-    if _is_local(fs):
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(parent)
-    else:
-        with fs.open(tmp, "wb") as f:
-            f.write(data)
-        fs.mv(tmp, path)
+    try:
+        if _is_local(fs):
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(parent)
+        else:
+            with fs.open(tmp, "wb") as f:
+                f.write(data)
+            fs.mv(tmp, path)
+    except BaseException:
+        # disk full, killed write, ...: leave no partial file behind
+        with contextlib.suppress(Exception):
+            fs.rm(tmp)
+        raise
 
 
 def create_exclusive(fs, path: str, data: bytes) -> bool:
@@ -253,9 +260,10 @@ def open_run(
             _check_version(info, root)
         if current is None:
             manifest.mark_current()
-    except PermissionError as err:
+    except OSError as err:
         raise SurgeOutputError(
-            f"output={path!r} is not writable ({err}). Fix: choose a directory you can write to."
+            f"output={path!r} is not writable ({type(err).__name__}: {err}). Nothing was encoded. "
+            "Fix: choose a directory you can create and write to."
         ) from err
     return manifest, info is not None
 

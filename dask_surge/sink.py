@@ -13,6 +13,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .errors import SurgeOutputError
 from .manifest import Manifest, write_bytes_atomic
 from .superbatch import SuperBatchEncoder
 
@@ -67,7 +68,14 @@ class SuperBatchWriter:
         data = parquet_bytes(table_of(frame), [s for s, _ in spans])
         attempt = uuid.uuid4().hex[:8]
         path = self.manifest.data_path(sb_index, attempt)
-        write_bytes_atomic(self.manifest.fs, path, data)
+        try:
+            write_bytes_atomic(self.manifest.fs, path, data)
+        except OSError as err:
+            raise SurgeOutputError(
+                f"writing SuperBatch {sb_index} ({len(frame)} rows, {len(data):,} bytes) to {path!r} "
+                f"failed: {type(err).__name__}: {err}. Committed SuperBatches are kept and no partial "
+                "file is left. Fix: free disk space or fix permissions, then rerun the same call to resume."
+            ) from err
         name = path.rsplit("/", 1)[-1]
         record = {
             "sb": sb_index, "run": self.manifest.run_id, "file": name, "rows": len(frame),

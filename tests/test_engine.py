@@ -29,6 +29,15 @@ def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Correctness only: one intra-op thread keeps the file fast on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, SentenceTransformer]:
     root = tmp_path_factory.mktemp("engine-models")
@@ -56,6 +65,14 @@ def test_matches_sentence_transformers(models, name):
         assert got.shape == expected.shape and got.dtype == np.float32 and got.flags.c_contiguous
         assert min_cosine(got, expected) >= 0.9999
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(expected, axis=1), rtol=1e-4)
+
+
+def test_user_model_is_left_untouched(models):
+    model = models["packaged"]
+    engine = TransformerEngine.from_sentence_transformer(model)
+    layer = model[0].auto_model.encoder.layer[0].intermediate.dense
+    assert type(layer) is torch.nn.Linear
+    assert engine._hf.encoder.layer[0].intermediate.dense.weight is layer.weight  # weights shared, not copied
 
 
 def test_combined_pooling_modes(tiny):

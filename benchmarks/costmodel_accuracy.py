@@ -1,0 +1,153 @@
+"""Accuracy of the cost model (Theorem 1): predicted vs measured wall time.
+
+Usage::
+
+    python benchmarks/costmodel_accuracy.py [--encoders tiny,default] [--sigmas 1.0,1.72,2.5]
+                                            [--repeats 2] [--calib-seconds 15]
+                                            [--out benchmarks/results/costmodel_accuracy_cpu.json]
+
+For each encoder the script calibrates once (:func:`dask_surge.calibrate.calibrate`,
+uniform one-row and large partitions), then, on log-normal layouts never used by the
+probe, times on a 2-worker ``LocalCluster``:
+
+* SURGE: ``ddf.surge.encode("text", model=enc, b_min=..., b_max=...)``, computed lazily
+  (the plan, including the partition-size pass, is built before the timer starts;
+  Parquet input gets its sizes from metadata for free);
+* PBP: ``ddf["text"].map_partitions(enc.embed, meta=enc.meta)``.
+
+Runs alternate (SURGE, PBP, SURGE, PBP, ...); the best of the repeats (as in the probe) is compared with
+``dask_surge.costmodel.predict``. The JSON holds the machine facts, the machine's load
+average, the exact command line, the calibrated parameters and every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# encoder -> (rows, partitions, b_min, b_max); MiniLM is ~100-200 texts/s a core here: keep it small
+LAYOUTS = {"tiny": (12_000, 240, 256, 1024), "default": (1_200, 60, 128, 512)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--encoders", default="tiny,default", help="comma-separated: tiny, default")
+    parser.add_argument("--sigmas", default="1.0,1.72,2.5")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--calib-seconds", type=float, default=15.0)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply rows and partitions (smoke: 0.2)")
+    parser.add_argument("--seed", type=int, default=100)
+    parser.add_argument("--out", default="benchmarks/results/costmodel_accuracy_cpu.json")
+    args = parser.parse_args(argv)
+
+    import dask
+    import distributed
+    import numpy as np
+    import torch
+    from distributed import Client, LocalCluster
+
+    import dask_surge  # noqa: F401  (registers .surge)
+    from dask_surge import Encoder
+    from dask_surge.calibrate import calibrate
+    from dask_surge.costmodel import predict
+    from dask_surge.plugins import register_encoder
+    from dask_surge.testing import lognormal_sizes, make_partitioned_frame, make_tiny_model
+
+    sigmas = [float(s) for s in args.sigmas.split(",")]
+    report: dict = {
+        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "machine": {
+            "platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__, "dask": dask.__version__,
+            "distributed": distributed.__version__, "device": "cpu",
+            "loadavg_start": os.getloadavg(),
+        },
+        "cluster": {"kind": "LocalCluster", "n_workers": args.workers, "threads_per_worker": 1},
+        "timed": "SURGE: lazy ddf.surge.encode(...) built before the timer (includes the size pass), "
+                 "then client.compute(..., sync=True); PBP: client.compute(map_partitions(enc.embed)). "
+                 "Best (minimum) of the repeats, runs alternating; the probe also takes best-of-n. "
+                 "error_vs_median_pct compares with the median instead.",
+        "encoders": {}, "runs": [],
+    }
+    errors = []
+    with tempfile.TemporaryDirectory() as tmp, \
+            LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0") as cluster, \
+            Client(cluster) as client:
+        for name in args.encoders.split(","):
+            model = make_tiny_model(Path(tmp) / "tiny") if name == "tiny" else "default"
+            enc = Encoder(model, device="cpu")
+            register_encoder(client, enc)
+            t0 = time.perf_counter()
+            params = calibrate(enc, client=client, seconds=args.calib_seconds, cache=False)
+            calib_s = time.perf_counter() - t0
+            report["encoders"][name] = {"model": str(model), "calibration_seconds": round(calib_s, 2),
+                                        "params": params.to_dict()}
+            print(f"[{name}] calibrated in {calib_s:.1f} s: alpha={params.alpha_s * 1e3:.2f} ms "
+                  f"beta={params.beta_s * 1e3:.3f} ms/row b0={params.b0:.1f} "
+                  f"pi={params.partition_s * 1e3:.2f} ms T0={params.overhead_s:.3f} s "
+                  f"rho={params.io_per_row_s * 1e6:.1f} us/row", flush=True)
+            rows, parts, b_min, b_max = LAYOUTS[name]
+            rows, parts = int(rows * args.scale), max(4, int(parts * args.scale))
+            for i, sigma in enumerate(sigmas):
+                sizes = lognormal_sizes(rows, parts, sigma=sigma, seed=args.seed + i)
+                ddf = make_partitioned_frame(sizes, seed=args.seed + i)
+                surge = ddf.surge.encode("text", model=enc, b_min=b_min, b_max=b_max)
+                pbp = ddf["text"].map_partitions(enc.embed, meta=enc.meta)
+                pred = predict(sizes, params, b_min=b_min, b_max=b_max)
+                times: dict[str, list[float]] = {"surge": [], "pbp": []}
+                for _ in range(args.repeats):
+                    for policy, coll in (("surge", surge), ("pbp", pbp)):
+                        t0 = time.perf_counter()
+                        client.compute(coll, sync=True)
+                        times[policy].append(time.perf_counter() - t0)
+                for policy in ("surge", "pbp"):
+                    measured = min(times[policy])  # best of n, as the probe: other load only adds time
+                    predicted = float(pred.loc[policy, "seconds"])
+                    err = 100.0 * (predicted - measured) / measured
+                    errors.append(abs(err))
+                    run = {"encoder": name, "sigma": sigma, "policy": policy, "rows": int(sizes.sum()),
+                           "partitions": len(sizes), "b_min": b_min, "b_max": b_max,
+                           "calls": int(pred.loc[policy, "calls"]), "cv": float(sizes.std() / sizes.mean()),
+                           "measured_s": round(measured, 4), "repeats_s": [round(t, 4) for t in times[policy]],
+                           "median_s": round(statistics.median(times[policy]), 4),
+                           "error_vs_median_pct": round(100.0 * (predicted - statistics.median(times[policy]))
+                                                        / statistics.median(times[policy]), 2),
+                           "predicted_s": round(predicted, 4), "error_pct": round(err, 2),
+                           "measured_texts_per_s": round(sizes.sum() / measured, 1),
+                           "predicted_texts_per_s": round(float(pred.loc[policy, "texts_per_s"]), 1),
+                           "loadavg": os.getloadavg()[0]}
+                    report["runs"].append(run)
+                    print(f"[{name}] sigma={sigma:<4} {policy:5s} calls={run['calls']:4d} measured "
+                          f"{measured:7.3f} s predicted {predicted:7.3f} s error {err:+6.1f}%", flush=True)
+    report["machine"]["loadavg_end"] = os.getloadavg()
+    med_errors = [abs(r["error_vs_median_pct"]) for r in report["runs"]]
+    report["summary"] = {
+        "runs": len(errors), "median_abs_error_pct": round(float(np.median(errors)), 2),
+        "median_abs_error_vs_median_runs_pct": round(float(np.median(med_errors)), 2),
+        "run_to_run_spread_pct": round(float(np.median([100 * (max(r["repeats_s"]) - min(r["repeats_s"]))
+                                                        / min(r["repeats_s"]) for r in report["runs"]])), 2),
+        "worst_abs_error_pct": round(float(np.max(errors)), 2), "target": "median <= 2%, worst <= 5%",
+    }
+    print(json.dumps(report["summary"]))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

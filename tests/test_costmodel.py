@@ -1,0 +1,201 @@
+"""Unit tests of the pure cost model (Theorem 1), the advisor and a calibration smoke test."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dask_surge.costmodel import (
+    Advice, CostParams, advise, auto_thresholds, batch_shape, call_cost, phi_cv, predict,
+)
+from dask_surge.errors import SurgeValueError
+from dask_surge.policy import plan_superbatches
+from dask_surge.testing import lognormal_sizes
+
+LENGTHS = tuple(float(x) for x in np.linspace(8, 60, 64))
+
+
+def params(**changes) -> CostParams:
+    base = dict(alpha_s=0.005, per_text_s=2e-5, per_token_s=4e-6, b0=8.0, workers=2, setup_s=0.001,
+                partition_s=0.002, overhead_s=0.05, io_per_row_s=1e-5, tokens_per_text=30.0,
+                max_tokens=2048, token_lengths=LENGTHS, bytes_per_row=2_000.0,
+                embedding_bytes_per_row=1_536.0, model_bytes=90e6)
+    base.update(changes)
+    return CostParams(**base)
+
+
+SIZES = lognormal_sizes(50_000, 2_000, sigma=1.72, seed=3)
+
+
+def test_predict_frame_shape():
+    df = predict(SIZES, params(), b_min=1024, b_max=4096)
+    assert list(df.index) == ["surge", "pbp", "fb", "pb-pbp-lb"]
+    for col in ("texts_per_s", "seconds", "calls", "peak_memory_bytes", "ttfo_s"):
+        assert col in df.columns
+        assert (df[col] > 0).all()
+    np.testing.assert_allclose(df["texts_per_s"] * df["seconds"], SIZES.sum())
+
+
+def test_more_alpha_makes_pbp_slower():
+    times = [predict(SIZES, params(alpha_s=a), b_min=1024, b_max=4096).loc["pbp", "seconds"]
+             for a in (0.001, 0.005, 0.02, 0.1)]
+    assert times == sorted(times) and times[0] < times[-1]
+
+
+def test_more_alpha_hurts_pbp_more_than_surge():
+    lo = predict(SIZES, params(alpha_s=0.001), b_min=1024, b_max=4096)
+    hi = predict(SIZES, params(alpha_s=0.05), b_min=1024, b_max=4096)
+    assert hi.loc["pbp", "seconds"] - lo.loc["pbp", "seconds"] > 10 * (
+        hi.loc["surge", "seconds"] - lo.loc["surge", "seconds"])
+
+
+def test_surge_calls_equal_superbatches():
+    for b_min, b_max in ((64, 256), (1024, 4096), (5000, 5000)):
+        df = predict(SIZES, params(), b_min=b_min, b_max=b_max)
+        assert df.loc["surge", "calls"] == len(plan_superbatches(SIZES.tolist(), b_min, b_max))
+    assert predict(SIZES, params(), b_min=64, b_max=256).loc["pbp", "calls"] == len(SIZES)
+
+
+def test_fb_memory_grows_with_n_surge_flat():
+    fb, surge = [], []
+    for n in (10_000, 40_000, 160_000):
+        sizes = lognormal_sizes(n, n // 50, sigma=1.0, seed=1)
+        sizes = np.minimum(sizes, 500)  # fixed n_max: Lemma 3 bound is the same for every N
+        df = predict(sizes, params(), b_min=1024, b_max=4096)
+        fb.append(df.loc["fb", "peak_memory_bytes"])
+        surge.append(df.loc["surge", "peak_memory_bytes"])
+    assert fb[0] < fb[1] < fb[2]
+    assert max(surge) - min(surge) <= 500 * (2_000 + 1_536)  # at most n_max rows of difference
+    assert max(surge) < fb[0]
+
+
+def test_ttfo_surge_before_fb_and_lb():
+    df = predict(SIZES, params(), b_min=1024, b_max=4096)
+    assert df.loc["fb", "ttfo_s"] == df.loc["fb", "seconds"]
+    assert df.loc["surge", "ttfo_s"] < df.loc["pb-pbp-lb", "ttfo_s"] < df.loc["fb", "ttfo_s"]
+
+
+def test_more_workers_faster():
+    one = predict(SIZES, params(workers=1), b_min=1024, b_max=4096)
+    four = predict(SIZES, params(workers=4), b_min=1024, b_max=4096)
+    assert (four.loc[["surge", "pbp", "pb-pbp-lb"], "seconds"] < one.loc[["surge", "pbp", "pb-pbp-lb"], "seconds"]).all()
+
+
+def test_call_cost_small_batch_penalty():
+    p = params()
+    per_row = call_cost([1, 4, 4096], p) / np.array([1, 4, 4096])
+    assert per_row[0] > per_row[1] > per_row[2]  # under-filled forward passes cost more per row
+    ratio, forwards = batch_shape([1, 4096], p)
+    assert ratio[0] == pytest.approx(1.0) and ratio[1] >= 1.0
+    assert forwards[0] == 1 and forwards[1] > 1
+
+
+def test_tokens_argument():
+    heavy = predict(SIZES, params(), b_min=1024, b_max=4096, tokens=SIZES * 90.0)
+    light = predict(SIZES, params(), b_min=1024, b_max=4096, tokens=SIZES * 10.0)
+    assert (heavy["seconds"] > light["seconds"]).all()
+    with pytest.raises(SurgeValueError, match="one non-negative token count per partition"):
+        predict(SIZES, params(), b_min=1024, b_max=4096, tokens=[1, 2])
+
+
+def test_phi_cv():
+    p = params(alpha_s=0.01, per_text_s=1e-3, per_token_s=0.0)
+    phi, cv = phi_cv([10, 10, 10], p)
+    assert phi == pytest.approx(0.5) and cv == 0.0
+    phi_small, _ = phi_cv([1] * 100, p)
+    phi_big, _ = phi_cv([10_000] * 100, p)
+    assert phi_small > 0.9 > 0.01 > phi_big
+    _, cv = phi_cv(lognormal_sizes(10_000, 500, sigma=2.5), p)
+    assert cv > 1
+
+
+def test_advise_many_tiny_partitions_light_model_pays():
+    light = params(alpha_s=0.01, per_text_s=1e-5, per_token_s=1e-7)
+    advice = advise(np.full(5_000, 4), light, b_min=1024, b_max=4096)
+    assert isinstance(advice, Advice)
+    assert advice.pays and advice.predicted_speedup > 2 and advice.phi > 0.5
+    assert "b_min" in advice.text
+
+
+def test_advise_few_large_partitions_does_not_pay():
+    heavy = params(alpha_s=0.01, per_text_s=1e-3, per_token_s=1e-4)
+    advice = advise(np.full(8, 50_000), heavy, b_min=1024, b_max=65_536)
+    assert not advice.pays and advice.phi < 0.05
+    assert "under 5% gain" in advice.text and "already large" in advice.text
+
+
+def test_auto_thresholds_respects_memory_budget():
+    p = params()
+    row = p.bytes_per_row + p.embedding_bytes_per_row
+    for budget in (100e6, 200e6, 2e9):
+        b_min, b_max, reason = auto_thresholds(p, memory_budget_bytes=budget, ttfo_target_s=60, n_max=100_000)
+        assert 1 <= b_min <= b_max
+        held = min(b_max, b_min - 1 + 100_000)
+        assert p.model_bytes + held * row <= budget
+        assert isinstance(reason, str) and reason.endswith(".")
+    b_min, _, reason = auto_thresholds(p, memory_budget_bytes=100e6, ttfo_target_s=60, n_max=100_000)
+    assert "memory_budget_bytes" in reason
+
+
+def test_auto_thresholds_ttfo_binds():
+    p = params()
+    b_fast, _, reason = auto_thresholds(p, memory_budget_bytes=64e9, ttfo_target_s=0.1, n_max=1000)
+    b_slow, _, _ = auto_thresholds(p, memory_budget_bytes=64e9, ttfo_target_s=1000, n_max=1000)
+    assert b_fast < b_slow and "ttfo_target_s" in reason
+
+
+def test_auto_thresholds_budget_too_small():
+    with pytest.raises(SurgeValueError, match="does not hold the model"):
+        auto_thresholds(params(), memory_budget_bytes=50e6, ttfo_target_s=5, n_max=10)
+
+
+@pytest.mark.parametrize("bad", [[], [1, -2], [[1, 2]], [0, 0]])
+def test_bad_sizes(bad):
+    with pytest.raises(SurgeValueError, match="sizes"):
+        predict(bad, params(), b_min=10, b_max=20)
+
+
+def test_bad_params():
+    with pytest.raises(SurgeValueError, match="alpha_s=-1"):
+        params(alpha_s=-1)
+    with pytest.raises(SurgeValueError, match="workers=0"):
+        params(workers=0)
+    with pytest.raises(SurgeValueError, match="b_min=30 is larger than b_max=20"):
+        predict([5, 5], params(), b_min=30, b_max=20)
+
+
+def test_params_json_round_trip():
+    p = params(meta=(("probe", "x"), ("curve", (1, 2))))
+    d = json.loads(json.dumps(p.to_dict()))
+    assert CostParams.from_dict(d) == p
+    with pytest.raises(SurgeValueError, match="unknown key"):
+        CostParams.from_dict({**d, "bogus": 1})
+
+
+def test_calibrate_in_process_smoke(tiny_model, tmp_path, monkeypatch):
+    from dask_surge import Encoder
+    from dask_surge.calibrate import cache_dir, calibrate
+
+    monkeypatch.setenv("DASK_SURGE_CACHE_DIR", str(tmp_path / "cache"))
+    assert cache_dir() == tmp_path / "cache"
+    enc = Encoder(tiny_model, device="cpu")
+    p = calibrate(enc, seconds=2)
+    assert p.alpha_s > 0 and p.setup_s > 0 and p.beta_s > 0 and p.alpha_s >= p.setup_s
+    assert p.per_text_s >= 0 and p.per_token_s >= 0 and p.b0 >= 0
+    assert p.tokens_per_text > 1 and p.token_lengths and p.max_tokens > 0
+    assert p.workers == 1 and p.device == "cpu" and p.model_bytes > 0
+    assert p.embedding_bytes_per_row == 4 * enc.dimension
+    files = list((tmp_path / "cache").glob("costmodel-*.json"))
+    assert len(files) == 1
+    assert calibrate(enc, seconds=2) == p  # served from the cache
+    again = calibrate(enc, seconds=2, refresh=True)
+    assert again.beta_s > 0 and len(list((tmp_path / "cache").glob("costmodel-*.json"))) == 1
+    df = predict([3, 1, 500, 2] * 50, p, b_min=256, b_max=1024)
+    assert (df["seconds"] > 0).all()
+
+
+def test_calibrate_bad_seconds():
+    from dask_surge.calibrate import calibrate
+
+    with pytest.raises(SurgeValueError, match="seconds=0"):
+        calibrate("default", seconds=0)

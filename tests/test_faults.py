@@ -1,0 +1,183 @@
+"""Crash safety with real processes and real kills: nothing lost, nothing duplicated."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+import dask_surge
+from dask_surge import SurgeOutputError
+from dask_surge.manifest import current_run
+from dask_surge.testing import make_partitioned_frame, write_partitioned_parquet
+
+SIZES = [int(x) for x in np.random.default_rng(7).lognormal(3.5, 1.0, 40).astype(int) + 1]
+N = sum(SIZES)
+
+
+def _cli(src, out, model):
+    return [sys.executable, "-m", "dask_surge.cli", "encode", str(src), "--text-column", "text",
+            "--output", str(out), "--model", model, "--b-min", "40", "--b-max", "120",
+            "--device", "cpu", "--scheduler", "threads", "--no-progress", "--keep", "doc_id"]
+
+
+def _sorted(path):
+    df = dask_surge.read_embeddings(str(path)).compute().sort_values(["partition", "row"])
+    return df.reset_index(drop=True)
+
+
+def check_output(path, reference) -> None:
+    """Rows == distinct (partition, row) == N, embeddings equal, every committed file intact."""
+    df = _sorted(path)
+    assert len(df) == N
+    assert len(df[["partition", "row"]].drop_duplicates()) == N
+    assert df.doc_id.tolist() == list(range(N))
+    np.testing.assert_array_equal(np.stack(df.embedding.to_numpy()), np.stack(reference.embedding.to_numpy()))
+    manifest = current_run(str(path))
+    for rec in manifest.committed().values():
+        data = (path / rec["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == rec["sha256"]
+        assert pq.read_metadata(path / rec["file"]).num_rows == rec["rows"]
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("faults")
+    src = root / "in"
+    write_partitioned_parquet(src, SIZES, seed=9)
+    out = root / "clean"
+    t0 = time.perf_counter()
+    subprocess.run(_cli(src, out, tiny_model), check=True, capture_output=True)
+    return src, _sorted(out), time.perf_counter() - t0
+
+
+def _kill_trials(tmp_path, clean_run, tiny_model, trials: int, seed: int) -> list[float]:
+    src, reference, clean_s = clean_run
+    rng = random.Random(seed)
+    delays = []
+    for t in range(trials):
+        out = tmp_path / f"out{t}"
+        proc = subprocess.Popen(_cli(src, out, tiny_model), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        delay = rng.uniform(0.2, 1.0) * clean_s
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        delays.append(delay)
+        # resume to completion (a second kill point inside the resume for odd trials)
+        if t % 2:
+            proc = subprocess.Popen(_cli(src, out, tiny_model), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            time.sleep(rng.uniform(0.3, 1.0) * clean_s)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        done = subprocess.run(_cli(src, out, tiny_model), capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        check_output(out, reference)
+    return delays
+
+
+def test_sigkill_cli_then_resume(tmp_path, clean_run, tiny_model):
+    _kill_trials(tmp_path, clean_run, tiny_model, trials=2, seed=1)
+
+
+@pytest.mark.slow
+def test_sigkill_sweep(tmp_path, clean_run, tiny_model):
+    trials = 8 if os.environ.get("SURGE_SWEEP") == "reduced" else 25
+    delays = _kill_trials(tmp_path, clean_run, tiny_model, trials=trials, seed=2)
+    assert len(delays) == trials
+
+
+class DieOnce:
+    """A model that kills its worker process the first time it runs (flag file)."""
+
+    def __init__(self, flag: str):
+        self.flag = flag
+        self.client_pid = os.getpid()  # the client probes the dimension: never die there
+
+    def __call__(self, texts):
+        # die inside a SuperBatch encode (not the one-text dimension probe at model load)
+        if os.getpid() != self.client_pid and len(texts) > 1 and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            os._exit(1)
+        return np.array([[len(t), 1.0] for t in texts], dtype=np.float32)
+
+
+def test_worker_dying_mid_encode_is_retried(tmp_path):
+    from distributed import Client, LocalCluster
+
+    ddf = make_partitioned_frame([5, 7, 3, 9], seed=4)
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster, Client(cluster):
+        res = ddf.surge.encode("text", str(tmp_path / "o"), model=DieOnce(str(tmp_path / "died")),
+                               b_min=6, b_max=12, progress=False)
+    assert (tmp_path / "died").exists()  # a worker really died
+    assert res.rows == 24
+    df = dask_surge.read_embeddings(str(tmp_path / "o")).compute()
+    assert len(df[["partition", "row"]].drop_duplicates()) == len(df) == 24
+
+
+def test_same_superbatch_twice_concurrently_commits_once(tmp_path, counting_encoder):
+    from dask_surge.manifest import open_run
+    from dask_surge.sink import SuperBatchWriter
+    from dask_surge.superbatch import SuperBatchEncoder
+    from dask_surge.policy import Span
+
+    manifest, _ = open_run(str(tmp_path / "o"), {"t": 1})
+    writer = SuperBatchWriter(SuperBatchEncoder("text", (), dask_surge.Encoder(counting_encoder)), manifest)
+    part = make_partitioned_frame([6]).compute()
+    barrier, results = threading.Barrier(2), []
+
+    def attempt():
+        barrier.wait()
+        results.append(writer([part], 0, ((Span(0, 0, 6), 6),)).iloc[0].to_dict())
+
+    threads = [threading.Thread(target=attempt) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert sorted(r["committed"] for r in results) == [False, True]
+    assert len(list((tmp_path / "o").glob("part-*.parquet"))) == 1
+    assert list(manifest.committed()) == [0]
+
+
+def test_disk_full_fails_cleanly_and_resumes(tmp_path, counting_encoder, monkeypatch):
+    ddf = make_partitioned_frame([4] * 6)
+    out = tmp_path / "o"
+    kw = dict(model=counting_encoder, b_min=8, b_max=8, scheduler="sync", progress=False)
+    real_fsync, data_files = os.fsync, []
+
+    def full_disk(fd):
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.basename(target).startswith(".part-"):
+            data_files.append(target)
+            if len(data_files) == 3:  # the disk fills up while writing the third SuperBatch
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_fsync(fd)
+
+    monkeypatch.setattr("dask_surge.manifest.os.fsync", full_disk)
+    with pytest.raises(SurgeOutputError, match="No space left on device.*rerun the same call to resume"):
+        ddf.surge.encode("text", str(out), **kw)
+    monkeypatch.setattr("dask_surge.manifest.os.fsync", real_fsync)
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no partial temp file
+    state = dask_surge.status(str(out))
+    assert state["state"] == "incomplete" and state["superbatches_committed"] == 2
+    res = ddf.surge.encode("text", str(out), **kw)
+    assert res.skipped_superbatches == state["superbatches_committed"]
+    df = dask_surge.read_embeddings(str(out)).compute()
+    assert len(df) == 24 == len(df[["partition", "row"]].drop_duplicates())
+
+
+def test_unwritable_output_is_refused_before_work(counting_encoder):
+    ddf = make_partitioned_frame([2, 2])
+    counting_encoder.calls.clear()
+    with pytest.raises(SurgeOutputError, match="not writable"):
+        ddf.surge.encode("text", "/proc/dask-surge-test/out", model=counting_encoder, scheduler="sync")
+    assert counting_encoder.calls == [] or counting_encoder.calls == [1]  # at most the dimension probe
