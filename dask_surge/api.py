@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -35,12 +36,27 @@ SCHEDULERS = (None, "sync", "synchronous", "threads")
 
 @dataclass
 class SurgePlan:
-    """What :func:`encode` will do: partition sizes and SuperBatch boundaries."""
+    """What :func:`encode` will do: partition sizes, SuperBatch boundaries and,
+    when cost-model parameters are known, predictions for every policy.
+
+    Attributes
+    ----------
+    predictions : pandas.DataFrame or None
+        Indexed by policy (``surge``, ``pbp``, ``fb``, ``pb-pbp-lb``) with columns
+        ``texts_per_s``, ``seconds``, ``calls``, ``peak_memory_bytes``, ``ttfo_s``...
+        (:func:`dask_surge.costmodel.predict`).
+    advice : dask_surge.costmodel.Advice or None
+        phi, CV, the predicted speed-up over one call per partition, and the knob
+        that matters.
+    """
 
     sizes: PartitionSizes
     superbatches: list[SuperBatch]
     b_min: int
     b_max: int
+    params: Any = None
+    predictions: Any = None
+    advice: Any = None
 
     @property
     def rows(self) -> int:
@@ -64,6 +80,64 @@ class SurgePlan:
                 f"{s['largest_superbatch']:,} rows; b_min={s['b_min']:,}, b_max={s['b_max']:,}, "
                 f"sizes from {s['sizes_source']})")
 
+    def _table(self):
+        cols = ["texts_per_s", "seconds", "calls", "peak_memory_bytes", "ttfo_s"]
+        return self.predictions[cols].round({"texts_per_s": 0, "seconds": 2, "ttfo_s": 2})
+
+    def __str__(self) -> str:
+        text = repr(self)
+        if self.predictions is not None:
+            text += "\npredicted (cost model, calibrated on this cluster):\n" + self._table().to_string()
+        if self.advice is not None:
+            text += f"\nphi={self.advice.phi:.3f}, CV={self.advice.cv:.2f}: {self.advice.text}"
+        return text
+
+    def _repr_html_(self) -> str:
+        import html
+
+        out = f"<p><b>{html.escape(repr(self))}</b></p>"
+        if self.predictions is not None:
+            out += self._table().to_html()
+        if self.advice is not None:
+            out += f"<p>phi={self.advice.phi:.3f}, CV={self.advice.cv:.2f}: {html.escape(self.advice.text)}</p>"
+        return out
+
+    def sweep(self, b_mins: Sequence[int] | None = None):
+        """Predicted SURGE throughput, peak memory and TTFO for a range of ``b_min``
+        (``b_max = max(b_max, 4 b_min)``), as a DataFrame indexed by ``b_min``."""
+        from .costmodel import predict
+
+        if self.params is None:
+            raise SurgeValueError("this plan has no cost-model parameters; call plan(..., calibrate=True).")
+        if b_mins is None:
+            top = max(self.rows, 2)
+            b_mins = sorted({int(x) for x in np.geomspace(max(1, top // 1000), top, 12)})
+        rows = []
+        for b in b_mins:
+            pred = predict(self.sizes.sizes, self.params, b_min=b, b_max=max(self.b_max, 4 * b)).loc["surge"]
+            rows.append({"b_min": b, "texts_per_s": pred["texts_per_s"],
+                         "peak_memory_bytes": pred["peak_memory_bytes"], "ttfo_s": pred["ttfo_s"]})
+        return pd.DataFrame(rows).set_index("b_min")
+
+    def plot(self, b_mins: Sequence[int] | None = None):
+        """Throughput, memory and TTFO against ``b_min`` (the shape of the paper's Fig. 8).
+
+        Needs matplotlib. Returns the figure.
+        """
+        import matplotlib.pyplot as plt
+
+        table = self.sweep(b_mins)
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+        for ax, col, label in zip(axes, ["texts_per_s", "peak_memory_bytes", "ttfo_s"],
+                                  ["texts/s", "peak memory per worker (bytes)", "TTFO (s)"]):
+            ax.plot(table.index, table[col], marker="o")
+            ax.axvline(self.b_min, color="grey", linestyle="--")
+            ax.set_xscale("log")
+            ax.set_xlabel("b_min (rows)")
+            ax.set_ylabel(label)
+        fig.tight_layout()
+        return fig
+
 
 @dataclass
 class EncodeResult:
@@ -79,6 +153,9 @@ class EncodeResult:
     ttfo_s: float | None
     sizes_source: str
     resumed: bool
+    b_min: int = 0
+    b_max: int = 0
+    thresholds_reason: str = ""
     records: list[dict] = field(default_factory=list, repr=False)
 
     @property
@@ -97,7 +174,8 @@ class EncodeResult:
         ttfo = f"{self.ttfo_s:.2f} s" if self.ttfo_s is not None else "n/a"
         return (f"{self.rows:,} rows from {self.partitions:,} partitions in {self.superbatches:,} "
                 f"SuperBatches ({self.skipped_superbatches:,} already committed) -> {self.output}\n"
-                f"{self.seconds:.1f} s, {self.texts_per_s:,.0f} texts/s, first output after {ttfo}")
+                f"{self.seconds:.1f} s, {self.texts_per_s:,.0f} texts/s, first output after {ttfo}\n"
+                f"b_min={self.b_min:,}, b_max={self.b_max:,} ({self.thresholds_reason})")
 
 
 def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
@@ -133,8 +211,21 @@ def _resolve_encoder(model: Any, opts: dict) -> Encoder:
     )
 
 
-def plan(ddf, column: str, *, b_min: int | None = None, b_max: int | None = None) -> SurgePlan:
+def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str | None = None,
+         model: Any = None, params: Any = None, calibrate: bool = False, client: Any = None) -> SurgePlan:
     """Plan the SuperBatches for ``ddf[column]`` without encoding anything.
+
+    Parameters
+    ----------
+    ddf, column, b_min, b_max, model
+        As for :func:`encode`.
+    params : dask_surge.costmodel.CostParams, optional
+        Cost-model parameters; with them the plan predicts every policy.
+    calibrate : bool
+        Measure the parameters on the live cluster first (a probe of about 15 s,
+        cached per model, device and cluster shape; see :mod:`dask_surge.calibrate`).
+    client : distributed.Client, optional
+        Cluster to calibrate on (default: the active one, else this process).
 
     Examples
     --------
@@ -144,9 +235,50 @@ def plan(ddf, column: str, *, b_min: int | None = None, b_max: int | None = None
     SurgePlan(10 rows in 5 partitions -> 3 SuperBatches of 2-4 rows; b_min=4, b_max=6, sizes from metadata)
     """
     _check_columns(ddf, column, ())
-    b_min, b_max = validate_thresholds(*config.thresholds(b_min, b_max, gpu=gpu_count() > 0))
     sizes = partition_sizes(ddf[[column]])
-    return SurgePlan(sizes, plan_superbatches(sizes.sizes, b_min, b_max), b_min, b_max)
+    if calibrate and params is None:
+        from .calibrate import calibrate as run_probe
+
+        encoder = _resolve_encoder(model, {})
+        params = run_probe(encoder, client=client if client is not None else _active_client())
+    b_min, b_max, _ = _thresholds(b_min, b_max, sizes, params, gpu=gpu_count() > 0)
+    superbatches = plan_superbatches(sizes.sizes, b_min, b_max)
+    result = SurgePlan(sizes, superbatches, b_min, b_max, params=params)
+    if params is not None and sizes.total:
+        from .costmodel import advise, predict
+
+        result.predictions = predict(sizes.sizes, params, b_min=b_min, b_max=b_max)
+        result.advice = advise(sizes.sizes, params, b_min=b_min, b_max=b_max)
+    return result
+
+
+def _active_client():
+    try:
+        from distributed import get_client
+
+        return get_client()
+    except ValueError:
+        return None
+
+
+def _thresholds(b_min, b_max, sizes: PartitionSizes, params, *, gpu: bool) -> tuple[int, int, str]:
+    """Resolve the thresholds; ``"auto"`` uses the cost model when parameters are known."""
+    raw_min = config.get("b-min") if b_min is None else b_min
+    raw_max = config.get("b-max") if b_max is None else b_max
+    if params is not None and "auto" in (raw_min, raw_max) and sizes.sizes:
+        from .costmodel import auto_thresholds
+
+        budget = config.get("memory-budget") or 2 * 1024**3
+        chosen_min, chosen_max, reason = auto_thresholds(
+            params, memory_budget_bytes=budget, ttfo_target_s=config.get("ttfo-target"), n_max=max(sizes.sizes))
+        b_min = chosen_min if raw_min == "auto" else raw_min
+        b_max = max(chosen_max, b_min) if raw_max == "auto" else raw_max
+        b_min, b_max = validate_thresholds(b_min, b_max)
+        return b_min, b_max, reason
+    b_min, b_max = validate_thresholds(*config.thresholds(b_min, b_max, gpu=gpu))
+    why = "given" if "auto" not in (raw_min, raw_max) else (
+        f"auto without calibration: the {'GPU' if gpu else 'CPU'} defaults")
+    return b_min, b_max, why
 
 
 @contextlib.contextmanager
@@ -254,24 +386,41 @@ def encode(
     encoder = _resolve_encoder(model, dict(device=device, dtype=dtype, engine=engine, batch_size=batch_size,
                                            max_tokens=max_tokens))
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
-    b_min, b_max = validate_thresholds(*config.thresholds(b_min, b_max, gpu=on_gpu))
+    validate_thresholds(*config.thresholds(b_min, b_max, gpu=on_gpu))  # fail before any work
     sbe = SuperBatchEncoder(
         column, keep, encoder,
         normalize=config.get("normalize", normalize), precision=config.get("precision", precision),
         on_null=config.get("on-null", on_null),
     )
     frame = ddf[[column, *[k for k in keep if k != column]]]
+    thresholds = functools.partial(_resolve_auto, b_min, b_max, encoder, gpu=on_gpu)
     if output is None:
-        return _lazy(frame, sbe, b_min, b_max)
+        return _lazy(frame, sbe, thresholds)
     with _client_for(scheduler) as client:
-        return _write(frame, sbe, output, b_min, b_max, client=client, scheduler=scheduler,
+        return _write(frame, sbe, output, thresholds, client=client, scheduler=scheduler,
                       overwrite=overwrite, storage_options=storage_options,
                       progress=config.get("progress", progress))
 
 
-def _lazy(frame, sbe: SuperBatchEncoder, b_min: int, b_max: int):
+def _resolve_auto(b_min, b_max, encoder: Encoder, sizes: PartitionSizes, client, *, gpu: bool):
+    """Thresholds for a run: ``"auto"`` uses a cached calibration of this encoder and
+    cluster when there is one (see :func:`plan` with ``calibrate=True``)."""
+    params = None
+    raw = (config.get("b-min") if b_min is None else b_min, config.get("b-max") if b_max is None else b_max)
+    if "auto" in raw:
+        from .calibrate import calibrate
+
+        try:
+            params = calibrate(encoder, client=client, probe=False)
+        except Exception as err:  # a broken cache must not stop a run: fall back to defaults
+            logger.warning("dask-surge: calibration cache not usable (%s); using default thresholds", err)
+    return _thresholds(b_min, b_max, sizes, params, gpu=gpu)
+
+
+def _lazy(frame, sbe: SuperBatchEncoder, thresholds):
     _register(sbe.encoder)
     sizes = partition_sizes(frame)
+    b_min, b_max, _ = thresholds(sizes, _active_client())
     superbatches = plan_superbatches(sizes.sizes, b_min, b_max)
     return superbatch_collection(frame, superbatches, sizes.sizes, sbe, sbe.meta(frame._meta))
 
@@ -304,9 +453,10 @@ def fingerprint(frame, sbe: SuperBatchEncoder, sizes: PartitionSizes, b_min: int
     }
 
 
-def _write(frame, sbe, output, b_min, b_max, *, client, scheduler, overwrite, storage_options, progress):
+def _write(frame, sbe, output, thresholds, *, client, scheduler, overwrite, storage_options, progress):
     t0 = time.perf_counter()
     sizes = partition_sizes(frame)
+    b_min, b_max, reason = thresholds(sizes, client)
     superbatches = plan_superbatches(sizes.sizes, b_min, b_max)
     fp = fingerprint(frame, sbe, sizes, b_min, b_max)
     summary = {"superbatches": len(superbatches), "partitions": len(sizes.sizes), "rows": sizes.total}
@@ -344,7 +494,8 @@ def _write(frame, sbe, output, b_min, b_max, *, client, scheduler, overwrite, st
     return EncodeResult(
         output=str(output), run_id=manifest.run_id, rows=sizes.total, partitions=len(sizes.sizes),
         superbatches=len(superbatches), skipped_superbatches=len(done), seconds=time.perf_counter() - t0,
-        ttfo_s=ttfo, sizes_source=sizes.source, resumed=resumed, records=records,
+        ttfo_s=ttfo, sizes_source=sizes.source, resumed=resumed, b_min=b_min, b_max=b_max,
+        thresholds_reason=reason, records=records,
     )
 
 

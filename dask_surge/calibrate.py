@@ -138,12 +138,7 @@ def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def _engine_of(encoder):
     """The fast engine behind a loaded encoder, or None (sentence-transformers / callable)."""
-    fn = encoder._loaded().encode
-    for cell in getattr(fn, "__closure__", None) or ():
-        obj = cell.cell_contents
-        if hasattr(obj, "count_tokens") and hasattr(obj, "max_tokens"):
-            return obj
-    return None
+    return encoder.engine
 
 
 def _token_counter(encoder):
@@ -319,7 +314,7 @@ def _device(encoder, client) -> str:
 
 
 def calibrate(encoder: Any, *, client=None, seconds: float = 15, cache: bool = True,
-              refresh: bool = False) -> CostParams:
+              refresh: bool = False, probe: bool = True) -> CostParams | None:
     """Measure the cost-model constants for ``encoder`` on ``client``'s cluster.
 
     Parameters
@@ -336,6 +331,9 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 15, cache: bool = T
         Read and write the JSON cache (see :func:`cache_dir`).
     refresh : bool
         Ignore a cached result (and overwrite it).
+    probe : bool
+        With ``False``, only look the parameters up in the cache and return
+        ``None`` when they are not there (nothing is measured).
 
     Returns
     -------
@@ -379,6 +377,8 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 15, cache: bool = T
                 return CostParams.from_dict(data["params"])
         except (ValueError, KeyError, TypeError) as err:
             logger.warning("dask-surge: ignoring unreadable calibration cache %s (%s)", path, err)
+    if not probe:
+        return None
 
     t_start = time.perf_counter()
     curve_budget = seconds * (0.4 if client is not None else 0.9)

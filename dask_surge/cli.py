@@ -1,4 +1,4 @@
-"""``dask-surge`` command line: encode, demo, status."""
+"""``dask-surge`` command line: encode, demo, plan, status."""
 
 from __future__ import annotations
 
@@ -61,6 +61,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dir", default="surge-demo", help="where to write the dataset and embeddings")
     demo.add_argument("--seed", type=int, default=0)
     _add_encode_options(demo)
+
+    pl = sub.add_parser("plan", help="SuperBatch plan and (with --calibrate) predicted cost of each policy")
+    pl.add_argument("inputs", nargs="+")
+    pl.add_argument("--text-column", required=True)
+    pl.add_argument("--format", choices=["parquet", "csv", "json"], default=None)
+    pl.add_argument("--model", default=None)
+    pl.add_argument("--b-min", type=_threshold, default=None)
+    pl.add_argument("--b-max", type=_threshold, default=None)
+    pl.add_argument("--calibrate", action="store_true",
+                    help="measure the cost model on a local cluster (~15 s, cached) and predict every policy")
 
     st = sub.add_parser("status", help="progress of an output directory")
     st.add_argument("output")
@@ -175,6 +185,24 @@ def cmd_demo(args) -> int:
     return 0 if unique == len(back) == args.rows else 1
 
 
+def cmd_plan(args) -> int:
+    from .api import plan
+
+    ddf = read_input(args.inputs, args.format)
+    if args.calibrate:
+        from distributed import Client
+
+        from .cluster import local_cluster
+
+        with local_cluster() as cluster, Client(cluster) as client:
+            result = plan(ddf, args.text_column, b_min=args.b_min, b_max=args.b_max, model=args.model,
+                          calibrate=True, client=client)
+    else:
+        result = plan(ddf, args.text_column, b_min=args.b_min, b_max=args.b_max)
+    print(result)
+    return 0
+
+
 def cmd_status(args) -> int:
     from .api import status
 
@@ -191,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     try:
-        return {"encode": cmd_encode, "demo": cmd_demo, "status": cmd_status}[args.command](args)
+        commands = {"encode": cmd_encode, "demo": cmd_demo, "plan": cmd_plan, "status": cmd_status}
+        return commands[args.command](args)
     except SurgeError as err:
         print(f"dask-surge: error: {err}", file=sys.stderr)
         return 2

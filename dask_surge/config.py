@@ -39,6 +39,8 @@ OPTIONS: dict[str, Any] = {
     "on-null": ("error", "empty"),
     "progress": "bool",
     "in-flight": ("positive-int", None),
+    "ttfo-target": "positive-number",
+    "memory-budget": ("positive-int", None),
 }
 
 
@@ -52,9 +54,13 @@ def _check(name: str, value: Any) -> Any:
             return value
         if option == "str" and isinstance(value, str):
             return value
+        if option == "positive-number" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and value > 0:
+            return value
         if option == "bool" and isinstance(value, bool):
             return value
-        if isinstance(option, str) and option not in ("positive-int", "str", "bool") and value == option:
+        if isinstance(option, str) and option not in ("positive-int", "positive-number", "str", "bool") \
+                and value == option:
             return value
     raise SurgeValueError(
         f"surge.{name}={value!r} is not allowed: expected {' or '.join(map(str, allowed))}. "

@@ -100,6 +100,7 @@ class _Loaded:
     dimension: int
     backend: str
     lock: threading.Lock
+    engine: Any = None  # the TransformerEngine when backend == "fast"
 
 
 def _token_for(obj: Any) -> str:
@@ -240,6 +241,11 @@ class Encoder:
     def dimension(self) -> int:
         """Embedding size ``d`` (loads the model in this process if needed)."""
         return self._loaded().dimension
+
+    @property
+    def engine(self):
+        """The fast :class:`~dask_surge.engine.TransformerEngine` encoding here, or None."""
+        return self._loaded().engine
 
     @property
     def backend(self) -> str:
@@ -393,7 +399,8 @@ def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
                     "Fix: pass engine='auto' to fall back to SentenceTransformer.encode."
                 )
         if engine is not None:
-            return _Loaded(lambda texts, norm: engine.encode(texts, normalize=norm), engine.dimension, "fast", lock)
+            return _Loaded(lambda texts, norm: engine.encode(texts, normalize=norm), engine.dimension, "fast", lock,
+                           engine)
         get_dim = getattr(obj, "get_embedding_dimension", None) or obj.get_sentence_embedding_dimension
         dim = get_dim()
 

@@ -52,3 +52,10 @@ def test_demo_small(tmp_path, tiny_model, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "read back 300 rows, 300 distinct (partition, row) of 300 input rows: OK" in out
+
+
+def test_plan_command(tmp_path, capsys):
+    write_partitioned_parquet(tmp_path / "in", [3, 4, 20, 1])
+    assert main(["plan", str(tmp_path / "in"), "--text-column", "text", "--b-min", "5", "--b-max", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "28 rows in 4 partitions -> 5 SuperBatches of 1-8 rows" in out and "metadata" in out

@@ -199,3 +199,43 @@ def test_calibrate_bad_seconds():
 
     with pytest.raises(SurgeValueError, match="seconds=0"):
         calibrate("default", seconds=0)
+
+
+# -- plan() integration -----------------------------------------------------------------
+
+def test_plan_with_params_predicts_every_policy_and_advises():
+    from dask_surge.testing import make_partitioned_frame
+
+    tiny_parts = make_partitioned_frame(lognormal_sizes(4_000, 400, sigma=1.72, seed=1))
+    p = tiny_parts.surge.plan("text", b_min=1_000, b_max=4_000, params=params())
+    assert list(p.predictions.index) == ["surge", "pbp", "fb", "pb-pbp-lb"]
+    assert {"texts_per_s", "seconds", "calls", "peak_memory_bytes", "ttfo_s"} <= set(p.predictions.columns)
+    assert p.predictions.loc["surge", "calls"] == len(p.superbatches)
+    assert p.advice.pays and p.advice.predicted_speedup > 1
+    assert "predicted" in str(p) and "<table" in p._repr_html_()
+    sweep = p.sweep([250, 1_000, 4_000])
+    assert list(sweep.index) == [250, 1_000, 4_000]
+    # few large partitions: fusing does not pay
+    big = make_partitioned_frame([20_000, 20_000])
+    assert not big.surge.plan("text", b_min=1_000, b_max=40_000, params=params()).advice.pays
+
+
+def test_auto_thresholds_use_a_cached_calibration(monkeypatch):
+    import dask
+
+    import dask_surge.calibrate as cal
+    from dask_surge.testing import make_partitioned_frame
+
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: params())
+    ddf = make_partitioned_frame([50] * 20)
+    with dask.config.set({"surge.ttfo-target": 0.5}):
+        p = ddf.surge.plan("text", b_min="auto", b_max="auto", params=params())
+    expected = auto_thresholds(params(), memory_budget_bytes=2 * 1024**3, ttfo_target_s=0.5, n_max=50)
+    assert (p.b_min, p.b_max) == expected[:2]
+    # and encode(b_min="auto") picks the same thresholds from the cached calibration
+    import numpy as np_
+
+    with dask.config.set({"surge.ttfo-target": 0.5}):
+        res = ddf.surge.encode("text", str(__import__("tempfile").mkdtemp()), model=lambda t: np_.ones((len(t), 2)),
+                               scheduler="sync", progress=False)
+    assert (res.b_min, res.b_max, res.thresholds_reason) == expected
