@@ -17,7 +17,7 @@ from . import config
 from ._version import __version__
 from .cluster import gpu_count
 from .encoders import Encoder
-from .errors import SurgeInputError, SurgeValueError
+from .errors import SurgeError, SurgeInputError, SurgeValueError
 from .graph import superbatch_collection
 from .identity import input_identity
 from .manifest import Manifest, current_run, finish_run, open_run
@@ -483,6 +483,22 @@ def _write(frame, sbe, output, thresholds, *, client, scheduler, overwrite, stor
         except KeyboardInterrupt:
             _interrupted(manifest, output, len(superbatches))
             raise
+        except UnicodeDecodeError as err:
+            raise SurgeInputError(
+                f"the text column {sbe.column!r} holds bytes that are not valid UTF-8 ({err}). "
+                f"{len(manifest.committed())} SuperBatches are committed and kept. Fix: decode the "
+                f"column yourself first, e.g. .map(lambda b: b.decode('utf-8', errors='replace')), "
+                "then rerun."
+            ) from err
+        except Exception as err:
+            if type(err).__name__ != "KilledWorker":
+                raise
+            raise SurgeError(
+                f"a SuperBatch task killed its worker repeatedly ({err}); the usual cause is running "
+                f"out of memory. {len(manifest.committed())} SuperBatches are committed and kept. Fix: "
+                "lower b_min/b_max (or max_tokens), give workers more memory, then rerun the same call "
+                "to resume."
+            ) from err
     committed = manifest.committed()
     missing = [sb.index for sb in superbatches if sb.index not in committed]
     if missing:  # pragma: no cover - each SB either raised or committed above

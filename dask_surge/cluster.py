@@ -23,7 +23,8 @@ def local_cluster(**kwargs):
     """A local Dask cluster sized for this machine.
 
     With GPUs and ``dask-cuda`` installed: a ``LocalCUDACluster`` with one
-    worker per visible GPU (each worker sees its GPU as device 0). Otherwise a ``LocalCluster`` with one
+    worker per visible GPU (each worker sees its GPU as device 0) and two
+    threads per worker, so writing SuperBatch ``j`` overlaps encoding ``j+1``. Otherwise a ``LocalCluster`` with one
     single-threaded worker per core (torch uses one thread per worker, so the
     cores are not oversubscribed).
 
@@ -48,7 +49,11 @@ def local_cluster(**kwargs):
                 "LocalCluster. Fix: pip install 'dask-surge[gpu]'.", gpus,
             )
         else:
-            return LocalCUDACluster(**kwargs)
+            # two threads per GPU worker: while one SuperBatch runs on the GPU (the engine
+            # serializes forward passes), the other reads, tokenizes or writes its Parquet
+            opts = {"threads_per_worker": 2}
+            opts.update(kwargs)
+            return LocalCUDACluster(**opts)
     from distributed import LocalCluster
 
     opts = {"n_workers": max(1, os.cpu_count() or 1), "threads_per_worker": 1, "dashboard_address": ":0"}

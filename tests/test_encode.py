@@ -265,3 +265,17 @@ def test_plan_accessor():
     p = ddf.surge.plan("text", b_min=8, b_max=12)
     assert [sb.rows for sb in p.superbatches] == [10, 12, 12, 6]
     assert "4 SuperBatches" in repr(p)
+
+
+def test_invalid_utf8_bytes_get_a_clear_error(tmp_path, counting_encoder):
+    ddf = dd.from_pandas(pd.DataFrame({"text": [b"ok", b"\xff\xfe"]}, dtype=object), npartitions=1)
+    with pytest.raises(SurgeInputError, match="not valid UTF-8.*errors='replace'"):
+        ddf.surge.encode("text", str(tmp_path / "o"), model=counting_encoder, scheduler="sync", progress=False)
+
+
+def test_categorical_and_large_string_columns_encode(counting_encoder):
+    import pyarrow as pa
+
+    for values in (pd.Categorical(["a", "b", "a"]), pd.array(["a", "b", "c"], dtype=pd.ArrowDtype(pa.large_string()))):
+        ddf = dd.from_pandas(pd.DataFrame({"text": values}), npartitions=1)
+        assert len(ddf.surge.encode("text", model=counting_encoder).compute(scheduler="sync")) == 3
