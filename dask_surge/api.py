@@ -276,8 +276,9 @@ def _thresholds(b_min, b_max, sizes: PartitionSizes, params, *, gpu: bool) -> tu
         b_min, b_max = validate_thresholds(b_min, b_max)
         return b_min, b_max, reason
     b_min, b_max = validate_thresholds(*config.thresholds(b_min, b_max, gpu=gpu))
-    why = "given" if "auto" not in (raw_min, raw_max) else (
-        f"auto without calibration: the {'GPU' if gpu else 'CPU'} defaults")
+    autos = [name for name, raw in (("b_min", raw_min), ("b_max", raw_max)) if raw == "auto"]
+    why = "as given" if not autos else (
+        f"{' and '.join(autos)} auto without a cached calibration: the {'GPU' if gpu else 'CPU'} default")
     return b_min, b_max, why
 
 
