@@ -25,7 +25,6 @@ competent Dask user would):
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -301,8 +300,12 @@ def rows_written(out: str) -> int:
     return n
 
 
-def measure(spec: dict) -> dict:
-    """Run ``spec["method"]`` once and return its record (see module docstring)."""
+def measure(spec: dict, shared: dict | None = None) -> dict:
+    """Run ``spec["method"]`` once and return its record (see module docstring).
+
+    ``shared`` (a dict) lets several measurements in one process reuse one cluster
+    (``--quick``); by default each measurement starts and closes its own.
+    """
     import torch
 
     method = spec["method"]
@@ -313,7 +316,11 @@ def measure(spec: dict) -> dict:
     cluster = client = None
     setup0 = time.perf_counter()
     sampler = MemorySampler()
-    if method == "st":
+    if method != "st" and shared is not None and shared.get("client") is not None:
+        cluster, client = shared["cluster"], shared["client"]
+        _warm(enc)
+        client.run(_warm, enc)
+    elif method == "st":
         from sentence_transformers import SentenceTransformer
 
         spec["_st_model"] = SentenceTransformer(spec["model_path"], device=spec["device"], local_files_only=True)
@@ -321,6 +328,8 @@ def measure(spec: dict) -> dict:
     else:
         cluster, client = start_cluster(spec)
         client.wait_for_workers(spec["workers"])
+        if shared is not None:
+            shared.update(cluster=cluster, client=client)
         _warm(enc)  # client side (meta/dimension), as every method needs
         client.run(_warm, enc)  # each worker loads the model once, before the clock
     setup_s = time.perf_counter() - setup0
@@ -344,7 +353,7 @@ def measure(spec: dict) -> dict:
             seconds = time.perf_counter() - t0
         n_out = rows_written(out)
     finally:
-        if client is not None:
+        if client is not None and shared is None:
             client.close()
             cluster.close()
         shutil.rmtree(out, ignore_errors=True)
@@ -373,9 +382,22 @@ def measure(spec: dict) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    spec = json.loads(argv[0])
-    rec = measure(spec)
-    print("RESULT " + json.dumps(rec), flush=True)
+    """``argv[0]``: a JSON spec, or a JSON list of specs run on one shared cluster."""
+    specs = json.loads(argv[0])
+    shared = {} if isinstance(specs, list) else None
+    for spec in specs if isinstance(specs, list) else [specs]:
+        try:
+            rec = measure(spec, shared)
+        except Exception as err:  # report and go on: one failed method must not hide the others
+            import traceback
+
+            traceback.print_exc()
+            rec = {"key": spec.get("key"), "error": f"{type(err).__name__}: {err}"}
+        rec["key"] = spec.get("key")
+        print("RESULT " + json.dumps(rec), flush=True)
+    if shared and shared.get("client") is not None:
+        shared["client"].close()
+        shared["cluster"].close()
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from dask._task_spec import List, Task, TaskRef
 from dask.dataframe.dask_expr import new_collection
@@ -117,6 +118,13 @@ def superbatch_collection(frame, plan: Sequence[SuperBatch], sizes: Sequence[int
     >>> fused.npartitions, fused.map_partitions(len).compute().tolist()
     (3, [4, 4, 2])
     """
+    if not plan:  # nothing to encode: an empty frame of the output schema
+        import dask.dataframe as dd
+
+        return dd.from_pandas(meta, npartitions=1)
+    fast = parquet_superbatch_collection(frame, plan, sizes, func, meta)
+    if fast is not None:
+        return fast
     expr = SuperBatchExpr(frame.expr, tuple(plan), tuple(int(n) for n in sizes), func, meta)
     return new_collection(expr)
 
@@ -127,3 +135,87 @@ def _concat_rows(parts, sb_index, spans):
 
     by_partition = dict(zip(sorted({s.partition for s, _ in spans}), parts))
     return pd.concat([by_partition[s.partition].iloc[s.start : s.stop] for s, _ in spans])
+
+
+# -- Parquet fast path ---------------------------------------------------------------------------
+
+def parquet_pieces(expr) -> tuple | None:
+    """``(fs, [(path, row_groups), ...] per partition, columns)`` for a plain ``read_parquet``.
+
+    Only for Dask's default (fsspec) Parquet reader without filters, hive
+    partition columns or index columns; ``None`` otherwise (the generic path is used).
+    """
+    from dask.dataframe.dask_expr.io.parquet import ReadParquetFSSpec
+
+    if not isinstance(expr, ReadParquetFSSpec) or expr.filters:
+        return None
+    info = expr._dataset_info
+    if info["partition_names"] or info["index_cols"] or expr._series:
+        return None
+    parts = info["plan"]["parts"]
+    pieces = []
+    for i in expr._partitions:
+        piece = parts[i]["piece"]
+        if piece[2]:  # per-piece filters
+            return None
+        pieces.append((piece[0], None if piece[1] is None else tuple(piece[1])))
+    return info["fs"], pieces, list(expr.columns)
+
+
+@dataclass(frozen=True)
+class ParquetSuperBatch:
+    """One SuperBatch task that reads its own Parquet files (no per-partition tasks)."""
+
+    func: Callable
+    fs: object
+    columns: tuple
+    dtypes: tuple
+
+    def __dask_tokenize__(self):
+        from dask.base import tokenize
+
+        return ("ParquetSuperBatch", tokenize(self.func), tokenize(self.fs), self.columns, self.dtypes)
+
+    def read(self, path: str, row_groups) -> "pd.DataFrame":
+        import pyarrow.parquet as pq
+
+        with self.fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            table = pf.read(columns=list(self.columns)) if row_groups is None else pf.read_row_groups(
+                list(row_groups), columns=list(self.columns))
+        frame = table.to_pandas(types_mapper=_string_types)
+        return frame.astype(dict(self.dtypes)) if len(frame.columns) else frame
+
+    def __call__(self, spec) -> "pd.DataFrame":
+        sb_index, pieces, spans = spec
+        return self.func([self.read(path, rgs) for path, rgs in pieces], sb_index, spans)
+
+
+def _string_types(pa_type):
+    import pandas as pd
+    import pyarrow as pa
+
+    if pa.types.is_string(pa_type) or pa.types.is_large_string(pa_type):
+        return pd.StringDtype("pyarrow")
+    return None
+
+
+def parquet_superbatch_collection(frame, plan, sizes, func, meta):
+    """Like :func:`superbatch_collection` for a plain ``read_parquet``: each SuperBatch task
+    reads its own files, so the graph has one task per SuperBatch and nothing else.
+    Returns ``None`` when ``frame`` is not such an input."""
+    import dask.dataframe as dd
+
+    found = parquet_pieces(frame.expr.simplify())
+    if found is None or len(found[1]) != len(sizes):
+        return None
+    fs, pieces, columns = found
+    dtypes = tuple((c, str(t)) for c, t in frame._meta.dtypes.items())
+    reader = ParquetSuperBatch(func, fs, tuple(columns), dtypes)
+    specs = []
+    for sb in plan:
+        inputs = sorted({s.partition for s in sb.spans})
+        spans = tuple((span, int(sizes[span.partition])) for span in sb.spans)
+        specs.append((sb.index, tuple(pieces[p] for p in inputs), spans))
+    return dd.from_map(reader, specs, meta=meta, enforce_metadata=False, label="surge-superbatch",
+                       divisions=(None,) * (len(specs) + 1))
