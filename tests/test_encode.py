@@ -297,3 +297,11 @@ def test_parquet_input_needs_one_task_per_superbatch_and_nothing_else(tmp_path, 
     slow = slow.compute(scheduler="sync")
     assert list(zip(fast.partition, fast.row, fast.doc_id)) == list(zip(slow.partition, slow.row, slow.doc_id))
     np.testing.assert_allclose(_emb(fast), _emb(slow), rtol=1e-5, atol=1e-6)
+
+
+def test_megabyte_texts_are_truncated_like_sentence_transformers(tiny_model):
+    big = "word " * 220_000  # 1.1 MB
+    texts = [big, "short", big[:5000]]
+    ddf = dd.from_pandas(pd.DataFrame({"text": texts}), npartitions=2)
+    df = ddf.surge.encode("text", model=tiny_model, device="cpu").compute(scheduler="sync")
+    assert _cosine(_emb(df), _reference(tiny_model, texts)).min() >= 0.9999
