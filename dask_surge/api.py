@@ -625,7 +625,7 @@ def status(output: str, storage_options: dict | None = None) -> dict:
 
 
 def read_embeddings(path: str, *, partition: int | None = None, columns: Sequence[str] | None = None,
-                    storage_options: dict | None = None):
+                    storage_options: dict | None = None, backend: str = "pandas"):
     """Read the committed rows of an output directory as a Dask DataFrame.
 
     Only files named by commit records of the current run are read; orphan or
@@ -639,6 +639,8 @@ def read_embeddings(path: str, *, partition: int | None = None, columns: Sequenc
         Only this input partition's rows (only the files that hold it are read).
     columns : sequence of str, optional
         Columns to read.
+    backend : {"pandas", "cudf"}
+        ``"cudf"`` returns a dask-cuDF DataFrame (needs RAPIDS).
 
     Examples
     --------
@@ -664,6 +666,11 @@ def read_embeddings(path: str, *, partition: int | None = None, columns: Sequenc
         raise SurgeInputError(f"{path!r} has no committed rows" + (
             f" for partition {partition}" if partition is not None else "") + ".")
     filters = [("partition", "==", partition)] if partition is not None else None
+    if backend not in ("pandas", "cudf"):
+        raise SurgeValueError(f"backend={backend!r} is not supported; use 'pandas' or 'cudf'.")
+    if backend == "cudf":
+        return dd.read_parquet(files, columns=list(columns) if columns else None, filters=filters,
+                               storage_options=storage_options).to_backend("cudf")
     return dd.read_parquet(files, columns=list(columns) if columns else None, filters=filters,
                            storage_options=storage_options,
                            arrow_to_pandas={"types_mapper": _embedding_types})

@@ -39,3 +39,17 @@ def test_accessor_registered():
 
     ddf = dd.from_pandas(pd.DataFrame({"text": ["a"]}), npartitions=1)
     assert hasattr(ddf, "surge") and dask_surge.__version__
+
+
+def test_schema_matches_yaml_and_validates_defaults():
+    import os
+
+    jsonschema = pytest.importorskip("jsonschema", reason="schema check needs jsonschema")
+    with open(os.path.join(os.path.dirname(config.DEFAULTS_PATH), "surge-schema.yaml")) as f:
+        schema = yaml.safe_load(f)
+    with open(config.DEFAULTS_PATH) as f:
+        defaults = yaml.safe_load(f)
+    assert set(schema["properties"]["surge"]["properties"]) == set(defaults["surge"]) == set(config.OPTIONS)
+    jsonschema.validate(defaults, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"surge": {**defaults["surge"], "b-min": 0}}, schema)

@@ -305,3 +305,13 @@ def test_megabyte_texts_are_truncated_like_sentence_transformers(tiny_model):
     ddf = dd.from_pandas(pd.DataFrame({"text": texts}), npartitions=2)
     df = ddf.surge.encode("text", model=tiny_model, device="cpu").compute(scheduler="sync")
     assert _cosine(_emb(df), _reference(tiny_model, texts)).min() >= 0.9999
+
+
+def test_read_embeddings_cudf_backend(tmp_path, counting_encoder):
+    ddf = make_partitioned_frame([2, 3])
+    ddf.surge.encode("text", str(tmp_path / "o"), model=counting_encoder, scheduler="sync", progress=False)
+    with pytest.raises(SurgeValueError, match="backend='arrow'"):
+        dask_surge.read_embeddings(str(tmp_path / "o"), backend="arrow")
+    pytest.importorskip("cudf", reason="RAPIDS cuDF is not installed (no GPU here)")
+    gdf = dask_surge.read_embeddings(str(tmp_path / "o"), backend="cudf").compute()
+    assert len(gdf) == 5
