@@ -27,7 +27,7 @@ from .sink import SuperBatchWriter
 from .sizes import PartitionSizes, partition_sizes
 from .superbatch import SuperBatchEncoder
 
-__all__ = ["encode", "plan", "EncodeResult", "SurgePlan"]
+__all__ = ["encode", "plan", "status", "read_embeddings", "fingerprint", "EncodeResult", "SurgePlan"]
 
 logger = logging.getLogger(__name__)
 RESERVED = ("partition", "row", "embedding")
@@ -682,5 +682,3 @@ def _embedding_types(pa_type):
 
     return pd.ArrowDtype(pa_type) if pa.types.is_fixed_size_list(pa_type) else None
 
-
-__all__ += ["status", "read_embeddings", "fingerprint"]

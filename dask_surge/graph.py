@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import pandas as pd
 from dask._task_spec import List, Task, TaskRef
 from dask.dataframe.dask_expr import new_collection
 from dask.dataframe.dask_expr._expr import Expr
@@ -176,7 +177,7 @@ class ParquetSuperBatch:
 
         return ("ParquetSuperBatch", tokenize(self.func), tokenize(self.fs), self.columns, self.dtypes)
 
-    def read(self, path: str, row_groups) -> "pd.DataFrame":
+    def read(self, path: str, row_groups) -> pd.DataFrame:
         import pyarrow.parquet as pq
 
         with self.fs.open(path, "rb") as f:
@@ -186,7 +187,7 @@ class ParquetSuperBatch:
         frame = table.to_pandas(types_mapper=_string_types)
         return frame.astype(dict(self.dtypes)) if len(frame.columns) else frame
 
-    def __call__(self, spec) -> "pd.DataFrame":
+    def __call__(self, spec) -> pd.DataFrame:
         sb_index, pieces, spans = spec
         return self.func([self.read(path, rgs) for path, rgs in pieces], sb_index, spans)
 

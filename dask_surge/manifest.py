@@ -29,7 +29,7 @@ from fsspec.core import url_to_fs
 
 from .errors import SurgeOutputError
 
-__all__ = ["FORMAT_VERSION", "Manifest", "fingerprint_digest", "open_run"]
+__all__ = ["FORMAT_VERSION", "Manifest", "fingerprint_digest", "open_run", "current_run", "finish_run"]
 
 FORMAT_VERSION = 1
 META_DIR = "_surge"
@@ -281,12 +281,3 @@ def finish_run(manifest: Manifest) -> None:
     for run in fs.ls(f"{root}/{META_DIR}/runs", detail=False):
         if run.rstrip("/").rsplit("/", 1)[-1] != manifest.run_id:
             fs.rm(run, recursive=True)
-
-
-def filesystem(path: str, storage_options: dict | None = None):
-    """``(fs, root)`` for an output path (local path or fsspec URL)."""
-    fs, root = url_to_fs(path, **(storage_options or {}))
-    return fs, root.rstrip("/")
-
-
-__all__ += ["current_run", "finish_run", "filesystem"]

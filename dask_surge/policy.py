@@ -223,8 +223,3 @@ def max_superbatch_rows(sizes: Sequence[int], b_min: int, b_max: int) -> int:
     """The Lemma 3 bound ``min(b_max, b_min - 1 + n_max)`` for these sizes."""
     n_max = max(sizes, default=0)
     return min(b_max, b_min - 1 + n_max) if n_max else 0
-
-
-def n_slices(n: int, b_max: int) -> int:
-    """Row-slices an over-size partition of ``n`` rows is cut into."""
-    return math.ceil(n / b_max)

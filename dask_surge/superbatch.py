@@ -15,9 +15,6 @@ from .policy import Span
 
 __all__ = ["SuperBatchEncoder", "texts_of"]
 
-NULL_POLICIES = ("error", "empty")
-
-
 def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> list[str]:
     """Return the texts of ``series`` as a list of ``str``, enforcing the null policy.
 
