@@ -181,3 +181,44 @@ def test_unwritable_output_is_refused_before_work(counting_encoder):
     with pytest.raises(SurgeOutputError, match="not writable"):
         ddf.surge.encode("text", "/proc/dask-surge-test/out", model=counting_encoder, scheduler="sync")
     assert counting_encoder.calls == [] or counting_encoder.calls == [1]  # at most the dimension probe
+
+
+def test_manifest_from_a_newer_version_is_refused(tmp_path, counting_encoder):
+    import json
+
+    ddf = make_partitioned_frame([3, 3])
+    out = tmp_path / "o"
+    ddf.surge.encode("text", str(out), model=counting_encoder, scheduler="sync", progress=False)
+    run_json = next(out.glob("_surge/runs/*/run.json"))
+    info = json.loads(run_json.read_text())
+    info["format_version"] = 99
+    run_json.write_text(json.dumps(info))
+    with pytest.raises(SurgeOutputError, match="manifest format 99, newer than"):
+        ddf.surge.encode("text", str(out), model=counting_encoder, scheduler="sync", progress=False)
+    with pytest.raises(SurgeOutputError, match="upgrade dask-surge"):
+        dask_surge.read_embeddings(str(out))
+
+
+class InterruptAfter:
+    """A model that raises KeyboardInterrupt (Ctrl-C) on its n-th SuperBatch."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def __call__(self, texts):
+        if len(texts) > 1:
+            self.calls += 1
+            if self.calls == self.n:
+                raise KeyboardInterrupt
+        return np.array([[len(t), 1.0] for t in texts], dtype=np.float32)
+
+
+def test_keyboard_interrupt_keeps_committed_work_and_says_how_to_resume(tmp_path, caplog):
+    ddf = make_partitioned_frame([4] * 6)
+    out = str(tmp_path / "o")
+    kw = dict(b_min=8, b_max=8, scheduler="sync", progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        ddf.surge.encode("text", out, model=InterruptAfter(3), **kw)
+    assert "2 of 3 SuperBatches are committed" in caplog.text and "Rerun the same call" in caplog.text
+    res = ddf.surge.encode("text", out, model=InterruptAfter(99), **kw)
+    assert res.skipped_superbatches == 2 and res.rows == 24
