@@ -31,6 +31,7 @@ __all__ = ["encode", "plan", "status", "read_embeddings", "fingerprint", "Encode
 
 logger = logging.getLogger(__name__)
 RESERVED = ("partition", "row", "embedding")
+MIN_SUPERBATCHES_PER_WORKER = 4
 SCHEDULERS = (None, "sync", "synchronous", "threads")
 
 
@@ -241,7 +242,9 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
 
         encoder = _resolve_encoder(model, {})
         params = run_probe(encoder, client=client if client is not None else _active_client())
-    b_min, b_max, _ = _thresholds(b_min, b_max, sizes, params, gpu=gpu_count() > 0)
+    active = client if client is not None else _active_client()
+    workers = sum(active.nthreads().values()) if active is not None else 1
+    b_min, b_max, _ = _thresholds(b_min, b_max, sizes, params, gpu=gpu_count() > 0, workers=workers)
     superbatches = plan_superbatches(sizes.sizes, b_min, b_max)
     result = SurgePlan(sizes, superbatches, b_min, b_max, params=params)
     if params is not None and sizes.total:
@@ -261,24 +264,37 @@ def _active_client():
         return None
 
 
-def _thresholds(b_min, b_max, sizes: PartitionSizes, params, *, gpu: bool) -> tuple[int, int, str]:
-    """Resolve the thresholds; ``"auto"`` uses the cost model when parameters are known."""
+def _thresholds(b_min, b_max, sizes: PartitionSizes, params, *, gpu: bool,
+                workers: int = 1) -> tuple[int, int, str]:
+    """Resolve the thresholds; ``"auto"`` uses the cost model when parameters are known.
+
+    An automatic ``b_min`` is also capped so that every worker gets at least
+    :data:`MIN_SUPERBATCHES_PER_WORKER` SuperBatches: with fewer, the last one runs
+    alone while the other workers idle (measured: N=125k on 2 workers ran at
+    4.0k texts/s with 3 SuperBatches against 7.5k with 21).
+    """
     raw_min = config.get("b-min") if b_min is None else b_min
     raw_max = config.get("b-max") if b_max is None else b_max
-    if params is not None and "auto" in (raw_min, raw_max) and sizes.sizes:
+    autos = [name for name, raw in (("b_min", raw_min), ("b_max", raw_max)) if raw == "auto"]
+    if params is not None and autos and sizes.sizes:
         from .costmodel import auto_thresholds
 
         budget = config.get("memory-budget") or 2 * 1024**3
-        chosen_min, chosen_max, reason = auto_thresholds(
+        chosen_min, chosen_max, why = auto_thresholds(
             params, memory_budget_bytes=budget, ttfo_target_s=config.get("ttfo-target"), n_max=max(sizes.sizes))
         b_min = chosen_min if raw_min == "auto" else raw_min
         b_max = max(chosen_max, b_min) if raw_max == "auto" else raw_max
-        b_min, b_max = validate_thresholds(b_min, b_max)
-        return b_min, b_max, reason
-    b_min, b_max = validate_thresholds(*config.thresholds(b_min, b_max, gpu=gpu))
-    autos = [name for name, raw in (("b_min", raw_min), ("b_max", raw_max)) if raw == "auto"]
-    why = "as given" if not autos else (
-        f"{' and '.join(autos)} auto without a cached calibration: the {'GPU' if gpu else 'CPU'} default")
+    else:
+        b_min, b_max = config.thresholds(b_min, b_max, gpu=gpu)
+        why = "as given" if not autos else (
+            f"{' and '.join(autos)} auto without a cached calibration: the {'GPU' if gpu else 'CPU'} default")
+    if raw_min == "auto" and sizes.total:
+        spread = max(1, -(-sizes.total // (MIN_SUPERBATCHES_PER_WORKER * max(1, workers))))
+        if spread < b_min:
+            b_min = spread
+            why += (f"; b_min lowered to {b_min:,} so each of {workers} worker thread(s) gets "
+                    f"{MIN_SUPERBATCHES_PER_WORKER}+ SuperBatches")
+    b_min, b_max = validate_thresholds(b_min, b_max)
     return b_min, b_max, why
 
 
@@ -415,7 +431,8 @@ def _resolve_auto(b_min, b_max, encoder: Encoder, sizes: PartitionSizes, client,
             params = calibrate(encoder, client=client, probe=False)
         except Exception as err:  # a broken cache must not stop a run: fall back to defaults
             logger.warning("dask-surge: calibration cache not usable (%s); using default thresholds", err)
-    return _thresholds(b_min, b_max, sizes, params, gpu=gpu)
+    workers = sum(client.nthreads().values()) if client is not None else 1
+    return _thresholds(b_min, b_max, sizes, params, gpu=gpu, workers=workers)
 
 
 def _lazy(frame, sbe: SuperBatchEncoder, thresholds):

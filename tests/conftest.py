@@ -1,9 +1,12 @@
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# hermetic: calibrations cached by earlier runs on this machine must not steer b_min="auto"
+os.environ["DASK_SURGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="surge-test-cache-")
 
 
 @pytest.fixture(scope="session")

@@ -227,10 +227,11 @@ def test_auto_thresholds_use_a_cached_calibration(monkeypatch):
     from dask_surge.testing import make_partitioned_frame
 
     monkeypatch.setattr(cal, "calibrate", lambda *a, **k: params())
-    ddf = make_partitioned_frame([50] * 20)
+    ddf = make_partitioned_frame([2_000] * 20)  # large enough that 4 SBs per worker bind nothing
     with dask.config.set({"surge.ttfo-target": 0.5}):
         p = ddf.surge.plan("text", b_min="auto", b_max="auto", params=params())
-    expected = auto_thresholds(params(), memory_budget_bytes=2 * 1024**3, ttfo_target_s=0.5, n_max=50)
+    expected = auto_thresholds(params(), memory_budget_bytes=2 * 1024**3, ttfo_target_s=0.5, n_max=2_000)
+    assert expected[0] * 4 <= 40_000
     assert (p.b_min, p.b_max) == expected[:2]
     # and encode(b_min="auto") picks the same thresholds from the cached calibration
     import numpy as np_
@@ -239,3 +240,14 @@ def test_auto_thresholds_use_a_cached_calibration(monkeypatch):
         res = ddf.surge.encode("text", str(__import__("tempfile").mkdtemp()), model=lambda t: np_.ones((len(t), 2)),
                                scheduler="sync", progress=False)
     assert (res.b_min, res.b_max, res.thresholds_reason) == expected
+
+
+def test_auto_b_min_leaves_every_worker_several_superbatches():
+    from dask_surge.testing import make_partitioned_frame
+
+    ddf = make_partitioned_frame([50] * 20)  # 1,000 rows: the CPU default 4,096 would make one SB
+    p = ddf.surge.plan("text", b_min="auto", b_max="auto")
+    assert p.b_min == 250 and len(p.superbatches) == 4
+    res = ddf.surge.encode("text", str(__import__("tempfile").mkdtemp()), model=lambda t: np.ones((len(t), 2)),
+                           scheduler="sync", progress=False)
+    assert res.b_min == 250 and "4+ SuperBatches" in res.thresholds_reason
