@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("dask_surge").addHandler(handler)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # quiet model loading in this process and in the local cluster's workers (they inherit it)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
     try:
         commands = {"encode": cmd_encode, "demo": cmd_demo, "plan": cmd_plan, "status": cmd_status}
