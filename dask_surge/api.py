@@ -524,7 +524,7 @@ def _write(frame, sbe, output, thresholds, *, client, scheduler, overwrite, stor
             f"{len(missing)} SuperBatch(es) were not committed (first: {missing[:5]}); the output is "
             "incomplete. Rerun the same call to resume."
         )
-    finish_run(manifest)
+    finish_run(manifest, committed)
     return EncodeResult(
         output=str(output), run_id=manifest.run_id, rows=sizes.total, partitions=len(sizes.sizes),
         superbatches=len(superbatches), skipped_superbatches=len(done), seconds=time.perf_counter() - t0,
@@ -626,10 +626,7 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     manifest = current_run(output, storage_options)
     if manifest is None:
         return {"output": output, "state": "empty"}
-    info = manifest.fs.cat_file(f"{manifest.run_dir}/run.json")
-    import json
-
-    planned = json.loads(info).get("plan", {})
+    planned = manifest.plan
     committed = manifest.committed()
     rows = sum(r["rows"] for r in committed.values())
     state = "complete" if len(committed) == planned.get("superbatches") else "incomplete"

@@ -24,6 +24,13 @@ from .policy import SuperBatch
 __all__ = ["SuperBatchExpr", "superbatch_collection"]
 
 
+def task_arguments(sb: SuperBatch, sizes: Sequence[int]) -> tuple[list[int], tuple]:
+    """The input partitions a SuperBatch task consumes (in order) and its
+    ``(span, planned rows of that partition)`` pairs, as the per-SB function takes them."""
+    inputs = sorted({s.partition for s in sb.spans})
+    return inputs, tuple((span, int(sizes[span.partition])) for span in sb.spans)
+
+
 class SuperBatchExpr(Expr):
     """``frame`` fused into SuperBatches; see module docstring.
 
@@ -53,10 +60,6 @@ class SuperBatchExpr(Expr):
             return self
         return super().rewrite(kind, rewritten)
 
-    def _spans(self, sb: SuperBatch) -> tuple:
-        sizes = self.operand("sizes")
-        return tuple((span, sizes[span.partition]) for span in sb.spans)
-
     def _layer(self) -> dict:
         frame, plan = self.frame, self.operand("plan")
         if frame.npartitions != len(self.operand("sizes")):
@@ -70,9 +73,9 @@ class SuperBatchExpr(Expr):
         dsk = {}
         for position, sb in enumerate(plan):
             key = (self._name, position)
-            inputs = sorted({s.partition for s in sb.spans})
+            inputs, spans = task_arguments(sb, self.operand("sizes"))
             refs = List(*(TaskRef((frame._name, p)) for p in inputs))
-            dsk[key] = Task(key, func, refs, sb.index, self._spans(sb))
+            dsk[key] = Task(key, func, refs, sb.index, spans)
         return dsk
 
     def _upstream_names(self) -> list[str]:
@@ -215,8 +218,7 @@ def parquet_superbatch_collection(frame, plan, sizes, func, meta):
     reader = ParquetSuperBatch(func, fs, tuple(columns), dtypes)
     specs = []
     for sb in plan:
-        inputs = sorted({s.partition for s in sb.spans})
-        spans = tuple((span, int(sizes[span.partition])) for span in sb.spans)
+        inputs, spans = task_arguments(sb, sizes)
         specs.append((sb.index, tuple(pieces[p] for p in inputs), spans))
     return dd.from_map(reader, specs, meta=meta, enforce_metadata=False, label="surge-superbatch",
                        divisions=(None,) * (len(specs) + 1))

@@ -122,6 +122,7 @@ class Manifest:
     root: str
     run_id: str
     fingerprint: dict = field(default_factory=dict)
+    plan: dict = field(default_factory=dict)  # the run's plan summary (superbatches, rows, ...)
 
     @property
     def run_dir(self) -> str:
@@ -197,7 +198,7 @@ def current_run(path: str, storage_options: dict | None = None) -> Manifest | No
     if info is None:
         return None
     _check_version(info, root)
-    return Manifest(fs, root, run_id, info["fingerprint"])
+    return Manifest(fs, root, run_id, info["fingerprint"], info.get("plan", {}))
 
 
 def _check_version(info: dict, root: str) -> None:
@@ -268,12 +269,15 @@ def open_run(
     return manifest, info is not None
 
 
-def finish_run(manifest: Manifest) -> None:
-    """Make ``manifest``'s run current and delete other runs' files (after success only)."""
+def finish_run(manifest: Manifest, committed: dict[int, dict]) -> None:
+    """Make ``manifest``'s run current and delete other runs' files (after success only).
+
+    ``committed`` is ``manifest.committed()`` as just read by the caller.
+    """
     fs, root = manifest.fs, manifest.root
     manifest.mark_current()
     prefix = f"part-{manifest.run_id[:8]}-"
-    keep = {rec["file"] for rec in manifest.committed().values()}
+    keep = {rec["file"] for rec in committed.values()}
     for path in fs.ls(root, detail=False):
         name = path.rsplit("/", 1)[-1]
         if name.startswith("part-") and name.endswith(".parquet") and (not name.startswith(prefix) or name not in keep):

@@ -21,7 +21,6 @@ rows ``N``.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
