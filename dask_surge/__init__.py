@@ -9,13 +9,13 @@ Importing the package registers the ``.surge`` accessor on Dask DataFrames::
 from . import config  # noqa: F401  (registers surge.* defaults in dask.config)
 from . import accessor  # noqa: F401  (registers the .surge accessor)
 from ._version import __version__
-from .api import EncodeResult, SurgePlan, encode, plan, read_embeddings, status
+from .api import EncodeResult, SurgePlan, encode, plan, read_embeddings, skipped_rows, status
 from .encoders import Encoder
 from .errors import SurgeError, SurgeInputError, SurgeModelError, SurgeOutputError, SurgeValueError
 from .policy import OnlinePlanner, SuperBatch, plan_superbatches
 
 __all__ = [
-    "__version__", "encode", "plan", "read_embeddings", "status", "Encoder", "EncodeResult", "SurgePlan",
+    "__version__", "encode", "plan", "read_embeddings", "skipped_rows", "status", "Encoder", "EncodeResult", "SurgePlan",
     "OnlinePlanner", "SuperBatch", "plan_superbatches",
     "SurgeError", "SurgeInputError", "SurgeModelError", "SurgeOutputError", "SurgeValueError",
 ]

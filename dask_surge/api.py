@@ -27,7 +27,8 @@ from .sink import SuperBatchWriter
 from .sizes import PartitionSizes, partition_sizes
 from .superbatch import SuperBatchEncoder
 
-__all__ = ["encode", "plan", "status", "read_embeddings", "fingerprint", "EncodeResult", "SurgePlan"]
+__all__ = ["encode", "plan", "status", "read_embeddings", "skipped_rows", "fingerprint", "EncodeResult",
+           "SurgePlan"]
 
 logger = logging.getLogger(__name__)
 RESERVED = ("partition", "row", "embedding")
@@ -56,6 +57,7 @@ class SurgePlan:
     b_min: int
     b_max: int
     params: Any = None
+    max_bytes: int | None = None
     predictions: Any = None
     advice: Any = None
 
@@ -72,6 +74,8 @@ class SurgePlan:
             "largest_superbatch": max(rows, default=0), "smallest_superbatch": min(rows, default=0),
             "n_max": int(sizes.max()) if sizes.size else 0,
             "cv": float(sizes.std() / sizes.mean()) if sizes.size and sizes.mean() else 0.0,
+            "max_bytes": self.max_bytes,
+            "largest_superbatch_bytes": _largest_bytes(self.superbatches, self.sizes),
         }
 
     def __repr__(self) -> str:
@@ -140,6 +144,19 @@ class SurgePlan:
         return fig
 
 
+def _largest_bytes(superbatches: Sequence[SuperBatch], sizes: PartitionSizes) -> int | None:
+    """Text bytes of the largest SuperBatch (slices pro rata), or None when bytes are unknown."""
+    if sizes.nbytes is None:
+        return None
+    return max((round(sum(sizes.nbytes[s.partition] * s.rows / max(1, sizes.sizes[s.partition])
+                          for s in sb.spans)) for sb in superbatches), default=0)
+
+
+def _plan(sizes: PartitionSizes, b_min: int, b_max: int, max_bytes: int | None) -> list[SuperBatch]:
+    """The SuperBatches for these sizes; the byte cap applies where text bytes are known."""
+    return plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=max_bytes)
+
+
 @dataclass
 class EncodeResult:
     """Summary of a written encode run."""
@@ -157,6 +174,7 @@ class EncodeResult:
     b_min: int = 0
     b_max: int = 0
     thresholds_reason: str = ""
+    nulls_skipped: int = 0
     records: list[dict] = field(default_factory=list, repr=False)
 
     @property
@@ -176,7 +194,9 @@ class EncodeResult:
         return (f"{self.rows:,} rows from {self.partitions:,} partitions in {self.superbatches:,} "
                 f"SuperBatches ({self.skipped_superbatches:,} already committed) -> {self.output}\n"
                 f"{self.seconds:.1f} s, {self.texts_per_s:,.0f} texts/s, first output after {ttfo}\n"
-                f"b_min={self.b_min:,}, b_max={self.b_max:,} ({self.thresholds_reason})")
+                f"b_min={self.b_min:,}, b_max={self.b_max:,} ({self.thresholds_reason})"
+                + (f"\n{self.nulls_skipped:,} null texts left out (on_null='skip'); their (partition, row) "
+                   f"are in dask_surge.skipped_rows({self.output!r})" if self.nulls_skipped else ""))
 
 
 def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
@@ -213,12 +233,13 @@ def _resolve_encoder(model: Any, opts: dict) -> Encoder:
 
 
 def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str | None = None,
-         model: Any = None, params: Any = None, calibrate: bool = False, client: Any = None) -> SurgePlan:
+         max_bytes: int | str | None = None, model: Any = None, params: Any = None, calibrate: bool = False,
+         client: Any = None) -> SurgePlan:
     """Plan the SuperBatches for ``ddf[column]`` without encoding anything.
 
     Parameters
     ----------
-    ddf, column, b_min, b_max, model
+    ddf, column, b_min, b_max, max_bytes, model
         As for :func:`encode`.
     params : dask_surge.costmodel.CostParams, optional
         Cost-model parameters; with them the plan predicts every policy.
@@ -236,7 +257,8 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     SurgePlan(10 rows in 5 partitions -> 3 SuperBatches of 2-4 rows; b_min=4, b_max=6, sizes from metadata)
     """
     _check_columns(ddf, column, ())
-    sizes = partition_sizes(ddf[[column]])
+    max_bytes = config.get("max-bytes", max_bytes)
+    sizes = partition_sizes(ddf[[column]], column if max_bytes else None)
     if calibrate and params is None:
         from .calibrate import calibrate as run_probe
 
@@ -245,8 +267,8 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     active = client if client is not None else _active_client()
     workers = sum(active.nthreads().values()) if active is not None else 1
     b_min, b_max, _ = _thresholds(b_min, b_max, sizes, params, gpu=gpu_count() > 0, workers=workers)
-    superbatches = plan_superbatches(sizes.sizes, b_min, b_max)
-    result = SurgePlan(sizes, superbatches, b_min, b_max, params=params)
+    superbatches = _plan(sizes, b_min, b_max, max_bytes)
+    result = SurgePlan(sizes, superbatches, b_min, b_max, params=params, max_bytes=max_bytes)
     if params is not None and sizes.total:
         from .costmodel import advise, predict
 
@@ -332,6 +354,7 @@ def encode(
     model: Any = None,
     b_min: int | None = None,
     b_max: int | None = None,
+    max_bytes: int | str | None = None,
     keep: Sequence[str] = (),
     normalize: bool | None = None,
     precision: str | None = None,
@@ -362,14 +385,23 @@ def encode(
     b_min, b_max : int or "auto", optional
         SuperBatch flush threshold and hard cap, in rows (``surge.b-min``/``b-max``;
         ``"auto"`` is 100,000/400,000 on a GPU and 4,096/16,384 on a CPU).
+    max_bytes : int or str, optional
+        Cap on the text bytes of one SuperBatch (``surge.max-bytes``, 512 MiB; a
+        size string such as ``"1 GiB"`` works; set the option to ``None`` to plan
+        by rows only). Partitions of a few huge texts are then not fused past it,
+        and a partition over it is sliced. Bytes come from Parquet footers or the
+        size pass; a frame whose lengths Dask knows in memory is planned by rows.
     keep : sequence of str
         Input columns to carry into the output beside ``partition``/``row``.
     normalize : bool, optional
         L2-normalize embeddings.
     precision : {"float32", "float16"}, optional
         Storage type of the embedding values.
-    on_null : {"error", "empty"}, optional
-        A null text raises (default) or is encoded as ``""``.
+    on_null : {"error", "empty", "skip"}, optional
+        A null text raises (default, naming its partition and row), is encoded
+        as ``""``, or is left out of the output with its ``(partition, row)``
+        recorded in the run's commit records (``"skip"``, needs ``output``; see
+        :func:`skipped_rows`).
     device, dtype, engine, batch_size, max_tokens : optional
         Encoder options, see :class:`dask_surge.Encoder`.
     overwrite : bool
@@ -404,6 +436,7 @@ def encode(
                                            max_tokens=max_tokens))
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
     validate_thresholds(*config.thresholds(b_min, b_max, gpu=on_gpu))  # fail before any work
+    max_bytes = config.get("max-bytes", max_bytes)
     sbe = SuperBatchEncoder(
         column, keep, encoder,
         normalize=config.get("normalize", normalize), precision=config.get("precision", precision),
@@ -412,9 +445,15 @@ def encode(
     frame = ddf[[column, *[k for k in keep if k != column]]]
     thresholds = functools.partial(_resolve_auto, b_min, b_max, encoder, gpu=on_gpu)
     if output is None:
-        return _lazy(frame, sbe, thresholds)
+        if sbe.on_null == "skip":
+            raise SurgeValueError(
+                "on_null='skip' leaves null rows out and records their (partition, row) in the output's "
+                "commit records, so it needs output=...; a lazy frame has nowhere to record them. Fix: "
+                "pass output='dir/', or use on_null='error' (default) or 'empty'."
+            )
+        return _lazy(frame, sbe, thresholds, max_bytes)
     with _client_for(scheduler) as client:
-        return _write(frame, sbe, output, thresholds, client=client, scheduler=scheduler,
+        return _write(frame, sbe, output, thresholds, max_bytes, client=client, scheduler=scheduler,
                       overwrite=overwrite, storage_options=storage_options,
                       progress=config.get("progress", progress))
 
@@ -435,11 +474,11 @@ def _resolve_auto(b_min, b_max, encoder: Encoder, sizes: PartitionSizes, client,
     return _thresholds(b_min, b_max, sizes, params, gpu=gpu, workers=workers)
 
 
-def _lazy(frame, sbe: SuperBatchEncoder, thresholds):
+def _lazy(frame, sbe: SuperBatchEncoder, thresholds, max_bytes: int | None):
     _register(sbe.encoder)
-    sizes = partition_sizes(frame)
+    sizes = partition_sizes(frame, sbe.column if max_bytes else None)
     b_min, b_max, _ = thresholds(sizes, _active_client())
-    superbatches = plan_superbatches(sizes.sizes, b_min, b_max)
+    superbatches = _plan(sizes, b_min, b_max, max_bytes)
     return superbatch_collection(frame, superbatches, sizes.sizes, sbe, sbe.meta(frame._meta))
 
 
@@ -457,33 +496,39 @@ def _register(encoder: Encoder, client=None) -> None:
     register_encoder(client, encoder)
 
 
-def fingerprint(frame, sbe: SuperBatchEncoder, sizes: PartitionSizes, b_min: int, b_max: int) -> dict:
+def fingerprint(frame, sbe: SuperBatchEncoder, sizes: PartitionSizes, b_min: int, b_max: int,
+                max_bytes: int | None = None) -> dict:
     """What makes two runs the same run (and lets a rerun resume)."""
     import hashlib
 
-    digest = hashlib.sha256(np.asarray(sizes.sizes, dtype=np.int64).tobytes()).hexdigest()[:16]
+    # the plan is a function of rows (and text bytes, under a byte cap): both are in the digest
+    layout = np.asarray(sizes.sizes, dtype=np.int64).tobytes()
+    if max_bytes is not None and sizes.nbytes is not None:
+        layout += np.asarray(sizes.nbytes, dtype=np.int64).tobytes()
+    digest = hashlib.sha256(layout).hexdigest()[:16]
     return {
         "input": input_identity(frame), "column": sbe.column, "keep": list(sbe.keep),
         "partitions": len(sizes.sizes), "rows": sizes.total, "sizes": digest,
         "model": sbe.encoder.identity(), "dimension": sbe.encoder.dimension,
-        "b_min": b_min, "b_max": b_max, "normalize": sbe.normalize, "precision": sbe.precision,
+        "b_min": b_min, "b_max": b_max, "max_bytes": max_bytes, "normalize": sbe.normalize, "precision": sbe.precision,
         "on_null": sbe.on_null, "library": __version__,
     }
 
 
-def _write(frame, sbe, output, thresholds, *, client, scheduler, overwrite, storage_options, progress):
+def _write(frame, sbe, output, thresholds, max_bytes, *, client, scheduler, overwrite, storage_options,
+           progress):
     t0 = time.perf_counter()
-    sizes = partition_sizes(frame)
+    sizes = partition_sizes(frame, sbe.column if max_bytes else None)
     b_min, b_max, reason = thresholds(sizes, client)
-    superbatches = plan_superbatches(sizes.sizes, b_min, b_max)
-    fp = fingerprint(frame, sbe, sizes, b_min, b_max)
+    superbatches = _plan(sizes, b_min, b_max, max_bytes)
+    fp = fingerprint(frame, sbe, sizes, b_min, b_max, max_bytes if sizes.nbytes is not None else None)
     summary = {"superbatches": len(superbatches), "partitions": len(sizes.sizes), "rows": sizes.total}
     manifest, resumed = open_run(output, fp, overwrite=overwrite, storage_options=storage_options,
                                  plan_summary=summary)
     done = manifest.committed(repair=True)
     todo = [sb for sb in superbatches if sb.index not in done]
     bar = Progress(len(superbatches), sizes.total, enabled=progress, done_sbs=len(done),
-                   done_rows=sum(r["rows"] for r in done.values()))
+                   done_rows=sum(_accounted(r) for r in done.values()))
     records: list[dict] = []
     ttfo = None
     if todo:
@@ -497,7 +542,7 @@ def _write(frame, sbe, output, thresholds, *, client, scheduler, overwrite, stor
                 if ttfo is None:
                     ttfo = time.perf_counter() - t0
                 records.append(rec)
-                bar.update(int(rec["rows"]))
+                bar.update(int(rec["rows"]) + int(rec.get("skipped", 0)))
         except KeyboardInterrupt:
             _interrupted(manifest, output, len(superbatches))
             raise
@@ -524,13 +569,26 @@ def _write(frame, sbe, output, thresholds, *, client, scheduler, overwrite, stor
             f"{len(missing)} SuperBatch(es) were not committed (first: {missing[:5]}); the output is "
             "incomplete. Rerun the same call to resume."
         )
+    accounted = sum(_accounted(r) for r in committed.values())
+    if accounted != sizes.total:  # pragma: no cover - a bug guard: never mark a lossy run complete
+        raise SurgeError(
+            f"the committed SuperBatches hold {accounted:,} rows (written + skipped nulls) but the input "
+            f"has {sizes.total:,}; the run is left incomplete rather than marked done. Please report this."
+        )
     finish_run(manifest, committed)
     return EncodeResult(
         output=str(output), run_id=manifest.run_id, rows=sizes.total, partitions=len(sizes.sizes),
         superbatches=len(superbatches), skipped_superbatches=len(done), seconds=time.perf_counter() - t0,
         ttfo_s=ttfo, sizes_source=sizes.source, resumed=resumed, b_min=b_min, b_max=b_max,
         thresholds_reason=reason, records=records,
+        nulls_skipped=sum(len(r.get("skipped", ())) for r in committed.values()),
     )
+
+
+def _accounted(record: dict) -> int:
+    """Input rows a commit record accounts for: written rows plus skipped nulls."""
+    skipped = record.get("skipped", ())
+    return int(record["rows"]) + (len(skipped) if isinstance(skipped, list) else int(skipped))
 
 
 def _interrupted(manifest: Manifest, output: str, planned: int) -> None:
@@ -629,13 +687,40 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     planned = manifest.plan
     committed = manifest.committed()
     rows = sum(r["rows"] for r in committed.values())
+    skipped = sum(len(r.get("skipped", ())) for r in committed.values())
     state = "complete" if len(committed) == planned.get("superbatches") else "incomplete"
     last = max((r["committed_at"] for r in committed.values()), default=None)
     return {
         "output": output, "state": state, "run": manifest.run_id,
         "superbatches_committed": len(committed), "superbatches_planned": planned.get("superbatches"),
-        "rows_committed": rows, "rows_planned": planned.get("rows"), "last_commit": last,
+        "rows_committed": rows, "rows_planned": planned.get("rows"), "nulls_skipped": skipped,
+        "last_commit": last,
     }
+
+
+def skipped_rows(output: str, storage_options: dict | None = None) -> pd.DataFrame:
+    """The ``(partition, row)`` of the null texts a run left out (``on_null="skip"``).
+
+    Read from the commit records of the current run in ``output``, sorted.
+
+    Examples
+    --------
+    >>> import tempfile, dask.dataframe as dd, pandas as pd
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a", None, "c"]}), npartitions=1)
+    >>> out = tempfile.mkdtemp()
+    >>> res = encode(ddf, "text", out, b_min=2, b_max=4, on_null="skip", scheduler="sync", progress=False,
+    ...              model=lambda texts: [[float(len(t))] for t in texts])
+    >>> skipped_rows(out).values.tolist()
+    [[0, 1]]
+    """
+    manifest = current_run(output, storage_options)
+    if manifest is None:
+        raise SurgeInputError(
+            f"{output!r} holds no dask-surge run (no {output}/_surge/CURRENT). Fix: pass the output "
+            "directory of ddf.surge.encode(..., output=...)."
+        )
+    pairs = sorted(tuple(p) for r in manifest.committed().values() for p in r.get("skipped", ()))
+    return pd.DataFrame(pairs, columns=["partition", "row"], dtype="int64")
 
 
 def read_embeddings(path: str, *, partition: int | None = None, columns: Sequence[str] | None = None,

@@ -23,9 +23,11 @@ def _add_encode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="'default' (packaged all-MiniLM-L6-v2) or a local model dir")
     p.add_argument("--b-min", type=_threshold, default=None, help="SuperBatch flush threshold, rows, or auto")
     p.add_argument("--b-max", type=_threshold, default=None, help="SuperBatch hard cap, rows, or auto")
+    p.add_argument("--max-bytes", default=None, help="cap on a SuperBatch's text bytes, e.g. '512 MiB'")
     p.add_argument("--normalize", action="store_true", default=None, help="L2-normalize embeddings")
     p.add_argument("--precision", choices=["float32", "float16"], default=None)
-    p.add_argument("--on-null", choices=["error", "empty"], default=None, help="what a null text does")
+    p.add_argument("--on-null", choices=["error", "empty", "skip"], default=None,
+                   help="what a null text does: error (default), encode as empty, or skip and record it")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when available)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None)
     p.add_argument("--scheduler", default=None,
@@ -69,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default=None)
     pl.add_argument("--b-min", type=_threshold, default=None)
     pl.add_argument("--b-max", type=_threshold, default=None)
+    pl.add_argument("--max-bytes", default=None, help="cap on a SuperBatch's text bytes, e.g. '512 MiB'")
     pl.add_argument("--calibrate", action="store_true",
                     help="measure the cost model on a local cluster (~15 s, cached) and predict every policy")
 
@@ -131,7 +134,8 @@ def _scheduler(value):
 
 
 def _options(args) -> dict:
-    return dict(model=args.model, b_min=args.b_min, b_max=args.b_max, normalize=args.normalize,
+    return dict(model=args.model, b_min=args.b_min, b_max=args.b_max, max_bytes=args.max_bytes,
+                normalize=args.normalize,
                 precision=args.precision, on_null=args.on_null, device=args.device, dtype=args.dtype,
                 overwrite=args.overwrite, progress=args.progress, scheduler=_scheduler(args.scheduler))
 
@@ -195,10 +199,10 @@ def cmd_plan(args) -> int:
         from .cluster import local_cluster
 
         with local_cluster() as cluster, Client(cluster) as client:
-            result = plan(ddf, args.text_column, b_min=args.b_min, b_max=args.b_max, model=args.model,
-                          calibrate=True, client=client)
+            result = plan(ddf, args.text_column, b_min=args.b_min, b_max=args.b_max, max_bytes=args.max_bytes,
+                          model=args.model, calibrate=True, client=client)
     else:
-        result = plan(ddf, args.text_column, b_min=args.b_min, b_max=args.b_max)
+        result = plan(ddf, args.text_column, b_min=args.b_min, b_max=args.b_max, max_bytes=args.max_bytes)
     print(result)
     return 0
 

@@ -36,11 +36,12 @@ OPTIONS: dict[str, Any] = {
     "max-tokens": ("positive-int", None),
     "normalize": "bool",
     "precision": ("float32", "float16"),
-    "on-null": ("error", "empty"),
+    "on-null": ("error", "empty", "skip"),
     "progress": "bool",
     "in-flight": ("positive-int", None),
     "ttfo-target": "positive-number",
     "memory-budget": ("positive-int", None),
+    "max-bytes": ("bytes", None),
 }
 
 
@@ -59,7 +60,9 @@ def _check(name: str, value: Any) -> Any:
             return value
         if option == "bool" and isinstance(value, bool):
             return value
-        if isinstance(option, str) and option not in ("positive-int", "positive-number", "str", "bool") \
+        if option == "bytes" and (size := _bytes(value)) is not None:
+            return size
+        if isinstance(option, str) and option not in ("positive-int", "positive-number", "str", "bool", "bytes") \
                 and value == option:
             return value
     raise SurgeValueError(
@@ -67,6 +70,20 @@ def _check(name: str, value: Any) -> Any:
         f"Fix: dask.config.set({{'surge.{name}': ...}}) or the DASK_SURGE__{name.upper().replace('-', '_')} "
         "environment variable."
     )
+
+
+def _bytes(value: Any) -> int | None:
+    """A positive byte count from an int or a string such as ``"512 MiB"``; None if neither."""
+    from dask.utils import parse_bytes
+
+    if isinstance(value, str):
+        try:
+            value = parse_bytes(value)
+        except ValueError:
+            return None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
 
 
 def get(name: str, value: Any = None) -> Any:
@@ -78,6 +95,8 @@ def get(name: str, value: Any = None) -> Any:
     1000
     >>> get("precision", "float16")
     'float16'
+    >>> get("max-bytes", "1 MiB")
+    1048576
     """
     if name not in OPTIONS:
         raise SurgeValueError(f"unknown option surge.{name!r}; known: {sorted(OPTIONS)}")

@@ -154,7 +154,8 @@ def parquet_pieces(expr) -> tuple | None:
     if not isinstance(expr, ReadParquetFSSpec) or expr.filters:
         return None
     info = expr._dataset_info
-    if info["partition_names"] or info["index_cols"] or expr._series:
+    # index_cols is [None] for files pandas wrote with its default RangeIndex (metadata only)
+    if info["partition_names"] or any(c is not None for c in info["index_cols"]) or expr._series:
         return None
     parts = info["plan"]["parts"]
     pieces = []

@@ -224,7 +224,9 @@ def open_run(
 
     Returns ``(manifest, resumed)``. A directory holding a different current
     run is refused unless ``overwrite=True``; even then the old run's files stay
-    until the new run completes (see :func:`finish_run`).
+    until the new run completes (see :func:`finish_run`). A different run that
+    committed nothing (e.g. one stopped by a bad input) holds no data and is
+    replaced.
 
     Raises
     ------
@@ -242,7 +244,9 @@ def open_run(
     run_id = fingerprint_digest(fingerprint)
     manifest = Manifest(fs, root, run_id, fingerprint)
     current = current_run(path, storage_options)
-    if current is not None and current.run_id != run_id and not overwrite:
+    other = current is not None and current.run_id != run_id
+    empty_other = other and not current.committed()
+    if other and not overwrite and not empty_other:
         diff = "; ".join(_differences(current.fingerprint, fingerprint)) or "(format)"
         raise SurgeOutputError(
             f"output={path!r} already holds a different run ({diff}). Nothing was written. "
@@ -259,7 +263,7 @@ def open_run(
                                json.dumps(body, sort_keys=True, default=str).encode())
         else:
             _check_version(info, root)
-        if current is None:
+        if current is None or empty_other:
             manifest.mark_current()
     except OSError as err:
         raise SurgeOutputError(

@@ -6,17 +6,26 @@ up front) or incrementally (:class:`OnlinePlanner`, sizes arriving one by one as
 partitions finish). Both produce exactly the same SuperBatches for the same
 sizes.
 
-The rule, walking partitions in order with a buffer of ``b`` rows:
+The rule, walking partitions in order with a buffer of ``b`` rows (and ``m``
+text bytes, when partition byte sizes ``m_i`` and a byte cap ``max_bytes`` are
+given):
 
-1. if ``n_i > b_max``: flush the buffer (if non-empty), then emit
-   ``ceil(n_i / b_max)`` row-slices of partition ``i``;
-2. else if ``b + n_i > b_max``: flush, then start the buffer with ``i``;
+1. if ``n_i > b_max`` or ``m_i > max_bytes``: flush the buffer (if non-empty),
+   then emit row-slices of partition ``i`` of ``r`` rows each (the last may be
+   shorter), ``r = min(b_max, floor(n_i max_bytes / m_i))`` but at least 1;
+2. else if ``b + n_i > b_max`` or ``m + m_i > max_bytes``: flush, then start
+   the buffer with ``i``;
 3. else add ``i``; if now ``b >= b_min``, flush;
 4. at the end, flush what remains.
 
 Every SuperBatch then holds at most ``min(b_max, b_min - 1 + n_max)`` rows, so
 the memory a worker needs for one SuperBatch does not grow with the number of
-rows ``N``.
+rows ``N``. With a byte cap, a SuperBatch of whole partitions also holds at
+most ``max_bytes`` bytes of text, and a slice about ``max_bytes`` (slices
+assume the partition's bytes spread evenly over its rows; one row larger than
+``max_bytes`` is a SuperBatch of its own). The byte cap only ever splits
+SuperBatches: without it (``max_bytes=None``) or when it never binds, the plan
+is exactly the rows-only plan.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ from dataclasses import dataclass
 
 from .errors import SurgeValueError
 
-__all__ = ["Span", "SuperBatch", "plan_superbatches", "OnlinePlanner", "validate_thresholds"]
+__all__ = ["Span", "SuperBatch", "plan_superbatches", "OnlinePlanner", "validate_thresholds", "validate_max_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +76,25 @@ class SuperBatch:
     @property
     def partitions(self) -> tuple[int, ...]:
         return tuple(s.partition for s in self.spans)
+
+
+def validate_max_bytes(max_bytes: object) -> int | None:
+    """Check the byte cap of a SuperBatch: ``None`` (no cap) or a positive int.
+
+    Examples
+    --------
+    >>> validate_max_bytes(2**20), validate_max_bytes(None)
+    (1048576, None)
+    """
+    if max_bytes is None:
+        return None
+    if isinstance(max_bytes, bool) or not hasattr(max_bytes, "__index__") or operator.index(max_bytes) <= 0:
+        raise SurgeValueError(
+            f"max_bytes={max_bytes!r} must be a positive integer number of bytes (or None for no "
+            "byte cap): it caps the text bytes of one SuperBatch. Fix: pass e.g. max_bytes=256 * 2**20, "
+            "or set surge.max-bytes to a size such as '256 MiB'."
+        )
+    return operator.index(max_bytes)  # type: ignore[arg-type]
 
 
 def validate_thresholds(b_min: object, b_max: object) -> tuple[int, int]:
@@ -109,6 +137,9 @@ class OnlinePlanner:
     ----------
     b_min, b_max : int
         Flush threshold and hard cap, in rows.
+    max_bytes : int, optional
+        Cap on the text bytes of one SuperBatch (used when :meth:`push` is given
+        byte sizes); ``None``: rows only.
 
     Examples
     --------
@@ -117,12 +148,20 @@ class OnlinePlanner:
     ([], [7])
     >>> [sb.rows for sb in p.push(20)], [sb.rows for sb in p.finish()]
     ([8, 8, 4], [])
+
+    A partition of a few huge texts: 3 rows of 1 MB each, under a 2 MB cap.
+
+    >>> p = OnlinePlanner(b_min=5, b_max=8, max_bytes=2_000_000)
+    >>> [sb.rows for sb in p.push(3, nbytes=3_000_000) + p.finish()]
+    [2, 1]
     """
 
-    def __init__(self, b_min: int, b_max: int) -> None:
+    def __init__(self, b_min: int, b_max: int, max_bytes: int | None = None) -> None:
         self.b_min, self.b_max = validate_thresholds(b_min, b_max)
+        self.max_bytes = validate_max_bytes(max_bytes)
         self._buffer: list[Span] = []
         self._rows = 0
+        self._bytes = 0
         self._next_partition = 0
         self._next_index = 0
         self._finished = False
@@ -144,34 +183,40 @@ class OnlinePlanner:
         if not self._buffer:
             return []
         sb = self._emit(self._buffer)
-        self._buffer, self._rows = [], 0
+        self._buffer, self._rows, self._bytes = [], 0, 0
         return [sb]
 
-    def push(self, size: int) -> list[SuperBatch]:
-        """Add the next partition (of ``size`` rows); return the SuperBatches it completes."""
+    def push(self, size: int, nbytes: int | None = None) -> list[SuperBatch]:
+        """Add the next partition (``size`` rows, ``nbytes`` bytes of text if known);
+        return the SuperBatches it completes."""
         if self._finished:
             raise SurgeValueError("push() after finish(): create a new OnlinePlanner per run.")
-        if isinstance(size, bool) or int(size) != size or size < 0:
-            raise SurgeValueError(
-                f"partition {self._next_partition} has size {size!r}: sizes must be "
-                f"non-negative integers (row counts)."
-            )
+        for name, value in (("size", size), ("nbytes", 0 if nbytes is None else nbytes)):
+            if isinstance(value, bool) or int(value) != value or value < 0:
+                raise SurgeValueError(
+                    f"partition {self._next_partition} has {name} {value!r}: sizes must be "
+                    f"non-negative integers (rows, bytes)."
+                )
         n, i = int(size), self._next_partition
+        m = int(nbytes or 0) if self.max_bytes else 0
+        cap = self.max_bytes or 0
         self._next_partition += 1
         out: list[SuperBatch] = []
-        if n > self.b_max:
+        if n > self.b_max or (cap and m > cap):
             out += self._flush()
-            for start in range(0, n, self.b_max):
-                out.append(self._emit([Span(i, start, min(start + self.b_max, n))]))
-        elif self._rows + n > self.b_max:
+            step = self.b_max if not (cap and m > cap) else max(1, min(self.b_max, n * cap // m))
+            for start in range(0, n, step):
+                out.append(self._emit([Span(i, start, min(start + step, n))]))
+        elif self._rows + n > self.b_max or (cap and self._bytes + m > cap):
             out += self._flush()
-            self._buffer, self._rows = [Span(i, 0, n)], n
+            self._buffer, self._rows, self._bytes = [Span(i, 0, n)], n, m
             # b_min <= b_max and n <= b_max: a lone partition may itself reach b_min
             if self._rows >= self.b_min:
                 out += self._flush()
         else:
             self._buffer.append(Span(i, 0, n))
             self._rows += n
+            self._bytes += m
             if self._rows >= self.b_min:
                 out += self._flush()
         return out
@@ -182,15 +227,24 @@ class OnlinePlanner:
         return self._flush()
 
 
-def iter_superbatches(sizes: Iterable[int], b_min: int, b_max: int) -> Iterator[SuperBatch]:
+def iter_superbatches(sizes: Iterable[int], b_min: int, b_max: int, *, nbytes: Iterable[int] | None = None,
+                      max_bytes: int | None = None) -> Iterator[SuperBatch]:
     """Lazily yield the SuperBatches for ``sizes`` (see :class:`OnlinePlanner`)."""
-    planner = OnlinePlanner(b_min, b_max)
-    for n in sizes:
-        yield from planner.push(n)
+    planner = OnlinePlanner(b_min, b_max, max_bytes if nbytes is not None else None)
+    sizes = list(sizes)
+    byte_sizes = [None] * len(sizes) if nbytes is None else list(nbytes)
+    if len(byte_sizes) != len(sizes):
+        raise SurgeValueError(
+            f"nbytes has {len(byte_sizes)} entries but sizes has {len(sizes)}: give one byte size per "
+            "partition. Fix: pass nbytes=None to plan by rows only."
+        )
+    for n, m in zip(sizes, byte_sizes):
+        yield from planner.push(n, m)
     yield from planner.finish()
 
 
-def plan_superbatches(sizes: Iterable[int], b_min: int, b_max: int) -> list[SuperBatch]:
+def plan_superbatches(sizes: Iterable[int], b_min: int, b_max: int, *, nbytes: Iterable[int] | None = None,
+                      max_bytes: int | None = None) -> list[SuperBatch]:
     """Plan SuperBatches for known partition sizes.
 
     Parameters
@@ -203,6 +257,10 @@ def plan_superbatches(sizes: Iterable[int], b_min: int, b_max: int) -> list[Supe
         Flush threshold: a SuperBatch is emitted once it holds ``>= b_min`` rows.
     b_max : int
         Hard cap: no SuperBatch holds more than ``b_max`` rows.
+    nbytes : iterable of int, optional
+        Bytes of text in each partition (for the byte cap).
+    max_bytes : int, optional
+        Hard cap on the text bytes of one SuperBatch (needs ``nbytes``).
 
     Returns
     -------
@@ -214,8 +272,13 @@ def plan_superbatches(sizes: Iterable[int], b_min: int, b_max: int) -> list[Supe
     [7, 8, 8, 4, 1]
     >>> plan_superbatches([3, 4], 5, 8)[0].partitions
     (0, 1)
+
+    Two partitions of a few huge texts are not fused past the byte cap:
+
+    >>> [sb.rows for sb in plan_superbatches([2, 2], 5, 8, nbytes=[10**6, 10**6], max_bytes=1_500_000)]
+    [2, 2]
     """
-    return list(iter_superbatches(sizes, b_min, b_max))
+    return list(iter_superbatches(sizes, b_min, b_max, nbytes=nbytes, max_bytes=max_bytes))
 
 
 def max_superbatch_rows(sizes: Sequence[int], b_min: int, b_max: int) -> int:

@@ -9,6 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -28,8 +29,9 @@ def table_of(frame: pd.DataFrame) -> pa.Table:
     return pa.Table.from_pandas(frame, preserve_index=False).replace_schema_metadata(None)
 
 
-def parquet_bytes(table: pa.Table, spans) -> bytes:
-    """Serialize ``table`` to Parquet: one row group per source partition.
+def parquet_bytes(table: pa.Table, group_rows) -> bytes:
+    """Serialize ``table`` to Parquet: one row group per source partition
+    (``group_rows``: the rows of each, in order).
 
     Dictionary encoding and statistics are off for the embedding column (they
     cost write time and help no reader); on for ``partition`` and ``row`` so a
@@ -42,10 +44,10 @@ def parquet_bytes(table: pa.Table, spans) -> bytes:
         write_statistics=other, compression="zstd",
     ) as writer:
         offset = 0
-        for span in spans:
-            if span.rows:
-                writer.write_table(table.slice(offset, span.rows), row_group_size=span.rows)
-                offset += span.rows
+        for rows in group_rows:
+            if rows:
+                writer.write_table(table.slice(offset, rows), row_group_size=rows)
+                offset += rows
         if table.num_rows == 0:
             writer.write_table(table)
     return buf.getvalue()
@@ -63,9 +65,10 @@ class SuperBatchWriter:
 
     def __call__(self, parts, sb_index: int, spans) -> pd.DataFrame:
         t0 = time.perf_counter()
-        frame = self.encoder(parts, sb_index, spans)
+        frame, skipped = self.encoder.encode(parts, spans)
         t1 = time.perf_counter()
-        data = parquet_bytes(table_of(frame), [s for s, _ in spans])
+        # rows of each source partition (one span each); skipped nulls are not among them
+        data = parquet_bytes(table_of(frame), np.unique(frame["partition"].to_numpy(), return_counts=True)[1])
         attempt = uuid.uuid4().hex[:8]
         path = self.manifest.data_path(sb_index, attempt)
         try:
@@ -81,6 +84,7 @@ class SuperBatchWriter:
             "sb": sb_index, "run": self.manifest.run_id, "file": name, "rows": len(frame),
             "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "spans": [[s.partition, s.start, s.stop] for s, _ in spans],
+            "skipped": [[p, r] for p, r in skipped],
             "attempt": attempt, "pid": os.getpid(), "committed_at": time.time(),
         }
         won = self.manifest.commit(record)
@@ -88,7 +92,8 @@ class SuperBatchWriter:
             self.manifest.fs.rm(path)
         t2 = time.perf_counter()
         return pd.DataFrame([{
-            "sb": sb_index, "rows": len(frame), "file": name if won else "", "bytes": len(data),
+            "sb": sb_index, "rows": len(frame), "skipped": len(skipped), "file": name if won else "",
+            "bytes": len(data),
             "encode_s": t1 - t0, "write_s": t2 - t1, "committed": won, "committed_at": record["committed_at"],
         }])
 
@@ -96,7 +101,7 @@ class SuperBatchWriter:
     def meta() -> pd.DataFrame:
         return pd.DataFrame({
             "sb": pd.Series([], dtype="int64"), "rows": pd.Series([], dtype="int64"),
-            "file": pd.Series([], dtype=object), "bytes": pd.Series([], dtype="int64"),
+            "skipped": pd.Series([], dtype="int64"), "file": pd.Series([], dtype=object), "bytes": pd.Series([], dtype="int64"),
             "encode_s": pd.Series([], dtype="float64"), "write_s": pd.Series([], dtype="float64"),
             "committed": pd.Series([], dtype=bool), "committed_at": pd.Series([], dtype="float64"),
         })

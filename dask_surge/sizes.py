@@ -1,22 +1,27 @@
-"""Partition sizes: from Parquet footers when possible, else one ``len`` pass."""
+"""Partition sizes: rows (and text bytes) from Parquet footers when possible, else one pass."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PartitionSizes", "partition_sizes"]
+__all__ = ["PartitionSizes", "partition_sizes", "text_bytes"]
 
 
 @dataclass(frozen=True)
 class PartitionSizes:
-    """Rows per partition and where the numbers came from.
+    """Rows per partition, text bytes per partition, and where the numbers came from.
 
     ``source`` is ``"metadata"`` when no data was read (Parquet footers, or
     in-memory frames whose lengths Dask knows) and ``"len-pass"`` otherwise.
+    ``nbytes`` is the UTF-8 bytes of the text column per partition, or ``None``
+    when unknown (not asked for, or an in-memory frame, whose data the client
+    already holds). From Parquet footers it is the column's uncompressed size,
+    exact for plain-encoded text and lower for dictionary-encoded repeats.
     """
 
     sizes: tuple[int, ...]
     source: str
+    nbytes: tuple[int, ...] | None = None
 
     @property
     def total(self) -> int:
@@ -36,32 +41,96 @@ def metadata_lengths(expr) -> tuple[int, ...] | None:
     return None
 
 
-def partition_sizes(frame) -> PartitionSizes:
-    """Return the number of rows of each partition of ``frame``.
+def partition_sizes(frame, column: str | None = None) -> PartitionSizes:
+    """Return the number of rows (and, with ``column``, text bytes) of each partition.
 
     For a plain ``dd.read_parquet`` (with column projections, element-wise
-    operations on top, but no filters) the lengths come from the Parquet
+    operations on top, but no filters) the numbers come from the Parquet
     footers and no data is read. Otherwise one task per partition computes
-    ``len`` on the current scheduler.
+    ``len`` (and the bytes of ``column``) on the current scheduler.
 
     Examples
     --------
     >>> import pandas as pd, dask.dataframe as dd
     >>> ddf = dd.from_pandas(pd.DataFrame({"text": list("abcde")}), npartitions=2)
     >>> partition_sizes(ddf)
-    PartitionSizes(sizes=(3, 2), source='metadata')
+    PartitionSizes(sizes=(3, 2), source='metadata', nbytes=None)
     """
     lengths = metadata_lengths(frame.expr)
     # a count mismatch means dask folded the wrong lengths: count them instead
     if lengths is not None and len(lengths) == frame.npartitions:
-        return PartitionSizes(lengths, "metadata")
+        nbytes = parquet_text_bytes(frame, column) if column is not None else None
+        return PartitionSizes(lengths, "metadata", nbytes)
     # Not dask's Lengths expression: its constant folding can be wrong on a partition
     # subset of read_parquet (it filters the selected partitions twice).
-    counted = frame.map_partitions(_len_series, enforce_metadata=False, meta=(None, "int64")).compute()
-    return PartitionSizes(tuple(int(n) for n in counted), "len-pass")
+    counted = frame.map_partitions(_count, column, enforce_metadata=False,
+                                   meta={"rows": "int64", "bytes": "int64"}).compute()
+    rows = tuple(int(n) for n in counted["rows"])
+    return PartitionSizes(rows, "len-pass", tuple(int(m) for m in counted["bytes"]) if column else None)
 
 
-def _len_series(part):
+def _count(part, column):
     import pandas as pd
 
-    return pd.Series([len(part)], dtype="int64")
+    return pd.DataFrame({"rows": [len(part)], "bytes": [text_bytes(part[column]) if column else 0]})
+
+
+def text_bytes(series) -> int:
+    """UTF-8 bytes of the strings in ``series`` (0 for values that are not strings:
+    those are refused, with their position, when the SuperBatch encodes).
+
+    Examples
+    --------
+    >>> import pandas as pd
+    >>> text_bytes(pd.Series(["ab", None, "é"]))
+    4
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    try:
+        arr = pa.array(series, from_pandas=True)
+    except (pa.ArrowException, TypeError, ValueError):
+        return 0
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.cast(arr.type.value_type)
+    if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
+            or pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)):
+        return 0
+    return int(pc.sum(pc.binary_length(arr)).as_py() or 0)
+
+
+def parquet_text_bytes(frame, column: str) -> tuple[int, ...] | None:
+    """Uncompressed bytes of ``column`` in each partition, from the Parquet footers of a
+    plain ``read_parquet`` (``None`` for any other input). Footers are read once per file,
+    in parallel threads (they are small, but may be remote)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow.parquet as pq
+
+    from .graph import parquet_pieces
+
+    found = parquet_pieces(frame.expr.simplify())
+    if found is None or len(found[1]) != frame.npartitions:
+        return None
+    fs, pieces, _ = found
+
+    def footer(path):
+        with fs.open(path, "rb") as f:
+            md = pq.ParquetFile(f).metadata
+        names = [md.schema.column(i).path for i in range(md.num_columns)]
+        if column not in names:
+            return None
+        col = names.index(column)
+        return [md.row_group(r).column(col).total_uncompressed_size for r in range(md.num_row_groups)]
+
+    paths = sorted({path for path, _ in pieces})
+    with ThreadPoolExecutor(max_workers=min(16, len(paths) or 1)) as pool:
+        per_file = dict(zip(paths, pool.map(footer, paths)))
+    out = []
+    for path, row_groups in pieces:
+        sizes = per_file[path]
+        if sizes is None:
+            return None
+        out.append(sum(sizes) if row_groups is None else sum(sizes[r] for r in row_groups))
+    return tuple(out)

@@ -15,16 +15,27 @@ from .policy import Span
 
 __all__ = ["SuperBatchEncoder", "texts_of"]
 
-def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> list[str]:
-    """Return the texts of ``series`` as a list of ``str``, enforcing the null policy.
+def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> tuple[list[str], np.ndarray | None]:
+    """Return the texts of ``series`` as a list of ``str``, enforcing the null policy,
+    and the mask of rows kept (``None``: all of them).
+
+    ``on_null`` is ``"error"`` (raise), ``"empty"`` (encode ``""``) or ``"skip"``
+    (leave the row out: the mask is False there).
 
     Raises
     ------
     SurgeInputError
         On a null text (with ``on_null="error"``) or a value that is not a string,
         naming the first offending ``(partition, row)``.
+
+    Examples
+    --------
+    >>> import pandas as pd
+    >>> texts_of(pd.Series(["a", None, "c"]), 0, 0, "skip")
+    (['a', 'c'], array([ True, False,  True]))
     """
     nulls = series.isna().to_numpy()
+    kept = None
     if nulls.any():
         if on_null == "error":
             first = int(np.flatnonzero(nulls)[0])
@@ -32,9 +43,14 @@ def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> lis
                 f"text column {series.name!r} has {int(nulls.sum())} null value(s) in partition "
                 f"{partition}, first at row {start + first}: null texts are refused by default so "
                 "that no row is silently dropped or invented. Fix: clean the column, or pass "
-                "on_null='empty' to encode nulls as the empty string."
+                "on_null='empty' to encode nulls as the empty string, or on_null='skip' to leave "
+                "them out and record their (partition, row)."
             )
-        series = series.where(~nulls, "")
+        if on_null == "skip":
+            kept = ~nulls
+            series = series[kept]
+        else:
+            series = series.where(~nulls, "")
     values = series.tolist()
     for i, v in enumerate(values):
         if type(v) is not str:
@@ -46,7 +62,7 @@ def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> lis
                 f"{partition}, row {start + i}: only strings can be encoded. Fix: convert the "
                 f"column first, e.g. ddf[{series.name!r}] = ddf[{series.name!r}].astype(str)."
             )
-    return values
+    return values, kept
 
 
 @dataclass(frozen=True)
@@ -55,7 +71,8 @@ class SuperBatchEncoder:
 
     The result has columns ``partition`` (int64), ``row`` (int64, offset within
     the partition), the kept columns, and ``embedding`` (fixed-size list of
-    float32/float16), sorted by ``(partition, row)``.
+    float32/float16), sorted by ``(partition, row)``. With ``on_null="skip"``
+    null rows are left out; :meth:`encode` returns their ``(partition, row)``.
     """
 
     column: str
@@ -70,8 +87,11 @@ class SuperBatchEncoder:
                 self.precision, self.on_null)
 
     def gather(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]):
-        """Slice the planned rows out of the input partitions, checking their sizes."""
-        pieces, texts = [], []
+        """Slice the planned rows out of the input partitions, checking their sizes.
+
+        Returns ``(pieces, texts, skipped)``: ``(span, rows kept, frame of them)``
+        per span, the texts to encode, and ``(partition, row)`` of skipped nulls."""
+        pieces, texts, skipped = [], [], []
         by_partition = dict(zip(sorted({s.partition for s, _ in spans}), parts))
         for span, planned in spans:
             part = by_partition[span.partition]
@@ -83,32 +103,39 @@ class SuperBatchEncoder:
                     "to Parquet first so every read returns the same rows."
                 )
             piece = part.iloc[span.start : span.stop]
-            texts += texts_of(piece[self.column], span.partition, span.start, self.on_null)
-            pieces.append((span, piece))
-        return pieces, texts
+            values, kept = texts_of(piece[self.column], span.partition, span.start, self.on_null)
+            rows = np.arange(span.start, span.stop, dtype=np.int64)
+            if kept is not None:
+                skipped += [(span.partition, int(r)) for r in rows[~kept]]
+                rows, piece = rows[kept], piece[kept]
+            texts += values
+            pieces.append((span, rows, piece))
+        return pieces, texts, skipped
 
     def frame(self, pieces, emb: np.ndarray) -> pd.DataFrame:
         """Assemble the output DataFrame (embedding column built zero-copy)."""
         partition = np.concatenate(
-            [np.full(span.rows, span.partition, dtype=np.int64) for span, _ in pieces]
+            [np.full(len(rows), span.partition, dtype=np.int64) for span, rows, _ in pieces]
         ) if pieces else np.zeros(0, dtype=np.int64)
-        row = np.concatenate(
-            [np.arange(span.start, span.stop, dtype=np.int64) for span, _ in pieces]
-        ) if pieces else np.zeros(0, dtype=np.int64)
+        row = np.concatenate([rows for _, rows, _ in pieces]) if pieces else np.zeros(0, dtype=np.int64)
         data = {"partition": partition, "row": row}
         for col in self.keep:
-            kept = [piece[col] for _, piece in pieces]
+            kept = [piece[col] for _, _, piece in pieces]
             data[col] = pd.concat(kept, ignore_index=True) if kept else pd.Series([], dtype=object)
         out = pd.DataFrame(data)
         out["embedding"] = pd.arrays.ArrowExtensionArray(embedding_array(emb, self.precision))
         return out
 
-    def __call__(self, parts: Sequence[pd.DataFrame], sb_index: int, spans: Sequence[tuple[Span, int]]) -> pd.DataFrame:
-        pieces, texts = self.gather(parts, spans)
+    def encode(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]):
+        """Encode the planned rows: ``(output frame, [(partition, row) skipped]).``"""
+        pieces, texts, skipped = self.gather(parts, spans)
         emb = self.encoder.encode(texts, normalize=self.normalize) if texts else np.zeros(
             (0, self.encoder.dimension), dtype=np.float32
         )
-        return self.frame(pieces, emb)
+        return self.frame(pieces, emb), skipped
+
+    def __call__(self, parts: Sequence[pd.DataFrame], sb_index: int, spans: Sequence[tuple[Span, int]]) -> pd.DataFrame:
+        return self.encode(parts, spans)[0]
 
     def meta(self, frame_meta: pd.DataFrame) -> pd.DataFrame:
         """Empty frame with the output schema."""

@@ -12,7 +12,9 @@ def test_yaml_and_option_table_agree():
         shipped = yaml.safe_load(f)["surge"]
     assert set(shipped) == set(config.OPTIONS)
     for name, value in shipped.items():
-        assert config.get(name, value) == value  # every shipped default is valid
+        # every shipped default is valid (sizes such as "512 MiB" resolve to bytes)
+        expected = dask.utils.parse_bytes(value) if name == "max-bytes" else value
+        assert config.get(name, value) == expected
 
 
 def test_env_and_set_override(monkeypatch):
@@ -31,6 +33,17 @@ def test_bad_config_value_is_named():
     with dask.config.set({"surge.on-null": "drop"}):
         with pytest.raises(SurgeValueError, match=r"surge.on-null='drop' is not allowed"):
             config.get("on-null")
+
+
+def test_max_bytes_takes_sizes_ints_or_null():
+    assert config.get("max-bytes", "2 GiB") == 2 * 1024**3
+    assert config.get("max-bytes", 1000) == 1000
+    with dask.config.set({"surge.max-bytes": None}):
+        assert config.get("max-bytes") is None
+    for bad in ("lots", 0, -5, True):
+        with dask.config.set({"surge.max-bytes": bad}):
+            with pytest.raises(SurgeValueError, match=r"surge.max-bytes=.* is not allowed.*Fix"):
+                config.get("max-bytes")
 
 
 def test_accessor_registered():

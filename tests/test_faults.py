@@ -222,3 +222,53 @@ def test_keyboard_interrupt_keeps_committed_work_and_says_how_to_resume(tmp_path
     assert "2 of 3 SuperBatches are committed" in caplog.text and "Rerun the same call" in caplog.text
     res = ddf.surge.encode("text", out, model=InterruptAfter(99), **kw)
     assert res.skipped_superbatches == 2 and res.rows == 24
+
+
+class Hog:
+    """A model that really runs its worker out of memory on a SuperBatch holding ``poison``
+    while the file ``armed`` exists: it keeps touching fresh memory (``nbytes`` a step)
+    until the worker is killed. Disarming it keeps the model (and so the run) the same."""
+
+    def __init__(self, poison: str, nbytes: int, armed: str):
+        self.poison, self.nbytes, self.armed = poison, nbytes, armed
+        self.client_pid = os.getpid()
+
+    def __call__(self, texts):
+        if os.getpid() != self.client_pid and self.poison in texts and os.path.exists(self.armed):
+            hog = []
+            while True:  # grow until the nanny kills this worker (it polls memory every 100 ms)
+                hog.append(np.ones(self.nbytes // 8, dtype=np.uint8))
+                time.sleep(0.05)
+        return np.array([[len(t), 1.0] for t in texts], dtype=np.float32)
+
+
+def test_worker_out_of_memory_fails_clearly_keeps_work_and_resumes(tmp_path):
+    import dask
+    from distributed import Client, LocalCluster
+
+    sizes = [6, 6, 6, 6]
+    ddf = make_partitioned_frame(sizes, seed=5)
+    poison = ddf.partitions[2].text.compute().iloc[0]  # in SuperBatch 2 of 4
+    out, armed = str(tmp_path / "o"), tmp_path / "armed"
+    armed.touch()
+    hog = Hog(poison, 200 * 2**20, str(armed))
+    kw = dict(b_min=6, b_max=6, progress=False, model=hog)
+    # a 1.5 GB worker (about 0.55 GB of it is the idle process with torch): the nanny kills it
+    # past 95% (Dask's default), the task is retried on the restarted worker, and after two
+    # deaths Dask gives up on it (KilledWorker)
+    with dask.config.set({"distributed.scheduler.allowed-failures": 1}), \
+            LocalCluster(n_workers=1, threads_per_worker=1, memory_limit="1500MB", dashboard_address=":0") as cluster, \
+            Client(cluster):
+        with pytest.raises(dask_surge.SurgeError, match=r"killed its worker repeatedly.*out of memory.*resume"):
+            ddf.surge.encode("text", out, **kw)
+    info = dask_surge.status(out)
+    assert info["state"] == "incomplete" and info["superbatches_committed"] >= 2  # SBs 0 and 1 kept
+    # nothing half-written is visible: read_embeddings serves committed rows only, none twice
+    partial = dask_surge.read_embeddings(out).compute()
+    assert len(partial[["partition", "row"]].drop_duplicates()) == len(partial) == info["rows_committed"]
+    # the same call, once the memory problem is gone, resumes and completes
+    armed.unlink()
+    res = ddf.surge.encode("text", out, scheduler="sync", **kw)
+    assert res.resumed and res.skipped_superbatches == info["superbatches_committed"]
+    df = dask_surge.read_embeddings(out).compute()
+    assert sorted(zip(df.partition, df.row)) == [(p, r) for p, n in enumerate(sizes) for r in range(n)]

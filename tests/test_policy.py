@@ -99,3 +99,67 @@ def test_bad_size_and_push_after_finish():
     p.finish()
     with pytest.raises(SurgeValueError, match="after finish"):
         p.push(1)
+
+
+@st.composite
+def byte_layouts(draw):
+    sizes, b_min, b_max = draw(layouts())
+    # bytes per row from 0 to 1 MB; a partition's bytes are its rows times its mean row size
+    per_row = draw(st.lists(st.integers(min_value=0, max_value=10**6), min_size=len(sizes), max_size=len(sizes)))
+    nbytes = [n * r for n, r in zip(sizes, per_row)]
+    max_bytes = draw(st.integers(min_value=1, max_value=50 * 10**6))
+    return sizes, b_min, b_max, nbytes, max_bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(byte_layouts())
+def test_byte_cap_bounds_every_superbatch_and_loses_no_row(layout):
+    sizes, b_min, b_max, nbytes, max_bytes = layout
+    plan = plan_superbatches(sizes, b_min, b_max, nbytes=nbytes, max_bytes=max_bytes)
+    flat = [(s.partition, r) for sb in plan for s in sb.spans for r in range(s.start, s.stop)]
+    assert flat == [(p, r) for p, n in enumerate(sizes) for r in range(n)]
+    for sb in plan:
+        assert sb.rows <= b_max
+        whole = all(s.start == 0 and s.stop == sizes[s.partition] for s in sb.spans)
+        if whole and len(sb.spans) > 1:
+            assert sum(nbytes[s.partition] for s in sb.spans) <= max_bytes
+        elif not whole:  # a slice: about max_bytes at the partition's mean row size, or one row
+            (span,) = sb.spans
+            mean = nbytes[span.partition] / sizes[span.partition]
+            assert span.rows == 1 or span.rows * mean <= max_bytes
+    # online, the same plan
+    planner = OnlinePlanner(b_min, b_max, max_bytes)
+    online = [sb for n, m in zip(sizes, nbytes) for sb in planner.push(n, m)] + planner.finish()
+    assert online == plan
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts())
+def test_byte_cap_that_never_binds_gives_the_rows_only_plan(layout):
+    sizes, b_min, b_max = layout
+    nbytes = [100 * n for n in sizes]
+    assert plan_superbatches(sizes, b_min, b_max, nbytes=nbytes, max_bytes=10**9) == \
+        plan_superbatches(sizes, b_min, b_max)
+    assert plan_superbatches(sizes, b_min, b_max, nbytes=None, max_bytes=1) == \
+        plan_superbatches(sizes, b_min, b_max)
+
+
+def test_a_few_huge_texts_are_not_fused_past_the_byte_cap():
+    # 4 partitions of 3 texts of ~1 MB: rows alone would fuse them into one SuperBatch of 12 rows
+    sizes, nbytes = [3] * 4, [3 * 2**20] * 4
+    assert [sb.rows for sb in plan_superbatches(sizes, 100, 1000)] == [12]
+    plan = plan_superbatches(sizes, 100, 1000, nbytes=nbytes, max_bytes=4 * 2**20)
+    assert [sb.rows for sb in plan] == [3, 3, 3, 3]
+    plan = plan_superbatches(sizes, 100, 1000, nbytes=nbytes, max_bytes=2 * 2**20)
+    assert [sb.rows for sb in plan] == [2, 1] * 4
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "1 MiB", True])
+def test_bad_max_bytes_is_refused_with_the_fix(bad):
+    with pytest.raises(SurgeValueError, match="max_bytes=.*positive integer.*Fix"):
+        plan_superbatches([1], 1, 2, nbytes=[1], max_bytes=bad)
+
+
+def test_nbytes_length_must_match_sizes():
+    with pytest.raises(SurgeValueError, match="nbytes has 1 entries but sizes has 2"):
+        plan_superbatches([1, 2], 1, 2, nbytes=[1], max_bytes=10)
