@@ -113,7 +113,7 @@ class SurgePlan:
         from .costmodel import predict
 
         if self.params is None:
-            raise SurgeValueError("this plan has no cost-model parameters; call plan(..., calibrate=True).")
+            raise SurgeValueError("this plan has no cost-model parameters. Fix: call plan(..., calibrate=True) or pass params=.")
         if b_mins is None:
             top = max(self.rows, 2)
             b_mins = sorted({int(x) for x in np.geomspace(max(1, top // 1000), top, 12)})
@@ -217,7 +217,8 @@ def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
         )
     missing = [k for k in keep if k not in columns]
     if missing:
-        raise SurgeInputError(f"keep={list(keep)} names missing column(s) {missing}; columns are {columns}.")
+        raise SurgeInputError(f"keep={list(keep)} names missing column(s) {missing}; columns are {columns}. "
+                              "Fix: keep only existing columns.")
     return keep
 
 
@@ -325,7 +326,7 @@ def _client_for(scheduler):
     """The active distributed Client, or a new LocalCluster's (closed at exit), or None."""
     if scheduler not in SCHEDULERS and not hasattr(scheduler, "submit"):
         raise SurgeValueError(
-            f"scheduler={scheduler!r} is not supported; pass None (the active distributed Client, "
+            f"scheduler={scheduler!r} is not supported. Fix: pass None (the active distributed Client, "
             "or a new local cluster), a distributed.Client, 'threads' or 'sync'."
         )
     if hasattr(scheduler, "submit"):
@@ -431,7 +432,7 @@ def encode(
     """
     keep = _check_columns(ddf, column, keep)
     if not isinstance(overwrite, bool):
-        raise SurgeValueError(f"overwrite={overwrite!r} must be True or False.")
+        raise SurgeValueError(f"overwrite={overwrite!r} must be True or False. Fix: pass overwrite=True to replace a different run.")
     encoder = _resolve_encoder(model, dict(device=device, dtype=dtype, engine=engine, batch_size=batch_size,
                                            max_tokens=max_tokens))
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
@@ -763,10 +764,11 @@ def read_embeddings(path: str, *, partition: int | None = None, columns: Sequenc
         files = [f"{proto}://{f}" for f in files]
     if not files:
         raise SurgeInputError(f"{path!r} has no committed rows" + (
-            f" for partition {partition}" if partition is not None else "") + ".")
+            f" for partition {partition}" if partition is not None else "") + ". Fix: run (or resume) "
+            "the encode into it first, or check the partition id against dask_surge.status(path).")
     filters = [("partition", "==", partition)] if partition is not None else None
     if backend not in ("pandas", "cudf"):
-        raise SurgeValueError(f"backend={backend!r} is not supported; use 'pandas' or 'cudf'.")
+        raise SurgeValueError(f"backend={backend!r} is not supported. Fix: use backend='pandas' or 'cudf'.")
     if backend == "cudf":
         return dd.read_parquet(files, columns=list(columns) if columns else None, filters=filters,
                                storage_options=storage_options).to_backend("cudf")

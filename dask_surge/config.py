@@ -99,7 +99,7 @@ def get(name: str, value: Any = None) -> Any:
     1048576
     """
     if name not in OPTIONS:
-        raise SurgeValueError(f"unknown option surge.{name!r}; known: {sorted(OPTIONS)}")
+        raise SurgeValueError(f"unknown option surge.{name!r}. Fix: use one of {sorted(OPTIONS)}.")
     if value is None:
         value = dask.config.get(f"surge.{name}")
     return _check(name, value)

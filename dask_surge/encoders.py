@@ -161,15 +161,16 @@ class Encoder:
     ) -> None:
         if dtype not in _DTYPES:
             raise SurgeValueError(
-                f"dtype={dtype!r} is not a known compute dtype; choose one of {_DTYPES}."
+                f"dtype={dtype!r} is not a known compute dtype. Fix: choose one of {_DTYPES}."
             )
         if engine not in _ENGINES:
-            raise SurgeValueError(f"engine={engine!r} is not known; choose one of {_ENGINES}.")
+            raise SurgeValueError(f"engine={engine!r} is not known. Fix: choose one of {_ENGINES}.")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise SurgeValueError(f"batch_size={batch_size!r} must be a positive int, e.g. 32.")
+            raise SurgeValueError(f"batch_size={batch_size!r} must be a positive int. Fix: pass e.g. batch_size=32.")
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens <= 0):
             raise SurgeValueError(
-                f"max_tokens={max_tokens!r} must be a positive int (tokens per micro-batch) or None."
+                f"max_tokens={max_tokens!r} must be a positive int (tokens per micro-batch) or None. "
+                "Fix: pass e.g. max_tokens=8192, or None for automatic."
             )
         if device is not None:
             _check_device(device)
@@ -333,7 +334,7 @@ def _from_spec(spec: EncoderSpec) -> Encoder:
 
 def _check_device(device: str) -> None:
     if not isinstance(device, str) or not (device == "cpu" or device.startswith(("cuda", "mps"))):
-        raise SurgeValueError(f"device={device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N'.")
+        raise SurgeValueError(f"device={device!r} is not a torch device. Fix: use 'cpu', 'cuda' or 'cuda:N'.")
 
 
 def _pick_device(requested: str | None) -> str:

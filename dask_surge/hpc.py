@@ -53,7 +53,7 @@ def gpu_jobqueue_cluster(
     >>> cluster.scale(jobs=8)                                       # doctest: +SKIP
     """
     if kind not in KINDS:
-        raise SurgeValueError(f"kind={kind!r} is not supported; choose one of {KINDS}.")
+        raise SurgeValueError(f"kind={kind!r} is not supported. Fix: choose one of {KINDS}.")
     try:
         import dask_jobqueue
     except ImportError as err:

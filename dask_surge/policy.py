@@ -114,18 +114,18 @@ def validate_thresholds(b_min: object, b_max: object) -> tuple[int, int]:
         if isinstance(value, bool) or not hasattr(value, "__index__"):
             raise SurgeValueError(
                 f"{name}={value!r} is not an integer: thresholds count rows. "
-                f"Pass a positive int, e.g. {name}=100_000."
+                f"Fix: pass a positive int, e.g. {name}=100_000."
             )
         if operator.index(value) <= 0:  # type: ignore[arg-type]
             raise SurgeValueError(
                 f"{name}={value!r} must be positive: a SuperBatch holds at least one row. "
-                f"Pass a positive int, e.g. {name}=100_000."
+                f"Fix: pass a positive int, e.g. {name}=100_000."
             )
     b_min, b_max = operator.index(b_min), operator.index(b_max)  # type: ignore[arg-type]
     if b_min > b_max:
         raise SurgeValueError(
             f"b_min={b_min} is larger than b_max={b_max}: the flush threshold must not "
-            f"exceed the hard cap. Lower b_min or raise b_max (e.g. b_max={4 * b_min})."
+            f"exceed the hard cap. Fix: lower b_min or raise b_max (e.g. b_max={4 * b_min})."
         )
     return b_min, b_max
 
@@ -195,7 +195,7 @@ class OnlinePlanner:
             if isinstance(value, bool) or int(value) != value or value < 0:
                 raise SurgeValueError(
                     f"partition {self._next_partition} has {name} {value!r}: sizes must be "
-                    f"non-negative integers (rows, bytes)."
+                    f"non-negative integers (rows, bytes). Fix: pass the row count (and text bytes) of each partition."
                 )
         n, i = int(size), self._next_partition
         m = int(nbytes or 0) if self.max_bytes else 0

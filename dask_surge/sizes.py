@@ -89,7 +89,9 @@ def text_bytes(series) -> int:
     import pyarrow.compute as pc
 
     try:
-        arr = pa.array(series, from_pandas=True)
+        # cuDF: its own Arrow export; pandas: zero-copy for Arrow-backed strings
+        arr = series.to_arrow() if type(series).__module__.split(".", 1)[0] == "cudf" else \
+            pa.array(series, from_pandas=True)
     except (pa.ArrowException, TypeError, ValueError):
         return 0
     if pa.types.is_dictionary(arr.type):

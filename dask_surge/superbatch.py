@@ -13,7 +13,23 @@ from .encoders import Encoder
 from .errors import SurgeInputError
 from .policy import Span
 
-__all__ = ["SuperBatchEncoder", "texts_of"]
+__all__ = ["SuperBatchEncoder", "texts_of", "to_host"]
+
+
+def to_host(obj):
+    """A cuDF DataFrame or Series as pandas (texts go to the host tokenizer anyway); others as is.
+
+    Examples
+    --------
+    >>> import pandas as pd
+    >>> df = pd.DataFrame({"text": ["a"]})
+    >>> to_host(df) is df
+    True
+    """
+    if type(obj).__module__.split(".", 1)[0] == "cudf":
+        return obj.to_pandas()
+    return obj
+
 
 def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> tuple[list[str], np.ndarray | None]:
     """Return the texts of ``series`` as a list of ``str``, enforcing the null policy,
@@ -92,7 +108,7 @@ class SuperBatchEncoder:
         Returns ``(pieces, texts, skipped)``: ``(span, rows kept, frame of them)``
         per span, the texts to encode, and ``(partition, row)`` of skipped nulls."""
         pieces, texts, skipped = [], [], []
-        by_partition = dict(zip(sorted({s.partition for s, _ in spans}), parts))
+        by_partition = dict(zip(sorted({s.partition for s, _ in spans}), map(to_host, parts)))
         for span, planned in spans:
             part = by_partition[span.partition]
             if len(part) != planned:
@@ -138,7 +154,8 @@ class SuperBatchEncoder:
         return self.encode(parts, spans)[0]
 
     def meta(self, frame_meta: pd.DataFrame) -> pd.DataFrame:
-        """Empty frame with the output schema."""
+        """Empty frame with the output schema (pandas, also for cuDF input)."""
+        frame_meta = to_host(frame_meta)
         data = {"partition": np.zeros(0, np.int64), "row": np.zeros(0, np.int64)}
         out = pd.DataFrame(data)
         for col in self.keep:

@@ -59,3 +59,40 @@ def test_plan_command(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "in"), "--text-column", "text", "--b-min", "5", "--b-max", "8"]) == 0
     out = capsys.readouterr().out
     assert "28 rows in 4 partitions -> 5 SuperBatches of 1-8 rows" in out and "metadata" in out
+
+
+def _junk_model(tmp_path):
+    d = tmp_path / "junk-model"
+    d.mkdir()
+    (d / "notes.txt").write_text("not a model")
+    return str(d)
+
+
+@pytest.mark.parametrize("extra,data,match", [
+    (["--b-min", "10", "--b-max", "5"], None, "b_min=10 is larger than b_max=5"),
+    (["--b-min", "0"], None, "b_min=0 must be positive"),
+    (["--max-bytes", "lots"], None, "surge.max-bytes='lots' is not allowed"),
+    (["--model", "/does/not/exist"], None, "does not exist"),
+    (["--model", "JUNK"], None, "not a sentence-transformers or Hugging Face text encoder"),
+    ([], {"text": [1, 2, 3]}, "holds a int .* only strings can be encoded"),
+    ([], {"text": ["a", None]}, "1 null value.*partition 0, first at row 1.*on_null='skip'"),
+    ([], {"body": ["a"]}, "text column 'text' is not in the DataFrame"),
+] + ([] if __import__("torch").cuda.is_available() else
+     [(["--device", "cuda"], None, "asks for a GPU")]))
+def test_bad_input_from_the_cli_is_one_clear_line_and_writes_nothing(tmp_path, capsys, extra, data, match):
+    src = tmp_path / "in"
+    if data is None:
+        write_partitioned_parquet(src, [3, 2])
+    else:
+        src.mkdir()
+        pd.DataFrame(data).to_parquet(src / "p0.parquet")
+    extra = [_junk_model(tmp_path) if x == "JUNK" else x for x in extra]
+    out = tmp_path / "o"
+    code = main(["encode", str(src), "--text-column", "text", "--output", str(out), "--scheduler", "sync",
+                 "--no-progress", "--device", "cpu", *extra])
+    # the error is the last line of stderr (earlier tests may have left model-loading bars on)
+    err = capsys.readouterr().err.rsplit("\r", 1)[-1].strip().splitlines()[-1]
+    assert code == 2 and err.startswith("dask-surge: error: "), err
+    assert __import__("re").search(match, err), err
+    assert "Fix: " in err  # and says what to do
+    assert not list(out.glob("part-*.parquet"))  # nothing that could look like output

@@ -319,3 +319,17 @@ def test_read_embeddings_cudf_backend(tmp_path, counting_encoder):
     pytest.importorskip("cudf", reason="RAPIDS cuDF is not installed (no GPU here)")
     gdf = dask_surge.read_embeddings(str(tmp_path / "o"), backend="cudf").compute()
     assert len(gdf) == 5
+
+
+def test_dask_cudf_text_column_encodes_like_pandas(tmp_path, counting_encoder):
+    pytest.importorskip("dask_cudf", reason="RAPIDS dask-cuDF is not installed (no GPU here)")
+    sizes = [3, 0, 9, 2]
+    ddf = make_partitioned_frame(sizes, seed=21)
+    gddf = ddf.to_backend("cudf")
+    kw = dict(model=counting_encoder, b_min=4, b_max=8, keep=["doc_id"])
+    want = ddf.surge.encode("text", **kw).compute(scheduler="sync")
+    got = gddf.surge.encode("text", **kw).compute(scheduler="sync")
+    assert list(zip(got.partition, got.row, got.doc_id)) == list(zip(want.partition, want.row, want.doc_id))
+    np.testing.assert_array_equal(_emb(got), _emb(want))
+    res = gddf.surge.encode("text", str(tmp_path / "o"), scheduler="sync", progress=False, **kw)
+    assert res.rows == sum(sizes)
