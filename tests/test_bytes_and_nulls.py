@@ -126,3 +126,12 @@ def test_cli_skip_records_nulls(tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["nulls_skipped"] == 2
     assert dask_surge.skipped_rows(str(out)).values.tolist() == [[0, 1], [1, 0]]
+
+
+def test_input_without_rows_is_a_complete_run_of_zero_rows(tmp_path, counting_encoder):
+    # Dask cannot build a frame of zero partitions; the nearest is one partition of no rows
+    ddf = dd.from_pandas(pd.DataFrame({"text": pd.Series([], dtype="string")}), npartitions=1)
+    out = str(tmp_path / "o")
+    res = ddf.surge.encode("text", out, model=counting_encoder, scheduler="sync", progress=False)
+    assert res.rows == 0 and dask_surge.status(out)["state"] == "complete"
+    assert len(ddf.surge.encode("text", model=counting_encoder).compute(scheduler="sync")) == 0
