@@ -22,6 +22,7 @@ from .graph import superbatch_collection
 from .identity import input_identity
 from .manifest import Manifest, current_run, finish_run, open_run
 from .policy import SuperBatch, plan_superbatches, validate_thresholds
+from .precision import check_precision, check_truncate_dim
 from .progress import Progress
 from .sink import SuperBatchWriter
 from .sizes import PartitionSizes, partition_sizes
@@ -359,6 +360,7 @@ def encode(
     keep: Sequence[str] = (),
     normalize: bool | None = None,
     precision: str | None = None,
+    truncate_dim: int | None = None,
     on_null: str | None = None,
     device: str | None = None,
     dtype: str | None = None,
@@ -396,8 +398,13 @@ def encode(
         Input columns to carry into the output beside ``partition``/``row``.
     normalize : bool, optional
         L2-normalize embeddings.
-    precision : {"float32", "float16"}, optional
-        Storage type of the embedding values.
+    precision : {"float32", "float16", "int8", "binary"}, optional
+        Storage type of the embedding values (``surge.precision``): ``int8`` is
+        ``round(127 x)`` of unit vectors (needs ``normalize=True``), ``binary``
+        packs the sign bits into ``ceil(d / 8)`` bytes; see :mod:`dask_surge.precision`.
+    truncate_dim : int, optional
+        Keep the first ``k`` dimensions (Matryoshka models), re-normalized when
+        ``normalize`` (``surge.truncate-dim``).
     on_null : {"error", "empty", "skip"}, optional
         A null text raises (default, naming its partition and row), is encoded
         as ``""``, or is left out of the output with its ``(partition, row)``
@@ -438,10 +445,12 @@ def encode(
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
     validate_thresholds(*config.thresholds(b_min, b_max, gpu=on_gpu))  # fail before any work
     max_bytes = config.get("max-bytes", max_bytes)
+    normalize = config.get("normalize", normalize)
     sbe = SuperBatchEncoder(
-        column, keep, encoder,
-        normalize=config.get("normalize", normalize), precision=config.get("precision", precision),
+        column, keep, encoder, normalize=normalize,
+        precision=check_precision(config.get("precision", precision), normalize),
         on_null=config.get("on-null", on_null),
+        truncate_dim=check_truncate_dim(config.get("truncate-dim", truncate_dim), encoder.dimension),
     )
     frame = ddf[[column, *[k for k in keep if k != column]]]
     thresholds = functools.partial(_resolve_auto, b_min, b_max, encoder, gpu=on_gpu)
@@ -510,8 +519,9 @@ def fingerprint(frame, sbe: SuperBatchEncoder, sizes: PartitionSizes, b_min: int
     return {
         "input": input_identity(frame), "column": sbe.column, "keep": list(sbe.keep),
         "partitions": len(sizes.sizes), "rows": sizes.total, "sizes": digest,
-        "model": sbe.encoder.identity(), "dimension": sbe.encoder.dimension,
+        "model": sbe.encoder.identity(), "dimension": sbe.dimension,
         "b_min": b_min, "b_max": b_max, "max_bytes": max_bytes, "normalize": sbe.normalize, "precision": sbe.precision,
+        "truncate_dim": sbe.truncate_dim,
         "on_null": sbe.on_null, "library": __version__,
     }
 

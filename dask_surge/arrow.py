@@ -5,18 +5,25 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["embedding_array", "embedding_type", "PRECISIONS"]
+from .precision import PRECISIONS, quantize, stored_dimension
 
-PRECISIONS = {"float32": pa.float32(), "float16": pa.float16()}
+__all__ = ["embedding_array", "embedding_type"]
 
 
 def embedding_type(dimension: int, precision: str = "float32") -> pa.DataType:
-    """The Arrow type of an embedding column: ``fixed_size_list<precision>[dimension]``."""
-    return pa.list_(PRECISIONS[precision], dimension)
+    """The Arrow type of an embedding column: ``fixed_size_list<value>[stored dimension]``.
+
+    Examples
+    --------
+    >>> embedding_type(384, "binary")
+    FixedSizeListType(fixed_size_list<item: uint8>[48])
+    """
+    return pa.list_(PRECISIONS[precision][1], stored_dimension(dimension, precision))
 
 
 def embedding_array(emb: np.ndarray, precision: str = "float32") -> pa.FixedSizeListArray:
-    """Wrap an ``(n, d)`` array as a ``FixedSizeListArray`` without copying (float32).
+    """Wrap ``(n, d)`` float embeddings as a ``FixedSizeListArray`` of the stored precision
+    (see :mod:`dask_surge.precision`); float32 input is not copied.
 
     Examples
     --------
@@ -25,6 +32,7 @@ def embedding_array(emb: np.ndarray, precision: str = "float32") -> pa.FixedSize
     >>> arr.type
     FixedSizeListType(fixed_size_list<item: float>[3])
     """
-    np_dtype = np.float16 if precision == "float16" else np.float32
-    flat = np.ascontiguousarray(emb, dtype=np_dtype).reshape(-1)
-    return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=PRECISIONS[precision]), emb.shape[1])
+    stored = quantize(emb, precision)
+    flat = np.ascontiguousarray(stored).reshape(-1)
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=PRECISIONS[precision][1]),
+                                             stored_dimension(emb.shape[1], precision))

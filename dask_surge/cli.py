@@ -25,7 +25,9 @@ def _add_encode_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--b-max", type=_threshold, default=None, help="SuperBatch hard cap, rows, or auto")
     p.add_argument("--max-bytes", default=None, help="cap on a SuperBatch's text bytes, e.g. '512 MiB'")
     p.add_argument("--normalize", action="store_true", default=None, help="L2-normalize embeddings")
-    p.add_argument("--precision", choices=["float32", "float16"], default=None)
+    p.add_argument("--precision", choices=["float32", "float16", "int8", "binary"], default=None,
+                   help="stored type: float32, float16, int8 (needs --normalize) or binary (sign bits)")
+    p.add_argument("--truncate-dim", type=int, default=None, help="keep the first k dimensions (Matryoshka)")
     p.add_argument("--on-null", choices=["error", "empty", "skip"], default=None,
                    help="what a null text does: error (default), encode as empty, or skip and record it")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when available)")
@@ -135,7 +137,7 @@ def _scheduler(value):
 
 def _options(args) -> dict:
     return dict(model=args.model, b_min=args.b_min, b_max=args.b_max, max_bytes=args.max_bytes,
-                normalize=args.normalize,
+                normalize=args.normalize, truncate_dim=args.truncate_dim,
                 precision=args.precision, on_null=args.on_null, device=args.device, dtype=args.dtype,
                 overwrite=args.overwrite, progress=args.progress, scheduler=_scheduler(args.scheduler))
 

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from .arrow import embedding_array
+from .precision import truncate
 from .encoders import Encoder
 from .errors import SurgeInputError
 from .policy import Span
@@ -97,10 +98,16 @@ class SuperBatchEncoder:
     normalize: bool = False
     precision: str = "float32"
     on_null: str = "error"
+    truncate_dim: int | None = None
 
     def __dask_tokenize__(self):
         return ("SuperBatchEncoder", self.column, self.keep, self.encoder.spec, self.normalize,
-                self.precision, self.on_null)
+                self.precision, self.on_null, self.truncate_dim)
+
+    @property
+    def dimension(self) -> int:
+        """Dimensions of the embeddings written (after ``truncate_dim``)."""
+        return self.truncate_dim or self.encoder.dimension
 
     def gather(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]):
         """Slice the planned rows out of the input partitions, checking their sizes.
@@ -145,10 +152,11 @@ class SuperBatchEncoder:
     def encode(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]):
         """Encode the planned rows: ``(output frame, [(partition, row) skipped]).``"""
         pieces, texts, skipped = self.gather(parts, spans)
-        emb = self.encoder.encode(texts, normalize=self.normalize) if texts else np.zeros(
-            (0, self.encoder.dimension), dtype=np.float32
-        )
-        return self.frame(pieces, emb), skipped
+        if not texts:
+            return self.frame(pieces, np.zeros((0, self.dimension), dtype=np.float32)), skipped
+        # truncate first, then normalize what is kept (as sentence-transformers' truncate_dim)
+        emb = self.encoder.encode(texts, normalize=self.normalize and self.truncate_dim is None)
+        return self.frame(pieces, truncate(emb, self.truncate_dim, self.normalize)), skipped
 
     def __call__(self, parts: Sequence[pd.DataFrame], sb_index: int, spans: Sequence[tuple[Span, int]]) -> pd.DataFrame:
         return self.encode(parts, spans)[0]
@@ -160,6 +168,6 @@ class SuperBatchEncoder:
         out = pd.DataFrame(data)
         for col in self.keep:
             out[col] = frame_meta[col].iloc[:0].reset_index(drop=True)
-        emb = np.zeros((0, self.encoder.dimension), dtype=np.float32)
+        emb = np.zeros((0, self.dimension), dtype=np.float32)
         out["embedding"] = pd.arrays.ArrowExtensionArray(embedding_array(emb, self.precision))
         return out
