@@ -246,7 +246,7 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     params : dask_surge.costmodel.CostParams, optional
         Cost-model parameters; with them the plan predicts every policy.
     calibrate : bool
-        Measure the parameters on the live cluster first (a probe of about 15 s,
+        Measure the parameters on the live cluster first (a probe of 10-20 s,
         cached per model, device and cluster shape; see :mod:`dask_surge.calibrate`).
     client : distributed.Client, optional
         Cluster to calibrate on (default: the active one, else this process).

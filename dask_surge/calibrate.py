@@ -2,20 +2,31 @@
 
 The probe measures, through the real code paths, the constants of Theorem 1:
 
-1. **Encode curve** ``c(b)``: one worker (or this process) encodes calls of
-   ``b = 1, 2, 4, ...`` rows of synthetic English-like texts, plus calls of
-   long texts. For each call the encoder's batching rule is replayed on the
-   real token lengths (padded tokens, forward passes), and
+1. **Encode curve** ``c(b)``: every worker at once (so calls share the machine
+   as they do in a run) encodes calls of ``b = 1, 2, 4, ...`` rows of synthetic
+   English-like texts up to a large call of at least two full micro-batches
+   (the regime of SuperBatches, which a fit on small calls would only
+   extrapolate), plus a call of long texts, keeping the best of a few repeats
+   of each. For each call the encoder's batching rule is replayed on
+   the real token lengths (padded tokens, forward passes), and
    ``setup + per_text b + per_token padded + per_forward forwards`` is fitted
    by non-negative least squares on relative error. The token-length
    distribution is kept (256 quantiles) for predicting other call sizes.
-2. **Per-call fixed cost** ``alpha`` and run overhead ``T0``: ``map_partitions``
-   (PBP) over two numbers of one-row partitions; the slope of wall time per
-   wave of ``W`` calls is ``alpha + c(1)``, the intercept is ``T0``.
-3. **Per-row I/O** ``rho``: PBP over ``2 W`` large partitions; what the
-   encode curve does not explain is shipping rows in and embeddings out.
-4. **Per-folded-partition cost** ``pi``: ``ddf.surge.encode`` over the one-row
-   partitions in SuperBatches of ``m`` rows.
+2. **Dask terms**: four kinds of runs on the live cluster, each modelled as the
+   cost model models it (``T0`` plus waves of equal jobs on ``W`` workers) and
+   solved by :func:`solve_dask_terms`:
+
+   * PBP (``map_partitions``) over ``W`` and over ``n W`` one-row partitions:
+     the slope per wave is ``alpha + c(1) + rho``, the intercept the run
+     overhead ``T0`` (submission, first-task latency, final gather);
+   * PBP over ``2 W`` large partitions: what ``c`` does not explain per row is
+     the per-row I/O ``rho`` (shipping rows in, embeddings out);
+   * ``ddf.surge.encode`` over one-row partitions in SuperBatches of 8: the
+     per-folded-partition cost ``pi``.
+
+   Every timed run is a graph never computed before (a repeated graph returns
+   results the scheduler still holds and times nothing); the runs alternate and
+   each kind keeps its best of three, as load from other processes only adds time.
 
 Without a client only step 1 runs (in this process): ``alpha`` is the encode
 set-up and the Dask terms are zero.
@@ -40,10 +51,10 @@ import numpy as np
 from .costmodel import CostParams, call_cost
 from .errors import SurgeValueError
 
-__all__ = ["calibrate", "cache_dir", "cache_path", "fit_encode_curve", "PROBE_VERSION"]
+__all__ = ["calibrate", "cache_dir", "cache_path", "fit_encode_curve", "solve_dask_terms", "PROBE_VERSION"]
 
 logger = logging.getLogger(__name__)
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 _LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
@@ -182,6 +193,7 @@ def _probe_curve(encoder, budget_s: float, seed: int = 7) -> dict:
     from .costmodel import _replay
     from .testing import make_texts
 
+    t_start = time.perf_counter()
     short = make_texts(4096, seed=seed)
     long = make_texts(1024, seed=seed + 1, mean_words=60.0)
     encoder.encode(short[:64])  # warm the model, allocator and tokenizer
@@ -193,11 +205,6 @@ def _probe_curve(encoder, budget_s: float, seed: int = 7) -> dict:
         x = -np.sort(-lengths)
         padded, forwards = _replay(x, max_tokens, batch_rows)
         return padded, forwards
-
-    deadline = time.perf_counter() + budget_s * 0.85
-    per_b = budget_s * 0.85 / len(_LADDER)
-    obs: list[tuple[int, float, float, float]] = []
-    last_per_row = None
 
     def measure(texts, lengths, b, reps):
         secs, pads, fwds = [], [], []
@@ -212,18 +219,36 @@ def _probe_curve(encoder, budget_s: float, seed: int = 7) -> dict:
         best = int(np.argmin(secs))  # best of n, with the features of that very call
         return float(secs[best]), float(pads[best]), float(fwds[best])
 
-    for b in _LADDER:
-        est = (last_per_row or 1e-3) * b
-        if len(obs) >= 5 and est * 3 > deadline - time.perf_counter():
-            break
-        reps = int(np.clip(per_b / max(est, 1e-6), 1, 25))
-        sec, pad, fwd = measure(short, lengths_short, b, reps)
-        obs.append((b, pad, fwd, sec))
-        last_per_row = sec / b
+    obs: list[tuple[int, float, float, float]] = []
+    sec, pad, fwd = measure(short, lengths_short, 64, 1)
+    obs.append((64, pad, fwd, sec))
+    per_row = sec / 64
+    # The largest call: the largest the budget affords, and never less than two full micro-batches,
+    # so that the fit sees the regime of large calls (sorted, homogeneous, full forward passes)
+    # instead of extrapolating it from one-forward calls.
+    full = 2 * max_tokens / max(float(lengths_short.mean()), 1.0) if max_tokens else 2 * (batch_rows or 32)
+    affordable = [b for b in _LADDER if b * per_row <= budget_s / 4]
+    top = int(min(len(short), max(int(np.ceil(full)), max(affordable, default=1))))
+    sec, pad, fwd = measure(short, lengths_short, top, 1)
+    obs.append((top, pad, fwd, sec))
+    per_row = sec / top
     # long texts, to split the per-text from the per-token cost
-    b_long = int(min(len(long), max(8, obs[-1][0] // 3)))
-    sec, pad, fwd = measure(long, lengths_long, b_long, 2)
+    b_long = int(min(len(long), max(8, top // 6)))
+    sec, pad, fwd = measure(long, lengths_long, b_long, 1)
     obs.append((b_long, pad, fwd, sec))
+    # the small-call end of the curve, then repeats of the large calls, while the budget lasts
+    deadline = t_start + budget_s * 0.9
+    smaller = [b for b in _LADDER if b < top and b != 64]
+    per_b = max(deadline - time.perf_counter(), 0.0) / (len(smaller) + 2)
+    for b in smaller:
+        est = per_row * b + 1e-3
+        if len(obs) >= 6 and est > deadline - time.perf_counter():
+            break
+        sec, pad, fwd = measure(short, lengths_short, b, int(np.clip(per_b / est, 1, 25)))
+        obs.append((b, pad, fwd, sec))
+    if per_row * top * 1.5 < deadline - time.perf_counter():
+        sec, pad, fwd = measure(short[top:] + short[:top], np.roll(lengths_short, -top), top, 2)
+        obs.append((top, pad, fwd, sec))
     q = np.quantile(lengths_short, (np.arange(256) + 0.5) / 256)
     return {"observations": obs, "token_lengths": [round(float(x), 3) for x in q],
             "tokens_per_text": float(lengths_short.mean()), "max_tokens": max_tokens, "batch_rows": batch_rows,
@@ -231,59 +256,131 @@ def _probe_curve(encoder, budget_s: float, seed: int = 7) -> dict:
 
 
 # -- the Dask-path probe -------------------------------------------------------------------------
-def _timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.min(times))  # best of n: other load on the machine only ever adds time
+def _waves(calls: int, workers: int) -> int:
+    """Rounds of ``calls`` equal jobs on ``workers`` workers (the model's in-order schedule)."""
+    return -(-int(calls) // int(workers))
 
 
-def _dask_probe(encoder, client, cost, workers: int, budget_s: float) -> dict:
-    """Measure T0, alpha, rho and pi through map_partitions and ddf.surge.encode.
+def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, big: tuple, surge: tuple,
+                     setup_s: float = 0.0) -> dict:
+    """Solve Theorem 1's Dask terms ``T0, alpha, rho, pi`` from four probe runs' wall times.
 
-    ``cost(b)`` is the fitted encode cost of a call of ``b`` rows (set-up excluded).
+    Each run is modelled as the cost model models it (``T0`` plus waves of
+    equal jobs on ``workers`` workers):
+
+    * ``small = (P_s, t_s)`` and ``large = (P_l, t_l)``: PBP over ``P`` one-row
+      partitions, ``t = T0 + waves(P) (alpha + c(1) + rho)``;
+    * ``big = (P_b, m, t_b)``: PBP over ``P_b`` partitions of ``m`` rows,
+      ``t = T0 + waves(P_b) (alpha + c(m) + rho m)``;
+    * ``surge = (P_u, m_u, t_u)``: SURGE over ``P_u`` one-row partitions in
+      SuperBatches of ``m_u`` of them, ``t = T0 + waves(P_u / m_u) (alpha + pi m_u + c(m_u) + rho m_u)``.
+
+    The two one-row runs give the per-wave cost (slope) and ``T0`` (intercept),
+    the big run ``rho`` (what the encode curve ``c`` does not explain per row),
+    and the SuperBatch run ``pi``. Negative solutions (noise) are clipped to 0;
+    ``alpha`` is at least ``setup_s``.
+
+    Parameters
+    ----------
+    cost : callable
+        ``cost(b)``: the encode cost of a call of ``b`` rows (set-up excluded).
+    workers : int
+    small, large, big, surge : tuple
+        The runs, as above (seconds are wall times).
+    setup_s : float
+        The encode set-up, a lower bound of ``alpha``.
+
+    Returns
+    -------
+    dict
+        ``overhead_s`` (T0), ``alpha_s``, ``io_per_row_s`` (rho) and ``partition_s`` (pi).
+
+    Raises
+    ------
+    SurgeValueError
+        If the two one-row runs have the same number of waves, or a run is not positive.
+
+    Examples
+    --------
+    >>> c = lambda b: 1e-3 + 1e-4 * b          # encode cost of a call of b rows
+    >>> T0, alpha, rho, pi, W = 0.1, 0.02, 1e-5, 0.01, 2
+    >>> run = lambda P, m, job: T0 + -(-P // W) * job
+    >>> terms = solve_dask_terms(
+    ...     c, workers=W,
+    ...     small=(2, run(2, 1, alpha + c(1) + rho)), large=(40, run(40, 1, alpha + c(1) + rho)),
+    ...     big=(4, 500, run(4, 500, alpha + c(500) + rho * 500)),
+    ...     surge=(64, 8, run(8, 8, alpha + pi * 8 + c(8) + rho * 8)))
+    >>> {k: round(v, 6) for k, v in terms.items()}
+    {'overhead_s': 0.1, 'alpha_s': 0.02, 'io_per_row_s': 1e-05, 'partition_s': 0.01}
+    """
+    (p_s, t_s), (p_l, t_l) = small, large
+    p_b, m_b, t_b = big
+    p_u, m_u, t_u = surge
+    w_s, w_l, w_b, w_u = _waves(p_s, workers), _waves(p_l, workers), _waves(p_b, workers), _waves(-(-p_u // m_u), workers)
+    if w_l <= w_s or min(t_s, t_l, t_b, t_u) <= 0 or m_b <= 1 or m_u < 1:
+        raise SurgeValueError(
+            f"solve_dask_terms needs a large one-row run with more waves than the small one and positive "
+            f"times and sizes; got small={small}, large={large}, big={big}, surge={surge} on {workers} "
+            "worker(s). Fix: probe more one-row partitions in the large run (at least one wave more)."
+        )
+    per_wave_1 = max((t_l - t_s) / (w_l - w_s), cost(1))  # alpha + c(1) + rho
+    overhead = max(t_s - w_s * per_wave_1, 0.0)
+    per_wave_b = (t_b - overhead) / w_b  # alpha + c(m) + rho m
+    rho = max((per_wave_b - per_wave_1 - (cost(m_b) - cost(1))) / (m_b - 1), 0.0)
+    alpha = max(per_wave_1 - cost(1) - rho, setup_s)
+    per_wave_u = (t_u - overhead) / w_u  # alpha + pi m + c(m) + rho m
+    pi = max((per_wave_u - alpha - cost(m_u) - rho * m_u) / m_u, 0.0)
+    return {"overhead_s": float(overhead), "alpha_s": float(alpha), "io_per_row_s": float(rho),
+            "partition_s": float(pi)}
+
+
+def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: float) -> dict:
+    """Time the four runs of :func:`solve_dask_terms` through map_partitions and ddf.surge.encode.
+
+    Every timed run computes a graph never computed before: a repeated graph would return
+    results the scheduler still holds (its release is asynchronous) and time nothing. The
+    runs alternate, and each kind keeps its best of three (load on the machine only adds time).
     """
     from . import accessor  # noqa: F401  (registers .surge)
     from .testing import make_partitioned_frame
 
-    def pbp(ddf):
-        coll = ddf["text"].map_partitions(encoder.embed, meta=encoder.meta)
+    seeds = iter(range(1_000, 1_000_000))
+
+    def pbp(sizes):
+        coll = make_partitioned_frame(sizes, seed=next(seeds))["text"].map_partitions(encoder.embed,
+                                                                                      meta=encoder.meta)
         return lambda: client.compute(coll, sync=True)
 
-    c1 = cost(1)
-    pbp(make_partitioned_frame([1] * (2 * workers), seed=10))()  # warm-up: plugin, imports, model
-    # a small run sizes the large one to the budget
-    p_b = 6 * workers
-    t_b = _timed(pbp(make_partitioned_frame([1] * p_b, seed=12)), 2)
-    guess = max(t_b / (p_b / workers), c1 + 1e-3)
-    p_a = int(np.clip(budget_s * 0.22 * workers / guess, 4 * p_b, 600))
-    p_a -= p_a % (8 * workers)
-    tiny_a = make_partitioned_frame([1] * p_a, seed=11)
-    t_a = _timed(pbp(tiny_a), 2)
-    waves_a, waves_b = -(-p_a // workers), -(-p_b // workers)
-    # T0 from the small run, given the large run's slope: a two-point slope amplifies noise on a
-    # loaded machine, while T0 is a small correction to the large run
-    overhead = float(np.clip(t_b - waves_b * t_a / waves_a, 0.0, t_b / 2))
-    per_call = max((t_a - overhead) / waves_a, c1 + 1e-6)
-    alpha = per_call - c1
-    # large partitions: what the encode curve does not explain is per-row I/O
-    beta = max(cost(1024) / 1024, 1e-9)
-    m_big = int(np.clip(budget_s * 0.1 / beta, 32, 4096))
-    big = make_partitioned_frame([m_big] * (2 * workers), seed=13)
-    t_big = _timed(pbp(big), 2)
-    rho = max(((t_big - overhead) / 2 - alpha - cost(m_big)) / m_big, 0.0)
-    # SuperBatches of m one-row partitions: the cost of each folded partition
+    def surge(sizes, m):
+        coll = make_partitioned_frame(sizes, seed=next(seeds)).surge.encode("text", model=encoder, b_min=m, b_max=m)
+        return lambda: client.compute(coll, sync=True)  # the size pass ran above, outside the timing
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    W = int(workers)
+    # warm-up (imports, plugin, first tasks), which also sizes the runs to the budget
+    timed(pbp([1] * W))
+    wave = max(timed(pbp([1] * (4 * W))) / 4, cost(1))  # one wave and a quarter of T0: an overestimate
+    rounds = 3
+    share = budget_s / (rounds * 3 + 1)  # each of the rounds x 3 sized runs below takes about this long
+    n_large = int(np.clip(share / wave, 12, 200))
+    m_big = int(np.clip(share / 2 / max(cost(1024) / 1024, 1e-9), 32, 4096))
     m_sb = 8
-    surge = tiny_a.surge.encode("text", model=encoder, b_min=m_sb, b_max=m_sb)  # size pass outside timing
-    t_sb = _timed(lambda: client.compute(surge, sync=True), 2)
-    waves = -(-(p_a // m_sb) // workers)
-    pi = max(((t_sb - overhead) / waves - alpha - cost(m_sb) - rho * m_sb) / m_sb, 0.0)
-    return {"overhead_s": overhead, "alpha_s": alpha, "io_per_row_s": rho, "partition_s": pi,
-            "probe": {"pbp_one_row": [[p_b, round(t_b, 4)], [p_a, round(t_a, 4)]],
-                      "pbp_large": [2 * workers, m_big, round(t_big, 4)],
-                      "surge_one_row": [p_a, m_sb, round(t_sb, 4)]}}
+    n_sb = int(np.clip(share / (wave + 8 * (wave + cost(8) / 8)), 4, 60))
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        runs = {"small": pbp([1] * W), "large": pbp([1] * (n_large * W)), "big": pbp([m_big] * (2 * W)),
+                "surge": surge([1] * (n_sb * m_sb * W), m_sb)}
+        for name, fn in runs.items():
+            best[name] = min(best.get(name, np.inf), timed(fn))
+    runs = {"small": (W, best["small"]), "large": (n_large * W, best["large"]),
+            "big": (2 * W, m_big, best["big"]), "surge": (n_sb * m_sb * W, m_sb, best["surge"])}
+    terms = solve_dask_terms(cost, workers=W, setup_s=setup_s, **runs)
+    terms["probe"] = {k: [round(x, 4) if isinstance(x, float) else x for x in v] for k, v in runs.items()}
+    return terms
 
 
 def _model_bytes(encoder) -> float:
@@ -313,7 +410,7 @@ def _device(encoder, client) -> str:
     return client.submit(probe, pure=False).result()
 
 
-def calibrate(encoder: Any, *, client=None, seconds: float = 15, cache: bool = True,
+def calibrate(encoder: Any, *, client=None, seconds: float = 10, cache: bool = True,
               refresh: bool = False, probe: bool = True) -> CostParams | None:
     """Measure the cost-model constants for ``encoder`` on ``client``'s cluster.
 
@@ -325,8 +422,8 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 15, cache: bool = T
         The live cluster. ``None`` probes the encode curve in this process
         only (no Dask costs): quick, but ``alpha`` is then just the encode set-up.
     seconds : float
-        Probe time budget (about 40% encode curve, 60% Dask path). Heavier models
-        measure fewer, smaller calls.
+        Probe time budget (about 30% encode curve, 70% Dask path); the probe takes
+        about this long plus a warm-up. Heavier models measure fewer, smaller calls.
     cache : bool
         Read and write the JSON cache (see :func:`cache_dir`).
     refresh : bool
@@ -381,15 +478,18 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 15, cache: bool = T
         return None
 
     t_start = time.perf_counter()
-    curve_budget = seconds * (0.4 if client is not None else 0.9)
+    curve_budget = seconds * (0.3 if client is not None else 0.9)
     if client is None:
         probe = _probe_curve(enc, curve_budget)
     else:
         from .plugins import register_encoder
 
         register_encoder(client, enc)
-        first = sorted(client.scheduler_info()["workers"])[0]
-        probe = client.submit(_probe_curve, enc, curve_budget, pure=False, workers=[first]).result()
+        # every worker probes at once: encode calls in a run share the machine the same way
+        futures = [client.submit(_probe_curve, enc, curve_budget, pure=False, workers=[w])
+                   for w in sorted(client.scheduler_info()["workers"])]
+        probes = client.gather(futures)
+        probe = dict(probes[0], observations=[o for p in probes for o in p["observations"]])
     rows, padded, forwards, secs = (np.array(x, dtype=float) for x in zip(*probe["observations"]))
     fit = fit_encode_curve(rows, padded, forwards, secs)
     tau = probe["tokens_per_text"]
@@ -410,10 +510,9 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 15, cache: bool = T
                   "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     params = base
     if client is not None:
-        left = max(seconds - (time.perf_counter() - t_start), seconds * 0.3)
-        d = _dask_probe(enc, client, lambda b: float(call_cost([b], base)[0]), workers, left)
+        left = max(seconds - (time.perf_counter() - t_start), seconds * 0.5)
+        d = _dask_probe(enc, client, lambda b: float(call_cost([b], base)[0]), workers, left, setup)
         meta["dask_probe"] = json.dumps(d.pop("probe"))
-        d["alpha_s"] = max(d["alpha_s"], setup)
         params = base.replace(**d)
     meta["probe_seconds"] = round(time.perf_counter() - t_start, 2)
     params = params.replace(meta=tuple(sorted(meta.items())))

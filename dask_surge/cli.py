@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--b-max", type=_threshold, default=None)
     pl.add_argument("--max-bytes", default=None, help="cap on a SuperBatch's text bytes, e.g. '512 MiB'")
     pl.add_argument("--calibrate", action="store_true",
-                    help="measure the cost model on a local cluster (~15 s, cached) and predict every policy")
+                    help="measure the cost model on a local cluster (~10-20 s, cached) and predict every policy")
 
     st = sub.add_parser("status", help="progress of an output directory")
     st.add_argument("output")

@@ -33,12 +33,23 @@ order), or, for PB-PBP-LB, largest first to the least-loaded worker (LPT). Then
     T = T_0 + \\mathrm{fill} + \\max\\bigl(\\max_w \\sum_{k \\to w} s_k,\\; T_{io}\\bigr),
     \\qquad T_{io} = N \\rho / W,
 
-where ``T_0`` is the fixed cost of one run (graph build, submission, result
-gathering set-up), ``rho`` the I/O time per row (reading input, writing or
-gathering output) that overlaps with encoding, and ``fill`` the I/O time of
-the first call, which cannot overlap. On a CPU device encoding and I/O share
-the worker's cores, so nothing overlaps: ``rho b_k`` joins each job ``s_k``
-and ``T_io = fill = 0``. Throughput is ``N / T``.
+where ``T_0`` is the fixed cost of one run (graph submission, latency to the
+first task, the final gather to the client), ``rho`` the time per row that
+the encode curve does not explain (shipping rows in and embeddings out,
+building the output) and that overlaps with encoding, and ``fill`` the I/O
+time of the first call, which cannot overlap. On a CPU device encoding and
+I/O share the worker's cores, so nothing overlaps: ``rho b_k`` joins each job
+``s_k`` and ``T_io = fill = 0``. Throughput is ``N / T``.
+
+Every constant is measured on the live cluster by
+:func:`dask_surge.calibrate.calibrate`, from runs that the formula above
+describes exactly (waves of equal jobs): ``c`` from encode calls timed on all
+workers at once, ``T0`` and ``alpha`` as the intercept and slope of PBP runs
+over one-row partitions, ``rho`` from PBP over large partitions and ``pi``
+from SuperBatches of one-row partitions (see
+:func:`dask_surge.calibrate.solve_dask_terms`). ``alpha`` and ``pi`` include
+the scheduler round trips and the scheduler's and client's CPU per task: on a
+machine with as many cores as workers those compete with encoding.
 
 Why this ``c``: the encoder sorts a call's texts by token length and cuts
 micro-batches by a token budget (or a fixed row count). A call of a few rows is
@@ -113,9 +124,11 @@ class CostParams:
     partition_s : float
         Cost per input partition folded into a call (its own task and transfer).
     overhead_s : float
-        Fixed cost of one run (graph build, submission, result gathering set-up).
+        Fixed cost ``T0`` of one run (graph submission, latency to the first task,
+        the final gather).
     io_per_row_s : float
-        Read/write/gather time per row that overlaps with encoding.
+        Time ``rho`` per row beyond the encode curve (shipping rows in and
+        embeddings out, building the output); overlaps with encoding on a GPU.
     tokens_per_text : float
         Mean tokens per text of the calibration texts (used when ``tokens`` is not given).
     max_tokens : int

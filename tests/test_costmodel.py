@@ -251,3 +251,69 @@ def test_auto_b_min_leaves_every_worker_several_superbatches():
     res = ddf.surge.encode("text", str(__import__("tempfile").mkdtemp()), model=lambda t: np.ones((len(t), 2)),
                            scheduler="sync", progress=False)
     assert res.b_min == 250 and "4+ SuperBatches" in res.thresholds_reason
+
+
+# -- the Dask-path probe's solver (pure) ---------------------------------------------------
+
+def _probe_runs(c, W, T0, alpha, rho, pi, *, n_small=1, n_large=30, big=(2, 600), sb=(16, 8)):
+    """Wall times of the four probe runs as Theorem 1 models them."""
+    waves = lambda calls: -(-calls // W)
+    one = alpha + c(1) + rho
+    p_b, m = big[0] * W, big[1]
+    p_u, k = sb[0] * sb[1] * W, sb[1]
+    return dict(small=(n_small * W, T0 + waves(n_small * W) * one),
+                large=(n_large * W, T0 + waves(n_large * W) * one),
+                big=(p_b, m, T0 + waves(p_b) * (alpha + c(m) + rho * m)),
+                surge=(p_u, k, T0 + waves(p_u // k) * (alpha + pi * k + c(k) + rho * k)))
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_solve_dask_terms_recovers_the_terms(W):
+    from dask_surge.calibrate import solve_dask_terms
+
+    p = params()
+    c = lambda b: float(call_cost([b], p)[0])
+    runs = _probe_runs(c, W, T0=0.08, alpha=0.018, rho=2e-5, pi=0.012)
+    got = solve_dask_terms(c, workers=W, **runs)
+    assert got == pytest.approx({"overhead_s": 0.08, "alpha_s": 0.018, "io_per_row_s": 2e-5,
+                                 "partition_s": 0.012}, rel=1e-6)
+
+
+def test_solve_dask_terms_clips_noise_and_respects_setup():
+    from dask_surge.calibrate import solve_dask_terms
+
+    c = lambda b: 1e-3 + 1e-4 * b
+    runs = _probe_runs(c, 2, T0=0.05, alpha=0.0, rho=0.0, pi=0.0)
+    big = runs["big"]
+    runs["big"] = (big[0], big[1], big[2] * 0.9)      # faster than the curve: rho would be negative
+    got = solve_dask_terms(c, workers=2, setup_s=0.002, **runs)
+    assert got["io_per_row_s"] == 0.0 and got["alpha_s"] == 0.002 and got["partition_s"] >= 0.0
+    runs = _probe_runs(c, 2, T0=0.05, alpha=0.01, rho=0.0, pi=0.0)
+    runs["small"] = (runs["small"][0], 0.001)         # faster than one wave: T0 would be negative
+    assert solve_dask_terms(c, workers=2, **runs)["overhead_s"] == 0.0
+
+
+def test_solve_dask_terms_prediction_matches_the_probe_runs():
+    """The solved terms make predict() reproduce the probe's own PBP run (consistency)."""
+    from dask_surge.calibrate import solve_dask_terms
+
+    p = params(overhead_s=0.0, alpha_s=0.001, partition_s=0.0, io_per_row_s=0.0)
+    c = lambda b: float(call_cost([b], p)[0])
+    runs = _probe_runs(c, 2, T0=0.1, alpha=0.02, rho=1e-5, pi=0.01)
+    q = p.replace(**solve_dask_terms(c, workers=2, setup_s=p.setup_s, **runs))
+    P, m, t = runs["big"]
+    assert predict([m] * P, q, b_min=m, b_max=m).loc["pbp", "seconds"] == pytest.approx(t, rel=1e-6)
+    P, t = runs["large"]
+    assert predict([1] * P, q, b_min=8, b_max=8).loc["pbp", "seconds"] == pytest.approx(t, rel=1e-6)
+    P, k, t = runs["surge"]
+    assert predict([1] * P, q, b_min=k, b_max=k).loc["surge", "seconds"] == pytest.approx(t, rel=1e-6)
+
+
+def test_solve_dask_terms_bad_runs():
+    from dask_surge.calibrate import solve_dask_terms
+
+    c = lambda b: 1e-3 * b
+    runs = _probe_runs(c, 2, T0=0.05, alpha=0.01, rho=0.0, pi=0.0)
+    runs["large"] = runs["small"]
+    with pytest.raises(SurgeValueError, match="more waves than the small one"):
+        solve_dask_terms(c, workers=2, **runs)
