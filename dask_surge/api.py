@@ -34,6 +34,8 @@ __all__ = ["encode", "plan", "status", "read_embeddings", "skipped_rows", "finge
 logger = logging.getLogger(__name__)
 RESERVED = ("partition", "row", "embedding")
 MIN_SUPERBATCHES_PER_WORKER = 4
+#: SuperBatches one GPU worker runs at once: one on the GPU, one reading or writing
+SUPERBATCHES_PER_GPU = 2
 SCHEDULERS = (None, "sync", "synchronous", "threads")
 
 
@@ -549,7 +551,7 @@ def _write(frame, sbe, output, thresholds, max_bytes, *, client, scheduler, over
         if client is not None:
             _register(sbe.encoder, client)
         try:
-            for rec in _run(coll, todo, client, scheduler, window):
+            for rec in _run(coll, todo, client, scheduler, window, _task_resources(client)):
                 if ttfo is None:
                     ttfo = time.perf_counter() - t0
                 records.append(rec)
@@ -636,7 +638,21 @@ def _cull(dsk: dict, keys: list) -> dict:
     return out
 
 
-def _run(coll, todo, client, scheduler, in_flight: int):
+def _task_resources(client) -> dict | None:
+    """Worker resources for SuperBatch tasks: when workers advertise ``GPU`` (dask-cuda
+    workers from :func:`dask_surge.cluster.local_cluster` or :mod:`dask_surge.hpc`), each
+    task claims ``1 / SUPERBATCHES_PER_GPU`` of one, so SuperBatches run only on GPU workers,
+    at most two at a time per GPU (the engine serializes the forward passes; the other
+    reads, tokenizes or writes). ``None`` when no worker advertises a GPU."""
+    if client is None:
+        return None
+    workers = client.scheduler_info(n_workers=-1).get("workers", {}).values()
+    if any(w.get("resources", {}).get("GPU", 0) >= 1 for w in workers):
+        return {"GPU": 1 / SUPERBATCHES_PER_GPU}
+    return None
+
+
+def _run(coll, todo, client, scheduler, in_flight: int, resources: dict | None = None):
     """Yield commit records as SuperBatches finish, with at most ``in_flight`` SBs submitted.
 
     The SuperBatch graph is optimized and materialized once; SuperBatches are then
@@ -669,7 +685,7 @@ def _run(coll, todo, client, scheduler, in_flight: int):
             batch = next(pending, None)
             if batch is None:
                 return
-            futures = client.get(_cull(dsk, batch), batch, sync=False)
+            futures = client.get(_cull(dsk, batch), batch, sync=False, resources=resources)
             live.extend(futures)
             running.update(futures)
 

@@ -23,8 +23,10 @@ def local_cluster(**kwargs):
     """A local Dask cluster sized for this machine.
 
     With GPUs and ``dask-cuda`` installed: a ``LocalCUDACluster`` with one
-    worker per visible GPU (each worker sees its GPU as device 0) and two
-    threads per worker, so writing SuperBatch ``j`` overlaps encoding ``j+1``. Otherwise a ``LocalCluster`` with one
+    worker per visible GPU (each worker sees its GPU as device 0), two threads
+    per worker, so writing SuperBatch ``j`` overlaps encoding ``j+1``, and a
+    ``GPU=1`` worker resource, which SuperBatch tasks claim half of (see
+    :func:`dask_surge.api.encode`). Otherwise a ``LocalCluster`` with one
     single-threaded worker per core (torch uses one thread per worker, so the
     cores are not oversubscribed).
 
@@ -51,7 +53,7 @@ def local_cluster(**kwargs):
         else:
             # two threads per GPU worker: while one SuperBatch runs on the GPU (the engine
             # serializes forward passes), the other reads, tokenizes or writes its Parquet
-            opts = {"threads_per_worker": 2}
+            opts = {"threads_per_worker": 2, "resources": {"GPU": 1}}
             opts.update(kwargs)
             return LocalCUDACluster(**opts)
     from distributed import LocalCluster
