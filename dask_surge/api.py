@@ -258,11 +258,11 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     >>> import pandas as pd, dask.dataframe as dd
     >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a"] * 10}), npartitions=5)
     >>> plan(ddf, "text", b_min=4, b_max=6)
-    SurgePlan(10 rows in 5 partitions -> 3 SuperBatches of 2-4 rows; b_min=4, b_max=6, sizes from metadata)
+    SurgePlan(10 rows in 5 partitions -> 3 SuperBatches of 2-4 rows; b_min=4, b_max=6, sizes from len-pass)
     """
     _check_columns(ddf, column, ())
     max_bytes = config.get("max-bytes", max_bytes)
-    sizes = partition_sizes(ddf[[column]], column if max_bytes else None)
+    sizes = _sizes(ddf[[column]], column, max_bytes)
     if calibrate and params is None:
         from .calibrate import calibrate as run_probe
 
@@ -276,8 +276,9 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     if params is not None and sizes.total:
         from .costmodel import advise, predict
 
-        result.predictions = predict(sizes.sizes, params, b_min=b_min, b_max=b_max)
-        result.advice = advise(sizes.sizes, params, b_min=b_min, b_max=b_max)
+        capped = dict(nbytes=sizes.nbytes, max_bytes=max_bytes)  # predict the plan shown
+        result.predictions = predict(sizes.sizes, params, b_min=b_min, b_max=b_max, **capped)
+        result.advice = advise(sizes.sizes, params, b_min=b_min, b_max=b_max, **capped)
     return result
 
 
@@ -488,7 +489,7 @@ def _resolve_auto(b_min, b_max, encoder: Encoder, sizes: PartitionSizes, client,
 
 def _lazy(frame, sbe: SuperBatchEncoder, thresholds, max_bytes: int | None):
     _register(sbe.encoder)
-    sizes = partition_sizes(frame, sbe.column if max_bytes else None)
+    sizes = _sizes(frame, sbe.column, max_bytes)
     b_min, b_max, _ = thresholds(sizes, _active_client())
     superbatches = _plan(sizes, b_min, b_max, max_bytes)
     return superbatch_collection(frame, superbatches, sizes.sizes, sbe, sbe.meta(frame._meta))
@@ -514,6 +515,7 @@ def fingerprint(frame, sbe: SuperBatchEncoder, sizes: PartitionSizes, b_min: int
     import hashlib
 
     # the plan is a function of rows (and text bytes, under a byte cap): both are in the digest
+    max_bytes = max_bytes if sizes.nbytes is not None else None  # no bytes known: planned by rows
     layout = np.asarray(sizes.sizes, dtype=np.int64).tobytes()
     if max_bytes is not None and sizes.nbytes is not None:
         layout += np.asarray(sizes.nbytes, dtype=np.int64).tobytes()
@@ -531,10 +533,10 @@ def fingerprint(frame, sbe: SuperBatchEncoder, sizes: PartitionSizes, b_min: int
 def _write(frame, sbe, output, thresholds, max_bytes, *, client, scheduler, overwrite, storage_options,
            progress):
     t0 = time.perf_counter()
-    sizes = partition_sizes(frame, sbe.column if max_bytes else None)
+    sizes = _sizes(frame, sbe.column, max_bytes)
     b_min, b_max, reason = thresholds(sizes, client)
     superbatches = _plan(sizes, b_min, b_max, max_bytes)
-    fp = fingerprint(frame, sbe, sizes, b_min, b_max, max_bytes if sizes.nbytes is not None else None)
+    fp = fingerprint(frame, sbe, sizes, b_min, b_max, max_bytes)
     summary = {"superbatches": len(superbatches), "partitions": len(sizes.sizes), "rows": sizes.total}
     manifest, resumed = open_run(output, fp, overwrite=overwrite, storage_options=storage_options,
                                  plan_summary=summary)
@@ -551,42 +553,30 @@ def _write(frame, sbe, output, thresholds, max_bytes, *, client, scheduler, over
         if client is not None:
             _register(sbe.encoder, client)
         try:
-            for rec in _run(coll, todo, client, scheduler, window, _task_resources(client)):
+            for rec in _stream(coll, todo, client, scheduler, window, manifest, sbe.column):
                 if ttfo is None:
                     ttfo = time.perf_counter() - t0
                 records.append(rec)
                 bar.update(int(rec["rows"]) + int(rec.get("skipped", 0)))
-        except KeyboardInterrupt:
-            _interrupted(manifest, output, len(superbatches))
+        except BaseException as err:
+            # a run that stops before its first commit may then be replaced (see open_run)
+            manifest.mark_stopped(f"{type(err).__name__}: {err}")
+            if isinstance(err, KeyboardInterrupt):
+                _interrupted(manifest, output, len(superbatches))
             raise
-        except UnicodeDecodeError as err:
-            raise SurgeInputError(
-                f"the text column {sbe.column!r} holds bytes that are not valid UTF-8 ({err}). "
-                f"{len(manifest.committed())} SuperBatches are committed and kept. Fix: decode the "
-                f"column yourself first, e.g. .map(lambda b: b.decode('utf-8', errors='replace')), "
-                "then rerun."
-            ) from err
-        except Exception as err:
-            if type(err).__name__ != "KilledWorker":
-                raise
-            raise SurgeError(
-                f"a SuperBatch task killed its worker repeatedly ({err}); the usual cause is running "
-                f"out of memory. {len(manifest.committed())} SuperBatches are committed and kept. Fix: "
-                "lower b_min/b_max (or max_tokens), give workers more memory, then rerun the same call "
-                "to resume."
-            ) from err
     committed = manifest.committed()
     missing = [sb.index for sb in superbatches if sb.index not in committed]
     if missing:  # pragma: no cover - each SB either raised or committed above
         raise SurgeInputError(
             f"{len(missing)} SuperBatch(es) were not committed (first: {missing[:5]}); the output is "
-            "incomplete. Rerun the same call to resume."
+            "incomplete. Fix: rerun the same call to resume."
         )
     accounted = sum(_accounted(r) for r in committed.values())
     if accounted != sizes.total:  # pragma: no cover - a bug guard: never mark a lossy run complete
         raise SurgeError(
             f"the committed SuperBatches hold {accounted:,} rows (written + skipped nulls) but the input "
-            f"has {sizes.total:,}; the run is left incomplete rather than marked done. Please report this."
+            f"has {sizes.total:,}; the run is left incomplete rather than marked done. Fix: rerun the same call; if it "
+            "happens again, please report it with the output's _surge directory."
         )
     finish_run(manifest, committed)
     return EncodeResult(
@@ -598,10 +588,41 @@ def _write(frame, sbe, output, thresholds, max_bytes, *, client, scheduler, over
     )
 
 
+def _not_utf8(column: str, err: UnicodeDecodeError, kept: str) -> SurgeInputError:
+    return SurgeInputError(
+        f"the text column {column!r} holds bytes that are not valid UTF-8 ({err}). {kept}. Fix: decode "
+        "the column yourself first, e.g. .map(lambda b: b.decode('utf-8', errors='replace')), then rerun."
+    )
+
+
+def _sizes(frame, column: str, max_bytes: int | None) -> PartitionSizes:
+    """Partition sizes (and text bytes under a byte cap), before anything is written."""
+    try:
+        return partition_sizes(frame, column if max_bytes else None)
+    except UnicodeDecodeError as err:  # the size pass reads the column
+        raise _not_utf8(column, err, "Nothing was written") from err
+
+
+def _stream(coll, todo, client, scheduler, window, manifest: Manifest, column: str):
+    """:func:`_run` with its failures turned into errors that say what is kept and how to go on."""
+    try:
+        yield from _run(coll, todo, client, scheduler, window, _task_resources(client))
+    except UnicodeDecodeError as err:
+        raise _not_utf8(column, err, f"{len(manifest.committed())} SuperBatches are committed and kept") from err
+    except Exception as err:
+        if type(err).__name__ != "KilledWorker":
+            raise
+        raise SurgeError(
+            f"a SuperBatch task killed its worker repeatedly ({err}); the usual cause is running "
+            f"out of memory. {len(manifest.committed())} SuperBatches are committed and kept. Fix: "
+            "lower b_min/b_max (or max_bytes for huge texts, or max_tokens), give workers more memory, "
+            "then rerun the same call to resume."
+        ) from err
+
+
 def _accounted(record: dict) -> int:
     """Input rows a commit record accounts for: written rows plus skipped nulls."""
-    skipped = record.get("skipped", ())
-    return int(record["rows"]) + (len(skipped) if isinstance(skipped, list) else int(skipped))
+    return int(record["rows"]) + len(record.get("skipped", ()))
 
 
 def _interrupted(manifest: Manifest, output: str, planned: int) -> None:
@@ -643,7 +664,9 @@ def _task_resources(client) -> dict | None:
     workers from :func:`dask_surge.cluster.local_cluster` or :mod:`dask_surge.hpc`), each
     task claims ``1 / SUPERBATCHES_PER_GPU`` of one, so SuperBatches run only on GPU workers,
     at most two at a time per GPU (the engine serializes the forward passes; the other
-    reads, tokenizes or writes). ``None`` when no worker advertises a GPU."""
+    reads, tokenizes or writes). The claim covers the whole submitted graph, so a
+    SuperBatch's input-read tasks run on GPU workers too (where their output is consumed).
+    ``None`` when no worker advertises a GPU."""
     if client is None:
         return None
     workers = client.scheduler_info(n_workers=-1).get("workers", {}).values()
@@ -715,7 +738,9 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     committed = manifest.committed()
     rows = sum(r["rows"] for r in committed.values())
     skipped = sum(len(r.get("skipped", ())) for r in committed.values())
-    state = "complete" if len(committed) == planned.get("superbatches") else "incomplete"
+    # complete: every planned SuperBatch committed and every input row accounted for
+    state = "complete" if len(committed) == planned.get("superbatches") \
+        and rows + skipped == planned.get("rows") else "incomplete"
     last = max((r["committed_at"] for r in committed.values()), default=None)
     return {
         "output": output, "state": state, "run": manifest.run_id,

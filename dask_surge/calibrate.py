@@ -451,7 +451,7 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 10, cache: bool = T
     from .encoders import Encoder
 
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise SurgeValueError(f"seconds={seconds!r} must be a positive number (probe budget), e.g. seconds=15.")
+        raise SurgeValueError(f"seconds={seconds!r} must be a positive number (probe budget). Fix: pass e.g. seconds=10.")
     enc = encoder if isinstance(encoder, Encoder) else Encoder(encoder)
     if client is not None:
         info = client.scheduler_info(n_workers=-1) if _accepts_n_workers(client) else client.scheduler_info()

@@ -413,6 +413,8 @@ def predict(
     k: int | None = None,
     fb_batch: int | None = None,
     tokens: Sequence[float] | None = None,
+    nbytes: Sequence[int] | None = None,
+    max_bytes: int | None = None,
 ) -> pd.DataFrame:
     """Predict time, throughput, memory and TTFO of SURGE and its baselines.
 
@@ -430,6 +432,9 @@ def predict(
         FB's fixed batch size ``B``; default ``b_min``.
     tokens : sequence of float, optional
         Tokens per partition; default ``sizes * params.tokens_per_text``.
+    nbytes, max_bytes : optional
+        Text bytes per partition and SURGE's byte cap, so the SURGE plan predicted is
+        the one :func:`dask_surge.policy.plan_superbatches` makes with them.
 
     Returns
     -------
@@ -462,18 +467,18 @@ def predict(
     if k is None:
         k = max(1, int(round(b_min / max(n.mean(), 1.0))))
     if isinstance(k, bool) or int(k) != k or k < 1:
-        raise SurgeValueError(f"k={k!r} must be a positive int (partitions per PB-PBP-LB call), e.g. k=8.")
+        raise SurgeValueError(f"k={k!r} must be a positive int (partitions per PB-PBP-LB call). Fix: pass e.g. k=8.")
     k = int(k)
     B = b_min if fb_batch is None else fb_batch
     if isinstance(B, bool) or int(B) != B or B < 1:
-        raise SurgeValueError(f"fb_batch={fb_batch!r} must be a positive int (FB batch size in rows), e.g. 512.")
+        raise SurgeValueError(f"fb_batch={fb_batch!r} must be a positive int (FB batch size in rows). Fix: pass e.g. 512.")
     B = int(B)
     row_bytes = params.bytes_per_row + params.embedding_bytes_per_row
     io_total = N * params.io_per_row_s / W
     rows: dict[str, dict] = {}
 
     # SURGE: one call per SuperBatch, in plan order
-    sbs = plan_superbatches(n.tolist(), b_min, b_max)
+    sbs = plan_superbatches(n.tolist(), b_min, b_max, nbytes=nbytes, max_bytes=max_bytes)
     b = np.array([sb.rows for sb in sbs], dtype=float)
     folded = np.array([len(sb.spans) for sb in sbs], dtype=float)
     t = _tokens_per_call(n, tok, [[(s.partition, s.rows) for s in sb.spans] for sb in sbs])
@@ -581,7 +586,8 @@ class Advice:
         return self.text
 
 
-def advise(sizes: Sequence[int], params: CostParams, *, b_min: int, b_max: int) -> Advice:
+def advise(sizes: Sequence[int], params: CostParams, *, b_min: int, b_max: int,
+           nbytes: Sequence[int] | None = None, max_bytes: int | None = None) -> Advice:
     """Say whether SuperBatching pays over one call per partition, and why.
 
     Examples
@@ -594,7 +600,7 @@ def advise(sizes: Sequence[int], params: CostParams, *, b_min: int, b_max: int) 
     """
     n = _check_sizes(sizes)
     phi, cv = phi_cv(n, params)
-    df = predict(n, params, b_min=b_min, b_max=b_max)
+    df = predict(n, params, b_min=b_min, b_max=b_max, nbytes=nbytes, max_bytes=max_bytes)
     speedup = float(df.loc["pbp", "seconds"] / df.loc["surge", "seconds"])
     pays = speedup >= 1.05
     mean, n_max = float(n.mean()), int(n.max())
@@ -667,9 +673,9 @@ def auto_thresholds(
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise SurgeValueError(f"{name}={value!r} must be a positive number. Fix: pass e.g. {name}=2e9.")
     if isinstance(n_max, bool) or int(n_max) != n_max or n_max < 1:
-        raise SurgeValueError(f"n_max={n_max!r} must be a positive int (rows in the largest partition).")
+        raise SurgeValueError(f"n_max={n_max!r} must be a positive int (rows in the largest partition). Fix: pass max(sizes).")
     if not 0 < overhead_share < 1:
-        raise SurgeValueError(f"overhead_share={overhead_share!r} must be in (0, 1), e.g. 0.02.")
+        raise SurgeValueError(f"overhead_share={overhead_share!r} must be in (0, 1). Fix: pass e.g. 0.02.")
     row_bytes = params.bytes_per_row + params.embedding_bytes_per_row
     room = memory_budget_bytes - params.model_bytes
     fit = int(room // row_bytes) if row_bytes > 0 else 10**12

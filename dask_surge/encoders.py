@@ -279,7 +279,8 @@ class Encoder:
         if emb.ndim != 2 or emb.shape[0] != len(texts):
             raise SurgeModelError(
                 f"the encoder returned shape {emb.shape} for {len(texts)} texts; an encoder must "
-                f"return one row per text, shape ({len(texts)}, d)."
+                f"return one row per text, shape ({len(texts)}, d). Fix: make the callable return one "
+                "embedding per input text."
             )
         return emb
 
@@ -424,7 +425,7 @@ def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
     if probe.ndim != 2 or probe.shape[0] != 1:
         raise SurgeModelError(
             f"model callable {obj!r} returned shape {probe.shape} for one text; it must map a "
-            "list of n strings to an (n, d) array."
+            "list of n strings to an (n, d) array. Fix: return e.g. numpy.stack([...]) of one vector per text."
         )
     return _Loaded(call_encode, int(probe.shape[1]), "callable", lock)
 

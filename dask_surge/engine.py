@@ -129,12 +129,12 @@ class TransformerEngine:
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise SurgeValueError(
                 f"max_tokens={max_tokens!r} is not a positive int: it is the token budget of one micro-batch; "
-                "pass e.g. max_tokens=2048, or None to pick it automatically"
+                "Fix: pass e.g. max_tokens=2048, or None to pick it automatically."
             )
         if dtype not in _DTYPES:
             raise SurgeValueError(
                 f"dtype={dtype!r} is not supported: the compute dtype must be one of None, 'float32', "
-                "'float16' or 'bfloat16'; pass one of those"
+                "'float16' or 'bfloat16'. Fix: pass one of those."
             )
         modules = list(model)
         if not 2 <= len(modules) <= 3 or type(modules[0]) is not Transformer or type(modules[1]) is not Pooling:
@@ -169,7 +169,7 @@ class TransformerEngine:
         if _DTYPES[dtype] is not None and device.type != "cuda":
             raise SurgeValueError(
                 f"dtype={dtype!r} needs a CUDA device but the model is on {device}: half precision only runs "
-                "on CUDA; pass dtype=None (or 'float32') on CPU, or load the model with device='cuda'"
+                "on CUDA. Fix: pass dtype=None (or 'float32') on CPU, or load the model with device='cuda'."
             )
         return cls(transformer, modes, normalize=bool(rest), max_tokens=max_tokens, dtype=dtype)
 
@@ -260,7 +260,7 @@ class TransformerEngine:
                 raise
             raise SurgeInputError(
                 f"texts[{bad}]={texts[bad]!r} is a {type(texts[bad]).__name__}, but every text must be a str; "
-                "drop or fill missing values first (e.g. series.fillna(''))"
+                "Fix: drop or fill missing values first (e.g. series.fillna(''))."
             ) from None
 
     def _tokenized_chunks(self, texts: list[str]) -> Iterator[tuple[int, list]]:

@@ -176,6 +176,26 @@ class Manifest:
     def mark_current(self) -> None:
         write_bytes_atomic(self.fs, f"{self.root}/{META_DIR}/CURRENT", self.run_id.encode())
 
+    @property
+    def _stopped_path(self) -> str:
+        return f"{self.run_dir}/STOPPED"
+
+    def mark_stopped(self, why: str) -> None:
+        """Record that this run's process stopped on an error (so a run that committed
+        nothing may be replaced without ``overwrite``). Best effort: never raises."""
+        try:
+            write_bytes_atomic(self.fs, self._stopped_path, why.encode()[:2000])
+        except OSError:
+            pass
+
+    def stopped(self) -> bool:
+        """True when the last process of this run stopped on an error (and none resumed it)."""
+        return self.fs.exists(self._stopped_path)
+
+    def clear_stopped(self) -> None:
+        if self.fs.exists(self._stopped_path):
+            self.fs.rm(self._stopped_path)
+
 
 def _read_json(fs, path: str) -> dict | None:
     try:
@@ -225,8 +245,9 @@ def open_run(
     Returns ``(manifest, resumed)``. A directory holding a different current
     run is refused unless ``overwrite=True``; even then the old run's files stay
     until the new run completes (see :func:`finish_run`). A different run that
-    committed nothing (e.g. one stopped by a bad input) holds no data and is
-    replaced.
+    stopped on an error before committing anything (e.g. a bad input) holds no
+    data and is replaced; one that may still be running (no ``STOPPED`` marker)
+    is not.
 
     Raises
     ------
@@ -245,7 +266,7 @@ def open_run(
     manifest = Manifest(fs, root, run_id, fingerprint)
     current = current_run(path, storage_options)
     other = current is not None and current.run_id != run_id
-    empty_other = other and not current.committed()
+    empty_other = other and current.stopped() and not current.committed()
     if other and not overwrite and not empty_other:
         diff = "; ".join(_differences(current.fingerprint, fingerprint)) or "(format)"
         raise SurgeOutputError(
@@ -263,6 +284,7 @@ def open_run(
                                json.dumps(body, sort_keys=True, default=str).encode())
         else:
             _check_version(info, root)
+            manifest.clear_stopped()  # resumed
         if current is None or empty_other:
             manifest.mark_current()
     except OSError as err:

@@ -23,9 +23,9 @@ the memory a worker needs for one SuperBatch does not grow with the number of
 rows ``N``. With a byte cap, a SuperBatch of whole partitions also holds at
 most ``max_bytes`` bytes of text, and a slice about ``max_bytes`` (slices
 assume the partition's bytes spread evenly over its rows; one row larger than
-``max_bytes`` is a SuperBatch of its own). The byte cap only ever splits
-SuperBatches: without it (``max_bytes=None``) or when it never binds, the plan
-is exactly the rows-only plan.
+``max_bytes`` is a SuperBatch of its own). The byte cap bounds every SuperBatch;
+without it (``max_bytes=None``) or when it never binds, the plan is exactly the
+rows-only plan (when it binds, later boundaries may shift either way).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ class OnlinePlanner:
         """Add the next partition (``size`` rows, ``nbytes`` bytes of text if known);
         return the SuperBatches it completes."""
         if self._finished:
-            raise SurgeValueError("push() after finish(): create a new OnlinePlanner per run.")
+            raise SurgeValueError("push() after finish(): this planner's plan is complete. Fix: create a new OnlinePlanner per run.")
         for name, value in (("size", size), ("nbytes", 0 if nbytes is None else nbytes)):
             if isinstance(value, bool) or int(value) != value or value < 0:
                 raise SurgeValueError(
@@ -198,7 +198,7 @@ class OnlinePlanner:
                     f"non-negative integers (rows, bytes). Fix: pass the row count (and text bytes) of each partition."
                 )
         n, i = int(size), self._next_partition
-        m = int(nbytes or 0) if self.max_bytes else 0
+        m = int(nbytes or 0) if self.max_bytes and n else 0  # an empty partition holds no text
         cap = self.max_bytes or 0
         self._next_partition += 1
         out: list[SuperBatch] = []

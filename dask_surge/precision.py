@@ -97,10 +97,10 @@ def truncate(emb: np.ndarray, truncate_dim: int | None, normalize: bool) -> np.n
     >>> truncate(np.array([[3.0, 4.0, 12.0]]), 2, normalize=True).tolist()
     [[0.6, 0.8]]
     """
-    if truncate_dim is None or truncate_dim >= emb.shape[1]:
+    if truncate_dim is None:
         return emb
     emb = emb[:, :truncate_dim]
-    if normalize:
+    if normalize:  # also when nothing was cut: the encoder was asked not to normalize
         norms = np.linalg.norm(emb, axis=1, keepdims=True)
         emb = emb / np.where(norms > 0, norms, 1.0)
     return emb

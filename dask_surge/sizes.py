@@ -14,9 +14,8 @@ class PartitionSizes:
     ``source`` is ``"metadata"`` when no data was read (Parquet footers, or
     in-memory frames whose lengths Dask knows) and ``"len-pass"`` otherwise.
     ``nbytes`` is the UTF-8 bytes of the text column per partition, or ``None``
-    when unknown (not asked for, or an in-memory frame, whose data the client
-    already holds). From Parquet footers it is the column's uncompressed size,
-    exact for plain-encoded text and lower for dictionary-encoded repeats.
+    when not asked for. From Parquet footers it is the column's uncompressed
+    size, exact for plain-encoded text and lower for dictionary-encoded repeats.
     """
 
     sizes: tuple[int, ...]
@@ -44,10 +43,11 @@ def metadata_lengths(expr) -> tuple[int, ...] | None:
 def partition_sizes(frame, column: str | None = None) -> PartitionSizes:
     """Return the number of rows (and, with ``column``, text bytes) of each partition.
 
-    For a plain ``dd.read_parquet`` (with column projections, element-wise
-    operations on top, but no filters) the numbers come from the Parquet
-    footers and no data is read. Otherwise one task per partition computes
-    ``len`` (and the bytes of ``column``) on the current scheduler.
+    For a plain ``dd.read_parquet`` (column projections, no filters) the
+    numbers come from the Parquet footers and no data is read; row counts also
+    survive element-wise operations on top. Otherwise (or when text bytes are
+    asked for and the footers cannot give them) one task per partition computes
+    ``len`` and the bytes of ``column`` on the current scheduler.
 
     Examples
     --------
@@ -60,7 +60,8 @@ def partition_sizes(frame, column: str | None = None) -> PartitionSizes:
     # a count mismatch means dask folded the wrong lengths: count them instead
     if lengths is not None and len(lengths) == frame.npartitions:
         nbytes = parquet_text_bytes(frame, column) if column is not None else None
-        return PartitionSizes(lengths, "metadata", nbytes)
+        if column is None or nbytes is not None:
+            return PartitionSizes(lengths, "metadata", nbytes)
     # Not dask's Lengths expression: its constant folding can be wrong on a partition
     # subset of read_parquet (it filters the selected partitions twice).
     counted = frame.map_partitions(_count, column, enforce_metadata=False,
@@ -76,8 +77,8 @@ def _count(part, column):
 
 
 def text_bytes(series) -> int:
-    """UTF-8 bytes of the strings in ``series`` (0 for values that are not strings:
-    those are refused, with their position, when the SuperBatch encodes).
+    """UTF-8 bytes of the strings in ``series`` (0 for a partition holding values that
+    are not strings: those are refused, with their position, when the SuperBatch encodes).
 
     Examples
     --------

@@ -69,6 +69,7 @@ def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> tup
         else:
             series = series.where(~nulls, "")
     values = series.tolist()
+    rows = np.flatnonzero(kept) if kept is not None else None  # positions of the kept rows
     for i, v in enumerate(values):
         if type(v) is not str:
             if isinstance(v, str):  # str subclass (e.g. numpy.str_)
@@ -76,7 +77,7 @@ def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> tup
                 continue
             raise SurgeInputError(
                 f"text column {series.name!r} holds a {type(v).__name__} ({v!r:.60}) in partition "
-                f"{partition}, row {start + i}: only strings can be encoded. Fix: convert the "
+                f"{partition}, row {start + (i if rows is None else int(rows[i]))}: only strings can be encoded. Fix: convert the "
                 f"column first, e.g. ddf[{series.name!r}] = ddf[{series.name!r}].astype(str)."
             )
     return values, kept
@@ -88,7 +89,7 @@ class SuperBatchEncoder:
 
     The result has columns ``partition`` (int64), ``row`` (int64, offset within
     the partition), the kept columns, and ``embedding`` (fixed-size list of
-    float32/float16), sorted by ``(partition, row)``. With ``on_null="skip"``
+    the stored precision: float32 by default), sorted by ``(partition, row)``. With ``on_null="skip"``
     null rows are left out; :meth:`encode` returns their ``(partition, row)``.
     """
 

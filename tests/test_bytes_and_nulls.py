@@ -70,8 +70,17 @@ def test_byte_cap_is_part_of_the_run_fingerprint(tmp_path, counting_encoder):
     out = str(tmp_path / "out")
     kw = dict(model=counting_encoder, b_min=100, b_max=1000, scheduler="sync", progress=False)
     ddf.surge.encode("text", out, max_bytes="1 MiB", **kw)
-    with pytest.raises(Exception, match="max_bytes"):
+    with pytest.raises(dask_surge.SurgeOutputError, match="max_bytes"):
         ddf.surge.encode("text", out, max_bytes="2 MiB", **kw)
+
+
+def test_byte_cap_falls_back_to_the_size_pass_when_footers_cannot_say(tmp_path):
+    ddf = dd.read_parquet(_huge_text_files(tmp_path / "in"))
+    lowered = ddf.assign(text=ddf.text.str.upper())  # row counts still from footers, bytes not
+    got = partition_sizes(lowered[["text"]], "text")
+    assert got.source == "len-pass" and got.nbytes is not None and min(got.nbytes) >= 3 * 300_000
+    capped = lowered.surge.plan("text", b_min=100, b_max=1000, max_bytes="1 MiB")
+    assert [sb.rows for sb in capped.superbatches] == [3, 3, 3, 3]
 
 
 def test_bad_max_bytes_fails_before_any_work(tmp_path, counting_encoder):
@@ -104,6 +113,30 @@ def test_skip_leaves_nulls_out_and_records_every_one(tmp_path, counting_encoder)
     info = dask_surge.status(out)
     assert info["state"] == "complete" and info["nulls_skipped"] == len(nulls)
     assert info["rows_committed"] + info["nulls_skipped"] == info["rows_planned"]
+
+
+def test_skip_then_a_non_string_names_its_real_row():
+    from dask_surge.superbatch import texts_of
+
+    with pytest.raises(SurgeInputError, match="partition 0, row 13"):
+        texts_of(pd.Series(["a", None, None, 5]), 0, 10, "skip")
+
+
+def test_a_run_that_may_still_be_going_is_not_replaced(tmp_path, counting_encoder):
+    from dask_surge.manifest import current_run
+
+    out = str(tmp_path / "o")
+    ddf = _nully_frame()
+    kw = dict(model=counting_encoder, scheduler="sync", progress=False)
+    with pytest.raises(SurgeInputError):
+        ddf.surge.encode("text", out, **kw)               # stops on a null: records STOPPED
+    first = current_run(out)
+    assert first.stopped() and not first.committed()
+    first.clear_stopped()                                  # as if its process were still running
+    with pytest.raises(dask_surge.SurgeOutputError, match="different run"):
+        ddf.surge.encode("text", out, on_null="skip", **kw)
+    first.mark_stopped("test")
+    assert ddf.surge.encode("text", out, on_null="skip", **kw).nulls_skipped == 4
 
 
 def test_skip_needs_an_output_to_record_the_ids(counting_encoder):

@@ -73,6 +73,13 @@ def test_truncate_dim_matches_sentence_transformers(tiny_model):
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
 
+def test_truncate_dim_equal_to_the_dimension_still_normalizes():
+    ddf = make_partitioned_frame([3])
+    df = ddf.surge.encode("text", model=lambda texts: [[3.0, 4.0]] * len(texts), truncate_dim=2,
+                          normalize=True).compute(scheduler="sync")
+    np.testing.assert_allclose(_stored(df), [[0.6, 0.8]] * 3, rtol=1e-6)
+
+
 @pytest.mark.parametrize("bad", [0, -3, 10_000, 2.5, True])
 def test_bad_truncate_dim_is_refused(counting_encoder, bad):
     with pytest.raises(SurgeValueError, match="truncate.dim=.*Fix"):
