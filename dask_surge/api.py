@@ -411,7 +411,7 @@ def encode(
     on_null : {"error", "empty", "skip"}, optional
         A null text raises (default, naming its partition and row), is encoded
         as ``""``, or is left out of the output with its ``(partition, row)``
-        recorded in the run's commit records (``"skip"``, needs ``output``; see
+        recorded with the run's commit records (``"skip"``, needs ``output``; see
         :func:`skipped_rows`).
     device, dtype, engine, batch_size, max_tokens : optional
         Encoder options, see :class:`dask_surge.Encoder`.
@@ -584,7 +584,7 @@ def _write(frame, sbe, output, thresholds, max_bytes, *, client, scheduler, over
         superbatches=len(superbatches), skipped_superbatches=len(done), seconds=time.perf_counter() - t0,
         ttfo_s=ttfo, sizes_source=sizes.source, resumed=resumed, b_min=b_min, b_max=b_max,
         thresholds_reason=reason, records=records,
-        nulls_skipped=sum(len(r.get("skipped", ())) for r in committed.values()),
+        nulls_skipped=sum(int(r.get("skipped", 0)) for r in committed.values()),
     )
 
 
@@ -622,7 +622,7 @@ def _stream(coll, todo, client, scheduler, window, manifest: Manifest, column: s
 
 def _accounted(record: dict) -> int:
     """Input rows a commit record accounts for: written rows plus skipped nulls."""
-    return int(record["rows"]) + len(record.get("skipped", ()))
+    return int(record["rows"]) + int(record.get("skipped", 0))
 
 
 def _interrupted(manifest: Manifest, output: str, planned: int) -> None:
@@ -737,7 +737,7 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     planned = manifest.plan
     committed = manifest.committed()
     rows = sum(r["rows"] for r in committed.values())
-    skipped = sum(len(r.get("skipped", ())) for r in committed.values())
+    skipped = sum(int(r.get("skipped", 0)) for r in committed.values())
     # complete: every planned SuperBatch committed and every input row accounted for
     state = "complete" if len(committed) == planned.get("superbatches") \
         and rows + skipped == planned.get("rows") else "incomplete"
@@ -753,7 +753,8 @@ def status(output: str, storage_options: dict | None = None) -> dict:
 def skipped_rows(output: str, storage_options: dict | None = None) -> pd.DataFrame:
     """The ``(partition, row)`` of the null texts a run left out (``on_null="skip"``).
 
-    Read from the commit records of the current run in ``output``, sorted.
+    Read from the files that the commit records of the current run in ``output``
+    name (one small Parquet file per SuperBatch that skipped any), sorted.
 
     Examples
     --------
@@ -771,8 +772,17 @@ def skipped_rows(output: str, storage_options: dict | None = None) -> pd.DataFra
             f"{output!r} holds no dask-surge run (no {output}/_surge/CURRENT). Fix: pass the output "
             "directory of ddf.surge.encode(..., output=...)."
         )
-    pairs = sorted(tuple(p) for r in manifest.committed().values() for p in r.get("skipped", ()))
-    return pd.DataFrame(pairs, columns=["partition", "row"], dtype="int64")
+    import pyarrow.parquet as pq
+
+    files = [f"{manifest.run_dir}/skipped/{r['skipped_file']}" for r in manifest.committed().values()
+             if r.get("skipped")]
+    frames = []
+    for path in files:
+        with manifest.fs.open(path, "rb") as f:
+            frames.append(pq.read_table(f).to_pandas())
+    empty = pd.DataFrame({"partition": pd.Series([], dtype="int64"), "row": pd.Series([], dtype="int64")})
+    out = pd.concat(frames, ignore_index=True) if frames else empty
+    return out.sort_values(["partition", "row"], ignore_index=True)
 
 
 def read_embeddings(path: str, *, partition: int | None = None, columns: Sequence[str] | None = None,

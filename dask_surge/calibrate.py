@@ -16,13 +16,21 @@ The probe measures, through the real code paths, the constants of Theorem 1:
    cost model models it (``T0`` plus waves of equal jobs on ``W`` workers) and
    solved by :func:`solve_dask_terms`:
 
-   * PBP (``map_partitions``) over ``W`` and over ``n W`` one-row partitions:
-     the slope per wave is ``alpha + c(1) + rho``, the intercept the run
+   * PBP (``map_partitions``) over ``W`` and over ``n W`` partitions of ``m``
+     rows: the slope per wave is ``alpha + c(m) + rho m``, the intercept the run
      overhead ``T0`` (submission, first-task latency, final gather);
-   * PBP over ``2 W`` large partitions: what ``c`` does not explain per row is
-     the per-row I/O ``rho`` (shipping rows in, embeddings out);
+   * PBP over ``2 W`` large partitions of ``M`` rows: the second point of the
+     line ``alpha + rho m`` (what ``c`` does not explain per call), which gives
+     the per-row I/O ``rho`` (shipping rows in, embeddings out) and ``alpha``;
    * ``ddf.surge.encode`` over one-row partitions in SuperBatches of 8: the
      per-folded-partition cost ``pi``.
+
+   The moderate size ``m`` is the smallest whose encode cost ``c(m)`` is at
+   least the per-call overhead measured by a warm-up run over one-row
+   partitions (within the budget): there the workers are busy encoding and the
+   scheduler's and client's CPU per task competes with encoding, as in a run
+   of real partitions, while one-row calls leave the cores idle between
+   round trips and measure a smaller ``alpha``.
 
    Every timed run is a graph never computed before (a repeated graph returns
    results the scheduler still holds and times nothing); the runs alternate and
@@ -54,7 +62,7 @@ from .errors import SurgeValueError
 __all__ = ["calibrate", "cache_dir", "cache_path", "fit_encode_curve", "solve_dask_terms", "PROBE_VERSION"]
 
 logger = logging.getLogger(__name__)
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 _LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
@@ -268,17 +276,18 @@ def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, big: tup
     Each run is modelled as the cost model models it (``T0`` plus waves of
     equal jobs on ``workers`` workers):
 
-    * ``small = (P_s, t_s)`` and ``large = (P_l, t_l)``: PBP over ``P`` one-row
-      partitions, ``t = T0 + waves(P) (alpha + c(1) + rho)``;
-    * ``big = (P_b, m, t_b)``: PBP over ``P_b`` partitions of ``m`` rows,
-      ``t = T0 + waves(P_b) (alpha + c(m) + rho m)``;
+    * ``small = (P_s, m, t_s)`` and ``large = (P_l, m, t_l)``: PBP over ``P``
+      partitions of ``m`` rows, ``t = T0 + waves(P) (alpha + c(m) + rho m)``;
+    * ``big = (P_b, M, t_b)``: PBP over ``P_b`` partitions of ``M > m`` rows,
+      ``t = T0 + waves(P_b) (alpha + c(M) + rho M)``;
     * ``surge = (P_u, m_u, t_u)``: SURGE over ``P_u`` one-row partitions in
       SuperBatches of ``m_u`` of them, ``t = T0 + waves(P_u / m_u) (alpha + pi m_u + c(m_u) + rho m_u)``.
 
-    The two one-row runs give the per-wave cost (slope) and ``T0`` (intercept),
-    the big run ``rho`` (what the encode curve ``c`` does not explain per row),
-    and the SuperBatch run ``pi``. Negative solutions (noise) are clipped to 0;
-    ``alpha`` is at least ``setup_s``.
+    The two runs of ``m`` rows give the per-wave cost (slope) and ``T0``
+    (intercept); with the big run they fix the line ``alpha + rho b`` of what
+    the encode curve ``c`` does not explain per call (``rho`` its slope, per
+    row); the SuperBatch run gives ``pi``. Negative solutions (noise) are
+    clipped to 0; ``alpha`` is at least ``setup_s``.
 
     Parameters
     ----------
@@ -298,40 +307,68 @@ def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, big: tup
     Raises
     ------
     SurgeValueError
-        If the two one-row runs have the same number of waves, or a run is not positive.
+        If the small and large runs differ in partition size or have the same number of
+        waves, the big run's partitions are not larger, or a run is not positive.
 
     Examples
     --------
     >>> c = lambda b: 1e-3 + 1e-4 * b          # encode cost of a call of b rows
-    >>> T0, alpha, rho, pi, W = 0.1, 0.02, 1e-5, 0.01, 2
-    >>> run = lambda P, m, job: T0 + -(-P // W) * job
+    >>> T0, alpha, rho, pi, W, m = 0.1, 0.02, 1e-5, 0.01, 2, 16
+    >>> run = lambda P, b, job: T0 + -(-P // W) * job
     >>> terms = solve_dask_terms(
     ...     c, workers=W,
-    ...     small=(2, run(2, 1, alpha + c(1) + rho)), large=(40, run(40, 1, alpha + c(1) + rho)),
+    ...     small=(2, m, run(2, m, alpha + c(m) + rho * m)), large=(40, m, run(40, m, alpha + c(m) + rho * m)),
     ...     big=(4, 500, run(4, 500, alpha + c(500) + rho * 500)),
     ...     surge=(64, 8, run(8, 8, alpha + pi * 8 + c(8) + rho * 8)))
     >>> {k: round(v, 6) for k, v in terms.items()}
     {'overhead_s': 0.1, 'alpha_s': 0.02, 'io_per_row_s': 1e-05, 'partition_s': 0.01}
     """
-    (p_s, t_s), (p_l, t_l) = small, large
+    (p_s, m_s, t_s), (p_l, m_l, t_l) = small, large
     p_b, m_b, t_b = big
     p_u, m_u, t_u = surge
     w_s, w_l, w_b, w_u = _waves(p_s, workers), _waves(p_l, workers), _waves(p_b, workers), _waves(-(-p_u // m_u), workers)
-    if w_l <= w_s or min(t_s, t_l, t_b, t_u) <= 0 or m_b <= 1 or m_u < 1:
+    if (w_l <= w_s or m_s != m_l or m_s < 1 or m_b <= m_s or m_u < 1
+            or min(t_s, t_l, t_b, t_u) <= 0):
         raise SurgeValueError(
-            f"solve_dask_terms needs a large one-row run with more waves than the small one and positive "
-            f"times and sizes; got small={small}, large={large}, big={big}, surge={surge} on {workers} "
-            "worker(s). Fix: probe more one-row partitions in the large run (at least one wave more)."
+            f"solve_dask_terms needs small and large runs over partitions of one size, the large one with more "
+            f"waves than the small one, a big run of larger partitions, and positive times and sizes; got "
+            f"small={small}, large={large}, big={big}, surge={surge} on {workers} worker(s). "
+            "Fix: probe more partitions in the large run (at least one wave more), of the small run's size."
         )
-    per_wave_1 = max((t_l - t_s) / (w_l - w_s), cost(1))  # alpha + c(1) + rho
-    overhead = max(t_s - w_s * per_wave_1, 0.0)
-    per_wave_b = (t_b - overhead) / w_b  # alpha + c(m) + rho m
-    rho = max((per_wave_b - per_wave_1 - (cost(m_b) - cost(1))) / (m_b - 1), 0.0)
-    alpha = max(per_wave_1 - cost(1) - rho, setup_s)
+    per_wave_s = max((t_l - t_s) / (w_l - w_s), cost(m_s))  # alpha + c(m) + rho m
+    overhead = max(t_s - w_s * per_wave_s, 0.0)
+    per_wave_b = (t_b - overhead) / w_b  # alpha + c(M) + rho M
+    rho = max((per_wave_b - per_wave_s - (cost(m_b) - cost(m_s))) / (m_b - m_s), 0.0)
+    alpha = max(per_wave_s - cost(m_s) - rho * m_s, setup_s)
     per_wave_u = (t_u - overhead) / w_u  # alpha + pi m + c(m) + rho m
     pi = max((per_wave_u - alpha - cost(m_u) - rho * m_u) / m_u, 0.0)
     return {"overhead_s": float(overhead), "alpha_s": float(alpha), "io_per_row_s": float(rho),
             "partition_s": float(pi)}
+
+
+def _moderate_rows(cost, overhead_s: float, afford_rows: float) -> int:
+    """Smallest ``m`` with ``cost(m) >= overhead_s`` (the busy-worker regime), at most ``afford_rows``.
+
+    Examples
+    --------
+    >>> _moderate_rows(lambda b: 1e-3 * b, 0.016, 1000), _moderate_rows(lambda b: 1e-3 * b, 0.016, 8)
+    (16, 8)
+    >>> _moderate_rows(lambda b: 0.02 * b, 0.016, 1000)
+    1
+    """
+    cap = max(int(afford_rows), 1)
+    lo, hi = 1, cap
+    if cost(lo) >= overhead_s:
+        return lo
+    if cost(hi) < overhead_s:
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if cost(mid) >= overhead_s:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: float) -> dict:
@@ -363,20 +400,26 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
     W = int(workers)
     # warm-up (imports, plugin, first tasks), which also sizes the runs to the budget
     timed(pbp([1] * W))
-    wave = max(timed(pbp([1] * (4 * W))) / 4, cost(1))  # one wave and a quarter of T0: an overestimate
+    wave1 = max(timed(pbp([1] * (4 * W))) / 4, cost(1))  # one wave and a quarter of T0: an overestimate
     rounds = 3
     share = budget_s / (rounds * 3 + 1)  # each of the rounds x 3 sized runs below takes about this long
-    n_large = int(np.clip(share / wave, 12, 200))
-    m_big = int(np.clip(share / 2 / max(cost(1024) / 1024, 1e-9), 32, 4096))
+    per_row = max(cost(1024) / 1024, 1e-9)
+    m_big = int(np.clip(share / 2 / per_row, 32, 4096))
+    # moderate partitions: encode at least the per-call overhead (busy workers), >= 4 waves in a share
+    min_waves = 4
+    afford = (share / min_waves - wave1) / per_row
+    m_mod = min(_moderate_rows(cost, wave1 - cost(1), afford), max(m_big // 4, 1))
+    wave = wave1 + cost(m_mod) - cost(1)
+    n_large = int(np.clip(share / wave, min_waves, 200))
     m_sb = 8
-    n_sb = int(np.clip(share / (wave + 8 * (wave + cost(8) / 8)), 4, 60))
+    n_sb = int(np.clip(share / (wave1 + 8 * (wave1 + cost(8) / 8)), 4, 60))
     best: dict[str, float] = {}
     for _ in range(rounds):
-        runs = {"small": pbp([1] * W), "large": pbp([1] * (n_large * W)), "big": pbp([m_big] * (2 * W)),
+        runs = {"small": pbp([m_mod] * W), "large": pbp([m_mod] * (n_large * W)), "big": pbp([m_big] * (2 * W)),
                 "surge": surge([1] * (n_sb * m_sb * W), m_sb)}
         for name, fn in runs.items():
             best[name] = min(best.get(name, np.inf), timed(fn))
-    runs = {"small": (W, best["small"]), "large": (n_large * W, best["large"]),
+    runs = {"small": (W, m_mod, best["small"]), "large": (n_large * W, m_mod, best["large"]),
             "big": (2 * W, m_big, best["big"]), "surge": (n_sb * m_sb * W, m_sb, best["surge"])}
     terms = solve_dask_terms(cost, workers=W, setup_s=setup_s, **runs)
     terms["probe"] = {k: [round(x, 4) if isinstance(x, float) else x for x in v] for k, v in runs.items()}

@@ -44,12 +44,15 @@ I/O share the worker's cores, so nothing overlaps: ``rho b_k`` joins each job
 Every constant is measured on the live cluster by
 :func:`dask_surge.calibrate.calibrate`, from runs that the formula above
 describes exactly (waves of equal jobs): ``c`` from encode calls timed on all
-workers at once, ``T0`` and ``alpha`` as the intercept and slope of PBP runs
-over one-row partitions, ``rho`` from PBP over large partitions and ``pi``
-from SuperBatches of one-row partitions (see
+workers at once, ``T0`` as the intercept of PBP runs over partitions of a
+moderate size ``m`` (whose encode cost is about the per-call overhead),
+``alpha`` and ``rho`` as the line ``alpha + rho b`` through what ``c`` does
+not explain per call at ``m`` and at a large partition size, and ``pi`` from
+SuperBatches of one-row partitions (see
 :func:`dask_surge.calibrate.solve_dask_terms`). ``alpha`` and ``pi`` include
 the scheduler round trips and the scheduler's and client's CPU per task: on a
-machine with as many cores as workers those compete with encoding.
+machine with as many cores as workers those compete with encoding, which is
+why ``alpha`` is measured with busy workers rather than over one-row calls.
 
 Why this ``c``: the encoder sorts a call's texts by token length and cuts
 micro-batches by a token budget (or a fixed row count). A call of a few rows is

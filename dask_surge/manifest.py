@@ -135,6 +135,10 @@ class Manifest:
     def data_path(self, sb: int, attempt: str) -> str:
         return f"{self.root}/part-{self.run_id[:8]}-{sb:06d}-{attempt}.parquet"
 
+    def skipped_path(self, sb: int, attempt: str) -> str:
+        """Where an attempt of SuperBatch ``sb`` lists the nulls it skipped (``on_null="skip"``)."""
+        return f"{self.run_dir}/skipped/{sb:06d}-{attempt}.parquet"
+
     def record_path(self, sb: int) -> str:
         return f"{self.commits_dir}/{sb:06d}.json"
 
@@ -308,6 +312,13 @@ def finish_run(manifest: Manifest, committed: dict[int, dict]) -> None:
         name = path.rsplit("/", 1)[-1]
         if name.startswith("part-") and name.endswith(".parquet") and (not name.startswith(prefix) or name not in keep):
             fs.rm(path)
+    keep_skipped = {rec.get("skipped_file") for rec in committed.values()}
+    try:
+        for path in fs.ls(f"{manifest.run_dir}/skipped", detail=False):
+            if path.rsplit("/", 1)[-1] not in keep_skipped:  # of attempts that lost the commit
+                fs.rm(path)
+    except FileNotFoundError:
+        pass
     for run in fs.ls(f"{root}/{META_DIR}/runs", detail=False):
         if run.rstrip("/").rsplit("/", 1)[-1] != manifest.run_id:
             fs.rm(run, recursive=True)

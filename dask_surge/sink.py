@@ -18,7 +18,7 @@ from .errors import SurgeOutputError
 from .manifest import Manifest, write_bytes_atomic
 from .superbatch import SuperBatchEncoder
 
-__all__ = ["SuperBatchWriter", "table_of", "parquet_bytes"]
+__all__ = ["SuperBatchWriter", "table_of", "parquet_bytes", "skipped_bytes"]
 
 def table_of(frame: pd.DataFrame) -> pa.Table:
     """Arrow table of an encoded frame; the embedding column is not copied.
@@ -27,6 +27,22 @@ def table_of(frame: pd.DataFrame) -> pa.Table:
     Parquet reader understands.
     """
     return pa.Table.from_pandas(frame, preserve_index=False).replace_schema_metadata(None)
+
+
+def skipped_bytes(skipped) -> bytes:
+    """Parquet bytes of the ``(partition, row)`` pairs of skipped nulls (int64 columns).
+
+    Examples
+    --------
+    >>> import io, pyarrow.parquet as pq
+    >>> pq.read_table(io.BytesIO(skipped_bytes([(0, 1), (2, 5)]))).to_pylist()
+    [{'partition': 0, 'row': 1}, {'partition': 2, 'row': 5}]
+    """
+    pairs = np.asarray(skipped, dtype=np.int64).reshape(-1, 2)
+    table = pa.table({"partition": pairs[:, 0], "row": pairs[:, 1]})
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
 
 
 def parquet_bytes(table: pa.Table, group_rows) -> bytes:
@@ -71,7 +87,11 @@ class SuperBatchWriter:
         data = parquet_bytes(table_of(frame), np.unique(frame["partition"].to_numpy(), return_counts=True)[1])
         attempt = uuid.uuid4().hex[:8]
         path = self.manifest.data_path(sb_index, attempt)
+        skip_path, skip_data = self.manifest.skipped_path(sb_index, attempt), skipped_bytes(skipped)
         try:
+            if skipped:  # the ids of skipped nulls, beside the commit record (any number of them)
+                self.manifest.fs.makedirs(skip_path.rsplit("/", 1)[0], exist_ok=True)
+                write_bytes_atomic(self.manifest.fs, skip_path, skip_data)
             write_bytes_atomic(self.manifest.fs, path, data)
         except OSError as err:
             raise SurgeOutputError(
@@ -84,12 +104,16 @@ class SuperBatchWriter:
             "sb": sb_index, "run": self.manifest.run_id, "file": name, "rows": len(frame),
             "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
             "spans": [[s.partition, s.start, s.stop] for s, _ in spans],
-            "skipped": [[p, r] for p, r in skipped],
+            "skipped": len(skipped),
+            "skipped_file": skip_path.rsplit("/", 1)[-1] if skipped else "",
+            "skipped_sha256": hashlib.sha256(skip_data).hexdigest() if skipped else "",
             "attempt": attempt, "pid": os.getpid(), "committed_at": time.time(),
         }
         won = self.manifest.commit(record)
         if not won:  # another attempt of this SuperBatch committed first: ours is an orphan
             self.manifest.fs.rm(path)
+            if skipped:
+                self.manifest.fs.rm(skip_path)
         t2 = time.perf_counter()
         return pd.DataFrame([{
             "sb": sb_index, "rows": len(frame), "skipped": len(skipped), "file": name if won else "",

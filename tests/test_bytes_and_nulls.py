@@ -112,6 +112,13 @@ def test_skip_leaves_nulls_out_and_records_every_one(tmp_path, counting_encoder)
     assert res.nulls_skipped == len(nulls) and "null texts left out" in str(res)
     info = dask_surge.status(out)
     assert info["state"] == "complete" and info["nulls_skipped"] == len(nulls)
+    # ids live in one small Parquet file per SuperBatch that skipped any, named by its record
+    from dask_surge.manifest import current_run
+
+    records = current_run(out).committed().values()
+    assert sum(r["skipped"] for r in records) == len(nulls)
+    assert len(list((tmp_path / "out").glob("_surge/runs/*/skipped/*.parquet"))) == \
+        sum(1 for r in records if r["skipped"])
     assert info["rows_committed"] + info["nulls_skipped"] == info["rows_planned"]
 
 

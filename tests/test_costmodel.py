@@ -255,15 +255,15 @@ def test_auto_b_min_leaves_every_worker_several_superbatches():
 
 # -- the Dask-path probe's solver (pure) ---------------------------------------------------
 
-def _probe_runs(c, W, T0, alpha, rho, pi, *, n_small=1, n_large=30, big=(2, 600), sb=(16, 8)):
-    """Wall times of the four probe runs as Theorem 1 models them."""
+def _probe_runs(c, W, T0, alpha, rho, pi, *, m=1, n_small=1, n_large=30, big=(2, 600), sb=(16, 8)):
+    """Wall times of the four probe runs as Theorem 1 models them (small/large: partitions of m rows)."""
     waves = lambda calls: -(-calls // W)
-    one = alpha + c(1) + rho
-    p_b, m = big[0] * W, big[1]
+    one = alpha + c(m) + rho * m
+    p_b, M = big[0] * W, big[1]
     p_u, k = sb[0] * sb[1] * W, sb[1]
-    return dict(small=(n_small * W, T0 + waves(n_small * W) * one),
-                large=(n_large * W, T0 + waves(n_large * W) * one),
-                big=(p_b, m, T0 + waves(p_b) * (alpha + c(m) + rho * m)),
+    return dict(small=(n_small * W, m, T0 + waves(n_small * W) * one),
+                large=(n_large * W, m, T0 + waves(n_large * W) * one),
+                big=(p_b, M, T0 + waves(p_b) * (alpha + c(M) + rho * M)),
                 surge=(p_u, k, T0 + waves(p_u // k) * (alpha + pi * k + c(k) + rho * k)))
 
 
@@ -273,10 +273,11 @@ def test_solve_dask_terms_recovers_the_terms(W):
 
     p = params()
     c = lambda b: float(call_cost([b], p)[0])
-    runs = _probe_runs(c, W, T0=0.08, alpha=0.018, rho=2e-5, pi=0.012)
-    got = solve_dask_terms(c, workers=W, **runs)
-    assert got == pytest.approx({"overhead_s": 0.08, "alpha_s": 0.018, "io_per_row_s": 2e-5,
-                                 "partition_s": 0.012}, rel=1e-6)
+    for m in (1, 16, 40):
+        runs = _probe_runs(c, W, T0=0.08, alpha=0.018, rho=2e-5, pi=0.012, m=m)
+        got = solve_dask_terms(c, workers=W, **runs)
+        assert got == pytest.approx({"overhead_s": 0.08, "alpha_s": 0.018, "io_per_row_s": 2e-5,
+                                     "partition_s": 0.012}, rel=1e-6)
 
 
 def test_solve_dask_terms_clips_noise_and_respects_setup():
@@ -289,7 +290,7 @@ def test_solve_dask_terms_clips_noise_and_respects_setup():
     got = solve_dask_terms(c, workers=2, setup_s=0.002, **runs)
     assert got["io_per_row_s"] == 0.0 and got["alpha_s"] == 0.002 and got["partition_s"] >= 0.0
     runs = _probe_runs(c, 2, T0=0.05, alpha=0.01, rho=0.0, pi=0.0)
-    runs["small"] = (runs["small"][0], 0.001)         # faster than one wave: T0 would be negative
+    runs["small"] = (runs["small"][0], 1, 0.001)      # faster than one wave: T0 would be negative
     assert solve_dask_terms(c, workers=2, **runs)["overhead_s"] == 0.0
 
 
@@ -299,12 +300,12 @@ def test_solve_dask_terms_prediction_matches_the_probe_runs():
 
     p = params(overhead_s=0.0, alpha_s=0.001, partition_s=0.0, io_per_row_s=0.0)
     c = lambda b: float(call_cost([b], p)[0])
-    runs = _probe_runs(c, 2, T0=0.1, alpha=0.02, rho=1e-5, pi=0.01)
+    runs = _probe_runs(c, 2, T0=0.1, alpha=0.02, rho=1e-5, pi=0.01, m=24)
     q = p.replace(**solve_dask_terms(c, workers=2, setup_s=p.setup_s, **runs))
     P, m, t = runs["big"]
     assert predict([m] * P, q, b_min=m, b_max=m).loc["pbp", "seconds"] == pytest.approx(t, rel=1e-6)
-    P, t = runs["large"]
-    assert predict([1] * P, q, b_min=8, b_max=8).loc["pbp", "seconds"] == pytest.approx(t, rel=1e-6)
+    P, m, t = runs["large"]
+    assert predict([m] * P, q, b_min=8, b_max=8).loc["pbp", "seconds"] == pytest.approx(t, rel=1e-6)
     P, k, t = runs["surge"]
     assert predict([1] * P, q, b_min=k, b_max=k).loc["surge", "seconds"] == pytest.approx(t, rel=1e-6)
 
@@ -317,3 +318,20 @@ def test_solve_dask_terms_bad_runs():
     runs["large"] = runs["small"]
     with pytest.raises(SurgeValueError, match="more waves than the small one"):
         solve_dask_terms(c, workers=2, **runs)
+    runs = _probe_runs(c, 2, T0=0.05, alpha=0.01, rho=0.0, pi=0.0, m=16)
+    runs["large"] = (runs["large"][0], 8, runs["large"][2])
+    with pytest.raises(SurgeValueError, match="partitions of one size"):
+        solve_dask_terms(c, workers=2, **runs)
+    runs = _probe_runs(c, 2, T0=0.05, alpha=0.01, rho=0.0, pi=0.0, m=16, big=(2, 16))
+    with pytest.raises(SurgeValueError, match="big run of larger partitions"):
+        solve_dask_terms(c, workers=2, **runs)
+
+
+def test_moderate_rows_is_where_encoding_covers_the_overhead():
+    from dask_surge.calibrate import _moderate_rows
+
+    c = lambda b: 1e-3 + 5e-4 * b
+    m = _moderate_rows(c, 0.0165, 10_000)
+    assert c(m) >= 0.0165 > c(m - 1) and m == 31
+    assert _moderate_rows(c, 0.0165, 12) == 12          # the budget caps it
+    assert _moderate_rows(c, 0.0, 10_000) == 1          # no overhead: one-row partitions
