@@ -575,8 +575,8 @@ def _write(frame, sbe, output, thresholds, max_bytes, *, client, scheduler, over
     if accounted != sizes.total:  # pragma: no cover - a bug guard: never mark a lossy run complete
         raise SurgeError(
             f"the committed SuperBatches hold {accounted:,} rows (written + skipped nulls) but the input "
-            f"has {sizes.total:,}; the run is left incomplete rather than marked done. Fix: rerun the same call; if it "
-            "happens again, please report it with the output's _surge directory."
+            f"has {sizes.total:,}; the run is left incomplete rather than marked done. Fix: rerun the "
+            "same call; if it happens again, please report it with the output's _surge directory."
         )
     finish_run(manifest, committed)
     return EncodeResult(
