@@ -8,8 +8,8 @@ Usage::
                                             [--out benchmarks/results/costmodel_accuracy_cpu.json]
 
 For each encoder the script calibrates once (:func:`dask_surge.calibrate.calibrate`,
-uniform one-row and large partitions), then, on log-normal layouts never used by the
-probe, times on a 2-worker ``LocalCluster``:
+uniform one-row, moderate and large partitions, SuperBatches of one-row partitions),
+then, on log-normal layouts never used by the probe, times on a 2-worker ``LocalCluster``:
 
 * SURGE: ``ddf.surge.encode("text", model=enc, b_min=..., b_max=...)``, computed lazily
   (the plan, including the partition-size pass, is built before the timer starts;
@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
                                         "calibration_attempts_s_foreign_share": calib_attempts,
                                         "params": params.to_dict()}
             print(f"[{name}] calibrated in {calib_s:.1f} s: alpha={params.alpha_s * 1e3:.2f} ms "
+                  f"(idle {params.alpha_idle_s * 1e3:.2f} ms below c={params.busy_call_s * 1e3:.1f} ms) "
                   f"beta={params.beta_s * 1e3:.3f} ms/row b0={params.b0:.1f} "
                   f"pi={params.partition_s * 1e3:.2f} ms T0={params.overhead_s:.3f} s "
                   f"rho={params.io_per_row_s * 1e6:.1f} us/row", flush=True)

@@ -12,25 +12,29 @@ The probe measures, through the real code paths, the constants of Theorem 1:
    ``setup + per_text b + per_token padded + per_forward forwards`` is fitted
    by non-negative least squares on relative error. The token-length
    distribution is kept (256 quantiles) for predicting other call sizes.
-2. **Dask terms**: four kinds of runs on the live cluster, each modelled as the
+2. **Dask terms**: five kinds of runs on the live cluster, each modelled as the
    cost model models it (``T0`` plus waves of equal jobs on ``W`` workers) and
    solved by :func:`solve_dask_terms`:
 
-   * PBP (``map_partitions``) over ``W`` and over ``n W`` partitions of ``m``
-     rows: the slope per wave is ``alpha + c(m) + rho m``, the intercept the run
+   * PBP (``map_partitions``) over ``W`` and over ``n W`` one-row partitions:
+     the slope per wave is ``alpha_idle + c(1) + rho``, the intercept the run
      overhead ``T0`` (submission, first-task latency, final gather);
-   * PBP over ``2 W`` large partitions of ``M`` rows: the second point of the
-     line ``alpha + rho m`` (what ``c`` does not explain per call), which gives
-     the per-row I/O ``rho`` (shipping rows in, embeddings out) and ``alpha``;
+   * PBP over partitions of a moderate size ``m`` and over ``2 W`` large
+     partitions of ``M`` rows: two points of the line ``alpha + rho b`` (what
+     ``c`` does not explain per call), which give the per-row I/O ``rho``
+     (shipping rows in, embeddings out) and the busy-worker ``alpha``;
    * ``ddf.surge.encode`` over one-row partitions in SuperBatches of 8: the
      per-folded-partition cost ``pi``.
 
-   The moderate size ``m`` is the smallest whose encode cost ``c(m)`` is at
-   least the per-call overhead measured by a warm-up run over one-row
-   partitions (within the budget): there the workers are busy encoding and the
-   scheduler's and client's CPU per task competes with encoding, as in a run
-   of real partitions, while one-row calls leave the cores idle between
-   round trips and measure a smaller ``alpha``.
+   ``m`` is the smallest size whose encode cost ``c(m)`` is at least the
+   per-call overhead of one-row partitions (measured by a warm-up run), within
+   the budget. From there on a worker is busy encoding for most of each call,
+   and the scheduler's and client's CPU per task competes with encoding
+   (measured on a 2-core machine: about 16 ms a call over one-row partitions,
+   20-25 ms over 64-row ones); one-row calls leave the cores idle between
+   round trips. The cost model therefore interpolates the per-call cost
+   linearly in ``c`` between the one-row and the moderate runs and keeps
+   ``alpha`` above ``c(m)`` (:func:`dask_surge.costmodel.call_overhead`).
 
    Every timed run is a graph never computed before (a repeated graph returns
    results the scheduler still holds and times nothing); the runs alternate and
@@ -269,81 +273,95 @@ def _waves(calls: int, workers: int) -> int:
     return -(-int(calls) // int(workers))
 
 
-def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, big: tuple, surge: tuple,
-                     setup_s: float = 0.0) -> dict:
-    """Solve Theorem 1's Dask terms ``T0, alpha, rho, pi`` from four probe runs' wall times.
+def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, moderate: tuple, big: tuple,
+                     surge: tuple, setup_s: float = 0.0) -> dict:
+    """Solve Theorem 1's Dask terms from five probe runs' wall times.
 
     Each run is modelled as the cost model models it (``T0`` plus waves of
-    equal jobs on ``workers`` workers):
+    equal jobs on ``workers`` workers), with the per-call cost ``alpha(c)`` of
+    :func:`dask_surge.costmodel.call_overhead` (``busy_call_s = c(m)``):
 
-    * ``small = (P_s, m, t_s)`` and ``large = (P_l, m, t_l)``: PBP over ``P``
-      partitions of ``m`` rows, ``t = T0 + waves(P) (alpha + c(m) + rho m)``;
-    * ``big = (P_b, M, t_b)``: PBP over ``P_b`` partitions of ``M > m`` rows,
-      ``t = T0 + waves(P_b) (alpha + c(M) + rho M)``;
+    * ``small = (P_s, t_s)`` and ``large = (P_l, t_l)``: PBP over ``P`` one-row
+      partitions, ``t = T0 + waves(P) (alpha(c(1)) + c(1) + rho)``;
+    * ``moderate = (P_m, m, t_m)`` and ``big = (P_b, M, t_b)``, ``M > m``: PBP over
+      ``P`` partitions of ``m`` (``M``) rows, ``t = T0 + waves(P) (alpha + c(m) + rho m)``;
     * ``surge = (P_u, m_u, t_u)``: SURGE over ``P_u`` one-row partitions in
-      SuperBatches of ``m_u`` of them, ``t = T0 + waves(P_u / m_u) (alpha + pi m_u + c(m_u) + rho m_u)``.
+      SuperBatches of ``m_u`` of them, ``t = T0 + waves(P_u / m_u) (alpha(c(m_u)) + pi m_u + c(m_u) + rho m_u)``.
 
-    The two runs of ``m`` rows give the per-wave cost (slope) and ``T0``
-    (intercept); with the big run they fix the line ``alpha + rho b`` of what
-    the encode curve ``c`` does not explain per call (``rho`` its slope, per
-    row); the SuperBatch run gives ``pi``. Negative solutions (noise) are
-    clipped to 0; ``alpha`` is at least ``setup_s``.
+    The one-row runs give their per-wave cost (slope) and ``T0`` (intercept);
+    the moderate and big runs fix the line ``alpha + rho b`` of what the encode
+    curve ``c`` does not explain per call (``rho`` its slope, per row);
+    ``alpha_idle`` is then what makes ``alpha(c(1))`` reproduce the one-row
+    runs (with ``m = 1``, one-row calls already keep the workers busy: ``busy_call_s``
+    is 0 and every call pays ``alpha``); the SuperBatch run gives ``pi``. Negative solutions (noise) are
+    clipped to 0; ``alpha`` and ``alpha_idle`` are at least ``setup_s``.
 
     Parameters
     ----------
     cost : callable
         ``cost(b)``: the encode cost of a call of ``b`` rows (set-up excluded).
     workers : int
-    small, large, big, surge : tuple
+    small, large, moderate, big, surge : tuple
         The runs, as above (seconds are wall times).
     setup_s : float
-        The encode set-up, a lower bound of ``alpha``.
+        The encode set-up, a lower bound of ``alpha`` and ``alpha_idle``.
 
     Returns
     -------
     dict
-        ``overhead_s`` (T0), ``alpha_s``, ``io_per_row_s`` (rho) and ``partition_s`` (pi).
+        ``overhead_s`` (T0), ``alpha_s``, ``alpha_idle_s``, ``busy_call_s`` (``c(m)``),
+        ``io_per_row_s`` (rho) and ``partition_s`` (pi).
 
     Raises
     ------
     SurgeValueError
-        If the small and large runs differ in partition size or have the same number of
-        waves, the big run's partitions are not larger, or a run is not positive.
+        If the two one-row runs have the same number of waves, the sizes are not
+        ``1 <= m < M``, or a run is not positive.
 
     Examples
     --------
-    >>> c = lambda b: 1e-3 + 1e-4 * b          # encode cost of a call of b rows
-    >>> T0, alpha, rho, pi, W, m = 0.1, 0.02, 1e-5, 0.01, 2, 16
-    >>> run = lambda P, b, job: T0 + -(-P // W) * job
+    >>> c = lambda b: 1e-3 * b                 # encode cost of a call of b rows
+    >>> T0, alpha, idle, rho, pi, W, m = 0.1, 0.02, 0.015, 1e-5, 0.01, 2, 16
+    >>> a = lambda b: idle + (alpha - idle) * min(c(b) / c(m), 1.0)   # alpha(c(b))
+    >>> run = lambda P, b, extra=0.0: T0 + -(-P // W) * (a(b) + c(b) + rho * b + extra)
     >>> terms = solve_dask_terms(
-    ...     c, workers=W,
-    ...     small=(2, m, run(2, m, alpha + c(m) + rho * m)), large=(40, m, run(40, m, alpha + c(m) + rho * m)),
-    ...     big=(4, 500, run(4, 500, alpha + c(500) + rho * 500)),
-    ...     surge=(64, 8, run(8, 8, alpha + pi * 8 + c(8) + rho * 8)))
-    >>> {k: round(v, 6) for k, v in terms.items()}
-    {'overhead_s': 0.1, 'alpha_s': 0.02, 'io_per_row_s': 1e-05, 'partition_s': 0.01}
+    ...     c, workers=W, small=(2, run(2, 1)), large=(40, run(40, 1)),
+    ...     moderate=(20, m, run(20, m)), big=(4, 500, run(4, 500)),
+    ...     surge=(64, 8, run(8, 8, pi * 8)))
+    >>> {k: round(v, 6) for k, v in terms.items()}  # doctest: +NORMALIZE_WHITESPACE
+    {'overhead_s': 0.1, 'alpha_s': 0.02, 'alpha_idle_s': 0.015, 'busy_call_s': 0.016,
+     'io_per_row_s': 1e-05, 'partition_s': 0.01}
     """
-    (p_s, m_s, t_s), (p_l, m_l, t_l) = small, large
+    (p_s, t_s), (p_l, t_l) = small, large
+    p_m, m, t_m = moderate
     p_b, m_b, t_b = big
     p_u, m_u, t_u = surge
-    w_s, w_l, w_b, w_u = _waves(p_s, workers), _waves(p_l, workers), _waves(p_b, workers), _waves(-(-p_u // m_u), workers)
-    if (w_l <= w_s or m_s != m_l or m_s < 1 or m_b <= m_s or m_u < 1
-            or min(t_s, t_l, t_b, t_u) <= 0):
+    w_s, w_l, w_m, w_b = (_waves(p, workers) for p in (p_s, p_l, p_m, p_b))
+    w_u = _waves(-(-p_u // m_u), workers)
+    if w_l <= w_s or not 1 <= m < m_b or m_u < 1 or min(t_s, t_l, t_m, t_b, t_u) <= 0:
         raise SurgeValueError(
-            f"solve_dask_terms needs small and large runs over partitions of one size, the large one with more "
-            f"waves than the small one, a big run of larger partitions, and positive times and sizes; got "
-            f"small={small}, large={large}, big={big}, surge={surge} on {workers} worker(s). "
-            "Fix: probe more partitions in the large run (at least one wave more), of the small run's size."
+            f"solve_dask_terms needs a large one-row run with more waves than the small one, partition sizes "
+            f"1 <= moderate < big, and positive times; got small={small}, large={large}, moderate={moderate}, "
+            f"big={big}, surge={surge} on {workers} worker(s). Fix: probe more one-row partitions in the large "
+            "run (at least one wave more), and big partitions larger than the moderate ones."
         )
-    per_wave_s = max((t_l - t_s) / (w_l - w_s), cost(m_s))  # alpha + c(m) + rho m
-    overhead = max(t_s - w_s * per_wave_s, 0.0)
+    per_wave_1 = max((t_l - t_s) / (w_l - w_s), cost(1))  # alpha(c(1)) + c(1) + rho
+    overhead = max(t_s - w_s * per_wave_1, 0.0)
+    per_wave_m = (t_m - overhead) / w_m  # alpha + c(m) + rho m
     per_wave_b = (t_b - overhead) / w_b  # alpha + c(M) + rho M
-    rho = max((per_wave_b - per_wave_s - (cost(m_b) - cost(m_s))) / (m_b - m_s), 0.0)
-    alpha = max(per_wave_s - cost(m_s) - rho * m_s, setup_s)
-    per_wave_u = (t_u - overhead) / w_u  # alpha + pi m + c(m) + rho m
-    pi = max((per_wave_u - alpha - cost(m_u) - rho * m_u) / m_u, 0.0)
-    return {"overhead_s": float(overhead), "alpha_s": float(alpha), "io_per_row_s": float(rho),
-            "partition_s": float(pi)}
+    rho = max((per_wave_b - per_wave_m - (cost(m_b) - cost(m))) / (m_b - m), 0.0)
+    alpha = max(per_wave_m - cost(m) - rho * m, setup_s)
+    if m == 1 or cost(m) <= cost(1):  # one-row calls already keep the workers busy: one alpha for all
+        busy, idle = 0.0, alpha
+    else:
+        busy = cost(m)
+        r = cost(1) / busy  # alpha(c(1)) = idle + (alpha - idle) r
+        idle = max((per_wave_1 - cost(1) - rho - alpha * r) / (1 - r), setup_s)
+    a_u = idle + (alpha - idle) * (min(cost(m_u) / busy, 1.0) if busy > 0 else 1.0)
+    per_wave_u = (t_u - overhead) / w_u  # alpha(c(m_u)) + pi m_u + c(m_u) + rho m_u
+    pi = max((per_wave_u - a_u - cost(m_u) - rho * m_u) / m_u, 0.0)
+    return {"overhead_s": float(overhead), "alpha_s": float(alpha), "alpha_idle_s": float(idle),
+            "busy_call_s": float(busy), "io_per_row_s": float(rho), "partition_s": float(pi)}
 
 
 def _moderate_rows(cost, overhead_s: float, afford_rows: float) -> int:
@@ -372,7 +390,7 @@ def _moderate_rows(cost, overhead_s: float, afford_rows: float) -> int:
 
 
 def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: float) -> dict:
-    """Time the four runs of :func:`solve_dask_terms` through map_partitions and ddf.surge.encode.
+    """Time the five runs of :func:`solve_dask_terms` through map_partitions and ddf.surge.encode.
 
     Every timed run computes a graph never computed before: a repeated graph would return
     results the scheduler still holds (its release is asynchronous) and time nothing. The
@@ -402,25 +420,28 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
     timed(pbp([1] * W))
     wave1 = max(timed(pbp([1] * (4 * W))) / 4, cost(1))  # one wave and a quarter of T0: an overestimate
     rounds = 3
-    share = budget_s / (rounds * 3 + 1)  # each of the rounds x 3 sized runs below takes about this long
+    share = budget_s / (rounds * 4 + 1)  # each of the rounds x 4 sized runs below takes about this long
     per_row = max(cost(1024) / 1024, 1e-9)
+    n_large = int(np.clip(share / wave1, 12, 200))
     m_big = int(np.clip(share / 2 / per_row, 32, 4096))
-    # moderate partitions: encode at least the per-call overhead (busy workers), >= 4 waves in a share
+    # moderate partitions: encode at least the one-row per-call overhead (busy workers), >= 4 waves a share
     min_waves = 4
-    afford = (share / min_waves - wave1) / per_row
-    m_mod = min(_moderate_rows(cost, wave1 - cost(1), afford), max(m_big // 4, 1))
-    wave = wave1 + cost(m_mod) - cost(1)
-    n_large = int(np.clip(share / wave, min_waves, 200))
+    m_mod = min(_moderate_rows(cost, wave1 - cost(1), (share / min_waves - wave1) / per_row), max(m_big // 4, 1))
+    n_mod = int(np.clip(share / (wave1 + cost(m_mod) - cost(1)), min_waves, 200))
     m_sb = 8
     n_sb = int(np.clip(share / (wave1 + 8 * (wave1 + cost(8) / 8)), 4, 60))
     best: dict[str, float] = {}
     for _ in range(rounds):
-        runs = {"small": pbp([m_mod] * W), "large": pbp([m_mod] * (n_large * W)), "big": pbp([m_big] * (2 * W)),
+        runs = {"small": pbp([1] * W), "large": pbp([1] * (n_large * W)), "big": pbp([m_big] * (2 * W)),
                 "surge": surge([1] * (n_sb * m_sb * W), m_sb)}
+        if m_mod > 1:  # with m = 1 the large one-row run is the moderate run
+            runs["moderate"] = pbp([m_mod] * (n_mod * W))
         for name, fn in runs.items():
             best[name] = min(best.get(name, np.inf), timed(fn))
-    runs = {"small": (W, m_mod, best["small"]), "large": (n_large * W, m_mod, best["large"]),
-            "big": (2 * W, m_big, best["big"]), "surge": (n_sb * m_sb * W, m_sb, best["surge"])}
+    runs = {"small": (W, best["small"]), "large": (n_large * W, best["large"]),
+            "moderate": (n_mod * W, m_mod, best["moderate"]) if m_mod > 1 else (n_large * W, 1, best["large"]),
+            "big": (2 * W, m_big, best["big"]),
+            "surge": (n_sb * m_sb * W, m_sb, best["surge"])}
     terms = solve_dask_terms(cost, workers=W, setup_s=setup_s, **runs)
     terms["probe"] = {k: [round(x, 4) if isinstance(x, float) else x for x in v] for k, v in runs.items()}
     return terms

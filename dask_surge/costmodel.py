@@ -10,8 +10,9 @@ Theorem 1 (as implemented here)
 -------------------------------
 Let a policy issue encode calls of ``b_1, ..., b_K`` rows with ``t_k`` tokens,
 call ``k`` folding ``p_k`` input partitions, on ``W`` single-model workers.
-With the per-call fixed cost ``alpha`` (task dispatch + transfer + encode
-set-up), the per-folded-partition cost ``pi`` (the input partition's own task
+With the per-call fixed cost ``alpha(c)`` (task dispatch + transfer + encode
+set-up; see below for its dependence on the call's encode time ``c``), the
+per-folded-partition cost ``pi`` (the input partition's own task
 and its transfer to the encoding worker; zero for PBP, where partition and call
 are one task) and the encode cost
 
@@ -24,8 +25,8 @@ the *padded* tokens the forward passes actually compute, ``f(b)`` the number of
 forward passes (micro-batches) and ``beta b0`` the fixed cost of one forward
 pass, written as the cost of ``b0`` rows at the asymptotic per-row cost
 ``beta = beta_0 + gamma tau`` (``tau`` tokens a text), each call is a job of
-length ``s_k = alpha + pi p_k + c(b_k, t_k)``. Jobs go to workers in plan order,
-each to the earliest-free worker (SURGE, PBP: Dask's priorities run them in
+length ``s_k = alpha(c_k) + pi p_k + c_k`` with ``c_k = c(b_k, t_k)``. Jobs go
+to workers in plan order, each to the earliest-free worker (SURGE, PBP: Dask's priorities run them in
 order), or, for PB-PBP-LB, largest first to the least-loaded worker (LPT). Then
 
 .. math::
@@ -41,18 +42,26 @@ time of the first call, which cannot overlap. On a CPU device encoding and
 I/O share the worker's cores, so nothing overlaps: ``rho b_k`` joins each job
 ``s_k`` and ``T_io = fill = 0``. Throughput is ``N / T``.
 
+The per-call cost ``alpha(c)`` depends on how busy the call keeps its
+worker (:func:`call_overhead`): a call that encodes for at least
+``busy_call_s`` pays ``alpha``; a shorter one pays less, down to
+``alpha_idle`` for a call that encodes nothing, linearly in ``c``. On a
+machine with as many cores as workers the scheduler's and client's CPU per
+task competes with encoding while the workers are busy, but runs on idle
+cores while one-row calls wait for their round trips (measured on 2 cores:
+about 16 ms a call over one-row partitions, 20-25 ms over 64-row ones).
+
 Every constant is measured on the live cluster by
 :func:`dask_surge.calibrate.calibrate`, from runs that the formula above
 describes exactly (waves of equal jobs): ``c`` from encode calls timed on all
-workers at once, ``T0`` as the intercept of PBP runs over partitions of a
-moderate size ``m`` (whose encode cost is about the per-call overhead),
+workers at once, ``T0`` as the intercept of PBP runs over one-row partitions,
 ``alpha`` and ``rho`` as the line ``alpha + rho b`` through what ``c`` does
-not explain per call at ``m`` and at a large partition size, and ``pi`` from
-SuperBatches of one-row partitions (see
+not explain per call in PBP runs over partitions of a moderate size ``m``
+(``c(m)`` about the one-row per-call overhead; ``busy_call_s = c(m)``) and of
+a large size, ``alpha_idle`` from the slope of the one-row runs, and ``pi``
+from SuperBatches of one-row partitions (see
 :func:`dask_surge.calibrate.solve_dask_terms`). ``alpha`` and ``pi`` include
-the scheduler round trips and the scheduler's and client's CPU per task: on a
-machine with as many cores as workers those compete with encoding, which is
-why ``alpha`` is measured with busy workers rather than over one-row calls.
+the scheduler round trips and the scheduler's and client's CPU per task.
 
 Why this ``c``: the encoder sorts a call's texts by token length and cuts
 micro-batches by a token budget (or a fixed row count). A call of a few rows is
@@ -79,7 +88,8 @@ SuperBatch; PBP: the first partition) finishes; FB's is its whole run.
 
 phi and CV: ``phi = alpha / (alpha + beta mean(n))`` (``beta`` the asymptotic
 per-row cost) is the share of a mean partition's call spent in fixed cost;
-fusing removes most of it, so high phi means a large gain. ``CV = std(n) /
+fusing removes most of it, so high phi means a large gain (``alpha`` here is
+the busy-call ``alpha_s``). ``CV = std(n) /
 mean(n)`` drives ``n_max``, hence memory and the straggler tail.
 """
 
@@ -97,7 +107,7 @@ import pandas as pd
 from .errors import SurgeValueError
 from .policy import plan_superbatches, validate_thresholds
 
-__all__ = ["CostParams", "predict", "phi_cv", "Advice", "advise", "auto_thresholds", "call_cost",
+__all__ = ["CostParams", "predict", "phi_cv", "Advice", "advise", "auto_thresholds", "call_cost", "call_overhead",
            "batch_shape"]
 
 POLICIES = ("surge", "pbp", "fb", "pb-pbp-lb")
@@ -111,7 +121,16 @@ class CostParams:
     ----------
     alpha_s : float
         Fixed cost of one encode call through Dask: task dispatch, transfer and
-        encode set-up (``setup_s`` of it is the set-up alone).
+        encode set-up (``setup_s`` of it is the set-up alone), for a call whose
+        encode keeps its worker busy (``c >= busy_call_s``).
+    alpha_idle_s : float
+        The same for a call that encodes almost nothing (a one-row call): the
+        workers idle between round trips, so the scheduler's and client's CPU
+        per task does not compete with encoding. Used when ``busy_call_s > 0``.
+    busy_call_s : float
+        Encode time ``c`` from which a call pays the full ``alpha_s``; calls
+        with ``c < busy_call_s`` pay ``alpha_idle_s + (alpha_s - alpha_idle_s)
+        c / busy_call_s``. 0 (default): every call pays ``alpha_s``.
     per_text_s : float
         Encode cost per text, independent of its length (tokenization, framing).
     per_token_s : float
@@ -182,6 +201,8 @@ class CostParams:
     model_bytes: float = 0.0
     threads_per_worker: int = 1
     device: str = "cpu"
+    alpha_idle_s: float = 0.0
+    busy_call_s: float = 0.0
     meta: tuple = ()
 
     def __post_init__(self) -> None:
@@ -209,10 +230,11 @@ class CostParams:
                     f"CostParams.{name}={value!r} must be a positive integer (a cluster has at least "
                     "one worker with one thread). Fix: pass e.g. workers=len(client.scheduler_info()['workers'])."
                 )
-        if self.setup_s > self.alpha_s:
+        if self.setup_s > self.alpha_s or (self.busy_call_s > 0 and self.setup_s > self.alpha_idle_s):
             raise SurgeValueError(
-                f"CostParams.setup_s={self.setup_s!r} exceeds alpha_s={self.alpha_s!r}: the encode "
-                "set-up is part of the per-call fixed cost. Fix: set alpha_s >= setup_s."
+                f"CostParams.setup_s={self.setup_s!r} exceeds alpha_s={self.alpha_s!r} or (with "
+                f"busy_call_s > 0) alpha_idle_s={self.alpha_idle_s!r}: the encode set-up is part of the "
+                "per-call fixed cost. Fix: set alpha_s and alpha_idle_s >= setup_s."
             )
 
     @property
@@ -351,6 +373,30 @@ def call_cost(rows, params: CostParams, tokens=None) -> np.ndarray:
     ratio, forwards = batch_shape(b, params)
     cost = params.per_text_s * b + params.per_token_s * t * ratio + params.beta_s * params.b0 * forwards
     return np.where(b > 0, cost, 0.0)
+
+
+def call_overhead(encode_s, params: CostParams) -> np.ndarray:
+    """Per-call fixed cost of calls whose encode takes ``encode_s`` seconds.
+
+    ``alpha_s`` for a call that keeps its worker busy (``c >= busy_call_s``);
+    below, the share of the overhead that competes with encoding (the
+    scheduler's and client's CPU per task) grows with ``c``, from
+    ``alpha_idle_s`` for a call that encodes nothing.
+
+    Examples
+    --------
+    >>> p = CostParams(alpha_s=0.02, alpha_idle_s=0.016, busy_call_s=0.01, per_text_s=1e-3,
+    ...                per_token_s=0.0, b0=0, workers=2)
+    >>> call_overhead([0.0, 0.005, 0.01, 1.0], p).round(4).tolist()
+    [0.016, 0.018, 0.02, 0.02]
+    >>> call_overhead([0.0, 1.0], p.replace(busy_call_s=0.0)).tolist()
+    [0.02, 0.02]
+    """
+    c = np.asarray(encode_s, dtype=float)
+    if params.busy_call_s <= 0:
+        return np.full_like(c, params.alpha_s)
+    busy = np.clip(c / params.busy_call_s, 0.0, 1.0)
+    return params.alpha_idle_s + (params.alpha_s - params.alpha_idle_s) * busy
 
 
 def _check_sizes(sizes) -> np.ndarray:
@@ -524,7 +570,8 @@ def _io_overlaps(params: CostParams) -> bool:
 
 
 def _streamed(params: CostParams, b, t, folded, io_total, row_bytes, N, *, in_order: bool) -> dict:
-    jobs = params.alpha_s + params.partition_s * folded + call_cost(b, params, t)
+    enc = call_cost(b, params, t)
+    jobs = call_overhead(enc, params) + params.partition_s * folded + enc
     if _io_overlaps(params):
         fill = float(b[0]) * params.io_per_row_s if len(b) else 0.0
     else:
@@ -691,13 +738,15 @@ def auto_thresholds(
     # smallest b whose fixed cost share (alpha + small-batch penalty) <= overhead_share
     beta = params.beta_s
     def share(b: float) -> float:
-        total = params.alpha_s + params.partition_s + float(call_cost([b], params)[0])
+        c = float(call_cost([b], params)[0])
+        total = float(call_overhead([c], params)[0]) + params.partition_s + c
         return (total - beta * b) / total if total > 0 else 0.0
     b_eff = _bisect_min(lambda b: share(b) <= overhead_share, 1, 10**9)
     # largest b whose first SuperBatch finishes within the TTFO target
-    first = params.overhead_s + params.alpha_s
-    b_ttfo = _bisect_max(lambda b: first + float(call_cost([b], params)[0]) + b * params.io_per_row_s
-                         <= ttfo_target_s, 1, 10**9)
+    def first(b: int) -> float:
+        c = float(call_cost([b], params)[0])
+        return params.overhead_s + float(call_overhead([c], params)[0]) + c + b * params.io_per_row_s
+    b_ttfo = _bisect_max(lambda b: first(b) <= ttfo_target_s, 1, 10**9)
     b_min, reason = b_eff, (f"b_min={b_eff:,} keeps fixed per-call cost under {overhead_share:.0%} of each "
                             f"SuperBatch")
     if b_ttfo < b_min:

@@ -255,16 +255,20 @@ def test_auto_b_min_leaves_every_worker_several_superbatches():
 
 # -- the Dask-path probe's solver (pure) ---------------------------------------------------
 
-def _probe_runs(c, W, T0, alpha, rho, pi, *, m=1, n_small=1, n_large=30, big=(2, 600), sb=(16, 8)):
-    """Wall times of the four probe runs as Theorem 1 models them (small/large: partitions of m rows)."""
+def _probe_runs(c, W, T0, alpha, rho, pi, *, idle=None, m=16, n_small=1, n_large=30, n_mod=10, big=(2, 600),
+                sb=(16, 8)):
+    """Wall times of the five probe runs as Theorem 1 models them (call_overhead with busy_call_s = c(m))."""
+    idle = alpha if idle is None else idle
+    a = lambda b: idle + (alpha - idle) * min(c(b) / c(m), 1.0)
     waves = lambda calls: -(-calls // W)
-    one = alpha + c(m) + rho * m
+    job = lambda b: a(b) + c(b) + rho * b
     p_b, M = big[0] * W, big[1]
     p_u, k = sb[0] * sb[1] * W, sb[1]
-    return dict(small=(n_small * W, m, T0 + waves(n_small * W) * one),
-                large=(n_large * W, m, T0 + waves(n_large * W) * one),
-                big=(p_b, M, T0 + waves(p_b) * (alpha + c(M) + rho * M)),
-                surge=(p_u, k, T0 + waves(p_u // k) * (alpha + pi * k + c(k) + rho * k)))
+    return dict(small=(n_small * W, T0 + waves(n_small * W) * job(1)),
+                large=(n_large * W, T0 + waves(n_large * W) * job(1)),
+                moderate=(n_mod * W, m, T0 + waves(n_mod * W) * job(m)),
+                big=(p_b, M, T0 + waves(p_b) * job(M)),
+                surge=(p_u, k, T0 + waves(p_u // k) * (job(k) + pi * k)))
 
 
 @pytest.mark.parametrize("W", [1, 2, 3])
@@ -273,11 +277,23 @@ def test_solve_dask_terms_recovers_the_terms(W):
 
     p = params()
     c = lambda b: float(call_cost([b], p)[0])
-    for m in (1, 16, 40):
-        runs = _probe_runs(c, W, T0=0.08, alpha=0.018, rho=2e-5, pi=0.012, m=m)
+    for m, idle in ((16, 0.012), (40, 0.018), (3, 0.02)):
+        runs = _probe_runs(c, W, T0=0.08, alpha=0.018, idle=idle, rho=2e-5, pi=0.012, m=m)
         got = solve_dask_terms(c, workers=W, **runs)
-        assert got == pytest.approx({"overhead_s": 0.08, "alpha_s": 0.018, "io_per_row_s": 2e-5,
-                                     "partition_s": 0.012}, rel=1e-6)
+        assert got == pytest.approx({"overhead_s": 0.08, "alpha_s": 0.018, "alpha_idle_s": idle,
+                                     "busy_call_s": c(m), "io_per_row_s": 2e-5, "partition_s": 0.012}, rel=1e-6)
+
+
+def test_solve_dask_terms_one_row_moderate_run_means_one_alpha():
+    """With m = 1 (one-row calls already busy) the old two-point solve: one alpha for every call."""
+    from dask_surge.calibrate import solve_dask_terms
+
+    c = lambda b: 0.02 + 0.01 * b
+    runs = _probe_runs(c, 2, T0=0.05, alpha=0.015, rho=1e-4, pi=0.003, m=1)
+    runs["moderate"] = (runs["large"][0], 1, runs["large"][1])
+    got = solve_dask_terms(c, workers=2, **runs)
+    assert got == pytest.approx({"overhead_s": 0.05, "alpha_s": 0.015, "alpha_idle_s": 0.015, "busy_call_s": 0.0,
+                                 "io_per_row_s": 1e-4, "partition_s": 0.003}, rel=1e-6)
 
 
 def test_solve_dask_terms_clips_noise_and_respects_setup():
@@ -289,8 +305,9 @@ def test_solve_dask_terms_clips_noise_and_respects_setup():
     runs["big"] = (big[0], big[1], big[2] * 0.9)      # faster than the curve: rho would be negative
     got = solve_dask_terms(c, workers=2, setup_s=0.002, **runs)
     assert got["io_per_row_s"] == 0.0 and got["alpha_s"] == 0.002 and got["partition_s"] >= 0.0
+    assert got["alpha_idle_s"] >= 0.002
     runs = _probe_runs(c, 2, T0=0.05, alpha=0.01, rho=0.0, pi=0.0)
-    runs["small"] = (runs["small"][0], 1, 0.001)      # faster than one wave: T0 would be negative
+    runs["small"] = (runs["small"][0], 0.001)         # faster than one wave: T0 would be negative
     assert solve_dask_terms(c, workers=2, **runs)["overhead_s"] == 0.0
 
 
@@ -300,12 +317,13 @@ def test_solve_dask_terms_prediction_matches_the_probe_runs():
 
     p = params(overhead_s=0.0, alpha_s=0.001, partition_s=0.0, io_per_row_s=0.0)
     c = lambda b: float(call_cost([b], p)[0])
-    runs = _probe_runs(c, 2, T0=0.1, alpha=0.02, rho=1e-5, pi=0.01, m=24)
+    runs = _probe_runs(c, 2, T0=0.1, alpha=0.02, idle=0.014, rho=1e-5, pi=0.01, m=24)
     q = p.replace(**solve_dask_terms(c, workers=2, setup_s=p.setup_s, **runs))
-    P, m, t = runs["big"]
-    assert predict([m] * P, q, b_min=m, b_max=m).loc["pbp", "seconds"] == pytest.approx(t, rel=1e-6)
-    P, m, t = runs["large"]
-    assert predict([m] * P, q, b_min=8, b_max=8).loc["pbp", "seconds"] == pytest.approx(t, rel=1e-6)
+    for name in ("big", "moderate"):
+        P, m, t = runs[name]
+        assert predict([m] * P, q, b_min=m, b_max=m).loc["pbp", "seconds"] == pytest.approx(t, rel=1e-6)
+    P, t = runs["large"]
+    assert predict([1] * P, q, b_min=8, b_max=8).loc["pbp", "seconds"] == pytest.approx(t, rel=1e-6)
     P, k, t = runs["surge"]
     assert predict([1] * P, q, b_min=k, b_max=k).loc["surge", "seconds"] == pytest.approx(t, rel=1e-6)
 
@@ -318,12 +336,8 @@ def test_solve_dask_terms_bad_runs():
     runs["large"] = runs["small"]
     with pytest.raises(SurgeValueError, match="more waves than the small one"):
         solve_dask_terms(c, workers=2, **runs)
-    runs = _probe_runs(c, 2, T0=0.05, alpha=0.01, rho=0.0, pi=0.0, m=16)
-    runs["large"] = (runs["large"][0], 8, runs["large"][2])
-    with pytest.raises(SurgeValueError, match="partitions of one size"):
-        solve_dask_terms(c, workers=2, **runs)
     runs = _probe_runs(c, 2, T0=0.05, alpha=0.01, rho=0.0, pi=0.0, m=16, big=(2, 16))
-    with pytest.raises(SurgeValueError, match="big run of larger partitions"):
+    with pytest.raises(SurgeValueError, match="1 <= moderate < big"):
         solve_dask_terms(c, workers=2, **runs)
 
 
@@ -335,3 +349,18 @@ def test_moderate_rows_is_where_encoding_covers_the_overhead():
     assert c(m) >= 0.0165 > c(m - 1) and m == 31
     assert _moderate_rows(c, 0.0165, 12) == 12          # the budget caps it
     assert _moderate_rows(c, 0.0, 10_000) == 1          # no overhead: one-row partitions
+
+
+def test_call_overhead_interpolates_between_idle_and_busy_calls():
+    from dask_surge.costmodel import call_overhead
+
+    p = params(alpha_s=0.02, setup_s=0.001, alpha_idle_s=0.01, busy_call_s=0.04)
+    assert call_overhead([0.0, 0.02, 0.04, 5.0], p).tolist() == pytest.approx([0.01, 0.015, 0.02, 0.02])
+    assert call_overhead([0.0, 5.0], p.replace(busy_call_s=0.0)).tolist() == [0.02, 0.02]
+    # the alpha of a call is what predict() charges: tiny partitions pay the idle alpha, large ones alpha
+    pred = lambda q, m: predict([m] * 40, q, b_min=8, b_max=8).loc["pbp", "seconds"]
+    flat = p.replace(busy_call_s=0.0)
+    assert pred(p, 1) < pred(flat, 1) and pred(p, 10_000) == pytest.approx(pred(flat, 10_000))
+    with pytest.raises(SurgeValueError, match="alpha_idle_s"):
+        params(alpha_s=0.02, setup_s=0.005, alpha_idle_s=0.001, busy_call_s=0.04)
+    assert CostParams.from_dict(p.to_dict()) == p
