@@ -20,9 +20,9 @@ if [ -n "${SURGE_GPU_TRY:-}" ]; then
     --out "$OUT/gpu_encode.json" 2>&1 | tee "$OUT/gpu_encode.log"
 else
   # MiniLM: 2M texts through dask-surge (~35 s at the 60k texts/s target), ST on 200k
-  timeout 330 python3 benchmarks/gpu_encode.py --rows 2000000 --st-rows 200000 --models minilm-l6=/tmp/minilm \
+  timeout 300 python3 benchmarks/gpu_encode.py --rows 2000000 --st-rows 200000 --models minilm-l6=/tmp/minilm \
     --out "$OUT/gpu_encode_minilm.json" 2>&1 | tail -c 20000 > "$OUT/gpu_encode_minilm.log" || true
-  timeout 200 python3 benchmarks/gpu_encode.py --rows 600000 --st-rows 50000 --models bert-base=/tmp/bert \
+  timeout 180 python3 benchmarks/gpu_encode.py --rows 600000 --st-rows 50000 --models bert-base=/tmp/bert \
     --out "$OUT/gpu_encode_bert.json" 2>&1 | tail -c 20000 > "$OUT/gpu_encode_bert.log" || true
 fi
 ls -la "$OUT"
