@@ -750,6 +750,17 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     }
 
 
+def _existing_run(output: str, storage_options: dict | None) -> Manifest:
+    """The current run in ``output``, or a clear error when there is none (for readers)."""
+    manifest = current_run(output, storage_options)
+    if manifest is None:
+        raise SurgeInputError(
+            f"{output!r} holds no dask-surge run (no {output}/_surge/CURRENT). Fix: pass the output "
+            "directory of ddf.surge.encode(..., output=...)."
+        )
+    return manifest
+
+
 def skipped_rows(output: str, storage_options: dict | None = None) -> pd.DataFrame:
     """The ``(partition, row)`` of the null texts a run left out (``on_null="skip"``).
 
@@ -766,12 +777,7 @@ def skipped_rows(output: str, storage_options: dict | None = None) -> pd.DataFra
     >>> skipped_rows(out).values.tolist()
     [[0, 1]]
     """
-    manifest = current_run(output, storage_options)
-    if manifest is None:
-        raise SurgeInputError(
-            f"{output!r} holds no dask-surge run (no {output}/_surge/CURRENT). Fix: pass the output "
-            "directory of ddf.surge.encode(..., output=...)."
-        )
+    manifest = _existing_run(output, storage_options)
     import pyarrow.parquet as pq
 
     files = [f"{manifest.run_dir}/skipped/{r['skipped_file']}" for r in manifest.committed().values()
@@ -810,12 +816,7 @@ def read_embeddings(path: str, *, partition: int | None = None, columns: Sequenc
     """
     import dask.dataframe as dd
 
-    manifest = current_run(path, storage_options)
-    if manifest is None:
-        raise SurgeInputError(
-            f"{path!r} holds no dask-surge run (no {path}/_surge/CURRENT). Fix: pass the output "
-            "directory of ddf.surge.encode(..., output=...)."
-        )
+    manifest = _existing_run(path, storage_options)
     records = sorted(manifest.committed().values(), key=lambda r: r["sb"])
     if partition is not None:
         records = [r for r in records if any(s[0] == partition and s[2] > s[1] for s in r["spans"])]

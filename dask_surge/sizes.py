@@ -89,10 +89,11 @@ def text_bytes(series) -> int:
     import pyarrow as pa
     import pyarrow.compute as pc
 
+    from .superbatch import is_cudf
+
     try:
         # cuDF: its own Arrow export; pandas: zero-copy for Arrow-backed strings
-        arr = series.to_arrow() if type(series).__module__.split(".", 1)[0] == "cudf" else \
-            pa.array(series, from_pandas=True)
+        arr = series.to_arrow() if is_cudf(series) else pa.array(series, from_pandas=True)
     except (pa.ArrowException, TypeError, ValueError):
         return 0
     if pa.types.is_dictionary(arr.type):

@@ -14,7 +14,12 @@ from .encoders import Encoder
 from .errors import SurgeInputError
 from .policy import Span
 
-__all__ = ["SuperBatchEncoder", "texts_of", "to_host"]
+__all__ = ["SuperBatchEncoder", "texts_of", "to_host", "is_cudf"]
+
+
+def is_cudf(obj) -> bool:
+    """True for a cuDF DataFrame or Series (checked by module, without importing cuDF)."""
+    return type(obj).__module__.split(".", 1)[0] == "cudf"
 
 
 def to_host(obj):
@@ -27,7 +32,7 @@ def to_host(obj):
     >>> to_host(df) is df
     True
     """
-    if type(obj).__module__.split(".", 1)[0] == "cudf":
+    if is_cudf(obj):
         return obj.to_pandas()
     return obj
 
