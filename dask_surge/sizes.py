@@ -56,12 +56,16 @@ def partition_sizes(frame, column: str | None = None) -> PartitionSizes:
     >>> partition_sizes(ddf)
     PartitionSizes(sizes=(3, 2), source='metadata', nbytes=None)
     """
-    lengths = metadata_lengths(frame.expr)
-    # a count mismatch means dask folded the wrong lengths: count them instead
-    if lengths is not None and len(lengths) == frame.npartitions:
-        nbytes = parquet_text_bytes(frame, column) if column is not None else None
-        if column is None or nbytes is not None:
-            return PartitionSizes(lengths, "metadata", nbytes)
+    if column is not None:
+        # rows and bytes from one read of the footers; without them bytes need the pass anyway
+        footers = parquet_footer_sizes(frame, column)
+        if footers is not None:
+            return PartitionSizes(footers[0], "metadata", footers[1])
+    else:
+        lengths = metadata_lengths(frame.expr)
+        # a count mismatch means dask folded the wrong lengths: count them instead
+        if lengths is not None and len(lengths) == frame.npartitions:
+            return PartitionSizes(lengths, "metadata")
     # Not dask's Lengths expression: its constant folding can be wrong on a partition
     # subset of read_parquet (it filters the selected partitions twice).
     counted = frame.map_partitions(_count, column, enforce_metadata=False,
@@ -104,10 +108,10 @@ def text_bytes(series) -> int:
     return int(pc.sum(pc.binary_length(arr)).as_py() or 0)
 
 
-def parquet_text_bytes(frame, column: str) -> tuple[int, ...] | None:
-    """Uncompressed bytes of ``column`` in each partition, from the Parquet footers of a
-    plain ``read_parquet`` (``None`` for any other input). Footers are read once per file,
-    in parallel threads (they are small, but may be remote)."""
+def parquet_footer_sizes(frame, column: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Rows and uncompressed bytes of ``column`` in each partition, from the Parquet footers
+    of a plain ``read_parquet`` (``None`` for any other input). Footers are read once per
+    file, in parallel threads (they are small, but may be remote)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import pyarrow.parquet as pq
@@ -126,15 +130,18 @@ def parquet_text_bytes(frame, column: str) -> tuple[int, ...] | None:
         if column not in names:
             return None
         col = names.index(column)
-        return [md.row_group(r).column(col).total_uncompressed_size for r in range(md.num_row_groups)]
+        return [(md.row_group(r).num_rows, md.row_group(r).column(col).total_uncompressed_size)
+                for r in range(md.num_row_groups)]
 
     paths = sorted({path for path, _ in pieces})
     with ThreadPoolExecutor(max_workers=min(16, len(paths) or 1)) as pool:
         per_file = dict(zip(paths, pool.map(footer, paths)))
-    out = []
+    rows, nbytes = [], []
     for path, row_groups in pieces:
-        sizes = per_file[path]
-        if sizes is None:
+        groups = per_file[path]
+        if groups is None:
             return None
-        out.append(sum(sizes) if row_groups is None else sum(sizes[r] for r in row_groups))
-    return tuple(out)
+        chosen = groups if row_groups is None else [groups[r] for r in row_groups]
+        rows.append(sum(n for n, _ in chosen))
+        nbytes.append(sum(m for _, m in chosen))
+    return tuple(rows), tuple(nbytes)

@@ -33,7 +33,7 @@ def test_parquet_text_bytes_come_from_footers_without_reading_data(tmp_path):
     started = []
     with Callback(pretask=lambda key, dsk, state: started.append(key)):
         got = partition_sizes(ddf[["text"]], "text")
-    assert started == [] and got.source == "metadata"
+    assert started == [] and got.source == "metadata" and got.sizes == (3, 3, 3, 3)
     exact = [sum(len(t.encode()) for t in part.text) for part in ddf.partitions]
     # the footer's uncompressed size of plain-encoded text: the bytes plus 4-byte lengths
     assert got.nbytes is not None
