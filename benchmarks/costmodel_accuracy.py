@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/costmodel_accuracy.py [--encoders tiny,default] [--sigmas 1.0,1.72,2.5]
                                             [--repeats 3] [--calib-seconds 10] [--quiet-wait 60]
-                                            [--max-foreign 0.05] [--retries 4]
+                                            [--max-foreign 0.05] [--retries 4] [--mean-words 20]
                                             [--out benchmarks/results/costmodel_accuracy_cpu.json]
 
 For each encoder the script calibrates once (:func:`dask_surge.calibrate.calibrate`,
@@ -17,7 +17,10 @@ then, on log-normal layouts never used by the probe, times on a 2-worker ``Local
 * PBP: ``ddf["text"].map_partitions(enc.embed, meta=enc.meta)``.
 
 Runs alternate (SURGE, PBP, SURGE, PBP, ...); the best of the repeats (as in the probe) is compared with
-``dask_surge.costmodel.predict``. The machine may be shared: before each timed run (and the
+the prediction a user gets, ``ddf.surge.plan("text", params=...)`` (which re-bases the calibration on the
+token lengths of a sample of the layout's texts); ``predicted_with_calibration_tokens_s`` is
+``dask_surge.costmodel.predict`` with the probe texts' token lengths instead. ``--mean-words`` makes
+the layouts' texts longer or shorter than the probe's (about 20 words). The machine may be shared: before each timed run (and the
 calibration) the script waits for an idle CPU, and a run during which processes outside this
 benchmark's tree used more than ``--max-foreign`` of the CPUs is discarded and repeated
 (recorded under ``discarded_s_foreign_share``). The JSON holds the machine facts, the machine's
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--retries", type=int, default=4)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply rows and partitions (smoke: 0.2)")
     parser.add_argument("--seed", type=int, default=100)
+    parser.add_argument("--mean-words", type=float, default=20.0,
+                        help="words a text in the measured layouts (the probe uses ~20; try 80 for long texts)")
     parser.add_argument("--out", default="benchmarks/results/costmodel_accuracy_cpu.json")
     args = parser.parse_args(argv)
 
@@ -188,10 +193,13 @@ def main(argv: list[str] | None = None) -> dict:
             rows, parts = int(rows * args.scale), max(4, int(parts * args.scale))
             for i, sigma in enumerate(sigmas):
                 sizes = lognormal_sizes(rows, parts, sigma=sigma, seed=args.seed + i)
-                ddf = make_partitioned_frame(sizes, seed=args.seed + i)
+                ddf = make_partitioned_frame(sizes, seed=args.seed + i, mean_words=args.mean_words)
                 surge = ddf.surge.encode("text", model=enc, b_min=b_min, b_max=b_max)
                 pbp = ddf["text"].map_partitions(enc.embed, meta=enc.meta)
-                pred = predict(sizes, params, b_min=b_min, b_max=b_max)
+                # as a user: plan() re-bases the calibration on a token sample of this data
+                planned = ddf.surge.plan("text", model=enc, params=params, b_min=b_min, b_max=b_max)
+                pred = planned.predictions
+                pred_calib = predict(sizes, params, b_min=b_min, b_max=b_max)  # the calibration texts' tokens
                 times: dict[str, list[float]] = {"surge": [], "pbp": []}
                 idles: list[float] = []
                 discarded: dict[str, list] = {"surge": [], "pbp": []}
@@ -220,6 +228,8 @@ def main(argv: list[str] | None = None) -> dict:
                            "error_vs_median_pct": round(100.0 * (predicted - statistics.median(times[policy]))
                                                         / statistics.median(times[policy]), 2),
                            "predicted_s": round(predicted, 4), "error_pct": round(err, 2),
+                           "tokens_source": planned.tokens_source,
+                           "predicted_with_calibration_tokens_s": round(float(pred_calib.loc[policy, "seconds"]), 4),
                            "measured_texts_per_s": round(sizes.sum() / measured, 1),
                            "predicted_texts_per_s": round(float(pred.loc[policy, "texts_per_s"]), 1),
                            "loadavg": os.getloadavg()[0], "cpu_idle_before": [round(x, 3) for x in idles],

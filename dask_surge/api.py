@@ -63,6 +63,7 @@ class SurgePlan:
     max_bytes: int | None = None
     predictions: Any = None
     advice: Any = None
+    tokens_source: str | None = None
 
     @property
     def rows(self) -> int:
@@ -88,6 +89,10 @@ class SurgePlan:
                 f"{s['largest_superbatch']:,} rows; b_min={s['b_min']:,}, b_max={s['b_max']:,}, "
                 f"sizes from {s['sizes_source']})")
 
+    def _basis(self) -> str:
+        basis = "cost model, calibrated on this cluster"
+        return basis + (f"; tokens from {self.tokens_source}" if self.tokens_source else "")
+
     def _table(self):
         cols = ["texts_per_s", "seconds", "calls", "peak_memory_bytes", "ttfo_s"]
         return self.predictions[cols].round({"texts_per_s": 0, "seconds": 2, "ttfo_s": 2})
@@ -95,7 +100,7 @@ class SurgePlan:
     def __str__(self) -> str:
         text = repr(self)
         if self.predictions is not None:
-            text += "\npredicted (cost model, calibrated on this cluster):\n" + self._table().to_string()
+            text += f"\npredicted ({self._basis()}):\n" + self._table().to_string()
         if self.advice is not None:
             text += f"\nphi={self.advice.phi:.3f}, CV={self.advice.cv:.2f}: {self.advice.text}"
         return text
@@ -105,7 +110,7 @@ class SurgePlan:
 
         out = f"<p><b>{html.escape(repr(self))}</b></p>"
         if self.predictions is not None:
-            out += self._table().to_html()
+            out += f"<p>predicted ({html.escape(self._basis())}):</p>" + self._table().to_html()
         if self.advice is not None:
             out += f"<p>phi={self.advice.phi:.3f}, CV={self.advice.cv:.2f}: {html.escape(self.advice.text)}</p>"
         return out
@@ -122,7 +127,8 @@ class SurgePlan:
             b_mins = sorted({int(x) for x in np.geomspace(max(1, top // 1000), top, 12)})
         rows = []
         for b in b_mins:
-            pred = predict(self.sizes.sizes, self.params, b_min=b, b_max=max(self.b_max, 4 * b)).loc["surge"]
+            pred = predict(self.sizes.sizes, self.params, b_min=b, b_max=max(self.b_max, 4 * b),
+                           nbytes=self.sizes.nbytes, max_bytes=self.max_bytes).loc["surge"]
             rows.append({"b_min": b, "texts_per_s": pred["texts_per_s"],
                          "peak_memory_bytes": pred["peak_memory_bytes"], "ttfo_s": pred["ttfo_s"]})
         return pd.DataFrame(rows).set_index("b_min")
@@ -238,7 +244,7 @@ def _resolve_encoder(model: Any, opts: dict) -> Encoder:
 
 def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str | None = None,
          max_bytes: int | str | None = None, model: Any = None, params: Any = None, calibrate: bool = False,
-         client: Any = None) -> SurgePlan:
+         client: Any = None, token_sample: int | None = None) -> SurgePlan:
     """Plan the SuperBatches for ``ddf[column]`` without encoding anything.
 
     Parameters
@@ -252,6 +258,11 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
         cached per model, device and cluster shape; see :mod:`dask_surge.calibrate`).
     client : distributed.Client, optional
         Cluster to calibrate on (default: the active one, else this process).
+    token_sample : int, optional
+        With parameters, texts sampled (from up to 8 partitions spread over the
+        frame) and tokenized with the model's tokenizer, so predictions use the
+        token lengths of this data rather than of the calibration texts
+        (default ``surge.token-sample``, 2048; set that to None to skip).
 
     Examples
     --------
@@ -276,10 +287,27 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     if params is not None and sizes.total:
         from .costmodel import advise, predict
 
+        params, result.tokens_source = _params_for_data(ddf, column, sizes, params, model, token_sample)
+        result.params = params
         capped = dict(nbytes=sizes.nbytes, max_bytes=max_bytes)  # predict the plan shown
         result.predictions = predict(sizes.sizes, params, b_min=b_min, b_max=b_max, **capped)
         result.advice = advise(sizes.sizes, params, b_min=b_min, b_max=b_max, **capped)
     return result
+
+
+def _params_for_data(ddf, column: str, sizes: PartitionSizes, params, model, token_sample):
+    """``params`` re-based on the token lengths of a sample of the user's texts, and where they came from."""
+    from .tokens import sample_texts, token_counter
+
+    n = config.get("token-sample", token_sample)
+    if n is None:
+        return params, f"calibration texts ({params.tokens_per_text:.1f} tokens a text)"
+    texts = sample_texts(ddf, column, sizes.sizes, n=n)
+    if not texts:
+        return params, f"calibration texts ({params.tokens_per_text:.1f} tokens a text): no text to sample"
+    lengths = token_counter(_resolve_encoder(model, {}))(texts)
+    params = params.with_token_lengths(lengths)
+    return params, f"a sample of {len(texts):,} texts ({params.tokens_per_text:.1f} tokens a text)"
 
 
 def _active_client():

@@ -60,8 +60,9 @@ from typing import Any
 
 import numpy as np
 
-from .costmodel import CostParams, call_cost
+from .costmodel import CostParams, call_cost, token_quantiles
 from .errors import SurgeValueError
+from .tokens import token_counter
 
 __all__ = ["calibrate", "cache_dir", "cache_path", "fit_encode_curve", "solve_dask_terms", "PROBE_VERSION"]
 
@@ -164,32 +165,6 @@ def _engine_of(encoder):
     return encoder.engine
 
 
-def _token_counter(encoder):
-    """A function texts -> token counts: the model's own tokenizer when it has one."""
-    engine = _engine_of(encoder)
-    if engine is not None:
-        return lambda texts: engine.count_tokens(list(texts)).astype(float)
-    candidates = []
-    if encoder.spec.kind == "path":
-        root = Path(encoder.spec.source)
-        candidates += sorted(root.glob("tokenizer.json")) + sorted(root.glob("*/tokenizer.json"))
-    try:
-        from .testing import packaged_model_dir
-
-        candidates.append(packaged_model_dir() / "tokenizer.json")
-    except Exception:  # pragma: no cover - the packaged model is a runtime dependency
-        pass
-    for path in candidates:
-        if path.exists():
-            from tokenizers import Tokenizer
-
-            tok = Tokenizer.from_file(str(path))
-            tok.no_padding()
-            tok.enable_truncation(512)
-            return lambda texts: np.array([len(e.ids) for e in tok.encode_batch(list(texts))], dtype=float)
-    return lambda texts: np.array([len(t.split()) * 1.3 + 2 for t in texts], dtype=float)  # pragma: no cover
-
-
 def _batching(encoder) -> tuple[int, int]:
     """(max_tokens, batch_rows) of the encoder's micro-batching rule."""
     engine = _engine_of(encoder)
@@ -209,7 +184,7 @@ def _probe_curve(encoder, budget_s: float, seed: int = 7) -> dict:
     short = make_texts(4096, seed=seed)
     long = make_texts(1024, seed=seed + 1, mean_words=60.0)
     encoder.encode(short[:64])  # warm the model, allocator and tokenizer
-    count = _token_counter(encoder)
+    count = token_counter(encoder)
     max_tokens, batch_rows = _batching(encoder)
     lengths_short, lengths_long = count(short), count(long)
 
@@ -261,8 +236,7 @@ def _probe_curve(encoder, budget_s: float, seed: int = 7) -> dict:
     if per_row * top * 1.5 < deadline - time.perf_counter():
         sec, pad, fwd = measure(short[top:] + short[:top], np.roll(lengths_short, -top), top, 2)
         obs.append((top, pad, fwd, sec))
-    q = np.quantile(lengths_short, (np.arange(256) + 0.5) / 256)
-    return {"observations": obs, "token_lengths": [round(float(x), 3) for x in q],
+    return {"observations": obs, "token_lengths": list(token_quantiles(lengths_short)),
             "tokens_per_text": float(lengths_short.mean()), "max_tokens": max_tokens, "batch_rows": batch_rows,
             "mean_text_bytes": float(np.mean([len(t.encode()) for t in short]))}
 

@@ -43,6 +43,7 @@ OPTIONS: dict[str, Any] = {
     "ttfo-target": "positive-number",
     "memory-budget": ("positive-int", None),
     "max-bytes": ("bytes", None),
+    "token-sample": ("positive-int", None),
 }
 
 

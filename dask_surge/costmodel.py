@@ -108,7 +108,7 @@ from .errors import SurgeValueError
 from .policy import plan_superbatches, validate_thresholds
 
 __all__ = ["CostParams", "predict", "phi_cv", "Advice", "advise", "auto_thresholds", "call_cost", "call_overhead",
-           "batch_shape"]
+           "batch_shape", "token_quantiles"]
 
 POLICIES = ("surge", "pbp", "fb", "pb-pbp-lb")
 
@@ -264,6 +264,28 @@ class CostParams:
         data["token_lengths"] = tuple(float(x) for x in data.get("token_lengths") or ())
         return cls(**data)
 
+    def with_token_lengths(self, lengths) -> "CostParams":
+        """These constants re-based on another token-length distribution (e.g. a sample of the user's texts).
+
+        The per-text and per-token costs are properties of the model and the
+        hardware; the tokens a text, and with them the padding and the forward
+        passes of a call, are properties of the data.
+
+        Examples
+        --------
+        >>> p = CostParams(0.01, 1e-4, 1e-5, 8, 2, tokens_per_text=27.0)
+        >>> q = p.with_token_lengths([100, 120, 140])
+        >>> q.tokens_per_text, len(q.token_lengths), round(q.beta_s / p.beta_s, 2)
+        (120.0, 256, 3.51)
+        """
+        lengths = np.asarray(lengths, dtype=float)
+        if lengths.ndim != 1 or lengths.size == 0 or not np.all(np.isfinite(lengths)) or np.any(lengths < 0):
+            raise SurgeValueError(
+                f"token lengths {lengths!r} must be a non-empty flat sequence of non-negative counts, "
+                "one per text. Fix: pass the token count of each sampled text."
+            )
+        return self.replace(tokens_per_text=float(lengths.mean()), token_lengths=token_quantiles(lengths))
+
     def replace(self, **changes) -> "CostParams":
         """A copy with some fields changed.
 
@@ -275,6 +297,18 @@ class CostParams:
         d = asdict(self)
         d.update(changes)
         return CostParams(**d)
+
+
+def token_quantiles(lengths) -> tuple:
+    """256 quantiles of a token-length sample: what :class:`CostParams` keeps of a distribution.
+
+    Examples
+    --------
+    >>> len(token_quantiles([3, 5, 9]))
+    256
+    """
+    q = np.quantile(np.asarray(lengths, dtype=float), (np.arange(256) + 0.5) / 256)
+    return tuple(round(float(x), 3) for x in q)
 
 
 def _freeze(v):

@@ -162,10 +162,11 @@ def lognormal_sizes(total: int, partitions: int, *, sigma: float = 1.72, seed: i
     return sizes
 
 
-def make_partitioned_frame(sizes, *, seed: int = 0, text_column: str = "text"):
+def make_partitioned_frame(sizes, *, seed: int = 0, text_column: str = "text", mean_words: float = 20.0):
     """A Dask DataFrame whose partition ``i`` holds exactly ``sizes[i]`` texts.
 
-    Columns: ``text_column`` (str), ``doc_id`` (int64, globally unique).
+    Columns: ``text_column`` (str, :func:`make_texts` of ``mean_words`` words),
+    ``doc_id`` (int64, globally unique).
 
     Examples
     --------
@@ -176,7 +177,7 @@ def make_partitioned_frame(sizes, *, seed: int = 0, text_column: str = "text"):
     import dask.dataframe as dd
 
     sizes = [int(s) for s in sizes]
-    texts = make_texts(sum(sizes), seed=seed)
+    texts = make_texts(sum(sizes), seed=seed, mean_words=mean_words)
     frames, start = [], 0
     for s in sizes:
         frames.append(

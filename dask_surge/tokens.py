@@ -1,0 +1,146 @@
+"""Token counts of the user's own texts, for the cost model.
+
+The encode cost depends on tokens, not rows: a corpus of 200-token documents
+costs several times a corpus of 20-token sentences per row. The calibration
+probe measures the per-text and per-token costs on synthetic texts; a plan
+predicts the user's data by counting the tokens of a small sample of it
+(:func:`sample_texts`, :func:`token_counter`) and re-basing the calibrated
+parameters on that distribution (:meth:`dask_surge.costmodel.CostParams.with_token_lengths`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["token_counter", "sample_texts", "DEFAULT_TRUNCATION"]
+
+#: Truncation assumed when a model directory does not state ``max_seq_length``.
+DEFAULT_TRUNCATION = 512
+
+
+def token_counter(encoder) -> Callable[[Sequence[str]], np.ndarray]:
+    """A function ``texts -> token counts`` (float array) for ``encoder``'s tokenizer.
+
+    Uses, in order: the fast engine when the model is already loaded in this
+    process (exact); the model directory's ``tokenizer.json`` truncated at its
+    ``max_seq_length`` (exact for sentence-transformers models, and loads no
+    weights); else a word-count estimate (1.3 tokens a word plus 2 special
+    tokens).
+
+    Parameters
+    ----------
+    encoder : dask_surge.Encoder
+
+    Returns
+    -------
+    callable
+
+    Examples
+    --------
+    >>> from dask_surge import Encoder
+    >>> count = token_counter(Encoder("default", device="cpu"))
+    >>> count(["", "hello world"]).tolist()
+    [2.0, 4.0]
+    """
+    from .encoders import _LOADED
+
+    loaded = _LOADED.get(encoder.spec)
+    if loaded is not None and loaded.engine is not None:
+        engine = loaded.engine
+        return lambda texts: engine.count_tokens(list(texts)).astype(float)
+    root = Path(encoder.spec.source) if encoder.spec.kind == "path" else None
+    if root is not None and (root / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(_max_seq_length(root))
+        return lambda texts: np.array([len(e.ids) for e in tokenizer.encode_batch(list(texts))], dtype=float)
+    if loaded is None and encoder.spec.kind == "object":
+        engine = encoder.engine  # an in-memory model: its tokenizer is already here
+        if engine is not None:
+            return lambda texts: engine.count_tokens(list(texts)).astype(float)
+    return lambda texts: np.array([1.3 * len(t.split()) + 2 for t in texts], dtype=float)
+
+
+def _max_seq_length(root: Path) -> int:
+    """``max_seq_length`` of a sentence-transformers directory, else the tokenizer's limit."""
+    for name, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json", "model_max_length")):
+        try:
+            value = json.loads((root / name).read_text()).get(key)
+        except (OSError, ValueError):
+            continue
+        if isinstance(value, int) and 0 < value < 2**31:
+            return value
+    return DEFAULT_TRUNCATION
+
+
+def sample_texts(frame, column: str, sizes: Sequence[int], *, n: int = 2048, partitions: int = 8,
+                 max_partitions: int = 64, seed: int = 0) -> list[str]:
+    """A sample of about ``n`` non-null texts from partitions spread over ``frame``.
+
+    The partitions are evenly spaced among the non-empty ones (so a frame
+    ordered by text length is sampled across its range): ``partitions`` of
+    them, or as many as hold about ``2 n`` rows when partitions are small (at
+    most ``max_partitions``). Each is sampled on its worker in proportion to
+    its rows (a row-weighted sample, so each text is as likely as any other
+    of the partitions read), and only the samples reach this process.
+
+    Parameters
+    ----------
+    frame : dask.dataframe.DataFrame
+    column : str
+    sizes : sequence of int
+        Rows per partition (to skip empty ones).
+    n : int
+        Texts wanted in all.
+    partitions, max_partitions : int
+        Partitions read at least (when there are as many) and at most.
+    seed : int
+
+    Returns
+    -------
+    list of str
+
+    Examples
+    --------
+    >>> from dask_surge.testing import make_partitioned_frame
+    >>> len(sample_texts(make_partitioned_frame([5, 0, 5]), "text", [5, 0, 5], n=4))
+    4
+    """
+    import dask
+
+    nonempty = [i for i, s in enumerate(sizes) if s > 0]
+    if not nonempty or n <= 0:
+        return []
+    mean = float(np.mean([sizes[i] for i in nonempty]))
+    k = min(len(nonempty), max(partitions, min(max_partitions, int(np.ceil(2 * n / mean)))))
+    picks = sorted({nonempty[int(round(x))] for x in np.linspace(0, len(nonempty) - 1, k)})
+    total = sum(sizes[i] for i in picks)
+    series = frame[column]
+    samples = [series.partitions[i].map_partitions(_sample, -(-n * sizes[i] // total), seed + i, meta=series._meta)
+               for i in picks]
+    out = [t for part in dask.compute(*samples) for t in _to_list(part)]
+    if len(out) > n:
+        keep = np.random.default_rng(seed).choice(len(out), size=n, replace=False)
+        out = [out[i] for i in sorted(keep)]
+    return out
+
+
+def _sample(part, k: int, seed: int):
+    """Up to ``k`` of the non-null str values of one partition, in their order (runs on a worker)."""
+    values = part.dropna()
+    if len(values) > k:
+        take = np.random.default_rng(seed).choice(len(values), size=k, replace=False)
+        values = values.iloc[np.sort(take)]
+    return values
+
+
+def _to_list(part) -> list:
+    if hasattr(part, "to_pandas"):  # cuDF
+        part = part.to_pandas()
+    return [v for v in part.tolist() if isinstance(v, str)]
