@@ -75,6 +75,50 @@ def test_user_model_is_left_untouched(models):
     assert engine._hf.encoder.layer[0].intermediate.dense.weight is layer.weight  # weights shared, not copied
 
 
+def test_cpu_fast_path_is_packed_and_fused_and_leaves_the_model_alone(models):
+    from dask_surge.engine import _OneDNNLinear
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    model = models["packaged"]
+    engine = TransformerEngine.from_sentence_transformer(model)
+    linears = [m for m in engine._hf.modules() if isinstance(m, _OneDNNLinear)]
+    assert linears and all(m._packed is not None for m in linears)
+    assert sum(m._gelu for m in linears) == len(engine._hf.encoder.layer) == 6  # one per feed-forward
+    act = model[0].auto_model.encoder.layer[0].intermediate.intermediate_act_fn
+    assert type(act).__name__ == "GELUActivation"  # the user's model keeps its activation
+
+
+def test_gelu_is_not_fused_into_a_module_that_does_more():
+    from dask_surge.engine import _fuse_gelu, _OneDNNLinear
+
+    class Shifted(torch.nn.Module):  # dense, +1, GELU: fusing would drop the shift
+        def __init__(self):
+            super().__init__()
+            self.dense = torch.nn.Linear(8, 16)
+            self.dense.__class__ = _OneDNNLinear
+            self.intermediate_act_fn = torch.nn.GELU()
+
+        def forward(self, x):
+            return self.intermediate_act_fn(self.dense(x) + 1)
+
+    module = Shifted()
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        before = module(x)
+        _fuse_gelu(module)
+        after = module(x)
+    assert not module.dense._gelu and isinstance(module.intermediate_act_fn, torch.nn.GELU)
+    torch.testing.assert_close(after, before)
+    plain = Shifted()
+    plain.forward = lambda x: plain.intermediate_act_fn(plain.dense(x))
+    expected = torch.nn.functional.gelu(torch.nn.functional.linear(x, plain.dense.weight, plain.dense.bias))
+    _fuse_gelu(plain)
+    assert plain.dense._gelu and isinstance(plain.intermediate_act_fn, torch.nn.Identity)
+    with torch.inference_mode():
+        torch.testing.assert_close(plain(x), expected, rtol=1e-4, atol=1e-5)
+
+
 def test_combined_pooling_modes(tiny):
     model = SentenceTransformer(modules=[tiny[0], Pooling(32, pooling_mode=("cls", "max", "mean"))], device="cpu")
     texts = mixed_texts(50)
