@@ -67,7 +67,7 @@ from .tokens import token_counter
 __all__ = ["calibrate", "cache_dir", "cache_path", "fit_encode_curve", "solve_dask_terms", "PROBE_VERSION"]
 
 logger = logging.getLogger(__name__)
-PROBE_VERSION = 3
+PROBE_VERSION = 4  # bump when the probe, or the speed of what it measures (the engine), changes
 _LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 

@@ -60,6 +60,13 @@ class SuperBatchExpr(Expr):
             return self
         return super().rewrite(kind, rewritten)
 
+    def finalize_compute(self):
+        # Dask gathers a computed frame through Repartition(frame, 1), and the scheduler reads
+        # annotations from the top expression only: the SuperBatch priorities were dropped
+        # and SuperBatches ran in dask.order's order (measured: 7 of them in the order
+        # 3, 1, 2, 6, 0, 4, 5, and one layout 7.6 s or 9.2 s depending on it).
+        return _GatheredSuperBatches(self)
+
     def _layer(self) -> dict:
         frame, plan = self.frame, self.operand("plan")
         if frame.npartitions != len(self.operand("sizes")):
@@ -107,6 +114,29 @@ class SuperBatchExpr(Expr):
                     priority.setdefault((name, span.partition), top - position)
             priority[(self._name, position)] = top - position
         return {"priority": priority}
+
+
+class _GatheredSuperBatches(Expr):
+    """Every SuperBatch's output in one partition (what ``compute()`` returns), keeping their priorities."""
+
+    _parameters = ["frame"]
+
+    @functools.cached_property
+    def _meta(self):
+        return self.frame._meta
+
+    def _divisions(self):
+        return (None, None)
+
+    def _layer(self) -> dict:
+        from dask.dataframe.core import _concat
+
+        key = (self._name, 0)
+        parts = List(*(TaskRef((self.frame._name, i)) for i in range(self.frame.npartitions)))
+        return {key: Task(key, _concat, parts)}
+
+    def __dask_annotations__(self):
+        return self.frame.__dask_annotations__()
 
 
 def superbatch_collection(frame, plan: Sequence[SuperBatch], sizes: Sequence[int], func: Callable, meta):

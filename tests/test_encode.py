@@ -211,6 +211,45 @@ def test_distributed_cluster_end_to_end(tmp_path, tiny_model, client):
     assert all(sb < i + 2 + extra for i, sb in enumerate(order))
 
 
+_GATE = __import__("threading").Event()
+
+
+def _gated_model(texts):
+    """A model that waits for ``_GATE`` (module level: in-memory models are pickled by reference)."""
+    assert _GATE.wait(60)
+    return np.zeros((len(texts), 2), dtype=np.float32)
+
+
+def test_lazy_compute_gives_the_scheduler_superbatch_priorities():
+    """compute() of the lazy result keeps the SuperBatch priorities (plan order first): Dask
+    reads annotations from the top expression only, and its gather step used to hide them,
+    so SuperBatches ran in dask.order's order."""
+    from distributed import Client, LocalCluster
+
+    gate, model = _GATE, _gated_model
+    gate.set()  # building the graph probes the model's dimension
+    sizes = [int(x) for x in np.random.default_rng(3).integers(1, 60, size=40)]
+    ddf = make_partitioned_frame(sizes, seed=3)
+    plan = dask_surge.plan_superbatches(sizes, 50, 120)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
+            Client(cluster) as c:
+        lazy = ddf.surge.encode("text", model=model, b_min=50, b_max=120)
+        gate.clear()  # hold the SuperBatches while the scheduler is asked
+        fut = c.compute(lazy)
+
+        def superbatch_priorities(dask_scheduler):
+            return {ts.key[1]: ts.priority[0] for ts in dask_scheduler.tasks.values()
+                    if isinstance(ts.key, tuple) and str(ts.key[0]).startswith("surge-superbatch")}
+
+        deadline = __import__("time").monotonic() + 30
+        while len(got := c.run_on_scheduler(superbatch_priorities)) < len(plan):
+            assert __import__("time").monotonic() < deadline
+        gate.set()
+        out = fut.result()
+    assert len(out) == sum(sizes)
+    assert [got[k] for k in range(len(plan))] == [-(len(plan) - k) for k in range(len(plan))]
+
+
 def test_in_memory_model_ships_through_plugin(client, counting_encoder):
     ddf = make_partitioned_frame([3, 2, 4])
     df = ddf.surge.encode("text", model=counting_encoder, b_min=4, b_max=8).compute()
