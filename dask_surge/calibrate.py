@@ -19,10 +19,13 @@ The probe measures, through the real code paths, the constants of Theorem 1:
    * PBP (``map_partitions``) over ``W`` and over ``n W`` one-row partitions:
      the slope per wave is ``alpha_idle + c(1) + rho``, the intercept the run
      overhead ``T0`` (submission, first-task latency, final gather);
-   * PBP over partitions of a moderate size ``m`` and over ``2 W`` large
-     partitions of ``M`` rows: two points of the line ``alpha + rho b`` (what
-     ``c`` does not explain per call), which give the per-row I/O ``rho``
-     (shipping rows in, embeddings out) and the busy-worker ``alpha``;
+   * PBP with an encoder that costs nothing (zeros of the model's dimension)
+     over ``2 W`` partitions of one row and of 2,048 rows: the per-row I/O
+     ``rho`` (shipping rows in, embeddings out, building the output), measured
+     without subtracting encode times (whose own error of a few percent would
+     swamp it for an expensive model);
+   * PBP over partitions of a moderate size ``m``: the busy-worker ``alpha``,
+     what ``c(m) + rho m`` does not explain per call;
    * ``ddf.surge.encode`` over one-row partitions in SuperBatches of 8: the
      per-folded-partition cost ``pi``.
 
@@ -67,8 +70,9 @@ from .tokens import token_counter
 __all__ = ["calibrate", "cache_dir", "cache_path", "fit_encode_curve", "solve_dask_terms", "PROBE_VERSION"]
 
 logger = logging.getLogger(__name__)
-PROBE_VERSION = 4  # bump when the probe, or the speed of what it measures (the engine), changes
+PROBE_VERSION = 5  # bump when the probe, or the speed of what it measures (the engine), changes
 _LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+_IO_ROWS = 2048  # rows per partition of the I/O-only runs
 
 
 def cache_dir() -> Path:
@@ -247,8 +251,8 @@ def _waves(calls: int, workers: int) -> int:
     return -(-int(calls) // int(workers))
 
 
-def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, moderate: tuple, big: tuple,
-                     surge: tuple, setup_s: float = 0.0) -> dict:
+def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, moderate: tuple, surge: tuple,
+                     big: tuple | None = None, io: tuple | None = None, setup_s: float = 0.0) -> dict:
     """Solve Theorem 1's Dask terms from five probe runs' wall times.
 
     Each run is modelled as the cost model models it (``T0`` plus waves of
@@ -260,7 +264,12 @@ def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, moderate
     * ``moderate = (P_m, m, t_m)`` and ``big = (P_b, M, t_b)``, ``M > m``: PBP over
       ``P`` partitions of ``m`` (``M``) rows, ``t = T0 + waves(P) (alpha + c(m) + rho m)``;
     * ``surge = (P_u, m_u, t_u)``: SURGE over ``P_u`` one-row partitions in
-      SuperBatches of ``m_u`` of them, ``t = T0 + waves(P_u / m_u) (alpha(c(m_u)) + pi m_u + c(m_u) + rho m_u)``.
+      SuperBatches of ``m_u`` of them, ``t = T0 + waves(P_u / m_u) (alpha(c(m_u)) + pi m_u + c(m_u) + rho m_u)``;
+    * instead of ``big``, ``io = (P_io, M, t_1, t_M)``: PBP with an encoder that costs
+      nothing (zeros of the model's dimension) over ``P_io`` partitions of 1 and of ``M``
+      rows, so ``rho = (t_M - t_1) / (waves(P_io) (M - 1))`` without differencing
+      encode times (for a model whose encode dominates, the curve's own error of a few
+      percent swamped ``rho`` in ``big - moderate``: MiniLM on a CPU got 0 to 577 us/row).
 
     The one-row runs give their per-wave cost (slope) and ``T0`` (intercept);
     the moderate and big runs fix the line ``alpha + rho b`` of what the encode
@@ -275,8 +284,8 @@ def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, moderate
     cost : callable
         ``cost(b)``: the encode cost of a call of ``b`` rows (set-up excluded).
     workers : int
-    small, large, moderate, big, surge : tuple
-        The runs, as above (seconds are wall times).
+    small, large, moderate, surge, big, io : tuple
+        The runs, as above (seconds are wall times); ``io`` or ``big`` is needed.
     setup_s : float
         The encode set-up, a lower bound of ``alpha`` and ``alpha_idle``.
 
@@ -308,22 +317,28 @@ def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, moderate
     """
     (p_s, t_s), (p_l, t_l) = small, large
     p_m, m, t_m = moderate
-    p_b, m_b, t_b = big
     p_u, m_u, t_u = surge
-    w_s, w_l, w_m, w_b = (_waves(p, workers) for p in (p_s, p_l, p_m, p_b))
+    w_s, w_l, w_m = (_waves(p, workers) for p in (p_s, p_l, p_m))
     w_u = _waves(-(-p_u // m_u), workers)
-    if w_l <= w_s or not 1 <= m < m_b or m_u < 1 or min(t_s, t_l, t_m, t_b, t_u) <= 0:
+    rows_ok = io[1] > 1 and min(io[2:]) > 0 if io is not None else big is not None and m < big[1] and big[2] > 0
+    if w_l <= w_s or m < 1 or not rows_ok or m_u < 1 or min(t_s, t_l, t_m, t_u) <= 0:
         raise SurgeValueError(
-            f"solve_dask_terms needs a large one-row run with more waves than the small one, partition sizes "
-            f"1 <= moderate < big, and positive times; got small={small}, large={large}, moderate={moderate}, "
-            f"big={big}, surge={surge} on {workers} worker(s). Fix: probe more one-row partitions in the large "
-            "run (at least one wave more), and big partitions larger than the moderate ones."
+            f"solve_dask_terms needs a large one-row run with more waves than the small one, moderate "
+            f"partitions of >= 1 row, big (or io) partitions larger, and positive times; got small={small}, "
+            f"large={large}, moderate={moderate}, big={big}, io={io}, surge={surge} on {workers} worker(s). "
+            "Fix: probe more one-row partitions in the large run (at least one wave more), and pass io "
+            "(or big) runs over partitions of more rows."
         )
     per_wave_1 = max((t_l - t_s) / (w_l - w_s), cost(1))  # alpha(c(1)) + c(1) + rho
     overhead = max(t_s - w_s * per_wave_1, 0.0)
     per_wave_m = (t_m - overhead) / w_m  # alpha + c(m) + rho m
-    per_wave_b = (t_b - overhead) / w_b  # alpha + c(M) + rho M
-    rho = max((per_wave_b - per_wave_m - (cost(m_b) - cost(m))) / (m_b - m), 0.0)
+    if io is not None:
+        p_io, m_io, t_1, t_big = io
+        rho = max((t_big - t_1) / (_waves(p_io, workers) * (m_io - 1)), 0.0)
+    else:
+        p_b, m_b, t_b = big
+        per_wave_b = (t_b - overhead) / _waves(p_b, workers)  # alpha + c(M) + rho M
+        rho = max((per_wave_b - per_wave_m - (cost(m_b) - cost(m))) / (m_b - m), 0.0)
     alpha = max(per_wave_m - cost(m) - rho * m, setup_s)
     if m == 1 or cost(m) <= cost(1):  # one-row calls already keep the workers busy: one alpha for all
         busy, idle = 0.0, alpha
@@ -371,6 +386,8 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
     runs alternate, and each kind keeps its best of three (load on the machine only adds time).
     """
     from . import accessor  # noqa: F401  (registers .surge)
+    from .encoders import Encoder
+    from .plugins import register_encoder
     from .testing import make_partitioned_frame
 
     seeds = iter(range(1_000, 1_000_000))
@@ -378,6 +395,13 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
     def pbp(sizes):
         coll = make_partitioned_frame(sizes, seed=next(seeds))["text"].map_partitions(encoder.embed,
                                                                                       meta=encoder.meta)
+        return lambda: client.compute(coll, sync=True)
+
+    null = Encoder(_NullModel(encoder.dimension))  # costs nothing: its runs time the per-row I/O alone
+    register_encoder(client, null)
+
+    def pbp_null(sizes):
+        coll = make_partitioned_frame(sizes, seed=next(seeds))["text"].map_partitions(null.embed, meta=null.meta)
         return lambda: client.compute(coll, sync=True)
 
     def surge(sizes, m):
@@ -397,16 +421,17 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
     share = budget_s / (rounds * 4 + 1)  # each of the rounds x 4 sized runs below takes about this long
     per_row = max(cost(1024) / 1024, 1e-9)
     n_large = int(np.clip(share / wave1, 12, 200))
-    m_big = int(np.clip(share / 2 / per_row, 32, 4096))
+    m_cap = int(np.clip(share / 2 / per_row, 32, 4096))
     # moderate partitions: encode at least the one-row per-call overhead (busy workers), >= 4 waves a share
     min_waves = 4
-    m_mod = min(_moderate_rows(cost, wave1 - cost(1), (share / min_waves - wave1) / per_row), max(m_big // 4, 1))
+    m_mod = min(_moderate_rows(cost, wave1 - cost(1), (share / min_waves - wave1) / per_row), max(m_cap // 4, 1))
     n_mod = int(np.clip(share / (wave1 + cost(m_mod) - cost(1)), min_waves, 200))
     m_sb = 8
     n_sb = int(np.clip(share / (wave1 + 8 * (wave1 + cost(8) / 8)), 4, 60))
     best: dict[str, float] = {}
     for _ in range(rounds):
-        runs = {"small": pbp([1] * W), "large": pbp([1] * (n_large * W)), "big": pbp([m_big] * (2 * W)),
+        runs = {"small": pbp([1] * W), "large": pbp([1] * (n_large * W)),
+                "io_1": pbp_null([1] * (2 * W)), "io_big": pbp_null([_IO_ROWS] * (2 * W)),
                 "surge": surge([1] * (n_sb * m_sb * W), m_sb)}
         if m_mod > 1:  # with m = 1 the large one-row run is the moderate run
             runs["moderate"] = pbp([m_mod] * (n_mod * W))
@@ -414,11 +439,21 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
             best[name] = min(best.get(name, np.inf), timed(fn))
     runs = {"small": (W, best["small"]), "large": (n_large * W, best["large"]),
             "moderate": (n_mod * W, m_mod, best["moderate"]) if m_mod > 1 else (n_large * W, 1, best["large"]),
-            "big": (2 * W, m_big, best["big"]),
+            "io": (2 * W, _IO_ROWS, best["io_1"], best["io_big"]),
             "surge": (n_sb * m_sb * W, m_sb, best["surge"])}
     terms = solve_dask_terms(cost, workers=W, setup_s=setup_s, **runs)
     terms["probe"] = {k: [round(x, 4) if isinstance(x, float) else x for x in v] for k, v in runs.items()}
     return terms
+
+
+class _NullModel:
+    """An encoder that encodes nothing (zeros of the model's dimension): its runs time only the per-row I/O."""
+
+    def __init__(self, dimension: int):
+        self.dimension = int(dimension)
+
+    def __call__(self, texts) -> np.ndarray:
+        return np.zeros((len(texts), self.dimension), dtype=np.float32)
 
 
 def _model_bytes(encoder) -> float:

@@ -55,10 +55,11 @@ Every constant is measured on the live cluster by
 :func:`dask_surge.calibrate.calibrate`, from runs that the formula above
 describes exactly (waves of equal jobs): ``c`` from encode calls timed on all
 workers at once, ``T0`` as the intercept of PBP runs over one-row partitions,
-``alpha`` and ``rho`` as the line ``alpha + rho b`` through what ``c`` does
-not explain per call in PBP runs over partitions of a moderate size ``m``
-(``c(m)`` about the one-row per-call overhead; ``busy_call_s = c(m)``) and of
-a large size, ``alpha_idle`` from the slope of the one-row runs, and ``pi``
+``rho`` from PBP runs with an encoder that costs nothing over partitions of
+one and of many rows, ``alpha`` as what ``c(m) + rho m`` does not explain per
+call in PBP runs over partitions of a moderate size ``m`` (``c(m)`` about the
+one-row per-call overhead; ``busy_call_s = c(m)``), ``alpha_idle`` from the
+slope of the one-row runs, and ``pi``
 from SuperBatches of one-row partitions (see
 :func:`dask_surge.calibrate.solve_dask_terms`). ``alpha`` and ``pi`` include
 the scheduler round trips and the scheduler's and client's CPU per task.

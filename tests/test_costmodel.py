@@ -337,8 +337,33 @@ def test_solve_dask_terms_bad_runs():
     with pytest.raises(SurgeValueError, match="more waves than the small one"):
         solve_dask_terms(c, workers=2, **runs)
     runs = _probe_runs(c, 2, T0=0.05, alpha=0.01, rho=0.0, pi=0.0, m=16, big=(2, 16))
-    with pytest.raises(SurgeValueError, match="1 <= moderate < big"):
+    with pytest.raises(SurgeValueError, match=r"big \(or io\) partitions larger"):
         solve_dask_terms(c, workers=2, **runs)
+    runs.pop("big")
+    with pytest.raises(SurgeValueError, match="pass io"):
+        solve_dask_terms(c, workers=2, **runs)
+    with pytest.raises(SurgeValueError, match="pass io"):
+        solve_dask_terms(c, workers=2, io=(4, 1, 0.1, 0.1), **runs)
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_solve_dask_terms_takes_rho_from_io_only_runs(W):
+    """rho from runs whose encoder costs nothing: no encode time is subtracted, so a curve
+    that is off by 5% (as a real probe's is) does not move rho."""
+    from dask_surge.calibrate import solve_dask_terms
+
+    p = params()
+    c = lambda b: float(call_cost([b], p)[0])
+    runs = _probe_runs(c, W, T0=0.08, alpha=0.018, idle=0.012, rho=2e-5, pi=0.012)
+    waves = -(-2 * W // W)
+    runs["io"] = (2 * W, 2048, 0.03 + waves * (0.004 + 2e-5), 0.03 + waves * (0.004 + 2e-5 * 2048))
+    exact = solve_dask_terms(c, workers=W, **{k: v for k, v in runs.items() if k != "big"})
+    assert exact["io_per_row_s"] == pytest.approx(2e-5, rel=1e-9)
+    assert exact == pytest.approx(solve_dask_terms(c, workers=W, **runs), rel=1e-6)  # io wins over big
+    off = lambda b: 1.05 * c(b)  # the curve's error
+    assert solve_dask_terms(off, workers=W, **runs)["io_per_row_s"] == pytest.approx(2e-5, rel=1e-9)
+    runs.pop("io")
+    assert abs(solve_dask_terms(off, workers=W, **runs)["io_per_row_s"] - 2e-5) > 0.3 * 2e-5  # big - moderate
 
 
 def test_moderate_rows_is_where_encoding_covers_the_overhead():
