@@ -335,10 +335,10 @@ def _thresholds(b_min, b_max, sizes: PartitionSizes, params, *, gpu: bool,
         from .costmodel import auto_thresholds
 
         budget = config.get("memory-budget") or 2 * 1024**3
-        chosen_min, chosen_max, why = auto_thresholds(
-            params, memory_budget_bytes=budget, ttfo_target_s=config.get("ttfo-target"), n_max=max(sizes.sizes))
-        b_min = chosen_min if raw_min == "auto" else raw_min
-        b_max = max(chosen_max, b_min) if raw_max == "auto" else raw_max
+        b_min, b_max, why = auto_thresholds(
+            params, memory_budget_bytes=budget, ttfo_target_s=config.get("ttfo-target"), n_max=max(sizes.sizes),
+            b_min=None if raw_min == "auto" else validate_thresholds(raw_min, raw_min)[0],
+            b_max=None if raw_max == "auto" else validate_thresholds(raw_max, raw_max)[0])
     else:
         b_min, b_max = config.thresholds(b_min, b_max, gpu=gpu)
         why = "as given" if not autos else (

@@ -715,12 +715,15 @@ def auto_thresholds(
     ttfo_target_s: float,
     n_max: int,
     overhead_share: float = 0.02,
+    b_min: int | None = None,
+    b_max: int | None = None,
 ) -> tuple[int, int, str]:
     """Pick ``(b_min, b_max)`` from a per-worker memory budget and a TTFO target.
 
-    ``b_min`` is the smallest SuperBatch whose fixed costs (``alpha`` and the
-    small-batch penalty) are at most ``overhead_share`` of its time, lowered to
-    meet ``ttfo_target_s`` and the memory budget; ``b_max`` is the largest
+    ``b_min`` is the smallest SuperBatch whose fixed costs (``alpha``, ``pi``
+    and the small-batch penalty, measured against the per-row cost of a very
+    large call) are at most ``overhead_share`` of its time, lowered to meet
+    ``ttfo_target_s`` and the memory budget; ``b_max`` is the largest
     SuperBatch the budget holds (model + rows x (input + embedding bytes)),
     at most ``4 b_min``. By Lemma 3 no SuperBatch then exceeds the budget.
 
@@ -735,6 +738,8 @@ def auto_thresholds(
         Largest partition, in rows.
     overhead_share : float
         Acceptable share of fixed cost per SuperBatch (default 2%).
+    b_min, b_max : int, optional
+        A threshold already chosen (given by the user): only the other is picked.
 
     Returns
     -------
@@ -770,12 +775,17 @@ def auto_thresholds(
             f"({params.model_bytes:,.0f} bytes) plus one row ({row_bytes:,.0f} bytes): no SuperBatch fits. "
             "Fix: raise the budget, or use a smaller model or a worker with more memory."
         )
-    # smallest b whose fixed cost share (alpha + small-batch penalty) <= overhead_share
-    beta = params.beta_s
+    if b_min is not None:
+        return _auto_b_max(params, int(b_min), b_max, fit, n_max, row_bytes, f"b_min={int(b_min):,} as given")
+    # smallest b whose fixed cost share (alpha, pi, small-batch penalty) <= overhead_share. The
+    # reference is a very large call's cost per row, not beta: with a token budget, forward passes
+    # (and their fixed cost) grow with b, so against beta the share never fell under 2% and b_eff
+    # ran to the search bound (1e9 rows).
+    per_row = float(call_cost([_CHUNK], params)[0]) / _CHUNK
     def share(b: float) -> float:
         c = float(call_cost([b], params)[0])
         total = float(call_overhead([c], params)[0]) + params.partition_s + c
-        return (total - beta * b) / total if total > 0 else 0.0
+        return (total - per_row * b) / total if total > 0 else 0.0
     b_eff = _bisect_min(lambda b: share(b) <= overhead_share, 1, 10**9)
     # largest b whose first SuperBatch finishes within the TTFO target
     def first(b: int) -> float:
@@ -792,6 +802,13 @@ def auto_thresholds(
         b_min = fit
         reason = (f"b_min={fit:,} is set by memory_budget_bytes={memory_budget_bytes:,.0f} (model "
                   f"{params.model_bytes:,.0f} bytes + {row_bytes:,.0f} bytes a row)")
+    return _auto_b_max(params, b_min, b_max, fit, n_max, row_bytes, reason)
+
+
+def _auto_b_max(params: CostParams, b_min: int, b_max: int | None, fit: int, n_max: int, row_bytes: float,
+                reason: str) -> tuple[int, int, str]:
+    if b_max is not None:
+        return int(b_min), int(b_max), reason + f"; b_max={int(b_max):,} as given."
     b_max = max(b_min, min(fit, 4 * b_min))
     held = min(b_max, b_min - 1 + int(n_max))
     reason += (f"; b_max={b_max:,} keeps a worker under the budget (at most {held:,} rows resident, "

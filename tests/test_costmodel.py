@@ -144,6 +144,27 @@ def test_auto_thresholds_ttfo_binds():
     assert b_fast < b_slow and "ttfo_target_s" in reason
 
 
+def test_auto_b_min_is_finite_under_a_token_budget():
+    """With a token budget the forward passes (and their fixed cost) grow with the call, so the
+    fixed-cost share is measured against a very large call's per-row cost, not beta: against
+    beta it never fell under 2% and b_min ran to the search bound."""
+    p = params(b0=8.0, max_tokens=2048)  # ~60 rows per forward: b0/60 > 2% of beta for ever
+    b_min, _, reason = auto_thresholds(p, memory_budget_bytes=64e9, ttfo_target_s=1e6, n_max=1000)
+    assert b_min < 100_000 and "keeps fixed per-call cost under 2%" in reason
+    c = float(call_cost([b_min], p)[0])
+    big = float(call_cost([16_384], p)[0]) / 16_384
+    total = p.alpha_s + p.partition_s + c
+    assert (total - big * b_min) / total <= 0.02
+
+
+def test_auto_thresholds_keep_a_given_threshold():
+    p = params()
+    b_min, b_max, reason = auto_thresholds(p, memory_budget_bytes=2e9, ttfo_target_s=60, n_max=1000, b_min=300)
+    assert (b_min, b_max) == (300, 1200) and reason.startswith("b_min=300 as given; b_max=1,200 keeps")
+    b_min, b_max, reason = auto_thresholds(p, memory_budget_bytes=2e9, ttfo_target_s=60, n_max=1000, b_max=5000)
+    assert b_max == 5000 and reason.endswith("; b_max=5,000 as given.") and "as given" not in reason.split(";")[0]
+
+
 def test_auto_thresholds_budget_too_small():
     with pytest.raises(SurgeValueError, match="does not hold the model"):
         auto_thresholds(params(), memory_budget_bytes=50e6, ttfo_target_s=5, n_max=10)
