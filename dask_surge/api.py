@@ -259,10 +259,12 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     client : distributed.Client, optional
         Cluster to calibrate on (default: the active one, else this process).
     token_sample : int, optional
-        With parameters, texts sampled (from up to 8 partitions spread over the
-        frame) and tokenized with the model's tokenizer, so predictions use the
-        token lengths of this data rather than of the calibration texts
-        (default ``surge.token-sample``, 2048; set that to None to skip).
+        With parameters, texts sampled (row-weighted, from partitions spread
+        over the frame) and tokenized with ``model``'s tokenizer (default
+        ``surge.model``: pass the model the parameters were calibrated for), so
+        automatic thresholds and predictions use the token lengths of this data
+        rather than of the calibration texts (default ``surge.token-sample``,
+        2048; set that to None to skip).
 
     Examples
     --------
@@ -279,16 +281,18 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
 
         encoder = _resolve_encoder(model, {})
         params = run_probe(encoder, client=client if client is not None else _active_client())
+    tokens_source = None
+    if params is not None and sizes.total:  # automatic thresholds and predictions both use this data's tokens
+        params, tokens_source = _params_for_data(ddf, column, sizes, params, model, token_sample)
     active = client if client is not None else _active_client()
     workers = sum(active.nthreads().values()) if active is not None else 1
     b_min, b_max, _ = _thresholds(b_min, b_max, sizes, params, gpu=gpu_count() > 0, workers=workers)
     superbatches = _plan(sizes, b_min, b_max, max_bytes)
-    result = SurgePlan(sizes, superbatches, b_min, b_max, params=params, max_bytes=max_bytes)
+    result = SurgePlan(sizes, superbatches, b_min, b_max, params=params, max_bytes=max_bytes,
+                       tokens_source=tokens_source)
     if params is not None and sizes.total:
         from .costmodel import advise, predict
 
-        params, result.tokens_source = _params_for_data(ddf, column, sizes, params, model, token_sample)
-        result.params = params
         capped = dict(nbytes=sizes.nbytes, max_bytes=max_bytes)  # predict the plan shown
         result.predictions = predict(sizes.sizes, params, b_min=b_min, b_max=b_max, **capped)
         result.advice = advise(sizes.sizes, params, b_min=b_min, b_max=b_max, **capped)
@@ -484,7 +488,7 @@ def encode(
         truncate_dim=check_truncate_dim(config.get("truncate-dim", truncate_dim), encoder.dimension),
     )
     frame = ddf[[column, *[k for k in keep if k != column]]]
-    thresholds = functools.partial(_resolve_auto, b_min, b_max, encoder, gpu=on_gpu)
+    thresholds = functools.partial(_resolve_auto, b_min, b_max, encoder, frame, column, gpu=on_gpu)
     if output is None:
         if sbe.on_null == "skip":
             raise SurgeValueError(
@@ -499,9 +503,11 @@ def encode(
                       progress=config.get("progress", progress))
 
 
-def _resolve_auto(b_min, b_max, encoder: Encoder, sizes: PartitionSizes, client, *, gpu: bool):
+def _resolve_auto(b_min, b_max, encoder: Encoder, frame, column: str, sizes: PartitionSizes, client, *,
+                  gpu: bool):
     """Thresholds for a run: ``"auto"`` uses a cached calibration of this encoder and
-    cluster when there is one (see :func:`plan` with ``calibrate=True``)."""
+    cluster when there is one (see :func:`plan` with ``calibrate=True``), re-based on a
+    token sample of the data as :func:`plan` does, so both pick the same thresholds."""
     params = None
     raw = (config.get("b-min") if b_min is None else b_min, config.get("b-max") if b_max is None else b_max)
     if "auto" in raw:
@@ -511,6 +517,8 @@ def _resolve_auto(b_min, b_max, encoder: Encoder, sizes: PartitionSizes, client,
             params = calibrate(encoder, client=client, probe=False)
         except Exception as err:  # a broken cache must not stop a run: fall back to defaults
             logger.warning("dask-surge: calibration cache not usable (%s); using default thresholds", err)
+    if params is not None and sizes.total:
+        params, _ = _params_for_data(frame, column, sizes, params, encoder, None)
     workers = sum(client.nthreads().values()) if client is not None else 1
     return _thresholds(b_min, b_max, sizes, params, gpu=gpu, workers=workers)
 

@@ -808,6 +808,8 @@ def auto_thresholds(
 def _auto_b_max(params: CostParams, b_min: int, b_max: int | None, fit: int, n_max: int, row_bytes: float,
                 reason: str) -> tuple[int, int, str]:
     if b_max is not None:
+        if b_min > b_max:
+            b_min, reason = int(b_max), reason + f", lowered to the given b_max={int(b_max):,}"
         return int(b_min), int(b_max), reason + f"; b_max={int(b_max):,} as given."
     b_max = max(b_min, min(fit, 4 * b_min))
     held = min(b_max, b_min - 1 + int(n_max))

@@ -37,7 +37,10 @@ class TransformerEngine:
 
     Build it with :meth:`from_sentence_transformer`; the constructor is internal.
     The engine shares the weights of the model it was built from and snapshots its
-    truncation length, so change ``model.max_seq_length`` before building it.
+    truncation length, so change ``model.max_seq_length`` before building it. On a
+    CPU its linear layers also hold a copy of their weights packed for oneDNN, used
+    only while the shared weight is unchanged (an in-place update, e.g. more
+    fine-tuning, falls back to the shared weight).
 
     Attributes
     ----------
@@ -334,13 +337,15 @@ class _OneDNNLinear(torch.nn.Linear):
     """
 
     _packed: torch.Tensor | None = None
+    _packed_version: int = -1  # weight._version when packed: an in-place update makes the copy stale
     _gelu: bool = False  # exact (erf) GELU fused as a oneDNN post-op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or self.weight.dtype != torch.float32:
             out = super().forward(x)
             return torch.nn.functional.gelu(out) if self._gelu else out
-        weight = self.weight if self._packed is None else self._packed
+        fresh = self._packed is not None and self.weight._version == self._packed_version
+        weight = self._packed if fresh else self.weight
         if self._gelu:
             return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "gelu", [], "none")
         return torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
@@ -365,6 +370,7 @@ def _with_onednn_linear(hf: torch.nn.Module) -> torch.nn.Module:
             if pack is not None and module.weight.dtype == torch.float32:
                 with contextlib.suppress(RuntimeError), torch.no_grad():
                     module._packed = pack(module.weight.detach(), _CPU_MAX_TOKENS)
+                    module._packed_version = module.weight._version
     for module in list(clone.modules()):
         _fuse_gelu(module)
     return clone

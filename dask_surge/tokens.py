@@ -26,10 +26,12 @@ def token_counter(encoder) -> Callable[[Sequence[str]], np.ndarray]:
     """A function ``texts -> token counts`` (float array) for ``encoder``'s tokenizer.
 
     Uses, in order: the fast engine when the model is already loaded in this
-    process (exact); the model directory's ``tokenizer.json`` truncated at its
-    ``max_seq_length`` (exact for sentence-transformers models, and loads no
-    weights); else a word-count estimate (1.3 tokens a word plus 2 special
-    tokens).
+    process (exact); the tokenizer of an in-memory ``SentenceTransformer`` (a
+    copy, truncated at its ``max_seq_length``); the model directory's
+    ``tokenizer.json`` (or one in a subfolder) truncated at its
+    ``max_seq_length``. None of these loads weights or runs the model. Else
+    (a callable model, a slow tokenizer) a word-count estimate: 1.3 tokens a
+    word plus 2 special tokens; a user's callable is never called to count.
 
     Parameters
     ----------
@@ -46,36 +48,46 @@ def token_counter(encoder) -> Callable[[Sequence[str]], np.ndarray]:
     >>> count(["", "hello world"]).tolist()
     [2.0, 4.0]
     """
+    from tokenizers import Tokenizer
+
     from .encoders import _LOADED
 
     loaded = _LOADED.get(encoder.spec)
     if loaded is not None and loaded.engine is not None:
         engine = loaded.engine
         return lambda texts: engine.count_tokens(list(texts)).astype(float)
-    root = Path(encoder.spec.source) if encoder.spec.kind == "path" else None
-    if root is not None and (root / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
-        tokenizer.no_padding()
-        tokenizer.enable_truncation(_max_seq_length(root))
-        return lambda texts: np.array([len(e.ids) for e in tokenizer.encode_batch(list(texts))], dtype=float)
-    if loaded is None and encoder.spec.kind == "object":
-        engine = encoder.engine  # an in-memory model: its tokenizer is already here
-        if engine is not None:
-            return lambda texts: engine.count_tokens(list(texts)).astype(float)
+    obj = encoder.source_object
+    if obj is not None:
+        backend = getattr(getattr(obj, "tokenizer", None), "backend_tokenizer", None)
+        if backend is not None:  # a copy: the user's tokenizer keeps its settings
+            limit = getattr(obj, "max_seq_length", None)
+            limit = limit if isinstance(limit, int) and limit > 0 else DEFAULT_TRUNCATION
+            return _counter(Tokenizer.from_str(backend.to_str()), limit)
+    elif encoder.spec.kind == "path":
+        root = Path(encoder.spec.source)
+        for path in [root / "tokenizer.json", *sorted(root.glob("*/tokenizer.json"))]:
+            if path.is_file():
+                return _counter(Tokenizer.from_file(str(path)), _max_seq_length(path.parent, root))
     return lambda texts: np.array([1.3 * len(t.split()) + 2 for t in texts], dtype=float)
 
 
-def _max_seq_length(root: Path) -> int:
-    """``max_seq_length`` of a sentence-transformers directory, else the tokenizer's limit."""
-    for name, key in (("sentence_bert_config.json", "max_seq_length"), ("tokenizer_config.json", "model_max_length")):
-        try:
-            value = json.loads((root / name).read_text()).get(key)
-        except (OSError, ValueError):
-            continue
-        if isinstance(value, int) and 0 < value < 2**31:
-            return value
+def _counter(tokenizer, limit: int) -> Callable[[Sequence[str]], np.ndarray]:
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(limit)
+    return lambda texts: np.array([len(e.ids) for e in tokenizer.encode_batch(list(texts))], dtype=float)
+
+
+def _max_seq_length(*dirs: Path) -> int:
+    """``max_seq_length`` of a sentence-transformers directory, else the tokenizer's limit (first dir first)."""
+    for root in dirs:
+        for name, key in (("sentence_bert_config.json", "max_seq_length"),
+                          ("tokenizer_config.json", "model_max_length")):
+            try:
+                value = json.loads((root / name).read_text()).get(key)
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(value, int) and 0 < value < 2**31:
+                return value
     return DEFAULT_TRUNCATION
 
 

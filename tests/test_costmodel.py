@@ -163,6 +163,8 @@ def test_auto_thresholds_keep_a_given_threshold():
     assert (b_min, b_max) == (300, 1200) and reason.startswith("b_min=300 as given; b_max=1,200 keeps")
     b_min, b_max, reason = auto_thresholds(p, memory_budget_bytes=2e9, ttfo_target_s=60, n_max=1000, b_max=5000)
     assert b_max == 5000 and reason.endswith("; b_max=5,000 as given.") and "as given" not in reason.split(";")[0]
+    b_min, b_max, reason = auto_thresholds(p, memory_budget_bytes=2e9, ttfo_target_s=60, n_max=1000, b_max=3)
+    assert (b_min, b_max) == (3, 3) and "lowered to the given b_max=3" in reason
 
 
 def test_auto_thresholds_budget_too_small():
@@ -249,16 +251,16 @@ def test_auto_thresholds_use_a_cached_calibration(monkeypatch):
 
     monkeypatch.setattr(cal, "calibrate", lambda *a, **k: params())
     ddf = make_partitioned_frame([2_000] * 20)  # large enough that 4 SBs per worker bind nothing
+    model = lambda t: np.ones((len(t), 2))  # noqa: E731  (tokens: the word estimate, in plan and encode alike)
     with dask.config.set({"surge.ttfo-target": 0.5}):
-        p = ddf.surge.plan("text", b_min="auto", b_max="auto", params=params())
-    expected = auto_thresholds(params(), memory_budget_bytes=2 * 1024**3, ttfo_target_s=0.5, n_max=2_000)
+        p = ddf.surge.plan("text", b_min="auto", b_max="auto", params=params(), model=model)
+    assert p.params.tokens_per_text != params().tokens_per_text  # re-based on a sample of this data
+    expected = auto_thresholds(p.params, memory_budget_bytes=2 * 1024**3, ttfo_target_s=0.5, n_max=2_000)
     assert expected[0] * 4 <= 40_000
     assert (p.b_min, p.b_max) == expected[:2]
     # and encode(b_min="auto") picks the same thresholds from the cached calibration
-    import numpy as np_
-
     with dask.config.set({"surge.ttfo-target": 0.5}):
-        res = ddf.surge.encode("text", str(__import__("tempfile").mkdtemp()), model=lambda t: np_.ones((len(t), 2)),
+        res = ddf.surge.encode("text", str(__import__("tempfile").mkdtemp()), model=model,
                                scheduler="sync", progress=False)
     assert (res.b_min, res.b_max, res.thresholds_reason) == expected
 

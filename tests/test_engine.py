@@ -89,6 +89,23 @@ def test_cpu_fast_path_is_packed_and_fused_and_leaves_the_model_alone(models):
     assert type(act).__name__ == "GELUActivation"  # the user's model keeps its activation
 
 
+def test_packed_weights_follow_an_in_place_update(tmp_path):
+    """The oneDNN-packed copy is a snapshot: after fine-tuning in place the engine must not mix
+    old linear weights with new ones."""
+    model = SentenceTransformer(make_tiny_model(tmp_path / "tuned"), device="cpu")
+    engine = TransformerEngine.from_sentence_transformer(model)
+    texts = mixed_texts(20, seed=9)
+    before = engine.encode(texts)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for module in model[0].auto_model.modules():
+            if type(module) is torch.nn.Linear:
+                module.weight.add_(0.2 * torch.randn(module.weight.shape, generator=gen))
+    after = engine.encode(texts)
+    assert min_cosine(after, model.encode(texts, convert_to_numpy=True)) >= 0.9999
+    assert min_cosine(after, before) < 0.999  # the update did change the embeddings
+
+
 def test_gelu_is_not_fused_into_a_module_that_does_more():
     from dask_surge.engine import _fuse_gelu, _OneDNNLinear
 

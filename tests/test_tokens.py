@@ -20,17 +20,53 @@ def _params(**changes) -> CostParams:
     return CostParams(**base)
 
 
-def test_counter_matches_the_loaded_engine_without_loading_weights():
+def test_counter_matches_the_loaded_engine_without_loading_weights(monkeypatch):
     from sentence_transformers import SentenceTransformer
 
+    from dask_surge import encoders
     from dask_surge.engine import TransformerEngine
     from dask_surge.testing import packaged_model_dir
 
+    monkeypatch.setattr(encoders, "_LOADED", {})  # nothing loaded here: the tokenizer.json path answers
     texts = ["", "hello world", " ".join(make_texts(400, seed=2))]  # the last is far over 256 tokens
     counted = token_counter(Encoder("default", device="cpu"))(texts)
+    assert encoders._LOADED == {}  # and it loaded nothing
     engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(str(packaged_model_dir()), device="cpu"))
     assert counted.tolist() == engine.count_tokens(texts).astype(float).tolist()
     assert counted[-1] == engine.max_seq_length == 256  # truncated at the model's max_seq_length
+
+
+def test_counter_of_an_in_memory_model_builds_no_engine(monkeypatch, tmp_path):
+    import shutil
+
+    from sentence_transformers import SentenceTransformer
+
+    from dask_surge import encoders
+    from dask_surge.testing import make_tiny_model
+
+    model = SentenceTransformer(make_tiny_model(tmp_path / "tiny"), device="cpu")
+    model.max_seq_length = 16
+    monkeypatch.setattr(encoders, "_LOADED", {})
+    texts = ["a b", " ".join(make_texts(50, seed=4))]
+    settings = model.tokenizer.backend_tokenizer.truncation
+    counted = token_counter(Encoder(model, device="cpu"))(texts)
+    assert encoders._LOADED == {}
+    assert model.tokenizer.backend_tokenizer.truncation == settings  # the user's tokenizer is untouched
+    assert counted[-1] == 16 and counted.tolist() == [float(len(model.tokenizer(t, truncation=True,
+                                                                           max_length=16)["input_ids"]))
+                                                      for t in texts]
+    # a directory keeping its tokenizer in a module subfolder
+    nested = tmp_path / "nested"
+    (nested / "0_Transformer").mkdir(parents=True)
+    shutil.copy(tmp_path / "tiny" / "tokenizer.json", nested / "0_Transformer" / "tokenizer.json")
+    (nested / "0_Transformer" / "sentence_bert_config.json").write_text('{"max_seq_length": 8}')
+    from dask_surge.encoders import EncoderSpec
+
+    class _PathOnly:  # what token_counter reads of an Encoder
+        spec = EncoderSpec(kind="path", source=str(nested))
+        source_object = None
+
+    assert token_counter(_PathOnly())(texts)[-1] == 8
 
 
 def test_max_seq_length_falls_back(tmp_path):
@@ -41,9 +77,16 @@ def test_max_seq_length_falls_back(tmp_path):
     assert _max_seq_length(tmp_path) == 64
 
 
-def test_callable_encoder_gets_a_word_estimate():
-    count = token_counter(Encoder(lambda texts: np.zeros((len(texts), 2))))
+def test_callable_encoder_gets_a_word_estimate_and_is_never_called():
+    calls = []
+
+    def model(texts):
+        calls.append(len(texts))
+        return np.zeros((len(texts), 2))
+
+    count = token_counter(Encoder(model))
     assert count(["one two three", ""]).tolist() == [1.3 * 3 + 2, 2.0]
+    assert calls == []
 
 
 def test_sample_spreads_over_partitions_and_skips_nulls_and_empty_ones():
