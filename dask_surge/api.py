@@ -593,7 +593,7 @@ def _write(frame, sbe, output, thresholds, max_bytes, *, client, scheduler, over
                 if ttfo is None:
                     ttfo = time.perf_counter() - t0
                 records.append(rec)
-                bar.update(int(rec["rows"]) + int(rec.get("skipped", 0)))
+                bar.update(_accounted(rec))
         except BaseException as err:
             # a run that stops before its first commit may then be replaced (see open_run)
             manifest.mark_stopped(f"{type(err).__name__}: {err}")

@@ -333,7 +333,8 @@ class _OneDNNLinear(torch.nn.Linear):
 
     Same fp32 math; ~10% faster than MKL sgemm on AVX-512 CPUs, and packing
     the weight once (instead of on every call) saves another 3-5% per GEMM.
-    The packed copy is a snapshot: the engine is built after the weights are final.
+    The packed copy is used only while the weight's version is the one it was
+    packed from; after an in-place update the layer reads the shared weight.
     """
 
     _packed: torch.Tensor | None = None

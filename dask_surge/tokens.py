@@ -153,6 +153,6 @@ def _sample(part, k: int, seed: int):
 
 
 def _to_list(part) -> list:
-    if hasattr(part, "to_pandas"):  # cuDF
-        part = part.to_pandas()
-    return [v for v in part.tolist() if isinstance(v, str)]
+    from .superbatch import to_host
+
+    return [v for v in to_host(part).tolist() if isinstance(v, str)]
