@@ -70,7 +70,7 @@ from .tokens import token_counter
 __all__ = ["calibrate", "cache_dir", "cache_path", "fit_encode_curve", "solve_dask_terms", "PROBE_VERSION"]
 
 logger = logging.getLogger(__name__)
-PROBE_VERSION = 5  # bump when the probe, or the speed of what it measures (the engine), changes
+PROBE_VERSION = 6  # bump when the probe, or the speed of what it measures (the engine), changes
 _LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _IO_ROWS = 2048  # rows per partition of the I/O-only runs
 

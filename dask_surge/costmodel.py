@@ -12,9 +12,10 @@ Let a policy issue encode calls of ``b_1, ..., b_K`` rows with ``t_k`` tokens,
 call ``k`` folding ``p_k`` input partitions, on ``W`` single-model workers.
 With the per-call fixed cost ``alpha(c)`` (task dispatch + transfer + encode
 set-up; see below for its dependence on the call's encode time ``c``), the
-per-folded-partition cost ``pi`` (the input partition's own task
-and its transfer to the encoding worker; zero for PBP, where partition and call
-are one task) and the encode cost
+per-folded-partition cost ``pi`` (producing the input partition inside the
+SuperBatch task, which runs its upstream tasks fused, and concatenating it, or,
+for an input shared by several SuperBatches, its own task and transfer; zero for
+PBP, where partition and call are one task) and the encode cost
 
 .. math::
 
@@ -26,8 +27,8 @@ forward passes (micro-batches) and ``beta b0`` the fixed cost of one forward
 pass, written as the cost of ``b0`` rows at the asymptotic per-row cost
 ``beta = beta_0 + gamma tau`` (``tau`` tokens a text), each call is a job of
 length ``s_k = alpha(c_k) + pi p_k + c_k`` with ``c_k = c(b_k, t_k)``. Jobs go
-to workers in plan order, each to the earliest-free worker (SURGE, PBP: Dask's priorities run them in
-order), or, for PB-PBP-LB, largest first to the least-loaded worker (LPT). Then
+to workers in plan order, each to the earliest-free worker (SURGE, PBP: Dask's queue of
+root tasks hands them out in priority order as workers free up), or, for PB-PBP-LB, largest first to the least-loaded worker (LPT). Then
 
 .. math::
 
@@ -145,7 +146,8 @@ class CostParams:
     setup_s : float
         The encode-call set-up part of ``alpha_s`` (what FB's in-process calls pay).
     partition_s : float
-        Cost per input partition folded into a call (its own task and transfer).
+        Cost per input partition folded into a call (producing and concatenating it
+        inside the call's task).
     overhead_s : float
         Fixed cost ``T0`` of one run (graph submission, latency to the first task,
         the final gather).

@@ -2,8 +2,10 @@
 
 :class:`SuperBatchExpr` is a dask-expr expression (a private Dask API; the
 supported Dask range is pinned in ``pyproject.toml``). Output partition ``k`` is
-``func(input partitions of SB k, SB index, spans of SB k)``; the input partition tasks
-feed only their SuperBatch task, so no process ever holds all N rows. Tasks
+``func(input partitions of SB k, SB index, spans of SB k)``; the input partitions
+feed only their SuperBatch task, so no process ever holds all N rows. Lowered
+(:class:`FusedSuperBatchExpr`), each SuperBatch task also runs the upstream tasks only
+it consumes, so the graph has one task per SuperBatch, not one per partition. Tasks
 carry priorities ``G - k`` so SuperBatches complete in plan order.
 """
 
@@ -14,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
-from dask._task_spec import List, Task, TaskRef
+from dask._task_spec import GraphNode, List, Task, TaskRef
 from dask.dataframe.dask_expr import new_collection
 from dask.dataframe.dask_expr._expr import Expr
 
@@ -67,53 +69,107 @@ class SuperBatchExpr(Expr):
         # 3, 1, 2, 6, 0, 4, 5, and one layout 7.6 s or 9.2 s depending on it).
         return _GatheredSuperBatches(self)
 
-    def _layer(self) -> dict:
-        frame, plan = self.frame, self.operand("plan")
-        if frame.npartitions != len(self.operand("sizes")):
+    def _lower(self):
+        return FusedSuperBatchExpr(_Upstream(self.frame), *self.operands[1:])
+
+
+class _Upstream:
+    """The input expression, held outside the expression tree: :class:`FusedSuperBatchExpr`
+    builds its tasks itself, so Dask must not add them to the graph a second time."""
+
+    def __init__(self, expr) -> None:
+        self.wrapped = expr  # not `.expr`: Dask unwraps any operand that has one
+
+    def __dask_tokenize__(self):
+        return ("surge-upstream", self.wrapped._name)
+
+    def __repr__(self) -> str:
+        return f"upstream({self.wrapped._name})"
+
+
+class FusedSuperBatchExpr(SuperBatchExpr):
+    """:class:`SuperBatchExpr` lowered: one task per SuperBatch that also runs the input
+    tasks only it consumes.
+
+    A partition's upstream tasks (its read, its ``map_partitions`` chain) are fused into
+    the task of the SuperBatch that consumes them, as the Parquet fast path reads its own
+    files: a graph over ``P`` tiny partitions has ``G`` tasks, not ``P + G`` (per-task
+    overhead is the cost SuperBatching removes). Inputs several SuperBatches share (the
+    slices of a partition larger than ``b_max``) or tasks an input shares with other
+    partitions stay separate tasks. SuperBatch tasks are marked as data producers, so the
+    scheduler queues them in priority (plan) order and hands each to a worker with a free
+    slot rather than to the worker that holds its inputs.
+    """
+
+    _parameters = ["upstream", "plan", "sizes", "func", "meta"]
+
+    @property
+    def frame(self):
+        return self.operand("upstream").wrapped
+
+    def _lower(self):
+        return None
+
+    @functools.cached_property
+    def _fused(self) -> tuple[dict, dict]:
+        """``(graph, priorities)``: the SuperBatch tasks with their private upstream tasks
+        fused in, the upstream tasks they still need, and every key's priority."""
+        import dask
+
+        with dask.config.set({"optimization.tune.active": False}):  # keep the planned partitions
+            frame = self.frame.optimize(fuse=True)
+        plan, sizes = self.operand("plan"), self.operand("sizes")
+        if frame.npartitions != len(sizes):
             raise SurgeError(
                 f"the input now has {frame.npartitions} partitions but the SuperBatch plan was made "
-                f"for {len(self.operand('sizes'))}: Dask re-partitioned it after planning. "
+                f"for {len(sizes)}: Dask re-partitioned it after planning. "
                 "Fix: call .surge.encode on the final DataFrame (after repartition/merge), "
                 "or persist it first."
             )
+        upstream = dict(frame.__dask_graph__())
         func = self.operand("func")
-        dsk = {}
+        tasks = {}
         for position, sb in enumerate(plan):
             key = (self._name, position)
-            inputs, spans = task_arguments(sb, self.operand("sizes"))
+            inputs, spans = task_arguments(sb, sizes)
             refs = List(*(TaskRef((frame._name, p)) for p in inputs))
-            dsk[key] = Task(key, func, refs, sb.index, spans)
-        return dsk
+            tasks[key] = Task(key, func, refs, sb.index, spans, _data_producer=True)
+        def deps(key):  # a persisted frame's graph holds Futures, which have none here
+            return getattr(upstream[key], "dependencies", ())
 
-    def _upstream_names(self) -> list[str]:
-        """Names of the partition-aligned expressions feeding ``frame`` (itself included).
+        dependents: dict = {}
+        for key, task in (*upstream.items(), *tasks.items()):
+            for dep in getattr(task, "dependencies", ()):
+                dependents.setdefault(dep, set()).add(key)
+        graph, priority, top = {}, {}, len(plan)
+        for position, (key, task) in enumerate(tasks.items()):
+            private, stack = {key}, list(task.dependencies)
+            while stack:  # a key is pushed again by each dependent: the last push decides
+                dep = stack.pop()
+                if dep not in private and isinstance(upstream.get(dep), GraphNode) \
+                        and dependents[dep] <= private:
+                    private.add(dep)
+                    stack.extend(deps(dep))
+            fused = Task.fuse(*(upstream[k] for k in private if k != key), task, key=key)
+            if not fused.data_producer:
+                fused = Task(key, fused.func, *fused.args, _data_producer=True, **fused.kwargs)
+            graph[key] = fused
+            priority[key] = top - position
+        for key in tasks:  # shared upstream tasks: the priority of their first SuperBatch
+            stack = list(graph[key].dependencies)
+            while stack:
+                dep = stack.pop()
+                if dep in upstream and dep not in graph:
+                    graph[dep] = upstream[dep]
+                    priority[dep] = priority[key]
+                    stack.extend(deps(dep))
+        return graph, priority
 
-        Blockwise chains are not always fused into one task per partition
-        (``persist`` keeps them apart), so every stage of partition ``i`` gets
-        the priority of the SuperBatch that consumes it.
-        """
-        names, stack, seen = [], [self.frame], set()
-        while stack:
-            expr = stack.pop()
-            if expr._name in seen or expr.npartitions != self.frame.npartitions:
-                continue
-            seen.add(expr._name)
-            names.append(expr._name)
-            stack.extend(expr.dependencies())
-        return names
+    def _layer(self) -> dict:
+        return self._fused[0]
 
     def __dask_annotations__(self):
-        plan = self.operand("plan")
-        top = len(plan)
-        priority = {}
-        names = self._upstream_names()
-        for position, sb in enumerate(plan):
-            for span in sb.spans:
-                for name in names:
-                    # an input partition shared by several slices takes its first SB's priority
-                    priority.setdefault((name, span.partition), top - position)
-            priority[(self._name, position)] = top - position
-        return {"priority": priority}
+        return {"priority": self._fused[1]}
 
 
 class _GatheredSuperBatches(Expr):

@@ -66,13 +66,53 @@ def test_one_encode_call_per_superbatch(counting_encoder):
 
 
 def test_graph_has_one_task_per_superbatch_over_partition_tasks():
+    """A partition's upstream tasks run inside the SuperBatch task that consumes it: 30
+    partitions (each a read and a map_partitions step) in 6 SuperBatches are 6 tasks."""
     sizes = [2] * 30
     ddf = make_partitioned_frame(sizes)
+    ddf = ddf.map_partitions(lambda f: f.assign(text=f.text + "!"), meta=ddf._meta)
     out = ddf.surge.encode("text", model=lambda t: np.ones((len(t), 4)), b_min=10, b_max=20)
     graph = out.optimize().__dask_graph__()
-    sb_keys = [k for k in graph if isinstance(k, tuple) and str(k[0]).startswith("surge-superbatch")]
-    assert len(sb_keys) == 6
     assert out.npartitions == 6
+    assert sorted(k[1] for k in graph) == list(range(6))
+    # data producers: the scheduler queues them in plan order instead of placing them by input location
+    assert all(task.data_producer for task in graph.values())
+    assert len(out.compute(scheduler="sync")) == 60
+
+
+def _counted(frame, calls):
+    calls.append(int(frame["doc_id"].iloc[0]) if len(frame) else None)
+    return frame
+
+
+def test_upstream_tasks_run_once_when_superbatches_share_a_partition():
+    """The slices of a partition larger than b_max share it: it stays one task, read once,
+    with the priority of its first SuperBatch; every other partition is fused."""
+    from dask_surge.graph import FusedSuperBatchExpr
+
+    sizes = [3, 50, 2, 4]
+    calls: list = []
+    ddf = make_partitioned_frame(sizes, seed=2)
+    ddf = ddf.map_partitions(_counted, calls, meta=ddf._meta)
+    out = ddf.surge.encode("text", model=lambda t: np.ones((len(t), 4)), b_min=5, b_max=20)
+    plan = dask_surge.plan_superbatches(sizes, 5, 20)
+    expr = out.optimize().expr
+    assert isinstance(expr, FusedSuperBatchExpr)
+    graph, priority = expr._fused
+    shared = [k for k in graph if k[0] != expr._name]
+    assert len(shared) == 1 and len(graph) == len(plan) + 1
+    first = next(i for i, sb in enumerate(plan) if sb.spans[0].partition == 1)
+    assert priority[shared[0]] == len(plan) - first
+    calls.clear()  # planning counted the rows (one len pass)
+    df = out.compute(scheduler="sync")
+    assert sorted(calls) == [0, 3, 53, 55]  # each partition computed exactly once
+    assert df["row"].tolist() == [r for n in sizes for r in range(n)]
+
+
+def test_encode_fuses_over_a_persisted_frame(client):
+    ddf = make_partitioned_frame([4, 1, 6, 2], seed=5).persist()
+    out = ddf.surge.encode("text", model=lambda t: np.ones((len(t), 4)), b_min=5, b_max=8, keep=["doc_id"]).compute()
+    assert out["doc_id"].tolist() == list(range(13))
 
 
 def test_parquet_sizes_come_from_footers_without_reading_data(tmp_path):
@@ -186,7 +226,7 @@ def test_memory_filesystem(counting_encoder):
     res = ddf.surge.encode("text", "memory://surge-test/emb", model=counting_encoder, b_min=3, b_max=4,
                            scheduler="sync", progress=False)
     assert res.rows == 8
-    back = dask_surge.read_embeddings("memory://surge-test/emb").compute()
+    back = dask_surge.read_embeddings("memory://surge-test/emb").compute(scheduler="sync")  # per-process fs
     assert sorted(zip(back.partition, back.row)) == [(0, 0), (0, 1)] + [(1, r) for r in range(5)] + [(2, 0)]
 
 
