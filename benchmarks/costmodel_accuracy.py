@@ -5,6 +5,7 @@ Usage::
     python benchmarks/costmodel_accuracy.py [--encoders tiny,default] [--sigmas 1.0,1.72,2.5]
                                             [--repeats 3] [--calib-seconds 10] [--quiet-wait 60]
                                             [--max-foreign 0.05] [--retries 4] [--mean-words 20]
+                                            [--calibrate-each]
                                             [--out benchmarks/results/costmodel_accuracy_cpu.json]
 
 For each encoder the script calibrates once (:func:`dask_surge.calibrate.calibrate`,
@@ -114,6 +115,29 @@ def _own_cpu_s() -> float:
     return total
 
 
+def _calibrate(enc, client, args, calibrate):
+    """Calibrate on a quiet machine: ``(params, seconds, [[seconds, foreign share], ...])``."""
+    attempts = []
+    for _ in range(args.retries + 1):
+        wait_quiet(args.quiet_wait)
+        with ForeignLoad() as load:
+            t0 = time.perf_counter()
+            params = calibrate(enc, client=client, seconds=args.calib_seconds, cache=False)
+            seconds = time.perf_counter() - t0
+        attempts.append([round(seconds, 2), round(load.share, 3)])
+        if load.share <= args.max_foreign:
+            break
+    return params, seconds, attempts
+
+
+def _print_params(name: str, seconds: float, params) -> None:
+    print(f"[{name}] calibrated in {seconds:.1f} s: alpha={params.alpha_s * 1e3:.2f} ms "
+          f"(idle {params.alpha_idle_s * 1e3:.2f} ms below c={params.busy_call_s * 1e3:.1f} ms) "
+          f"beta={params.beta_s * 1e3:.3f} ms/row b0={params.b0:.1f} "
+          f"pi={params.partition_s * 1e3:.2f} ms T0={params.overhead_s:.3f} s "
+          f"rho={params.io_per_row_s * 1e6:.1f} us/row", flush=True)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--encoders", default="tiny,default", help="comma-separated: tiny, default")
@@ -131,6 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=100)
     parser.add_argument("--mean-words", type=float, default=20.0,
                         help="words a text in the measured layouts (the probe uses ~20; try 80 for long texts)")
+    parser.add_argument("--calibrate-each", action="store_true",
+                        help="calibrate again before each layout (separates the model's error from the "
+                             "machine's drift over minutes; a user calibrates once)")
     parser.add_argument("--out", default="benchmarks/results/costmodel_accuracy_cpu.json")
     args = parser.parse_args(argv)
 
@@ -171,28 +198,20 @@ def main(argv: list[str] | None = None) -> dict:
             model = make_tiny_model(Path(tmp) / "tiny") if name == "tiny" else "default"
             enc = Encoder(model, device="cpu")
             register_encoder(client, enc)
-            calib_attempts = []
-            for attempt in range(args.retries + 1):
-                wait_quiet(args.quiet_wait)
-                with ForeignLoad() as load:
-                    t0 = time.perf_counter()
-                    params = calibrate(enc, client=client, seconds=args.calib_seconds, cache=False)
-                    calib_s = time.perf_counter() - t0
-                calib_attempts.append([round(calib_s, 2), round(load.share, 3)])
-                if load.share <= args.max_foreign:
-                    break
+            params, calib_s, calib_attempts = _calibrate(enc, client, args, calibrate)
             report["encoders"][name] = {"model": str(model), "calibration_seconds": round(calib_s, 2),
                                         "calibration_attempts_s_foreign_share": calib_attempts,
                                         "params": params.to_dict()}
-            print(f"[{name}] calibrated in {calib_s:.1f} s: alpha={params.alpha_s * 1e3:.2f} ms "
-                  f"(idle {params.alpha_idle_s * 1e3:.2f} ms below c={params.busy_call_s * 1e3:.1f} ms) "
-                  f"beta={params.beta_s * 1e3:.3f} ms/row b0={params.b0:.1f} "
-                  f"pi={params.partition_s * 1e3:.2f} ms T0={params.overhead_s:.3f} s "
-                  f"rho={params.io_per_row_s * 1e6:.1f} us/row", flush=True)
+            _print_params(name, calib_s, params)
             rows, parts, b_min, b_max = LAYOUTS[name]
             rows, parts = int(rows * args.scale), max(4, int(parts * args.scale))
             for i, sigma in enumerate(sigmas):
                 sizes = lognormal_sizes(rows, parts, sigma=sigma, seed=args.seed + i)
+                recalibrated = None
+                if args.calibrate_each and i > 0:  # the first layout follows the encoder's calibration
+                    params, calib_s, calib_attempts = _calibrate(enc, client, args, calibrate)
+                    _print_params(name, calib_s, params)
+                    recalibrated = {"seconds": round(calib_s, 2), "params": params.to_dict()}
                 ddf = make_partitioned_frame(sizes, seed=args.seed + i, mean_words=args.mean_words)
                 surge = ddf.surge.encode("text", model=enc, b_min=b_min, b_max=b_max)
                 pbp = ddf["text"].map_partitions(enc.embed, meta=enc.meta)
@@ -233,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
                            "measured_texts_per_s": round(sizes.sum() / measured, 1),
                            "predicted_texts_per_s": round(float(pred.loc[policy, "texts_per_s"]), 1),
                            "loadavg": os.getloadavg()[0], "cpu_idle_before": [round(x, 3) for x in idles],
-                           "discarded_s_foreign_share": discarded[policy]}
+                           "discarded_s_foreign_share": discarded[policy], "recalibrated": recalibrated}
                     report["runs"].append(run)
                     print(f"[{name}] sigma={sigma:<4} {policy:5s} calls={run['calls']:4d} measured "
                           f"{measured:7.3f} s predicted {predicted:7.3f} s error {err:+6.1f}%", flush=True)

@@ -97,8 +97,8 @@ class FusedSuperBatchExpr(SuperBatchExpr):
     overhead is the cost SuperBatching removes). Inputs several SuperBatches share (the
     slices of a partition larger than ``b_max``) or tasks an input shares with other
     partitions stay separate tasks. SuperBatch tasks are marked as data producers, so the
-    scheduler queues them in priority (plan) order and hands each to a worker with a free
-    slot rather than to the worker that holds its inputs.
+    scheduler hands each to a worker with a free slot (and, once every worker is full,
+    queues them in priority order) rather than to the worker that holds its inputs.
     """
 
     _parameters = ["upstream", "plan", "sizes", "func", "meta"]
@@ -134,6 +134,7 @@ class FusedSuperBatchExpr(SuperBatchExpr):
             inputs, spans = task_arguments(sb, sizes)
             refs = List(*(TaskRef((frame._name, p)) for p in inputs))
             tasks[key] = Task(key, func, refs, sb.index, spans, _data_producer=True)
+
         def deps(key):  # a persisted frame's graph holds Futures, which have none here
             return getattr(upstream[key], "dependencies", ())
 
