@@ -115,8 +115,10 @@ def _own_cpu_s() -> float:
     return total
 
 
-def _calibrate(enc, client, args, calibrate):
+def _calibrate(enc, client, args):
     """Calibrate on a quiet machine: ``(params, seconds, [[seconds, foreign share], ...])``."""
+    from dask_surge.calibrate import calibrate
+
     attempts = []
     for _ in range(args.retries + 1):
         wait_quiet(args.quiet_wait)
@@ -169,7 +171,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     import dask_surge  # noqa: F401  (registers .surge)
     from dask_surge import Encoder
-    from dask_surge.calibrate import calibrate
     from dask_surge.costmodel import predict
     from dask_surge.plugins import register_encoder
     from dask_surge.testing import lognormal_sizes, make_partitioned_frame, make_tiny_model
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
             model = make_tiny_model(Path(tmp) / "tiny") if name == "tiny" else "default"
             enc = Encoder(model, device="cpu")
             register_encoder(client, enc)
-            params, calib_s, calib_attempts = _calibrate(enc, client, args, calibrate)
+            params, calib_s, calib_attempts = _calibrate(enc, client, args)
             report["encoders"][name] = {"model": str(model), "calibration_seconds": round(calib_s, 2),
                                         "calibration_attempts_s_foreign_share": calib_attempts,
                                         "params": params.to_dict()}
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
                 sizes = lognormal_sizes(rows, parts, sigma=sigma, seed=args.seed + i)
                 recalibrated = None
                 if args.calibrate_each and i > 0:  # the first layout follows the encoder's calibration
-                    params, calib_s, calib_attempts = _calibrate(enc, client, args, calibrate)
+                    params, calib_s, calib_attempts = _calibrate(enc, client, args)
                     _print_params(name, calib_s, params)
                     recalibrated = {"seconds": round(calib_s, 2), "params": params.to_dict()}
                 ddf = make_partitioned_frame(sizes, seed=args.seed + i, mean_words=args.mean_words)

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/fused_inputs_ab.py [--base a96d4d8] [--rounds 3] [--rows 20000]
+    python benchmarks/fused_inputs_ab.py [--base a96d4d8] [--rounds 3] [--repeats 3] [--rows 20000]
                                          [--partitions 2000] [--b-min 256] [--b-max 1024]
                                          [--out benchmarks/results/fused_inputs_ab_cpu.json]
 

@@ -18,7 +18,7 @@ from ._version import __version__
 from .cluster import gpu_count
 from .encoders import Encoder
 from .errors import SurgeError, SurgeInputError, SurgeValueError
-from .graph import superbatch_collection
+from .graph import cull, superbatch_collection
 from .identity import input_identity
 from .manifest import Manifest, current_run, finish_run, open_run
 from .policy import SuperBatch, plan_superbatches, validate_thresholds
@@ -683,18 +683,6 @@ def _chunks(superbatches: Sequence[SuperBatch]) -> list[list[SuperBatch]]:
     return chunks
 
 
-def _cull(dsk: dict, keys: list) -> dict:
-    """The tasks ``keys`` need, and nothing else."""
-    out, stack = {}, list(keys)
-    while stack:
-        key = stack.pop()
-        if key in out or key not in dsk:
-            continue
-        out[key] = task = dsk[key]
-        stack.extend(getattr(task, "dependencies", ()))
-    return out
-
-
 def _task_resources(client) -> dict | None:
     """Worker resources for SuperBatch tasks: when workers advertise ``GPU`` (dask-cuda
     workers from :func:`dask_surge.cluster.local_cluster` or :mod:`dask_surge.hpc`), each
@@ -730,7 +718,7 @@ def _run(coll, todo, client, scheduler, in_flight: int, resources: dict | None =
 
         get = get_sync if scheduler in ("sync", "synchronous") else get_threads
         for batch in batches:
-            for frame in get(_cull(dsk, batch), batch):
+            for frame in get(cull(dsk, batch), batch):
                 yield from frame.to_dict("records")
         return
     from distributed import as_completed
@@ -744,7 +732,7 @@ def _run(coll, todo, client, scheduler, in_flight: int, resources: dict | None =
             batch = next(pending, None)
             if batch is None:
                 return
-            futures = client.get(_cull(dsk, batch), batch, sync=False, resources=resources)
+            futures = client.get(cull(dsk, batch), batch, sync=False, resources=resources)
             live.extend(futures)
             running.update(futures)
 

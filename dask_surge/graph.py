@@ -23,7 +23,28 @@ from dask.dataframe.dask_expr._expr import Expr
 from .errors import SurgeError
 from .policy import SuperBatch
 
-__all__ = ["SuperBatchExpr", "superbatch_collection"]
+__all__ = ["SuperBatchExpr", "cull", "superbatch_collection"]
+
+
+def cull(dsk: dict, keys) -> dict:
+    """The tasks ``keys`` need, and nothing else (keys not in ``dsk``, such as
+    persisted results, are left to the scheduler).
+
+    Examples
+    --------
+    >>> from dask._task_spec import Task, TaskRef
+    >>> dsk = {"a": Task("a", int, "1"), "b": Task("b", int, TaskRef("a")), "c": Task("c", int, "2")}
+    >>> sorted(cull(dsk, ["b"]))
+    ['a', 'b']
+    """
+    out, stack = {}, list(keys)
+    while stack:
+        key = stack.pop()
+        if key in out or key not in dsk:
+            continue
+        out[key] = task = dsk[key]
+        stack.extend(getattr(task, "dependencies", ()))
+    return out
 
 
 def task_arguments(sb: SuperBatch, sizes: Sequence[int]) -> tuple[list[int], tuple]:
@@ -135,9 +156,6 @@ class FusedSuperBatchExpr(SuperBatchExpr):
             refs = List(*(TaskRef((frame._name, p)) for p in inputs))
             tasks[key] = Task(key, func, refs, sb.index, spans, _data_producer=True)
 
-        def deps(key):  # a persisted frame's graph holds Futures, which have none here
-            return getattr(upstream[key], "dependencies", ())
-
         dependents: dict = {}
         for key, task in (*upstream.items(), *tasks.items()):
             for dep in getattr(task, "dependencies", ()):
@@ -147,23 +165,21 @@ class FusedSuperBatchExpr(SuperBatchExpr):
             private, stack = {key}, list(task.dependencies)
             while stack:  # a key is pushed again by each dependent: the last push decides
                 dep = stack.pop()
+                # a persisted frame's graph holds Futures: they stay outside, as scheduler data
                 if dep not in private and isinstance(upstream.get(dep), GraphNode) \
                         and dependents[dep] <= private:
                     private.add(dep)
-                    stack.extend(deps(dep))
+                    stack.extend(upstream[dep].dependencies)
             fused = Task.fuse(*(upstream[k] for k in private if k != key), task, key=key)
             if not fused.data_producer:
                 fused = Task(key, fused.func, *fused.args, _data_producer=True, **fused.kwargs)
             graph[key] = fused
             priority[key] = top - position
         for key in tasks:  # shared upstream tasks: the priority of their first SuperBatch
-            stack = list(graph[key].dependencies)
-            while stack:
-                dep = stack.pop()
-                if dep in upstream and dep not in graph:
-                    graph[dep] = upstream[dep]
+            for dep, node in cull(upstream, graph[key].dependencies).items():
+                if dep not in graph:
+                    graph[dep] = node
                     priority[dep] = priority[key]
-                    stack.extend(deps(dep))
         return graph, priority
 
     def _layer(self) -> dict:
