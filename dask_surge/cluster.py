@@ -9,6 +9,8 @@ __all__ = ["local_cluster", "gpu_count"]
 
 logger = logging.getLogger(__name__)
 
+LOOPBACK = "127.0.0.1"
+
 
 def gpu_count() -> int:
     """Number of CUDA devices torch can see in this process (0 without torch/CUDA)."""
@@ -30,10 +32,17 @@ def local_cluster(**kwargs):
     single-threaded worker per core (torch uses one thread per worker, so the
     cores are not oversubscribed).
 
+    Everything it starts listens on the loopback interface only: the scheduler, the
+    workers and the dashboard bind to ``127.0.0.1`` (the dashboard on a free port), so on a
+    shared login node nobody else can reach the cluster or read its dashboard.
+
     Parameters
     ----------
     **kwargs
-        Passed to the cluster class, overriding the defaults above.
+        Passed to the cluster class, overriding the defaults above. ``host`` can be an
+        address to listen on (``"0.0.0.0"`` for every interface), or None to use
+        ``127.0.0.1``; ``dashboard_address`` can be ``"host:port"``, or None to use a free
+        port on ``host``.
 
     Examples
     --------
@@ -55,9 +64,22 @@ def local_cluster(**kwargs):
             # serializes forward passes), the other reads, tokenizes or writes its Parquet
             opts = {"threads_per_worker": 2, "resources": {"GPU": 1}}
             opts.update(kwargs)
-            return LocalCUDACluster(**opts)
+            return LocalCUDACluster(**_loopback(opts))
     from distributed import LocalCluster
 
-    opts = {"n_workers": max(1, os.cpu_count() or 1), "threads_per_worker": 1, "dashboard_address": ":0"}
+    opts = {"n_workers": max(1, os.cpu_count() or 1), "threads_per_worker": 1}
     opts.update(kwargs)
-    return LocalCluster(**opts)
+    return LocalCluster(**_loopback(opts))
+
+
+def _loopback(opts: dict) -> dict:
+    """``opts`` with the scheduler, workers and dashboard bound to ``127.0.0.1`` unless the
+    caller chose a ``host`` or a ``dashboard_address`` (a dashboard follows the chosen host).
+    ``distributed``'s own default, ``dashboard_address=":8787"``, listens on every interface."""
+    opts = dict(opts)
+    if opts.get("host") is None:
+        opts["host"] = LOOPBACK
+    if opts.get("dashboard_address") is None:
+        host = opts["host"]
+        opts["dashboard_address"] = f"[{host}]:0" if ":" in host else f"{host}:0"
+    return opts
