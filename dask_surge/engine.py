@@ -63,7 +63,7 @@ class TransformerEngine:
     (3, 384)
     """
 
-    def __init__(self, transformer, pooling_modes, *, normalize, max_tokens, dtype):
+    def __init__(self, transformer, pooling_modes, *, normalize, max_tokens, dtype, prompt="", include_prompt=True):
         hf_tokenizer = transformer.tokenizer
         self._hf = transformer.auto_model.eval()
         self.device = next(self._hf.parameters()).device
@@ -84,18 +84,29 @@ class TransformerEngine:
         self._type_ids = "token_type_ids" in hf_tokenizer.model_input_names
         self.max_tokens = self._auto_max_tokens() if max_tokens is None else max_tokens
         self._lock = threading.Lock()
+        #: The prompt put before every text ("" for none), resolved as ``SentenceTransformer.encode`` does.
+        self.prompt = prompt or ""
+        #: Tokens of the prompt left out of pooling (0 when the Pooling module includes the prompt).
+        self.prompt_length = 0
+        if self.prompt and not include_prompt:
+            self.prompt_length = self._prompt_tokens(set(getattr(hf_tokenizer, "all_special_ids", ()) or ()))
 
     @classmethod
     def from_sentence_transformer(
-        cls, model, *, max_tokens: int | None = None, dtype: str | None = None
+        cls, model, *, max_tokens: int | None = None, dtype: str | None = None, prompt: str | None = None,
+        prompt_name: str | None = None,
     ) -> TransformerEngine | None:
         """Build an engine for ``model``, or return None when its structure is not supported.
 
         Supported: a ``Transformer`` module wrapping a Hugging Face encoder (BERT-like,
         not a decoder), a ``Pooling`` module in ``cls``, ``mean`` or ``max`` mode (or a
-        combination of them), and optionally a ``Normalize`` module; no default prompt
-        and no ``truncate_dim``. Anything else returns None, and the caller should use
-        ``model.encode``.
+        combination of them), and optionally a ``Normalize`` module; no ``truncate_dim``.
+        Anything else returns None, and the caller should use ``model.encode``.
+
+        Prompts follow ``model.encode(prompt=..., prompt_name=...)``: the prompt text is
+        put before each text, and when the ``Pooling`` module has
+        ``include_prompt=False`` its tokens (the prompt tokenized alone, less a trailing
+        special token) are left out of the pooling.
 
         Parameters
         ----------
@@ -108,6 +119,11 @@ class TransformerEngine:
         dtype : {None, "float32", "float16", "bfloat16"}, optional
             Compute dtype of the forward pass. Half precisions run under autocast
             and need a CUDA device; pooling is always done in float32.
+        prompt : str, optional
+            Prompt text, as in ``model.encode``; wins over ``prompt_name``, and ``""``
+            means no prompt.
+        prompt_name : str, optional
+            Key of ``model.prompts``. With neither, the model's default prompt applies.
 
         Returns
         -------
@@ -126,8 +142,12 @@ class TransformerEngine:
         >>> model = SentenceTransformer(str(packaged_model_dir()), device="cpu")
         >>> TransformerEngine.from_sentence_transformer(model).dimension
         384
+        >>> TransformerEngine.from_sentence_transformer(model, prompt="query: ").prompt
+        'query: '
         """
         from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+        from .encoders import resolve_prompt
 
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise SurgeValueError(
@@ -165,16 +185,17 @@ class TransformerEngine:
             or getattr(config, "is_decoder", False)
             or getattr(config, "is_encoder_decoder", False)
             or getattr(model, "truncate_dim", None) is not None
-            or (model.default_prompt_name is not None and model.prompts.get(model.default_prompt_name))
         ):
             return None
+        prompt = resolve_prompt(dict(model.prompts), model.default_prompt_name, prompt, prompt_name)
         device = next(transformer.auto_model.parameters()).device
         if _DTYPES[dtype] is not None and device.type != "cuda":
             raise SurgeValueError(
                 f"dtype={dtype!r} needs a CUDA device but the model is on {device}: half precision only runs "
                 "on CUDA. Fix: pass dtype=None (or 'float32') on CPU, or load the model with device='cuda'."
             )
-        return cls(transformer, modes, normalize=bool(rest), max_tokens=max_tokens, dtype=dtype)
+        return cls(transformer, modes, normalize=bool(rest), max_tokens=max_tokens, dtype=dtype, prompt=prompt,
+                   include_prompt=getattr(pooling, "include_prompt", True))
 
     def encode(self, texts: Sequence[str], *, normalize: bool = False) -> np.ndarray:
         """Embed ``texts`` and return the rows in the order of ``texts``.
@@ -254,9 +275,14 @@ class TransformerEngine:
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(min(65536, max(4096, free // 4 // per_token)))
 
+    def _prompt_tokens(self, special_ids: set[int]) -> int:
+        """Tokens of the prompt alone (truncated), less a trailing special token: sentence-transformers' rule."""
+        ids = self._tokenizer.encode(self.prompt).ids
+        return len(ids) - 1 if ids and ids[-1] in special_ids else len(ids)
+
     def _tokenize(self, texts: list[str]) -> list:
         try:
-            return self._encode_batch(texts)
+            return self._encode_batch([self.prompt + t for t in texts] if self.prompt else texts)
         except TypeError:
             bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
             if bad is None:
@@ -315,11 +341,17 @@ class TransformerEngine:
             return self._pool(hidden, inputs["attention_mask"])
 
     def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Pool like ``sentence_transformers`` ``Pooling`` (right padding, no prompt)."""
+        """Pool like ``sentence_transformers`` ``Pooling`` (right padding; prompt tokens out if it says so)."""
+        if self.prompt_length:
+            mask = mask.clone()
+            mask[:, : self.prompt_length] = 0
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         parts = []
         for mode in self._modes:
-            if mode == "cls":
+            if mode == "cls" and self.prompt_length:  # the first token pooled: the first after the prompt
+                first = mask.argmax(dim=1)
+                parts.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), first])
+            elif mode == "cls":
                 parts.append(hidden[:, 0])
             elif mode == "max":
                 parts.append(hidden.masked_fill(weights == 0, float("-inf")).max(dim=1).values)
