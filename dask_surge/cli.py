@@ -162,7 +162,7 @@ def cmd_demo(args) -> int:
     import numpy as np
 
     from .api import encode, read_embeddings
-    from .testing import lognormal_sizes, write_partitioned_parquet
+    from .synthetic import lognormal_sizes, write_partitioned_parquet
 
     from .cluster import gpu_count
 

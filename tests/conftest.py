@@ -27,24 +27,9 @@ def client():
             yield c
 
 
-class CountingEncoder:
-    """A deterministic callable model that counts its calls (same process only)."""
-
-    def __init__(self, dim: int = 8):
-        self.dim = dim
-        self.calls: list[int] = []
-
-    def __call__(self, texts):
-        import numpy as np
-
-        self.calls.append(len(texts))
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for i, t in enumerate(texts):
-            out[i, 0] = len(t)
-            out[i, 1 + (hash(t) % (self.dim - 1))] = 1.0
-        return out
-
-
 @pytest.fixture
 def counting_encoder():
+    """A fresh :class:`dask_surge.testing.CountingEncoder` (installed module: workers can unpickle it)."""
+    from dask_surge.testing import CountingEncoder
+
     return CountingEncoder()

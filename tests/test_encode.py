@@ -241,23 +241,17 @@ def test_distributed_cluster_end_to_end(tmp_path, tiny_model, client):
     assert back.doc_id.tolist() == list(range(sum(sizes)))
     ref = _reference(tiny_model, ddf.text.compute().tolist())
     assert _cosine(_emb(back), ref).min() >= 0.9999
-    # a window of 2 submissions in flight (the slices of one partition go together):
+    # a window of 2 units in flight (the slices of one partition form one unit):
     # the i-th commit is one of the first i + 2 + (extra slices) SuperBatches
-    from dask_surge.api import _chunks
+    from dask_surge.manifest import sb_key
+    from dask_surge.runner import planned_units
 
-    extra = max(len(c) for c in _chunks(dask_surge.plan_superbatches(sizes, 20, 40))) - 1
-    order = [r["sb"] for r in res.records]
+    plan = dask_surge.plan_superbatches(sizes, 20, 40)
+    extra = max(len(u.plan) for u in planned_units(plan, sizes, set())) - 1
+    position = {sb_key(sb.spans[0].partition, sb.spans[0].start): i for i, sb in enumerate(plan)}
+    order = [position[r["sb"]] for r in res.records]
     assert sorted(order) == list(range(len(order)))
     assert all(sb < i + 2 + extra for i, sb in enumerate(order))
-
-
-_GATE = __import__("threading").Event()
-
-
-def _gated_model(texts):
-    """A model that waits for ``_GATE`` (module level: in-memory models are pickled by reference)."""
-    assert _GATE.wait(60)
-    return np.zeros((len(texts), 2), dtype=np.float32)
 
 
 def test_lazy_compute_gives_the_scheduler_superbatch_priorities():
@@ -266,7 +260,10 @@ def test_lazy_compute_gives_the_scheduler_superbatch_priorities():
     so SuperBatches ran in dask.order's order."""
     from distributed import Client, LocalCluster
 
-    gate, model = _GATE, _gated_model
+    from dask_surge.testing import GatedEncoder
+
+    model = GatedEncoder("superbatch-priorities")
+    gate = model.gate
     gate.set()  # building the graph probes the model's dimension
     sizes = [int(x) for x in np.random.default_rng(3).integers(1, 60, size=40)]
     ddf = make_partitioned_frame(sizes, seed=3)

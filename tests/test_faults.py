@@ -19,7 +19,7 @@ import pytest
 import dask_surge
 from dask_surge import SurgeOutputError
 from dask_surge.manifest import current_run
-from dask_surge.testing import make_partitioned_frame, write_partitioned_parquet
+from dask_surge.testing import DieOnce, Hog, InterruptAfter, make_partitioned_frame, write_partitioned_parquet
 
 SIZES = [int(x) for x in np.random.default_rng(7).lognormal(3.5, 1.0, 40).astype(int) + 1]
 N = sum(SIZES)
@@ -95,21 +95,6 @@ def test_sigkill_sweep(tmp_path, clean_run, tiny_model):
     trials = 8 if os.environ.get("SURGE_SWEEP") == "reduced" else 25
     delays = _kill_trials(tmp_path, clean_run, tiny_model, trials=trials, seed=2)
     assert len(delays) == trials
-
-
-class DieOnce:
-    """A model that kills its worker process the first time it runs (flag file)."""
-
-    def __init__(self, flag: str):
-        self.flag = flag
-        self.client_pid = os.getpid()  # the client probes the dimension: never die there
-
-    def __call__(self, texts):
-        # die inside a SuperBatch encode (not the one-text dimension probe at model load)
-        if os.getpid() != self.client_pid and len(texts) > 1 and not os.path.exists(self.flag):
-            open(self.flag, "w").close()
-            os._exit(1)
-        return np.array([[len(t), 1.0] for t in texts], dtype=np.float32)
 
 
 def test_worker_dying_mid_encode_is_retried(tmp_path):
@@ -199,20 +184,6 @@ def test_manifest_from_a_newer_version_is_refused(tmp_path, counting_encoder):
         dask_surge.read_embeddings(str(out))
 
 
-class InterruptAfter:
-    """A model that raises KeyboardInterrupt (Ctrl-C) on its n-th SuperBatch."""
-
-    def __init__(self, n):
-        self.n, self.calls = n, 0
-
-    def __call__(self, texts):
-        if len(texts) > 1:
-            self.calls += 1
-            if self.calls == self.n:
-                raise KeyboardInterrupt
-        return np.array([[len(t), 1.0] for t in texts], dtype=np.float32)
-
-
 def test_keyboard_interrupt_keeps_committed_work_and_says_how_to_resume(tmp_path, caplog):
     ddf = make_partitioned_frame([4] * 6)
     out = str(tmp_path / "o")
@@ -222,24 +193,6 @@ def test_keyboard_interrupt_keeps_committed_work_and_says_how_to_resume(tmp_path
     assert "2 of 3 SuperBatches are committed" in caplog.text and "Rerun the same call" in caplog.text
     res = ddf.surge.encode("text", out, model=InterruptAfter(99), **kw)
     assert res.skipped_superbatches == 2 and res.rows == 24
-
-
-class Hog:
-    """A model that really runs its worker out of memory on a SuperBatch holding ``poison``
-    while the file ``armed`` exists: it keeps touching fresh memory (``nbytes`` a step)
-    until the worker is killed. Disarming it keeps the model (and so the run) the same."""
-
-    def __init__(self, poison: str, nbytes: int, armed: str):
-        self.poison, self.nbytes, self.armed = poison, nbytes, armed
-        self.client_pid = os.getpid()
-
-    def __call__(self, texts):
-        if os.getpid() != self.client_pid and self.poison in texts and os.path.exists(self.armed):
-            hog = []
-            while True:  # grow until the nanny kills this worker (it polls memory every 100 ms)
-                hog.append(np.ones(self.nbytes // 8, dtype=np.uint8))
-                time.sleep(0.05)
-        return np.array([[len(t), 1.0] for t in texts], dtype=np.float32)
 
 
 def test_worker_out_of_memory_fails_clearly_keeps_work_and_resumes(tmp_path):

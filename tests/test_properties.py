@@ -11,12 +11,9 @@ from hypothesis import strategies as st
 import dask.dataframe as dd
 
 import dask_surge
+from dask_surge.testing import checksum_model as _model  # installed: workers can unpickle it
 
 texts_st = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40)
-
-
-def _model(texts):
-    return np.array([[len(t), sum(map(ord, t)) % 97] for t in texts], dtype=np.float32)
 
 
 @st.composite
