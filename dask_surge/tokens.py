@@ -25,8 +25,9 @@ DEFAULT_TRUNCATION = 512
 def token_counter(encoder) -> Callable[[Sequence[str]], np.ndarray]:
     """A function ``texts -> token counts`` (float array) for ``encoder``'s tokenizer.
 
-    Uses, in order: the fast engine when the model is already loaded in this
-    process (exact); the tokenizer of an in-memory ``SentenceTransformer`` (a
+    Counts include the encoder's prompt (see :meth:`dask_surge.Encoder.resolved_prompt`),
+    which the model reads too. Uses, in order: the fast engine when the model is
+    already loaded in this process (exact); the tokenizer of an in-memory ``SentenceTransformer`` (a
     copy, truncated at its ``max_seq_length``); the model directory's
     ``tokenizer.json`` (or one in a subfolder) truncated at its
     ``max_seq_length``. None of these loads weights or runs the model. Else
@@ -50,30 +51,32 @@ def token_counter(encoder) -> Callable[[Sequence[str]], np.ndarray]:
     """
     from tokenizers import Tokenizer
 
-    from .encoders import _LOADED
-
-    loaded = _LOADED.get(encoder.spec)
-    if loaded is not None and loaded.engine is not None:
-        engine = loaded.engine
+    if getattr(encoder, "is_loaded", False) and encoder.engine is not None:  # it puts the prompt first itself
+        engine = encoder.engine
         return lambda texts: engine.count_tokens(list(texts)).astype(float)
+    prompt = (encoder.resolved_prompt() if hasattr(encoder, "resolved_prompt") else None) or ""
     obj = encoder.source_object
     if obj is not None:
         backend = getattr(getattr(obj, "tokenizer", None), "backend_tokenizer", None)
         if backend is not None:  # a copy: the user's tokenizer keeps its settings
             limit = getattr(obj, "max_seq_length", None)
             limit = limit if isinstance(limit, int) and limit > 0 else DEFAULT_TRUNCATION
-            return _counter(Tokenizer.from_str(backend.to_str()), limit)
+            return _counter(Tokenizer.from_str(backend.to_str()), limit, prompt)
     elif encoder.spec.kind == "path":
         root = Path(encoder.spec.source)
         for path in [root / "tokenizer.json", *sorted(root.glob("*/tokenizer.json"))]:
             if path.is_file():
-                return _counter(Tokenizer.from_file(str(path)), _max_seq_length(path.parent, root))
-    return lambda texts: np.array([1.3 * len(t.split()) + 2 for t in texts], dtype=float)
+                return _counter(Tokenizer.from_file(str(path)), _max_seq_length(path.parent, root), prompt)
+    extra = 1.3 * len(prompt.split())
+    return lambda texts: np.array([1.3 * len(t.split()) + 2 + extra for t in texts], dtype=float)
 
 
-def _counter(tokenizer, limit: int) -> Callable[[Sequence[str]], np.ndarray]:
+def _counter(tokenizer, limit: int, prompt: str = "") -> Callable[[Sequence[str]], np.ndarray]:
     tokenizer.no_padding()
     tokenizer.enable_truncation(limit)
+    if prompt:
+        return lambda texts: np.array([len(e.ids) for e in tokenizer.encode_batch([prompt + t for t in texts])],
+                                      dtype=float)
     return lambda texts: np.array([len(e.ids) for e in tokenizer.encode_batch(list(texts))], dtype=float)
 
 

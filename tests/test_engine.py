@@ -162,16 +162,32 @@ def test_tiny_budget_still_fits_every_text(tiny):
         pytest.param(
             lambda m: SentenceTransformer(modules=list(m), device="cpu", truncate_dim=8), id="truncate-dim"
         ),
-        pytest.param(
-            lambda m: SentenceTransformer(
-                modules=list(m), device="cpu", prompts={"query": "query: "}, default_prompt_name="query"
-            ),
-            id="default-prompt",
-        ),
     ],
 )
 def test_unsupported_structure_returns_none(tiny, build):
     assert TransformerEngine.from_sentence_transformer(build(tiny)) is None
+
+
+@pytest.mark.parametrize("include_prompt", [True, False])
+def test_prompts_match_sentence_transformers(tiny, include_prompt):
+    prompts = {"query": "query: ", "instruct": "Represent this sentence for searching relevant passages: "}
+    model = SentenceTransformer(modules=list(tiny), device="cpu", prompts=prompts, default_prompt_name="query")
+    model[1].include_prompt = include_prompt
+    texts = mixed_texts(80, seed=7)
+    try:
+        for kwargs in ({}, {"prompt_name": "instruct"}, {"prompt": "passage: "}, {"prompt": ""}):
+            engine = TransformerEngine.from_sentence_transformer(model, **kwargs)
+            assert engine.prompt == (prompts["query"] if not kwargs else kwargs.get("prompt", prompts["instruct"]))
+            assert (engine.prompt_length > 0) == (bool(engine.prompt) and not include_prompt)
+            assert min_cosine(engine.encode(texts), model.encode(texts, **kwargs)) >= 0.9999
+    finally:
+        tiny[1].include_prompt = True  # the modules are shared with the fixture
+
+
+def test_prompt_counts_in_the_tokens(tiny):
+    plain = TransformerEngine.from_sentence_transformer(tiny)
+    prompted = TransformerEngine.from_sentence_transformer(tiny, prompt="query: ")
+    assert (prompted.count_tokens(["a b", ""]) - plain.count_tokens(["a b", ""])).tolist() == [2, 2]  # "query", ":"
 
 
 def test_empty_input(tiny):

@@ -1,0 +1,418 @@
+"""Models as users name them (issue 14): Hub names through the HF cache, prompts, the
+sentence-transformers fallback, map_partitions without meta, and model identity from
+content (issue 16 item 4). Everything runs offline (HF_HUB_OFFLINE=1, set in conftest)
+against caches laid out the way huggingface_hub lays them out."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+
+import dask_surge  # noqa: F401  (registers .surge)
+from dask_surge import Encoder, modelid
+from dask_surge.encoders import PACKAGED_HUB_ID
+from dask_surge.errors import SurgeModelError, SurgeValueError
+from dask_surge.hub import hub_cache_dir, looks_like_repo_id
+from dask_surge.testing import make_texts, make_tiny_model, packaged_model_dir
+
+TEXTS = make_texts(40, seed=3) + ["", "x", " ".join(["word"] * 400)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Correctness only: one intra-op thread keeps the file fast on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+
+
+def commit_of(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def add_to_hub_cache(cache: Path, repo_id: str, src: str | os.PathLike, *, commit: str,
+                     refs: tuple[str, ...] = ("main",)) -> Path:
+    """Lay ``src`` out as huggingface_hub does: blobs by content hash, snapshot symlinks, refs."""
+    folder = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = folder / "snapshots" / commit
+    for file in sorted(Path(src).rglob("*")):
+        if not file.is_file():
+            continue
+        blob = folder / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        if not blob.exists():
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(file, blob)
+            except OSError:
+                shutil.copyfile(file, blob)
+        link = snapshot / file.relative_to(src)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    for ref in refs:
+        (folder / "refs").mkdir(parents=True, exist_ok=True)
+        (folder / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+def model_with_prompts(dst: Path, src: str | os.PathLike, prompts: dict, *, default: str | None = None,
+                       include_prompt: bool = True) -> str:
+    """A copy of a model directory (weights linked) with prompts in its config and a Pooling setting."""
+    shutil.copytree(src, dst, copy_function=os.link if Path(src).stat().st_dev == dst.parent.stat().st_dev
+                    else shutil.copy2)
+    config_file = dst / "config_sentence_transformers.json"
+    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    config.update(prompts=prompts, default_prompt_name=default)
+    config_file.unlink(missing_ok=True)  # a hard link: never write through to the source
+    config_file.write_text(json.dumps(config))
+    pooling = next(dst.glob("*_Pooling/config.json"))
+    pooling_config = json.loads(pooling.read_text()) | {"include_prompt": include_prompt}
+    pooling.unlink()
+    pooling.write_text(json.dumps(pooling_config))
+    return str(dst)
+
+
+def make_tiny_decoder(path: Path, arch: str = "qwen2", seed: int = 0) -> str:
+    """A random-weight Qwen2/Qwen3-shaped decoder embedder: last-token pooling, normalized."""
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2Model, Qwen3Config, Qwen3Model
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(packaged_model_dir()))
+    tokenizer.padding_side = "left"  # as Qwen embedders ship
+    shape = dict(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config, model_cls = (Qwen2Config(**shape), Qwen2Model) if arch == "qwen2" else (
+        Qwen3Config(head_dim=8, **shape), Qwen3Model)
+    base = path / "_decoder"
+    model_cls(config).save_pretrained(str(base))
+    tokenizer.save_pretrained(str(base))
+    transformer = Transformer(str(base), max_seq_length=128)
+    modules = [transformer, Pooling(32, pooling_mode="lasttoken"), Normalize()]
+    SentenceTransformer(modules=modules, device="cpu", prompts={"query": "Instruct: retrieve\nQuery: "}).save(
+        str(path))
+    return str(path)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "hf-cache"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return cache
+
+
+# -- Hub names -----------------------------------------------------------------------------
+
+
+def test_repo_ids_are_told_from_paths():
+    assert looks_like_repo_id("BAAI/bge-small-en-v1.5")
+    assert not looks_like_repo_id("./models/bge")
+    assert not looks_like_repo_id("a/b/c")
+    assert not looks_like_repo_id("../x")
+
+
+def test_cache_dir_follows_hf_home_and_hf_hub_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert hub_cache_dir() == tmp_path / "home" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "explicit"))
+    assert hub_cache_dir() == tmp_path / "explicit"
+
+
+def test_hub_name_resolves_offline_to_its_snapshot(hub_cache, tiny_model):
+    commit = commit_of("tiny v1")
+    snapshot = add_to_hub_cache(hub_cache, "org/tiny", tiny_model, commit=commit)
+    enc = Encoder("org/tiny", device="cpu")
+    assert enc.spec.source == str(snapshot) and (enc.spec.repo_id, enc.spec.commit) == ("org/tiny", commit)
+    assert enc.identity()["commit"] == commit
+    reference = SentenceTransformer(tiny_model, device="cpu").encode(TEXTS)
+    assert min_cosine(enc.encode(TEXTS), reference) >= 0.9999
+
+
+def test_hf_home_is_searched_when_hf_hub_cache_is_unset(tmp_path, monkeypatch, tiny_model):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    add_to_hub_cache(tmp_path / "hf" / "hub", "org/tiny", tiny_model, commit=commit_of("home"))
+    assert Encoder("org/tiny").spec.commit == commit_of("home")
+
+
+def test_revision_picks_a_branch_tag_or_commit(hub_cache, tiny_model, tmp_path):
+    old, new = commit_of("v1"), commit_of("v2")
+    add_to_hub_cache(hub_cache, "org/tiny", tiny_model, commit=old, refs=("v1.0",))
+    other = make_tiny_model(tmp_path / "other", seed=1)
+    add_to_hub_cache(hub_cache, "org/tiny", other, commit=new, refs=("main",))
+    assert Encoder("org/tiny").spec.commit == new
+    assert Encoder("org/tiny", revision="v1.0").spec.commit == old
+    assert Encoder("org/tiny", revision=old).spec.commit == old
+    # different commits are different models for a run's fingerprint
+    assert Encoder("org/tiny").identity() != Encoder("org/tiny", revision="v1.0").identity()
+
+
+def test_absent_model_offline_names_the_cache_and_the_fix(hub_cache):
+    with pytest.raises(SurgeModelError) as info:
+        Encoder("org/not-downloaded")
+    message = str(info.value)
+    assert str(hub_cache) in message and "HF_HUB_OFFLINE" in message
+    assert "hf download org/not-downloaded" in message and "HF_HOME" in message
+
+
+def test_absent_revision_offline_raises(hub_cache, tiny_model):
+    add_to_hub_cache(hub_cache, "org/tiny", tiny_model, commit=commit_of("x"))
+    with pytest.raises(SurgeModelError, match=r"at revision 'v9'.*not in the Hugging Face cache"):
+        Encoder("org/tiny", revision="v9")
+
+
+def test_not_a_path_nor_a_hub_name(hub_cache):
+    with pytest.raises(SurgeModelError, match=r"neither an existing local path nor a Hugging Face Hub name"):
+        Encoder("/no/such/model/dir")
+
+
+def test_revision_with_a_local_directory_raises(tiny_model):
+    with pytest.raises(SurgeValueError, match=r"revision='main' was given with the local directory"):
+        Encoder(tiny_model, revision="main")
+
+
+def test_packaged_name_prefers_a_populated_cache(hub_cache, tmp_path):
+    assert Encoder(PACKAGED_HUB_ID).spec.source == str(packaged_model_dir())  # empty cache: the packaged copy
+    commit = commit_of("minilm")
+    snapshot = add_to_hub_cache(hub_cache, PACKAGED_HUB_ID, packaged_model_dir(), commit=commit)
+    enc = Encoder(PACKAGED_HUB_ID, device="cpu")
+    assert (enc.spec.source, enc.spec.commit) == (str(snapshot), commit)
+    assert Encoder("default").spec.source == str(packaged_model_dir())  # "default" is always the packaged copy
+
+
+def test_hub_model_end_to_end_on_workers(hub_cache, tiny_model, client, tmp_path):
+    commit = commit_of("e2e")
+    add_to_hub_cache(hub_cache, "org/tiny", tiny_model, commit=commit)
+    ddf = dd.from_pandas(pd.DataFrame({"text": TEXTS}), npartitions=4)
+    result = ddf.surge.encode("text", str(tmp_path / "out"), model="org/tiny", device="cpu", b_min=10, b_max=30,
+                              scheduler=client, progress=False)
+    assert result.rows == len(TEXTS)
+    back = dask_surge.read_embeddings(str(tmp_path / "out")).compute().sort_values(["partition", "row"])
+    got = np.stack(back["embedding"].to_numpy())
+    reference = SentenceTransformer(tiny_model, device="cpu").encode(TEXTS)
+    assert min_cosine(got, reference) >= 0.9999
+
+
+def test_trust_remote_code_and_model_kwargs_reach_sentence_transformers(tiny_model, monkeypatch):
+    seen = {}
+    real = SentenceTransformer.__init__
+
+    def spy(self, *args, **kwargs):
+        seen.update(kwargs)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(SentenceTransformer, "__init__", spy)
+    enc = Encoder(tiny_model, device="cpu", trust_remote_code=True, model_kwargs={"attn_implementation": "eager"})
+    assert enc.dimension == 32
+    assert seen["trust_remote_code"] is True and seen["model_kwargs"] == {"attn_implementation": "eager"}
+    assert Encoder(tiny_model).spec.trust_remote_code is False  # off by default
+
+
+def test_bad_model_kwargs_raise(tiny_model):
+    with pytest.raises(SurgeValueError, match=r"model_kwargs=\['x'\] must be a dict"):
+        Encoder(tiny_model, model_kwargs=["x"])
+
+
+# -- prompts ---------------------------------------------------------------------------------
+
+PROMPTS = {"query": "query: ", "passage": "passage: ", "instruct": "Represent this sentence for searching: "}
+
+
+@pytest.mark.parametrize("include_prompt", [True, False])
+@pytest.mark.parametrize("prompt_name", ["query", "instruct"])
+def test_prompt_name_matches_sentence_transformers(tmp_path, include_prompt, prompt_name):
+    path = model_with_prompts(tmp_path / "m", packaged_model_dir(), PROMPTS, include_prompt=include_prompt)
+    enc = Encoder(path, device="cpu", prompt_name=prompt_name)
+    assert enc.backend == "fast"  # prompts run in the fast engine, not by falling back
+    assert enc.engine.prompt == PROMPTS[prompt_name]
+    reference = SentenceTransformer(path, device="cpu").encode(TEXTS, prompt_name=prompt_name)
+    assert min_cosine(enc.encode(TEXTS), reference) >= 0.9999
+    plain = SentenceTransformer(path, device="cpu").encode(TEXTS)
+    assert min_cosine(enc.encode(TEXTS), plain) < 0.999  # and the prompt did change the vectors
+
+
+def test_include_prompt_false_leaves_prompt_tokens_out_of_pooling(tmp_path):
+    pooled = Encoder(model_with_prompts(tmp_path / "a", packaged_model_dir(), PROMPTS), device="cpu",
+                     prompt_name="instruct")
+    excluded = Encoder(model_with_prompts(tmp_path / "b", packaged_model_dir(), PROMPTS, include_prompt=False),
+                       device="cpu", prompt_name="instruct")
+    assert excluded.engine.prompt_length == 7 and pooled.engine.prompt_length == 0  # [CLS] + 6 prompt tokens
+    assert min_cosine(pooled.encode(TEXTS), excluded.encode(TEXTS)) < 0.999
+
+
+def test_default_prompt_applies_and_empty_prompt_turns_it_off(tmp_path):
+    path = model_with_prompts(tmp_path / "m", packaged_model_dir(), PROMPTS, default="query")
+    model = SentenceTransformer(path, device="cpu")
+    assert min_cosine(Encoder(path, device="cpu").encode(TEXTS), model.encode(TEXTS)) >= 0.9999
+    off = Encoder(path, device="cpu", prompt="")
+    assert off.resolved_prompt() == "" and off.backend == "fast"
+    assert min_cosine(off.encode(TEXTS), model.encode(TEXTS, prompt="")) >= 0.9999
+
+
+def test_explicit_prompt_matches_sentence_transformers():
+    enc = Encoder("default", device="cpu", prompt="passage: ")
+    reference = SentenceTransformer(str(packaged_model_dir()), device="cpu").encode(TEXTS, prompt="passage: ")
+    assert min_cosine(enc.encode(TEXTS), reference) >= 0.9999
+
+
+def test_unknown_prompt_name_raises_before_loading(tmp_path):
+    path = model_with_prompts(tmp_path / "m", packaged_model_dir(), PROMPTS)
+    with pytest.raises(SurgeValueError, match=r"prompt_name='document' is not one of this model's prompts"):
+        Encoder(path, prompt_name="document")
+
+
+def test_prompts_are_part_of_the_identity(tmp_path):
+    path = model_with_prompts(tmp_path / "m", packaged_model_dir(), PROMPTS)
+    ids = {json.dumps(Encoder(path, **kw).identity(), sort_keys=True)
+           for kw in ({}, {"prompt_name": "query"}, {"prompt_name": "passage"}, {"prompt": "query: "})}
+    assert len(ids) == 4
+
+
+def test_prompt_with_a_plain_callable_raises():
+    enc = Encoder(lambda texts: np.ones((len(texts), 3)), prompt="query: ")
+    with pytest.raises(SurgeValueError, match=r"prompt=/prompt_name= apply to sentence-transformers models"):
+        enc.load()
+
+
+# -- any sentence-transformers model runs ------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_decoder_embedder_runs_through_the_fallback(tmp_path, arch):
+    path = make_tiny_decoder(tmp_path / arch, arch)
+    enc = Encoder(path, device="cpu", prompt_name="query")
+    assert enc.backend == "sentence-transformers" and enc.engine is None
+    reference = SentenceTransformer(path, device="cpu").encode(TEXTS, prompt_name="query")
+    assert min_cosine(enc.encode(TEXTS), reference) >= 0.9999
+    with pytest.raises(SurgeModelError, match=r"engine='fast' needs a Transformer"):
+        Encoder(path, device="cpu", engine="fast").load()
+
+
+def test_decoder_embedder_end_to_end_from_the_hub_cache(hub_cache, tmp_path, client):
+    path = make_tiny_decoder(tmp_path / "qwen2", "qwen2")
+    add_to_hub_cache(hub_cache, "org/tiny-qwen", path, commit=commit_of("qwen"))
+    ddf = dd.from_pandas(pd.DataFrame({"text": TEXTS}), npartitions=3)
+    out = ddf.surge.encode("text", model="org/tiny-qwen", prompt_name="query", device="cpu", b_min=8, b_max=20)
+    got = out.compute(scheduler=client).sort_values(["partition", "row"])
+    reference = SentenceTransformer(path, device="cpu").encode(TEXTS, prompt_name="query")
+    assert min_cosine(np.stack(got["embedding"].to_numpy()), reference) >= 0.9999
+
+
+# -- map_partitions ----------------------------------------------------------------------------
+
+
+def test_map_partitions_without_meta(tiny_model):
+    enc = Encoder(tiny_model, device="cpu")
+    ddf = dd.from_pandas(pd.DataFrame({"text": TEXTS}), npartitions=3)
+    lazy = ddf.text.map_partitions(enc)
+    assert lazy.name == "embedding" and str(lazy.dtype).startswith("fixed_size_list")
+    got = lazy.compute(scheduler="sync")
+    assert got.index.tolist() == list(range(len(TEXTS)))
+    reference = SentenceTransformer(tiny_model, device="cpu").encode(TEXTS)
+    assert min_cosine(np.stack(got.to_numpy()), reference) >= 0.9999
+
+
+def test_a_null_text_gives_a_null_embedding(tiny_model):
+    got = Encoder(tiny_model, device="cpu")(pd.Series(["a", None, "b"], dtype="string"))
+    assert got.isna().tolist() == [False, True, False]
+
+
+# -- options with a ready Encoder --------------------------------------------------------------
+
+
+def test_options_alongside_a_ready_encoder_raise(tiny_model):
+    enc = Encoder(tiny_model)
+    with pytest.raises(SurgeValueError, match=r"device='cpu'.*with_options\(device=...\)"):
+        Encoder(enc, device="cpu")
+    assert Encoder(enc).spec == enc.spec
+    assert enc.with_options(device="cpu", prompt="q: ").spec.prompt == "q: "
+    with pytest.raises(SurgeValueError, match=r"dtype='float64' is not a known compute dtype"):
+        enc.with_options(dtype="float64")
+
+
+def test_encode_refuses_options_with_a_ready_encoder(tiny_model):
+    ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
+    with pytest.raises(SurgeValueError, match=r"prompt_name='query'.*ready Encoder"):
+        ddf.surge.encode("text", model=Encoder(tiny_model), prompt_name="query")
+
+
+# -- identity from content ---------------------------------------------------------------------
+
+
+def test_two_random_models_of_the_same_shape_differ(tmp_path):
+    a = make_tiny_model(tmp_path / "a", seed=1)
+    b = make_tiny_model(tmp_path / "b", seed=2)
+    assert Encoder(a).identity() != Encoder(b).identity()
+    in_a = SentenceTransformer(a, device="cpu")
+    in_b = SentenceTransformer(b, device="cpu")
+    assert Encoder(in_a).identity()["digest"] != Encoder(in_b).identity()["digest"]
+
+
+def test_the_same_model_twice_is_the_same_identity(tmp_path, tiny_model):
+    copy = tmp_path / "moved"
+    shutil.copytree(tiny_model, copy)  # content, not location, identifies a model
+    assert Encoder(tiny_model).identity() == Encoder(str(copy)).identity()
+    model = SentenceTransformer(tiny_model, device="cpu")
+    assert Encoder(model).identity()["digest"] == Encoder(model).identity()["digest"]
+
+
+def test_identity_follows_an_in_place_weight_update(tiny_model):
+    model = SentenceTransformer(tiny_model, device="cpu")
+    before = Encoder(model).identity()["digest"]
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert Encoder(model).identity()["digest"] != before
+
+
+def test_identity_is_hashed_once_then_cached(tmp_path, monkeypatch):
+    path = make_tiny_model(tmp_path / "m", seed=5)
+    calls = []
+    real = modelid._hash_file
+    monkeypatch.setattr(modelid, "_hash_file", lambda p: calls.append(p) or real(p))
+    first = Encoder(path).identity()
+    hashed = len(calls)
+    assert hashed > 0
+    monkeypatch.setattr(modelid, "_DIR_CACHE", {})  # a new process: only the on-disk cache is left
+    assert Encoder(path).identity() == first and len(calls) == hashed
+    weights = next(Path(path).rglob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert Encoder(path).identity() == first and len(calls) > hashed  # touched: hashed again, same content
+
+
+# -- option vocabularies -----------------------------------------------------------------------
+
+
+def test_vocabularies_are_defined_once():
+    import yaml
+
+    from dask_surge import cli, config, options, precision
+
+    assert set(options.PRECISIONS) == set(precision.PRECISIONS)
+    with open(Path(config.DEFAULTS_PATH).with_name("surge-schema.yaml")) as f:
+        schema = yaml.safe_load(f)["properties"]["surge"]["properties"]
+    for name, values in {"precision": options.PRECISIONS, "on-null": options.ON_NULLS, "dtype": options.DTYPES,
+                         "engine": options.ENGINES}.items():
+        assert tuple(config.OPTIONS[name]) == values
+        assert tuple(schema[name]["enum"]) == values
+    encode = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["encode"]._actions
+                  if a.dest == "precision")
+    assert tuple(encode.choices) == options.PRECISIONS
