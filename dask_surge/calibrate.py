@@ -6,8 +6,13 @@ The probe measures, through the real code paths, the constants of Theorem 1:
    as they do in a run) encodes calls of ``b = 1, 2, 4, ...`` rows of synthetic
    English-like texts up to a large call of at least two full micro-batches
    (the regime of SuperBatches, which a fit on small calls would only
-   extrapolate), plus a call of long texts, keeping the best of a few repeats
-   of each. For each call the encoder's batching rule is replayed on
+   extrapolate), plus a call of long texts. Every call is repeated (3 times, more
+   while the repeats disagree) and observed by its median, so that one call slowed
+   by another process does not bend the curve. On a busy machine the large call is
+   doubled (up to 16,384 rows, within the budget) until its time stands out of the
+   noise against a one-row call (:func:`separated`); when it never does, the probe
+   warns (:class:`CalibrationWarning`) and :func:`calibrate` returns ``None``:
+   callers then use the default thresholds, as without a calibration. For each call the encoder's batching rule is replayed on
    the real token lengths (padded tokens, forward passes), and
    ``setup + per_text b + per_token padded + per_forward forwards`` is fitted
    by non-negative least squares on relative error. The token-length
@@ -40,8 +45,8 @@ The probe measures, through the real code paths, the constants of Theorem 1:
    ``alpha`` above ``c(m)`` (:func:`dask_surge.costmodel.call_overhead`).
 
    Every timed run is a graph never computed before (a repeated graph returns
-   results the scheduler still holds and times nothing); the runs alternate and
-   each kind keeps its best of three, as load from other processes only adds time.
+   results the scheduler still holds and times nothing); the runs alternate, three
+   rounds, and each kind is observed by its median.
 
 Without a client only step 1 runs (in this process): ``alpha`` is the encode
 set-up and the Dask terms are zero.
@@ -57,6 +62,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,12 +73,21 @@ from .costmodel import CostParams, call_cost, token_quantiles
 from .errors import SurgeValueError
 from .tokens import token_counter
 
-__all__ = ["calibrate", "cache_dir", "cache_path", "fit_encode_curve", "solve_dask_terms", "PROBE_VERSION"]
+__all__ = ["PROBE_VERSION", "CalibrationWarning", "Timing", "cache_dir", "cache_path", "calibrate", "fit_encode_curve",
+           "separated", "solve_dask_terms"]
 
 logger = logging.getLogger(__name__)
-PROBE_VERSION = 6  # bump when the probe, or the speed of what it measures (the engine), changes
+PROBE_VERSION = 7  # bump when the probe, or the speed of what it measures (the engine), changes
 _LADDER = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _IO_ROWS = 2048  # rows per partition of the I/O-only runs
+#: Timed repeats of every probe call; observations are their medians.
+REPEATS = 3
+#: The largest encode call the probe grows to while the per-row cost hides in the noise.
+MAX_PROBE_ROWS = 16_384
+#: :func:`separated`: the large call's gap over a one-row call, in spreads (MADs) of the two ...
+SEPARATION_SIGMAS = 3.0
+#: ... and as a ratio of their median times.
+SEPARATION_RATIO = 1.5
 
 
 def cache_dir() -> Path:
@@ -115,7 +130,27 @@ def fit_encode_curve(rows, padded_tokens, forwards, seconds) -> CurveFit:
 
     The model ``seconds = setup + per_text rows + per_token padded_tokens +
     per_forward forwards`` is linear; it is solved with weights ``1 / seconds``
-    (relative error) and non-negative coefficients.
+    (relative error) and non-negative coefficients. Pass one observation per call
+    size, each the median of repeated timings (as the probe does): a single timing
+    on a busy machine can be pure noise.
+
+    Parameters
+    ----------
+    rows, padded_tokens, forwards, seconds : array-like
+        One entry per observed call: its rows, padded tokens and forward passes
+        (replayed from the encoder's batching rule) and its (median) time.
+
+    Returns
+    -------
+    CurveFit
+
+    Raises
+    ------
+    SurgeValueError
+        If there are fewer than 4 observations, a row count or time is not positive,
+        the arrays differ in length, or the times do not grow with the call at all (no
+        positive per-row or per-token cost: noise, not a curve). :func:`calibrate`
+        turns the last case into a :class:`CalibrationWarning` and its defaults.
 
     Examples
     --------
@@ -140,8 +175,10 @@ def fit_encode_curve(rows, padded_tokens, forwards, seconds) -> CurveFit:
     if coef[1] + coef[2] <= 0:
         raise SurgeValueError(
             "fit_encode_curve found no positive per-row or per-token cost: the encode times do not "
-            f"grow with the call (rows={cols[0].tolist()}, seconds={y.round(6).tolist()}). "
-            "Fix: probe larger calls, or a longer probe (seconds=...)."
+            f"grow with the call (rows={cols[0].tolist()}, seconds={y.round(6).tolist()}), so these "
+            "times are noise, not a cost curve. Fix: time each call size several times and pass the "
+            "medians, include calls large enough to take clearly longer than a one-row call, or measure "
+            "on a quieter machine (calibrate() does the first two and falls back to defaults otherwise)."
         )
     rms = float(np.sqrt(np.mean(((A @ coef - y) / y) ** 2)))
     return CurveFit(*(float(c) for c in coef), rms)
@@ -179,70 +216,155 @@ def _batching(encoder) -> tuple[int, int]:
     return 0, 0
 
 
-def _probe_curve(encoder, budget_s: float, seed: int = 7) -> dict:
-    """Time encode calls of growing size (runs where the model lives: a worker or here)."""
-    from .costmodel import _replay
-    from .testing import make_texts
+@dataclass(frozen=True)
+class Timing:
+    """Repeated timings of one call: their median and spread (median absolute deviation)."""
 
-    t_start = time.perf_counter()
-    short = make_texts(4096, seed=seed)
-    long = make_texts(1024, seed=seed + 1, mean_words=60.0)
-    encoder.encode(short[:64])  # warm the model, allocator and tokenizer
+    median_s: float
+    spread_s: float
+    repeats: int
+
+
+def _repeat(clock, call, reps: int, *, more: int = 0, left=lambda: np.inf) -> Timing:
+    """Time ``call()`` ``reps`` times; while the timings disagree (spread over 10% of the
+    median), up to ``more`` extra repeats while ``left()`` leaves room for a few more calls."""
+    secs: list[float] = []
+    for _ in range(max(int(reps), 1)):
+        t0 = clock()
+        call()
+        secs.append(clock() - t0)
+    extra = 0
+    while extra < more and _mad(secs) > 0.1 * float(np.median(secs)) and left() > 4 * float(np.median(secs)):
+        t0 = clock()
+        call()
+        secs.append(clock() - t0)
+        extra += 1
+    return Timing(float(np.median(secs)), _mad(secs), len(secs))
+
+
+def _mad(secs) -> float:
+    x = np.asarray(secs, dtype=float)
+    return float(np.median(np.abs(x - np.median(x))))
+
+
+def separated(one: Timing, large: Timing, *, sigmas: float = SEPARATION_SIGMAS,
+              min_ratio: float = SEPARATION_RATIO) -> bool:
+    """Whether the large call's extra time over a one-row call is per-row cost, not noise.
+
+    The rule: the gap between the medians exceeds ``sigmas`` times the sum of the two
+    spreads (median absolute deviations of the repeats), and the large call costs at
+    least ``min_ratio`` times the one-row call.
+
+    Parameters
+    ----------
+    one, large : Timing
+        Repeated timings of a one-row call and of the probe's largest call.
+    sigmas, min_ratio : float
+        The rule's constants.
+
+    Returns
+    -------
+    bool
+
+    Examples
+    --------
+    >>> separated(Timing(0.010, 0.001, 3), Timing(0.200, 0.010, 3))
+    True
+    >>> separated(Timing(0.34, 0.05, 3), Timing(0.40, 0.30, 3))   # a busy machine: all noise
+    False
+    """
+    gap = large.median_s - one.median_s
+    return gap > sigmas * (one.spread_s + large.spread_s) and large.median_s >= min_ratio * one.median_s
+
+
+def _probe_curve(encoder, budget_s: float, seed: int = 7, *, clock=time.perf_counter,
+                 repeats: int = REPEATS) -> dict:
+    """Time encode calls of growing size (runs where the model lives: a worker or here).
+
+    Every call is repeated (``repeats`` times, a few more while the repeats disagree)
+    and observed by its median time. The largest call starts at two full micro-batches
+    (or what the budget affords) and doubles, up to :data:`MAX_PROBE_ROWS` rows and
+    within the budget, until its time stands out of the noise against a one-row call
+    (:func:`separated`); ``separable`` in the result says whether it did.
+
+    ``clock`` (seconds, monotonic) is injectable so that tests can drive the probe with a
+    fake clock and a fake encoder (:class:`dask_surge.testing.FakeClock`).
+    """
+    from .costmodel import _replay
+    from .synthetic import make_texts
+
+    t_start = clock()
+    deadline = t_start + budget_s * 0.9
+
+    def left() -> float:
+        return deadline - clock()
+
     count = token_counter(encoder)
     max_tokens, batch_rows = _batching(encoder)
-    lengths_short, lengths_long = count(short), count(long)
+    texts = {"short": make_texts(4096, seed=seed), "long": make_texts(1024, seed=seed + 1, mean_words=60.0)}
+    lengths = {k: count(v) for k, v in texts.items()}
+    t0 = clock()
+    encoder.encode(texts["short"][:64])  # warm the model, allocator and tokenizer
+    warm_s = max(clock() - t0, 1e-6)  # an upper bound of a 64-row call
 
-    def features(lengths):
-        x = -np.sort(-lengths)
+    def reps_for(est_s: float, share: float) -> int:  # cheap calls: more repeats (a sturdier median)
+        return int(np.clip(share * budget_s / max(est_s, 1e-6), repeats, 15))
+
+    def grow(n: int) -> None:  # more short texts for a larger call (same seed: a longer list)
+        if n > len(texts["short"]):
+            texts["short"] = make_texts(n, seed=seed)
+            lengths["short"] = count(texts["short"])
+
+    def measure(kind: str, b: int, reps: int, start: int = 0) -> tuple[tuple[int, float, float, float], Timing]:
+        batch = texts[kind][start : start + b]
+        x = -np.sort(-lengths[kind][start : start + b])
         padded, forwards = _replay(x, max_tokens, batch_rows)
-        return padded, forwards
-
-    def measure(texts, lengths, b, reps):
-        secs, pads, fwds = [], [], []
-        for r in range(reps):
-            start = (r * b) % (len(texts) - b + 1) if b < len(texts) else 0
-            t0 = time.perf_counter()
-            encoder.encode(texts[start : start + b])
-            secs.append(time.perf_counter() - t0)
-            p, f = features(lengths[start : start + b])
-            pads.append(p)
-            fwds.append(f)
-        best = int(np.argmin(secs))  # best of n, with the features of that very call
-        return float(secs[best]), float(pads[best]), float(fwds[best])
+        t = _repeat(clock, lambda: encoder.encode(batch), reps, more=2 * reps, left=left)
+        return (len(batch), float(padded), float(forwards), t.median_s), t
 
     obs: list[tuple[int, float, float, float]] = []
-    sec, pad, fwd = measure(short, lengths_short, 64, 1)
-    obs.append((64, pad, fwd, sec))
-    per_row = sec / 64
+    o, t64 = measure("short", 64, reps_for(warm_s, 0.05))
+    obs.append(o)
+    one_obs, one = measure("short", 1, reps_for(t64.median_s, 0.05))
+    obs.append(one_obs)
+    per_row = max(t64.median_s / 64, 1e-9)  # an upper bound (set-up included)
     # The largest call: the largest the budget affords, and never less than two full micro-batches,
     # so that the fit sees the regime of large calls (sorted, homogeneous, full forward passes)
     # instead of extrapolating it from one-forward calls.
-    full = 2 * max_tokens / max(float(lengths_short.mean()), 1.0) if max_tokens else 2 * (batch_rows or 32)
-    affordable = [b for b in _LADDER if b * per_row <= budget_s / 4]
-    top = int(min(len(short), max(int(np.ceil(full)), max(affordable, default=1))))
-    sec, pad, fwd = measure(short, lengths_short, top, 1)
-    obs.append((top, pad, fwd, sec))
-    per_row = sec / top
+    full = 2 * max_tokens / max(float(lengths["short"].mean()), 1.0) if max_tokens else 2 * (batch_rows or 32)
+    affordable = [b for b in _LADDER if b * per_row * repeats <= budget_s / 4]
+    top = int(min(len(texts["short"]), max(int(np.ceil(full)), max(affordable, default=1))))
+    top_obs, large = measure("short", top, reps_for(per_row * top, 0.1))
+    # grow the largest call until its per-row cost stands out of the noise, within the budget
+    while not separated(one, large) and 2 * top <= MAX_PROBE_ROWS \
+            and repeats * large.median_s * 2 < left():
+        top *= 2
+        grow(top)
+        top_obs, large = measure("short", top, reps_for(large.median_s * 2, 0.1))
+    obs.append(top_obs)
+    result = {"token_lengths": list(token_quantiles(lengths["short"])),
+              "tokens_per_text": float(lengths["short"].mean()), "max_tokens": max_tokens, "batch_rows": batch_rows,
+              "mean_text_bytes": float(np.mean([len(t.encode()) for t in texts["short"]])),
+              "separable": bool(separated(one, large)),
+              "noise": {"one_row": [round(one.median_s, 6), round(one.spread_s, 6)],
+                        "largest": [top, round(large.median_s, 6), round(large.spread_s, 6)]}}
+    if not result["separable"]:  # no curve to fit: stop here (the caller falls back to defaults)
+        return dict(result, observations=obs)
+    per_row = max(large.median_s / top, 1e-9)
     # long texts, to split the per-text from the per-token cost
-    b_long = int(min(len(long), max(8, top // 6)))
-    sec, pad, fwd = measure(long, lengths_long, b_long, 1)
-    obs.append((b_long, pad, fwd, sec))
-    # the small-call end of the curve, then repeats of the large calls, while the budget lasts
-    deadline = t_start + budget_s * 0.9
-    smaller = [b for b in _LADDER if b < top and b != 64]
-    per_b = max(deadline - time.perf_counter(), 0.0) / (len(smaller) + 2)
+    b_long = int(min(len(texts["long"]), max(8, top // 6)))
+    obs.append(measure("long", b_long, repeats)[0])
+    # the small-call end of the curve, then the large call over other texts, while the budget lasts
+    smaller = [b for b in _LADDER if 1 < b < top and b != 64]
+    per_b = max(left(), 0.0) / (len(smaller) + 2)
     for b in smaller:
         est = per_row * b + 1e-3
-        if len(obs) >= 6 and est > deadline - time.perf_counter():
+        if len(obs) >= 6 and repeats * est > left():
             break
-        sec, pad, fwd = measure(short, lengths_short, b, int(np.clip(per_b / est, 1, 25)))
-        obs.append((b, pad, fwd, sec))
-    if per_row * top * 1.5 < deadline - time.perf_counter():
-        sec, pad, fwd = measure(short[top:] + short[:top], np.roll(lengths_short, -top), top, 2)
-        obs.append((top, pad, fwd, sec))
-    return {"observations": obs, "token_lengths": list(token_quantiles(lengths_short)),
-            "tokens_per_text": float(lengths_short.mean()), "max_tokens": max_tokens, "batch_rows": batch_rows,
-            "mean_text_bytes": float(np.mean([len(t.encode()) for t in short]))}
+        obs.append(measure("short", b, int(np.clip(per_b / est, repeats, 25)))[0])
+    if top < len(texts["short"]) and per_row * top * repeats * 1.5 < left():
+        obs.append(measure("short", top, repeats, start=len(texts["short"]) - top)[0])
+    return dict(result, observations=obs)
 
 
 # -- the Dask-path probe -------------------------------------------------------------------------
@@ -383,12 +505,15 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
 
     Every timed run computes a graph never computed before: a repeated graph would return
     results the scheduler still holds (its release is asynchronous) and time nothing. The
-    runs alternate, and each kind keeps its best of three (load on the machine only adds time).
+    runs alternate, three rounds of them, and each kind is observed by its median.
+
+    The SuperBatch run is built with :func:`dask_surge.api.encode` (imported here, when it
+    runs: ``api`` imports this module lazily too), not through the ``.surge`` accessor.
     """
-    from . import accessor  # noqa: F401  (registers .surge)
+    from .api import encode as surge_encode
     from .encoders import Encoder
     from .plugins import register_encoder
-    from .testing import make_partitioned_frame
+    from .synthetic import make_partitioned_frame
 
     seeds = iter(range(1_000, 1_000_000))
 
@@ -405,7 +530,7 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
         return lambda: client.compute(coll, sync=True)
 
     def surge(sizes, m):
-        coll = make_partitioned_frame(sizes, seed=next(seeds)).surge.encode("text", model=encoder, b_min=m, b_max=m)
+        coll = surge_encode(make_partitioned_frame(sizes, seed=next(seeds)), "text", model=encoder, b_min=m, b_max=m)
         return lambda: client.compute(coll, sync=True)  # the size pass ran above, outside the timing
 
     def timed(fn) -> float:
@@ -428,7 +553,7 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
     n_mod = int(np.clip(share / (wave1 + cost(m_mod) - cost(1)), min_waves, 200))
     m_sb = 8
     n_sb = int(np.clip(share / (wave1 + 8 * (wave1 + cost(8) / 8)), 4, 60))
-    best: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
     for _ in range(rounds):
         runs = {"small": pbp([1] * W), "large": pbp([1] * (n_large * W)),
                 "io_1": pbp_null([1] * (2 * W)), "io_big": pbp_null([_IO_ROWS] * (2 * W)),
@@ -436,11 +561,12 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
         if m_mod > 1:  # with m = 1 the large one-row run is the moderate run
             runs["moderate"] = pbp([m_mod] * (n_mod * W))
         for name, fn in runs.items():
-            best[name] = min(best.get(name, np.inf), timed(fn))
-    runs = {"small": (W, best["small"]), "large": (n_large * W, best["large"]),
-            "moderate": (n_mod * W, m_mod, best["moderate"]) if m_mod > 1 else (n_large * W, 1, best["large"]),
-            "io": (2 * W, _IO_ROWS, best["io_1"], best["io_big"]),
-            "surge": (n_sb * m_sb * W, m_sb, best["surge"])}
+            times.setdefault(name, []).append(timed(fn))
+    med = {name: float(np.median(t)) for name, t in times.items()}
+    runs = {"small": (W, med["small"]), "large": (n_large * W, med["large"]),
+            "moderate": (n_mod * W, m_mod, med["moderate"]) if m_mod > 1 else (n_large * W, 1, med["large"]),
+            "io": (2 * W, _IO_ROWS, med["io_1"], med["io_big"]),
+            "surge": (n_sb * m_sb * W, m_sb, med["surge"])}
     terms = solve_dask_terms(cost, workers=W, setup_s=setup_s, **runs)
     terms["probe"] = {k: [round(x, 4) if isinstance(x, float) else x for x in v] for k, v in runs.items()}
     return terms
@@ -507,12 +633,22 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 10, cache: bool = T
 
     Returns
     -------
-    CostParams
+    CostParams or None
+        ``None`` when ``probe=False`` and nothing is cached, or when the probe could not
+        separate the per-row encode cost from timing noise within ``seconds`` (a busy
+        machine): a :class:`CalibrationWarning` then says so, nothing is cached, and
+        callers fall back to the defaults of an uncalibrated run (``plan()`` shows no
+        predictions, ``b_min="auto"`` uses ``surge.b-min`` / ``surge.b-max``).
 
     Raises
     ------
     SurgeValueError
         If ``seconds`` is not a positive number.
+
+    Warns
+    -----
+    CalibrationWarning
+        When the probe falls back (see Returns).
 
     Examples
     --------
@@ -562,9 +698,18 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 10, cache: bool = T
         futures = [client.submit(_probe_curve, enc, curve_budget, pure=False, workers=[w])
                    for w in sorted(client.scheduler_info()["workers"])]
         probes = client.gather(futures)
-        probe = dict(probes[0], observations=[o for p in probes for o in p["observations"]])
+        # a worker whose probe stayed in the noise (a busy core) would only blur the others' curve
+        usable = [p for p in probes if p["separable"]] or probes[:1]
+        probe = dict(usable[0], observations=[o for p in usable for o in p["observations"]])
+    if not probe["separable"]:
+        _warn_not_separable(enc, probe["noise"], seconds, client)
+        return None
     rows, padded, forwards, secs = (np.array(x, dtype=float) for x in zip(*probe["observations"]))
-    fit = fit_encode_curve(rows, padded, forwards, secs)
+    try:
+        fit = fit_encode_curve(rows, padded, forwards, secs)
+    except SurgeValueError as err:  # the medians still do not grow with the call
+        _warn_not_separable(enc, probe["noise"], seconds, client, detail=str(err))
+        return None
     tau = probe["tokens_per_text"]
     beta = fit.per_text_s + fit.per_token_s * tau
     # NNLS may put the whole fixed cost of a 1-row call into its forward pass; a call is never free
@@ -598,6 +743,27 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 10, cache: bool = T
         except OSError as err:  # a read-only home must not break planning
             logger.warning("dask-surge: could not cache the calibration in %s (%s)", path, err)
     return params
+
+
+class CalibrationWarning(UserWarning):
+    """The calibration probe could not measure the encode cost: defaults are used instead."""
+
+
+def _warn_not_separable(encoder, noise: dict, seconds: float, client, detail: str = "") -> None:
+    """Warn that the probe's per-row cost stayed in the noise; the caller falls back to defaults."""
+    one_med, one_mad = noise["one_row"]
+    rows, big_med, big_mad = noise["largest"]
+    where = "its workers" if client is not None else "this process"
+    msg = (
+        f"dask-surge: calibration of {encoder!r} could not separate the per-row encode cost from timing "
+        f"noise on {where}: a call of {rows:,} rows took {big_med:.4g} s (median, spread {big_mad:.2g} s) "
+        f"against {one_med:.4g} s (spread {one_mad:.2g} s) for one row, within seconds={seconds:g} "
+        f"(rule: the gap must exceed {SEPARATION_SIGMAS:g} spreads and the large call {SEPARATION_RATIO:g}x "
+        "the one-row call). Nothing is cached; plan() shows no predictions and b_min='auto' uses the "
+        "default thresholds (surge.b-min / surge.b-max). Fix: calibrate again on a quieter machine, or "
+        "with a longer probe (seconds=...)." + (f" ({detail})" if detail else "")
+    )
+    warnings.warn(msg, CalibrationWarning, stacklevel=3)
 
 
 def _bytes_per_row(mean_bytes: float, tokens_per_text: float) -> float:

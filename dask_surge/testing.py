@@ -27,7 +27,8 @@ import numpy as np
 from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, write_partitioned_parquet
 
 __all__ = [
-    "CountingEncoder", "DieOnce", "GatedEncoder", "Hog", "InterruptAfter", "checksum_model", "lognormal_sizes",
+    "CountingEncoder", "DieOnce", "FakeClock", "FakeTimedEncoder", "GatedEncoder", "Hog", "InterruptAfter",
+    "checksum_model", "lognormal_sizes",
     "make_partitioned_frame", "make_texts", "make_tiny_model", "packaged_model_dir", "write_partitioned_parquet",
 ]
 
@@ -153,6 +154,14 @@ class CountingEncoder:
     def __init__(self, dim: int = 8):
         self.dim = int(dim)
         self.calls: list[int] = []
+
+    def __getstate__(self) -> dict:
+        # the call log is per process and not part of the model: a run's fingerprint digests
+        # the pickled model, which must not change as the model is used
+        return {"dim": self.dim}
+
+    def __setstate__(self, state: dict) -> None:
+        self.dim, self.calls = state["dim"], []
 
     def __call__(self, texts) -> np.ndarray:
         self.calls.append(len(texts))
@@ -327,3 +336,86 @@ class CallLog:
                 return [int(line) for line in f if line.strip()]
         except FileNotFoundError:
             return []
+
+
+# -- a deterministic clock and encoder for timing logic (the calibration probe) ------------------
+
+
+class FakeClock:
+    """A clock that only moves when told: drive timing logic without timing anything.
+
+    Call it for the time in seconds (like ``time.perf_counter``); :meth:`advance` moves it.
+
+    Examples
+    --------
+    >>> clock = FakeClock()
+    >>> clock.advance(0.25)
+    >>> clock()
+    0.25
+    """
+
+    def __init__(self, start: float = 0.0):
+        self.now = float(start)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        """Move the clock ``seconds`` forward."""
+        if seconds < 0:
+            raise ValueError(f"seconds={seconds!r}: a clock never runs backwards. Fix: advance by >= 0.")
+        self.now += float(seconds)
+
+
+class FakeTimedEncoder:
+    """A callable model whose calls "take" a scripted time on a :class:`FakeClock`.
+
+    A call of ``n`` texts advances the clock by ``setup_s + per_row_s * n``, plus, with
+    a seeded random generator, a jitter of up to ``jitter_s`` and, with probability
+    ``spike_p``, a spike of 0.5-1.5 times ``spike_s`` (a call preempted by another process). With
+    ``per_row_s=0`` the time does not depend on the call at all: pure noise, as a
+    probe sees on a saturated machine. Use it in the process that owns the clock
+    (the sync scheduler or a probe run in-process).
+
+    Parameters
+    ----------
+    clock : FakeClock
+    setup_s, per_row_s : float
+        Cost of a call and of each text in it.
+    jitter_s : float
+        Uniform extra time in ``[0, jitter_s)`` on every call.
+    spike_p, spike_s : float
+        Probability and mean length of a spike.
+    dim : int
+        Embedding size (the model returns zeros).
+    seed : int
+        Seed of the jitter and spikes.
+
+    Examples
+    --------
+    >>> clock = FakeClock()
+    >>> model = FakeTimedEncoder(clock, setup_s=0.01, per_row_s=0.001)
+    >>> model(["a", "b"]).shape, round(clock(), 6), model.calls
+    ((2, 4), 0.012, [2])
+    """
+
+    def __init__(self, clock: FakeClock, *, setup_s: float, per_row_s: float, jitter_s: float = 0.0,
+                 spike_p: float = 0.0, spike_s: float = 0.0, dim: int = 4, seed: int = 0):
+        self.clock, self.setup_s, self.per_row_s = clock, float(setup_s), float(per_row_s)
+        self.jitter_s, self.spike_p, self.spike_s = float(jitter_s), float(spike_p), float(spike_s)
+        self.dim = int(dim)
+        self.calls: list[int] = []
+        self._rng = np.random.default_rng(seed)
+
+    def cost(self, n: int) -> float:
+        """The noise-free time of a call of ``n`` texts."""
+        return self.setup_s + self.per_row_s * n
+
+    def __call__(self, texts) -> np.ndarray:
+        n = len(texts)
+        self.calls.append(n)
+        extra = self.jitter_s * float(self._rng.random())
+        if self.spike_p and self._rng.random() < self.spike_p:
+            extra += self.spike_s * (0.5 + float(self._rng.random()))
+        self.clock.advance(self.cost(n) + extra)
+        return np.zeros((n, self.dim), dtype=np.float32)
