@@ -140,7 +140,7 @@ def resolve_model(model: str | os.PathLike, revision: str | None = None) -> Reso
         snapshot = resolve_hub_model(name, revision)
         return ResolvedModel(_check_model_dir(snapshot.path, name), name, snapshot.commit)
     raise SurgeModelError(
-        f"model={name!r} is neither an existing local path nor a Hugging Face Hub name ('org/name'). "
+        f"model={name!r} does not exist as a local path, and is not a Hugging Face Hub name ('org/name'). "
         "Fix: pass a Hub name such as 'BAAI/bge-small-en-v1.5', the directory SentenceTransformer.save() "
         "wrote, or model='default' for the packaged all-MiniLM-L6-v2."
     )

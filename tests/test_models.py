@@ -181,7 +181,7 @@ def test_absent_revision_offline_raises(hub_cache, tiny_model):
 
 
 def test_not_a_path_nor_a_hub_name(hub_cache):
-    with pytest.raises(SurgeModelError, match=r"neither an existing local path nor a Hugging Face Hub name"):
+    with pytest.raises(SurgeModelError, match=r"does not exist as a local path, and is not a Hugging Face Hub name"):
         Encoder("/no/such/model/dir")
 
 
@@ -416,3 +416,40 @@ def test_vocabularies_are_defined_once():
     encode = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["encode"]._actions
                   if a.dest == "precision")
     assert tuple(encode.choices) == options.PRECISIONS
+
+
+def test_cli_takes_hub_names_and_prompts(hub_cache, tmp_path, capsys):
+    from dask_surge.cli import main
+    from dask_surge.testing import write_partitioned_parquet
+
+    path = model_with_prompts(tmp_path / "m", make_tiny_model(tmp_path / "tiny", seed=3), PROMPTS)
+    commit = commit_of("cli")
+    add_to_hub_cache(hub_cache, "org/prompted", path, commit=commit)
+    write_partitioned_parquet(tmp_path / "in", [4, 5])
+    code = main(["encode", str(tmp_path / "in"), "--text-column", "text", "--output", str(tmp_path / "out"),
+                 "--model", "org/prompted", "--revision", "main", "--prompt-name", "query", "--b-min", "4",
+                 "--b-max", "9", "--device", "cpu", "--engine", "fast", "--scheduler", "sync", "--no-progress",
+                 "--json"])
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 9
+    texts = pd.read_parquet(tmp_path / "in").text.tolist()
+    back = dask_surge.read_embeddings(str(tmp_path / "out")).compute().sort_values(["partition", "row"])
+    reference = SentenceTransformer(path, device="cpu").encode(texts, prompt_name="query")
+    assert min_cosine(np.stack(back["embedding"].to_numpy()), reference) >= 0.9999
+    assert main(["encode", str(tmp_path / "in"), "--text-column", "text", "--output", str(tmp_path / "o2"),
+                 "--model", "org/absent", "--scheduler", "sync", "--no-progress"]) == 2
+    assert "is not in the Hugging Face cache" in capsys.readouterr().err
+
+
+def test_accessor_shows_the_real_signature_and_docstring():
+    import inspect
+
+    from dask_surge import api
+
+    ddf = dd.from_pandas(pd.DataFrame({"text": ["a"]}), npartitions=1)
+    for name in ("encode", "plan"):
+        bound, func = getattr(ddf.surge, name), getattr(api, name)
+        assert bound.__doc__ == func.__doc__
+        assert list(inspect.signature(bound).parameters) == list(inspect.signature(func).parameters)[1:]
+    assert {"prompt", "prompt_name", "revision", "trust_remote_code", "model_kwargs"} <= set(
+        inspect.signature(ddf.surge.encode).parameters)
