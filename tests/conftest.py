@@ -1,4 +1,5 @@
 import os
+import sys
 import tempfile
 
 import pytest
@@ -7,6 +8,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # hermetic: calibrations cached by earlier runs on this machine must not steer b_min="auto"
 os.environ["DASK_SURGE_CACHE_DIR"] = tempfile.mkdtemp(prefix="surge-test-cache-")
+
+
+def _ast_depth_bug() -> bool:
+    """CPython 3.11.0-3.11.7 and 3.12.0-3.12.1 miscount the AST constructor's recursion depth
+    after an error (python/cpython#106905, fixed by #113035 in 3.11.8 and 3.12.2)."""
+    v = sys.version_info[:3]
+    return (3, 11) <= v[:2] and v < (3, 11, 8) or (3, 12) <= v[:2] and v < (3, 12, 2)
+
+
+def pytest_configure(config):
+    # On those interpreters pytest's long tracebacks, which parse each frame's source with ast,
+    # can crash the report of a failure with "INTERNALERROR ... SystemError: AST constructor
+    # recursion depth mismatch" (pytest-dev/pytest#10874, #11724; seen here under hypothesis).
+    # Native tracebacks parse no source; an explicit --tb is kept.
+    if _ast_depth_bug() and config.option.tbstyle == "auto":
+        config.option.tbstyle = "native"
 
 
 @pytest.fixture(scope="session")
