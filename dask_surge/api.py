@@ -233,24 +233,37 @@ def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
 
 def _resolve_encoder(model: Any, opts: dict) -> Encoder:
     if isinstance(model, Encoder):
+        given = {k: v for k, v in opts.items() if v is not None and v is not False}
+        if given:
+            raise SurgeValueError(
+                f"{', '.join(f'{k}={v!r}' for k, v in given.items())} given alongside a ready Encoder "
+                f"({model!r}), which holds its own options, so they would be dropped. Fix: "
+                f"model.with_options({', '.join(f'{k}=...' for k in given)}), or pass the model's name with them."
+            )
         return model
     model = config.get("model") if model is None else model
     return Encoder(
         model, device=config.get("device", opts.get("device")), dtype=config.get("dtype", opts.get("dtype")),
         engine=config.get("engine", opts.get("engine")), batch_size=config.get("batch-size", opts.get("batch_size")),
-        max_tokens=config.get("max-tokens", opts.get("max_tokens")),
+        max_tokens=config.get("max-tokens", opts.get("max_tokens")), prompt=opts.get("prompt"),
+        prompt_name=opts.get("prompt_name"), revision=opts.get("revision"),
+        trust_remote_code=bool(opts.get("trust_remote_code")), model_kwargs=opts.get("model_kwargs"),
     )
 
 
 def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str | None = None,
          max_bytes: int | str | None = None, model: Any = None, params: Any = None, calibrate: bool = False,
-         client: Any = None, token_sample: int | None = None) -> SurgePlan:
+         client: Any = None, token_sample: int | None = None, prompt: str | None = None,
+         prompt_name: str | None = None, revision: str | None = None, trust_remote_code: bool = False,
+         model_kwargs: dict | None = None) -> SurgePlan:
     """Plan the SuperBatches for ``ddf[column]`` without encoding anything.
 
     Parameters
     ----------
     ddf, column, b_min, b_max, max_bytes, model
         As for :func:`encode`.
+    prompt, prompt_name, revision, trust_remote_code, model_kwargs
+        As for :func:`encode` (a prompt adds to every text's tokens).
     params : dask_surge.costmodel.CostParams, optional
         Cost-model parameters; with them the plan predicts every policy.
     calibrate : bool
@@ -274,6 +287,10 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     SurgePlan(10 rows in 5 partitions -> 3 SuperBatches of 2-4 rows; b_min=4, b_max=6, sizes from len-pass)
     """
     _check_columns(ddf, column, ())
+    model_opts = dict(prompt=prompt, prompt_name=prompt_name, revision=revision,
+                      trust_remote_code=trust_remote_code, model_kwargs=model_kwargs)
+    if any(v is not None and v is not False for v in model_opts.values()):
+        model = _resolve_encoder(model, model_opts)  # the probe and the token sample use this model
     max_bytes = config.get("max-bytes", max_bytes)
     sizes = _sizes(ddf[[column]], column, max_bytes)
     if calibrate and params is None:
@@ -402,6 +419,11 @@ def encode(
     engine: str | None = None,
     batch_size: int | None = None,
     max_tokens: int | None = None,
+    prompt: str | None = None,
+    prompt_name: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    model_kwargs: dict | None = None,
     overwrite: bool = False,
     storage_options: dict | None = None,
     scheduler: Any = None,
@@ -419,7 +441,11 @@ def encode(
         Directory (local path or fsspec URL) to write to. ``None`` returns a lazy
         Dask DataFrame instead.
     model : str, path, SentenceTransformer, callable or Encoder, optional
-        Default ``surge.model`` (the packaged all-MiniLM-L6-v2).
+        A Hugging Face Hub name such as ``"BAAI/bge-small-en-v1.5"`` (resolved through
+        the HF cache, ``HF_HOME``/``HF_HUB_CACHE``, honouring ``HF_HUB_OFFLINE``), a
+        local model directory, a loaded model or callable, or a ready
+        :class:`dask_surge.Encoder` (then give no encoder options here). Default
+        ``surge.model`` (the packaged all-MiniLM-L6-v2).
     b_min, b_max : int or "auto", optional
         SuperBatch flush threshold and hard cap, in rows (``surge.b-min``/``b-max``;
         ``"auto"`` is 100,000/400,000 on a GPU and 4,096/16,384 on a CPU).
@@ -447,6 +473,17 @@ def encode(
         :func:`skipped_rows`).
     device, dtype, engine, batch_size, max_tokens : optional
         Encoder options, see :class:`dask_surge.Encoder`.
+    prompt, prompt_name : str, optional
+        As in ``SentenceTransformer.encode``: a text put before every input, or the
+        name of one of the model's prompts (``prompt_name="query"``); with neither,
+        the model's default prompt applies. Part of the run's fingerprint.
+    revision : str, optional
+        Branch, tag or commit of a Hub model (``model="org/name"``); the commit it
+        resolves to is what every worker loads.
+    trust_remote_code : bool
+        Let a Hub model run its own modelling code (off by default).
+    model_kwargs : dict, optional
+        Passed to ``SentenceTransformer(model_kwargs=...)``.
     overwrite : bool
         Replace a different run found at ``output`` (only once this run completes).
     storage_options : dict, optional
@@ -476,7 +513,9 @@ def encode(
     if not isinstance(overwrite, bool):
         raise SurgeValueError(f"overwrite={overwrite!r} must be True or False. Fix: pass overwrite=True to replace a different run.")
     encoder = _resolve_encoder(model, dict(device=device, dtype=dtype, engine=engine, batch_size=batch_size,
-                                           max_tokens=max_tokens))
+                                           max_tokens=max_tokens, prompt=prompt, prompt_name=prompt_name,
+                                           revision=revision, trust_remote_code=trust_remote_code,
+                                           model_kwargs=model_kwargs))
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
     validate_thresholds(*config.thresholds(b_min, b_max, gpu=on_gpu))  # fail before any work
     max_bytes = config.get("max-bytes", max_bytes)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import SurgeError
+from .options import DTYPES, ENGINES, ON_NULLS, PRECISIONS
 
 __all__ = ["main", "build_parser"]
 
@@ -20,23 +21,41 @@ FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "js
 
 
 def _add_encode_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="'default' (packaged all-MiniLM-L6-v2) or a local model dir")
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face Hub name (org/name, from the HF cache), a local model dir, or 'default' "
+                        "(packaged all-MiniLM-L6-v2)")
+    _add_model_options(p)
     p.add_argument("--b-min", type=_threshold, default=None, help="SuperBatch flush threshold, rows, or auto")
     p.add_argument("--b-max", type=_threshold, default=None, help="SuperBatch hard cap, rows, or auto")
     p.add_argument("--max-bytes", default=None, help="cap on a SuperBatch's text bytes, e.g. '512 MiB'")
     p.add_argument("--normalize", action="store_true", default=None, help="L2-normalize embeddings")
-    p.add_argument("--precision", choices=["float32", "float16", "int8", "binary"], default=None,
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="stored type: float32, float16, int8 (needs --normalize) or binary (sign bits)")
     p.add_argument("--truncate-dim", type=int, default=None, help="keep the first k dimensions (Matryoshka)")
-    p.add_argument("--on-null", choices=["error", "empty", "skip"], default=None,
+    p.add_argument("--on-null", choices=ON_NULLS, default=None,
                    help="what a null text does: error (default), encode as empty, or skip and record it")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when available)")
-    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default=None)
+    p.add_argument("--dtype", choices=DTYPES, default=None)
+    p.add_argument("--engine", choices=ENGINES, default=None,
+                   help="fast engine, sentence-transformers' encode, or auto (fast where the model allows)")
     p.add_argument("--scheduler", default=None,
                    help="address of a running Dask scheduler, or 'threads'/'sync' (default: a local cluster)")
     p.add_argument("--overwrite", action="store_true", help="replace a different run at --output once done")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", default=None, help="text put before every input (as SentenceTransformer.encode)")
+    p.add_argument("--prompt-name", default=None, help="one of the model's prompts, e.g. query")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model (default main)")
+    p.add_argument("--trust-remote-code", action="store_true", default=False,
+                   help="let a Hub model run its own code (only for models you trust)")
+
+
+def _model_options(args) -> dict:
+    return {"prompt": args.prompt, "prompt_name": args.prompt_name, "revision": args.revision,
+            "trust_remote_code": args.trust_remote_code}
 
 
 def _threshold(value: str):
@@ -71,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--text-column", required=True)
     pl.add_argument("--format", choices=["parquet", "csv", "json"], default=None)
     pl.add_argument("--model", default=None)
+    _add_model_options(pl)
     pl.add_argument("--b-min", type=_threshold, default=None)
     pl.add_argument("--b-max", type=_threshold, default=None)
     pl.add_argument("--max-bytes", default=None, help="cap on a SuperBatch's text bytes, e.g. '512 MiB'")
@@ -139,7 +159,8 @@ def _options(args) -> dict:
     return dict(model=args.model, b_min=args.b_min, b_max=args.b_max, max_bytes=args.max_bytes,
                 normalize=args.normalize, truncate_dim=args.truncate_dim,
                 precision=args.precision, on_null=args.on_null, device=args.device, dtype=args.dtype,
-                overwrite=args.overwrite, progress=args.progress, scheduler=_scheduler(args.scheduler))
+                engine=args.engine, **_model_options(args), overwrite=args.overwrite, progress=args.progress,
+                scheduler=_scheduler(args.scheduler))
 
 
 def _print_result(result, as_json: bool) -> None:
@@ -202,7 +223,7 @@ def cmd_plan(args) -> int:
 
         with local_cluster() as cluster, Client(cluster) as client:
             result = plan(ddf, args.text_column, b_min=args.b_min, b_max=args.b_max, max_bytes=args.max_bytes,
-                          model=args.model, calibrate=True, client=client)
+                          model=args.model, calibrate=True, client=client, **_model_options(args))
     else:
         result = plan(ddf, args.text_column, b_min=args.b_min, b_max=args.b_max, max_bytes=args.max_bytes)
     print(result)
@@ -221,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     logging.getLogger("dask_surge").addHandler(handler)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # Hub names download once when online (HF_HUB_OFFLINE=1 keeps to the cache), as sentence-transformers does
     # quiet model loading in this process and in the local cluster's workers (they inherit it)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
