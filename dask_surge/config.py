@@ -16,7 +16,7 @@ import yaml
 from .errors import SurgeValueError
 from .options import DTYPES, ENGINES, ON_NULLS, PRECISIONS
 
-__all__ = ["get", "DEFAULTS_PATH", "OPTIONS"]
+__all__ = ["DEFAULTS_PATH", "OPTIONS", "get"]
 
 DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "surge.yaml")
 

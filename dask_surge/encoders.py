@@ -13,9 +13,10 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,14 @@ import numpy as np
 from .errors import SurgeModelError, SurgeValueError
 from .options import DTYPES, ENGINES, Dtype, EngineName
 
-__all__ = ["Encoder", "resolve_model", "resolve_model_path", "ResolvedModel", "DEFAULT_MODEL_ALIASES",
-           "PACKAGED_HUB_ID"]
+__all__ = [
+    "DEFAULT_MODEL_ALIASES",
+    "PACKAGED_HUB_ID",
+    "Encoder",
+    "ResolvedModel",
+    "resolve_model",
+    "resolve_model_path",
+]
 
 #: Names of the packaged all-MiniLM-L6-v2. ``PACKAGED_HUB_ID`` is also a Hub name: a snapshot of it in
 #: the Hugging Face cache wins (it carries a commit), else the packaged copy (same weights) is used.
@@ -36,7 +43,7 @@ DEFAULT_MODEL_ALIASES = ("default", "all-MiniLM-L6-v2", PACKAGED_HUB_ID)
 logger = logging.getLogger(__name__)
 
 # process-wide state: loaded models by spec, in-memory sources by token
-_LOADED: dict["EncoderSpec", "_Loaded"] = {}
+_LOADED: dict[EncoderSpec, _Loaded] = {}
 _LOAD_LOCK = threading.Lock()
 _OBJECTS: dict[str, Any] = {}
 _counter = itertools.count()
@@ -314,9 +321,9 @@ class Encoder:
         trust_remote_code: bool = False,
         model_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        given = dict(device=device, dtype=dtype, engine=engine, batch_size=batch_size, max_tokens=max_tokens,
-                     prompt=prompt, prompt_name=prompt_name, revision=revision,
-                     trust_remote_code=trust_remote_code, model_kwargs=model_kwargs)
+        given = {"device": device, "dtype": dtype, "engine": engine, "batch_size": batch_size,
+                 "max_tokens": max_tokens, "prompt": prompt, "prompt_name": prompt_name, "revision": revision,
+                 "trust_remote_code": trust_remote_code, "model_kwargs": model_kwargs}
         if isinstance(model, Encoder):
             changed = {k: v for k, v in given.items() if v != _OPTION_DEFAULTS[k]}
             if changed:
@@ -467,7 +474,7 @@ class Encoder:
                     _LOADED[self.spec] = loaded
         return loaded
 
-    def load(self) -> "Encoder":
+    def load(self) -> Encoder:
         """Load the model into this process now (otherwise done on first use)."""
         self._loaded()
         return self
@@ -574,8 +581,8 @@ class Encoder:
             texts = texts.to_pandas()
         values = texts.tolist() if hasattr(texts, "tolist") else list(texts)
         valid = np.fromiter((isinstance(v, str) for v in values), dtype=bool, count=len(values))
-        nulls = ~valid & np.fromiter((v is None or v is pd.NA or (isinstance(v, float) and v != v) for v in values),
-                                     dtype=bool, count=len(values))
+        nulls = ~valid & np.fromiter((v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))
+                                      for v in values), dtype=bool, count=len(values))
         if (bad := np.flatnonzero(~valid & ~nulls)).size:
             from .errors import SurgeInputError
 
@@ -604,7 +611,7 @@ class Encoder:
         empty = embedding_array(np.zeros((0, self.dimension), dtype=np.float32))
         return pd.Series(pd.arrays.ArrowExtensionArray(empty), name="embedding")
 
-    def with_options(self, **changes: Any) -> "Encoder":
+    def with_options(self, **changes: Any) -> Encoder:
         """A copy with some options changed (``device=``, ``dtype=``, ``prompt_name=``...), checked as in the constructor.
 
         Examples
@@ -633,7 +640,7 @@ class Encoder:
         return new
 
 
-def resolve_prompt(prompts: dict[str, str], default_prompt_name: str | None, prompt: str | None,
+def resolve_prompt(prompts: Mapping[str, str | None], default_prompt_name: str | None, prompt: str | None,
                    prompt_name: str | None, *, source: str = "the model") -> str | None:
     """The prompt text, with ``SentenceTransformer._resolve_prompt``'s rules.
 
@@ -757,7 +764,7 @@ def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError:  # pragma: no cover - a runtime dependency
-        SentenceTransformer = ()  # type: ignore[assignment]
+        SentenceTransformer = ()  # type: ignore[assignment, misc]
     if isinstance(obj, SentenceTransformer):
         name = spec.repo_id or (spec.source if spec.kind == "path" else type(obj).__name__)
         prompt = resolve_prompt(dict(obj.prompts), obj.default_prompt_name, spec.prompt, spec.prompt_name,

@@ -335,8 +335,8 @@ class TransformerEngine:
     def _forward(self, ids: np.ndarray, mask: np.ndarray, types: np.ndarray | None) -> torch.Tensor:
         amp = torch.autocast("cuda", dtype=self._amp) if self._amp is not None else contextlib.nullcontext()
         with self._lock, torch.inference_mode(), amp:
-            inputs = {"input_ids": ids, "attention_mask": mask} | ({} if types is None else {"token_type_ids": types})
-            inputs = {k: torch.from_numpy(v).to(self.device, non_blocking=True) for k, v in inputs.items()}
+            arrays = {"input_ids": ids, "attention_mask": mask} | ({} if types is None else {"token_type_ids": types})
+            inputs = {k: torch.from_numpy(v).to(self.device, non_blocking=True) for k, v in arrays.items()}
             hidden = self._hf(**inputs, return_dict=True).last_hidden_state.float()
             return self._pool(hidden, inputs["attention_mask"])
 
@@ -403,7 +403,7 @@ def _with_onednn_linear(hf: torch.nn.Module) -> torch.nn.Module:
             if pack is not None and module.weight.dtype == torch.float32:
                 with contextlib.suppress(RuntimeError), torch.no_grad():
                     module._packed = pack(module.weight.detach(), _CPU_MAX_TOKENS)
-                    module._packed_version = module.weight._version
+                    module._packed_version = module.weight._version  # type: ignore[assignment]
     for module in list(clone.modules()):
         _fuse_gelu(module)
     return clone
@@ -433,4 +433,4 @@ def _fuse_gelu(module: torch.nn.Module) -> None:
     except Exception:  # noqa: BLE001 - any failure means: leave the module as it was
         same = False
     if not same:
-        dense._gelu, module.intermediate_act_fn = False, act
+        dense._gelu, module.intermediate_act_fn = False, act  # type: ignore[assignment]

@@ -34,8 +34,14 @@ from pathlib import Path
 
 from .errors import SurgeModelError
 
-__all__ = ["HubSnapshot", "hub_cache_dir", "hub_offline", "looks_like_repo_id", "resolve_hub_model",
-           "cached_snapshot"]
+__all__ = [
+    "HubSnapshot",
+    "cached_snapshot",
+    "hub_cache_dir",
+    "hub_offline",
+    "looks_like_repo_id",
+    "resolve_hub_model",
+]
 
 #: ``org/name`` as the Hub spells repo ids (one slash; letters, digits, ``-``, ``_``, ``.``).
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -219,7 +225,7 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> HubSnapshot:
             _FOREIGN_WEIGHTS), library_name="dask-surge")
     except LocalEntryNotFoundError:
         raise _absent(repo_id, revision, cache, True) from None
-    except Exception as err:  # noqa: BLE001 - network, permissions, disk: all end the same way for the user
+    except Exception as err:
         raise SurgeModelError(
             f"model={repo_id!r} (commit {commit}) could not be downloaded into the Hugging Face cache {cache} "
             f"({type(err).__name__}: {err}). Fix: check the network and that {cache} is writable (set "

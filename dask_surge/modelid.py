@@ -187,8 +187,8 @@ def _module_settings(model: Any) -> str:
         if callable(get_config):
             try:
                 parts.append(json.dumps(get_config(), sort_keys=True, default=str))
-            except Exception:  # noqa: BLE001 - a custom module's config is best effort
-                pass
+            except Exception as err:  # noqa: BLE001 - a custom module's config is best effort
+                logger.debug("dask-surge: no config of %s in the model digest (%s)", type(module).__name__, err)
         config = getattr(getattr(module, "auto_model", None), "config", None)
         if config is not None and hasattr(config, "to_json_string"):
             parts.append(config.to_json_string(use_diff=False))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-__all__ = ["Precision", "OnNull", "Dtype", "EngineName", "choices", "PRECISIONS", "ON_NULLS", "DTYPES", "ENGINES"]
+__all__ = ["DTYPES", "ENGINES", "ON_NULLS", "PRECISIONS", "Dtype", "EngineName", "OnNull", "Precision", "choices"]
 
 #: Storage type of the embedding values (see :mod:`dask_surge.precision`).
 Precision = Literal["float32", "float16", "int8", "binary"]

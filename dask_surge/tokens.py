@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["token_counter", "sample_texts", "DEFAULT_TRUNCATION"]
+__all__ = ["DEFAULT_TRUNCATION", "sample_texts", "token_counter"]
 
 #: Truncation assumed when a model directory does not state ``max_seq_length``.
 DEFAULT_TRUNCATION = 512
@@ -134,7 +134,7 @@ def sample_texts(frame, column: str, sizes: Sequence[int], *, n: int = 2048, par
         return []
     mean = float(np.mean([sizes[i] for i in nonempty]))
     k = min(len(nonempty), max(partitions, min(max_partitions, int(np.ceil(2 * n / mean)))))
-    picks = sorted({nonempty[int(round(x))] for x in np.linspace(0, len(nonempty) - 1, k)})
+    picks = sorted({nonempty[round(x)] for x in np.linspace(0, len(nonempty) - 1, k)})
     total = sum(sizes[i] for i in picks)
     series = frame[column]
     samples = [series.partitions[i].map_partitions(_sample, -(-n * sizes[i] // total), seed + i, meta=series._meta)

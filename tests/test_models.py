@@ -18,7 +18,7 @@ import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
-import dask_surge  # noqa: F401  (registers .surge)
+import dask_surge
 from dask_surge import Encoder, modelid
 from dask_surge.encoders import PACKAGED_HUB_ID
 from dask_surge.errors import SurgeModelError, SurgeValueError
@@ -94,8 +94,9 @@ def make_tiny_decoder(path: Path, arch: str = "qwen2", seed: int = 0) -> str:
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(packaged_model_dir()))
     tokenizer.padding_side = "left"  # as Qwen embedders ship
-    shape = dict(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    shape = {"vocab_size": tokenizer.vocab_size, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 256}
     config, model_cls = (Qwen2Config(**shape), Qwen2Model) if arch == "qwen2" else (
         Qwen3Config(head_dim=8, **shape), Qwen3Model)
     base = path / "_decoder"
