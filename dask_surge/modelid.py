@@ -15,7 +15,8 @@ what it computes with, not by its name:
   by a digest of its ``state_dict`` plus, for a ``SentenceTransformer``, each
   module's configuration and tokenizer; cached while no parameter changes
   (torch's per-tensor version counters);
-* any other callable by a digest of its pickled code and state (cloudpickle).
+* any other callable by its qualified name and bytecode (a function's, or its
+  class's ``__call__``): not its attributes, which are often call counters or caches.
 
 Examples
 --------
@@ -27,6 +28,7 @@ Examples
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -131,6 +133,8 @@ def object_digest(obj: Any) -> str:
     Parameters
     ----------
     obj : SentenceTransformer, torch.nn.Module or callable
+        Torch modules are identified by their weights (``state_dict``) and settings;
+        other callables by their code only.
 
     Returns
     -------
@@ -167,15 +171,29 @@ def object_digest(obj: Any) -> str:
         with _LOCK:
             _OBJ_CACHE[id(obj)] = (obj, versions, digest)
         return digest
-    import cloudpickle
+    return hashlib.sha256(_code_identity(obj).encode()).hexdigest()
 
-    try:
-        blob = cloudpickle.dumps(obj)
-    except Exception as err:  # noqa: BLE001 - unpicklable callables are identified by type only
-        logger.warning("dask-surge: %r cannot be pickled (%s); its identity is its type only, so a resumed "
-                       "run cannot tell two such callables apart", obj, err)
-        blob = f"{type(obj).__module__}.{type(obj).__qualname__}".encode()
-    return hashlib.sha256(blob).hexdigest()
+
+def _code_identity(obj: Any) -> str:
+    """What a plain callable computes with: its qualified name and bytecode (not its mutable state).
+
+    A callable's attributes are often bookkeeping (call counters, caches) that must not
+    make a rerun look like another model, so only code counts: a function's, or its
+    class's ``__call__``.
+    """
+    func = obj if inspect.isfunction(obj) or inspect.ismethod(obj) else type(obj).__call__
+    func = getattr(func, "__func__", func)
+    code = getattr(func, "__code__", None)
+    parts = [f"{type(obj).__module__}.{type(obj).__qualname__}", getattr(func, "__qualname__", "")]
+    if code is not None:
+        parts.append(_render_code(code))
+    return "\n".join(parts)
+
+
+def _render_code(code: Any) -> str:
+    """Bytecode, names and constants, nested code objects included (no memory addresses)."""
+    consts = [_render_code(c) if inspect.iscode(c) else repr(c) for c in code.co_consts]
+    return f"{code.co_code.hex()}|{code.co_names}|[{', '.join(consts)}]"
 
 
 def _module_settings(model: Any) -> str:

@@ -454,3 +454,13 @@ def test_accessor_shows_the_real_signature_and_docstring():
         assert list(inspect.signature(bound).parameters) == list(inspect.signature(func).parameters)[1:]
     assert {"prompt", "prompt_name", "revision", "trust_remote_code", "model_kwargs"} <= set(
         inspect.signature(ddf.surge.encode).parameters)
+
+
+def test_a_callable_is_identified_by_its_code_not_its_call_log():
+    from dask_surge.testing import CountingEncoder
+
+    counting = CountingEncoder()
+    before = Encoder(counting).identity()
+    Encoder(counting).encode(["a", "b"])  # its call log grows; it is still the same model
+    assert Encoder(counting).identity() == before
+    assert Encoder(lambda t: np.ones((len(t), 2))).identity() != Encoder(lambda t: np.zeros((len(t), 2))).identity()
