@@ -234,6 +234,7 @@ def slurm():
 
 
 MODEL_SOURCE = '''
+import os
 import time
 import zlib
 
@@ -242,15 +243,17 @@ import numpy as np
 
 class SlowHash:
     """A deterministic model: each text's vector is seeded by its CRC-32, so it does not
-    depend on the batch, the worker or the run. Sleeps ``delay`` s per SuperBatch call
-    (a call of more than one text) so that a run lasts long enough to be interrupted."""
+    depend on the batch, the worker or the run. A worker whose environment sets
+    SURGE_SLURM_DELAY sleeps that many seconds per SuperBatch call (a call of more than
+    one text), so a run lasts long enough to be interrupted; the model itself (and so the
+    run's fingerprint) is the same with or without it."""
 
-    def __init__(self, delay=0.0, dim=8):
-        self.delay, self.dim = float(delay), int(dim)
+    def __init__(self, dim=8):
+        self.dim = int(dim)
 
     def __call__(self, texts):
         if len(texts) > 1:
-            time.sleep(self.delay)
+            time.sleep(float(os.environ.get("SURGE_SLURM_DELAY", "0")))
         out = np.empty((len(texts), self.dim), dtype=np.float32)
         for i, t in enumerate(texts):
             out[i] = np.random.default_rng(zlib.crc32(t.encode("utf-8", "surrogatepass"))).standard_normal(self.dim)
@@ -269,10 +272,10 @@ def model_dir(tmp_path_factory):
     sys.modules.pop("surge_slurm_model", None)
 
 
-def _model(delay: float = 0.0):
+def _model():
     import surge_slurm_model
 
-    return surge_slurm_model.SlowHash(delay)
+    return surge_slurm_model.SlowHash()
 
 
 @pytest.fixture(scope="module")
@@ -288,18 +291,20 @@ def dataset(tmp_path_factory):
     return d
 
 
-def _cluster(model_dir: Path, tmp: Path, **kwargs):
-    """CPU jobs of one core each, scheduler and workers on loopback, logs under ``tmp``."""
+def _cluster(model_dir: Path, tmp: Path, delay: float = 0.0, **kwargs):
+    """CPU jobs of one core each, scheduler and workers on loopback, logs under ``tmp``;
+    the model sleeps ``delay`` s per SuperBatch in these jobs."""
+    prologue = [f"export PYTHONPATH={model_dir}", f"export SURGE_SLURM_DELAY={delay}"]
     opts = dict(gpus=0, cores=1, memory="2GB", walltime=None, interface="lo",
                 scheduler_options={"dashboard_address": "127.0.0.1:0"},
-                log_directory=str(tmp / "logs"), job_script_prologue=[f"export PYTHONPATH={model_dir}"])
+                log_directory=str(tmp / "logs"), job_script_prologue=prologue)
     opts.update(kwargs)
     return jobqueue_cluster("slurm", **opts)
 
 
-def _encode(data: Path, output: Path, client, delay: float = 0.0):
+def _encode(data: Path, output: Path, client):
     ddf = dd.read_parquet(str(data))
-    return ddf.surge.encode("text", output=str(output), model=_model(delay), scheduler=client, progress=False)
+    return ddf.surge.encode("text", output=str(output), model=_model(), scheduler=client, progress=False)
 
 
 def _read(output: Path) -> pd.DataFrame:
@@ -379,13 +384,13 @@ def test_preempted_job_then_resume_on_a_different_number_of_jobs(slurm, model_di
     resumes and writes output identical to the undisturbed run."""
     output = tmp_path / "emb"
     outcome: dict = {}
-    with _cluster(model_dir, tmp_path) as cluster, Client(cluster) as client:
+    with _cluster(model_dir, tmp_path, delay=1.0) as cluster, Client(cluster) as client:
         cluster.scale(jobs=2)
         client.wait_for_workers(2, timeout=120)
 
         def run():
             try:
-                outcome["result"] = _encode(dataset, output, client, delay=1.0)
+                outcome["result"] = _encode(dataset, output, client)
             except Exception as err:  # noqa: BLE001 - the main thread checks it
                 outcome["error"] = err
 
@@ -410,7 +415,7 @@ def test_preempted_job_then_resume_on_a_different_number_of_jobs(slurm, model_di
     with _cluster(model_dir, tmp_path / "rerun") as cluster, Client(cluster) as client:
         cluster.scale(jobs=1)
         client.wait_for_workers(1, timeout=120)
-        again = _encode(dataset, output, client, delay=0.0)
+        again = _encode(dataset, output, client)
     assert again.resumed and again.skipped_superbatches >= committed_at_cancel
     resumed, reference = _read(output), _read(undisturbed["output"])
     assert resumed[["partition", "row"]].equals(reference[["partition", "row"]])
