@@ -80,10 +80,10 @@ def hub_cache_dir() -> Path:
     Examples
     --------
     >>> import os
-    >>> os.environ["HF_HUB_CACHE"] = "/shared/hf"
-    >>> str(hub_cache_dir())
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, HF_HUB_CACHE="/shared/hf"):
+    ...     str(hub_cache_dir())
     '/shared/hf'
-    >>> del os.environ["HF_HUB_CACHE"]
     """
     explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
     if explicit:
@@ -99,8 +99,9 @@ def hub_offline() -> bool:
     Examples
     --------
     >>> import os
-    >>> os.environ["HF_HUB_OFFLINE"] = "1"
-    >>> hub_offline()
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, HF_HUB_OFFLINE="1"):
+    ...     hub_offline()
     True
     """
     if os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE:
@@ -187,12 +188,12 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> HubSnapshot:
     Examples
     --------
     >>> import os, tempfile
-    >>> os.environ.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=tempfile.mkdtemp())
-    >>> resolve_hub_model("org/absent")
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=tempfile.mkdtemp()):
+    ...     resolve_hub_model("org/absent")
     Traceback (most recent call last):
     ...
     dask_surge.errors.SurgeModelError: model='org/absent' is not in the Hugging Face cache ...
-    >>> del os.environ["HF_HUB_CACHE"]
     """
     from huggingface_hub.errors import (
         LocalEntryNotFoundError,
