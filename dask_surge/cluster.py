@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["local_cluster", "gpu_count"]
+__all__ = ["gpu_count", "local_cluster"]
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from .errors import SurgeValueError
 
-__all__ = ["jobqueue_cluster", "gpu_jobqueue_cluster"]
+__all__ = ["gpu_jobqueue_cluster", "jobqueue_cluster"]
 
 KINDS = ("slurm", "pbs")
 
@@ -110,9 +110,9 @@ def jobqueue_cluster(
     cores = 8 if cores is None else int(cores)
     if memory is None:
         memory = "64GB" if gpus else f"{4 * cores}GB"
-    opts: dict[str, Any] = dict(
-        cores=cores, memory=memory, queue=queue, account=account, log_directory=log_directory,
-    )
+    opts: dict[str, Any] = {
+        "cores": cores, "memory": memory, "queue": queue, "account": account, "log_directory": log_directory,
+    }
     if walltime is not None:
         opts["walltime"] = walltime
     if gpus:

@@ -32,11 +32,12 @@ import pytest
 
 pytest.importorskip("dask_jobqueue", reason="HPC tests need the [jobqueue] extra (dask-jobqueue)")
 
-import dask.dataframe as dd  # noqa: E402
-from distributed import Client  # noqa: E402
+import dask
+import dask.dataframe as dd
+from distributed import Client
 
-import dask_surge  # noqa: E402
-from dask_surge.hpc import jobqueue_cluster  # noqa: E402
+import dask_surge
+from dask_surge.hpc import jobqueue_cluster
 
 pytestmark = pytest.mark.slurm
 
@@ -116,10 +117,9 @@ class Slurm:
         (r / "gres.conf").write_text(f"AutoDetect=off\nNodeName={self.node} Name=gpu Count=1 File=/dev/null\n")
 
     def _start(self, name: str, *args: str) -> subprocess.Popen:
-        out = open(self.root / "log" / f"{name}.out", "wb")
-        proc = subprocess.Popen([_which(name), *args], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=self.env, cwd=self.root)
-        out.close()
+        with open(self.root / "log" / f"{name}.out", "wb") as out:
+            proc = subprocess.Popen([_which(name), *args], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, env=self.env, cwd=self.root)
         self.procs.append(proc)
         return proc
 
@@ -159,7 +159,7 @@ class Slurm:
     # -- queries --------------------------------------------------------------------------------
     def run(self, *cmd: str, check: bool = True, input: str | None = None) -> str:
         res = subprocess.run([_which(cmd[0]), *cmd[1:]], env=self.env, capture_output=True, text=True,
-                             input=input, timeout=60)
+                             input=input, timeout=60, check=False)
         if check and res.returncode:
             raise RuntimeError(f"{' '.join(cmd)} exited {res.returncode}: {res.stderr.strip()}")
         return res.stdout.strip()
@@ -283,7 +283,7 @@ def dataset(tmp_path_factory):
     """2,000 short texts in 40 Parquet files of 50 rows."""
     d = tmp_path_factory.mktemp("slurm-data")
     rng = np.random.default_rng(0)
-    words = np.array("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split())
+    words = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"])
     for f in range(FILES):
         n = ROWS // FILES
         texts = [" ".join(rng.choice(words, size=rng.integers(2, 12))) + f" {f}-{i}" for i in range(n)]
@@ -295,9 +295,9 @@ def _cluster(model_dir: Path, tmp: Path, delay: float = 0.0, **kwargs):
     """CPU jobs of one core each, scheduler and workers on loopback, logs under ``tmp``;
     the model sleeps ``delay`` s per SuperBatch in these jobs."""
     prologue = [f"export PYTHONPATH={model_dir}", f"export SURGE_SLURM_DELAY={delay}"]
-    opts = dict(gpus=0, cores=1, memory="2GB", walltime=None, interface="lo",
-                scheduler_options={"dashboard_address": "127.0.0.1:0"},
-                log_directory=str(tmp / "logs"), job_script_prologue=prologue)
+    opts = {"gpus": 0, "cores": 1, "memory": "2GB", "walltime": None, "interface": "lo",
+            "scheduler_options": {"dashboard_address": "127.0.0.1:0"},
+            "log_directory": str(tmp / "logs"), "job_script_prologue": prologue}
     opts.update(kwargs)
     return jobqueue_cluster("slurm", **opts)
 
@@ -378,55 +378,109 @@ def test_worker_logs_land_in_log_directory(undisturbed):
         assert "Starting established connection" in err.read_text() or "Registered to" in err.read_text(), err
 
 
+def _cancel_mid_run(slurm, cluster, client, data: Path, output: Path, victims: int) -> tuple[dict, int]:
+    """Start the run, ``scancel`` ``victims`` of the cluster's jobs once a SuperBatch is
+    committed, and wait for the run to end. Returns ({"result"} or {"error"}, SuperBatches
+    committed when the jobs were cancelled)."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["result"] = _encode(data, output, client)
+        except Exception as err:  # noqa: BLE001 - the test checks it
+            outcome["error"] = err
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    while runner.is_alive() and dask_surge.status(str(output)).get("superbatches_committed", 0) < 1:
+        time.sleep(0.1)
+    committed = dask_surge.status(str(output)).get("superbatches_committed", 0)
+    cancelled = _job_ids(cluster)[:victims]
+    for job_id in cancelled:
+        slurm.run("scancel", job_id)
+    runner.join(300)
+    assert not runner.is_alive(), "the run neither finished nor stopped within 300 s of the scancel"
+    for job_id in cancelled:
+        assert slurm.wait_job(job_id, {"CANCELLED"})["JobState"] == "CANCELLED"
+    print(f"\nscancel {victims} job(s) after {committed} committed SuperBatch(es): "
+          f"{'stopped: ' + repr(outcome['error']) if 'error' in outcome else 'finished'}")
+    return outcome, committed
+
+
+def _rerun_on_one_job(model_dir: Path, tmp: Path, data: Path, output: Path):
+    with _cluster(model_dir, tmp) as cluster, Client(cluster) as client:
+        cluster.scale(jobs=1)
+        client.wait_for_workers(1, timeout=120)
+        return _encode(data, output, client)
+
+
+def _assert_identical(output: Path, reference: Path) -> None:
+    got, want = _read(output), _read(reference)
+    assert got[["partition", "row"]].equals(want[["partition", "row"]])
+    assert np.array_equal(np.stack(got["embedding"]), np.stack(want["embedding"]))
+
+
 def test_preempted_job_then_resume_on_a_different_number_of_jobs(slurm, model_dir, dataset, undisturbed, tmp_path):
     """``scancel`` one of two jobs after the first commit. The run either finishes on the
     other worker or stops with a message that says how to resume. Rerunning on 1 job
     resumes and writes output identical to the undisturbed run."""
     output = tmp_path / "emb"
-    outcome: dict = {}
     with _cluster(model_dir, tmp_path, delay=1.0) as cluster, Client(cluster) as client:
         cluster.scale(jobs=2)
         client.wait_for_workers(2, timeout=120)
-
-        def run():
-            try:
-                outcome["result"] = _encode(dataset, output, client)
-            except Exception as err:  # noqa: BLE001 - the main thread checks it
-                outcome["error"] = err
-
-        runner = threading.Thread(target=run, daemon=True)
-        runner.start()
-        while runner.is_alive() and dask_surge.status(str(output)).get("superbatches_committed", 0) < 1:
-            time.sleep(0.1)
-        victim = _job_ids(cluster)[0]
-        committed_at_cancel = dask_surge.status(str(output)).get("superbatches_committed", 0)
-        slurm.run("scancel", victim)
-        runner.join(300)
-        assert not runner.is_alive(), "the run neither finished nor stopped within 300 s of the scancel"
-        assert slurm.wait_job(victim, {"CANCELLED"})["JobState"] == "CANCELLED"
+        outcome, committed = _cancel_mid_run(slurm, cluster, client, dataset, output, victims=1)
     if "error" in outcome:
         assert "rerun" in str(outcome["error"]).lower(), outcome["error"]
     else:
         assert outcome["result"].rows == ROWS
-    print(f"\nscancel after {committed_at_cancel} committed SuperBatch(es): "
-          f"{'stopped: ' + str(outcome['error']) if 'error' in outcome else 'finished on the other worker'}")
+    again = _rerun_on_one_job(model_dir, tmp_path / "rerun", dataset, output)
+    assert again.resumed and again.skipped_superbatches >= committed
+    _assert_identical(output, undisturbed["output"])
 
-    # rerun the same call on a different number of jobs: it resumes, nothing is recomputed twice
-    with _cluster(model_dir, tmp_path / "rerun") as cluster, Client(cluster) as client:
-        cluster.scale(jobs=1)
-        client.wait_for_workers(1, timeout=120)
-        again = _encode(dataset, output, client)
-    assert again.resumed and again.skipped_superbatches >= committed_at_cancel
-    resumed, reference = _read(output), _read(undisturbed["output"])
-    assert resumed[["partition", "row"]].equals(reference[["partition", "row"]])
-    assert np.array_equal(np.stack(resumed["embedding"]), np.stack(reference["embedding"]))
+
+def test_every_job_lost_stops_the_run_then_one_job_resumes_it(slurm, model_dir, dataset, undisturbed, tmp_path):
+    """Both jobs cancelled after the first commit. With ``no-workers-timeout`` set the
+    scheduler gives up on the SuperBatches left (by default it waits for workers); the
+    run stops, keeps its commits, and a rerun on 1 job encodes only the rest, into output
+    identical to the undisturbed run. The error must say how to resume."""
+    output = tmp_path / "emb"
+    with dask.config.set({"distributed.scheduler.no-workers-timeout": "10s"}), \
+            _cluster(model_dir, tmp_path, delay=1.0) as cluster, Client(cluster) as client:
+        cluster.scale(jobs=2)
+        client.wait_for_workers(2, timeout=120)
+        outcome, committed = _cancel_mid_run(slurm, cluster, client, dataset, output, victims=2)
+    assert "error" in outcome, "the run finished although every job was cancelled"
+    stopped = dask_surge.status(str(output))
+    assert stopped["state"] == "incomplete" and stopped["superbatches_committed"] >= committed >= 1
+    again = _rerun_on_one_job(model_dir, tmp_path / "rerun", dataset, output)
+    assert again.resumed and again.skipped_superbatches == stopped["superbatches_committed"]
+    assert again.superbatches - again.skipped_superbatches >= 1        # the rerun did the rest
+    _assert_identical(output, undisturbed["output"])
+    assert "rerun" in str(outcome["error"]).lower(), f"the error does not say how to resume: {outcome['error']!r}"
+
+
+def test_an_adaptive_cluster_replaces_a_preempted_job(slurm, model_dir, tmp_path):
+    """``cluster.adapt(minimum_jobs=2)`` submits a new job when one is cancelled (what the
+    README suggests so that a run outlives preemptions)."""
+    with _cluster(model_dir, tmp_path) as cluster, Client(cluster) as client:
+        cluster.adapt(minimum_jobs=2, maximum_jobs=2)
+        client.wait_for_workers(2, timeout=120)
+        first = _job_ids(cluster)
+        slurm.run("scancel", first[0])
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not set(_job_ids(cluster)) - set(first):
+            time.sleep(0.5)
+        replaced = set(_job_ids(cluster)) - set(first)
+        assert replaced, f"no job replaced {first[0]} within 120 s (jobs: {_job_ids(cluster)})"
+        client.wait_for_workers(2, timeout=120)
+    assert first[1] not in replaced and first[0] not in replaced
 
 
 def test_the_example_runs_as_documented(slurm, dataset, tmp_path):
     """``examples/slurm_encode.py`` with its CPU flag, as the README shows it."""
     cmd = [sys.executable, str(REPO / "examples" / "slurm_encode.py"), str(dataset), str(tmp_path / "emb"),
            "--cpu", "--jobs", "1", "--cores", "1", "--memory", "2GB", "--log-directory", str(tmp_path / "logs")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=480, cwd=tmp_path,
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=480, cwd=tmp_path, check=False,
                          env={**os.environ, "SLURM_CONF": str(slurm.conf)})
     print("\n" + res.stdout)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
