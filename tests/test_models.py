@@ -464,3 +464,15 @@ def test_a_callable_is_identified_by_its_code_not_its_call_log():
     Encoder(counting).encode(["a", "b"])  # its call log grows; it is still the same model
     assert Encoder(counting).identity() == before
     assert Encoder(lambda t: np.ones((len(t), 2))).identity() != Encoder(lambda t: np.zeros((len(t), 2))).identity()
+
+
+def test_plan_takes_the_model_options_and_counts_the_prompt(tmp_path):
+    from dask_surge.tokens import token_counter
+
+    path = model_with_prompts(tmp_path / "m", packaged_model_dir(), PROMPTS)
+    ddf = dd.from_pandas(pd.DataFrame({"text": ["a b", "c"]}), npartitions=1)
+    with pytest.raises(SurgeValueError, match=r"prompt_name='nope' is not one of this model's prompts"):
+        ddf.surge.plan("text", model=path, prompt_name="nope")
+    plain = token_counter(Encoder(path))(["a b", ""])
+    prompted = token_counter(Encoder(path, prompt_name="query"))(["a b", ""])  # from tokenizer.json, no load
+    assert (prompted - plain).tolist() == [2.0, 2.0]  # "query", ":"
