@@ -476,3 +476,31 @@ def test_plan_takes_the_model_options_and_counts_the_prompt(tmp_path):
     plain = token_counter(Encoder(path))(["a b", ""])
     prompted = token_counter(Encoder(path, prompt_name="query"))(["a b", ""])  # from tokenizer.json, no load
     assert (prompted - plain).tolist() == [2.0, 2.0]  # "query", ":"
+
+
+def test_online_a_model_is_downloaded_once(hub_cache, tiny_model, monkeypatch):
+    """Online (simulated: no network here), the commit is asked of the Hub and downloaded once."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    commit = commit_of("online")
+    calls = {"resolve": 0, "download": 0}
+
+    def resolve_revision(repo_id, *, revision=None, cache_dir=None, local_files_only=False, **_):
+        assert not local_files_only and cache_dir == str(hub_cache)
+        calls["resolve"] += 1
+        return huggingface_hub.ResolvedRevision(resolved=commit, initial=revision, repo_id=repo_id)
+
+    def snapshot_download(repo_id, *, revision, cache_dir, ignore_patterns, **_):
+        assert revision == commit and "onnx/*" in ignore_patterns  # pinned, and no foreign weights
+        calls["download"] += 1
+        return str(add_to_hub_cache(Path(cache_dir), repo_id, tiny_model, commit=revision))
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "resolve_revision", resolve_revision)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    first = Encoder("org/online")
+    second = Encoder("org/online")
+    assert calls == {"resolve": 2, "download": 1}  # the second finds the commit in the cache
+    assert first.spec == second.spec and first.spec.commit == commit
