@@ -504,3 +504,19 @@ def test_online_a_model_is_downloaded_once(hub_cache, tiny_model, monkeypatch):
     second = Encoder("org/online")
     assert calls == {"resolve": 2, "download": 1}  # the second finds the commit in the cache
     assert first.spec == second.spec and first.spec.commit == commit
+
+
+def test_done_when_the_notebook_cell_runs_against_a_populated_cache(hub_cache, tmp_path):
+    """Issue 14's acceptance: the MiniLM Hub name, HF_HUB_OFFLINE=1, a populated cache, output=..."""
+    commit = commit_of("all-MiniLM-L6-v2")
+    add_to_hub_cache(hub_cache, PACKAGED_HUB_ID, packaged_model_dir(), commit=commit)
+    texts = make_texts(12, seed=9)
+    ddf = dd.from_pandas(pd.DataFrame({"text": texts}), npartitions=3)
+    result = ddf.surge.encode("text", model=PACKAGED_HUB_ID, output=str(tmp_path / "emb"), device="cpu",
+                              scheduler="sync", progress=False)
+    assert result.rows == 12
+    back = dask_surge.read_embeddings(str(tmp_path / "emb")).compute().sort_values(["partition", "row"])
+    reference = SentenceTransformer(str(packaged_model_dir()), device="cpu").encode(texts)
+    assert min_cosine(np.stack(back["embedding"].to_numpy()), reference) >= 0.9999
+    run = json.loads(next((tmp_path / "emb").rglob("run.json")).read_text())
+    assert commit in json.dumps(run)  # the commit is in the run's fingerprint
