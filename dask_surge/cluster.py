@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-__all__ = ["gpu_count", "local_cluster"]
+__all__ = ["gpu_count", "local_cluster", "local_cluster_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +50,23 @@ def local_cluster(**kwargs):
     >>> with local_cluster(n_workers=1, processes=False) as cluster:  # doctest: +SKIP
     ...     client = Client(cluster)
     """
+    cuda, opts = _defaults()
+    opts.update(kwargs)
+    if cuda:
+        from dask_cuda import LocalCUDACluster
+
+        return LocalCUDACluster(**_loopback(opts))
+    from distributed import LocalCluster
+
+    return LocalCluster(**_loopback(opts))
+
+
+def _defaults() -> tuple[bool, dict]:
+    """Whether :func:`local_cluster` starts dask-cuda workers, and its default options."""
     gpus = gpu_count()
     if gpus:
         try:
-            from dask_cuda import LocalCUDACluster
+            import dask_cuda  # noqa: F401
         except ImportError:
             logger.warning(
                 "dask-surge: %d GPU(s) visible but dask-cuda is not installed; using a CPU "
@@ -62,14 +75,21 @@ def local_cluster(**kwargs):
         else:
             # two threads per GPU worker: while one SuperBatch runs on the GPU (the engine
             # serializes forward passes), the other reads, tokenizes or writes its Parquet
-            opts = {"threads_per_worker": 2, "resources": {"GPU": 1}}
-            opts.update(kwargs)
-            return LocalCUDACluster(**_loopback(opts))
-    from distributed import LocalCluster
+            return True, {"n_workers": gpus, "threads_per_worker": 2, "resources": {"GPU": 1}}
+    return False, {"n_workers": max(1, os.cpu_count() or 1), "threads_per_worker": 1}
 
-    opts = {"n_workers": max(1, os.cpu_count() or 1), "threads_per_worker": 1}
-    opts.update(kwargs)
-    return LocalCluster(**_loopback(opts))
+
+def local_cluster_threads() -> int:
+    """Worker threads of the cluster :func:`local_cluster` starts with its defaults (what
+    :func:`dask_surge.plan` assumes when no Client is active, as encode() would start it).
+
+    Examples
+    --------
+    >>> local_cluster_threads() >= 1
+    True
+    """
+    _, opts = _defaults()
+    return opts["n_workers"] * opts["threads_per_worker"]
 
 
 def _loopback(opts: dict) -> dict:

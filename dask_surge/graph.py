@@ -252,8 +252,15 @@ def parquet_pieces(expr) -> tuple | None:
     Only for Dask's default (fsspec) Parquet reader without filters, hive
     partition columns or index columns; ``None`` otherwise (the generic path is used).
     """
+    from dask.dataframe.dask_expr._expr import Projection
     from dask.dataframe.dask_expr.io.parquet import ReadParquetFSSpec
 
+    columns = None
+    # dask does not push a projection of several columns into the read (measured: keep=
+    # then lost the footer sizes and cost a full size pass): read those columns ourselves
+    if isinstance(expr, Projection) and isinstance(expr.frame, ReadParquetFSSpec) \
+            and isinstance(expr.operand("columns"), list):
+        columns, expr = list(expr.columns), expr.frame
     if not isinstance(expr, ReadParquetFSSpec) or expr.filters:
         return None
     info = expr._dataset_info
@@ -267,7 +274,7 @@ def parquet_pieces(expr) -> tuple | None:
         if piece[2]:  # per-piece filters
             return None
         pieces.append((piece[0], None if piece[1] is None else tuple(piece[1])))
-    return info["fs"], pieces, list(expr.columns)
+    return info["fs"], pieces, columns if columns is not None else list(expr.columns)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,9 @@ def input_identity(frame) -> str:
     expr = frame.expr.simplify()
     nodes = []
     for e in expr.walk():
-        operands = [_plain(op) for op in e.operands]
+        # operands named with a leading underscore are Dask's caches (e.g. FromPandas'
+        # ``_pd_length_stats``, filled once lengths were asked for), not the input's definition
+        operands = [_plain(op) for name, op in zip(e._parameters, e.operands) if not name.startswith("_pd_")]
         nodes.append([type(e).__name__, operands])
         if not e.dependencies():
             nodes.append(_leaf_identity(e))

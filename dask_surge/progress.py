@@ -41,7 +41,7 @@ class Progress:
     True
     """
 
-    def __init__(self, total_sbs: int, total_rows: int, *, enabled: bool = True, stream=None,
+    def __init__(self, total_sbs: int | None, total_rows: int | None, *, enabled: bool = True, stream=None,
                  done_sbs: int = 0, done_rows: int = 0, notebook: bool | None = None) -> None:
         self.total_sbs, self.total_rows = total_sbs, total_rows
         self.sbs, self.rows = done_sbs, done_rows
@@ -57,18 +57,22 @@ class Progress:
     def _numbers(self) -> tuple[float, str]:
         elapsed = time.perf_counter() - self.start
         rate = (self.rows - self._start_rows) / elapsed if elapsed > 0 else 0.0
+        if self.total_rows is None:  # streaming: the total is learnt as partitions are computed
+            return rate, "?"
         left = self.total_rows - self.rows
         return rate, (_duration(left / rate) if rate > 0 else "?")
 
     def line(self) -> str:
         rate, eta = self._numbers()
-        return (f"[dask-surge] {self.sbs:,}/{self.total_sbs:,} SuperBatches, "
-                f"{self.rows:,}/{self.total_rows:,} rows, {rate:,.0f} texts/s, ETA {eta}")
+        of_sbs = f"/{self.total_sbs:,}" if self.total_sbs is not None else ""
+        of_rows = f"/{self.total_rows:,}" if self.total_rows is not None else ""
+        return (f"[dask-surge] {self.sbs:,}{of_sbs} SuperBatches, "
+                f"{self.rows:,}{of_rows} rows, {rate:,.0f} texts/s, ETA {eta}")
 
     def html(self) -> str:
         """The notebook view: a ``<progress>`` bar over rows, and the same numbers as :meth:`line`."""
         text = html.escape(self.line().removeprefix("[dask-surge] "))
-        return (f'<div><b>dask-surge</b> <progress value="{self.rows}" max="{max(1, self.total_rows)}" '
+        return (f'<div><b>dask-surge</b> <progress value="{self.rows}" max="{max(1, self.total_rows or self.rows)}" '
                 f'style="width: 40%"></progress> {text}</div>')
 
     def update(self, rows: int, sbs: int = 1) -> None:

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import SurgeOutputError
-from .manifest import Manifest, write_bytes_atomic
+from .manifest import CommitRecord, Manifest, sb_key, write_bytes_atomic
 from .superbatch import SuperBatchEncoder
 
 __all__ = ["SuperBatchWriter", "table_of", "parquet_bytes", "skipped_bytes"]
@@ -71,7 +71,7 @@ def parquet_bytes(table: pa.Table, group_rows) -> bytes:
 
 @dataclass(frozen=True)
 class SuperBatchWriter:
-    """Per-SuperBatch task that encodes, writes and commits; returns its commit record."""
+    """Encodes, writes and commits one SuperBatch; returns what the run loop reports."""
 
     encoder: SuperBatchEncoder
     manifest: Manifest
@@ -79,15 +79,19 @@ class SuperBatchWriter:
     def __dask_tokenize__(self):
         return ("SuperBatchWriter", self.encoder.__dask_tokenize__(), self.manifest.root, self.manifest.run_id)
 
-    def __call__(self, parts, sb_index: int, spans) -> pd.DataFrame:
+    def __call__(self, parts, spans) -> dict:
+        """Encode ``spans`` (``(Span, partition rows)`` pairs) of ``parts`` (their input
+        partitions, in order) and commit them as the SuperBatch keyed by the first span."""
         t0 = time.perf_counter()
+        first = spans[0][0]
+        key = sb_key(first.partition, first.start)
         frame, skipped = self.encoder.encode(parts, spans)
         t1 = time.perf_counter()
         # rows of each source partition (one span each); skipped nulls are not among them
         data = parquet_bytes(table_of(frame), np.unique(frame["partition"].to_numpy(), return_counts=True)[1])
         attempt = uuid.uuid4().hex[:8]
-        path = self.manifest.data_path(sb_index, attempt)
-        skip_path, skip_data = self.manifest.skipped_path(sb_index, attempt), skipped_bytes(skipped)
+        path = self.manifest.data_path(key, attempt)
+        skip_path, skip_data = self.manifest.skipped_path(key, attempt), skipped_bytes(skipped)
         try:
             if skipped:  # the ids of skipped nulls, beside the commit record (any number of them)
                 self.manifest.fs.makedirs(skip_path.rsplit("/", 1)[0], exist_ok=True)
@@ -95,38 +99,25 @@ class SuperBatchWriter:
             write_bytes_atomic(self.manifest.fs, path, data)
         except OSError as err:
             raise SurgeOutputError(
-                f"writing SuperBatch {sb_index} ({len(frame)} rows, {len(data):,} bytes) to {path!r} "
+                f"writing SuperBatch {key} ({len(frame)} rows, {len(data):,} bytes) to {path!r} "
                 f"failed: {type(err).__name__}: {err}. Committed SuperBatches are kept and no partial "
                 "file is left. Fix: free disk space or fix permissions, then rerun the same call to resume."
             ) from err
-        name = path.rsplit("/", 1)[-1]
-        record = {
-            "sb": sb_index, "run": self.manifest.run_id, "file": name, "rows": len(frame),
-            "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "spans": [[s.partition, s.start, s.stop] for s, _ in spans],
-            "skipped": len(skipped),
-            "skipped_file": skip_path.rsplit("/", 1)[-1] if skipped else "",
-            "skipped_sha256": hashlib.sha256(skip_data).hexdigest() if skipped else "",
-            "attempt": attempt, "pid": os.getpid(), "committed_at": time.time(),
-        }
+        record = CommitRecord(
+            sb=key, run=self.manifest.run_id, file=path.rsplit("/", 1)[-1], rows=len(frame), bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+            spans=tuple((s.partition, s.start, s.stop, int(n)) for s, n in spans),
+            skipped=len(skipped), skipped_file=skip_path.rsplit("/", 1)[-1] if skipped else "",
+            skipped_sha256=hashlib.sha256(skip_data).hexdigest() if skipped else "",
+            attempt=attempt, pid=os.getpid(), committed_at=time.time(),
+        )
         won = self.manifest.commit(record)
         if not won:  # another attempt of this SuperBatch committed first: ours is an orphan
             self.manifest.fs.rm(path)
             if skipped:
                 self.manifest.fs.rm(skip_path)
-        t2 = time.perf_counter()
-        return pd.DataFrame([{
-            "sb": sb_index, "rows": len(frame), "skipped": len(skipped), "file": name if won else "",
-            "bytes": len(data),
-            "encode_s": t1 - t0, "write_s": t2 - t1, "committed": won, "committed_at": record["committed_at"],
-        }])
-
-    @staticmethod
-    def meta() -> pd.DataFrame:
-        return pd.DataFrame({
-            "sb": pd.Series([], dtype="int64"), "rows": pd.Series([], dtype="int64"),
-            "skipped": pd.Series([], dtype="int64"), "file": pd.Series([], dtype=object), "bytes": pd.Series([], dtype="int64"),
-            "encode_s": pd.Series([], dtype="float64"), "write_s": pd.Series([], dtype="float64"),
-            "committed": pd.Series([], dtype=bool), "committed_at": pd.Series([], dtype="float64"),
-        })
-
+        return {
+            "sb": key, "rows": len(frame), "skipped": len(skipped), "file": record.file if won else "",
+            "bytes": len(data), "spans": record.spans, "encode_s": t1 - t0,
+            "write_s": time.perf_counter() - t1, "committed": won, "committed_at": record.committed_at,
+        }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PartitionSizes", "partition_sizes", "text_bytes"]
+__all__ = ["PartitionSizes", "partition_sizes", "known_sizes", "in_memory_sizes", "text_bytes"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,64 @@ def metadata_lengths(expr) -> tuple[int, ...] | None:
     if isinstance(folded, Literal) and isinstance(folded.operand("value"), (tuple, list)):
         return tuple(int(n) for n in folded.operand("value"))
     return None
+
+
+def known_sizes(frame, column: str, max_bytes: int | None) -> PartitionSizes | None:
+    """Partition sizes known without computing the input, or None.
+
+    Rows and text bytes from the Parquet footers of a plain ``read_parquet`` or from the
+    pandas frame of a ``dd.from_pandas``. Without a byte cap (``max_bytes=None``), rows
+    alone wherever Dask folds the lengths to a constant. ``None`` for any other input:
+    it is encoded in the streaming mode, which learns sizes as it computes partitions.
+
+    Examples
+    --------
+    >>> import pandas as pd, dask.dataframe as dd
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": list("abcde")}), npartitions=2)
+    >>> known_sizes(ddf, "text", None)
+    PartitionSizes(sizes=(3, 2), source='metadata', nbytes=None)
+    >>> known_sizes(ddf, "text", 2**20)
+    PartitionSizes(sizes=(3, 2), source='metadata', nbytes=(3, 2))
+    >>> known_sizes(ddf.map_partitions(lambda d: d[d.text > "a"]), "text", 2**20) is None
+    True
+    """
+    if max_bytes:  # the byte cap needs text bytes too: else the streaming mode measures them
+        footers = parquet_footer_sizes(frame, column)
+        if footers is not None:
+            return PartitionSizes(footers[0], "metadata", footers[1])
+        return in_memory_sizes(frame, column)
+    lengths = metadata_lengths(frame.expr)
+    # a count mismatch means dask folded the wrong lengths
+    if lengths is not None and len(lengths) == frame.npartitions:
+        return PartitionSizes(lengths, "metadata")
+    return None
+
+
+def in_memory_sizes(frame, column: str) -> PartitionSizes | None:
+    """Rows and text bytes of a ``dd.from_pandas`` frame, read from the pandas frame the
+    client already holds (no task runs); None for any other input.
+
+    Examples
+    --------
+    >>> import pandas as pd, dask.dataframe as dd
+    >>> in_memory_sizes(dd.from_pandas(pd.DataFrame({"text": ["ab", "c", "déf"]}), npartitions=2), "text")
+    PartitionSizes(sizes=(2, 1), source='metadata', nbytes=(3, 4))
+    """
+    from dask.dataframe.dask_expr.io.io import FromPandas
+
+    expr = frame.expr.simplify()
+    if not isinstance(expr, FromPandas) or expr.operand("_partitions") is not None:
+        return None
+    data = getattr(expr.operand("frame"), "_data", None)  # dask wraps the pandas frame
+    if data is None or column not in getattr(data, "columns", ()) or not data.index.is_monotonic_increasing:
+        return None  # from_pandas(sort=True) reorders an unsorted frame: positions would not match
+    bounds = expr._locations()
+    if len(bounds) != frame.npartitions + 1:
+        return None
+    col = data[column]
+    pairs = list(zip(bounds, bounds[1:]))
+    return PartitionSizes(tuple(b - a for a, b in pairs), "metadata",
+                          tuple(text_bytes(col.iloc[a:b]) for a, b in pairs))
 
 
 def partition_sizes(frame, column: str | None = None) -> PartitionSizes:

@@ -260,6 +260,12 @@ class InterruptAfter:
     def __init__(self, n: int):
         self.n, self.calls = int(n), 0
 
+    def __getstate__(self) -> dict:  # the call count is per process, not part of the model
+        return {"n": self.n}
+
+    def __setstate__(self, state: dict) -> None:
+        self.n, self.calls = state["n"], 0
+
     def __call__(self, texts) -> np.ndarray:
         if len(texts) > 1:
             self.calls += 1
@@ -419,3 +425,21 @@ class FakeTimedEncoder:
             extra += self.spike_s * (0.5 + float(self._rng.random()))
         self.clock.advance(self.cost(n) + extra)
         return np.zeros((n, self.dim), dtype=np.float32)
+
+
+class SleepyModel:
+    """:func:`checksum_model` that sleeps ``seconds`` per call: a SuperBatch that takes time.
+
+    Examples
+    --------
+    >>> SleepyModel(0.0)(["ab"]).tolist()
+    [[2.0, 1.0]]
+    """
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self, texts) -> np.ndarray:
+        if len(texts) > 1:  # not the one-text probe that learns the dimension
+            time.sleep(self.seconds)
+        return checksum_model(texts)

@@ -116,9 +116,9 @@ def test_skip_leaves_nulls_out_and_records_every_one(tmp_path, counting_encoder)
     from dask_surge.manifest import current_run
 
     records = current_run(out).committed().values()
-    assert sum(r["skipped"] for r in records) == len(nulls)
+    assert sum(r.skipped for r in records) == len(nulls)
     assert len(list((tmp_path / "out").glob("_surge/runs/*/skipped/*.parquet"))) == \
-        sum(1 for r in records if r["skipped"])
+        sum(1 for r in records if r.skipped)
     assert info["rows_committed"] + info["nulls_skipped"] == info["rows_planned"]
 
 

@@ -45,9 +45,9 @@ def check_output(path, reference) -> None:
     np.testing.assert_array_equal(np.stack(df.embedding.to_numpy()), np.stack(reference.embedding.to_numpy()))
     manifest = current_run(str(path))
     for rec in manifest.committed().values():
-        data = (path / rec["file"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == rec["sha256"]
-        assert pq.read_metadata(path / rec["file"]).num_rows == rec["rows"]
+        data = (path / rec.file).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == rec.sha256
+        assert pq.read_metadata(path / rec.file).num_rows == rec.rows
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +114,7 @@ def test_same_superbatch_twice_concurrently_commits_once(tmp_path, counting_enco
     from dask_surge.manifest import open_run
     from dask_surge.sink import SuperBatchWriter
     from dask_surge.superbatch import SuperBatchEncoder
+    from dask_surge.manifest import sb_key
     from dask_surge.policy import Span
 
     manifest, _ = open_run(str(tmp_path / "o"), {"t": 1})
@@ -123,14 +124,14 @@ def test_same_superbatch_twice_concurrently_commits_once(tmp_path, counting_enco
 
     def attempt():
         barrier.wait()
-        results.append(writer([part], 0, ((Span(0, 0, 6), 6),)).iloc[0].to_dict())
+        results.append(writer([part], ((Span(0, 0, 6), 6),)))
 
     threads = [threading.Thread(target=attempt) for _ in range(2)]
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert sorted(r["committed"] for r in results) == [False, True]
     assert len(list((tmp_path / "o").glob("part-*.parquet"))) == 1
-    assert list(manifest.committed()) == [0]
+    assert list(manifest.committed()) == [sb_key(0, 0)]
 
 
 def test_disk_full_fails_cleanly_and_resumes(tmp_path, counting_encoder, monkeypatch):
@@ -188,10 +189,12 @@ def test_keyboard_interrupt_keeps_committed_work_and_says_how_to_resume(tmp_path
     ddf = make_partitioned_frame([4] * 6)
     out = str(tmp_path / "o")
     kw = dict(b_min=8, b_max=8, scheduler="sync", progress=False)
+    model = InterruptAfter(3)
     with pytest.raises(KeyboardInterrupt):
-        ddf.surge.encode("text", out, model=InterruptAfter(3), **kw)
-    assert "2 of 3 SuperBatches are committed" in caplog.text and "Rerun the same call" in caplog.text
-    res = ddf.surge.encode("text", out, model=InterruptAfter(99), **kw)
+        ddf.surge.encode("text", out, model=model, **kw)
+    # the input streams (its sizes are not known ahead), so there is no planned total to name
+    assert "2 SuperBatches are committed" in caplog.text and "Rerun the same call" in caplog.text
+    res = ddf.surge.encode("text", out, model=model, **kw)  # the same model: its 3rd call is past
     assert res.skipped_superbatches == 2 and res.rows == 24
 
 

@@ -1,0 +1,182 @@
+"""What :func:`dask_surge.encode` and :func:`dask_surge.plan` return."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .errors import SurgeValueError
+from .policy import SuperBatch
+from .sizes import PartitionSizes
+
+__all__ = ["SurgePlan", "EncodeResult"]
+
+
+@dataclass
+class SurgePlan:
+    """What :func:`encode` will do: partition sizes, SuperBatch boundaries and,
+    when cost-model parameters are known, predictions for every policy.
+
+    Attributes
+    ----------
+    predictions : pandas.DataFrame or None
+        Indexed by policy (``surge``, ``pbp``, ``fb``, ``pb-pbp-lb``) with columns
+        ``texts_per_s``, ``seconds``, ``calls``, ``peak_memory_bytes``, ``ttfo_s``...
+        (:func:`dask_surge.costmodel.predict`).
+    advice : dask_surge.costmodel.Advice or None
+        phi, CV, the predicted speed-up over one call per partition, and the knob
+        that matters.
+    """
+
+    sizes: PartitionSizes
+    superbatches: list[SuperBatch]
+    b_min: int
+    b_max: int
+    params: Any = None
+    max_bytes: int | None = None
+    predictions: Any = None
+    advice: Any = None
+    tokens_source: str | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.sizes.total
+
+    def summary(self) -> dict:
+        rows = [sb.rows for sb in self.superbatches]
+        sizes = np.asarray(self.sizes.sizes, dtype=float)
+        return {
+            "partitions": len(self.sizes.sizes), "rows": self.rows, "superbatches": len(rows),
+            "b_min": self.b_min, "b_max": self.b_max, "sizes_source": self.sizes.source,
+            "largest_superbatch": max(rows, default=0), "smallest_superbatch": min(rows, default=0),
+            "n_max": int(sizes.max()) if sizes.size else 0,
+            "cv": float(sizes.std() / sizes.mean()) if sizes.size and sizes.mean() else 0.0,
+            "max_bytes": self.max_bytes,
+            "largest_superbatch_bytes": _largest_bytes(self.superbatches, self.sizes),
+        }
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        return (f"SurgePlan({s['rows']:,} rows in {s['partitions']:,} partitions -> "
+                f"{s['superbatches']:,} SuperBatches of {s['smallest_superbatch']:,}-"
+                f"{s['largest_superbatch']:,} rows; b_min={s['b_min']:,}, b_max={s['b_max']:,}, "
+                f"sizes from {s['sizes_source']})")
+
+    def _basis(self) -> str:
+        basis = "cost model, calibrated on this cluster"
+        return basis + (f"; tokens from {self.tokens_source}" if self.tokens_source else "")
+
+    def _table(self):
+        cols = ["texts_per_s", "seconds", "calls", "peak_memory_bytes", "ttfo_s"]
+        return self.predictions[cols].round({"texts_per_s": 0, "seconds": 2, "ttfo_s": 2})
+
+    def __str__(self) -> str:
+        text = repr(self)
+        if self.predictions is not None:
+            text += f"\npredicted ({self._basis()}):\n" + self._table().to_string()
+        if self.advice is not None:
+            text += f"\nphi={self.advice.phi:.3f}, CV={self.advice.cv:.2f}: {self.advice.text}"
+        return text
+
+    def _repr_html_(self) -> str:
+        import html
+
+        out = f"<p><b>{html.escape(repr(self))}</b></p>"
+        if self.predictions is not None:
+            out += f"<p>predicted ({html.escape(self._basis())}):</p>" + self._table().to_html()
+        if self.advice is not None:
+            out += f"<p>phi={self.advice.phi:.3f}, CV={self.advice.cv:.2f}: {html.escape(self.advice.text)}</p>"
+        return out
+
+    def sweep(self, b_mins: Sequence[int] | None = None):
+        """Predicted SURGE throughput, peak memory and TTFO for a range of ``b_min``
+        (``b_max = max(b_max, 4 b_min)``), as a DataFrame indexed by ``b_min``."""
+        from .costmodel import predict
+
+        if self.params is None:
+            raise SurgeValueError("this plan has no cost-model parameters. Fix: call plan(..., calibrate=True) or pass params=.")
+        if b_mins is None:
+            top = max(self.rows, 2)
+            b_mins = sorted({int(x) for x in np.geomspace(max(1, top // 1000), top, 12)})
+        rows = []
+        for b in b_mins:
+            pred = predict(self.sizes.sizes, self.params, b_min=b, b_max=max(self.b_max, 4 * b),
+                           nbytes=self.sizes.nbytes, max_bytes=self.max_bytes).loc["surge"]
+            rows.append({"b_min": b, "texts_per_s": pred["texts_per_s"],
+                         "peak_memory_bytes": pred["peak_memory_bytes"], "ttfo_s": pred["ttfo_s"]})
+        return pd.DataFrame(rows).set_index("b_min")
+
+    def plot(self, b_mins: Sequence[int] | None = None):
+        """Throughput, memory and TTFO against ``b_min`` (the shape of the paper's Fig. 8).
+
+        Needs matplotlib. Returns the figure.
+        """
+        import matplotlib.pyplot as plt
+
+        table = self.sweep(b_mins)
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
+        for ax, col, label in zip(axes, ["texts_per_s", "peak_memory_bytes", "ttfo_s"],
+                                  ["texts/s", "peak memory per worker (bytes)", "TTFO (s)"]):
+            ax.plot(table.index, table[col], marker="o")
+            ax.axvline(self.b_min, color="grey", linestyle="--")
+            ax.set_xscale("log")
+            ax.set_xlabel("b_min (rows)")
+            ax.set_ylabel(label)
+        fig.tight_layout()
+        return fig
+
+
+def _largest_bytes(superbatches: Sequence[SuperBatch], sizes: PartitionSizes) -> int | None:
+    """Text bytes of the largest SuperBatch (slices pro rata), or None when bytes are unknown."""
+    if sizes.nbytes is None:
+        return None
+    return max((round(sum(sizes.nbytes[s.partition] * s.rows / max(1, sizes.sizes[s.partition])
+                          for s in sb.spans)) for sb in superbatches), default=0)
+
+
+@dataclass
+class EncodeResult:
+    """Summary of a written encode run."""
+
+    output: str
+    run_id: str
+    rows: int
+    partitions: int
+    superbatches: int
+    skipped_superbatches: int
+    seconds: float
+    ttfo_s: float | None
+    sizes_source: str
+    resumed: bool
+    b_min: int = 0
+    b_max: int = 0
+    thresholds_reason: str = ""
+    nulls_skipped: int = 0
+    records: list[dict] = field(default_factory=list, repr=False)
+
+    @property
+    def texts_per_s(self) -> float:
+        """Rows encoded in this call per second (resumed rows not counted)."""
+        done = sum(r["rows"] for r in self.records)
+        return done / self.seconds if self.seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("records")
+        d["texts_per_s"] = self.texts_per_s
+        return d
+
+    def __str__(self) -> str:
+        ttfo = f"{self.ttfo_s:.2f} s" if self.ttfo_s is not None else "n/a"
+        return (f"{self.rows:,} rows from {self.partitions:,} partitions in {self.superbatches:,} "
+                f"SuperBatches ({self.skipped_superbatches:,} already committed) -> {self.output}\n"
+                f"{self.seconds:.1f} s, {self.texts_per_s:,.0f} texts/s, first output after {ttfo}\n"
+                f"b_min={self.b_min:,}, b_max={self.b_max:,} ({self.thresholds_reason})"
+                + (f"\n{self.nulls_skipped:,} null texts left out (on_null='skip'); their (partition, row) "
+                   f"are in dask_surge.skipped_rows({self.output!r})" if self.nulls_skipped else ""))
+
+
