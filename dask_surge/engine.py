@@ -2,10 +2,10 @@
 
 :class:`TransformerEngine` replaces ``SentenceTransformer.encode`` for the most
 common model shape (a Hugging Face encoder, a ``Pooling`` module and an optional
-``Normalize`` module). It tokenizes with the Rust tokenizer in one call, sorts the
-texts by token length, cuts micro-batches under a token budget so that padding is
-nearly zero, runs the encoder, pools on the device and puts the rows back in the
-caller's order.
+``Normalize`` module), prompts included. It tokenizes with the Rust tokenizer in one
+call, sorts the texts by token length, cuts micro-batches under a token budget so that
+padding is nearly zero, runs the encoder, pools on the device and puts the rows back in
+the caller's order.
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ class TransformerEngine:
         Token budget of one micro-batch (rows times padded length).
     device : torch.device
         Device the encoder runs on.
+    prompt : str
+        Text put before every input (``""`` for none), resolved as ``model.encode`` does.
+    prompt_length : int
+        Leading tokens left out of pooling: the prompt's, when the ``Pooling`` module
+        has ``include_prompt=False``; else 0.
 
     Examples
     --------
