@@ -12,8 +12,9 @@ The probe measures, through the real code paths, the constants of Theorem 1:
    doubled (up to 16,384 rows, within the budget) until its time stands out of the
    noise against a one-row call (:func:`separated`); when it never does, the probe
    warns (:class:`CalibrationWarning`) and :func:`calibrate` returns ``None``:
-   callers then use the default thresholds, as without a calibration. For each call the encoder's batching rule is replayed on
-   the real token lengths (padded tokens, forward passes), and
+   callers then use the default thresholds, as without a calibration. For each
+   call the encoder's batching rule is replayed on the real token lengths
+   (padded tokens, forward passes), and
    ``setup + per_text b + per_token padded + per_forward forwards`` is fitted
    by non-negative least squares on relative error. The token-length
    distribution is kept (256 quantiles) for predicting other call sizes.
@@ -73,8 +74,8 @@ from .costmodel import CostParams, call_cost, token_quantiles
 from .errors import SurgeValueError
 from .tokens import token_counter
 
-__all__ = ["PROBE_VERSION", "CalibrationWarning", "Timing", "cache_dir", "cache_path", "calibrate", "fit_encode_curve",
-           "separated", "solve_dask_terms"]
+__all__ = ["PROBE_VERSION", "CalibrationWarning", "Timing", "cache_dir", "cache_path", "calibrate",
+           "fit_encode_curve", "separated", "solve_dask_terms"]
 
 logger = logging.getLogger(__name__)
 PROBE_VERSION = 7  # bump when the probe, or the speed of what it measures (the engine), changes
@@ -315,7 +316,8 @@ def _probe_curve(encoder, budget_s: float, seed: int = 7, *, clock=time.perf_cou
             texts["short"] = make_texts(n, seed=seed)
             lengths["short"] = count(texts["short"])
 
-    def measure(kind: str, b: int, reps: int, start: int = 0) -> tuple[tuple[int, float, float, float], Timing]:
+    def measure(kind: str, b: int, reps: int, start: int = 0) -> tuple[tuple, Timing]:
+        """((rows, padded tokens, forwards, median seconds), Timing) of ``reps``+ calls."""
         batch = texts[kind][start : start + b]
         x = -np.sort(-lengths[kind][start : start + b])
         padded, forwards = _replay(x, max_tokens, batch_rows)
@@ -343,7 +345,8 @@ def _probe_curve(encoder, budget_s: float, seed: int = 7, *, clock=time.perf_cou
         top_obs, large = measure("short", top, reps_for(large.median_s * 2, 0.1))
     obs.append(top_obs)
     result = {"token_lengths": list(token_quantiles(lengths["short"])),
-              "tokens_per_text": float(lengths["short"].mean()), "max_tokens": max_tokens, "batch_rows": batch_rows,
+              "tokens_per_text": float(lengths["short"].mean()),
+              "max_tokens": max_tokens, "batch_rows": batch_rows,
               "mean_text_bytes": float(np.mean([len(t.encode()) for t in texts["short"]])),
               "separable": bool(separated(one, large)),
               "noise": {"one_row": [round(one.median_s, 6), round(one.spread_s, 6)],
@@ -724,7 +727,8 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 10, cache: bool = T
     )
     meta: dict = {"curve": json.dumps([[round(x, 7) for x in o] for o in probe["observations"]]),
                   "curve_columns": "rows, padded_tokens, forwards, seconds",
-                  "curve_rel_rms": round(fit.rel_rms, 5), "identity": json.dumps(key["identity"], sort_keys=True),
+                  "curve_rel_rms": round(fit.rel_rms, 5), "curve_noise": json.dumps(probe["noise"]),
+                  "identity": json.dumps(key["identity"], sort_keys=True),
                   "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     params = base
     if client is not None:

@@ -28,8 +28,8 @@ from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, writ
 
 __all__ = [
     "CountingEncoder", "DieOnce", "FakeClock", "FakeTimedEncoder", "GatedEncoder", "Hog", "InterruptAfter",
-    "checksum_model", "lognormal_sizes",
-    "make_partitioned_frame", "make_texts", "make_tiny_model", "packaged_model_dir", "write_partitioned_parquet",
+    "checksum_model", "lognormal_sizes", "make_partitioned_frame", "make_texts", "make_tiny_model",
+    "packaged_model_dir", "write_partitioned_parquet",
 ]
 
 def packaged_model_dir() -> Path:
