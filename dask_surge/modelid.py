@@ -13,8 +13,8 @@ what it computes with, not by its name:
   rerun only stats the files;
 * an in-memory model (a loaded ``SentenceTransformer``, a ``torch.nn.Module``)
   by a digest of its ``state_dict`` plus, for a ``SentenceTransformer``, each
-  module's configuration and tokenizer; cached while no parameter changes
-  (torch's per-tensor version counters);
+  module's configuration and tokenizer and its prompts; cached while no parameter
+  changes (torch's per-tensor version counters) and the settings stay the same;
 * any other callable by its qualified name and bytecode (a function's, or its
   class's ``__call__``): not its attributes, which are often call counters or caches.
 
@@ -154,7 +154,8 @@ def object_digest(obj: Any) -> str:
         torch = None  # type: ignore[assignment]
     if torch is not None and isinstance(obj, torch.nn.Module):
         state = obj.state_dict(keep_vars=True)
-        versions = tuple(t._version for t in state.values() if isinstance(t, torch.Tensor))
+        settings = _module_settings(obj)  # prompts, configs, tokenizer: may change without the weights
+        versions = (*(t._version for t in state.values() if isinstance(t, torch.Tensor)), hash(settings))
         with _LOCK:
             hit = _OBJ_CACHE.get(id(obj))
             if hit is not None and hit[0] is obj and hit[1] == versions:
@@ -166,7 +167,7 @@ def object_digest(obj: Any) -> str:
                 h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\n".encode())
                 if t.device.type != "meta" and t.numel():
                     h.update(t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        h.update(_module_settings(obj).encode())
+        h.update(settings.encode())
         digest = h.hexdigest()
         with _LOCK:
             _OBJ_CACHE[id(obj)] = (obj, versions, digest)

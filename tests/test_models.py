@@ -520,3 +520,10 @@ def test_done_when_the_notebook_cell_runs_against_a_populated_cache(hub_cache, t
     assert min_cosine(np.stack(back["embedding"].to_numpy()), reference) >= 0.9999
     run = json.loads(next((tmp_path / "emb").rglob("run.json")).read_text())
     assert commit in json.dumps(run)  # the commit is in the run's fingerprint
+
+
+def test_identity_of_an_in_memory_model_follows_its_prompts(tiny_model):
+    model = SentenceTransformer(tiny_model, device="cpu")
+    before = Encoder(model).identity()["digest"]
+    model.prompts = {"query": "query: "}
+    assert Encoder(model).identity()["digest"] != before
