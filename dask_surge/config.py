@@ -107,20 +107,3 @@ def get(name: str, value: Any = None) -> Any:
     if value is None:
         value = dask.config.get(f"surge.{name}")
     return _check(name, value)
-
-
-def thresholds(b_min=None, b_max=None, *, gpu: bool = False) -> tuple[Any, Any]:
-    """Resolve ``b_min``/``b_max`` (argument, else config), turning ``"auto"`` into rows.
-
-    Examples
-    --------
-    >>> thresholds(10, "auto")
-    (10, 16384)
-    """
-    # explicit arguments are checked by the policy (with its own messages); config values here
-    b_min = get("b-min") if b_min is None else b_min
-    b_max = get("b-max") if b_max is None else b_max
-    auto_min, auto_max = (100_000, 400_000) if gpu else (4_096, 16_384)
-    b_min = auto_min if b_min == "auto" else b_min
-    b_max = max(auto_max, b_min) if b_max == "auto" else b_max
-    return b_min, b_max

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import SurgeError, SurgeInputError
+from .graph import ParquetPartitions, cull, dependents_of, parquet_pieces, private_tasks
 from .manifest import Coverage, Manifest, sb_key
 from .policy import OnlinePlanner, Span, SuperBatch
 from .sink import SuperBatchWriter
@@ -135,52 +136,12 @@ class GraphPartitions:
             yield p, node({k: known[k] for k in node.dependencies})
 
 
-class ParquetPartitions:
-    """Reads a unit's partitions straight from their Parquet files, all at once, in
-    threads (Arrow releases the GIL), with one conversion to pandas."""
-
-    def __init__(self, fs, pieces: dict, columns: tuple, dtypes: tuple) -> None:
-        self.fs, self.pieces, self.columns, self.dtypes = fs, pieces, columns, dtypes
-
-    def _read(self, piece) -> Any:
-        import pyarrow.parquet as pq
-
-        path, row_groups = piece
-        with self.fs.open(path, "rb") as f:
-            pf = pq.ParquetFile(f)
-            if row_groups is None:
-                return pf.read(columns=list(self.columns), use_threads=False)
-            return pf.read_row_groups(list(row_groups), columns=list(self.columns), use_threads=False)
-
-    def iterate(self, partitions: Sequence[int], values: list) -> Iterator[tuple[int, Any]]:
-        from concurrent.futures import ThreadPoolExecutor
-
-        import pyarrow as pa
-
-        from .graph import _string_types
-
-        pieces = [self.pieces[p] for p in partitions]
-        with ThreadPoolExecutor(max_workers=min(8, len(pieces) or 1)) as pool:
-            tables = list(pool.map(self._read, pieces))
-        lengths = [t.num_rows for t in tables]
-        table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
-        frame = table.to_pandas(types_mapper=_string_types)
-        if len(frame.columns):
-            frame = frame.astype(dict(self.dtypes))
-        offset = 0
-        for p, n in zip(partitions, lengths):
-            yield p, frame.iloc[offset : offset + n]
-            offset += n
-
-
 class InputGraph:
     """The input's tasks, optimized once with the partitioning that was planned, and
     the task of any unit over them (see module docstring)."""
 
     def __init__(self, frame) -> None:
         import dask
-
-        from .graph import parquet_pieces
 
         self.npartitions = frame.npartitions
         found = parquet_pieces(frame.expr.simplify())
@@ -198,30 +159,11 @@ class InputGraph:
             )
         self.name = opt._name
         self.graph = dict(opt.__dask_graph__())
-        self.dependents: dict = {}
-        for key, task in self.graph.items():
-            for dep in getattr(task, "dependencies", ()):
-                self.dependents.setdefault(dep, set()).add(key)
-
-    def _private(self, root) -> set:
-        """``root`` and the upstream tasks that feed only it (fused into its computation)."""
-        from dask._task_spec import GraphNode
-
-        private, stack = {root}, list(self.graph[root].dependencies)
-        while stack:  # a key is pushed again by each dependent: the last push decides
-            dep = stack.pop()
-            # a persisted frame's graph holds Futures: they stay outside, as scheduler data
-            if dep not in private and isinstance(self.graph.get(dep), GraphNode) \
-                    and self.dependents.get(dep, set()) <= private:
-                private.add(dep)
-                stack.extend(self.graph[dep].dependencies)
-        return private
+        self.dependents = dependents_of(self.graph)
 
     def task(self, key, runner: UnitRunner, unit: Unit) -> dict:
         """The graph to submit for ``unit``: its task and the shared upstream tasks it needs."""
         from dask._task_spec import List, Task, TaskRef
-
-        from .graph import cull
 
         if self.parquet is not None:
             fs, pieces, columns, dtypes = self.parquet
@@ -230,7 +172,7 @@ class InputGraph:
         nodes, external = {}, set()
         for p in unit.partitions:
             root = (self.name, p)
-            private = self._private(root)
+            private = private_tasks(self.graph, self.dependents, root, self.graph[root].dependencies)
             nodes[p] = Task.fuse(*(self.graph[k] for k in private), key=root)
             external |= set(nodes[p].dependencies)
         ext = tuple(sorted(external, key=str))

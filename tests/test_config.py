@@ -19,7 +19,9 @@ def test_yaml_and_option_table_agree():
 
 def test_env_and_set_override(monkeypatch):
     with dask.config.set({"surge.b-min": 123}):
-        assert config.thresholds()[0] == 123
+        from dask_surge.thresholds import resolve_thresholds
+
+        assert resolve_thresholds(gpu=False).b_min == 123
     monkeypatch.setenv("DASK_SURGE__PRECISION", "float16")
     dask.config.refresh()
     try:

@@ -367,7 +367,11 @@ def test_parquet_input_needs_one_task_per_superbatch_and_nothing_else(tmp_path, 
     ddf = dd.read_parquet(str(tmp_path / "in"))
     out = ddf.surge.encode("text", model=tiny_model, b_min=8, b_max=16, keep=["doc_id"], device="cpu")
     plan = dask_surge.plan_superbatches(sizes, 8, 16)
-    assert len(out.optimize().__dask_graph__()) == len(plan) == out.npartitions
+    # one task per SuperBatch, plus one read of the partition sliced over three of them
+    assert len(out.optimize().__dask_graph__()) == len(plan) + 1 and len(plan) == out.npartitions
+    whole = dd.read_parquet(str(tmp_path / "in")).surge.encode(
+        "text", model=tiny_model, b_min=8, b_max=100, keep=["doc_id"], device="cpu")
+    assert len(whole.optimize().__dask_graph__()) == whole.npartitions  # no slice: nothing else
     fast = out.compute(scheduler="sync")
     # same rows and embeddings as the generic path over the same data in memory
     mem = make_partitioned_frame(sizes, seed=8)

@@ -8,7 +8,6 @@ partition is computed, in any process.
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess

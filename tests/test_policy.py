@@ -167,3 +167,32 @@ def test_bad_max_bytes_is_refused_with_the_fix(bad):
 def test_nbytes_length_must_match_sizes():
     with pytest.raises(SurgeValueError, match="nbytes has 1 entries but sizes has 2"):
         plan_superbatches([1, 2], 1, 2, nbytes=[1], max_bytes=10)
+
+
+@given(
+    sizes=st.lists(st.integers(0, 400), min_size=1, max_size=30),
+    b_min=st.one_of(st.none(), st.just("auto"), st.integers(1, 500)),
+    b_max=st.one_of(st.none(), st.just("auto"), st.integers(1, 800)),
+    threads=st.integers(1, 16),
+    gpu=st.booleans(),
+)
+def test_plan_and_encode_resolve_the_same_thresholds(sizes, b_min, b_max, threads, gpu):
+    """plan() and encode() call one resolver with the same inputs, so they cannot disagree;
+    an automatic threshold never contradicts a given one."""
+    from dask_surge.errors import SurgeValueError
+    from dask_surge.sizes import PartitionSizes
+    from dask_surge.api import _run_thresholds
+
+    known = PartitionSizes(tuple(sizes), "metadata")
+    try:
+        got = _run_thresholds(b_min, b_max, known, None, gpu=gpu, threads=threads)
+    except SurgeValueError as err:  # only two given, contradicting thresholds are refused
+        assert isinstance(b_min, int) and isinstance(b_max, int) and b_min > b_max, err
+        return
+    assert 1 <= got.b_min <= got.b_max
+    if isinstance(b_min, int):
+        assert got.b_min == b_min
+    if isinstance(b_max, int):
+        assert got.b_max == b_max
+    again = _run_thresholds(b_min, b_max, known, None, gpu=gpu, threads=threads)
+    assert again == got
