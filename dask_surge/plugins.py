@@ -39,7 +39,8 @@ class EncoderPlugin(WorkerPlugin):
         self.preload = preload
         self.name = "dask-surge-encoder-" + hashlib.sha1(repr(encoder.spec).encode()).hexdigest()[:12]
 
-    def setup(self, worker) -> None:  # noqa: D102 - WorkerPlugin API
+    def setup(self, worker) -> None:
+        """Install an in-memory model in this worker process and, with ``preload``, load the model."""
         if self.obj is not None:
             install_object(self.encoder.spec.source, self.obj)
         if self.preload:
