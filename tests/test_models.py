@@ -527,3 +527,18 @@ def test_identity_of_an_in_memory_model_follows_its_prompts(tiny_model):
     before = Encoder(model).identity()["digest"]
     model.prompts = {"query": "query: "}
     assert Encoder(model).identity()["digest"] != before
+
+
+def test_a_worker_without_the_clients_path_loads_the_same_commit_from_its_cache(hub_cache, tiny_model):
+    import dataclasses
+
+    from dask_surge.encoders import _from_spec
+
+    commit = commit_of("worker")
+    add_to_hub_cache(hub_cache, "org/tiny", tiny_model, commit=commit)
+    client_side = Encoder("org/tiny", device="cpu")
+    # as unpickled on a machine where the client's snapshot path does not exist
+    worker_side = _from_spec(dataclasses.replace(client_side.spec, source="/client/only/snapshot"))
+    reference = SentenceTransformer(tiny_model, device="cpu").encode(TEXTS)
+    assert min_cosine(worker_side.encode(TEXTS), reference) >= 0.9999
+    assert worker_side.identity() == client_side.identity()
