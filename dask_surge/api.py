@@ -131,11 +131,13 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
         from .calibrate import calibrate as run_probe
 
         params = run_probe(_resolve_encoder(model, {}), client=active)
-    tokens_source = None
-    if params is not None and sizes.total:  # automatic thresholds and predictions both use this data's tokens
+    tokens_source, raw_params = None, params
+    if params is not None and sizes.total:  # predictions (and known-size thresholds) use this data's tokens
         params, tokens_source = _params_for_data(ddf, column, sizes, params, model, token_sample)
     threads = _threads(active, scheduler)
-    th = _run_thresholds(b_min, b_max, known, params, gpu=gpu_count() > 0, threads=threads)
+    # as encode() resolves them: a streamed input is not sampled before it starts
+    th = _run_thresholds(b_min, b_max, known, params if known is not None else raw_params,
+                         gpu=gpu_count() > 0, threads=threads)
     if known is not None:
         superbatches = _plan(sizes, th.b_min, th.b_max, max_bytes)
     else:
@@ -145,7 +147,7 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     if params is not None and sizes.total:
         from .costmodel import advise, predict
 
-        capped = dict(nbytes=sizes.nbytes, max_bytes=max_bytes)  # predict the plan shown
+        capped = dict(nbytes=sizes.nbytes, max_bytes=max_bytes, superbatches=superbatches)  # the plan shown
         result.predictions = predict(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, **capped)
         result.advice = advise(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, **capped)
     return result

@@ -501,6 +501,7 @@ def predict(
     tokens: Sequence[float] | None = None,
     nbytes: Sequence[int] | None = None,
     max_bytes: int | None = None,
+    superbatches: Sequence | None = None,
 ) -> pd.DataFrame:
     """Predict time, throughput, memory and TTFO of SURGE and its baselines.
 
@@ -521,6 +522,9 @@ def predict(
     nbytes, max_bytes : optional
         Text bytes per partition and SURGE's byte cap, so the SURGE plan predicted is
         the one :func:`dask_surge.policy.plan_superbatches` makes with them.
+    superbatches : sequence of SuperBatch, optional
+        The SURGE plan to predict, when it is not that one (a streamed input forms its
+        SuperBatches unit by unit, see :mod:`dask_surge.runner`).
 
     Returns
     -------
@@ -564,7 +568,8 @@ def predict(
     rows: dict[str, dict] = {}
 
     # SURGE: one call per SuperBatch, in plan order
-    sbs = plan_superbatches(n.tolist(), b_min, b_max, nbytes=nbytes, max_bytes=max_bytes)
+    sbs = list(superbatches) if superbatches is not None else plan_superbatches(
+        n.tolist(), b_min, b_max, nbytes=nbytes, max_bytes=max_bytes)
     b = np.array([sb.rows for sb in sbs], dtype=float)
     folded = np.array([len(sb.spans) for sb in sbs], dtype=float)
     t = _tokens_per_call(n, tok, [[(s.partition, s.rows) for s in sb.spans] for sb in sbs])
@@ -674,7 +679,8 @@ class Advice:
 
 
 def advise(sizes: Sequence[int], params: CostParams, *, b_min: int, b_max: int,
-           nbytes: Sequence[int] | None = None, max_bytes: int | None = None) -> Advice:
+           nbytes: Sequence[int] | None = None, max_bytes: int | None = None,
+           superbatches: Sequence | None = None) -> Advice:
     """Say whether SuperBatching pays over one call per partition, and why.
 
     Examples
@@ -687,7 +693,8 @@ def advise(sizes: Sequence[int], params: CostParams, *, b_min: int, b_max: int,
     """
     n = _check_sizes(sizes)
     phi, cv = phi_cv(n, params)
-    df = predict(n, params, b_min=b_min, b_max=b_max, nbytes=nbytes, max_bytes=max_bytes)
+    df = predict(n, params, b_min=b_min, b_max=b_max, nbytes=nbytes, max_bytes=max_bytes,
+                 superbatches=superbatches)
     speedup = float(df.loc["pbp", "seconds"] / df.loc["surge", "seconds"])
     pays = speedup >= 1.05
     mean, n_max = float(n.mean()), int(n.max())

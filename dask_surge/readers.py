@@ -39,7 +39,9 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     rows = sum(r.rows for r in committed.values())
     skipped = sum(r.skipped for r in committed.values())
     return {
-        "output": output, "state": "complete" if done is not None else "incomplete", "run": manifest.run_id,
+        "output": output, "run": manifest.run_id,
+        # the COMPLETE marker, and every partition still accounted for by a commit record
+        "state": "complete" if done is not None and not coverage.missing(partitions or 0) else "incomplete",
         "mode": planned.get("mode"), "b_min": planned.get("b_min"), "b_max": planned.get("b_max"),
         "partitions_planned": partitions,
         "partitions_committed": sum(1 for p in range(partitions or 0) if coverage.complete(p)),

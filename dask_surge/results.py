@@ -156,6 +156,7 @@ class EncodeResult:
     b_max: int = 0
     thresholds_reason: str = ""
     nulls_skipped: int = 0
+    engine: str = ""  # what encoded this call's SuperBatches: "fast", "sentence-transformers", "callable"
     records: list[dict] = field(default_factory=list, repr=False)
 
     @property
@@ -176,6 +177,7 @@ class EncodeResult:
                 f"SuperBatches ({self.skipped_superbatches:,} already committed) -> {self.output}\n"
                 f"{self.seconds:.1f} s, {self.texts_per_s:,.0f} texts/s, first output after {ttfo}\n"
                 f"b_min={self.b_min:,}, b_max={self.b_max:,} ({self.thresholds_reason})"
+                + (f"; engine: {self.engine}" if self.engine else "")
                 + (f"\n{self.nulls_skipped:,} null texts left out (on_null='skip'); their (partition, row) "
                    f"are in dask_surge.skipped_rows({self.output!r})" if self.nulls_skipped else ""))
 

@@ -365,7 +365,8 @@ def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes:
     npartitions = frame.npartitions
     threads = sum(client.nthreads().values()) if client is not None else 1
     found = find_run(output, fingerprint, storage_options)
-    if found is not None and found.completion() is not None and not overwrite:
+    if found is not None and found.completion() is not None and not overwrite \
+            and not found.coverage().missing(npartitions):  # records, not the marker, are the truth
         return _complete_result(found, output, t0)
     streaming = found is not None and found.plan.get("mode") == "streaming"
     sizes = None if streaming else known_sizes(frame, sbe.column, max_bytes)
@@ -431,6 +432,7 @@ def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes:
         seconds=time.perf_counter() - t0, ttfo_s=ttfo,
         sizes_source=sizes.source if sizes is not None else "streamed", resumed=resumed, b_min=b_min, b_max=b_max,
         thresholds_reason=plan.get("reason", ""), records=reports, nulls_skipped=summary["nulls_skipped"],
+        engine=", ".join(sorted({r["engine"] for r in reports})),
     )
 
 

@@ -120,4 +120,5 @@ class SuperBatchWriter:
             "sb": key, "rows": len(frame), "skipped": len(skipped), "file": record.file if won else "",
             "bytes": len(data), "spans": record.spans, "encode_s": t1 - t0,
             "write_s": time.perf_counter() - t1, "committed": won, "committed_at": record.committed_at,
+            "engine": self.encoder.encoder.backend,  # what encoded on this worker
         }

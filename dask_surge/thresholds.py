@@ -122,12 +122,13 @@ def resolve_thresholds(b_min: Any = None, b_max: Any = None, *, gpu: bool, worke
     if not autos:
         lo, hi = validate_thresholds(raw_min, raw_max)
         return Thresholds(lo, hi, "as given")
-    if params is not None and n_max:
+    if params is not None:
         from .costmodel import auto_thresholds
 
         budget = config.get("memory-budget") or 2 * 1024**3
+        # n_max unknown (streaming): the resident rows are bounded by b_max alone (Lemma 3)
         lo, hi, why = auto_thresholds(params, memory_budget_bytes=budget, ttfo_target_s=config.get("ttfo-target"),
-                                      n_max=n_max, b_min=given_min, b_max=given_max)
+                                      n_max=n_max or 2**62, b_min=given_min, b_max=given_max)
     else:
         auto_min, auto_max = DEFAULTS["gpu" if gpu else "cpu"]
         lo = given_min if given_min is not None else min(auto_min, given_max or auto_min)

@@ -2,6 +2,7 @@
 
 import json
 
+import dask.dataframe as dd
 import numpy as np
 import pytest
 
@@ -369,7 +370,8 @@ def test_auto_thresholds_use_a_cached_calibration(monkeypatch):
     from dask_surge.testing import make_partitioned_frame
 
     monkeypatch.setattr(cal, "calibrate", lambda *a, **k: params())
-    ddf = make_partitioned_frame([2_000] * 20)  # large enough that 4 SBs per worker bind nothing
+    # sizes known ahead (a from_pandas frame), large enough that 4 SBs per worker bind nothing
+    ddf = dd.from_pandas(make_partitioned_frame([2_000] * 20).compute(scheduler="sync"), npartitions=20)
     model = lambda t: np.ones((len(t), 2))  # noqa: E731  (tokens: the word estimate, in plan and encode alike)
     with dask.config.set({"surge.ttfo-target": 0.5}):
         p = ddf.surge.plan("text", b_min="auto", b_max="auto", params=params(), model=model)
@@ -393,8 +395,9 @@ def test_auto_b_min_leaves_every_worker_several_superbatches():
         threads = sum(get_client().nthreads().values())
     except ValueError:
         threads = 1
-    ddf = make_partitioned_frame([50] * 20)  # 1,000 rows: the CPU default 4,096 would make one SB
-    p = ddf.surge.plan("text", b_min="auto", b_max="auto")
+    # 1,000 rows, sizes known ahead: the CPU default 4,096 would make one SB
+    ddf = dd.from_pandas(make_partitioned_frame([50] * 20).compute(scheduler="sync"), npartitions=20)
+    p = ddf.surge.plan("text", b_min="auto", b_max="auto", scheduler=get_client() if threads > 1 else "sync")
     assert p.b_min == -(-1000 // (4 * threads)) and len(p.superbatches) >= 4
     # encode(scheduler="sync") runs in this one thread: 4 SuperBatches of 250 rows
     res = ddf.surge.encode("text", str(__import__("tempfile").mkdtemp()), model=lambda t: np.ones((len(t), 2)),

@@ -50,7 +50,7 @@ KW = dict(model=checksum_model, keep=["doc_id"], b_min=60, b_max=200, progress=F
 def test_streamed_input_is_computed_once_and_a_complete_rerun_computes_nothing(tmp_path, client):
     log = str(tmp_path / "calls")
     res = _streamed(log).surge.encode("text", str(tmp_path / "o"), **KW)
-    assert res.sizes_source == "streamed" and res.rows == sum(SIZES)
+    assert res.sizes_source == "streamed" and res.rows == sum(SIZES) and res.engine == "callable"
     assert sorted(CallLog(log).calls()) == NONEMPTY          # every partition exactly once
     back = _sorted(tmp_path / "o")
     assert back.doc_id.tolist() == list(range(sum(SIZES)))
