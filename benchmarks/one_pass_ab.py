@@ -4,7 +4,7 @@ against a base git revision, side by side.
 Usage::
 
     python benchmarks/one_pass_ab.py [--base 32b0d6c] [--rounds 3] [--rows 6000] [--partitions 300]
-                                     [--upstream-ms-per-row 1.0] [--b-min 256] [--b-max 1024]
+                                     [--upstream-ms-per-row 6.0] [--b-min 256] [--b-max 1024]
                                      [--out benchmarks/results/one_pass_ab_cpu.json]
 
 The input is ``make_partitioned_frame`` (log-normal partition sizes, sigma 1.72, ``dd.from_map``
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", type=int, default=6_000)
     parser.add_argument("--partitions", type=int, default=300)
-    parser.add_argument("--upstream-ms-per-row", type=float, default=1.0)
+    parser.add_argument("--upstream-ms-per-row", type=float, default=6.0)
     parser.add_argument("--b-min", type=int, default=256)
     parser.add_argument("--b-max", type=int, default=1024)
     parser.add_argument("--out", default="benchmarks/results/one_pass_ab_cpu.json")

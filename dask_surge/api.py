@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -356,6 +357,7 @@ def encode(
     >>> out.compute()[["partition", "row"]].values.tolist()
     [[0, 0], [0, 1], [1, 0]]
     """
+    started = time.perf_counter()  # TTFO counts from the call (model load and cluster start included)
     keep = _check_columns(ddf, column, keep)
     if not isinstance(overwrite, bool):
         raise SurgeValueError(f"overwrite={overwrite!r} must be True or False. Fix: pass overwrite=True to replace a different run.")
@@ -389,7 +391,7 @@ def encode(
             frame, sbe, output, fingerprint=fingerprint(frame, sbe, requested, max_bytes),
             resolve=functools.partial(_resolve, requested, encoder, frame, column, client, gpu=on_gpu),
             max_bytes=max_bytes, client=client, scheduler=scheduler, overwrite=overwrite,
-            storage_options=storage_options, progress=config.get("progress", progress),
+            storage_options=storage_options, progress=config.get("progress", progress), started=started,
         )
 
 

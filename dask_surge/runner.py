@@ -323,6 +323,13 @@ def stopped_error(err: BaseException, manifest: Manifest, column: str) -> BaseEx
     kept = f"{len(manifest.committed())} SuperBatches are committed and kept"
     if isinstance(err, UnicodeDecodeError):
         return not_utf8(column, err, kept)
+    if type(err).__name__ in ("NoWorkerError", "NoValidWorkerError"):
+        return SurgeError(
+            f"no worker was left to run the SuperBatches ({err}): jobs preempted, cancelled or out of "
+            f"walltime, for longer than distributed.scheduler.no-workers-timeout. {kept}. Fix: start "
+            "workers again (e.g. cluster.scale(jobs=n), or cluster.adapt(...) to replace lost jobs), then "
+            "rerun the same call to resume."
+        )
     if type(err).__name__ == "KilledWorker":
         return SurgeError(
             f"a SuperBatch task killed its worker repeatedly ({err}); the usual cause is running "
@@ -347,12 +354,15 @@ def interrupted(manifest: Manifest, output: str, planned: int | None) -> None:
     )
 
 def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes: int | None, client,
-              scheduler, overwrite: bool, storage_options: dict | None, progress: bool):
+              scheduler, overwrite: bool, storage_options: dict | None, progress: bool,
+              started: float | None = None):
     """Encode ``frame`` into ``output``: open or resume the run, stream its units, finish it.
 
     ``resolve(sizes)`` resolves the thresholds of a new run (``sizes``: the
     :class:`~dask_surge.sizes.PartitionSizes` known without reading data, or None); a
-    resumed run keeps the ones it recorded. Returns an :class:`~dask_surge.results.EncodeResult`.
+    resumed run keeps the ones it recorded. ``started`` is when the caller was called
+    (``time.perf_counter()``): times and TTFO count from there. Returns an
+    :class:`~dask_surge.results.EncodeResult`.
     """
     from .manifest import find_run, finish_run, open_run
     from .policy import plan_superbatches
@@ -361,7 +371,8 @@ def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes:
     from .sizes import known_sizes
     from . import config
 
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if started is None else started
+    wall0 = time.time() - (time.perf_counter() - t0)  # the same instant on the wall clock
     npartitions = frame.npartitions
     threads = sum(client.nthreads().values()) if client is not None else 1
     found = find_run(output, fingerprint, storage_options)
@@ -407,8 +418,9 @@ def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes:
             graph = InputGraph(frame)  # may already convert in-memory data (bad UTF-8 raises here)
             for report in run_units(iter(units), lambda key, unit: graph.task(key, runner, unit), client,
                                     scheduler, window, task_resources(client)):
-                if ttfo is None:
-                    ttfo = time.perf_counter() - t0
+                if report["committed"]:  # when its file became readable, not when the client heard
+                    first = report["committed_at"] - wall0
+                    ttfo = first if ttfo is None else min(ttfo, first)
                 reports.append(report)
                 bar.update(report["rows"] + report["skipped"])
         except BaseException as err:
