@@ -21,7 +21,7 @@ from .policy import SuperBatch, plan_superbatches
 from .precision import check_precision, check_truncate_dim
 from .readers import read_embeddings, skipped_rows, status
 from .results import EncodeResult, SurgePlan
-from .runner import unit_partitions, write_run
+from .runner import streamed_plan, unit_partitions, write_run
 from .sizes import PartitionSizes, known_sizes, partition_sizes
 from .superbatch import SuperBatchEncoder
 from .thresholds import Thresholds, requested_thresholds, resolve_thresholds
@@ -120,7 +120,7 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
                       trust_remote_code=trust_remote_code, model_kwargs=model_kwargs)
     if any(v is not None and v is not False for v in model_opts.values()):
         model = _resolve_encoder(model, model_opts)  # the probe and the token sample use this model
-    max_bytes = config.get("max-bytes", max_bytes)
+    max_bytes = _max_bytes(max_bytes)
     frame = ddf[[column]]
     known = known_sizes(frame, column, max_bytes)
     # an input that encode() streams is sized here with one pass, to show its SuperBatches
@@ -142,15 +142,19 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     if known is not None:
         superbatches = _plan(sizes, th.b_min, th.b_max, max_bytes)
     else:
-        superbatches = _streamed_plan(sizes, th.b_min, th.b_max, max_bytes, unit_partitions(len(sizes.sizes), threads))
+        per_unit = unit_partitions(len(sizes.sizes), threads)
+        superbatches = streamed_plan(sizes.sizes, th.b_min, th.b_max, per_unit, nbytes=sizes.nbytes,
+                                     max_bytes=max_bytes)
     result = SurgePlan(sizes, superbatches, th.b_min, th.b_max, params=params, max_bytes=max_bytes,
-                       tokens_source=tokens_source)
+                       tokens_source=tokens_source, unit_partitions=None if known is not None else per_unit)
     if params is not None and sizes.total:
         from .costmodel import advise, predict
 
-        capped = dict(nbytes=sizes.nbytes, max_bytes=max_bytes, superbatches=superbatches)  # the plan shown
-        result.predictions = predict(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, **capped)
-        result.advice = advise(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, **capped)
+        # predict the plan shown, under the byte cap it was made with
+        result.predictions = predict(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, nbytes=sizes.nbytes,
+                                     max_bytes=max_bytes, superbatches=superbatches)
+        result.advice = advise(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, nbytes=sizes.nbytes,
+                               max_bytes=max_bytes, superbatches=superbatches)
     return result
 
 
@@ -160,18 +164,10 @@ def _plan(sizes: PartitionSizes, b_min: int, b_max: int, max_bytes: int | None) 
     return plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap)
 
 
-def _streamed_plan(sizes: PartitionSizes, b_min: int, b_max: int, max_bytes: int | None,
-                   per_unit: int) -> list[SuperBatch]:
-    """The SuperBatches the streaming mode forms over these sizes: the policy applied
-    inside each unit of ``per_unit`` partitions (see :mod:`dask_surge.runner`)."""
-    out: list[SuperBatch] = []
-    for start in range(0, len(sizes.sizes), per_unit):
-        stop = start + per_unit
-        nbytes = sizes.nbytes[start:stop] if sizes.nbytes is not None and max_bytes else None
-        for sb in plan_superbatches(sizes.sizes[start:stop], b_min, b_max, nbytes=nbytes,
-                                    max_bytes=max_bytes if nbytes is not None else None):
-            out.append(SuperBatch(len(out), tuple(type(s)(s.partition + start, s.start, s.stop) for s in sb.spans)))
-    return out
+def _max_bytes(value: Any) -> int | None:
+    """The byte cap: ``value``, else ``surge.max-bytes``, as a positive int or None."""
+    cap = config.get("max-bytes", value)
+    return None if cap is None else int(cap)
 
 
 def _threads(client, scheduler: Any = None) -> int:
@@ -367,7 +363,7 @@ def encode(
                                            revision=revision, trust_remote_code=trust_remote_code,
                                            model_kwargs=model_kwargs))
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
-    max_bytes = config.get("max-bytes", max_bytes)
+    max_bytes = _max_bytes(max_bytes)
     normalize = config.get("normalize", normalize)
     sbe = SuperBatchEncoder(
         column, keep, encoder, normalize=normalize,
@@ -410,7 +406,8 @@ def _resolve(requested, encoder: Encoder, frame, column: str, client, sizes: Par
             logger.warning("dask-surge: calibration cache not usable (%s); using default thresholds", err)
     if params is not None and sizes is not None and sizes.total:
         params, _ = _params_for_data(frame, column, sizes, params, encoder, None)
-    return _run_thresholds(*requested, sizes, params, gpu=gpu, threads=_threads(client, "sync"))
+    b_min, b_max = requested
+    return _run_thresholds(b_min, b_max, sizes, params, gpu=gpu, threads=_threads(client, "sync"))
 
 
 def _lazy(frame, sbe: SuperBatchEncoder, requested, max_bytes: int | None, *, gpu: bool):

@@ -195,6 +195,7 @@ class FusedSuperBatchExpr(SuperBatchExpr):
             private = private_tasks(upstream, dependents, key, task.dependencies)
             fused = Task.fuse(*(upstream[k] for k in private if k != key), task, key=key)
             if not fused.data_producer:
+                assert isinstance(fused, Task)  # a fused task is a Task
                 fused = Task(key, fused.func, *fused.args, _data_producer=True, **fused.kwargs)
             graph[key] = fused
             priority[key] = top - position

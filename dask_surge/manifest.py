@@ -23,6 +23,7 @@ them. Parquet readers pointed at ``out/`` skip ``_surge`` (``_`` prefix) and the
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import json
@@ -175,11 +176,11 @@ class CommitRecord:
         """Input rows this commit accounts for: written rows plus skipped nulls."""
         return self.rows + self.skipped
 
-    def to_json(self) -> bytes:
+    def to_json(self) -> builtins.bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "CommitRecord":
+    def from_json(cls, data: builtins.bytes) -> CommitRecord:
         raw = json.loads(data)
         known = {f.name for f in fields(cls)}
         raw = {k: v for k, v in raw.items() if k in known}
@@ -454,10 +455,10 @@ def open_run(
     run_id = fingerprint_digest(fingerprint)
     manifest = Manifest(fs, root, run_id, fingerprint)
     current = current_run(path, storage_options)
-    other = current is not None and current.run_id != run_id
-    empty_other = other and current.stopped() and not current.committed()
-    if other and not overwrite and not empty_other:
-        diff = "; ".join(_differences(current.fingerprint, fingerprint)) or "(format)"
+    other = current if current is not None and current.run_id != run_id else None
+    empty_other = other is not None and other.stopped() and not other.committed()
+    if other is not None and not overwrite and not empty_other:
+        diff = "; ".join(_differences(other.fingerprint, fingerprint)) or "(format)"
         raise SurgeOutputError(
             f"output={path!r} already holds a different run ({diff}). Nothing was written. "
             "Fix: write to a new path, or pass overwrite=True (the old output is replaced "

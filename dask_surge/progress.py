@@ -84,7 +84,7 @@ class Progress:
             if self.notebook:
                 self._show_html()
             else:
-                end = "\r" if self._tty and self.sbs < self.total_sbs else "\n"
+                end = "\r" if self._tty and (self.total_sbs is None or self.sbs < self.total_sbs) else "\n"
                 print(self.line(), end=end, file=self.stream, flush=True)
 
     def _show_html(self) -> None:

@@ -41,6 +41,7 @@ class SurgePlan:
     predictions: Any = None
     advice: Any = None
     tokens_source: str | None = None
+    unit_partitions: int | None = None  # a streamed input: SuperBatches form unit by unit
 
     @property
     def rows(self) -> int:
@@ -104,8 +105,15 @@ class SurgePlan:
             b_mins = sorted({int(x) for x in np.geomspace(max(1, top // 1000), top, 12)})
         rows = []
         for b in b_mins:
-            pred = predict(self.sizes.sizes, self.params, b_min=b, b_max=max(self.b_max, 4 * b),
-                           nbytes=self.sizes.nbytes, max_bytes=self.max_bytes).loc["surge"]
+            b_max = max(self.b_max, 4 * b)
+            plan = None
+            if self.unit_partitions is not None:
+                from .runner import streamed_plan
+
+                plan = streamed_plan(self.sizes.sizes, b, b_max, self.unit_partitions, nbytes=self.sizes.nbytes,
+                                     max_bytes=self.max_bytes)
+            pred = predict(self.sizes.sizes, self.params, b_min=b, b_max=b_max, nbytes=self.sizes.nbytes,
+                           max_bytes=self.max_bytes, superbatches=plan).loc["surge"]
             rows.append({"b_min": b, "texts_per_s": pred["texts_per_s"],
                          "peak_memory_bytes": pred["peak_memory_bytes"], "ttfo_s": pred["ttfo_s"]})
         return pd.DataFrame(rows).set_index("b_min")

@@ -224,6 +224,31 @@ def unit_partitions(npartitions: int, threads: int) -> int:
     return max(1, min(MAX_UNIT_PARTITIONS, share))
 
 
+def streamed_plan(sizes: Sequence[int], b_min: int, b_max: int, per_unit: int, *,
+                  nbytes: Sequence[int] | None = None, max_bytes: int | None = None) -> list[SuperBatch]:
+    """The SuperBatches the streaming mode forms over these sizes: the policy applied
+    inside each unit of ``per_unit`` partitions (what :func:`dask_surge.plan` shows).
+
+    Examples
+    --------
+    >>> [sb.rows for sb in streamed_plan([3, 4, 20, 1], b_min=5, b_max=8, per_unit=2)]
+    [7, 8, 8, 4, 1]
+    >>> [sb.rows for sb in streamed_plan([3, 3, 3, 3], b_min=5, b_max=8, per_unit=3)]
+    [6, 3, 3]
+    """
+    from .policy import plan_superbatches
+
+    out: list[SuperBatch] = []
+    for start in range(0, len(sizes), per_unit):
+        stop = start + per_unit
+        unit_bytes = list(nbytes[start:stop]) if nbytes is not None and max_bytes else None
+        for sb in plan_superbatches(list(sizes[start:stop]), b_min, b_max, nbytes=unit_bytes,
+                                    max_bytes=max_bytes if unit_bytes is not None else None):
+            spans = tuple(Span(s.partition + start, s.start, s.stop) for s in sb.spans)
+            out.append(SuperBatch(len(out), spans))
+    return out
+
+
 def streaming_units(npartitions: int, per_unit: int, coverage: Coverage) -> list[Unit]:
     """The units a streaming run still has to run: the fixed grid of ``per_unit``
     partitions, each unit starting at its first partition not yet committed.

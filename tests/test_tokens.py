@@ -129,8 +129,9 @@ def test_plan_predicts_from_the_datas_token_lengths():
     assert ps.params.tokens_per_text < p.tokens_per_text < pl.params.tokens_per_text
     assert pl.params.tokens_per_text > 5 * ps.params.tokens_per_text
     assert pl.predictions.loc["surge", "seconds"] > 3 * ps.predictions.loc["surge", "seconds"]
-    # the same prediction as predict() with the re-based parameters
-    direct = predict(sizes, pl.params, b_min=200, b_max=800)
+    # the same prediction as predict() with the re-based parameters, of the plan shown (the input
+    # streams: its SuperBatches form unit by unit)
+    direct = predict(sizes, pl.params, b_min=200, b_max=800, superbatches=pl.superbatches)
     assert pl.predictions.loc["surge", "seconds"] == pytest.approx(direct.loc["surge", "seconds"])
     # sweep() uses them too
     assert pl.sweep([200]).loc[200, "texts_per_s"] == pytest.approx(pl.predictions.loc["surge", "texts_per_s"])
@@ -138,7 +139,7 @@ def test_plan_predicts_from_the_datas_token_lengths():
         off = long.surge.plan("text", b_min=200, b_max=800, params=p)
     assert off.params == p and "calibration texts" in off.tokens_source
     assert off.predictions.loc["surge", "seconds"] == pytest.approx(
-        predict(sizes, p, b_min=200, b_max=800).loc["surge", "seconds"])
+        predict(sizes, p, b_min=200, b_max=800, superbatches=off.superbatches).loc["surge", "seconds"])
 
 
 def test_bad_token_sample_is_refused():
