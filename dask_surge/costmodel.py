@@ -106,6 +106,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import pandas as pd
 
+from .batching import WINDOW_TEXTS, replay
 from .errors import SurgeValueError
 from .policy import plan_superbatches, validate_thresholds
 
@@ -322,21 +323,16 @@ def _freeze(v):
     return v
 
 
-_CHUNK = 16_384  # the fast engine tokenizes and sorts at most this many texts at a time
-_GRID = np.unique(np.concatenate([np.arange(1, 129), np.round(np.geomspace(128, _CHUNK, 36))]).astype(np.int64))
+_CHUNK = WINDOW_TEXTS  # the fast engine tokenizes and sorts at most this many texts at a time
+_GRID = np.unique(np.concatenate([np.arange(1, 129), np.round(np.geomspace(128, _CHUNK, 40))]).astype(np.int64))
 
 
 def _replay(lengths: np.ndarray, max_tokens: int, batch_rows: int) -> tuple[float, int]:
-    """(padded tokens, forward passes) of one call whose token lengths are sorted descending."""
-    n, start, padded, forwards = len(lengths), 0, 0.0, 0
-    while start < n:
-        width = max(float(lengths[start]), 1.0)
-        rows = max(1, int(max_tokens // width)) if max_tokens else (batch_rows or n)
-        stop = min(n, start + rows)
-        padded += width * (stop - start)
-        forwards += 1
-        start = stop
-    return padded, forwards
+    """(padded tokens, forward passes) of one call whose token lengths are sorted descending.
+
+    The engine's rule, from :func:`dask_surge.batching.replay` (kept under this name for callers).
+    """
+    return replay(lengths, max_tokens, batch_rows)
 
 
 @functools.lru_cache(maxsize=64)

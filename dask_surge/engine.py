@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,17 +21,23 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .errors import SurgeInputError, SurgeValueError
+from .batching import CPU_MAX_TOKENS, WINDOW_TEXTS, plan_batches, windows
+from .errors import SurgeInputError, SurgeModelError, SurgeValueError
 
-__all__ = ["TransformerEngine"]
+__all__ = ["NOOP_FORWARD_ENV", "TransformerEngine"]
 
 _DTYPES = {None: None, "float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _POOLING_MODES = frozenset({"cls", "max", "mean"})
 _TEXT_ONLY = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
-#: Token budget per micro-batch on CPU (rows x padded length); measured best on 2 cores.
-_CPU_MAX_TOKENS = 2048
-#: Texts tokenized (and length-sorted) together; on CUDA the next chunk is tokenized during compute.
-_CHUNK_TEXTS = 16384
+#: Token budget per micro-batch on CPU (rows x padded length); the rule lives in :mod:`dask_surge.batching`.
+_CPU_MAX_TOKENS = CPU_MAX_TOKENS
+#: Texts tokenized and length-sorted together (one window); on CUDA the next window tokenizes during compute.
+_CHUNK_TEXTS = WINDOW_TEXTS
+#: FOR BENCHMARKING ONLY. When this environment variable is "1" in the process that builds an
+#: engine, the engine skips the encoder's forward pass and returns zeros of the right shape, so
+#: a benchmark measures everything else (read, tokenize, sort, pad, write). Never set it otherwise:
+#: the embeddings are all zero (benchmarks/host_ceiling.py sets it in its own worker processes).
+NOOP_FORWARD_ENV = "DASK_SURGE_BENCH_NOOP_FORWARD"
 
 
 class TransformerEngine:
@@ -72,11 +80,17 @@ class TransformerEngine:
         hf_tokenizer = transformer.tokenizer
         self._hf = transformer.auto_model.eval()
         self.device = next(self._hf.parameters()).device
+        self._amp = _DTYPES[dtype]
         if self.device.type == "cpu":
             self._hf = _with_onednn_linear(self._hf)
+        elif self._amp is not None:
+            self._hf = _cast_copy(self._hf, self._amp)  # native half weights: no autocast re-cast per call
+        #: Dtype the encoder computes in (its weights'); pooling and normalization stay float32.
+        self._compute_dtype = self._amp or torch.float32
         self._modes = pooling_modes
         self._normalize = normalize
-        self._amp = _DTYPES[dtype]
+        #: Benchmarking only: skip the forward pass (see NOOP_FORWARD_ENV).
+        self._noop = os.environ.get(NOOP_FORWARD_ENV, "") == "1"
         self.max_seq_length = int(transformer.max_seq_length)
         self.dimension = len(pooling_modes) * self._hf.config.hidden_size
         self._tokenizer = hf_tokenizer.backend_tokenizer.__class__.from_str(hf_tokenizer.backend_tokenizer.to_str())
@@ -87,6 +101,8 @@ class TransformerEngine:
         self._encode_batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
         self._pad_id = hf_tokenizer.pad_token_id or 0
         self._type_ids = "token_type_ids" in hf_tokenizer.model_input_names
+        self._mask4d = False
+        self._mask4d = self._takes_4d_mask()
         self.max_tokens = self._auto_max_tokens() if max_tokens is None else max_tokens
         self._lock = threading.Lock()
         #: The prompt put before every text ("" for none), resolved as ``SentenceTransformer.encode`` does.
@@ -234,14 +250,18 @@ class TransformerEngine:
         (0, 384)
         """
         texts = texts if isinstance(texts, list) else list(texts)
-        out = np.empty((len(texts), self.dimension), dtype=np.float32)
-        for start, encodings in self._tokenized_chunks(texts):
-            order, embeddings = self._embed(encodings, normalize or self._normalize)
-            if self.device.type == "cuda":
-                host = torch.empty(embeddings.shape, dtype=embeddings.dtype, pin_memory=True)
-                embeddings = host.copy_(embeddings)
-            out[start + order] = embeddings.numpy()
-        return out
+        normalize = normalize or self._normalize
+        with self._lock, torch.inference_mode():
+            out = torch.empty((len(texts), self.dimension), dtype=torch.float32, device=self.device)
+            for start, encodings in self._tokenized_chunks(texts):
+                self._embed_window(encodings, start, out, normalize)
+            _check_finite(out)
+            if self.device.type != "cuda":
+                return out.numpy()
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)  # the one device-to-host copy of the call
+            torch.cuda.current_stream(self.device).synchronize()
+            return host.numpy()
 
     def count_tokens(self, texts: Sequence[str]) -> np.ndarray:
         """Token length of each text after truncation, special tokens included.
@@ -313,42 +333,83 @@ class TransformerEngine:
                     pending = pool.submit(self._tokenize, texts[nxt : nxt + _CHUNK_TEXTS])
                 yield start, encodings
 
-    def _embed(self, encodings: list, normalize: bool) -> tuple[np.ndarray, torch.Tensor]:
-        """Embed one chunk; return the length-descending order and the embeddings in that order."""
-        lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
-        order = np.argsort(-lengths, kind="stable")
-        result = torch.empty((len(encodings), self.dimension), dtype=torch.float32, device=self.device)
-        start = 0
-        while start < len(order):
-            width = max(int(lengths[order[start]]), 1)
-            stop = min(len(order), start + max(1, self.max_tokens // width))
-            rows = order[start:stop]
-            ids = np.full((len(rows), width), self._pad_id, dtype=np.int64)
-            types = np.zeros((len(rows), width), dtype=np.int64) if self._type_ids else None
-            for r, i in enumerate(rows):
-                enc = encodings[i]
-                ids[r, : len(enc)] = enc.ids
-                if types is not None:
-                    types[r, : len(enc)] = enc.type_ids
-            mask = (np.arange(width) < lengths[rows, None]).astype(np.int64)
-            result[start:stop] = self._forward(ids, mask, types)
-            start = stop
-        if normalize:
-            result = torch.nn.functional.normalize(result, p=2, dim=-1)
-        return order, result
+    def _embed_window(self, encodings: list, offset: int, out: torch.Tensor, normalize: bool) -> None:
+        """Embed one window into ``out[offset + i]``; every step after tokenization runs on the device.
 
-    def _forward(self, ids: np.ndarray, mask: np.ndarray, types: np.ndarray | None) -> torch.Tensor:
-        amp = torch.autocast("cuda", dtype=self._amp) if self._amp is not None else contextlib.nullcontext()
-        with self._lock, torch.inference_mode(), amp:
-            arrays = {"input_ids": ids, "attention_mask": mask} | ({} if types is None else {"token_type_ids": types})
-            inputs = {k: torch.from_numpy(v).to(self.device, non_blocking=True) for k, v in arrays.items()}
-            hidden = self._hf(**inputs, return_dict=True).last_hidden_state.float()
-            return self._pool(hidden, inputs["attention_mask"])
+        The host only plans (:func:`dask_surge.batching.plan_batches`) and gathers the
+        token ids of the window, in run order, into one int32 array that travels once;
+        each micro-batch's padded ids, attention mask and pooling weights are built on
+        the device from lengths, so no micro-batch waits for the device.
+        """
+        lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
+        plan = plan_batches(lengths, self.max_tokens)
+        ordered = operator.itemgetter(*plan.order.tolist())(encodings) if len(encodings) > 1 else encodings
+        flat = np.fromiter(
+            _chain_ids(ordered), dtype=np.int32, count=plan.real_tokens
+        )
+        dev = self.device
+        pin = dev.type == "cuda"
+        flat_d = _to_device(flat, dev, pin)
+        lengths_d = _to_device(plan.lengths.astype(np.int32), dev, pin)
+        starts_d = _to_device((np.cumsum(plan.lengths) - plan.lengths).astype(np.int64), dev, pin)
+        where_d = _to_device(plan.order + offset, dev, pin)
+        top = max(int(plan.widths[0]) if len(plan.widths) else 1, 1)
+        positions = torch.arange(top, device=dev)
+        for start, stop, width in plan.batches():
+            length = lengths_d[start:stop]
+            valid = positions[None, :width] < length[:, None]  # (rows, width) on the device
+            gather = (starts_d[start:stop, None] + positions[None, :width]).clamp_(max=max(flat.size - 1, 0))
+            ids = flat_d[gather] if flat.size else torch.zeros(valid.shape, dtype=torch.int32, device=dev)
+            ids = ids.masked_fill_(~valid, self._pad_id)
+            pooled = self._forward(ids, valid)
+            if normalize:
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
+            out.index_copy_(0, where_d[start:stop], pooled)
+
+    def _forward(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Pooled float32 embeddings of one micro-batch (``ids`` int32, ``valid`` bool, on the device)."""
+        if self._noop:
+            return torch.zeros((ids.shape[0], self.dimension), dtype=torch.float32, device=ids.device)
+        inputs = {"input_ids": ids, "attention_mask": self._mask(valid)}
+        if self._type_ids:
+            inputs["token_type_ids"] = torch.zeros_like(ids)
+        hidden = self._hf(**inputs, return_dict=True).last_hidden_state.float()
+        return self._pool(hidden, valid)
+
+    def _mask(self, valid: torch.Tensor) -> torch.Tensor:
+        """The attention mask the encoder takes, built on the device.
+
+        A 4D additive mask (0 to attend, the dtype's minimum to skip) where the model
+        takes one as is (checked when the engine is built): transformers then skips
+        its ``padding_mask.all()`` test, a blocking device-to-host read per call.
+        Else the 2D 0/1 mask.
+        """
+        if not self._mask4d:
+            return valid.to(torch.int64)
+        bias = torch.zeros(valid.shape, dtype=self._compute_dtype, device=valid.device)
+        return bias.masked_fill_(~valid, torch.finfo(self._compute_dtype).min)[:, None, None, :]
+
+    def _takes_4d_mask(self) -> bool:
+        """True when the encoder gives the same output for the 4D additive mask as for the 2D mask."""
+        valid = torch.tensor([[True, True, True], [True, True, False]], device=self.device)
+        ids = torch.full(valid.shape, 101, dtype=torch.int32, device=self.device).masked_fill_(~valid, self._pad_id)
+        extra = {"token_type_ids": torch.zeros_like(ids)} if self._type_ids else {}
+        try:
+            with torch.inference_mode():
+                two = self._hf(input_ids=ids, attention_mask=valid.to(torch.int64), **extra).last_hidden_state
+                self._mask4d = True
+                four = self._hf(input_ids=ids, attention_mask=self._mask(valid), **extra).last_hidden_state
+        except Exception:  # noqa: BLE001 - a model that refuses a 4D mask keeps the 2D one
+            return False
+        finally:
+            self._mask4d = False
+        tol = 1e-4 if self._compute_dtype == torch.float32 else 2e-2
+        return bool(torch.allclose(two[valid].float(), four[valid].float(), rtol=tol, atol=tol))
 
     def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Pool like ``sentence_transformers`` ``Pooling`` (right padding; prompt tokens out if it says so)."""
+        mask = mask.to(torch.int32)  # a fresh tensor: the caller's mask stays as it was
         if self.prompt_length:
-            mask = mask.clone()
             mask[:, : self.prompt_length] = 0
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         parts = []
@@ -363,6 +424,63 @@ class TransformerEngine:
             else:
                 parts.append((hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1e-9))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _chain_ids(encodings) -> Iterator[int]:
+    """The token ids of ``encodings``, one after the other (C-level iteration over the lists)."""
+    from itertools import chain
+
+    return chain.from_iterable(map(operator.attrgetter("ids"), encodings))
+
+
+def _to_device(array: np.ndarray, device: torch.device, pin: bool) -> torch.Tensor:
+    """``array`` on ``device``; on CUDA through pinned memory and an asynchronous copy."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if not pin:
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _check_finite(out: torch.Tensor) -> None:
+    """Raise if any embedding holds NaN or inf, naming the rows (one device sync per call).
+
+    Raises
+    ------
+    SurgeModelError
+        Naming the first bad row positions of the call.
+    """
+    finite = torch.isfinite(out).all(dim=1)
+    if bool(finite.all()):
+        return
+    bad = (~finite).nonzero().flatten()
+    first = bad[:10].tolist()
+    raise SurgeModelError(
+        f"the encoder produced NaN or inf embeddings for {bad.numel()} of {out.shape[0]} texts of this call "
+        f"(rows {first}{' ...' if bad.numel() > 10 else ''}, 0-based in the call, i.e. in the SuperBatch): "
+        "embeddings must be finite. This usually means a half-precision overflow (a bfloat16 checkpoint run in "
+        "float16) or broken weights. Fix: pass dtype='float32' (or dtype='bfloat16' for a bfloat16 checkpoint), "
+        "and check the model's weights for NaN."
+    )
+
+
+def _cast_copy(hf: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``hf`` whose floating-point weights and buffers are in ``dtype``; ``hf`` is untouched.
+
+    Examples
+    --------
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> half = _cast_copy(lin, torch.bfloat16)
+    >>> half.weight.dtype, lin.weight.dtype
+    (torch.bfloat16, torch.float32)
+    """
+    memo: dict[int, torch.Tensor] = {}
+    for tensor in (*hf.parameters(), *hf.buffers()):
+        if id(tensor) in memo:
+            continue
+        cast = tensor.detach().to(dtype) if tensor.is_floating_point() else tensor
+        memo[id(tensor)] = torch.nn.Parameter(cast, requires_grad=False) if isinstance(
+            tensor, torch.nn.Parameter) else cast
+    return copy.deepcopy(hf, memo)
 
 
 class _OneDNNLinear(torch.nn.Linear):

@@ -1,0 +1,115 @@
+"""Property tests of the one micro-batching rule (dask_surge.batching).
+
+The engine runs this rule and the cost model replays it; these tests pin what
+both rely on: every text is in exactly one micro-batch, a micro-batch keeps to
+its token budget (unless one text alone exceeds it), the padding accounting adds
+up, and the engine's micro-batches are the ones the rule plans.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from dask_surge import batching, costmodel
+from dask_surge.batching import WINDOW_TEXTS, cut, plan_batches, replay, sort_order, windows
+
+lengths_st = arrays(np.int64, st.integers(0, 300), elements=st.integers(0, 512))
+budget_st = st.integers(1, 20_000)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths_st, budget_st)
+def test_every_text_in_exactly_one_micro_batch_in_budget(lengths, max_tokens):
+    plan = plan_batches(lengths, max_tokens)
+    assert sorted(plan.order.tolist()) == list(range(len(lengths)))  # a permutation
+    assert plan.bounds[0] == 0 and plan.bounds[-1] == len(lengths)
+    sizes = np.diff(plan.bounds)
+    assert (sizes >= 1).all()
+    for start, stop, width in plan.batches():
+        assert width == max(int(plan.lengths[start]), 1)  # as wide as its longest text
+        assert (plan.lengths[start:stop] <= width).all()
+        assert (stop - start) * width <= max_tokens or stop - start == 1  # in budget, or one long text
+        if stop < len(lengths):  # greedy: one more text of this width would break the budget
+            assert (stop - start + 1) * width > max_tokens
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths_st, budget_st)
+def test_sorted_longest_first_and_stable(lengths, max_tokens):
+    plan = plan_batches(lengths, max_tokens)
+    assert (np.diff(plan.lengths) <= 0).all()
+    np.testing.assert_array_equal(plan.lengths, lengths[plan.order])
+    for a, b in zip(plan.order[:-1], plan.order[1:]):  # ties keep input order
+        if lengths[a] == lengths[b]:
+            assert a < b
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths_st, budget_st)
+def test_padding_accounting(lengths, max_tokens):
+    plan = plan_batches(lengths, max_tokens)
+    expected = sum((stop - start) * width for start, stop, width in plan.batches())
+    assert plan.padded_tokens == expected >= plan.real_tokens == int(lengths.sum())
+    assert plan.padding_ratio >= 1.0
+    assert replay(plan.lengths, max_tokens) == (float(expected), plan.forwards)
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths_st, st.integers(1, 64))
+def test_batch_rows_rule(lengths, batch_rows):
+    bounds, widths = cut(np.sort(lengths)[::-1], batch_rows=batch_rows)
+    sizes = np.diff(bounds)
+    assert (sizes[:-1] == batch_rows).all() and (len(sizes) == 0 or 1 <= sizes[-1] <= batch_rows)
+    assert len(widths) == len(sizes)
+
+
+def test_no_budget_no_rows_is_one_batch():
+    bounds, widths = cut(np.array([9, 4, 1]))
+    assert bounds.tolist() == [0, 3] and widths.tolist() == [9]
+
+
+def test_fractional_lengths_keep_their_width():  # the cost model replays quantiles, not integers
+    bounds, widths = cut(np.array([27.5, 27.5, 10.0]), max_tokens=60)
+    assert widths.dtype == np.float64 and widths.tolist() == [27.5, 10.0] and bounds.tolist() == [0, 2, 3]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_bad_budget_is_refused_with_a_fix(bad):
+    with pytest.raises(ValueError, match=r"max_tokens=.*must be an int >= 0.*Fix"):
+        cut(np.array([3]), max_tokens=bad)
+
+
+def test_windows_and_sort_order():
+    assert list(windows(3 * WINDOW_TEXTS + 1)) == [0, WINDOW_TEXTS, 2 * WINDOW_TEXTS, 3 * WINDOW_TEXTS]
+    assert WINDOW_TEXTS >= 65_536  # issue 17: sort over windows of at least 64k texts
+    assert sort_order(np.array([1, 3, 3, 2])).tolist() == [1, 2, 3, 0]
+    with pytest.raises(ValueError, match="window=0"):
+        windows(5, 0)
+
+
+def test_cost_model_replays_the_same_rule():
+    x = np.array([40, 33, 33, 20, 7, 7, 2])
+    assert costmodel._replay(x, 100, 0) == batching.replay(x, 100, 0)
+    assert costmodel._CHUNK == WINDOW_TEXTS
+
+
+def test_engine_runs_the_planned_micro_batches(monkeypatch, tmp_path):
+    """The engine's forward passes are exactly the micro-batches plan_batches cuts."""
+    from sentence_transformers import SentenceTransformer
+
+    from dask_surge.engine import TransformerEngine
+    from dask_surge.testing import make_tiny_model
+
+    model = SentenceTransformer(make_tiny_model(tmp_path / "tiny"), device="cpu")
+    engine = TransformerEngine.from_sentence_transformer(model, max_tokens=40)
+    texts = ["a", "a b c d e f g h", "", "x y z", "a b c d e f g h i j k l m n o p"] * 7
+    shapes = []
+    forward = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, valid: shapes.append(tuple(ids.shape)) or forward(ids, valid))
+    engine.encode(texts)
+    plan = plan_batches(engine.count_tokens(texts), 40)
+    assert shapes == [(stop - start, width) for start, stop, width in plan.batches()]
