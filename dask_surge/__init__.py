@@ -6,8 +6,10 @@ Importing the package registers the ``.surge`` accessor on Dask DataFrames::
     ddf.surge.encode("text", output="emb/")
 """
 
-from . import config  # noqa: F401  (registers surge.* defaults in dask.config)
-from . import accessor  # noqa: F401  (registers the .surge accessor)
+from . import (
+    accessor,  # noqa: F401  (registers the .surge accessor)
+    config,  # noqa: F401  (registers surge.* defaults in dask.config)
+)
 from ._version import __version__
 from .api import EncodeResult, SurgePlan, encode, plan, read_embeddings, skipped_rows, status
 from .encoders import Encoder

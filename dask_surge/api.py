@@ -7,8 +7,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
-
+from typing import Any, Literal, overload
 
 from . import config
 from ._version import __version__
@@ -17,6 +16,7 @@ from .encoders import Encoder
 from .errors import SurgeInputError, SurgeValueError
 from .graph import superbatch_collection
 from .identity import input_identity
+from .options import Dtype, EngineName, OnNull, Precision
 from .policy import SuperBatch, plan_superbatches
 from .precision import check_precision, check_truncate_dim
 from .readers import read_embeddings, skipped_rows, status
@@ -32,6 +32,9 @@ __all__ = ["encode", "plan", "fingerprint", "status", "read_embeddings", "skippe
 logger = logging.getLogger(__name__)
 RESERVED = ("partition", "row", "embedding")
 SCHEDULERS = (None, "sync", "synchronous", "threads")
+#: where a written encode runs: a ``distributed.Client``, a local scheduler, or None (the
+#: active Client, else a local cluster started for the call)
+Scheduler = Any | Literal["sync", "synchronous", "threads"] | None
 
 
 def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
@@ -116,8 +119,8 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     SurgePlan(10 rows in 5 partitions -> 3 SuperBatches of 2-4 rows; b_min=4, b_max=6, sizes from metadata)
     """
     _check_columns(ddf, column, ())
-    model_opts = dict(prompt=prompt, prompt_name=prompt_name, revision=revision,
-                      trust_remote_code=trust_remote_code, model_kwargs=model_kwargs)
+    model_opts = {"prompt": prompt, "prompt_name": prompt_name, "revision": revision,
+                  "trust_remote_code": trust_remote_code, "model_kwargs": model_kwargs}
     if any(v is not None and v is not False for v in model_opts.values()):
         model = _resolve_encoder(model, model_opts)  # the probe and the token sample use this model
     max_bytes = _max_bytes(max_bytes)
@@ -244,23 +247,24 @@ def _client_for(scheduler):
         yield client
 
 
+@overload
 def encode(
-    ddf,
+    ddf: Any,
     column: str,
-    output: str | None = None,
+    output: None = None,
     *,
     model: Any = None,
-    b_min: int | None = None,
-    b_max: int | None = None,
+    b_min: int | Literal["auto"] | None = None,
+    b_max: int | Literal["auto"] | None = None,
     max_bytes: int | str | None = None,
     keep: Sequence[str] = (),
     normalize: bool | None = None,
-    precision: str | None = None,
+    precision: Precision | None = None,
     truncate_dim: int | None = None,
-    on_null: str | None = None,
+    on_null: OnNull | None = None,
     device: str | None = None,
-    dtype: str | None = None,
-    engine: str | None = None,
+    dtype: Dtype | None = None,
+    engine: EngineName | None = None,
     batch_size: int | None = None,
     max_tokens: int | None = None,
     prompt: str | None = None,
@@ -270,9 +274,72 @@ def encode(
     model_kwargs: dict | None = None,
     overwrite: bool = False,
     storage_options: dict | None = None,
-    scheduler: Any = None,
+    scheduler: Scheduler = None,
     progress: bool | None = None,
-):
+) -> Any: ...
+
+
+@overload
+def encode(
+    ddf: Any,
+    column: str,
+    output: str,
+    *,
+    model: Any = None,
+    b_min: int | Literal["auto"] | None = None,
+    b_max: int | Literal["auto"] | None = None,
+    max_bytes: int | str | None = None,
+    keep: Sequence[str] = (),
+    normalize: bool | None = None,
+    precision: Precision | None = None,
+    truncate_dim: int | None = None,
+    on_null: OnNull | None = None,
+    device: str | None = None,
+    dtype: Dtype | None = None,
+    engine: EngineName | None = None,
+    batch_size: int | None = None,
+    max_tokens: int | None = None,
+    prompt: str | None = None,
+    prompt_name: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    model_kwargs: dict | None = None,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    scheduler: Scheduler = None,
+    progress: bool | None = None,
+) -> EncodeResult: ...
+
+
+def encode(
+    ddf: Any,
+    column: str,
+    output: str | None = None,
+    *,
+    model: Any = None,
+    b_min: int | Literal["auto"] | None = None,
+    b_max: int | Literal["auto"] | None = None,
+    max_bytes: int | str | None = None,
+    keep: Sequence[str] = (),
+    normalize: bool | None = None,
+    precision: Precision | None = None,
+    truncate_dim: int | None = None,
+    on_null: OnNull | None = None,
+    device: str | None = None,
+    dtype: Dtype | None = None,
+    engine: EngineName | None = None,
+    batch_size: int | None = None,
+    max_tokens: int | None = None,
+    prompt: str | None = None,
+    prompt_name: str | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    model_kwargs: dict | None = None,
+    overwrite: bool = False,
+    storage_options: dict | None = None,
+    scheduler: Scheduler = None,
+    progress: bool | None = None,
+) -> Any:
     """Embed ``ddf[column]`` in SuperBatches.
 
     Parameters
@@ -358,10 +425,10 @@ def encode(
     if not isinstance(overwrite, bool):
         raise SurgeValueError(f"overwrite={overwrite!r} must be True or False. Fix: pass overwrite=True to replace a different run.")
     requested = requested_thresholds(b_min, b_max)  # fail before any work
-    encoder = _resolve_encoder(model, dict(device=device, dtype=dtype, engine=engine, batch_size=batch_size,
-                                           max_tokens=max_tokens, prompt=prompt, prompt_name=prompt_name,
-                                           revision=revision, trust_remote_code=trust_remote_code,
-                                           model_kwargs=model_kwargs))
+    encoder = _resolve_encoder(model, {
+        "device": device, "dtype": dtype, "engine": engine, "batch_size": batch_size, "max_tokens": max_tokens,
+        "prompt": prompt, "prompt_name": prompt_name, "revision": revision, "trust_remote_code": trust_remote_code,
+        "model_kwargs": model_kwargs})
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
     max_bytes = _max_bytes(max_bytes)
     normalize = config.get("normalize", normalize)
@@ -402,7 +469,7 @@ def _resolve(requested, encoder: Encoder, frame, column: str, client, sizes: Par
 
         try:
             params = calibrate(encoder, client=client, probe=False)
-        except Exception as err:  # a broken cache must not stop a run: fall back to defaults
+        except Exception as err:  # noqa: BLE001 - a broken cache must not stop a run: fall back to defaults
             logger.warning("dask-surge: calibration cache not usable (%s); using default thresholds", err)
     if params is not None and sizes is not None and sizes.total:
         params, _ = _params_for_data(frame, column, sizes, params, encoder, None)

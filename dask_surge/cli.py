@@ -183,9 +183,8 @@ def cmd_demo(args) -> int:
     import numpy as np
 
     from .api import encode, read_embeddings
-    from .synthetic import lognormal_sizes, write_partitioned_parquet
-
     from .cluster import gpu_count
+    from .synthetic import lognormal_sizes, write_partitioned_parquet
 
     args.rows = args.rows or (200_000 if gpu_count() else 6_000)
     args.partitions = args.partitions or max(20, args.rows // 100)

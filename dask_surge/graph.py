@@ -95,7 +95,7 @@ class SuperBatchExpr(Expr):
     callable) and ``meta`` (empty output frame).
     """
 
-    _parameters = ["frame", "plan", "sizes", "func", "meta"]
+    _parameters = ["frame", "plan", "sizes", "func", "meta"]  # noqa: RUF012 - dask-expr declares operands so
 
     @functools.cached_property
     def _meta(self):
@@ -155,7 +155,7 @@ class FusedSuperBatchExpr(SuperBatchExpr):
     queues them in priority order) rather than to the worker that holds its inputs.
     """
 
-    _parameters = ["upstream", "plan", "sizes", "func", "meta"]
+    _parameters = ["upstream", "plan", "sizes", "func", "meta"]  # noqa: RUF012 - dask-expr declares operands so
 
     @property
     def frame(self):
@@ -216,7 +216,7 @@ class FusedSuperBatchExpr(SuperBatchExpr):
 class _GatheredSuperBatches(Expr):
     """Every SuperBatch's output in one partition (what ``compute()`` returns), keeping their priorities."""
 
-    _parameters = ["frame"]
+    _parameters = ["frame"]  # noqa: RUF012 - dask-expr declares operands so
 
     @functools.cached_property
     def _meta(self):

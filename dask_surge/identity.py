@@ -22,7 +22,7 @@ _PLAIN = (str, int, float, bool, type(None))
 def _plain(value: Any) -> Any:
     if isinstance(value, _PLAIN):
         return value
-    if isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) or isinstance(v, (list, tuple)) for v in value):
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (*_PLAIN, list, tuple)) for v in value):
         return [_plain(v) for v in value]
     return None
 
@@ -62,7 +62,7 @@ def _leaf_identity(expr) -> Any:
 
     try:
         return {"token": tokenize(expr, ensure_deterministic=True)}
-    except Exception:
+    except Exception:  # noqa: BLE001 - any tokenize failure means: not reproducible
         return {"name": expr._name}  # not reproducible: a rerun in a new process will not resume
 
 

@@ -208,7 +208,7 @@ class Coverage:
     starts: dict[int, set] = field(default_factory=dict)  # partition -> committed span starts
 
     @classmethod
-    def of(cls, span_lists) -> "Coverage":
+    def of(cls, span_lists) -> Coverage:
         cov = cls()
         for spans in span_lists:
             for p, start, stop, n in spans:
@@ -327,10 +327,8 @@ class Manifest:
     def mark_stopped(self, why: str) -> None:
         """Record that this run's process stopped on an error (so a run that committed
         nothing may be replaced without ``overwrite``). Best effort: never raises."""
-        try:
+        with contextlib.suppress(OSError):
             write_bytes_atomic(self.fs, self._stopped_path, why.encode()[:2000])
-        except OSError:
-            pass
 
     def stopped(self) -> bool:
         """True when the last process of this run stopped on an error (and none resumed it)."""

@@ -389,12 +389,12 @@ def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes:
     (``time.perf_counter()``): times and TTFO count from there. Returns an
     :class:`~dask_surge.results.EncodeResult`.
     """
+    from . import config
     from .manifest import find_run, finish_run, open_run
     from .policy import plan_superbatches
     from .progress import Progress
     from .results import EncodeResult
     from .sizes import known_sizes
-    from . import config
 
     t0 = time.perf_counter() if started is None else started
     wall0 = time.time() - (time.perf_counter() - t0)  # the same instant on the wall clock

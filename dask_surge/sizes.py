@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 __all__ = ["PartitionSizes", "partition_sizes", "known_sizes", "in_memory_sizes", "text_bytes"]
@@ -33,7 +34,7 @@ def metadata_lengths(expr) -> tuple[int, ...] | None:
 
     try:
         folded = Lengths(expr).simplify()
-    except Exception:  # pragma: no cover - private API drift: fall back to counting
+    except Exception:  # noqa: BLE001  # pragma: no cover - private API drift: fall back to counting
         return None
     if isinstance(folded, Literal) and isinstance(folded.operand("value"), (tuple, list)):
         return tuple(int(n) for n in folded.operand("value"))
@@ -93,7 +94,7 @@ def in_memory_sizes(frame, column: str) -> PartitionSizes | None:
     if len(bounds) != frame.npartitions + 1:
         return None
     col = data[column]
-    pairs = list(zip(bounds, bounds[1:]))
+    pairs = list(itertools.pairwise(bounds))
     return PartitionSizes(tuple(b - a for a, b in pairs), "metadata",
                           tuple(text_bytes(col.iloc[a:b]) for a, b in pairs))
 

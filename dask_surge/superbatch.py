@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 
 from .arrow import embedding_array
-from .precision import truncate
 from .encoders import Encoder
 from .errors import SurgeInputError
 from .policy import Span
+from .precision import truncate
 
 __all__ = ["SuperBatchEncoder", "texts_of", "to_host", "is_cudf"]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from . import config
 from .errors import SurgeValueError
@@ -40,7 +40,7 @@ DEFAULTS = {"gpu": (100_000, 400_000), "cpu": (4_096, 16_384)}
 #: 4.0k texts/s with 3 SuperBatches against 7.5k with 21)
 MIN_SUPERBATCHES_PER_WORKER = 4
 
-Requested = Union[int, Literal["auto"]]
+Requested = int | Literal["auto"]
 
 
 @dataclass(frozen=True)
