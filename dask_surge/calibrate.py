@@ -182,7 +182,8 @@ def fit_encode_curve(rows, padded_tokens, forwards, seconds) -> CurveFit:
             "on a quieter machine (calibrate() does the first two and falls back to defaults otherwise)."
         )
     rms = float(np.sqrt(np.mean(((A @ coef - y) / y) ** 2)))
-    return CurveFit(*(float(c) for c in coef), rms)
+    setup, per_text, per_token, per_forward = (float(c) for c in coef)
+    return CurveFit(setup, per_text, per_token, per_forward, rms)
 
 
 def _nnls(A: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -461,6 +462,7 @@ def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, moderate
         p_io, m_io, t_1, t_big = io
         rho = max((t_big - t_1) / (_waves(p_io, workers) * (m_io - 1)), 0.0)
     else:
+        assert big is not None, "solve_dask_terms needs the big run or the io runs"
         p_b, m_b, t_b = big
         per_wave_b = (t_b - overhead) / _waves(p_b, workers)  # alpha + c(M) + rho M
         rho = max((per_wave_b - per_wave_m - (cost(m_b) - cost(m))) / (m_b - m), 0.0)
@@ -692,7 +694,7 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 10, cache: bool = T
     t_start = time.perf_counter()
     curve_budget = seconds * (0.3 if client is not None else 0.9)
     if client is None:
-        probe = _probe_curve(enc, curve_budget)
+        measured = _probe_curve(enc, curve_budget)
     else:
         from .plugins import register_encoder
 
@@ -703,31 +705,31 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 10, cache: bool = T
         probes = client.gather(futures)
         # a worker whose probe stayed in the noise (a busy core) would only blur the others' curve
         usable = [p for p in probes if p["separable"]] or probes[:1]
-        probe = dict(usable[0], observations=[o for p in usable for o in p["observations"]])
-    if not probe["separable"]:
-        _warn_not_separable(enc, probe["noise"], seconds, client)
+        measured = dict(usable[0], observations=[o for p in usable for o in p["observations"]])
+    if not measured["separable"]:
+        _warn_not_separable(enc, measured["noise"], seconds, client)
         return None
-    rows, padded, forwards, secs = (np.array(x, dtype=float) for x in zip(*probe["observations"]))
+    rows, padded, forwards, secs = (np.array(x, dtype=float) for x in zip(*measured["observations"]))
     try:
         fit = fit_encode_curve(rows, padded, forwards, secs)
     except SurgeValueError as err:  # the medians still do not grow with the call
-        _warn_not_separable(enc, probe["noise"], seconds, client, detail=str(err))
+        _warn_not_separable(enc, measured["noise"], seconds, client, detail=str(err))
         return None
-    tau = probe["tokens_per_text"]
+    tau = measured["tokens_per_text"]
     beta = fit.per_text_s + fit.per_token_s * tau
     # NNLS may put the whole fixed cost of a 1-row call into its forward pass; a call is never free
     setup = max(fit.setup_s, 1e-6)
     base = CostParams(
         alpha_s=setup, per_text_s=fit.per_text_s, per_token_s=fit.per_token_s,
         b0=fit.per_forward_s / beta, workers=workers, setup_s=setup, tokens_per_text=tau,
-        max_tokens=probe["max_tokens"], batch_rows=probe["batch_rows"],
-        token_lengths=tuple(probe["token_lengths"]),
-        bytes_per_row=_bytes_per_row(probe["mean_text_bytes"], tau), embedding_bytes_per_row=4.0 * enc.dimension,
+        max_tokens=measured["max_tokens"], batch_rows=measured["batch_rows"],
+        token_lengths=tuple(measured["token_lengths"]),
+        bytes_per_row=_bytes_per_row(measured["mean_text_bytes"], tau), embedding_bytes_per_row=4.0 * enc.dimension,
         model_bytes=_model_bytes(enc), threads_per_worker=tpw, device=device,
     )
-    meta: dict = {"curve": json.dumps([[round(x, 7) for x in o] for o in probe["observations"]]),
+    meta: dict = {"curve": json.dumps([[round(x, 7) for x in o] for o in measured["observations"]]),
                   "curve_columns": "rows, padded_tokens, forwards, seconds",
-                  "curve_rel_rms": round(fit.rel_rms, 5), "curve_noise": json.dumps(probe["noise"]),
+                  "curve_rel_rms": round(fit.rel_rms, 5), "curve_noise": json.dumps(measured["noise"]),
                   "identity": json.dumps(key["identity"], sort_keys=True),
                   "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     params = base

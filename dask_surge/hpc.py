@@ -126,7 +126,7 @@ def jobqueue_cluster(
     if kind == "slurm":
         if gpus:
             opts["job_extra_directives"] = ["--gres=gpu:1"]
-        cls = dask_jobqueue.SLURMCluster
+        cls: type = dask_jobqueue.SLURMCluster
     else:
         if gpus:
             opts["resource_spec"] = f"select=1:ncpus={cores}:ngpus=1:mem={memory}"

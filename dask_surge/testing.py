@@ -99,8 +99,8 @@ def make_tiny_model(
     try:  # sentence-transformers >= 6 moved the modules
         from sentence_transformers.sentence_transformer import modules as models
     except ImportError:  # pragma: no cover - older sentence-transformers
-        from sentence_transformers import models
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+        from sentence_transformers import models  # type: ignore[attr-defined,no-redef]
+    from transformers import BertConfig, BertModel, BertTokenizerFast  # type: ignore[attr-defined]
 
     out = Path(path)
     if (out / "modules.json").exists():
