@@ -256,10 +256,13 @@ class Encoder:
         callable mapping a list of ``n`` strings to an ``(n, d)`` float array.
     device : str, optional
         ``"cpu"``, ``"cuda"``, ``"cuda:0"``... Default: CUDA when available.
-        In a dask-cuda worker each worker sees its own GPU as ``cuda:0``.
+        In a dask-cuda worker each worker sees its own GPU as ``cuda:0``, so
+        ``"cuda:N"`` must name a device the loading process sees (checked where
+        the model loads). An in-memory ``SentenceTransformer`` is moved to this
+        device (to CUDA when available, with ``device=None``) where it encodes.
     dtype : {"auto", "float32", "float16", "bfloat16"}
-        Compute dtype of the forward pass; ``"auto"`` is float16 on CUDA and
-        float32 on CPU.
+        Compute dtype of the forward pass; ``"auto"`` is float32 on CPU and, on
+        CUDA, bfloat16 for a bfloat16 checkpoint, else float16.
     engine : {"auto", "fast", "sentence-transformers"}
         ``"fast"`` tokenizes with Rust ``tokenizers``, sorts by length and cuts
         micro-batches by a token budget; ``"auto"`` uses it when the model is
@@ -486,7 +489,27 @@ class Encoder:
 
     @property
     def dimension(self) -> int:
-        """Embedding size ``d`` (loads the model in this process if needed)."""
+        """Embedding size ``d``.
+
+        Read from the model's files (``modules.json``, the ``Pooling`` and ``Dense``
+        configs, ``config.json``'s ``hidden_size``) without loading weights, for
+        path and Hub models of known layout; otherwise (in-memory models,
+        callables, other module stacks) the model is loaded in this process.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> enc = Encoder("default", device="cpu", max_tokens=1000)
+        >>> enc.dimension, enc.is_loaded   # read from the files: nothing loaded
+        (384, False)
+        """
+        loaded = _LOADED.get(self.spec)
+        if loaded is not None:
+            return loaded.dimension
+        if self.spec.kind == "path":
+            dim = dimension_from_files(self.spec.source)
+            if dim is not None:
+                return dim
         return self._loaded().dimension
 
     @property
@@ -535,6 +558,8 @@ class Encoder:
                 f"return one row per text, shape ({len(texts)}, d). Fix: make the callable return one "
                 "embedding per input text."
             )
+        if loaded.backend != "fast":  # the fast engine checks on its device
+            check_finite(emb)
         return emb
 
     def __call__(self, texts: Any, *, normalize: bool = False) -> Any:
@@ -704,11 +729,23 @@ def _from_spec(spec: EncoderSpec) -> Encoder:
 
 
 def _check_device(device: str) -> None:
-    if not isinstance(device, str) or not (device == "cpu" or device.startswith(("cuda", "mps"))):
-        raise SurgeValueError(f"device={device!r} is not a torch device. Fix: use 'cpu', 'cuda' or 'cuda:N'.")
+    ok = isinstance(device, str) and (
+        device in ("cpu", "cuda", "mps") or (device.startswith("cuda:") and device[5:].isdigit())
+    )
+    if not ok:
+        raise SurgeValueError(f"device={device!r} is not a torch device: it must be 'cpu', 'cuda', 'cuda:N' "
+                              "(N a device index) or 'mps'. Fix: use 'cpu', 'cuda' or 'cuda:N'.")
 
 
 def _pick_device(requested: str | None) -> str:
+    """The device to load on, checked against the devices this process sees.
+
+    Raises
+    ------
+    SurgeValueError
+        If CUDA is asked for and there is none, or ``cuda:N`` names a device this
+        process does not see (a dask-cuda worker sees its one GPU as ``cuda:0``).
+    """
     import torch
 
     if requested is None:
@@ -719,7 +756,160 @@ def _pick_device(requested: str | None) -> str:
             "(torch.cuda.is_available() is False). Fix: pass device='cpu' or device=None, "
             "or run on a machine (or dask-cuda worker) with a GPU."
         )
+    if requested.startswith("cuda:"):
+        index, count = int(requested[5:]), torch.cuda.device_count()
+        if index >= count:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise SurgeValueError(
+                f"device={requested!r} does not exist in this process (pid {os.getpid()}): it sees {count} "
+                f"GPU(s), cuda:0 to cuda:{count - 1}"
+                + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+                + ". A dask-cuda worker sees only its own GPU, as cuda:0. Fix: pass device='cuda' "
+                "(or device=None), and choose GPUs with the cluster (e.g. LocalCUDACluster(CUDA_VISIBLE_DEVICES=...))."
+            )
     return requested
+
+
+def _move_to(obj: Any, requested: str | None) -> str:
+    """Put an in-memory ``SentenceTransformer`` on the device asked for; return that device.
+
+    A model built on the client's CPU and shipped to a GPU worker would otherwise
+    run on that worker's CPU in float32, silently and ~100x slower.
+    """
+    device = _pick_device(requested)
+    if _same_device(str(obj.device), device):
+        return str(obj.device)
+    logger.info("moving the in-memory model from %s to %s", obj.device, device)
+    obj.to(device)
+    return device
+
+
+def _same_device(have: str, want: str) -> bool:
+    norm = {"cuda": "cuda:0"}
+    return norm.get(have, have) == norm.get(want, want)
+
+
+def checkpoint_dtype(obj: Any) -> str | None:
+    """The floating dtype a model's weights are stored in (``"bfloat16"``...), or None if unknown.
+
+    Examples
+    --------
+    >>> import torch
+    >>> checkpoint_dtype(torch.nn.Linear(2, 2).to(torch.bfloat16))
+    'bfloat16'
+    """
+    try:
+        tensor = next(p for p in obj.parameters() if p.is_floating_point())
+    except (StopIteration, AttributeError, TypeError):
+        return None
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name == "float32":  # weights upcast at load: the checkpoint's own dtype is in its config
+        for module in getattr(obj, "modules", lambda: ())():
+            config = getattr(module, "config", None)
+            stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+            if stored is not None:
+                return str(stored).removeprefix("torch.")
+    return name
+
+
+def auto_dtype(device: str, stored: str | None) -> str:
+    """The compute dtype ``dtype="auto"`` means: float32 on CPU; on CUDA bfloat16 for a bfloat16 checkpoint, else float16.
+
+    A bfloat16 checkpoint's activations can exceed float16's range (65504), so it
+    never runs in float16 unless asked for.
+
+    Examples
+    --------
+    >>> auto_dtype("cpu", "bfloat16"), auto_dtype("cuda", "bfloat16"), auto_dtype("cuda:0", "float32")
+    ('float32', 'bfloat16', 'float16')
+    """
+    if not str(device).startswith("cuda"):
+        return "float32"
+    return "bfloat16" if stored == "bfloat16" else "float16"
+
+
+def check_finite(emb: np.ndarray) -> None:
+    """Raise when embeddings hold NaN or inf, naming the rows of the call.
+
+    Raises
+    ------
+    SurgeModelError
+
+    Examples
+    --------
+    >>> check_finite(np.zeros((2, 3), dtype=np.float32))
+    """
+    finite = np.isfinite(emb).all(axis=1) if emb.ndim == 2 else np.isfinite(emb)
+    if finite.all():
+        return
+    bad = np.flatnonzero(~finite)
+    raise SurgeModelError(
+        f"the encoder produced NaN or inf embeddings for {bad.size} of {len(finite)} texts of this call "
+        f"(rows {bad[:10].tolist()}{' ...' if bad.size > 10 else ''}, 0-based in the call, i.e. in the "
+        "SuperBatch): embeddings must be finite. This usually means a half-precision overflow or broken "
+        "weights. Fix: pass dtype='float32' (or 'bfloat16' for a bfloat16 checkpoint), and check the model."
+    )
+
+
+_DIM_MODULES = ("Transformer", "Pooling", "Normalize", "Dense")
+_POOL_FLAGS = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+
+
+def dimension_from_files(path: str | os.PathLike) -> int | None:
+    """Embedding size of a sentence-transformers model directory, from its config files only.
+
+    Follows ``modules.json``: a ``Transformer`` (``config.json``'s ``hidden_size``),
+    then ``Pooling`` (its dimension times its number of modes), ``Dense``
+    (``out_features``) and ``Normalize`` (no change). Returns None for anything else
+    (other modules, missing or unreadable files), and the caller loads the model.
+
+    Examples
+    --------
+    >>> from dask_surge.testing import packaged_model_dir
+    >>> dimension_from_files(packaged_model_dir())
+    384
+    >>> dimension_from_files("/nonexistent") is None
+    True
+    """
+    root = Path(path)
+
+    def read(p: Path) -> Any:
+        with open(p, encoding="utf-8") as fh:
+            return json.load(fh)
+
+    try:
+        modules = read(root / "modules.json")
+        dim: int | None = None
+        for module in sorted(modules, key=lambda m: m.get("idx", 0)):
+            kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+            where = root / module.get("path", "")
+            if kind not in _DIM_MODULES:
+                return None
+            if kind == "Transformer":
+                configs = [where / "config.json", where / "_transformer" / "config.json"]
+                config = next((read(c) for c in configs if c.is_file()), None)
+                if config is None or not isinstance(config.get("hidden_size"), int):
+                    return None
+                dim = config["hidden_size"]
+            elif kind == "Pooling":
+                cfg = read(where / "config.json")
+                width = cfg.get("embedding_dimension", cfg.get("word_embedding_dimension", dim))
+                mode = cfg.get("pooling_mode")
+                if mode is not None:
+                    count = 1 if isinstance(mode, str) else len(mode)
+                else:
+                    count = sum(bool(cfg.get(f"pooling_mode_{flag}")) for flag in _POOL_FLAGS)
+                if not isinstance(width, int) or count < 1:
+                    return None
+                dim = width * count
+            elif kind == "Dense":
+                out = read(where / "config.json").get("out_features")
+                if not isinstance(out, int):
+                    return None
+                dim = out
+        return dim if isinstance(dim, int) and dim > 0 else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 def _load(spec: EncoderSpec) -> _Loaded:
@@ -766,6 +956,8 @@ def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
     except ImportError:  # pragma: no cover - a runtime dependency
         SentenceTransformer = ()  # type: ignore[assignment, misc]
     if isinstance(obj, SentenceTransformer):
+        if spec.kind == "object":
+            _move_to(obj, spec.device)
         name = spec.repo_id or (spec.source if spec.kind == "path" else type(obj).__name__)
         prompt = resolve_prompt(dict(obj.prompts), obj.default_prompt_name, spec.prompt, spec.prompt_name,
                                 source=repr(name))
@@ -775,7 +967,7 @@ def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
 
             dtype = spec.dtype
             if dtype == "auto":
-                dtype = "float16" if str(obj.device).startswith("cuda") else "float32"
+                dtype = auto_dtype(str(obj.device), checkpoint_dtype(obj))
             engine = TransformerEngine.from_sentence_transformer(obj, max_tokens=spec.max_tokens, dtype=dtype,
                                                                  prompt="" if prompt is None else prompt)
             if engine is None and spec.engine == "fast":

@@ -263,7 +263,7 @@ def test_concurrent_calls_from_threads(tiny):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [None, "float16", "bfloat16"])
 def test_cuda_matches_sentence_transformers(dtype):
-    texts = mixed_texts(20_000)  # more than one tokenization chunk: exercises the background tokenizer
+    texts = mixed_texts(70_000)  # more than one 65,536-text window: exercises the background tokenizer
     model = SentenceTransformer(str(packaged_model_dir()), device="cuda")
     expected = model.encode(texts, convert_to_numpy=True, batch_size=256)
     engine = TransformerEngine.from_sentence_transformer(model, dtype=dtype)

@@ -223,7 +223,7 @@ def test_trust_remote_code_and_model_kwargs_reach_sentence_transformers(tiny_mod
 
     monkeypatch.setattr(SentenceTransformer, "__init__", spy)
     enc = Encoder(tiny_model, device="cpu", trust_remote_code=True, model_kwargs={"attn_implementation": "eager"})
-    assert enc.dimension == 32
+    assert enc.load().dimension == 32  # dimension alone reads the files, so load to reach the constructor
     assert seen["trust_remote_code"] is True and seen["model_kwargs"] == {"attn_implementation": "eager"}
     assert Encoder(tiny_model).spec.trust_remote_code is False  # off by default
 
