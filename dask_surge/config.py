@@ -14,7 +14,7 @@ import dask.config
 import yaml
 
 from .errors import SurgeValueError
-from .options import DTYPES, ENGINES, ON_NULLS, PRECISIONS
+from .options import COMPRESSIONS, DTYPES, ENGINES, ON_NULLS, PRECISIONS
 
 __all__ = ["DEFAULTS_PATH", "OPTIONS", "get"]
 
@@ -38,6 +38,7 @@ OPTIONS: dict[str, Any] = {
     "max-tokens": ("positive-int", None),
     "normalize": "bool",
     "precision": PRECISIONS,
+    "compression": COMPRESSIONS,
     "truncate-dim": ("positive-int", None),
     "on-null": ON_NULLS,
     "progress": "bool",

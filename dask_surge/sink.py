@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -45,19 +46,46 @@ def skipped_bytes(skipped) -> bytes:
     return buf.getvalue()
 
 
-def parquet_bytes(table: pa.Table, group_rows) -> bytes:
+def parquet_bytes(table: pa.Table, group_rows, compression: str | None = None) -> memoryview:
     """Serialize ``table`` to Parquet: one row group per source partition
     (``group_rows``: the rows of each, in order).
 
     Dictionary encoding and statistics are off for the embedding column (they
     cost write time and help no reader); on for ``partition`` and ``row`` so a
     reader can find one partition's row group from the footer alone.
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+    group_rows : sequence of int
+    compression : {"none", "snappy", "lz4", "zstd"}, optional
+        Codec of the embedding column; None reads ``surge.compression`` (default
+        ``"none"``: float vectors barely compress, see README "Performance"). The
+        other columns are always zstd.
+
+    Returns
+    -------
+    memoryview
+        The file's bytes, a view of the Arrow buffer they were written into
+        (no copy); ``bytes(...)`` makes one if needed.
+
+    Examples
+    --------
+    >>> import pyarrow as pa, pyarrow.parquet as pq
+    >>> t = pa.table({"partition": [0, 0], "row": [0, 1], "embedding": [[1.0, 2.0], [3.0, 4.0]]})
+    >>> data = parquet_bytes(t, [2], compression="none")
+    >>> pq.read_table(pa.BufferReader(data)).num_rows
+    2
     """
-    buf = io.BytesIO()
+    from .config import get
+
+    codec = get("compression", compression)
+    sink = pa.BufferOutputStream()
     other = [c for c in table.column_names if c != "embedding"]
+    codecs = {leaf: (codec if leaf.split(".", 1)[0] == "embedding" else "zstd") for leaf in _leaf_paths(table.schema)}
     with pq.ParquetWriter(
-        buf, table.schema, use_dictionary=[c for c in other if c not in ("partition", "row")],
-        write_statistics=other, compression="zstd",
+        sink, table.schema, use_dictionary=[c for c in other if c not in ("partition", "row")],
+        write_statistics=other, compression=codecs,
     ) as writer:
         offset = 0
         for rows in group_rows:
@@ -66,7 +94,16 @@ def parquet_bytes(table: pa.Table, group_rows) -> bytes:
                 offset += rows
         if table.num_rows == 0:
             writer.write_table(table)
-    return buf.getvalue()
+    return memoryview(sink.getvalue())
+
+
+@functools.lru_cache(maxsize=32)
+def _leaf_paths(schema: pa.Schema) -> tuple[str, ...]:
+    """Parquet leaf column paths of ``schema`` (``embedding.list.element``...), as per-column options key them."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(schema.empty_table(), sink)
+    parquet_schema = pq.ParquetFile(pa.BufferReader(sink.getvalue())).schema
+    return tuple(parquet_schema.column(i).path for i in range(len(parquet_schema)))
 
 
 @dataclass(frozen=True)
