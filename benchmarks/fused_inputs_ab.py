@@ -25,15 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ab import ROOT, alternating, base_checkout, finish, new_report, this_revision  # noqa: E402
 
 CHILD = r"""
 import json, os, sys, time
@@ -95,45 +93,19 @@ def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(ROOT))
     from dask_surge.testing import make_tiny_model
 
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True, check=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "dask_surge"], cwd=ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip())
-    report: dict = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                    "python": platform.python_version(), "loadavg_start": os.getloadavg()},
-        "base": args.base, "this": head + ("+uncommitted" if dirty else ""), "rounds": [],
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        base_src = str(Path(tmp) / "base")
-        subprocess.run(["git", "worktree", "add", "--detach", base_src, args.base], cwd=ROOT, check=True,
-                       capture_output=True)
-        try:
-            spec = {"model": str(make_tiny_model(Path(tmp) / "tiny")), "rows": args.rows,
-                    "partitions": args.partitions, "b_min": args.b_min, "b_max": args.b_max,
-                    "repeats": args.repeats}
-            for r in range(args.rounds):
-                order = [("base", base_src), ("this", str(ROOT))]
-                if r % 2:
-                    order.reverse()
-                got = {name: run_variant(src, spec) for name, src in order}
-                ratio = min(got["base"]["times_s"]) / min(got["this"]["times_s"])
-                report["rounds"].append({"order": [n for n, _ in order], **got, "base_over_this": ratio})
-                print(f"round {r}: base {min(got['base']['times_s']):.2f} s ({got['base']['graph_tasks']} tasks), "
-                      f"this {min(got['this']['times_s']):.2f} s ({got['this']['graph_tasks']} tasks): "
-                      f"{ratio:.2f}x", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", base_src], cwd=ROOT, check=False,
-                           capture_output=True)
-    report["median_base_over_this"] = statistics.median(r["base_over_this"] for r in report["rounds"])
-    report["machine"]["loadavg_end"] = os.getloadavg()
-    print(f"median speedup (base time / this time): {report['median_base_over_this']:.2f}x")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    return report
-
+    report = new_report(base=args.base, this=this_revision(), rounds=[])
+    with tempfile.TemporaryDirectory() as tmp, base_checkout(args.base, Path(tmp)) as base_src:
+        spec = {"model": str(make_tiny_model(Path(tmp) / "tiny")), "rows": args.rows,
+                "partitions": args.partitions, "b_min": args.b_min, "b_max": args.b_max,
+                "repeats": args.repeats}
+        for r, order in enumerate(alternating(args.rounds, base_src)):
+            got = {name: run_variant(src, spec) for name, src in order}
+            ratio = min(got["base"]["times_s"]) / min(got["this"]["times_s"])
+            report["rounds"].append({"order": [n for n, _ in order], **got, "base_over_this": ratio})
+            print(f"round {r}: base {min(got['base']['times_s']):.2f} s ({got['base']['graph_tasks']} tasks), "
+                  f"this {min(got['this']['times_s']):.2f} s ({got['this']['graph_tasks']} tasks): "
+                  f"{ratio:.2f}x", flush=True)
+    return finish(report, args.out)
 
 if __name__ == "__main__":
     main()

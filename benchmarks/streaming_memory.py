@@ -20,15 +20,14 @@ one unrecorded warm-up run (the first run imports the model stack on the workers
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import shlex
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ab import finish, new_report  # noqa: E402
 
 
 def make_partition(i: int, rows: int):
@@ -60,13 +59,10 @@ def main(argv: list[str] | None = None) -> dict:
     import dask.dataframe as dd
     from distributed import Client, LocalCluster
 
-    import dask_surge
+    import dask_surge  # noqa: F401  (registers .surge)
     from dask_surge.testing import checksum_model
 
-    report: dict = {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-                    "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                                "python": platform.python_version(), "loadavg_start": os.getloadavg()},
-                    "runs": []}
+    report = new_report(runs=[])
     with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as client, tempfile.TemporaryDirectory() as tmp:
         # warm-up, not recorded: the first run imports the model stack on the workers (~480 MiB)
@@ -104,16 +100,11 @@ def main(argv: list[str] | None = None) -> dict:
             report["runs"].append(run)
             print(f"{res.rows:>9,} rows in {parts:,} partitions, {res.superbatches} SuperBatches, {seconds:.1f} s: "
                   f"peak worker RSS +{max(growth.values()) / 2**20:.1f} MiB", flush=True)
-    report["machine"]["loadavg_end"] = os.getloadavg()
     first, last = report["runs"][0], report["runs"][-1]
     report["growth_ratio_last_over_first"] = (last["max_peak_rss_growth_bytes"]
                                               / max(1, first["max_peak_rss_growth_bytes"]))
     report["rows_ratio_last_over_first"] = last["rows"] / first["rows"]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    return report
-
+    return finish(report, args.out)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,64 @@
+"""Plumbing shared by the benchmarks that compare this checkout with a base git revision
+side by side (``fused_inputs_ab.py``, ``one_pass_ab.py``) and that save a tidy JSON report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def new_report(**fields) -> dict:
+    """The report's header: the exact command line and the machine it ran on."""
+    return {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+                        "python": platform.python_version(), "loadavg_start": os.getloadavg()},
+            **fields}
+
+
+def this_revision() -> str:
+    """``HEAD``'s short hash, marked when the package has uncommitted changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+uncommitted" if git("status", "--porcelain", "dask_surge") else "")
+
+
+@contextlib.contextmanager
+def base_checkout(revision: str, folder: Path) -> Iterator[str]:
+    """A ``git worktree`` of ``revision`` in ``folder`` (removed afterwards); yields its path."""
+    path = str(folder / "base")
+    subprocess.run(["git", "worktree", "add", "--detach", path, revision], cwd=ROOT, check=True, capture_output=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", path], cwd=ROOT, check=False, capture_output=True)
+
+
+def alternating(rounds: int, base_src: str) -> Iterator[list[tuple[str, str]]]:
+    """Per round, the ``(name, source tree)`` variants to run, base first in even rounds."""
+    for r in range(rounds):
+        order = [("base", base_src), ("this", str(ROOT))]
+        yield order[::-1] if r % 2 else order
+
+
+def finish(report: dict, out: str) -> dict:
+    """Add the median ratio over rounds (when there are rounds), the end load, and save."""
+    if report.get("rounds"):
+        report["median_base_over_this"] = statistics.median(r["base_over_this"] for r in report["rounds"])
+        print(f"median speedup (base time / this time): {report['median_base_over_this']:.2f}x")
+    report["machine"]["loadavg_end"] = os.getloadavg()
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return report
