@@ -253,7 +253,7 @@ class CostParams:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict) -> "CostParams":
+    def from_dict(cls, data: dict) -> CostParams:
         """Rebuild from :meth:`to_dict` output (unknown keys are refused)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
@@ -268,7 +268,7 @@ class CostParams:
         data["token_lengths"] = tuple(float(x) for x in data.get("token_lengths") or ())
         return cls(**data)
 
-    def with_token_lengths(self, lengths) -> "CostParams":
+    def with_token_lengths(self, lengths) -> CostParams:
         """These constants re-based on another token-length distribution (e.g. a sample of the user's texts).
 
         The per-text and per-token costs are properties of the model and the
@@ -290,7 +290,7 @@ class CostParams:
             )
         return self.replace(tokens_per_text=float(lengths.mean()), token_lengths=token_quantiles(lengths))
 
-    def replace(self, **changes) -> "CostParams":
+    def replace(self, **changes) -> CostParams:
         """A copy with some fields changed.
 
         Examples
@@ -551,7 +551,7 @@ def predict(
             )
     N, P, W = int(n.sum()), len(n), int(params.workers)
     if k is None:
-        k = max(1, int(round(b_min / max(n.mean(), 1.0))))
+        k = max(1, round(float(b_min / max(n.mean(), 1.0))))
     if isinstance(k, bool) or int(k) != k or k < 1:
         raise SurgeValueError(f"k={k!r} must be a positive int (partitions per PB-PBP-LB call). Fix: pass e.g. k=8.")
     k = int(k)
@@ -590,10 +590,10 @@ def predict(
     gather = P * params.partition_s / W + N * params.io_per_row_s
     encode = float(np.sum(params.setup_s + call_cost(fb_rows, params, fb_tok)))
     seconds = params.overhead_s + gather + encode
-    rows["fb"] = dict(
-        seconds=seconds, calls=nb, peak_memory_bytes=params.model_bytes + N * row_bytes,
-        ttfo_s=seconds, encode_s=encode, io_s=gather, largest_call=int(fb_rows.max()),
-    )
+    rows["fb"] = {
+        "seconds": seconds, "calls": nb, "peak_memory_bytes": params.model_bytes + N * row_bytes,
+        "ttfo_s": seconds, "encode_s": encode, "io_s": gather, "largest_call": int(fb_rows.max()),
+    }
     df = pd.DataFrame.from_dict(rows, orient="index").loc[list(POLICIES)]
     df.insert(0, "texts_per_s", N / df["seconds"])
     df["calls"] = df["calls"].astype(np.int64)
@@ -622,10 +622,10 @@ def _streamed(params: CostParams, b, t, folded, io_total, row_bytes, N, *, in_or
         makespan, first = _lpt(jobs, W)
     seconds = params.overhead_s + fill + max(makespan, io_total)
     largest = int(b.max()) if len(b) else 0
-    return dict(
-        seconds=seconds, calls=len(b), peak_memory_bytes=params.model_bytes + largest * row_bytes,
-        ttfo_s=params.overhead_s + fill + first, encode_s=makespan, io_s=io_total, largest_call=largest,
-    )
+    return {
+        "seconds": seconds, "calls": len(b), "peak_memory_bytes": params.model_bytes + largest * row_bytes,
+        "ttfo_s": params.overhead_s + fill + first, "encode_s": makespan, "io_s": io_total, "largest_call": largest,
+    }
 
 
 def phi_cv(sizes: Sequence[int], params: CostParams) -> tuple[float, float]:
@@ -688,8 +688,8 @@ def advise(sizes: Sequence[int], params: CostParams, *, b_min: int, b_max: int,
     False
     """
     n = _check_sizes(sizes)
-    phi, cv = phi_cv(n, params)
-    df = predict(n, params, b_min=b_min, b_max=b_max, nbytes=nbytes, max_bytes=max_bytes,
+    phi, cv = phi_cv(n.tolist(), params)
+    df = predict(n.tolist(), params, b_min=b_min, b_max=b_max, nbytes=nbytes, max_bytes=max_bytes,
                  superbatches=superbatches)
     speedup = float(df.loc["pbp", "seconds"] / df.loc["surge", "seconds"])
     pays = speedup >= 1.05

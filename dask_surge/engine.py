@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .batching import CPU_MAX_TOKENS, WINDOW_TEXTS, plan_batches, windows
+from .batching import CPU_MAX_TOKENS, WINDOW_TEXTS, plan_batches
 from .errors import SurgeInputError, SurgeModelError, SurgeValueError
 
 __all__ = ["NOOP_FORWARD_ENV", "TransformerEngine"]

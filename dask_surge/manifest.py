@@ -58,7 +58,7 @@ def _temp_name(path: str) -> tuple[str, str]:
     return parent, f"{parent}/.{name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
 
 
-def _atomic_write(fs, path: str, data: bytes, *, exclusive: bool = False) -> bool:
+def _atomic_write(fs, path: str, data: builtins.bytes | memoryview, *, exclusive: bool = False) -> bool:
     """Write ``data`` to ``path`` so that no reader ever sees a partial file.
 
     Local files are written to a temporary name, fsynced, then renamed over ``path``
@@ -109,7 +109,7 @@ def _atomic_write(fs, path: str, data: bytes, *, exclusive: bool = False) -> boo
     return True
 
 
-def write_bytes_atomic(fs, path: str, data: bytes) -> None:
+def write_bytes_atomic(fs, path: str, data: builtins.bytes | memoryview) -> None:
     """Write ``data`` to ``path`` via a temporary name: fsync, then rename over."""
     _atomic_write(fs, path, data)
 
