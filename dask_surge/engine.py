@@ -14,9 +14,11 @@ import contextlib
 import copy
 import operator
 import os
+import queue
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -105,6 +107,10 @@ class TransformerEngine:
         self._mask4d = self._takes_4d_mask()
         self.max_tokens = self._auto_max_tokens() if max_tokens is None else max_tokens
         self._lock = threading.Lock()
+        #: Launch all device work from one dedicated thread (:class:`_Feeder`); on by default on
+        #: CUDA, where the calling threads then only tokenize and pack. Settable (tests set it on CPU).
+        self.use_feeder = self.device.type == "cuda"
+        self._feeder: _Feeder | None = None
         #: The prompt put before every text ("" for none), resolved as ``SentenceTransformer.encode`` does.
         self.prompt = prompt or ""
         #: Tokens of the prompt left out of pooling (0 when the Pooling module includes the prompt).
@@ -251,17 +257,49 @@ class TransformerEngine:
         """
         texts = texts if isinstance(texts, list) else list(texts)
         normalize = normalize or self._normalize
+        if self.use_feeder:
+            return self._encode_fed(texts, normalize)
         with self._lock, torch.inference_mode():
             out = torch.empty((len(texts), self.dimension), dtype=torch.float32, device=self.device)
             for start, encodings in self._tokenized_chunks(texts):
-                self._embed_window(encodings, start, out, normalize)
-            _check_finite(out)
-            if self.device.type != "cuda":
-                return out.numpy()
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            host.copy_(out, non_blocking=True)  # the one device-to-host copy of the call
-            torch.cuda.current_stream(self.device).synchronize()
-            return host.numpy()
+                self._run_window(self._prepare_window(encodings, start), out, normalize)
+            return self._finish(out)
+
+    def _encode_fed(self, texts: list[str], normalize: bool) -> np.ndarray:
+        """Prepare windows in the calling thread; the feeder thread launches all device work."""
+        feeder = self._feeder_thread()
+        state: dict = {}
+
+        def start() -> None:
+            state["out"] = torch.empty((len(texts), self.dimension), dtype=torch.float32, device=self.device)
+
+        jobs = [feeder.submit(start)]
+        try:
+            for offset, encodings in self._tokenized_chunks(texts):
+                window = self._prepare_window(encodings, offset)
+                jobs.append(feeder.submit(lambda w=window: self._run_window(w, state["out"], normalize)))
+        finally:  # a failed preparation still waits for what was queued (it writes into ``out``)
+            for job in jobs:
+                job.exception()
+        for job in jobs:
+            job.result()  # the first device error, if any
+        return feeder.submit(lambda: self._finish(state["out"])).result()
+
+    def _finish(self, out: torch.Tensor) -> np.ndarray:
+        """Check the call's embeddings and bring them to the host in one copy."""
+        _check_finite(out)
+        if self.device.type != "cuda":
+            return out.numpy()
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)  # the one device-to-host copy of the call
+        torch.cuda.current_stream(self.device).synchronize()
+        return host.numpy()
+
+    def _feeder_thread(self) -> _Feeder:
+        with self._lock:
+            if self._feeder is None:
+                self._feeder = _Feeder(self.device)
+            return self._feeder
 
     def count_tokens(self, texts: Sequence[str]) -> np.ndarray:
         """Token length of each text after truncation, special tokens included.
@@ -333,33 +371,41 @@ class TransformerEngine:
                     pending = pool.submit(self._tokenize, texts[nxt : nxt + _CHUNK_TEXTS])
                 yield start, encodings
 
-    def _embed_window(self, encodings: list, offset: int, out: torch.Tensor, normalize: bool) -> None:
-        """Embed one window into ``out[offset + i]``; every step after tokenization runs on the device.
+    def _prepare_window(self, encodings: list, offset: int) -> _Window:
+        """Host side of one window: the plan and the token ids in run order, as int32 (pinned on CUDA).
 
         The host only plans (:func:`dask_surge.batching.plan_batches`) and gathers the
-        token ids of the window, in run order, into one int32 array that travels once;
-        each micro-batch's padded ids, attention mask and pooling weights are built on
-        the device from lengths, so no micro-batch waits for the device.
+        token ids of the window, in run order, into one int32 array that travels once.
         """
         lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
         plan = plan_batches(lengths, self.max_tokens)
         ordered = operator.itemgetter(*plan.order.tolist())(encodings) if len(encodings) > 1 else encodings
-        flat = np.fromiter(
-            _chain_ids(ordered), dtype=np.int32, count=plan.real_tokens
+        flat = np.fromiter(_chain_ids(ordered), dtype=np.int32, count=plan.real_tokens)
+        pin = self.device.type == "cuda"
+        return _Window(
+            plan=plan, size=int(flat.size),
+            ids=_host(flat, pin), lengths=_host(plan.lengths.astype(np.int32), pin),
+            starts=_host((np.cumsum(plan.lengths) - plan.lengths).astype(np.int64), pin),
+            where=_host(plan.order + offset, pin),
         )
-        dev = self.device
-        pin = dev.type == "cuda"
-        flat_d = _to_device(flat, dev, pin)
-        lengths_d = _to_device(plan.lengths.astype(np.int32), dev, pin)
-        starts_d = _to_device((np.cumsum(plan.lengths) - plan.lengths).astype(np.int64), dev, pin)
-        where_d = _to_device(plan.order + offset, dev, pin)
+
+    def _run_window(self, window: _Window, out: torch.Tensor, normalize: bool) -> None:
+        """Device side of one window: every micro-batch, written into ``out`` at its rows.
+
+        Each micro-batch's padded ids, attention mask and pooling weights are built on
+        the device from lengths, so no micro-batch waits for the device.
+        """
+        dev, plan = self.device, window.plan
+        flat_d, lengths_d, starts_d, where_d = (
+            t.to(dev, non_blocking=True) for t in (window.ids, window.lengths, window.starts, window.where)
+        )
         top = max(int(plan.widths[0]) if len(plan.widths) else 1, 1)
         positions = torch.arange(top, device=dev)
         for start, stop, width in plan.batches():
             length = lengths_d[start:stop]
             valid = positions[None, :width] < length[:, None]  # (rows, width) on the device
-            gather = (starts_d[start:stop, None] + positions[None, :width]).clamp_(max=max(flat.size - 1, 0))
-            ids = flat_d[gather] if flat.size else torch.zeros(valid.shape, dtype=torch.int32, device=dev)
+            gather = (starts_d[start:stop, None] + positions[None, :width]).clamp_(max=max(window.size - 1, 0))
+            ids = flat_d[gather] if window.size else torch.zeros(valid.shape, dtype=torch.int32, device=dev)
             ids = ids.masked_fill_(~valid, self._pad_id)
             pooled = self._forward(ids, valid)
             if normalize:
@@ -433,12 +479,63 @@ def _chain_ids(encodings) -> Iterator[int]:
     return chain.from_iterable(map(operator.attrgetter("ids"), encodings))
 
 
-def _to_device(array: np.ndarray, device: torch.device, pin: bool) -> torch.Tensor:
-    """``array`` on ``device``; on CUDA through pinned memory and an asynchronous copy."""
+def _host(array: np.ndarray, pin: bool) -> torch.Tensor:
+    """``array`` as a tensor, in pinned memory when it will travel to a GPU asynchronously."""
     host = torch.from_numpy(np.ascontiguousarray(array))
-    if not pin:
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    return host.pin_memory() if pin else host
+
+
+@dataclass(frozen=True)
+class _Window:
+    """One prepared window: its micro-batch plan and its host tensors (ids in run order, int32)."""
+
+    plan: BatchPlan
+    size: int
+    ids: torch.Tensor
+    lengths: torch.Tensor
+    starts: torch.Tensor
+    where: torch.Tensor
+
+
+class _Feeder:
+    """One thread that runs every device job of an engine, in submission order.
+
+    The threads that call :meth:`TransformerEngine.encode` tokenize and pack windows
+    (GIL-free Rust and numpy work, mostly) and queue closures here; this thread only
+    launches device work on prepared tensors, so a GPU is fed by one thread whatever
+    the number of Dask threads, and one SuperBatch is prepared while another runs.
+
+    Examples
+    --------
+    >>> feeder = _Feeder(torch.device("cpu"))
+    >>> feeder.submit(lambda: 1 + 1).result()
+    2
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=f"surge-feeder-{device}", daemon=True)
+        self.thread.start()
+
+    def submit(self, fn) -> Future:
+        """Queue ``fn()`` to run on the feeder thread; its future holds the result or the error."""
+        future: Future = Future()
+        self._jobs.put((fn, future))
+        return future
+
+    def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        with torch.inference_mode():
+            while True:
+                fn, future = self._jobs.get()
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(fn())
+                except BaseException as err:  # noqa: BLE001 - handed to the caller through the future
+                    future.set_exception(err)
 
 
 def _check_finite(out: torch.Tensor) -> None:

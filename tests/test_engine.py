@@ -269,3 +269,44 @@ def test_cuda_matches_sentence_transformers(dtype):
     engine = TransformerEngine.from_sentence_transformer(model, dtype=dtype)
     assert engine.device.type == "cuda" and engine.max_tokens >= 4096
     assert min_cosine(engine.encode(texts), expected) >= (0.9999 if dtype is None else 0.999)
+
+
+# -- the feeder thread (issue 17 item 1): on by default on CUDA, testable on the CPU -------------------
+def test_feeder_runs_every_forward_on_its_thread_with_the_same_output(monkeypatch):
+    model = SentenceTransformer(str(packaged_model_dir()), device="cpu")
+    engine = TransformerEngine.from_sentence_transformer(model, max_tokens=256)
+    assert engine.use_feeder is False  # CPU default: inline
+    texts = mixed_texts(300)
+    inline = engine.encode(texts)
+    threads = set()
+    forward = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, valid: threads.add(threading.current_thread().name)
+                        or forward(ids, valid))
+    engine.use_feeder = True
+    fed = engine.encode(texts)
+    assert threads == {"surge-feeder-cpu"}
+    np.testing.assert_allclose(fed, inline, rtol=1e-5, atol=1e-6)
+    assert engine.encode([]).shape == (0, engine.dimension)
+
+
+def test_feeder_serves_concurrent_callers_and_passes_errors_back():
+    model = SentenceTransformer(str(packaged_model_dir()), device="cpu")
+    engine = TransformerEngine.from_sentence_transformer(model, max_tokens=512)
+    engine.use_feeder = True
+    batches = [mixed_texts(40 + 10 * i) for i in range(3)]
+    expected = [model.encode(b, convert_to_numpy=True) for b in batches]
+    results = [None] * 3
+
+    def run(i):
+        results[i] = engine.encode(batches[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, expected):
+        assert min_cosine(got, want) >= 0.9999
+    with pytest.raises(SurgeInputError, match="texts\\[1\\]"):
+        engine.encode(["ok", None])  # an error while preparing reaches the caller; the feeder lives on
+    assert engine.encode(["still fine"]).shape == (1, engine.dimension)
