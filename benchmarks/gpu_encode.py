@@ -11,12 +11,14 @@ Try it on a CPU first (tiny sizes, a CPU LocalCluster, fp32)::
 
     python benchmarks/gpu_encode.py --device cpu --rows 1500 --st-rows 500 --out /tmp/gpu_encode.json
 
-For each model, in one run: (1) ``SentenceTransformer.encode`` in this process (fp32, and
-fp16 on CUDA) on ``--st-rows`` texts; (2) the fast engine alone in this process on the same
-texts; (3) ``ddf.surge.encode`` of ``--rows`` texts in log-normal Parquet partitions
-(sigma 1.72) on ``dask_surge.cluster.local_cluster()`` (one dask-cuda worker per GPU),
-after a warm-up run that loads the model into the workers; (4) the cosine between
-dask-surge's output and ST fp32 on a sample of the texts. Reported: texts/s, tokens/s
+For each model, in one run: (1) ``ddf.surge.encode`` of ``--rows`` texts in log-normal
+Parquet partitions (sigma 1.72) on ``dask_surge.cluster.local_cluster()`` (one dask-cuda
+worker per GPU), after a warm-up run that loads the model into the workers, with per-SuperBatch
+encode/write seconds and worker facts (CPU affinity, backend, ``max_tokens``, weight dtype);
+(2) the fast engine alone in this process on ``--st-rows`` texts; (3)
+``SentenceTransformer.encode`` on the same texts (fp32, and fp16 on CUDA) at
+``--st-batch-size`` (1024, its best on the H200); (4) the cosine between dask-surge's output
+and ST fp32 on a sample of the texts. Reported: texts/s, tokens/s
 (real, unpadded tokens), the workers' peak GPU memory, TTFO, and ratios against ST in the
 same run. The JSON is rewritten after every stage, so a run cut short keeps what it measured.
 """
@@ -73,28 +75,32 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench_in_process(path: str, texts: list[str], device: str) -> dict:
-    """ST encode (fp32; fp16 on CUDA) and the fast engine alone, in this process."""
+def bench_in_process(path: str, texts: list[str], device: str, st_batch_size: int = 1024) -> dict:
+    """The fast engine alone, then ST encode (fp32; fp16 on CUDA) at ``st_batch_size``, in this process."""
     import torch
     from sentence_transformers import SentenceTransformer
 
     from dask_surge.engine import TransformerEngine
 
-    out = {}
+    out = {"st_batch_size": st_batch_size}
     st = SentenceTransformer(path, device=device)
-    st.encode(texts[:256], batch_size=32)  # warm-up
-    _sync(device)
-    out["st_fp32_s"] = _timed(lambda: (st.encode(texts, batch_size=32, convert_to_numpy=True), _sync(device)))
-    if device.startswith("cuda"):
-        st16 = SentenceTransformer(path, device=device, model_kwargs={"torch_dtype": torch.float16})
-        st16.encode(texts[:256], batch_size=32)
-        _sync(device)
-        out["st_fp16_s"] = _timed(lambda: (st16.encode(texts, batch_size=32, convert_to_numpy=True), _sync(device)))
-        del st16
     engine = TransformerEngine.from_sentence_transformer(st, dtype="float16" if device.startswith("cuda") else None)
     engine.encode(texts[:1024])  # warm-up (allocator, tokenizer thread pool)
     _sync(device)
     out["engine_s"] = _timed(lambda: (engine.encode(texts), _sync(device)))
+    out["engine_max_tokens"] = engine.max_tokens
+    del engine
+    st.encode(texts[:256], batch_size=st_batch_size)  # warm-up
+    _sync(device)
+    out["st_fp32_s"] = _timed(lambda: (st.encode(texts, batch_size=st_batch_size, convert_to_numpy=True),
+                                       _sync(device)))
+    if device.startswith("cuda"):
+        st16 = SentenceTransformer(path, device=device, model_kwargs={"torch_dtype": torch.float16})
+        st16.encode(texts[:256], batch_size=st_batch_size)
+        _sync(device)
+        out["st_fp16_s"] = _timed(lambda: (st16.encode(texts, batch_size=st_batch_size, convert_to_numpy=True),
+                                           _sync(device)))
+        del st16
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     return out
@@ -124,13 +130,28 @@ def bench_surge(path: str, data: str, rows: int, device: str, work: Path, warm: 
 
             return int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0
 
+        def facts():
+            import os as _os
+
+            from dask_surge.encoders import _LOADED
+
+            engines = [v.engine for v in _LOADED.values() if v.engine is not None]
+            return {"cpu_affinity": sorted(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity") else None,
+                    "backends": sorted({v.backend for v in _LOADED.values()}),
+                    "max_tokens": [e.max_tokens for e in engines], "devices": [str(e.device) for e in engines],
+                    "weights_dtype": [str(next(e._hf.parameters()).dtype) for e in engines],
+                    "mask4d": [e._mask4d for e in engines]}
+
         client.run(reset)
         res = dd.read_parquet(data).surge.encode("text", str(work / "out"), **kw)
         peaks = client.run(peak)
+        worker_facts = client.run(facts)
     assert res.rows == rows, (res.rows, rows)
     return {"workers": workers, "cluster": type(cluster).__name__, "surge_s": res.seconds, "ttfo_s": res.ttfo_s,
             "superbatches": res.superbatches, "b_min": res.b_min, "b_max": res.b_max,
-            "gpu_peak_bytes_per_worker": sorted(peaks.values())}
+            "gpu_peak_bytes_per_worker": sorted(peaks.values()), "worker_facts": worker_facts,
+            "per_superbatch": [{k: r.get(k) for k in ("sb", "rows", "encode_s", "write_s", "bytes", "engine")}
+                               for r in res.records]}
 
 
 def check_cosine(path: str, out_dir: Path, texts_by_doc: dict[int, str], device: str, sample: int = 2000) -> float:
@@ -155,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu to try the script")
     parser.add_argument("--rows", type=int, default=2_000_000, help="texts dask-surge encodes")
     parser.add_argument("--st-rows", type=int, default=200_000, help="texts for the in-process ST/engine runs")
+    parser.add_argument("--st-batch-size", type=int, default=1024,
+                        help="SentenceTransformer.encode batch_size (1024: its best on the H200)")
     parser.add_argument("--partitions", type=int, default=None, help="default rows / 200")
     parser.add_argument("--sigma", type=float, default=1.72)
     parser.add_argument("--seed", type=int, default=0)
@@ -197,10 +220,10 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             entry["tokens_per_text_data"] = _tokens(path, table["text"].tolist()[:20_000]) / min(20_000, len(table))
             entry["tokens_per_text_st"] = _tokens(path, st_texts[:20_000]) / min(20_000, len(st_texts))
-            entry.update(bench_in_process(path, st_texts, args.device))
-            save()
             entry.update(bench_surge(path, str(work / "data"), args.rows, args.device, work / name,
                                      str(work / "warm")))
+            save()
+            entry.update(bench_in_process(path, st_texts, args.device, args.st_batch_size))
             save()
             entry["min_cosine_vs_st_fp32"] = check_cosine(path, work / name / "out", texts_by_doc, args.device)
         except Exception:  # noqa: BLE001 - keep what was measured, say what failed

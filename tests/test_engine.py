@@ -310,3 +310,16 @@ def test_feeder_serves_concurrent_callers_and_passes_errors_back():
     with pytest.raises(SurgeInputError, match="texts\\[1\\]"):
         engine.encode(["ok", None])  # an error while preparing reaches the caller; the feeder lives on
     assert engine.encode(["still fine"]).shape == (1, engine.dimension)
+
+
+def test_benchmark_noop_forward_switch_returns_zeros_of_the_right_shape(monkeypatch, tmp_path):
+    """DASK_SURGE_BENCH_NOOP_FORWARD=1 (benchmarks only) skips the forward: zeros, same shape, same path."""
+    from dask_surge.engine import NOOP_FORWARD_ENV
+
+    model = SentenceTransformer(make_tiny_model(tmp_path / "m"), device="cpu")
+    monkeypatch.setenv(NOOP_FORWARD_ENV, "1")
+    noop = TransformerEngine.from_sentence_transformer(model)
+    out = noop.encode(["a", "b c", ""])
+    assert out.shape == (3, noop.dimension) and not out.any()
+    monkeypatch.delenv(NOOP_FORWARD_ENV)
+    assert TransformerEngine.from_sentence_transformer(model).encode(["a"]).any()  # off unless set

@@ -1,0 +1,181 @@
+"""End to end on many small files: ``ddf.surge.encode`` against one process calling ``SentenceTransformer.encode``.
+
+Usage::
+
+    python benchmarks/e2e_small_files.py [--n 60000] [--files 2237] [--sigma 1.72]
+                                         [--minilm-n 3000] [--minilm-files 112] [--repeats 2]
+                                         [--workers 2] [--out benchmarks/results/e2e_small_files_cpu.json]
+
+Issue 17's "simplest alternative" comparison, side by side in one run, per model:
+
+- ``tiny``: the compute-light random 2-layer BERT of ``dask_surge.testing.make_tiny_model``
+  (the real MiniLM tokenizer), as cheap per text relative to overhead as MiniLM is on a GPU;
+  ``--n`` real texts (docstring paragraphs of installed packages, see ``_realtext.py``) in
+  ``--files`` Parquet files of log-normal sizes (sigma 1.72: a median of a few rows a file);
+- ``minilm``: the packaged all-MiniLM-L6-v2 (compute-bound here) on ``--minilm-n`` texts.
+
+Each measurement runs in a fresh Python process, after its imports, and includes the model
+load on both sides:
+
+- ``st``: read every file with pyarrow, ``SentenceTransformer(model, device="cpu")``,
+  ``encode(texts, batch_size=32)``, write one Parquet file of the embeddings; torch uses
+  every core of the process. ``st1``: the same with ``torch.set_num_threads(1)``; on a
+  machine shared with other work, torch's default threads can run several times slower
+  (OpenMP waits), so the ratio is taken against the faster of the two (ST at its best).
+- ``surge``: ``dd.read_parquet(dir).surge.encode("text", output=...)`` on a
+  ``LocalCluster`` of ``--workers`` single-threaded worker processes started before the
+  clock, with torch and sentence-transformers imported in them (as the ST process has them
+  imported before its clock; reported apart as ``cluster_start_s``); the workers load the
+  model inside the timed call.
+
+Runs alternate (st, st1, surge, st, st1, surge...); medians are reported with the ratio
+surge texts/s / best st texts/s (issue 17's target: >= 1.2 for both models).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def one(method: str, model: str, data: str, workers: int) -> dict:
+    """One measurement in this (fresh) process."""
+    import shutil
+
+    out = Path(tempfile.mkdtemp(prefix=f"e2e-{method}-"))
+    try:
+        if method in ("st", "st1"):
+            import numpy as np
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+            import torch
+            from sentence_transformers import SentenceTransformer
+
+            if method == "st1":
+                torch.set_num_threads(1)
+            t0 = time.perf_counter()
+            table = pq.read_table(data, columns=["text", "doc_id"])
+            st = SentenceTransformer(model, device="cpu")
+            emb = st.encode(table.column("text").to_pylist(), batch_size=32, convert_to_numpy=True,
+                            show_progress_bar=False)
+            from dask_surge.arrow import embedding_array
+
+            pq.write_table(pa.table({"doc_id": table.column("doc_id"),
+                                     "embedding": embedding_array(np.asarray(emb, dtype=np.float32))}),
+                           out / "embeddings.parquet")
+            return {"seconds": time.perf_counter() - t0, "rows": table.num_rows, "torch_threads": torch.get_num_threads()}
+        import dask.dataframe as dd
+        from distributed import Client, LocalCluster
+
+        import dask_surge  # noqa: F401 - registers the .surge accessor
+
+        t0 = time.perf_counter()
+        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                               dashboard_address="127.0.0.1:0")
+        client = Client(cluster)
+        # the imports, as on the ST side (whose clock starts after them); the model loads inside the clock
+        client.run(lambda: __import__("dask_surge.engine") and __import__("sentence_transformers") and None)
+        start_s = time.perf_counter() - t0
+        try:
+            t0 = time.perf_counter()
+            res = dd.read_parquet(data).surge.encode("text", output=str(out / "emb"), model=model, device="cpu",
+                                                     keep=["doc_id"], progress=False, scheduler=client)
+            seconds = time.perf_counter() - t0
+            return {"seconds": seconds, "rows": int(sum(r["rows"] for r in res.records)),
+                    "cluster_start_s": start_s, "ttfo_s": res.ttfo_s, "superbatches": res.superbatches,
+                    "engine": sorted({r.get("engine", "") for r in res.records})}
+        finally:
+            client.close()
+            cluster.close()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def measure(method: str, model: str, data: Path, workers: int) -> dict:
+    cmd = [sys.executable, __file__, "--one", method, "--model-path", model, "--data", str(data),
+           "--workers", str(workers)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{method} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=60_000)
+    parser.add_argument("--files", type=int, default=2237)
+    parser.add_argument("--sigma", type=float, default=1.72)
+    parser.add_argument("--minilm-n", type=int, default=3000, help="texts for MiniLM (0: skip it)")
+    parser.add_argument("--minilm-files", type=int, default=112)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", default=str(HERE / "results" / "e2e_small_files_cpu.json"))
+    parser.add_argument("--one", choices=("st", "st1", "surge"), help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", help=argparse.SUPPRESS)
+    parser.add_argument("--data", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print("RESULT " + json.dumps(one(args.one, args.model_path, args.data, args.workers)), flush=True)
+        return {}
+
+    from _realtext import TMP, small_files
+    from dask_surge.testing import make_tiny_model, packaged_model_dir
+
+    tiny = TMP / "tiny-model"
+    if not (tiny / "modules.json").is_file():
+        make_tiny_model(tiny)
+    suites = {"tiny": (str(tiny), args.n, args.files)}
+    if args.minilm_n:
+        suites["minilm"] = (str(packaged_model_dir()), args.minilm_n, args.minilm_files)
+    results = {}
+    for name, (model, n, files) in suites.items():
+        data, layout = small_files(n, files, sigma=args.sigma)
+        runs: dict[str, list[dict]] = {"st": [], "st1": [], "surge": []}
+        for _ in range(args.repeats):
+            for method in ("st", "st1", "surge"):
+                r = measure(method, model, data, args.workers)
+                assert r["rows"] == n, r
+                runs[method].append(r)
+                print(f"{name:6s} {method:5s} {n / r['seconds']:9,.0f} texts/s  ({r['seconds']:.2f} s)", flush=True)
+        st_default = statistics.median(r["seconds"] for r in runs["st"])
+        st_one = statistics.median(r["seconds"] for r in runs["st1"])
+        st = min(st_default, st_one)  # the baseline at its best thread setting
+        su = statistics.median(r["seconds"] for r in runs["surge"])
+        su_start = statistics.median(r["seconds"] + r["cluster_start_s"] for r in runs["surge"])
+        results[name] = {
+            "layout": layout, "model": model, "runs": runs,
+            "st_texts_per_s": n / st, "st_default_threads_texts_per_s": n / st_default,
+            "st_one_thread_texts_per_s": n / st_one, "surge_texts_per_s": n / su,
+            "ratio_surge_over_st": st / su, "ratio_with_cluster_start": st / su_start,
+            "target_ratio": 1.2, "met": st / su >= 1.2,
+        }
+        print(f"{name:6s} ratio surge/st {st / su:.2f} (with cluster start {st / su_start:.2f}; target >= 1.2)")
+    out = {
+        "command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "workers": args.workers, "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""Host ceiling: the whole SURGE path with a no-op forward, against the raw Rust tokenizer.
+
+Usage::
+
+    python benchmarks/host_ceiling.py [--n 100000] [--files 1000] [--workers 2] [--repeats 3]
+                                      [--gil] [--out benchmarks/results/host_ceiling_cpu.json]
+
+On the same texts (``--n`` docstring paragraphs of installed packages, in ``--files``
+Parquet files of log-normal sizes, see ``_realtext.py``) and the same cores:
+
+(a) ``tokenizers.Tokenizer.encode_batch`` of the packaged all-MiniLM-L6-v2 tokenizer
+    (truncation at 256, as the model) over all texts, already in memory, in one call
+    (the Rust thread pool uses every core);
+(b) ``dd.read_parquet(dir).surge.encode("text", output=...)`` on a ``LocalCluster`` of
+    ``--workers`` single-threaded workers, from the call to the last committed file, with
+    the encoder's forward pass replaced by zeros of the right shape
+    (``DASK_SURGE_BENCH_NOOP_FORWARD=1`` in the workers, a switch for benchmarks only;
+    see :data:`dask_surge.engine.NOOP_FORWARD_ENV`). The model is loaded on the workers
+    by a warm-up run before the clock starts.
+
+Issue 17's target: (b) >= 0.8 x (a) in texts/s ("everything but tokenization costs at most
+25% more"). Runs alternate (a, b, a, b, ...); medians are reported. ``--gil`` also samples
+the workers with ``py-spy record --gil`` during one extra (b) run and reports the
+GIL-holding microseconds per text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def tokenizer_run(texts: list[str]) -> float:
+    """Seconds of one ``encode_batch`` over ``texts`` with the model's tokenizer and truncation."""
+    from tokenizers import Tokenizer
+
+    from dask_surge.testing import packaged_model_dir
+
+    tok = Tokenizer.from_file(str(packaged_model_dir() / "tokenizer.json"))
+    tok.no_padding()
+    tok.enable_truncation(256)
+    t0 = time.perf_counter()
+    tok.encode_batch(texts)
+    return time.perf_counter() - t0
+
+
+def surge_run(data: Path, client, scratch: Path) -> tuple[float, dict]:
+    import dask.dataframe as dd
+
+    out = scratch / f"out-{time.time_ns()}"
+    t0 = time.perf_counter()
+    res = dd.read_parquet(str(data)).surge.encode("text", output=str(out), model="default", device="cpu",
+                                                  progress=False, scheduler=client)
+    seconds = time.perf_counter() - t0
+    facts = {
+        "superbatches": res.superbatches, "ttfo_s": res.ttfo_s,
+        "encode_s_sum": float(sum(r["encode_s"] for r in res.records)),
+        "write_s_sum": float(sum(r["write_s"] for r in res.records)),
+        "engine": sorted({r.get("engine", "") for r in res.records}),
+        "rows": int(sum(r["rows"] for r in res.records)),
+    }
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds, facts
+
+
+def gil_seconds(client, run) -> dict:
+    """Run ``run()`` while py-spy samples every worker's GIL-holding thread; GIL seconds per worker."""
+    pids = list(client.run(os.getpid).values())
+    rate = 250
+    tmp = Path(tempfile.mkdtemp())
+    spies = []
+    for pid in pids:
+        out = tmp / f"{pid}.txt"
+        spies.append((pid, out, subprocess.Popen(
+            ["py-spy", "record", "--pid", str(pid), "--gil", "--rate", str(rate), "--format", "raw",
+             "--output", str(out), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+    time.sleep(1.0)  # let py-spy attach
+    result = run()
+    per_worker = {}
+    for pid, out, proc in spies:
+        proc.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+        proc.wait(timeout=60)
+        samples = 0
+        if out.is_file():
+            for line in out.read_text().splitlines():
+                stack, _, count = line.rpartition(" ")
+                if count.isdigit():
+                    samples += int(count)
+        per_worker[str(pid)] = samples / rate
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"result": result, "gil_s_by_worker": per_worker, "rate_hz": rate}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=100_000)
+    parser.add_argument("--files", type=int, default=1000)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gil", action="store_true", help="also sample the workers' GIL with py-spy")
+    parser.add_argument("--out", default=str(HERE / "results" / "host_ceiling_cpu.json"))
+    args = parser.parse_args(argv)
+
+    import pyarrow.parquet as pq
+    from distributed import Client, LocalCluster
+
+    from _realtext import small_files
+    from dask_surge.engine import NOOP_FORWARD_ENV
+
+    data, layout = small_files(args.n, args.files)
+    texts = pq.read_table(str(data), columns=["text"]).column("text").to_pylist()
+    os.environ[NOOP_FORWARD_ENV] = "1"  # inherited by the worker processes started below: benchmark only
+    scratch = Path(tempfile.mkdtemp(prefix="host-ceiling-"))
+    cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
+                           dashboard_address="127.0.0.1:0")
+    client = Client(cluster)
+    try:
+        assert all(client.run(lambda: os.environ.get(NOOP_FORWARD_ENV) == "1").values())
+        warm = small_files(2000, 20, seed=1)[0]
+        surge_run(warm, client, scratch)  # load the model on every worker before the clock
+        tok_s, surge_s, facts = [], [], []
+        for _ in range(args.repeats):
+            tok_s.append(tokenizer_run(texts))
+            s, f = surge_run(data, client, scratch)
+            surge_s.append(s)
+            facts.append(f)
+        gil = gil_seconds(client, lambda: surge_run(data, client, scratch)) if args.gil else None
+    finally:
+        client.close()
+        cluster.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    a = args.n / statistics.median(tok_s)
+    b = args.n / statistics.median(surge_s)
+    out = {
+        "command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "layout": layout,
+        "workers": args.workers,
+        "a_tokenizer_texts_per_s": a, "a_seconds": tok_s,
+        "b_surge_noop_texts_per_s": b, "b_seconds": surge_s, "b_runs": facts,
+        "ratio_b_over_a": b / a, "target_ratio": 0.8, "met": b / a >= 0.8,
+    }
+    if gil is not None:
+        gil_total = sum(gil["gil_s_by_worker"].values())
+        out["gil"] = {**gil, "gil_us_per_text": gil_total * 1e6 / args.n,
+                      "note": "py-spy --gil samples of the workers during one extra (b) run (run seconds: "
+                              f"{gil['result'][0]:.2f}); samples / rate = seconds a worker thread held the GIL"}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    print(f"(a) tokenizer {a:,.0f} texts/s   (b) SURGE no-op forward {b:,.0f} texts/s   "
+          f"ratio {b / a:.3f} (target >= 0.8)")
+    if gil is not None:
+        print(f"GIL-holding us per text (workers, summed): {out['gil']['gil_us_per_text']:.1f}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
