@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
 
     from _realtext import TMP, small_files
+
     from dask_surge.testing import make_tiny_model, packaged_model_dir
 
     tiny = TMP / "tiny-model"

@@ -31,9 +31,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import numpy as np
     import torch
+    from _realtext import docstring_paragraphs
     from sentence_transformers import SentenceTransformer
 
-    from _realtext import docstring_paragraphs
     from dask_surge.testing import packaged_model_dir
 
     out = Path(args.dir)

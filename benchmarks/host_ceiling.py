@@ -101,7 +101,7 @@ def gil_seconds(client, run) -> dict:
         samples = 0
         if out.is_file():
             for line in out.read_text().splitlines():
-                stack, _, count = line.rpartition(" ")
+                _, _, count = line.rpartition(" ")
                 if count.isdigit():
                     samples += int(count)
         per_worker[str(pid)] = samples / rate
@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     import pyarrow.parquet as pq
+    from _realtext import small_files
     from distributed import Client, LocalCluster
 
-    from _realtext import small_files
     from dask_surge.engine import NOOP_FORWARD_ENV
 
     data, layout = small_files(args.n, args.files)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .batching import CPU_MAX_TOKENS, WINDOW_TEXTS, plan_batches
+from .batching import CPU_MAX_TOKENS, WINDOW_TEXTS, BatchPlan, plan_batches
 from .errors import SurgeInputError, SurgeModelError, SurgeValueError
 
 __all__ = ["NOOP_FORWARD_ENV", "TransformerEngine"]

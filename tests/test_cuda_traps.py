@@ -17,7 +17,13 @@ import torch
 
 from dask_surge import Encoder
 from dask_surge.encoders import (
-    _check_device, _move_to, _pick_device, auto_dtype, check_finite, checkpoint_dtype, dimension_from_files,
+    _check_device,
+    _move_to,
+    _pick_device,
+    auto_dtype,
+    check_finite,
+    checkpoint_dtype,
+    dimension_from_files,
 )
 from dask_surge.engine import TransformerEngine, _cast_copy
 from dask_surge.errors import SurgeModelError, SurgeValueError
