@@ -140,7 +140,8 @@ def bench_surge(path: str, data: str, rows: int, device: str, work: Path, warm: 
                     "backends": sorted({v.backend for v in _LOADED.values()}),
                     "max_tokens": [e.max_tokens for e in engines], "devices": [str(e.device) for e in engines],
                     "weights_dtype": [str(next(e._hf.parameters()).dtype) for e in engines],
-                    "mask4d": [e._mask4d for e in engines]}
+                    "mask4d": [e._mask4d for e in engines],
+                    "engine_stage_seconds": [dict(e.stats) for e in engines]}
 
         client.run(reset)
         res = dd.read_parquet(data).surge.encode("text", str(work / "out"), **kw)

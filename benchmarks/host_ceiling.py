@@ -81,6 +81,13 @@ def surge_run(data: Path, client, scratch: Path) -> tuple[float, dict]:
     return seconds, facts
 
 
+def _engine_stats() -> list[dict]:
+    """Seconds per engine stage in this worker (all runs, the warm-up included)."""
+    from dask_surge.encoders import _LOADED
+
+    return [dict(v.engine.stats) for v in _LOADED.values() if v.engine is not None]
+
+
 def gil_seconds(client, run) -> dict:
     """Run ``run()`` while py-spy samples every worker's GIL-holding thread; GIL seconds per worker."""
     pids = list(client.run(os.getpid).values())
@@ -143,6 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
             surge_s.append(s)
             facts.append(f)
         gil = gil_seconds(client, lambda: surge_run(data, client, scratch)) if args.gil else None
+        stages = client.run(_engine_stats)
     finally:
         client.close()
         cluster.close()
@@ -157,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
         "a_tokenizer_texts_per_s": a, "a_seconds": tok_s,
         "b_surge_noop_texts_per_s": b, "b_seconds": surge_s, "b_runs": facts,
         "ratio_b_over_a": b / a, "target_ratio": 0.8, "met": b / a >= 0.8,
+        "engine_stage_seconds_by_worker": stages,
     }
     if gil is not None:
         gil_total = sum(gil["gil_s_by_worker"].values())

@@ -16,6 +16,7 @@ import operator
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -111,6 +112,12 @@ class TransformerEngine:
         #: CUDA, where the calling threads then only tokenize and pack. Settable (tests set it on CPU).
         self.use_feeder = self.device.type == "cuda"
         self._feeder: _Feeder | None = None
+        #: Seconds spent per stage since the engine was built, summed over calls and threads:
+        #: ``tokenize`` (Rust tokenizer), ``pack`` (plan and int32 ids), ``device`` (running or,
+        #: on CUDA, launching the micro-batches), ``finish`` (finite check, wait for the device, copy
+        #: back); with ``calls`` and ``texts``. For benchmarks and diagnosis; read, don't rely on it.
+        self.stats: dict[str, float] = dict.fromkeys(("calls", "texts", "tokenize", "pack", "device", "finish"), 0)
+        self._stats_lock = threading.Lock()
         #: The prompt put before every text ("" for none), resolved as ``SentenceTransformer.encode`` does.
         self.prompt = prompt or ""
         #: Tokens of the prompt left out of pooling (0 when the Pooling module includes the prompt).
@@ -287,13 +294,20 @@ class TransformerEngine:
 
     def _finish(self, out: torch.Tensor) -> np.ndarray:
         """Check the call's embeddings and bring them to the host in one copy."""
-        _check_finite(out)
-        if self.device.type != "cuda":
-            return out.numpy()
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        host.copy_(out, non_blocking=True)  # the one device-to-host copy of the call
-        torch.cuda.current_stream(self.device).synchronize()
-        return host.numpy()
+        t0 = time.perf_counter()
+        with self._stats_lock:
+            self.stats["calls"] += 1
+            self.stats["texts"] += out.shape[0]
+        try:
+            _check_finite(out)
+            if self.device.type != "cuda":
+                return out.numpy()
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)  # the one device-to-host copy of the call
+            torch.cuda.current_stream(self.device).synchronize()
+            return host.numpy()
+        finally:
+            self._count("finish", t0)
 
     def _feeder_thread(self) -> _Feeder:
         with self._lock:
@@ -343,9 +357,17 @@ class TransformerEngine:
         ids = self._tokenizer.encode(self.prompt).ids
         return len(ids) - 1 if ids and ids[-1] in special_ids else len(ids)
 
+    def _count(self, key: str, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        with self._stats_lock:
+            self.stats[key] += dt
+
     def _tokenize(self, texts: list[str]) -> list:
+        t0 = time.perf_counter()
         try:
-            return self._encode_batch([self.prompt + t for t in texts] if self.prompt else texts)
+            encodings = self._encode_batch([self.prompt + t for t in texts] if self.prompt else texts)
+            self._count("tokenize", t0)
+            return encodings
         except TypeError:
             bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
             if bad is None:
@@ -377,17 +399,20 @@ class TransformerEngine:
         The host only plans (:func:`dask_surge.batching.plan_batches`) and gathers the
         token ids of the window, in run order, into one int32 array that travels once.
         """
+        t0 = time.perf_counter()
         lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
         plan = plan_batches(lengths, self.max_tokens)
         ordered = operator.itemgetter(*plan.order.tolist())(encodings) if len(encodings) > 1 else encodings
         flat = np.fromiter(_chain_ids(ordered), dtype=np.int32, count=plan.real_tokens)
         pin = self.device.type == "cuda"
-        return _Window(
+        window = _Window(
             plan=plan, size=int(flat.size),
             ids=_host(flat, pin), lengths=_host(plan.lengths.astype(np.int32), pin),
             starts=_host((np.cumsum(plan.lengths) - plan.lengths).astype(np.int64), pin),
             where=_host(plan.order + offset, pin),
         )
+        self._count("pack", t0)
+        return window
 
     def _run_window(self, window: _Window, out: torch.Tensor, normalize: bool) -> None:
         """Device side of one window: every micro-batch, written into ``out`` at its rows.
@@ -395,6 +420,7 @@ class TransformerEngine:
         Each micro-batch's padded ids, attention mask and pooling weights are built on
         the device from lengths, so no micro-batch waits for the device.
         """
+        t0 = time.perf_counter()
         dev, plan = self.device, window.plan
         flat_d, lengths_d, starts_d, where_d = (
             t.to(dev, non_blocking=True) for t in (window.ids, window.lengths, window.starts, window.where)
@@ -411,6 +437,7 @@ class TransformerEngine:
             if normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
             out.index_copy_(0, where_d[start:stop], pooled)
+        self._count("device", t0)
 
     def _forward(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Pooled float32 embeddings of one micro-batch (``ids`` int32, ``valid`` bool, on the device)."""

@@ -323,3 +323,13 @@ def test_benchmark_noop_forward_switch_returns_zeros_of_the_right_shape(monkeypa
     assert out.shape == (3, noop.dimension) and not out.any()
     monkeypatch.delenv(NOOP_FORWARD_ENV)
     assert TransformerEngine.from_sentence_transformer(model).encode(["a"]).any()  # off unless set
+
+
+def test_stage_seconds_are_counted(tmp_path):
+    model = SentenceTransformer(make_tiny_model(tmp_path / "m"), device="cpu")
+    engine = TransformerEngine.from_sentence_transformer(model)
+    engine.encode(["a b", "c"])
+    engine.encode(["d"])
+    stats = engine.stats
+    assert stats["calls"] == 2 and stats["texts"] == 3
+    assert all(stats[k] > 0 for k in ("tokenize", "pack", "device", "finish"))
