@@ -434,7 +434,8 @@ def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes:
     else:
         units = streaming_units(npartitions, int(plan["unit_partitions"]), coverage)
         bar = Progress(None, None, enabled=progress, done_sbs=len(committed), done_rows=done_rows)
-    runner = UnitRunner(SuperBatchWriter(sbe, manifest), b_min, b_max, max_bytes)
+    # the codec as the caller configured it (dask.config.set on the client), not as each worker's config says
+    runner = UnitRunner(SuperBatchWriter(sbe, manifest, config.get("compression")), b_min, b_max, max_bytes)
     reports: list[dict] = []
     ttfo = None
     if units:

@@ -112,9 +112,12 @@ class SuperBatchWriter:
 
     encoder: SuperBatchEncoder
     manifest: Manifest
+    #: codec of the embedding column, resolved where the run starts (None: the worker's surge.compression)
+    compression: str | None = None
 
     def __dask_tokenize__(self):
-        return ("SuperBatchWriter", self.encoder.__dask_tokenize__(), self.manifest.root, self.manifest.run_id)
+        return ("SuperBatchWriter", self.encoder.__dask_tokenize__(), self.manifest.root, self.manifest.run_id,
+                self.compression)
 
     def __call__(self, parts, spans) -> dict:
         """Encode ``spans`` (``(Span, partition rows)`` pairs) of ``parts`` (their input
@@ -125,7 +128,8 @@ class SuperBatchWriter:
         frame, skipped = self.encoder.encode(parts, spans)
         t1 = time.perf_counter()
         # rows of each source partition (one span each); skipped nulls are not among them
-        data = parquet_bytes(table_of(frame), np.unique(frame["partition"].to_numpy(), return_counts=True)[1])
+        data = parquet_bytes(table_of(frame), np.unique(frame["partition"].to_numpy(), return_counts=True)[1],
+                             self.compression)
         attempt = uuid.uuid4().hex[:8]
         path = self.manifest.data_path(key, attempt)
         skip_path, skip_data = self.manifest.skipped_path(key, attempt), skipped_bytes(skipped)

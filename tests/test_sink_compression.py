@@ -50,3 +50,23 @@ def test_config_chooses_the_codec_and_bad_values_are_refused():
 def test_bytes_are_a_view_not_a_copy():
     data = parquet_bytes(_table(), [20, 30])
     assert isinstance(data, memoryview) and bytes(data[:4]) == b"PAR1" and len(data) == data.nbytes
+
+
+def test_the_clients_codec_reaches_the_workers(tmp_path, client):
+    """surge.compression set on the client (not in the workers' config) decides the codec."""
+    import dask
+    import pyarrow.parquet as pq
+
+    from dask_surge.testing import checksum_model, make_partitioned_frame
+
+    out = tmp_path / "o"
+    with dask.config.set({"surge.compression": "zstd"}):
+        make_partitioned_frame([5, 7], seed=2).surge.encode("text", str(out), model=checksum_model,
+                                                           progress=False)
+    files = sorted(out.glob("part-*.parquet"))
+    assert files
+    for path in files:
+        group = pq.read_metadata(path).row_group(0)
+        codecs = {group.column(i).path_in_schema.split(".")[0]: group.column(i).compression
+                  for i in range(group.num_columns)}
+        assert codecs["embedding"] == "ZSTD"
