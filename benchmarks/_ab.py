@@ -12,6 +12,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -50,6 +51,17 @@ def alternating(rounds: int, base_src: str) -> Iterator[list[tuple[str, str]]]:
     for r in range(rounds):
         order = [("base", base_src), ("this", str(ROOT))]
         yield order[::-1] if r % 2 else order
+
+
+def run_child(script: str, src: str, spec: dict) -> dict:
+    """Run ``script`` (``python -c``) in a fresh process on the source tree ``src`` with
+    ``spec`` (plus ``src``) as JSON in ``argv[1]``; return the JSON its last line prints."""
+    env = dict(os.environ, PYTHONPATH=src)
+    out = subprocess.run([sys.executable, "-c", script, json.dumps(dict(spec, src=src))], env=env,
+                         capture_output=True, text=True, check=False, cwd=tempfile.gettempdir())
+    if out.returncode:
+        raise RuntimeError(f"variant in {src} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def finish(report: dict, out: str) -> dict:

@@ -24,15 +24,12 @@ exact command line.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ab import ROOT, alternating, base_checkout, finish, new_report, this_revision  # noqa: E402
+from _ab import ROOT, alternating, base_checkout, finish, new_report, run_child, this_revision  # noqa: E402
 
 CHILD = r"""
 import json, os, sys, time
@@ -71,14 +68,8 @@ if __name__ == "__main__":
 
 
 def run_variant(src: str, spec: dict, tmp: str, name: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=src)
     work = tempfile.mkdtemp(prefix=f"{name}-", dir=tmp)
-    spec = dict(spec, src=src, out=str(Path(work) / "out"), log=str(Path(work) / "calls"))
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], env=env,
-                         capture_output=True, text=True, check=False, cwd=tempfile.gettempdir())
-    if out.returncode:
-        raise RuntimeError(f"variant in {src} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_child(CHILD, src, dict(spec, out=str(Path(work) / "out"), log=str(Path(work) / "calls")))
 
 
 def main(argv: list[str] | None = None) -> dict:

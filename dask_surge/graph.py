@@ -12,7 +12,7 @@ carry priorities ``G - k`` so SuperBatches complete in plan order.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
@@ -80,7 +80,7 @@ def private_tasks(upstream: dict, dependents: dict, root, deps) -> set:
     return private
 
 
-def task_arguments(sb: SuperBatch, sizes: Sequence[int]) -> tuple[list[int], tuple]:
+def task_arguments(sb: SuperBatch, sizes: Sequence[int] | Mapping[int, int]) -> tuple[list[int], tuple]:
     """The input partitions a SuperBatch task consumes (in order) and its
     ``(span, planned rows of that partition)`` pairs, as the per-SB function takes them."""
     inputs = sorted({s.partition for s in sb.spans})

@@ -199,8 +199,8 @@ class Coverage:
     >>> c = Coverage.of([((0, 0, 5, 5), (1, 0, 3, 8)), ((1, 3, 8, 8),), ((2, 0, 4, 9),)])
     >>> c.complete(0), c.complete(1), c.complete(2), c.complete(3)
     (True, True, False, False)
-    >>> c.started(2), sorted(c.committed_starts(2))
-    (True, [0])
+    >>> sorted(c.committed_starts(2)), sorted(c.committed_starts(3))
+    ([0], [])
     """
 
     rows: dict[int, int] = field(default_factory=dict)  # partition -> its row count
@@ -220,9 +220,6 @@ class Coverage:
     def complete(self, partition: int) -> bool:
         """Every row of ``partition`` is in a committed SuperBatch (an empty one: recorded)."""
         return partition in self.rows and self.covered.get(partition, 0) >= self.rows[partition]
-
-    def started(self, partition: int) -> bool:
-        return partition in self.starts
 
     def committed_starts(self, partition: int) -> set:
         return self.starts.get(partition, set())

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import SurgeError, SurgeInputError
-from .graph import ParquetPartitions, cull, dependents_of, parquet_pieces, private_tasks
+from .graph import ParquetPartitions, cull, dependents_of, parquet_pieces, private_tasks, task_arguments
 from .manifest import Coverage, Manifest, sb_key
 from .policy import OnlinePlanner, Span, SuperBatch
 from .sink import SuperBatchWriter
@@ -92,8 +92,8 @@ class UnitRunner:
         planned = dict(zip(unit.partitions, unit.sizes))
         records = []
         for sb in unit.plan:
-            inputs = sorted({s.partition for s in sb.spans})
-            records += self._commit([held[p] for p in inputs], [(s, planned[s.partition]) for s in sb.spans], unit)
+            inputs, spans = task_arguments(sb, planned)
+            records += self._commit([held[p] for p in inputs], list(spans), unit)
         return records
 
     def _streaming(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> list[dict]:

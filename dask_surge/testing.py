@@ -29,8 +29,24 @@ from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, writ
 __all__ = [
     "CountingEncoder", "DieOnce", "FakeClock", "FakeTimedEncoder", "GatedEncoder", "Hog", "InterruptAfter",
     "checksum_model", "lognormal_sizes", "make_partitioned_frame", "make_texts", "make_tiny_model",
-    "packaged_model_dir", "write_partitioned_parquet",
+    "packaged_model_dir", "write_partitioned_parquet", "cosines", "min_cosine",
 ]
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine similarity of each row of ``a`` with the same row of ``b``.
+
+    Examples
+    --------
+    >>> cosines(np.array([[1.0, 0.0], [0.0, 3.0]]), np.array([[2.0, 0.0], [0.0, -1.0]])).tolist()
+    [1.0, -1.0]
+    """
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """The smallest row-wise cosine of ``a`` and ``b`` (how far two sets of embeddings agree)."""
+    return float(cosines(a, b).min())
+
 
 def packaged_model_dir() -> Path:
     """Return the directory of the all-MiniLM-L6-v2 model shipped on PyPI.

@@ -9,15 +9,11 @@ import dask.dataframe as dd
 
 import dask_surge
 from dask_surge import Encoder, SurgeInputError, SurgeOutputError, SurgeValueError
-from dask_surge.testing import make_partitioned_frame, make_texts
+from dask_surge.testing import cosines, make_partitioned_frame, make_texts
 
 
 def _emb(frame):
     return np.stack(frame["embedding"].to_numpy()).astype(np.float32)
-
-
-def _cosine(a, b):
-    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
 def _reference(model_path, texts):
@@ -39,7 +35,7 @@ def test_lazy_result_matches_sentence_transformers(tiny_model):
     assert list(zip(df.partition, df.row)) == expected
     assert df.doc_id.tolist() == list(range(sum(EDGE_SIZES)))
     texts = ddf.text.compute().tolist()
-    assert _cosine(_emb(df), _reference(tiny_model, texts)).min() >= 0.9999
+    assert cosines(_emb(df), _reference(tiny_model, texts)).min() >= 0.9999
 
 
 def test_packaged_minilm_matches_on_unseen_texts():
@@ -48,7 +44,7 @@ def test_packaged_minilm_matches_on_unseen_texts():
     df = ddf.surge.encode("text", b_min=16, b_max=32, device="cpu").compute(scheduler="sync")
     ref = _reference(dask_surge.encoders.resolve_model_path("default"), texts)
     assert df.shape[0] == len(texts)
-    assert _cosine(_emb(df), ref).min() >= 0.9999
+    assert cosines(_emb(df), ref).min() >= 0.9999
 
 
 def test_one_encode_call_per_superbatch(counting_encoder):
@@ -241,7 +237,7 @@ def test_distributed_cluster_end_to_end(tmp_path, tiny_model, client):
     back = dask_surge.read_embeddings(str(tmp_path / "emb")).compute().sort_values("doc_id")
     assert back.doc_id.tolist() == list(range(sum(sizes)))
     ref = _reference(tiny_model, ddf.text.compute().tolist())
-    assert _cosine(_emb(back), ref).min() >= 0.9999
+    assert cosines(_emb(back), ref).min() >= 0.9999
     # the input streams, a window of 2 units in flight: unit k starts only once k - 1 units
     # have finished, each committing at least one SuperBatch, so it reports no earlier than
     # the (k - 1)-th commit (TTFO: the first units commit first)
@@ -386,7 +382,7 @@ def test_megabyte_texts_are_truncated_like_sentence_transformers(tiny_model):
     texts = [big, "short", big[:5000]]
     ddf = dd.from_pandas(pd.DataFrame({"text": texts}), npartitions=2)
     df = ddf.surge.encode("text", model=tiny_model, device="cpu").compute(scheduler="sync")
-    assert _cosine(_emb(df), _reference(tiny_model, texts)).min() >= 0.9999
+    assert cosines(_emb(df), _reference(tiny_model, texts)).min() >= 0.9999
 
 
 def test_read_embeddings_cudf_backend(tmp_path, counting_encoder):

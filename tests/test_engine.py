@@ -12,7 +12,7 @@ from sentence_transformers.sentence_transformer.modules import Dense, Pooling
 
 from dask_surge.engine import TransformerEngine
 from dask_surge.errors import SurgeInputError, SurgeValueError
-from dask_surge.testing import make_texts, make_tiny_model, packaged_model_dir
+from dask_surge.testing import make_texts, make_tiny_model, min_cosine, packaged_model_dir
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -25,17 +25,9 @@ def mixed_texts(n: int, seed: int = 0) -> list[str]:
     return texts
 
 
-def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Correctness only: one intra-op thread keeps the file fast on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -23,22 +23,12 @@ from dask_surge import Encoder, modelid
 from dask_surge.encoders import PACKAGED_HUB_ID
 from dask_surge.errors import SurgeModelError, SurgeValueError
 from dask_surge.hub import hub_cache_dir, looks_like_repo_id
-from dask_surge.testing import make_texts, make_tiny_model, packaged_model_dir
+from dask_surge.testing import make_texts, make_tiny_model, min_cosine, packaged_model_dir
 
 TEXTS = make_texts(40, seed=3) + ["", "x", " ".join(["word"] * 400)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Correctness only: one intra-op thread keeps the file fast on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    return float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))).min())
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def commit_of(text: str) -> str:
