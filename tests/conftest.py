@@ -2,6 +2,7 @@ import os
 import sys
 import tempfile
 
+import dask
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,6 +27,17 @@ def pytest_configure(config):
         config.option.tbstyle = "native"
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Correctness only: one intra-op thread keeps a module fast on a busy 2-core machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A random-weight BERT sentence-transformers model (mean pooling), built offline."""
@@ -35,13 +47,24 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def client():
-    """A real 2-process local cluster: exercises pickling, plugins and priorities."""
+def _session_client():
+    """One real 2-process local cluster for the session, made current only by :func:`client`."""
     from distributed import Client, LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster:
-        with Client(cluster) as c:
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster:
+        with Client(cluster, set_as_default=False) as c:
             yield c
+
+
+@pytest.fixture
+def client(_session_client):
+    """A real 2-process local cluster: exercises pickling, plugins and priorities.
+
+    Current (and the default scheduler) only inside the tests that ask for it, so a test
+    that runs later in the session still computes in-process unless it asks too.
+    """
+    with _session_client.as_current(), dask.config.set(scheduler="dask.distributed"):
+        yield _session_client
 
 
 @pytest.fixture
