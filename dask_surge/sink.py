@@ -122,7 +122,7 @@ class SuperBatchWriter:
     def __call__(self, parts, spans) -> dict:
         """Encode ``spans`` (``(Span, partition rows)`` pairs) of ``parts`` (their input
         partitions, in order) and commit them as the SuperBatch keyed by the first span."""
-        t0 = time.perf_counter()
+        started_at, t0 = time.time(), time.perf_counter()
         first = spans[0][0]
         key = sb_key(first.partition, first.start)
         frame, skipped = self.encoder.encode(parts, spans)
@@ -159,7 +159,7 @@ class SuperBatchWriter:
                 self.manifest.fs.rm(skip_path)
         return {
             "sb": key, "rows": len(frame), "skipped": len(skipped), "file": record.file if won else "",
-            "bytes": len(data), "spans": record.spans, "encode_s": t1 - t0,
+            "bytes": len(data), "spans": record.spans, "started_at": started_at, "encode_s": t1 - t0,
             "write_s": time.perf_counter() - t1, "committed": won, "committed_at": record.committed_at,
             "engine": self.encoder.encoder.backend,  # what encoded on this worker
         }

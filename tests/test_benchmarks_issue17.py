@@ -36,3 +36,13 @@ def test_host_ceiling_and_e2e_write_their_ratios(tmp_path):
          "--out", str(out))
     result = json.loads(out.read_text())["results"]["tiny"]
     assert result["ratio_surge_over_st"] > 0 and len(result["runs"]["surge"]) == 1
+
+
+def test_fixed_cost_reports_phases_and_that_the_client_never_loads_the_model(tmp_path):
+    out = tmp_path / "f.json"
+    _run("fixed_cost.py", "--files", "40", "--n", "400", "--repeats", "1", "--out", str(out))
+    report = json.loads(out.read_text())
+    assert report["cold"]["rows"] == 400 and report["warm"][0]["rows"] == 400
+    assert 0 < report["warm"][0]["first_superbatch_s"] <= report["warm"][0]["seconds"]
+    assert report["warm"][0]["client_phases_s"]["footers"] > 0
+    assert report["client_loaded_model"] is False

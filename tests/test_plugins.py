@@ -1,0 +1,67 @@
+"""The worker plugin: a blocking preload, and a background one that lets the client plan meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+import types
+
+import numpy as np
+import pytest
+
+from dask_surge import Encoder, encoders
+from dask_surge.errors import SurgeModelError
+from dask_surge.plugins import EncoderPlugin
+
+WORKER = types.SimpleNamespace(address="tcp://test-worker")
+
+
+def _preload_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "surge-preload"]
+
+
+def test_background_preload_returns_before_the_model_is_loaded(monkeypatch):
+    release, started = threading.Event(), threading.Event()
+    real = encoders._load
+
+    def slow_load(spec):
+        started.set()
+        assert release.wait(30)
+        return real(spec)
+
+    monkeypatch.setattr(encoders, "_load", slow_load)
+    enc = Encoder(lambda texts: np.ones((len(texts), 3)))
+    asyncio.run(EncoderPlugin(enc, background=True).setup(WORKER))
+    assert started.wait(30)
+    assert not enc.is_loaded  # setup returned while the load still runs
+    release.set()
+    for t in _preload_threads():
+        t.join(30)
+    assert enc.is_loaded
+    assert enc.encode(["a", "b"]).shape == (2, 3)
+
+
+def test_blocking_preload_loads_before_returning():
+    enc = Encoder(lambda texts: np.ones((len(texts), 2)))
+    asyncio.run(EncoderPlugin(enc).setup(WORKER))
+    assert enc.is_loaded
+
+
+def test_a_failed_background_preload_warns_and_the_first_use_raises(tiny_model, tmp_path, caplog):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    enc = Encoder(str(broken), device="cpu")  # resolved on the client: the weights are not read
+    for weights in broken.rglob("*.safetensors"):
+        weights.unlink()
+    with caplog.at_level(logging.WARNING, logger="dask_surge.plugins"):
+        asyncio.run(EncoderPlugin(enc, background=True).setup(WORKER))
+        for t in _preload_threads():
+            t.join(60)
+    assert "preloading" in caplog.text and "loads it again" in caplog.text
+    assert not enc.is_loaded
+    with pytest.raises(SurgeModelError, match="could not be loaded"):  # the first use reports it
+        enc.encode(["a"])
+    with pytest.raises(SurgeModelError, match="could not be loaded"):  # a blocking preload raises in setup
+        asyncio.run(EncoderPlugin(enc).setup(WORKER))
