@@ -206,6 +206,20 @@ def test_nan_from_the_fast_engine_names_the_rows(tmp_path):
         engine.encode(["a", "b c", ""])
 
 
+@pytest.mark.parametrize("value, row", [(float("nan"), 2), (float("inf"), 0), (float("-inf"), 4)])
+def test_the_engine_finiteness_check_finds_any_bad_value(value, row):
+    from dask_surge.engine import _check_finite
+
+    out = torch.ones((5, 8))
+    out[row, 3] = value
+    with pytest.raises(SurgeModelError, match=rf"for 1 of 5 texts.*rows \[{row}\]"):
+        _check_finite(out)
+    out[row, 3], out[1, 1] = float("inf"), float("-inf")  # inf - inf: still caught
+    with pytest.raises(SurgeModelError, match=r"for 2 of 5 texts"):
+        _check_finite(out)
+    _check_finite(torch.full((4, 8), 3e38))  # finite values whose sum overflows are fine
+
+
 def test_nan_from_a_callable_names_the_rows():
     def broken(texts):
         out = np.ones((len(texts), 4), dtype=np.float32)

@@ -165,25 +165,25 @@ def test_a_partition_sliced_k_ways_is_computed_once(tmp_path, client):
 
 
 def test_a_parquet_partition_sliced_k_ways_is_read_once(tmp_path, monkeypatch):
-    import pyarrow.parquet as pq
-
+    from dask_surge.graph import ParquetPartitions
     from dask_surge.testing import write_partitioned_parquet
 
     write_partitioned_parquet(tmp_path / "in", [5, 100, 3], seed=1)
     reads = Counter()
-    real = pq.ParquetFile.read
+    real = ParquetPartitions._tables
 
-    def counted(self, *args, **kwargs):
-        reads[self.metadata.num_rows] += 1
-        return real(self, *args, **kwargs)
+    def counted(self, pieces):
+        tables = real(self, pieces)
+        reads.update(t.num_rows for t in tables)
+        return tables
 
-    monkeypatch.setattr(pq.ParquetFile, "read", counted)
+    monkeypatch.setattr(ParquetPartitions, "_tables", counted)
     import dask.dataframe as dd
 
     res = dd.read_parquet(tmp_path / "in").surge.encode("text", str(tmp_path / "o"), model=checksum_model,
                                                         b_min=10, b_max=20, scheduler="sync", progress=False)
     assert res.sizes_source == "metadata" and res.superbatches >= 6
-    assert reads[100] == 1
+    assert reads == Counter({5: 1, 100: 1, 3: 1})  # every file read once, the sliced one too
 
 
 def test_keep_on_parquet_still_plans_from_footers(tmp_path):
