@@ -12,7 +12,9 @@ A threshold is requested as a positive row count or ``"auto"`` (argument, else t
 A given threshold is kept as given; an automatic one never contradicts it (an automatic
 ``b_min`` is at most a given ``b_max``, an automatic ``b_max`` at least a given ``b_min``).
 When the total number of rows is known, an automatic ``b_min`` is also lowered so that
-every worker thread gets :data:`MIN_SUPERBATCHES_PER_WORKER` SuperBatches.
+every worker thread gets :data:`MIN_SUPERBATCHES_PER_WORKER` SuperBatches, then, where
+the plan can be replayed, balanced so the threads' last SuperBatches end together
+(:func:`balanced_b_min`).
 
 A written run records the thresholds it resolved in its manifest, and a resumed run
 reuses them whatever the cluster's shape is now (see :mod:`dask_surge.manifest`).
