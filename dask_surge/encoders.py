@@ -913,6 +913,9 @@ def dimension_from_files(path: str | os.PathLike) -> int | None:
 
 
 def _load(spec: EncoderSpec) -> _Loaded:
+    from .allocator import keep_large_blocks
+
+    keep_large_blocks()  # a Dask worker's allocator would mmap every activation block (see allocator)
     if spec.kind == "object":
         try:
             obj = _OBJECTS[spec.source]

@@ -1,0 +1,56 @@
+"""The allocator setting that keeps a Dask worker's activation blocks on the heap."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt: Linux only")
+
+# in a process started as a Dask nanny starts its workers: does a 4 MiB block come from mmap?
+SCRIPT = r"""
+import ctypes, sys
+libc = ctypes.CDLL(None)
+
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def mmapped_blocks_for_4mib():
+    before = libc.mallinfo2().hblks
+    block = libc.malloc(4 << 20)
+    during = libc.mallinfo2().hblks
+    libc.free(block)
+    return during - before
+
+first = mmapped_blocks_for_4mib()
+if sys.argv[1] == "keep":
+    from dask_surge.allocator import keep_large_blocks
+    assert keep_large_blocks()
+print(first, mmapped_blocks_for_4mib())
+"""
+
+
+@pytest.mark.parametrize("mode, expected", [("keep", "1 0"), ("stock", "1 1")])
+def test_a_worker_like_process_serves_large_blocks_from_the_heap_once_told(mode, expected):
+    env = {"MALLOC_TRIM_THRESHOLD_": "65536", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env=env,
+                          timeout=120)
+    if "mallinfo2" in proc.stderr:
+        pytest.skip("this C library has no mallinfo2 (glibc < 2.33)")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == expected.split()
+
+
+def test_loading_a_model_applies_it(tiny_model):
+    from dask_surge import Encoder, allocator
+
+    Encoder(str(tiny_model), device="cpu").load()
+    assert allocator._done == [allocator.MMAP_THRESHOLD]
