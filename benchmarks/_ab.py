@@ -27,6 +27,15 @@ def new_report(**fields) -> dict:
             **fields}
 
 
+def script_header(argv: list[str] | None) -> dict:
+    """The header of a script's report: the command that reproduces it (``argv``: what its
+    ``main`` was given, None for the process's own) and the machine it ran on."""
+    args = sys.argv[1:] if argv is None else argv
+    return {"command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *args]),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "python": platform.python_version(), "loadavg": os.getloadavg()}}
+
+
 def this_revision() -> str:
     """``HEAD``'s short hash, marked when the package has uncommitted changes."""
     def git(*args: str) -> str:

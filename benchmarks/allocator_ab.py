@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -37,6 +35,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+from _ab import script_header  # noqa: E402 - the benchmarks folder, put on the path above
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -92,9 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:6s} {runs[name][-1]:.2f} s", flush=True)
     paired = [s / k for s, k in zip(runs["stock"], runs["kept"])]
     out = {
-        "command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg": os.getloadavg()},
+        **script_header(argv),
         "layout": layout, "model": args.model, "workers": args.workers,
         "workers_MALLOC_TRIM_THRESHOLD_": sorted(set(map(str, env))),
         "runs_s": runs, "median_s": {k: statistics.median(v) for k, v in runs.items()},

@@ -37,8 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import statistics
 import subprocess
 import sys
@@ -49,6 +47,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+from _ab import script_header  # noqa: E402 - the benchmarks folder, put on the path above
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -169,8 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
         print(f"{name:6s} ratio surge/st {st / su:.2f} (with cluster start {st / su_start:.2f}; target >= 1.2)")
     out = {
-        "command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        **script_header(argv),
         "workers": args.workers, "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

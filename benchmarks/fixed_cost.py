@@ -35,8 +35,6 @@ import argparse
 import functools
 import json
 import os
-import platform
-import shlex
 import shutil
 import statistics
 import sys
@@ -48,6 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
+from _ab import script_header  # noqa: E402 - the benchmarks folder, put on the path above
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -134,9 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     median = statistics.median(w["first_superbatch_s"] for w in warm)
     phases = {k: statistics.median(w["client_phases_s"].get(k, 0.0) for w in warm) for k in PHASES.values()}
     out = {
-        "command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg": os.getloadavg()},
+        **script_header(argv),
         "layout": layout, "workers": args.workers, "forward": "real" if args.real_forward else "noop",
         "cold": cold, "warm": warm,
         "warm_first_superbatch_s_median": median, "warm_client_phases_s_median": phases,

@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import shutil
 import signal
 import statistics
@@ -43,6 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
+from _ab import script_header  # noqa: E402 - the benchmarks folder, put on the path above
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -158,8 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     a = args.n / statistics.median(tok_s)
     b = args.n / statistics.median(surge_s)
     out = {
-        "command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        **script_header(argv),
         "layout": layout,
         "workers": args.workers,
         "a_tokenizer_texts_per_s": a, "a_seconds": tok_s,

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -32,6 +30,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ab import script_header  # the benchmarks folder, put on the path above
 
 CODECS = ("none", "snappy", "lz4", "zstd")
 
@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
             },
         }
     out = {
-        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        **script_header(argv),
         "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

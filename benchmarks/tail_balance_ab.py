@@ -25,8 +25,6 @@ import argparse
 import json
 import math
 import os
-import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -36,6 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+from _ab import script_header  # noqa: E402 - the benchmarks folder, put on the path above
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -89,9 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         cluster.close()
     paired = [p["seconds"] / b["seconds"] for p, b in zip(runs["plain"], runs["balanced"])]
     out = {
-        "command": "python " + " ".join(shlex.quote(x) for x in [sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg": os.getloadavg()},
+        **script_header(argv),
         "layout": layout, "model": args.model, "workers": args.workers, "plain_b_min": plain_b_min,
         "runs": runs,
         "median_s": {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()},
