@@ -11,12 +11,22 @@ The rule
    call when it is smaller). Each window is tokenized and sorted on its own.
 2. Inside a window, texts are sorted by token length, longest first (stable, so
    equal lengths keep their input order).
-3. Sorted texts are cut into micro-batches from the front: a micro-batch is as wide
-   as its first (longest) text, ``width = max(length, 1)``, and holds
-   ``max(1, max_tokens // width)`` texts when a token budget is set, else
+3. Sorted texts are cut into micro-batches from the front. A micro-batch is as wide
+   as its first (longest) text, ``width = max(length, 1)``, and holds at most
+   ``cap = max(1, max_tokens // width)`` texts when a token budget is set, else
    ``batch_rows`` texts (``sentence-transformers``' ``batch_size``), else the whole
    window. A single text always fits, however long.
-4. A micro-batch's padded tokens are ``rows x width``.
+4. With a token budget, micro-batches are cut where the sorted length changes
+   whenever that leaves them at least half full (``split_runs``, the default): a
+   run of ``r`` texts of one length, ``r >= max(1, cap // 2)``, is cut into
+   ``ceil(r / cap)`` near-equal micro-batches of that length alone, which need no
+   padding and no attention mask (the encoder's fastest attention path). A shorter
+   run starts a mixed, padded micro-batch of ``cap`` texts, ended early at the last
+   length change that keeps it at least half full, so the next one starts on a run.
+   Every micro-batch but a window's last holds at least ``max(1, cap // 2)`` texts.
+   ``split_runs=False`` is the plain greedy cut (``cap`` texts each), kept for
+   comparison.
+5. A micro-batch's padded tokens are ``rows x width``.
 
 All functions are pure (numpy in, numpy out) and cheap: the number of Python
 iterations is the number of micro-batches, never the number of texts.
@@ -29,8 +39,8 @@ Examples
 [1, 3, 2, 0]
 >>> [(int(a), int(b), int(w)) for a, b, w in plan.batches()]
 [(0, 2, 9), (2, 4, 5)]
->>> plan.padded_tokens, plan.real_tokens
-(28, 26)
+>>> plan.padded_tokens, plan.real_tokens, plan.uniform.tolist()
+(28, 26, [True, False])
 """
 
 from __future__ import annotations
@@ -98,7 +108,9 @@ def sort_order(lengths: np.ndarray) -> np.ndarray:
     return np.argsort(-lengths.astype(np.int64, copy=False), kind="stable")
 
 
-def cut(sorted_lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def cut(
+    sorted_lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0, *, split_runs: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """Micro-batch boundaries of texts already sorted longest first.
 
     Parameters
@@ -110,6 +122,10 @@ def cut(sorted_lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0) ->
     batch_rows : int, default 0
         Rows per micro-batch when ``max_tokens`` is 0; 0 with ``max_tokens`` 0 means
         one micro-batch for all texts.
+    split_runs : bool, default True
+        With a token budget, cut where the length changes when that keeps micro-batches
+        at least half full (rule 4 of the module docstring), so most of them hold one
+        length and need no padding; False: the plain greedy cut.
 
     Returns
     -------
@@ -123,12 +139,46 @@ def cut(sorted_lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0) ->
     --------
     >>> bounds, widths = cut(np.array([10, 10, 4, 4, 4, 1]), max_tokens=20)
     >>> bounds.tolist(), widths.tolist()
-    ([0, 2, 6], [10, 4])
+    ([0, 2, 5, 6], [10, 4, 1])
+    >>> cut(np.array([10, 10, 4, 4, 4, 1]), max_tokens=20, split_runs=False)[0].tolist()
+    [0, 2, 6]
     >>> cut(np.array([5, 3, 1]), batch_rows=2)[0].tolist()
     [0, 2, 3]
     """
     _check(max_tokens, batch_rows)
     x = np.asarray(sorted_lengths)
+    n = len(x)
+    if not (max_tokens and split_runs) or n == 0:
+        return _cut_greedy(x, max_tokens, batch_rows)
+    # run_ends[k]: one past the last text of the k-th run of equal lengths (ascending, ends with n)
+    run_ends = np.append(np.flatnonzero(x[1:] != x[:-1]) + 1, n)
+    bounds, widths = [0], []
+    start = 0
+    while start < n:
+        width = max(x[start].item(), 1)
+        cap = max(1, int(max_tokens // width))
+        half = max(1, cap // 2)
+        run_end = int(run_ends[np.searchsorted(run_ends, start, side="right")])
+        run = run_end - start
+        if run >= half:  # one length alone: ceil(run / cap) near-equal micro-batches, no padding
+            pieces = -(-run // cap)
+            cuts = start + (np.arange(1, pieces + 1) * run) // pieces
+            bounds.extend(cuts.tolist())
+            widths.extend([width] * pieces)
+            start = run_end
+            continue
+        stop = min(n, start + cap)  # a short run: a mixed micro-batch, padded
+        last = int(run_ends[np.searchsorted(run_ends, stop, side="right") - 1])  # last length change <= stop
+        if stop < n and last >= start + half:
+            stop = last  # so that the next micro-batch starts on a run
+        bounds.append(stop)
+        widths.append(width)
+        start = stop
+    return np.asarray(bounds, dtype=np.int64), np.asarray(widths, dtype=np.result_type(x.dtype, np.int64))
+
+
+def _cut_greedy(x: np.ndarray, max_tokens: int, batch_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The greedy cut: ``cap`` (or ``batch_rows``) texts per micro-batch from the front."""
     n = len(x)
     bounds, widths = [0], []
     start = 0
@@ -141,15 +191,19 @@ def cut(sorted_lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0) ->
     return np.asarray(bounds, dtype=np.int64), np.asarray(widths, dtype=np.result_type(x.dtype, np.int64))
 
 
-def replay(sorted_lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0) -> tuple[float, int]:
+def replay(
+    sorted_lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0, *, split_runs: bool = True
+) -> tuple[float, int]:
     """Padded tokens and forward passes of one window whose lengths are sorted longest first.
 
     Examples
     --------
     >>> replay(np.array([10, 10, 4, 4, 4, 1]), max_tokens=20)
+    (33.0, 3)
+    >>> replay(np.array([10, 10, 4, 4, 4, 1]), max_tokens=20, split_runs=False)
     (36.0, 2)
     """
-    bounds, widths = cut(sorted_lengths, max_tokens, batch_rows)
+    bounds, widths = cut(sorted_lengths, max_tokens, batch_rows, split_runs=split_runs)
     return float(np.dot(np.diff(bounds), widths)), len(widths)
 
 
@@ -179,6 +233,14 @@ class BatchPlan:
         return zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), self.widths.tolist())
 
     @property
+    def uniform(self) -> np.ndarray:
+        """bool per micro-batch: all its texts have its width (no padding, so no attention mask needed)."""
+        if not len(self.widths):
+            return np.zeros(0, dtype=bool)
+        last = self.lengths[self.bounds[1:] - 1]
+        return np.maximum(last, 1) == self.widths
+
+    @property
     def forwards(self) -> int:
         """Micro-batches (forward passes)."""
         return len(self.widths)
@@ -199,7 +261,9 @@ class BatchPlan:
         return self.padded_tokens / self.real_tokens if self.real_tokens else 1.0
 
 
-def plan_batches(lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0) -> BatchPlan:
+def plan_batches(
+    lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0, *, split_runs: bool = True
+) -> BatchPlan:
     """Sort one window of texts by token length and cut it into micro-batches.
 
     Parameters
@@ -207,6 +271,8 @@ def plan_batches(lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0) 
     lengths : numpy.ndarray
         Token length of each text of the window, in input order.
     max_tokens, batch_rows : int
+        As in :func:`cut`.
+    split_runs : bool, default True
         As in :func:`cut`.
 
     Returns
@@ -217,10 +283,10 @@ def plan_batches(lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0) 
     --------
     >>> p = plan_batches(np.array([1, 4, 2]), max_tokens=8)
     >>> p.order.tolist(), p.bounds.tolist(), p.widths.tolist(), p.forwards
-    ([1, 2, 0], [0, 2, 3], [4, 1], 2)
+    ([1, 2, 0], [0, 1, 3], [4, 2], 2)
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     order = sort_order(lengths)
     ordered = lengths[order]
-    bounds, widths = cut(ordered, max_tokens, batch_rows)
+    bounds, widths = cut(ordered, max_tokens, batch_rows, split_runs=split_runs)
     return BatchPlan(order=order, lengths=ordered, bounds=bounds, widths=widths)

@@ -33,8 +33,48 @@ def test_every_text_in_exactly_one_micro_batch_in_budget(lengths, max_tokens):
         assert width == max(int(plan.lengths[start]), 1)  # as wide as its longest text
         assert (plan.lengths[start:stop] <= width).all()
         assert (stop - start) * width <= max_tokens or stop - start == 1  # in budget, or one long text
+        if stop < len(lengths):  # at least half full: only a window's last micro-batch may hold less
+            assert stop - start >= max(1, (max_tokens // width) // 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths_st, budget_st)
+def test_greedy_cut_fills_every_micro_batch(lengths, max_tokens):
+    plan = plan_batches(lengths, max_tokens, split_runs=False)
+    for start, stop, width in plan.batches():
+        assert (stop - start) * width <= max_tokens or stop - start == 1
         if stop < len(lengths):  # greedy: one more text of this width would break the budget
             assert (stop - start + 1) * width > max_tokens
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths_st, budget_st)
+def test_micro_batches_are_cut_where_the_length_changes(lengths, max_tokens):
+    """Issue 27 item 5: a micro-batch mixes lengths (needs padding and a mask) only when the run of
+    its first length is too short to fill half of it; long runs are cut into one-length batches."""
+    plan = plan_batches(lengths, max_tokens)
+    x = plan.lengths
+    uniform = plan.uniform
+    for (start, stop, width), same in zip(plan.batches(), uniform):
+        assert same == bool((np.maximum(x[start:stop], 1) == width).all())
+        half = max(1, (max_tokens // width) // 2)
+        run = int(np.sum(x[start:] == x[start]))  # the run of the first length, from here on (sorted)
+        if not same:
+            assert run < half  # mixed only when its first run is short
+        elif run >= half:
+            assert stop <= start + run  # a long run is never mixed with the next length
+    padding = sum((stop - start) * width - int(np.maximum(x[start:stop], 1).sum())
+                  for (start, stop, width), same in zip(plan.batches(), uniform) if not same)
+    assert plan.padded_tokens - int(np.maximum(x, 1).sum()) == padding  # all padding is in mixed batches
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 512), st.integers(1, 2000), budget_st)
+def test_one_length_needs_no_padding_at_all(length, n, max_tokens):
+    plan = plan_batches(np.full(n, length), max_tokens)
+    assert plan.uniform.all() and plan.padded_tokens == plan.real_tokens
+    greedy = plan_batches(np.full(n, length), max_tokens, split_runs=False)
+    assert plan.forwards == greedy.forwards  # near-equal pieces: no more forward passes than greedy
 
 
 @settings(max_examples=200, deadline=None)
