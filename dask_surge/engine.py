@@ -17,6 +17,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -41,6 +42,9 @@ _CHUNK_TEXTS = WINDOW_TEXTS
 #: a benchmark measures everything else (read, tokenize, sort, pad, write). Never set it otherwise:
 #: the embeddings are all zero (benchmarks/host_ceiling.py sets it in its own worker processes).
 NOOP_FORWARD_ENV = "DASK_SURGE_BENCH_NOOP_FORWARD"
+#: Bytes of the one pinned host buffer per CUDA engine through which every result is copied out
+#: (reused, never grown): results are ordinary numpy memory, and the pinned memory stays bounded.
+STAGING_BYTES = 8 << 20
 
 
 class TransformerEngine:
@@ -112,6 +116,13 @@ class TransformerEngine:
         #: CUDA, where the calling threads then only tokenize and pack. Settable (tests set it on CPU).
         self.use_feeder = self.device.type == "cuda"
         self._feeder: _Feeder | None = None
+        self._closed = False
+        #: Cut micro-batches where the sorted length changes (:func:`dask_surge.batching.cut`,
+        #: ``split_runs``), and run the one-length ones without an attention mask. Settable
+        #: (benchmarks compare both); the embeddings are the same either way.
+        self.split_runs = True
+        self._staging: torch.Tensor | None = None  # the pinned copy-out buffer, made on first use (CUDA)
+        self._staging_lock = threading.Lock()
         #: Seconds spent per stage since the engine was built, summed over calls and threads:
         #: ``tokenize`` (Rust tokenizer), ``pack`` (plan and int32 ids), ``device`` (running or,
         #: on CUDA, launching the micro-batches), ``finish`` (finite check, wait for the device, copy
@@ -262,6 +273,11 @@ class TransformerEngine:
         >>> engine.encode([]).shape
         (0, 384)
         """
+        if self._closed:
+            raise SurgeValueError(
+                "this TransformerEngine was closed (close() released its feeder thread and buffers), so it "
+                "cannot encode. Fix: build a new engine with TransformerEngine.from_sentence_transformer(model)."
+            )
         texts = texts if isinstance(texts, list) else list(texts)
         normalize = normalize or self._normalize
         if self.use_feeder:
@@ -302,10 +318,10 @@ class TransformerEngine:
             _check_finite(out)
             if self.device.type != "cuda":
                 return out.numpy()
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            host.copy_(out, non_blocking=True)  # the one device-to-host copy of the call
-            torch.cuda.current_stream(self.device).synchronize()
-            return host.numpy()
+            with self._staging_lock:
+                if self._staging is None:
+                    self._staging = torch.empty(STAGING_BYTES // 4, dtype=torch.float32, pin_memory=True)
+                return _copy_out(out, self._staging, torch.cuda.current_stream(self.device))
         finally:
             self._count("finish", t0)
 
@@ -313,7 +329,31 @@ class TransformerEngine:
         with self._lock:
             if self._feeder is None:
                 self._feeder = _Feeder(self.device)
+                # dropping the engine stops its thread (the feeder holds no reference to the engine)
+                weakref.finalize(self, self._feeder.close).atexit = False
             return self._feeder
+
+    def close(self) -> None:
+        """Stop the feeder thread and release the pinned staging buffer; idempotent.
+
+        Work already queued finishes first. The engine cannot encode afterwards; the
+        model's weights are the caller's and stay as they are.
+
+        Examples
+        --------
+        >>> from sentence_transformers import SentenceTransformer
+        >>> from dask_surge.testing import packaged_model_dir
+        >>> engine = TransformerEngine.from_sentence_transformer(
+        ...     SentenceTransformer(str(packaged_model_dir()), device="cpu"))
+        >>> engine.close(); engine.close()
+        """
+        with self._lock:
+            self._closed = True
+            feeder, self._feeder = self._feeder, None
+        if feeder is not None:
+            feeder.close()
+        with self._staging_lock:
+            self._staging = None
 
     def count_tokens(self, texts: Sequence[str]) -> np.ndarray:
         """Token length of each text after truncation, special tokens included.
@@ -401,7 +441,7 @@ class TransformerEngine:
         """
         t0 = time.perf_counter()
         lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
-        plan = plan_batches(lengths, self.max_tokens)
+        plan = plan_batches(lengths, self.max_tokens, split_runs=self.split_runs)
         ordered = operator.itemgetter(*plan.order.tolist())(encodings) if len(encodings) > 1 else encodings
         flat = np.fromiter(_chain_ids(ordered), dtype=np.int32, count=plan.real_tokens)
         pin = self.device.type == "cuda"
@@ -418,7 +458,8 @@ class TransformerEngine:
         """Device side of one window: every micro-batch, written into ``out`` at its rows.
 
         Each micro-batch's padded ids, attention mask and pooling weights are built on
-        the device from lengths, so no micro-batch waits for the device.
+        the device from lengths, so no micro-batch waits for the device. A micro-batch
+        whose texts all have its width runs with no attention mask at all.
         """
         t0 = time.perf_counter()
         dev, plan = self.device, window.plan
@@ -427,23 +468,34 @@ class TransformerEngine:
         )
         top = max(int(plan.widths[0]) if len(plan.widths) else 1, 1)
         positions = torch.arange(top, device=dev)
-        for start, stop, width in plan.batches():
-            length = lengths_d[start:stop]
-            valid = positions[None, :width] < length[:, None]  # (rows, width) on the device
-            gather = (starts_d[start:stop, None] + positions[None, :width]).clamp_(max=max(window.size - 1, 0))
-            ids = flat_d[gather] if window.size else torch.zeros(valid.shape, dtype=torch.int32, device=dev)
-            ids = ids.masked_fill_(~valid, self._pad_id)
-            pooled = self._forward(ids, valid)
+        uniform = (plan.uniform & (plan.lengths[plan.bounds[1:] - 1] > 0)).tolist() if self.split_runs else ()
+        for j, (start, stop, width) in enumerate(plan.batches()):
+            if j < len(uniform) and uniform[j]:  # one length: no padding, no mask (SDPA's fastest path)
+                ids = flat_d[starts_d[start:stop, None] + positions[None, :width]]
+                pooled = self._forward(ids, None)
+            else:
+                length = lengths_d[start:stop]
+                valid = positions[None, :width] < length[:, None]  # (rows, width) on the device
+                gather = (starts_d[start:stop, None] + positions[None, :width]).clamp_(max=max(window.size - 1, 0))
+                ids = flat_d[gather] if window.size else torch.zeros(valid.shape, dtype=torch.int32, device=dev)
+                ids = ids.masked_fill_(~valid, self._pad_id)
+                pooled = self._forward(ids, valid)
             if normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
             out.index_copy_(0, where_d[start:stop], pooled)
         self._count("device", t0)
 
-    def _forward(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Pooled float32 embeddings of one micro-batch (``ids`` int32, ``valid`` bool, on the device)."""
+    def _forward(self, ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """Pooled float32 embeddings of one micro-batch (``ids`` int32, ``valid`` bool, on the device).
+
+        ``valid`` None: every token is real (a one-length micro-batch), and the encoder
+        runs with no attention mask.
+        """
         if self._noop:
             return torch.zeros((ids.shape[0], self.dimension), dtype=torch.float32, device=ids.device)
-        inputs = {"input_ids": ids, "attention_mask": self._mask(valid)}
+        inputs = {"input_ids": ids}
+        if valid is not None:
+            inputs["attention_mask"] = self._mask(valid)
         if self._type_ids:
             inputs["token_type_ids"] = torch.zeros_like(ids)
         hidden = self._hf(**inputs, return_dict=True).last_hidden_state.float()
@@ -479,8 +531,17 @@ class TransformerEngine:
         tol = 1e-4 if self._compute_dtype == torch.float32 else 2e-2
         return bool(torch.allclose(two[valid].float(), four[valid].float(), rtol=tol, atol=tol))
 
-    def _pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Pool like ``sentence_transformers`` ``Pooling`` (right padding; prompt tokens out if it says so)."""
+    def _pool(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Pool like ``sentence_transformers`` ``Pooling`` (right padding; prompt tokens out if it says so).
+
+        ``mask`` None means every token is real.
+        """
+        if mask is None and not self.prompt_length:
+            parts = [hidden[:, 0] if mode == "cls" else hidden.max(dim=1).values if mode == "max"
+                     else hidden.mean(dim=1) for mode in self._modes]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        if mask is None:
+            mask = torch.ones(hidden.shape[:2], dtype=torch.int32, device=hidden.device)
         mask = mask.to(torch.int32)  # a fresh tensor: the caller's mask stays as it was
         if self.prompt_length:
             mask[:, : self.prompt_length] = 0
@@ -504,6 +565,31 @@ def _chain_ids(encodings) -> Iterator[int]:
     from itertools import chain
 
     return chain.from_iterable(map(operator.attrgetter("ids"), encodings))
+
+
+def _copy_out(out: torch.Tensor, staging: torch.Tensor, stream=None) -> np.ndarray:
+    """``out`` as a new numpy array, copied through ``staging`` (1-D, same dtype) chunk by chunk.
+
+    On CUDA ``staging`` is pinned and ``stream`` is the stream that wrote ``out``: each
+    chunk is an asynchronous device-to-host copy, waited for, then copied into ordinary
+    (pageable) memory, so no pinned block outlives the call.
+
+    Examples
+    --------
+    >>> out = torch.arange(10, dtype=torch.float32).reshape(5, 2)
+    >>> _copy_out(out, torch.empty(3)).tolist()
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0], [8.0, 9.0]]
+    """
+    host = np.empty(tuple(out.shape), dtype=np.float32)
+    src, dst, step = out.reshape(-1), host.reshape(-1), staging.numel()
+    view = staging.numpy()
+    for a in range(0, src.numel(), step):
+        b = min(a + step, src.numel())
+        staging[: b - a].copy_(src[a:b], non_blocking=stream is not None)
+        if stream is not None:
+            stream.synchronize()
+        dst[a:b] = view[: b - a]
+    return host
 
 
 def _host(array: np.ndarray, pin: bool) -> torch.Tensor:
@@ -537,32 +623,60 @@ class _Feeder:
     >>> feeder = _Feeder(torch.device("cpu"))
     >>> feeder.submit(lambda: 1 + 1).result()
     2
+    >>> feeder.close(); feeder.thread.is_alive()
+    False
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._state = threading.Lock()
+        self._closed = False
         self.thread = threading.Thread(target=self._loop, name=f"surge-feeder-{device}", daemon=True)
         self.thread.start()
 
     def submit(self, fn) -> Future:
-        """Queue ``fn()`` to run on the feeder thread; its future holds the result or the error."""
+        """Queue ``fn()`` to run on the feeder thread; its future holds the result or the error.
+
+        Raises
+        ------
+        RuntimeError
+            If the feeder was closed.
+        """
         future: Future = Future()
-        self._jobs.put((fn, future))
+        with self._state:
+            if self._closed:
+                raise RuntimeError("this feeder thread was closed; Fix: build a new engine")
+            self._jobs.put((fn, future))
         return future
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Let the queued jobs run, then stop the thread (idempotent); waits up to ``timeout`` s."""
+        with self._state:
+            if not self._closed:
+                self._closed = True
+                self._jobs.put(None)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout)
 
     def _loop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         with torch.inference_mode():
             while True:
-                fn, future = self._jobs.get()
-                if not future.set_running_or_notify_cancel():
-                    continue
-                try:
-                    future.set_result(fn())
-                except BaseException as err:  # noqa: BLE001 - handed to the caller through the future
-                    future.set_exception(err)
+                job = self._jobs.get()
+                if job is None:
+                    return
+                fn, future = job
+                job = None
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as err:  # noqa: BLE001 - handed to the caller through the future
+                        future.set_exception(err)
+                # drop the job now, not when the next one arrives: its closure holds the engine, its
+                # windows' pinned tensors and the call's output
+                fn = future = None
 
 
 def _check_finite(out: torch.Tensor) -> None:

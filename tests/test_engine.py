@@ -325,3 +325,91 @@ def test_stage_seconds_are_counted(tmp_path):
     stats = engine.stats
     assert stats["calls"] == 2 and stats["texts"] == 3
     assert all(stats[k] > 0 for k in ("tokenize", "pack", "device", "finish"))
+
+
+# -- issue 27 item 2: the feeder lets go of each job and stops on close() ------------------------------
+def test_feeder_drops_each_job_once_it_ran():
+    import weakref
+
+    from dask_surge.engine import _Feeder
+
+    class Job:
+        def __call__(self):
+            return 42
+
+    feeder = _Feeder(torch.device("cpu"))
+    job = Job()
+    ref = weakref.ref(job)
+    assert feeder.submit(job).result() == 42
+    del job
+    feeder.submit(lambda: None).result()  # the loop cleared the first job before it took this one
+    assert ref() is None
+    feeder.close()
+    feeder.close()  # idempotent
+    assert not feeder.thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        feeder.submit(lambda: None)
+
+
+def test_close_stops_the_feeder_and_a_dropped_engine_frees_it(tiny):
+    import gc
+    import weakref
+
+    engine = TransformerEngine.from_sentence_transformer(tiny)
+    engine.use_feeder = True
+    assert engine.encode(["a b", "c"]).shape == (2, engine.dimension)
+    thread = engine._feeder.thread
+    engine.close()
+    engine.close()  # idempotent
+    assert not thread.is_alive()
+    with pytest.raises(SurgeValueError, match="was closed.*Fix"):
+        engine.encode(["a"])
+
+    engine = TransformerEngine.from_sentence_transformer(tiny)
+    engine.use_feeder = True
+    engine.encode(mixed_texts(30))
+    thread, ref = engine._feeder.thread, weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None  # no job closure kept the engine (its weights, its last output) alive
+    thread.join(30)
+    assert not thread.is_alive()  # and its finalizer stopped the thread
+
+
+def test_results_are_copied_out_through_a_small_reused_buffer():
+    from dask_surge.engine import _copy_out
+
+    out = torch.randn(37, 5)
+    staging = torch.empty(16)  # smaller than the output: many chunks through one buffer
+    host = _copy_out(out, staging)
+    np.testing.assert_array_equal(host, out.numpy())
+    assert isinstance(host, np.ndarray) and host.flags.owndata and host.flags.c_contiguous
+    assert _copy_out(torch.empty(0, 5), staging).shape == (0, 5)
+
+
+# -- issue 27 item 5: one-length micro-batches run without a mask, same embeddings ---------------------
+def test_one_length_micro_batches_run_unmasked_with_the_same_output(models, monkeypatch):
+    model = models["packaged"]
+    texts = mixed_texts(200, seed=11) + ["the same words here"] * 40
+    engine = TransformerEngine.from_sentence_transformer(model, max_tokens=512)
+    calls = []
+    forward = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda ids, valid: calls.append(valid is None) or forward(ids, valid))
+    split = engine.encode(texts)
+    assert any(calls) and not all(calls)  # some micro-batches unmasked, some padded
+    calls.clear()
+    engine.split_runs = False
+    greedy = engine.encode(texts)
+    assert not any(calls)
+    np.testing.assert_allclose(split, greedy, rtol=1e-4, atol=1e-5)
+    assert min_cosine(split, model.encode(texts, convert_to_numpy=True)) >= 0.9999
+
+
+@pytest.mark.parametrize("include_prompt", [True, False])
+def test_unmasked_pooling_honours_every_mode_and_the_prompt(tiny, include_prompt):
+    model = SentenceTransformer(modules=[tiny[0], Pooling(32, pooling_mode=("cls", "max", "mean"),
+                                                          include_prompt=include_prompt)], device="cpu")
+    texts = ["one two three"] * 30 + ["four five"] * 30
+    engine = TransformerEngine.from_sentence_transformer(model, prompt="query: ")
+    assert engine.encode(texts).shape == (60, 96)
+    assert min_cosine(engine.encode(texts), model.encode(texts, prompt="query: ")) >= 0.9999
