@@ -29,9 +29,29 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import SurgeError, SurgeInputError
-from .graph import ParquetPartitions, cull, dependents_of, parquet_pieces, private_tasks, task_arguments
-from .manifest import Coverage, Manifest, sb_key
+from fsspec.core import url_to_fs
+
+from .errors import SurgeError, SurgeInputError, SurgeOutputError
+from .graph import (
+    ParquetPartitions,
+    cull,
+    dependents_of,
+    input_files,
+    parquet_pieces,
+    private_tasks,
+    task_arguments,
+)
+from .manifest import (
+    Claim,
+    Coverage,
+    Manifest,
+    check_output,
+    find_run,
+    fingerprint_digest,
+    finish_run,
+    open_run,
+    sb_key,
+)
 from .policy import OnlinePlanner, Span, SuperBatch
 from .sink import SuperBatchWriter
 from .sizes import text_bytes
@@ -60,6 +80,8 @@ class Unit:
     plan: tuple[SuperBatch, ...] | None = None
     done: frozenset[str] = frozenset()
     sizes: tuple[int, ...] | None = None  # planned rows of each partition (planned mode)
+    #: ``(partition, rows, digest)`` committed for partitions this unit covers in part (resume)
+    expect: tuple[tuple[int, int, str | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,10 +97,30 @@ class UnitRunner:
         return ("UnitRunner", self.writer.__dask_tokenize__(), self.b_min, self.b_max, self.max_bytes)
 
     def __call__(self, source, external: list, unit: Unit) -> list[dict]:
-        frames = source.iterate(unit.partitions, external)
-        if unit.plan is not None:
-            return self._planned(frames, unit)
-        return self._streaming(frames, unit)
+        frames = self._checked(source.iterate(unit.partitions, external), unit)
+        records = self._planned(frames, unit) if unit.plan is not None else self._streaming(frames, unit)
+        ended = time.time()  # this worker's clock: the client maps commit times onto its own with it
+        return [{**r, "task_end": ended} for r in records]
+
+    def _checked(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> Iterator[tuple[int, Any]]:
+        """``frames``, each partition that was committed in part checked against its commits."""
+        from .superbatch import partition_digest, to_host
+
+        expect = {p: (n, d) for p, n, d in unit.expect}
+        for partition, frame in frames:
+            if partition in expect:
+                rows, digest = expect[partition]
+                texts = to_host(frame)[self.writer.encoder.column]
+                if len(frame) != rows or (digest is not None and partition_digest(texts) != digest):
+                    what = (f"has {len(frame)} rows now but {rows} when part of it was committed"
+                            if len(frame) != rows else "holds other texts now than when part of it was committed")
+                    raise SurgeInputError(
+                        f"partition {partition} {what}: the input changed since the run started "
+                        "(non-deterministic partitions?), so resuming would mix old and new rows. Nothing "
+                        "was written for it. Fix: make the input deterministic (persist it, or write it to "
+                        "Parquet first), or pass overwrite=True to encode it again from the start."
+                    )
+            yield partition, frame
 
     def _commit(self, parts: list, spans: list[tuple[Span, int]], unit: Unit) -> list[dict]:
         first = spans[0][0]
@@ -181,7 +223,16 @@ class InputGraph:
         return {key: task, **cull(self.graph, ext)}
 
 
-def planned_units(superbatches: Sequence[SuperBatch], sizes: Sequence[int], done: set) -> list[Unit]:
+def _expected(partitions: Sequence[int], coverage: Coverage | None) -> tuple[tuple[int, int, str | None], ...]:
+    """What was committed for the partitions among ``partitions`` that are committed in part."""
+    if coverage is None:
+        return ()
+    found = ((p, coverage.expected(p)) for p in partitions)
+    return tuple((p, e[0], e[1]) for p, e in found if e is not None)
+
+
+def planned_units(superbatches: Sequence[SuperBatch], sizes: Sequence[int], done: set,
+                  coverage: Coverage | None = None) -> list[Unit]:
     """Units of the planned mode: each uncommitted SuperBatch alone, except that the slices
     of one partition larger than ``b_max`` travel together (so it is read once).
 
@@ -205,7 +256,8 @@ def planned_units(superbatches: Sequence[SuperBatch], sizes: Sequence[int], done
     units = []
     for chunk in chunks:
         parts = tuple(sorted({s.partition for sb in chunk for s in sb.spans}))
-        units.append(Unit(parts, tuple(chunk), frozenset(), tuple(int(sizes[p]) for p in parts)))
+        units.append(Unit(parts, tuple(chunk), frozenset(), tuple(int(sizes[p]) for p in parts),
+                          expect=_expected(parts, coverage)))
     return units
 
 
@@ -273,7 +325,7 @@ def streaming_units(npartitions: int, per_unit: int, coverage: Coverage) -> list
             continue
         parts = tuple(range(first, stop))
         done = frozenset(sb_key(p, s) for p in parts for s in coverage.committed_starts(p))
-        units.append(Unit(parts, None, done))
+        units.append(Unit(parts, None, done, expect=_expected(parts, coverage)))
     return units
 
 
@@ -311,7 +363,7 @@ def run_units(units, make_task, client, scheduler, in_flight: int,
         get = get_sync if scheduler in ("sync", "synchronous") else get_threads
         for unit in units:
             key, graph = submit(unit)
-            yield from get(graph, key)
+            yield from _received(get(graph, key))
         return
     from distributed import as_completed
 
@@ -337,9 +389,18 @@ def run_units(units, make_task, client, scheduler, in_flight: int,
             reports = fut.result()
             fut.release()
             submit_more()
-            yield from reports
+            yield from _received(reports)
     finally:
         client.cancel([f for f in live if not f.done()])
+
+
+def _received(reports: list[dict]) -> list[dict]:
+    """``reports`` with ``committed_at`` on the client's clock: shifted by the difference between
+    when the client received them and when their task ended on the worker's clock (an upper
+    bound: it counts the transfer), so time to first output never mixes two machines' clocks."""
+    now = time.time()
+    return [{**r, "committed_at": r["committed_at"] + (now - r["task_end"]) if "task_end" in r
+             else r["committed_at"]} for r in reports]
 
 
 def stopped_error(err: BaseException, manifest: Manifest, column: str) -> BaseException | None:
@@ -389,21 +450,34 @@ def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes:
     (``time.perf_counter()``): times and TTFO count from there. Returns an
     :class:`~dask_surge.results.EncodeResult`.
     """
+    t0 = time.perf_counter() if started is None else started
+    wall0 = time.time() - (time.perf_counter() - t0)  # the same instant on the wall clock
+    npartitions = frame.npartitions
+    threads = sum(client.nthreads().values()) if client is not None else 1
+    check_output(output, storage_options, inputs=input_files(frame))
+    found = find_run(output, fingerprint, storage_options)
+    if found is not None and found.completion() is not None and not overwrite \
+            and not found.coverage().missing(npartitions):  # records, not the marker, are the truth
+        return _complete_result(found, output, t0)
+    fs, root = url_to_fs(output, **(storage_options or {}))
+    claim = Claim.acquire(fs, root.rstrip("/") or "/", fingerprint_digest(fingerprint))
+    try:
+        return _claimed_run(frame, sbe, output, fingerprint, resolve, max_bytes, client, scheduler, overwrite,
+                            storage_options, progress, t0, wall0, npartitions, threads, claim)
+    finally:
+        claim.release()
+
+
+def _claimed_run(frame, sbe, output, fingerprint, resolve, max_bytes, client, scheduler, overwrite,
+                 storage_options, progress, t0, wall0, npartitions, threads, claim: Claim):
+    """:func:`write_run` once the output directory is claimed."""
     from . import config
-    from .manifest import find_run, finish_run, open_run
     from .policy import plan_superbatches
     from .progress import Progress
     from .results import EncodeResult
     from .sizes import known_sizes
 
-    t0 = time.perf_counter() if started is None else started
-    wall0 = time.time() - (time.perf_counter() - t0)  # the same instant on the wall clock
-    npartitions = frame.npartitions
-    threads = sum(client.nthreads().values()) if client is not None else 1
     found = find_run(output, fingerprint, storage_options)
-    if found is not None and found.completion() is not None and not overwrite \
-            and not found.coverage().missing(npartitions):  # records, not the marker, are the truth
-        return _complete_result(found, output, t0)
     streaming = found is not None and found.plan.get("mode") == "streaming"
     sizes = None if streaming else known_sizes(frame, sbe.column, max_bytes)
     summary = None
@@ -420,6 +494,7 @@ def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes:
     plan = manifest.plan
     b_min, b_max = int(plan["b_min"]), int(plan["b_max"])
     committed = manifest.committed(repair=True)
+    manifest.publish_pending(committed)  # commits whose task died before publishing their file
     coverage = manifest.coverage(committed)
     done_rows = sum(r.accounted for r in committed.values())
     if plan["mode"] == "planned":
@@ -428,7 +503,7 @@ def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes:
                              "input no longer gives. Fix: rerun on the same input, or overwrite=True.")
         cap = max_bytes if sizes.nbytes is not None else None
         superbatches = plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap)
-        units = planned_units(superbatches, sizes.sizes, set(committed))
+        units = planned_units(superbatches, sizes.sizes, set(committed), coverage)
         bar = Progress(len(superbatches), sizes.total, enabled=progress, done_sbs=len(committed),
                        done_rows=done_rows)
     else:
@@ -449,6 +524,12 @@ def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes:
                     ttfo = first if ttfo is None else min(ttfo, first)
                 reports.append(report)
                 bar.update(report["rows"] + report["skipped"])
+                if claim.lost:
+                    raise SurgeOutputError(
+                        f"output={output!r} was claimed by another run while this one was writing (its "
+                        "heartbeat could not be refreshed in time: a hung process or a full disk?). This run "
+                        "stopped; what it committed is kept. Fix: let the other run finish, or rerun."
+                    )
         except BaseException as err:
             # a run that stops before its first commit may then be replaced (see open_run)
             manifest.mark_stopped(f"{type(err).__name__}: {err}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import hashlib
 import io
@@ -17,7 +19,7 @@ import pyarrow.parquet as pq
 
 from .errors import SurgeOutputError
 from .manifest import CommitRecord, Manifest, sb_key, write_bytes_atomic
-from .superbatch import SuperBatchEncoder
+from .superbatch import SuperBatchEncoder, partition_digest, to_host
 
 __all__ = ["SuperBatchWriter", "table_of", "parquet_bytes", "skipped_bytes"]
 
@@ -119,6 +121,19 @@ class SuperBatchWriter:
         return ("SuperBatchWriter", self.encoder.__dask_tokenize__(), self.manifest.root, self.manifest.run_id,
                 self.compression)
 
+    def _digests(self, parts, spans) -> tuple[tuple[int, str], ...]:
+        """``(partition, digest of its whole text column)`` of the partitions that this SuperBatch
+        shares with another (only those can be recomputed on resume after a partial commit)."""
+        partitions = sorted({s.partition for s, _ in spans})
+        return tuple((p, partition_digest(to_host(part)[self.encoder.column]))
+                     for p, part, (span, n) in zip(partitions, parts, self._span_of(spans, partitions))
+                     if span.start > 0 or span.stop < n)
+
+    @staticmethod
+    def _span_of(spans, partitions):
+        by = {s.partition: (s, n) for s, n in spans}
+        return [by[p] for p in partitions]
+
     def __call__(self, parts, spans) -> dict:
         """Encode ``spans`` (``(Span, partition rows)`` pairs) of ``parts`` (their input
         partitions, in order) and commit them as the SuperBatch keyed by the first span."""
@@ -131,32 +146,51 @@ class SuperBatchWriter:
         data = parquet_bytes(table_of(frame), np.unique(frame["partition"].to_numpy(), return_counts=True)[1],
                              self.compression)
         attempt = uuid.uuid4().hex[:8]
-        path = self.manifest.data_path(key, attempt)
-        skip_path, skip_data = self.manifest.skipped_path(key, attempt), skipped_bytes(skipped)
-        try:
-            if skipped:  # the ids of skipped nulls, beside the commit record (any number of them)
-                self.manifest.fs.makedirs(skip_path.rsplit("/", 1)[0], exist_ok=True)
-                write_bytes_atomic(self.manifest.fs, skip_path, skip_data)
-            write_bytes_atomic(self.manifest.fs, path, data)
-        except OSError as err:
-            raise SurgeOutputError(
-                f"writing SuperBatch {key} ({len(frame)} rows, {len(data):,} bytes) to {path!r} "
-                f"failed: {type(err).__name__}: {err}. Committed SuperBatches are kept and no partial "
-                "file is left. Fix: free disk space or fix permissions, then rerun the same call to resume."
-            ) from err
+        manifest, fs = self.manifest, self.manifest.fs
+        staged, path = manifest.staging_path(key, attempt), manifest.data_path(key, attempt)
+        skip_path, skip_data = manifest.skipped_path(key, attempt), skipped_bytes(skipped)
         record = CommitRecord(
-            sb=key, run=self.manifest.run_id, file=path.rsplit("/", 1)[-1], rows=len(frame), bytes=len(data),
+            sb=key, run=manifest.run_id, file=path.rsplit("/", 1)[-1], rows=len(frame), bytes=len(data),
             sha256=hashlib.sha256(data).hexdigest(),
             spans=tuple((s.partition, s.start, s.stop, int(n)) for s, n in spans),
             skipped=len(skipped), skipped_file=skip_path.rsplit("/", 1)[-1] if skipped else "",
             skipped_sha256=hashlib.sha256(skip_data).hexdigest() if skipped else "",
-            attempt=attempt, pid=os.getpid(), committed_at=time.time(),
+            attempt=attempt, pid=os.getpid(), committed_at=0.0, digests=self._digests(parts, spans),
         )
-        won = self.manifest.commit(record)
+        won, step = False, f"writing {staged!r}"
+        try:
+            if skipped:  # the ids of skipped nulls, beside the commit record (any number of them)
+                fs.makedirs(skip_path.rsplit("/", 1)[0], exist_ok=True)
+                write_bytes_atomic(fs, skip_path, skip_data)
+            write_bytes_atomic(fs, staged, data)  # not where readers look: _surge/runs/<run>/staging/
+            step = f"creating the commit record {manifest.record_path(key)!r}"
+            record = dataclasses.replace(record, committed_at=time.time())
+            won = manifest.commit(record)
+            if won:
+                step = f"publishing {path!r}"
+                manifest.publish(record)  # now, and only now, under its part-*.parquet name
+        except OSError as err:
+            if not won:
+                for leftover in (staged, skip_path):
+                    with contextlib.suppress(OSError):
+                        fs.rm(leftover)
+            if isinstance(err, FileNotFoundError) and not fs.exists(manifest.run_dir):
+                raise SurgeOutputError(
+                    f"SuperBatch {key} of run {manifest.run_id} was not committed: the run's directory "
+                    f"{manifest.run_dir!r} is gone, so another run replaced it. Nothing of this task was kept."
+                ) from err
+            raise SurgeOutputError(
+                f"{step} for SuperBatch {key} ({len(frame)} rows, {len(data):,} bytes) failed: "
+                f"{type(err).__name__}: {err}. " + (
+                    "The commit is recorded; a rerun publishes its file. " if won else
+                    "Committed SuperBatches are kept and no partial or uncommitted file is left where "
+                    "readers look. ") +
+                "Fix: free disk space or fix permissions, then rerun the same call to resume."
+            ) from err
         if not won:  # another attempt of this SuperBatch committed first: ours is an orphan
-            self.manifest.fs.rm(path)
+            fs.rm(staged)
             if skipped:
-                self.manifest.fs.rm(skip_path)
+                fs.rm(skip_path)
         return {
             "sb": key, "rows": len(frame), "skipped": len(skipped), "file": record.file if won else "",
             "bytes": len(data), "spans": record.spans, "started_at": started_at, "encode_s": t1 - t0,

@@ -14,7 +14,7 @@ from .errors import SurgeInputError
 from .policy import Span
 from .precision import truncate
 
-__all__ = ["SuperBatchEncoder", "texts_of", "to_host", "is_cudf"]
+__all__ = ["SuperBatchEncoder", "texts_of", "to_host", "is_cudf", "partition_digest"]
 
 
 def is_cudf(obj) -> bool:
@@ -35,6 +35,25 @@ def to_host(obj):
     if is_cudf(obj):
         return obj.to_pandas()
     return obj
+
+
+def partition_digest(series: pd.Series) -> str:
+    """A digest of a partition's texts, in order (nulls included): what a commit records for a
+    partition it covers in part, so a recomputation on resume is checked against it.
+
+    Examples
+    --------
+    >>> import pandas as pd
+    >>> a = partition_digest(pd.Series(["x", None, "y"]))
+    >>> a == partition_digest(pd.Series(["x", None, "y"])), a == partition_digest(pd.Series(["x", None, "z"]))
+    (True, False)
+    >>> len(a)
+    32
+    """
+    import hashlib
+
+    hashes = pd.util.hash_pandas_object(series.reset_index(drop=True), index=False).to_numpy()
+    return hashlib.blake2b(hashes.tobytes() + len(series).to_bytes(8, "little"), digest_size=16).hexdigest()
 
 
 def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> tuple[list[str], np.ndarray | None]:

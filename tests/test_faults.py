@@ -142,7 +142,7 @@ def test_disk_full_fails_cleanly_and_resumes(tmp_path, counting_encoder, monkeyp
 
     def full_disk(fd):
         target = os.readlink(f"/proc/self/fd/{fd}")
-        if os.path.basename(target).startswith(".part-"):
+        if "/staging/." in target:  # a SuperBatch's data file, written before its commit
             data_files.append(target)
             if len(data_files) == 3:  # the disk fills up while writing the third SuperBatch
                 raise OSError(errno.ENOSPC, "No space left on device")
@@ -153,6 +153,8 @@ def test_disk_full_fails_cleanly_and_resumes(tmp_path, counting_encoder, monkeyp
         ddf.surge.encode("text", str(out), **kw)
     monkeypatch.setattr("dask_surge.manifest.os.fsync", real_fsync)
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no partial temp file
+    assert not list(out.glob("_surge/runs/*/staging/*"))  # nor a staged file of the failed SuperBatch
+    assert len(list(out.glob("part-*.parquet"))) == 2  # readers' globs see the committed files only
     state = dask_surge.status(str(out))
     assert state["state"] == "incomplete" and state["superbatches_committed"] == 2
     res = ddf.surge.encode("text", str(out), **kw)
