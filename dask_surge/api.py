@@ -15,7 +15,7 @@ from .cluster import gpu_count
 from .encoders import Encoder
 from .errors import SurgeInputError, SurgeValueError
 from .graph import superbatch_collection
-from .identity import input_identity
+from .identity import input_identity, redact
 from .options import Dtype, EngineName, OnNull, Precision
 from .policy import SuperBatch, plan_superbatches
 from .precision import check_precision, check_truncate_dim
@@ -65,7 +65,7 @@ def _resolve_encoder(model: Any, opts: dict) -> Encoder:
         given = {k: v for k, v in opts.items() if v is not None and v is not False}
         if given:
             raise SurgeValueError(
-                f"{', '.join(f'{k}={v!r}' for k, v in given.items())} given alongside a ready Encoder "
+                f"{', '.join(f'{k}={redact(v)!r}' for k, v in given.items())} given alongside a ready Encoder "
                 f"({model!r}), which holds its own options, so they would be dropped. Fix: "
                 f"model.with_options({', '.join(f'{k}=...' for k in given)}), or pass the model's name with them."
             )
@@ -291,6 +291,7 @@ def encode(
     storage_options: dict | None = None,
     scheduler: Scheduler = None,
     progress: bool | None = None,
+    input_token: str | None = None,
 ) -> Any: ...
 
 
@@ -323,6 +324,7 @@ def encode(
     storage_options: dict | None = None,
     scheduler: Scheduler = None,
     progress: bool | None = None,
+    input_token: str | None = None,
 ) -> EncodeResult: ...
 
 
@@ -354,6 +356,7 @@ def encode(
     storage_options: dict | None = None,
     scheduler: Scheduler = None,
     progress: bool | None = None,
+    input_token: str | None = None,
 ) -> Any:
     """Embed ``ddf[column]`` in SuperBatches.
 
@@ -419,6 +422,25 @@ def encode(
         local cluster for this call.
     progress : bool, optional
         Print progress while writing (``surge.progress``).
+    input_token : str, optional
+        A name you choose for the input, used as its identity instead of the input's
+        files and graph. Needed only when a step of the graph cannot be identified
+        deterministically (the error says which); you then vouch for the input: a
+        rerun with the same name resumes, whatever the data now is.
+
+    Notes
+    -----
+    With ``output``, a rerun of the same run resumes and a different run is refused
+    (see ``overwrite``). A run is what it encodes: the input (the files it reads,
+    with their sizes and versions, and every step of its graph, functions included),
+    ``column``, ``keep``, and the options that change the embeddings: the model's
+    content and revision, ``prompt``/``prompt_name``, ``model_kwargs`` (credentials
+    such as ``token`` left out), ``normalize``, ``precision``, ``truncate_dim`` and the
+    compute dtype as resolved for the run's device (``dtype="auto"`` is float16 on a
+    GPU, float32 on a CPU). Changing ``on_null``, the thresholds, ``device``,
+    ``engine``, ``batch_size``, ``max_tokens``, ``scheduler`` or ``progress`` resumes
+    the same run (with the thresholds it recorded when it started).
+    See :data:`dask_surge.identity.IDENTITY_OPTIONS`.
 
     Returns
     -------
@@ -465,13 +487,45 @@ def encode(
     with _client_for(scheduler) as client:
         if client is not None:
             _register(sbe.encoder, client)
+        run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token)
+        max_bytes = _recorded_max_bytes(output, run_id, storage_options, requested, max_bytes)
         return write_run(
-            frame, sbe, output, fingerprint=fingerprint(frame, sbe, requested, max_bytes),
+            frame, sbe, output, fingerprint=run_id,
             resolve=functools.partial(_resolve, requested, encoder, frame, column, client, gpu=on_gpu,
                                       max_bytes=max_bytes),
             max_bytes=max_bytes, client=client, scheduler=scheduler, overwrite=overwrite,
             storage_options=storage_options, progress=config.get("progress", progress), started=started,
         )
+
+
+def _recorded_max_bytes(output: str, run_id: dict, storage_options: dict | None, requested: tuple,
+                        max_bytes: int | None) -> int | None:
+    """The byte cap a resumed run plans with: the one it recorded when it started.
+
+    Thresholds do not change the embeddings, so they are not part of a run's identity:
+    a rerun that asks for others resumes the same run with the thresholds it recorded
+    (its SuperBatches, committed or not, keep their boundaries), and says so.
+    """
+    from .errors import SurgeError
+    from .manifest import find_run
+
+    try:
+        found = find_run(output, run_id, storage_options)
+    except (OSError, SurgeError):  # the run proper reports an unreadable output with its own message
+        return max_bytes
+    plan = found.plan if found is not None else None
+    if not plan:
+        return max_bytes
+    asked = {"b_min": requested[0], "b_max": requested[1]}
+    differ = [f"{k}={v!r} (recorded: {plan[k]!r})" for k, v in asked.items()
+              if v != "auto" and k in plan and v != plan[k]]
+    if "max_bytes" in plan and plan["max_bytes"] != max_bytes:
+        differ.append(f"max_bytes={max_bytes!r} (recorded: {plan['max_bytes']!r})")
+    if differ:
+        logger.warning(
+            "dask-surge: resuming the run in %s with the thresholds it recorded when it started; %s "
+            "apply to a new run only (write to a new output, or pass overwrite=True).", output, ", ".join(differ))
+    return plan.get("max_bytes", max_bytes)
 
 
 def _resolve(requested, encoder: Encoder, frame, column: str, client, sizes: PartitionSizes | None, *,
@@ -522,17 +576,50 @@ def _register(encoder: Encoder, client=None) -> None:
     register_encoder(client, encoder, background=True)
 
 
-def fingerprint(frame, sbe: SuperBatchEncoder, requested: tuple, max_bytes: int | None = None) -> dict:
-    """What makes two runs the same run (and lets a rerun resume).
+def fingerprint(frame, sbe: SuperBatchEncoder, *, device: str | None = None,
+                input_token: str | None = None) -> dict:
+    """What makes two runs the same run (and lets a rerun resume): what it encodes.
 
-    The thresholds are in it as requested (``"auto"`` or a row count): the values
-    ``"auto"`` resolved to are recorded with the run, so a rerun on a cluster of another
-    shape resumes with them instead of being refused.
+    The options in it are those :data:`dask_surge.identity.IDENTITY_OPTIONS` marks as
+    changing the embeddings or the output: the input (its files and graph, or
+    ``input_token``), the column and kept columns, the model's identity (content,
+    revision, prompts, ``model_kwargs`` without credentials, the compute dtype resolved
+    for ``device``), normalization, precision and truncation. ``on_null``, the
+    thresholds (a run records the ones it resolved and keeps them), the device,
+    engine, batch size and token budget are not in it. It is written to the run's
+    ``run.json`` and shown when a rerun differs, so it holds no credentials.
+
+    Parameters
+    ----------
+    frame : dask.dataframe.DataFrame
+        The input as the run reads it (the text column and kept columns).
+    sbe : SuperBatchEncoder
+    device : str, optional
+        Where the run encodes (``"cuda"`` or ``"cpu"``): ``dtype="auto"`` resolves for it.
+    input_token : str, optional
+        The input's identity as the caller named it (see :func:`encode`).
+
+    Examples
+    --------
+    >>> import pandas as pd, dask.dataframe as dd
+    >>> from dask_surge.superbatch import SuperBatchEncoder
+    >>> from dask_surge import Encoder
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
+    >>> enc = Encoder("default")
+    >>> a = fingerprint(ddf, SuperBatchEncoder("text", (), enc, on_null="error"), device="cpu")
+    >>> b = fingerprint(ddf, SuperBatchEncoder("text", (), enc.with_options(batch_size=8), on_null="skip"), device="cpu")
+    >>> a == b, a["model"]["dtype"]
+    (True, 'float32')
     """
-    return {
-        "input": input_identity(frame), "column": sbe.column, "keep": list(sbe.keep),
-        "partitions": frame.npartitions, "model": sbe.encoder.identity(), "dimension": sbe.dimension,
-        "b_min": requested[0], "b_max": requested[1], "max_bytes": max_bytes, "normalize": sbe.normalize,
-        "precision": sbe.precision, "truncate_dim": sbe.truncate_dim, "on_null": sbe.on_null,
-        "library": __version__,
+    from .identity import IDENTITY_OPTIONS
+
+    values = {
+        "ddf": input_identity(frame, token=input_token), "column": sbe.column, "keep": list(sbe.keep),
+        "model": sbe.encoder.identity(device), "normalize": sbe.normalize, "precision": sbe.precision,
+        "truncate_dim": sbe.truncate_dim, "on_null": sbe.on_null,
     }
+    names = {"ddf": "input"}  # the fingerprint's own key names (kept from earlier runs)
+    found = {names.get(k, k): v for k, v in values.items() if IDENTITY_OPTIONS[k]}
+    # what the input and the model imply: the partitions read and the vectors' size
+    found.update(partitions=frame.npartitions, dimension=sbe.dimension, library=__version__)
+    return found

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .errors import SurgeModelError, SurgeValueError
+from .identity import is_secret_key, redact, without_secrets
 from .options import DTYPES, ENGINES, Dtype, EngineName
 
 __all__ = [
@@ -177,20 +179,44 @@ def _check_model_dir(path: str, name: str) -> str:
     return path
 
 
-def _freeze(value: Any) -> Any:
+def _freeze(value: Any, key: Any = None) -> Any:
     """A hashable, order-independent copy of ``model_kwargs`` (dicts become sorted item tuples)."""
     if isinstance(value, dict):
-        return tuple(sorted((str(k), _freeze(v)) for k, v in value.items()))
+        return tuple(sorted((str(k), _freeze(v, k)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
+        return tuple(_freeze(v, key) for v in value)
     try:
         hash(value)
     except TypeError:
+        shown = "***" if is_secret_key(key) else repr(value)
         raise SurgeValueError(
-            f"model_kwargs holds {value!r} ({type(value).__name__}), which cannot be part of a model's "
+            f"model_kwargs holds {shown} ({type(value).__name__}), which cannot be part of a model's "
             "identity. Fix: pass plain values (str, int, float, bool, torch.dtype, lists or dicts of them)."
         ) from None
     return value
+
+
+def _secret_values(value: Any, key: Any = None) -> list[str]:
+    """The string values held under credential keys of (frozen or plain) ``model_kwargs``."""
+    value = _thaw(value)
+    if isinstance(value, Mapping):
+        return [s for k, v in value.items() for s in _secret_values(v, k)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _secret_values(v, key)]
+    return [value] if is_secret_key(key) and isinstance(value, str) and len(value) >= 4 else []
+
+
+def scrub(text: str, model_kwargs: Any) -> str:
+    """``text`` with every credential of ``model_kwargs`` replaced by ``***`` (for error messages).
+
+    Examples
+    --------
+    >>> scrub("401 for token hf_abcdef", {"token": "hf_abcdef"})
+    '401 for token ***'
+    """
+    for secret in sorted(_secret_values(model_kwargs), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
 
 
 def _thaw(value: Any) -> Any:
@@ -217,6 +243,11 @@ class EncoderSpec:
     model_kwargs: tuple = field(default=())
     repo_id: str | None = None  # Hub models: the repo id and the commit every worker loads
     commit: str | None = None
+
+    def __repr__(self) -> str:  # model_kwargs may hold credentials (token=...): never shown
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["model_kwargs"] = redact(_thaw(self.model_kwargs)) if self.model_kwargs else ()
+        return f"EncoderSpec({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
 
 @dataclass
@@ -331,7 +362,7 @@ class Encoder:
             changed = {k: v for k, v in given.items() if v != _OPTION_DEFAULTS[k]}
             if changed:
                 raise SurgeValueError(
-                    f"Encoder({model!r}, {', '.join(f'{k}={v!r}' for k, v in changed.items())}): options were "
+                    f"Encoder({model!r}, {', '.join(f'{k}={redact(v)!r}' for k, v in changed.items())}): options were "
                     "given alongside a ready Encoder, which already holds its own. Fix: "
                     f"encoder.with_options({', '.join(f'{k}=...' for k in changed)}) for a changed copy, or pass "
                     "the model name instead of the Encoder."
@@ -390,6 +421,8 @@ class Encoder:
     def __repr__(self) -> str:
         extra = "".join(f", {k}={getattr(self.spec, k)!r}" for k in ("prompt", "prompt_name")
                         if getattr(self.spec, k) is not None)
+        if self.spec.model_kwargs:  # credentials (token=...) shown as "***"
+            extra += f", model_kwargs={redact(_thaw(self.spec.model_kwargs))!r}"
         return f"Encoder({self._name()!r}, device={self.spec.device!r}, dtype={self.spec.dtype!r}{extra})"
 
     @property
@@ -402,13 +435,23 @@ class Encoder:
         """The in-memory model object (``None`` for path-based encoders)."""
         return _OBJECTS.get(self.spec.source) if self.in_memory else None
 
-    def identity(self) -> dict:
+    def identity(self, device: str | None = None) -> dict:
         """What identifies the model for a run's fingerprint: its content, and the options that change vectors.
 
         A Hub model is its repo id and commit; a local directory a SHA-256 of its files
         (computed once, then cached by path, sizes and mtimes); an in-memory model a
-        digest of its ``state_dict`` (see :mod:`dask_surge.modelid`). The prompt
-        options and the compute dtype are part of it.
+        digest of its ``state_dict``, a plain callable of its code and the data it
+        closes over (see :mod:`dask_surge.modelid`). The prompt options, ``model_kwargs``
+        (credentials such as ``token`` left out: another token for the same model is
+        the same model) and the compute dtype, resolved for ``device`` (see
+        :meth:`compute_dtype`), are part of it. Options that do not change the vectors
+        (device, engine, batch size, token budget) are not.
+
+        Parameters
+        ----------
+        device : str, optional
+            The device the run encodes on (``"cpu"``, ``"cuda"``); default: the
+            encoder's own, else CUDA when this process sees a GPU.
 
         Examples
         --------
@@ -417,10 +460,17 @@ class Encoder:
         >>> b = Encoder("default").identity()
         >>> a["digest"] == b["digest"], a == b
         (True, False)
+        >>> Encoder("default", dtype="auto").identity("cpu")["dtype"]
+        'float32'
+        >>> Encoder("default", batch_size=8).identity() == b
+        True
         """
         from .modelid import directory_digest, object_digest
 
-        ident: dict[str, Any] = {"kind": self.spec.kind, "dtype": self.spec.dtype}
+        ident: dict[str, Any] = {"kind": self.spec.kind}
+        dtype = self.compute_dtype(device)
+        if dtype is not None:
+            ident["dtype"] = dtype
         if self.spec.repo_id is not None:
             ident.update(repo_id=self.spec.repo_id, commit=self.spec.commit)
         elif self.spec.kind == "path":
@@ -429,9 +479,45 @@ class Encoder:
             obj = self.source_object
             ident.update(object=type(obj).__module__ + "." + type(obj).__qualname__, digest=object_digest(obj))
         ident.update(prompt=self.spec.prompt, prompt_name=self.spec.prompt_name)
-        if self.spec.model_kwargs:
-            ident["model_kwargs"] = repr(self.spec.model_kwargs)
+        kwargs = without_secrets(_thaw(self.spec.model_kwargs)) if self.spec.model_kwargs else None
+        if kwargs:
+            ident["model_kwargs"] = json.dumps(kwargs, sort_keys=True, default=str)
         return ident
+
+    def compute_dtype(self, device: str | None = None) -> str | None:
+        """The dtype the forward pass runs in on ``device``: ``dtype``, with ``"auto"`` resolved.
+
+        ``"auto"`` resolves as where the model loads (:func:`auto_dtype`): float32 on a
+        CPU; on CUDA bfloat16 for a bfloat16 checkpoint (read from the model's
+        ``config.json``, or its ``model_kwargs`` ``torch_dtype``), else float16. A plain
+        callable computes as it does, whatever ``dtype`` says: None.
+
+        Parameters
+        ----------
+        device : str, optional
+            Default: the encoder's ``device``, else CUDA when this process sees a GPU.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> enc = Encoder("default")
+        >>> enc.compute_dtype("cpu"), enc.compute_dtype("cuda"), enc.with_options(dtype="bfloat16").compute_dtype("cpu")
+        ('float32', 'float16', 'bfloat16')
+        """
+        obj = self.source_object
+        torch = sys.modules.get("torch")
+        if self.in_memory and not (torch is not None and isinstance(obj, torch.nn.Module)):
+            return None
+        if self.spec.dtype != "auto":
+            return self.spec.dtype
+        if device is None:
+            device = self.spec.device
+        if device is None:
+            from .cluster import gpu_count
+
+            device = "cuda" if gpu_count() else "cpu"
+        stored = checkpoint_dtype(obj) if self.in_memory else _stored_dtype(self.spec)
+        return auto_dtype(device, stored)
 
     def _configured_prompts(self) -> tuple[dict[str, str], str | None] | None:
         """The model's ``(prompts, default_prompt_name)`` without loading it; None if unknown (a callable)."""
@@ -718,7 +804,7 @@ def _check_options(opts: dict[str, Any]) -> None:
         raise SurgeValueError(f"trust_remote_code={opts['trust_remote_code']!r} must be True or False. "
                               "Fix: pass trust_remote_code=True only for models whose code you trust.")
     if opts["model_kwargs"] is not None and not isinstance(opts["model_kwargs"], dict):
-        raise SurgeValueError(f"model_kwargs={opts['model_kwargs']!r} must be a dict or None. "
+        raise SurgeValueError(f"model_kwargs={redact(opts['model_kwargs'])!r} must be a dict or None. "
                               "Fix: pass e.g. model_kwargs={'attn_implementation': 'sdpa'}.")
 
 
@@ -810,6 +896,36 @@ def checkpoint_dtype(obj: Any) -> str | None:
             if stored is not None:
                 return str(stored).removeprefix("torch.")
     return name
+
+
+def _stored_dtype(spec: EncoderSpec) -> str | None:
+    """The dtype a path model's weights load in, without loading it: ``model_kwargs``'s
+    ``torch_dtype``/``dtype`` when it names one, else the checkpoint's ``config.json``."""
+    kwargs = _thaw(spec.model_kwargs) or {}
+    for key in ("torch_dtype", "dtype"):
+        asked = kwargs.get(key) if isinstance(kwargs, Mapping) else None
+        if asked is not None and str(asked) != "auto":
+            return str(asked).removeprefix("torch.")
+    root = Path(spec.source)
+    candidates = [root / "config.json", root / "_transformer" / "config.json"]
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+        for module in modules:
+            if str(module.get("type", "")).endswith("Transformer"):
+                where = root / module.get("path", "")
+                candidates[:0] = [where / "config.json", where / "_transformer" / "config.json"]
+                break
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    for path in candidates:
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        stored = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+        if stored is not None:
+            return str(stored).removeprefix("torch.")
+    return None
 
 
 def auto_dtype(device: str, stored: str | None) -> str:
@@ -946,7 +1062,7 @@ def _load(spec: EncoderSpec) -> _Loaded:
                 "pass trust_remote_code=True, for a model you trust.")
         raise SurgeModelError(
             f"model={spec.repo_id or spec.source!r} could not be loaded as a sentence-transformers model "
-            f"({type(err).__name__}: {err}). Fix: pass a Hub name, a directory written by "
+            f"({type(err).__name__}: {scrub(str(err), spec.model_kwargs)}). Fix: pass a Hub name, a directory written by "
             f"SentenceTransformer.save(), or model='default'.{hint}"
         ) from err
     return _wrap_object(model, spec)

@@ -15,8 +15,13 @@ what it computes with, not by its name:
   by a digest of its ``state_dict`` plus, for a ``SentenceTransformer``, each
   module's configuration and tokenizer and its prompts; cached while no parameter
   changes (torch's per-tensor version counters) and the settings stay the same;
-* any other callable by its qualified name and bytecode (a function's, or its
-  class's ``__call__``): not its attributes, which are often call counters or caches.
+* any other callable by what it computes with (:func:`dask_surge.identity.stable_token`):
+  a function by its qualified name, a digest of its code, its defaults, its closure
+  cells and the globals it uses, so two closures over different weights differ and
+  the same closure recreated in a new process over the same data matches; a callable
+  object by its class's ``__call__`` code plus Dask's deterministic token of the object
+  (``__dask_tokenize__``, else its pickle, so ``__getstate__`` can leave per-process
+  bookkeeping such as a call counter out).
 
 Examples
 --------
@@ -28,7 +33,6 @@ Examples
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -134,12 +138,17 @@ def object_digest(obj: Any) -> str:
     ----------
     obj : SentenceTransformer, torch.nn.Module or callable
         Torch modules are identified by their weights (``state_dict``) and settings;
-        other callables by their code only.
+        other callables by their code and the data they close over (see the module's text).
 
     Returns
     -------
     str
         64 hex digits; two models of the same shape with different weights differ.
+
+    Raises
+    ------
+    SurgeModelError
+        A callable holds something that has no deterministic token (named in the message).
 
     Examples
     --------
@@ -147,6 +156,16 @@ def object_digest(obj: Any) -> str:
     >>> a, b = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
     >>> object_digest(a) == object_digest(a), object_digest(a) == object_digest(b)
     (True, False)
+
+    Two closures over different weights are two models:
+
+    >>> import numpy as np
+    >>> def linear(w):
+    ...     return lambda texts: np.ones((len(texts), 3)) @ w
+    >>> object_digest(linear(np.eye(3))) == object_digest(linear(np.eye(3)))
+    True
+    >>> object_digest(linear(np.eye(3))) == object_digest(linear(2 * np.eye(3)))
+    False
     """
     try:
         import torch
@@ -172,29 +191,29 @@ def object_digest(obj: Any) -> str:
         with _LOCK:
             _OBJ_CACHE[id(obj)] = (obj, versions, digest)
         return digest
-    return hashlib.sha256(_code_identity(obj).encode()).hexdigest()
+    return _callable_digest(obj)
 
 
-def _code_identity(obj: Any) -> str:
-    """What a plain callable computes with: its qualified name and bytecode (not its mutable state).
+def _callable_digest(obj: Any) -> str:
+    """SHA-256 of a plain callable's :func:`~dask_surge.identity.stable_token`."""
+    from .errors import SurgeModelError
+    from .identity import NotDeterministic, stable_token
 
-    A callable's attributes are often bookkeeping (call counters, caches) that must not
-    make a rerun look like another model, so only code counts: a function's, or its
-    class's ``__call__``.
-    """
-    func = obj if inspect.isfunction(obj) or inspect.ismethod(obj) else type(obj).__call__
-    func = getattr(func, "__func__", func)
-    code = getattr(func, "__code__", None)
-    parts = [f"{type(obj).__module__}.{type(obj).__qualname__}", getattr(func, "__qualname__", "")]
-    if code is not None:
-        parts.append(_render_code(code))
-    return "\n".join(parts)
+    try:
+        token = stable_token(obj, where=f"the model {type(obj).__qualname__}")
+    except NotDeterministic as err:
+        raise SurgeModelError(
+            f"model={_short_repr(obj)} cannot be identified the same way in every process: {err.args[0]}. "
+            "A run's identity includes its model, so that a rerun resumes only with the same one. Fix: give "
+            "the model's class a __dask_tokenize__ returning a stable value (e.g. its name and weights' "
+            "version), or a __getstate__ without per-process state (locks, open files, clients)."
+        ) from None
+    return hashlib.sha256(json.dumps(token, sort_keys=True).encode()).hexdigest()
 
 
-def _render_code(code: Any) -> str:
-    """Bytecode, names and constants, nested code objects included (no memory addresses)."""
-    consts = [_render_code(c) if inspect.iscode(c) else repr(c) for c in code.co_consts]
-    return f"{code.co_code.hex()}|{code.co_names}|[{', '.join(consts)}]"
+def _short_repr(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _module_settings(model: Any) -> str:
