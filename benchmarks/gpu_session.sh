@@ -1,61 +1,88 @@
 #!/usr/bin/env bash
-# One-shot GPU verification on the H200 GPU machine (issues 7, 8 and 17), run from the checkout root
-# through the device tool with carry [".gpu"], timeout_s 540; every result lands in $OUT as it comes,
-# so a timeout keeps what was measured. Prepare .gpu/ on the CPU machine first (about 50 MiB):
+# One-shot GPU session on the H200 machine (issue 27): conclusive in one try, whatever stops it.
+#
+# Run from the checkout root through the device tool, with carry [".gpu"] and timeout_s 540:
+#   bash benchmarks/gpu_session.sh
+# Prepare .gpu/ on the CPU machine first (about 50 MiB; .gpu/ is ignored by git):
 #   mkdir -p .gpu && cp ../shared/device-wheels/*.whl ../shared/gpu/arch_model.py .gpu/ \
-#     && cp -r ../shared/gpu/minilm-assets .gpu/      # .gpu/ is in .gitignore
-#   python benchmarks/gpu_prepare.py            # real MiniLM weights in fp16 + CPU fp32 reference embeddings
-# Dry-run on a CPU (tiny sizes, device=cpu, ~3 min):  SURGE_GPU_TRY=1 OUT=/tmp/gpu-try bash benchmarks/gpu_session.sh
-# Order: dask-surge first, then the engine alone, then SentenceTransformer.encode at batch size 1024
-# (gpu_encode.py), then the cosine against real weights (gpu_cosine.py), then the gpu-marked tests.
+#     && cp -r ../shared/gpu/minilm-assets .gpu/
+#   python benchmarks/gpu_prepare.py   # real MiniLM weights in fp16 + CPU fp32 reference embeddings
+# CPU dry run (tiny models and sizes, same stages and files, timeouts scaled by 0.5; part of the tests):
+#   SURGE_GPU_TRY=1 OUT=/tmp/gpu-try bash benchmarks/gpu_session.sh
+#
+# What comes back ($OUT, at most 4 files): results.jsonl (one JSON line per stage result, partial
+# results as they come), session.log (everything printed), details.tar.gz (per-SuperBatch records,
+# pytest's junit report, the NVML trace, nvidia-smi -q). Each stage runs in a forked child under its
+# own timeout (benchmarks/gpu_stages.py); a stage that times out is killed with the workers it started
+# and the next one runs. A failed preflight stops the session with one line.
 set -uo pipefail
 OUT=${OUT:-/tmp/surge-gpu-out}
 mkdir -p "$OUT"
+RESULTS="$OUT/results.jsonl"
+LOG="$OUT/session.log"
+WORK=$(mktemp -d /tmp/surge-gpu-work.XXXXXX)
 TRY=${SURGE_GPU_TRY:-}
+# stage:timeout_s, in order; with SETUP_TIMEOUT the sum must stay well under 480 s (the test checks it)
+SETUP_TIMEOUT=40
+STAGES="preflight:15,data:30,host:40,surge_minilm:65,surge_bert:55,engine:30,busy:20,inflight:45,cosine:20,pytest:45"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTORCH_NVML_BASED_CUDA_CHECK=1
+
+line() {  # one JSON line from the shell itself: line STAGE STATUS [key=number ...]
+  local stage=$1 status=$2; shift 2
+  local extra=""
+  for kv in "$@"; do extra="$extra, \"${kv%%=*}\": ${kv#*=}"; done
+  echo "{\"stage\": \"$stage\", \"status\": \"$status\", \"t\": $(date +%s)$extra}" >> "$RESULTS"
+}
+finish() {
+  [ -n "${TRACE_PID:-}" ] && kill "$TRACE_PID" 2> /dev/null
+  cp "$LOG" "$WORK/detail/session.log.copy" 2> /dev/null
+  tar -czf "$OUT/details.tar.gz" -C "$WORK" detail 2> /dev/null
+  echo "== files in \$OUT:" >> "$LOG"; ls -la "$OUT" >> "$LOG"
+  tail -c 3000 "$LOG"
+  rm -rf "$WORK"
+}
+trap finish EXIT
+mkdir -p "$WORK/detail"
+: > "$RESULTS"
+{ date -u; echo "nproc $(nproc)"; git rev-parse HEAD 2> /dev/null; git status --short 2> /dev/null | head -20; } > "$LOG" 2>&1
+
+# -- setup: Dask wheels, the random-weight models (one timeout for all of it) ----------------------
+T0=$(date +%s)
 if [ -z "$TRY" ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-  DEVICE=cuda
-else
-  DEVICE=cpu
-fi
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-{ date -u; nproc; python3 -c "import os; print('affinity', sorted(os.sched_getaffinity(0)))"; } > "$OUT/facts.txt" 2>&1
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
-# NVML utilisation trace for the whole session (every 250 ms), stopped at the end
-TRACE_PID=""
-if command -v nvidia-smi > /dev/null 2>&1 && [ -z "$TRY" ]; then
-  nvidia-smi --query-gpu=timestamp,utilization.gpu,utilization.memory,memory.used --format=csv -lms 250 \
-    > "$OUT/nvml_trace.csv" 2>&1 &
+  nvidia-smi -q > "$WORK/detail/nvidia-smi-q.txt" 2>&1
+  nvidia-smi --query-gpu=timestamp,utilization.gpu,utilization.memory,memory.used,clocks.sm --format=csv -lms 250 \
+    > "$WORK/detail/nvml_trace.csv" 2>&1 &
   TRACE_PID=$!
-fi
-stage() { echo "$(date -u +%T) $*" >> "$OUT/stages.txt"; }
-python3 .gpu/arch_model.py --arch minilm-l6 --out /tmp/minilm --assets .gpu/minilm-assets > "$OUT/arch.log" 2>&1
-python3 .gpu/arch_model.py --arch bert-base --out /tmp/bert --assets .gpu/minilm-assets >> "$OUT/arch.log" 2>&1
-if [ -n "$TRY" ]; then
-  stage "gpu_encode minilm (try)"
-  timeout 240 python3 benchmarks/gpu_encode.py --device cpu --rows 1500 --st-rows 400 --st-batch-size 32 \
-    --models minilm-l6=/tmp/minilm --out "$OUT/gpu_encode_minilm.json" > "$OUT/gpu_encode_minilm.log" 2>&1
+  timeout "$SETUP_TIMEOUT" bash -c '
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/*.whl &&
+    python3 .gpu/arch_model.py --arch minilm-l6 --out /tmp/minilm --assets .gpu/minilm-assets &&
+    python3 .gpu/arch_model.py --arch bert-base --out /tmp/bert --assets .gpu/minilm-assets' >> "$LOG" 2>&1
+  RC=$?
+  export PYTHONPATH=/tmp/site:$PWD
+  SCALE=1
+  ARGS=(--minilm /tmp/minilm --bert /tmp/bert)
 else
-  # MiniLM: 2M texts through dask-surge (~35 s at the 60k texts/s target), engine and ST on 200k
-  stage "gpu_encode minilm"
-  timeout 240 python3 benchmarks/gpu_encode.py --rows 2000000 --st-rows 200000 --models minilm-l6=/tmp/minilm \
-    --out "$OUT/gpu_encode_minilm.json" > "$OUT/gpu_encode_minilm.log" 2>&1
-  stage "gpu_encode bert-base"
-  timeout 150 python3 benchmarks/gpu_encode.py --rows 600000 --st-rows 50000 --models bert-base=/tmp/bert \
-    --out "$OUT/gpu_encode_bert.json" > "$OUT/gpu_encode_bert.log" 2>&1
+  timeout $((SETUP_TIMEOUT / 2)) python3 -c "import dask, distributed, torch" >> "$LOG" 2>&1
+  RC=$?
+  SCALE=0.5
+  ARGS=(--try)
 fi
-if [ -d .gpu/minilm-real-fp16 ]; then
-  stage "cosine vs real MiniLM"
-  timeout 60 python3 benchmarks/gpu_cosine.py --model .gpu/minilm-real-fp16 --ref .gpu/minilm-ref.json \
-    --device "$DEVICE" --out "$OUT/gpu_cosine.json" > "$OUT/gpu_cosine.log" 2>&1
+if [ "$RC" -ne 0 ]; then
+  line setup error rc="$RC" seconds=$(( $(date +%s) - T0 ))
+  echo "SETUP FAILED (rc $RC): wheels or models; see session.log" | tee -a "$LOG"
+  exit 2
 fi
-if python3 -c "import pytest, hypothesis" > /dev/null 2>&1 && [ -z "$TRY" ]; then
-  stage "pytest -m gpu"
-  timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_traps.py tests/test_engine.py \
-    > "$OUT/pytest_gpu.log" 2>&1
+line setup ok seconds=$(( $(date +%s) - T0 ))
+
+# -- the stages ------------------------------------------------------------------------------------
+TOTAL=$(python3 -c "print(int(sum(float(x.split(':')[1]) for x in '$STAGES'.split(',')) * $SCALE) + 30)")
+timeout "$TOTAL" python3 benchmarks/gpu_stages.py --stages "$STAGES" --scale "$SCALE" --results "$RESULTS" \
+  --work "$WORK" "${ARGS[@]}" >> "$LOG" 2>&1
+RC=$?
+if [ "$RC" -eq 3 ]; then
+  echo "PREFLIGHT FAILED: the session stopped; the reason is in results.jsonl (stage preflight)" | tee -a "$LOG"
+elif [ "$RC" -ne 0 ]; then
+  line session error rc="$RC"
 fi
-stage done
-[ -n "$TRACE_PID" ] && kill "$TRACE_PID" 2> /dev/null
-tail -c 4000 "$OUT"/*.log
-ls -la "$OUT"
+line session done rc="$RC"
+exit "$RC"

