@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="progress of an output directory")
     st.add_argument("output")
+    st.add_argument("--verify", action="store_true",
+                    help="also check every committed file against its recorded sha256 (reads every file)")
+    st.add_argument("--repair", action="store_true",
+                    help="bring a damaged manifest back to a state a rerun resumes from (run it when no "
+                         "encode is writing there), then show the status")
     return parser
 
 
@@ -232,9 +237,18 @@ def cmd_plan(args) -> int:
 def cmd_status(args) -> int:
     from .api import status
 
+    from .manifest import repair, verify
+
+    if args.repair:
+        for line in repair(args.output) or ["nothing to repair"]:
+            print(f"repair: {line}", file=sys.stderr)
     info = status(args.output)
+    if args.verify:
+        problems = verify(args.output)
+        info["verified"] = not problems
+        info["problems"] = problems
     print(json.dumps(info, indent=2, default=str))
-    return 0 if info["state"] == "complete" else 1
+    return 0 if info["state"] == "complete" and not info.get("problems") else 1
 
 
 def main(argv: list[str] | None = None) -> int:

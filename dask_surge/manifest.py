@@ -52,7 +52,7 @@ from fsspec.core import url_to_fs
 from .errors import SurgeInputError, SurgeOutputError
 
 __all__ = ["FORMAT_VERSION", "Manifest", "CommitRecord", "Coverage", "Claim", "sb_key", "fingerprint_digest",
-           "open_run", "current_run", "existing_run", "find_run", "finish_run", "check_output", "repair",
+           "open_run", "current_run", "existing_run", "find_run", "finish_run", "check_output", "check_writable_store", "repair",
            "verify", "LOCAL_PROTOCOLS"]
 
 FORMAT_VERSION = 2  # 2: SuperBatches keyed by their first row; recorded thresholds
@@ -575,6 +575,32 @@ def _differences(old: dict, new: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
+def check_writable_store(path: str) -> None:
+    """Refuse to write to a store whose commit protocol is not proven (any but :data:`LOCAL_PROTOCOLS`).
+
+    Reading such a store (a finished output copied there) is fine; only writing is refused.
+
+    Examples
+    --------
+    >>> check_writable_store("/tmp/emb")
+    >>> check_writable_store("s3://bucket/emb")
+    Traceback (most recent call last):
+    ...
+    dask_surge.errors.SurgeOutputError: output='s3://bucket/emb' is on a 's3' filesystem. ...
+    """
+    from fsspec.core import split_protocol
+
+    protocol = split_protocol(str(path))[0] or "file"  # before any filesystem is built (none may be installed)
+    if protocol not in LOCAL_PROTOCOLS or "::" in str(path):
+        raise SurgeOutputError(
+            f"output={path!r} is on a {protocol!r} filesystem. dask-surge's exactly-once commit (atomic "
+            "rename, exclusive create, fresh listings) is proven on local and shared POSIX filesystems "
+            "(local disks, NFS, Lustre, GPFS) only, so it refuses other stores rather than risk lost or "
+            "duplicated rows. Nothing was written. Fix: write to a local or shared filesystem path, then "
+            f"copy the finished directory to the store (e.g. `aws s3 sync out/ {path}`)."
+        )
+
+
 def check_output(path: str, storage_options: dict | None = None, *, inputs: Sequence[str] = ()) -> None:
     """Refuse an output location that a run could not own (before anything is written).
 
@@ -609,16 +635,8 @@ def check_output(path: str, storage_options: dict | None = None, *, inputs: Sequ
     ...
     dask_surge.errors.SurgeOutputError: output=... holds 1 entry that dask-surge did not write ('part-00000.parquet'); ...
     """
+    check_writable_store(path)
     fs, root = _fs_root(path, storage_options)
-    protocols = _protocols(fs)
-    if not any(p in LOCAL_PROTOCOLS for p in protocols):
-        raise SurgeOutputError(
-            f"output={path!r} is on a {protocols[0]!r} filesystem. dask-surge's exactly-once commit (atomic "
-            "rename, exclusive create, fresh listings) is proven on local and shared POSIX filesystems "
-            "(local disks, NFS, Lustre, GPFS) only, so it refuses other stores rather than risk lost or "
-            "duplicated rows. Nothing was written. Fix: write to a local or shared filesystem path, then "
-            f"copy the finished directory to the store (e.g. `aws s3 sync out/ {path}`)."
-        )
     ancestor = root
     while ancestor not in ("", "/") and not fs.exists(ancestor):
         ancestor = ancestor.rsplit("/", 1)[0] if "/" in ancestor else ""
@@ -785,6 +803,7 @@ class Claim:
 def find_run(path: str, fingerprint: dict, storage_options: dict | None = None) -> Manifest | None:
     """The run of ``fingerprint`` in ``path`` if it was ever created there (current or
     not), with what it recorded; None otherwise. Reads only the run's ``run.json``."""
+    check_writable_store(path)  # it is asked by a run about to write there
     fs, root = _fs_root(path, storage_options)
     run_id = fingerprint_digest(fingerprint)
     manifest = Manifest(fs, root, run_id, fingerprint)
@@ -818,6 +837,7 @@ def open_run(
         If ``path`` is not writable, holds another run (without ``overwrite``), a
         damaged manifest, or was written by a newer manifest format.
     """
+    check_writable_store(path)
     fs, root = _fs_root(path, storage_options)
     run_id = fingerprint_digest(fingerprint)
     manifest = Manifest(fs, root, run_id, fingerprint)

@@ -1,0 +1,331 @@
+"""The manifest: a run owns its output, claims it, commits exactly once and explains every failure.
+
+Each test here failed on the code before the run-ownership work (issue 22) and passes after it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import dask.dataframe as dd
+import pandas as pd
+import pytest
+
+import dask_surge
+from dask_surge import SurgeInputError, SurgeOutputError
+from dask_surge.manifest import (
+    Claim,
+    CommitRecord,
+    check_output,
+    current_run,
+    finish_run,
+    open_run,
+    repair,
+    sb_key,
+    verify,
+)
+from dask_surge.testing import CountingEncoder, make_partitioned_frame, write_partitioned_parquet
+
+KW = dict(b_min=8, b_max=8, scheduler="sync", progress=False)
+
+
+def _parts(out) -> list[str]:
+    return sorted(p.name for p in out.glob("part-*.parquet"))
+
+
+def _committed_files(out) -> list[str]:
+    return sorted(r.file for r in current_run(str(out)).committed().values())
+
+
+# -- ownership ----------------------------------------------------------------------------------
+
+
+def test_a_directory_holding_foreign_files_is_refused_and_left_intact(tmp_path, counting_encoder):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-00000.parquet").write_bytes(b"the user's own data")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SurgeOutputError, match="did not write.*part-00000.parquet.*Fix: write to a new or empty"):
+        make_partitioned_frame([4] * 4).surge.encode("text", str(out), model=counting_encoder, **KW)
+    assert (out / "part-00000.parquet").read_bytes() == b"the user's own data"
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "part-00000.parquet"]  # nothing written
+
+
+def test_an_input_directory_is_never_an_output(tmp_path, counting_encoder):
+    docs = tmp_path / "docs"
+    write_partitioned_parquet(docs, [5] * 12, seed=1)  # part-00000.parquet ... as Spark writes them
+    before = {p.name: p.read_bytes() for p in docs.iterdir()}
+    with pytest.raises(SurgeOutputError, match="never writes into its input|did not write"):
+        dd.read_parquet(str(docs)).surge.encode("text", str(docs), model=counting_encoder, **KW)
+    assert {p.name: p.read_bytes() for p in docs.iterdir()} == before
+    # and an output inside the input directory: refused as holding an input file? no: it is a new dir
+    # of its own, but then the input (docs/) globbed again would not see it (the _ prefix is not there)
+    with pytest.raises(SurgeOutputError, match="holds input file"):
+        check_output(str(tmp_path), inputs=[str(docs / "part-00000.parquet")])
+
+
+def test_finishing_never_deletes_a_file_it_did_not_write(tmp_path, counting_encoder):
+    out = tmp_path / "out"
+    manifest, _ = open_run(str(out), {"t": 1})
+    (out / "part-00000.parquet").write_bytes(b"dropped in by a user while the run went on")
+    (out / "part-0123abcd-notours.parquet").write_bytes(b"looks like ours, is not")
+    finish_run(manifest, {}, {"rows": 0, "superbatches": 0, "partitions": 0, "nulls_skipped": 0})
+    assert (out / "part-00000.parquet").exists() and (out / "part-0123abcd-notours.parquet").exists()
+
+
+def test_after_complete_the_parquet_files_are_exactly_the_committed_ones(tmp_path):
+    out = tmp_path / "out"
+    ddf = make_partitioned_frame([4] * 6)
+    dask_surge.encode(ddf, "text", str(out), model=CountingEncoder(dim=4), **KW)
+    res = dask_surge.encode(ddf, "text", str(out), model=CountingEncoder(dim=6), overwrite=True, **KW)
+    assert res.rows == 24
+    assert _parts(out) == _committed_files(out)
+    assert [r.name for r in (out / "_surge" / "runs").iterdir()] == [res.run_id]
+    assert not (out / "_surge" / "retired").exists()
+
+
+def test_remote_outputs_are_refused_until_proven(counting_encoder):
+    for url in ("s3://bucket/emb", "gcs://bucket/emb", "simplecache::s3://bucket/emb"):
+        with pytest.raises(SurgeOutputError, match="proven on local and shared POSIX filesystems.*Nothing was"):
+            make_partitioned_frame([2]).surge.encode("text", url, model=counting_encoder, **KW)
+
+
+def test_an_output_under_a_regular_file_is_a_clear_error(tmp_path, counting_encoder):
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(SurgeOutputError, match="is under .*file.txt.*which is a file.*Fix: choose a new directory"):
+        make_partitioned_frame([2]).surge.encode("text", str(tmp_path / "file.txt" / "emb"),
+                                                 model=counting_encoder, **KW)
+
+
+# -- the claim ----------------------------------------------------------------------------------
+
+
+def test_a_live_claim_refuses_a_second_run(tmp_path, counting_encoder):
+    import fsspec
+
+    out = tmp_path / "out"
+    claim = Claim.acquire(fsspec.filesystem("file"), str(out), "0123456789abcdef", heartbeat=False)
+    with pytest.raises(SurgeOutputError, match="being written by another run .*0123456789abcdef.*Fix: wait"):
+        make_partitioned_frame([4] * 2).surge.encode("text", str(out), model=counting_encoder, **KW)
+    assert not list(out.glob("part-*"))
+    claim.release()
+    assert make_partitioned_frame([4] * 2).surge.encode("text", str(out), model=counting_encoder, **KW).rows == 8
+    assert not (out / "_surge" / "CLAIM").exists()  # released at the end
+
+
+def test_a_dead_or_expired_claim_is_taken_over(tmp_path, counting_encoder, monkeypatch):
+    import socket
+
+    out = tmp_path / "out"
+    (out / "_surge").mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    claim = {"run": "0123456789abcdef", "token": "t", "host": socket.gethostname(), "pid": int(dead.stdout),
+             "heartbeat": time.time()}
+    (out / "_surge" / "CLAIM").write_text(json.dumps(claim))
+    assert make_partitioned_frame([4] * 2).surge.encode("text", str(out), model=counting_encoder, **KW).rows == 8
+    # another host's claim: live until its heartbeat is older than the TTL
+    claim.update(host="elsewhere", pid=1)
+    (out / "_surge" / "CLAIM").write_text(json.dumps(claim))
+    other = tmp_path / "other"
+    with pytest.raises(SurgeOutputError, match="being written by another run"):
+        Claim.acquire(__import__("fsspec").filesystem("file"), str(out), "fedcba9876543210", heartbeat=False)
+    monkeypatch.setattr("dask_surge.manifest.CLAIM_TTL_S", 0.0)
+    time.sleep(0.01)
+    Claim.acquire(__import__("fsspec").filesystem("file"), str(out), "fedcba9876543210", heartbeat=False).release()
+    assert not other.exists()
+
+
+def test_the_heartbeat_refreshes_and_a_lost_claim_is_noticed(tmp_path, monkeypatch):
+    import fsspec
+
+    monkeypatch.setattr("dask_surge.manifest.HEARTBEAT_S", 0.05)
+    fs = fsspec.filesystem("file")
+    claim = Claim.acquire(fs, str(tmp_path), "0123456789abcdef")
+    first = Claim.holder(fs, str(tmp_path))["heartbeat"]
+    time.sleep(0.3)
+    assert Claim.holder(fs, str(tmp_path))["heartbeat"] > first and not claim.lost
+    (tmp_path / "_surge" / "CLAIM").write_text(json.dumps({"token": "someone else", "heartbeat": time.time()}))
+    time.sleep(0.3)
+    assert claim.lost
+    claim.release()
+    assert (tmp_path / "_surge" / "CLAIM").exists()  # not ours any more: left alone
+
+
+def test_two_runs_started_at_once_one_wins_cleanly(tmp_path):
+    from dask_surge.testing import SleepyModel
+
+    out, ddf = tmp_path / "out", make_partitioned_frame([20] * 6)
+    barrier, outcomes = threading.Barrier(2), []
+
+    def run(seconds):
+        barrier.wait()
+        try:
+            outcomes.append(("ok", dask_surge.encode(ddf, "text", str(out), model=SleepyModel(seconds), **KW)))
+        except SurgeOutputError as err:
+            outcomes.append(("refused", str(err)))
+
+    threads = [threading.Thread(target=run, args=(d,)) for d in (0.05, 0.06)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    kinds = sorted(k for k, _ in outcomes)
+    assert kinds == ["ok", "refused"], outcomes
+    refused = next(v for k, v in outcomes if k == "refused")
+    assert "another run" in refused or "different run" in refused
+    winner = next(v for k, v in outcomes if k == "ok")
+    assert _parts(out) == _committed_files(out)
+    assert len(dask_surge.read_embeddings(str(out)).compute()) == 120 == winner.rows
+
+
+def test_a_late_task_of_a_replaced_run_can_neither_commit_nor_publish(tmp_path, counting_encoder):
+    from dask_surge.policy import Span
+    from dask_surge.sink import SuperBatchWriter
+    from dask_surge.superbatch import SuperBatchEncoder
+
+    out = tmp_path / "out"
+    ddf = make_partitioned_frame([6, 6])
+    old, _ = open_run(str(out), {"t": "old"})
+    late = SuperBatchWriter(SuperBatchEncoder("text", (), dask_surge.Encoder(CountingEncoder(dim=4))), old)
+    new = dask_surge.encode(ddf, "text", str(out), model=counting_encoder, overwrite=True, **KW)
+    part = ddf.partitions[0].compute()
+    with pytest.raises(SurgeOutputError, match="another run replaced it"):
+        late([part], ((Span(0, 0, 6), 6),))
+    assert _parts(out) == _committed_files(out)
+    assert status_rows(out) == new.rows == 12
+
+
+def status_rows(out) -> int:
+    return dask_surge.status(str(out))["rows_committed"]
+
+
+# -- the commit path's failures ----------------------------------------------------------------
+
+
+def test_disk_full_while_creating_a_record_keeps_readers_clean_and_resumes(tmp_path, counting_encoder,
+                                                                           monkeypatch):
+    out, ddf = tmp_path / "out", make_partitioned_frame([4] * 6)
+    real_link, links = os.link, []
+
+    def full(src, dst, *a, **k):
+        if "/commits/" in str(dst):
+            links.append(dst)
+            if len(links) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_link(src, dst, *a, **k)
+
+    monkeypatch.setattr("dask_surge.manifest.os.link", full)
+    with pytest.raises(SurgeOutputError, match="creating the commit record.*No space left.*rerun the same call"):
+        ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
+    monkeypatch.setattr("dask_surge.manifest.os.link", real_link)
+    assert _parts(out) == _committed_files(out) and len(_parts(out)) == 1  # no uncommitted file readers glob
+    assert not list(out.glob("_surge/runs/*/staging/*"))
+    res = ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
+    assert res.resumed and res.rows == 24 and _parts(out) == _committed_files(out)
+
+
+@pytest.mark.parametrize("damaged", ["run.json", "COMPLETE", "CURRENT"])
+@pytest.mark.parametrize("content", [b"", b'{"format_version": 2, "fingerpr'])
+def test_a_damaged_manifest_file_is_named_with_its_repair(tmp_path, counting_encoder, damaged, content):
+    out, ddf = tmp_path / "out", make_partitioned_frame([4] * 4)
+    res = ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
+    run_dir = out / "_surge" / "runs" / res.run_id
+    path = out / "_surge" / "CURRENT" if damaged == "CURRENT" else run_dir / damaged
+    path.write_bytes(content)
+    calls = [lambda: dask_surge.status(str(out)), lambda: ddf.surge.encode("text", str(out), model=counting_encoder,
+                                                                        **KW)]
+    if damaged != "COMPLETE":  # readers trust the commit records alone, never the marker
+        calls.append(lambda: dask_surge.read_embeddings(str(out)))
+    for call in calls:
+        with pytest.raises(SurgeOutputError, match=f"{damaged}.*is damaged.*dask-surge status --repair"):
+            call()
+    assert repair(str(out))  # says what it did
+    again = ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
+    assert again.rows == 16 and dask_surge.status(str(out))["state"] == "complete"
+    assert _parts(out) == _committed_files(out)
+    assert len(dask_surge.read_embeddings(str(out)).compute()) == 16
+
+
+def test_verify_finds_a_changed_file_and_repair_re_encodes_its_rows(tmp_path, counting_encoder):
+    from dask_surge.cli import main
+
+    out, ddf = tmp_path / "out", make_partitioned_frame([4] * 4)
+    ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
+    assert verify(str(out)) == [] and main(["status", str(out), "--verify"]) == 0
+    victim = out / _committed_files(out)[0]
+    victim.write_bytes(victim.read_bytes()[:-8] + b"garbage!")
+    problems = verify(str(out))
+    assert len(problems) == 1 and "differs from the recorded" in problems[0]
+    assert main(["status", str(out), "--verify"]) == 1
+    assert main(["status", str(out), "--repair"]) == 1  # forgot the bad commit: incomplete now
+    res = ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
+    assert res.resumed and res.superbatches - res.skipped_superbatches == 1 and res.rows == 16
+    assert verify(str(out)) == [] and _parts(out) == _committed_files(out)
+
+
+def test_a_commit_whose_task_died_before_publishing_is_published_on_resume(tmp_path, counting_encoder):
+    out, ddf = tmp_path / "out", make_partitioned_frame([4] * 4)
+    ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
+    manifest = current_run(str(out))
+    rec = next(iter(manifest.committed().values()))
+    # as if the task died between its commit record and the rename
+    os.rename(out / rec.file, f"{manifest.staging_dir}/{rec.sb}-{rec.attempt}.parquet")
+    (out / "_surge" / "runs" / manifest.run_id / "COMPLETE").unlink()
+    assert dask_surge.status(str(out))["state"] == "incomplete"
+    res = ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
+    assert res.rows == 16 and res.superbatches == res.skipped_superbatches  # nothing encoded again
+    assert _parts(out) == _committed_files(out)
+
+
+def test_commit_records_are_checked_before_their_names_become_paths():
+    good = CommitRecord(sb_key(0, 0), "0" * 16, f"part-00000000-{sb_key(0, 0)}-0123abcd.parquet", 1, 1, "x",
+                        ((0, 0, 1, 1),))
+    for field, bad in (("file", "../../etc/passwd"), ("skipped_file", "/abs.parquet"), ("sb", "../x")):
+        raw = json.loads(good.to_json())
+        raw[field] = bad
+        if field == "skipped_file":
+            raw["skipped"] = 1
+        with pytest.raises(ValueError):
+            CommitRecord.from_json(json.dumps(raw).encode())
+
+
+# -- resume checks ------------------------------------------------------------------------------
+
+
+def _grow_or_shout(df: pd.DataFrame) -> pd.DataFrame:
+    """The streamed upstream step of the tests below: what it returns depends on the environment."""
+    mode = os.environ.get("SURGE_TEST_UPSTREAM", "")
+    if mode == "grow":
+        df = pd.concat([df, df.iloc[:2]])
+    elif mode == "shout":
+        df = df.assign(text=df.text.str.upper())
+    return df.assign(text=df.text.fillna("x")) if mode else df
+
+
+@pytest.mark.parametrize("change, message", [("grow", "has 12 rows now but 10"), ("shout", "holds other texts")])
+def test_a_streamed_partition_recomputed_differently_is_refused(tmp_path, monkeypatch, change, message):
+    base = pd.DataFrame({"text": [f"text {i}" for i in range(10)] + ["tail"]})
+    base.loc[9, "text"] = None  # the third slice of partition 0 stops the first run
+    ddf = dd.from_pandas(base.iloc[:10], npartitions=1).map_partitions(_grow_or_shout)
+    out, kw = tmp_path / "out", dict(KW, b_min=4, b_max=4)
+    model = CountingEncoder(dim=4)
+    monkeypatch.delenv("SURGE_TEST_UPSTREAM", raising=False)
+    with pytest.raises(SurgeInputError, match="null"):
+        ddf.surge.encode("text", str(out), model=model, **kw)
+    assert dask_surge.status(str(out))["rows_committed"] == 8  # two slices of partition 0
+    monkeypatch.setenv("SURGE_TEST_UPSTREAM", change)
+    with pytest.raises(SurgeInputError, match=f"partition 0 {message}.*overwrite=True"):
+        ddf.surge.encode("text", str(out), model=model, **kw)
+    assert dask_surge.status(str(out))["rows_committed"] == 8  # nothing mixed in
+
+
+def test_commit_times_are_mapped_onto_the_clients_clock():
+    from dask_surge.runner import _received
+
+    now = time.time()
+    (shifted,) = _received([{"committed_at": 1000.0, "task_end": 1005.0}])  # a worker 1e9 s behind
+    assert now - 5.5 < shifted["committed_at"] < time.time() - 4.9
