@@ -1,0 +1,133 @@
+"""The runner's units: a run killed after any commit and resumed in any order accounts for every row once.
+
+No Dask here: units run in this process in a random order (as workers of any cluster shape
+would finish them), with a writer that keeps commits in a dict (the exclusive-create rule of
+:meth:`dask_surge.manifest.Manifest.commit`: the first attempt of a key wins).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dask_surge.manifest import Coverage, sb_key
+from dask_surge.policy import plan_superbatches
+from dask_surge.runner import Unit, UnitRunner, planned_units, streaming_units, unit_partitions
+
+
+class Killed(Exception):
+    """The process died (kill -9) before this commit."""
+
+
+class Store:
+    """Commit records by key, as the manifest keeps them; ``budget`` commits, then a kill."""
+
+    def __init__(self, budget: int | None = None) -> None:
+        self.records: dict[str, tuple] = {}
+        self.budget = budget
+
+    def commit(self, key: str, spans: tuple) -> bool:
+        if key in self.records:
+            return False  # another attempt won
+        if self.budget is not None:
+            if self.budget == 0:
+                raise Killed
+            self.budget -= 1
+        self.records[key] = spans
+        return True
+
+
+class Encoderless:
+    column = "text"
+
+
+class Writer:
+    """Stands in for :class:`dask_surge.sink.SuperBatchWriter`: checks what it is given and commits spans."""
+
+    encoder = Encoderless()
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def __call__(self, parts, spans) -> dict:
+        by_partition = dict(zip(sorted({s.partition for s, _ in spans}), parts))
+        for span, n in spans:  # the rows it was given are the rows it was planned
+            assert len(by_partition[span.partition]) == n
+            assert 0 <= span.start < span.stop <= n or (span.start == span.stop == 0 == n)
+        first = spans[0][0]
+        key = sb_key(first.partition, first.start)
+        spans = tuple((s.partition, s.start, s.stop, n) for s, n in spans)
+        return {"committed": self.store.commit(key, spans), "committed_at": 0.0, "rows": 0}
+
+
+class Source:
+    def __init__(self, sizes) -> None:
+        self.sizes = sizes
+
+    def iterate(self, partitions, external):
+        for p in partitions:
+            yield p, pd.DataFrame({"text": [f"{p}:{i}" for i in range(self.sizes[p])]})
+
+
+def _units(mode: str, sizes, b_min, b_max, per_unit, store: Store) -> list[Unit]:
+    coverage = Coverage.of(store.records.values())
+    if mode == "planned":
+        plan = plan_superbatches(sizes, b_min, b_max)
+        return planned_units(plan, sizes, set(store.records), coverage)
+    return streaming_units(len(sizes), per_unit, coverage)
+
+
+def _run(units, runner: UnitRunner, source: Source, rng: random.Random) -> None:
+    order = list(units)
+    rng.shuffle(order)  # workers finish units in any order
+    for unit in order:
+        runner(source, [], unit)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=30),
+    b_min=st.integers(1, 30), extra=st.integers(0, 30), mode=st.sampled_from(["planned", "streaming"]),
+    threads=st.integers(1, 8), budget=st.integers(0, 40), kills=st.integers(0, 3), seed=st.integers(0, 2**16),
+)
+def test_resume_after_kills_accounts_for_every_row_once_and_equals_the_undisturbed_run(
+        sizes, b_min, extra, mode, threads, budget, kills, seed):
+    b_max = b_min + extra
+    rng = random.Random(seed)
+    per_unit = unit_partitions(len(sizes), threads)  # recorded with the run: a resume cuts the same units
+    source = Source(sizes)
+
+    undisturbed = Store()
+    runner = UnitRunner(Writer(undisturbed), b_min, b_max, None)  # type: ignore[arg-type]
+    _run(_units(mode, sizes, b_min, b_max, per_unit, undisturbed), runner, source, rng)
+
+    store = Store(budget)
+    for _ in range(kills + 1):  # killed after `budget` commits, then resumed (and killed again)
+        runner = UnitRunner(Writer(store), b_min, b_max, None)  # type: ignore[arg-type]
+        try:
+            _run(_units(mode, sizes, b_min, b_max, per_unit, store), runner, source, rng)
+        except Killed:
+            store.budget = rng.randint(0, 5)
+            continue
+        break
+    store.budget = None
+    runner = UnitRunner(Writer(store), b_min, b_max, None)  # type: ignore[arg-type]
+    _run(_units(mode, sizes, b_min, b_max, per_unit, store), runner, source, rng)  # the final resume
+
+    assert store.records == undisturbed.records
+    rows = [(p, r) for spans in store.records.values() for p, a, b, _ in spans for r in range(a, b)]
+    assert sorted(rows) == [(p, r) for p, n in enumerate(sizes) for r in range(n)]  # each row exactly once
+    assert not _units(mode, sizes, b_min, b_max, per_unit, store)  # nothing left to run
+
+
+@pytest.mark.parametrize("mode", ["planned", "streaming"])
+def test_a_complete_run_has_no_units_left(mode):
+    sizes, store = [3, 0, 12, 5], Store()
+    runner = UnitRunner(Writer(store), 4, 6, None)  # type: ignore[arg-type]
+    _run(_units(mode, sizes, 4, 6, 2, store), runner, Source(sizes), random.Random(0))
+    assert not _units(mode, sizes, 4, 6, 2, store)
+    assert Coverage.of(store.records.values()).missing(len(sizes)) == []
