@@ -12,8 +12,10 @@ built from what defines the data, and is the same in every process:
   modification time), listed afresh (never from a listing cache);
 * functions (``map_partitions(upper)``, ``from_map(reader, ...)``) by their
   qualified name and a digest of their code (bytecode, constants, names),
-  defaults, closure cells and the globals they use, so ``upper`` and ``lower``
-  differ and a lambda recreated in a new process matches;
+  defaults, closure cells and the globals they use (a global without a
+  deterministic token, such as a lock, by its type), so ``upper`` and ``lower``
+  differ and a lambda recreated in a new process matches; functions of the
+  standard library and installed packages by name and code only;
 * any other object by Dask's deterministic token
   (``dask.base.tokenize(obj, ensure_deterministic=True)``: ``__dask_tokenize__``,
   else its pickle).
@@ -202,7 +204,7 @@ def _function_token(func: types.FunctionType, active: set[int]) -> Any:
             except ValueError:  # an empty cell (a name assigned after the function was made)
                 closure.append("<empty cell>")
         globs = func.__globals__
-        used = {n: _token(globs[n], active, f"{name}: its global {n!r}")
+        used = {n: _global_token(globs[n], active, f"{name}: its global {n!r}")
                 for n in sorted(_global_names(func.__code__)) if n in globs and n != "__builtins__"}
         return {"function": name, "code": code_digest(func.__code__),
                 "defaults": _token(func.__defaults__, active, f"{name}: its defaults"),
@@ -210,6 +212,15 @@ def _function_token(func: types.FunctionType, active: set[int]) -> Any:
                 "closure": closure, "globals": used}
     finally:
         active.discard(id(func))
+
+
+def _global_token(value: Any, active: set[int], where: str) -> Any:
+    """A global a function uses: its data counts (a weight matrix, a helper function); state
+    that has no deterministic token (a lock, a client, an open file) is not data: its type."""
+    try:
+        return _token(value, active, where)
+    except NotDeterministic:
+        return {"state": f"{type(value).__module__}.{type(value).__qualname__}"}
 
 
 def _dask_token(value: Any, where: str) -> str:

@@ -65,13 +65,23 @@ def test_few_huge_texts_are_not_fused_past_max_bytes(tmp_path, counting_encoder)
     assert sorted(zip(back.partition, back.row)) == [(p, r) for p in range(4) for r in range(3)]
 
 
-def test_byte_cap_is_part_of_the_run_fingerprint(tmp_path, counting_encoder):
+def test_a_resumed_run_keeps_the_byte_cap_it_recorded(tmp_path, caplog):
+    """The byte cap does not change the embeddings, so it is not part of the run's identity: a
+    rerun asking another resumes with the recorded one (the SuperBatches keep their boundaries)."""
+    from dask_surge.testing import InterruptAfter
+
     ddf = dd.read_parquet(_huge_text_files(tmp_path / "in"))
     out = str(tmp_path / "out")
-    kw = dict(model=counting_encoder, b_min=100, b_max=1000, scheduler="sync", progress=False)
-    ddf.surge.encode("text", out, max_bytes="1 MiB", **kw)
-    with pytest.raises(dask_surge.SurgeOutputError, match="max_bytes"):
-        ddf.surge.encode("text", out, max_bytes="2 MiB", **kw)
+    model = InterruptAfter(3)
+    kw = dict(model=model, b_min=100, b_max=1000, scheduler="sync", progress=False)
+    planned = ddf.surge.plan("text", b_min=100, b_max=1000, max_bytes="1 MiB").superbatches
+    with pytest.raises(KeyboardInterrupt):
+        ddf.surge.encode("text", out, max_bytes="1 MiB", **kw)
+    res = ddf.surge.encode("text", out, max_bytes="2 MiB", **kw)  # the same model: its 3rd call is past
+    assert res.skipped_superbatches == 2 and res.superbatches == len(planned) == 4
+    assert "max_bytes=2097152 (recorded: 1048576)" in caplog.text
+    back = dask_surge.read_embeddings(out).compute()
+    assert len(back) == 12 and not back.duplicated(["partition", "row"]).any()
 
 
 def test_byte_cap_falls_back_to_the_size_pass_when_footers_cannot_say(tmp_path):
@@ -140,10 +150,11 @@ def test_a_run_that_may_still_be_going_is_not_replaced(tmp_path, counting_encode
     first = current_run(out)
     assert first.stopped() and not first.committed()
     first.clear_stopped()                                  # as if its process were still running
+    # another run (on_null alone does not make one: it does not change the embeddings)
     with pytest.raises(dask_surge.SurgeOutputError, match="different run"):
-        ddf.surge.encode("text", out, on_null="skip", **kw)
+        ddf.surge.encode("text", out, on_null="skip", normalize=True, **kw)
     first.mark_stopped("test")
-    assert ddf.surge.encode("text", out, on_null="skip", **kw).nulls_skipped == 4
+    assert ddf.surge.encode("text", out, on_null="skip", normalize=True, **kw).nulls_skipped == 4
 
 
 def test_skip_needs_an_output_to_record_the_ids(counting_encoder):

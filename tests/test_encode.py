@@ -201,10 +201,11 @@ def test_other_run_is_refused_then_overwritten(tmp_path, counting_encoder):
     out = str(tmp_path / "emb")
     kw = dict(model=counting_encoder, scheduler="sync", progress=False)
     ddf.surge.encode("text", out, b_min=3, b_max=3, **kw)
-    with pytest.raises(SurgeOutputError, match=r"different run \(b_max: 3 -> 6; b_min: 3 -> 6"):
-        ddf.surge.encode("text", out, b_min=6, b_max=6, **kw)
+    # thresholds alone do not make another run (they do not change the embeddings); normalize does
+    with pytest.raises(SurgeOutputError, match=r"different run \(normalize: False -> True\)"):
+        ddf.surge.encode("text", out, b_min=6, b_max=6, normalize=True, **kw)
     assert len(dask_surge.read_embeddings(out).compute()) == 9  # old output untouched
-    res = ddf.surge.encode("text", out, b_min=6, b_max=6, overwrite=True, **kw)
+    res = ddf.surge.encode("text", out, b_min=6, b_max=6, normalize=True, overwrite=True, **kw)
     assert res.superbatches == 2
     assert len(list((tmp_path / "emb").glob("part-*.parquet"))) == 2
     assert len(dask_surge.read_embeddings(out).compute()) == 9
