@@ -23,8 +23,8 @@ LOG="$OUT/session.log"
 WORK=$(mktemp -d /tmp/surge-gpu-work.XXXXXX)
 TRY=${SURGE_GPU_TRY:-}
 # stage:timeout_s, in order; with SETUP_TIMEOUT the sum must stay well under 480 s (the test checks it)
-SETUP_TIMEOUT=40
-STAGES="preflight:15,data:30,host:40,surge_minilm:65,surge_bert:55,engine:30,busy:20,inflight:45,cosine:20,pytest:45"
+SETUP_TIMEOUT=45
+STAGES="preflight:15,data:30,host:40,surge_minilm:65,surge_bert:50,engine:30,busy:20,inflight:40,cosine:20,pytest:60"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTORCH_NVML_BASED_CUDA_CHECK=1
 
 line() {  # one JSON line from the shell itself: line STAGE STATUS [key=number ...]
@@ -45,6 +45,9 @@ trap finish EXIT
 mkdir -p "$WORK/detail"
 : > "$RESULTS"
 { date -u; echo "nproc $(nproc)"; git rev-parse HEAD 2> /dev/null; git status --short 2> /dev/null | head -20; } > "$LOG" 2>&1
+REV=$(git rev-parse --short HEAD 2> /dev/null || echo unknown)
+line session start command="\"SURGE_GPU_TRY=$TRY bash benchmarks/gpu_session.sh\"" revision="\"$REV\"" \
+  setup_timeout_s="$SETUP_TIMEOUT" stages="\"$STAGES\""
 
 # -- setup: Dask wheels, the random-weight models (one timeout for all of it) ----------------------
 T0=$(date +%s)
