@@ -236,7 +236,6 @@ def cmd_plan(args) -> int:
 
 def cmd_status(args) -> int:
     from .api import status
-
     from .manifest import repair, verify
 
     if args.repair:
