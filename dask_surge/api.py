@@ -367,7 +367,9 @@ def encode(
     column : str
         The text column.
     output : str, optional
-        Directory (local path or fsspec URL) to write to. ``None`` returns a lazy
+        Directory to write to: a local or shared-filesystem path (or ``memory://`` in one
+        process), new, empty, or holding only dask-surge's own files; object-store URLs are
+        refused for writing (see README "Output and recovery"). ``None`` returns a lazy
         Dask DataFrame instead.
     model : str, path, SentenceTransformer, callable or Encoder, optional
         A Hugging Face Hub name such as ``"BAAI/bge-small-en-v1.5"`` (resolved through
