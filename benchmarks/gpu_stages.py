@@ -115,8 +115,10 @@ class Session:
 
         if env:
             os.environ.update(env)  # spawned workers inherit it; this child's own environment only
-        if self.trying:
+        if self.trying and not self.args.processes:
             return local_cluster(n_workers=1, threads_per_worker=threads or 2, processes=False, protocol="tcp")
+        if self.trying:
+            return local_cluster(n_workers=1, threads_per_worker=threads or 2)
         return local_cluster(**({"threads_per_worker": threads} if threads else {}))
 
 
@@ -601,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ref", default=".gpu/minilm-ref.json")
     parser.add_argument("--try", dest="try_run", action="store_true", help="CPU dry run: tiny models and sizes")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every timeout by this")
+    parser.add_argument("--processes", action="store_true",
+                        help="with --try: Dask workers in processes of their own, as on the GPU (slower to start)")
     args = parser.parse_args(argv)
     plan = []
     for item in args.stages.split(","):

@@ -77,7 +77,7 @@ def fine(s):
 
 gpu_stages.STAGES.update(hang=hang, fine=fine)
 args = gpu_stages.argparse.Namespace(try_run=True, work=sys.argv[2], results=sys.argv[3], minilm="", bert="",
-                                     real="", ref="")
+                                     real="", ref="", processes=False)
 sys.exit(gpu_stages.run(gpu_stages.Session(args), [("hang", 1.0), ("fine", 60.0)]))
 """
 
