@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 
+from dask.base import tokenize
 from distributed.diagnostics.plugin import WorkerPlugin
 
 from . import encoders
@@ -49,7 +50,8 @@ class EncoderPlugin(WorkerPlugin):
         self.obj = encoder.source_object
         self.preload = preload
         self.background = background
-        self.name = "dask-surge-encoder-" + hashlib.sha1(repr(encoder.spec).encode()).hexdigest()[:12]
+        # the spec's repr hides credentials; its token does not (two tokens: two plugins)
+        self.name = "dask-surge-encoder-" + hashlib.sha1(tokenize(encoder.spec).encode()).hexdigest()[:12]
 
     async def setup(self, worker) -> None:
         """Install an in-memory model in this worker process and, with ``preload``, load the model.
