@@ -163,14 +163,15 @@ def test_two_runs_started_at_once_one_wins_cleanly(tmp_path):
     out, ddf = tmp_path / "out", make_partitioned_frame([20] * 6)
     barrier, outcomes = threading.Barrier(2), []
 
-    def run(seconds):
+    def run(normalize):  # two different runs: normalize changes the embeddings
         barrier.wait()
         try:
-            outcomes.append(("ok", dask_surge.encode(ddf, "text", str(out), model=SleepyModel(seconds), **KW)))
+            outcomes.append(("ok", dask_surge.encode(ddf, "text", str(out), model=SleepyModel(0.05),
+                                                     normalize=normalize, **KW)))
         except SurgeOutputError as err:
             outcomes.append(("refused", str(err)))
 
-    threads = [threading.Thread(target=run, args=(d,)) for d in (0.05, 0.06)]
+    threads = [threading.Thread(target=run, args=(n,)) for n in (False, True)]
     [t.start() for t in threads]
     [t.join() for t in threads]
     kinds = sorted(k for k, _ in outcomes)
