@@ -46,6 +46,8 @@ if os.environ.get("SURGE_DOCS_INTERSPHINX") == "1":
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
+# quotes and ellipses only: "--flag" in the generated CLI reference must stay two hyphens
+smartquotes_action = "qe"
 templates_path = ["_templates"]
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "requirements.txt"]
 
