@@ -12,9 +12,9 @@ from . import (
 )
 from ._version import __version__
 from .api import EncodeResult, SurgePlan, encode, plan, read_embeddings, skipped_rows, status
-from .encoders import Encoder
 from .errors import SurgeError, SurgeInputError, SurgeModelError, SurgeOutputError, SurgeValueError
-from .policy import OnlinePlanner, SuperBatch, plan_superbatches
+from .models.encoders import Encoder
+from .planning.policy import OnlinePlanner, SuperBatch, plan_superbatches
 
 __all__ = [
     "__version__", "encode", "plan", "read_embeddings", "skipped_rows", "status", "Encoder", "EncodeResult", "SurgePlan",

@@ -11,20 +11,29 @@ from typing import Any, Literal, overload
 
 from . import config
 from ._version import __version__
-from .cluster import gpu_count
-from .encoders import Encoder
-from .errors import SurgeInputError, SurgeValueError
-from .graph import superbatch_collection
-from .identity import input_identity, redact
+from .errors import SurgeError, SurgeInputError, SurgeValueError
+from .execution.calibrate import calibrate
+from .execution.calibrate import calibrate as run_probe
+from .execution.cluster import local_cluster, local_cluster_threads
+from .execution.graph import superbatch_collection
+from .execution.plugins import register_encoder
+from .execution.runner import write_run
+from .execution.superbatch import SuperBatchEncoder
+from .io.manifest import find_run
+from .io.precision import check_precision, check_truncate_dim
+from .io.readers import read_embeddings, skipped_rows, status
+from .models.devices import gpu_count
+from .models.encoders import Encoder
+from .models.modelid import redact
 from .options import Dtype, EngineName, OnNull, Precision
-from .policy import SuperBatch, plan_superbatches
-from .precision import check_precision, check_truncate_dim
-from .readers import read_embeddings, skipped_rows, status
+from .planning.costmodel import advise, predict
+from .planning.identity import IDENTITY_OPTIONS, input_identity
+from .planning.policy import SuperBatch, plan_superbatches
+from .planning.sizes import PartitionSizes, known_sizes, partition_sizes
+from .planning.thresholds import Thresholds, requested_thresholds, resolve_thresholds
+from .planning.tokens import sample_texts, token_counter
+from .planning.units import streamed_plan, unit_partitions
 from .results import EncodeResult, SurgePlan
-from .runner import streamed_plan, unit_partitions, write_run
-from .sizes import PartitionSizes, known_sizes, partition_sizes
-from .superbatch import SuperBatchEncoder
-from .thresholds import Thresholds, requested_thresholds, resolve_thresholds
 
 __all__ = ["encode", "plan", "fingerprint", "status", "read_embeddings", "skipped_rows", "EncodeResult",
            "SurgePlan"]
@@ -93,11 +102,11 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
         As for :func:`encode`.
     prompt, prompt_name, revision, trust_remote_code, model_kwargs
         As for :func:`encode` (a prompt adds to every text's tokens).
-    params : dask_surge.costmodel.CostParams, optional
+    params : dask_surge.planning.costmodel.CostParams, optional
         Cost-model parameters; with them the plan predicts every policy.
     calibrate : bool
         Measure the parameters on the live cluster first (a probe of 10-20 s,
-        cached per model, device and cluster shape; see :mod:`dask_surge.calibrate`).
+        cached per model, device and cluster shape; see :mod:`dask_surge.execution.calibrate`).
     client : distributed.Client, optional
         Cluster to calibrate on and plan for (default: the active one, else this process).
     scheduler : None, distributed.Client, "threads" or "sync"
@@ -132,7 +141,6 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
         client, scheduler = scheduler, None
     active = client if client is not None else (_active_client() if scheduler is None else None)
     if calibrate and params is None:
-        from .calibrate import calibrate as run_probe
 
         params = run_probe(_resolve_encoder(model, {}), client=active)
     tokens_source, raw_params = None, params
@@ -151,7 +159,6 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     result = SurgePlan(sizes, superbatches, th.b_min, th.b_max, params=params, max_bytes=max_bytes,
                        tokens_source=tokens_source, unit_partitions=None if known is not None else per_unit)
     if params is not None and sizes.total:
-        from .costmodel import advise, predict
 
         # predict the plan shown, under the byte cap it was made with
         result.predictions = predict(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, nbytes=sizes.nbytes,
@@ -176,12 +183,11 @@ def _max_bytes(value: Any) -> int | None:
 def _threads(client, scheduler: Any = None) -> int:
     """Worker threads that run the units: a distributed Client's; one for the local
     schedulers (units run one at a time); without either, those of the cluster encode()
-    starts (:func:`dask_surge.cluster.local_cluster_threads`)."""
+    starts (:func:`dask_surge.execution.cluster.local_cluster_threads`)."""
     if client is not None:
         return sum(client.nthreads().values())
     if scheduler is not None:
         return 1
-    from .cluster import local_cluster_threads
 
     return local_cluster_threads()
 
@@ -213,7 +219,6 @@ def _work(sizes: PartitionSizes, superbatches: list[SuperBatch]) -> list[int]:
 
 def _params_for_data(ddf, column: str, sizes: PartitionSizes, params, model, token_sample):
     """``params`` re-based on the token lengths of a sample of the user's texts, and where they came from."""
-    from .tokens import sample_texts, token_counter
 
     n = config.get("token-sample", token_sample)
     if n is None:
@@ -255,7 +260,6 @@ def _client_for(scheduler):
         return
     from distributed import Client
 
-    from .cluster import local_cluster
 
     with local_cluster() as cluster, Client(cluster) as client:
         logger.warning("dask-surge: started %s; dashboard: %s", type(cluster).__name__, client.dashboard_link)
@@ -393,7 +397,7 @@ def encode(
     precision : {"float32", "float16", "int8", "binary"}, optional
         Storage type of the embedding values (``surge.precision``): ``int8`` is
         ``round(127 x)`` of unit vectors (needs ``normalize=True``), ``binary``
-        packs the sign bits into ``ceil(d / 8)`` bytes; see :mod:`dask_surge.precision`.
+        packs the sign bits into ``ceil(d / 8)`` bytes; see :mod:`dask_surge.io.precision`.
     truncate_dim : int, optional
         Keep the first ``k`` dimensions (Matryoshka models), re-normalized when
         ``normalize`` (``surge.truncate-dim``).
@@ -442,7 +446,7 @@ def encode(
     GPU, float32 on a CPU). Changing ``on_null``, the thresholds, ``device``,
     ``engine``, ``batch_size``, ``max_tokens``, ``scheduler`` or ``progress`` resumes
     the same run (with the thresholds it recorded when it started).
-    See :data:`dask_surge.identity.IDENTITY_OPTIONS`.
+    See :data:`dask_surge.planning.identity.IDENTITY_OPTIONS`.
 
     Returns
     -------
@@ -508,8 +512,6 @@ def _recorded_max_bytes(output: str, run_id: dict, storage_options: dict | None,
     a rerun that asks for others resumes the same run with the thresholds it recorded
     (its SuperBatches, committed or not, keep their boundaries), and says so.
     """
-    from .errors import SurgeError
-    from .manifest import find_run
 
     try:
         found = find_run(output, run_id, storage_options)
@@ -537,7 +539,6 @@ def _resolve(requested, encoder: Encoder, frame, column: str, client, sizes: Par
     token sample of the data as :func:`plan` does, so both pick the same thresholds."""
     params = None
     if "auto" in requested:
-        from .calibrate import calibrate
 
         try:
             params = calibrate(encoder, client=client, probe=False)
@@ -573,7 +574,6 @@ def _register(encoder: Encoder, client=None) -> None:
             client = get_client()
         except ValueError:
             return
-    from .plugins import register_encoder
 
     register_encoder(client, encoder, background=True)
 
@@ -582,7 +582,7 @@ def fingerprint(frame, sbe: SuperBatchEncoder, *, device: str | None = None,
                 input_token: str | None = None) -> dict:
     """What makes two runs the same run (and lets a rerun resume): what it encodes.
 
-    The options in it are those :data:`dask_surge.identity.IDENTITY_OPTIONS` marks as
+    The options in it are those :data:`dask_surge.planning.identity.IDENTITY_OPTIONS` marks as
     changing the embeddings or the output: the input (its files and graph, or
     ``input_token``), the column and kept columns, the model's identity (content,
     revision, prompts, ``model_kwargs`` without credentials, the compute dtype resolved
@@ -604,7 +604,7 @@ def fingerprint(frame, sbe: SuperBatchEncoder, *, device: str | None = None,
     Examples
     --------
     >>> import pandas as pd, dask.dataframe as dd
-    >>> from dask_surge.superbatch import SuperBatchEncoder
+    >>> from dask_surge.execution.superbatch import SuperBatchEncoder
     >>> from dask_surge import Encoder
     >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
     >>> enc = Encoder("default")
@@ -613,7 +613,6 @@ def fingerprint(frame, sbe: SuperBatchEncoder, *, device: str | None = None,
     >>> a == b, a["model"]["dtype"]
     (True, 'float32')
     """
-    from .identity import IDENTITY_OPTIONS
 
     values = {
         "ddf": input_identity(frame, token=input_token), "column": sbe.column, "keep": list(sbe.keep),

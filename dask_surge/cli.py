@@ -10,9 +10,14 @@ import sys
 import time
 from pathlib import Path
 
-from . import __version__
+from ._version import __version__
+from .api import encode, plan, read_embeddings, status
 from .errors import SurgeError
+from .execution.cluster import local_cluster
+from .io.manifest import repair, verify
+from .models.devices import gpu_count
 from .options import DTYPES, ENGINES, ON_NULLS, PRECISIONS
+from .synthetic import lognormal_sizes, write_partitioned_parquet
 
 __all__ = ["main", "build_parser"]
 
@@ -177,7 +182,6 @@ def _print_result(result, as_json: bool) -> None:
 
 
 def cmd_encode(args) -> int:
-    from .api import encode
 
     ddf = read_input(args.inputs, args.format)
     result = encode(ddf, args.text_column, args.output, keep=args.keep, **_options(args))
@@ -188,9 +192,6 @@ def cmd_encode(args) -> int:
 def cmd_demo(args) -> int:
     import numpy as np
 
-    from .api import encode, read_embeddings
-    from .cluster import gpu_count
-    from .synthetic import lognormal_sizes, write_partitioned_parquet
 
     args.rows = args.rows or (200_000 if gpu_count() else 6_000)
     args.partitions = args.partitions or max(20, args.rows // 100)
@@ -218,13 +219,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .api import plan
 
     ddf = read_input(args.inputs, args.format)
     if args.calibrate:
         from distributed import Client
 
-        from .cluster import local_cluster
 
         with local_cluster() as cluster, Client(cluster) as client:
             result = plan(ddf, args.text_column, b_min=args.b_min, b_max=args.b_max, max_bytes=args.max_bytes,
@@ -236,8 +235,6 @@ def cmd_plan(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from .api import status
-    from .manifest import repair, verify
 
     if args.repair:
         for line in repair(args.output) or ["nothing to repair"]:

@@ -21,7 +21,7 @@ __all__ = [
     "Precision", "choices",
 ]
 
-#: Storage type of the embedding values (see :mod:`dask_surge.precision`).
+#: Storage type of the embedding values (see :mod:`dask_surge.io.precision`).
 Precision = Literal["float32", "float16", "int8", "binary"]
 #: What a null text does: raise, encode as ``""``, or leave the row out and record it.
 OnNull = Literal["error", "empty", "skip"]

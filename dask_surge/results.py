@@ -10,8 +10,10 @@ import numpy as np
 import pandas as pd
 
 from .errors import SurgeValueError
-from .policy import SuperBatch
-from .sizes import PartitionSizes
+from .planning.costmodel import predict
+from .planning.policy import SuperBatch
+from .planning.sizes import PartitionSizes
+from .planning.units import streamed_plan
 
 __all__ = ["SurgePlan", "EncodeResult"]
 
@@ -26,8 +28,8 @@ class SurgePlan:
     predictions : pandas.DataFrame or None
         Indexed by policy (``surge``, ``pbp``, ``fb``, ``pb-pbp-lb``) with columns
         ``texts_per_s``, ``seconds``, ``calls``, ``peak_memory_bytes``, ``ttfo_s``...
-        (:func:`dask_surge.costmodel.predict`).
-    advice : dask_surge.costmodel.Advice or None
+        (:func:`dask_surge.planning.costmodel.predict`).
+    advice : dask_surge.planning.costmodel.Advice or None
         phi, CV, the predicted speed-up over one call per partition, and the knob
         that matters.
     """
@@ -96,7 +98,6 @@ class SurgePlan:
     def sweep(self, b_mins: Sequence[int] | None = None):
         """Predicted SURGE throughput, peak memory and TTFO for a range of ``b_min``
         (``b_max = max(b_max, 4 b_min)``), as a DataFrame indexed by ``b_min``."""
-        from .costmodel import predict
 
         if self.params is None:
             raise SurgeValueError("this plan has no cost-model parameters. Fix: call plan(..., calibrate=True) or pass params=.")
@@ -108,7 +109,6 @@ class SurgePlan:
             b_max = max(self.b_max, 4 * b)
             plan = None
             if self.unit_partitions is not None:
-                from .runner import streamed_plan
 
                 plan = streamed_plan(self.sizes.sizes, b, b_max, self.unit_partitions, nbytes=self.sizes.nbytes,
                                      max_bytes=self.max_bytes)

@@ -32,7 +32,7 @@ def mmapped_blocks_for_4mib():
 
 first = mmapped_blocks_for_4mib()
 if sys.argv[1] == "keep":
-    from dask_surge.allocator import keep_large_blocks
+    from dask_surge.models.allocator import keep_large_blocks
     assert keep_large_blocks()
 print(first, mmapped_blocks_for_4mib())
 """
@@ -50,7 +50,8 @@ def test_a_worker_like_process_serves_large_blocks_from_the_heap_once_told(mode,
 
 
 def test_loading_a_model_applies_it(tiny_model):
-    from dask_surge import Encoder, allocator
+    from dask_surge import Encoder
+    from dask_surge.models import allocator
 
     Encoder(str(tiny_model), device="cpu").load()
     assert allocator._done == [allocator.MMAP_THRESHOLD]

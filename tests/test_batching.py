@@ -1,4 +1,4 @@
-"""Property tests of the one micro-batching rule (dask_surge.batching).
+"""Property tests of the one micro-batching rule (dask_surge.models.batching).
 
 The engine runs this rule and the cost model replays it; these tests pin what
 both rely on: every text is in exactly one micro-batch, a micro-batch keeps to
@@ -14,8 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from dask_surge import batching, costmodel
-from dask_surge.batching import WINDOW_TEXTS, cut, plan_batches, replay, sort_order, windows
+from dask_surge.models import batching
+
+from dask_surge.planning import costmodel
+from dask_surge.models.batching import WINDOW_TEXTS, cut, plan_batches, replay, sort_order, windows
 
 lengths_st = arrays(np.int64, st.integers(0, 300), elements=st.integers(0, 512))
 budget_st = st.integers(1, 20_000)
@@ -141,7 +143,7 @@ def test_engine_runs_the_planned_micro_batches(monkeypatch, tmp_path):
     """The engine's forward passes are exactly the micro-batches plan_batches cuts."""
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.engine import TransformerEngine
+    from dask_surge.models.engine import TransformerEngine
     from dask_surge.testing import make_tiny_model
 
     model = SentenceTransformer(make_tiny_model(tmp_path / "tiny"), device="cpu")

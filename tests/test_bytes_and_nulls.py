@@ -12,7 +12,7 @@ import dask.dataframe as dd
 
 import dask_surge
 from dask_surge import SurgeInputError, SurgeValueError
-from dask_surge.sizes import partition_sizes
+from dask_surge.planning.sizes import partition_sizes
 
 
 def _huge_text_files(root, files=4, per_file=3, size=300_000, seed=0):
@@ -123,7 +123,7 @@ def test_skip_leaves_nulls_out_and_records_every_one(tmp_path, counting_encoder)
     info = dask_surge.status(out)
     assert info["state"] == "complete" and info["nulls_skipped"] == len(nulls)
     # ids live in one small Parquet file per SuperBatch that skipped any, named by its record
-    from dask_surge.manifest import current_run
+    from dask_surge.io.manifest import current_run
 
     records = current_run(out).committed().values()
     assert sum(r.skipped for r in records) == len(nulls)
@@ -133,14 +133,14 @@ def test_skip_leaves_nulls_out_and_records_every_one(tmp_path, counting_encoder)
 
 
 def test_skip_then_a_non_string_names_its_real_row():
-    from dask_surge.superbatch import texts_of
+    from dask_surge.execution.superbatch import texts_of
 
     with pytest.raises(SurgeInputError, match="partition 0, row 13"):
         texts_of(pd.Series(["a", None, None, 5]), 0, 10, "skip")
 
 
 def test_a_run_that_may_still_be_going_is_not_replaced(tmp_path, counting_encoder):
-    from dask_surge.manifest import current_run
+    from dask_surge.io.manifest import current_run
 
     out = str(tmp_path / "o")
     ddf = _nully_frame()

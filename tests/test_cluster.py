@@ -5,7 +5,7 @@ import ipaddress
 import psutil
 import pytest
 
-from dask_surge.cluster import _loopback, local_cluster
+from dask_surge.execution.cluster import _loopback, local_cluster
 
 
 def _listening(proc: psutil.Process) -> list[tuple[int, str, int]]:

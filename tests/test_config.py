@@ -19,7 +19,7 @@ def test_yaml_and_option_table_agree():
 
 def test_env_and_set_override(monkeypatch):
     with dask.config.set({"surge.b-min": 123}):
-        from dask_surge.thresholds import resolve_thresholds
+        from dask_surge.planning.thresholds import resolve_thresholds
 
         assert resolve_thresholds(gpu=False).b_min == 123
     monkeypatch.setenv("DASK_SURGE__PRECISION", "float16")

@@ -6,11 +6,11 @@ import dask.dataframe as dd
 import numpy as np
 import pytest
 
-from dask_surge.costmodel import (
+from dask_surge.planning.costmodel import (
     Advice, CostParams, advise, auto_thresholds, batch_shape, call_cost, phi_cv, predict,
 )
 from dask_surge.errors import SurgeValueError
-from dask_surge.policy import plan_superbatches
+from dask_surge.planning.policy import plan_superbatches
 from dask_surge.testing import lognormal_sizes
 
 LENGTHS = tuple(float(x) for x in np.linspace(8, 60, 64))
@@ -203,7 +203,7 @@ def test_calibrate_in_process_smoke(tiny_model, tmp_path, monkeypatch):
     import warnings
 
     from dask_surge import Encoder
-    from dask_surge.calibrate import CalibrationWarning, cache_dir, calibrate
+    from dask_surge.execution.calibrate import CalibrationWarning, cache_dir, calibrate
 
     monkeypatch.setenv("DASK_SURGE_CACHE_DIR", str(tmp_path / "cache"))
     assert cache_dir() == tmp_path / "cache"
@@ -237,7 +237,7 @@ def test_calibrate_in_process_smoke(tiny_model, tmp_path, monkeypatch):
 
 def _fake_probe(budget_s=4.0, **model_kw):
     from dask_surge import Encoder
-    from dask_surge.calibrate import _probe_curve
+    from dask_surge.execution.calibrate import _probe_curve
     from dask_surge.testing import FakeClock, FakeTimedEncoder
 
     clock = FakeClock()
@@ -248,7 +248,7 @@ def _fake_probe(budget_s=4.0, **model_kw):
 
 
 def _fitted(probe):
-    from dask_surge.calibrate import fit_encode_curve
+    from dask_surge.execution.calibrate import fit_encode_curve
 
     rows, padded, forwards, secs = (np.array(x, dtype=float) for x in zip(*probe["observations"]))
     fit = fit_encode_curve(rows, padded, forwards, secs)
@@ -298,7 +298,7 @@ def test_probe_in_pure_noise_is_not_separable_and_keeps_its_budget():
 
 
 def test_fit_encode_curve_refuses_noise_with_a_fix():
-    from dask_surge.calibrate import fit_encode_curve
+    from dask_surge.execution.calibrate import fit_encode_curve
 
     rows = [64, 152, 25, 1, 2, 4]  # the issue's probe on a busy machine
     secs = [0.31, 0.89, 0.62, 0.34, 0.28, 0.32]
@@ -309,7 +309,7 @@ def test_fit_encode_curve_refuses_noise_with_a_fix():
 def test_calibrate_falls_back_to_defaults_with_a_warning(tmp_path, monkeypatch):
     import functools
 
-    import dask_surge.calibrate as cal
+    import dask_surge.execution.calibrate as cal
     from dask_surge import Encoder
     from dask_surge.testing import FakeClock, FakeTimedEncoder
 
@@ -323,7 +323,7 @@ def test_calibrate_falls_back_to_defaults_with_a_warning(tmp_path, monkeypatch):
 
 
 def test_plan_without_a_usable_calibration_uses_the_defaults(monkeypatch):
-    import dask_surge.calibrate as cal
+    import dask_surge.execution.calibrate as cal
     from dask_surge.testing import make_partitioned_frame
 
     def noisy(*args, **kwargs):
@@ -338,7 +338,7 @@ def test_plan_without_a_usable_calibration_uses_the_defaults(monkeypatch):
 
 
 def test_calibrate_bad_seconds():
-    from dask_surge.calibrate import calibrate
+    from dask_surge.execution.calibrate import calibrate
 
     with pytest.raises(SurgeValueError, match="seconds=0"):
         calibrate("default", seconds=0)
@@ -366,7 +366,7 @@ def test_plan_with_params_predicts_every_policy_and_advises():
 def test_auto_thresholds_use_a_cached_calibration(monkeypatch):
     import dask
 
-    import dask_surge.calibrate as cal
+    import dask_surge.execution.calibrate as cal
     from dask_surge.testing import make_partitioned_frame
 
     monkeypatch.setattr(cal, "calibrate", lambda *a, **k: params())
@@ -425,7 +425,7 @@ def _probe_runs(c, W, T0, alpha, rho, pi, *, idle=None, m=16, n_small=1, n_large
 
 @pytest.mark.parametrize("W", [1, 2, 3])
 def test_solve_dask_terms_recovers_the_terms(W):
-    from dask_surge.calibrate import solve_dask_terms
+    from dask_surge.execution.calibrate import solve_dask_terms
 
     p = params()
     c = lambda b: float(call_cost([b], p)[0])
@@ -438,7 +438,7 @@ def test_solve_dask_terms_recovers_the_terms(W):
 
 def test_solve_dask_terms_one_row_moderate_run_means_one_alpha():
     """With m = 1 (one-row calls already busy) the old two-point solve: one alpha for every call."""
-    from dask_surge.calibrate import solve_dask_terms
+    from dask_surge.execution.calibrate import solve_dask_terms
 
     c = lambda b: 0.02 + 0.01 * b
     runs = _probe_runs(c, 2, T0=0.05, alpha=0.015, rho=1e-4, pi=0.003, m=1)
@@ -449,7 +449,7 @@ def test_solve_dask_terms_one_row_moderate_run_means_one_alpha():
 
 
 def test_solve_dask_terms_clips_noise_and_respects_setup():
-    from dask_surge.calibrate import solve_dask_terms
+    from dask_surge.execution.calibrate import solve_dask_terms
 
     c = lambda b: 1e-3 + 1e-4 * b
     runs = _probe_runs(c, 2, T0=0.05, alpha=0.0, rho=0.0, pi=0.0)
@@ -465,7 +465,7 @@ def test_solve_dask_terms_clips_noise_and_respects_setup():
 
 def test_solve_dask_terms_prediction_matches_the_probe_runs():
     """The solved terms make predict() reproduce the probe's own PBP run (consistency)."""
-    from dask_surge.calibrate import solve_dask_terms
+    from dask_surge.execution.calibrate import solve_dask_terms
 
     p = params(overhead_s=0.0, alpha_s=0.001, partition_s=0.0, io_per_row_s=0.0)
     c = lambda b: float(call_cost([b], p)[0])
@@ -481,7 +481,7 @@ def test_solve_dask_terms_prediction_matches_the_probe_runs():
 
 
 def test_solve_dask_terms_bad_runs():
-    from dask_surge.calibrate import solve_dask_terms
+    from dask_surge.execution.calibrate import solve_dask_terms
 
     c = lambda b: 1e-3 * b
     runs = _probe_runs(c, 2, T0=0.05, alpha=0.01, rho=0.0, pi=0.0)
@@ -502,7 +502,7 @@ def test_solve_dask_terms_bad_runs():
 def test_solve_dask_terms_takes_rho_from_io_only_runs(W):
     """rho from runs whose encoder costs nothing: no encode time is subtracted, so a curve
     that is off by 5% (as a real probe's is) does not move rho."""
-    from dask_surge.calibrate import solve_dask_terms
+    from dask_surge.execution.calibrate import solve_dask_terms
 
     p = params()
     c = lambda b: float(call_cost([b], p)[0])
@@ -519,7 +519,7 @@ def test_solve_dask_terms_takes_rho_from_io_only_runs(W):
 
 
 def test_moderate_rows_is_where_encoding_covers_the_overhead():
-    from dask_surge.calibrate import _moderate_rows
+    from dask_surge.execution.calibrate import _moderate_rows
 
     c = lambda b: 1e-3 + 5e-4 * b
     m = _moderate_rows(c, 0.0165, 10_000)
@@ -529,7 +529,7 @@ def test_moderate_rows_is_where_encoding_covers_the_overhead():
 
 
 def test_call_overhead_interpolates_between_idle_and_busy_calls():
-    from dask_surge.costmodel import call_overhead
+    from dask_surge.planning.costmodel import call_overhead
 
     p = params(alpha_s=0.02, setup_s=0.001, alpha_idle_s=0.01, busy_call_s=0.04)
     assert call_overhead([0.0, 0.02, 0.04, 5.0], p).tolist() == pytest.approx([0.01, 0.015, 0.02, 0.02])

@@ -42,7 +42,7 @@ def test_packaged_minilm_matches_on_unseen_texts():
     texts = make_texts(60, seed=1234) + ["", "x " * 600]  # empty and truncated texts too
     ddf = dd.from_pandas(pd.DataFrame({"text": texts}), npartitions=7)
     df = ddf.surge.encode("text", b_min=16, b_max=32, device="cpu").compute(scheduler="sync")
-    ref = _reference(dask_surge.encoders.resolve_model_path("default"), texts)
+    ref = _reference(dask_surge.models.encoders.resolve_model_path("default"), texts)
     assert df.shape[0] == len(texts)
     assert cosines(_emb(df), ref).min() >= 0.9999
 
@@ -84,7 +84,7 @@ def _counted(frame, calls):
 def test_upstream_tasks_run_once_when_superbatches_share_a_partition():
     """The slices of a partition larger than b_max share it: it stays one task, read once,
     with the priority of its first SuperBatch; every other partition is fused."""
-    from dask_surge.graph import FusedSuperBatchExpr
+    from dask_surge.execution.graph import FusedSuperBatchExpr
 
     sizes = [3, 50, 2, 4]
     calls: list = []
@@ -114,7 +114,7 @@ def test_encode_fuses_over_a_persisted_frame(client):
 def test_parquet_sizes_come_from_footers_without_reading_data(tmp_path):
     from dask.callbacks import Callback
 
-    from dask_surge.sizes import partition_sizes
+    from dask_surge.planning.sizes import partition_sizes
     from dask_surge.testing import write_partitioned_parquet
 
     sizes = [5, 0, 17, 3]
@@ -242,7 +242,7 @@ def test_distributed_cluster_end_to_end(tmp_path, tiny_model, client):
     # the input streams, a window of 2 units in flight: unit k starts only once k - 1 units
     # have finished, each committing at least one SuperBatch, so it reports no earlier than
     # the (k - 1)-th commit (TTFO: the first units commit first)
-    from dask_surge.manifest import current_run
+    from dask_surge.io.manifest import current_run
 
     per_unit = current_run(str(tmp_path / "emb")).plan["unit_partitions"]
     units = [r["spans"][0][0] // per_unit for r in res.records]

@@ -1,4 +1,4 @@
-"""Tests of dask_surge.engine.TransformerEngine against SentenceTransformer.encode."""
+"""Tests of dask_surge.models.engine.TransformerEngine against SentenceTransformer.encode."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Dense, Pooling
 
-from dask_surge.engine import TransformerEngine
+from dask_surge.models.engine import TransformerEngine
 from dask_surge.errors import SurgeInputError, SurgeValueError
 from dask_surge.testing import make_texts, make_tiny_model, min_cosine, packaged_model_dir
 
@@ -92,7 +92,7 @@ def test_user_model_is_left_untouched(models):
 
 
 def test_cpu_fast_path_is_packed_and_fused_and_leaves_the_model_alone(models):
-    from dask_surge.engine import _OneDNNLinear
+    from dask_surge.models.engine import _OneDNNLinear
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
@@ -123,7 +123,7 @@ def test_packed_weights_follow_an_in_place_update(tmp_path):
 
 
 def test_gelu_is_not_fused_into_a_module_that_does_more():
-    from dask_surge.engine import _fuse_gelu, _OneDNNLinear
+    from dask_surge.models.engine import _fuse_gelu, _OneDNNLinear
 
     class Shifted(torch.nn.Module):  # dense, +1, GELU: fusing would drop the shift
         def __init__(self):
@@ -330,7 +330,7 @@ def test_feeder_serves_concurrent_callers_and_passes_errors_back():
 
 def test_benchmark_noop_forward_switch_returns_zeros_of_the_right_shape(monkeypatch, tmp_path):
     """DASK_SURGE_BENCH_NOOP_FORWARD=1 (benchmarks only) skips the forward: zeros, same shape, same path."""
-    from dask_surge.engine import NOOP_FORWARD_ENV
+    from dask_surge.models.engine import NOOP_FORWARD_ENV
 
     model = SentenceTransformer(make_tiny_model(tmp_path / "m"), device="cpu")
     monkeypatch.setenv(NOOP_FORWARD_ENV, "1")
@@ -355,7 +355,7 @@ def test_stage_seconds_are_counted(tmp_path):
 def test_feeder_drops_each_job_once_it_ran():
     import weakref
 
-    from dask_surge.engine import _Feeder
+    from dask_surge.models.engine import _Feeder
 
     class Job:
         def __call__(self):
@@ -401,7 +401,7 @@ def test_close_stops_the_feeder_and_a_dropped_engine_frees_it(tiny):
 
 
 def test_results_are_copied_out_through_a_small_reused_buffer():
-    from dask_surge.engine import _copy_out
+    from dask_surge.models.engine import _copy_out
 
     out = torch.randn(37, 5)
     staging = torch.empty(16)  # smaller than the output: many chunks through one buffer

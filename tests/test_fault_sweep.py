@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 import dask_surge
-from dask_surge.manifest import current_run, verify
+from dask_surge.io.manifest import current_run, verify
 from dask_surge.testing import write_partitioned_parquet
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 
 import dask_surge
 from dask_surge import SurgeOutputError
-from dask_surge.manifest import current_run
+from dask_surge.io.manifest import current_run
 from dask_surge.testing import DieOnce, Hog, InterruptAfter, make_partitioned_frame, write_partitioned_parquet
 
 SIZES = [int(x) for x in np.random.default_rng(7).lognormal(3.5, 1.0, 40).astype(int) + 1]
@@ -111,11 +111,11 @@ def test_worker_dying_mid_encode_is_retried(tmp_path):
 
 
 def test_same_superbatch_twice_concurrently_commits_once(tmp_path, counting_encoder):
-    from dask_surge.manifest import open_run
-    from dask_surge.sink import SuperBatchWriter
-    from dask_surge.superbatch import SuperBatchEncoder
-    from dask_surge.manifest import sb_key
-    from dask_surge.policy import Span
+    from dask_surge.io.manifest import open_run
+    from dask_surge.execution.sink import SuperBatchWriter
+    from dask_surge.execution.superbatch import SuperBatchEncoder
+    from dask_surge.io.manifest import sb_key
+    from dask_surge.planning.policy import Span
 
     manifest, _ = open_run(str(tmp_path / "o"), {"t": 1})
     writer = SuperBatchWriter(SuperBatchEncoder("text", (), dask_surge.Encoder(counting_encoder)), manifest)
@@ -148,10 +148,10 @@ def test_disk_full_fails_cleanly_and_resumes(tmp_path, counting_encoder, monkeyp
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_fsync(fd)
 
-    monkeypatch.setattr("dask_surge.manifest.os.fsync", full_disk)
+    monkeypatch.setattr("dask_surge.io.manifest.os.fsync", full_disk)
     with pytest.raises(SurgeOutputError, match="No space left on device.*rerun the same call to resume"):
         ddf.surge.encode("text", str(out), **kw)
-    monkeypatch.setattr("dask_surge.manifest.os.fsync", real_fsync)
+    monkeypatch.setattr("dask_surge.io.manifest.os.fsync", real_fsync)
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no partial temp file
     assert not list(out.glob("_surge/runs/*/staging/*"))  # nor a staged file of the failed SuperBatch
     assert len(list(out.glob("part-*.parquet"))) == 2  # readers' globs see the committed files only

@@ -4,7 +4,7 @@ from dask_surge.errors import SurgeValueError
 
 pytest.importorskip("dask_jobqueue", reason="HPC helpers need the [jobqueue] extra (dask-jobqueue)")
 
-from dask_surge.hpc import gpu_jobqueue_cluster, jobqueue_cluster
+from dask_surge.execution.hpc import gpu_jobqueue_cluster, jobqueue_cluster
 
 LOCAL = {"scheduler_options": {"host": "127.0.0.1", "dashboard_address": ":0"}}
 

@@ -25,8 +25,8 @@ import pytest
 import dask_surge
 from dask_surge import Encoder, api
 from dask_surge.errors import SurgeInputError, SurgeModelError
-from dask_surge.identity import IDENTITY_OPTIONS, input_identity
-from dask_surge.superbatch import SuperBatchEncoder
+from dask_surge.planning.identity import IDENTITY_OPTIONS, input_identity
+from dask_surge.execution.superbatch import SuperBatchEncoder
 
 
 def upper(df):
@@ -48,7 +48,7 @@ _SCRIPT = textwrap.dedent('''
     import json, sys
     import numpy as np, pandas as pd, dask.dataframe as dd
     from dask_surge import Encoder
-    from dask_surge.identity import input_identity
+    from dask_surge.planning.identity import input_identity
 
     def upper(df):
         return df.assign(text=df.text.str.upper())

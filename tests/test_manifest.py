@@ -19,7 +19,7 @@ import pytest
 
 import dask_surge
 from dask_surge import SurgeInputError, SurgeOutputError
-from dask_surge.manifest import (
+from dask_surge.io.manifest import (
     Claim,
     CommitRecord,
     check_output,
@@ -135,7 +135,7 @@ def test_a_dead_or_expired_claim_is_taken_over(tmp_path, counting_encoder, monke
     other = tmp_path / "other"
     with pytest.raises(SurgeOutputError, match="being written by another run"):
         Claim.acquire(__import__("fsspec").filesystem("file"), str(out), "fedcba9876543210", heartbeat=False)
-    monkeypatch.setattr("dask_surge.manifest.CLAIM_TTL_S", 0.0)
+    monkeypatch.setattr("dask_surge.io.manifest.CLAIM_TTL_S", 0.0)
     time.sleep(0.01)
     Claim.acquire(__import__("fsspec").filesystem("file"), str(out), "fedcba9876543210", heartbeat=False).release()
     assert not other.exists()
@@ -144,7 +144,7 @@ def test_a_dead_or_expired_claim_is_taken_over(tmp_path, counting_encoder, monke
 def test_the_heartbeat_refreshes_and_a_lost_claim_is_noticed(tmp_path, monkeypatch):
     import fsspec
 
-    monkeypatch.setattr("dask_surge.manifest.HEARTBEAT_S", 0.05)
+    monkeypatch.setattr("dask_surge.io.manifest.HEARTBEAT_S", 0.05)
     fs = fsspec.filesystem("file")
     claim = Claim.acquire(fs, str(tmp_path), "0123456789abcdef")
     first = Claim.holder(fs, str(tmp_path))["heartbeat"]
@@ -184,9 +184,9 @@ def test_two_runs_started_at_once_one_wins_cleanly(tmp_path):
 
 
 def test_a_late_task_of_a_replaced_run_can_neither_commit_nor_publish(tmp_path, counting_encoder):
-    from dask_surge.policy import Span
-    from dask_surge.sink import SuperBatchWriter
-    from dask_surge.superbatch import SuperBatchEncoder
+    from dask_surge.planning.policy import Span
+    from dask_surge.execution.sink import SuperBatchWriter
+    from dask_surge.execution.superbatch import SuperBatchEncoder
 
     out = tmp_path / "out"
     ddf = make_partitioned_frame([6, 6])
@@ -219,10 +219,10 @@ def test_disk_full_while_creating_a_record_keeps_readers_clean_and_resumes(tmp_p
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_link(src, dst, *a, **k)
 
-    monkeypatch.setattr("dask_surge.manifest.os.link", full)
+    monkeypatch.setattr("dask_surge.io.manifest.os.link", full)
     with pytest.raises(SurgeOutputError, match="creating the commit record.*No space left.*rerun the same call"):
         ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
-    monkeypatch.setattr("dask_surge.manifest.os.link", real_link)
+    monkeypatch.setattr("dask_surge.io.manifest.os.link", real_link)
     assert _parts(out) == _committed_files(out) and len(_parts(out)) == 1  # no uncommitted file readers glob
     assert not list(out.glob("_surge/runs/*/staging/*"))
     res = ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
@@ -325,7 +325,7 @@ def test_a_streamed_partition_recomputed_differently_is_refused(tmp_path, monkey
 
 
 def test_commit_times_are_mapped_onto_the_clients_clock():
-    from dask_surge.runner import _received
+    from dask_surge.execution.runner import _received
 
     now = time.time()
     (shifted,) = _received([{"committed_at": 1000.0, "task_end": 1005.0}])  # a worker 1e9 s behind

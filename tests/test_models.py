@@ -19,10 +19,11 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 import dask_surge
-from dask_surge import Encoder, modelid
-from dask_surge.encoders import PACKAGED_HUB_ID
+from dask_surge import Encoder
+from dask_surge.models import modelid
+from dask_surge.models.encoders import PACKAGED_HUB_ID
 from dask_surge.errors import SurgeModelError, SurgeValueError
-from dask_surge.hub import hub_cache_dir, looks_like_repo_id
+from dask_surge.models.hub import hub_cache_dir, looks_like_repo_id
 from dask_surge.testing import make_texts, make_tiny_model, min_cosine, packaged_model_dir
 
 TEXTS = make_texts(40, seed=3) + ["", "x", " ".join(["word"] * 400)]
@@ -395,7 +396,9 @@ def test_identity_is_hashed_once_then_cached(tmp_path, monkeypatch):
 def test_vocabularies_are_defined_once():
     import yaml
 
-    from dask_surge import cli, config, options, precision
+    from dask_surge import cli, config, options
+
+    from dask_surge.io import precision
 
     assert set(options.PRECISIONS) == set(precision.PRECISIONS)
     with open(Path(config.DEFAULTS_PATH).with_name("surge-schema.yaml")) as f:
@@ -457,7 +460,7 @@ def test_a_callable_is_identified_by_its_code_not_its_call_log():
 
 
 def test_plan_takes_the_model_options_and_counts_the_prompt(tmp_path):
-    from dask_surge.tokens import token_counter
+    from dask_surge.planning.tokens import token_counter
 
     path = model_with_prompts(tmp_path / "m", packaged_model_dir(), PROMPTS)
     ddf = dd.from_pandas(pd.DataFrame({"text": ["a b", "c"]}), npartitions=1)
@@ -522,7 +525,7 @@ def test_identity_of_an_in_memory_model_follows_its_prompts(tiny_model):
 def test_a_worker_without_the_clients_path_loads_the_same_commit_from_its_cache(hub_cache, tiny_model):
     import dataclasses
 
-    from dask_surge.encoders import _from_spec
+    from dask_surge.models.encoders import _from_spec
 
     commit = commit_of("worker")
     add_to_hub_cache(hub_cache, "org/tiny", tiny_model, commit=commit)

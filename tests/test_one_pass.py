@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import dask_surge
-from dask_surge.manifest import current_run
+from dask_surge.io.manifest import current_run
 from dask_surge.testing import CallLog, checksum_model, make_partitioned_frame
 
 SIZES = [int(x) for x in np.random.default_rng(16).integers(0, 25, size=200)]
@@ -165,7 +165,7 @@ def test_a_partition_sliced_k_ways_is_computed_once(tmp_path, client):
 
 
 def test_a_parquet_partition_sliced_k_ways_is_read_once(tmp_path, monkeypatch):
-    from dask_surge.graph import ParquetPartitions
+    from dask_surge.io.parquet import ParquetPartitions
     from dask_surge.testing import write_partitioned_parquet
 
     write_partitioned_parquet(tmp_path / "in", [5, 100, 3], seed=1)

@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from dask_surge.errors import SurgeInputError
-from dask_surge.graph import ParquetPartitions, scan_files
-from dask_surge.sizes import parquet_footer_sizes
+from dask_surge.io.parquet import ParquetPartitions, scan_files
+from dask_surge.planning.sizes import parquet_footer_sizes
 
 
 def _write(path, **columns) -> str:

@@ -11,9 +11,11 @@ import types
 import numpy as np
 import pytest
 
-from dask_surge import Encoder, encoders
+from dask_surge import Encoder
+
+from dask_surge.models import encoders
 from dask_surge.errors import SurgeModelError
-from dask_surge.plugins import EncoderPlugin
+from dask_surge.execution.plugins import EncoderPlugin
 
 WORKER = types.SimpleNamespace(address="tcp://test-worker")
 
@@ -55,7 +57,7 @@ def test_a_failed_background_preload_warns_and_the_first_use_raises(tiny_model, 
     enc = Encoder(str(broken), device="cpu")  # resolved on the client: the weights are not read
     for weights in broken.rglob("*.safetensors"):
         weights.unlink()
-    with caplog.at_level(logging.WARNING, logger="dask_surge.plugins"):
+    with caplog.at_level(logging.WARNING, logger="dask_surge.execution.plugins"):
         asyncio.run(EncoderPlugin(enc, background=True).setup(WORKER))
         for t in _preload_threads():
             t.join(60)
@@ -75,10 +77,10 @@ def test_worker_threads_are_set_and_teardown_releases_the_model(tiny_model):
     import pyarrow as pa
     from distributed import Client, LocalCluster
 
-    from dask_surge.plugins import register_encoder
+    from dask_surge.execution.plugins import register_encoder
 
     def facts():
-        from dask_surge import encoders as enc
+        from dask_surge.models import encoders as enc
 
         return {"omp": os.environ.get("OMP_NUM_THREADS"), "tok": os.environ.get("TOKENIZERS_PARALLELISM"),
                 "arrow": pa.cpu_count(), "io": pa.io_thread_count(), "loaded": len(enc._LOADED),
@@ -104,7 +106,7 @@ def test_worker_threads_are_set_and_teardown_releases_the_model(tiny_model):
 
 
 def test_release_encoder_closes_the_engine(tiny_model):
-    from dask_surge.plugins import release_encoder
+    from dask_surge.execution.plugins import release_encoder
 
     encoder = Encoder(tiny_model, device="cpu").load()
     engine = encoder.engine

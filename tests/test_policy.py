@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dask_surge import OnlinePlanner, SurgeValueError, plan_superbatches
-from dask_surge.policy import max_superbatch_rows, validate_thresholds
+from dask_surge.planning.policy import max_superbatch_rows, validate_thresholds
 
 sizes_st = st.lists(st.integers(min_value=0, max_value=500), min_size=0, max_size=80)
 
@@ -180,7 +180,7 @@ def test_plan_and_encode_resolve_the_same_thresholds(sizes, b_min, b_max, thread
     """plan() and encode() call one resolver with the same inputs, so they cannot disagree;
     an automatic threshold never contradicts a given one."""
     from dask_surge.errors import SurgeValueError
-    from dask_surge.sizes import PartitionSizes
+    from dask_surge.planning.sizes import PartitionSizes
     from dask_surge.api import _run_thresholds
 
     known = PartitionSizes(tuple(sizes), "metadata")

@@ -8,7 +8,7 @@ import dask.dataframe as dd
 
 import dask_surge
 from dask_surge import SurgeValueError
-from dask_surge.precision import quantize, to_float
+from dask_surge.io.precision import quantize, to_float
 from dask_surge.testing import make_partitioned_frame, make_texts
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from distributed import Client, LocalCluster
 
 import dask_surge
-from dask_surge.runner import SUPERBATCHES_PER_GPU
-from dask_surge.runner import task_resources as _task_resources
+from dask_surge.execution.runner import SUPERBATCHES_PER_GPU
+from dask_surge.execution.runner import task_resources as _task_resources
 from dask_surge.testing import make_partitioned_frame
 
 

@@ -2,7 +2,7 @@
 
 No Dask here: units run in this process in a random order (as workers of any cluster shape
 would finish them), with a writer that keeps commits in a dict (the exclusive-create rule of
-:meth:`dask_surge.manifest.Manifest.commit`: the first attempt of a key wins).
+:meth:`dask_surge.io.manifest.Manifest.commit`: the first attempt of a key wins).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_surge.manifest import Coverage, sb_key
-from dask_surge.policy import plan_superbatches
-from dask_surge.runner import Unit, UnitRunner, planned_units, streaming_units, unit_partitions
+from dask_surge.execution.runner import Unit, UnitRunner, planned_units, streaming_units
+from dask_surge.io.manifest import Coverage, sb_key
+from dask_surge.planning.policy import plan_superbatches
+from dask_surge.planning.units import unit_partitions
 
 
 class Killed(Exception):
@@ -46,7 +47,7 @@ class Encoderless:
 
 
 class Writer:
-    """Stands in for :class:`dask_surge.sink.SuperBatchWriter`: checks what it is given and commits spans."""
+    """Stands in for :class:`dask_surge.execution.sink.SuperBatchWriter`: checks what it is given and commits spans."""
 
     encoder = Encoderless()
 

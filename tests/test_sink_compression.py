@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dask_surge.arrow import embedding_array
+from dask_surge.io.arrow import embedding_array
 from dask_surge.errors import SurgeValueError
 from dask_surge.options import COMPRESSIONS
-from dask_surge.sink import parquet_bytes
+from dask_surge.execution.sink import parquet_bytes
 
 
 def _table(n: int = 50, d: int = 8) -> pa.Table:

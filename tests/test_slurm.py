@@ -37,7 +37,7 @@ import dask.dataframe as dd
 from distributed import Client
 
 import dask_surge
-from dask_surge.hpc import jobqueue_cluster
+from dask_surge.execution.hpc import jobqueue_cluster
 
 pytestmark = pytest.mark.slurm
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dask_surge
-from dask_surge.policy import plan_superbatches
-from dask_surge.thresholds import balanced_b_min, makespan, resolve_thresholds
+from dask_surge.planning.policy import plan_superbatches
+from dask_surge.planning.thresholds import balanced_b_min, makespan, resolve_thresholds
 
 
 def _rows(sizes):

@@ -6,10 +6,10 @@ import pandas as pd
 import pytest
 
 from dask_surge import Encoder
-from dask_surge.costmodel import CostParams, predict
+from dask_surge.planning.costmodel import CostParams, predict
 from dask_surge.errors import SurgeValueError
 from dask_surge.testing import lognormal_sizes, make_partitioned_frame, make_texts
-from dask_surge.tokens import DEFAULT_TRUNCATION, _max_seq_length, sample_texts, token_counter
+from dask_surge.planning.tokens import DEFAULT_TRUNCATION, _max_seq_length, sample_texts, token_counter
 
 
 def _params(**changes) -> CostParams:
@@ -23,8 +23,8 @@ def _params(**changes) -> CostParams:
 def test_counter_matches_the_loaded_engine_without_loading_weights(monkeypatch):
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge import encoders
-    from dask_surge.engine import TransformerEngine
+    from dask_surge.models import encoders
+    from dask_surge.models.engine import TransformerEngine
     from dask_surge.testing import packaged_model_dir
 
     monkeypatch.setattr(encoders, "_LOADED", {})  # nothing loaded here: the tokenizer.json path answers
@@ -41,7 +41,7 @@ def test_counter_of_an_in_memory_model_builds_no_engine(monkeypatch, tmp_path):
 
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge import encoders
+    from dask_surge.models import encoders
     from dask_surge.testing import make_tiny_model
 
     model = SentenceTransformer(make_tiny_model(tmp_path / "tiny"), device="cpu")
@@ -60,7 +60,7 @@ def test_counter_of_an_in_memory_model_builds_no_engine(monkeypatch, tmp_path):
     (nested / "0_Transformer").mkdir(parents=True)
     shutil.copy(tmp_path / "tiny" / "tokenizer.json", nested / "0_Transformer" / "tokenizer.json")
     (nested / "0_Transformer" / "sentence_bert_config.json").write_text('{"max_seq_length": 8}')
-    from dask_surge.encoders import EncoderSpec
+    from dask_surge.models.encoders import EncoderSpec
 
     class _PathOnly:  # what token_counter reads of an Encoder
         spec = EncoderSpec(kind="path", source=str(nested))

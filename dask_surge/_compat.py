@@ -1,0 +1,20 @@
+"""Every private Dask name dask-surge uses, imported in this one place.
+
+dask-expr has no public extension point for what dask-surge does (a graph expression that
+fuses planned partitions into one task per SuperBatch, row counts from Parquet footers
+without a pass), so it subclasses and inspects private classes. They are imported here
+only, so a Dask release that moves them breaks one module, and ``tests/test_compat.py``
+checks each against the pinned Dask range (``pyproject.toml``: ``dask>=2026.8.0,<2026.12``).
+"""
+
+from __future__ import annotations
+
+from dask._expr import Expr as BaseExpr
+from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef
+from dask.dataframe.dask_expr import new_collection
+from dask.dataframe.dask_expr._expr import Expr, Lengths, Literal, Projection
+from dask.dataframe.dask_expr.io.io import FromPandas
+from dask.dataframe.dask_expr.io.parquet import ReadParquetFSSpec
+
+__all__ = ["Alias", "BaseExpr", "DataNode", "Expr", "FromPandas", "GraphNode", "Lengths", "List", "Literal",
+           "Projection", "ReadParquetFSSpec", "Task", "TaskRef", "new_collection"]

@@ -1,0 +1,542 @@
+"""The run loop of a written encode: work units streamed through the cluster, a bounded
+window at a time, each committing its SuperBatches as they close.
+
+A **unit** is one Dask task over a contiguous range of input partitions. It computes
+each of its partitions once (their upstream tasks run inside it, so the graph has one
+task per unit, not one per partition), forms SuperBatches over them with the two-threshold
+policy, and encodes, writes and commits each SuperBatch as it closes. Two modes:
+
+- **planned** (partition sizes known without reading data: Parquet footers, in-memory
+  frames): SuperBatches are planned ahead (:func:`dask_surge.planning.policy.plan_superbatches`);
+  a unit is one SuperBatch, or all the slices of one partition larger than ``b_max``
+  (so that partition is read once).
+- **streaming** (any other input: ``map_partitions`` chains, CSV/JSON, filters, joins):
+  no size pass. A unit applies :class:`dask_surge.planning.policy.OnlinePlanner` to its partitions
+  as it computes them, holding at most ``b_min + n_max`` rows; only its last SuperBatch
+  may be under ``b_min``. Units are a fixed grid of partition ranges (:func:`dask_surge.planning.units.unit_partitions`),
+  recorded with the run so a resumed run cuts the same ones.
+
+Commit records name the rows they account for, partition by partition, so a rerun
+skips every complete partition without computing it (see :class:`dask_surge.io.manifest.Coverage`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+from .. import config
+from .._compat import List, Task, TaskRef
+from ..errors import SurgeError, SurgeInputError, SurgeOutputError
+from ..io.arrow import to_host
+from ..io.manifest import (
+    Claim,
+    Coverage,
+    Manifest,
+    check_output,
+    find_run,
+    fingerprint_digest,
+    finish_run,
+    open_run,
+    sb_key,
+)
+from ..planning.policy import OnlinePlanner, Span, SuperBatch, plan_superbatches
+from ..planning.sizes import known_sizes, text_bytes
+from ..planning.units import unit_partitions
+from ..results import EncodeResult
+from .graph import (
+    ParquetPartitions,
+    cull,
+    dependents_of,
+    input_files,
+    parquet_pieces,
+    private_tasks,
+    task_arguments,
+)
+from .progress import Progress
+from .sink import SuperBatchWriter
+from .superbatch import partition_digest
+
+__all__ = ["Unit", "UnitRunner", "planned_units", "streaming_units", "InputGraph",
+           "run_units", "task_resources", "write_run", "SUPERBATCHES_PER_GPU"]
+
+logger = logging.getLogger(__name__)
+
+#: SuperBatches one GPU worker runs at once: one on the GPU, one reading or writing
+SUPERBATCHES_PER_GPU = 2
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One task's work: contiguous input ``partitions``, the SuperBatches planned over
+    them (``None``: formed as the partitions stream in), and the keys of SuperBatches
+    already committed (a resumed slice of a partition larger than ``b_max``)."""
+
+    partitions: tuple[int, ...]
+    plan: tuple[SuperBatch, ...] | None = None
+    done: frozenset[str] = frozenset()
+    sizes: tuple[int, ...] | None = None  # planned rows of each partition (planned mode)
+    #: ``(partition, rows, digest)`` committed for partitions this unit covers in part (resume)
+    expect: tuple[tuple[int, int, str | None], ...] = ()
+
+
+@dataclass(frozen=True)
+class UnitRunner:
+    """The task function of a unit (runs on a worker): see module docstring."""
+
+    writer: SuperBatchWriter
+    b_min: int
+    b_max: int
+    max_bytes: int | None
+
+    def __dask_tokenize__(self):
+        return ("UnitRunner", self.writer.__dask_tokenize__(), self.b_min, self.b_max, self.max_bytes)
+
+    def __call__(self, source, external: list, unit: Unit) -> list[dict]:
+        frames = self._checked(source.iterate(unit.partitions, external), unit)
+        records = self._planned(frames, unit) if unit.plan is not None else self._streaming(frames, unit)
+        ended = time.time()  # this worker's clock: the client maps commit times onto its own with it
+        return [{**r, "task_end": ended} for r in records]
+
+    def _checked(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> Iterator[tuple[int, Any]]:
+        """``frames``, each partition that was committed in part checked against its commits."""
+
+        expect = {p: (n, d) for p, n, d in unit.expect}
+        for partition, frame in frames:
+            if partition in expect:
+                rows, digest = expect[partition]
+                texts = to_host(frame)[self.writer.encoder.column]
+                if len(frame) != rows or (digest is not None and partition_digest(texts) != digest):
+                    what = (f"has {len(frame)} rows now but {rows} when part of it was committed"
+                            if len(frame) != rows else "holds other texts now than when part of it was committed")
+                    raise SurgeInputError(
+                        f"partition {partition} {what}: the input changed since the run started "
+                        "(non-deterministic partitions?), so resuming would mix old and new rows. Nothing "
+                        "was written for it. Fix: make the input deterministic (persist it, or write it to "
+                        "Parquet first), or pass overwrite=True to encode it again from the start."
+                    )
+            yield partition, frame
+
+    def _commit(self, parts: list, spans: list[tuple[Span, int]], unit: Unit) -> list[dict]:
+        first = spans[0][0]
+        if sb_key(first.partition, first.start) in unit.done:
+            return []
+        return [self.writer(parts, tuple(spans))]
+
+    def _planned(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> list[dict]:
+        held = dict(frames)
+        assert unit.plan is not None and unit.sizes is not None
+        planned = dict(zip(unit.partitions, unit.sizes))
+        records = []
+        for sb in unit.plan:
+            inputs, spans = task_arguments(sb, planned)
+            records += self._commit([held[p] for p in inputs], list(spans), unit)
+        return records
+
+    def _streaming(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> list[dict]:
+        column = self.writer.encoder.column
+        planner = OnlinePlanner(self.b_min, self.b_max, self.max_bytes)
+        held: dict[int, tuple[int, Any]] = {}  # planner's partition index -> (partition, frame)
+        records: list[dict] = []
+
+        def emit(sbs: list[SuperBatch]) -> None:
+            for sb in sbs:
+                spans = [(Span(held[s.partition][0], s.start, s.stop), len(held[s.partition][1])) for s in sb.spans]
+                local = sorted({s.partition for s in sb.spans})
+                records.extend(self._commit([held[i][1] for i in local], spans, unit))
+                last = sb.spans[-1]
+                for i in [i for i in held if i < last.partition or (i == last.partition
+                                                                    and last.stop == len(held[i][1]))]:
+                    del held[i]  # consumed: release its rows
+
+        for i, (partition, frame) in enumerate(frames):
+            held[i] = (partition, frame)
+            nbytes = text_bytes(frame[column]) if self.max_bytes else None
+            emit(planner.push(len(frame), nbytes))
+        emit(planner.finish())
+        return records
+
+
+class GraphPartitions:
+    """Computes input partitions inside a unit task from their fused upstream tasks
+    (held as data, so Dask does not schedule them), given the values of the tasks
+    several partitions share (computed once, as separate tasks)."""
+
+    def __init__(self, nodes: dict, external: tuple) -> None:
+        self.nodes = nodes
+        self.external = external
+
+    def iterate(self, partitions: Sequence[int], values: list) -> Iterator[tuple[int, Any]]:
+        known = dict(zip(self.external, values))
+        for p in partitions:
+            node = self.nodes[p]
+            yield p, node({k: known[k] for k in node.dependencies})
+
+
+class InputGraph:
+    """The input's tasks, optimized once with the partitioning that was planned, and
+    the task of any unit over them (see module docstring)."""
+
+    def __init__(self, frame) -> None:
+        import dask
+
+        self.npartitions = frame.npartitions
+        found = parquet_pieces(frame.expr.simplify())
+        self.parquet = None
+        if found is not None and len(found[1]) == frame.npartitions:
+            fs, pieces, columns = found
+            self.parquet = (fs, pieces, tuple(columns), tuple((c, str(t)) for c, t in frame._meta.dtypes.items()))
+            return
+        with dask.config.set({"optimization.tune.active": False}):  # keep the planned partitions
+            opt = frame.optimize(fuse=True)
+        if opt.npartitions != frame.npartitions:  # pragma: no cover - guarded by tune off
+            raise SurgeError(
+                f"the input has {opt.npartitions} partitions once optimized but {frame.npartitions} "
+                "were planned. Fix: persist the input first, or call .surge.encode on the final DataFrame."
+            )
+        self.name = opt._name
+        self.graph = dict(opt.__dask_graph__())
+        self.dependents = dependents_of(self.graph)
+
+    def task(self, key, runner: UnitRunner, unit: Unit) -> dict:
+        """The graph to submit for ``unit``: its task and the shared upstream tasks it needs."""
+
+        if self.parquet is not None:
+            fs, pieces, columns, dtypes = self.parquet
+            source = ParquetPartitions(fs, {p: pieces[p] for p in unit.partitions}, columns, dtypes)
+            return {key: Task(key, runner, source, [], unit, _data_producer=True)}
+        nodes, external = {}, set()
+        for p in unit.partitions:
+            root = (self.name, p)
+            private = private_tasks(self.graph, self.dependents, root, self.graph[root].dependencies)
+            nodes[p] = Task.fuse(*(self.graph[k] for k in private), key=root)
+            external |= set(nodes[p].dependencies)
+        ext = tuple(sorted(external, key=str))
+        task = Task(key, runner, GraphPartitions(nodes, ext), List(*(TaskRef(k) for k in ext)), unit,
+                    _data_producer=True)
+        return {key: task, **cull(self.graph, ext)}
+
+
+def _expected(partitions: Sequence[int], coverage: Coverage | None) -> tuple[tuple[int, int, str | None], ...]:
+    """What was committed for the partitions among ``partitions`` that are committed in part."""
+    if coverage is None:
+        return ()
+    found = ((p, coverage.expected(p)) for p in partitions)
+    return tuple((p, e[0], e[1]) for p, e in found if e is not None)
+
+
+def planned_units(superbatches: Sequence[SuperBatch], sizes: Sequence[int], done: set,
+                  coverage: Coverage | None = None) -> list[Unit]:
+    """Units of the planned mode: each uncommitted SuperBatch alone, except that the slices
+    of one partition larger than ``b_max`` travel together (so it is read once).
+
+    Examples
+    --------
+    >>> from dask_surge.planning.policy import plan_superbatches
+    >>> plan = plan_superbatches([3, 4, 20, 1], b_min=5, b_max=8)
+    >>> [u.partitions for u in planned_units(plan, [3, 4, 20, 1], set())]
+    [(0, 1), (2,), (3,)]
+    """
+    chunks: list[list[SuperBatch]] = []
+    for sb in superbatches:
+        if sb_key(sb.spans[0].partition, sb.spans[0].start) in done:
+            continue
+        first = sb.spans[0].partition
+        if chunks and len(sb.spans) == 1 and len(chunks[-1][-1].spans) == 1 \
+                and chunks[-1][-1].spans[-1].partition == first:
+            chunks[-1].append(sb)
+        else:
+            chunks.append([sb])
+    units = []
+    for chunk in chunks:
+        parts = tuple(sorted({s.partition for sb in chunk for s in sb.spans}))
+        units.append(Unit(parts, tuple(chunk), frozenset(), tuple(int(sizes[p]) for p in parts),
+                          expect=_expected(parts, coverage)))
+    return units
+
+
+def streaming_units(npartitions: int, per_unit: int, coverage: Coverage) -> list[Unit]:
+    """The units a streaming run still has to run: the fixed grid of ``per_unit``
+    partitions, each unit starting at its first partition not yet committed.
+
+    SuperBatches formed inside a unit depend only on the sizes from where the unit
+    starts, and a unit's commits end at a flush point (empty buffer), so a unit resumed
+    from its first uncommitted partition forms the same SuperBatches as the first attempt
+    (committed ones are skipped by key): a rerun never duplicates or loses rows, even while
+    a task of the killed run is still finishing.
+
+    Examples
+    --------
+    >>> cov = Coverage.of([((0, 0, 5, 5), (1, 0, 5, 5))])
+    >>> [u.partitions for u in streaming_units(6, 3, cov)]
+    [(2,), (3, 4, 5)]
+    """
+    units = []
+    for start in range(0, npartitions, per_unit):
+        stop = min(npartitions, start + per_unit)
+        first = next((p for p in range(start, stop) if not coverage.complete(p)), None)
+        if first is None:
+            continue
+        parts = tuple(range(first, stop))
+        done = frozenset(sb_key(p, s) for p in parts for s in coverage.committed_starts(p))
+        units.append(Unit(parts, None, done, expect=_expected(parts, coverage)))
+    return units
+
+
+def task_resources(client) -> dict | None:
+    """Worker resources for unit tasks: when workers advertise ``GPU`` (dask-cuda
+    workers from :func:`dask_surge.execution.cluster.local_cluster` or :mod:`dask_surge.execution.hpc`), each
+    task claims ``1 / SUPERBATCHES_PER_GPU`` of one, so SuperBatches run only on GPU workers,
+    at most two at a time per GPU (the engine serializes the forward passes; the other
+    reads, tokenizes or writes). ``None`` when no worker advertises a GPU."""
+    if client is None:
+        return None
+    workers = client.scheduler_info(n_workers=-1).get("workers", {}).values()
+    if any(w.get("resources", {}).get("GPU", 0) >= 1 for w in workers):
+        return {"GPU": 1 / SUPERBATCHES_PER_GPU}
+    return None
+
+
+def run_units(units, make_task, client, scheduler, in_flight: int,
+              resources: dict | None = None) -> Iterator[dict]:
+    """Yield SuperBatch reports as units finish, with at most ``in_flight`` units submitted.
+
+    ``units`` is an iterator of :class:`Unit`; ``make_task(key, unit)`` gives a unit's graph. Units are submitted in order, so the first commits early (TTFO) and no
+    worker holds more than a bounded number of them.
+    """
+    counter = iter(range(10**12))
+
+    def submit(unit: Unit):
+        key = (f"surge-unit-{id(units):x}", next(counter))
+        return key, make_task(key, unit)
+
+    if client is None:
+        from dask.local import get_sync
+        from dask.threaded import get as get_threads
+
+        get = get_sync if scheduler in ("sync", "synchronous") else get_threads
+        for unit in units:
+            key, graph = submit(unit)
+            yield from _received(get(graph, key))
+        return
+    from distributed import as_completed
+
+    running = as_completed()
+    live: list = []
+    exhausted = False
+
+    def submit_more() -> None:
+        nonlocal exhausted
+        while not exhausted and running.count() < in_flight:
+            unit = next(units, None)
+            if unit is None:
+                exhausted = True
+                return
+            key, graph = submit(unit)
+            future = client.get(graph, key, sync=False, resources=resources)
+            live.append(future)
+            running.add(future)
+
+    try:
+        submit_more()
+        for fut in running:
+            reports = fut.result()
+            fut.release()
+            submit_more()
+            yield from _received(reports)
+    finally:
+        client.cancel([f for f in live if not f.done()])
+
+
+def _received(reports: list[dict]) -> list[dict]:
+    """``reports`` with ``committed_at`` on the client's clock: shifted by the difference between
+    when the client received them and when their task ended on the worker's clock (an upper
+    bound: it counts the transfer), so time to first output never mixes two machines' clocks."""
+    now = time.time()
+    return [{**r, "committed_at": r["committed_at"] + (now - r["task_end"]) if "task_end" in r
+             else r["committed_at"]} for r in reports]
+
+
+def stopped_error(err: BaseException, manifest: Manifest, column: str) -> BaseException | None:
+    """The error to raise for a run that stopped on ``err``: what is kept and how to go on
+    (``None``: raise ``err`` as it is)."""
+    kept = f"{len(manifest.committed())} SuperBatches are committed and kept"
+    if isinstance(err, UnicodeDecodeError):
+        return not_utf8(column, err, kept)
+    if type(err).__name__ in ("NoWorkerError", "NoValidWorkerError"):
+        return SurgeError(
+            f"no worker was left to run the SuperBatches ({err}): jobs preempted, cancelled or out of "
+            f"walltime, for longer than distributed.scheduler.no-workers-timeout. {kept}. Fix: start "
+            "workers again (e.g. cluster.scale(jobs=n), or cluster.adapt(...) to replace lost jobs), then "
+            "rerun the same call to resume."
+        )
+    if type(err).__name__ == "KilledWorker":
+        return SurgeError(
+            f"a SuperBatch task killed its worker repeatedly ({err}); the usual cause is running "
+            f"out of memory. {kept}. Fix: lower b_min/b_max (or max_bytes for huge texts, or max_tokens), "
+            "give workers more memory, then rerun the same call to resume."
+        )
+    return None
+
+
+def not_utf8(column: str, err: UnicodeDecodeError, kept: str) -> SurgeInputError:
+    return SurgeInputError(
+        f"the text column {column!r} holds bytes that are not valid UTF-8 ({err}). {kept}. Fix: decode "
+        "the column yourself first, e.g. .map(lambda b: b.decode('utf-8', errors='replace')), then rerun."
+    )
+
+
+def interrupted(manifest: Manifest, output: str, planned: int | None) -> None:
+    of = f" of {planned}" if planned is not None else ""
+    logger.warning(
+        "dask-surge: interrupted; %d%s SuperBatches are committed in %s and kept. "
+        "Rerun the same call to resume from there.", len(manifest.committed()), of, output,
+    )
+
+def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes: int | None, client,
+              scheduler, overwrite: bool, storage_options: dict | None, progress: bool,
+              started: float | None = None):
+    """Encode ``frame`` into ``output``: open or resume the run, stream its units, finish it.
+
+    ``resolve(sizes)`` resolves the thresholds of a new run (``sizes``: the
+    :class:`~dask_surge.planning.sizes.PartitionSizes` known without reading data, or None); a
+    resumed run keeps the ones it recorded. ``started`` is when the caller was called
+    (``time.perf_counter()``): times and TTFO count from there. Returns an
+    :class:`~dask_surge.results.EncodeResult`.
+    """
+    t0 = time.perf_counter() if started is None else started
+    wall0 = time.time() - (time.perf_counter() - t0)  # the same instant on the wall clock
+    npartitions = frame.npartitions
+    threads = sum(client.nthreads().values()) if client is not None else 1
+    check_output(output, storage_options, inputs=input_files(frame))
+    found = find_run(output, fingerprint, storage_options)
+    if found is not None and found.completion() is not None and not overwrite \
+            and not found.coverage().missing(npartitions):  # records, not the marker, are the truth
+        return _complete_result(found, output, t0)
+    fs, root = url_to_fs(output, **(storage_options or {}))
+    claim = Claim.acquire(fs, root.rstrip("/") or "/", fingerprint_digest(fingerprint))
+    try:
+        return _claimed_run(frame, sbe, output, fingerprint, resolve, max_bytes, client, scheduler, overwrite,
+                            storage_options, progress, t0, wall0, npartitions, threads, claim)
+    finally:
+        claim.release()
+
+
+def _claimed_run(frame, sbe, output, fingerprint, resolve, max_bytes, client, scheduler, overwrite,
+                 storage_options, progress, t0, wall0, npartitions, threads, claim: Claim):
+    """:func:`write_run` once the output directory is claimed."""
+
+    found = find_run(output, fingerprint, storage_options)
+    streaming = found is not None and found.plan.get("mode") == "streaming"
+    sizes = None if streaming else known_sizes(frame, sbe.column, max_bytes)
+    summary = None
+    if found is None:
+        th = resolve(sizes)
+        summary = {"b_min": th.b_min, "b_max": th.b_max, "reason": th.reason, "partitions": npartitions,
+                   "mode": "planned" if sizes is not None else "streaming", "max_bytes": max_bytes}
+        if sizes is None:
+            summary["unit_partitions"] = unit_partitions(npartitions, threads)
+        else:
+            summary["rows"] = sizes.total
+    manifest, resumed = open_run(output, fingerprint, overwrite=overwrite, storage_options=storage_options,
+                                 plan_summary=summary)
+    plan = manifest.plan
+    b_min, b_max = int(plan["b_min"]), int(plan["b_max"])
+    committed = manifest.committed(repair=True)
+    manifest.publish_pending(committed)  # commits whose task died before publishing their file
+    coverage = manifest.coverage(committed)
+    done_rows = sum(r.accounted for r in committed.values())
+    if plan["mode"] == "planned":
+        if sizes is None:  # pragma: no cover - a planned run's input keeps its metadata sizes
+            raise SurgeError(f"the run in {output!r} was planned from known partition sizes, which the "
+                             "input no longer gives. Fix: rerun on the same input, or overwrite=True.")
+        cap = max_bytes if sizes.nbytes is not None else None
+        superbatches = plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap)
+        units = planned_units(superbatches, sizes.sizes, set(committed), coverage)
+        bar = Progress(len(superbatches), sizes.total, enabled=progress, done_sbs=len(committed),
+                       done_rows=done_rows)
+    else:
+        units = streaming_units(npartitions, int(plan["unit_partitions"]), coverage)
+        bar = Progress(None, None, enabled=progress, done_sbs=len(committed), done_rows=done_rows)
+    # the codec as the caller configured it (dask.config.set on the client), not as each worker's config says
+    runner = UnitRunner(SuperBatchWriter(sbe, manifest, config.get("compression")), b_min, b_max, max_bytes)
+    reports: list[dict] = []
+    ttfo = None
+    if units:
+        window = config.get("in-flight") or 2 * max(1, threads)
+        try:
+            graph = InputGraph(frame)  # may already convert in-memory data (bad UTF-8 raises here)
+            for report in run_units(iter(units), lambda key, unit: graph.task(key, runner, unit), client,
+                                    scheduler, window, task_resources(client)):
+                if report["committed"]:  # when its file became readable, not when the client heard
+                    first = report["committed_at"] - wall0
+                    ttfo = first if ttfo is None else min(ttfo, first)
+                reports.append(report)
+                bar.update(report["rows"] + report["skipped"])
+                if claim.lost:
+                    raise SurgeOutputError(
+                        f"output={output!r} was claimed by another run while this one was writing (its "
+                        "heartbeat could not be refreshed in time: a hung process or a full disk?). This run "
+                        "stopped; what it committed is kept. Fix: let the other run finish, or rerun."
+                    )
+        except BaseException as err:
+            # a run that stops before its first commit may then be replaced (see open_run)
+            manifest.mark_stopped(f"{type(err).__name__}: {err}")
+            if isinstance(err, KeyboardInterrupt):
+                interrupted(manifest, output, len(superbatches) if plan["mode"] == "planned" else None)
+            better = stopped_error(err, manifest, sbe.column)
+            if better is not None:
+                raise better from err
+            raise
+    committed = manifest.committed()
+    coverage = manifest.coverage(committed)
+    _check_complete(coverage, committed, npartitions, sizes, output)
+    summary = {"rows": coverage.total_rows, "superbatches": len(committed), "partitions": npartitions,
+               "nulls_skipped": sum(r.skipped for r in committed.values())}
+    finish_run(manifest, committed, summary)
+    return EncodeResult(
+        output=str(output), run_id=manifest.run_id, rows=coverage.total_rows, partitions=npartitions,
+        superbatches=len(committed), skipped_superbatches=len(committed) - sum(r["committed"] for r in reports),
+        seconds=time.perf_counter() - t0, ttfo_s=ttfo,
+        sizes_source=sizes.source if sizes is not None else "streamed", resumed=resumed, b_min=b_min, b_max=b_max,
+        thresholds_reason=plan.get("reason", ""), records=reports, nulls_skipped=summary["nulls_skipped"],
+        engine=", ".join(sorted({r["engine"] for r in reports})),
+    )
+
+
+def _check_complete(coverage: Coverage, committed: dict, npartitions: int, sizes, output: str) -> None:
+    """Refuse to mark a run complete unless its commits account for every input row once."""
+    missing = coverage.missing(npartitions)
+    if missing:  # pragma: no cover - each unit either raised or committed every partition
+        raise SurgeError(
+            f"{len(missing)} partition(s) have no committed SuperBatch (first: {missing[:5]}); the output "
+            "is incomplete. Fix: rerun the same call to resume."
+        )
+    accounted = sum(r.accounted for r in committed.values())
+    expected = coverage.total_rows if sizes is None else sizes.total
+    if accounted != expected or accounted != coverage.total_rows:  # pragma: no cover - a bug guard
+        raise SurgeError(
+            f"the committed SuperBatches hold {accounted:,} rows (written + skipped nulls) but the input "
+            f"has {expected:,}; the run is left incomplete rather than marked done. Fix: rerun the "
+            f"same call; if it happens again, please report it with {output}/_surge."
+        )
+
+
+def _complete_result(manifest: Manifest, output: str, t0: float):
+    """The result of rerunning a complete run: nothing is computed or read."""
+
+    done = manifest.completion() or {}
+    plan = manifest.plan
+    return EncodeResult(
+        output=str(output), run_id=manifest.run_id, rows=int(done.get("rows", 0)),
+        partitions=int(done.get("partitions", plan.get("partitions", 0))),
+        superbatches=int(done.get("superbatches", 0)), skipped_superbatches=int(done.get("superbatches", 0)),
+        seconds=time.perf_counter() - t0, ttfo_s=None, sizes_source="recorded", resumed=True,
+        b_min=int(plan.get("b_min", 0)), b_max=int(plan.get("b_max", 0)), thresholds_reason=plan.get("reason", ""),
+        nulls_skipped=int(done.get("nulls_skipped", 0)),
+    )

@@ -1,0 +1,200 @@
+"""Writing SuperBatches: Parquet files committed through the manifest."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import io
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..config import get
+from ..errors import SurgeOutputError
+from ..io.arrow import to_host
+from ..io.manifest import CommitRecord, Manifest, sb_key, write_bytes_atomic
+from .superbatch import SuperBatchEncoder, partition_digest
+
+__all__ = ["SuperBatchWriter", "table_of", "parquet_bytes", "skipped_bytes"]
+
+def table_of(frame: pd.DataFrame) -> pa.Table:
+    """Arrow table of an encoded frame; the embedding column is not copied.
+
+    No pandas metadata is stored: the file is plain Arrow types that every
+    Parquet reader understands.
+    """
+    return pa.Table.from_pandas(frame, preserve_index=False).replace_schema_metadata(None)
+
+
+def skipped_bytes(skipped) -> bytes:
+    """Parquet bytes of the ``(partition, row)`` pairs of skipped nulls (int64 columns).
+
+    Examples
+    --------
+    >>> import io, pyarrow.parquet as pq
+    >>> pq.read_table(io.BytesIO(skipped_bytes([(0, 1), (2, 5)]))).to_pylist()
+    [{'partition': 0, 'row': 1}, {'partition': 2, 'row': 5}]
+    """
+    pairs = np.asarray(skipped, dtype=np.int64).reshape(-1, 2)
+    table = pa.table({"partition": pairs[:, 0], "row": pairs[:, 1]})
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd")
+    return buf.getvalue()
+
+
+def parquet_bytes(table: pa.Table, group_rows, compression: str | None = None) -> memoryview:
+    """Serialize ``table`` to Parquet: one row group per source partition
+    (``group_rows``: the rows of each, in order).
+
+    Dictionary encoding and statistics are off for the embedding column (they
+    cost write time and help no reader); on for ``partition`` and ``row`` so a
+    reader can find one partition's row group from the footer alone.
+
+    Parameters
+    ----------
+    table : pyarrow.Table
+    group_rows : sequence of int
+    compression : {"none", "snappy", "lz4", "zstd"}, optional
+        Codec of the embedding column; None reads ``surge.compression`` (default
+        ``"none"``: float vectors barely compress, see README "Performance"). The
+        other columns are always zstd.
+
+    Returns
+    -------
+    memoryview
+        The file's bytes, a view of the Arrow buffer they were written into
+        (no copy); ``bytes(...)`` makes one if needed.
+
+    Examples
+    --------
+    >>> import pyarrow as pa, pyarrow.parquet as pq
+    >>> t = pa.table({"partition": [0, 0], "row": [0, 1], "embedding": [[1.0, 2.0], [3.0, 4.0]]})
+    >>> data = parquet_bytes(t, [2], compression="none")
+    >>> pq.read_table(pa.BufferReader(data)).num_rows
+    2
+    """
+
+    codec = get("compression", compression)
+    sink = pa.BufferOutputStream()
+    other = [c for c in table.column_names if c != "embedding"]
+    codecs = {leaf: (codec if leaf.split(".", 1)[0] == "embedding" else "zstd") for leaf in _leaf_paths(table.schema)}
+    with pq.ParquetWriter(
+        sink, table.schema, use_dictionary=[c for c in other if c not in ("partition", "row")],
+        write_statistics=other, compression=codecs,
+    ) as writer:
+        offset = 0
+        for rows in group_rows:
+            if rows:
+                writer.write_table(table.slice(offset, rows), row_group_size=rows)
+                offset += rows
+        if table.num_rows == 0:
+            writer.write_table(table)
+    return memoryview(sink.getvalue())
+
+
+@functools.lru_cache(maxsize=32)
+def _leaf_paths(schema: pa.Schema) -> tuple[str, ...]:
+    """Parquet leaf column paths of ``schema`` (``embedding.list.element``...), as per-column options key them."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(schema.empty_table(), sink)
+    parquet_schema = pq.ParquetFile(pa.BufferReader(sink.getvalue())).schema
+    return tuple(parquet_schema.column(i).path for i in range(len(parquet_schema)))
+
+
+@dataclass(frozen=True)
+class SuperBatchWriter:
+    """Encodes, writes and commits one SuperBatch; returns what the run loop reports."""
+
+    encoder: SuperBatchEncoder
+    manifest: Manifest
+    #: codec of the embedding column, resolved where the run starts (None: the worker's surge.compression)
+    compression: str | None = None
+
+    def __dask_tokenize__(self):
+        return ("SuperBatchWriter", self.encoder.__dask_tokenize__(), self.manifest.root, self.manifest.run_id,
+                self.compression)
+
+    def _digests(self, parts, spans) -> tuple[tuple[int, str], ...]:
+        """``(partition, digest of its whole text column)`` of the partitions that this SuperBatch
+        shares with another (only those can be recomputed on resume after a partial commit)."""
+        partitions = sorted({s.partition for s, _ in spans})
+        return tuple((p, partition_digest(to_host(part)[self.encoder.column]))
+                     for p, part, (span, n) in zip(partitions, parts, self._span_of(spans, partitions))
+                     if span.start > 0 or span.stop < n)
+
+    @staticmethod
+    def _span_of(spans, partitions):
+        by = {s.partition: (s, n) for s, n in spans}
+        return [by[p] for p in partitions]
+
+    def __call__(self, parts, spans) -> dict:
+        """Encode ``spans`` (``(Span, partition rows)`` pairs) of ``parts`` (their input
+        partitions, in order) and commit them as the SuperBatch keyed by the first span."""
+        started_at, t0 = time.time(), time.perf_counter()
+        first = spans[0][0]
+        key = sb_key(first.partition, first.start)
+        frame, skipped = self.encoder.encode(parts, spans)
+        t1 = time.perf_counter()
+        # rows of each source partition (one span each); skipped nulls are not among them
+        data = parquet_bytes(table_of(frame), np.unique(frame["partition"].to_numpy(), return_counts=True)[1],
+                             self.compression)
+        attempt = uuid.uuid4().hex[:8]
+        manifest, fs = self.manifest, self.manifest.fs
+        staged, path = manifest.staging_path(key, attempt), manifest.data_path(key, attempt)
+        skip_path, skip_data = manifest.skipped_path(key, attempt), skipped_bytes(skipped)
+        record = CommitRecord(
+            sb=key, run=manifest.run_id, file=path.rsplit("/", 1)[-1], rows=len(frame), bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+            spans=tuple((s.partition, s.start, s.stop, int(n)) for s, n in spans),
+            skipped=len(skipped), skipped_file=skip_path.rsplit("/", 1)[-1] if skipped else "",
+            skipped_sha256=hashlib.sha256(skip_data).hexdigest() if skipped else "",
+            attempt=attempt, pid=os.getpid(), committed_at=0.0, digests=self._digests(parts, spans),
+        )
+        won, step = False, f"writing {staged!r}"
+        try:
+            if skipped:  # the ids of skipped nulls, beside the commit record (any number of them)
+                fs.makedirs(skip_path.rsplit("/", 1)[0], exist_ok=True)
+                write_bytes_atomic(fs, skip_path, skip_data)
+            write_bytes_atomic(fs, staged, data)  # not where readers look: _surge/runs/<run>/staging/
+            step = f"creating the commit record {manifest.record_path(key)!r}"
+            record = dataclasses.replace(record, committed_at=time.time())
+            won = manifest.commit(record)
+            if won:
+                step = f"publishing {path!r}"
+                manifest.publish(record)  # now, and only now, under its part-*.parquet name
+        except OSError as err:
+            if not won:
+                for leftover in (staged, skip_path):
+                    with contextlib.suppress(OSError):
+                        fs.rm(leftover)
+            if isinstance(err, FileNotFoundError) and not fs.exists(manifest.run_dir):
+                raise SurgeOutputError(
+                    f"SuperBatch {key} of run {manifest.run_id} was not committed: the run's directory "
+                    f"{manifest.run_dir!r} is gone, so another run replaced it. Nothing of this task was kept."
+                ) from err
+            raise SurgeOutputError(
+                f"{step} for SuperBatch {key} ({len(frame)} rows, {len(data):,} bytes) failed: "
+                f"{type(err).__name__}: {err}. " + (
+                    "The commit is recorded; a rerun publishes its file. " if won else
+                    "Committed SuperBatches are kept and no partial or uncommitted file is left where "
+                    "readers look. ") +
+                "Fix: free disk space or fix permissions, then rerun the same call to resume."
+            ) from err
+        if not won:  # another attempt of this SuperBatch committed first: ours is an orphan
+            fs.rm(staged)
+            if skipped:
+                fs.rm(skip_path)
+        return {
+            "sb": key, "rows": len(frame), "skipped": len(skipped), "file": record.file if won else "",
+            "bytes": len(data), "spans": record.spans, "started_at": started_at, "encode_s": t1 - t0,
+            "write_s": time.perf_counter() - t1, "committed": won, "committed_at": record.committed_at,
+            "engine": self.encoder.encoder.backend,  # what encoded on this worker
+        }

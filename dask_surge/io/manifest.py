@@ -1,0 +1,1042 @@
+"""The run manifest: fingerprint, claim, commit records, resume. The only source of truth.
+
+Layout of an output directory ``out/``::
+
+    out/part-<run>-<sb>-<attempt>.parquet        one file per committed SuperBatch
+    out/_surge/CURRENT                           id of the run whose rows are current
+    out/_surge/CLAIM                             the live run's claim: host, pid, heartbeat
+    out/_surge/runs/<run>/run.json               fingerprint, resolved thresholds, partitions
+    out/_surge/runs/<run>/staging/<sb>-<a>.parquet  a SuperBatch's data before its commit
+    out/_surge/runs/<run>/commits/<sb>.json      one commit record per SuperBatch
+    out/_surge/runs/<run>/skipped/<sb>-<a>.parquet  (partition, row) of nulls it skipped
+    out/_surge/runs/<run>/COMPLETE               written once every partition is accounted for
+    out/_surge/runs/<run>/STOPPED                the last process stopped on an error
+    out/_surge/retired/<run>-<ns>/               a replaced run, fenced off, then deleted
+
+``<sb>`` is :func:`sb_key` of the SuperBatch's first row. This module alone spells
+these paths.
+
+**Ownership.** A run writes only into a directory that is new, empty, or holds
+nothing but dask-surge's own files (:func:`check_output`), claims it exclusively
+before writing (:class:`Claim`), and deletes only files it can prove are its own:
+data files named by this layout, staging files and the metadata of runs it replaced.
+
+**Commit protocol.** A SuperBatch's file is written into the run's ``staging/``
+(temporary name, fsync, rename), then its commit record is created exclusively (of
+two attempts of one SuperBatch only one wins), then the file is renamed to its
+``part-*.parquet`` name (:meth:`Manifest.publish`). So a ``part-*.parquet`` file never
+exists without its record, and a task of a replaced run, whose run directory was
+moved to ``retired/`` first, can neither commit nor publish. A run id is a digest of
+the fingerprint, so rerunning the same call finds its own run and resumes it.
+Parquet readers pointed at ``out/`` skip ``_surge`` (``_`` prefix).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import hashlib
+import json
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from fsspec.core import url_to_fs
+
+from ..errors import SurgeInputError, SurgeOutputError
+
+__all__ = ["FORMAT_VERSION", "Manifest", "CommitRecord", "Coverage", "Claim", "sb_key", "fingerprint_digest",
+           "open_run", "current_run", "existing_run", "find_run", "finish_run", "check_output", "check_writable_store", "repair",
+           "verify", "LOCAL_PROTOCOLS"]
+
+FORMAT_VERSION = 2  # 2: SuperBatches keyed by their first row; recorded thresholds
+META_DIR = "_surge"
+#: filesystems whose rename and exclusive create the commit protocol relies on (tested)
+LOCAL_PROTOCOLS = ("file", "local", "memory")
+#: a claim whose heartbeat is older than this is stale (its process is gone or hung)
+CLAIM_TTL_S = 60.0
+#: how often a live run refreshes its claim
+HEARTBEAT_S = 10.0
+_RUN_ID = re.compile(r"^[0-9a-f]{16}$")
+_SB = r"\d{9}-\d{12}"
+_DATA_FILE = re.compile(rf"^part-(?P<run>[0-9a-f]{{8}})-(?P<sb>{_SB})-(?P<attempt>[0-9a-f]{{8}})\.parquet$")
+_SIDE_FILE = re.compile(rf"^(?P<sb>{_SB})-(?P<attempt>[0-9a-f]{{8}})\.parquet$")
+
+
+def fingerprint_digest(fingerprint: dict) -> str:
+    """Stable 16-hex-digit id of a fingerprint (keys sorted, JSON-encoded)."""
+    blob = json.dumps(fingerprint, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _protocols(fs) -> tuple[str, ...]:
+    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+
+
+def _is_local(fs) -> bool:
+    return "file" in _protocols(fs) or "local" in _protocols(fs)
+
+
+def _temp_name(path: str) -> tuple[str, str]:
+    parent, name = path.rsplit("/", 1)
+    return parent, f"{parent}/.{name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def _atomic_write(fs, path: str, data: builtins.bytes | memoryview, *, exclusive: bool = False) -> bool:
+    """Write ``data`` to ``path`` so that no reader ever sees a partial file.
+
+    Local files are written to a temporary name, fsynced, then renamed over ``path``
+    (or, with ``exclusive=True``, hard-linked to it, which fails if ``path`` exists),
+    and the directory is fsynced. The in-memory filesystem (one process) writes the
+    temporary file and moves it. On any failure the temporary file is removed.
+    Returns False only when ``exclusive`` and ``path`` already existed.
+    """
+    parent, tmp = _temp_name(path)
+    local = _is_local(fs)
+    try:
+        if local:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if exclusive:
+                try:
+                    os.link(tmp, path)  # atomic, fails if path exists
+                except FileExistsError:
+                    return False
+                finally:
+                    os.unlink(tmp)
+            else:
+                os.replace(tmp, path)
+            _fsync_dir(parent)
+        else:
+            if exclusive and fs.exists(path):  # one process: no other writer between check and move
+                return False
+            with fs.open(tmp, "wb") as f:
+                f.write(data)
+            fs.mv(tmp, path)
+    except BaseException:
+        # disk full, killed write, ...: leave no partial file behind
+        with contextlib.suppress(Exception):
+            fs.rm(tmp)
+        raise
+    return True
+
+
+def write_bytes_atomic(fs, path: str, data: builtins.bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` via a temporary name: fsync, then rename over."""
+    _atomic_write(fs, path, data)
+
+
+def create_exclusive(fs, path: str, data: bytes) -> bool:
+    """Create ``path`` holding ``data`` only if it does not exist; True if we created it.
+
+    A reader never sees a torn record (see :func:`_atomic_write`).
+    """
+    return _atomic_write(fs, path, data, exclusive=True)
+
+
+def _rename(fs, src: str, dst: str) -> None:
+    """Move ``src`` to ``dst`` atomically (raises FileNotFoundError when ``src`` is gone)."""
+    if _is_local(fs):
+        os.rename(src, dst)
+        _fsync_dir(dst.rsplit("/", 1)[0])
+    else:
+        if not fs.exists(src):
+            raise FileNotFoundError(src)
+        fs.mv(src, dst, recursive=fs.isdir(src))
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _ls(fs, path: str) -> list[str]:
+    """Names in ``path`` (fresh: never from a listing cache); [] when it does not exist."""
+    with contextlib.suppress(AttributeError, TypeError):
+        fs.invalidate_cache(path)
+    try:
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def sb_key(partition: int, start: int) -> str:
+    """The key of the SuperBatch whose first span starts at row ``start`` of ``partition``.
+
+    SuperBatches never overlap, so their first rows identify them, whether they were
+    planned ahead (sizes known) or formed as partitions streamed in; keys sort in
+    ``(partition, row)`` order, as the data does.
+
+    Examples
+    --------
+    >>> sb_key(12, 0), sb_key(12, 0) < sb_key(12, 5000) < sb_key(13, 0)
+    ('000000012-000000000000', True)
+    """
+    return f"{int(partition):09d}-{int(start):012d}"
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """The commit of one SuperBatch: its file and the input rows it accounts for.
+
+    ``spans`` holds ``(partition, start, stop, partition_rows)`` for each input span:
+    with the partition's full row count, the records alone say which partitions are
+    complete (a resumed run skips them without reading them). ``digests`` holds
+    ``(partition, digest)``: a digest of each input partition's whole text column
+    (:func:`dask_surge.execution.superbatch.partition_digest`), so a partition recomputed on
+    resume is checked against what was committed for it.
+    """
+
+    sb: str
+    run: str
+    file: str
+    rows: int
+    bytes: int
+    sha256: str
+    spans: tuple[tuple[int, int, int, int], ...]
+    skipped: int = 0
+    skipped_file: str = ""
+    skipped_sha256: str = ""
+    attempt: str = ""
+    pid: int = 0
+    committed_at: float = 0.0
+    digests: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def accounted(self) -> int:
+        """Input rows this commit accounts for: written rows plus skipped nulls."""
+        return self.rows + self.skipped
+
+    def to_json(self) -> builtins.bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: builtins.bytes) -> CommitRecord:
+        """Parse a record; raises ValueError on anything but a well-formed one (names included).
+
+        Examples
+        --------
+        >>> rec = CommitRecord("000000000-000000000000", "0" * 16, "part-00000000-000000000-000000000000-"
+        ...                    "0123abcd.parquet", 2, 10, "ab", ((0, 0, 2, 2),))
+        >>> CommitRecord.from_json(rec.to_json()) == rec
+        True
+        >>> CommitRecord.from_json(rec.to_json().replace(b"part-", b"../x-"))
+        Traceback (most recent call last):
+        ...
+        ValueError: commit record names file '../x-00000000-000000000-000000000000-0123abcd.parquet', not a data file of this layout
+        """
+        raw = json.loads(data)
+        if not isinstance(raw, dict):
+            raise ValueError("a commit record is a JSON object")
+        known = {f.name for f in fields(cls)}
+        raw = {k: v for k, v in raw.items() if k in known}
+        raw["spans"] = tuple(tuple(int(x) for x in s) for s in raw["spans"])
+        raw["digests"] = tuple((int(p), str(d)) for p, d in raw.get("digests", ()))
+        if any(len(s) != 4 for s in raw["spans"]):
+            raise ValueError("spans need (partition, start, stop, partition_rows)")
+        rec = cls(**raw)
+        # names read from disk become path parts: accept only what this layout writes
+        if not _DATA_FILE.match(rec.file):
+            raise ValueError(f"commit record names file {rec.file!r}, not a data file of this layout")
+        if rec.skipped_file and not _SIDE_FILE.match(rec.skipped_file):
+            raise ValueError(f"commit record names skipped file {rec.skipped_file!r}, not of this layout")
+        if not re.fullmatch(_SB, rec.sb):
+            raise ValueError(f"commit record key {rec.sb!r} is not a SuperBatch key")
+        return rec
+
+
+@dataclass
+class Coverage:
+    """Which input rows the committed SuperBatches of a run account for.
+
+    Examples
+    --------
+    >>> c = Coverage.of([((0, 0, 5, 5), (1, 0, 3, 8)), ((1, 3, 8, 8),), ((2, 0, 4, 9),)])
+    >>> c.complete(0), c.complete(1), c.complete(2), c.complete(3)
+    (True, True, False, False)
+    >>> sorted(c.committed_starts(2)), sorted(c.committed_starts(3))
+    ([0], [])
+    """
+
+    rows: dict[int, int] = field(default_factory=dict)  # partition -> its row count
+    covered: dict[int, int] = field(default_factory=dict)  # partition -> rows covered
+    starts: dict[int, set] = field(default_factory=dict)  # partition -> committed span starts
+    digests: dict[int, str] = field(default_factory=dict)  # partition -> digest of its texts, where recorded
+
+    @classmethod
+    def of(cls, span_lists, digests=()) -> Coverage:
+        cov = cls()
+        for spans in span_lists:
+            for p, start, stop, n in spans:
+                cov.rows[p] = n
+                cov.covered[p] = cov.covered.get(p, 0) + (stop - start)
+                cov.starts.setdefault(p, set()).add(start)
+        for pairs in digests:
+            cov.digests.update(dict(pairs))
+        return cov
+
+    def complete(self, partition: int) -> bool:
+        """Every row of ``partition`` is in a committed SuperBatch (an empty one: recorded)."""
+        return partition in self.rows and self.covered.get(partition, 0) >= self.rows[partition]
+
+    def committed_starts(self, partition: int) -> set:
+        return self.starts.get(partition, set())
+
+    def expected(self, partition: int) -> tuple[int, str | None] | None:
+        """``(rows, digest)`` committed for a partially committed ``partition``, else None."""
+        if partition not in self.rows or self.complete(partition):
+            return None
+        return self.rows[partition], self.digests.get(partition)
+
+    def missing(self, npartitions: int) -> list[int]:
+        """Partitions ``0..npartitions-1`` not complete, in order."""
+        return [p for p in range(npartitions) if not self.complete(p)]
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.rows.values())
+
+
+def _corrupt(path: str, err: Exception) -> SurgeOutputError:
+    root = path.split(f"/{META_DIR}/", 1)[0]
+    return SurgeOutputError(
+        f"{path!r} is damaged ({type(err).__name__}: {err}); it is part of the dask-surge manifest of "
+        f"{root!r} (a crash or a full disk while it was written?). Nothing was changed. Fix: run "
+        f"`dask-surge status --repair {root}` (or dask_surge.io.manifest.repair(...)), then rerun the same call."
+    )
+
+
+def _read_json(fs, path: str) -> dict | None:
+    """The JSON object in ``path``; None when it does not exist; a clear error when it is damaged."""
+    try:
+        with fs.open(path, "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        out = json.loads(data)
+        if not isinstance(out, dict):
+            raise ValueError(f"a JSON object was expected, found {type(out).__name__}")
+    except ValueError as err:
+        raise _corrupt(path, err) from err
+    return out
+
+
+@dataclass
+class Manifest:
+    """One run inside an output directory (see module docstring)."""
+
+    fs: Any
+    root: str
+    run_id: str
+    fingerprint: dict = field(default_factory=dict)
+    plan: dict = field(default_factory=dict)  # what the run recorded: thresholds, partitions, mode
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def run_dir(self) -> str:
+        return f"{self.root}/{META_DIR}/runs/{self.run_id}"
+
+    @property
+    def commits_dir(self) -> str:
+        return f"{self.run_dir}/commits"
+
+    @property
+    def staging_dir(self) -> str:
+        return f"{self.run_dir}/staging"
+
+    def data_path(self, sb: str, attempt: str) -> str:
+        """Where the committed file of an attempt of SuperBatch ``sb`` is published."""
+        return f"{self.root}/part-{self.run_id[:8]}-{sb}-{attempt}.parquet"
+
+    def staging_path(self, sb: str, attempt: str) -> str:
+        """Where an attempt of SuperBatch ``sb`` writes its file before it commits."""
+        return f"{self.staging_dir}/{sb}-{attempt}.parquet"
+
+    def skipped_path(self, sb: str, attempt: str) -> str:
+        """Where an attempt of SuperBatch ``sb`` lists the nulls it skipped (``on_null="skip"``)."""
+        return f"{self.run_dir}/skipped/{sb}-{attempt}.parquet"
+
+    def record_path(self, sb: str) -> str:
+        return f"{self.commits_dir}/{sb}.json"
+
+    def data_urls(self, records) -> list[str]:
+        """Paths of ``records``' data files that any fsspec or Parquet reader opens."""
+        proto = _protocols(self.fs)[0]
+        files = [f"{self.root}/{r.file}" for r in records]
+        return files if proto in ("file", "local") else [f"{proto}://{f}" for f in files]
+
+    def skipped_files(self, records) -> list[str]:
+        """Paths of the skipped-null files that ``records`` name."""
+        return [f"{self.run_dir}/skipped/{r.skipped_file}" for r in records if r.skipped]
+
+    def commit(self, record: CommitRecord) -> bool:
+        """Create the commit record of ``record.sb``; False if another attempt won.
+
+        Raises FileNotFoundError when the run's directory is gone (the run was replaced
+        and retired: a late task of it must not commit).
+        """
+        return create_exclusive(self.fs, self.record_path(record.sb), record.to_json())
+
+    def publish(self, record: CommitRecord) -> None:
+        """Move a committed SuperBatch's file from ``staging/`` to its ``part-*.parquet`` name.
+
+        Idempotent: of two publishers of one record (the task, and a later process
+        finishing or repairing the run) the first moves it; the other finds it there.
+        Raises FileNotFoundError when the file is in neither place (a crash destroyed it).
+        """
+        final = f"{self.root}/{record.file}"
+        m = _DATA_FILE.match(record.file)
+        assert m is not None  # checked when the record was read
+        staged = self.staging_path(record.sb, m.group("attempt"))
+        try:
+            _rename(self.fs, staged, final)
+        except FileNotFoundError:
+            if not self.fs.exists(final):
+                raise
+
+    def committed(self, *, repair: bool = False) -> dict[str, CommitRecord]:
+        """Commit records by SuperBatch key, in data order. Torn or foreign records are skipped.
+
+        With ``repair=True`` a torn record (unparseable, e.g. from a crash on a
+        filesystem without atomic create) is renamed aside so its SuperBatch can
+        be committed again.
+        """
+        out: dict[str, CommitRecord] = {}
+        for name in _ls(self.fs, self.commits_dir):
+            if not name.endswith(".json") or name.startswith("."):
+                continue
+            path = f"{self.commits_dir}/{name}"
+            try:
+                with self.fs.open(path, "rb") as f:
+                    rec = CommitRecord.from_json(f.read())
+                if name != f"{rec.sb}.json" or rec.run != self.run_id:
+                    continue
+            except (ValueError, KeyError, TypeError, OSError):
+                # torn record: that SuperBatch is not committed
+                if repair:
+                    self.fs.mv(path, f"{self.commits_dir}/.torn-{name}-{time.time_ns()}")
+                continue
+            out[rec.sb] = rec
+        return out
+
+    def coverage(self, records: dict[str, CommitRecord] | None = None) -> Coverage:
+        """Which input rows the committed SuperBatches account for."""
+        records = self.committed() if records is None else records
+        return Coverage.of((r.spans for r in records.values()), (r.digests for r in records.values()))
+
+    def publish_pending(self, records: dict[str, CommitRecord]) -> int:
+        """Publish committed files still in ``staging/`` (their task died between commit and
+        publish); returns how many. Raises :class:`SurgeOutputError` for a committed file
+        that is nowhere (deleted by hand, or lost to a crash)."""
+        present = set(_ls(self.fs, self.root))
+        moved = 0
+        for rec in records.values():
+            if rec.file in present:
+                continue
+            try:
+                self.publish(rec)
+            except FileNotFoundError as err:
+                raise SurgeOutputError(
+                    f"SuperBatch {rec.sb} of {self.root!r} is committed but its file {rec.file!r} is missing "
+                    f"(deleted by hand?). Fix: `dask-surge status --repair {self.root}` forgets that commit, "
+                    "then rerun the same call to encode those rows again."
+                ) from err
+            moved += 1
+        return moved
+
+    def mark_current(self) -> None:
+        _write_meta(self.fs, current_path(self.root), self.run_id.encode())
+
+    @property
+    def _stopped_path(self) -> str:
+        return f"{self.run_dir}/STOPPED"
+
+    @property
+    def _complete_path(self) -> str:
+        return f"{self.run_dir}/COMPLETE"
+
+    def mark_stopped(self, why: str) -> None:
+        """Record that this run's process stopped on an error (so a run that committed
+        nothing may be replaced without ``overwrite``). Best effort: never raises."""
+        with contextlib.suppress(OSError):
+            write_bytes_atomic(self.fs, self._stopped_path, why.encode()[:2000])
+
+    def stopped(self) -> bool:
+        """True when the last process of this run stopped on an error (and none resumed it)."""
+        return self.fs.exists(self._stopped_path)
+
+    def clear_stopped(self) -> None:
+        if self.fs.exists(self._stopped_path):
+            self.fs.rm(self._stopped_path)
+
+    def completion(self) -> dict | None:
+        """The completion summary (rows, nulls skipped, SuperBatches) of a finished run, else None."""
+        return _read_json(self.fs, self._complete_path)
+
+
+def _write_meta(fs, path: str, data: bytes) -> None:
+    """Write a manifest file; a failure (disk full, permissions) is a clear error that names it."""
+    try:
+        write_bytes_atomic(fs, path, data)
+    except OSError as err:
+        root = path.split(f"/{META_DIR}/", 1)[0]
+        raise SurgeOutputError(
+            f"writing {path!r} failed ({type(err).__name__}: {err}). Committed SuperBatches are kept and "
+            f"no partial file is left. Fix: free disk space or fix permissions on {root!r}, then rerun the "
+            "same call to resume."
+        ) from err
+
+
+def current_path(root: str) -> str:
+    """Where an output directory names its current run."""
+    return f"{root}/{META_DIR}/CURRENT"
+
+
+def _current_id(fs, root: str) -> str | None:
+    """The run id in ``CURRENT``; None when there is none; a clear error when it is damaged."""
+    path = current_path(root)
+    try:
+        with fs.open(path, "rb") as f:
+            run_id = f.read().decode(errors="replace").strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not _RUN_ID.match(run_id):
+        raise _corrupt(path, ValueError(f"{run_id[:40]!r} is not a run id"))
+    return run_id
+
+
+def _load(fs, root: str, run_id: str) -> Manifest | None:
+    info = _read_json(fs, f"{root}/{META_DIR}/runs/{run_id}/run.json")
+    if info is None:
+        return None
+    _check_version(info, root)
+    if not isinstance(info.get("fingerprint"), dict):
+        raise _corrupt(f"{root}/{META_DIR}/runs/{run_id}/run.json", ValueError("no fingerprint"))
+    return Manifest(fs, root, run_id, info["fingerprint"], info.get("plan", {}),
+                    format_version=info["format_version"])
+
+
+def _fs_root(path: str, storage_options: dict | None) -> tuple[Any, str]:
+    fs, root = url_to_fs(path, **(storage_options or {}))
+    return fs, root.rstrip("/") or "/"
+
+
+def current_run(path: str, storage_options: dict | None = None) -> Manifest | None:
+    """The run whose rows are current in the output directory ``path`` (or None)."""
+    fs, root = _fs_root(path, storage_options)
+    run_id = _current_id(fs, root)
+    return None if run_id is None else _load(fs, root, run_id)
+
+
+def existing_run(path: str, storage_options: dict | None = None) -> Manifest:
+    """The current run in ``path`` for a reader, or a clear error when there is none."""
+    manifest = current_run(path, storage_options)
+    if manifest is None:
+        raise SurgeInputError(
+            f"{path!r} holds no dask-surge run (no {current_path(path.rstrip('/'))}). Fix: pass the output "
+            "directory of ddf.surge.encode(..., output=...)."
+        )
+    if manifest.format_version < FORMAT_VERSION:
+        raise SurgeInputError(
+            f"{path!r} was written with manifest format {manifest.format_version}, older than this "
+            f"library's {FORMAT_VERSION}, whose commit records it cannot trust. Fix: encode again into a "
+            "new path (or the same path with overwrite=True)."
+        )
+    return manifest
+
+
+def _check_version(info: dict, root: str) -> None:
+    version = info.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise SurgeOutputError(
+            f"{root!r} was written with manifest format {version!r}, newer than this library's "
+            f"{FORMAT_VERSION}: reading or resuming it could mix incompatible data. "
+            "Fix: upgrade dask-surge, or write to a new output path."
+        )
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
+def check_writable_store(path: str) -> None:
+    """Refuse to write to a store whose commit protocol is not proven (any but :data:`LOCAL_PROTOCOLS`).
+
+    Reading such a store (a finished output copied there) is fine; only writing is refused.
+
+    Examples
+    --------
+    >>> check_writable_store("/tmp/emb")
+    >>> check_writable_store("s3://bucket/emb")
+    Traceback (most recent call last):
+    ...
+    dask_surge.errors.SurgeOutputError: output='s3://bucket/emb' is on a 's3' filesystem. ...
+    """
+    from fsspec.core import split_protocol
+
+    protocol = split_protocol(str(path))[0] or "file"  # before any filesystem is built (none may be installed)
+    if protocol not in LOCAL_PROTOCOLS or "::" in str(path):
+        raise SurgeOutputError(
+            f"output={path!r} is on a {protocol!r} filesystem. dask-surge's exactly-once commit (atomic "
+            "rename, exclusive create, fresh listings) is proven on local and shared POSIX filesystems "
+            "(local disks, NFS, Lustre, GPFS) only, so it refuses other stores rather than risk lost or "
+            "duplicated rows. Nothing was written. Fix: write to a local or shared filesystem path, then "
+            f"copy the finished directory to the store (e.g. `aws s3 sync out/ {path}`)."
+        )
+
+
+def check_output(path: str, storage_options: dict | None = None, *, inputs: Sequence[str] = ()) -> None:
+    """Refuse an output location that a run could not own (before anything is written).
+
+    The output must be a directory on a filesystem whose commit protocol is proven
+    (:data:`LOCAL_PROTOCOLS`), not under a regular file, not one of the input files'
+    directories, and either new, empty, or holding only dask-surge's own files
+    (``_surge/`` and data files named by this layout; ``.``-prefixed entries are left
+    alone). A run never deletes, overwrites or reads as output a file it did not write.
+
+    Parameters
+    ----------
+    path : str
+        The output directory (local path or fsspec URL).
+    storage_options : dict, optional
+        fsspec options for ``path``.
+    inputs : list of str
+        Input files (as their filesystem names them): none may be inside ``path``.
+
+    Raises
+    ------
+    SurgeOutputError
+        Naming the path, the rule and the fix.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> check_output(d)  # empty: fine
+    >>> open(os.path.join(d, "part-00000.parquet"), "w").close()
+    >>> check_output(d)
+    Traceback (most recent call last):
+    ...
+    dask_surge.errors.SurgeOutputError: output=... holds 1 entry that dask-surge did not write ('part-00000.parquet'); ...
+    """
+    check_writable_store(path)
+    fs, root = _fs_root(path, storage_options)
+    ancestor = root
+    while ancestor not in ("", "/") and not fs.exists(ancestor):
+        ancestor = ancestor.rsplit("/", 1)[0] if "/" in ancestor else ""
+    if ancestor not in ("", "/") and not fs.isdir(ancestor):
+        what = "is a file" if ancestor == root else f"is under {ancestor!r}, which is a file"
+        raise SurgeOutputError(
+            f"output={path!r} {what}; the output must be a directory (one Parquet file per SuperBatch plus "
+            "a manifest). Nothing was written. Fix: choose a new directory path."
+        )
+    inside = [p for p in inputs if p.rstrip("/").startswith(root.rstrip("/") + "/")]
+    if inside:
+        raise SurgeOutputError(
+            f"output={path!r} holds input file {inside[0]!r} ({len(inside)} input file(s) in all): a run "
+            "never writes into its input. Nothing was written. Fix: choose another directory for the output, "
+            f"e.g. {root.rstrip('/') + '-embeddings'!r}."
+        )
+    if ancestor != root:
+        return
+    names = _ls(fs, root)
+    ours = META_DIR in names
+    foreign = [n for n in names if not n.startswith(".") and n != META_DIR and not (ours and _DATA_FILE.match(n))]
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise SurgeOutputError(
+            f"output={path!r} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} that dask-surge did "
+            f"not write ({shown}); a run never deletes, overwrites or mixes in files it does not own, and "
+            "readers of the output would read those as rows. Nothing was written. Fix: write to a new or "
+            f"empty directory, e.g. {root.rstrip('/') + '/embeddings'!r}."
+        )
+
+
+@dataclass
+class Claim:
+    """An exclusive, heartbeated claim of an output directory by one live run.
+
+    ``_surge/CLAIM`` holds the run, host, pid, a random token and the time of the
+    last heartbeat. :meth:`acquire` creates it exclusively; a claim whose process is
+    gone (same host, pid not alive) or whose heartbeat is older than
+    :data:`CLAIM_TTL_S` is stale and is taken over (renamed aside first, so of two
+    processes taking it over one wins). While held, a daemon thread refreshes the
+    heartbeat; :meth:`release` removes the claim if it is still ours.
+
+    Examples
+    --------
+    >>> import tempfile, fsspec
+    >>> fs, root = fsspec.filesystem("file"), tempfile.mkdtemp()
+    >>> claim = Claim.acquire(fs, root, "0123456789abcdef", heartbeat=False)
+    >>> Claim.acquire(fs, root, "fedcba9876543210", heartbeat=False)
+    Traceback (most recent call last):
+    ...
+    dask_surge.errors.SurgeOutputError: output=... is being written by another run (...
+    >>> claim.release(); Claim.holder(fs, root) is None
+    True
+    """
+
+    fs: Any
+    root: str
+    run_id: str
+    token: str
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+    lost: bool = False
+
+    @staticmethod
+    def path(root: str) -> str:
+        return f"{root}/{META_DIR}/CLAIM"
+
+    @staticmethod
+    def holder(fs, root: str) -> dict | None:
+        """What the claim file of ``root`` says (None: unclaimed; a torn claim reads as stale)."""
+        try:
+            return _read_json(fs, Claim.path(root))
+        except SurgeOutputError:
+            return {"heartbeat": 0.0, "host": "?", "pid": 0, "run": "?", "token": "?"}
+
+    @staticmethod
+    def _stale(info: dict) -> bool:
+        if time.time() - float(info.get("heartbeat", 0)) > CLAIM_TTL_S:
+            return True
+        if info.get("host") == socket.gethostname():
+            try:
+                os.kill(int(info.get("pid", 0)), 0)
+            except ProcessLookupError:
+                return True
+            except (PermissionError, ValueError, OverflowError):
+                return False
+        return False
+
+    def _body(self) -> bytes:
+        return json.dumps({"run": self.run_id, "token": self.token, "host": socket.gethostname(),
+                           "pid": os.getpid(), "heartbeat": time.time()}, sort_keys=True).encode()
+
+    @classmethod
+    def acquire(cls, fs, root: str, run_id: str, *, heartbeat: bool = True) -> Claim:
+        """Claim ``root`` for ``run_id`` or raise :class:`SurgeOutputError` naming the live holder."""
+        claim = cls(fs, root, run_id, uuid.uuid4().hex)
+        try:
+            fs.makedirs(f"{root}/{META_DIR}", exist_ok=True)
+            for _ in range(3):
+                if create_exclusive(fs, cls.path(root), claim._body()):
+                    break
+                info = cls.holder(fs, root)
+                if info is None:
+                    continue  # released meanwhile
+                if not cls._stale(info):
+                    age = time.time() - float(info.get("heartbeat", 0))
+                    raise SurgeOutputError(
+                        f"output={root!r} is being written by another run (run {info.get('run')}, pid "
+                        f"{info.get('pid')} on {info.get('host')}, last heartbeat {age:.0f} s ago). Nothing "
+                        "was written. Fix: wait for it to finish, or write to another directory; a claim "
+                        f"whose process died is taken over at once on the same host, else after "
+                        f"{CLAIM_TTL_S:.0f} s without a heartbeat."
+                    )
+                with contextlib.suppress(FileNotFoundError):  # another taker may have moved it first
+                    _rename(fs, cls.path(root), f"{root}/{META_DIR}/.stale-claim-{time.time_ns()}")
+            else:
+                raise SurgeOutputError(f"output={root!r}: could not claim it after 3 tries (another run "
+                                       "keeps claiming it). Fix: rerun when the other run is done.")
+        except OSError as err:
+            raise SurgeOutputError(
+                f"output={root!r} is not writable ({type(err).__name__}: {err}). Nothing was encoded. "
+                "Fix: choose a directory you can create and write to."
+            ) from err
+        for name in _ls(fs, f"{root}/{META_DIR}"):
+            if name.startswith(".stale-claim-"):
+                with contextlib.suppress(OSError):
+                    fs.rm(f"{root}/{META_DIR}/{name}")
+        if heartbeat:
+            claim._thread = threading.Thread(target=claim._beat, name="dask-surge-claim", daemon=True)
+            claim._thread.start()
+        return claim
+
+    def held(self) -> bool:
+        """True while the claim file still carries our token."""
+        info = Claim.holder(self.fs, self.root)
+        return info is not None and info.get("token") == self.token
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                if not self.held():
+                    self.lost = True
+                    return
+                write_bytes_atomic(self.fs, Claim.path(self.root), self._body())
+            except OSError:  # a full disk: the next beat tries again; the claim goes stale if it persists
+                continue
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the claim if it is still ours (idempotent)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            if self.held():
+                self.fs.rm(Claim.path(self.root))
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def find_run(path: str, fingerprint: dict, storage_options: dict | None = None) -> Manifest | None:
+    """The run of ``fingerprint`` in ``path`` if it was ever created there (current or
+    not), with what it recorded; None otherwise. Reads only the run's ``run.json``."""
+    check_writable_store(path)  # it is asked by a run about to write there
+    fs, root = _fs_root(path, storage_options)
+    run_id = fingerprint_digest(fingerprint)
+    manifest = Manifest(fs, root, run_id, fingerprint)
+    info = _read_json(fs, f"{manifest.run_dir}/run.json")
+    if info is None or info.get("format_version") != FORMAT_VERSION:
+        return None
+    manifest.plan = info.get("plan", {})
+    current = _current_id(fs, root)
+    if manifest.completion() is not None and current != run_id:
+        return None  # a complete run that another run replaced since: not ours to trust
+    return manifest
+
+
+def open_run(
+    path: str, fingerprint: dict, *, overwrite: bool = False, storage_options: dict | None = None,
+    plan_summary: dict | None = None,
+) -> tuple[Manifest, bool]:
+    """Open (resume) or create the run for ``fingerprint`` in output directory ``path``.
+
+    The caller holds the directory's :class:`Claim`. Returns ``(manifest, resumed)``.
+    ``manifest.plan`` is what the run recorded when it was created (``plan_summary``:
+    its resolved thresholds, its partitions): a resumed run keeps them, whatever the
+    cluster's shape is now. A directory holding a different current run is refused
+    unless ``overwrite=True``; even then the old run's files stay until the new run
+    completes (see :func:`finish_run`). A different run that stopped on an error before
+    committing anything (e.g. a bad input) holds no data and is replaced.
+
+    Raises
+    ------
+    SurgeOutputError
+        If ``path`` is not writable, holds another run (without ``overwrite``), a
+        damaged manifest, or was written by a newer manifest format.
+    """
+    check_writable_store(path)
+    fs, root = _fs_root(path, storage_options)
+    run_id = fingerprint_digest(fingerprint)
+    manifest = Manifest(fs, root, run_id, fingerprint)
+    current = current_run(path, storage_options)
+    other = current if current is not None and current.run_id != run_id else None
+    empty_other = other is not None and other.stopped() and not other.committed()
+    if other is not None and not overwrite and not empty_other:
+        diff = "; ".join(_differences(other.fingerprint, fingerprint)) or "(format)"
+        raise SurgeOutputError(
+            f"output={path!r} already holds a different run ({diff}). Nothing was written. "
+            "Fix: write to a new path, or pass overwrite=True (the old output is replaced "
+            "only once the new run has completed)."
+        )
+    info = _read_json(fs, f"{manifest.run_dir}/run.json")
+    try:
+        if info is None:
+            fs.makedirs(manifest.commits_dir, exist_ok=True)
+            fs.makedirs(manifest.staging_dir, exist_ok=True)
+            manifest.plan = dict(plan_summary or {})
+            body = {"format_version": FORMAT_VERSION, "run": run_id, "fingerprint": fingerprint,
+                    "plan": manifest.plan, "created": time.time()}
+            write_bytes_atomic(fs, f"{manifest.run_dir}/run.json",
+                               json.dumps(body, sort_keys=True, default=str).encode())
+        else:
+            _check_version(info, root)
+            manifest.plan = info.get("plan", {})
+            fs.makedirs(manifest.staging_dir, exist_ok=True)
+            manifest.clear_stopped()  # resumed
+        if current is None or empty_other:
+            manifest.mark_current()
+    except OSError as err:
+        raise SurgeOutputError(
+            f"output={path!r} is not writable ({type(err).__name__}: {err}). Nothing was encoded. "
+            "Fix: choose a directory you can create and write to."
+        ) from err
+    return manifest, info is not None
+
+
+def _retire(fs, root: str, run: str) -> None:
+    """Fence off and delete another run: its directory is moved to ``retired/`` first (a
+    late task of it can then neither commit nor publish), then its data files go."""
+    runs = f"{root}/{META_DIR}/runs"
+    retired_dir = f"{root}/{META_DIR}/retired"
+    fs.makedirs(retired_dir, exist_ok=True)
+    gone = f"{retired_dir}/{run}-{time.time_ns()}"
+    with contextlib.suppress(FileNotFoundError):
+        _rename(fs, f"{runs}/{run}", gone)
+    prefix = run[:8]
+    for name in _ls(fs, root):
+        m = _DATA_FILE.match(name)
+        if m and m.group("run") == prefix:
+            fs.rm(f"{root}/{name}")
+
+
+def finish_run(manifest: Manifest, committed: dict[str, CommitRecord], summary: dict) -> None:
+    """Record the run as complete and current, and delete what it owns and no longer needs.
+
+    ``committed`` is ``manifest.committed()`` as just read by the caller; ``summary``
+    (rows, SuperBatches, nulls skipped) is kept in the run's ``COMPLETE`` marker, so a
+    rerun of a complete run does nothing and :func:`dask_surge.status` reads it. Then,
+    and only then: committed files still in staging are published, other runs in the
+    directory are retired (their files deleted), and this run's uncommitted attempts
+    (data files of this layout not named by a record, staging leftovers, skipped-null
+    files of losing attempts) are deleted. Nothing that does not match this layout
+    is ever touched. Afterwards the ``part-*.parquet`` files are exactly the committed ones.
+    """
+    fs, root = manifest.fs, manifest.root
+    manifest.publish_pending(committed)
+    _write_meta(fs, manifest._complete_path, json.dumps(summary, sort_keys=True).encode())
+    manifest.mark_current()
+    runs = f"{root}/{META_DIR}/runs"
+    for run in _ls(fs, runs):
+        if run != manifest.run_id and _RUN_ID.match(run):
+            _retire(fs, root, run)
+    keep = {rec.file for rec in committed.values()}
+    for name in _ls(fs, root):
+        if _DATA_FILE.match(name) and name not in keep:  # a data file of this layout: ours, not committed
+            fs.rm(f"{root}/{name}")
+    for name in _ls(fs, manifest.staging_dir):
+        fs.rm(f"{manifest.staging_dir}/{name}")
+    keep_skipped = {rec.skipped_file for rec in committed.values()}
+    for name in _ls(fs, f"{manifest.run_dir}/skipped"):
+        if name not in keep_skipped:  # of attempts that lost the commit
+            fs.rm(f"{manifest.run_dir}/skipped/{name}")
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(f"{root}/{META_DIR}/retired", recursive=True)
+
+
+def verify(path: str, storage_options: dict | None = None) -> list[str]:
+    """Check every committed file of the current run in ``path`` against its recorded
+    ``sha256`` (and size); returns one line per problem (empty: all good).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> verify(tempfile.mkdtemp())
+    []
+    """
+    manifest = current_run(path, storage_options)
+    if manifest is None:
+        return []
+    problems = []
+    for rec in manifest.committed().values():
+        for name, digest, where in ((rec.file, rec.sha256, manifest.root),
+                                    (rec.skipped_file, rec.skipped_sha256, f"{manifest.run_dir}/skipped")):
+            if not name:
+                continue
+            h = hashlib.sha256()
+            try:
+                with manifest.fs.open(f"{where}/{name}", "rb") as f:
+                    while block := f.read(1 << 22):
+                        h.update(block)
+            except FileNotFoundError:
+                problems.append(f"{where}/{name}: missing (SuperBatch {rec.sb})")
+                continue
+            if h.hexdigest() != digest:
+                problems.append(f"{where}/{name}: sha256 {h.hexdigest()[:16]}... differs from the recorded "
+                                f"{digest[:16]}... (SuperBatch {rec.sb})")
+    return problems
+
+
+def repair(path: str, storage_options: dict | None = None) -> list[str]:
+    """Bring a damaged manifest back to a state a rerun can resume from; returns what was done.
+
+    Never deletes a file that is not dask-surge's: damaged manifest files and commit
+    records are renamed aside (``.torn-*``), committed files left in staging are
+    published, and a commit whose data file is gone (or fails its checksum) is
+    forgotten, so a rerun encodes those rows again. A damaged ``CURRENT`` is pointed
+    at the one run left, or removed. Repair a directory no run is writing.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> repair(tempfile.mkdtemp())
+    []
+    """
+    fs, root = _fs_root(path, storage_options)
+    done: list[str] = []
+    meta = f"{root}/{META_DIR}"
+
+    def aside(p: str) -> None:
+        parent, name = p.rsplit("/", 1)
+        fs.mv(p, f"{parent}/.torn-{name}-{time.time_ns()}")
+        done.append(f"moved damaged {p} aside")
+
+    runs = [r for r in _ls(fs, f"{meta}/runs") if _RUN_ID.match(r)]
+    valid = []
+    for run in runs:
+        try:
+            if _load(fs, root, run) is not None:
+                valid.append(run)
+        except SurgeOutputError:
+            aside(f"{meta}/runs/{run}/run.json")
+    try:
+        current = _current_id(fs, root)
+    except SurgeOutputError:
+        aside(current_path(root))
+        current = None
+    if current is not None and current not in valid:
+        fs.rm(current_path(root))
+        done.append(f"removed {current_path(root)} (it named run {current}, which has no valid run.json)")
+        current = None
+    if current is None and len(valid) == 1:
+        _write_meta(fs, current_path(root), valid[0].encode())
+        done.append(f"pointed {current_path(root)} at run {valid[0]}")
+    for run in valid:
+        manifest = _load(fs, root, run)
+        assert manifest is not None
+        before = {n for n in _ls(fs, manifest.commits_dir) if n.startswith(".torn-")}
+        records = manifest.committed(repair=True)
+        done += [f"moved damaged commit record {n} aside" for n in
+                 {n for n in _ls(fs, manifest.commits_dir) if n.startswith(".torn-")} - before]
+        try:
+            manifest.completion()
+        except SurgeOutputError:
+            aside(manifest._complete_path)
+        present = set(_ls(fs, root))
+        for rec in records.values():
+            if rec.file not in present:
+                try:
+                    manifest.publish(rec)
+                    done.append(f"published committed {rec.file} from staging")
+                    continue
+                except FileNotFoundError:
+                    pass
+                aside(manifest.record_path(rec.sb))
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm(manifest._complete_path)
+                done.append(f"forgot SuperBatch {rec.sb} of run {run}: its file {rec.file} is missing; a rerun "
+                            "encodes those rows again")
+    if current is not None:
+        bad = verify(path, storage_options)
+        manifest = _load(fs, root, current)
+        assert manifest is not None
+        for line in bad:
+            sb = line.rsplit("SuperBatch ", 1)[-1].rstrip(")")
+            if fs.exists(manifest.record_path(sb)):
+                aside(manifest.record_path(sb))
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm(manifest._complete_path)
+                done.append(f"forgot SuperBatch {sb}: {line}; a rerun encodes those rows again")
+    return done

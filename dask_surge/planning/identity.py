@@ -1,0 +1,282 @@
+"""A stable identity of a Dask DataFrame's input, for run fingerprints.
+
+A run is what it encodes (DESIGN.md section 6), so the identity of its input is
+built from what defines the data, and is the same in every process:
+
+* the whole expression upstream of the text column, node by node: each node's
+  type and **every** operand (``_pd_*``-style caches of Dask left out);
+* the files a source reads: any path, directory, glob, URL (``s3://``,
+  ``memory://``, ``file://``...) or list of them among a source's operands
+  counts as the files it expands to on its fsspec filesystem, each with its
+  path, size and version (the store's ETag/version/generation, else its
+  modification time), listed afresh (never from a listing cache);
+* functions (``map_partitions(upper)``, ``from_map(reader, ...)``) by their
+  qualified name and a digest of their code (bytecode, constants, names),
+  defaults, closure cells and the globals they use (a global without a
+  deterministic token, such as a lock, by its type), so ``upper`` and ``lower``
+  differ and a lambda recreated in a new process matches; functions of the
+  standard library and installed packages by name and code only;
+* any other object by Dask's deterministic token
+  (``dask.base.tokenize(obj, ensure_deterministic=True)``: ``__dask_tokenize__``,
+  else its pickle).
+
+Dask's own ``tokenize`` identifies a module-level function by reference (its
+pickle is its name), so a changed body would keep its token: hence the code
+digest here. A step that cannot be identified deterministically raises
+:class:`~dask_surge.errors.SurgeInputError` naming it and the fix; it is never
+given a random token and never skipped.
+
+Examples
+--------
+>>> import pandas as pd, dask.dataframe as dd
+>>> ddf = dd.from_pandas(pd.DataFrame({"t": ["a", "B"]}), npartitions=1)
+>>> up = input_identity(ddf.map_partitions(lambda d: d.assign(t=d.t.str.upper())))
+>>> low = input_identity(ddf.map_partitions(lambda d: d.assign(t=d.t.str.lower())))
+>>> up == low
+False
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from .._compat import BaseExpr as Expr
+from ..errors import SurgeInputError
+from ..models.modelid import NotDeterministic, stable_token, without_secrets
+
+__all__ = ["IDENTITY_OPTIONS", "input_identity"]
+
+#: Every option of :func:`dask_surge.encode`: True when it changes the embeddings or the
+#: output (and so makes a different run), False when it does not (a rerun with another
+#: value resumes). The one list :func:`dask_surge.api.fingerprint` follows; a new
+#: option must be added here (a test checks that every parameter of ``encode`` is).
+IDENTITY_OPTIONS: dict[str, bool] = {
+    # what is encoded: the input (its files and graph), the column and the output's schema
+    "ddf": True, "column": True, "keep": True, "input_token": True,
+    # the model's content and what changes its vectors
+    "model": True, "revision": True, "prompt": True, "prompt_name": True, "model_kwargs": True,
+    "dtype": True,  # recorded resolved ("auto" -> float16/bfloat16/float32 for the run's device)
+    "normalize": True, "precision": True, "truncate_dim": True,
+    # how it runs: the same vectors (up to float noise) whatever these are
+    "b_min": False, "b_max": False, "max_bytes": False,  # a run keeps the thresholds it recorded
+    "on_null": False,  # rows committed before a null are valid under any on_null
+    "device": False, "engine": False, "batch_size": False, "max_tokens": False,
+    "trust_remote_code": False,  # lets the model load; its code is part of the model's content
+    "output": False, "overwrite": False, "storage_options": False, "scheduler": False, "progress": False,
+}
+
+# operands that are Dask's caches (filled as metadata is asked for), not the input's definition
+_CACHE_OPERANDS = ("_cached_optimized", "_dataset_info_cache")
+_CACHE_PREFIXES = ("_pd_", "_pq_")
+_GLOB = re.compile(r"[*?\[]")
+
+
+def _is_open_file(value: Any) -> bool:
+    core = sys.modules.get("fsspec.core")
+    return core is not None and isinstance(value, core.OpenFile)
+
+
+def _open_file_record(value: Any, where: str) -> Any:
+    """An fsspec ``OpenFile`` (as ``read_csv``'s blocks hold): its file's path, size and version."""
+    fs = value.fs
+    try:
+        fs.invalidate_cache()
+        info = fs.info(value.path)
+    except OSError as err:
+        raise SurgeInputError(_unlisted(where, value.path, err)) from err
+    return {"files": [_file_record(value.path, info)], "protocol": _protocol(fs)}
+
+
+
+# -- files --------------------------------------------------------------------------------
+
+_VERSION_FIELDS = ("VersionId", "version_id", "ETag", "etag", "generation", "md5Hash", "checksum")
+_TIME_FIELDS = ("mtime", "LastModified", "last_modified", "updated", "modified", "created")
+
+
+def _file_record(name: str, info: Mapping) -> list:
+    version = next((info[k] for k in _VERSION_FIELDS if info.get(k) is not None), None)
+    mtime = next((info[k] for k in _TIME_FIELDS if info.get(k) is not None), None)
+    return [name, info.get("size"), None if version is None else str(version), None if mtime is None else str(mtime)]
+
+
+def _looks_like_url(text: str) -> bool:
+    return "://" in text or "::" in text
+
+
+def _filesystem_of(text: str, leaf_fs: Any, storage_options: Mapping | None):
+    """``(fs, path)`` for a string operand of a source, or None when it is not a location.
+
+    ``leaf_fs``: the filesystem object the source was given, for its ``path`` operand only.
+    """
+    from fsspec.core import url_to_fs
+
+    if leaf_fs is not None and not _looks_like_url(text):
+        return leaf_fs, leaf_fs._strip_protocol(text)
+    if _looks_like_url(text):
+        return url_to_fs(text, **dict(storage_options or {}))
+    if _GLOB.search(text) or os.path.exists(text):
+        return url_to_fs(text)
+    return None
+
+
+def _location(value: Any, *, leaf_fs: Any, storage_options: Mapping | None, where: str) -> dict | None:
+    """The record of the files a source's operand names (a path, glob or URL string, an fsspec
+    ``OpenFile``), or None when it names none (it is then tokenized as a value)."""
+    if _is_open_file(value):
+        return _open_file_record(value, where)
+    if isinstance(value, str):
+        return _files(value, leaf_fs=leaf_fs, storage_options=storage_options, where=where)
+    return None
+
+
+def _files(text: str, *, leaf_fs: Any, storage_options: Mapping | None, where: str) -> dict | None:
+    """The files a path, directory, glob or URL names, each with its size and version; None if it names none."""
+    if not text or "\n" in text:
+        return None
+    try:
+        located = _filesystem_of(text, leaf_fs, storage_options)
+    except (ImportError, ValueError):  # an unknown protocol, or a string that merely contains "://"
+        return None
+    if located is None:
+        return None
+    fs, path = located
+    try:
+        fs.invalidate_cache()  # a listing cache (s3fs, gcsfs) may predate files written since
+        if _GLOB.search(path) and not fs.exists(path):
+            matches = fs.glob(path, detail=True)
+            if not matches:
+                return None  # matches nothing: a plain string (a source over no files fails by itself)
+        elif fs.exists(path):
+            matches = {path: fs.info(path)}
+        else:
+            return None  # not a location that exists: a plain string
+        found: dict[str, Mapping] = {}
+        for name, info in matches.items():
+            if info.get("type") == "directory":
+                found.update(fs.find(name, detail=True))
+            else:
+                found[name] = info
+    except OSError as err:
+        raise SurgeInputError(_unlisted(where, text, err)) from err
+    return {"files": [_file_record(n, i) for n, i in sorted(found.items())], "protocol": _protocol(fs)}
+
+
+def _protocol(fs: Any) -> str:
+    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+
+
+def _unlisted(where: str, location: str, err: Exception) -> str:
+    return (f"{where}: the input {location!r} could not be listed to identify the run's input "
+            f"({type(err).__name__}: {err}). A run's identity is the files it reads (path, size, "
+            "version). Fix: check the path and its storage_options, or pass input_token='a name you "
+            "choose' to encode() to identify the input yourself.")
+
+
+def _is_filesystem(value: Any) -> bool:
+    fsspec = sys.modules.get("fsspec")
+    return fsspec is not None and isinstance(value, fsspec.AbstractFileSystem)
+
+
+def _is_cache(name: str) -> bool:
+    return name in _CACHE_OPERANDS or name.startswith(_CACHE_PREFIXES)
+
+
+def _not_deterministic(expr: Any, name: str, err: NotDeterministic) -> SurgeInputError:
+    return SurgeInputError(
+        f"the input's step {type(expr).__name__} (operand {name!r}) cannot be identified the same way in "
+        f"every process: {err.args[0]}. A run's identity includes the whole graph upstream of the text "
+        "column, so that a rerun resumes only the same computation. Fix: make that object tokenize "
+        "deterministically (define __dask_tokenize__ returning a stable value, use a module-level "
+        "function rather than a bound or built object), or pass input_token='a name you choose' to "
+        "encode(): you then vouch for the input, and a rerun with the same name resumes."
+    )
+
+
+def _node(expr: Any, memo: dict[str, Any]) -> Any:
+    key = expr._name
+    if key in memo:
+        return {"same_as": memo[key][0]}
+
+    leaf = not expr.dependencies()
+    params = dict(zip(expr._parameters, expr.operands))
+    leaf_fs = next((v for v in params.values() if _is_filesystem(v)), None)
+    storage_options = params.get("storage_options") if isinstance(params.get("storage_options"), Mapping) else None
+    operands: dict[str, Any] = {}
+    for name, op in params.items():
+        if _is_cache(name):
+            continue
+        if isinstance(op, Expr):
+            operands[name] = _node(op, memo)
+            continue
+        if _is_filesystem(op):  # its options may hold credentials; the files it lists are what count
+            operands[name] = {"filesystem": _protocol(op)}
+            continue
+        if name == "storage_options" and isinstance(op, Mapping):
+            op = without_secrets(op)
+        where = f"{type(expr).__name__}.{name}"
+        files = None
+        if leaf:
+            fs = leaf_fs if name == "path" else None
+            files = functools.partial(_location, leaf_fs=fs, storage_options=storage_options, where=where)
+        try:
+            operands[name] = stable_token(op, where, files)
+        except NotDeterministic as err:
+            raise _not_deterministic(expr, name, err) from None
+    node = {"type": f"{type(expr).__module__}.{type(expr).__qualname__}", "operands": operands}
+    memo[key] = (len(memo), node)
+    return node
+
+
+def input_identity(frame: Any, token: str | None = None) -> str:
+    """Digest of the input's graph and sources, the same in every process for the same input.
+
+    Parameters
+    ----------
+    frame : dask.dataframe.DataFrame
+        The input (as projected on the columns the run reads).
+    token : str, optional
+        A name the caller chose for the input (``encode(input_token=...)``): it is the
+        identity, and nothing of the graph is looked at. The caller vouches for it.
+
+    Returns
+    -------
+    str
+        16 hex digits, or ``"input_token:<token>"``.
+
+    Raises
+    ------
+    SurgeInputError
+        A step of the graph cannot be identified deterministically (named in the message,
+        with the fix), or an input location cannot be listed.
+
+    Examples
+    --------
+    >>> import pandas as pd, dask.dataframe as dd
+    >>> a = dd.from_pandas(pd.DataFrame({"t": ["x", "y"]}), npartitions=1)
+    >>> input_identity(a) == input_identity(dd.from_pandas(pd.DataFrame({"t": ["x", "y"]}), npartitions=1))
+    True
+    >>> input_identity(a, token="corpus-2024-06")
+    'input_token:corpus-2024-06'
+    """
+    if token is not None:
+        if not isinstance(token, str) or not token.strip():
+            raise SurgeInputError(
+                f"input_token={token!r} must be a non-empty str: the name that identifies this input "
+                "across reruns. Fix: pass e.g. input_token='corpus-2024-06', or leave it out."
+            )
+        return f"input_token:{token}"
+    expr = frame.expr.simplify()
+    blob = json.dumps(_node(expr, {}), sort_keys=True, default=_json_fallback)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _json_fallback(value: Any) -> str:  # pragma: no cover - _token returns JSON-able values only
+    raise TypeError(f"not JSON-able in an identity: {type(value).__name__}")

@@ -1,0 +1,214 @@
+"""Partition sizes: rows (and text bytes) from Parquet footers when possible, else one pass."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from .._compat import FromPandas, Lengths, Literal
+from ..io.arrow import is_cudf
+from ..io.parquet import arrow_fragments, arrow_local_fs, parquet_pieces
+
+__all__ = ["PartitionSizes", "partition_sizes", "known_sizes", "in_memory_sizes", "text_bytes"]
+
+
+@dataclass(frozen=True)
+class PartitionSizes:
+    """Rows per partition, text bytes per partition, and where the numbers came from.
+
+    ``source`` is ``"metadata"`` when no data was read (Parquet footers, or
+    in-memory frames whose lengths Dask knows) and ``"len-pass"`` otherwise.
+    ``nbytes`` is the UTF-8 bytes of the text column per partition, or ``None``
+    when not asked for. From Parquet footers it is the column's uncompressed
+    size, exact for plain-encoded text and lower for dictionary-encoded repeats.
+    """
+
+    sizes: tuple[int, ...]
+    source: str
+    nbytes: tuple[int, ...] | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+
+def metadata_lengths(expr) -> tuple[int, ...] | None:
+    """Partition lengths that Dask can fold to a constant without reading data."""
+
+    try:
+        folded = Lengths(expr).simplify()
+    except Exception:  # noqa: BLE001  # pragma: no cover - private API drift: fall back to counting
+        return None
+    if isinstance(folded, Literal) and isinstance(folded.operand("value"), (tuple, list)):
+        return tuple(int(n) for n in folded.operand("value"))
+    return None
+
+
+def known_sizes(frame, column: str, max_bytes: int | None) -> PartitionSizes | None:
+    """Partition sizes known without computing the input, or None.
+
+    Rows and text bytes from the Parquet footers of a plain ``read_parquet`` or from the
+    pandas frame of a ``dd.from_pandas``. Without a byte cap (``max_bytes=None``), rows
+    alone wherever Dask folds the lengths to a constant. ``None`` for any other input:
+    it is encoded in the streaming mode, which learns sizes as it computes partitions.
+
+    Examples
+    --------
+    >>> import pandas as pd, dask.dataframe as dd
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": list("abcde")}), npartitions=2)
+    >>> known_sizes(ddf, "text", None)
+    PartitionSizes(sizes=(3, 2), source='metadata', nbytes=None)
+    >>> known_sizes(ddf, "text", 2**20)
+    PartitionSizes(sizes=(3, 2), source='metadata', nbytes=(3, 2))
+    >>> known_sizes(ddf.map_partitions(lambda d: d[d.text > "a"]), "text", 2**20) is None
+    True
+    """
+    if max_bytes:  # the byte cap needs text bytes too: else the streaming mode measures them
+        footers = parquet_footer_sizes(frame, column)
+        if footers is not None:
+            return PartitionSizes(footers[0], "metadata", footers[1])
+        return in_memory_sizes(frame, column)
+    lengths = metadata_lengths(frame.expr)
+    # a count mismatch means dask folded the wrong lengths
+    if lengths is not None and len(lengths) == frame.npartitions:
+        return PartitionSizes(lengths, "metadata")
+    return None
+
+
+def in_memory_sizes(frame, column: str) -> PartitionSizes | None:
+    """Rows and text bytes of a ``dd.from_pandas`` frame, read from the pandas frame the
+    client already holds (no task runs); None for any other input.
+
+    Examples
+    --------
+    >>> import pandas as pd, dask.dataframe as dd
+    >>> in_memory_sizes(dd.from_pandas(pd.DataFrame({"text": ["ab", "c", "déf"]}), npartitions=2), "text")
+    PartitionSizes(sizes=(2, 1), source='metadata', nbytes=(3, 4))
+    """
+
+    expr = frame.expr.simplify()
+    if not isinstance(expr, FromPandas) or expr.operand("_partitions") is not None:
+        return None
+    data = getattr(expr.operand("frame"), "_data", None)  # dask wraps the pandas frame
+    if data is None or column not in getattr(data, "columns", ()) or not data.index.is_monotonic_increasing:
+        return None  # from_pandas(sort=True) reorders an unsorted frame: positions would not match
+    bounds = expr._locations()
+    if len(bounds) != frame.npartitions + 1:
+        return None
+    col = data[column]
+    pairs = list(itertools.pairwise(bounds))
+    return PartitionSizes(tuple(b - a for a, b in pairs), "metadata",
+                          tuple(text_bytes(col.iloc[a:b]) for a, b in pairs))
+
+
+def partition_sizes(frame, column: str | None = None) -> PartitionSizes:
+    """Return the number of rows (and, with ``column``, text bytes) of each partition.
+
+    For a plain ``dd.read_parquet`` (column projections, no filters) the
+    numbers come from the Parquet footers and no data is read; row counts also
+    survive element-wise operations on top. Otherwise (or when text bytes are
+    asked for and the footers cannot give them) one task per partition computes
+    ``len`` and the bytes of ``column`` on the current scheduler.
+
+    Examples
+    --------
+    >>> import pandas as pd, dask.dataframe as dd
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": list("abcde")}), npartitions=2)
+    >>> partition_sizes(ddf)
+    PartitionSizes(sizes=(3, 2), source='metadata', nbytes=None)
+    """
+    if column is not None:
+        # rows and bytes from one read of the footers; without them bytes need the pass anyway
+        footers = parquet_footer_sizes(frame, column)
+        if footers is not None:
+            return PartitionSizes(footers[0], "metadata", footers[1])
+    else:
+        lengths = metadata_lengths(frame.expr)
+        # a count mismatch means dask folded the wrong lengths: count them instead
+        if lengths is not None and len(lengths) == frame.npartitions:
+            return PartitionSizes(lengths, "metadata")
+    # Not dask's Lengths expression: its constant folding can be wrong on a partition
+    # subset of read_parquet (it filters the selected partitions twice).
+    counted = frame.map_partitions(_count, column, enforce_metadata=False,
+                                   meta={"rows": "int64", "bytes": "int64"}).compute()
+    rows = tuple(int(n) for n in counted["rows"])
+    return PartitionSizes(rows, "len-pass", tuple(int(m) for m in counted["bytes"]) if column else None)
+
+
+def _count(part, column):
+    import pandas as pd
+
+    return pd.DataFrame({"rows": [len(part)], "bytes": [text_bytes(part[column]) if column else 0]})
+
+
+def text_bytes(series) -> int:
+    """UTF-8 bytes of the strings in ``series`` (0 for a partition holding values that
+    are not strings: those are refused, with their position, when the SuperBatch encodes).
+
+    Examples
+    --------
+    >>> import pandas as pd
+    >>> text_bytes(pd.Series(["ab", None, "é"]))
+    4
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+
+    try:
+        # cuDF: its own Arrow export; pandas: zero-copy for Arrow-backed strings
+        arr = series.to_arrow() if is_cudf(series) else pa.array(series, from_pandas=True)
+    except (pa.ArrowException, TypeError, ValueError):
+        return 0
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.cast(arr.type.value_type)
+    if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
+            or pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)):
+        return 0
+    return int(pc.sum(pc.binary_length(arr)).as_py() or 0)
+
+
+def parquet_footer_sizes(frame, column: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """Rows and uncompressed bytes of ``column`` in each partition, from the Parquet footers
+    of a plain ``read_parquet`` (``None`` for any other input). Footers are read once per
+    file, in parallel threads (they are small, but may be remote)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow.parquet as pq
+
+
+    found = parquet_pieces(frame.expr.simplify())
+    if found is None or len(found[1]) != frame.npartitions:
+        return None
+    fs, pieces, _ = found
+
+    def footer(path, md=None):
+        if md is None:
+            with fs.open(path, "rb") as f:
+                md = pq.ParquetFile(f).metadata
+        names = [md.schema.column(i).path for i in range(md.num_columns)]
+        if column not in names:
+            return None
+        col = names.index(column)
+        return [(md.row_group(r).num_rows, md.row_group(r).column(col).total_uncompressed_size)
+                for r in range(md.num_row_groups)]
+
+    paths = sorted({path for path, _ in pieces})
+    local = arrow_local_fs(fs)
+    if local is not None:  # Arrow reads local footers GIL-free: 0.1 s for 2,000 files, 0.55 s through fsspec
+        fragments = arrow_fragments(local, paths)
+        for fragment in fragments:
+            fragment.ensure_complete_metadata()
+        per_file = {path: footer(path, fragment.metadata) for path, fragment in zip(paths, fragments)}
+    else:  # remote: the latency of each footer overlaps in threads
+        with ThreadPoolExecutor(max_workers=min(16, len(paths) or 1)) as pool:
+            per_file = dict(zip(paths, pool.map(footer, paths)))
+    rows, nbytes = [], []
+    for path, row_groups in pieces:
+        groups = per_file[path]
+        if groups is None:
+            return None
+        chosen = groups if row_groups is None else [groups[r] for r in row_groups]
+        rows.append(sum(n for n, _ in chosen))
+        nbytes.append(sum(m for _, m in chosen))
+    return tuple(rows), tuple(nbytes)
