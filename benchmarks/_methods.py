@@ -184,7 +184,7 @@ def _encode_group(parts, enc, path):
     import pandas as pd
     import pyarrow as pa
 
-    from dask_surge.arrow import embedding_array
+    from dask_surge.io.arrow import embedding_array
 
     df = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
     emb = enc.encode(df["text"].tolist())
@@ -238,7 +238,7 @@ def run_pbp(spec, client, enc, out):
 def run_fb(spec, client, enc, out):
     import pyarrow as pa
 
-    from dask_surge.arrow import embedding_array
+    from dask_surge.io.arrow import embedding_array
 
     pdf = read_input(spec).compute()  # every row lands in the client: O(N) memory
     texts = pdf["text"].tolist()
@@ -278,7 +278,7 @@ def run_st(spec, enc, out):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dask_surge.arrow import embedding_array
+    from dask_surge.io.arrow import embedding_array
 
     model = spec["_st_model"]
     table = pq.read_table(spec["data_dir"], columns=["text", "doc_id"])

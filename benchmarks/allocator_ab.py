@@ -1,4 +1,4 @@
-"""A/B: Dask workers that load the model with and without :func:`dask_surge.allocator.keep_large_blocks`.
+"""A/B: Dask workers that load the model with and without :func:`dask_surge.models.allocator.keep_large_blocks`.
 
 Usage::
 
@@ -14,7 +14,7 @@ first call does) and runs ``dd.read_parquet(dir).surge.encode("text", output=...
 over ``--n`` real texts:
 
 - ``kept``: as shipped;
-- ``stock``: the workers' ``dask_surge.allocator`` is first marked as done, so loading
+- ``stock``: the workers' ``dask_surge.models.allocator`` is first marked as done, so loading
   leaves the allocator as the nanny set it.
 
 (Switching the threshold back on a warm worker measures nothing: blocks then come from the
@@ -45,7 +45,7 @@ ARMS = ("stock", "kept")
 
 def skip_allocator() -> None:
     """Mark this worker's allocator as set, so loading a model leaves it as the nanny did."""
-    from dask_surge import allocator
+    from dask_surge.models import allocator
 
     allocator._done.append(-1)
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     def run(name: str) -> float:
         with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
                           dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
-            client.run(lambda: __import__("dask_surge.engine") and __import__("sentence_transformers") and None)
+            client.run(lambda: __import__("dask_surge.models.engine") and __import__("sentence_transformers") and None)
             env.extend(client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values())
             if name == "stock":
                 client.run(skip_allocator)

@@ -8,7 +8,7 @@ Usage::
                                             [--calibrate-each]
                                             [--out benchmarks/results/costmodel_accuracy_cpu.json]
 
-For each encoder the script calibrates once (:func:`dask_surge.calibrate.calibrate`,
+For each encoder the script calibrates once (:func:`dask_surge.execution.calibrate.calibrate`,
 uniform one-row, moderate and large partitions, SuperBatches of one-row partitions),
 then, on log-normal layouts never used by the probe, times on a 2-worker ``LocalCluster``:
 
@@ -20,7 +20,7 @@ then, on log-normal layouts never used by the probe, times on a 2-worker ``Local
 Runs alternate (SURGE, PBP, SURGE, PBP, ...); the best of the repeats (as in the probe) is compared with
 the prediction a user gets, ``ddf.surge.plan("text", params=...)`` (which re-bases the calibration on the
 token lengths of a sample of the layout's texts); ``predicted_with_calibration_tokens_s`` is
-``dask_surge.costmodel.predict`` with the probe texts' token lengths instead. ``--mean-words`` makes
+``dask_surge.planning.costmodel.predict`` with the probe texts' token lengths instead. ``--mean-words`` makes
 the layouts' texts longer or shorter than the probe's (about 20 words). The machine may be shared: before each timed run (and the
 calibration) the script waits for an idle CPU, and a run during which processes outside this
 benchmark's tree used more than ``--max-foreign`` of the CPUs is discarded and repeated
@@ -117,7 +117,7 @@ def _own_cpu_s() -> float:
 
 def _calibrate(enc, client, args):
     """Calibrate on a quiet machine: ``(params, seconds, [[seconds, foreign share], ...])``."""
-    from dask_surge.calibrate import calibrate
+    from dask_surge.execution.calibrate import calibrate
 
     attempts = []
     for _ in range(args.retries + 1):
@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     import dask_surge  # noqa: F401  (registers .surge)
     from dask_surge import Encoder
-    from dask_surge.costmodel import predict
-    from dask_surge.plugins import register_encoder
+    from dask_surge.planning.costmodel import predict
+    from dask_surge.execution.plugins import register_encoder
     from dask_surge.testing import lognormal_sizes, make_partitioned_frame, make_tiny_model
 
     sigmas = [float(s) for s in args.sigmas.split(",")]

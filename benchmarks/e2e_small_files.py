@@ -73,7 +73,7 @@ def one(method: str, model: str, data: str, workers: int) -> dict:
             st = SentenceTransformer(model, device="cpu")
             emb = st.encode(table.column("text").to_pylist(), batch_size=32, convert_to_numpy=True,
                             show_progress_bar=False)
-            from dask_surge.arrow import embedding_array
+            from dask_surge.io.arrow import embedding_array
 
             pq.write_table(pa.table({"doc_id": table.column("doc_id"),
                                      "embedding": embedding_array(np.asarray(emb, dtype=np.float32))}),
@@ -89,7 +89,7 @@ def one(method: str, model: str, data: str, workers: int) -> dict:
                                dashboard_address="127.0.0.1:0")
         client = Client(cluster)
         # the imports, as on the ST side (whose clock starts after them); the model loads inside the clock
-        client.run(lambda: __import__("dask_surge.engine") and __import__("sentence_transformers") and None)
+        client.run(lambda: __import__("dask_surge.models.engine") and __import__("sentence_transformers") and None)
         start_s = time.perf_counter() - t0
         try:
             t0 = time.perf_counter()

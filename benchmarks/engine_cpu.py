@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dask_surge.engine import TransformerEngine  # noqa: E402
+from dask_surge.models.engine import TransformerEngine  # noqa: E402
 from dask_surge.testing import make_texts, make_tiny_model, packaged_model_dir  # noqa: E402
 
 

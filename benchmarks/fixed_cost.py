@@ -18,11 +18,11 @@ Measured per call, each call into a new output directory (a new run, not a resum
   client plans, and that call waits for the load to end: ``ttfo_s`` (first committed file)
   is what a user sees;
 - the client-side phases inside it, timed by wrapping the functions that do them in this
-  process: ``footers`` (:func:`dask_surge.sizes.known_sizes`), ``fingerprint``
+  process: ``footers`` (:func:`dask_surge.planning.sizes.known_sizes`), ``fingerprint``
   (:func:`dask_surge.api.fingerprint`: input and model identity), ``thresholds``
   (:func:`dask_surge.api._resolve`), ``register`` (shipping the encoder to the workers),
-  ``open_run`` (manifest) and ``graph`` (:class:`dask_surge.runner.InputGraph`);
-- whether the client process loaded the model (``dask_surge.encoders._LOADED`` and
+  ``open_run`` (manifest) and ``graph`` (:class:`dask_surge.execution.runner.InputGraph`);
+- whether the client process loaded the model (``dask_surge.models.encoders._LOADED`` and
   ``sentence_transformers`` in ``sys.modules`` after the calls): the target is that it never does.
 
 The first call on the fresh cluster (``cold``: the workers load the model inside it, the
@@ -53,12 +53,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 #: (module, attribute) -> phase name: the client-side steps between the call and the first task
 PHASES = {
-    ("dask_surge.sizes", "known_sizes"): "footers",
+    ("dask_surge.planning.sizes", "known_sizes"): "footers",
     ("dask_surge.api", "fingerprint"): "fingerprint",
     ("dask_surge.api", "_resolve"): "thresholds",
     ("dask_surge.api", "_register"): "register",
-    ("dask_surge.manifest", "open_run"): "open_run",
-    ("dask_surge.runner", "InputGraph"): "graph",
+    ("dask_surge.io.manifest", "open_run"): "open_run",
+    ("dask_surge.execution.runner", "InputGraph"): "graph",
 }
 
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
     from distributed import Client, LocalCluster
 
     import dask_surge  # noqa: F401 - registers the .surge accessor
-    from dask_surge.engine import NOOP_FORWARD_ENV
+    from dask_surge.models.engine import NOOP_FORWARD_ENV
 
     if not args.real_forward:
         os.environ[NOOP_FORWARD_ENV] = "1"  # inherited by the worker processes started below: benchmark only
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
         client.close()
         cluster.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    from dask_surge.encoders import _LOADED
+    from dask_surge.models.encoders import _LOADED
 
     median = statistics.median(w["first_superbatch_s"] for w in warm)
     phases = {k: statistics.median(w["client_phases_s"].get(k, 0.0) for w in warm) for k in PHASES.values()}

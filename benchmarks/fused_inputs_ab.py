@@ -39,7 +39,7 @@ if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     import dask_surge
     from dask_surge import Encoder
-    from dask_surge.plugins import register_encoder
+    from dask_surge.execution.plugins import register_encoder
     from dask_surge.testing import lognormal_sizes, make_partitioned_frame
 
     assert os.path.dirname(dask_surge.__file__).startswith(spec["src"]), dask_surge.__file__

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.engine import TransformerEngine
+    from dask_surge.models.engine import TransformerEngine
 
     ref = json.loads(Path(args.ref).read_text())
     texts, expected = ref["texts"], np.load(Path(args.ref).with_suffix(".npy"))

@@ -12,7 +12,7 @@ Try it on a CPU first (tiny sizes, a CPU LocalCluster, fp32)::
     python benchmarks/gpu_encode.py --device cpu --rows 1500 --st-rows 500 --out /tmp/gpu_encode.json
 
 For each model, in one run: (1) ``ddf.surge.encode`` of ``--rows`` texts in log-normal
-Parquet partitions (sigma 1.72) on ``dask_surge.cluster.local_cluster()`` (one dask-cuda
+Parquet partitions (sigma 1.72) on ``dask_surge.execution.cluster.local_cluster()`` (one dask-cuda
 worker per GPU), after a warm-up run that loads the model into the workers, with per-SuperBatch
 encode/write seconds and worker facts (CPU affinity, backend, ``max_tokens``, weight dtype);
 (2) the fast engine alone in this process on ``--st-rows`` texts; (3)
@@ -80,7 +80,7 @@ def bench_in_process(path: str, texts: list[str], device: str, st_batch_size: in
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.engine import TransformerEngine
+    from dask_surge.models.engine import TransformerEngine
 
     out = {"st_batch_size": st_batch_size}
     st = SentenceTransformer(path, device=device)
@@ -111,7 +111,7 @@ def bench_surge(path: str, data: str, rows: int, device: str, work: Path, warm: 
     import dask.dataframe as dd
     from distributed import Client
 
-    from dask_surge.cluster import local_cluster
+    from dask_surge.execution.cluster import local_cluster
 
     opts = {} if device.startswith("cuda") else {"n_workers": 2, "threads_per_worker": 1}
     with local_cluster(**opts) as cluster, Client(cluster) as client:
@@ -133,7 +133,7 @@ def bench_surge(path: str, data: str, rows: int, device: str, work: Path, warm: 
         def facts():
             import os as _os
 
-            from dask_surge.encoders import _LOADED
+            from dask_surge.models.encoders import _LOADED
 
             engines = [v.engine for v in _LOADED.values() if v.engine is not None]
             return {"cpu_affinity": sorted(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity") else None,

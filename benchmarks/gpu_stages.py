@@ -111,7 +111,7 @@ class Session:
 
     def cluster(self, threads: int | None = None, env: dict | None = None):
         """The cluster dask-surge uses by default (one dask-cuda worker per GPU); threads in the dry run."""
-        from dask_surge.cluster import local_cluster
+        from dask_surge.execution.cluster import local_cluster
 
         if env:
             os.environ.update(env)  # spawned workers inherit it; this child's own environment only
@@ -160,7 +160,7 @@ def stage_preflight(s: Session) -> None:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.engine import TransformerEngine
+    from dask_surge.models.engine import TransformerEngine
 
     facts: dict = {"versions": _versions(), "cpus": os.cpu_count(),
                    "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
@@ -279,7 +279,7 @@ def _surge(s: Session, client, model: str, files: list[str], name: str) -> dict:
 def _worker_facts() -> dict:
     import pyarrow as pa
 
-    from dask_surge.encoders import _LOADED
+    from dask_surge.models.encoders import _LOADED
 
     engines = [v.engine for v in _LOADED.values() if v.engine is not None]
     out = {"backends": sorted({v.backend for v in _LOADED.values()}), "max_tokens": [e.max_tokens for e in engines],
@@ -308,7 +308,7 @@ def stage_host(s: Session) -> None:
     """Host ceiling: the raw tokenizer inside a worker, and dask-surge with a no-op forward, on set B."""
     from distributed import Client
 
-    from dask_surge.engine import NOOP_FORWARD_ENV
+    from dask_surge.models.engine import NOOP_FORWARD_ENV
 
     files, model = s.files("b"), s.model("minilm")
     t0 = time.perf_counter()
@@ -384,7 +384,7 @@ def stage_inflight(s: Session) -> None:
 def _engine(s: Session, which: str = "minilm"):
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.engine import TransformerEngine
+    from dask_surge.models.engine import TransformerEngine
 
     model = SentenceTransformer(s.model(which), device=s.device)
     return model, TransformerEngine.from_sentence_transformer(model, dtype=None if s.trying else "float16")
@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import dask_surge  # noqa: F401
-    from dask_surge import engine  # noqa: F401
+    from dask_surge.models import engine  # noqa: F401
 
     if torch.cuda.is_initialized():  # a forked child could not use CUDA then
         print("PREFLIGHT FAILED: CUDA was initialised before forking the stages", flush=True)

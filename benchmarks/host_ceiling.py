@@ -15,7 +15,7 @@ Parquet files of log-normal sizes, see ``_realtext.py``) and the same cores:
     ``--workers`` single-threaded workers, from the call to the last committed file, with
     the encoder's forward pass replaced by zeros of the right shape
     (``DASK_SURGE_BENCH_NOOP_FORWARD=1`` in the workers, a switch for benchmarks only;
-    see :data:`dask_surge.engine.NOOP_FORWARD_ENV`). The model is loaded on the workers
+    see :data:`dask_surge.models.engine.NOOP_FORWARD_ENV`). The model is loaded on the workers
     by a warm-up run before the clock starts.
 
 Issue 17's target: (b) >= 0.8 x (a) in texts/s ("everything but tokenization costs at most
@@ -82,7 +82,7 @@ def surge_run(data: Path, client, scratch: Path) -> tuple[float, dict]:
 
 def _engine_stats() -> list[dict]:
     """Seconds per engine stage in this worker (all runs, the warm-up included)."""
-    from dask_surge.encoders import _LOADED
+    from dask_surge.models.encoders import _LOADED
 
     return [dict(v.engine.stats) for v in _LOADED.values() if v.engine is not None]
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     from _realtext import small_files
     from distributed import Client, LocalCluster
 
-    from dask_surge.engine import NOOP_FORWARD_ENV
+    from dask_surge.models.engine import NOOP_FORWARD_ENV
 
     data, layout = small_files(args.n, args.files)
     texts = pq.read_table(str(data), columns=["text"]).column("text").to_pylist()

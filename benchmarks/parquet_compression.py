@@ -5,7 +5,7 @@ Usage::
     python benchmarks/parquet_compression.py [--rows 100000] [--real 4000] [--repeats 5]
                                              [--out benchmarks/results/parquet_compression_cpu.json]
 
-Two inputs, each written as SURGE writes a SuperBatch (``dask_surge.sink.parquet_bytes``:
+Two inputs, each written as SURGE writes a SuperBatch (``dask_surge.execution.sink.parquet_bytes``:
 ``partition``, ``row``, a fixed-size list of float32 ``embedding``; one row group per
 source partition of 200 rows):
 
@@ -59,7 +59,7 @@ def docstrings(limit: int) -> list[str]:
 def frame_of(emb: np.ndarray):
     import pandas as pd
 
-    from dask_surge.arrow import embedding_array
+    from dask_surge.io.arrow import embedding_array
 
     n = len(emb)
     data = {"partition": np.arange(n, dtype=np.int64) // 200, "row": np.arange(n, dtype=np.int64) % 200}
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="benchmarks/results/parquet_compression_cpu.json")
     args = parser.parse_args(argv)
 
-    from dask_surge.sink import parquet_bytes, table_of
+    from dask_surge.execution.sink import parquet_bytes, table_of
 
     inputs = {}
     rng = np.random.default_rng(0)

@@ -14,7 +14,7 @@ single-threaded workers (the model loaded by a first run before the clock), alte
   SuperBatches: ``ceil(N / (4 x threads))``), passed explicitly;
 - ``balanced``: ``b_min="auto"``, which also picks, among values down to half of that,
   the one whose plan ends soonest when the threads take SuperBatches in order
-  (:func:`dask_surge.thresholds.balanced_b_min`, work = text bytes + 8 a row).
+  (:func:`dask_surge.planning.thresholds.balanced_b_min`, work = text bytes + 8 a row).
 
 Reports each round's seconds, the paired ratios and the medians.
 """
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     from distributed import Client, LocalCluster
 
     import dask_surge  # noqa: F401 - registers the .surge accessor
-    from dask_surge.thresholds import MIN_SUPERBATCHES_PER_WORKER
+    from dask_surge.planning.thresholds import MIN_SUPERBATCHES_PER_WORKER
 
     data, layout = small_files(args.n, args.files, sigma=args.sigma)
     plain_b_min = math.ceil(args.n / (MIN_SUPERBATCHES_PER_WORKER * args.workers))

@@ -16,7 +16,7 @@ import dask.dataframe as dd
 from distributed import Client
 
 import dask_surge  # noqa: F401  (registers the .surge accessor)
-from dask_surge.hpc import jobqueue_cluster
+from dask_surge.execution.hpc import jobqueue_cluster
 
 
 def main() -> None:
