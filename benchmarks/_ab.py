@@ -1,5 +1,8 @@
-"""Plumbing shared by the benchmarks that compare this checkout with a base git revision
-side by side (``fused_inputs_ab.py``, ``one_pass_ab.py``) and that save a tidy JSON report.
+"""Plumbing for A/B scripts that compare this checkout with a base git revision side by side
+(``base_checkout``, ``alternating``, ``run_child``, ``this_revision``; the finished studies that
+used them are summarized in ``docs/ab_studies.md``), and ``script_header`` for the GPU
+session's scripts, which run as files (``python benchmarks/host_ceiling.py``) and import this
+module as ``_ab``. New scripts save their report with ``benchmarks._results`` (one schema).
 """
 
 from __future__ import annotations
@@ -9,7 +12,6 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -17,14 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def new_report(**fields) -> dict:
-    """The report's header: the exact command line and the machine it ran on."""
-    return {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                        "python": platform.python_version(), "loadavg_start": os.getloadavg()},
-            **fields}
 
 
 def script_header(argv: list[str] | None) -> dict:
@@ -71,15 +65,3 @@ def run_child(script: str, src: str, spec: dict) -> dict:
     if out.returncode:
         raise RuntimeError(f"variant in {src} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def finish(report: dict, out: str) -> dict:
-    """Add the median ratio over rounds (when there are rounds), the end load, and save."""
-    if report.get("rounds"):
-        report["median_base_over_this"] = statistics.median(r["base_over_this"] for r in report["rounds"])
-        print(f"median speedup (base time / this time): {report['median_base_over_this']:.2f}x")
-    report["machine"]["loadavg_end"] = os.getloadavg()
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
-    return report

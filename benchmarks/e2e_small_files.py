@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/e2e_small_files.py [--n 60000] [--files 2237] [--sigma 1.72]
+    python -m benchmarks.e2e_small_files [--n 60000] [--files 2237] [--sigma 1.72]
                                          [--minilm-n 3000] [--minilm-files 112] [--repeats 2]
                                          [--workers 2] [--out benchmarks/results/e2e_small_files_cpu.json]
 
@@ -44,10 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from _ab import script_header  # noqa: E402 - the benchmarks folder, put on the path above
+from . import _results
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -107,9 +104,9 @@ def one(method: str, model: str, data: str, workers: int) -> dict:
 
 
 def measure(method: str, model: str, data: Path, workers: int) -> dict:
-    cmd = [sys.executable, __file__, "--one", method, "--model-path", model, "--data", str(data),
+    cmd = [sys.executable, "-m", __spec__.name, "--one", method, "--model-path", model, "--data", str(data),
            "--workers", str(workers)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=str(_results.ROOT))
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -125,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--minilm-files", type=int, default=112)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", default=str(HERE / "results" / "e2e_small_files_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "e2e_small_files_cpu.json"))
     parser.add_argument("--one", choices=("st", "st1", "surge"), help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -134,9 +131,9 @@ def main(argv: list[str] | None = None) -> dict:
         print("RESULT " + json.dumps(one(args.one, args.model_path, args.data, args.workers)), flush=True)
         return {}
 
-    from _realtext import TMP, small_files
-
     from dask_surge.testing import make_tiny_model, packaged_model_dir
+
+    from ._realtext import TMP, small_files
 
     tiny = TMP / "tiny-model"
     if not (tiny / "modules.json").is_file():
@@ -144,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
     suites = {"tiny": (str(tiny), args.n, args.files)}
     if args.minilm_n:
         suites["minilm"] = (str(packaged_model_dir()), args.minilm_n, args.minilm_files)
-    results = {}
+    report = _results.new_report(__spec__.name, argv, args)
     for name, (model, n, files) in suites.items():
         data, layout = small_files(n, files, sigma=args.sigma)
         runs: dict[str, list[dict]] = {"st": [], "st1": [], "surge": []}
@@ -153,27 +150,22 @@ def main(argv: list[str] | None = None) -> dict:
                 r = measure(method, model, data, args.workers)
                 assert r["rows"] == n, r
                 runs[method].append(r)
+                report["results"].append({"encoder": name, "method": method, "n": n, "files": files, **r})
                 print(f"{name:6s} {method:5s} {n / r['seconds']:9,.0f} texts/s  ({r['seconds']:.2f} s)", flush=True)
         st_default = statistics.median(r["seconds"] for r in runs["st"])
         st_one = statistics.median(r["seconds"] for r in runs["st1"])
         st = min(st_default, st_one)  # the baseline at its best thread setting
         su = statistics.median(r["seconds"] for r in runs["surge"])
         su_start = statistics.median(r["seconds"] + r["cluster_start_s"] for r in runs["surge"])
-        results[name] = {
-            "layout": layout, "model": model, "runs": runs,
+        report["summary"][name] = {
+            "layout": layout, "model": model,
             "st_texts_per_s": n / st, "st_default_threads_texts_per_s": n / st_default,
             "st_one_thread_texts_per_s": n / st_one, "surge_texts_per_s": n / su,
             "ratio_surge_over_st": st / su, "ratio_with_cluster_start": st / su_start,
             "target_ratio": 1.2, "met": st / su >= 1.2,
         }
         print(f"{name:6s} ratio surge/st {st / su:.2f} (with cluster start {st / su_start:.2f}; target >= 1.2)")
-    out = {
-        **script_header(argv),
-        "workers": args.workers, "results": results,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
-    return out
+    return _results.save(report, args.out)
 
 
 if __name__ == "__main__":

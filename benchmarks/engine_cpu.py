@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/engine_cpu.py [--n 3000] [--model packaged|tiny] [--repeats 3]
+    python -m benchmarks.engine_cpu [--n 3000] [--model packaged|tiny] [--repeats 3]
                                     [--max-tokens 2048[,4096,...]] [--threads N]
                                     [--out benchmarks/results/engine_cpu.json]
 
@@ -14,12 +14,8 @@ in one run. The JSON holds the machine facts and the exact command line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,10 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from dask_surge.models.engine import TransformerEngine
+from dask_surge.testing import make_texts, make_tiny_model, packaged_model_dir
 
-from dask_surge.models.engine import TransformerEngine  # noqa: E402
-from dask_surge.testing import make_texts, make_tiny_model, packaged_model_dir  # noqa: E402
+from . import _results
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -73,42 +69,26 @@ def main(argv: list[str] | None = None) -> dict:
             seconds[name].append(time.perf_counter() - t0)
 
     ref = outputs["st"]
-    report = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "loadavg_before_after": [load_before, os.getloadavg()],  # other work on the machine skews timings
-        },
-        "model": args.model,
-        "n_texts": len(texts),
-        "n_tokens": int(next(iter(engines.values())).count_tokens(texts).sum()),
-        "repeats": args.repeats,
-        "st_batch_size": args.batch_size,
-        "results": {},
-    }
+    report = _results.new_report(__spec__.name, argv, args)
+    report["machine"].update(torch_threads=torch.get_num_threads(), loadavg_start=list(load_before))
+    report["summary"] = {"model": args.model, "n_texts": len(texts),
+                         "n_tokens": int(next(iter(engines.values())).count_tokens(texts).sum())}
     st_rate = len(texts) / statistics.median(seconds["st"])
     for name, secs in seconds.items():
         rate = len(texts) / statistics.median(secs)
         emb = outputs[name]
         cos = (ref * emb).sum(1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(emb, axis=1))
-        report["results"][name] = {
+        report["results"].append({
+            "runner": name,
             "seconds": secs,
             "texts_per_s": rate,
             "speedup_vs_st": rate / st_rate,
             "paired_speedups": [st / s for st, s in zip(seconds["st"], secs)],
             "min_cosine_vs_st": float(cos.min()),
-        }
+        })
         print(f"{name:28s} {rate:9.1f} texts/s  x{rate / st_rate:5.2f}  min cos {cos.min():.7f}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
-    return report
+    print(f"wrote {args.out}")
+    return _results.save(report, args.out)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/fixed_cost.py [--files 2000] [--n 20000] [--workers 2] [--repeats 3]
+    python -m benchmarks.fixed_cost [--files 2000] [--n 20000] [--workers 2] [--repeats 3]
                                     [--out benchmarks/results/fixed_cost_cpu.json]
 
 ``dd.read_parquet(dir).surge.encode("text", output=..., model="default")`` over ``--files``
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import shutil
 import statistics
@@ -43,10 +42,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
-sys.path.insert(0, str(HERE))
-from _ab import script_header  # noqa: E402 - the benchmarks folder, put on the path above
+from . import _results
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -63,13 +59,13 @@ PHASES = {
 
 
 def timed_phases() -> dict[str, float]:
-    """Wrap each function of :data:`PHASES` so its seconds add up in the returned dict."""
+    """Wrap each function of :data:`PHASES` (where it is defined and wherever it was imported
+    by name) so its seconds add up in the returned dict."""
     import importlib
 
     seconds: dict[str, float] = defaultdict(float)
     for (module, name), phase in PHASES.items():
-        mod = importlib.import_module(module)
-        real = getattr(mod, name)
+        real = getattr(importlib.import_module(module), name)
 
         def wrapper(*args, _real=real, _phase=phase, **kwargs):
             t0 = time.perf_counter()
@@ -78,7 +74,11 @@ def timed_phases() -> dict[str, float]:
             finally:
                 seconds[_phase] += time.perf_counter() - t0
 
-        setattr(mod, name, functools.wraps(real)(wrapper) if not isinstance(real, type) else wrapper)
+        wrapped = functools.wraps(real)(wrapper) if not isinstance(real, type) else wrapper
+        # every module that bound the name (``from .planning.sizes import known_sizes``), not only its home
+        for mod in [m for n, m in list(sys.modules.items()) if n.split(".")[0] == "dask_surge" and m is not None]:
+            if getattr(mod, name, None) is real:
+                setattr(mod, name, wrapped)
     return seconds
 
 
@@ -104,14 +104,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--real-forward", action="store_true", help="run the model's forward pass")
-    parser.add_argument("--out", default=str(HERE / "results" / "fixed_cost_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "fixed_cost_cpu.json"))
     args = parser.parse_args(argv)
 
-    from _realtext import small_files
     from distributed import Client, LocalCluster
 
     import dask_surge  # noqa: F401 - registers the .surge accessor
     from dask_surge.models.engine import NOOP_FORWARD_ENV
+
+    from ._realtext import small_files
 
     if not args.real_forward:
         os.environ[NOOP_FORWARD_ENV] = "1"  # inherited by the worker processes started below: benchmark only
@@ -132,21 +133,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     median = statistics.median(w["first_superbatch_s"] for w in warm)
     phases = {k: statistics.median(w["client_phases_s"].get(k, 0.0) for w in warm) for k in PHASES.values()}
-    out = {
-        **script_header(argv),
+    report = _results.new_report(__spec__.name, argv, args)
+    report["results"] = [{"phase": "cold", "repeat": 0, **cold}, *({"phase": "warm", "repeat": i, **w}
+                                                                  for i, w in enumerate(warm))]
+    report["summary"] = {
         "layout": layout, "workers": args.workers, "forward": "real" if args.real_forward else "noop",
-        "cold": cold, "warm": warm,
+        "cold_first_superbatch_s": cold["first_superbatch_s"], "cold_ttfo_s": cold["ttfo_s"],
         "warm_first_superbatch_s_median": median, "warm_client_phases_s_median": phases,
         "target_s": 2.0, "met": median < 2.0 and cold["first_superbatch_s"] < 2.0,
         "client_loaded_model": bool(_LOADED), "client_imported_sentence_transformers": "sentence_transformers" in sys.modules,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    out = _results.save(report, args.out)
     print(f"call -> first SuperBatch task, {args.files:,} files: cold {cold['first_superbatch_s']:.2f} s, "
           f"warm median {median:.2f} s (target < 2 s); cold first output {cold['ttfo_s']:.2f} s")
     print("warm client phases (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
-    print(f"client loaded the model: {out['client_loaded_model']}; "
-          f"client imported sentence_transformers: {out['client_imported_sentence_transformers']}")
+    print(f"client loaded the model: {out['summary']['client_loaded_model']}; "
+          f"client imported sentence_transformers: {out['summary']['client_imported_sentence_transformers']}")
     return out
 
 

@@ -2,9 +2,9 @@
 
 Usage::
 
-    python benchmarks/streaming_memory.py [--rows 25000 100000 400000 1600000] [--rows-per-partition 100]
-                                          [--b-min 2000] [--b-max 8000]
-                                          [--out benchmarks/results/streaming_memory_cpu.json]
+    python -m benchmarks.streaming_memory [--rows 25000 100000 400000 1600000] [--rows-per-partition 100]
+                                           [--b-min 2000] [--b-max 8000]
+                                           [--out benchmarks/results/streaming_memory_cpu.json]
 
 The input is ``dd.from_map`` over partition numbers, each partition generating its texts
 (``make_texts``, seeded by its number) when computed: Dask does not know its sizes, so
@@ -20,14 +20,12 @@ one unrecorded warm-up run (the first run imports the model stack on the workers
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _ab import finish, new_report  # noqa: E402
+from . import _results
 
 
 def make_partition(i: int, rows: int):
@@ -62,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     import dask_surge  # noqa: F401  (registers .surge)
     from dask_surge.testing import checksum_model
 
-    report = new_report(runs=[])
+    report = _results.new_report(__spec__.name, argv, args)
     with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as client, tempfile.TemporaryDirectory() as tmp:
         # warm-up, not recorded: the first run imports the model stack on the workers (~480 MiB)
@@ -97,14 +95,14 @@ def main(argv: list[str] | None = None) -> dict:
             growth = {addr: peaks[addr] - before[addr] for addr in before}
             run = {"rows": res.rows, "partitions": parts, "superbatches": res.superbatches, "seconds": seconds,
                    "peak_rss_growth_bytes": growth, "max_peak_rss_growth_bytes": max(growth.values())}
-            report["runs"].append(run)
+            report["results"].append(run)
             print(f"{res.rows:>9,} rows in {parts:,} partitions, {res.superbatches} SuperBatches, {seconds:.1f} s: "
                   f"peak worker RSS +{max(growth.values()) / 2**20:.1f} MiB", flush=True)
-    first, last = report["runs"][0], report["runs"][-1]
-    report["growth_ratio_last_over_first"] = (last["max_peak_rss_growth_bytes"]
-                                              / max(1, first["max_peak_rss_growth_bytes"]))
-    report["rows_ratio_last_over_first"] = last["rows"] / first["rows"]
-    return finish(report, args.out)
+    first, last = report["results"][0], report["results"][-1]
+    report["summary"] = {"growth_ratio_last_over_first": (last["max_peak_rss_growth_bytes"]
+                                                          / max(1, first["max_peak_rss_growth_bytes"])),
+                         "rows_ratio_last_over_first": last["rows"] / first["rows"]}
+    return _results.save(report, args.out)
 
 if __name__ == "__main__":
     main()

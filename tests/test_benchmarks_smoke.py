@@ -1,5 +1,8 @@
-"""Smoke run of the benchmark suite: ``benchmarks/run.py --quick`` (no timing assertions)."""
+"""Smoke runs of the benchmarks (what they write, never how fast): the paper's suite
+``python -m benchmarks.paper.run --quick``, the small scripts at tiny sizes, and the one
+result schema (``benchmarks/_results.py``) they all write."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -8,25 +11,70 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ("benchmark", "command", "machine", "git", "created", "args", "results", "summary")
 REQUIRED = ("method", "encoder", "n", "partitions", "sigma", "texts_per_s", "tokens_per_s",
             "peak_rss_bytes", "ttfo_s", "calls")
 METHODS = {"surge", "pbp", "fb", "pbplb", "st"}
+
+
+def _run(module: str, *args: str, timeout: int = 540) -> dict:
+    """``python -m benchmarks.<module> ... --out`` from the repository root; the saved report."""
+    out = Path(args[args.index("--out") + 1])
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    _check_schema(report, module)
+    return report
+
+
+def _check_schema(report: dict, module: str) -> None:
+    assert tuple(report) == SCHEMA
+    assert report["benchmark"] == module.rsplit(".", 1)[-1]
+    assert report["command"].startswith(f"python -m benchmarks.{module}")
+    assert report["machine"]["cpus"] and len(report["machine"]["loadavg_end"]) == 3
+    assert report["git"] and report["created"]
+    assert isinstance(report["results"], list) and report["results"]
+    assert all(isinstance(r, dict) for r in report["results"]) and isinstance(report["summary"], dict)
+
+
+def _results_module():
+    # benchmarks/ is a package run from the repository root (python -m), not installed:
+    # load its schema module by path (it imports nothing from its siblings)
+    spec = importlib.util.spec_from_file_location("_bench_results", ROOT / "benchmarks" / "_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_save_rejects_a_report_off_the_schema(tmp_path):
+    _results = _results_module()
+    report = _results.new_report("benchmarks.example", ["--x", "1"], {"x": 1})
+    report["results"].append({"value": 1})
+    saved = _results.save(report, tmp_path / "r.json")
+    assert tuple(saved) == SCHEMA and saved["command"] == "python -m benchmarks.example --x 1"
+    with pytest.raises(ValueError, match="extra"):
+        _results.save({**report, "runs": []}, tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="results is dict"):
+        _results.save({**report, "results": {}}, tmp_path / "bad.json")
+
+
+def test_no_benchmark_script_of_ours_patches_sys_path():
+    # the GPU session's scripts (gpu_*.py, host_ceiling.py, split_runs_ab.py) still run as files
+    gpu = {"host_ceiling.py", "split_runs_ab.py"}
+    ours = [p for p in (ROOT / "benchmarks").rglob("*.py")
+            if not p.name.startswith("gpu_") and p.name not in gpu and "results" not in p.parts]
+    assert ours and not [p.name for p in ours if "sys.path.insert" in p.read_text()]
 
 
 @pytest.mark.slow
 def test_quick_benchmark_writes_complete_records(tmp_path):
     out = tmp_path / "results" / "quick.json"
     readme = tmp_path / "README.md"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--out", str(out),
-           "--workdir", str(tmp_path / "work"), "--readme", str(readme)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    report = json.loads(out.read_text())
-    assert report["command"] and report["machine"]["cpu_count"]
-    assert len(report["loadavg_before"]) == 3 and len(report["loadavg_after"]) == 3
+    report = _run("paper.run", "--quick", "--out", str(out), "--workdir", str(tmp_path / "work"),
+                  "--readme", str(readme))
     assert {"dask", "distributed", "torch"} <= set(report["machine"]["versions"])
-    records = report["records"]
+    records = report["results"]
     assert {r["method"] for r in records} == METHODS
     for r in records:
         assert not r.get("error"), r
@@ -40,7 +88,24 @@ def test_quick_benchmark_writes_complete_records(tmp_path):
     assert by_method["surge"]["calls"] < by_method["pbp"]["calls"]
     assert set(report["summary"]["targets"])  # ratios computed (values are machine-dependent)
     for fig in ("fig1_memory_ttfo_vs_n.png", "fig5_throughput_by_method.png", "fig8_bmin.png", "fig10_scaling.png"):
-        if report.get("figures"):  # matplotlib is optional
+        if report["summary"].get("figures"):  # matplotlib is optional
             assert (out.with_suffix("") / fig).stat().st_size > 0
     text = readme.read_text()
     assert "<!-- BENCH-TABLE:START -->" in text and "| SURGE |" in text
+
+
+def test_fixed_cost_reports_phases_and_that_the_client_never_loads_the_model(tmp_path):
+    report = _run("fixed_cost", "--files", "40", "--n", "400", "--repeats", "1", "--out", str(tmp_path / "f.json"))
+    cold, warm = report["results"]
+    assert (cold["phase"], warm["phase"]) == ("cold", "warm") and cold["rows"] == warm["rows"] == 400
+    assert 0 < warm["first_superbatch_s"] <= warm["seconds"] and warm["client_phases_s"]["footers"] > 0
+    assert report["summary"]["client_loaded_model"] is False
+
+
+@pytest.mark.slow
+def test_e2e_small_files_writes_its_ratio(tmp_path):
+    report = _run("e2e_small_files", "--n", "600", "--files", "30", "--minilm-n", "0", "--repeats", "1",
+                  "--out", str(tmp_path / "e.json"))
+    assert {(r["encoder"], r["method"]) for r in report["results"]} == {("tiny", "st"), ("tiny", "st1"), ("tiny", "surge")}
+    assert all(r["rows"] == 600 for r in report["results"])
+    assert report["summary"]["tiny"]["ratio_surge_over_st"] > 0

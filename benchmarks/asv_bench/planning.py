@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import dask.dataframe as dd
+
 import dask_surge
 
 # internal names in one place (see _fixtures)

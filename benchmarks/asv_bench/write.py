@@ -9,9 +9,10 @@ import time
 import numpy as np
 import pandas as pd
 
+from dask_surge.execution.sink import parquet_bytes, table_of
+
 # internal names in one place (see _fixtures)
 from dask_surge.io.arrow import embedding_array
-from dask_surge.execution.sink import parquet_bytes, table_of
 
 ROWS, DIM, GROUP = 20_000, 384, 250
 

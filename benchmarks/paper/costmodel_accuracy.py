@@ -2,11 +2,11 @@
 
 Usage::
 
-    python benchmarks/costmodel_accuracy.py [--encoders tiny,default] [--sigmas 1.0,1.72,2.5]
-                                            [--repeats 3] [--calib-seconds 10] [--quiet-wait 60]
-                                            [--max-foreign 0.05] [--retries 4] [--mean-words 20]
-                                            [--calibrate-each]
-                                            [--out benchmarks/results/costmodel_accuracy_cpu.json]
+    python -m benchmarks.paper.costmodel_accuracy [--encoders tiny,default] [--sigmas 1.0,1.72,2.5]
+                                                  [--repeats 3] [--calib-seconds 10] [--quiet-wait 60]
+                                                  [--max-foreign 0.05] [--retries 4] [--mean-words 20]
+                                                  [--calibrate-each]
+                                                  [--out benchmarks/results/costmodel_accuracy_cpu.json]
 
 For each encoder the script calibrates once (:func:`dask_surge.execution.calibrate.calibrate`,
 uniform one-row, moderate and large partitions, SuperBatches of one-row partitions),
@@ -24,8 +24,9 @@ token lengths of a sample of the layout's texts); ``predicted_with_calibration_t
 the layouts' texts longer or shorter than the probe's (about 20 words). The machine may be shared: before each timed run (and the
 calibration) the script waits for an idle CPU, and a run during which processes outside this
 benchmark's tree used more than ``--max-foreign`` of the CPUs is discarded and repeated
-(recorded under ``discarded_s_foreign_share``). The JSON holds the machine facts, the machine's
-load average, the exact command line, the calibrated parameters and every run.
+(recorded under ``discarded_s_foreign_share``). The JSON (schema of ``benchmarks/_results.py``)
+holds the machine facts and load, the exact command line, every run in ``results`` and the
+calibrated parameters and the errors in ``summary``.
 """
 
 from __future__ import annotations
@@ -33,15 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+from .. import _results
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -163,34 +161,26 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default="benchmarks/results/costmodel_accuracy_cpu.json")
     args = parser.parse_args(argv)
 
-    import dask
-    import distributed
     import numpy as np
-    import torch
     from distributed import Client, LocalCluster
 
     import dask_surge  # noqa: F401  (registers .surge)
     from dask_surge import Encoder
-    from dask_surge.planning.costmodel import predict
     from dask_surge.execution.plugins import register_encoder
+    from dask_surge.planning.costmodel import predict
     from dask_surge.testing import lognormal_sizes, make_partitioned_frame, make_tiny_model
 
     sigmas = [float(s) for s in args.sigmas.split(",")]
-    report: dict = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-        "machine": {
-            "platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "dask": dask.__version__,
-            "distributed": distributed.__version__, "device": "cpu",
-            "loadavg_start": os.getloadavg(),
-        },
+    report = _results.new_report(__spec__.name, argv, args)
+    report["machine"]["device"] = "cpu"
+    setup = {
         "cluster": {"kind": "LocalCluster", "n_workers": args.workers, "threads_per_worker": 1},
         "timed": "SURGE: lazy ddf.surge.encode(...) built before the timer (includes the size pass), "
                  "then client.compute(..., sync=True); PBP: client.compute(map_partitions(enc.embed)). "
                  "Best (minimum) of the repeats, runs alternating; the probe also takes best-of-n. "
                  "error_vs_median_pct compares with the median instead.",
-        "encoders": {}, "runs": [],
     }
+    encoders: dict = {}
     errors = []
     with tempfile.TemporaryDirectory() as tmp, \
             LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0") as cluster, \
@@ -200,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
             enc = Encoder(model, device="cpu")
             register_encoder(client, enc)
             params, calib_s, calib_attempts = _calibrate(enc, client, args)
-            report["encoders"][name] = {"model": str(model), "calibration_seconds": round(calib_s, 2),
+            encoders[name] = {"model": str(model), "calibration_seconds": round(calib_s, 2),
                                         "calibration_attempts_s_foreign_share": calib_attempts,
                                         "params": params.to_dict()}
             _print_params(name, calib_s, params)
@@ -254,23 +244,20 @@ def main(argv: list[str] | None = None) -> dict:
                            "predicted_texts_per_s": round(float(pred.loc[policy, "texts_per_s"]), 1),
                            "loadavg": os.getloadavg()[0], "cpu_idle_before": [round(x, 3) for x in idles],
                            "discarded_s_foreign_share": discarded[policy], "recalibrated": recalibrated}
-                    report["runs"].append(run)
+                    report["results"].append(run)
                     print(f"[{name}] sigma={sigma:<4} {policy:5s} calls={run['calls']:4d} measured "
                           f"{measured:7.3f} s predicted {predicted:7.3f} s error {err:+6.1f}%", flush=True)
-    report["machine"]["loadavg_end"] = os.getloadavg()
-    med_errors = [abs(r["error_vs_median_pct"]) for r in report["runs"]]
+    med_errors = [abs(r["error_vs_median_pct"]) for r in report["results"]]
     report["summary"] = {
         "runs": len(errors), "median_abs_error_pct": round(float(np.median(errors)), 2),
         "median_abs_error_vs_median_runs_pct": round(float(np.median(med_errors)), 2),
         "run_to_run_spread_pct": round(float(np.median([100 * (max(r["repeats_s"]) - min(r["repeats_s"]))
-                                                        / min(r["repeats_s"]) for r in report["runs"]])), 2),
+                                                        / min(r["repeats_s"]) for r in report["results"]])), 2),
         "worst_abs_error_pct": round(float(np.max(errors)), 2), "target": "median <= 2%, worst <= 5%",
+        "setup": setup, "calibrations": encoders,
     }
     print(json.dumps(report["summary"]))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    return report
+    return _results.save(report, args.out)
 
 
 if __name__ == "__main__":

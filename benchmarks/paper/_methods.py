@@ -1,6 +1,6 @@
 """One benchmark measurement: a method run on one workload, in a fresh process.
 
-``benchmarks/run.py`` starts ``python benchmarks/_methods.py '<json spec>'`` once per
+``benchmarks/paper/run.py`` starts ``python -m benchmarks.paper._methods '<json spec>'`` once per
 (method, encoder, workload) so that every run gets a fresh cluster and a clean
 memory baseline; the result is printed as one JSON line prefixed with ``RESULT``.
 
@@ -30,12 +30,8 @@ import shutil
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

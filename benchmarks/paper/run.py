@@ -2,12 +2,14 @@
 
 Usage::
 
-    python benchmarks/run.py                 # full CPU suite (~30 min on 2 cores)
-    python benchmarks/run.py --quick         # CI smoke run (< 3 min): tiny encoder, small N
-    python benchmarks/run.py --gpu           # same suite on a CUDA box (device="cuda")
-    python benchmarks/run.py --suites main,scaling --n 1000000 --partitions 4000
+    python -m benchmarks.paper.run           # full CPU suite (~30 min on 2 cores)
+    python -m benchmarks.paper.run --quick   # CI smoke run (< 3 min): tiny encoder, small N
+    python -m benchmarks.paper.run --gpu     # same suite on a CUDA box (device="cuda")
+    python -m benchmarks.paper.run --suites main,scaling --n 1000000 --partitions 4000
 
-Suites (each a list of measurements, see ``benchmarks/_methods.py`` for the methods):
+from the repository root.
+
+Suites (each a list of measurements, see ``benchmarks/paper/_methods.py`` for the methods):
 
 ``main``     every method on one workload (N texts over P Parquet files, sigma 1.72),
              plus the single-process sentence-transformers reference (``st``) at
@@ -20,10 +22,11 @@ Suites (each a list of measurements, see ``benchmarks/_methods.py`` for the meth
 Every measurement runs in a fresh process with a fresh 2-worker ``LocalCluster``
 (1 thread each), the model loaded on every worker before the clock starts. Peak
 memory is the summed RSS of the measuring process and all its descendants
-(scheduler, nannies, workers), sampled every 50 ms. Results: one JSON file (machine
-facts, the exact command, one record per (method, encoder, workload), a summary of
-ratios against the targets), PNG figures in a folder of the same name, and the
-table in ``benchmarks/README.md`` (between the BENCH-TABLE markers).
+(scheduler, nannies, workers), sampled every 50 ms. Results: one JSON file in the schema
+of ``benchmarks/_results.py`` (machine facts, the exact command, one record per (method,
+encoder, workload) in ``results``, the ratios against the targets in ``summary``), PNG
+figures in a folder of the same name, and the table in ``benchmarks/README.md`` (between
+the BENCH-TABLE markers).
 """
 
 from __future__ import annotations
@@ -32,15 +35,15 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from .. import _results
+
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: results/ and README.md
+ROOT = BENCH.parent
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -117,10 +120,10 @@ def defaults(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, k, v)
     if args.workers is None:
         args.workers = _gpu_count() if args.gpu else 2
-    args.out = args.out or str(HERE / "results" / f"suite-{'gpu' if args.gpu else 'cpu'}{'-quick' if args.quick else ''}.json")
-    args.workdir = args.workdir or str(HERE / "results" / "tmp")
+    args.out = args.out or str(BENCH / "results" / f"suite-{'gpu' if args.gpu else 'cpu'}{'-quick' if args.quick else ''}.json")
+    args.workdir = args.workdir or str(BENCH / "results" / "tmp")
     if args.readme is None:
-        args.readme = "none" if args.quick else str(HERE / "README.md")
+        args.readme = "none" if args.quick else str(BENCH / "README.md")
     return args
 
 
@@ -235,7 +238,7 @@ def plan(args) -> list[dict]:
 
 # --------------------------------------------------------------------------- execution
 def _run_process(specs: list[dict] | dict, timeout: int) -> list[dict]:
-    cmd = [sys.executable, str(HERE / "_methods.py"), json.dumps(specs)]
+    cmd = [sys.executable, "-m", f"{__spec__.parent}._methods", json.dumps(specs)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
     except subprocess.TimeoutExpired as err:
@@ -262,22 +265,19 @@ def machine_facts() -> dict:
 
     import dask_surge
 
-    facts = {
-        "platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
-        "cpu_count": os.cpu_count(), "memory_bytes": None,
-        "versions": {"dask_surge": dask_surge.__version__, "dask": dask.__version__,
+    facts = _results.machine()
+    facts.update({
+        "processor": platform.processor(),
+        "versions": {**facts["versions"], "dask_surge": dask_surge.__version__, "dask": dask.__version__,
                      "distributed": distributed.__version__, "torch": torch.__version__,
                      "pyarrow": pyarrow.__version__, "pandas": pandas.__version__, "numpy": numpy.__version__},
         "cuda": torch.cuda.is_available(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [],
-    }
+    })
     try:
         import sentence_transformers
 
         facts["versions"]["sentence_transformers"] = sentence_transformers.__version__
-        import psutil
-
-        facts["memory_bytes"] = psutil.virtual_memory().total
     except Exception:
         pass
     return facts
@@ -289,12 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     specs = plan(args)
     t_start = time.perf_counter()
-    report = {
-        "command": " ".join(shlex.quote(a) for a in [sys.executable, *(sys.argv if argv is None else [__file__, *argv])]),
-        "args": {k: v for k, v in vars(args).items()},
-        "machine": machine_facts(), "loadavg_before": list(os.getloadavg()),
-        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "records": [],
-    }
+    report = _results.new_report(__spec__.name, argv, args)
+    report["machine"] = machine_facts()
     # workloads, models and token counts first (not on the measured path)
     paths = {e: model_path(e, workdir) for e in {s["encoder"] for s in specs}}
     for s in specs:
@@ -327,18 +323,15 @@ def main(argv: list[str] | None = None) -> dict:
         if args.quick:
             _progress(rec)
         records.append(rec)
-    report["records"] = records
-    report["loadavg_after"] = list(os.getloadavg())
-    report["benchmark_seconds"] = time.perf_counter() - t_start
+    report["results"] = records
     report["summary"] = summarize(records, args)
+    report["summary"]["benchmark_seconds"] = time.perf_counter() - t_start
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
+    report = _results.save(report, out)
     print(f"wrote {out}", flush=True)
     if not args.no_plots:
-        figs = plots(records, args, out.with_suffix(""))
-        report["figures"] = figs
-        out.write_text(json.dumps(report, indent=1, default=str))
+        report["summary"]["figures"] = plots(records, args, out.with_suffix(""))
+        report = _results.save(report, out)
     if args.readme != "none":
         update_readme(Path(args.readme), report, out)
     print(json.dumps(report["summary"], indent=1))
@@ -523,7 +516,7 @@ def plots(records: list[dict], args, folder: Path) -> list[str]:
 def table(report: dict) -> str:
     rows = ["| suite | method | encoder | N | P | sigma | b_min | texts/s | tokens/s | peak RSS (GiB) | "
             "above idle (GiB) | TTFO (s) | calls |", "|" + "---|" * 13]
-    for r in sorted(report["records"], key=lambda r: (",".join(r.get("suites", [])), r.get("encoder") or "",
+    for r in sorted(report["results"], key=lambda r: (",".join(r.get("suites", [])), r.get("encoder") or "",
                                                      r.get("n") or 0, r.get("sigma") or 0,
                                                      list(LABELS).index(r["method"]) if r.get("method") in LABELS else 9,
                                                      r.get("b_min") or 0)):
@@ -540,9 +533,9 @@ def table(report: dict) -> str:
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
     lines = [
         f"Command: `{report['command']}`  ",
-        f"Machine: {report['machine']['platform']}, {report['machine']['cpu_count']} CPUs, "
-        f"load {report['loadavg_before'][0]:.1f} before / {report['loadavg_after'][0]:.1f} after; "
-        f"{report['benchmark_seconds'] / 60:.0f} min.", "",
+        f"Machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs, "
+        f"load {report['machine']['loadavg_start'][0]:.1f} before / {report['machine']['loadavg_end'][0]:.1f} after; "
+        f"{s['benchmark_seconds'] / 60:.0f} min; git {report['git']}.", "",
         "| ratio | value | target | met |", "|---|---|---|---|",
         f"| SURGE / FB throughput | {fmt(s['surge_over_fb_throughput'])} | >= 0.95 | {s['targets']['surge >= 0.95x fb throughput']} |",
         f"| SURGE / PBP throughput | {fmt(s['surge_over_pbp_throughput'])} | >= 3 | {s['targets']['surge >= 3x pbp throughput']} |",
@@ -568,7 +561,7 @@ def update_readme(path: Path, report: dict, out: Path) -> None:
         src = out.resolve().relative_to(path.resolve().parent)
     except ValueError:
         src = out
-    body = f"Results from `{src}` ({report['started_at']}).\n\n" + table(report)
+    body = f"Results from `{src}` ({report['created']}).\n\n" + table(report)
     path.write_text(f"{head}{TABLE_START}\n{body}\n{TABLE_END}{tail}")
     print(f"updated {path}", flush=True)
 

@@ -1,0 +1,99 @@
+"""One result schema for every benchmark script.
+
+Each script saves one JSON object of this shape (``SCHEMA`` lists the keys, in order)::
+
+    {"benchmark": "fixed_cost",                       # the script's module name
+     "command": "python -m benchmarks.fixed_cost ...", # reproduces the run from the repo root
+     "machine": {"platform", "cpus", "memory_bytes", "python", "versions", "loadavg_start",
+                 "loadavg_end"},
+     "git": "ad8dc60+uncommitted",                     # HEAD, marked when dask_surge/ or benchmarks/ differ
+     "created": "2026-12-01T10:56:04+00:00",           # when the report was saved (UTC)
+     "args": {...},                                    # every option the run used, defaults included
+     "results": [{...}, ...],                          # one flat record per measurement
+     "summary": {...}}                                 # what the run concludes (ratios, targets); may be {}
+
+``results`` is always a list of records (dicts); a record names what it measured in its
+own fields (``method``, ``encoder``, ``codec``, ``phase``...), so tables and asv-like
+comparisons across runs need no per-script code. The JSON files written before this schema
+(the measured record in ``benchmarks/results/``) keep their own shapes.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SCHEMA = ("benchmark", "command", "machine", "git", "created", "args", "results", "summary")
+_VERSIONS = ("dask-surge", "dask", "distributed", "torch", "transformers", "tokenizers", "pyarrow", "pandas", "numpy")
+
+
+def git_revision() -> str:
+    """``HEAD``'s short hash, with ``+uncommitted`` when ``dask_surge/`` or ``benchmarks/``
+    differ from it (``unknown`` outside a git checkout)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        dirty = git("status", "--porcelain", "--untracked-files=no", "dask_surge", "benchmarks")
+        return git("rev-parse", "--short", "HEAD") + ("+uncommitted" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> dict:
+    """Platform, CPUs, memory, Python and library versions, load average now."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        memory = None
+    versions = {}
+    for name in _VERSIONS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "memory_bytes": memory,
+            "python": platform.python_version(), "versions": versions, "loadavg_start": list(os.getloadavg())}
+
+
+def command(module: str, argv: list[str] | None = None) -> str:
+    """The command line that reproduces this run from the repository root: ``python -m
+    <module>`` with ``argv`` (what ``main`` was given; None for the process's own)."""
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(shlex.quote(a) for a in ["python", "-m", module, *args])
+
+
+def new_report(module: str, argv: list[str] | None = None, args: object = None) -> dict:
+    """An empty report of the schema for the script ``module`` (pass ``__spec__.name``: the
+    dotted name under ``python -m`` too); ``args`` an ``argparse.Namespace`` or a dict."""
+    name = module.rsplit(".", 1)[-1]
+    options = vars(args) if args is not None and not isinstance(args, dict) else dict(args or {})
+    return {"benchmark": name, "command": command(module, argv), "machine": machine(), "git": git_revision(),
+            "created": None, "args": options, "results": [], "summary": {}}
+
+
+def save(report: dict, out: str | os.PathLike) -> dict:
+    """Check the report's shape, stamp the time and the end load, write it as JSON to ``out``
+    (folders created) and return it."""
+    missing = [k for k in SCHEMA if k not in report]
+    extra = [k for k in report if k not in SCHEMA]
+    if missing or extra or not isinstance(report["results"], list):
+        raise ValueError(f"report does not follow benchmarks/_results.py: missing {missing}, extra {extra}, "
+                         f"results is {type(report.get('results')).__name__}")
+    report["machine"]["loadavg_end"] = list(os.getloadavg())
+    report["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    ordered = {k: report[k] for k in SCHEMA}
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(ordered, indent=1, default=str) + "\n")
+    return ordered
+

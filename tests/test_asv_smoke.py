@@ -1,0 +1,36 @@
+"""The asv suite (``benchmarks/asv.conf.json``, ``benchmarks/asv_bench/``) imports and is
+well formed: ``asv check --python=same`` from ``benchmarks/``; the quick run (each benchmark
+once, ~1.5 min on 2 cores) is marked slow. Skipped where asv is not installed
+(``pip install asv``)."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+pytestmark = pytest.mark.skipif(shutil.which("asv") is None, reason="asv is not installed (pip install asv)")
+
+
+def _asv(*args: str, timeout: int) -> str:
+    subprocess.run(["asv", "machine", "--yes"], cwd=BENCH, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(["asv", *args, "--python=same"], cwd=BENCH,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_asv_check_finds_no_problem():
+    out = _asv("check", timeout=120)
+    assert "No problems found" in out
+
+
+@pytest.mark.slow
+def test_asv_quick_run_runs_every_benchmark():
+    out = _asv("run", "--quick", "--show-stderr", timeout=400)
+    for name in ("engine.TinyEncoder.track_texts_per_s", "planning.PlanParquetFooters.track_plan_ms_per_file",
+                 "policy.Policy.time_plan_superbatches", "write.ParquetWrite.time_parquet_bytes",
+                 "run.LocalRun.track_ttfo_s", "run.LocalRunMemory.peakmem_encode"):
+        assert name in out, name
+    assert "failed" not in out.lower(), out[-4000:]
