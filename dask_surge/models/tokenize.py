@@ -1,0 +1,189 @@
+"""The host side of the fast engine: tokenize with the Rust tokenizer, sort by length, pack int32 ids.
+
+:class:`TextPacker` holds a private copy of a model's fast tokenizer (truncation set,
+padding off) and turns texts into windows of :data:`~dask_surge.models.batching.WINDOW_TEXTS`
+texts, each planned by :func:`~dask_surge.models.batching.plan_batches` and gathered, in run
+order, into one int32 array (:class:`PackedWindow`). Nothing here imports torch: the
+device side (:mod:`dask_surge.models.device`) turns a packed window into tensors.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import numpy as np
+
+from ..errors import SurgeInputError
+from .batching import WINDOW_TEXTS, BatchPlan, plan_batches
+
+__all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker"]
+
+#: The stages whose seconds an engine counts (see :attr:`StageClock.stats`).
+STAGES = ("tokenize", "pack", "device", "finish")
+
+
+class StageClock:
+    """Seconds spent per stage, summed over calls and threads, with the calls and texts counted.
+
+    Examples
+    --------
+    >>> clock = StageClock()
+    >>> clock.call(3); clock.stats["calls"], clock.stats["texts"]
+    (1, 3)
+    """
+
+    def __init__(self) -> None:
+        self.stats: dict[str, float] = dict.fromkeys(("calls", "texts", *STAGES), 0)
+        self._lock = threading.Lock()
+
+    def count(self, key: str, t0: float) -> None:
+        """Add the seconds since ``t0`` (``time.perf_counter()``) to stage ``key``."""
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.stats[key] += dt
+
+    def call(self, texts: int) -> None:
+        """Count one finished call of ``texts`` texts."""
+        with self._lock:
+            self.stats["calls"] += 1
+            self.stats["texts"] += texts
+
+
+@dataclass(frozen=True)
+class PackedWindow:
+    """One window, packed on the host: its micro-batch plan and its token ids in run order.
+
+    Attributes
+    ----------
+    plan : BatchPlan
+    size : int
+        Real tokens of the window (the length of ``ids``).
+    ids : numpy.ndarray
+        int32 token ids of every text, in run order, one after the other.
+    lengths, starts : numpy.ndarray
+        Token length (int32) and offset into ``ids`` (int64) of each text, in run order.
+    where : numpy.ndarray
+        Row of each text in the call's output, in run order (int64).
+    """
+
+    plan: BatchPlan
+    size: int
+    ids: np.ndarray
+    lengths: np.ndarray
+    starts: np.ndarray
+    where: np.ndarray
+
+
+class TextPacker:
+    """Tokenize texts (a prompt put first) and pack them into length-sorted windows of int32 ids.
+
+    Parameters
+    ----------
+    hf_tokenizer : transformers.PreTrainedTokenizerFast
+        The model's tokenizer; a copy of its Rust ``backend_tokenizer`` is used (the
+        model's own keeps its settings).
+    max_seq_length : int
+        Truncation length in tokens.
+    prompt : str
+        Text put before every input (``""`` for none).
+    include_prompt : bool
+        False when the ``Pooling`` module leaves the prompt's tokens out:
+        :attr:`prompt_length` then counts them.
+    clock : StageClock
+        Where the ``tokenize`` and ``pack`` seconds go.
+    """
+
+    def __init__(self, hf_tokenizer: Any, max_seq_length: int, *, prompt: str = "", include_prompt: bool = True,
+                 clock: StageClock) -> None:
+        self.max_seq_length = int(max_seq_length)
+        self.clock = clock
+        self._tokenizer = hf_tokenizer.backend_tokenizer.__class__.from_str(hf_tokenizer.backend_tokenizer.to_str())
+        self._tokenizer.no_padding()
+        self._tokenizer.enable_truncation(
+            self.max_seq_length, strategy="longest_first", direction=hf_tokenizer.truncation_side
+        )
+        self._encode_batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        #: Id that pads a row (the tokenizer's pad token, else 0).
+        self.pad_id: int = hf_tokenizer.pad_token_id or 0
+        #: True when the model takes ``token_type_ids``.
+        self.type_ids: bool = "token_type_ids" in hf_tokenizer.model_input_names
+        #: The prompt put before every text ("" for none).
+        self.prompt = prompt or ""
+        #: Tokens of the prompt left out of pooling (0 when the Pooling module includes the prompt).
+        self.prompt_length = 0
+        if self.prompt and not include_prompt:
+            self.prompt_length = self._prompt_tokens(set(getattr(hf_tokenizer, "all_special_ids", ()) or ()))
+
+    def _prompt_tokens(self, special_ids: set[int]) -> int:
+        """Tokens of the prompt alone (truncated), less a trailing special token: sentence-transformers' rule."""
+        ids = self._tokenizer.encode(self.prompt).ids
+        return len(ids) - 1 if ids and ids[-1] in special_ids else len(ids)
+
+    def tokenize(self, texts: list[str]) -> list:
+        """The Rust tokenizer's encodings of ``texts`` (prompt first, truncated, unpadded).
+
+        Raises
+        ------
+        SurgeInputError
+            If an element of ``texts`` is not a str.
+        """
+        t0 = time.perf_counter()
+        try:
+            encodings = self._encode_batch([self.prompt + t for t in texts] if self.prompt else texts)
+            self.clock.count("tokenize", t0)
+            return encodings
+        except TypeError:
+            bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+            if bad is None:
+                raise
+            raise SurgeInputError(
+                f"texts[{bad}]={texts[bad]!r} is a {type(texts[bad]).__name__}, but every text must be a str; "
+                "Fix: drop or fill missing values first (e.g. series.fillna(''))."
+            ) from None
+
+    def count_tokens(self, texts: Sequence[str]) -> np.ndarray:
+        """Token length of each text after truncation, special tokens included (int32)."""
+        texts = texts if isinstance(texts, list) else list(texts)
+        return np.fromiter(map(len, self.tokenize(texts)), dtype=np.int32, count=len(texts))
+
+    def windows(self, texts: list[str], *, background: bool = False) -> Iterator[tuple[int, list]]:
+        """Yield ``(offset, encodings)`` per window; with ``background`` the next window tokenizes meanwhile."""
+        starts = range(0, len(texts), WINDOW_TEXTS)
+        if not background or len(starts) < 2:
+            for start in starts:
+                yield start, self.tokenize(texts[start : start + WINDOW_TEXTS])
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="surge-tokenize") as pool:
+            pending = pool.submit(self.tokenize, texts[:WINDOW_TEXTS])
+            for start in starts:
+                encodings = pending.result()
+                nxt = start + WINDOW_TEXTS
+                if nxt < len(texts):
+                    pending = pool.submit(self.tokenize, texts[nxt : nxt + WINDOW_TEXTS])
+                yield start, encodings
+
+    def pack(self, encodings: list, offset: int, *, max_tokens: int, split_runs: bool = True) -> PackedWindow:
+        """Plan one window (:func:`~dask_surge.models.batching.plan_batches`) and gather its ids in run order."""
+        t0 = time.perf_counter()
+        lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
+        plan = plan_batches(lengths, max_tokens, split_runs=split_runs)
+        ordered = operator.itemgetter(*plan.order.tolist())(encodings) if len(encodings) > 1 else encodings
+        flat = np.fromiter(_chain_ids(ordered), dtype=np.int32, count=plan.real_tokens)
+        window = PackedWindow(
+            plan=plan, size=int(flat.size), ids=flat, lengths=plan.lengths.astype(np.int32),
+            starts=(np.cumsum(plan.lengths) - plan.lengths).astype(np.int64), where=plan.order + offset,
+        )
+        self.clock.count("pack", t0)
+        return window
+
+
+def _chain_ids(encodings) -> Iterator[int]:
+    """The token ids of ``encodings``, one after the other (C-level iteration over the lists)."""
+    return chain.from_iterable(map(operator.attrgetter("ids"), encodings))
