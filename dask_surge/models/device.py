@@ -21,6 +21,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,13 +103,13 @@ class DeviceRunner:
         elif amp is not None:
             model = _cast_copy(model, amp)  # native half weights: no autocast re-cast per call
         self.hf: torch.nn.Module | None = model
-        self.config = model.config
+        self.config: Any = getattr(model, "config")  # the HF config (a Module attribute mypy sees as Tensor | Module)
         #: Dtype the encoder computes in (its weights'); pooling and normalization stay float32.
         self.compute_dtype = amp or torch.float32
         self.modes = pooling_modes
         #: Benchmarking only: skip the forward pass (see NOOP_FORWARD_ENV).
         self.noop = os.environ.get(NOOP_FORWARD_ENV, "") == "1"
-        self.dimension = len(pooling_modes) * self.config.hidden_size
+        self.dimension: int = len(pooling_modes) * int(self.config.hidden_size)
         self.pad_id = pad_id
         self.type_ids = type_ids
         self.prompt_length = prompt_length
