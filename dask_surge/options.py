@@ -1,24 +1,62 @@
-"""Option vocabularies, defined once as ``Literal`` types.
+"""Every option of dask-surge, declared once.
 
-The annotations of :func:`dask_surge.encode` and :class:`dask_surge.Encoder`,
-the config validation (:data:`dask_surge.config.OPTIONS`) and the CLI's
-``choices`` all derive from these types, so adding a value here adds it
-everywhere (and forgetting to handle it somewhere fails a test, not a user).
+:data:`OPTIONS` holds one :class:`Option` per option: its name, annotation, default
+(or the ``surge.<key>`` of :mod:`dask.config` it defaults to), a small validator
+callable, its numpydoc text, its command-line flag, whether it changes the embeddings
+(and so a run's identity) and which of :func:`dask_surge.encode`,
+:func:`dask_surge.plan` and :class:`dask_surge.Encoder` take it. Everything else is
+derived from that table:
+
+* the runtime signatures of ``encode`` and ``plan`` (and of ``ddf.surge.encode`` /
+  ``ddf.surge.plan``, which copy them): :func:`signature`, :func:`bind`;
+* the Parameters sections of their docstrings: :func:`document`;
+* the ``encode``/``demo``/``plan`` command-line flags: :func:`add_arguments`,
+  :func:`from_arguments`;
+* the config schema ``surge-schema.yaml``: :func:`schema_yaml` (the shipped file is
+  compared with it by a test; regenerate it with
+  ``python -c "from dask_surge.options import schema_yaml; print(schema_yaml(), end='')" > dask_surge/surge-schema.yaml``),
+  and the config validation (:data:`dask_surge.config.OPTIONS`);
+* which options take part in a run's fingerprint: :func:`identity_options`;
+* :class:`dask_surge.Encoder`'s option defaults and validation: :func:`defaults`,
+  :meth:`Option.check`.
+
+Typing: ``encode`` and ``plan`` are declared as ``encode(ddf, column, output=None,
+**options: Unpack[EncodeOptions])``, so a type checker sees every option with its type
+from the ``TypedDict`` s below (:class:`EncodeOptions`, :class:`PlanOptions`), and the
+two ``@overload`` s of ``encode`` differ on ``output`` only. A ``TypedDict`` is static (a
+type checker cannot read it from a table), so it is the one thing written beside the
+table; that is simpler to keep true than a generated stub file, because
+``tests/test_options.py`` fails, naming the option, when a ``TypedDict``, the runtime
+``__signature__`` and the table disagree. Adding an option is therefore one
+:class:`Option` in :data:`OPTIONS` (plus, for the type checker, its line in the
+``TypedDict`` the test names) and its implementation.
 
 Examples
 --------
->>> from dask_surge.options import Precision, choices
+>>> from dask_surge.options import Precision, choices, option
 >>> choices(Precision)
 ('float32', 'float16', 'int8', 'binary')
+>>> option("b_min").config, option("b_min").identity
+('b-min', False)
+>>> option("batch_size").check(0)
+Traceback (most recent call last):
+...
+dask_surge.options.Invalid: must be a positive int; pass e.g. batch_size=32
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+import difflib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypedDict, get_args
 
 __all__ = [
-    "COMPRESSIONS", "DTYPES", "ENGINES", "ON_NULLS", "PRECISIONS", "Compression", "Dtype", "EngineName", "OnNull",
-    "Precision", "choices",
+    "COMPRESSIONS", "DTYPES", "ENGINES", "ON_NULLS", "OPTIONS", "PRECISIONS", "Cli", "Compression", "Dtype",
+    "EncodeOptions", "EngineName", "Invalid", "OnNull", "Option", "PlanOptions", "Precision", "add_arguments",
+    "bind", "choices", "config_options", "defaults", "document", "from_arguments", "identity_options", "option",
+    "options_of", "schema", "schema_yaml", "signature",
 ]
 
 #: Storage type of the embedding values (see :mod:`dask_surge.io.precision`).
@@ -33,6 +71,9 @@ EngineName = Literal["auto", "fast", "sentence-transformers"]
 #: Parquet codec of the embedding column. ``"none"`` (the default) writes fastest: float vectors
 #: barely compress (zstd saves ~7% on float32 MiniLM vectors at several times the write time).
 Compression = Literal["none", "snappy", "lz4", "zstd"]
+#: Where a written encode runs: a ``distributed.Client``, a local scheduler, or None (the
+#: active Client, else a local cluster started for the call).
+Scheduler = Any | Literal["sync", "synchronous", "threads"] | None
 
 
 def choices(literal: Any) -> tuple[str, ...]:
@@ -63,3 +104,647 @@ ON_NULLS: tuple[str, ...] = choices(OnNull)
 DTYPES: tuple[str, ...] = choices(Dtype)
 ENGINES: tuple[str, ...] = choices(EngineName)
 COMPRESSIONS: tuple[str, ...] = choices(Compression)
+
+# -- validators: value -> the value to use, or raise Invalid(problem, fix) ---------------------------
+
+
+class Invalid(ValueError):
+    """A validator's refusal: what is wrong with the value and how to fix it.
+
+    Callers turn it into a :class:`dask_surge.errors.SurgeValueError` that names the value
+    (:meth:`Option.argument_error`, :meth:`Option.config_error`).
+    """
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"{problem}; {fix}")
+        self.problem, self.fix = problem, fix
+
+
+Validator = Callable[[Any], Any]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def positive_int(*, none: bool = False, auto: bool = False, what: str = "", fix: str = "pass a positive int"
+                 ) -> Validator:
+    """A positive int (not a bool), or also None / ``"auto"`` where allowed."""
+    also = [*(["'auto'"] if auto else []), *(["None"] if none else [])]
+    problem = f"must be a positive int{f' ({what})' if what else ''}{''.join(f' or {a}' for a in also)}"
+
+    def check(value: Any) -> Any:
+        if (none and value is None) or (auto and value == "auto") or (_is_int(value) and value > 0):
+            return value
+        raise Invalid(problem, fix)
+
+    return check
+
+
+def positive_number(value: Any) -> Any:
+    """A positive int or float (not a bool)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return value
+    raise Invalid("must be a positive number", "pass e.g. 10.0")
+
+
+def one_of(literal: Any, problem: str = "is not one of the allowed values") -> Validator:
+    """One of the values of a ``Literal`` vocabulary."""
+    allowed = choices(literal)
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str) and value in allowed:
+            return value
+        raise Invalid(problem, f"choose one of {allowed}")
+
+    return check
+
+
+def boolean(fix: str = "pass True or False") -> Validator:
+    """True or False (not a truthy value)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, bool):
+            return value
+        raise Invalid("must be True or False", fix)
+
+    return check
+
+
+def text(*, none: bool = False, fix: str = "pass a str") -> Validator:
+    """A str, or also None."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str) or (none and value is None):
+            return value
+        raise Invalid(f"must be a str{' or None' if none else ''}", fix)
+
+    return check
+
+
+def mapping(fix: str = "pass a dict") -> Validator:
+    """A dict, or None."""
+
+    def check(value: Any) -> Any:
+        if value is None or isinstance(value, dict):
+            return value
+        raise Invalid("must be a dict or None", fix)
+
+    return check
+
+
+def byte_size(value: Any) -> int | None:
+    """A positive byte count from an int or a size string such as ``"512 MiB"``, or None."""
+    from dask.utils import parse_bytes
+
+    if value is None:
+        return None
+    size = value
+    if isinstance(value, str):
+        try:
+            size = parse_bytes(value)
+        except ValueError:
+            size = None
+    if _is_int(size) and size > 0:
+        return size
+    raise Invalid("must be a positive int of bytes, a size such as '512 MiB', or None", "pass e.g. '512 MiB'")
+
+
+def torch_device(value: Any) -> Any:
+    """None, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"mps"``."""
+    if value is None or (isinstance(value, str) and (
+            value in ("cpu", "cuda", "mps") or (value.startswith("cuda:") and value[5:].isdigit()))):
+        return value
+    raise Invalid("is not a torch device: it must be 'cpu', 'cuda', 'cuda:N' (N a device index) or 'mps'",
+                  "use 'cpu', 'cuda' or 'cuda:N'")
+
+
+def threshold(value: str) -> int | str:
+    """Command-line form of ``b_min``/``b_max``: ``auto`` or a number of rows."""
+    return value if value == "auto" else int(value)
+
+
+# -- the declaration ----------------------------------------------------------------------------------
+
+TAKERS = ("encode", "plan", "Encoder")
+_INT_MIN_1 = {"type": "integer", "minimum": 1}
+_NULL = {"type": "null"}
+
+
+@dataclass(frozen=True)
+class Cli:
+    """How an option appears on the command line (``dask-surge encode``/``demo``/``plan``).
+
+    ``flag`` defaults to ``--`` plus the name with hyphens; ``type``, ``action`` and ``help``
+    are argparse's (``help`` defaults to the option's ``summary``; ``choices`` come from the
+    option's vocabulary).
+    """
+
+    flag: str | None = None
+    type: Callable[[str], Any] | None = None
+    action: str | None = None
+    help: str | None = None
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: everything the API, the CLI, the config, the docs and the fingerprint need.
+
+    Attributes
+    ----------
+    name : str
+        The Python keyword (``batch_size``).
+    annotation : type
+        The type ``encode``/``plan`` show (including ``None`` where None means "the
+        configured default").
+    doc_type, doc : str
+        The numpydoc type line and description.
+    summary : str
+        One line: the CLI help and the config schema's description.
+    default : object
+        The value when nothing is given: for a config option, the shipped ``surge.<key>``
+        value (``surge.yaml``, checked by a test); :class:`dask_surge.Encoder` uses it as its
+        own default.
+    config : str, optional
+        The key under ``surge.`` in :mod:`dask.config`; then ``encode``/``plan`` show
+        ``None`` as the default and resolve it from the config when the function runs.
+    validator : callable, optional
+        Validator: value -> the value to use, or raise :class:`Invalid`. None: checked
+        where it is used.
+    vocabulary : typing.Literal, optional
+        The allowed values (validator, CLI ``choices``, schema ``enum`` come from it).
+    schema : dict, optional
+        JSON schema of the config value (a vocabulary gives ``{"enum": [...]}``).
+    identity : bool
+        True when it changes the embeddings or the output, so a different value makes a
+        different run (see :func:`identity_options`).
+    takers : frozenset of {"encode", "plan", "Encoder"}
+        The functions that take it as a keyword (none: config only).
+    cli : Cli, optional
+        Its command-line flag (none: not on the command line).
+    """
+
+    name: str
+    annotation: Any
+    doc_type: str
+    doc: str
+    summary: str
+    default: Any = None
+    config: str | None = None
+    validator: Validator | None = None
+    vocabulary: Any = None
+    schema: Mapping[str, Any] | None = None
+    identity: bool = False
+    takers: frozenset[str] = frozenset()
+    cli: Cli | None = None
+
+    def __post_init__(self) -> None:
+        if not self.takers <= set(TAKERS):
+            raise ValueError(f"option {self.name!r}: takers {sorted(self.takers)} must be among {TAKERS}")
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        """The vocabulary's values, if the option has one."""
+        return choices(self.vocabulary) if self.vocabulary is not None else None
+
+    @property
+    def api_default(self) -> Any:
+        """The default ``encode``/``plan`` show: None for a config option (resolved when they run)."""
+        return None if self.config else self.default
+
+    def check(self, value: Any) -> Any:
+        """``value`` validated (by :attr:`validator`, else by :attr:`vocabulary`); raises :class:`Invalid`."""
+        if self.validator is not None:
+            return self.validator(value)
+        if self.vocabulary is not None:
+            return one_of(self.vocabulary)(value)
+        return value
+
+    def argument_error(self, value: Any, err: Invalid, shown: Any = None) -> str:
+        """The message for a bad keyword argument ``name=value`` (``shown`` replaces the value, e.g. redacted)."""
+        return f"{self.name}={value if shown is None else shown!r} {err.problem}. Fix: {err.fix}."
+
+    def config_error(self, value: Any, err: Invalid) -> str:
+        """The message for a bad ``surge.<key>`` value."""
+        key = self.config
+        env = f"DASK_SURGE__{str(key).upper().replace('-', '_')}"
+        return (f"surge.{key}={value!r} is not allowed: {err.problem}. Fix: dask.config.set({{'surge.{key}': ...}}) "
+                f"or the {env} environment variable ({err.fix}).")
+
+
+def _opt(name: str, annotation: Any, doc_type: str, doc: str, summary: str, *, takers: str = "",
+         **kw: Any) -> Option:
+    return Option(name, annotation, doc_type, " ".join(doc.split()), summary,
+                  takers=frozenset(takers.split()), **kw)
+
+
+#: The options, in the order ``encode`` and ``plan`` show them.
+OPTIONS: tuple[Option, ...] = (
+    _opt("model", Any, "str, path, SentenceTransformer, callable or Encoder, optional", """
+         Can be a Hugging Face Hub name such as ``"BAAI/bge-small-en-v1.5"`` (resolved through the HF
+         cache, ``HF_HOME``/``HF_HUB_CACHE``, honouring ``HF_HUB_OFFLINE``), a local
+         sentence-transformers model directory, ``"default"`` (the packaged all-MiniLM-L6-v2), a
+         loaded model or callable ``texts -> (n, d) array``, or a ready :class:`dask_surge.Encoder`
+         (then give no encoder options beside it).""",
+         "a Hugging Face Hub name (org/name, from the HF cache), a local model dir, or 'default' "
+         "(packaged all-MiniLM-L6-v2)",
+         default="default", config="model", validator=text(), schema={"type": "string"}, identity=True,
+         takers="encode plan", cli=Cli()),
+    _opt("b_min", int | Literal["auto"] | None, 'int or "auto", optional', """
+         SuperBatch flush threshold in rows: a SuperBatch is flushed once it holds at least this
+         many. Can be a number of rows, or ``"auto"`` to pick it (100,000 on a GPU, 4,096 on a CPU,
+         or from a cached calibration). A run keeps the thresholds it recorded when it started.""",
+         "SuperBatch flush threshold, rows, or auto",
+         default="auto", config="b-min", validator=positive_int(auto=True), identity=False,
+         schema={"oneOf": [_INT_MIN_1, {"enum": ["auto"]}]}, takers="encode plan", cli=Cli(type=threshold)),
+    _opt("b_max", int | Literal["auto"] | None, 'int or "auto", optional', """
+         SuperBatch hard cap in rows; larger partitions are sliced. Can be a number of rows, or
+         ``"auto"`` (400,000 on a GPU, 16,384 on a CPU).""",
+         "SuperBatch hard cap, rows, or auto",
+         default="auto", config="b-max", validator=positive_int(auto=True), identity=False,
+         schema={"oneOf": [_INT_MIN_1, {"enum": ["auto"]}]}, takers="encode plan", cli=Cli(type=threshold)),
+    _opt("max_bytes", int | str | None, "int or str, optional", """
+         Cap on the text bytes of one SuperBatch, so partitions of a few huge texts are not fused
+         past what a worker holds and a partition over it is sliced. Can be a number of bytes or a
+         size such as ``"1 GiB"``; set the config option to None to plan by rows only. Bytes come
+         from Parquet footers or the size pass; a frame whose lengths Dask knows in memory is
+         planned by rows.""",
+         "cap on a SuperBatch's text bytes, e.g. '512 MiB'",
+         default="512 MiB", config="max-bytes", validator=byte_size, identity=False,
+         schema={"oneOf": [_INT_MIN_1, {"type": "string"}, _NULL]}, takers="encode plan", cli=Cli()),
+    _opt("keep", Sequence[str], "sequence of str", """
+         Input columns to carry into the output beside ``partition``/``row``.""",
+         "input columns to carry into the output",
+         default=(), identity=True, takers="encode"),
+    _opt("normalize", bool | None, "bool, optional", """
+         L2-normalize embeddings (models with a Normalize module always are).""",
+         "L2-normalize embeddings",
+         default=False, config="normalize", validator=boolean(), schema={"type": "boolean"}, identity=True,
+         takers="encode", cli=Cli(action="store_true")),
+    _opt("precision", Precision | None, '{"float32", "float16", "int8", "binary"}, optional', """
+         Storage type of the embedding values: ``int8`` is ``round(127 x)`` of unit vectors (needs
+         ``normalize=True``), ``binary`` packs the sign bits into ``ceil(d / 8)`` bytes; see
+         :mod:`dask_surge.io.precision`.""",
+         "stored type: float32, float16, int8 (round(127 x), needs normalize) or binary (sign bits)",
+         default="float32", config="precision", vocabulary=Precision, identity=True, takers="encode", cli=Cli()),
+    _opt("truncate_dim", int | None, "int, optional", """
+         Keep the first ``k`` dimensions (Matryoshka models), re-normalized when ``normalize``. Can be
+         an int from 1 to the model's dimension, or None to keep all.""",
+         "keep the first k dimensions (Matryoshka)",
+         config="truncate-dim", validator=positive_int(none=True), schema={"oneOf": [_INT_MIN_1, _NULL]},
+         identity=True, takers="encode", cli=Cli(type=int)),
+    _opt("on_null", OnNull | None, '{"error", "empty", "skip"}, optional', """
+         What a null text does: ``"error"`` raises, naming its partition and row; ``"empty"``
+         encodes it as ``""``; ``"skip"`` leaves it out of the output and records its
+         ``(partition, row)`` with the run's commit records (needs ``output``; see
+         :func:`skipped_rows`).""",
+         "what a null text does: error, encode as empty, or skip and record it",
+         default="error", config="on-null", vocabulary=OnNull, identity=False, takers="encode", cli=Cli()),
+    _opt("device", str | None, "str, optional", """
+         Where the model runs. Can be ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"mps"``, or None to use
+         CUDA when available. In a dask-cuda worker each worker sees its own GPU as ``cuda:0``.""",
+         "cpu, cuda, cuda:N (default: CUDA when available)",
+         config="device", validator=torch_device, schema={"type": ["string", "null"]}, identity=False,
+         takers="encode Encoder", cli=Cli()),
+    _opt("dtype", Dtype | None, '{"auto", "float32", "float16", "bfloat16"}, optional', """
+         Compute dtype of the forward pass; ``"auto"`` is float32 on a CPU and, on CUDA, bfloat16 for
+         a bfloat16 checkpoint, else float16. Recorded resolved for the run's device.""",
+         "forward-pass dtype",
+         default="auto", config="dtype", vocabulary=Dtype,
+         validator=one_of(Dtype, "is not a known compute dtype"), identity=True, takers="encode Encoder", cli=Cli()),
+    _opt("engine", EngineName | None, '{"auto", "fast", "sentence-transformers"}, optional', """
+         ``"fast"`` tokenizes with Rust ``tokenizers``, sorts by length and cuts micro-batches by a
+         token budget; ``"sentence-transformers"`` uses ``SentenceTransformer.encode``; ``"auto"``
+         uses the fast engine where the model's structure allows, else sentence-transformers.""",
+         "fast engine, sentence-transformers' encode, or auto (fast where the model allows)",
+         default="auto", config="engine", vocabulary=EngineName, validator=one_of(EngineName, "is not known"),
+         identity=False, takers="encode Encoder", cli=Cli()),
+    _opt("batch_size", int | None, "int, optional", """
+         Batch size of the ``SentenceTransformer.encode`` fallback.""",
+         "batch size of the sentence-transformers fallback",
+         default=32, config="batch-size", validator=positive_int(fix="pass e.g. batch_size=32"),
+         schema=_INT_MIN_1, identity=False, takers="encode Encoder", cli=Cli(type=int)),
+    _opt("max_tokens", int | None, "int, optional", """
+         Token budget per micro-batch of the fast engine. Can be a positive int, or None to choose it
+         automatically.""",
+         "tokens per micro-batch of the fast engine; default automatic",
+         config="max-tokens", validator=positive_int(none=True, what="tokens per micro-batch",
+                                                 fix="pass e.g. max_tokens=8192, or None for automatic"),
+         schema={"oneOf": [_INT_MIN_1, _NULL]}, identity=False, takers="encode Encoder", cli=Cli(type=int)),
+    _opt("prompt", str | None, "str, optional", """
+         Text put before every input, as ``SentenceTransformer.encode(prompt=...)``; wins over
+         ``prompt_name``. Can be a str, ``""`` to turn the model's default prompt off, or None.""",
+         "text put before every input (as SentenceTransformer.encode)",
+         validator=text(none=True, fix="pass e.g. prompt='query: '"), identity=True, takers="encode plan Encoder",
+         cli=Cli()),
+    _opt("prompt_name", str | None, "str, optional", """
+         Key of the model's prompts (``config_sentence_transformers.json``), e.g. ``"query"``. With
+         neither ``prompt`` nor ``prompt_name`` the model's default prompt applies, if any.""",
+         "one of the model's prompts, e.g. query",
+         validator=text(none=True, fix="pass e.g. prompt_name='query'"), identity=True,
+         takers="encode plan Encoder", cli=Cli()),
+    _opt("revision", str | None, "str, optional", """
+         Branch, tag or commit of a Hub model (default ``main``); the commit it resolves to is what
+         every worker loads and what the run's fingerprint records.""",
+         "branch, tag or commit of a Hub model (default main)",
+         validator=text(none=True, fix="pass a branch, tag or commit such as 'main'"), identity=True,
+         takers="encode plan Encoder", cli=Cli()),
+    _opt("trust_remote_code", bool, "bool", """
+         Let a Hub model run its own modelling code (``SentenceTransformer(...,
+         trust_remote_code=True)``); only for models you trust. Its code is part of the model's
+         content, so this flag itself does not change a run.""",
+         "let a Hub model run its own code (only for models you trust)",
+         default=False, validator=boolean("pass trust_remote_code=True only for models whose code you trust"),
+         identity=False, takers="encode plan Encoder", cli=Cli(action="store_true")),
+    _opt("model_kwargs", dict | None, "dict, optional", """
+         Passed to ``SentenceTransformer(model_kwargs=...)`` (e.g. ``{"attn_implementation":
+         "sdpa"}``); credentials such as ``token`` are left out of the run's identity.""",
+         "keyword arguments of SentenceTransformer(model_kwargs=...)",
+         validator=mapping("pass e.g. model_kwargs={'attn_implementation': 'sdpa'}"), identity=True,
+         takers="encode plan Encoder"),
+    _opt("overwrite", bool, "bool", """
+         Replace a different run found at ``output`` (only once this run completes).""",
+         "replace a different run at --output once done",
+         default=False, validator=boolean("pass overwrite=True to replace a different run"), identity=False,
+         takers="encode", cli=Cli(action="store_true")),
+    _opt("storage_options", dict | None, "dict, optional", """
+         fsspec options for ``output``.""",
+         "fsspec options for the output",
+         validator=mapping("pass e.g. storage_options={'auto_mkdir': True}"), identity=False, takers="encode"),
+    _opt("scheduler", Scheduler, 'None, distributed.Client, "threads" or "sync"', """
+         Where a written encode runs: None uses the active distributed Client, else starts a local
+         cluster for the call; ``"threads"``/``"sync"`` run in this process. :func:`plan` plans for
+         the worker threads of the same choice.""",
+         "address of a running Dask scheduler, or 'threads'/'sync' (default: a local cluster)",
+         identity=False, takers="encode plan", cli=Cli()),
+    _opt("progress", bool | None, "bool, optional", """
+         Print progress while writing.""",
+         "print progress while writing output",
+         default=True, config="progress", validator=boolean(), schema={"type": "boolean"}, identity=False,
+         takers="encode", cli=Cli(flag="--no-progress", action="store_false", help="do not print progress")),
+    _opt("input_token", str | None, "str, optional", """
+         A name you choose for the input, used as its identity instead of the input's files and
+         graph. Needed only when a step of the graph cannot be identified deterministically (the
+         error says which); you then vouch for the input: a rerun with the same name resumes,
+         whatever the data now is.""",
+         "a name for the input, used as its identity instead of its files and graph",
+         validator=text(none=True, fix="pass a name such as 'corpus-2024-06'"), identity=True, takers="encode",
+         cli=Cli()),
+    _opt("params", Any, "dask_surge.planning.costmodel.CostParams, optional", """
+         Cost-model parameters; with them the plan predicts every policy.""",
+         "cost-model parameters", takers="plan"),
+    _opt("calibrate", bool, "bool", """
+         Measure the parameters on the live cluster first (a probe of 10-20 s, cached per model,
+         device and cluster shape; see :mod:`dask_surge.execution.calibrate`).""",
+         "measure the cost model on a local cluster (~10-20 s, cached) and predict every policy",
+         default=False, takers="plan", cli=Cli(action="store_true")),
+    _opt("client", Any, "distributed.Client, optional", """
+         Cluster to calibrate on and plan for (default: the active one, else this process).""",
+         "cluster to calibrate on and plan for", takers="plan"),
+    _opt("token_sample", int | None, "int, optional", """
+         With parameters, texts sampled (row-weighted, from partitions spread over the frame) and
+         tokenized with ``model``'s tokenizer (pass the model the parameters were calibrated for),
+         so automatic thresholds and predictions use the token lengths of this data rather than of
+         the calibration texts. Can be a positive int, or None (as the config value) to skip.""",
+         "texts plan() samples and tokenizes so predictions use the data's token lengths; "
+         "null uses the calibration texts'",
+         default=2048, config="token-sample", validator=positive_int(none=True), schema={"oneOf": [_INT_MIN_1, _NULL]},
+         takers="plan", cli=Cli(type=int)),
+    # configuration only (no keyword): resolved where they are used
+    _opt("compression", Compression, '{"none", "snappy", "lz4", "zstd"}', """
+         Parquet codec of the embedding column (other columns are always zstd); ``"none"`` writes
+         fastest, float vectors barely compress.""",
+         "Parquet codec of the embedding column (other columns are always zstd); none writes fastest, "
+         "float vectors barely compress",
+         default="none", config="compression", vocabulary=Compression),
+    _opt("ttfo_target", float, "float", """
+         Seconds to the first SuperBatch that ``b_min="auto"`` aims for (with a calibration).""",
+         "seconds to the first SuperBatch that b-min auto aims for",
+         default=10.0, config="ttfo-target", validator=positive_number, schema={"type": "number", "exclusiveMinimum": 0}),
+    _opt("memory_budget", int | None, "int, optional", """
+         Bytes per worker that ``b_min``/``b_max`` ``"auto"`` may use; None is 2 GiB.""",
+         "bytes per worker that b-min/b-max auto may use; null is 2 GiB",
+         config="memory-budget", validator=positive_int(none=True), schema={"oneOf": [_INT_MIN_1, _NULL]}),
+    _opt("in_flight", int | None, "int, optional", """
+         SuperBatches submitted at once when writing; None is 2 x worker threads.""",
+         "SuperBatches submitted at once when writing; null is 2 x worker threads",
+         config="in-flight", validator=positive_int(none=True), schema={"oneOf": [_INT_MIN_1, _NULL]}),
+)
+
+
+# -- what a type checker sees (tests/test_options.py keeps these equal to the table) -----------------
+
+
+class _ModelOptions(TypedDict, total=False):
+    prompt: str | None
+    prompt_name: str | None
+    revision: str | None
+    trust_remote_code: bool
+    model_kwargs: dict | None
+
+
+class EncodeOptions(_ModelOptions, total=False):
+    """The keyword options of :func:`dask_surge.encode`, typed."""
+
+    model: Any
+    b_min: int | Literal["auto"] | None
+    b_max: int | Literal["auto"] | None
+    max_bytes: int | str | None
+    keep: Sequence[str]
+    normalize: bool | None
+    precision: Precision | None
+    truncate_dim: int | None
+    on_null: OnNull | None
+    device: str | None
+    dtype: Dtype | None
+    engine: EngineName | None
+    batch_size: int | None
+    max_tokens: int | None
+    overwrite: bool
+    storage_options: dict | None
+    scheduler: Scheduler
+    progress: bool | None
+    input_token: str | None
+
+
+class PlanOptions(_ModelOptions, total=False):
+    """The keyword options of :func:`dask_surge.plan`, typed."""
+
+    model: Any
+    b_min: int | Literal["auto"] | None
+    b_max: int | Literal["auto"] | None
+    max_bytes: int | str | None
+    scheduler: Scheduler
+    params: Any
+    calibrate: bool
+    client: Any
+    token_sample: int | None
+
+
+# -- derived views --------------------------------------------------------------------------------------
+
+
+def option(name: str) -> Option:
+    """The option called ``name`` (its Python name, or its config key such as ``"b-min"``)."""
+    for opt in OPTIONS:
+        if name in (opt.name, opt.config):
+            return opt
+    raise KeyError(name)
+
+
+def options_of(taker: str) -> tuple[Option, ...]:
+    """The options ``"encode"``, ``"plan"`` or ``"Encoder"`` takes, in table order."""
+    if taker not in TAKERS:
+        raise ValueError(f"{taker!r} is not one of {TAKERS}")
+    return tuple(opt for opt in OPTIONS if taker in opt.takers)
+
+
+def config_options() -> dict[str, Option]:
+    """Config key (under ``surge.``) -> option, for every option with one."""
+    return {opt.config: opt for opt in OPTIONS if opt.config}
+
+
+def defaults(taker: str = "Encoder") -> dict[str, Any]:
+    """Name -> default of the options ``taker`` takes, as :class:`dask_surge.Encoder` uses them.
+
+    Examples
+    --------
+    >>> defaults()["batch_size"], defaults()["dtype"]
+    (32, 'auto')
+    """
+    return {opt.name: opt.default for opt in options_of(taker)}
+
+
+#: the parameters of ``encode`` before its options, and whether each changes the run
+ENCODE_POSITIONAL: dict[str, bool] = {"ddf": True, "column": True, "output": False}
+
+
+def identity_options() -> dict[str, bool]:
+    """Every parameter of :func:`dask_surge.encode` -> whether it changes the embeddings or the output.
+
+    True makes a different run (the fingerprint records it); False lets a rerun with another
+    value resume. Read from :data:`OPTIONS` on each call.
+
+    Examples
+    --------
+    >>> identity_options()["normalize"], identity_options()["batch_size"]
+    (True, False)
+    """
+    return {**ENCODE_POSITIONAL, **{opt.name: opt.identity for opt in options_of("encode")}}
+
+
+def signature(func: Callable[..., Any], taker: str) -> inspect.Signature:
+    """``func``'s signature with its ``**options`` replaced by the keyword options ``taker`` takes.
+
+    Examples
+    --------
+    >>> def f(ddf, column, **options): ...
+    >>> list(signature(f, "plan").parameters)[:4]
+    ['ddf', 'column', 'model', 'b_min']
+    """
+    sig = inspect.signature(func)
+    head = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    tail = [inspect.Parameter(opt.name, inspect.Parameter.KEYWORD_ONLY, default=opt.api_default,
+                              annotation=opt.annotation) for opt in options_of(taker)]
+    return sig.replace(parameters=[*head, *tail])
+
+
+def bind(taker: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """Every option ``taker`` takes -> its given value, else the default its signature shows.
+
+    Raises
+    ------
+    TypeError
+        For a keyword ``taker`` does not take (as Python would), with the nearest names.
+
+    Examples
+    --------
+    >>> bind("plan", {"b_min": 5})["b_min"], bind("plan", {})["calibrate"]
+    (5, False)
+    >>> bind("plan", {"b_mim": 5})
+    Traceback (most recent call last):
+    ...
+    TypeError: plan() got an unexpected keyword argument 'b_mim'. Did you mean 'b_min'?
+    """
+    taken = {opt.name: opt for opt in options_of(taker)}
+    for name in given:
+        if name not in taken:
+            near = difflib.get_close_matches(name, list(taken), n=2)
+            hint = f". Did you mean {' or '.join(map(repr, near))}?" if near else ""
+            raise TypeError(f"{taker}() got an unexpected keyword argument {name!r}{hint}")
+    return {name: given.get(name, opt.api_default) for name, opt in taken.items()}
+
+
+def _doc_entry(opt: Option, indent: str) -> list[str]:
+    import textwrap
+
+    doc = opt.doc
+    if opt.config:
+        doc += f" Default: ``surge.{opt.config}`` (shipped as ``{opt.default!r}``)."
+    body = textwrap.wrap(doc, width=88, initial_indent=indent + "    ", subsequent_indent=indent + "    ",
+                         break_long_words=False, break_on_hyphens=False)
+    return [f"{indent}{opt.name} : {opt.doc_type}", *body]
+
+
+def document(doc: str | None, taker: str, marker: str = "{options}") -> str:
+    """``doc`` with the line holding ``marker`` replaced by the numpydoc entries of ``taker``'s options."""
+    if not doc or marker not in doc:
+        raise ValueError(f"the docstring has no {marker!r} line to put the options of {taker}() in")
+    lines = doc.split("\n")
+    out: list[str] = []
+    for line in lines:
+        if marker in line:
+            indent = line[: len(line) - len(line.lstrip())]
+            for opt in options_of(taker):
+                out += _doc_entry(opt, indent)
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+def add_arguments(parser: Any, taker: str) -> None:
+    """Add the command-line flag of every option ``taker`` takes that has one (argparse)."""
+    for opt in options_of(taker):
+        if opt.cli is None:
+            continue
+        # None: the function resolves a config option when it runs
+        kwargs: dict[str, Any] = {"dest": opt.name, "help": opt.cli.help or opt.summary, "default": opt.api_default}
+        if opt.cli.action:
+            kwargs["action"] = opt.cli.action
+        else:
+            if opt.cli.type is not None:
+                kwargs["type"] = opt.cli.type
+            if opt.choices is not None:
+                kwargs["choices"] = opt.choices
+        parser.add_argument(opt.cli.flag or "--" + opt.name.replace("_", "-"), **kwargs)
+
+
+def from_arguments(args: Any, taker: str) -> dict[str, Any]:
+    """The keyword options ``taker`` takes from parsed command-line ``args`` (those with a flag)."""
+    return {opt.name: getattr(args, opt.name) for opt in options_of(taker)
+            if opt.cli is not None and hasattr(args, opt.name)}
+
+
+def schema() -> dict[str, Any]:
+    """The JSON schema of the ``surge.*`` configuration, from :data:`OPTIONS` (``surge-schema.yaml``)."""
+    properties: dict[str, Any] = {}
+    for key, opt in config_options().items():
+        rule = dict(opt.schema) if opt.schema is not None else {"enum": list(opt.choices or ())}
+        properties[key] = {**rule, "description": opt.summary}
+    return {"properties": {"surge": {"type": "object", "additionalProperties": False, "properties": properties}}}
+
+
+def schema_yaml() -> str:
+    """The text of the shipped ``surge-schema.yaml``: :func:`schema` with a header."""
+    import yaml
+
+    header = ("# JSON Schema of the surge.* configuration (dask.config), like dask's own dask-schema.yaml.\n"
+              "# Generated from dask_surge/options.py (schema_yaml()); tests/test_options.py fails when they drift.\n")
+
+    class _Dumper(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:  # the shared rules written out in full
+            return True
+
+    return header + yaml.dump(schema(), Dumper=_Dumper, sort_keys=False, width=200, default_flow_style=None)
+
+

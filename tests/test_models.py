@@ -405,7 +405,7 @@ def test_vocabularies_are_defined_once():
         schema = yaml.safe_load(f)["properties"]["surge"]["properties"]
     for name, values in {"precision": options.PRECISIONS, "on-null": options.ON_NULLS, "dtype": options.DTYPES,
                          "engine": options.ENGINES}.items():
-        assert tuple(config.OPTIONS[name]) == values
+        assert config.OPTIONS[name].choices == values
         assert tuple(schema[name]["enum"]) == values
     encode = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["encode"]._actions
                   if a.dest == "precision")

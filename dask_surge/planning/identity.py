@@ -44,33 +44,48 @@ import json
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .._compat import BaseExpr as Expr
 from ..errors import SurgeInputError
 from ..models.modelid import NotDeterministic, stable_token, without_secrets
+from ..options import identity_options
 
 __all__ = ["IDENTITY_OPTIONS", "input_identity"]
 
+
+
+class _IdentityOptions(Mapping[str, bool]):
+    """Every parameter of :func:`dask_surge.encode` -> whether it changes the embeddings or the output.
+
+    A live view of the ``identity`` flags of :data:`dask_surge.options.OPTIONS` (see
+    :func:`dask_surge.options.identity_options`): True makes a different run, False lets a
+    rerun with another value resume. The one list :func:`dask_surge.api.fingerprint` follows.
+    """
+
+    def __getitem__(self, name: str) -> bool:
+        return identity_options()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(identity_options())
+
+    def __len__(self) -> int:
+        return len(identity_options())
+
+    def __repr__(self) -> str:
+        return f"IDENTITY_OPTIONS({identity_options()!r})"
+
+
 #: Every option of :func:`dask_surge.encode`: True when it changes the embeddings or the
 #: output (and so makes a different run), False when it does not (a rerun with another
-#: value resumes). The one list :func:`dask_surge.api.fingerprint` follows; a new
-#: option must be added here (a test checks that every parameter of ``encode`` is).
-IDENTITY_OPTIONS: dict[str, bool] = {
-    # what is encoded: the input (its files and graph), the column and the output's schema
-    "ddf": True, "column": True, "keep": True, "input_token": True,
-    # the model's content and what changes its vectors
-    "model": True, "revision": True, "prompt": True, "prompt_name": True, "model_kwargs": True,
-    "dtype": True,  # recorded resolved ("auto" -> float16/bfloat16/float32 for the run's device)
-    "normalize": True, "precision": True, "truncate_dim": True,
-    # how it runs: the same vectors (up to float noise) whatever these are
-    "b_min": False, "b_max": False, "max_bytes": False,  # a run keeps the thresholds it recorded
-    "on_null": False,  # rows committed before a null are valid under any on_null
-    "device": False, "engine": False, "batch_size": False, "max_tokens": False,
-    "trust_remote_code": False,  # lets the model load; its code is part of the model's content
-    "output": False, "overwrite": False, "storage_options": False, "scheduler": False, "progress": False,
-}
+#: value resumes). Derived from the declarations in :data:`dask_surge.options.OPTIONS`:
+#: the input, column, kept columns, the model's content and revision, prompts, ``model_kwargs``,
+#: the compute dtype (recorded resolved for the run's device), ``normalize``, ``precision``
+#: and ``truncate_dim`` do; thresholds (a run keeps the ones it recorded), ``on_null`` (rows
+#: committed before a null are valid under any), device, engine, batch size, token budget,
+#: ``trust_remote_code`` (the model's code is part of its content) and where/how it runs do not.
+IDENTITY_OPTIONS: Mapping[str, bool] = _IdentityOptions()
 
 # operands that are Dask's caches (filled as metadata is asked for), not the input's definition
 _CACHE_OPERANDS = ("_cached_optimized", "_dataset_info_cache")
