@@ -7,7 +7,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, get_overloads, overload
 
 from . import config
 from ._version import __version__
@@ -25,7 +25,7 @@ from .io.readers import read_embeddings, skipped_rows, status
 from .models.devices import gpu_count
 from .models.encoders import Encoder
 from .models.modelid import redact
-from .options import Dtype, EngineName, OnNull, Precision
+from .options import EncodeOptions, Invalid, PlanOptions, bind, document, option, options_of, signature
 from .planning.costmodel import advise, predict
 from .planning.identity import IDENTITY_OPTIONS, input_identity
 from .planning.policy import SuperBatch, plan_superbatches
@@ -35,15 +35,19 @@ from .planning.tokens import sample_texts, token_counter
 from .planning.units import streamed_plan, unit_partitions
 from .results import EncodeResult, SurgePlan
 
+if TYPE_CHECKING:
+    from typing import Unpack
+
 __all__ = ["encode", "plan", "fingerprint", "status", "read_embeddings", "skipped_rows", "EncodeResult",
            "SurgePlan"]
 
 logger = logging.getLogger(__name__)
 RESERVED = ("partition", "row", "embedding")
 SCHEDULERS = (None, "sync", "synchronous", "threads")
-#: where a written encode runs: a ``distributed.Client``, a local scheduler, or None (the
-#: active Client, else a local cluster started for the call)
-Scheduler = Any | Literal["sync", "synchronous", "threads"] | None
+#: the options the fingerprint records inside another entry: the model's identity (its content,
+#: revision, prompts, ``model_kwargs`` and the resolved compute dtype) and the input's
+_RECORDED_WITH = {"model": "model", "revision": "model", "prompt": "model", "prompt_name": "model",
+                  "model_kwargs": "model", "dtype": "model", "input_token": "ddf"}
 
 
 def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
@@ -70,8 +74,10 @@ def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
 
 
 def _resolve_encoder(model: Any, opts: dict) -> Encoder:
+    """``model`` as an :class:`Encoder` with the Encoder options in ``opts`` (the config's where None)."""
+    taken = options_of("Encoder")
     if isinstance(model, Encoder):
-        given = {k: v for k, v in opts.items() if v is not None and v is not False}
+        given = {o.name: opts[o.name] for o in taken if opts.get(o.name) is not None and opts.get(o.name) is not False}
         if given:
             raise SurgeValueError(
                 f"{', '.join(f'{k}={redact(v)!r}' for k, v in given.items())} given alongside a ready Encoder "
@@ -80,45 +86,37 @@ def _resolve_encoder(model: Any, opts: dict) -> Encoder:
             )
         return model
     model = config.get("model") if model is None else model
-    return Encoder(
-        model, device=config.get("device", opts.get("device")), dtype=config.get("dtype", opts.get("dtype")),
-        engine=config.get("engine", opts.get("engine")), batch_size=config.get("batch-size", opts.get("batch_size")),
-        max_tokens=config.get("max-tokens", opts.get("max_tokens")), prompt=opts.get("prompt"),
-        prompt_name=opts.get("prompt_name"), revision=opts.get("revision"),
-        trust_remote_code=bool(opts.get("trust_remote_code")), model_kwargs=opts.get("model_kwargs"),
-    )
+    kwargs = {o.name: config.get(o.config, opts.get(o.name)) if o.config
+              else o.default if opts.get(o.name) is None else opts[o.name] for o in taken}
+    return Encoder(model, **kwargs)
 
 
-def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str | None = None,
-         max_bytes: int | str | None = None, model: Any = None, params: Any = None, calibrate: bool = False,
-         client: Any = None, token_sample: int | None = None, prompt: str | None = None,
-         prompt_name: str | None = None, revision: str | None = None, trust_remote_code: bool = False,
-         model_kwargs: dict | None = None, scheduler: Any = None) -> SurgePlan:
+def _check_arguments(opts: dict) -> None:
+    """Validate the options no one else checks: a config option is checked as it is resolved
+    (:func:`dask_surge.config.get`), an Encoder option by :class:`Encoder`."""
+    for name, value in opts.items():
+        opt = option(name)
+        if opt.validator is None or opt.config or "Encoder" in opt.takers:
+            continue
+        try:
+            opt.check(value)
+        except Invalid as err:
+            raise SurgeValueError(opt.argument_error(value, err)) from None
+
+
+def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
     """Plan the SuperBatches for ``ddf[column]`` without encoding anything.
+
+    The options are those of :func:`encode` that shape the plan (a prompt adds to every
+    text's tokens), and the cost model's.
 
     Parameters
     ----------
-    ddf, column, b_min, b_max, max_bytes, model
-        As for :func:`encode`.
-    prompt, prompt_name, revision, trust_remote_code, model_kwargs
-        As for :func:`encode` (a prompt adds to every text's tokens).
-    params : dask_surge.planning.costmodel.CostParams, optional
-        Cost-model parameters; with them the plan predicts every policy.
-    calibrate : bool
-        Measure the parameters on the live cluster first (a probe of 10-20 s,
-        cached per model, device and cluster shape; see :mod:`dask_surge.execution.calibrate`).
-    client : distributed.Client, optional
-        Cluster to calibrate on and plan for (default: the active one, else this process).
-    scheduler : None, distributed.Client, "threads" or "sync"
-        Where :func:`encode` would run, as its ``scheduler``: the plan uses that many worker
-        threads (None: the active Client, else the local cluster encode() would start).
-    token_sample : int, optional
-        With parameters, texts sampled (row-weighted, from partitions spread
-        over the frame) and tokenized with ``model``'s tokenizer (default
-        ``surge.model``: pass the model the parameters were calibrated for), so
-        automatic thresholds and predictions use the token lengths of this data
-        rather than of the calibration texts (default ``surge.token-sample``,
-        2048; set that to None to skip).
+    ddf : dask.dataframe.DataFrame
+        Input, as for :func:`encode`.
+    column : str
+        The text column.
+    {options}
 
     Examples
     --------
@@ -127,12 +125,15 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     >>> plan(ddf, "text", b_min=4, b_max=6)
     SurgePlan(10 rows in 5 partitions -> 3 SuperBatches of 2-4 rows; b_min=4, b_max=6, sizes from metadata)
     """
+    opts = bind("plan", options)
+    _check_arguments(opts)
+    b_min, b_max, model, params, client, scheduler = (
+        opts[k] for k in ("b_min", "b_max", "model", "params", "client", "scheduler"))
     _check_columns(ddf, column, ())
-    model_opts = {"prompt": prompt, "prompt_name": prompt_name, "revision": revision,
-                  "trust_remote_code": trust_remote_code, "model_kwargs": model_kwargs}
+    model_opts = {o.name: opts[o.name] for o in options_of("plan") if "Encoder" in o.takers}
     if any(v is not None and v is not False for v in model_opts.values()):
         model = _resolve_encoder(model, model_opts)  # the probe and the token sample use this model
-    max_bytes = _max_bytes(max_bytes)
+    max_bytes = _max_bytes(opts["max_bytes"])
     frame = ddf[[column]]
     known = known_sizes(frame, column, max_bytes)
     # an input that encode() streams is sized here with one pass, to show its SuperBatches
@@ -140,12 +141,12 @@ def plan(ddf, column: str, *, b_min: int | str | None = None, b_max: int | str |
     if hasattr(scheduler, "submit"):  # a Client, as encode() takes it
         client, scheduler = scheduler, None
     active = client if client is not None else (_active_client() if scheduler is None else None)
-    if calibrate and params is None:
+    if opts["calibrate"] and params is None:
 
         params = run_probe(_resolve_encoder(model, {}), client=active)
     tokens_source, raw_params = None, params
     if params is not None and sizes.total:  # predictions (and known-size thresholds) use this data's tokens
-        params, tokens_source = _params_for_data(ddf, column, sizes, params, model, token_sample)
+        params, tokens_source = _params_for_data(ddf, column, sizes, params, model, opts["token_sample"])
     threads = _threads(active, scheduler)
     # as encode() resolves them: a streamed input is not sampled before it starts
     th = _run_thresholds(b_min, b_max, known, params if known is not None else raw_params,
@@ -267,101 +268,14 @@ def _client_for(scheduler):
 
 
 @overload
-def encode(
-    ddf: Any,
-    column: str,
-    output: None = None,
-    *,
-    model: Any = None,
-    b_min: int | Literal["auto"] | None = None,
-    b_max: int | Literal["auto"] | None = None,
-    max_bytes: int | str | None = None,
-    keep: Sequence[str] = (),
-    normalize: bool | None = None,
-    precision: Precision | None = None,
-    truncate_dim: int | None = None,
-    on_null: OnNull | None = None,
-    device: str | None = None,
-    dtype: Dtype | None = None,
-    engine: EngineName | None = None,
-    batch_size: int | None = None,
-    max_tokens: int | None = None,
-    prompt: str | None = None,
-    prompt_name: str | None = None,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    model_kwargs: dict | None = None,
-    overwrite: bool = False,
-    storage_options: dict | None = None,
-    scheduler: Scheduler = None,
-    progress: bool | None = None,
-    input_token: str | None = None,
-) -> Any: ...
+def encode(ddf: Any, column: str, output: None = None, **options: Unpack[EncodeOptions]) -> Any: ...
 
 
 @overload
-def encode(
-    ddf: Any,
-    column: str,
-    output: str,
-    *,
-    model: Any = None,
-    b_min: int | Literal["auto"] | None = None,
-    b_max: int | Literal["auto"] | None = None,
-    max_bytes: int | str | None = None,
-    keep: Sequence[str] = (),
-    normalize: bool | None = None,
-    precision: Precision | None = None,
-    truncate_dim: int | None = None,
-    on_null: OnNull | None = None,
-    device: str | None = None,
-    dtype: Dtype | None = None,
-    engine: EngineName | None = None,
-    batch_size: int | None = None,
-    max_tokens: int | None = None,
-    prompt: str | None = None,
-    prompt_name: str | None = None,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    model_kwargs: dict | None = None,
-    overwrite: bool = False,
-    storage_options: dict | None = None,
-    scheduler: Scheduler = None,
-    progress: bool | None = None,
-    input_token: str | None = None,
-) -> EncodeResult: ...
+def encode(ddf: Any, column: str, output: str, **options: Unpack[EncodeOptions]) -> EncodeResult: ...
 
 
-def encode(
-    ddf: Any,
-    column: str,
-    output: str | None = None,
-    *,
-    model: Any = None,
-    b_min: int | Literal["auto"] | None = None,
-    b_max: int | Literal["auto"] | None = None,
-    max_bytes: int | str | None = None,
-    keep: Sequence[str] = (),
-    normalize: bool | None = None,
-    precision: Precision | None = None,
-    truncate_dim: int | None = None,
-    on_null: OnNull | None = None,
-    device: str | None = None,
-    dtype: Dtype | None = None,
-    engine: EngineName | None = None,
-    batch_size: int | None = None,
-    max_tokens: int | None = None,
-    prompt: str | None = None,
-    prompt_name: str | None = None,
-    revision: str | None = None,
-    trust_remote_code: bool = False,
-    model_kwargs: dict | None = None,
-    overwrite: bool = False,
-    storage_options: dict | None = None,
-    scheduler: Scheduler = None,
-    progress: bool | None = None,
-    input_token: str | None = None,
-) -> Any:
+def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[EncodeOptions]) -> Any:
     """Embed ``ddf[column]`` in SuperBatches.
 
     Parameters
@@ -375,64 +289,7 @@ def encode(
         process), new, empty, or holding only dask-surge's own files; object-store URLs are
         refused for writing (see README "Output and recovery"). ``None`` returns a lazy
         Dask DataFrame instead.
-    model : str, path, SentenceTransformer, callable or Encoder, optional
-        A Hugging Face Hub name such as ``"BAAI/bge-small-en-v1.5"`` (resolved through
-        the HF cache, ``HF_HOME``/``HF_HUB_CACHE``, honouring ``HF_HUB_OFFLINE``), a
-        local model directory, a loaded model or callable, or a ready
-        :class:`dask_surge.Encoder` (then give no encoder options here). Default
-        ``surge.model`` (the packaged all-MiniLM-L6-v2).
-    b_min, b_max : int or "auto", optional
-        SuperBatch flush threshold and hard cap, in rows (``surge.b-min``/``b-max``;
-        ``"auto"`` is 100,000/400,000 on a GPU and 4,096/16,384 on a CPU).
-    max_bytes : int or str, optional
-        Cap on the text bytes of one SuperBatch (``surge.max-bytes``, 512 MiB; a
-        size string such as ``"1 GiB"`` works; set the option to ``None`` to plan
-        by rows only). Partitions of a few huge texts are then not fused past it,
-        and a partition over it is sliced. Bytes come from Parquet footers or the
-        size pass; a frame whose lengths Dask knows in memory is planned by rows.
-    keep : sequence of str
-        Input columns to carry into the output beside ``partition``/``row``.
-    normalize : bool, optional
-        L2-normalize embeddings.
-    precision : {"float32", "float16", "int8", "binary"}, optional
-        Storage type of the embedding values (``surge.precision``): ``int8`` is
-        ``round(127 x)`` of unit vectors (needs ``normalize=True``), ``binary``
-        packs the sign bits into ``ceil(d / 8)`` bytes; see :mod:`dask_surge.io.precision`.
-    truncate_dim : int, optional
-        Keep the first ``k`` dimensions (Matryoshka models), re-normalized when
-        ``normalize`` (``surge.truncate-dim``).
-    on_null : {"error", "empty", "skip"}, optional
-        A null text raises (default, naming its partition and row), is encoded
-        as ``""``, or is left out of the output with its ``(partition, row)``
-        recorded with the run's commit records (``"skip"``, needs ``output``; see
-        :func:`skipped_rows`).
-    device, dtype, engine, batch_size, max_tokens : optional
-        Encoder options, see :class:`dask_surge.Encoder`.
-    prompt, prompt_name : str, optional
-        As in ``SentenceTransformer.encode``: a text put before every input, or the
-        name of one of the model's prompts (``prompt_name="query"``); with neither,
-        the model's default prompt applies. Part of the run's fingerprint.
-    revision : str, optional
-        Branch, tag or commit of a Hub model (``model="org/name"``); the commit it
-        resolves to is what every worker loads.
-    trust_remote_code : bool
-        Let a Hub model run its own modelling code (off by default).
-    model_kwargs : dict, optional
-        Passed to ``SentenceTransformer(model_kwargs=...)``.
-    overwrite : bool
-        Replace a different run found at ``output`` (only once this run completes).
-    storage_options : dict, optional
-        fsspec options for ``output``.
-    scheduler : None, distributed.Client, "threads" or "sync"
-        Where to run when writing: ``None`` uses the active Client or starts a
-        local cluster for this call.
-    progress : bool, optional
-        Print progress while writing (``surge.progress``).
-    input_token : str, optional
-        A name you choose for the input, used as its identity instead of the input's
-        files and graph. Needed only when a step of the graph cannot be identified
-        deterministically (the error says which); you then vouch for the input: a
-        rerun with the same name resumes, whatever the data now is.
+    {options}
 
     Notes
     -----
@@ -464,22 +321,21 @@ def encode(
     [[0, 0], [0, 1], [1, 0]]
     """
     started = time.perf_counter()  # TTFO counts from the call (model load and cluster start included)
-    keep = _check_columns(ddf, column, keep)
-    if not isinstance(overwrite, bool):
-        raise SurgeValueError(f"overwrite={overwrite!r} must be True or False. Fix: pass overwrite=True to replace a different run.")
-    requested = requested_thresholds(b_min, b_max)  # fail before any work
-    encoder = _resolve_encoder(model, {
-        "device": device, "dtype": dtype, "engine": engine, "batch_size": batch_size, "max_tokens": max_tokens,
-        "prompt": prompt, "prompt_name": prompt_name, "revision": revision, "trust_remote_code": trust_remote_code,
-        "model_kwargs": model_kwargs})
+    opts = bind("encode", options)
+    keep = _check_columns(ddf, column, opts["keep"])
+    _check_arguments(opts)
+    overwrite, storage_options, scheduler, progress, input_token = (
+        opts[k] for k in ("overwrite", "storage_options", "scheduler", "progress", "input_token"))
+    requested = requested_thresholds(opts["b_min"], opts["b_max"])  # fail before any work
+    encoder = _resolve_encoder(opts["model"], opts)
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
-    max_bytes = _max_bytes(max_bytes)
-    normalize = config.get("normalize", normalize)
+    max_bytes = _max_bytes(opts["max_bytes"])
+    normalize = config.get("normalize", opts["normalize"])
     sbe = SuperBatchEncoder(
         column, keep, encoder, normalize=normalize,
-        precision=check_precision(config.get("precision", precision), normalize),
-        on_null=config.get("on-null", on_null),
-        truncate_dim=check_truncate_dim(config.get("truncate-dim", truncate_dim), encoder.dimension),
+        precision=check_precision(config.get("precision", opts["precision"]), normalize),
+        on_null=config.get("on-null", opts["on_null"]),
+        truncate_dim=check_truncate_dim(config.get("truncate-dim", opts["truncate_dim"]), encoder.dimension),
     )
     frame = ddf[[column, *[k for k in keep if k != column]]]
     if output is None:
@@ -493,7 +349,8 @@ def encode(
     with _client_for(scheduler) as client:
         if client is not None:
             _register(sbe.encoder, client)
-        run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token)
+        run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
+                             options=opts)
         max_bytes = _recorded_max_bytes(output, run_id, storage_options, requested, max_bytes)
         return write_run(
             frame, sbe, output, fingerprint=run_id,
@@ -579,7 +436,7 @@ def _register(encoder: Encoder, client=None) -> None:
 
 
 def fingerprint(frame, sbe: SuperBatchEncoder, *, device: str | None = None,
-                input_token: str | None = None) -> dict:
+                input_token: str | None = None, options: dict | None = None) -> dict:
     """What makes two runs the same run (and lets a rerun resume): what it encodes.
 
     The options in it are those :data:`dask_surge.planning.identity.IDENTITY_OPTIONS` marks as
@@ -600,6 +457,11 @@ def fingerprint(frame, sbe: SuperBatchEncoder, *, device: str | None = None,
         Where the run encodes (``"cuda"`` or ``"cpu"``): ``dtype="auto"`` resolves for it.
     input_token : str, optional
         The input's identity as the caller named it (see :func:`encode`).
+    options : dict, optional
+        The options of :func:`encode` as given: an option that changes the embeddings and is
+        recorded nowhere else (one declared after these, see :mod:`dask_surge.options`) is
+        recorded under its name, resolved from the config, when it differs from its default
+        (so adding one leaves the identity of existing runs alone).
 
     Examples
     --------
@@ -619,8 +481,23 @@ def fingerprint(frame, sbe: SuperBatchEncoder, *, device: str | None = None,
         "model": sbe.encoder.identity(device), "normalize": sbe.normalize, "precision": sbe.precision,
         "truncate_dim": sbe.truncate_dim, "on_null": sbe.on_null,
     }
+    for name, changes in IDENTITY_OPTIONS.items():  # options declared later record their value by name
+        if changes and name not in values and name not in _RECORDED_WITH and options and name in options:
+            opt = option(name)
+            value = config.get(opt.config, options[name]) if opt.config else options[name]
+            if value != opt.default:
+                values[name] = value
     names = {"ddf": "input"}  # the fingerprint's own key names (kept from earlier runs)
     found = {names.get(k, k): v for k, v in values.items() if IDENTITY_OPTIONS[k]}
     # what the input and the model imply: the partitions read and the vectors' size
     found.update(partitions=frame.npartitions, dimension=sbe.dimension, library=__version__)
     return found
+
+
+# the runtime signatures and docstrings come from the option table (dask_surge.options)
+encode.__doc__ = document(encode.__doc__, "encode")
+plan.__doc__ = document(plan.__doc__, "plan")
+encode.__signature__ = signature(encode, "encode")  # type: ignore[attr-defined]
+plan.__signature__ = signature(plan, "plan")  # type: ignore[attr-defined]
+for _overload in get_overloads(encode):
+    _overload.__signature__ = signature(_overload, "encode")  # type: ignore[attr-defined]

@@ -16,7 +16,7 @@ from .errors import SurgeError
 from .execution.cluster import local_cluster
 from .io.manifest import repair, verify
 from .models.devices import gpu_count
-from .options import DTYPES, ENGINES, ON_NULLS, PRECISIONS
+from .options import add_arguments, from_arguments
 from .synthetic import lognormal_sizes, write_partitioned_parquet
 
 __all__ = ["main", "build_parser"]
@@ -26,45 +26,9 @@ FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "js
 
 
 def _add_encode_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="a Hugging Face Hub name (org/name, from the HF cache), a local model dir, or 'default' "
-                        "(packaged all-MiniLM-L6-v2)")
-    _add_model_options(p)
-    p.add_argument("--b-min", type=_threshold, default=None, help="SuperBatch flush threshold, rows, or auto")
-    p.add_argument("--b-max", type=_threshold, default=None, help="SuperBatch hard cap, rows, or auto")
-    p.add_argument("--max-bytes", default=None, help="cap on a SuperBatch's text bytes, e.g. '512 MiB'")
-    p.add_argument("--normalize", action="store_true", default=None, help="L2-normalize embeddings")
-    p.add_argument("--precision", choices=PRECISIONS, default=None,
-                   help="stored type: float32, float16, int8 (needs --normalize) or binary (sign bits)")
-    p.add_argument("--truncate-dim", type=int, default=None, help="keep the first k dimensions (Matryoshka)")
-    p.add_argument("--on-null", choices=ON_NULLS, default=None,
-                   help="what a null text does: error (default), encode as empty, or skip and record it")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA when available)")
-    p.add_argument("--dtype", choices=DTYPES, default=None)
-    p.add_argument("--engine", choices=ENGINES, default=None,
-                   help="fast engine, sentence-transformers' encode, or auto (fast where the model allows)")
-    p.add_argument("--scheduler", default=None,
-                   help="address of a running Dask scheduler, or 'threads'/'sync' (default: a local cluster)")
-    p.add_argument("--overwrite", action="store_true", help="replace a different run at --output once done")
-    p.add_argument("--no-progress", dest="progress", action="store_false", default=None)
+    """The flags of :func:`dask_surge.encode`'s options, from :data:`dask_surge.options.OPTIONS`."""
+    add_arguments(p, "encode")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-
-
-def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", default=None, help="text put before every input (as SentenceTransformer.encode)")
-    p.add_argument("--prompt-name", default=None, help="one of the model's prompts, e.g. query")
-    p.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model (default main)")
-    p.add_argument("--trust-remote-code", action="store_true", default=False,
-                   help="let a Hub model run its own code (only for models you trust)")
-
-
-def _model_options(args) -> dict:
-    return {"prompt": args.prompt, "prompt_name": args.prompt_name, "revision": args.revision,
-            "trust_remote_code": args.trust_remote_code}
-
-
-def _threshold(value: str):
-    return value if value == "auto" else int(value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,13 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("inputs", nargs="+")
     pl.add_argument("--text-column", required=True)
     pl.add_argument("--format", choices=["parquet", "csv", "json"], default=None)
-    pl.add_argument("--model", default=None)
-    _add_model_options(pl)
-    pl.add_argument("--b-min", type=_threshold, default=None)
-    pl.add_argument("--b-max", type=_threshold, default=None)
-    pl.add_argument("--max-bytes", default=None, help="cap on a SuperBatch's text bytes, e.g. '512 MiB'")
-    pl.add_argument("--calibrate", action="store_true",
-                    help="measure the cost model on a local cluster (~10-20 s, cached) and predict every policy")
+    add_arguments(pl, "plan")  # the flags of plan()'s options, from dask_surge.options.OPTIONS
 
     st = sub.add_parser("status", help="progress of an output directory")
     st.add_argument("output")
@@ -166,12 +124,12 @@ def _scheduler(value):
     return Client(value)
 
 
-def _options(args) -> dict:
-    return dict(model=args.model, b_min=args.b_min, b_max=args.b_max, max_bytes=args.max_bytes,
-                normalize=args.normalize, truncate_dim=args.truncate_dim,
-                precision=args.precision, on_null=args.on_null, device=args.device, dtype=args.dtype,
-                engine=args.engine, **_model_options(args), overwrite=args.overwrite, progress=args.progress,
-                scheduler=_scheduler(args.scheduler))
+def _options(args, taker: str = "encode") -> dict:
+    """The keyword options of ``encode``/``plan`` given on the command line (a scheduler address connects)."""
+    opts = from_arguments(args, taker)
+    if "scheduler" in opts:
+        opts["scheduler"] = _scheduler(opts["scheduler"])
+    return opts
 
 
 def _print_result(result, as_json: bool) -> None:
@@ -221,15 +179,15 @@ def cmd_demo(args) -> int:
 def cmd_plan(args) -> int:
 
     ddf = read_input(args.inputs, args.format)
-    if args.calibrate:
+    opts = _options(args, "plan")
+    if opts["calibrate"]:
         from distributed import Client
 
 
         with local_cluster() as cluster, Client(cluster) as client:
-            result = plan(ddf, args.text_column, b_min=args.b_min, b_max=args.b_max, max_bytes=args.max_bytes,
-                          model=args.model, calibrate=True, client=client, **_model_options(args))
+            result = plan(ddf, args.text_column, **{**opts, "client": client})
     else:
-        result = plan(ddf, args.text_column, b_min=args.b_min, b_max=args.b_max, max_bytes=args.max_bytes)
+        result = plan(ddf, args.text_column, **opts)
     print(result)
     return 0
 

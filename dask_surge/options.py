@@ -661,10 +661,10 @@ def bind(taker: str, given: Mapping[str, Any]) -> dict[str, Any]:
     --------
     >>> bind("plan", {"b_min": 5})["b_min"], bind("plan", {})["calibrate"]
     (5, False)
-    >>> bind("plan", {"b_mim": 5})
+    >>> bind("plan", {"calibrat": True})
     Traceback (most recent call last):
     ...
-    TypeError: plan() got an unexpected keyword argument 'b_mim'. Did you mean 'b_min'?
+    TypeError: plan() got an unexpected keyword argument 'calibrat'. Did you mean 'calibrate'?
     """
     taken = {opt.name: opt for opt in options_of(taker)}
     for name in given:
