@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_overloads, overload
 
 from . import config
 from ._version import __version__
-from .errors import SurgeError, SurgeInputError, SurgeValueError
+from .errors import SurgeInputError, SurgeValueError
 from .execution.calibrate import calibrate
 from .execution.calibrate import calibrate as run_probe
 from .execution.cluster import local_cluster, local_cluster_threads
 from .execution.graph import superbatch_collection
 from .execution.plugins import register_encoder
-from .execution.runner import write_run
+from .execution.runner import RunRequest, write_run
 from .execution.superbatch import SuperBatchEncoder
-from .io.manifest import find_run
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows, status
 from .models.devices import gpu_count
@@ -351,42 +350,12 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
             _register(sbe.encoder, client)
         run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
                              options=opts)
-        max_bytes = _recorded_max_bytes(output, run_id, storage_options, requested, max_bytes)
-        return write_run(
+        return write_run(RunRequest(
             frame, sbe, output, fingerprint=run_id,
-            resolve=functools.partial(_resolve, requested, encoder, frame, column, client, gpu=on_gpu,
-                                      max_bytes=max_bytes),
+            thresholds=_RunThresholds(requested, encoder, frame, column, client, gpu=on_gpu),
             max_bytes=max_bytes, client=client, scheduler=scheduler, overwrite=overwrite,
             storage_options=storage_options, progress=config.get("progress", progress), started=started,
-        )
-
-
-def _recorded_max_bytes(output: str, run_id: dict, storage_options: dict | None, requested: tuple,
-                        max_bytes: int | None) -> int | None:
-    """The byte cap a resumed run plans with: the one it recorded when it started.
-
-    Thresholds do not change the embeddings, so they are not part of a run's identity:
-    a rerun that asks for others resumes the same run with the thresholds it recorded
-    (its SuperBatches, committed or not, keep their boundaries), and says so.
-    """
-
-    try:
-        found = find_run(output, run_id, storage_options)
-    except (OSError, SurgeError):  # the run proper reports an unreadable output with its own message
-        return max_bytes
-    plan = found.plan if found is not None else None
-    if not plan:
-        return max_bytes
-    asked = {"b_min": requested[0], "b_max": requested[1]}
-    differ = [f"{k}={v!r} (recorded: {plan[k]!r})" for k, v in asked.items()
-              if v != "auto" and k in plan and v != plan[k]]
-    if "max_bytes" in plan and plan["max_bytes"] != max_bytes:
-        differ.append(f"max_bytes={max_bytes!r} (recorded: {plan['max_bytes']!r})")
-    if differ:
-        logger.warning(
-            "dask-surge: resuming the run in %s with the thresholds it recorded when it started; %s "
-            "apply to a new run only (write to a new output, or pass overwrite=True).", output, ", ".join(differ))
-    return plan.get("max_bytes", max_bytes)
+        ))
 
 
 def _resolve(requested, encoder: Encoder, frame, column: str, client, sizes: PartitionSizes | None, *,
@@ -408,14 +377,30 @@ def _resolve(requested, encoder: Encoder, frame, column: str, client, sizes: Par
                            max_bytes=max_bytes)
 
 
+@dataclass(frozen=True)
+class _RunThresholds:
+    """The thresholds encode() was asked for (``requested``), resolved by :func:`_resolve` for a
+    new run once its sizes are known (a :class:`~dask_surge.execution.runner.ThresholdResolver`)."""
+
+    requested: tuple
+    encoder: Encoder
+    frame: Any
+    column: str
+    client: Any
+    gpu: bool
+
+    def __call__(self, sizes: PartitionSizes | None, max_bytes: int | None) -> Thresholds:
+        return _resolve(self.requested, self.encoder, self.frame, self.column, self.client, sizes, gpu=self.gpu,
+                        max_bytes=max_bytes)
+
+
 def _lazy(frame, sbe: SuperBatchEncoder, requested, max_bytes: int | None, *, gpu: bool):
     """A lazy frame of one partition per SuperBatch. It needs the SuperBatch boundaries
     up front, so an input whose sizes are not known from metadata is sized with one pass."""
     _register(sbe.encoder)
     known = known_sizes(frame, sbe.column, max_bytes)
     sizes = known if known is not None else partition_sizes(frame, sbe.column if max_bytes else None)
-    client = _active_client()
-    th = _resolve(requested, sbe.encoder, frame, sbe.column, client, sizes, gpu=gpu, max_bytes=max_bytes)
+    th = _RunThresholds(requested, sbe.encoder, frame, sbe.column, _active_client(), gpu=gpu)(sizes, max_bytes)
     superbatches = _plan(sizes, th.b_min, th.b_max, max_bytes)
     return superbatch_collection(frame, superbatches, sizes.sizes, sbe, sbe.meta(frame._meta))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -15,7 +15,7 @@ from .planning.policy import SuperBatch
 from .planning.sizes import PartitionSizes
 from .planning.units import streamed_plan
 
-__all__ = ["SurgePlan", "EncodeResult"]
+__all__ = ["SurgePlan", "EncodeResult", "SuperBatchReport"]
 
 
 @dataclass
@@ -146,6 +146,78 @@ def _largest_bytes(superbatches: Sequence[SuperBatch], sizes: PartitionSizes) ->
                           for s in sb.spans)) for sb in superbatches), default=0)
 
 
+@dataclass(frozen=True)
+class SuperBatchReport:
+    """What writing one SuperBatch did (one per SuperBatch a written run encoded in this call,
+    :attr:`EncodeResult.records`).
+
+    Attributes
+    ----------
+    sb : str
+        The SuperBatch's key (:func:`dask_surge.io.manifest.sb_key` of its first row).
+    rows, skipped : int
+        Rows written, and null texts left out (``on_null="skip"``).
+    file : str
+        The committed file's name in the output directory; ``""`` when another attempt of
+        this SuperBatch committed first (``committed`` is False).
+    bytes : int
+        Size of the Parquet file written.
+    spans : tuple of (partition, start, stop, partition rows)
+        The input rows it accounts for, as its commit record names them.
+    started_at, committed_at : float
+        Wall-clock times (``time.time()``) when its task started encoding it and when its
+        commit record was created (on the client's clock once the run loop received it).
+    encode_s, write_s : float
+        Seconds spent encoding, and writing and committing.
+    committed : bool
+        Whether this attempt's commit won.
+    engine : str
+        What encoded it on the worker: ``"fast"``, ``"sentence-transformers"`` or ``"callable"``.
+    task_end : float or None
+        When its task ended, on the worker's clock (set by the run loop, which maps
+        ``committed_at`` onto the client's clock with it).
+    """
+
+    sb: str
+    rows: int
+    skipped: int
+    file: str
+    bytes: int
+    spans: tuple[tuple[int, int, int, int], ...]
+    started_at: float
+    encode_s: float
+    write_s: float
+    committed: bool
+    committed_at: float
+    engine: str
+    task_end: float | None = None
+
+    def as_dict(self) -> dict:
+        """The report as a plain dict (JSON-serializable)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def with_task_end(self, task_end: float) -> SuperBatchReport:
+        return replace(self, task_end=task_end)
+
+    def on_client_clock(self, now: float) -> SuperBatchReport:
+        """This report with ``committed_at`` shifted onto the clock of a client that received it at
+        ``now``: by the difference between ``now`` and when its task ended (an upper bound: it
+        counts the transfer), so time to first output never mixes two machines' clocks."""
+        if self.task_end is None:
+            return self
+        return replace(self, committed_at=self.committed_at + (now - self.task_end))
+
+    def __getitem__(self, name: str):
+        """``report["rows"]``: read access by field name, for scripts written against the report
+        as a dict (prefer the attribute)."""
+        if name not in _REPORT_FIELDS:
+            raise KeyError(name)
+        return getattr(self, name)
+
+
+_REPORT_FIELDS = frozenset(f.name for f in fields(SuperBatchReport))
+
+
 @dataclass
 class EncodeResult:
     """Summary of a written encode run."""
@@ -165,12 +237,13 @@ class EncodeResult:
     thresholds_reason: str = ""
     nulls_skipped: int = 0
     engine: str = ""  # what encoded this call's SuperBatches: "fast", "sentence-transformers", "callable"
-    records: list[dict] = field(default_factory=list, repr=False)
+    #: what writing each SuperBatch encoded in this call did, in the order they were received
+    records: tuple[SuperBatchReport, ...] = field(default=(), repr=False)
 
     @property
     def texts_per_s(self) -> float:
         """Rows encoded in this call per second (resumed rows not counted)."""
-        done = sum(r["rows"] for r in self.records)
+        done = sum(r.rows for r in self.records)
         return done / self.seconds if self.seconds > 0 else 0.0
 
     def as_dict(self) -> dict:

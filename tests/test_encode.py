@@ -168,7 +168,7 @@ def test_write_read_back_and_resume(tmp_path, tiny_model):
     assert sorted(one.row) == list(range(57))
     # rerun: everything committed, nothing recomputed or duplicated
     again = ddf.surge.encode("text", out, **kw)
-    assert again.skipped_superbatches == len(plan) and again.records == []
+    assert again.skipped_superbatches == len(plan) and again.records == ()
     assert len(dask_surge.read_embeddings(out).compute()) == sum(EDGE_SIZES)
     assert dask_surge.status(out)["state"] == "complete"
 
@@ -244,8 +244,8 @@ def test_distributed_cluster_end_to_end(tmp_path, tiny_model, client):
     # the (k - 1)-th commit (TTFO: the first units commit first)
     from dask_surge.io.manifest import current_run
 
-    per_unit = current_run(str(tmp_path / "emb")).plan["unit_partitions"]
-    units = [r["spans"][0][0] // per_unit for r in res.records]
+    per_unit = current_run(str(tmp_path / "emb")).plan.unit_partitions
+    units = [r.spans[0][0] // per_unit for r in res.records]
     assert all(k <= i + 1 for i, k in enumerate(units)), units
 
 

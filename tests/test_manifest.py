@@ -22,6 +22,7 @@ from dask_surge import SurgeInputError, SurgeOutputError
 from dask_surge.io.manifest import (
     Claim,
     CommitRecord,
+    RunPlan,
     check_output,
     current_run,
     finish_run,
@@ -30,6 +31,7 @@ from dask_surge.io.manifest import (
     sb_key,
     verify,
 )
+from dask_surge.results import SuperBatchReport
 from dask_surge.testing import CountingEncoder, make_partitioned_frame, write_partitioned_parquet
 
 KW = dict(b_min=8, b_max=8, scheduler="sync", progress=False)
@@ -328,5 +330,34 @@ def test_commit_times_are_mapped_onto_the_clients_clock():
     from dask_surge.execution.runner import _received
 
     now = time.time()
-    (shifted,) = _received([{"committed_at": 1000.0, "task_end": 1005.0}])  # a worker 1e9 s behind
-    assert now - 5.5 < shifted["committed_at"] < time.time() - 4.9
+    report = SuperBatchReport(sb="000000000-000000000000", rows=1, skipped=0, file="f", bytes=1, spans=((0, 0, 1, 1),),
+                              started_at=999.0, encode_s=0.1, write_s=0.1, committed=True, committed_at=1000.0,
+                              engine="callable")
+    (shifted,) = _received([report.with_task_end(1005.0)])  # a worker 1e9 s behind
+    assert now - 5.5 < shifted.committed_at < time.time() - 4.9
+    assert _received([report]) == [report]  # no task end: nothing to map
+
+
+@pytest.mark.parametrize("plan", [
+    RunPlan(40, 120, "planned", 7, None, "given", rows=300),
+    RunPlan(60, 200, "streaming", 40, 1 << 20, "auto: 2 threads", unit_partitions=5),
+])
+def test_the_recorded_plan_is_written_with_its_keys_and_read_back(tmp_path, plan):
+    manifest, resumed = open_run(str(tmp_path / "o"), {"t": 1}, plan=plan)
+    assert not resumed and manifest.plan == plan
+    recorded = json.loads(next((tmp_path / "o" / "_surge" / "runs").glob("*/run.json")).read_text())["plan"]
+    keys = {"b_min", "b_max", "mode", "partitions", "max_bytes", "reason"}
+    assert set(recorded) == keys | ({"rows"} if plan.mode == "planned" else {"unit_partitions"})
+    assert current_run(str(tmp_path / "o")).plan == plan
+    again, resumed = open_run(str(tmp_path / "o"), {"t": 1}, plan=RunPlan(1, 2, "planned", 1))
+    assert resumed and again.plan == plan  # a resumed run keeps what it recorded
+
+
+def test_a_plan_recorded_by_an_older_version_still_loads(tmp_path):
+    assert RunPlan.of({"b_min": 5, "b_max": 9, "partitions": 3, "reason": "given", "superbatches": 2}) == \
+        RunPlan(5, 9, "planned", 3, None, "given")  # unknown keys ignored, missing ones defaulted
+    assert RunPlan.of({"b_min": 5, "b_max": 9, "partitions": 3, "unit_partitions": 2}).mode == "streaming"
+    assert RunPlan.of({}) is None and RunPlan.of(None) is None
+    manifest, _ = open_run(str(tmp_path / "o"), {"t": 2})  # a run that recorded no plan
+    assert manifest.plan is None and current_run(str(tmp_path / "o")).plan is None
+    assert dask_surge.status(str(tmp_path / "o"))["mode"] is None

@@ -66,7 +66,7 @@ def test_streamed_superbatches_respect_the_thresholds(tmp_path):
     out = tmp_path / "o"
     _streamed(str(tmp_path / "calls")).surge.encode("text", str(out), scheduler="sync", **KW)
     manifest = current_run(str(out))
-    per_unit = manifest.plan["unit_partitions"]
+    per_unit = manifest.plan.unit_partitions
     records = list(manifest.committed().values())
     assert all(r.rows <= 200 for r in records)
     # a SuperBatch under b_min ends its unit (or holds a partition's last slice)
@@ -143,14 +143,14 @@ def test_resume_after_changing_the_number_of_workers_keeps_the_recorded_threshol
     out = tmp_path / "o"
     _kill_midway(tmp_path, out, str(tmp_path / "calls"), stream=False, thresholds={}, seed=2, sleep=1.5)
     recorded = current_run(str(out)).plan
-    assert recorded["mode"] == "planned" and current_run(str(out)).completion() is None
+    assert recorded.mode == "planned" and current_run(str(out)).completion() is None
     ddf = dd.from_pandas(make_partitioned_frame(SIZES, seed=16).compute(scheduler="sync"), npartitions=40)
     kw = dict(model=SleepyModel(0.0), keep=["doc_id"], progress=False)
     # b_min="auto" gives each worker thread 4+ SuperBatches: 1 thread in the killed run, 2 now
     res = ddf.surge.encode("text", str(out), **kw)
-    assert res.resumed and (res.b_min, res.b_max) == (recorded["b_min"], recorded["b_max"])
+    assert res.resumed and (res.b_min, res.b_max) == (recorded.b_min, recorded.b_max)
     fresh = ddf.surge.encode("text", str(tmp_path / "fresh"), **kw)
-    assert fresh.b_min != recorded["b_min"]  # the same call on this cluster picks another b_min
+    assert fresh.b_min != recorded.b_min  # the same call on this cluster picks another b_min
     _same_rows(_sorted(out), _sorted(tmp_path / "fresh"))
 
 

@@ -18,6 +18,7 @@ from dask_surge.execution.runner import Unit, UnitRunner, planned_units, streami
 from dask_surge.io.manifest import Coverage, sb_key
 from dask_surge.planning.policy import plan_superbatches
 from dask_surge.planning.units import unit_partitions
+from dask_surge.results import SuperBatchReport
 
 
 class Killed(Exception):
@@ -54,7 +55,7 @@ class Writer:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def __call__(self, parts, spans) -> dict:
+    def __call__(self, parts, spans) -> SuperBatchReport:
         by_partition = dict(zip(sorted({s.partition for s, _ in spans}), parts))
         for span, n in spans:  # the rows it was given are the rows it was planned
             assert len(by_partition[span.partition]) == n
@@ -62,7 +63,10 @@ class Writer:
         first = spans[0][0]
         key = sb_key(first.partition, first.start)
         spans = tuple((s.partition, s.start, s.stop, n) for s, n in spans)
-        return {"committed": self.store.commit(key, spans), "committed_at": 0.0, "rows": 0}
+        won = self.store.commit(key, spans)
+        return SuperBatchReport(sb=key, rows=sum(b - a for _, a, b, _ in spans), skipped=0, file="f" if won else "",
+                                bytes=0, spans=spans, started_at=0.0, encode_s=0.0, write_s=0.0, committed=won,
+                                committed_at=0.0, engine="callable")
 
 
 class Source:

@@ -1,89 +1,46 @@
-"""The SuperBatch graph: one Dask task per SuperBatch, consuming exactly its partitions.
+"""The lazy frame: one Dask task per SuperBatch, consuming exactly its partitions.
 
 :class:`SuperBatchExpr` is a dask-expr expression (a private Dask API; the
 supported Dask range is pinned in ``pyproject.toml``). Output partition ``k`` is
 ``func(input partitions of SB k, SB index, spans of SB k)``; the input partitions
 feed only their SuperBatch task, so no process ever holds all N rows. Lowered
-(:class:`FusedSuperBatchExpr`), each SuperBatch task also runs the upstream tasks only
-it consumes, so the graph has one task per SuperBatch, not one per partition. Tasks
-carry priorities ``G - k`` so SuperBatches complete in plan order.
+(:class:`FusedSuperBatchExpr`), each SuperBatch is the task of a unit of
+:class:`dask_surge.execution.inputs.InputGraph`, as in a written run: it reads its own
+Parquet files, or runs the upstream tasks only it consumes, so the graph has one task
+per SuperBatch, not one per partition. Tasks carry priorities ``G - k`` so SuperBatches
+complete in plan order.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import pandas as pd
-
-from .._compat import Expr, GraphNode, List, Task, TaskRef, new_collection
-from ..errors import SurgeError
-from ..io.parquet import ParquetPartitions, parquet_pieces
+from .._compat import Expr, List, Task, TaskRef, new_collection
 from ..planning.policy import SuperBatch
+from .inputs import InputGraph, Unit, UnitSource, task_arguments
 
-__all__ = ["SuperBatchExpr", "cull", "superbatch_collection", "private_tasks", "dependents_of", "input_files"]
-
-
-def cull(dsk: dict, keys) -> dict:
-    """The tasks ``keys`` need, and nothing else (keys not in ``dsk``, such as
-    persisted results, are left to the scheduler).
-
-    Examples
-    --------
-    >>> from dask._task_spec import Task, TaskRef
-    >>> dsk = {"a": Task("a", int, "1"), "b": Task("b", int, TaskRef("a")), "c": Task("c", int, "2")}
-    >>> sorted(cull(dsk, ["b"]))
-    ['a', 'b']
-    """
-    out, stack = {}, list(keys)
-    while stack:
-        key = stack.pop()
-        if key in out or key not in dsk:
-            continue
-        out[key] = task = dsk[key]
-        stack.extend(getattr(task, "dependencies", ()))
-    return out
+__all__ = ["SuperBatchExpr", "FusedSuperBatchExpr", "SuperBatchFrame", "superbatch_collection", "input_files"]
 
 
-def dependents_of(graph: dict) -> dict:
-    """Each key's dependents in ``graph`` (a dict of task-spec nodes)."""
-    dependents: dict = {}
-    for key, task in graph.items():
-        for dep in getattr(task, "dependencies", ()):
-            dependents.setdefault(dep, set()).add(key)
-    return dependents
+@dataclass(frozen=True)
+class SuperBatchFrame:
+    """The task function of one SuperBatch of the lazy frame: the unit of that SuperBatch
+    (:class:`~dask_surge.execution.inputs.Unit`), computed and handed to ``func(partitions,
+    sb_index, spans)``, whose frame it returns (where a written run's
+    :class:`~dask_surge.execution.runner.UnitRunner` writes and commits it)."""
 
+    func: Callable
 
-def private_tasks(upstream: dict, dependents: dict, root, deps) -> set:
-    """``root`` and the upstream tasks that feed only it (directly or through each other):
-    the tasks to fuse into ``root``'s task. Tasks other keys also need, and persisted
-    results (Futures: not task-spec nodes), stay outside.
-
-    Examples
-    --------
-    >>> from dask._task_spec import Task, TaskRef
-    >>> up = {"a": Task("a", int, "1"), "s": Task("s", int, "2"),
-    ...       "p0": Task("p0", max, TaskRef("a"), TaskRef("s")), "p1": Task("p1", int, TaskRef("s"))}
-    >>> sorted(private_tasks(up, dependents_of(up), "p0", up["p0"].dependencies))
-    ['a', 'p0']
-    """
-    private, stack = {root}, list(deps)
-    while stack:  # a key is pushed again by each dependent: the last push decides
-        dep = stack.pop()
-        if dep not in private and isinstance(upstream.get(dep), GraphNode) \
-                and dependents.get(dep, set()) <= private:
-            private.add(dep)
-            stack.extend(upstream[dep].dependencies)
-    return private
-
-
-def task_arguments(sb: SuperBatch, sizes: Sequence[int] | Mapping[int, int]) -> tuple[list[int], tuple]:
-    """The input partitions a SuperBatch task consumes (in order) and its
-    ``(span, planned rows of that partition)`` pairs, as the per-SB function takes them."""
-    inputs = sorted({s.partition for s in sb.spans})
-    return inputs, tuple((span, int(sizes[span.partition])) for span in sb.spans)
+    def __call__(self, source: UnitSource, values: list, unit: Unit):
+        assert unit.plan is not None and unit.sizes is not None and len(unit.plan) == 1
+        (sb,) = unit.plan
+        held = dict(source.iterate(unit.partitions, values))
+        inputs, spans = task_arguments(sb, dict(zip(unit.partitions, unit.sizes)))
+        return self.func([held[p] for p in inputs], sb.index, spans)
 
 
 class SuperBatchExpr(Expr):
@@ -141,15 +98,15 @@ class _Upstream:
 
 
 class FusedSuperBatchExpr(SuperBatchExpr):
-    """:class:`SuperBatchExpr` lowered: one task per SuperBatch that also runs the input
-    tasks only it consumes.
+    """:class:`SuperBatchExpr` lowered: one task per SuperBatch that also reads or computes
+    the input partitions only it consumes.
 
-    A partition's upstream tasks (its read, its ``map_partitions`` chain) are fused into
-    the task of the SuperBatch that consumes them, as the Parquet fast path reads its own
-    files: a graph over ``P`` tiny partitions has ``G`` tasks, not ``P + G`` (per-task
-    overhead is the cost SuperBatching removes). Inputs several SuperBatches share (the
-    slices of a partition larger than ``b_max``) or tasks an input shares with other
-    partitions stay separate tasks. SuperBatch tasks are marked as data producers, so the
+    A partition's upstream tasks (its read, its ``map_partitions`` chain) run inside the
+    task of the SuperBatch that consumes them, and a plain ``read_parquet``'s files are read
+    by that task (:class:`~dask_surge.execution.inputs.InputGraph`): a graph over ``P`` tiny
+    partitions has ``G`` tasks, not ``P + G`` (per-task overhead is the cost SuperBatching
+    removes). Partitions several SuperBatches share (the slices of a partition larger than
+    ``b_max``) or tasks an input shares with other partitions stay separate tasks. SuperBatch tasks are marked as data producers, so the
     scheduler hands each to a worker with a free slot (and, once every worker is full,
     queues them in priority order) rather than to the worker that holds its inputs.
     """
@@ -165,44 +122,21 @@ class FusedSuperBatchExpr(SuperBatchExpr):
 
     @functools.cached_property
     def _fused(self) -> tuple[dict, dict]:
-        """``(graph, priorities)``: the SuperBatch tasks with their private upstream tasks
-        fused in, the upstream tasks they still need, and every key's priority."""
-        import dask
-
-        with dask.config.set({"optimization.tune.active": False}):  # keep the planned partitions
-            frame = self.frame.optimize(fuse=True)
+        """``(graph, priorities)``: each SuperBatch's task (the task of its unit, built by
+        :class:`~dask_surge.execution.inputs.InputGraph` as a written run's are), the tasks
+        they still need (a partition sliced over several SuperBatches, read once; upstream
+        tasks several partitions share), and every key's priority."""
         plan, sizes = self.operand("plan"), self.operand("sizes")
-        if frame.npartitions != len(sizes):
-            raise SurgeError(
-                f"the input now has {frame.npartitions} partitions but the SuperBatch plan was made "
-                f"for {len(sizes)}: Dask re-partitioned it after planning. "
-                "Fix: call .surge.encode on the final DataFrame (after repartition/merge), "
-                "or persist it first."
-            )
-        upstream = dict(frame.__dask_graph__())
-        func = self.operand("func")
-        tasks = {}
-        for position, sb in enumerate(plan):
-            key = (self._name, position)
-            inputs, spans = task_arguments(sb, sizes)
-            refs = List(*(TaskRef((frame._name, p)) for p in inputs))
-            tasks[key] = Task(key, func, refs, sb.index, spans, _data_producer=True)
-
-        dependents = dependents_of({**upstream, **tasks})
+        inputs = InputGraph(self.frame, planned=len(sizes))
+        units = [Unit.of(sb, sizes) for sb in plan]
+        consumers = Counter(p for unit in units for p in unit.partitions)
+        shared = frozenset(p for p, n in consumers.items() if n > 1)
+        runner = SuperBatchFrame(self.operand("func"))
         graph, priority, top = {}, {}, len(plan)
-        for position, (key, task) in enumerate(tasks.items()):
-            private = private_tasks(upstream, dependents, key, task.dependencies)
-            fused = Task.fuse(*(upstream[k] for k in private if k != key), task, key=key)
-            if not fused.data_producer:
-                assert isinstance(fused, Task)  # a fused task is a Task
-                fused = Task(key, fused.func, *fused.args, _data_producer=True, **fused.kwargs)
-            graph[key] = fused
-            priority[key] = top - position
-        for key in tasks:  # shared upstream tasks: the priority of their first SuperBatch
-            for dep, node in cull(upstream, graph[key].dependencies).items():
-                if dep not in graph:
-                    graph[dep] = node
-                    priority[dep] = priority[key]
+        for position, unit in enumerate(units):  # shared tasks: the priority of their first SuperBatch
+            for key, task in inputs.task((self._name, position), runner, unit, shared).items():
+                if key not in graph:
+                    graph[key], priority[key] = task, top - position
         return graph, priority
 
     def _layer(self) -> dict:
@@ -252,9 +186,6 @@ def superbatch_collection(frame, plan: Sequence[SuperBatch], sizes: Sequence[int
         import dask.dataframe as dd
 
         return dd.from_pandas(meta, npartitions=1)
-    fast = parquet_superbatch_collection(frame, plan, sizes, func, meta)
-    if fast is not None:
-        return fast
     expr = SuperBatchExpr(frame.expr, tuple(plan), tuple(int(n) for n in sizes), func, meta)
     return new_collection(expr)
 
@@ -265,50 +196,6 @@ def _concat_rows(parts, sb_index, spans):
 
     by_partition = dict(zip(sorted({s.partition for s, _ in spans}), parts))
     return pd.concat([by_partition[s.partition].iloc[s.start : s.stop] for s, _ in spans])
-
-
-# -- Parquet fast path ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class ParquetSuperBatch:
-    """One SuperBatch task that reads its own Parquet files (no per-partition tasks)."""
-
-    func: Callable
-    fs: object
-    columns: tuple
-    dtypes: tuple
-
-    def __dask_tokenize__(self):
-        from dask.base import tokenize
-
-        return ("ParquetSuperBatch", tokenize(self.func), tokenize(self.fs), self.columns, self.dtypes)
-
-    def __call__(self, spec) -> pd.DataFrame:
-        sb_index, pieces, spans = spec
-        source = ParquetPartitions(self.fs, dict(enumerate(pieces)), self.columns, self.dtypes)
-        return self.func([frame for _, frame in source.iterate(range(len(pieces)), [])], sb_index, spans)
-
-
-def parquet_superbatch_collection(frame, plan, sizes, func, meta):
-    """Like :func:`superbatch_collection` for a plain ``read_parquet``: each SuperBatch task
-    reads its own files, so the graph has one task per SuperBatch and nothing else.
-    Returns ``None`` when ``frame`` is not such an input."""
-    import dask.dataframe as dd
-
-    found = parquet_pieces(frame.expr.simplify())
-    if found is None or len(found[1]) != len(sizes):
-        return None
-    if any(sb.spans[0].start > 0 or sb.spans[-1].stop < sizes[sb.spans[-1].partition] for sb in plan):
-        return None  # a partition sliced over SuperBatches: the generic graph reads it once
-    fs, pieces, columns = found
-    dtypes = tuple((c, str(t)) for c, t in frame._meta.dtypes.items())
-    reader = ParquetSuperBatch(func, fs, tuple(columns), dtypes)
-    specs = []
-    for sb in plan:
-        inputs, spans = task_arguments(sb, sizes)
-        specs.append((sb.index, tuple(pieces[p] for p in inputs), spans))
-    return dd.from_map(reader, specs, meta=meta, enforce_metadata=False, label="surge-superbatch",
-                       divisions=(None,) * (len(specs) + 1))
 
 
 def input_files(frame) -> list[str]:

@@ -26,18 +26,18 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fsspec.core import url_to_fs
 
 from .. import config
-from .._compat import List, Task, TaskRef
 from ..errors import SurgeError, SurgeInputError, SurgeOutputError
 from ..io.arrow import to_host
 from ..io.manifest import (
     Claim,
     Coverage,
     Manifest,
+    RunPlan,
     check_output,
     find_run,
     fingerprint_digest,
@@ -46,43 +46,23 @@ from ..io.manifest import (
     sb_key,
 )
 from ..planning.policy import OnlinePlanner, Span, SuperBatch, plan_superbatches
-from ..planning.sizes import known_sizes, text_bytes
+from ..planning.sizes import PartitionSizes, known_sizes, text_bytes
+from ..planning.thresholds import Requested, Thresholds
 from ..planning.units import unit_partitions
-from ..results import EncodeResult
-from .graph import (
-    ParquetPartitions,
-    cull,
-    dependents_of,
-    input_files,
-    parquet_pieces,
-    private_tasks,
-    task_arguments,
-)
+from ..results import EncodeResult, SuperBatchReport
+from .graph import input_files
+from .inputs import InputGraph, Unit, UnitSource, task_arguments
 from .progress import Progress
 from .sink import SuperBatchWriter
-from .superbatch import partition_digest
+from .superbatch import SuperBatchEncoder, partition_digest
 
-__all__ = ["Unit", "UnitRunner", "planned_units", "streaming_units", "InputGraph",
-           "run_units", "task_resources", "write_run", "SUPERBATCHES_PER_GPU"]
+__all__ = ["Unit", "UnitRunner", "planned_units", "streaming_units", "InputGraph", "RunRequest",
+           "ThresholdResolver", "run_units", "task_resources", "write_run", "SUPERBATCHES_PER_GPU"]
 
 logger = logging.getLogger(__name__)
 
 #: SuperBatches one GPU worker runs at once: one on the GPU, one reading or writing
 SUPERBATCHES_PER_GPU = 2
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One task's work: contiguous input ``partitions``, the SuperBatches planned over
-    them (``None``: formed as the partitions stream in), and the keys of SuperBatches
-    already committed (a resumed slice of a partition larger than ``b_max``)."""
-
-    partitions: tuple[int, ...]
-    plan: tuple[SuperBatch, ...] | None = None
-    done: frozenset[str] = frozenset()
-    sizes: tuple[int, ...] | None = None  # planned rows of each partition (planned mode)
-    #: ``(partition, rows, digest)`` committed for partitions this unit covers in part (resume)
-    expect: tuple[tuple[int, int, str | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,11 +77,11 @@ class UnitRunner:
     def __dask_tokenize__(self):
         return ("UnitRunner", self.writer.__dask_tokenize__(), self.b_min, self.b_max, self.max_bytes)
 
-    def __call__(self, source, external: list, unit: Unit) -> list[dict]:
-        frames = self._checked(source.iterate(unit.partitions, external), unit)
+    def __call__(self, source: UnitSource, values: list, unit: Unit) -> list[SuperBatchReport]:
+        frames = self._checked(source.iterate(unit.partitions, values), unit)
         records = self._planned(frames, unit) if unit.plan is not None else self._streaming(frames, unit)
         ended = time.time()  # this worker's clock: the client maps commit times onto its own with it
-        return [{**r, "task_end": ended} for r in records]
+        return [r.with_task_end(ended) for r in records]
 
     def _checked(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> Iterator[tuple[int, Any]]:
         """``frames``, each partition that was committed in part checked against its commits."""
@@ -122,13 +102,13 @@ class UnitRunner:
                     )
             yield partition, frame
 
-    def _commit(self, parts: list, spans: list[tuple[Span, int]], unit: Unit) -> list[dict]:
+    def _commit(self, parts: list, spans: list[tuple[Span, int]], unit: Unit) -> list[SuperBatchReport]:
         first = spans[0][0]
         if sb_key(first.partition, first.start) in unit.done:
             return []
         return [self.writer(parts, tuple(spans))]
 
-    def _planned(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> list[dict]:
+    def _planned(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> list[SuperBatchReport]:
         held = dict(frames)
         assert unit.plan is not None and unit.sizes is not None
         planned = dict(zip(unit.partitions, unit.sizes))
@@ -138,11 +118,11 @@ class UnitRunner:
             records += self._commit([held[p] for p in inputs], list(spans), unit)
         return records
 
-    def _streaming(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> list[dict]:
+    def _streaming(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> list[SuperBatchReport]:
         column = self.writer.encoder.column
         planner = OnlinePlanner(self.b_min, self.b_max, self.max_bytes)
         held: dict[int, tuple[int, Any]] = {}  # planner's partition index -> (partition, frame)
-        records: list[dict] = []
+        records: list[SuperBatchReport] = []
 
         def emit(sbs: list[SuperBatch]) -> None:
             for sb in sbs:
@@ -160,66 +140,6 @@ class UnitRunner:
             emit(planner.push(len(frame), nbytes))
         emit(planner.finish())
         return records
-
-
-class GraphPartitions:
-    """Computes input partitions inside a unit task from their fused upstream tasks
-    (held as data, so Dask does not schedule them), given the values of the tasks
-    several partitions share (computed once, as separate tasks)."""
-
-    def __init__(self, nodes: dict, external: tuple) -> None:
-        self.nodes = nodes
-        self.external = external
-
-    def iterate(self, partitions: Sequence[int], values: list) -> Iterator[tuple[int, Any]]:
-        known = dict(zip(self.external, values))
-        for p in partitions:
-            node = self.nodes[p]
-            yield p, node({k: known[k] for k in node.dependencies})
-
-
-class InputGraph:
-    """The input's tasks, optimized once with the partitioning that was planned, and
-    the task of any unit over them (see module docstring)."""
-
-    def __init__(self, frame) -> None:
-        import dask
-
-        self.npartitions = frame.npartitions
-        found = parquet_pieces(frame.expr.simplify())
-        self.parquet = None
-        if found is not None and len(found[1]) == frame.npartitions:
-            fs, pieces, columns = found
-            self.parquet = (fs, pieces, tuple(columns), tuple((c, str(t)) for c, t in frame._meta.dtypes.items()))
-            return
-        with dask.config.set({"optimization.tune.active": False}):  # keep the planned partitions
-            opt = frame.optimize(fuse=True)
-        if opt.npartitions != frame.npartitions:  # pragma: no cover - guarded by tune off
-            raise SurgeError(
-                f"the input has {opt.npartitions} partitions once optimized but {frame.npartitions} "
-                "were planned. Fix: persist the input first, or call .surge.encode on the final DataFrame."
-            )
-        self.name = opt._name
-        self.graph = dict(opt.__dask_graph__())
-        self.dependents = dependents_of(self.graph)
-
-    def task(self, key, runner: UnitRunner, unit: Unit) -> dict:
-        """The graph to submit for ``unit``: its task and the shared upstream tasks it needs."""
-
-        if self.parquet is not None:
-            fs, pieces, columns, dtypes = self.parquet
-            source = ParquetPartitions(fs, {p: pieces[p] for p in unit.partitions}, columns, dtypes)
-            return {key: Task(key, runner, source, [], unit, _data_producer=True)}
-        nodes, external = {}, set()
-        for p in unit.partitions:
-            root = (self.name, p)
-            private = private_tasks(self.graph, self.dependents, root, self.graph[root].dependencies)
-            nodes[p] = Task.fuse(*(self.graph[k] for k in private), key=root)
-            external |= set(nodes[p].dependencies)
-        ext = tuple(sorted(external, key=str))
-        task = Task(key, runner, GraphPartitions(nodes, ext), List(*(TaskRef(k) for k in ext)), unit,
-                    _data_producer=True)
-        return {key: task, **cull(self.graph, ext)}
 
 
 def _expected(partitions: Sequence[int], coverage: Coverage | None) -> tuple[tuple[int, int, str | None], ...]:
@@ -303,7 +223,7 @@ def task_resources(client) -> dict | None:
 
 
 def run_units(units, make_task, client, scheduler, in_flight: int,
-              resources: dict | None = None) -> Iterator[dict]:
+              resources: dict | None = None) -> Iterator[SuperBatchReport]:
     """Yield SuperBatch reports as units finish, with at most ``in_flight`` units submitted.
 
     ``units`` is an iterator of :class:`Unit`; ``make_task(key, unit)`` gives a unit's graph. Units are submitted in order, so the first commits early (TTFO) and no
@@ -353,13 +273,11 @@ def run_units(units, make_task, client, scheduler, in_flight: int,
         client.cancel([f for f in live if not f.done()])
 
 
-def _received(reports: list[dict]) -> list[dict]:
-    """``reports`` with ``committed_at`` on the client's clock: shifted by the difference between
-    when the client received them and when their task ended on the worker's clock (an upper
-    bound: it counts the transfer), so time to first output never mixes two machines' clocks."""
+def _received(reports: list[SuperBatchReport]) -> list[SuperBatchReport]:
+    """``reports`` with ``committed_at`` on the client's clock (see
+    :meth:`~dask_surge.results.SuperBatchReport.on_client_clock`)."""
     now = time.time()
-    return [{**r, "committed_at": r["committed_at"] + (now - r["task_end"]) if "task_end" in r
-             else r["committed_at"]} for r in reports]
+    return [r.on_client_clock(now) for r in reports]
 
 
 def stopped_error(err: BaseException, manifest: Manifest, column: str) -> BaseException | None:
@@ -398,86 +316,163 @@ def interrupted(manifest: Manifest, output: str, planned: int | None) -> None:
         "Rerun the same call to resume from there.", len(manifest.committed()), of, output,
     )
 
-def write_run(frame, sbe, output: str, *, fingerprint: dict, resolve, max_bytes: int | None, client,
-              scheduler, overwrite: bool, storage_options: dict | None, progress: bool,
-              started: float | None = None):
-    """Encode ``frame`` into ``output``: open or resume the run, stream its units, finish it.
+class ThresholdResolver(Protocol):
+    """What a run asks of its caller to start: the thresholds of a new run, resolved once the
+    partition sizes known without reading data are (``sizes``: None when the input streams)."""
 
-    ``resolve(sizes)`` resolves the thresholds of a new run (``sizes``: the
-    :class:`~dask_surge.planning.sizes.PartitionSizes` known without reading data, or None); a
-    resumed run keeps the ones it recorded. ``started`` is when the caller was called
-    (``time.perf_counter()``): times and TTFO count from there. Returns an
-    :class:`~dask_surge.results.EncodeResult`.
+    @property
+    def requested(self) -> tuple[Requested, Requested]:
+        """``(b_min, b_max)`` as asked: ints or ``"auto"`` (a resumed run says where they differ
+        from the ones it recorded)."""
+        ...
+
+    def __call__(self, sizes: PartitionSizes | None, max_bytes: int | None) -> Thresholds: ...
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """A written run as :func:`dask_surge.encode` resolved it: what :func:`write_run` does.
+
+    Attributes
+    ----------
+    frame : dask.dataframe.DataFrame
+        The input as the run reads it (the text column and the kept columns).
+    encoder : SuperBatchEncoder
+        What each SuperBatch task runs.
+    output : str
+        The output directory.
+    fingerprint : dict
+        The run's identity (:func:`dask_surge.api.fingerprint`): a rerun of the same one resumes.
+    thresholds : ThresholdResolver
+        The thresholds of a new run; a resumed run keeps the ones it recorded.
+    max_bytes : int or None
+        The byte cap asked for; a resumed run keeps the one it recorded.
+    client : distributed.Client or None
+        Runs the units; None: the local ``scheduler`` (``"sync"`` or ``"threads"``) does.
+    started : float, optional
+        ``time.perf_counter()`` when the caller was called: times and TTFO count from there.
     """
-    t0 = time.perf_counter() if started is None else started
+
+    frame: Any
+    encoder: SuperBatchEncoder
+    output: str
+    fingerprint: dict
+    thresholds: ThresholdResolver
+    max_bytes: int | None = None
+    client: Any = None
+    scheduler: Any = None
+    overwrite: bool = False
+    storage_options: dict | None = None
+    progress: bool = True
+    started: float | None = None
+
+    @property
+    def threads(self) -> int:
+        """Worker threads that run the units (one for the local schedulers)."""
+        return sum(self.client.nthreads().values()) if self.client is not None else 1
+
+
+def write_run(request: RunRequest) -> EncodeResult:
+    """Encode ``request.frame`` into ``request.output``: open or resume the run, stream its
+    units, finish it. Returns an :class:`~dask_surge.results.EncodeResult`."""
+    t0 = time.perf_counter() if request.started is None else request.started
     wall0 = time.time() - (time.perf_counter() - t0)  # the same instant on the wall clock
-    npartitions = frame.npartitions
-    threads = sum(client.nthreads().values()) if client is not None else 1
-    check_output(output, storage_options, inputs=input_files(frame))
-    found = find_run(output, fingerprint, storage_options)
-    if found is not None and found.completion() is not None and not overwrite \
-            and not found.coverage().missing(npartitions):  # records, not the marker, are the truth
+    output, storage_options = request.output, request.storage_options
+    check_output(output, storage_options, inputs=input_files(request.frame))
+    found = find_run(output, request.fingerprint, storage_options)
+    _say_recorded_thresholds(found, request)
+    if found is not None and found.completion() is not None and not request.overwrite \
+            and not found.coverage().missing(request.frame.npartitions):  # records, not the marker, are the truth
         return _complete_result(found, output, t0)
     fs, root = url_to_fs(output, **(storage_options or {}))
-    claim = Claim.acquire(fs, root.rstrip("/") or "/", fingerprint_digest(fingerprint))
+    claim = Claim.acquire(fs, root.rstrip("/") or "/", fingerprint_digest(request.fingerprint))
     try:
-        return _claimed_run(frame, sbe, output, fingerprint, resolve, max_bytes, client, scheduler, overwrite,
-                            storage_options, progress, t0, wall0, npartitions, threads, claim)
+        return _claimed_run(request, t0, wall0, claim)
     finally:
         claim.release()
 
 
-def _claimed_run(frame, sbe, output, fingerprint, resolve, max_bytes, client, scheduler, overwrite,
-                 storage_options, progress, t0, wall0, npartitions, threads, claim: Claim):
+def _say_recorded_thresholds(found: Manifest | None, request: RunRequest) -> None:
+    """Warn when a rerun asks for other thresholds than its run recorded.
+
+    Thresholds do not change the embeddings, so they are not part of a run's identity:
+    a rerun that asks for others resumes the same run with the thresholds it recorded
+    (its SuperBatches, committed or not, keep their boundaries), and says so.
+    """
+    plan = found.plan if found is not None else None
+    if plan is None:
+        return
+    recorded = {"b_min": plan.b_min, "b_max": plan.b_max}
+    asked = dict(zip(recorded, request.thresholds.requested))
+    differ = [f"{k}={v!r} (recorded: {recorded[k]!r})" for k, v in asked.items() if v != "auto" and v != recorded[k]]
+    if plan.max_bytes != request.max_bytes:
+        differ.append(f"max_bytes={request.max_bytes!r} (recorded: {plan.max_bytes!r})")
+    if differ:
+        logger.warning(
+            "dask-surge: resuming the run in %s with the thresholds it recorded when it started; %s "
+            "apply to a new run only (write to a new output, or pass overwrite=True).", request.output,
+            ", ".join(differ))
+
+
+def _new_plan(request: RunRequest, sizes: PartitionSizes | None, max_bytes: int | None) -> RunPlan:
+    """What a new run records: the thresholds resolved for it, and how it runs."""
+    th = request.thresholds(sizes, max_bytes)
+    npartitions = request.frame.npartitions
+    if sizes is None:
+        return RunPlan(th.b_min, th.b_max, "streaming", npartitions, max_bytes, th.reason,
+                       unit_partitions=unit_partitions(npartitions, request.threads))
+    return RunPlan(th.b_min, th.b_max, "planned", npartitions, max_bytes, th.reason, rows=sizes.total)
+
+
+def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim) -> EncodeResult:
     """:func:`write_run` once the output directory is claimed."""
 
-    found = find_run(output, fingerprint, storage_options)
-    streaming = found is not None and found.plan.get("mode") == "streaming"
-    sizes = None if streaming else known_sizes(frame, sbe.column, max_bytes)
-    summary = None
-    if found is None:
-        th = resolve(sizes)
-        summary = {"b_min": th.b_min, "b_max": th.b_max, "reason": th.reason, "partitions": npartitions,
-                   "mode": "planned" if sizes is not None else "streaming", "max_bytes": max_bytes}
-        if sizes is None:
-            summary["unit_partitions"] = unit_partitions(npartitions, threads)
-        else:
-            summary["rows"] = sizes.total
-    manifest, resumed = open_run(output, fingerprint, overwrite=overwrite, storage_options=storage_options,
-                                 plan_summary=summary)
+    frame, sbe, output, client = request.frame, request.encoder, request.output, request.client
+    npartitions, threads = frame.npartitions, request.threads
+    found = find_run(output, request.fingerprint, request.storage_options)
+    recorded = found.plan if found is not None else None
+    max_bytes = recorded.max_bytes if recorded is not None else request.max_bytes  # a resumed run keeps its own
+    sizes = None if recorded is not None and recorded.mode == "streaming" else known_sizes(frame, sbe.column, max_bytes)
+    manifest, resumed = open_run(output, request.fingerprint, overwrite=request.overwrite,
+                                 storage_options=request.storage_options,
+                                 plan=_new_plan(request, sizes, max_bytes) if found is None else None)
     plan = manifest.plan
-    b_min, b_max = int(plan["b_min"]), int(plan["b_max"])
+    if plan is None:  # pragma: no cover - a run of write_run always records one
+        raise SurgeError(f"the run in {output!r} recorded no plan. Fix: rerun with overwrite=True.")
+    b_min, b_max = plan.b_min, plan.b_max
     committed = manifest.committed(repair=True)
     manifest.publish_pending(committed)  # commits whose task died before publishing their file
     coverage = manifest.coverage(committed)
     done_rows = sum(r.accounted for r in committed.values())
-    if plan["mode"] == "planned":
+    planned_sbs = None
+    if plan.mode == "planned":
         if sizes is None:  # pragma: no cover - a planned run's input keeps its metadata sizes
             raise SurgeError(f"the run in {output!r} was planned from known partition sizes, which the "
                              "input no longer gives. Fix: rerun on the same input, or overwrite=True.")
         cap = max_bytes if sizes.nbytes is not None else None
         superbatches = plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap)
+        planned_sbs = len(superbatches)
         units = planned_units(superbatches, sizes.sizes, set(committed), coverage)
-        bar = Progress(len(superbatches), sizes.total, enabled=progress, done_sbs=len(committed),
+        bar = Progress(len(superbatches), sizes.total, enabled=request.progress, done_sbs=len(committed),
                        done_rows=done_rows)
     else:
-        units = streaming_units(npartitions, int(plan["unit_partitions"]), coverage)
-        bar = Progress(None, None, enabled=progress, done_sbs=len(committed), done_rows=done_rows)
+        units = streaming_units(npartitions, int(plan.unit_partitions or 1), coverage)
+        bar = Progress(None, None, enabled=request.progress, done_sbs=len(committed), done_rows=done_rows)
     # the codec as the caller configured it (dask.config.set on the client), not as each worker's config says
     runner = UnitRunner(SuperBatchWriter(sbe, manifest, config.get("compression")), b_min, b_max, max_bytes)
-    reports: list[dict] = []
+    reports: list[SuperBatchReport] = []
     ttfo = None
     if units:
         window = config.get("in-flight") or 2 * max(1, threads)
         try:
             graph = InputGraph(frame)  # may already convert in-memory data (bad UTF-8 raises here)
             for report in run_units(iter(units), lambda key, unit: graph.task(key, runner, unit), client,
-                                    scheduler, window, task_resources(client)):
-                if report["committed"]:  # when its file became readable, not when the client heard
-                    first = report["committed_at"] - wall0
+                                    request.scheduler, window, task_resources(client)):
+                if report.committed:  # when its file became readable, not when the client heard
+                    first = report.committed_at - wall0
                     ttfo = first if ttfo is None else min(ttfo, first)
                 reports.append(report)
-                bar.update(report["rows"] + report["skipped"])
+                bar.update(report.rows + report.skipped)
                 if claim.lost:
                     raise SurgeOutputError(
                         f"output={output!r} was claimed by another run while this one was writing (its "
@@ -488,7 +483,7 @@ def _claimed_run(frame, sbe, output, fingerprint, resolve, max_bytes, client, sc
             # a run that stops before its first commit may then be replaced (see open_run)
             manifest.mark_stopped(f"{type(err).__name__}: {err}")
             if isinstance(err, KeyboardInterrupt):
-                interrupted(manifest, output, len(superbatches) if plan["mode"] == "planned" else None)
+                interrupted(manifest, output, planned_sbs)
             better = stopped_error(err, manifest, sbe.column)
             if better is not None:
                 raise better from err
@@ -501,11 +496,11 @@ def _claimed_run(frame, sbe, output, fingerprint, resolve, max_bytes, client, sc
     finish_run(manifest, committed, summary)
     return EncodeResult(
         output=str(output), run_id=manifest.run_id, rows=coverage.total_rows, partitions=npartitions,
-        superbatches=len(committed), skipped_superbatches=len(committed) - sum(r["committed"] for r in reports),
+        superbatches=len(committed), skipped_superbatches=len(committed) - sum(r.committed for r in reports),
         seconds=time.perf_counter() - t0, ttfo_s=ttfo,
         sizes_source=sizes.source if sizes is not None else "streamed", resumed=resumed, b_min=b_min, b_max=b_max,
-        thresholds_reason=plan.get("reason", ""), records=reports, nulls_skipped=summary["nulls_skipped"],
-        engine=", ".join(sorted({r["engine"] for r in reports})),
+        thresholds_reason=plan.reason, records=tuple(reports), nulls_skipped=summary["nulls_skipped"],
+        engine=", ".join(sorted({r.engine for r in reports})),
     )
 
 
@@ -527,16 +522,16 @@ def _check_complete(coverage: Coverage, committed: dict, npartitions: int, sizes
         )
 
 
-def _complete_result(manifest: Manifest, output: str, t0: float):
+def _complete_result(manifest: Manifest, output: str, t0: float) -> EncodeResult:
     """The result of rerunning a complete run: nothing is computed or read."""
 
     done = manifest.completion() or {}
     plan = manifest.plan
     return EncodeResult(
         output=str(output), run_id=manifest.run_id, rows=int(done.get("rows", 0)),
-        partitions=int(done.get("partitions", plan.get("partitions", 0))),
+        partitions=int(done.get("partitions", plan.partitions if plan is not None else 0)),
         superbatches=int(done.get("superbatches", 0)), skipped_superbatches=int(done.get("superbatches", 0)),
         seconds=time.perf_counter() - t0, ttfo_s=None, sizes_source="recorded", resumed=True,
-        b_min=int(plan.get("b_min", 0)), b_max=int(plan.get("b_max", 0)), thresholds_reason=plan.get("reason", ""),
-        nulls_skipped=int(done.get("nulls_skipped", 0)),
+        b_min=plan.b_min if plan is not None else 0, b_max=plan.b_max if plan is not None else 0,
+        thresholds_reason=plan.reason if plan is not None else "", nulls_skipped=int(done.get("nulls_skipped", 0)),
     )

@@ -21,6 +21,7 @@ from ..config import get
 from ..errors import SurgeOutputError
 from ..io.arrow import to_host
 from ..io.manifest import CommitRecord, Manifest, sb_key, write_bytes_atomic
+from ..results import SuperBatchReport
 from .superbatch import SuperBatchEncoder, partition_digest
 
 __all__ = ["SuperBatchWriter", "table_of", "parquet_bytes", "skipped_bytes"]
@@ -111,7 +112,7 @@ def _leaf_paths(schema: pa.Schema) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class SuperBatchWriter:
-    """Encodes, writes and commits one SuperBatch; returns what the run loop reports."""
+    """Encodes, writes and commits one SuperBatch; returns its :class:`~dask_surge.results.SuperBatchReport`."""
 
     encoder: SuperBatchEncoder
     manifest: Manifest
@@ -135,7 +136,7 @@ class SuperBatchWriter:
         by = {s.partition: (s, n) for s, n in spans}
         return [by[p] for p in partitions]
 
-    def __call__(self, parts, spans) -> dict:
+    def __call__(self, parts, spans) -> SuperBatchReport:
         """Encode ``spans`` (``(Span, partition rows)`` pairs) of ``parts`` (their input
         partitions, in order) and commit them as the SuperBatch keyed by the first span."""
         started_at, t0 = time.time(), time.perf_counter()
@@ -192,9 +193,9 @@ class SuperBatchWriter:
             fs.rm(staged)
             if skipped:
                 fs.rm(skip_path)
-        return {
-            "sb": key, "rows": len(frame), "skipped": len(skipped), "file": record.file if won else "",
-            "bytes": len(data), "spans": record.spans, "started_at": started_at, "encode_s": t1 - t0,
-            "write_s": time.perf_counter() - t1, "committed": won, "committed_at": record.committed_at,
-            "engine": self.encoder.encoder.backend,  # what encoded on this worker
-        }
+        return SuperBatchReport(
+            sb=key, rows=len(frame), skipped=len(skipped), file=record.file if won else "", bytes=len(data),
+            spans=record.spans, started_at=started_at, encode_s=t1 - t0, write_s=time.perf_counter() - t1,
+            committed=won, committed_at=record.committed_at,
+            engine=self.encoder.encoder.backend,  # what encoded on this worker
+        )

@@ -45,13 +45,13 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, Literal
 
 from fsspec.core import url_to_fs
 
 from ..errors import SurgeInputError, SurgeOutputError
 
-__all__ = ["FORMAT_VERSION", "Manifest", "CommitRecord", "Coverage", "Claim", "sb_key", "fingerprint_digest",
+__all__ = ["FORMAT_VERSION", "Manifest", "RunPlan", "CommitRecord", "Coverage", "Claim", "sb_key", "fingerprint_digest",
            "open_run", "current_run", "existing_run", "find_run", "finish_run", "check_output", "check_writable_store", "repair",
            "verify", "LOCAL_PROTOCOLS"]
 
@@ -187,6 +187,58 @@ def sb_key(partition: int, start: int) -> str:
     ('000000012-000000000000', True)
     """
     return f"{int(partition):09d}-{int(start):012d}"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run recorded when it was created (``run.json``'s ``plan``): the thresholds it
+    resolved and keeps when resumed, whatever the cluster's shape is then.
+
+    ``mode`` is ``"planned"`` (partition sizes known ahead: ``rows`` is their total) or
+    ``"streaming"`` (SuperBatches formed unit by unit: ``unit_partitions`` is the unit size,
+    so a resumed run cuts the same units). Serialized with the keys it always had
+    (:meth:`as_dict`); :meth:`of` reads any ``run.json`` (missing keys take the defaults,
+    unknown ones are ignored).
+
+    Examples
+    --------
+    >>> plan = RunPlan.of({"b_min": 4, "b_max": 8, "mode": "planned", "partitions": 3, "rows": 12,
+    ...                    "max_bytes": None, "reason": "given"})
+    >>> plan.b_max, plan.as_dict() == {"b_min": 4, "b_max": 8, "mode": "planned", "partitions": 3,
+    ...                                "rows": 12, "max_bytes": None, "reason": "given"}
+    (8, True)
+    >>> RunPlan.of({}) is None
+    True
+    """
+
+    b_min: int
+    b_max: int
+    mode: Literal["planned", "streaming"]
+    partitions: int
+    max_bytes: int | None = None
+    reason: str = ""
+    rows: int | None = None  # planned mode: the rows the sizes promised
+    unit_partitions: int | None = None  # streaming mode: partitions per unit
+
+    def as_dict(self) -> dict:
+        """The ``plan`` of ``run.json``: ``rows`` and ``unit_partitions`` only where set."""
+        out = asdict(self)
+        for key in ("rows", "unit_partitions"):
+            if out[key] is None:
+                del out[key]
+        return out
+
+    @classmethod
+    def of(cls, recorded: dict | None) -> RunPlan | None:
+        """The plan a ``run.json`` recorded (None: it recorded none)."""
+        if not isinstance(recorded, dict) or not recorded:
+            return None
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in recorded.items() if k in known}
+        for key in ("b_min", "b_max", "partitions"):
+            values[key] = int(values.get(key, 0))
+        values.setdefault("mode", "streaming" if "unit_partitions" in values else "planned")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -344,7 +396,7 @@ class Manifest:
     root: str
     run_id: str
     fingerprint: dict = field(default_factory=dict)
-    plan: dict = field(default_factory=dict)  # what the run recorded: thresholds, partitions, mode
+    plan: RunPlan | None = None  # what the run recorded: thresholds, partitions, mode
     format_version: int = FORMAT_VERSION
 
     @property
@@ -527,7 +579,7 @@ def _load(fs, root: str, run_id: str) -> Manifest | None:
     _check_version(info, root)
     if not isinstance(info.get("fingerprint"), dict):
         raise _corrupt(f"{root}/{META_DIR}/runs/{run_id}/run.json", ValueError("no fingerprint"))
-    return Manifest(fs, root, run_id, info["fingerprint"], info.get("plan", {}),
+    return Manifest(fs, root, run_id, info["fingerprint"], RunPlan.of(info.get("plan")),
                     format_version=info["format_version"])
 
 
@@ -810,7 +862,7 @@ def find_run(path: str, fingerprint: dict, storage_options: dict | None = None) 
     info = _read_json(fs, f"{manifest.run_dir}/run.json")
     if info is None or info.get("format_version") != FORMAT_VERSION:
         return None
-    manifest.plan = info.get("plan", {})
+    manifest.plan = RunPlan.of(info.get("plan"))
     current = _current_id(fs, root)
     if manifest.completion() is not None and current != run_id:
         return None  # a complete run that another run replaced since: not ours to trust
@@ -819,12 +871,12 @@ def find_run(path: str, fingerprint: dict, storage_options: dict | None = None) 
 
 def open_run(
     path: str, fingerprint: dict, *, overwrite: bool = False, storage_options: dict | None = None,
-    plan_summary: dict | None = None,
+    plan: RunPlan | None = None,
 ) -> tuple[Manifest, bool]:
     """Open (resume) or create the run for ``fingerprint`` in output directory ``path``.
 
     The caller holds the directory's :class:`Claim`. Returns ``(manifest, resumed)``.
-    ``manifest.plan`` is what the run recorded when it was created (``plan_summary``:
+    ``manifest.plan`` is what the run recorded when it was created (``plan``:
     its resolved thresholds, its partitions): a resumed run keeps them, whatever the
     cluster's shape is now. A directory holding a different current run is refused
     unless ``overwrite=True``; even then the old run's files stay until the new run
@@ -856,14 +908,14 @@ def open_run(
         if info is None:
             fs.makedirs(manifest.commits_dir, exist_ok=True)
             fs.makedirs(manifest.staging_dir, exist_ok=True)
-            manifest.plan = dict(plan_summary or {})
+            manifest.plan = plan
             body = {"format_version": FORMAT_VERSION, "run": run_id, "fingerprint": fingerprint,
-                    "plan": manifest.plan, "created": time.time()}
+                    "plan": plan.as_dict() if plan is not None else {}, "created": time.time()}
             write_bytes_atomic(fs, f"{manifest.run_dir}/run.json",
                                json.dumps(body, sort_keys=True, default=str).encode())
         else:
             _check_version(info, root)
-            manifest.plan = info.get("plan", {})
+            manifest.plan = RunPlan.of(info.get("plan"))
             fs.makedirs(manifest.staging_dir, exist_ok=True)
             manifest.clear_stopped()  # resumed
         if current is None or empty_other:

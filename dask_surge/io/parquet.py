@@ -54,6 +54,24 @@ class ParquetPartitions:
     def __init__(self, fs, pieces: dict, columns: tuple, dtypes: tuple) -> None:
         self.fs, self.pieces, self.columns, self.dtypes = fs, pieces, columns, dtypes
 
+    @classmethod
+    def of(cls, expr) -> ParquetPartitions | None:
+        """The reader of every partition of ``expr`` (a dask-expr expression) when it is a plain
+        ``read_parquet`` (see :func:`parquet_pieces`), else None."""
+        found = parquet_pieces(expr.simplify())
+        if found is None or len(found[1]) != expr.npartitions:
+            return None
+        fs, pieces, columns = found
+        dtypes = tuple((c, str(t)) for c, t in expr._meta.dtypes.items())
+        return cls(fs, dict(enumerate(pieces)), tuple(columns), dtypes)
+
+    def subset(self, partitions) -> ParquetPartitions:
+        """The reader of ``partitions`` alone (what one task ships)."""
+        return ParquetPartitions(self.fs, {p: self.pieces[p] for p in partitions}, self.columns, self.dtypes)
+
+    def __repr__(self) -> str:
+        return f"ParquetPartitions({len(self.pieces)} partitions, columns={list(self.columns)})"
+
     def _read(self, piece):
         import pyarrow.parquet as pq
 

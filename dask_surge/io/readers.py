@@ -35,19 +35,20 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     planned, done = manifest.plan, manifest.completion()
     committed = manifest.committed()
     coverage = manifest.coverage(committed)
-    partitions = planned.get("partitions")
+    partitions = planned.partitions if planned is not None else None
     rows = sum(r.rows for r in committed.values())
     skipped = sum(r.skipped for r in committed.values())
     return {
         "output": output, "run": manifest.run_id,
         # the COMPLETE marker, and every partition still accounted for by a commit record
         "state": "complete" if done is not None and not coverage.missing(partitions or 0) else "incomplete",
-        "mode": planned.get("mode"), "b_min": planned.get("b_min"), "b_max": planned.get("b_max"),
-        "partitions_planned": partitions,
+        "mode": planned.mode if planned else None, "b_min": planned.b_min if planned else None,
+        "b_max": planned.b_max if planned else None, "partitions_planned": partitions,
         "partitions_committed": sum(1 for p in range(partitions or 0) if coverage.complete(p)),
         "superbatches_committed": len(committed),
-        "superbatches_planned": done["superbatches"] if done else planned.get("superbatches"),
-        "rows_committed": rows, "rows_planned": done["rows"] if done else planned.get("rows"),
+        # a run records its SuperBatches' number only once it completes (streamed ones form as they go)
+        "superbatches_planned": done["superbatches"] if done else None,
+        "rows_committed": rows, "rows_planned": done["rows"] if done else (planned.rows if planned else None),
         "nulls_skipped": skipped,
         "last_commit": max((r.committed_at for r in committed.values()), default=None),
     }

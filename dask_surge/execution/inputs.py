@@ -1,0 +1,250 @@
+"""The input graph, and the one task of each unit of work over it: what the lazy frame
+(:mod:`dask_surge.execution.graph`) and the written run (:mod:`dask_surge.execution.runner`)
+both build their tasks with.
+
+A **unit** is one Dask task over some input partitions (one SuperBatch of the lazy frame;
+a SuperBatch, the slices of one large partition, or a range of partitions of a written
+run). :class:`InputGraph` collects the input's tasks once, optimized with the partitioning
+that was planned, and gives the task of any unit: ``func(source, values, unit)``, where
+``source.iterate(partitions, values)`` yields the unit's partitions one at a time.
+
+- A plain ``read_parquet`` input is read by the unit task itself
+  (:class:`dask_surge.io.parquet.ParquetPartitions`: one Arrow scan of its files), so the
+  graph has no per-partition tasks.
+- Any other input: each partition's private upstream tasks (those that feed only it,
+  directly or through each other) are fused into one node, held as data inside the unit
+  task (so Dask does not schedule them) and run there when the partition is needed.
+
+Upstream tasks several partitions need, persisted results, and partitions that several
+units consume (the slices of a partition larger than ``b_max`` in separate SuperBatches)
+stay separate tasks, computed once; the unit task is given their values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import dask
+
+from .._compat import BaseExpr, GraphNode, List, Task, TaskRef
+from ..errors import SurgeError
+from ..io.parquet import ParquetPartitions
+from ..planning.policy import SuperBatch
+
+__all__ = ["InputGraph", "Unit", "UnitSource", "cull", "dependents_of", "private_tasks", "task_arguments"]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One task's work: input ``partitions`` (in order), the SuperBatches planned over
+    them (``None``: formed as the partitions stream in), and the keys of SuperBatches
+    already committed (a resumed slice of a partition larger than ``b_max``)."""
+
+    partitions: tuple[int, ...]
+    plan: tuple[SuperBatch, ...] | None = None
+    done: frozenset[str] = frozenset()
+    sizes: tuple[int, ...] | None = None  # planned rows of each partition (planned mode)
+    #: ``(partition, rows, digest)`` committed for partitions this unit covers in part (resume)
+    expect: tuple[tuple[int, int, str | None], ...] = ()
+
+    @classmethod
+    def of(cls, sb: SuperBatch, sizes: Sequence[int] | Mapping[int, int]) -> Unit:
+        """The unit of one planned SuperBatch (``sizes``: planned rows of each input partition).
+
+        Examples
+        --------
+        >>> from dask_surge.planning.policy import plan_superbatches
+        >>> sb = plan_superbatches([3, 4, 20], b_min=5, b_max=8)[0]
+        >>> Unit.of(sb, [3, 4, 20]).partitions, Unit.of(sb, [3, 4, 20]).sizes
+        ((0, 1), (3, 4))
+        """
+        partitions = tuple(sorted({s.partition for s in sb.spans}))
+        return cls(partitions, (sb,), sizes=tuple(int(sizes[p]) for p in partitions))
+
+
+def cull(dsk: dict, keys) -> dict:
+    """The tasks ``keys`` need, and nothing else (keys not in ``dsk``, such as
+    persisted results, are left to the scheduler).
+
+    Examples
+    --------
+    >>> from dask._task_spec import Task, TaskRef
+    >>> dsk = {"a": Task("a", int, "1"), "b": Task("b", int, TaskRef("a")), "c": Task("c", int, "2")}
+    >>> sorted(cull(dsk, ["b"]))
+    ['a', 'b']
+    """
+    out, stack = {}, list(keys)
+    while stack:
+        key = stack.pop()
+        if key in out or key not in dsk:
+            continue
+        out[key] = task = dsk[key]
+        stack.extend(getattr(task, "dependencies", ()))
+    return out
+
+
+def dependents_of(graph: dict) -> dict:
+    """Each key's dependents in ``graph`` (a dict of task-spec nodes)."""
+    dependents: dict = {}
+    for key, task in graph.items():
+        for dep in getattr(task, "dependencies", ()):
+            dependents.setdefault(dep, set()).add(key)
+    return dependents
+
+
+def private_tasks(upstream: dict, dependents: dict, root, deps) -> set:
+    """``root`` and the upstream tasks that feed only it (directly or through each other):
+    the tasks to fuse into ``root``'s task. Tasks other keys also need, and persisted
+    results (Futures: not task-spec nodes), stay outside.
+
+    Examples
+    --------
+    >>> from dask._task_spec import Task, TaskRef
+    >>> up = {"a": Task("a", int, "1"), "s": Task("s", int, "2"),
+    ...       "p0": Task("p0", max, TaskRef("a"), TaskRef("s")), "p1": Task("p1", int, TaskRef("s"))}
+    >>> sorted(private_tasks(up, dependents_of(up), "p0", up["p0"].dependencies))
+    ['a', 'p0']
+    """
+    private, stack = {root}, list(deps)
+    while stack:  # a key is pushed again by each dependent: the last push decides
+        dep = stack.pop()
+        if dep not in private and isinstance(upstream.get(dep), GraphNode) \
+                and dependents.get(dep, set()) <= private:
+            private.add(dep)
+            stack.extend(upstream[dep].dependencies)
+    return private
+
+
+def task_arguments(sb: SuperBatch, sizes: Sequence[int] | Mapping[int, int]) -> tuple[list[int], tuple]:
+    """The input partitions a SuperBatch consumes (in order) and its ``(span, planned rows
+    of that partition)`` pairs, as the per-SuperBatch functions take them.
+
+    Examples
+    --------
+    >>> from dask_surge.planning.policy import plan_superbatches
+    >>> inputs, spans = task_arguments(plan_superbatches([3, 4], b_min=5, b_max=8)[0], [3, 4])
+    >>> inputs, [(s.partition, s.start, s.stop, n) for s, n in spans]
+    ([0, 1], [(0, 0, 3, 3), (1, 0, 4, 4)])
+    """
+    inputs = sorted({s.partition for s in sb.spans})
+    return inputs, tuple((span, int(sizes[span.partition])) for span in sb.spans)
+
+
+class UnitSource:
+    """The partitions of one unit task, computed inside it (see module docstring).
+
+    ``external`` are the keys whose values the task is given (in order: ``values``);
+    ``shared`` maps partitions other tasks also consume to their key among them; ``nodes``
+    holds the fused upstream task of each other partition (generic input) and ``reader``
+    reads the rest from their Parquet files.
+    """
+
+    def __init__(self, external: tuple = (), nodes: Mapping[int, GraphNode] | None = None,
+                 reader: ParquetPartitions | None = None, shared: Mapping[int, Any] | None = None) -> None:
+        self.external = external
+        self.nodes = dict(nodes or {})
+        self.reader = reader
+        self.shared = dict(shared or {})
+
+    def iterate(self, partitions: Sequence[int], values: Sequence) -> Iterator[tuple[int, Any]]:
+        """``(partition, frame)`` for each of ``partitions``, in order, computed as it is asked for
+        (the Parquet files of the unit are read together, at the first of them)."""
+        known = dict(zip(self.external, values))
+        partitions = list(partitions)
+        read = [p for p in partitions if p not in self.shared and p not in self.nodes]
+        if read and self.reader is None:
+            raise KeyError(f"partitions {read[:5]} are not part of this unit")
+        frames = self.reader.iterate(read, []) if read and self.reader is not None else iter(())
+        for p in partitions:
+            if p in self.shared:
+                yield p, known[self.shared[p]]
+            elif p in self.nodes:
+                node = self.nodes[p]
+                yield p, node({k: known[k] for k in node.dependencies})
+            else:
+                got, frame = next(frames)
+                assert got == p
+                yield p, frame
+
+    def __repr__(self) -> str:
+        return (f"UnitSource({len(self.nodes)} fused, {len(self.shared)} shared, "
+                f"{len(self.reader.pieces) if self.reader is not None else 0} read)")
+
+
+def _read_partition(reader: ParquetPartitions, partition: int):
+    """The task of a Parquet partition several units consume: read it once."""
+    return next(iter(reader.iterate([partition], [])))[1]
+
+
+class InputGraph:
+    """The input's tasks, optimized once with the partitioning that was planned, and the task
+    of any unit over them (see module docstring).
+
+    Parameters
+    ----------
+    frame : dask.dataframe.DataFrame or its expression
+        The input as the run reads it.
+    planned : int, optional
+        The partitions the SuperBatches were planned for (default: ``frame``'s).
+
+    Raises
+    ------
+    SurgeError
+        When the optimized input has another number of partitions than was planned.
+    """
+
+    def __init__(self, frame, planned: int | None = None) -> None:
+        expr = frame if isinstance(frame, BaseExpr) else frame.expr
+        planned = expr.npartitions if planned is None else planned
+        self.reader = ParquetPartitions.of(expr)
+        self.name = expr._name  # the key of a partition other tasks need: (name, partition)
+        self.graph: dict = {}
+        self.dependents: dict = {}
+        npartitions = expr.npartitions
+        if self.reader is None:
+            with dask.config.set({"optimization.tune.active": False}):  # keep the planned partitions
+                opt = expr.optimize(fuse=True)
+            self.name, npartitions = opt._name, opt.npartitions
+            self.graph = dict(opt.__dask_graph__())
+            self.dependents = dependents_of(self.graph)
+        if npartitions != planned:
+            raise SurgeError(
+                f"the input now has {npartitions} partitions but the SuperBatch plan was made for "
+                f"{planned}: Dask re-partitioned it after planning. Fix: call .surge.encode on the final "
+                "DataFrame (after repartition/merge), or persist it first."
+            )
+        self.npartitions = npartitions
+
+    @property
+    def is_parquet(self) -> bool:
+        """Whether the unit tasks read their Parquet files themselves."""
+        return self.reader is not None
+
+    def task(self, key, func, unit: Unit, shared: frozenset[int] | set[int] = frozenset()) -> dict:
+        """The graph to submit for ``unit``: its task, ``func(source, values, unit)``, and the
+        tasks it needs that others may need too. ``shared``: partitions that other units also
+        consume (their task, keyed ``(self.name, partition)``, is among those returned)."""
+        nodes: dict[int, GraphNode] = {}
+        shared_keys: dict[int, Any] = {}
+        external: set = set()
+        extra: dict = {}
+        for p in unit.partitions:
+            root = (self.name, p)
+            if p in shared:
+                shared_keys[p] = root
+                external.add(root)
+                if self.reader is not None:
+                    extra[root] = Task(root, _read_partition, self.reader.subset([p]), p)
+            elif self.reader is None:
+                private = private_tasks(self.graph, self.dependents, root, self.graph[root].dependencies)
+                nodes[p] = Task.fuse(*(self.graph[k] for k in private), key=root)
+                external |= set(nodes[p].dependencies)
+        ext = tuple(sorted(external, key=str))
+        reader = None
+        if self.reader is not None:
+            reader = self.reader.subset([p for p in unit.partitions if p not in shared])
+        source = UnitSource(ext, nodes, reader, shared_keys)
+        task = Task(key, func, source, List(*(TaskRef(k) for k in ext)), unit, _data_producer=True)
+        return {key: task, **extra, **cull(self.graph, ext)}
