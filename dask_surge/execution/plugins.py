@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import hashlib
 import logging
 import os
@@ -12,8 +11,7 @@ import threading
 from dask.base import tokenize
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from ..models import encoders
-from ..models.encoders import Encoder, install_object
+from ..models.encoders import Encoder, install_object, uninstall_object
 
 __all__ = ["EncoderPlugin", "configure_worker_threads", "register_encoder", "release_encoder"]
 
@@ -73,6 +71,11 @@ class EncoderPlugin(WorkerPlugin):
     def teardown(self, worker) -> None:
         """Release the model this plugin loaded, unless the same plugin is registered again.
 
+        Releasing closes the encoder (:meth:`Encoder.close`: the engine's feeder thread, its
+        pinned staging buffer, the model's weights, torch's CUDA cache) and, in a worker
+        process the model was shipped to, forgets the in-memory model this plugin installed
+        (in the client's own process it is the caller's object, and stays).
+
         Registering a plugin under a name already taken tears the old one down first, and
         every ``ddf.surge.encode`` registers its encoder: so the release waits one turn of
         the worker's event loop and is skipped when a plugin of this name is back by then
@@ -81,15 +84,25 @@ class EncoderPlugin(WorkerPlugin):
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # called outside an event loop: nothing can replace it
-            release_encoder(self.encoder)
+            self._release(worker)
             return
         loop.call_soon(self._release_unless_replaced, worker)
 
     def _release_unless_replaced(self, worker) -> None:
         if self.name in getattr(worker, "plugins", {}):
             return
-        release_encoder(self.encoder)
+        self._release(worker)
         logger.info("dask-surge: %r released on %s", self.encoder, getattr(worker, "address", "?"))
+
+    def _release(self, worker) -> None:
+        self.encoder.close()
+        token = self.encoder.spec.source
+        # a token names the process that made it (obj-<pid>-...): elsewhere the object came with a plugin,
+        # and goes when no plugin still registered here (another option set of the same model) needs it
+        others = [p for p in getattr(worker, "plugins", {}).values()
+                  if isinstance(p, EncoderPlugin) and p is not self and p.encoder.spec.source == token]
+        if self.obj is not None and not others and not token.startswith(f"obj-{os.getpid()}-"):
+            uninstall_object(token)
 
     def _load(self, address: str, strict: bool) -> None:
         try:
@@ -145,11 +158,12 @@ def configure_worker_threads(*, cpus: int | None = None) -> dict:
 
 
 def release_encoder(encoder: Encoder) -> bool:
-    """Drop ``encoder``'s loaded model from this process: close its engine, forget it, free memory.
+    """Drop ``encoder``'s loaded model from this process: the same as ``encoder.close()``.
 
-    The model is loaded again on its next use. Returns True when a model was loaded.
-    An in-memory model stays installed (it is the caller's object, and a worker in the
-    client's process shares it), so its weights stay alive as long as the caller holds it.
+    Kept for callers of earlier versions; :meth:`Encoder.close` (or ``with Encoder(...) as enc:``)
+    is the public way. The model is loaded again on its next use. Returns True when a model
+    was loaded. An in-memory model stays installed (it is the caller's object, and a worker
+    in the client's process shares it).
 
     Examples
     --------
@@ -157,23 +171,7 @@ def release_encoder(encoder: Encoder) -> bool:
     >>> release_encoder(Encoder("default", device="cpu", batch_size=7))  # never loaded: nothing to do
     False
     """
-    with encoders._LOAD_LOCK:
-        loaded = encoders._LOADED.pop(encoder.spec, None)
-    if loaded is None:
-        return False
-    engine = loaded.engine
-    if engine is not None:
-        engine.close()
-    del loaded, engine
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
-    except ImportError:  # pragma: no cover - torch is a runtime dependency
-        pass
-    return True
+    return encoder.close()
 
 
 def register_encoder(client, encoder: Encoder, *, preload: bool = True, background: bool = False) -> None:

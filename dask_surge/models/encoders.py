@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,10 @@ from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
 from ..io.arrow import embedding_array
 from ..options import DTYPES, ENGINES, Dtype, EngineName
 from .allocator import keep_large_blocks
-from .devices import gpu_count
+from .backends import Backend, BackendClosed, choose_backend, free_memory
+from .devices import auto_dtype, checkpoint_dtype, gpu_count
+from .devices import move_to as _move_to  # noqa: F401 - importable from here as before
+from .devices import pick_device as _pick_device
 from .hub import cached_snapshot, looks_like_repo_id, resolve_hub_model
 from .modelid import directory_digest, is_secret_key, object_digest, redact, without_secrets
 from .prompts import resolve_prompt
@@ -49,9 +52,14 @@ DEFAULT_MODEL_ALIASES = ("default", "all-MiniLM-L6-v2", PACKAGED_HUB_ID)
 
 logger = logging.getLogger(__name__)
 
-# process-wide state: loaded models by spec, in-memory sources by token
+#: Loaded models a process keeps at most: loading one more closes the least recently used
+#: (its engine thread, pinned buffer and weights are released; it loads again on its next use).
+MAX_LOADED_MODELS = 4
+
+# process-wide state: loaded models by spec (at most MAX_LOADED_MODELS), in-memory sources by token
 _LOADED: dict[EncoderSpec, _Loaded] = {}
 _LOAD_LOCK = threading.Lock()
+_uses = itertools.count()
 _OBJECTS: dict[str, Any] = {}
 _counter = itertools.count()
 
@@ -256,11 +264,30 @@ class EncoderSpec:
 
 @dataclass
 class _Loaded:
-    encode: Callable[[list[str], bool], np.ndarray]
-    dimension: int
-    backend: str
-    lock: threading.Lock
-    engine: Any = None  # the TransformerEngine when backend == "fast"
+    """A loaded model: the backend that encodes with it, why that one, and when it was last used."""
+
+    impl: Backend
+    reason: str
+    used: int = 0  # a tick of ``_uses``: the least recently used model is closed first
+
+    @property
+    def backend(self) -> str:
+        return self.impl.name
+
+    @property
+    def dimension(self) -> int:
+        return self.impl.dimension
+
+    @property
+    def engine(self) -> Any:
+        """The TransformerEngine when the backend is the fast one, else None."""
+        return getattr(self.impl, "engine", None)
+
+    def encode(self, texts: list[str], normalize: bool) -> np.ndarray:
+        return self.impl.encode(texts, normalize)
+
+    def close(self) -> None:
+        self.impl.close()
 
 
 def _token_for(obj: Any) -> str:
@@ -563,12 +590,63 @@ class Encoder:
                 if loaded is None:
                     loaded = _load(self.spec)
                     _LOADED[self.spec] = loaded
+                    evicted = _over_the_bound(self.spec)
+                else:
+                    evicted = []
+            if evicted:  # closed outside the lock: a close may wait for nothing, but never holds up a load
+                for old in evicted:
+                    old.close()
+                free_memory()
+        loaded.used = next(_uses)
         return loaded
 
     def load(self) -> Encoder:
         """Load the model into this process now (otherwise done on first use)."""
         self._loaded()
         return self
+
+    def close(self) -> bool:
+        """Release the model loaded for this encoder in this process; idempotent.
+
+        Closes what encodes (the fast engine's feeder thread, its pinned staging buffer
+        and its encoder copy), drops the loaded model's weights, and gives the memory
+        back (garbage collection, torch's CUDA cache, the C heap). A call encoding right
+        now finishes first. The encoder stays usable: its next use loads the model
+        again. Every equal encoder (same model and options) in this process shares the
+        loaded model, so this releases it for all of them. An in-memory model stays
+        installed: its weights are the caller's object.
+
+        Returns
+        -------
+        bool
+            True when a model was loaded (and is now released).
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> with Encoder("default", device="cpu") as enc:
+        ...     enc.encode(["a text"]).shape
+        (1, 384)
+        >>> enc.is_loaded, enc.close()
+        (False, False)
+        """
+        with _LOAD_LOCK:
+            loaded = _LOADED.pop(self.spec, None)
+        if loaded is None:
+            return False
+        loaded.close()
+        del loaded
+        free_memory()
+        return True
+
+    #: Same as :meth:`close`.
+    unload = close
+
+    def __enter__(self) -> Encoder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def is_loaded(self) -> bool:
@@ -617,6 +695,18 @@ class Encoder:
         """
         return self._loaded().backend
 
+    @property
+    def backend_reason(self) -> str:
+        """Why :attr:`backend` encodes (see :func:`dask_surge.models.backends.choose_backend`).
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> Encoder("default", device="cpu").backend_reason
+        "engine='auto' and the model is Transformer + Pooling + Normalize, which the fast engine runs"
+        """
+        return self._loaded().reason
+
     def encode(self, texts: Sequence[str], *, normalize: bool = False) -> np.ndarray:
         """Encode texts into an ``(n, d)`` float32 C-contiguous array.
 
@@ -639,7 +729,15 @@ class Encoder:
         texts = list(texts)
         if not texts:
             return np.zeros((0, loaded.dimension), dtype=np.float32)
-        emb = np.ascontiguousarray(loaded.encode(texts, normalize), dtype=np.float32)
+        for _ in range(3):  # closed (evicted, unloaded) by another thread meanwhile: load it again
+            try:
+                raw = loaded.encode(texts, normalize)
+                break
+            except BackendClosed:
+                loaded = self._loaded()
+        else:
+            raw = loaded.encode(texts, normalize)
+        emb = np.ascontiguousarray(raw, dtype=np.float32)
         if emb.ndim != 2 or emb.shape[0] != len(texts):
             raise SurgeModelError(
                 f"the encoder returned shape {emb.shape} for {len(texts)} texts; an encoder must "
@@ -792,81 +890,6 @@ def _check_device(device: str) -> None:
                               "(N a device index) or 'mps'. Fix: use 'cpu', 'cuda' or 'cuda:N'.")
 
 
-def _pick_device(requested: str | None) -> str:
-    """The device to load on, checked against the devices this process sees.
-
-    Raises
-    ------
-    SurgeValueError
-        If CUDA is asked for and there is none, or ``cuda:N`` names a device this
-        process does not see (a dask-cuda worker sees its one GPU as ``cuda:0``).
-    """
-    import torch
-
-    if requested is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if requested.startswith("cuda") and not torch.cuda.is_available():
-        raise SurgeValueError(
-            f"device={requested!r} asks for a GPU but torch sees none in this process "
-            "(torch.cuda.is_available() is False). Fix: pass device='cpu' or device=None, "
-            "or run on a machine (or dask-cuda worker) with a GPU."
-        )
-    if requested.startswith("cuda:"):
-        index, count = int(requested[5:]), torch.cuda.device_count()
-        if index >= count:
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            raise SurgeValueError(
-                f"device={requested!r} does not exist in this process (pid {os.getpid()}): it sees {count} "
-                f"GPU(s), cuda:0 to cuda:{count - 1}"
-                + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
-                + ". A dask-cuda worker sees only its own GPU, as cuda:0. Fix: pass device='cuda' "
-                "(or device=None), and choose GPUs with the cluster (e.g. LocalCUDACluster(CUDA_VISIBLE_DEVICES=...))."
-            )
-    return requested
-
-
-def _move_to(obj: Any, requested: str | None) -> str:
-    """Put an in-memory ``SentenceTransformer`` on the device asked for; return that device.
-
-    A model built on the client's CPU and shipped to a GPU worker would otherwise
-    run on that worker's CPU in float32, silently and ~100x slower.
-    """
-    device = _pick_device(requested)
-    if _same_device(str(obj.device), device):
-        return str(obj.device)
-    logger.info("moving the in-memory model from %s to %s", obj.device, device)
-    obj.to(device)
-    return device
-
-
-def _same_device(have: str, want: str) -> bool:
-    norm = {"cuda": "cuda:0"}
-    return norm.get(have, have) == norm.get(want, want)
-
-
-def checkpoint_dtype(obj: Any) -> str | None:
-    """The floating dtype a model's weights are stored in (``"bfloat16"``...), or None if unknown.
-
-    Examples
-    --------
-    >>> import torch
-    >>> checkpoint_dtype(torch.nn.Linear(2, 2).to(torch.bfloat16))
-    'bfloat16'
-    """
-    try:
-        tensor = next(p for p in obj.parameters() if p.is_floating_point())
-    except (StopIteration, AttributeError, TypeError):
-        return None
-    name = str(tensor.dtype).removeprefix("torch.")
-    if name == "float32":  # weights upcast at load: the checkpoint's own dtype is in its config
-        for module in getattr(obj, "modules", lambda: ())():
-            config = getattr(module, "config", None)
-            stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-            if stored is not None:
-                return str(stored).removeprefix("torch.")
-    return name
-
-
 def _stored_dtype(spec: EncoderSpec) -> str | None:
     """The dtype a path model's weights load in, without loading it: ``model_kwargs``'s
     ``torch_dtype``/``dtype`` when it names one, else the checkpoint's ``config.json``."""
@@ -895,22 +918,6 @@ def _stored_dtype(spec: EncoderSpec) -> str | None:
         if stored is not None:
             return str(stored).removeprefix("torch.")
     return None
-
-
-def auto_dtype(device: str, stored: str | None) -> str:
-    """The compute dtype ``dtype="auto"`` means: float32 on CPU; on CUDA bfloat16 for a bfloat16 checkpoint, else float16.
-
-    A bfloat16 checkpoint's activations can exceed float16's range (65504), so it
-    never runs in float16 unless asked for.
-
-    Examples
-    --------
-    >>> auto_dtype("cpu", "bfloat16"), auto_dtype("cuda", "bfloat16"), auto_dtype("cuda:0", "float32")
-    ('float32', 'bfloat16', 'float16')
-    """
-    if not str(device).startswith("cuda"):
-        return "float32"
-    return "bfloat16" if stored == "bfloat16" else "float16"
 
 
 def check_finite(emb: np.ndarray) -> None:
@@ -1036,71 +1043,34 @@ def _load(spec: EncoderSpec) -> _Loaded:
 
 
 def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
-    lock = threading.Lock()
-    try:
-        from sentence_transformers import SentenceTransformer
-    except ImportError:  # pragma: no cover - a runtime dependency
-        SentenceTransformer = ()  # type: ignore[assignment, misc]
-    if isinstance(obj, SentenceTransformer):
-        if spec.kind == "object":
-            _move_to(obj, spec.device)
-        name = spec.repo_id or (spec.source if spec.kind == "path" else type(obj).__name__)
-        prompt = resolve_prompt(dict(obj.prompts), obj.default_prompt_name, spec.prompt, spec.prompt_name,
-                                source=repr(name))
-        engine = None
-        if spec.engine in ("auto", "fast"):
-            from .engine import TransformerEngine
+    """The backend that encodes with ``obj`` for ``spec``, and why (see :func:`~dask_surge.models.backends.choose_backend`)."""
+    name = spec.repo_id or (spec.source if spec.kind == "path" else type(obj).__name__)
+    impl, reason = choose_backend(
+        obj, name=name, in_memory=spec.kind == "object", device=spec.device, engine=spec.engine, dtype=spec.dtype,
+        max_tokens=spec.max_tokens, batch_size=spec.batch_size, prompt=spec.prompt, prompt_name=spec.prompt_name,
+    )
+    return _Loaded(impl, reason)
 
-            dtype = spec.dtype
-            if dtype == "auto":
-                dtype = auto_dtype(str(obj.device), checkpoint_dtype(obj))
-            engine = TransformerEngine.from_sentence_transformer(obj, max_tokens=spec.max_tokens, dtype=dtype,
-                                                                 prompt="" if prompt is None else prompt)
-            if engine is None and spec.engine == "fast":
-                raise SurgeModelError(
-                    f"engine='fast' needs a Transformer (an encoder) + Pooling (cls, mean or max) (+ Normalize) "
-                    f"model, but {name!r} has modules {[type(m).__name__ for m in obj]}. "
-                    "Fix: pass engine='auto' to fall back to SentenceTransformer.encode."
-                )
-        if engine is not None:
-            return _Loaded(lambda texts, norm: engine.encode(texts, normalize=norm), engine.dimension, "fast", lock,
-                           engine)
-        get_dim = getattr(obj, "get_embedding_dimension", None) or obj.get_sentence_embedding_dimension
-        dim = get_dim()
-        st_prompt = "" if prompt is None else prompt  # resolved already: "" stops a second default lookup
 
-        def st_encode(texts: list[str], norm: bool) -> np.ndarray:
-            with lock:
-                return obj.encode(
-                    texts, prompt=st_prompt, batch_size=spec.batch_size, normalize_embeddings=norm,
-                    convert_to_numpy=True, show_progress_bar=False,
-                )
+def _over_the_bound(keep: EncoderSpec) -> list[_Loaded]:
+    """Take the least recently used models out of ``_LOADED`` beyond :data:`MAX_LOADED_MODELS` (``keep`` stays).
 
-        if dim is None:  # some custom stacks only know it once they ran
-            dim = st_encode(["dimension probe"], False).shape[1]
-        return _Loaded(st_encode, int(dim), "sentence-transformers", lock)
-
-    if spec.prompt is not None or spec.prompt_name is not None:
-        raise SurgeValueError(
-            f"prompt=/prompt_name= apply to sentence-transformers models, but the model is a "
-            f"{type(obj).__name__} callable. Fix: put the prompt into the texts (or into the callable)."
-        )
-
-    def call_encode(texts: list[str], norm: bool) -> np.ndarray:
-        emb = np.asarray(obj(texts), dtype=np.float32)
-        if norm and emb.size:
-            emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
-        return emb
-
-    probe = call_encode(["dimension probe"], False)
-    if probe.ndim != 2 or probe.shape[0] != 1:
-        raise SurgeModelError(
-            f"model callable {obj!r} returned shape {probe.shape} for one text; it must map a "
-            "list of n strings to an (n, d) array. Fix: return e.g. numpy.stack([...]) of one vector per text."
-        )
-    return _Loaded(call_encode, int(probe.shape[1]), "callable", lock)
+    The caller holds ``_LOAD_LOCK`` and closes what this returns.
+    """
+    evicted = []
+    bound = max(1, int(MAX_LOADED_MODELS))
+    while len(_LOADED) > bound:
+        spec = min((k for k in _LOADED if k != keep), key=lambda k: _LOADED[k].used)
+        evicted.append(_LOADED.pop(spec))
+        logger.info("dask-surge: closing the least recently used model %r (%d loaded at most)", spec, bound)
+    return evicted
 
 
 def install_object(token: str, obj: Any) -> None:
     """Make an in-memory model available in this process under ``token`` (plugin use)."""
     _OBJECTS[token] = obj
+
+
+def uninstall_object(token: str) -> bool:
+    """Forget the in-memory model installed under ``token`` (plugin teardown); True if it was there."""
+    return _OBJECTS.pop(token, None) is not None

@@ -1,0 +1,307 @@
+"""What encodes a loaded model: three backends behind one small protocol, and the function that picks one.
+
+- :class:`FastBackend`: the tokenize-sort-forward :class:`~dask_surge.models.engine.TransformerEngine`,
+  for a ``SentenceTransformer`` that is Transformer (an encoder) + Pooling (cls, mean or
+  max) (+ Normalize);
+- :class:`SentenceTransformersBackend`: ``SentenceTransformer.encode``, for every other
+  sentence-transformers model (decoder embedders, custom modules, CLIP...);
+- :class:`CallableBackend`: any other callable ``texts -> (n, d) array``, called as is.
+
+:func:`choose_backend` builds the one that applies and says why. Every backend has a
+:meth:`~Backend.close` that releases what it holds (the engine's feeder thread, pinned
+buffer and encoder copy; the model) once no call is running: a call that starts after
+``close`` raises :class:`BackendClosed`, which :class:`~dask_surge.models.encoders.Encoder`
+answers by loading the model again. Nothing here imports torch at import time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import SurgeModelError, SurgeValueError
+from .devices import auto_dtype, checkpoint_dtype, move_to
+from .prompts import resolve_prompt
+
+__all__ = [
+    "Backend",
+    "BackendClosed",
+    "CallableBackend",
+    "FastBackend",
+    "SentenceTransformersBackend",
+    "choose_backend",
+    "free_memory",
+]
+
+
+class BackendClosed(RuntimeError):
+    """A call reached a backend after :meth:`Backend.close`; the caller loads the model again."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What encodes texts for a loaded model.
+
+    Attributes
+    ----------
+    name : str
+        ``"fast"``, ``"sentence-transformers"`` or ``"callable"`` (what ``Encoder.backend``
+        and ``EncodeResult.engine`` report).
+    dimension : int
+        Embedding size.
+    """
+
+    name: str
+    dimension: int
+
+    def encode(self, texts: list[str], normalize: bool) -> np.ndarray:
+        """``(len(texts), dimension)`` embeddings, L2-normalized when ``normalize``.
+
+        Raises
+        ------
+        BackendClosed
+            If the backend was closed.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release what the backend holds, once the calls running now end; idempotent."""
+        ...
+
+
+class _Released:
+    """Calls in flight and the release that waits for the last of them (shared by the backends)."""
+
+    name = "?"
+
+    def __init__(self) -> None:
+        self._calls = threading.Condition(threading.Lock())
+        self._active = 0
+        self._closing = False
+        self._released = False
+
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        with self._calls:
+            if self._closing:
+                raise BackendClosed(f"this {self.name} backend was closed; load the model again")
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._calls:
+                self._active -= 1
+                release = self._closing and self._active == 0 and not self._released
+                self._released = self._released or release
+            if release:
+                self._release()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called (the release may wait for running calls)."""
+        return self._closing
+
+    def close(self) -> None:
+        """Refuse new calls, and release now, or when the running calls end (never blocks); idempotent."""
+        with self._calls:
+            self._closing = True
+            release = self._active == 0 and not self._released
+            self._released = self._released or release
+        if release:
+            self._release()
+
+    def _release(self) -> None:  # pragma: no cover - each backend overrides it
+        raise NotImplementedError
+
+
+class FastBackend(_Released):
+    """The fast engine of a ``SentenceTransformer`` (see :class:`~dask_surge.models.engine.TransformerEngine`).
+
+    It checks the embeddings for NaN and inf itself, on the device.
+    """
+
+    name = "fast"
+
+    def __init__(self, model: Any, engine: Any) -> None:
+        super().__init__()
+        self.model = model
+        #: The :class:`~dask_surge.models.engine.TransformerEngine` (None once released).
+        self.engine = engine
+        self.dimension = int(engine.dimension)
+
+    def encode(self, texts: list[str], normalize: bool) -> np.ndarray:
+        with self._call():
+            return self.engine.encode(texts, normalize=normalize)
+
+    def _release(self) -> None:
+        engine, self.engine, self.model = self.engine, None, None
+        if engine is not None:
+            engine.close()  # the feeder thread, the pinned staging buffer, its encoder copy
+
+
+class SentenceTransformersBackend(_Released):
+    """``SentenceTransformer.encode``, one call at a time, with the prompt resolved already."""
+
+    name = "sentence-transformers"
+    engine = None
+
+    def __init__(self, model: Any, *, prompt: str | None, batch_size: int) -> None:
+        super().__init__()
+        self.model = model
+        self._prompt = "" if prompt is None else prompt  # resolved already: "" stops a second default lookup
+        self._batch_size = batch_size
+        self._lock = threading.Lock()
+        get_dim = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+        dim = get_dim()
+        if dim is None:  # some custom stacks only know it once they ran
+            dim = self._encode(["dimension probe"], False).shape[1]
+        self.dimension = int(dim)
+
+    def encode(self, texts: list[str], normalize: bool) -> np.ndarray:
+        with self._call():
+            return self._encode(texts, normalize)
+
+    def _encode(self, texts: list[str], normalize: bool) -> np.ndarray:
+        with self._lock:
+            return self.model.encode(
+                texts, prompt=self._prompt, batch_size=self._batch_size, normalize_embeddings=normalize,
+                convert_to_numpy=True, show_progress_bar=False,
+            )
+
+    def _release(self) -> None:
+        self.model = None
+
+
+class CallableBackend(_Released):
+    """A plain callable ``texts -> (n, d) array``, called as is (normalized here when asked).
+
+    Raises
+    ------
+    SurgeModelError
+        If the callable does not map one text to one row.
+    """
+
+    name = "callable"
+    engine = None
+
+    def __init__(self, fn: Callable[[list[str]], Any]) -> None:
+        super().__init__()
+        self.fn: Callable[[list[str]], Any] | None = fn
+        probe = self._encode(["dimension probe"], False)
+        if probe.ndim != 2 or probe.shape[0] != 1:
+            raise SurgeModelError(
+                f"model callable {fn!r} returned shape {probe.shape} for one text; it must map a "
+                "list of n strings to an (n, d) array. Fix: return e.g. numpy.stack([...]) of one vector per text."
+            )
+        self.dimension = int(probe.shape[1])
+
+    def encode(self, texts: list[str], normalize: bool) -> np.ndarray:
+        with self._call():
+            return self._encode(texts, normalize)
+
+    def _encode(self, texts: list[str], normalize: bool) -> np.ndarray:
+        assert self.fn is not None
+        emb = np.asarray(self.fn(texts), dtype=np.float32)
+        if normalize and emb.size:
+            emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+        return emb
+
+    def _release(self) -> None:
+        self.fn = None
+
+
+def choose_backend(
+    obj: Any, *, name: str, in_memory: bool, device: str | None = None, engine: str = "auto", dtype: str = "auto",
+    max_tokens: int | None = None, batch_size: int = 32, prompt: str | None = None, prompt_name: str | None = None,
+) -> tuple[Backend, str]:
+    """The backend that encodes with ``obj``, and why it was chosen.
+
+    A ``SentenceTransformer`` runs on the fast engine when ``engine`` is ``"auto"`` or
+    ``"fast"`` and its modules are Transformer (an encoder) + Pooling (cls, mean or max)
+    (+ Normalize), else through ``SentenceTransformer.encode``; an in-memory one is
+    first moved to ``device``. Any other callable is called as is.
+
+    Parameters
+    ----------
+    obj : SentenceTransformer or callable
+    name : str
+        How error messages name the model.
+    in_memory : bool
+        ``obj`` is the caller's object (moved to ``device``), not one loaded for ``device``.
+    device, engine, dtype, max_tokens, batch_size, prompt, prompt_name
+        The encoder's options (see :class:`~dask_surge.models.encoders.Encoder`).
+
+    Returns
+    -------
+    tuple of (Backend, str)
+
+    Raises
+    ------
+    SurgeModelError
+        ``engine="fast"`` for a model the fast engine cannot run; a callable that does
+        not return one row per text.
+    SurgeValueError
+        A prompt for a plain callable.
+
+    Examples
+    --------
+    >>> backend, why = choose_backend(lambda texts: [[1.0, 0.0]] * len(texts), name="f", in_memory=True)
+    >>> backend.name, backend.dimension, why
+    ('callable', 2, 'a plain callable, not a SentenceTransformer: called as is')
+    >>> backend.close(); backend.closed
+    True
+    """
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:  # pragma: no cover - a runtime dependency
+        SentenceTransformer = ()  # type: ignore[assignment, misc]
+    if not isinstance(obj, SentenceTransformer):
+        if prompt is not None or prompt_name is not None:
+            raise SurgeValueError(
+                f"prompt=/prompt_name= apply to sentence-transformers models, but the model is a "
+                f"{type(obj).__name__} callable. Fix: put the prompt into the texts (or into the callable)."
+            )
+        return CallableBackend(obj), "a plain callable, not a SentenceTransformer: called as is"
+    if in_memory:
+        move_to(obj, device)
+    resolved = resolve_prompt(dict(obj.prompts), obj.default_prompt_name, prompt, prompt_name, source=repr(name))
+    modules = [type(m).__name__ for m in obj]
+    if engine == "sentence-transformers":
+        reason = "engine='sentence-transformers' was asked for: SentenceTransformer.encode runs"
+    else:
+        from .engine import TransformerEngine
+
+        if dtype == "auto":
+            dtype = auto_dtype(str(obj.device), checkpoint_dtype(obj))
+        fast = TransformerEngine.from_sentence_transformer(obj, max_tokens=max_tokens, dtype=dtype,
+                                                           prompt="" if resolved is None else resolved)
+        if fast is not None:
+            return FastBackend(obj, fast), (
+                f"engine={engine!r} and the model is {' + '.join(modules)}, which the fast engine runs")
+        if engine == "fast":
+            raise SurgeModelError(
+                f"engine='fast' needs a Transformer (an encoder) + Pooling (cls, mean or max) (+ Normalize) "
+                f"model, but {name!r} has modules {modules}. "
+                "Fix: pass engine='auto' to fall back to SentenceTransformer.encode."
+            )
+        reason = (f"engine='auto' and the model ({' + '.join(modules)}) is not an encoder Transformer + Pooling "
+                  "(cls, mean or max) (+ Normalize) the fast engine runs: SentenceTransformer.encode runs")
+    return SentenceTransformersBackend(obj, prompt=resolved, batch_size=batch_size), reason
+
+
+def free_memory() -> None:
+    """Give freed model memory back: collect garbage, empty torch's CUDA cache, trim the C heap (glibc)."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    if sys.platform.startswith("linux"):
+        with suppress(OSError, AttributeError):  # a libc without malloc_trim (musl): nothing to trim
+            ctypes.CDLL(None).malloc_trim(0)
