@@ -26,7 +26,7 @@ import numpy as np
 
 from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
 from ..io.arrow import embedding_array
-from ..options import DTYPES, ENGINES, Dtype, EngineName
+from ..options import Dtype, EngineName, Invalid, defaults, option, options_of
 from .allocator import keep_large_blocks
 from .backends import Backend, BackendClosed, choose_backend, free_memory
 from .devices import auto_dtype, checkpoint_dtype, gpu_count
@@ -244,14 +244,15 @@ class EncoderSpec:
 
     kind: str  # "path" | "object"
     source: str  # resolved path, or registry token
-    device: str | None = None
-    dtype: str = "auto"
-    engine: str = "auto"
-    batch_size: int = 32
-    max_tokens: int | None = None
-    prompt: str | None = None
-    prompt_name: str | None = None
-    trust_remote_code: bool = False
+    # the options' defaults are declared in dask_surge.options (model_kwargs frozen to a tuple)
+    device: str | None = option("device").default
+    dtype: str = option("dtype").default
+    engine: str = option("engine").default
+    batch_size: int = option("batch_size").default
+    max_tokens: int | None = option("max_tokens").default
+    prompt: str | None = option("prompt").default
+    prompt_name: str | None = option("prompt_name").default
+    trust_remote_code: bool = option("trust_remote_code").default
     model_kwargs: tuple = field(default=())
     repo_id: str | None = None  # Hub models: the repo id and the commit every worker loads
     commit: str | None = None
@@ -299,10 +300,8 @@ def _token_for(obj: Any) -> str:
     return token
 
 
-_OPTION_DEFAULTS: dict[str, Any] = {
-    "device": None, "dtype": "auto", "engine": "auto", "batch_size": 32, "max_tokens": None, "prompt": None,
-    "prompt_name": None, "revision": None, "trust_remote_code": False, "model_kwargs": None,
-}
+#: the Encoder's options and their defaults, as declared in :data:`dask_surge.options.OPTIONS`
+_OPTION_DEFAULTS: dict[str, Any] = defaults("Encoder")
 
 
 class Encoder:
@@ -386,9 +385,8 @@ class Encoder:
         trust_remote_code: bool = False,
         model_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        given = {"device": device, "dtype": dtype, "engine": engine, "batch_size": batch_size,
-                 "max_tokens": max_tokens, "prompt": prompt, "prompt_name": prompt_name, "revision": revision,
-                 "trust_remote_code": trust_remote_code, "model_kwargs": model_kwargs}
+        values = locals()  # every option declared for the Encoder is a keyword above (KeyError if not)
+        given = {k: values[k] for k in _OPTION_DEFAULTS}
         if isinstance(model, Encoder):
             changed = {k: v for k, v in given.items() if v != _OPTION_DEFAULTS[k]}
             if changed:
@@ -418,10 +416,11 @@ class Encoder:
                 "'default', a Hub name such as 'BAAI/bge-small-en-v1.5', a local model directory, a loaded "
                 "SentenceTransformer, or a function texts -> (n, d) array."
             )
+        spec_options = {k: v for k, v in given.items() if k != "revision"}  # the commit is recorded instead
+        spec_options.update(trust_remote_code=bool(trust_remote_code), model_kwargs=_freeze(model_kwargs or {}))
         self.spec = EncoderSpec(
-            kind, source, device, dtype, engine, batch_size, max_tokens, prompt, prompt_name,
-            bool(trust_remote_code), _freeze(model_kwargs or {}),
-            resolved.repo_id if resolved else None, resolved.commit if resolved else None,
+            kind, source, **spec_options,
+            repo_id=resolved.repo_id if resolved else None, commit=resolved.commit if resolved else None,
         )
         if prompt_name is not None and prompt is None:
             prompts = self._configured_prompts()
@@ -849,30 +848,14 @@ class Encoder:
 
 
 def _check_options(opts: dict[str, Any]) -> None:
-    dtype, engine, batch_size, max_tokens = opts["dtype"], opts["engine"], opts["batch_size"], opts["max_tokens"]
-    if dtype not in DTYPES:
-        raise SurgeValueError(f"dtype={dtype!r} is not a known compute dtype. Fix: choose one of {DTYPES}.")
-    if engine not in ENGINES:
-        raise SurgeValueError(f"engine={engine!r} is not known. Fix: choose one of {ENGINES}.")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise SurgeValueError(f"batch_size={batch_size!r} must be a positive int. Fix: pass e.g. batch_size=32.")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0):
-        raise SurgeValueError(
-            f"max_tokens={max_tokens!r} must be a positive int (tokens per micro-batch) or None. "
-            "Fix: pass e.g. max_tokens=8192, or None for automatic."
-        )
-    if opts["device"] is not None:
-        _check_device(opts["device"])
-    for name in ("prompt", "prompt_name"):
-        if opts[name] is not None and not isinstance(opts[name], str):
-            raise SurgeValueError(f"{name}={opts[name]!r} must be a str or None. Fix: pass e.g. "
-                                  + ("prompt='query: '." if name == "prompt" else "prompt_name='query'."))
-    if not isinstance(opts["trust_remote_code"], bool):
-        raise SurgeValueError(f"trust_remote_code={opts['trust_remote_code']!r} must be True or False. "
-                              "Fix: pass trust_remote_code=True only for models whose code you trust.")
-    if opts["model_kwargs"] is not None and not isinstance(opts["model_kwargs"], dict):
-        raise SurgeValueError(f"model_kwargs={redact(opts['model_kwargs'])!r} must be a dict or None. "
-                              "Fix: pass e.g. model_kwargs={'attn_implementation': 'sdpa'}.")
+    """Each option in ``opts`` by its validator in :data:`dask_surge.options.OPTIONS` (credentials redacted)."""
+    for opt in options_of("Encoder"):
+        if opt.name in opts:
+            value = opts[opt.name]
+            try:
+                opt.check(value)
+            except Invalid as err:
+                raise SurgeValueError(opt.argument_error(value, err, shown=redact(value))) from None
 
 
 def _from_spec(spec: EncoderSpec) -> Encoder:
