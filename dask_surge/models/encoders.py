@@ -733,6 +733,9 @@ class Encoder:
                 raw = loaded.encode(texts, normalize)
                 break
             except BackendClosed:
+                with _LOAD_LOCK:  # closed while still cached (closed directly): forget it
+                    if _LOADED.get(self.spec) is loaded:
+                        del _LOADED[self.spec]
                 loaded = self._loaded()
         else:
             raw = loaded.encode(texts, normalize)
