@@ -1,10 +1,12 @@
 """The run loop of a written encode: work units streamed through the cluster, a bounded
 window at a time, each committing its SuperBatches as they close.
 
-A **unit** is one Dask task over a contiguous range of input partitions. It computes
-each of its partitions once (their upstream tasks run inside it, so the graph has one
-task per unit, not one per partition), forms SuperBatches over them with the two-threshold
-policy, and encodes, writes and commits each SuperBatch as it closes. Two modes:
+A **unit** is one Dask task over a contiguous range of input partitions, built by
+:class:`dask_surge.execution.inputs.InputGraph` as the lazy frame's SuperBatch tasks are.
+It computes each of its partitions once (it reads their Parquet files, or runs their
+upstream tasks, so the graph has one task per unit, not one per partition), forms
+SuperBatches over them with the two-threshold policy, and encodes, writes and commits
+each SuperBatch as it closes (:class:`UnitRunner`). Two modes:
 
 - **planned** (partition sizes known without reading data: Parquet footers, in-memory
   frames): SuperBatches are planned ahead (:func:`dask_surge.planning.policy.plan_superbatches`);
@@ -414,13 +416,13 @@ def _say_recorded_thresholds(found: Manifest | None, request: RunRequest) -> Non
             ", ".join(differ))
 
 
-def _new_plan(request: RunRequest, sizes: PartitionSizes | None, max_bytes: int | None) -> RunPlan:
+def _new_plan(request: RunRequest, sizes: PartitionSizes | None, max_bytes: int | None, threads: int) -> RunPlan:
     """What a new run records: the thresholds resolved for it, and how it runs."""
     th = request.thresholds(sizes, max_bytes)
     npartitions = request.frame.npartitions
     if sizes is None:
         return RunPlan(th.b_min, th.b_max, "streaming", npartitions, max_bytes, th.reason,
-                       unit_partitions=unit_partitions(npartitions, request.threads))
+                       unit_partitions=unit_partitions(npartitions, threads))
     return RunPlan(th.b_min, th.b_max, "planned", npartitions, max_bytes, th.reason, rows=sizes.total)
 
 
@@ -435,7 +437,7 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim) -> 
     sizes = None if recorded is not None and recorded.mode == "streaming" else known_sizes(frame, sbe.column, max_bytes)
     manifest, resumed = open_run(output, request.fingerprint, overwrite=request.overwrite,
                                  storage_options=request.storage_options,
-                                 plan=_new_plan(request, sizes, max_bytes) if found is None else None)
+                                 plan=_new_plan(request, sizes, max_bytes, threads) if found is None else None)
     plan = manifest.plan
     if plan is None:  # pragma: no cover - a run of write_run always records one
         raise SurgeError(f"the run in {output!r} recorded no plan. Fix: rerun with overwrite=True.")
