@@ -479,10 +479,19 @@ def fingerprint(frame, sbe: SuperBatchEncoder, *, device: str | None = None,
     return found
 
 
-# the runtime signatures and docstrings come from the option table (dask_surge.options)
-encode.__doc__ = document(encode.__doc__, "encode")
-plan.__doc__ = document(plan.__doc__, "plan")
-encode.__signature__ = signature(encode, "encode")  # type: ignore[attr-defined]
-plan.__signature__ = signature(plan, "plan")  # type: ignore[attr-defined]
-for _overload in get_overloads(encode):
-    _overload.__signature__ = signature(_overload, "encode")  # type: ignore[attr-defined]
+_DOC_TEMPLATES = {"encode": encode.__doc__, "plan": plan.__doc__}
+
+
+def _derive_from_options() -> None:
+    """Give :func:`encode` (and its overloads) and :func:`plan` the runtime signature and the
+    Parameters of :data:`dask_surge.options.OPTIONS`. Run at import; a test that declares an
+    option runs it again."""
+    derived: list[tuple[Any, str]] = [(encode, "encode"), (plan, "plan")]
+    for func, taker in derived:
+        func.__doc__ = document(_DOC_TEMPLATES[taker], taker)
+        func.__signature__ = signature(func, taker)
+    for overload_ in get_overloads(encode):
+        overload_.__signature__ = signature(overload_, "encode")  # type: ignore[attr-defined]
+
+
+_derive_from_options()

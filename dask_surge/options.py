@@ -404,7 +404,8 @@ OPTIONS: tuple[Option, ...] = (
          Where the model runs. Can be ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"mps"``, or None to use
          CUDA when available. In a dask-cuda worker each worker sees its own GPU as ``cuda:0``.""",
          "cpu, cuda, cuda:N (default: CUDA when available)",
-         config="device", validator=torch_device, schema={"type": ["string", "null"]}, identity=False,
+         config="device", validator=torch_device,
+         schema={"type": ["string", "null"], "pattern": "^(cpu|cuda|cuda:[0-9]+|mps)$"}, identity=False,
          takers="encode Encoder", cli=Cli()),
     _opt("dtype", Dtype | None, '{"auto", "float32", "float16", "bfloat16"}, optional', """
          Compute dtype of the forward pass; ``"auto"`` is float32 on a CPU and, on CUDA, bfloat16 for
@@ -634,7 +635,9 @@ def identity_options() -> dict[str, bool]:
 
 
 def signature(func: Callable[..., Any], taker: str) -> inspect.Signature:
-    """``func``'s signature with its ``**options`` replaced by the keyword options ``taker`` takes.
+    """``func``'s positional parameters followed by the keyword options ``taker`` takes.
+
+    Its ``**options`` (or the options of a signature derived before) give way to the table's.
 
     Examples
     --------
@@ -643,7 +646,8 @@ def signature(func: Callable[..., Any], taker: str) -> inspect.Signature:
     ['ddf', 'column', 'model', 'b_min']
     """
     sig = inspect.signature(func)
-    head = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    head = [p for p in sig.parameters.values()
+            if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
     tail = [inspect.Parameter(opt.name, inspect.Parameter.KEYWORD_ONLY, default=opt.api_default,
                               annotation=opt.annotation) for opt in options_of(taker)]
     return sig.replace(parameters=[*head, *tail])
