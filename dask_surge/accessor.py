@@ -3,7 +3,8 @@
 ``ddf.surge.encode`` and ``ddf.surge.plan`` are :func:`dask_surge.api.encode` and
 :func:`dask_surge.api.plan` with the frame bound: they show those functions' own
 signature (less ``ddf``) and docstring, so ``ddf.surge.encode?`` in a notebook tells
-the whole story, and they can never drift from them.
+the whole story, and they can never drift from them. (Those functions' signatures and
+Parameters are in turn derived from :data:`dask_surge.options.OPTIONS`.)
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 Every option can be set in Dask's YAML config, with ``dask.config.set``, or
 through environment variables such as ``DASK_SURGE__B_MIN=50000``. Values are
-resolved when a function runs, never frozen at import.
+resolved when a function runs, never frozen at import. The options, their defaults
+(``surge.yaml``, checked against them), validation and schema (``surge-schema.yaml``,
+generated) are declared once, in :data:`dask_surge.options.OPTIONS`.
 """
 
 from __future__ import annotations
