@@ -59,7 +59,7 @@ def test_sentence_transformers_when_asked_or_when_the_fast_engine_cannot_run_it(
     assert "(Transformer + Pooling + Dense) is not an encoder Transformer + Pooling" in why
     np.testing.assert_allclose(backend.encode(TEXTS, True), dense.encode(TEXTS, normalize_embeddings=True),
                                rtol=1e-5, atol=1e-6)
-    with pytest.raises(SurgeModelError, match="engine='fast' needs a Transformer.*Fix"):
+    with pytest.raises(SurgeModelError, match=r"engine='fast' needs a Transformer.*Fix"):
         choose_backend(dense, name="dense", in_memory=True, device="cpu", engine="fast")
 
 

@@ -88,7 +88,7 @@ class TransformerEngine:
         self._device = DeviceRunner(transformer.auto_model, tuple(pooling_modes), dtype=dtype,
                                     pad_id=self._packer.pad_id, type_ids=self._packer.type_ids,
                                     prompt_length=self._packer.prompt_length, clock=self._clock)
-        self.device: torch.device = self._device.device
+        self.device = self._device.device
         self._normalize = normalize
         self.max_seq_length = self._packer.max_seq_length
         self.dimension = self._device.dimension
