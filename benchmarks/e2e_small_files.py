@@ -93,9 +93,9 @@ def one(method: str, model: str, data: str, workers: int) -> dict:
             res = dd.read_parquet(data).surge.encode("text", output=str(out / "emb"), model=model, device="cpu",
                                                      keep=["doc_id"], progress=False, scheduler=client)
             seconds = time.perf_counter() - t0
-            return {"seconds": seconds, "rows": int(sum(r["rows"] for r in res.records)),
+            return {"seconds": seconds, "rows": int(sum(r.rows for r in res.records)),
                     "cluster_start_s": start_s, "ttfo_s": res.ttfo_s, "superbatches": res.superbatches,
-                    "engine": sorted({r.get("engine", "") for r in res.records})}
+                    "engine": sorted({r.engine for r in res.records})}
         finally:
             client.close()
             cluster.close()

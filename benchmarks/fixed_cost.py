@@ -91,7 +91,7 @@ def one_call(data: Path, client, scratch: Path, seconds: dict[str, float]) -> di
     res = dd.read_parquet(str(data)).surge.encode("text", output=str(out), model="default", device="cpu",
                                                   progress=False, scheduler=client)
     total = time.perf_counter() - t0
-    first = min(r["started_at"] for r in res.records) - wall0
+    first = min(r.started_at for r in res.records) - wall0
     shutil.rmtree(out, ignore_errors=True)
     return {"first_superbatch_s": first, "ttfo_s": res.ttfo_s, "seconds": total, "superbatches": res.superbatches,
             "rows": res.rows, "client_phases_s": dict(seconds)}

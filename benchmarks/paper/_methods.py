@@ -217,8 +217,8 @@ def run_surge(spec, client, enc, out):
                            keep=["doc_id"], progress=False, scheduler=client)
     return {
         "calls": len(res.records), "library_ttfo_s": res.ttfo_s, "superbatches": res.superbatches,
-        "encode_s_sum": float(sum(r["encode_s"] for r in res.records)),
-        "write_s_sum": float(sum(r["write_s"] for r in res.records)),
+        "encode_s_sum": float(sum(r.encode_s for r in res.records)),
+        "write_s_sum": float(sum(r.write_s for r in res.records)),
         "library_seconds": res.seconds, "sizes_source": res.sizes_source,
     }
 
