@@ -271,9 +271,9 @@ def _surge(s: Session, client, model: str, files: list[str], name: str) -> dict:
         stop.set()
     recs = res.records
     return {"rows": res.rows, "seconds": res.seconds, "texts_per_s": res.rows / res.seconds, "ttfo_s": res.ttfo_s,
-            "superbatches": res.superbatches, "encode_s_sum": float(sum(r.get("encode_s", 0) for r in recs)),
-            "write_s_sum": float(sum(r.get("write_s", 0) for r in recs)),
-            "engine": sorted({str(r.get("engine", "")) for r in recs}), "_records": recs}
+            "superbatches": res.superbatches, "encode_s_sum": float(sum(r.encode_s for r in recs)),
+            "write_s_sum": float(sum(r.write_s for r in recs)),
+            "engine": sorted({r.engine for r in recs}), "_records": [r.as_dict() for r in recs]}
 
 
 def _worker_facts() -> dict:

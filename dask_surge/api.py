@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING, Any, get_overloads, overload
 from . import config
 from ._version import __version__
 from .errors import SurgeInputError, SurgeValueError
-from .execution.calibrate import calibrate
-from .execution.calibrate import calibrate as run_probe
+from .execution import calibrate as calibration  # called through the module: tests swap its calibrate
 from .execution.cluster import local_cluster, local_cluster_threads
 from .execution.graph import superbatch_collection
 from .execution.plugins import register_encoder
@@ -141,8 +140,7 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
         client, scheduler = scheduler, None
     active = client if client is not None else (_active_client() if scheduler is None else None)
     if opts["calibrate"] and params is None:
-
-        params = run_probe(_resolve_encoder(model, {}), client=active)
+        params = calibration.calibrate(_resolve_encoder(model, {}), client=active)
     tokens_source, raw_params = None, params
     if params is not None and sizes.total:  # predictions (and known-size thresholds) use this data's tokens
         params, tokens_source = _params_for_data(ddf, column, sizes, params, model, opts["token_sample"])
@@ -367,7 +365,7 @@ def _resolve(requested, encoder: Encoder, frame, column: str, client, sizes: Par
     if "auto" in requested:
 
         try:
-            params = calibrate(encoder, client=client, probe=False)
+            params = calibration.calibrate(encoder, client=client, probe=False)
         except Exception as err:  # noqa: BLE001 - a broken cache must not stop a run: fall back to defaults
             logger.warning("dask-surge: calibration cache not usable (%s); using default thresholds", err)
     if params is not None and sizes is not None and sizes.total:

@@ -129,7 +129,7 @@ def test_same_superbatch_twice_concurrently_commits_once(tmp_path, counting_enco
     threads = [threading.Thread(target=attempt) for _ in range(2)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    assert sorted(r["committed"] for r in results) == [False, True]
+    assert sorted(r.committed for r in results) == [False, True]
     assert len(list((tmp_path / "o").glob("part-*.parquet"))) == 1
     assert list(manifest.committed()) == [sb_key(0, 0)]
 
