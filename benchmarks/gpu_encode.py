@@ -151,7 +151,7 @@ def bench_surge(path: str, data: str, rows: int, device: str, work: Path, warm: 
     return {"workers": workers, "cluster": type(cluster).__name__, "surge_s": res.seconds, "ttfo_s": res.ttfo_s,
             "superbatches": res.superbatches, "b_min": res.b_min, "b_max": res.b_max,
             "gpu_peak_bytes_per_worker": sorted(peaks.values()), "worker_facts": worker_facts,
-            "per_superbatch": [{k: r.get(k) for k in ("sb", "rows", "encode_s", "write_s", "bytes", "engine")}
+            "per_superbatch": [{k: getattr(r, k) for k in ("sb", "rows", "encode_s", "write_s", "bytes", "engine")}
                                for r in res.records]}
 
 

@@ -519,7 +519,7 @@ def stage_pytest(s: Session) -> None:
     # the parent imported pytest's plugins' modules already (anyio): their rewrite warning is no failure
     rc = pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning",
                       "-m", "gpu", "--junitxml", str(s.detail / "pytest_gpu.xml"),
-                      "tests/test_cuda_traps.py", "tests/test_engine.py"], plugins=[Count()])
+                      "tests/test_devices.py", "tests/test_engine.py"], plugins=[Count()])
     s.emit("ok" if int(rc) in (0, 5) else "error", rc=int(rc), model=os.environ.get("SURGE_GPU_MODEL"), **counts)
 
 

@@ -71,10 +71,10 @@ def surge_run(data: Path, client, scratch: Path) -> tuple[float, dict]:
     seconds = time.perf_counter() - t0
     facts = {
         "superbatches": res.superbatches, "ttfo_s": res.ttfo_s,
-        "encode_s_sum": float(sum(r["encode_s"] for r in res.records)),
-        "write_s_sum": float(sum(r["write_s"] for r in res.records)),
-        "engine": sorted({r.get("engine", "") for r in res.records}),
-        "rows": int(sum(r["rows"] for r in res.records)),
+        "encode_s_sum": float(sum(r.encode_s for r in res.records)),
+        "write_s_sum": float(sum(r.write_s for r in res.records)),
+        "engine": sorted({r.engine for r in res.records}),
+        "rows": int(sum(r.rows for r in res.records)),
     }
     shutil.rmtree(out, ignore_errors=True)
     return seconds, facts

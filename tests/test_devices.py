@@ -1,4 +1,4 @@
-"""Issue 17's CUDA traps, each pinned by a test: on the CPU where it can, on a GPU where it must.
+"""CUDA traps of device handling, each pinned by a test: on the CPU where it can, on a GPU where it must.
 
 - an in-memory model honours ``device=`` (moved where it encodes);
 - ``device="cuda:N"`` is checked against the devices the loading process sees;
