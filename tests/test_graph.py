@@ -67,18 +67,10 @@ def test_a_partition_other_units_consume_is_a_task_of_its_own_computed_once():
     assert calls.seen == Counter({0: 1, 3: 1, 8: 1})  # partition 1 (doc_id 3...) computed once
 
 
-def test_parquet_units_read_their_own_files_and_a_shared_one_once(tmp_path, monkeypatch):
+def test_parquet_units_read_their_own_files_and_a_shared_one_once(tmp_path, parquet_reads):
     sizes = [4, 0, 9, 2]
     write_partitioned_parquet(tmp_path / "in", sizes, seed=3)
-    reads: Counter = Counter()
-    real = ParquetPartitions._tables
-
-    def counted(self, pieces):
-        tables = real(self, pieces)
-        reads.update(t.num_rows for t in tables)
-        return tables
-
-    monkeypatch.setattr(ParquetPartitions, "_tables", counted)
+    reads = parquet_reads
     inputs = InputGraph(dd.read_parquet(tmp_path / "in")[["text", "doc_id"]])
     assert inputs.is_parquet
     alone = inputs.task("u", lengths, Unit((0, 1, 2, 3)))

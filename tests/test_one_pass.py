@@ -164,21 +164,13 @@ def test_a_partition_sliced_k_ways_is_computed_once(tmp_path, client):
     assert Counter(CallLog(log).calls()) == Counter({0: 1, 5: 1, 105: 1})
 
 
-def test_a_parquet_partition_sliced_k_ways_is_read_once(tmp_path, monkeypatch):
-    from dask_surge.io.parquet import ParquetPartitions
+def test_a_parquet_partition_sliced_k_ways_is_read_once(tmp_path, parquet_reads):
+    import dask.dataframe as dd
+
     from dask_surge.testing import write_partitioned_parquet
 
     write_partitioned_parquet(tmp_path / "in", [5, 100, 3], seed=1)
-    reads = Counter()
-    real = ParquetPartitions._tables
-
-    def counted(self, pieces):
-        tables = real(self, pieces)
-        reads.update(t.num_rows for t in tables)
-        return tables
-
-    monkeypatch.setattr(ParquetPartitions, "_tables", counted)
-    import dask.dataframe as dd
+    reads = parquet_reads
 
     res = dd.read_parquet(tmp_path / "in").surge.encode("text", str(tmp_path / "o"), model=checksum_model,
                                                         b_min=10, b_max=20, scheduler="sync", progress=False)
