@@ -724,12 +724,14 @@ def check_output(path: str, storage_options: dict | None = None, *, inputs: Sequ
 class Claim:
     """An exclusive, heartbeated claim of an output directory by one live run.
 
-    ``_surge/CLAIM`` holds the run, host, pid, a random token and the time of the
-    last heartbeat. :meth:`acquire` creates it exclusively; a claim whose process is
-    gone (same host, pid not alive) or whose heartbeat is older than
-    :data:`CLAIM_TTL_S` is stale and is taken over (renamed aside first, so of two
-    processes taking it over one wins). While held, a daemon thread refreshes the
-    heartbeat; :meth:`release` removes the claim if it is still ours.
+    ``_surge/CLAIM`` holds the run, host, pid and a random token, and is never rewritten;
+    the holder's heartbeat is the time written in its own ``_surge/.heartbeat-<token>``,
+    so refreshing it can never overwrite another run's claim. :meth:`acquire` creates
+    the claim exclusively; a claim whose process is gone (same host, pid not alive) or
+    whose heartbeat is older than :data:`CLAIM_TTL_S` is stale and is taken over
+    (renamed aside first, so of two processes taking it over one wins). While held, a
+    daemon thread refreshes the heartbeat and notices a lost claim (:attr:`lost`);
+    :meth:`release` removes the claim if it is still ours.
 
     Examples
     --------
@@ -757,12 +759,28 @@ class Claim:
         return f"{root}/{META_DIR}/CLAIM"
 
     @staticmethod
+    def _beat_path(root: str, token: str) -> str:
+        return f"{root}/{META_DIR}/.heartbeat-{token}"
+
+    @staticmethod
     def holder(fs, root: str) -> dict | None:
-        """What the claim file of ``root`` says (None: unclaimed; a torn claim reads as stale)."""
+        """What the claim of ``root`` says, with its last ``heartbeat`` (None: unclaimed; a torn
+        claim reads as stale)."""
         try:
-            return _read_json(fs, Claim.path(root))
+            info = _read_json(fs, Claim.path(root))
         except SurgeOutputError:
             return {"heartbeat": 0.0, "host": "?", "pid": 0, "run": "?", "token": "?"}
+        if info is None:
+            return None
+        token = str(info.get("token", ""))
+        if re.fullmatch(r"[0-9a-f]{32}", token):
+            try:
+                with fs.open(Claim._beat_path(root, token), "rb") as f:
+                    info["heartbeat"] = float(f.read().decode())
+            except (FileNotFoundError, ValueError):
+                pass  # no beat yet: the time the claim was made
+        info.setdefault("heartbeat", info.get("started", 0.0))
+        return info
 
     @staticmethod
     def _stale(info: dict) -> bool:
@@ -779,7 +797,10 @@ class Claim:
 
     def _body(self) -> bytes:
         return json.dumps({"run": self.run_id, "token": self.token, "host": socket.gethostname(),
-                           "pid": os.getpid(), "heartbeat": time.time()}, sort_keys=True).encode()
+                           "pid": os.getpid(), "started": time.time()}, sort_keys=True).encode()
+
+    def _beat_once(self) -> None:
+        write_bytes_atomic(self.fs, Claim._beat_path(self.root, self.token), repr(time.time()).encode())
 
     @classmethod
     def acquire(cls, fs, root: str, run_id: str, *, heartbeat: bool = True) -> Claim:
@@ -804,6 +825,9 @@ class Claim:
                     )
                 with contextlib.suppress(FileNotFoundError):  # another taker may have moved it first
                     _rename(fs, cls.path(root), f"{root}/{META_DIR}/.stale-claim-{time.time_ns()}")
+                if re.fullmatch(r"[0-9a-f]{32}", str(info.get("token", ""))):
+                    with contextlib.suppress(OSError):
+                        fs.rm(cls._beat_path(root, str(info["token"])))
             else:
                 raise SurgeOutputError(f"output={root!r}: could not claim it after 3 tries (another run "
                                        "keeps claiming it). Fix: rerun when the other run is done.")
@@ -816,6 +840,8 @@ class Claim:
             if name.startswith(".stale-claim-"):
                 with contextlib.suppress(OSError):
                     fs.rm(f"{root}/{META_DIR}/{name}")
+        with contextlib.suppress(OSError):
+            claim._beat_once()
         if heartbeat:
             claim._thread = threading.Thread(target=claim._beat, name="dask-surge-claim", daemon=True)
             claim._thread.start()
@@ -832,7 +858,7 @@ class Claim:
                 if not self.held():
                     self.lost = True
                     return
-                write_bytes_atomic(self.fs, Claim.path(self.root), self._body())
+                self._beat_once()  # our own file: a claim taken over meanwhile is never overwritten
             except OSError:  # a full disk: the next beat tries again; the claim goes stale if it persists
                 continue
 
@@ -844,6 +870,8 @@ class Claim:
         with contextlib.suppress(OSError):
             if self.held():
                 self.fs.rm(Claim.path(self.root))
+        with contextlib.suppress(OSError):
+            self.fs.rm(Claim._beat_path(self.root, self.token))
 
     def __enter__(self) -> Claim:
         return self
