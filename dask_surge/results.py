@@ -14,6 +14,7 @@ from .planning.costmodel import predict
 from .planning.policy import SuperBatch
 from .planning.sizes import PartitionSizes
 from .planning.units import streamed_plan
+from .plots import plot_advice, plot_run, run_timeline
 
 __all__ = ["SurgePlan", "EncodeResult", "SuperBatchReport"]
 
@@ -137,6 +138,25 @@ class SurgePlan:
         fig.tight_layout()
         return fig
 
+    def plot_advice(self):
+        """Where this workload sits on the phi/CV advisor's map.
+
+        phi (the share of a mean partition's encode call spent in fixed per-call cost) on
+        the x axis, the CV of partition sizes on the y axis, coloured by the predicted
+        speed-up of SuperBatches over one call per partition (the cost model on log-normal
+        sizes with this plan's partition count, ``b_min`` and ``b_max``); a line where the
+        gain reaches 5%, and a star for this workload with its own prediction and the
+        advice's text (:func:`dask_surge.planning.costmodel.advise`).
+
+        Needs matplotlib (``pip install 'dask-surge[plot]'``) and a plan with cost-model
+        parameters (``plan(..., calibrate=True)`` or ``params=``). Returns the figure; no
+        backend is chosen (a notebook shows it inline, a script saves it).
+        """
+        if self.params is None or self.advice is None:
+            raise SurgeValueError("this plan has no cost-model parameters, so no advice to draw. "
+                                  "Fix: call plan(..., calibrate=True) or pass params=.")
+        return plot_advice(self)
+
 
 def _largest_bytes(superbatches: Sequence[SuperBatch], sizes: PartitionSizes) -> int | None:
     """Text bytes of the largest SuperBatch (slices pro rata), or None when bytes are unknown."""
@@ -245,6 +265,33 @@ class EncodeResult:
         """Rows encoded in this call per second (resumed rows not counted)."""
         done = sum(r.rows for r in self.records)
         return done / self.seconds if self.seconds > 0 else 0.0
+
+    def timeline(self) -> pd.DataFrame:
+        """This call's SuperBatches on one clock, as a DataFrame in commit order.
+
+        Columns ``sb``, ``rows``, ``skipped``, ``start_s`` and ``commit_s`` (seconds since the
+        call started, on the client's clock), ``encode_s``, ``write_s``, ``committed``,
+        ``lane`` (SuperBatches running at the same time get different lanes; the reports do
+        not name their worker) and ``rows_committed`` (cumulative, from the rows a resumed run
+        had already committed to :attr:`rows`). Empty when nothing was encoded in this call.
+        """
+        done = sum(r.rows + r.skipped for r in self.records if r.committed)
+        return run_timeline(self.records, self.ttfo_s, already_rows=max(0, self.rows - done))
+
+    def plot(self):
+        """Where the time went: a 2x2 figure of this call.
+
+        Rows committed over time (ending at :attr:`rows`; a resumed run starts at what was
+        already committed), the SuperBatches in flight (encode, then write and commit, one
+        lane per concurrent task), throughput over the run with its mean, time to first
+        output marked, and each SuperBatch's size against ``b_min`` and ``b_max``. A call
+        that encoded nothing (a complete run rerun) draws a figure that says so.
+
+        Needs matplotlib (``pip install 'dask-surge[plot]'``); nothing is imported until it
+        is called. Returns the figure; no backend is chosen (a notebook shows it inline, a
+        script calls ``fig.savefig``).
+        """
+        return plot_run(self)
 
     def as_dict(self) -> dict:
         d = asdict(self)
