@@ -13,7 +13,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..models.encoders import Encoder, install_object, uninstall_object
 
-__all__ = ["EncoderPlugin", "configure_worker_threads", "register_encoder", "release_encoder"]
+__all__ = ["EncoderPlugin", "configure_worker_threads", "register_encoder", "release_encoder", "plugin_name",
+           "models_ready"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class EncoderPlugin(WorkerPlugin):
         self.preload = preload
         self.background = background
         # the spec's repr hides credentials; its token does not (two tokens: two plugins)
-        self.name = "dask-surge-encoder-" + hashlib.sha1(tokenize(encoder.spec).encode()).hexdigest()[:12]
+        self.name = plugin_name(encoder)
 
     async def setup(self, worker) -> None:
         """Install an in-memory model in this worker process and, with ``preload``, load the model.
@@ -116,6 +117,27 @@ class EncoderPlugin(WorkerPlugin):
                            type(err).__name__, err)
             return
         logger.info("dask-surge: %r loaded on %s", self.encoder, address)
+
+
+def plugin_name(encoder: Encoder) -> str:
+    """The name :class:`EncoderPlugin` registers ``encoder`` under on every worker."""
+    return "dask-surge-encoder-" + hashlib.sha1(tokenize(encoder.spec).encode()).hexdigest()[:12]
+
+
+def _model_loaded(name: str, dask_worker=None) -> bool:
+    """On a worker (through ``Client.run``): is the model of plugin ``name`` loaded in this process?"""
+    plugin = getattr(dask_worker, "plugins", {}).get(name)
+    return isinstance(plugin, EncoderPlugin) and plugin.encoder.is_loaded
+
+
+def models_ready(client, encoder: Encoder) -> tuple[int, int]:
+    """``(workers whose model of `encoder` is loaded, workers)`` on ``client``'s cluster.
+
+    The plugin loads in the background (see :class:`EncoderPlugin`); the client's
+    progress asks this every half second until every worker is ready.
+    """
+    states = client.run(_model_loaded, plugin_name(encoder), on_error="return")
+    return sum(1 for v in states.values() if v is True), len(states)
 
 
 def configure_worker_threads(*, cpus: int | None = None) -> dict:

@@ -1,96 +1,298 @@
-"""Progress of a SuperBatch run: a line in terminals, an updating bar in notebooks."""
+"""Progress of a SuperBatch run, from its first second: a ``tqdm.auto`` bar over rows.
+
+The bar opens when the run starts and names its phase: ``planning`` (reading sizes,
+opening or resuming the run), ``waiting for workers`` (a cluster with none yet),
+``loading model`` (per worker: the plugin loads it in the background), ``encoding``.
+Rows are the unit; the bar moves as each SuperBatch commits (see
+:mod:`dask_surge.execution.events`), its total is shown only once known (a streamed
+input learns it at the end), and a resumed run starts at the rows already committed.
+
+``tqdm.auto`` is a terminal line (width, rate and ETA handled by tqdm) or a notebook
+widget; ``TQDM_DISABLE=1`` or ``progress=False`` shows nothing, and the other
+``TQDM_*`` variables of :data:`ENV_OPTIONS` (``TQDM_MININTERVAL``...) apply, read when the bar opens. While the bar is open, the
+package's log messages go through ``tqdm.write`` so they never break the bar
+(:func:`logging_through`).
+"""
 
 from __future__ import annotations
 
-import html
+import contextlib
+import logging
+import os
 import sys
-import time
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
-__all__ = ["Progress", "in_notebook"]
+__all__ = ["RunProgress", "logging_through", "tqdm_class", "TICK_S", "ENV_OPTIONS"]
 
+#: the terminal bar once its total is known (tqdm's default, with the unit after the total)
+KNOWN_TOTAL = "{l_bar}{bar}| {n_fmt}/{total_fmt}{unit} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    if seconds >= 60:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds}s"
-
-
-def in_notebook() -> bool:
-    """True inside a Jupyter kernel (where an HTML display can be updated in place)."""
-    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+#: seconds between two refreshes of an open bar (and two questions about the model)
+TICK_S = 0.5
 
 
-class Progress:
-    """Rows and SuperBatches done of planned, texts/s and ETA, at most once a second.
+def tqdm_class() -> Any:
+    """``tqdm.auto.tqdm``: the notebook widget in Jupyter, else the terminal bar.
 
-    In a terminal it prints one line (rewritten in place on a TTY); in a Jupyter
-    notebook it shows an HTML progress bar updated in place (no widget library
-    needed). ``enabled=False`` shows nothing.
+    Imported when the first bar opens (``import dask_surge`` stays light), without
+    tqdm's warning when a notebook lacks ``ipywidgets`` (it then falls back to the
+    terminal bar, which Jupyter shows as text).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*IProgress not found.*")
+        from tqdm.auto import tqdm
+
+    return tqdm
+
+
+#: the ``TQDM_*`` variables read when a bar opens, and their types (tqdm itself reads them
+#: once, when it is imported: one set later, in a notebook or a test, would be missed)
+ENV_OPTIONS: dict[str, Callable[[str], Any]] = {
+    "disable": lambda v: v.strip().lower() not in ("", "0", "false", "no", "off"),
+    "mininterval": float, "maxinterval": float, "miniters": float, "smoothing": float, "ncols": int,
+    "colour": str, "ascii": lambda v: {"true": True, "false": False}.get(v.strip().lower(), v),
+}
+
+
+def _env_options() -> dict[str, Any]:
+    """The bar's options that ``TQDM_<NAME>`` environment variables set now (bad values are ignored)."""
+    found = {}
+    for name, kind in ENV_OPTIONS.items():
+        value = os.environ.get(f"TQDM_{name.upper()}")
+        if value is not None:
+            with contextlib.suppress(ValueError):
+                found[name] = kind(value)
+    return found
+
+
+class RunProgress:
+    """The progress bar of one run (see the module docstring).
+
+    Thread-safe: commits are heard on the client's event loop (distributed), in task
+    threads (``"threads"``) and in the run loop, and a ticker thread refreshes the bar
+    and follows the model's loading.
+
+    Parameters
+    ----------
+    enabled : bool
+        False shows nothing (``TQDM_DISABLE=1`` too).
+    file : file-like, optional
+        Where a terminal bar goes (default: standard error).
 
     Examples
     --------
     >>> import io
     >>> buf = io.StringIO()
-    >>> p = Progress(2, 100, stream=buf, notebook=False)
-    >>> p.update(60); p.update(40)
-    >>> buf.getvalue().splitlines()[-1].startswith("[dask-surge] 2/2 SuperBatches, 100/100 rows")
-    True
+    >>> with RunProgress(file=buf) as bar:
+    ...     bar.planned(rows=10, superbatches=2, done_rows=4, done_superbatches=1)
+    ...     bar.phase("encoding")
+    ...     bar.commit("1-0", 6)
+    ...     bar.commit("1-0", 6)  # heard twice (event, then the unit's report): counted once
+    >>> buf.getvalue().replace("\\r", "\\n").splitlines()[-1]  # doctest: +ELLIPSIS
+    'dask-surge [encoding]: 100%|...| 10/10 rows [...<00:00, ... rows/s, 2/2 SuperBatches]'
+
     """
 
-    def __init__(self, total_sbs: int | None, total_rows: int | None, *, enabled: bool = True, stream=None,
-                 done_sbs: int = 0, done_rows: int = 0, notebook: bool | None = None) -> None:
-        self.total_sbs, self.total_rows = total_sbs, total_rows
-        self.sbs, self.rows = done_sbs, done_rows
-        self._start_rows = done_rows
-        self.enabled = enabled
-        self.stream = stream or sys.stderr
-        self.start = time.perf_counter()
-        self._last = 0.0
-        self._tty = getattr(self.stream, "isatty", lambda: False)()
-        self.notebook = in_notebook() if notebook is None else notebook
-        self._handle = None
+    def __init__(self, *, enabled: bool = True, file=None) -> None:
+        self._lock = threading.RLock()
+        self._seen: set[str] = set()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        self._ready: Callable[[], tuple[int, int]] | None = None
+        self._workers = False
+        self._model: tuple[int, int] | None = None  # the last answer of ``ready``
+        self._committed = False  # a SuperBatch committed in this run
+        self.superbatches = 0
+        self.total_superbatches: int | None = None
+        self.phase_name = "planning"
+        options: dict[str, Any] = {"total": None, "unit": " rows", "desc": self._desc(), "file": file,
+                                   "dynamic_ncols": True, "smoothing": 0.1, **_env_options()}
+        if not enabled:
+            options["disable"] = True
+        self.bar = tqdm_class()(**options)
+        self._postfix()
+        if not self.disabled:
+            self._ticker = threading.Thread(target=self._tick, name="surge-progress", daemon=True)
+            self._ticker.start()
 
-    def _numbers(self) -> tuple[float, str]:
-        elapsed = time.perf_counter() - self.start
-        rate = (self.rows - self._start_rows) / elapsed if elapsed > 0 else 0.0
-        if self.total_rows is None:  # streaming: the total is learnt as partitions are computed
-            return rate, "?"
-        left = self.total_rows - self.rows
-        return rate, (_duration(left / rate) if rate > 0 else "?")
+    @property
+    def disabled(self) -> bool:
+        return bool(getattr(self.bar, "disable", False))
 
-    def line(self) -> str:
-        rate, eta = self._numbers()
-        of_sbs = f"/{self.total_sbs:,}" if self.total_sbs is not None else ""
-        of_rows = f"/{self.total_rows:,}" if self.total_rows is not None else ""
-        return (f"[dask-surge] {self.sbs:,}{of_sbs} SuperBatches, "
-                f"{self.rows:,}{of_rows} rows, {rate:,.0f} texts/s, ETA {eta}")
+    @property
+    def rows(self) -> int:
+        return int(self.bar.n)
 
-    def html(self) -> str:
-        """The notebook view: a ``<progress>`` bar over rows, and the same numbers as :meth:`line`."""
-        text = html.escape(self.line().removeprefix("[dask-surge] "))
-        return (f'<div><b>dask-surge</b> <progress value="{self.rows}" max="{max(1, self.total_rows or self.rows)}" '
-                f'style="width: 40%"></progress> {text}</div>')
+    def _desc(self) -> str:
+        return f"dask-surge [{self.phase_name}]"
 
-    def update(self, rows: int, sbs: int = 1) -> None:
-        self.rows += rows
-        self.sbs += sbs
-        now = time.perf_counter()
-        if self.enabled and (now - self._last >= 1.0 or self.sbs == self.total_sbs):
-            self._last = now
-            if self.notebook:
-                self._show_html()
-            else:
-                end = "\r" if self._tty and (self.total_sbs is None or self.sbs < self.total_sbs) else "\n"
-                print(self.line(), end=end, file=self.stream, flush=True)
+    def _postfix(self) -> None:
+        of = f"/{self.total_superbatches:,}" if self.total_superbatches is not None else ""
+        self.bar.set_postfix_str(f"{self.superbatches:,}{of} SuperBatches", refresh=False)
 
-    def _show_html(self) -> None:
-        from IPython.display import HTML, display
+    def phase(self, name: str) -> None:
+        """Show the phase ``name`` (``planning``, ``loading model``, ``encoding``...)."""
+        with self._lock:
+            if name != self.phase_name:
+                self.phase_name = name
+                self.bar.set_description_str(self._desc(), refresh=True)
 
-        if self._handle is None:
-            self._handle = display(HTML(self.html()), display_id=True)
-        else:
-            self._handle.update(HTML(self.html()))
+    def planned(self, *, rows: int | None, superbatches: int | None, done_rows: int = 0,
+                done_superbatches: int = 0) -> None:
+        """What the run will do (totals: None when unknown) and what is already committed."""
+        with self._lock:
+            bar = self.bar
+            self.total_superbatches, self.superbatches = superbatches, done_superbatches
+            if rows is not None and rows != bar.total:
+                started = getattr(bar, "start_t", None)
+                bar.reset(total=rows)  # (the notebook widget learns its new maximum here)
+                bar.bar_format = KNOWN_TOTAL
+                if started is not None:  # elapsed time counts from the run's start, planning included
+                    bar.start_t = started
+            bar.n = bar.last_print_n = bar.initial = done_rows  # a resumed run's rate counts its own rows
+            self._postfix()
+            bar.refresh()
+
+    def commit(self, sb: str, rows: int) -> None:
+        """SuperBatch ``sb`` committed ``rows`` rows (written + skipped nulls); counted once per key."""
+        with self._lock:
+            if sb in self._seen:
+                return
+            self._seen.add(sb)
+            self.superbatches += 1
+            self._committed = True
+            self.phase(self._model_phase())
+            self._postfix()
+            self.bar.update(rows)
+
+    def follow_model(self, ready: Callable[[], tuple[int, int]], *, workers: bool) -> None:
+        """Show ``loading model`` until ``ready()`` says every worker has it, then ``encoding``.
+
+        ``ready`` returns ``(workers ready, workers)``, asked every :data:`TICK_S` by the
+        ticker thread; with ``workers=False`` (one process) the count is not shown.
+        """
+        self._workers = workers
+        self._ready = ready
+        self._check_model()
+
+    def _check_model(self) -> None:
+        ready = self._ready
+        if ready is None:
+            return
+        try:
+            done, total = ready()
+        except Exception:  # noqa: BLE001 - a question that fails must not stop the run: show "encoding"
+            done, total = 1, 1
+        with self._lock:
+            if total and done >= total:
+                self._ready = None
+            self._model = (done, total)
+            self.phase(self._model_phase())
+
+    def _model_phase(self) -> str:
+        """The phase while (or once) the model loads: what :meth:`follow_model` learnt last."""
+        if self._ready is None or self._model is None:
+            return "encoding"
+        done, total = self._model
+        if not total:
+            return "waiting for workers"
+        if self._committed:  # some worker encodes already; the others still load
+            return f"encoding, model on {done}/{total} workers" if self._workers else "encoding"
+        return f"loading model {done}/{total} workers" if self._workers else "loading model"
+
+    def _tick(self) -> None:
+        while not self._stop.wait(TICK_S):
+            self._check_model()
+            with self._lock:
+                if not self._stop.is_set():
+                    self.bar.refresh()  # elapsed time moves while nothing commits
+
+    def finish(self, rows: int, superbatches: int) -> None:
+        """The run is complete: its totals are now known (a streamed run learns them here)."""
+        with self._lock:
+            self._ready = None
+            self.total_superbatches = superbatches
+            if self.bar.total is None or self.bar.total != rows:
+                self.bar.total = rows
+                self.bar.bar_format = KNOWN_TOTAL
+                container = getattr(self.bar, "container", None)  # the notebook widget's bar
+                if container is not None:
+                    with contextlib.suppress(Exception):
+                        container.children[1].max = rows
+            self.superbatches = superbatches
+            self.bar.n = rows
+            self.phase("done")
+            self._postfix()
+            self.bar.refresh()
+
+    def close(self, stopped: bool = False) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=5)  # a question to a hung cluster must not hold the run's end
+        with self._lock:
+            if stopped and self.phase_name != "done":
+                self.phase("stopped")
+            self.bar.close()
+
+    def __enter__(self) -> RunProgress:
+        return self
+
+    def __exit__(self, kind, *exc) -> None:
+        self.close(stopped=kind is not None)
+
+
+class _BarHandler(logging.Handler):
+    """A console handler that writes through ``tqdm.write`` (above the bar, not across it)."""
+
+    def __init__(self, write: Callable[..., Any], stream) -> None:
+        super().__init__()
+        self._write, self.stream = write, stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001  # pragma: no cover - logging's own convention
+            self.handleError(record)
+
+
+def _is_console(handler: logging.Handler) -> bool:
+    return type(handler) is logging.StreamHandler and getattr(handler, "stream", None) in (
+        sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+
+
+@contextlib.contextmanager
+def logging_through(progress: RunProgress, name: str = "dask_surge") -> Iterator[None]:
+    """While inside, console handlers of logger ``name`` and of the root logger write
+    through ``tqdm.write``; with no handler at all, warnings of ``name`` do (as Python's
+    last-resort handler would, but above the bar)."""
+    if progress.disabled:
+        yield
+        return
+    write = progress.bar.write
+    swapped: list[tuple[logging.Logger, logging.Handler, _BarHandler]] = []
+    added: _BarHandler | None = None
+    package, root = logging.getLogger(name), logging.getLogger()
+    for lg in (package, root):
+        for old in list(lg.handlers):
+            if _is_console(old):
+                new = _BarHandler(write, old.stream)  # type: ignore[attr-defined]
+                new.setFormatter(old.formatter)
+                new.setLevel(old.level)
+                new.filters = list(old.filters)
+                lg.handlers[lg.handlers.index(old)] = new
+                swapped.append((lg, old, new))
+    if not package.handlers and not root.handlers:
+        added = _BarHandler(write, sys.stderr)
+        added.setLevel(logging.WARNING)
+        package.addHandler(added)
+    try:
+        yield
+    finally:
+        if added is not None:
+            package.removeHandler(added)
+        for lg, before, mine in swapped:
+            if mine in lg.handlers:
+                lg.handlers[lg.handlers.index(mine)] = before

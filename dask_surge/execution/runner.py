@@ -52,9 +52,11 @@ from ..planning.sizes import PartitionSizes, known_sizes, text_bytes
 from ..planning.thresholds import Requested, Thresholds
 from ..planning.units import unit_partitions
 from ..results import EncodeResult, SuperBatchReport
+from .events import listen
 from .graph import input_files
 from .inputs import InputGraph, Unit, UnitSource, task_arguments
-from .progress import Progress
+from .plugins import models_ready
+from .progress import RunProgress, logging_through
 from .sink import SuperBatchWriter
 from .superbatch import SuperBatchEncoder, partition_digest
 
@@ -379,19 +381,22 @@ def write_run(request: RunRequest) -> EncodeResult:
     units, finish it. Returns an :class:`~dask_surge.results.EncodeResult`."""
     t0 = time.perf_counter() if request.started is None else request.started
     wall0 = time.time() - (time.perf_counter() - t0)  # the same instant on the wall clock
-    output, storage_options = request.output, request.storage_options
-    check_output(output, storage_options, inputs=input_files(request.frame))
-    found = find_run(output, request.fingerprint, storage_options)
-    _say_recorded_thresholds(found, request)
-    if found is not None and found.completion() is not None and not request.overwrite \
-            and not found.coverage().missing(request.frame.npartitions):  # records, not the marker, are the truth
-        return _complete_result(found, output, t0)
-    fs, root = url_to_fs(output, **(storage_options or {}))
-    claim = Claim.acquire(fs, root.rstrip("/") or "/", fingerprint_digest(request.fingerprint))
-    try:
-        return _claimed_run(request, t0, wall0, claim)
-    finally:
-        claim.release()
+    with RunProgress(enabled=request.progress) as bar, logging_through(bar):
+        output, storage_options = request.output, request.storage_options
+        check_output(output, storage_options, inputs=input_files(request.frame))
+        found = find_run(output, request.fingerprint, storage_options)
+        _say_recorded_thresholds(found, request)
+        if found is not None and found.completion() is not None and not request.overwrite \
+                and not found.coverage().missing(request.frame.npartitions):  # records, not the marker, are the truth
+            result = _complete_result(found, output, t0)
+            bar.finish(result.rows + result.nulls_skipped, result.superbatches)
+            return result
+        fs, root = url_to_fs(output, **(storage_options or {}))
+        claim = Claim.acquire(fs, root.rstrip("/") or "/", fingerprint_digest(request.fingerprint))
+        try:
+            return _claimed_run(request, t0, wall0, claim, bar)
+        finally:
+            claim.release()
 
 
 def _say_recorded_thresholds(found: Manifest | None, request: RunRequest) -> None:
@@ -426,7 +431,17 @@ def _new_plan(request: RunRequest, sizes: PartitionSizes | None, max_bytes: int 
     return RunPlan(th.b_min, th.b_max, "planned", npartitions, max_bytes, th.reason, rows=sizes.total)
 
 
-def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim) -> EncodeResult:
+def _follow_model(bar: RunProgress, request: RunRequest) -> None:
+    """The ``loading model`` phase: per worker on a cluster (its plugin loads in the
+    background), else in this process (the first SuperBatch loads it)."""
+    encoder, client = request.encoder.encoder, request.client
+    if client is not None:
+        bar.follow_model(lambda: models_ready(client, encoder), workers=True)
+    else:
+        bar.follow_model(lambda: (int(encoder.is_loaded), 1), workers=False)
+
+
+def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar: RunProgress) -> EncodeResult:
     """:func:`write_run` once the output directory is claimed."""
 
     frame, sbe, output, client = request.frame, request.encoder, request.output, request.client
@@ -455,11 +470,11 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim) -> 
         superbatches = plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap)
         planned_sbs = len(superbatches)
         units = planned_units(superbatches, sizes.sizes, set(committed), coverage)
-        bar = Progress(len(superbatches), sizes.total, enabled=request.progress, done_sbs=len(committed),
-                       done_rows=done_rows)
+        bar.planned(rows=sizes.total, superbatches=planned_sbs, done_rows=done_rows,
+                    done_superbatches=len(committed))
     else:
         units = streaming_units(npartitions, int(plan.unit_partitions or 1), coverage)
-        bar = Progress(None, None, enabled=request.progress, done_sbs=len(committed), done_rows=done_rows)
+        bar.planned(rows=None, superbatches=None, done_rows=done_rows, done_superbatches=len(committed))
     # the codec as the caller configured it (dask.config.set on the client), not as each worker's config says
     runner = UnitRunner(SuperBatchWriter(sbe, manifest, config.get("compression")), b_min, b_max, max_bytes)
     reports: list[SuperBatchReport] = []
@@ -468,19 +483,21 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim) -> 
         window = config.get("in-flight") or 2 * max(1, threads)
         try:
             graph = InputGraph(frame)  # may already convert in-memory data (bad UTF-8 raises here)
-            for report in run_units(iter(units), lambda key, unit: graph.task(key, runner, unit), client,
-                                    request.scheduler, window, task_resources(client)):
-                if report.committed:  # when its file became readable, not when the client heard
-                    first = report.committed_at - wall0
-                    ttfo = first if ttfo is None else min(ttfo, first)
-                reports.append(report)
-                bar.update(report.rows + report.skipped)
-                if claim.lost:
-                    raise SurgeOutputError(
-                        f"output={output!r} was claimed by another run while this one was writing (its "
-                        "heartbeat could not be refreshed in time: a hung process or a full disk?). This run "
-                        "stopped; what it committed is kept. Fix: let the other run finish, or rerun."
-                    )
+            _follow_model(bar, request)
+            with listen(manifest.run_id, bar.commit, client):  # each commit as it happens (events.py)
+                for report in run_units(iter(units), lambda key, unit: graph.task(key, runner, unit), client,
+                                        request.scheduler, window, task_resources(client)):
+                    if report.committed:  # when its file became readable, not when the client heard
+                        first = report.committed_at - wall0
+                        ttfo = first if ttfo is None else min(ttfo, first)
+                    reports.append(report)
+                    bar.commit(report.sb, report.rows + report.skipped)  # one that was not announced
+                    if claim.lost:
+                        raise SurgeOutputError(
+                            f"output={output!r} was claimed by another run while this one was writing (its "
+                            "heartbeat could not be refreshed in time: a hung process or a full disk?). This "
+                            "run stopped; what it committed is kept. Fix: let the other run finish, or rerun."
+                        )
         except BaseException as err:
             # a run that stops before its first commit may then be replaced (see open_run)
             manifest.mark_stopped(f"{type(err).__name__}: {err}")
@@ -496,6 +513,7 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim) -> 
     summary = {"rows": coverage.total_rows, "superbatches": len(committed), "partitions": npartitions,
                "nulls_skipped": sum(r.skipped for r in committed.values())}
     finish_run(manifest, committed, summary)
+    bar.finish(coverage.total_rows, len(committed))
     return EncodeResult(
         output=str(output), run_id=manifest.run_id, rows=coverage.total_rows, partitions=npartitions,
         superbatches=len(committed), skipped_superbatches=len(committed) - sum(r.committed for r in reports),

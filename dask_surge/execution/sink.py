@@ -22,6 +22,7 @@ from ..errors import SurgeOutputError
 from ..io.arrow import to_host
 from ..io.manifest import CommitRecord, Manifest, sb_key, write_bytes_atomic
 from ..results import SuperBatchReport
+from .events import announce
 from .superbatch import SuperBatchEncoder, partition_digest
 
 __all__ = ["SuperBatchWriter", "table_of", "parquet_bytes", "skipped_bytes"]
@@ -193,6 +194,8 @@ class SuperBatchWriter:
             fs.rm(staged)
             if skipped:
                 fs.rm(skip_path)
+        else:  # the client's progress moves now, not when the whole unit ends
+            announce(manifest.run_id, key, len(frame) + len(skipped))
         return SuperBatchReport(
             sb=key, rows=len(frame), skipped=len(skipped), file=record.file if won else "", bytes=len(data),
             spans=record.spans, started_at=started_at, encode_s=t1 - t0, write_s=time.perf_counter() - t1,
