@@ -19,7 +19,7 @@ from .models.devices import gpu_count
 from .options import add_arguments, from_arguments
 from .synthetic import lognormal_sizes, write_partitioned_parquet
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "format_status"]
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "json", ".json": "json",
            ".ndjson": "json"}
@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--repair", action="store_true",
                     help="bring a damaged manifest back to a state a rerun resumes from (run it when no "
                          "encode is writing there), then show the status")
+    st.add_argument("--json", action="store_true", help="print the status as JSON (for scripts)")
     return parser
 
 
@@ -202,8 +203,73 @@ def cmd_status(args) -> int:
         problems = verify(args.output)
         info["verified"] = not problems
         info["problems"] = problems
-    print(json.dumps(info, indent=2, default=str))
+    print(json.dumps(info, indent=2, default=str) if args.json else format_status(info))
     return 0 if info["state"] == "complete" and not info.get("problems") else 1
+
+
+def _ago(seconds: float) -> str:
+    """How long ago, in words.
+
+    Examples
+    --------
+    >>> _ago(5), _ago(90), _ago(3 * 3600 + 60), _ago(3 * 86400)
+    ('just now', '1 minute ago', '3 hours ago', '3 days ago')
+    """
+    if seconds < 45:
+        return "just now"
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size:
+            n = int(seconds // size)
+            return f"{n} {unit}{'s' if n != 1 else ''} ago"
+    return "1 minute ago"
+
+
+def _of(done, planned) -> str:
+    return f"{done:,} of {planned:,}" if planned is not None else f"{done:,} (total known once complete)"
+
+
+def format_status(info: dict, now: float | None = None) -> str:
+    """:func:`dask_surge.status` (and ``--verify``'s findings) as a short table for people.
+
+    Examples
+    --------
+    >>> print(format_status({"output": "emb/", "state": "empty"}))
+    emb/: no dask-surge run here yet
+    """
+    output = info["output"]
+    if info["state"] == "empty":
+        return f"{output}: no dask-surge run here yet"
+    rows = [("output", output), ("run", f"{info['run']} ({info.get('mode') or 'unknown'} mode)")]
+    if info.get("model"):
+        rows.append(("model", info["model"]))
+    rows += [
+        ("thresholds", f"b_min={info['b_min']:,}, b_max={info['b_max']:,}" if info.get("b_min") is not None
+         else "not recorded"),
+        ("partitions", _of(info["partitions_committed"], info["partitions_planned"]) + " committed"),
+        ("SuperBatches", _of(info["superbatches_committed"], info["superbatches_planned"]) + " committed"),
+        ("rows", _of(info["rows_committed"] + info["nulls_skipped"], info["rows_planned"]) + " committed"
+         + (" (skipped nulls included)" if info["nulls_skipped"] else "")),
+        ("nulls skipped", f"{info['nulls_skipped']:,}"),
+    ]
+    last = info.get("last_commit")
+    if last is not None:
+        ago = _ago(max(0.0, (time.time() if now is None else now) - last))
+        rows.append(("last commit", f"{time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(last))} ({ago})"))
+    else:
+        rows.append(("last commit", "none yet"))
+    if info["state"] == "complete":
+        rows.append(("state", "complete"))
+    else:
+        rows.append(("state", "incomplete: committed work is kept; rerun the same encode call or command "
+                              "to resume from it"))
+    if "verified" in info:
+        problems = info.get("problems") or []
+        rows.append(("verified", "every committed file matches its sha256" if not problems
+                     else f"{len(problems)} problem(s); `dask-surge status --repair` brings the manifest back "
+                          "to a state a rerun resumes from"))
+        rows += [("", f"- {p}") for p in problems]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,7 +33,7 @@ def test_encode_each_format(tmp_path, tiny_model, fmt, capsys):
     assert summary["rows"] == sum(sizes)
     back = dask_surge.read_embeddings(str(out)).compute()
     assert sorted(back.doc_id) == list(range(sum(sizes)))
-    assert main(["status", str(out)]) == 0
+    assert main(["status", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows_committed"] == sum(sizes)
 
 

@@ -88,7 +88,7 @@ def test_streamed_unit_reports_each_superbatch_as_it_commits(tmp_path, capsys, e
 def test_resumed_run_bar_starts_at_the_committed_rows(tmp_path, capsys, every_update):
     ddf = make_partitioned_frame([4] * 6)
     out = str(tmp_path / "o")
-    kw = dict(b_min=8, b_max=8, scheduler="sync")
+    kw = {"b_min": 8, "b_max": 8, "scheduler": "sync"}
     model = InterruptAfter(3)
     with pytest.raises(KeyboardInterrupt):
         dask_surge.encode(ddf, "text", out, model=model, **kw)

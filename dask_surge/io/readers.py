@@ -13,7 +13,7 @@ import pandas as pd
 from ..errors import SurgeInputError, SurgeValueError
 from .manifest import current_run, existing_run
 
-__all__ = ["read_embeddings", "skipped_rows", "status"]
+__all__ = ["read_embeddings", "skipped_rows", "status", "model_name"]
 
 
 def status(output: str, storage_options: dict | None = None) -> dict:
@@ -22,7 +22,8 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     ``state`` is ``"complete"`` once the run accounted for every input row (its
     ``COMPLETE`` marker), ``"incomplete"`` before, ``"empty"`` when there is no run.
     ``rows_planned`` and ``superbatches_planned`` are known ahead only when the run
-    planned from known sizes (else None until it completes).
+    planned from known sizes (else None until it completes). ``model`` names the model the
+    run recorded (:func:`model_name`).
 
     Examples
     --------
@@ -51,7 +52,31 @@ def status(output: str, storage_options: dict | None = None) -> dict:
         "rows_committed": rows, "rows_planned": done["rows"] if done else (planned.rows if planned else None),
         "nulls_skipped": skipped,
         "last_commit": max((r.committed_at for r in committed.values()), default=None),
+        "model": model_name(manifest.fingerprint.get("model")),
     }
+
+
+def model_name(identity) -> str | None:
+    """A short name of the model a run recorded in its fingerprint (``model`` of :func:`status`).
+
+    Examples
+    --------
+    >>> model_name({"kind": "path", "repo_id": "org/m", "commit": "0123456789abcdef"})
+    'org/m@0123456789ab'
+    >>> model_name({"kind": "path", "digest": "ab" * 32})
+    'local model directory (sha256 abababababab)'
+    >>> model_name({"kind": "object", "object": "mod.Model", "digest": "cd" * 32})
+    'in-memory mod.Model (digest cdcdcdcdcdcd)'
+    """
+    if not isinstance(identity, dict):
+        return None
+    if identity.get("repo_id"):
+        commit = identity.get("commit")
+        return f"{identity['repo_id']}@{str(commit)[:12]}" if commit else str(identity["repo_id"])
+    digest = str(identity.get("digest") or "")[:12]
+    if identity.get("kind") == "object":
+        return f"in-memory {identity.get('object', 'model')} (digest {digest})"
+    return f"local model directory (sha256 {digest})"
 
 
 def skipped_rows(output: str, storage_options: dict | None = None) -> pd.DataFrame:
