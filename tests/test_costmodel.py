@@ -306,6 +306,25 @@ def test_fit_encode_curve_refuses_noise_with_a_fix():
         fit_encode_curve(rows, [30.0 * r for r in rows], [1] * 6, secs[::-1])
 
 
+def test_calibrate_on_a_cluster_runs_every_probe_path(tiny_model, tmp_path, monkeypatch, client):
+    """The Dask half of the probe (per-partition calls, null encoder, SuperBatch runs) on a real
+    2-process cluster: it builds and times its lazy SuperBatch graphs (a regression: it once
+    asserted that in-memory frames have known sizes, which a frame built on a cluster need not)."""
+    import warnings
+
+    from dask_surge import Encoder
+    from dask_surge.execution.calibrate import CalibrationWarning, calibrate
+
+    monkeypatch.setenv("DASK_SURGE_CACHE_DIR", str(tmp_path / "cache"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CalibrationWarning)
+        p = calibrate(Encoder(tiny_model, device="cpu"), client=client, seconds=3)
+    if p is None:  # a busy machine: the documented fallback, said with a fix
+        assert [w.category for w in caught] == [CalibrationWarning] and "Fix:" in str(caught[0].message)
+    else:
+        assert p.alpha_s >= 0 and p.workers == 2
+
+
 def test_calibrate_falls_back_to_defaults_with_a_warning(tmp_path, monkeypatch):
     import functools
 

@@ -74,7 +74,6 @@ from ..errors import SurgeValueError
 from ..models.encoders import Encoder
 from ..planning.costmodel import CostParams, _replay, call_cost, token_quantiles
 from ..planning.policy import plan_superbatches
-from ..planning.sizes import known_sizes
 from ..planning.tokens import token_counter
 from ..synthetic import make_partitioned_frame, make_texts
 from .graph import superbatch_collection
@@ -538,10 +537,8 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
         return lambda: client.compute(coll, sync=True)
 
     def surge(sizes, m):
-        frame = make_partitioned_frame(sizes, seed=next(seeds))[["text"]]
-        known = known_sizes(frame, "text", None)  # an in-memory frame: sizes without a pass
-        assert known is not None
-        coll = superbatch_collection(frame, plan_superbatches(known.sizes, m, m), known.sizes, sbe, meta)
+        frame = make_partitioned_frame(sizes, seed=next(seeds))[["text"]]  # partition i holds sizes[i] rows
+        coll = superbatch_collection(frame, plan_superbatches(list(sizes), m, m), list(sizes), sbe, meta)
         return lambda: client.compute(coll, sync=True)
 
     def timed(fn) -> float:
