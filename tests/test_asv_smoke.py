@@ -3,6 +3,7 @@ well formed: ``asv check --python=same`` from ``benchmarks/``; the quick run (ea
 once, ~1.5 min on 2 cores) is marked slow. Skipped where asv is not installed
 (``pip install asv``)."""
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -15,7 +16,9 @@ pytestmark = pytest.mark.skipif(shutil.which("asv") is None, reason="asv is not 
 
 def _asv(*args: str, timeout: int) -> str:
     subprocess.run(["asv", "machine", "--yes"], cwd=BENCH, capture_output=True, text=True, timeout=60)
-    proc = subprocess.run(["asv", *args, "--python=same"], cwd=BENCH,
+    # asv elides benchmark names to the terminal's width ("...ng.PlanParquetFooters..."): make it wide
+    env = {**os.environ, "COLUMNS": "250"}
+    proc = subprocess.run(["asv", *args, "--python=same"], cwd=BENCH, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
