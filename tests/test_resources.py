@@ -43,3 +43,32 @@ def test_superbatches_run_only_on_workers_that_advertise_a_gpu(tmp_path, tiny_mo
             gpu_worker.wait(30)
     back = dask_surge.read_embeddings(str(out)).compute()
     assert len(back[["partition", "row"]].drop_duplicates()) == 40
+
+
+# in-process clusters (distributed's gen_cluster) where real processes are not the point
+
+
+from distributed.utils_test import gen_cluster  # noqa: E402
+
+
+def _where(i: int) -> str:
+    from distributed import get_worker
+
+    return get_worker().address
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 2, {"resources": {"GPU": 1}})])
+async def test_tasks_claim_half_a_gpu_once_a_worker_advertises_one(c, s, plain, gpu):
+    await c.wait_for_workers(2)
+    assert _task_resources(c) == {"GPU": 1 / SUPERBATCHES_PER_GPU}
+    # a claim of half a GPU runs only where one is advertised
+    futures = [c.submit(_where, i, resources=_task_resources(c), pure=False) for i in range(6)]
+    assert set(await c.gather(futures)) == {gpu.address}
+    plain_futures = [c.submit(_where, i, pure=False) for i in range(6)]  # without the claim: anywhere
+    assert await c.gather(plain_futures)
+
+
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_no_gpu_worker_means_no_restriction(c, s, a):
+    assert _task_resources(c) is None
+    assert _task_resources(None) is None
