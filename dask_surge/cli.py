@@ -272,10 +272,25 @@ def format_status(info: dict, now: float | None = None) -> str:
     return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """The CLI's console handler: writes to whatever ``sys.stderr`` is when a record is emitted
+    (a notebook or a test swaps it; a handler holding the old stream would write to a closed file)."""
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it: the live sys.stderr is used instead
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logging.getLogger("dask_surge").addHandler(handler)
+    package = logging.getLogger("dask_surge")
+    if not any(isinstance(h, _StderrHandler) for h in package.handlers):  # once per process, not per call
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        package.addHandler(handler)
     # Hub names download once when online (HF_HUB_OFFLINE=1 keeps to the cache), as sentence-transformers does
     # quiet model loading in this process and in the local cluster's workers (they inherit it)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -1,4 +1,5 @@
 import json
+import sys
 
 import pandas as pd
 import pytest
@@ -96,3 +97,20 @@ def test_bad_input_from_the_cli_is_one_clear_line_and_writes_nothing(tmp_path, c
     assert __import__("re").search(match, err), err
     assert "Fix: " in err  # and says what to do
     assert not list(out.glob("part-*.parquet"))  # nothing that could look like output
+
+
+def test_the_cli_adds_one_console_handler_that_follows_stderr(tmp_path, capsys):
+    """Called twice in one process (a notebook, a test), the CLI logs each message once, to the
+    stderr of the moment (a handler holding an old, closed stream once broke later logging)."""
+    import logging
+
+    from dask_surge.cli import main
+
+    package = logging.getLogger("dask_surge")
+    main(["status", str(tmp_path / "none")])
+    main(["status", str(tmp_path / "none")])
+    mine = [h for h in package.handlers if type(h).__name__ == "_StderrHandler"]
+    assert len(mine) == 1 and mine[0].stream is sys.stderr
+    capsys.readouterr()
+    package.warning("once")
+    assert capsys.readouterr().err.count("once") == 1

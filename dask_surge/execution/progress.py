@@ -259,8 +259,8 @@ class _BarHandler(logging.Handler):
 
 
 def _is_console(handler: logging.Handler) -> bool:
-    return type(handler) is logging.StreamHandler and getattr(handler, "stream", None) in (
-        sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+    return isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler) \
+        and getattr(handler, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
 
 
 @contextlib.contextmanager
