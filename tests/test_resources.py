@@ -51,13 +51,18 @@ def test_superbatches_run_only_on_workers_that_advertise_a_gpu(tmp_path, tiny_mo
 from distributed.utils_test import gen_cluster  # noqa: E402
 
 
+#: the session's 2-process cluster (tests/conftest.py) lives across tests: its worker processes, threads
+#: and client are not leaks of these in-process clusters
+CLEAN = {"processes": False, "threads": False, "instances": False}
+
+
 def _where(i: int) -> str:
     from distributed import get_worker
 
     return get_worker().address
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 2, {"resources": {"GPU": 1}})])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 2, {"resources": {"GPU": 1}})], clean_kwargs=CLEAN)
 async def test_tasks_claim_half_a_gpu_once_a_worker_advertises_one(c, s, plain, gpu):
     await c.wait_for_workers(2)
     assert _task_resources(c) == {"GPU": 1 / SUPERBATCHES_PER_GPU}
@@ -68,7 +73,7 @@ async def test_tasks_claim_half_a_gpu_once_a_worker_advertises_one(c, s, plain, 
     assert await c.gather(plain_futures)
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], clean_kwargs=CLEAN)
 async def test_no_gpu_worker_means_no_restriction(c, s, a):
     assert _task_resources(c) is None
     assert _task_resources(None) is None
