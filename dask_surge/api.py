@@ -16,6 +16,7 @@ from .execution import calibrate as calibration  # called through the module: te
 from .execution.cluster import local_cluster, local_cluster_threads
 from .execution.graph import superbatch_collection
 from .execution.plugins import register_encoder
+from .execution.progress import RunProgress, logging_through
 from .execution.runner import RunRequest, write_run
 from .execution.superbatch import SuperBatchEncoder
 from .io.precision import check_precision, check_truncate_dim
@@ -343,7 +344,10 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
                 "pass output='dir/', or use on_null='error' (default) or 'empty'."
             )
         return _lazy(frame, sbe, requested, max_bytes, gpu=on_gpu)
-    with _client_for(scheduler) as client:
+    # the bar opens now: starting a cluster (workers importing torch) is the first thing a user waits for
+    starting = scheduler is None and _active_client() is None  # _client_for starts a local cluster
+    bar = RunProgress(enabled=config.get("progress", progress), phase="starting workers" if starting else "planning")
+    with bar, logging_through(bar), _client_for(scheduler) as client:
         if client is not None:
             _register(sbe.encoder, client)
         run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
@@ -353,6 +357,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
             thresholds=_RunThresholds(requested, encoder, frame, column, client, gpu=on_gpu),
             max_bytes=max_bytes, client=client, scheduler=scheduler, overwrite=overwrite,
             storage_options=storage_options, progress=config.get("progress", progress), started=started,
+            bar=bar,
         ))
 
 

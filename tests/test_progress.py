@@ -185,3 +185,28 @@ def test_a_worker_announces_a_commit_to_the_client(client):
     assert heard and heard[0] == ("3-0", 7)
     events.announce("run-x", "4-0", 1)  # nobody listens any more: nothing happens
     assert ("4-0", 1) not in heard
+
+
+def test_the_bar_opens_before_encode_starts_its_own_cluster(tmp_path, capsys, every_update, monkeypatch):
+    """With no Client, encode() starts a local cluster (workers importing torch: the first thing a
+    user waits for); the bar is already there, naming that phase, and goes on through the run."""
+    import contextlib
+
+    from distributed import LocalCluster
+
+    from dask_surge import api
+
+    @contextlib.contextmanager
+    def small_cluster(**kwargs):  # in process, so the test does not pay for two worker processes
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as c:
+            yield c
+
+    monkeypatch.setattr(api, "local_cluster", small_cluster)
+    monkeypatch.setattr(api, "_active_client", lambda: None)
+    ddf = make_partitioned_frame([4] * 4)
+    res = dask_surge.encode(ddf, "text", str(tmp_path / "o"), b_min=8, b_max=8, model=CountingEncoder())
+    states = _states(capsys.readouterr().err)
+    phases = [re.match(r"dask-surge \[([^\]]+)\]", s).group(1) for s in states]
+    assert phases[0] == "starting workers"
+    assert phases.index("starting workers") < phases.index("planning") < len(phases) - 1
+    assert phases[-1] == "done" and res.rows == 16 and f"{res.rows}/{res.rows}" in states[-1]

@@ -96,7 +96,7 @@ class RunProgress:
 
     """
 
-    def __init__(self, *, enabled: bool = True, file=None) -> None:
+    def __init__(self, *, enabled: bool = True, file=None, phase: str = "planning") -> None:
         self._lock = threading.RLock()
         self._seen: set[str] = set()
         self._stop = threading.Event()
@@ -107,7 +107,7 @@ class RunProgress:
         self._committed = False  # a SuperBatch committed in this run
         self.superbatches = 0
         self.total_superbatches: int | None = None
-        self.phase_name = "planning"
+        self.phase_name = phase
         options: dict[str, Any] = {"total": None, "unit": " rows", "desc": self._desc(), "file": file,
                                    "dynamic_ncols": True, "smoothing": 0.1, **_env_options()}
         if not enabled:

@@ -24,6 +24,7 @@ skips every complete partition without computing it (see :class:`dask_surge.io.m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -369,6 +370,8 @@ class RunRequest:
     storage_options: dict | None = None
     progress: bool = True
     started: float | None = None
+    #: a bar the caller opened already (from the first second: while it started a cluster); None: a new one
+    bar: RunProgress | None = None
 
     @property
     def threads(self) -> int:
@@ -381,7 +384,12 @@ def write_run(request: RunRequest) -> EncodeResult:
     units, finish it. Returns an :class:`~dask_surge.results.EncodeResult`."""
     t0 = time.perf_counter() if request.started is None else request.started
     wall0 = time.time() - (time.perf_counter() - t0)  # the same instant on the wall clock
-    with RunProgress(enabled=request.progress) as bar, logging_through(bar):
+    with contextlib.ExitStack() as stack:
+        bar = request.bar  # a bar the caller opened stays the caller's to close
+        if bar is None:
+            bar = stack.enter_context(RunProgress(enabled=request.progress))
+            stack.enter_context(logging_through(bar))
+        bar.phase("planning")
         output, storage_options = request.output, request.storage_options
         check_output(output, storage_options, inputs=input_files(request.frame))
         found = find_run(output, request.fingerprint, storage_options)
