@@ -1006,19 +1006,9 @@ def finish_run(manifest: Manifest, committed: dict[str, CommitRecord], summary: 
         fs.rm(f"{root}/{META_DIR}/retired", recursive=True)
 
 
-def verify(path: str, storage_options: dict | None = None) -> list[str]:
-    """Check every committed file of the current run in ``path`` against its recorded
-    ``sha256`` (and size); returns one line per problem (empty: all good).
-
-    Examples
-    --------
-    >>> import tempfile
-    >>> verify(tempfile.mkdtemp())
-    []
-    """
-    manifest = current_run(path, storage_options)
-    if manifest is None:
-        return []
+def _problems(manifest: Manifest) -> list[tuple[CommitRecord, str]]:
+    """Each committed file of ``manifest`` (data and skipped-null files) that is missing or whose
+    sha256 differs from its record, with a line that says so."""
     problems = []
     for rec in manifest.committed().values():
         for name, digest, where in ((rec.file, rec.sha256, manifest.root),
@@ -1031,12 +1021,26 @@ def verify(path: str, storage_options: dict | None = None) -> list[str]:
                     while block := f.read(1 << 22):
                         h.update(block)
             except FileNotFoundError:
-                problems.append(f"{where}/{name}: missing (SuperBatch {rec.sb})")
+                problems.append((rec, f"{where}/{name}: missing (SuperBatch {rec.sb})"))
                 continue
             if h.hexdigest() != digest:
-                problems.append(f"{where}/{name}: sha256 {h.hexdigest()[:16]}... differs from the recorded "
-                                f"{digest[:16]}... (SuperBatch {rec.sb})")
+                problems.append((rec, f"{where}/{name}: sha256 {h.hexdigest()[:16]}... differs from the recorded "
+                                      f"{digest[:16]}... (SuperBatch {rec.sb})"))
     return problems
+
+
+def verify(path: str, storage_options: dict | None = None) -> list[str]:
+    """Check every committed file of the current run in ``path`` against its recorded
+    ``sha256``; returns one line per problem (empty: all good).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> verify(tempfile.mkdtemp())
+    []
+    """
+    manifest = current_run(path, storage_options)
+    return [] if manifest is None else [line for _, line in _problems(manifest)]
 
 
 def repair(path: str, storage_options: dict | None = None) -> list[str]:
@@ -1063,14 +1067,21 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
         fs.mv(p, f"{parent}/.torn-{name}-{time.time_ns()}")
         done.append(f"moved damaged {p} aside")
 
-    runs = [r for r in _ls(fs, f"{meta}/runs") if _RUN_ID.match(r)]
-    valid = []
-    for run in runs:
+    def forget(manifest: Manifest, rec: CommitRecord, why: str) -> None:
+        aside(manifest.record_path(rec.sb))
+        with contextlib.suppress(FileNotFoundError):
+            fs.rm(manifest._complete_path)
+        done.append(f"forgot SuperBatch {rec.sb} of run {manifest.run_id}: {why}; a rerun encodes those rows again")
+
+    valid: dict[str, Manifest] = {}
+    for run in [r for r in _ls(fs, f"{meta}/runs") if _RUN_ID.match(r)]:
         try:
-            if _load(fs, root, run) is not None:
-                valid.append(run)
+            loaded = _load(fs, root, run)
         except SurgeOutputError:
             aside(f"{meta}/runs/{run}/run.json")
+            continue
+        if loaded is not None:
+            valid[run] = loaded
     try:
         current = _current_id(fs, root)
     except SurgeOutputError:
@@ -1081,11 +1092,10 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
         done.append(f"removed {current_path(root)} (it named run {current}, which has no valid run.json)")
         current = None
     if current is None and len(valid) == 1:
-        _write_meta(fs, current_path(root), valid[0].encode())
-        done.append(f"pointed {current_path(root)} at run {valid[0]}")
-    for run in valid:
-        manifest = _load(fs, root, run)
-        assert manifest is not None
+        current = next(iter(valid))
+        _write_meta(fs, current_path(root), current.encode())
+        done.append(f"pointed {current_path(root)} at run {current}")
+    for manifest in valid.values():
         before = {n for n in _ls(fs, manifest.commits_dir) if n.startswith(".torn-")}
         records = manifest.committed(repair=True)
         done += [f"moved damaged commit record {n} aside" for n in
@@ -1100,23 +1110,11 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
                 try:
                     manifest.publish(rec)
                     done.append(f"published committed {rec.file} from staging")
-                    continue
                 except FileNotFoundError:
-                    pass
-                aside(manifest.record_path(rec.sb))
-                with contextlib.suppress(FileNotFoundError):
-                    fs.rm(manifest._complete_path)
-                done.append(f"forgot SuperBatch {rec.sb} of run {run}: its file {rec.file} is missing; a rerun "
-                            "encodes those rows again")
+                    forget(manifest, rec, f"its file {rec.file} is missing")
     if current is not None:
-        bad = verify(path, storage_options)
-        manifest = _load(fs, root, current)
-        assert manifest is not None
-        for line in bad:
-            sb = line.rsplit("SuperBatch ", 1)[-1].rstrip(")")
-            if fs.exists(manifest.record_path(sb)):
-                aside(manifest.record_path(sb))
-                with contextlib.suppress(FileNotFoundError):
-                    fs.rm(manifest._complete_path)
-                done.append(f"forgot SuperBatch {sb}: {line}; a rerun encodes those rows again")
+        manifest = valid[current]
+        for rec, line in _problems(manifest):
+            if fs.exists(manifest.record_path(rec.sb)):  # a record with two bad files is forgotten once
+                forget(manifest, rec, line)
     return done
