@@ -126,16 +126,10 @@ class SuperBatchWriter:
 
     def _digests(self, parts, spans) -> tuple[tuple[int, str], ...]:
         """``(partition, digest of its whole text column)`` of the partitions that this SuperBatch
-        shares with another (only those can be recomputed on resume after a partial commit)."""
-        partitions = sorted({s.partition for s, _ in spans})
-        return tuple((p, partition_digest(to_host(part)[self.encoder.column]))
-                     for p, part, (span, n) in zip(partitions, parts, self._span_of(spans, partitions))
-                     if span.start > 0 or span.stop < n)
-
-    @staticmethod
-    def _span_of(spans, partitions):
-        by = {s.partition: (s, n) for s, n in spans}
-        return [by[p] for p in partitions]
+        shares with another (only those can be recomputed on resume after a partial commit).
+        A SuperBatch holds one span per partition, in partition order, as ``parts`` are."""
+        return tuple((span.partition, partition_digest(to_host(part)[self.encoder.column]))
+                     for part, (span, n) in zip(parts, spans) if span.start > 0 or span.stop < n)
 
     def __call__(self, parts, spans) -> SuperBatchReport:
         """Encode ``spans`` (``(Span, partition rows)`` pairs) of ``parts`` (their input
