@@ -1,0 +1,990 @@
+"""Content-addressed reuse: text hashes, and an on-disk index of an earlier output's hashes.
+
+A row's ``text_hash`` (:data:`TEXT_HASH`) is the 128-bit XXH3 hash of its text's UTF-8
+bytes (:func:`text_hashes`), stored as 16 big-endian bytes (:func:`hash_column`). Together
+with the run's embedding identity (:func:`embedding_identity`, checked by
+:func:`compatible`) it says which embedding a row has, so a later run can copy that
+embedding instead of encoding the text again (issue 25).
+
+:class:`ReuseIndex` finds, for a batch of hashes, a committed row of one or more earlier
+complete outputs with that hash, wherever it is (rows that moved between partitions
+are found: the lookup is by hash only), and :meth:`ReuseIndex.fetch` copies the stored
+Arrow values (embedding, chunk columns) byte for byte. With long-text chunking an
+output holds several rows per text (``chunk`` 0, 1, ...; each carrying the hash of the
+whole text); a hash then maps to the *run* of that text's chunk rows, in chunk order.
+
+Index layout, under the old output's metadata (``<run>`` from ``_surge/CURRENT``)::
+
+    out/_surge/index/<run>/meta.json             written last: files, bucket bits, entries
+    out/_surge/index/<run>/bucket-<b>.npy        (4, n) uint64: hash hi, hash lo,
+                                                 file << 32 | first row, rows in the run
+
+Entries are bucketed by the top ``bits`` bits of the hash (``bits`` chosen from the
+output's row count so a bucket holds ~2**20 entries, 32 MiB), each bucket sorted by
+hash, one entry per distinct hash (the first occurrence by file and row). A lookup
+memory-maps the buckets it needs (a bounded LRU of them) and runs ``np.searchsorted``
+on their contiguous ``hi`` row, so its memory does not grow with the old output. The
+index is built once, lazily, when first opened: a streaming pass over the ``text_hash``
+(and ``chunk``) columns of the committed files into per-bucket spill files in a local
+temporary directory (memory bounded by ``spill_bytes``), then each bucket is sorted,
+de-duplicated and written with :func:`dask_surge.io.manifest.write_bytes_atomic`. Its
+content is a function of the output alone, so two processes building it at once write
+the same bytes. A damaged or stale index (files missing or torn, meta unreadable, part
+files it names gone) is rebuilt.
+
+Scale: at 10**9 rows the index is ~1,000 buckets and ~32 GB on disk (2% of 384-float
+embeddings); a build reads 16 bytes per row; a lookup touches ~log2(2**20) pages of one
+bucket per query.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import xxhash
+
+from ..errors import SurgeInputError, SurgeOutputError, SurgeValueError
+from .manifest import META_DIR, existing_run, write_bytes_atomic
+from .readers import model_name
+
+__all__ = ["TEXT_HASH", "HASH_ALGORITHM", "TEXT_HASH_TYPE", "text_hashes", "hash_column", "hashes_of",
+           "text_hash_field", "embedding_identity", "compatible", "Matches", "Reused", "ReuseIndex", "open_index",
+           "index_dir"]
+
+#: name of the output column holding each row's text hash
+TEXT_HASH = "text_hash"
+#: what :func:`text_hashes` computes; recorded in the column's field metadata and the index
+HASH_ALGORITHM = "xxh3_128-utf8"
+#: Arrow type of :data:`TEXT_HASH`: 16 bytes, big-endian, so byte order sorts like ``(hi, lo)``
+TEXT_HASH_TYPE = pa.binary(16)
+_ALGO_KEY = b"dask_surge.hash"
+#: fingerprint keys that identify the input or the output's shape, not how a text is embedded
+NON_EMBEDDING_KEYS = ("input", "column", "keep", "partitions", "library")
+INDEX_FORMAT = 1
+#: entries per bucket the bucket count aims at (a bucket file is then ~32 MiB)
+BUCKET_ENTRIES = 1 << 20
+_CHUNK = "chunk"
+#: the columns a chunked output has per row beside ``partition`` and ``row``
+_CHUNK_COLUMNS = ("chunk", "char_start", "char_end", "tokens")
+
+
+# -- hashing ------------------------------------------------------------------------------
+
+
+def _digests_of_str(values: Iterable) -> bytes:
+    digest = xxhash.xxh3_128_digest
+    try:
+        return b"".join(map(digest, map(str.encode, values)))
+    except UnicodeEncodeError:  # a lone surrogate: its UTF-8 bytes as Python keeps them
+        return b"".join(digest(v.encode("utf-8", "surrogatepass")) for v in values)
+
+
+def _digests_of_arrow(arr: pa.Array) -> bytes:
+    if pa.types.is_string_view(arr.type):
+        arr = arr.cast(pa.large_string())
+    width = np.int64 if pa.types.is_large_string(arr.type) else np.int32
+    bufs = arr.buffers()
+    offsets = np.frombuffer(bufs[1], dtype=width)[arr.offset: arr.offset + len(arr) + 1].tolist()
+    data = memoryview(bufs[2]) if bufs[2] is not None else memoryview(b"")
+    digest = xxhash.xxh3_128_digest
+    return b"".join([digest(data[offsets[i]: offsets[i + 1]]) for i in range(len(arr))])
+
+
+def _null_error(n: int, first: int) -> SurgeValueError:
+    return SurgeValueError(
+        f"text_hashes got {n} null value(s) (first at position {first}); a null is not a text and must "
+        "never share a hash with one. Fix: hash only the non-null texts (the rows that are encoded)."
+    )
+
+
+def text_hashes(values) -> np.ndarray:
+    """The 128-bit content hash of each text: XXH3-128 of its UTF-8 bytes, as ``(n, 2)`` uint64.
+
+    Column 0 holds the high 64 bits, column 1 the low ones, so rows sort as the hashes do.
+    The same text hashes the same from a list, a pandas Series (object or Arrow-backed),
+    a NumPy object array or an Arrow string array, in every process and platform.
+    Measured at ~0.2 us per 120-character text on one core (see
+    ``benchmarks/reuse_index.py``).
+
+    Parameters
+    ----------
+    values : sequence of str, pandas.Series, numpy.ndarray or pyarrow (Chunked)Array
+        The texts; no nulls (a null is not a text).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``(n, 2)`` uint64.
+
+    Raises
+    ------
+    SurgeValueError
+        A value is null or not a string.
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> h = text_hashes(["a", "b", "a"])
+    >>> h.shape, h.dtype, bool((h[0] == h[2]).all()), bool((h[0] == h[1]).all())
+    ((3, 2), dtype('uint64'), True, False)
+    >>> bool((text_hashes(pa.array(["a", "b", "a"])) == h).all())
+    True
+    >>> text_hashes(["a", None])
+    Traceback (most recent call last):
+    ...
+    dask_surge.errors.SurgeValueError: text_hashes got 1 null value(s) (first at position 1); ...
+    """
+    arrow = _as_arrow(values)
+    if arrow is not None:
+        if arrow.null_count:
+            valid = np.asarray(arrow.is_valid())
+            raise _null_error(arrow.null_count, int(np.argmin(valid)))
+        chunks = arrow.chunks if isinstance(arrow, pa.ChunkedArray) else [arrow]
+        blob = b"".join(_digests_of_arrow(c) for c in chunks)
+    else:
+        seq = values.tolist() if isinstance(values, np.ndarray) else list(values)
+        try:
+            blob = _digests_of_str(seq)
+        except TypeError:
+            bad = [i for i, v in enumerate(seq) if not isinstance(v, str)]
+            nulls = [i for i in bad if _is_null(seq[i])]
+            if nulls:
+                raise _null_error(len(nulls), nulls[0]) from None
+            raise SurgeValueError(
+                f"text_hashes got {type(seq[bad[0]]).__name__} value {seq[bad[0]]!r:.60} at position {bad[0]}; "
+                "only str texts are hashed. Fix: pass the text column's strings."
+            ) from None
+    return np.frombuffer(blob, dtype=">u8").astype(np.uint64).reshape(-1, 2)
+
+
+def _is_null(value: Any) -> bool:
+    """True for None, NaN and pandas' NA (the nulls a text column may hold)."""
+    if value is None:
+        return True
+    try:
+        return bool(value != value)
+    except (TypeError, ValueError):
+        return True  # pandas.NA: its comparison is NA, whose truth value raises
+
+
+def _as_arrow(values) -> pa.Array | pa.ChunkedArray | None:
+    """``values`` as an Arrow string array when it is one already (no copy), else None."""
+    if isinstance(values, (pa.Array, pa.ChunkedArray)):
+        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+                or pa.types.is_string_view(values.type)):
+            raise SurgeValueError(f"text_hashes got an Arrow {values.type} array; only strings are hashed. "
+                                  "Fix: pass the text column.")
+        return values
+    array = getattr(values, "array", None)  # a pandas Series backed by Arrow
+    pa_array = getattr(array, "_pa_array", None)
+    if pa_array is None:
+        with contextlib.suppress(Exception):
+            if "pyarrow" in str(getattr(values, "dtype", "")):
+                pa_array = pa.chunked_array(pa.array(values))
+    if pa_array is not None and (pa.types.is_string(pa_array.type) or pa.types.is_large_string(pa_array.type)):
+        return pa_array
+    return None
+
+
+def hash_column(hashes: np.ndarray) -> pa.FixedSizeBinaryArray:
+    """The :data:`TEXT_HASH` column of ``hashes`` (``(n, 2)`` uint64): 16 big-endian bytes per row.
+
+    Byte order sorts like the ``(hi, lo)`` pair (a Parquet reader's min/max statistics are
+    meaningful). :func:`hashes_of` is the inverse.
+
+    Examples
+    --------
+    >>> h = text_hashes(["a", "b"])
+    >>> col = hash_column(h)
+    >>> col.type, len(col), bool((hashes_of(col) == h).all())
+    (FixedSizeBinaryType(fixed_size_binary[16]), 2, True)
+    >>> col[0].as_py() == __import__("xxhash").xxh3_128_digest(b"a")
+    True
+    """
+    h = np.asarray(hashes)
+    if h.ndim != 2 or h.shape[1] != 2:
+        raise SurgeValueError(f"hash_column needs an (n, 2) uint64 array, got shape {h.shape}. "
+                              "Fix: pass what text_hashes returns.")
+    blob = np.ascontiguousarray(h.astype(">u8", copy=False)).tobytes()
+    return pa.Array.from_buffers(TEXT_HASH_TYPE, len(h), [None, pa.py_buffer(blob)])
+
+
+def hashes_of(array) -> np.ndarray:
+    """``(n, 2)`` uint64 hashes of a :data:`TEXT_HASH` column (Array or ChunkedArray), no nulls.
+
+    Examples
+    --------
+    >>> hashes_of(hash_column(text_hashes(["x"]))).tolist() == text_hashes(["x"]).tolist()
+    True
+    """
+    chunks = array.chunks if isinstance(array, pa.ChunkedArray) else [array]
+    parts = []
+    for c in chunks:
+        if c.type != TEXT_HASH_TYPE:
+            raise SurgeValueError(f"a {TEXT_HASH} column is fixed_size_binary[16], got {c.type}. "
+                                  "Fix: pass the column hash_column wrote.")
+        if c.null_count:
+            raise SurgeValueError(f"the {TEXT_HASH} column has {c.null_count} null(s); every written row "
+                                  "carries its text's hash. Fix: pass the column hash_column wrote.")
+        buf = c.buffers()[1]
+        parts.append(np.frombuffer(buf, dtype=">u8")[2 * c.offset: 2 * (c.offset + len(c))])
+    if not parts:
+        return np.empty((0, 2), dtype=np.uint64)
+    return np.concatenate(parts).astype(np.uint64).reshape(-1, 2)
+
+
+def text_hash_field() -> pa.Field:
+    """The schema field of :data:`TEXT_HASH`, naming :data:`HASH_ALGORITHM` in its metadata.
+
+    Examples
+    --------
+    >>> f = text_hash_field()
+    >>> f.name, f.nullable, f.metadata
+    ('text_hash', False, {b'dask_surge.hash': b'xxh3_128-utf8'})
+    """
+    return pa.field(TEXT_HASH, TEXT_HASH_TYPE, nullable=False, metadata={_ALGO_KEY: HASH_ALGORITHM.encode()})
+
+
+# -- identity -----------------------------------------------------------------------------
+
+
+def embedding_identity(fingerprint: dict) -> dict:
+    """The part of a run's fingerprint that says how a text was embedded.
+
+    Everything in ``run.json``'s fingerprint except what identifies the input or the
+    output's shape (:data:`NON_EMBEDDING_KEYS`: ``input``, ``column``, ``keep``,
+    ``partitions``, ``library``): so the model (content or repo and commit, prompt,
+    prompt name, ``model_kwargs``, compute dtype), ``normalize``, ``precision``,
+    ``truncate_dim``, ``dimension``, and any option declared later that changes embeddings
+    (long-text mode...: the fingerprint records those by name), are all compared.
+    Conservative: an unknown key counts.
+
+    Examples
+    --------
+    >>> fp = {"input": "ab12", "column": "text", "keep": [], "partitions": 3, "library": "0.1.0",
+    ...       "model": {"kind": "path", "repo_id": "org/m", "commit": "c0"}, "normalize": False,
+    ...       "precision": "float32", "truncate_dim": None, "dimension": 384}
+    >>> sorted(embedding_identity(fp))
+    ['dimension', 'model', 'normalize', 'precision', 'truncate_dim']
+    """
+    return {k: v for k, v in fingerprint.items() if k not in NON_EMBEDDING_KEYS}
+
+
+def _show(key: str, value: Any) -> str:
+    if key == "model":
+        name = model_name(value) or repr(value)
+        extras = {k: v for k, v in (value or {}).items()
+                  if k not in ("kind", "repo_id", "commit", "digest", "object") and v is not None} \
+            if isinstance(value, dict) else {}
+        return name + (f" ({', '.join(f'{k}={v!r}' for k, v in sorted(extras.items()))})" if extras else "")
+    return f"{key}={value!r}"
+
+
+def compatible(old_output: str, identity: dict, storage_options: dict | None = None) -> str | None:
+    """None when ``old_output``'s current run embedded texts as ``identity`` says, else a one-line reason.
+
+    Parameters
+    ----------
+    old_output : str
+        An earlier output directory.
+    identity : dict
+        The new run's :func:`embedding_identity` (of its fingerprint).
+
+    Raises
+    ------
+    SurgeInputError
+        ``old_output`` holds no dask-surge run.
+
+    Examples
+    --------
+    >>> import tempfile, pandas as pd, dask.dataframe as dd, dask_surge
+    >>> from dask_surge.testing import checksum_model
+    >>> out = tempfile.mkdtemp()
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
+    >>> _ = dask_surge.encode(ddf, "text", output=out, model=checksum_model, scheduler="sync", progress=False)
+    >>> from dask_surge.io.manifest import existing_run
+    >>> ident = embedding_identity(existing_run(out).fingerprint)
+    >>> compatible(out, ident) is None
+    True
+    >>> compatible(out, {**ident, "precision": "float16"})
+    "it was made with precision='float32', this run uses precision='float16'"
+    """
+    old = embedding_identity(existing_run(old_output, storage_options).fingerprint)
+    keys = sorted(set(old) | set(identity), key=lambda k: (k != "model", k))
+    diffs = [k for k in keys if old.get(k) != identity.get(k)]
+    if not diffs:
+        return None
+    return "; ".join(f"it was made with {_show(k, old.get(k))}, this run uses {_show(k, identity.get(k))}"
+                     for k in diffs)
+
+
+# -- matches ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Matches:
+    """What :meth:`ReuseIndex.lookup` found for each query hash.
+
+    Query ``i`` was found when ``found[i]``; its old rows are the run of ``count[i]``
+    consecutive rows from row ``row[i]`` of file ``file[i]`` of old output ``source[i]``
+    (one row per text; a text's chunk rows in chunk order with long-text chunking).
+    :meth:`ReuseIndex.fetch` returns the found queries' runs one after another:
+    query ``i``'s rows are ``offsets[i]:offsets[i + 1]`` there.
+    """
+
+    found: np.ndarray   # bool (n,)
+    source: np.ndarray  # int32 (n,): index into the index's outputs, -1 when not found
+    file: np.ndarray    # int64 (n,): file id within that output
+    row: np.ndarray     # int64 (n,): first row of the run in that file
+    count: np.ndarray   # int64 (n,): rows in the run, 0 when not found
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """``(n + 1,)`` int64: where each query's rows start in :meth:`ReuseIndex.fetch`'s table."""
+        return np.concatenate([[0], np.cumsum(self.count)]).astype(np.int64)
+
+    @property
+    def hits(self) -> int:
+        return int(self.found.sum())
+
+    @property
+    def rows(self) -> int:
+        return int(self.count.sum())
+
+    def __len__(self) -> int:
+        return len(self.found)
+
+    @classmethod
+    def empty(cls, n: int) -> Matches:
+        return cls(np.zeros(n, bool), np.full(n, -1, np.int32), np.zeros(n, np.int64), np.zeros(n, np.int64),
+                   np.zeros(n, np.int64))
+
+
+@dataclass(frozen=True)
+class Reused:
+    """What :meth:`ReuseIndex.lookup` found and copied.
+
+    ``found[i]`` says whether query ``i`` was found; the found queries' runs follow one
+    another, in query order, in ``embedding`` (the stored Arrow values) and ``columns``
+    (NumPy arrays, e.g. the chunk columns): the ``j``-th found query has ``counts[j]``
+    rows there (1, or its chunks).
+    """
+
+    matches: Matches
+    counts: np.ndarray  # int64 (hits,)
+    embedding: pa.Array
+    columns: dict[str, np.ndarray]
+
+    @property
+    def found(self) -> np.ndarray:
+        return self.matches.found
+
+
+# -- the index of one output --------------------------------------------------------------
+
+
+def index_dir(root: str, run_id: str) -> str:
+    """Where the reuse index of run ``run_id`` of the output ``root`` lives."""
+    return f"{root}/{META_DIR}/index/{run_id}"
+
+
+def _bucket_bits(rows: int, per_bucket: int = BUCKET_ENTRIES) -> int:
+    """Bits of hash prefix so buckets hold ~``per_bucket`` entries.
+
+    Examples
+    --------
+    >>> _bucket_bits(10), _bucket_bits(1 << 20), _bucket_bits(10**9)
+    (0, 0, 10)
+    """
+    return max(0, int(np.ceil(np.log2(max(rows, 1) / per_bucket))))
+
+
+def _bucket_of(hi: np.ndarray, bits: int) -> np.ndarray:
+    if bits == 0:
+        return np.zeros(len(hi), dtype=np.int64)
+    return (hi >> np.uint64(64 - bits)).astype(np.int64)
+
+
+class _LRU(OrderedDict):
+    """A small least-recently-used map bounded by entries and by a byte total."""
+
+    def __init__(self, max_items: int, max_bytes: float = float("inf")) -> None:
+        super().__init__()
+        self.max_items, self.max_bytes, self.nbytes = max_items, max_bytes, 0
+        self._sizes: dict = {}
+
+    def get_or(self, key, make, size=lambda v: 0):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = make()
+        n = size(value)
+        if n > self.max_bytes:
+            return value  # larger than the whole cache: used once, not kept
+        self[key], self._sizes[key] = value, n
+        self.nbytes += n
+        while len(self) > self.max_items or self.nbytes > self.max_bytes:
+            old, _ = self.popitem(last=False)
+            self.nbytes -= self._sizes.pop(old)
+        return value
+
+    def clear(self) -> None:
+        super().clear()
+        self._sizes.clear()
+        self.nbytes = 0
+
+
+class _OutputIndex:
+    """The index of one earlier output (see the module docstring)."""
+
+    def __init__(self, path: str, storage_options: dict | None, *, bits: int | None, spill_bytes: int,
+                 max_buckets: int, rebuild: bool, bucket_entries: int = BUCKET_ENTRIES) -> None:
+        self.bucket_entries = bucket_entries
+        manifest = existing_run(path, storage_options)
+        done = manifest.completion()
+        if done is None:
+            raise SurgeInputError(
+                f"reuse={path!r}: its run {manifest.run_id} is not complete, so its rows may still change. "
+                "Only a complete output is reused. Fix: finish it first (rerun the call that wrote it), "
+                "or leave it out of reuse=."
+            )
+        self.path, self.manifest, self.fs, self.root = path, manifest, manifest.fs, manifest.root
+        self.dir = index_dir(self.root, manifest.run_id)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.local = "file" in protocols or "local" in protocols
+        self.complete = done
+        self._buckets = _LRU(max_buckets)
+        self._old_bits: int | None = None  # of an index found invalid: rebuilt with them
+        self.meta = None if rebuild else self._valid_meta()
+        if self.meta is None:
+            self.meta = self.build(bits=bits if bits is not None else self._old_bits, spill_bytes=spill_bytes)
+        self.files: list[str] = self.meta["files"]
+        self.chunked = bool(self.meta.get("chunked"))
+        self.bits: int = self.meta["bits"]
+        self.entries = np.asarray(self.meta["bucket_entries"], dtype=np.int64)
+
+    # -- validity
+    def _valid_meta(self) -> dict | None:
+        try:
+            with self.fs.open(f"{self.dir}/meta.json", "rb") as f:
+                meta = json.loads(f.read())
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except (OSError, ValueError):
+            return None  # torn or damaged: rebuilt
+        try:
+            if isinstance(meta.get("bits"), int) and 0 <= meta["bits"] <= 24:
+                self._old_bits = meta["bits"]
+            if meta.get("format") != INDEX_FORMAT or meta.get("algorithm") != HASH_ALGORITHM \
+                    or meta.get("run") != self.manifest.run_id or meta.get("complete") != self.complete:
+                return None
+            present = set(self._ls(self.root))
+            if not set(meta["files"]) <= present:
+                return None  # a file it names is gone (repaired and rerun): stale
+            names = set(self._ls(self.dir))
+            for b, n in enumerate(meta["bucket_entries"]):
+                if n and _bucket_name(b) not in names:
+                    return None
+            if len(meta["bucket_entries"]) != 1 << int(meta["bits"]):
+                return None
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        return meta
+
+    def _ls(self, path: str) -> list[str]:
+        with contextlib.suppress(AttributeError, TypeError):
+            self.fs.invalidate_cache(path)
+        try:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    # -- build
+    def _records(self) -> list:
+        return list(self.manifest.committed().values())
+
+    def build(self, *, bits: int | None = None, spill_bytes: int = 64 << 20) -> dict:
+        """Build (or rebuild) the index; returns its meta. Memory: ``spill_bytes`` plus one row group's hashes."""
+        records = self._records()
+        files = [r.file for r in records]
+        rows = sum(r.rows for r in records)
+        bits = _bucket_bits(rows, self.bucket_entries) if bits is None else int(bits)
+        nb = 1 << bits
+        spill = tempfile.mkdtemp(prefix="surge-reuse-spill-")
+        counts = np.zeros(nb, dtype=np.int64)
+        try:
+            buffers: list[list[np.ndarray]] = [[] for _ in range(nb)]
+            buffered = 0
+            chunked = None
+
+            def flush() -> None:
+                nonlocal buffered
+                for b in range(nb):
+                    if buffers[b]:
+                        block = _dedupe(np.concatenate(buffers[b]))
+                        with open(os.path.join(spill, f"{b}.bin"), "ab") as f:
+                            f.write(block.tobytes())
+                        counts[b] += len(block)
+                        buffers[b] = []
+                buffered = 0
+
+            for file_id, name in enumerate(files):
+                for entries, is_chunked in self._file_entries(file_id, name):
+                    if chunked is None:
+                        chunked = is_chunked
+                    elif chunked != is_chunked:
+                        raise self._layout_error(name, "some files have a 'chunk' column and some do not")
+                    entries = _dedupe(entries)
+                    bucket = _bucket_of(entries[:, 0], bits)
+                    order = np.argsort(bucket, kind="stable")
+                    entries, bucket = entries[order], bucket[order]
+                    bounds = np.searchsorted(bucket, np.arange(nb + 1))
+                    for nz in np.flatnonzero(np.diff(bounds)).tolist():
+                        buffers[nz].append(entries[bounds[nz]: bounds[nz + 1]])
+                    buffered += entries.nbytes
+                    if buffered >= spill_bytes:
+                        flush()
+            flush()
+            try:
+                self.fs.makedirs(self.dir, exist_ok=True)
+                bucket_entries = []
+                for b in range(nb):
+                    if not counts[b]:
+                        bucket_entries.append(0)
+                        continue
+                    block = np.fromfile(os.path.join(spill, f"{b}.bin"), dtype=np.uint64).reshape(-1, 4)
+                    os.unlink(os.path.join(spill, f"{b}.bin"))
+                    block = np.ascontiguousarray(_dedupe(block).T)
+                    buf = io.BytesIO()
+                    np.save(buf, block, allow_pickle=False)
+                    write_bytes_atomic(self.fs, f"{self.dir}/{_bucket_name(b)}", buf.getbuffer())
+                    bucket_entries.append(int(block.shape[1]))
+                    del block, buf
+                meta = {"format": INDEX_FORMAT, "algorithm": HASH_ALGORITHM, "run": self.manifest.run_id,
+                        "complete": self.complete, "bits": bits, "rows": rows, "files": files,
+                        "chunked": bool(chunked), "bucket_entries": bucket_entries, "built": time.time()}
+                write_bytes_atomic(self.fs, f"{self.dir}/meta.json", json.dumps(meta, sort_keys=True).encode())
+                keep = {_bucket_name(b) for b in range(nb) if bucket_entries[b]}
+                for name in self._ls(self.dir):  # buckets of an index built before with other bits
+                    if name.startswith("bucket-") and name.endswith(".npy") and name not in keep:
+                        with contextlib.suppress(FileNotFoundError):
+                            self.fs.rm(f"{self.dir}/{name}")
+            except OSError as err:
+                raise SurgeOutputError(
+                    f"reuse={self.path!r}: writing its reuse index to {self.dir!r} failed "
+                    f"({type(err).__name__}: {err}). The index is built once into the old output's _surge/ "
+                    "directory. Fix: make that directory writable (or free disk space), or copy the old "
+                    "output to a writable place and pass that path to reuse=."
+                ) from err
+        finally:
+            shutil.rmtree(spill, ignore_errors=True)
+        self._buckets.clear()
+        return meta
+
+    def _layout_error(self, name: str, what: str) -> SurgeOutputError:
+        return SurgeOutputError(
+            f"reuse={self.path!r}: {name} is not of the layout dask-surge writes ({what}). Nothing was "
+            "reused. Fix: pass an output written by dask_surge.encode, unmodified."
+        )
+
+    def _file_entries(self, file_id: int, name: str) -> Iterator[tuple[np.ndarray, bool]]:
+        """Index entries ``(m, 4)`` uint64 of one part file, a row group at a time; chunk runs joined."""
+        path = f"{self.root}/{name}"
+        with self.fs.open(path, "rb") as f:
+            pf = pq.ParquetFile(f)
+            schema = pf.schema_arrow
+            if TEXT_HASH not in schema.names:
+                raise SurgeInputError(
+                    f"reuse={self.path!r} has no {TEXT_HASH!r} column ({name} holds {schema.names}): it was "
+                    "written by a dask-surge that did not record text hashes yet, so its rows cannot be "
+                    "matched to texts. Fix: re-run once without reuse= (the new output records them); "
+                    "later runs can reuse that output."
+                )
+            algo = (schema.field(TEXT_HASH).metadata or {}).get(_ALGO_KEY, HASH_ALGORITHM.encode()).decode()
+            if algo != HASH_ALGORITHM:
+                raise SurgeInputError(
+                    f"reuse={self.path!r}: its {TEXT_HASH!r} column was computed with {algo!r}, this "
+                    f"dask-surge uses {HASH_ALGORITHM!r}, so equal texts would not match. Fix: re-run once "
+                    "without reuse= to record hashes this version can match."
+                )
+            chunked = _CHUNK in schema.names
+            columns = [TEXT_HASH] + ([_CHUNK] if chunked else [])
+            base = 0
+            pending: np.ndarray | None = None  # the file's last run so far: it may go on in the next group
+            for g in range(pf.num_row_groups):
+                table = pf.read_row_group(g, columns=columns)
+                n = table.num_rows
+                if n == 0:
+                    continue
+                h = hashes_of(table.column(TEXT_HASH))
+                starts = np.flatnonzero(table.column(_CHUNK).to_numpy() == 0) if chunked else np.arange(n)
+                lead = int(starts[0]) if len(starts) else n
+                if lead:
+                    if pending is None or not (h[:lead] == pending[0, :2]).all():
+                        raise self._layout_error(name, f"rows at {base} continue no text's chunks")
+                    pending[0, 3] += lead
+                if chunked and len(starts):
+                    ends = np.append(starts[1:], n)
+                    run_of = np.repeat(np.arange(len(starts)), ends - starts)
+                    if not (h[lead:] == h[starts][run_of]).all():
+                        raise self._layout_error(name, "a text's chunk rows carry different hashes")
+                if len(starts) == 0:
+                    continue
+                out = np.empty((len(starts), 4), dtype=np.uint64)
+                out[:, :2] = h[starts]
+                out[:, 2] = (np.uint64(file_id) << np.uint64(32)) | (starts + base).astype(np.uint64)
+                out[:, 3] = np.diff(np.append(starts, n))
+                if pending is not None:
+                    yield pending, chunked
+                pending = out[-1:].copy()
+                if len(out) > 1:
+                    yield out[:-1], chunked
+                base += n
+            if pending is not None:
+                yield pending, chunked
+
+    # -- lookup
+    def _bucket(self, b: int) -> np.ndarray:
+        def load() -> np.ndarray:
+            path = f"{self.dir}/{_bucket_name(b)}"
+            try:
+                if self.local:
+                    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+                else:
+                    arr = np.load(io.BytesIO(self.fs.cat_file(path)), allow_pickle=False)
+            except (OSError, ValueError, EOFError) as err:
+                raise _Damaged(f"{path}: {type(err).__name__}: {err}") from err
+            if arr.dtype != np.uint64 or arr.shape != (4, int(self.entries[b])):
+                raise _Damaged(f"{path}: shape {arr.shape} {arr.dtype}, expected (4, {int(self.entries[b])}) uint64")
+            return arr
+        return self._buckets.get_or(b, load)
+
+    def lookup(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """For ``q`` ``(n, 2)``: found, file, row, count."""
+        n = len(q)
+        found = np.zeros(n, bool)
+        file = np.zeros(n, np.int64)
+        row = np.zeros(n, np.int64)
+        count = np.zeros(n, np.int64)
+        if n == 0:
+            return found, file, row, count
+        bucket = _bucket_of(q[:, 0], self.bits)
+        order = np.argsort(bucket, kind="stable")
+        sb = bucket[order]
+        bounds = np.searchsorted(sb, np.arange((1 << self.bits) + 1))
+        for b in np.flatnonzero(np.diff(bounds)):
+            if not self.entries[b]:
+                continue
+            idx = order[bounds[b]: bounds[b + 1]]
+            arr = self._bucket(int(b))
+            hi, lo = arr[0], arr[1]
+            qhi, qlo = q[idx, 0], q[idx, 1]
+            left = np.searchsorted(hi, qhi, side="left")
+            right = np.searchsorted(hi, qhi, side="right")
+            span = right - left
+            pos = np.full(len(idx), -1, np.int64)
+            one = np.flatnonzero(span == 1)
+            hit = np.asarray(lo[left[one]]) == qlo[one]
+            pos[one[hit]] = left[one[hit]]
+            for j in np.flatnonzero(span > 1):  # 64-bit prefix shared: rare (~n^2 / 2^65 pairs)
+                k = int(left[j]) + int(np.searchsorted(lo[left[j]: right[j]], qlo[j]))
+                if k < right[j] and lo[k] == qlo[j]:
+                    pos[j] = k
+            ok = pos >= 0
+            if not ok.any():
+                continue
+            p = pos[ok]
+            loc = np.asarray(arr[2][p])
+            where = idx[ok]
+            found[where] = True
+            file[where] = (loc >> np.uint64(32)).astype(np.int64)
+            row[where] = (loc & np.uint64(0xFFFFFFFF)).astype(np.int64)
+            count[where] = np.asarray(arr[3][p]).astype(np.int64)
+        return found, file, row, count
+
+
+class _Damaged(Exception):
+    """An index file that cannot be read as written (the index is rebuilt)."""
+
+
+def _bucket_name(b: int) -> str:
+    return f"bucket-{b:06d}.npy"
+
+
+def _dedupe(entries: np.ndarray) -> np.ndarray:
+    """Entries ``(m, 4)`` sorted by hash, one per distinct hash (the smallest file and row).
+
+    Examples
+    --------
+    >>> e = np.array([[2, 0, 9, 1], [1, 5, 7, 1], [2, 0, 3, 1]], dtype=np.uint64)
+    >>> _dedupe(e).tolist()
+    [[1, 5, 7, 1], [2, 0, 3, 1]]
+    """
+    if len(entries) == 0:
+        return entries
+    order = np.lexsort((entries[:, 2], entries[:, 1], entries[:, 0]))
+    e = entries[order]
+    keep = np.ones(len(e), bool)
+    keep[1:] = (e[1:, 0] != e[:-1, 0]) | (e[1:, 1] != e[:-1, 1])
+    return e[keep]
+
+
+# -- the public index ---------------------------------------------------------------------
+
+
+class ReuseIndex:
+    """Find texts of earlier complete outputs by hash and copy their stored embeddings.
+
+    Parameters
+    ----------
+    outputs : str or sequence of str
+        Earlier output directories, in order of preference (a hash found in several is
+        taken from the first).
+    identity : dict, optional
+        The new run's :func:`embedding_identity`: an output made otherwise is refused
+        (:func:`compatible`'s reason in the error). None: not checked.
+    storage_options : dict, optional
+        fsspec options for the outputs.
+    bits : int, optional
+        Buckets ``2**bits`` of a newly built index (default: from the row count, so a
+        bucket holds ~``bucket_entries``); an existing index keeps its own.
+    bucket_entries : int
+        Entries per bucket a newly built index aims at (:data:`BUCKET_ENTRIES`).
+    spill_bytes : int
+        Memory a build buffers before spilling to disk.
+    cache_bytes : int
+        Bound on the row groups :meth:`fetch` keeps decoded (an LRU per index).
+    max_open : int
+        Bound on open part files and memory-mapped buckets (each an LRU per output).
+    rebuild : bool
+        Rebuild the indexes even when valid ones exist.
+
+    Raises
+    ------
+    SurgeInputError
+        An output holds no run, is not complete, has no ``text_hash`` column (written
+        before text hashes were recorded), or was embedded otherwise than ``identity``.
+
+    Examples
+    --------
+    >>> import tempfile, pandas as pd, dask.dataframe as dd, dask_surge
+    >>> from dask_surge.testing import checksum_model
+    >>> out = tempfile.mkdtemp()
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
+    >>> _ = dask_surge.encode(ddf, "text", output=out, model=checksum_model, scheduler="sync", progress=False)
+    >>> ReuseIndex(out)   # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    dask_surge.errors.SurgeInputError: reuse=... has no 'text_hash' column (...): it was written by a dask-surge that did not record text hashes yet, ...
+    """
+
+    def __init__(self, outputs: str | Sequence[str], *, identity: dict | None = None,
+                 storage_options: dict | None = None, bits: int | None = None,
+                 bucket_entries: int = BUCKET_ENTRIES, spill_bytes: int = 64 << 20,
+                 cache_bytes: int = 64 << 20, max_open: int = 16, rebuild: bool = False) -> None:
+        paths = [outputs] if isinstance(outputs, (str, os.PathLike)) else list(outputs)
+        if not paths:
+            raise SurgeValueError("reuse=[] names no output. Fix: pass one or more earlier output paths, or "
+                                  "leave reuse= out.")
+        if identity is not None:
+            for p in paths:
+                why = compatible(str(p), identity, storage_options)
+                if why is not None:
+                    raise SurgeInputError(
+                        f"reuse={str(p)!r} cannot be reused: {why}. Its embeddings would differ from this "
+                        "run's. Fix: leave it out of reuse=, or run with the options it was made with."
+                    )
+        self.outputs = [str(p) for p in paths]
+        self._opts = {"storage_options": storage_options, "bits": bits, "spill_bytes": spill_bytes,
+                      "max_buckets": max_open, "bucket_entries": bucket_entries}
+        self.indexes = [_OutputIndex(p, rebuild=rebuild, **self._opts) for p in self.outputs]  # type: ignore[arg-type]
+        self._files = _LRU(max_open)
+        self._groups = _LRU(1 << 16, cache_bytes)
+        self._lock = threading.RLock()  # a worker's SuperBatch tasks share one index from several threads
+
+    def __repr__(self) -> str:
+        return f"ReuseIndex({self.outputs!r}, entries={self.entries})"
+
+    @property
+    def entries(self) -> int:
+        """Distinct hashes indexed, over all outputs."""
+        return int(sum(ix.entries.sum() for ix in self.indexes))
+
+    @property
+    def chunked(self) -> bool:
+        """True when the outputs hold several rows per text (long-text chunking)."""
+        return any(ix.chunked for ix in self.indexes)
+
+    def lookup(self, hashes: np.ndarray, columns: Sequence[str] | None = None) -> Reused:
+        """:meth:`find` then :meth:`fetch`: which of ``hashes`` were committed, and their stored rows.
+
+        ``columns``: what to copy besides ``embedding``; default: the chunk columns
+        (``chunk``, ``char_start``, ``char_end``, ``tokens``) when the outputs are chunked, else none.
+        """
+        extra = tuple(columns) if columns is not None else (_CHUNK_COLUMNS if self.chunked else ())
+        with self._lock:
+            matches = self.find(hashes)
+            table = self.fetch(matches, (*extra, "embedding"))
+        return Reused(matches, matches.count[matches.found],
+                      table.column("embedding").combine_chunks(),
+                      {c: table.column(c).to_numpy() for c in extra})
+
+    def find(self, hashes: np.ndarray) -> Matches:
+        """Where each of ``hashes`` (``(n, 2)`` uint64, as :func:`text_hashes` returns) was committed.
+
+        Vectorized per bucket; memory: the queries plus the touched pages of the buckets.
+        An index file found damaged is rebuilt once, and the lookup repeated.
+        """
+        with self._lock:
+            return self._find(hashes)
+
+    def _find(self, hashes: np.ndarray) -> Matches:
+        q = np.ascontiguousarray(np.asarray(hashes, dtype=np.uint64).reshape(-1, 2))
+        m = Matches.empty(len(q))
+        todo = np.arange(len(q))
+        for s, ix in enumerate(self.indexes):
+            if not len(todo):
+                break
+            try:
+                found, file, row, count = ix.lookup(q[todo])
+            except _Damaged:  # rebuilt as it was (its bucket count)
+                opts = {**self._opts, "bits": ix.bits}
+                self.indexes[s] = ix = _OutputIndex(self.outputs[s], rebuild=True, **opts)  # type: ignore[arg-type]
+                found, file, row, count = ix.lookup(q[todo])
+            at = todo[found]
+            m.found[at], m.source[at], m.file[at], m.row[at], m.count[at] = True, s, file[found], row[found], count[found]
+            todo = todo[~found]
+        return m
+
+    def _group(self, s: int, f: int, g: int, columns: tuple[str, ...]) -> pa.Table:
+        pf, _ = self._files.get_or((s, f), lambda: self._open(s, f))
+        return self._groups.get_or((s, f, g, columns), lambda: pf.read_row_group(g, columns=list(columns)),
+                                   lambda t: t.nbytes)
+
+    def fetch(self, matches: Matches, columns: Sequence[str] = ("embedding",)) -> pa.Table:
+        """The stored rows of the found queries' runs, in query order (``matches.offsets``).
+
+        Reads only the row groups holding those rows (each decoded once while in the LRU
+        of ``cache_bytes``); values are the stored Arrow values, byte for byte.
+
+        Parameters
+        ----------
+        matches : Matches
+            From :meth:`lookup`.
+        columns : sequence of str
+            Columns to copy, e.g. ``("embedding",)`` or, with chunking,
+            ``("chunk", "char_start", "char_end", "tokens", "embedding")``.
+        """
+        with self._lock:
+            return self._fetch(matches, tuple(columns))
+
+    def _fetch(self, matches: Matches, columns: tuple[str, ...]) -> pa.Table:
+        sel = np.flatnonzero(matches.found)
+        counts = matches.count[sel]
+        total = int(counts.sum())
+        # every old row, in output order: (source, file, row)
+        rep = np.repeat(np.arange(len(sel)), counts)
+        within = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+        src = matches.source[sel][rep].astype(np.int64)
+        fil = matches.file[sel][rep]
+        row = matches.row[sel][rep] + within
+        order = np.lexsort((row, fil, src))
+        pieces: list[pa.Table] = []
+        if total:
+            s_o, f_o, r_o = src[order], fil[order], row[order]
+            change = np.flatnonzero((np.diff(s_o) != 0) | (np.diff(f_o) != 0)) + 1
+            for a, b in zip(np.concatenate([[0], change]), np.concatenate([change, [total]])):
+                s, f = int(s_o[a]), int(f_o[a])
+                _, starts = self._files.get_or((s, f), lambda s=s, f=f: self._open(s, f))
+                rows = r_o[a:b]
+                g_of = np.searchsorted(starts, rows, side="right") - 1
+                cuts = np.flatnonzero(np.diff(g_of)) + 1
+                for c0, c1 in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(rows)]])):
+                    g = int(g_of[c0])
+                    t = self._group(s, f, g, columns)
+                    pieces.append(t.take(pa.array(rows[c0:c1] - starts[g])))
+        if not pieces:
+            schema = self._schema(columns)
+            return schema.empty_table()
+        table = pa.concat_tables(pieces).combine_chunks()
+        inverse = np.empty(total, dtype=np.int64)
+        inverse[order] = np.arange(total)
+        return table.take(pa.array(inverse))
+
+    def _open(self, s: int, f: int):
+        ix = self.indexes[s]
+        handle = ix.fs.open(f"{ix.root}/{ix.files[f]}", "rb")
+        pf = pq.ParquetFile(handle)
+        starts = np.concatenate([[0], np.cumsum([pf.metadata.row_group(i).num_rows
+                                                 for i in range(pf.num_row_groups)])]).astype(np.int64)
+        return pf, starts
+
+    def _schema(self, columns: tuple[str, ...]) -> pa.Schema:
+        for s, ix in enumerate(self.indexes):
+            if ix.files:
+                pf, _ = self._files.get_or((s, 0), lambda s=s: self._open(s, 0))
+                return pa.schema([pf.schema_arrow.field(c) for c in columns])
+        return pa.schema([pa.field(c, pa.null()) for c in columns])
+
+    def close(self) -> None:
+        """Drop cached row groups, open files and mapped buckets."""
+        self._groups.clear()
+        self._files.clear()
+        for ix in self.indexes:
+            ix._buckets.clear()
+
+    def __enter__(self) -> ReuseIndex:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_OPEN: OrderedDict = OrderedDict()
+_OPEN_LOCK = threading.Lock()
+#: indexes :func:`open_index` keeps open per process
+OPEN_INDEXES = 4
+
+
+def open_index(outputs: str | Sequence[str], storage_options: dict | None = None,
+               identity: dict | None = None) -> ReuseIndex:
+    """The process's :class:`ReuseIndex` of ``outputs``, opened (and built, if absent) once.
+
+    For a worker's SuperBatch tasks: each call with the same outputs returns the same
+    open index (the last :data:`OPEN_INDEXES` are kept), so buckets and row groups stay
+    cached between SuperBatches. Build the index on the client first (``ReuseIndex(outputs)``)
+    so that workers only open it.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> open_index(tempfile.mkdtemp())
+    Traceback (most recent call last):
+    ...
+    dask_surge.errors.SurgeInputError: ... holds no dask-surge run (...
+    """
+    paths = (str(outputs),) if isinstance(outputs, (str, os.PathLike)) else tuple(str(p) for p in outputs)
+    key = (paths, json.dumps(storage_options or {}, sort_keys=True, default=str))
+    with _OPEN_LOCK:
+        if key in _OPEN:
+            _OPEN.move_to_end(key)
+            return _OPEN[key]
+        index = ReuseIndex(paths, storage_options=storage_options, identity=identity)
+        _OPEN[key] = index
+        while len(_OPEN) > OPEN_INDEXES:
+            _OPEN.popitem(last=False)[1].close()
+        return index
