@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from .execution.runner import RunRequest, write_run
 from .execution.superbatch import SuperBatchEncoder
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows, status
+from .io.reuse import ReuseIndex, embedding_identity
 from .models.devices import gpu_count
 from .models.encoders import Encoder
 from .models.modelid import redact
@@ -46,7 +48,8 @@ SCHEDULERS = (None, "sync", "synchronous", "threads")
 #: the options the fingerprint records inside another entry: the model's identity (its content,
 #: revision, prompts, ``model_kwargs`` and the resolved compute dtype) and the input's
 _RECORDED_WITH = {"model": "model", "revision": "model", "prompt": "model", "prompt_name": "model",
-                  "model_kwargs": "model", "dtype": "model", "input_token": "ddf"}
+                  "model_kwargs": "model", "dtype": "model", "input_token": "ddf",
+                  "long_texts": "long_texts", "chunk_overlap": "long_texts"}
 
 
 def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
@@ -91,14 +94,15 @@ def _resolve_encoder(model: Any, opts: dict) -> Encoder:
 
 
 def _check_arguments(opts: dict) -> None:
-    """Validate the options no one else checks: a config option is checked as it is resolved
-    (:func:`dask_surge.config.get`), an Encoder option by :class:`Encoder`."""
+    """Validate (in place: a validator may normalize, e.g. ``reuse`` to a tuple) the options no one
+    else checks: a config option is checked as it is resolved (:func:`dask_surge.config.get`), an
+    Encoder option by :class:`Encoder`."""
     for name, value in opts.items():
         opt = option(name)
         if opt.validator is None or opt.config or "Encoder" in opt.takers:
             continue
         try:
-            opt.check(value)
+            opts[name] = opt.check(value)
         except Invalid as err:
             raise SurgeValueError(opt.argument_error(value, err)) from None
 
@@ -334,6 +338,9 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
         precision=check_precision(config.get("precision", opts["precision"]), normalize),
         on_null=config.get("on-null", opts["on_null"]),
         truncate_dim=check_truncate_dim(config.get("truncate-dim", opts["truncate_dim"]), encoder.dimension),
+        long_texts=config.get("long-texts", opts["long_texts"]),
+        chunk_overlap=config.get("chunk-overlap", opts["chunk_overlap"]),
+        reuse=_absolute(opts["reuse"]),
     )
     frame = ddf[[column, *[k for k in keep if k != column]]]
     if output is None:
@@ -343,6 +350,9 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
                 "commit records, so it needs output=...; a lazy frame has nowhere to record them. Fix: "
                 "pass output='dir/', or use on_null='error' (default) or 'empty'."
             )
+        if sbe.reuse:
+            _open_reuse(sbe, fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
+                                         options=opts))
         return _lazy(frame, sbe, requested, max_bytes, gpu=on_gpu)
     # the bar opens now: starting a cluster (workers importing torch) is the first thing a user waits for
     starting = scheduler is None and _active_client() is None  # _client_for starts a local cluster
@@ -352,6 +362,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
             _register(sbe.encoder, client)
         run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
                              options=opts)
+        _open_reuse(sbe, run_id)
         return write_run(RunRequest(
             frame, sbe, output, fingerprint=run_id,
             thresholds=_RunThresholds(requested, encoder, frame, column, client, gpu=on_gpu),
@@ -359,6 +370,18 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
             storage_options=storage_options, progress=config.get("progress", progress), started=started,
             bar=bar,
         ))
+
+
+def _absolute(paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Local paths made absolute (workers may run elsewhere in the tree); URLs as given."""
+    return tuple(p if "://" in p else os.path.abspath(p) for p in paths)
+
+
+def _open_reuse(sbe: SuperBatchEncoder, run_fingerprint: dict) -> None:
+    """Check that every ``reuse`` output embedded texts as this run will (else a clear error,
+    before anything is written), and build its index here once, so workers only open it."""
+    if sbe.reuse:
+        ReuseIndex(sbe.reuse, identity=embedding_identity(run_fingerprint)).close()
 
 
 def _resolve(requested, encoder: Encoder, frame, column: str, client, sizes: PartitionSizes | None, *,
@@ -469,6 +492,8 @@ def fingerprint(frame, sbe: SuperBatchEncoder, *, device: str | None = None,
         "model": sbe.encoder.identity(device), "normalize": sbe.normalize, "precision": sbe.precision,
         "truncate_dim": sbe.truncate_dim, "on_null": sbe.on_null,
     }
+    if sbe.long_texts in ("chunk", "mean"):  # "truncate" and "error" write the same rows: one run
+        values["long_texts"] = {"mode": sbe.long_texts, "chunk_overlap": sbe.chunk_overlap}
     for name, changes in IDENTITY_OPTIONS.items():  # options declared later record their value by name
         if changes and name not in values and name not in _RECORDED_WITH and options and name in options:
             opt = option(name)

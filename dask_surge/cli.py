@@ -251,6 +251,19 @@ def format_status(info: dict, now: float | None = None) -> str:
          + (" (skipped nulls included)" if info["nulls_skipped"] else "")),
         ("nulls skipped", f"{info['nulls_skipped']:,}"),
     ]
+    mode = info.get("long_texts", "truncate")
+    if mode == "chunk":
+        rows.append(("long texts", f"chunk: {info.get('output_rows', 0):,} windows written"))
+    elif mode == "mean":
+        rows.append(("long texts", "mean of each text's token windows"))
+    elif info.get("truncated", 0) < 0:
+        rows.append(("truncated", "not known (the model has no tokenizer)"))
+    elif "truncated" in info:
+        rows.append(("truncated", f"{info['truncated']:,} texts over the model's window were cut"
+                     + (" (long_texts='chunk' or 'mean' encode every token)" if info["truncated"] else "")))
+    if info.get("reused"):
+        rows.append(("reused", f"{info['reused']:,} texts copied from earlier outputs; "
+                               f"{info.get('encoded', 0):,} distinct texts encoded"))
     last = info.get("last_commit")
     if last is not None:
         ago = _ago(max(0.0, (time.time() if now is None else now) - last))

@@ -54,7 +54,7 @@ from typing import Any, Literal, TypedDict, get_args
 
 __all__ = [
     "COMPRESSIONS", "DTYPES", "ENGINES", "ON_NULLS", "OPTIONS", "PRECISIONS", "Cli", "Compression", "Dtype",
-    "EncodeOptions", "EngineName", "Invalid", "OnNull", "Option", "PlanOptions", "Precision", "add_arguments",
+    "EncodeOptions", "EngineName", "Invalid", "LONG_TEXTS", "DEFAULT_CHUNK_OVERLAP", "LongTexts", "OnNull", "Option", "PlanOptions", "Precision", "add_arguments",
     "bind", "choices", "config_options", "defaults", "document", "from_arguments", "identity_options", "option",
     "options_of", "schema", "schema_yaml", "signature",
 ]
@@ -71,6 +71,9 @@ EngineName = Literal["auto", "fast", "sentence-transformers"]
 #: Parquet codec of the embedding column. ``"none"`` (the default) writes fastest: float vectors
 #: barely compress (zstd saves ~7% on float32 MiniLM vectors at several times the write time).
 Compression = Literal["none", "snappy", "lz4", "zstd"]
+#: What a text longer than the model's window does: cut (and counted), stop the run, one output row
+#: per overlapping token window, or one row of the windows' token-weighted mean.
+LongTexts = Literal["truncate", "error", "chunk", "mean"]
 #: Where a written encode runs: a ``distributed.Client``, a local scheduler, or None (the
 #: active Client, else a local cluster started for the call).
 Scheduler = Any | Literal["sync", "synchronous", "threads"] | None
@@ -104,6 +107,9 @@ ON_NULLS: tuple[str, ...] = choices(OnNull)
 DTYPES: tuple[str, ...] = choices(Dtype)
 ENGINES: tuple[str, ...] = choices(EngineName)
 COMPRESSIONS: tuple[str, ...] = choices(Compression)
+LONG_TEXTS: tuple[str, ...] = choices(LongTexts)
+#: Tokens two consecutive windows share in ``long_texts="chunk"``/``"mean"`` (the option's default).
+DEFAULT_CHUNK_OVERLAP = 32
 
 # -- validators: value -> the value to use, or raise Invalid(problem, fix) ---------------------------
 
@@ -191,6 +197,33 @@ def mapping(fix: str = "pass a dict") -> Validator:
         raise Invalid("must be a dict or None", fix)
 
     return check
+
+
+def non_negative_int(fix: str) -> Validator:
+    """An int >= 0 (not a bool)."""
+
+    def check(value: Any) -> Any:
+        if _is_int(value) and value >= 0:
+            return value
+        raise Invalid("must be an int >= 0", fix)
+
+    return check
+
+
+def paths(value: Any) -> tuple[str, ...]:
+    """One path or URL, or a sequence of them, as a tuple (empty for None)."""
+    import os
+
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, (str, os.PathLike)) else value
+    try:
+        out = tuple(os.fspath(v) for v in items)
+    except TypeError:
+        out = None
+    if out is None or not all(isinstance(v, str) and v for v in out):
+        raise Invalid("must be a path or URL, a list of them, or None", "pass e.g. reuse='emb-2024-06/'")
+    return out
 
 
 def byte_size(value: Any) -> int | None:
@@ -400,6 +433,37 @@ OPTIONS: tuple[Option, ...] = (
          :func:`skipped_rows`).""",
          "what a null text does: error, encode as empty, or skip and record it",
          default="error", config="on-null", vocabulary=OnNull, identity=False, takers="encode", cli=Cli()),
+    _opt("long_texts", LongTexts | None, '{"truncate", "error", "chunk", "mean"}, optional', """
+         What a text longer than the model's window (its ``max_seq_length`` tokens) does. Can be
+         ``"truncate"`` (cut at the window, as sentence-transformers does, and counted:
+         :attr:`EncodeResult.truncated`, ``dask-surge status``); ``"error"`` (the first such text
+         stops the run with an error naming its partition, row and token count; what was committed
+         is kept); ``"chunk"`` (one output row per token window, windows overlapping by
+         ``chunk_overlap`` tokens and cut at word boundaries, with columns ``chunk``,
+         ``char_start``, ``char_end`` and ``tokens``; the key becomes ``(partition, row, chunk)``);
+         or ``"mean"`` (one row per text: its windows' embeddings averaged, weighted by their
+         tokens). ``"truncate"`` and ``"error"`` write the same rows, so switching between them
+         resumes a run.""",
+         "what a text over the model's window does: truncate (counted), error, chunk (a row per "
+         "window) or mean (of the windows)",
+         default="truncate", config="long-texts", vocabulary=LongTexts,
+         validator=one_of(LongTexts, "is not a long-text mode"), identity=True, takers="encode plan", cli=Cli()),
+    _opt("chunk_overlap", int | None, "int, optional", f"""
+         Tokens two consecutive windows share with ``long_texts="chunk"`` or ``"mean"``. Can be an
+         int from 0 to less than half the window, or None for the default ({DEFAULT_CHUNK_OVERLAP}).""",
+         "tokens consecutive windows share (long-texts chunk or mean)",
+         default=DEFAULT_CHUNK_OVERLAP, config="chunk-overlap",
+         validator=non_negative_int(f"pass e.g. chunk_overlap={DEFAULT_CHUNK_OVERLAP}"),
+         schema={"type": "integer", "minimum": 0}, identity=True, takers="encode plan", cli=Cli(type=int)),
+    _opt("reuse", str | Sequence[str] | None, "str or sequence of str, optional", """
+         Earlier outputs whose embeddings are copied, not encoded, for rows whose text (by its
+         ``text_hash``) they already hold; everything else is encoded as usual. Only outputs made
+         with the same embedding options (model, prompt, normalization, precision, dtype,
+         ``truncate_dim``, long-text mode) are used; another is refused with an error that says
+         what differs. Can be one path, a list of paths, or None. ``output`` itself may be among
+         them (with ``overwrite=True``): the old output stays readable until the new run completes.""",
+         "earlier outputs whose embeddings are copied for texts they already hold",
+         validator=paths, identity=False, takers="encode plan", cli=Cli(action="append")),
     _opt("device", str | None, "str, optional", """
          Where the model runs. Can be ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"mps"``, or None to use
          CUDA when available. In a dask-cuda worker each worker sees its own GPU as ``cuda:0``.""",
@@ -556,6 +620,9 @@ class EncodeOptions(_ModelOptions, total=False):
     precision: Precision | None
     truncate_dim: int | None
     on_null: OnNull | None
+    long_texts: LongTexts | None
+    chunk_overlap: int | None
+    reuse: str | Sequence[str] | None
     device: str | None
     dtype: Dtype | None
     engine: EngineName | None
@@ -575,6 +642,9 @@ class PlanOptions(_ModelOptions, total=False):
     b_min: int | Literal["auto"] | None
     b_max: int | Literal["auto"] | None
     max_bytes: int | str | None
+    long_texts: LongTexts | None
+    chunk_overlap: int | None
+    reuse: str | Sequence[str] | None
     scheduler: Scheduler
     params: Any
     calibrate: bool

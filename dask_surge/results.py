@@ -196,6 +196,11 @@ class SuperBatchReport:
     task_end : float or None
         When its task ended, on the worker's clock (set by the run loop, which maps
         ``committed_at`` onto the client's clock with it).
+    output_rows : int
+        Rows of its file: ``rows`` but with ``long_texts="chunk"``, one per window.
+    truncated, encoded, reused : int
+        Texts cut at the model's window (-1: the model cannot tell), distinct texts that went
+        through the model, texts whose embeddings were copied from a ``reuse`` output.
     """
 
     sb: str
@@ -211,6 +216,10 @@ class SuperBatchReport:
     committed_at: float
     engine: str
     task_end: float | None = None
+    output_rows: int = 0
+    truncated: int = 0
+    encoded: int = 0
+    reused: int = 0
 
     def as_dict(self) -> dict:
         """The report as a plain dict (JSON-serializable)."""
@@ -257,6 +266,15 @@ class EncodeResult:
     thresholds_reason: str = ""
     nulls_skipped: int = 0
     engine: str = ""  # what encoded this call's SuperBatches: "fast", "sentence-transformers", "callable"
+    #: rows of the output files: ``rows`` but, with ``long_texts="chunk"``, one per token window
+    output_rows: int = 0
+    #: texts over the model's window that were cut (``long_texts="truncate"``), over the whole run;
+    #: -1 when the model cannot tell (a callable without a tokenizer)
+    truncated: int = 0
+    #: distinct texts that went through the model (repeats within a SuperBatch encode once), over the run
+    encoded: int = 0
+    #: texts whose embeddings were copied from a ``reuse`` output, over the run
+    reused: int = 0
     #: what writing each SuperBatch encoded in this call did, in the order they were received
     records: tuple[SuperBatchReport, ...] = field(default=(), repr=False)
 
@@ -306,6 +324,12 @@ class EncodeResult:
                 f"{self.seconds:.1f} s, {self.texts_per_s:,.0f} texts/s, first output after {ttfo}\n"
                 f"b_min={self.b_min:,}, b_max={self.b_max:,} ({self.thresholds_reason})"
                 + (f"; engine: {self.engine}" if self.engine else "")
+                + (f"\n{self.output_rows:,} rows written: one per token window (long_texts='chunk')"
+                   if self.output_rows and self.output_rows != self.rows else "")
+                + (f"\n{self.truncated:,} texts were over the model's window and cut (long_texts='truncate'); "
+                   "long_texts='chunk' or 'mean' encode every token" if self.truncated > 0 else "")
+                + (f"\n{self.reused:,} texts reused from earlier outputs, {self.encoded:,} distinct texts encoded"
+                   if self.reused else "")
                 + (f"\n{self.nulls_skipped:,} null texts left out (on_null='skip'); their (partition, row) "
                    f"are in dask_surge.skipped_rows({self.output!r})" if self.nulls_skipped else ""))
 

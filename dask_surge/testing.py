@@ -29,7 +29,7 @@ from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, writ
 __all__ = [
     "CountingEncoder", "DieOnce", "FakeClock", "FakeTimedEncoder", "GatedEncoder", "Hog", "InterruptAfter",
     "checksum_model", "lognormal_sizes", "make_partitioned_frame", "make_texts", "make_tiny_model",
-    "packaged_model_dir", "write_partitioned_parquet", "cosines", "min_cosine",
+    "packaged_model_dir", "write_partitioned_parquet", "cosines", "min_cosine", "package_documents",
 ]
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -46,6 +46,36 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     """The smallest row-wise cosine of ``a`` and ``b`` (how far two sets of embeddings agree)."""
     return float(cosines(a, b).min())
+
+
+def package_documents(n: int, *, min_chars: int = 0) -> list[str]:
+    """``n`` real documents this project did not write: the long descriptions (README text) in the
+    ``METADATA`` of the installed packages, in sorted order, each at least ``min_chars`` long.
+
+    The same on every machine with the same packages; fewer than ``n`` when fewer are
+    installed (the caller decides what that means).
+
+    Examples
+    --------
+    >>> docs = package_documents(3, min_chars=2000)
+    >>> len(docs) == 3 and all(len(d) >= 2000 for d in docs)
+    True
+    """
+    import sysconfig
+
+    out: list[str] = []
+    for meta in sorted(Path(sysconfig.get_paths()["purelib"]).glob("*.dist-info/METADATA")):
+        try:
+            raw = meta.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        _, sep, body = raw.partition("\n\n")  # headers, a blank line, the description
+        body = body.strip()
+        if sep and len(body) >= max(1, min_chars):
+            out.append(body)
+            if len(out) == n:
+                break
+    return out
 
 
 def packaged_model_dir() -> Path:

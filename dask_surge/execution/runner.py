@@ -47,6 +47,7 @@ from ..io.manifest import (
     finish_run,
     open_run,
     sb_key,
+    text_counts,
 )
 from ..planning.policy import OnlinePlanner, Span, SuperBatch, plan_superbatches
 from ..planning.sizes import PartitionSizes, known_sizes, text_bytes
@@ -519,7 +520,7 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
     coverage = manifest.coverage(committed)
     _check_complete(coverage, committed, npartitions, sizes, output)
     summary = {"rows": coverage.total_rows, "superbatches": len(committed), "partitions": npartitions,
-               "nulls_skipped": sum(r.skipped for r in committed.values())}
+               "nulls_skipped": sum(r.skipped for r in committed.values()), **text_counts(committed.values())}
     finish_run(manifest, committed, summary)
     bar.finish(coverage.total_rows, len(committed))
     return EncodeResult(
@@ -529,6 +530,8 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
         sizes_source=sizes.source if sizes is not None else "streamed", resumed=resumed, b_min=b_min, b_max=b_max,
         thresholds_reason=plan.reason, records=tuple(reports), nulls_skipped=summary["nulls_skipped"],
         engine=", ".join(sorted({r.engine for r in reports})),
+        output_rows=summary["output_rows"], truncated=summary["truncated"], encoded=summary["encoded"],
+        reused=summary["reused"],
     )
 
 
@@ -562,4 +565,6 @@ def _complete_result(manifest: Manifest, output: str, t0: float) -> EncodeResult
         seconds=time.perf_counter() - t0, ttfo_s=None, sizes_source="recorded", resumed=True,
         b_min=plan.b_min if plan is not None else 0, b_max=plan.b_max if plan is not None else 0,
         thresholds_reason=plan.reason if plan is not None else "", nulls_skipped=int(done.get("nulls_skipped", 0)),
+        output_rows=int(done.get("output_rows", 0)), truncated=int(done.get("truncated", 0)),
+        encoded=int(done.get("encoded", 0)), reused=int(done.get("reused", 0)),
     )

@@ -137,7 +137,8 @@ class SuperBatchWriter:
         started_at, t0 = time.time(), time.perf_counter()
         first = spans[0][0]
         key = sb_key(first.partition, first.start)
-        frame, skipped = self.encoder.encode(parts, spans)
+        encoded = self.encoder.encode(parts, spans)
+        frame, skipped = encoded.frame, encoded.skipped
         t1 = time.perf_counter()
         # rows of each source partition (one span each); skipped nulls are not among them
         data = parquet_bytes(table_of(frame), np.unique(frame["partition"].to_numpy(), return_counts=True)[1],
@@ -147,12 +148,13 @@ class SuperBatchWriter:
         staged, path = manifest.staging_path(key, attempt), manifest.data_path(key, attempt)
         skip_path, skip_data = manifest.skipped_path(key, attempt), skipped_bytes(skipped)
         record = CommitRecord(
-            sb=key, run=manifest.run_id, file=path.rsplit("/", 1)[-1], rows=len(frame), bytes=len(data),
+            sb=key, run=manifest.run_id, file=path.rsplit("/", 1)[-1], rows=encoded.texts, bytes=len(data),
             sha256=hashlib.sha256(data).hexdigest(),
             spans=tuple((s.partition, s.start, s.stop, int(n)) for s, n in spans),
             skipped=len(skipped), skipped_file=skip_path.rsplit("/", 1)[-1] if skipped else "",
             skipped_sha256=hashlib.sha256(skip_data).hexdigest() if skipped else "",
             attempt=attempt, pid=os.getpid(), committed_at=0.0, digests=self._digests(parts, spans),
+            output_rows=len(frame), truncated=encoded.truncated, encoded=encoded.encoded, reused=encoded.reused,
         )
         won, step = False, f"writing {staged!r}"
         try:
@@ -177,7 +179,7 @@ class SuperBatchWriter:
                     f"{manifest.run_dir!r} is gone, so another run replaced it. Nothing of this task was kept."
                 ) from err
             raise SurgeOutputError(
-                f"{step} for SuperBatch {key} ({len(frame)} rows, {len(data):,} bytes) failed: "
+                f"{step} for SuperBatch {key} ({encoded.texts} rows, {len(data):,} bytes) failed: "
                 f"{type(err).__name__}: {err}. " + (
                     "The commit is recorded; a rerun publishes its file. " if won else
                     "Committed SuperBatches are kept and no partial or uncommitted file is left where "
@@ -189,10 +191,11 @@ class SuperBatchWriter:
             if skipped:
                 fs.rm(skip_path)
         else:  # the client's progress moves now, not when the whole unit ends
-            announce(manifest.run_id, key, len(frame) + len(skipped))
+            announce(manifest.run_id, key, encoded.texts + len(skipped))
         return SuperBatchReport(
-            sb=key, rows=len(frame), skipped=len(skipped), file=record.file if won else "", bytes=len(data),
+            sb=key, rows=encoded.texts, skipped=len(skipped), file=record.file if won else "", bytes=len(data),
             spans=record.spans, started_at=started_at, encode_s=t1 - t0, write_s=time.perf_counter() - t1,
             committed=won, committed_at=record.committed_at,
             engine=self.encoder.encoder.backend,  # what encoded on this worker
+            output_rows=len(frame), truncated=encoded.truncated, encoded=encoded.encoded, reused=encoded.reused,
         )

@@ -7,14 +7,65 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from ..errors import SurgeInputError
 from ..io.arrow import embedding_array, to_host
 from ..io.precision import truncate
+from ..io.reuse import TEXT_HASH, hash_column, open_index, text_hashes
 from ..models.encoders import Encoder
+from ..models.windows import TextTooLong
+from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
 from ..planning.policy import Span
 
-__all__ = ["SuperBatchEncoder", "texts_of", "partition_digest"]
+__all__ = ["CHUNK_COLUMNS", "Encoded", "SuperBatchEncoder", "distinct", "expand", "texts_of", "partition_digest"]
+
+#: The columns a ``long_texts="chunk"`` output has beside ``partition`` and ``row``, with their types.
+CHUNK_COLUMNS = {"chunk": np.int32, "char_start": np.int64, "char_end": np.int64, "tokens": np.int32}
+
+
+def distinct(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The first occurrence of each distinct row of ``hashes`` (``(n, 2)`` uint64), in order of
+    appearance, and for each row the index of its distinct row in that list.
+
+    Examples
+    --------
+    >>> h = np.array([[1, 2], [3, 4], [1, 2], [5, 6]], dtype=np.uint64)
+    >>> first, inverse = distinct(h)
+    >>> first.tolist(), inverse.tolist()
+    ([0, 1, 3], [0, 1, 0, 2])
+    """
+    n = len(hashes)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    order = np.lexsort((np.arange(n), hashes[:, 1], hashes[:, 0]))  # stable: equal hashes by position
+    s = hashes[order]
+    new = np.ones(n, dtype=bool)
+    new[1:] = (s[1:] != s[:-1]).any(axis=1)
+    group = np.cumsum(new) - 1  # group of each sorted row; the group's first row is its first occurrence
+    firsts = order[new]
+    rank = np.empty(len(firsts), np.int64)
+    rank[np.argsort(firsts, kind="stable")] = np.arange(len(firsts))  # groups renumbered by appearance
+    inverse = np.empty(n, np.int64)
+    inverse[order] = rank[group]
+    return np.sort(firsts), inverse
+
+
+def expand(counts: np.ndarray, which: np.ndarray) -> np.ndarray:
+    """Row indices of the blocks ``which`` (in order) when block ``i`` is ``counts[i]`` consecutive rows.
+
+    Examples
+    --------
+    >>> expand(np.array([2, 0, 3]), np.array([2, 0, 0])).tolist()
+    [2, 3, 4, 0, 1, 0, 1]
+    """
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if len(counts) else np.zeros(0, np.int64)
+    reps = counts[which].astype(np.int64)
+    total = int(reps.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    first = np.repeat(starts[which] - (np.cumsum(reps) - reps), reps)
+    return first + np.arange(total, dtype=np.int64)
 
 
 def partition_digest(series: pd.Series) -> str:
@@ -88,13 +139,64 @@ def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> tup
 
 
 @dataclass(frozen=True)
+class Encoded:
+    """What one SuperBatch encoded.
+
+    Attributes
+    ----------
+    frame : pandas.DataFrame
+        The output rows (see :class:`SuperBatchEncoder`).
+    skipped : list of (int, int)
+        ``(partition, row)`` of the null texts left out (``on_null="skip"``).
+    texts : int
+        Input rows written (one or more output rows each).
+    truncated : int
+        Texts encoded here that were over the model's window and cut (``long_texts="truncate"``);
+        -1 when the model cannot tell (a callable without a tokenizer).
+    encoded : int
+        Distinct texts that went through the model (repeats are encoded once).
+    reused : int
+        Texts whose embeddings were copied from a ``reuse`` output.
+    """
+
+    frame: pd.DataFrame
+    skipped: list
+    texts: int
+    truncated: int = 0
+    encoded: int = 0
+    reused: int = 0
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """The output rows of some distinct texts: ``counts[i]`` consecutive rows each (several in chunk mode)."""
+
+    counts: np.ndarray
+    embedding: pa.Array
+    chunks: dict[str, np.ndarray] | None = None  # CHUNK_COLUMNS, one value per row, in chunk mode
+
+    @staticmethod
+    def concat(blocks: list[_Blocks]) -> _Blocks:
+        chunks = None
+        if blocks[0].chunks is not None:
+            chunks = {k: np.concatenate([b.chunks[k] for b in blocks]) for k in CHUNK_COLUMNS}  # type: ignore[index]
+        return _Blocks(np.concatenate([b.counts for b in blocks]),
+                       pa.concat_arrays([b.embedding for b in blocks]), chunks)
+
+
+@dataclass(frozen=True)
 class SuperBatchEncoder:
     """Callable run by each SuperBatch task: ``(partitions, sb_index, spans) -> DataFrame``.
 
-    The result has columns ``partition`` (int64), ``row`` (int64, offset within
-    the partition), the kept columns, and ``embedding`` (fixed-size list of
-    the stored precision: float32 by default), sorted by ``(partition, row)``. With ``on_null="skip"``
-    null rows are left out; :meth:`encode` returns their ``(partition, row)``.
+    The result has columns ``partition`` (int64), ``row`` (int64, offset within the
+    partition), with ``long_texts="chunk"`` also ``chunk`` (int32), ``char_start`` and
+    ``char_end`` (int64, so ``text[char_start:char_end]`` is the window's text) and
+    ``tokens`` (int32), then the kept columns, ``text_hash`` (16 bytes: the text's
+    content hash, :func:`dask_surge.io.reuse.text_hashes`) and ``embedding``
+    (fixed-size list of the stored precision: float32 by default), sorted by
+    ``(partition, row[, chunk])``. With ``on_null="skip"`` null rows are left out;
+    :meth:`encode` returns their ``(partition, row)``. Texts repeated within the
+    SuperBatch go through the model once; texts a ``reuse`` output holds not at all.
     """
 
     column: str
@@ -104,15 +206,23 @@ class SuperBatchEncoder:
     precision: str = "float32"
     on_null: str = "error"
     truncate_dim: int | None = None
+    long_texts: LongTexts = "truncate"
+    chunk_overlap: int = DEFAULT_CHUNK_OVERLAP
+    reuse: tuple[str, ...] = ()
 
     def __dask_tokenize__(self):
         return ("SuperBatchEncoder", self.column, self.keep, self.encoder.spec, self.normalize,
-                self.precision, self.on_null, self.truncate_dim)
+                self.precision, self.on_null, self.truncate_dim, self.long_texts, self.chunk_overlap, self.reuse)
 
     @property
     def dimension(self) -> int:
         """Dimensions of the embeddings written (after ``truncate_dim``)."""
         return self.truncate_dim or self.encoder.dimension
+
+    @property
+    def chunked(self) -> bool:
+        """True when the output has a row per token window (``long_texts="chunk"``)."""
+        return self.long_texts == "chunk"
 
     def gather(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]):
         """Slice the planned rows out of the input partitions, checking their sizes.
@@ -140,39 +250,106 @@ class SuperBatchEncoder:
             pieces.append((span, rows, piece))
         return pieces, texts, skipped
 
-    def frame(self, pieces, emb: np.ndarray) -> pd.DataFrame:
-        """Assemble the output DataFrame (embedding column built zero-copy)."""
+    def _stored(self, emb: np.ndarray) -> pa.Array:
+        """Embeddings as written: truncated (``truncate_dim``), normalized, in the stored precision."""
+        return embedding_array(truncate(emb, self.truncate_dim, self.normalize), self.precision)
+
+    def _encode_blocks(self, texts: list[str], where) -> tuple[_Blocks, np.ndarray | None]:
+        """Run the model on distinct ``texts``; ``where(i)`` names text ``i`` in errors. Returns the
+        blocks and which texts were cut at the window (None: the model cannot tell)."""
+        try:  # truncate first, then normalize what is kept (as sentence-transformers' truncate_dim)
+            out = self.encoder.encode_long(texts, normalize=self.normalize and self.truncate_dim is None,
+                                           long_texts=self.long_texts, chunk_overlap=self.chunk_overlap)
+        except TextTooLong as err:
+            raise SurgeInputError(
+                f"the text at {where(err.index)} is {err.tokens:,} tokens long, over the model's window of "
+                f"{err.window:,} tokens, and long_texts='error' refuses to cut it. What was committed before "
+                "is kept. Fix: rerun with long_texts='truncate' (resumes this run: texts are cut at the "
+                "window, as sentence-transformers does, and counted), or encode every token with "
+                "long_texts='chunk' (a row per window) or 'mean' (their average), which make a new run "
+                "(another output, or overwrite=True)."
+            ) from None
+        truncated = None if out.truncated is None else np.asarray(out.truncated, dtype=bool)
+        if out.windows is None:
+            return _Blocks(np.ones(len(texts), np.int64), self._stored(out.embeddings)), truncated
+        w = out.windows
+        chunks = {"chunk": w.chunk, "char_start": w.char_start, "char_end": w.char_end, "tokens": w.tokens}
+        counts = np.bincount(w.text, minlength=len(texts)).astype(np.int64)
+        return _Blocks(counts, self._stored(out.embeddings),
+                       {k: np.asarray(v, dtype=t) for (k, t), v in zip(CHUNK_COLUMNS.items(), chunks.values())}), truncated
+
+    def _reused_blocks(self, hashes: np.ndarray) -> tuple[np.ndarray, _Blocks | None]:
+        """Which of the distinct ``hashes`` a ``reuse`` output holds, and their rows there."""
+        hit = open_index(self.reuse).lookup(hashes, columns=tuple(CHUNK_COLUMNS) if self.chunked else ())
+        if not hit.found.any():
+            return hit.found, None
+        chunks = None
+        if self.chunked:
+            chunks = {k: np.asarray(hit.columns[k], dtype=t) for k, t in CHUNK_COLUMNS.items()}
+        return hit.found, _Blocks(np.asarray(hit.counts, np.int64), hit.embedding, chunks)
+
+    def encode(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]) -> Encoded:
+        """Encode the planned rows of ``parts``: see :class:`Encoded`."""
+        pieces, texts, skipped = self.gather(parts, spans)
         partition = np.concatenate(
             [np.full(len(rows), span.partition, dtype=np.int64) for span, rows, _ in pieces]
         ) if pieces else np.zeros(0, dtype=np.int64)
         row = np.concatenate([rows for _, rows, _ in pieces]) if pieces else np.zeros(0, dtype=np.int64)
-        data = {"partition": partition, "row": row}
+        hashes = text_hashes(texts)
+        first, inverse = distinct(hashes)
+        found = np.zeros(len(first), dtype=bool)
+        parts_: list[tuple[np.ndarray, _Blocks]] = []  # (distinct ids, their blocks)
+        if self.reuse and len(first):
+            found, old = self._reused_blocks(hashes[first])
+            if old is not None:
+                parts_.append((np.flatnonzero(found), old))
+        todo = np.flatnonzero(~found)
+        cut: np.ndarray | None = np.zeros(len(first), dtype=bool)
+        if len(todo) or not parts_:
+            fresh, mask = self._encode_blocks(
+                [texts[i] for i in first[todo]],
+                lambda i: f"partition {partition[first[todo[i]]]}, row {row[first[todo[i]]]}")
+            parts_.append((todo, fresh))
+            if mask is None:
+                cut = None
+            else:
+                cut[todo] = mask  # type: ignore[index]
+        ids = np.concatenate([d for d, _ in parts_])
+        blocks = _Blocks.concat([b for _, b in parts_])
+        position = np.empty(len(first), np.int64)  # where each distinct text's block is among ``blocks``
+        position[ids] = np.arange(len(ids))
+        counts = blocks.counts
+        take = expand(counts, position[inverse])  # output rows, text by text, in order
+        reps = counts[position[inverse]]
+        data: dict = {"partition": np.repeat(partition, reps), "row": np.repeat(row, reps)}
+        if self.chunked:
+            data.update({k: v[take] for k, v in blocks.chunks.items()})  # type: ignore[union-attr]
+        src = np.repeat(np.arange(len(texts)), reps) if self.chunked else None
         for col in self.keep:
             kept = [piece[col] for _, _, piece in pieces]
-            data[col] = pd.concat(kept, ignore_index=True) if kept else pd.Series([], dtype=object)
+            values = pd.concat(kept, ignore_index=True) if kept else pd.Series([], dtype=object)
+            data[col] = values if src is None else values.take(src).reset_index(drop=True)
         out = pd.DataFrame(data)
-        out["embedding"] = pd.arrays.ArrowExtensionArray(embedding_array(emb, self.precision))
-        return out
-
-    def encode(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]):
-        """Encode the planned rows: ``(output frame, [(partition, row) skipped]).``"""
-        pieces, texts, skipped = self.gather(parts, spans)
-        if not texts:
-            return self.frame(pieces, np.zeros((0, self.dimension), dtype=np.float32)), skipped
-        # truncate first, then normalize what is kept (as sentence-transformers' truncate_dim)
-        emb = self.encoder.encode(texts, normalize=self.normalize and self.truncate_dim is None)
-        return self.frame(pieces, truncate(emb, self.truncate_dim, self.normalize)), skipped
+        hash_array = hash_column(hashes)
+        out[TEXT_HASH] = pd.arrays.ArrowExtensionArray(hash_array if src is None else hash_array.take(src))
+        out["embedding"] = pd.arrays.ArrowExtensionArray(blocks.embedding.take(pa.array(take)))
+        truncated = -1 if cut is None else int(np.count_nonzero(cut[inverse]))  # each written text counts
+        return Encoded(out, skipped, texts=len(texts), truncated=truncated,
+                       encoded=len(todo), reused=int(np.count_nonzero(found[inverse])))
 
     def __call__(self, parts: Sequence[pd.DataFrame], sb_index: int, spans: Sequence[tuple[Span, int]]) -> pd.DataFrame:
-        return self.encode(parts, spans)[0]
+        return self.encode(parts, spans).frame
 
     def meta(self, frame_meta: pd.DataFrame) -> pd.DataFrame:
         """Empty frame with the output schema (pandas, also for cuDF input)."""
         frame_meta = to_host(frame_meta)
         data = {"partition": np.zeros(0, np.int64), "row": np.zeros(0, np.int64)}
+        if self.chunked:
+            data.update({k: np.zeros(0, t) for k, t in CHUNK_COLUMNS.items()})
         out = pd.DataFrame(data)
         for col in self.keep:
             out[col] = frame_meta[col].iloc[:0].reset_index(drop=True)
+        out[TEXT_HASH] = pd.arrays.ArrowExtensionArray(hash_column(np.zeros((0, 2), np.uint64)))
         emb = np.zeros((0, self.dimension), dtype=np.float32)
         out["embedding"] = pd.arrays.ArrowExtensionArray(embedding_array(emb, self.precision))
         return out

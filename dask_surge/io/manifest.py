@@ -51,7 +51,7 @@ from fsspec.core import url_to_fs
 
 from ..errors import SurgeInputError, SurgeOutputError
 
-__all__ = ["FORMAT_VERSION", "Manifest", "RunPlan", "CommitRecord", "Coverage", "Claim", "sb_key", "fingerprint_digest",
+__all__ = ["FORMAT_VERSION", "Manifest", "RunPlan", "CommitRecord", "Coverage", "Claim", "sb_key", "text_counts", "fingerprint_digest",
            "open_run", "current_run", "existing_run", "find_run", "finish_run", "check_output", "check_writable_store", "repair",
            "verify", "LOCAL_PROTOCOLS"]
 
@@ -251,6 +251,13 @@ class CommitRecord:
     ``(partition, digest)``: a digest of each input partition's whole text column
     (:func:`dask_surge.execution.superbatch.partition_digest`), so a partition recomputed on
     resume is checked against what was committed for it.
+
+    ``rows`` counts input rows written (texts); ``output_rows`` the rows of ``file`` when
+    they differ (``long_texts="chunk"``: one per window; 0 means the same as ``rows``).
+    ``truncated`` counts texts cut at the model's window (-1: the model cannot tell),
+    ``encoded`` the distinct texts that went through the model (-1: not recorded, an
+    older record) and ``reused`` the texts whose embeddings were copied from a ``reuse``
+    output.
     """
 
     sb: str
@@ -267,6 +274,10 @@ class CommitRecord:
     pid: int = 0
     committed_at: float = 0.0
     digests: tuple[tuple[int, str], ...] = ()
+    output_rows: int = 0
+    truncated: int = 0
+    encoded: int = -1
+    reused: int = 0
 
     @property
     def accounted(self) -> int:
@@ -309,6 +320,27 @@ class CommitRecord:
         if not re.fullmatch(_SB, rec.sb):
             raise ValueError(f"commit record key {rec.sb!r} is not a SuperBatch key")
         return rec
+
+
+def text_counts(records) -> dict[str, int]:
+    """What commit records say of the texts they hold, summed: ``output_rows`` (file rows),
+    ``truncated`` (-1 if any SuperBatch's model could not tell), ``encoded`` and ``reused``.
+
+    Examples
+    --------
+    >>> rec = CommitRecord("000000000-000000000000", "0" * 16, "part-00000000-000000000-000000000000-"
+    ...                    "0123abcd.parquet", 2, 10, "ab", ((0, 0, 2, 2),), output_rows=5, truncated=1, encoded=2)
+    >>> text_counts([rec, rec])
+    {'output_rows': 10, 'truncated': 2, 'encoded': 4, 'reused': 0}
+    """
+    records = list(records)
+    truncated = [r.truncated for r in records]
+    return {
+        "output_rows": sum(r.output_rows or r.rows for r in records),
+        "truncated": -1 if any(t < 0 for t in truncated) else sum(truncated),
+        "encoded": sum(r.rows if r.encoded < 0 else r.encoded for r in records),
+        "reused": sum(r.reused for r in records),
+    }
 
 
 @dataclass
@@ -981,7 +1013,7 @@ def finish_run(manifest: Manifest, committed: dict[str, CommitRecord], summary: 
     and only then: committed files still in staging are published, other runs in the
     directory are retired (their files deleted), and this run's uncommitted attempts
     (data files of this layout not named by a record, staging leftovers, skipped-null
-    files of losing attempts) are deleted. Nothing that does not match this layout
+    files of losing attempts) and the reuse indexes of other runs are deleted. Nothing that does not match this layout
     is ever touched. Afterwards the ``part-*.parquet`` files are exactly the committed ones.
     """
     fs, root = manifest.fs, manifest.root
@@ -1002,6 +1034,10 @@ def finish_run(manifest: Manifest, committed: dict[str, CommitRecord], summary: 
     for name in _ls(fs, f"{manifest.run_dir}/skipped"):
         if name not in keep_skipped:  # of attempts that lost the commit
             fs.rm(f"{manifest.run_dir}/skipped/{name}")
+    for run in _ls(fs, f"{root}/{META_DIR}/index"):  # reuse indexes (dask_surge.io.reuse) of runs now gone
+        if run != manifest.run_id and _RUN_ID.match(run):
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(f"{root}/{META_DIR}/index/{run}", recursive=True)
     with contextlib.suppress(FileNotFoundError):
         fs.rm(f"{root}/{META_DIR}/retired", recursive=True)
 

@@ -11,7 +11,7 @@ from typing import Literal
 import pandas as pd
 
 from ..errors import SurgeInputError, SurgeValueError
-from .manifest import current_run, existing_run
+from .manifest import current_run, existing_run, text_counts
 
 __all__ = ["read_embeddings", "skipped_rows", "status", "model_name"]
 
@@ -23,7 +23,10 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     ``COMPLETE`` marker), ``"incomplete"`` before, ``"empty"`` when there is no run.
     ``rows_planned`` and ``superbatches_planned`` are known ahead only when the run
     planned from known sizes (else None until it completes). ``model`` names the model the
-    run recorded (:func:`model_name`).
+    run recorded (:func:`model_name`). ``output_rows`` counts the rows of the files (one per
+    token window with ``long_texts="chunk"``), ``truncated`` the texts cut at the model's
+    window (-1: the model could not tell), ``encoded`` the distinct texts that went through the
+    model and ``reused`` those copied from a ``reuse`` output; ``long_texts`` is the run's mode.
 
     Examples
     --------
@@ -53,6 +56,8 @@ def status(output: str, storage_options: dict | None = None) -> dict:
         "nulls_skipped": skipped,
         "last_commit": max((r.committed_at for r in committed.values()), default=None),
         "model": model_name(manifest.fingerprint.get("model")),
+        "long_texts": (manifest.fingerprint.get("long_texts") or {}).get("mode", "truncate"),
+        **text_counts(committed.values()),
     }
 
 
