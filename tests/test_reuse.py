@@ -252,7 +252,7 @@ def test_hits_misses_moved_rows_and_duplicates(tmp_path):
     assert emb.equals(raw) and emb.type == raw.type
 
 
-@pytest.mark.parametrize("row_group_rows", [None, 4])
+@pytest.mark.parametrize("row_group_rows", [None, 4, 1])
 def test_chunk_runs_in_chunk_order_across_row_groups(tmp_path, row_group_rows):
     texts = corpus(120, seed=3)
     old = write_output(str(tmp_path / "old"), layout(texts, 10, 4), chunked=True, row_group_rows=row_group_rows)

@@ -20,7 +20,7 @@ Index layout, under the old output's metadata (``<run>`` from ``_surge/CURRENT``
                                                  file << 32 | first row, rows in the run
 
 Entries are bucketed by the top ``bits`` bits of the hash (``bits`` chosen from the
-output's row count so a bucket holds ~2**20 entries, 32 MiB), each bucket sorted by
+output's row count so a bucket holds ~2**19 entries, 16 MiB), each bucket sorted by
 hash, one entry per distinct hash (the first occurrence by file and row). A lookup
 memory-maps the buckets it needs (a bounded LRU of them) and runs ``np.searchsorted``
 on their contiguous ``hi`` row, so its memory does not grow with the old output. The
@@ -32,8 +32,8 @@ content is a function of the output alone, so two processes building it at once 
 the same bytes. A damaged or stale index (files missing or torn, meta unreadable, part
 files it names gone) is rebuilt.
 
-Scale: at 10**9 rows the index is ~1,000 buckets and ~32 GB on disk (2% of 384-float
-embeddings); a build reads 16 bytes per row; a lookup touches ~log2(2**20) pages of one
+Scale: at 10**9 rows the index is ~2,000 buckets and ~32 GB on disk (2% of 384-float
+embeddings); a build reads 16 bytes per row; a lookup touches ~log2(2**19) pages of one
 bucket per query.
 """
 
@@ -75,8 +75,8 @@ _ALGO_KEY = b"dask_surge.hash"
 #: fingerprint keys that identify the input or the output's shape, not how a text is embedded
 NON_EMBEDDING_KEYS = ("input", "column", "keep", "partitions", "library")
 INDEX_FORMAT = 1
-#: entries per bucket the bucket count aims at (a bucket file is then ~32 MiB)
-BUCKET_ENTRIES = 1 << 20
+#: entries per bucket the bucket count aims at (a bucket file is then ~16 MiB; sorting one takes ~4x that)
+BUCKET_ENTRIES = 1 << 19
 _CHUNK = "chunk"
 #: the columns a chunked output has per row beside ``partition`` and ``row``
 _CHUNK_COLUMNS = ("chunk", "char_start", "char_end", "tokens")
@@ -407,8 +407,8 @@ def _bucket_bits(rows: int, per_bucket: int = BUCKET_ENTRIES) -> int:
 
     Examples
     --------
-    >>> _bucket_bits(10), _bucket_bits(1 << 20), _bucket_bits(10**9)
-    (0, 0, 10)
+    >>> _bucket_bits(10), _bucket_bits(1 << 19), _bucket_bits(10**9)
+    (0, 0, 11)
     """
     return max(0, int(np.ceil(np.log2(max(rows, 1) / per_bucket))))
 
@@ -517,8 +517,9 @@ class _OutputIndex:
     def _records(self) -> list:
         return list(self.manifest.committed().values())
 
-    def build(self, *, bits: int | None = None, spill_bytes: int = 64 << 20) -> dict:
-        """Build (or rebuild) the index; returns its meta. Memory: ``spill_bytes`` plus one row group's hashes."""
+    def build(self, *, bits: int | None = None, spill_bytes: int = 32 << 20) -> dict:
+        """Build (or rebuild) the index; returns its meta. Memory: ~2.5x ``spill_bytes`` while spilling
+        (plus one row group's hashes), then ~4x one bucket while sorting it."""
         records = self._records()
         files = [r.file for r in records]
         rows = sum(r.rows for r in records)
@@ -527,19 +528,26 @@ class _OutputIndex:
         spill = tempfile.mkdtemp(prefix="surge-reuse-spill-")
         counts = np.zeros(nb, dtype=np.int64)
         try:
-            buffers: list[list[np.ndarray]] = [[] for _ in range(nb)]
+            buffer: list[np.ndarray] = []
             buffered = 0
             chunked = None
 
             def flush() -> None:
+                # one split by bucket, one append per bucket (~2.5x spill_bytes of memory)
                 nonlocal buffered
-                for b in range(nb):
-                    if buffers[b]:
-                        block = _dedupe(np.concatenate(buffers[b]))
-                        with open(os.path.join(spill, f"{b}.bin"), "ab") as f:
-                            f.write(block.tobytes())
-                        counts[b] += len(block)
-                        buffers[b] = []
+                if not buffer:
+                    return
+                block = np.concatenate(buffer)
+                buffer.clear()
+                bucket = _bucket_of(block[:, 0], bits)
+                order = np.argsort(bucket, kind="stable")
+                block, bucket = block[order], bucket[order]
+                del order
+                bounds = np.searchsorted(bucket, np.arange(nb + 1))
+                for b in np.flatnonzero(np.diff(bounds)).tolist():
+                    with open(os.path.join(spill, f"{b}.bin"), "ab") as f:
+                        f.write(block[bounds[b]: bounds[b + 1]].tobytes())
+                    counts[b] += bounds[b + 1] - bounds[b]
                 buffered = 0
 
             for file_id, name in enumerate(files):
@@ -548,13 +556,8 @@ class _OutputIndex:
                         chunked = is_chunked
                     elif chunked != is_chunked:
                         raise self._layout_error(name, "some files have a 'chunk' column and some do not")
-                    entries = _dedupe(entries)
-                    bucket = _bucket_of(entries[:, 0], bits)
-                    order = np.argsort(bucket, kind="stable")
-                    entries, bucket = entries[order], bucket[order]
-                    bounds = np.searchsorted(bucket, np.arange(nb + 1))
-                    for nz in np.flatnonzero(np.diff(bounds)).tolist():
-                        buffers[nz].append(entries[bounds[nz]: bounds[nz + 1]])
+                    entries = _dedupe(entries)  # a text repeated in the batch: kept once
+                    buffer.append(entries)
                     buffered += entries.nbytes
                     if buffered >= spill_bytes:
                         flush()
@@ -643,6 +646,7 @@ class _OutputIndex:
                     if not (h[lead:] == h[starts][run_of]).all():
                         raise self._layout_error(name, "a text's chunk rows carry different hashes")
                 if len(starts) == 0:
+                    base += n
                     continue
                 out = np.empty((len(starts), 4), dtype=np.uint64)
                 out[:, :2] = h[starts]
@@ -794,7 +798,7 @@ class ReuseIndex:
 
     def __init__(self, outputs: str | Sequence[str], *, identity: dict | None = None,
                  storage_options: dict | None = None, bits: int | None = None,
-                 bucket_entries: int = BUCKET_ENTRIES, spill_bytes: int = 64 << 20,
+                 bucket_entries: int = BUCKET_ENTRIES, spill_bytes: int = 32 << 20,
                  cache_bytes: int = 64 << 20, max_open: int = 16, rebuild: bool = False) -> None:
         paths = [outputs] if isinstance(outputs, (str, os.PathLike)) else list(outputs)
         if not paths:
