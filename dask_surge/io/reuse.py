@@ -785,15 +785,20 @@ class ReuseIndex:
 
     Examples
     --------
-    >>> import tempfile, pandas as pd, dask.dataframe as dd, dask_surge
-    >>> from dask_surge.testing import checksum_model
-    >>> out = tempfile.mkdtemp()
-    >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
-    >>> _ = dask_surge.encode(ddf, "text", output=out, model=checksum_model, scheduler="sync", progress=False)
-    >>> ReuseIndex(out)   # doctest: +ELLIPSIS
+    Given ``old``, an earlier complete output, and ``texts``, a SuperBatch's texts::
+
+        index = ReuseIndex(old, identity=embedding_identity(new_fingerprint))
+        got = index.lookup(text_hashes(texts))
+        got.found        # bool per text
+        got.counts       # rows per found text (1, or its chunks), in order
+        got.embedding    # their stored embeddings, one run per found text, byte for byte
+        got.columns      # with chunking: chunk, char_start, char_end, tokens
+
+    >>> import tempfile
+    >>> ReuseIndex(tempfile.mkdtemp())
     Traceback (most recent call last):
     ...
-    dask_surge.errors.SurgeInputError: reuse=... has no 'text_hash' column (...): it was written by a dask-surge that did not record text hashes yet, ...
+    dask_surge.errors.SurgeInputError: ... holds no dask-surge run (...
     """
 
     def __init__(self, outputs: str | Sequence[str], *, identity: dict | None = None,
