@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import SurgeModelError, SurgeValueError
 from .devices import auto_dtype, checkpoint_dtype, move_to
 from .prompts import resolve_prompt
+from .windows import LongEncoded, TextTooLong, WindowCutter, WindowGroup, encode_windows, no_tokenizer
 
 __all__ = [
     "Backend",
@@ -63,6 +64,17 @@ class Backend(Protocol):
 
     def encode(self, texts: list[str], normalize: bool) -> np.ndarray:
         """``(len(texts), dimension)`` embeddings, L2-normalized when ``normalize``.
+
+        Raises
+        ------
+        BackendClosed
+            If the backend was closed.
+        """
+        ...
+
+    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> LongEncoded:
+        """Embed ``texts`` doing with those over the window what ``long_texts`` says (see
+        :meth:`~dask_surge.models.encoders.Encoder.encode_long`; the options are checked already).
 
         Raises
         ------
@@ -140,6 +152,11 @@ class FastBackend(_Released):
         with self._call():
             return self.engine.encode(texts, normalize=normalize)
 
+    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> LongEncoded:
+        with self._call():
+            return self.engine.encode_long(texts, normalize=normalize, long_texts=long_texts,  # type: ignore[arg-type]
+                                           chunk_overlap=chunk_overlap)
+
     def _release(self) -> None:
         engine, self.engine, self.model = self.engine, None, None
         if engine is not None:
@@ -158,6 +175,7 @@ class SentenceTransformersBackend(_Released):
         self._prompt = "" if prompt is None else prompt  # resolved already: "" stops a second default lookup
         self._batch_size = batch_size
         self._lock = threading.Lock()
+        self._cutter: WindowCutter | None = None  # long texts: built on first use
         get_dim = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
         dim = get_dim()
         if dim is None:  # some custom stacks only know it once they ran
@@ -174,6 +192,50 @@ class SentenceTransformersBackend(_Released):
                 texts, prompt=self._prompt, batch_size=self._batch_size, normalize_embeddings=normalize,
                 convert_to_numpy=True, show_progress_bar=False,
             )
+
+    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> LongEncoded:
+        """As the fast engine, with windows cut by the model's fast tokenizer and their texts run by ``model.encode``.
+
+        ``"truncate"`` counts the texts over the window by tokenizing them (up to just past it).
+        """
+        with self._call():
+            try:
+                cutter = self._window_cutter(long_texts)
+            except SurgeValueError:
+                if long_texts != "truncate":
+                    raise
+                return LongEncoded(self._encode(texts, normalize), None, None, 0)  # what is cut: unknown
+            if long_texts in ("chunk", "mean"):
+                cutter.check_overlap(chunk_overlap)
+                renormalize = normalize or any(type(m).__name__ == "Normalize" for m in self.model)
+
+                def encode(groups: Iterator[WindowGroup]) -> Iterator[np.ndarray]:
+                    for group in groups:
+                        w = group.windows
+                        spans = [texts[t][a:b] for t, a, b in zip(w.text.tolist(), w.char_start.tolist(),
+                                                                     w.char_end.tolist())]
+                        yield np.asarray(self._encode(spans, normalize), dtype=np.float32).reshape(len(spans), -1)
+
+                return encode_windows(texts, long_texts, chunk_overlap, cutter, encode, self.dimension,
+                                      renormalize=renormalize)
+            over = cutter.over(texts)
+            if long_texts == "error" and over.any():
+                first = int(np.argmax(over))
+                raise TextTooLong(first, cutter.content_tokens(texts[first]), cutter.capacity)
+            return LongEncoded(self._encode(texts, normalize), None, over, int(over.sum()))
+
+    def _window_cutter(self, long_texts: str) -> WindowCutter:
+        """The model's window cutter (built once), or the error saying why there is none."""
+        cutter = self._cutter
+        if cutter is None:
+            tokenizer = getattr(self.model, "tokenizer", None)
+            length = getattr(self.model, "max_seq_length", None)
+            if tokenizer is None or not getattr(tokenizer, "is_fast", False):
+                raise no_tokenizer(long_texts, f"the model's tokenizer ({type(tokenizer).__name__}) is not a fast one")
+            if not isinstance(length, int) or length < 1:
+                raise no_tokenizer(long_texts, f"the model has no max_seq_length (it is {length!r})")
+            cutter = self._cutter = WindowCutter(tokenizer, length, prompt=self._prompt)
+        return cutter
 
     def _release(self) -> None:
         self.model = None
@@ -212,6 +274,19 @@ class CallableBackend(_Released):
         if normalize and emb.size:
             emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
         return emb
+
+    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> LongEncoded:
+        """``"truncate"`` only: a plain callable has no tokenizer, so what it cuts is unknown (``truncated`` None).
+
+        Raises
+        ------
+        SurgeValueError
+            For ``"error"``, ``"chunk"`` and ``"mean"``.
+        """
+        if long_texts != "truncate":
+            raise no_tokenizer(long_texts, "a plain callable model has no tokenizer")
+        with self._call():
+            return LongEncoded(self._encode(texts, normalize), None, None, 0)
 
     def _release(self) -> None:
         self.fn = None

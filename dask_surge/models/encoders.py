@@ -35,6 +35,7 @@ from .devices import pick_device as _pick_device
 from .hub import cached_snapshot, looks_like_repo_id, resolve_hub_model
 from .modelid import directory_digest, is_secret_key, object_digest, redact, without_secrets
 from .prompts import resolve_prompt
+from .windows import DEFAULT_CHUNK_OVERLAP, LongEncoded, LongTexts, Windows, check_long_texts
 
 __all__ = [
     "DEFAULT_MODEL_ALIASES",
@@ -749,6 +750,88 @@ class Encoder:
         if loaded.backend != "fast":  # the fast engine checks on its device
             check_finite(emb)
         return emb
+
+    def encode_long(self, texts: Sequence[str], *, normalize: bool = False, long_texts: LongTexts = "truncate",
+                    chunk_overlap: int = DEFAULT_CHUNK_OVERLAP) -> LongEncoded:
+        """Encode texts, doing with those longer than the model's window what ``long_texts`` says.
+
+        The window is the model's ``max_seq_length`` less its special tokens and the prompt's
+        tokens (each window gets both).
+
+        Parameters
+        ----------
+        texts : sequence of str
+        normalize : bool
+            L2-normalize each embedding (models ending in a ``Normalize`` module are normalized anyway).
+        long_texts : {"truncate", "error", "chunk", "mean"}
+            ``"truncate"`` (:meth:`encode`'s behaviour): cut, as sentence-transformers does, and
+            counted in ``truncated``. ``"error"``: raise :class:`~dask_surge.models.windows.TextTooLong`
+            for the first text over the window. ``"chunk"``: one row per window; a text's windows
+            overlap by ``chunk_overlap`` tokens and start and end at word boundaries (unless one word
+            is longer than a window), and a window's embedding is the model's on
+            ``text[char_start:char_end]``. ``"mean"``: one row per text, the mean of its windows'
+            embeddings weighted by their tokens, renormalized when the model normalizes or
+            ``normalize`` is set.
+        chunk_overlap : int, default :data:`~dask_surge.models.windows.DEFAULT_CHUNK_OVERLAP`
+            Tokens two consecutive windows of a text share, ``0 <= chunk_overlap < window / 2``.
+
+        Returns
+        -------
+        LongEncoded
+            ``embeddings`` (float32, C-contiguous), ``windows`` (``"chunk"``), ``truncated``, ``over``.
+
+        Raises
+        ------
+        SurgeValueError
+            An unknown ``long_texts``, a bad ``chunk_overlap``, or a mode other than
+            ``"truncate"`` for a plain callable model (it has no tokenizer).
+        TextTooLong
+            ``long_texts="error"`` and a text is over the window (a :class:`~dask_surge.errors.SurgeInputError`).
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> enc = Encoder(device="cpu")
+        >>> out = enc.encode_long(["short", "word " * 300], long_texts="truncate")
+        >>> out.embeddings.shape, out.truncated.tolist(), out.over
+        ((2, 384), [False, True], 1)
+        >>> out = enc.encode_long(["short", "word " * 300], long_texts="chunk")
+        >>> out.embeddings.shape, out.windows.text.tolist(), out.windows.chunk.tolist()
+        ((3, 384), [0, 1, 1], [0, 0, 1])
+        >>> enc.encode_long(["short", "word " * 300], long_texts="mean").embeddings.shape
+        (2, 384)
+        """
+        check_long_texts(long_texts, chunk_overlap)
+        loaded = self._loaded()
+        texts = list(texts)
+        if not texts:
+            empty = np.zeros((0, loaded.dimension), dtype=np.float32)
+            if long_texts != "truncate" and loaded.backend == "callable":
+                loaded.impl.encode_long(texts, normalize, long_texts, int(chunk_overlap))  # raises: no tokenizer
+            return LongEncoded(empty, Windows.empty() if long_texts == "chunk" else None,
+                               np.zeros(0, dtype=bool), 0)
+        for _ in range(3):  # closed (evicted, unloaded) by another thread meanwhile: load it again
+            try:
+                out = loaded.impl.encode_long(texts, normalize, long_texts, int(chunk_overlap))
+                break
+            except BackendClosed:
+                with _LOAD_LOCK:
+                    if _LOADED.get(self.spec) is loaded:
+                        del _LOADED[self.spec]
+                loaded = self._loaded()
+        else:
+            out = loaded.impl.encode_long(texts, normalize, long_texts, int(chunk_overlap))
+        emb = np.ascontiguousarray(out.embeddings, dtype=np.float32)
+        rows = len(out.windows) if out.windows is not None else len(texts)
+        if emb.ndim != 2 or emb.shape[0] != rows:
+            raise SurgeModelError(
+                f"the encoder returned shape {emb.shape} for {rows} texts; an encoder must "
+                f"return one row per text, shape ({rows}, d). Fix: make the callable return one "
+                "embedding per input text."
+            )
+        if loaded.backend != "fast":  # the fast engine checks on its device
+            check_finite(emb)
+        return out if emb is out.embeddings else replace(out, embeddings=emb)
 
     def __call__(self, texts: Any, *, normalize: bool = False) -> Any:
         """Encode: a pandas (or cuDF) Series gives a Series (see :meth:`embed`), a list an array.

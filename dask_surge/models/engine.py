@@ -16,7 +16,9 @@ the pinned staging buffer; the attention-mask form probed once, when it is built
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +39,16 @@ from .device import _fuse_gelu as _fuse_gelu
 from .device import _OneDNNLinear as _OneDNNLinear
 from .prompts import resolve_prompt
 from .tokenize import StageClock, TextPacker
+from .windows import (
+    DEFAULT_CHUNK_OVERLAP,
+    LongEncoded,
+    LongTexts,
+    TextTooLong,
+    WindowCutter,
+    WindowGroup,
+    check_long_texts,
+    encode_windows,
+)
 
 __all__ = ["NOOP_FORWARD_ENV", "STAGING_BYTES", "TransformerEngine"]
 
@@ -81,8 +93,12 @@ class TransformerEngine:
     (3, 384)
     """
 
+    _cutter: WindowCutter | None  # the long-text window cutter, built on first use (see cutter())
+
     def __init__(self, transformer, pooling_modes, *, normalize, max_tokens, dtype, prompt="", include_prompt=True):
         self._clock = StageClock()
+        self._hf_tokenizer = transformer.tokenizer  # for the long-text window cutter, built on first use
+        self._cutter = None
         self._packer = TextPacker(transformer.tokenizer, int(transformer.max_seq_length), prompt=prompt or "",
                                   include_prompt=include_prompt, clock=self._clock)
         self._device = DeviceRunner(transformer.auto_model, tuple(pooling_modes), dtype=dtype,
@@ -274,34 +290,42 @@ class TransformerEngine:
         >>> engine.encode([]).shape
         (0, 384)
         """
+        self._check_open()
+        texts = texts if isinstance(texts, list) else list(texts)
+        return self._encode_with(len(texts), self._windows(texts), self._prepare_window, normalize or self._normalize)
+
+    def _check_open(self) -> None:
         if self._closed:
             raise SurgeValueError(
                 "this TransformerEngine was closed (close() released its feeder thread and buffers), so it "
                 "cannot encode. Fix: build a new engine with TransformerEngine.from_sentence_transformer(model)."
             )
-        texts = texts if isinstance(texts, list) else list(texts)
-        normalize = normalize or self._normalize
+
+    def _encode_with(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], _Window],
+                     normalize: bool) -> np.ndarray:
+        """``(count, dimension)`` embeddings: ``prepare(item, offset)`` of each ``(offset, item)`` of ``windows``, run."""
         if self.use_feeder:
-            return self._encode_fed(texts, normalize)
+            return self._encode_fed(count, windows, prepare, normalize)
         with self._lock, torch.inference_mode():
-            out = torch.empty((len(texts), self.dimension), dtype=torch.float32, device=self.device)
-            for start, encodings in self._windows(texts):
-                self._run_window(self._prepare_window(encodings, start), out, normalize)
+            out = torch.empty((count, self.dimension), dtype=torch.float32, device=self.device)
+            for start, item in windows:
+                self._run_window(prepare(item, start), out, normalize)
             return self._device.finish(out)
 
-    def _encode_fed(self, texts: list[str], normalize: bool) -> np.ndarray:
+    def _encode_fed(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], _Window],
+                    normalize: bool) -> np.ndarray:
         """Prepare windows in the calling thread; the feeder thread launches all device work."""
         with self._lock:
             feeder = self._device.feeder_thread()
         state: dict = {}
 
         def start() -> None:
-            state["out"] = torch.empty((len(texts), self.dimension), dtype=torch.float32, device=self.device)
+            state["out"] = torch.empty((count, self.dimension), dtype=torch.float32, device=self.device)
 
         jobs = [feeder.submit(start)]
         try:
-            for offset, encodings in self._windows(texts):
-                window = self._prepare_window(encodings, offset)
+            for offset, item in windows:
+                window = prepare(item, offset)
                 jobs.append(feeder.submit(lambda w=window: self._run_window(w, state["out"], normalize)))
         finally:  # a failed preparation still waits for what was queued (it writes into ``out``)
             for job in jobs:
@@ -325,6 +349,67 @@ class TransformerEngine:
     def _forward(self, ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """Pooled float32 embeddings of one micro-batch (see :meth:`DeviceRunner.forward`); tests wrap it."""
         return self._device.forward(ids, valid)
+
+    def cutter(self) -> WindowCutter:
+        """The :class:`~dask_surge.models.windows.WindowCutter` of this model and prompt (built on first use)."""
+        if self._cutter is None:
+            self._cutter = WindowCutter(self._hf_tokenizer, self.max_seq_length, prompt=self.prompt)
+        return self._cutter
+
+    def encode_long(self, texts: Sequence[str], *, normalize: bool = False, long_texts: LongTexts = "truncate",
+                    chunk_overlap: int = DEFAULT_CHUNK_OVERLAP) -> LongEncoded:
+        """Embed ``texts``, doing with those over the window what ``long_texts`` says.
+
+        See :meth:`dask_surge.models.encoders.Encoder.encode_long`. ``"truncate"`` and
+        ``"error"`` tokenize once, as :meth:`encode` does (a text was cut when the tokenizer
+        left tokens over); ``"chunk"`` and ``"mean"`` tokenize once with offsets, cut windows
+        on the token ids and run them through the same length-sorted micro-batches.
+
+        Examples
+        --------
+        >>> from sentence_transformers import SentenceTransformer
+        >>> from dask_surge.testing import packaged_model_dir
+        >>> engine = TransformerEngine.from_sentence_transformer(
+        ...     SentenceTransformer(str(packaged_model_dir()), device="cpu"))
+        >>> out = engine.encode_long(["a dog", "a cat " * 300], long_texts="chunk")
+        >>> out.embeddings.shape, out.windows.chunk.tolist(), out.windows.tokens.tolist(), out.over
+        ((4, 384), [0, 0, 1, 2], [2, 254, 254, 156], 1)
+        """
+        self._check_open()
+        check_long_texts(long_texts, chunk_overlap)
+        texts = texts if isinstance(texts, list) else list(texts)
+        normalize = normalize or self._normalize
+        if long_texts in ("chunk", "mean"):
+            cutter = self.cutter()
+            cutter.check_overlap(chunk_overlap)
+            return encode_windows(texts, long_texts, chunk_overlap, cutter, lambda g: self._encode_groups(g, normalize),
+                                  self.dimension, renormalize=normalize)
+        truncated = np.zeros(len(texts), dtype=bool)
+
+        def prepare(encodings: list, offset: int) -> _Window:
+            over = self._packer.overflowed(encodings)
+            if long_texts == "error" and over.any():
+                first = offset + int(np.argmax(over))
+                cutter = self.cutter()
+                raise TextTooLong(first, cutter.content_tokens(texts[first]), cutter.capacity)
+            truncated[offset : offset + len(encodings)] = over
+            return self._prepare_window(encodings, offset)
+
+        emb = self._encode_with(len(texts), self._windows(texts), prepare, normalize)
+        return LongEncoded(emb, None, truncated, int(truncated.sum()))
+
+    def _encode_groups(self, groups: Iterable[WindowGroup], normalize: bool) -> Iterator[np.ndarray]:
+        """Each group's windows' embeddings; on CUDA the next group is cut while this one runs."""
+        for group in _prefetch(groups, background=self.device.type == "cuda"):
+            yield self._encode_with(len(group), [(0, group)], self._prepare_group, normalize)
+
+    def _prepare_group(self, group: WindowGroup, offset: int) -> _Window:
+        """Host side of one group of windows: packed from their ids (no tokenizing), staged."""
+        cutter = self.cutter()
+        packed = self._packer.pack_windows(group.content, group.starts, group.windows.tokens, offset,
+                                           head=cutter.head, tail=cutter.tail, max_tokens=self.max_tokens,
+                                           split_runs=self.split_runs)
+        return self._device.stage(packed)
 
     def close(self) -> None:
         """Stop the feeder thread, release the pinned staging buffer and the engine's encoder copy; idempotent.
@@ -372,3 +457,20 @@ class TransformerEngine:
         [2, 4]
         """
         return self._packer.count_tokens(texts)
+
+
+def _prefetch(items: Iterable[Any], *, background: bool) -> Iterator[Any]:
+    """``items``, with the next one made in a background thread while the caller uses this one."""
+    if not background:
+        yield from items
+        return
+    iterator = iter(items)
+    done = object()
+    with ThreadPoolExecutor(1, thread_name_prefix="surge-cut") as pool:
+        pending = pool.submit(next, iterator, done)
+        while True:
+            item = pending.result()
+            if item is done:
+                return
+            pending = pool.submit(next, iterator, done)
+            yield item

@@ -169,6 +169,78 @@ class TextPacker:
                     pending = pool.submit(self.tokenize, texts[nxt : nxt + WINDOW_TEXTS])
                 yield start, encodings
 
+    def overflowed(self, encodings: list) -> np.ndarray:
+        """bool per encoding: its text was cut (truncation left tokens over), without tokenizing again.
+
+        Only an encoding :attr:`max_seq_length` long can have been cut; for those the tokenizer's
+        ``overflowing`` part says whether it was.
+
+        Examples
+        --------
+        >>> from transformers import AutoTokenizer
+        >>> from dask_surge.testing import packaged_model_dir
+        >>> packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 5, clock=StageClock())
+        >>> packer.overflowed(packer.tokenize(["one two three", "one two three four five", ""])).tolist()
+        [False, True, False]
+        """
+        lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+        out = np.zeros(len(encodings), dtype=bool)
+        for i in np.flatnonzero(lengths >= self.max_seq_length).tolist():
+            out[i] = bool(encodings[i].overflowing)
+        return out
+
+    def pack_windows(self, content: np.ndarray, starts: np.ndarray, lengths: np.ndarray, offset: int, *,
+                     head: np.ndarray, tail: np.ndarray, max_tokens: int, split_runs: bool = True) -> PackedWindow:
+        """Plan and pack windows of token ids already cut (no tokenizing): each is ``head + content[a:b] + tail``.
+
+        Parameters
+        ----------
+        content : numpy.ndarray
+            int32 content token ids; window ``k`` is ``content[starts[k] : starts[k] + lengths[k]]``.
+        starts, lengths : numpy.ndarray
+            Per window (windows may overlap in ``content``).
+        offset : int
+            Row of the first window in the call's output.
+        head, tail : numpy.ndarray
+            int32 ids put before (the leading special tokens and the prompt's) and after
+            (the trailing special tokens) each window.
+        max_tokens, split_runs
+            As in :meth:`pack`.
+
+        Examples
+        --------
+        >>> from transformers import AutoTokenizer
+        >>> from dask_surge.testing import packaged_model_dir
+        >>> packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 8, clock=StageClock())
+        >>> w = packer.pack_windows(np.array([7, 8, 9], np.int32), np.array([0, 1]), np.array([2, 1]), 0,
+        ...                         head=np.array([1], np.int32), tail=np.array([2], np.int32), max_tokens=64)
+        >>> w.ids.tolist(), w.where.tolist()
+        ([1, 7, 8, 2, 1, 8, 2], [0, 1])
+        """
+        t0 = time.perf_counter()
+        n_head, n_tail = len(head), len(tail)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        plan = plan_batches(lengths + (n_head + n_tail), max_tokens, split_runs=split_runs)
+        run_lengths = plan.lengths.astype(np.int64)
+        out_starts = np.cumsum(run_lengths) - run_lengths
+        flat = np.empty(int(run_lengths.sum()), dtype=np.int32)
+        if n_head:
+            flat[out_starts[:, None] + np.arange(n_head)] = head
+        if n_tail:
+            flat[(out_starts + run_lengths - n_tail)[:, None] + np.arange(n_tail)] = tail
+        inner = lengths[plan.order]
+        total = int(inner.sum())
+        if total:
+            shift = np.repeat(np.asarray(starts, dtype=np.int64)[plan.order] - (out_starts + n_head), inner)
+            dst = np.repeat(out_starts + n_head - (np.cumsum(inner) - inner), inner) + np.arange(total)
+            flat[dst] = content[dst + shift]
+        window = PackedWindow(
+            plan=plan, size=int(flat.size), ids=flat, lengths=run_lengths.astype(np.int32),
+            starts=out_starts, where=plan.order + offset,
+        )
+        self.clock.count("pack", t0)
+        return window
+
     def pack(self, encodings: list, offset: int, *, max_tokens: int, split_runs: bool = True) -> PackedWindow:
         """Plan one window (:func:`~dask_surge.models.batching.plan_batches`) and gather its ids in run order."""
         t0 = time.perf_counter()
