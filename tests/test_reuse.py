@@ -6,6 +6,11 @@ import hashlib
 import io
 import json
 import os
+import socket
+import subprocess
+import sys
+import threading
+import time
 import tracemalloc
 import uuid
 import zlib
@@ -20,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dask_surge.errors import SurgeInputError, SurgeValueError
+from dask_surge.io import reuse
 from dask_surge.io.manifest import (
     CommitRecord,
     RunPlan,
@@ -439,3 +445,43 @@ def test_memory_does_not_grow_with_the_old_output(tmp_path):
     (b1, l1), (b10, l10) = peaks
     assert b10 < 1.5 * b1 + (1 << 20), peaks
     assert l10 < 1.5 * l1 + (1 << 20), peaks
+
+
+def test_one_process_builds_while_others_wait(tmp_path, monkeypatch):
+    texts = corpus(200, seed=13)
+    old = write_output(str(tmp_path / "old"), layout(texts, 20, 2))
+    where = index_dir(str(tmp_path / "old"), existing_run(old).run_id)
+    os.makedirs(where)
+    builds = []
+    real_build = reuse._OutputIndex.build
+
+    def counting_build(self, **kw):
+        builds.append(threading.current_thread().name)
+        return real_build(self, **kw)
+
+    monkeypatch.setattr(reuse._OutputIndex, "build", counting_build)
+
+    def note(**info):
+        with open(f"{where}/BUILDING", "w") as f:
+            json.dump({"time": time.time(), "host": "another-host", "pid": 1, **info}, f)
+
+    # a live builder elsewhere: wait for its index, build nothing
+    note()
+    builder = threading.Thread(target=lambda: (time.sleep(0.5), ReuseIndex(old, rebuild=True)), name="builder")
+    builder.start()
+    t0 = time.monotonic()
+    index = ReuseIndex(old)
+    builder.join()
+    assert builds == ["builder"] and time.monotonic() - t0 >= 0.5
+    check(index, texts, stored(old))
+    assert not os.path.exists(f"{where}/BUILDING")
+    # a builder that stopped beating, or died on this host: not waited for
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for info in ({"time": time.time() - 2 * reuse.BUILD_STALE_S},
+                 {"host": socket.gethostname(), "pid": int(dead.stdout)}):
+        os.unlink(f"{where}/meta.json")
+        note(**info)
+        builds.clear()
+        t0 = time.monotonic()
+        check(ReuseIndex(old), texts, stored(old))
+        assert builds == ["MainThread"] and time.monotonic() - t0 < reuse.BUILD_STALE_S / 2

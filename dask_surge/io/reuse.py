@@ -18,6 +18,7 @@ Index layout, under the old output's metadata (``<run>`` from ``_surge/CURRENT``
     out/_surge/index/<run>/meta.json             written last: files, bucket bits, entries
     out/_surge/index/<run>/bucket-<b>.npy        (4, n) uint64: hash hi, hash lo,
                                                  file << 32 | first row, rows in the run
+    out/_surge/index/<run>/BUILDING              while a process builds it: time, host, pid
 
 Entries are bucketed by the top ``bits`` bits of the hash (``bits`` chosen from the
 output's row count so a bucket holds ~2**19 entries, 16 MiB), each bucket sorted by
@@ -29,7 +30,9 @@ index is built once, lazily, when first opened: a streaming pass over the ``text
 temporary directory (memory bounded by ``spill_bytes``), then each bucket is sorted,
 de-duplicated and written with :func:`dask_surge.io.manifest.write_bytes_atomic`. Its
 content is a function of the output alone, so two processes building it at once write
-the same bytes. A damaged or stale index (files missing or torn, meta unreadable, part
+the same bytes; still, one that finds another's fresh ``BUILDING`` note waits for it
+(the builder refreshes it every :data:`BUILD_BEAT_S`; a note older than
+:data:`BUILD_STALE_S`, or of a dead process on this host, is ignored). A damaged or stale index (files missing or torn, meta unreadable, part
 files it names gone) is rebuilt.
 
 Scale: at 10**9 rows the index is ~2,000 buckets and ~32 GB on disk (2% of 384-float
@@ -44,6 +47,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -78,6 +82,10 @@ INDEX_FORMAT = 1
 #: entries per bucket the bucket count aims at (a bucket file is then ~16 MiB; sorting one takes ~4x that)
 BUCKET_ENTRIES = 1 << 19
 _CHUNK = "chunk"
+#: a process building an index refreshes its ``BUILDING`` note this often; others wait for it
+BUILD_BEAT_S = 10.0
+#: ... unless its note is older than this (the builder died): they then build it themselves
+BUILD_STALE_S = 60.0
 #: the columns a chunked output has per row beside ``partition`` and ``row``
 _CHUNK_COLUMNS = ("chunk", "char_start", "char_end", "tokens")
 
@@ -470,12 +478,52 @@ class _OutputIndex:
         self._buckets = _LRU(max_buckets)
         self._old_bits: int | None = None  # of an index found invalid: rebuilt with them
         self.meta = None if rebuild else self._valid_meta()
+        if self.meta is None and not rebuild:
+            self.meta = self._wait_for_builder()
         if self.meta is None:
             self.meta = self.build(bits=bits if bits is not None else self._old_bits, spill_bytes=spill_bytes)
         self.files: list[str] = self.meta["files"]
         self.chunked = bool(self.meta.get("chunked"))
         self.bits: int = self.meta["bits"]
         self.entries = np.asarray(self.meta["bucket_entries"], dtype=np.int64)
+
+    # -- one builder at a time (an optimization only: two builders write the same bytes)
+    @property
+    def _lock_path(self) -> str:
+        return f"{self.dir}/BUILDING"
+
+    def _beat(self) -> None:
+        """Claim (or refresh the claim of) building this index: the time, host and pid."""
+        body = json.dumps({"time": time.time(), "host": socket.gethostname(), "pid": os.getpid()}).encode()
+        with contextlib.suppress(OSError):
+            write_bytes_atomic(self.fs, self._lock_path, body)
+
+    def _builder_alive(self) -> bool:
+        """True while another process builds this index and beat within :data:`BUILD_STALE_S`."""
+        try:
+            with self.fs.open(self._lock_path, "rb") as f:
+                info = json.loads(f.read())
+            if info.get("host") == socket.gethostname() and int(info.get("pid")) == os.getpid():
+                return False  # our own (a build of ours that failed): not someone else's
+            if info.get("host") == socket.gethostname():
+                try:
+                    os.kill(int(info["pid"]), 0)
+                except ProcessLookupError:
+                    return False
+                except (PermissionError, OverflowError):
+                    pass
+            return time.time() - float(info["time"]) < BUILD_STALE_S
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+
+    def _wait_for_builder(self) -> dict | None:
+        """Wait while another live process builds the index; its meta once valid, else None (build it)."""
+        while self._builder_alive():
+            time.sleep(0.2)
+            meta = self._valid_meta()
+            if meta is not None:
+                return meta
+        return self._valid_meta()
 
     # -- validity
     def _valid_meta(self) -> dict | None:
@@ -527,6 +575,10 @@ class _OutputIndex:
         nb = 1 << bits
         spill = tempfile.mkdtemp(prefix="surge-reuse-spill-")
         counts = np.zeros(nb, dtype=np.int64)
+        with contextlib.suppress(OSError):
+            self.fs.makedirs(self.dir, exist_ok=True)
+        self._beat()
+        last_beat = time.monotonic()
         try:
             buffer: list[np.ndarray] = []
             buffered = 0
@@ -551,6 +603,9 @@ class _OutputIndex:
                 buffered = 0
 
             for file_id, name in enumerate(files):
+                if time.monotonic() - last_beat > BUILD_BEAT_S:
+                    self._beat()
+                    last_beat = time.monotonic()
                 for entries, is_chunked in self._file_entries(file_id, name):
                     if chunked is None:
                         chunked = is_chunked
@@ -566,6 +621,9 @@ class _OutputIndex:
                 self.fs.makedirs(self.dir, exist_ok=True)
                 bucket_entries = []
                 for b in range(nb):
+                    if time.monotonic() - last_beat > BUILD_BEAT_S:
+                        self._beat()
+                        last_beat = time.monotonic()
                     if not counts[b]:
                         bucket_entries.append(0)
                         continue
@@ -595,6 +653,8 @@ class _OutputIndex:
                 ) from err
         finally:
             shutil.rmtree(spill, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                self.fs.rm(self._lock_path)
         self._buckets.clear()
         return meta
 
@@ -936,8 +996,8 @@ class ReuseIndex:
 
     def _open(self, s: int, f: int):
         ix = self.indexes[s]
-        handle = ix.fs.open(f"{ix.root}/{ix.files[f]}", "rb")
-        pf = pq.ParquetFile(handle)
+        path = f"{ix.root}/{ix.files[f]}"
+        pf = pq.ParquetFile(path if ix.local else ix.fs.open(path, "rb"))
         starts = np.concatenate([[0], np.cumsum([pf.metadata.row_group(i).num_rows
                                                  for i in range(pf.num_row_groups)])]).astype(np.int64)
         return pf, starts
