@@ -402,7 +402,7 @@ def test_a_real_run(tmp_path):
                 w.write_table(g.append_column(text_hash_field(), hash_column(text_hashes(g.column("text")))))
     ident = embedding_identity(manifest.fingerprint)
     index = open_index(out, identity=ident)
-    assert open_index(out) is index or open_index(out).outputs == [out]
+    assert open_index(out) is index
     new = [*texts[30:], "brand new"]
     got = index.lookup(text_hashes(new))
     assert got.found.tolist() == [True] * 60 + [False]
@@ -485,3 +485,17 @@ def test_one_process_builds_while_others_wait(tmp_path, monkeypatch):
         t0 = time.monotonic()
         check(ReuseIndex(old), texts, stored(old))
         assert builds == ["MainThread"] and time.monotonic() - t0 < reuse.BUILD_STALE_S / 2
+
+
+def test_open_index_reopens_an_output_replaced_in_place(tmp_path):
+    texts = corpus(60, seed=17)
+    path = str(tmp_path / "out")
+    write_output(path, layout(texts[:30], 10, 1))
+    first = open_index(path)
+    assert open_index(path) is first and first.find(text_hashes(texts[:1])).found.all()
+    # a new run completes in the same directory (overwrite=True), replacing the old one
+    manifest, _ = open_run(path, fingerprint(partitions=3), overwrite=True,
+                           plan=RunPlan(b_min=1, b_max=10**6, mode="planned", partitions=3))
+    finish_run(manifest, manifest.committed(), {"rows": 0, "superbatches": 0, "nulls_skipped": 0, "partitions": 0})
+    second = open_index(path)
+    assert second is not first and second.entries == 0 and not second.find(text_hashes(texts[:1])).found.any()

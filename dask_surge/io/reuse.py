@@ -62,7 +62,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from ..errors import SurgeInputError, SurgeOutputError, SurgeValueError
-from .manifest import META_DIR, existing_run, write_bytes_atomic
+from .manifest import META_DIR, current_run, existing_run, write_bytes_atomic
 from .readers import model_name
 
 __all__ = ["TEXT_HASH", "HASH_ALGORITHM", "TEXT_HASH_TYPE", "text_hashes", "hash_column", "hashes_of",
@@ -1035,7 +1035,8 @@ def open_index(outputs: str | Sequence[str], storage_options: dict | None = None
 
     For a worker's SuperBatch tasks: each call with the same outputs returns the same
     open index (the last :data:`OPEN_INDEXES` are kept), so buckets and row groups stay
-    cached between SuperBatches. Build the index on the client first (``ReuseIndex(outputs)``)
+    cached between SuperBatches; an output whose current run changed since (an in-place
+    update completed) is opened afresh. Build the index on the client first (``ReuseIndex(outputs)``)
     so that workers only open it.
 
     Examples
@@ -1050,8 +1051,12 @@ def open_index(outputs: str | Sequence[str], storage_options: dict | None = None
     key = (paths, json.dumps(storage_options or {}, sort_keys=True, default=str))
     with _OPEN_LOCK:
         if key in _OPEN:
-            _OPEN.move_to_end(key)
-            return _OPEN[key]
+            cached = _OPEN[key]
+            current = [current_run(p, storage_options) for p in paths]
+            if all(m is not None and m.run_id == ix.manifest.run_id for m, ix in zip(current, cached.indexes)):
+                _OPEN.move_to_end(key)
+                return cached
+            _OPEN.pop(key).close()  # an output was replaced since (an in-place update completed)
         index = ReuseIndex(paths, storage_options=storage_options, identity=identity)
         _OPEN[key] = index
         while len(_OPEN) > OPEN_INDEXES:
