@@ -752,7 +752,7 @@ class Encoder:
         return emb
 
     def encode_long(self, texts: Sequence[str], *, normalize: bool = False, long_texts: LongTexts = "truncate",
-                    chunk_overlap: int = DEFAULT_CHUNK_OVERLAP) -> LongEncoded:
+                    chunk_overlap: int | None = DEFAULT_CHUNK_OVERLAP) -> LongEncoded:
         """Encode texts, doing with those longer than the model's window what ``long_texts`` says.
 
         The window is the model's ``max_seq_length`` less its special tokens and the prompt's
@@ -772,8 +772,9 @@ class Encoder:
             ``text[char_start:char_end]``. ``"mean"``: one row per text, the mean of its windows'
             embeddings weighted by their tokens, renormalized when the model normalizes or
             ``normalize`` is set.
-        chunk_overlap : int, default :data:`~dask_surge.models.windows.DEFAULT_CHUNK_OVERLAP`
-            Tokens two consecutive windows of a text share, ``0 <= chunk_overlap < window / 2``.
+        chunk_overlap : int, default :data:`~dask_surge.options.DEFAULT_CHUNK_OVERLAP` (32)
+            Tokens two consecutive windows of a text share, ``0 <= chunk_overlap < window / 2``;
+            None means the default.
 
         Returns
         -------
@@ -801,6 +802,7 @@ class Encoder:
         >>> enc.encode_long(["short", "word " * 300], long_texts="mean").embeddings.shape
         (2, 384)
         """
+        chunk_overlap = DEFAULT_CHUNK_OVERLAP if chunk_overlap is None else chunk_overlap
         check_long_texts(long_texts, chunk_overlap)
         loaded = self._loaded()
         texts = list(texts)

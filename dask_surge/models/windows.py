@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 
 from ..errors import SurgeInputError, SurgeValueError
+from ..options import DEFAULT_CHUNK_OVERLAP, LONG_TEXTS, LongTexts
 from .batching import WINDOW_TEXTS
 
 __all__ = [
@@ -43,12 +44,8 @@ __all__ = [
     "collect",
 ]
 
-#: What a text longer than the model's window does (see the module docstring).
-LongTexts = Literal["truncate", "error", "chunk", "mean"]
-#: The ``long_texts`` modes, in order.
-LONG_TEXTS: tuple[str, ...] = get_args(LongTexts)
-#: Tokens two consecutive windows of one text share, by default (``chunk_overlap``).
-DEFAULT_CHUNK_OVERLAP = 32
+# LongTexts (the modes), LONG_TEXTS and DEFAULT_CHUNK_OVERLAP (32 tokens) are declared with the options
+# (dask_surge.options) and re-exported from here.
 #: Characters of one text tokenized at once: a longer text is tokenized in slices cut at whitespace
 #: (a slice with no whitespace in its second half is cut where it is), so the tokenizer's
 #: per-token state stays bounded whatever the text's length.
