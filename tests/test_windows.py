@@ -300,7 +300,7 @@ def test_encode_long_after_close_loads_again(packaged):
     enc.encode_long(["a"])
     enc.close()
     assert enc.encode_long(["a", "b c"], long_texts="chunk").embeddings.shape == (2, 384)
-    engine = enc.engine
+    engine = TransformerEngine.from_sentence_transformer(packaged)  # its own engine: the cached one stays open
     engine.close()
     with pytest.raises(SurgeValueError, match="closed"):
         engine.encode_long(["a"])
