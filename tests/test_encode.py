@@ -28,7 +28,7 @@ EDGE_SIZES = [1, 0, 0, 57, 1, 1, 0, 3, 1]  # empty, one-row, and one partition >
 def test_lazy_result_matches_sentence_transformers(tiny_model):
     ddf = make_partitioned_frame(EDGE_SIZES, seed=11)
     out = ddf.surge.encode("text", model=tiny_model, b_min=5, b_max=20, keep=["doc_id"], device="cpu")
-    assert list(out.columns) == ["partition", "row", "doc_id", "embedding"]
+    assert list(out.columns) == ["partition", "row", "doc_id", "text_hash", "embedding"]
     df = out.compute(scheduler="sync")
     # every input row exactly once, keyed by (partition, row), in order
     expected = [(p, r) for p, n in enumerate(EDGE_SIZES) for r in range(n)]

@@ -21,6 +21,7 @@ from ..config import get
 from ..errors import SurgeOutputError
 from ..io.arrow import to_host
 from ..io.manifest import CommitRecord, Manifest, sb_key, write_bytes_atomic
+from ..io.reuse import TEXT_HASH, text_hash_field
 from ..results import SuperBatchReport
 from .events import announce
 from .superbatch import SuperBatchEncoder, partition_digest
@@ -33,7 +34,11 @@ def table_of(frame: pd.DataFrame) -> pa.Table:
     No pandas metadata is stored: the file is plain Arrow types that every
     Parquet reader understands.
     """
-    return pa.Table.from_pandas(frame, preserve_index=False).replace_schema_metadata(None)
+    table = pa.Table.from_pandas(frame, preserve_index=False).replace_schema_metadata(None)
+    i = table.schema.get_field_index(TEXT_HASH)
+    if i >= 0:  # the field records the hash algorithm (dask_surge.io.reuse reads it)
+        table = table.set_column(i, text_hash_field(), table.column(i))
+    return table
 
 
 def skipped_bytes(skipped) -> bytes:

@@ -51,7 +51,7 @@ from fsspec.core import url_to_fs
 
 from ..errors import SurgeInputError, SurgeOutputError
 
-__all__ = ["FORMAT_VERSION", "Manifest", "RunPlan", "CommitRecord", "Coverage", "Claim", "sb_key", "text_counts", "fingerprint_digest",
+__all__ = ["FORMAT_VERSION", "Manifest", "RunPlan", "CommitRecord", "Coverage", "Claim", "sb_key", "text_counts", "index_dir", "fingerprint_digest",
            "open_run", "current_run", "existing_run", "find_run", "finish_run", "check_output", "check_writable_store", "repair",
            "verify", "LOCAL_PROTOCOLS"]
 
@@ -586,6 +586,11 @@ def _write_meta(fs, path: str, data: bytes) -> None:
         ) from err
 
 
+def index_dir(root: str, run_id: str) -> str:
+    """Where the reuse index (:mod:`dask_surge.io.reuse`) of run ``run_id`` of the output ``root`` lives."""
+    return f"{root}/{META_DIR}/index/{run_id}"
+
+
 def current_path(root: str) -> str:
     """Where an output directory names its current run."""
     return f"{root}/{META_DIR}/CURRENT"
@@ -1034,10 +1039,10 @@ def finish_run(manifest: Manifest, committed: dict[str, CommitRecord], summary: 
     for name in _ls(fs, f"{manifest.run_dir}/skipped"):
         if name not in keep_skipped:  # of attempts that lost the commit
             fs.rm(f"{manifest.run_dir}/skipped/{name}")
-    for run in _ls(fs, f"{root}/{META_DIR}/index"):  # reuse indexes (dask_surge.io.reuse) of runs now gone
+    for run in _ls(fs, index_dir(root, "").rstrip("/")):  # reuse indexes of runs now gone
         if run != manifest.run_id and _RUN_ID.match(run):
             with contextlib.suppress(FileNotFoundError):
-                fs.rm(f"{root}/{META_DIR}/index/{run}", recursive=True)
+                fs.rm(index_dir(root, run), recursive=True)
     with contextlib.suppress(FileNotFoundError):
         fs.rm(f"{root}/{META_DIR}/retired", recursive=True)
 

@@ -62,7 +62,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from ..errors import SurgeInputError, SurgeOutputError, SurgeValueError
-from .manifest import META_DIR, current_run, existing_run, write_bytes_atomic
+from .manifest import current_run, existing_run, index_dir, write_bytes_atomic
 from .readers import model_name
 
 __all__ = ["TEXT_HASH", "HASH_ALGORITHM", "TEXT_HASH_TYPE", "text_hashes", "hash_column", "hashes_of",
@@ -403,11 +403,6 @@ class Reused:
 
 
 # -- the index of one output --------------------------------------------------------------
-
-
-def index_dir(root: str, run_id: str) -> str:
-    """Where the reuse index of run ``run_id`` of the output ``root`` lives."""
-    return f"{root}/{META_DIR}/index/{run_id}"
 
 
 def _bucket_bits(rows: int, per_bucket: int = BUCKET_ENTRIES) -> int:
