@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_overloads, overload
 
+import numpy as np
+
 from . import config
 from ._version import __version__
 from .errors import SurgeInputError, SurgeValueError
@@ -22,7 +24,7 @@ from .execution.runner import RunRequest, write_run
 from .execution.superbatch import SuperBatchEncoder
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows, status
-from .io.reuse import ReuseIndex, embedding_identity
+from .io.reuse import ReuseIndex, embedding_identity, text_hashes
 from .models.devices import gpu_count
 from .models.encoders import Encoder
 from .models.modelid import redact
@@ -31,7 +33,7 @@ from .planning.costmodel import advise, predict
 from .planning.identity import IDENTITY_OPTIONS, input_identity
 from .planning.policy import SuperBatch, plan_superbatches
 from .planning.sizes import PartitionSizes, known_sizes, partition_sizes
-from .planning.thresholds import Thresholds, requested_thresholds, resolve_thresholds
+from .planning.thresholds import Thresholds, requested_thresholds, resolve_thresholds, window_byte_cap
 from .planning.tokens import sample_texts, token_counter
 from .planning.units import streamed_plan, unit_partitions
 from .results import EncodeResult, SurgePlan
@@ -137,6 +139,10 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
     if any(v is not None and v is not False for v in model_opts.values()):
         model = _resolve_encoder(model, model_opts)  # the probe and the token sample use this model
     max_bytes = _max_bytes(opts["max_bytes"])
+    long_texts = config.get("long-texts", opts["long_texts"])
+    if long_texts in ("chunk", "mean"):  # as encode() caps it
+        max_bytes = _windowed_bytes(max_bytes, requested_thresholds(b_min, b_max)[1], _resolve_encoder(model, {}),
+                                    long_texts, config.get("chunk-overlap", opts["chunk_overlap"]), gpu=gpu_count() > 0)
     frame = ddf[[column]]
     known = known_sizes(frame, column, max_bytes)
     # an input that encode() streams is sized here with one pass, to show its SuperBatches
@@ -161,6 +167,16 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
                                      max_bytes=max_bytes)
     result = SurgePlan(sizes, superbatches, th.b_min, th.b_max, params=params, max_bytes=max_bytes,
                        tokens_source=tokens_source, unit_partitions=None if known is not None else per_unit)
+    if (opts["long_texts"] is not None or opts["reuse"]) and sizes.total:
+        texts = sample_texts(ddf, column, sizes.sizes, n=config.get("token-sample", opts["token_sample"]) or 2048)
+        if opts["long_texts"] is not None and texts:
+            result.long_texts = _long_text_estimate(_resolve_encoder(model, {}), texts, sizes.total, long_texts,
+                                                    config.get("chunk-overlap", opts["chunk_overlap"]))
+        if opts["reuse"] and texts:
+            with ReuseIndex(_absolute(opts["reuse"])) as index:
+                found = index.find(text_hashes(texts)).found.mean()
+            result.reuse = {"sampled": len(texts), "found": float(found), "reused": round(found * sizes.total),
+                            "encoded": sizes.total - round(found * sizes.total)}
     if params is not None and sizes.total:
 
         # predict the plan shown, under the byte cap it was made with
@@ -169,6 +185,24 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
         result.advice = advise(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, nbytes=sizes.nbytes,
                                max_bytes=max_bytes, superbatches=superbatches)
     return result
+
+
+def _windowed_bytes(max_bytes: int | None, b_max, encoder: Encoder, long_texts: str, overlap: int, *,
+                    gpu: bool) -> int | None:
+    """The byte cap, lowered in chunk/mean mode so a SuperBatch holds about ``b_max`` token windows
+    (:func:`~dask_surge.planning.thresholds.window_byte_cap`): its memory counts windows, not texts."""
+    if long_texts not in ("chunk", "mean") or encoder.window_capacity is None:
+        return max_bytes
+    return window_byte_cap(max_bytes, b_max, encoder.window_capacity, overlap, gpu=gpu)
+
+
+def _long_text_estimate(encoder: Encoder, texts: list[str], total: int, mode: str, overlap: int) -> dict:
+    """How many of ``texts`` (a sample of ``total``) are over the model's window, and the windows
+    chunk/mean mode would make of them, scaled to the input."""
+    counts = np.bincount(encoder.windows(texts, chunk_overlap=overlap).text, minlength=len(texts))
+    over = float(np.mean(counts > 1))
+    return {"mode": mode, "sampled": len(texts), "over_window": over, "texts_over": round(over * total),
+            "windows": round(float(np.mean(counts)) * total)}
 
 
 def _plan(sizes: PartitionSizes, b_min: int, b_max: int, max_bytes: int | None) -> list[SuperBatch]:
@@ -331,7 +365,6 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     requested = requested_thresholds(opts["b_min"], opts["b_max"])  # fail before any work
     encoder = _resolve_encoder(opts["model"], opts)
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
-    max_bytes = _max_bytes(opts["max_bytes"])
     normalize = config.get("normalize", opts["normalize"])
     sbe = SuperBatchEncoder(
         column, keep, encoder, normalize=normalize,
@@ -342,6 +375,8 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
         chunk_overlap=config.get("chunk-overlap", opts["chunk_overlap"]),
         reuse=_absolute(opts["reuse"]),
     )
+    max_bytes = _windowed_bytes(_max_bytes(opts["max_bytes"]), requested[1], encoder, sbe.long_texts,
+                                sbe.chunk_overlap, gpu=on_gpu)
     frame = ddf[[column, *[k for k in keep if k != column]]]
     if output is None:
         if sbe.on_null == "skip":

@@ -33,6 +33,15 @@ class SurgePlan:
     advice : dask_surge.planning.costmodel.Advice or None
         phi, CV, the predicted speed-up over one call per partition, and the knob
         that matters.
+    long_texts : dict or None
+        With ``long_texts=`` given, from a token sample of the data: ``mode``, ``sampled``
+        texts, ``over_window`` (the fraction longer than the model's window),
+        ``texts_over`` and ``windows`` (estimates for the whole input: texts over the window,
+        and the token windows they make in chunk or mean mode, every text counting one at least).
+    reuse : dict or None
+        With ``reuse=`` given, from a sample of the data's text hashes looked up in the
+        reused outputs: ``sampled``, ``found`` (fraction), and the estimates ``reused`` and
+        ``encoded`` (texts the model will see) for the whole input.
     """
 
     sizes: PartitionSizes
@@ -45,6 +54,8 @@ class SurgePlan:
     advice: Any = None
     tokens_source: str | None = None
     unit_partitions: int | None = None  # a streamed input: SuperBatches form unit by unit
+    long_texts: dict | None = None
+    reuse: dict | None = None
 
     @property
     def rows(self) -> int:
@@ -78,8 +89,24 @@ class SurgePlan:
         cols = ["texts_per_s", "seconds", "calls", "peak_memory_bytes", "ttfo_s"]
         return self.predictions[cols].round({"texts_per_s": 0, "seconds": 2, "ttfo_s": 2})
 
+    def _texts(self) -> list[str]:
+        """Lines on long texts and reuse, estimated from a sample (empty when not asked for)."""
+        lines = []
+        if self.long_texts:
+            lt = self.long_texts
+            line = (f"long texts: {lt['over_window']:.1%} of a sample of {lt['sampled']:,} texts are over the "
+                    f"model's window (~{lt['texts_over']:,} texts)")
+            if lt["mode"] in ("chunk", "mean"):
+                line += f"; long_texts={lt['mode']!r} encodes ~{lt['windows']:,} windows"
+            lines.append(line)
+        if self.reuse:
+            ru = self.reuse
+            lines.append(f"reuse: {ru['found']:.1%} of a sample of {ru['sampled']:,} texts are in the reused "
+                         f"outputs: ~{ru['reused']:,} texts copied, ~{ru['encoded']:,} encoded")
+        return lines
+
     def __str__(self) -> str:
-        text = repr(self)
+        text = "\n".join([repr(self), *self._texts()])
         if self.predictions is not None:
             text += f"\npredicted ({self._basis()}):\n" + self._table().to_string()
         if self.advice is not None:
@@ -89,7 +116,7 @@ class SurgePlan:
     def _repr_html_(self) -> str:
         import html
 
-        out = f"<p><b>{html.escape(repr(self))}</b></p>"
+        out = f"<p><b>{html.escape(repr(self))}</b></p>" + "".join(f"<p>{html.escape(t)}</p>" for t in self._texts())
         if self.predictions is not None:
             out += f"<p>predicted ({html.escape(self._basis())}):</p>" + self._table().to_html()
         if self.advice is not None:

@@ -154,3 +154,15 @@ def test_chunk_mode_changes_the_run_but_error_and_truncate_do_not(tmp_path, docu
     assert dask_surge.encode(frame, "text", output=out, long_texts="error", **opts).resumed is True
     with pytest.raises(Exception, match="long_texts"):
         dask_surge.encode(frame, "text", output=out, long_texts="chunk", **opts)
+
+
+def test_plan_counts_the_texts_over_the_window_and_their_windows(documents):
+    frame = _frame(["a short sentence"] * 16 + documents, 4)
+    p = dask_surge.plan(frame, "text", long_texts="chunk", b_min=8, b_max=8)
+    lt = p.long_texts
+    assert lt["sampled"] == 32 and lt["texts_over"] == 16 and lt["over_window"] == 0.5
+    assert lt["windows"] > 16 + 2 * 16  # every document makes two windows or more
+    assert "over the model's window" in str(p)
+    # chunk mode caps a SuperBatch's text bytes at about b_max windows' worth (254 - 32 tokens, 3 chars each)
+    assert p.max_bytes == 8 * (254 - 32) * 3
+    assert dask_surge.plan(frame, "text", b_min=8, b_max=8).long_texts is None  # not asked for: no sample

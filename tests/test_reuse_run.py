@@ -157,3 +157,14 @@ def test_a_stopped_reuse_run_resumes_exactly(tmp_path, tiny_model, corpus):
     got, want = _read(b), _read(c)
     pd.testing.assert_frame_equal(got[["partition", "row", "doc_id"]], want[["partition", "row", "doc_id"]])
     assert min_cosine(np.stack(got["embedding"]), np.stack(want["embedding"])) >= 0.9999
+
+
+def test_plan_estimates_what_a_reuse_run_copies(tmp_path, corpus):
+    old, new, _ = corpus
+    a = str(tmp_path / "a")
+    dask_surge.encode(_frame(old, list(range(len(old))), 4), "text", output=a, model=CountingEncoder(dim=4),
+                      scheduler="sync", progress=False)
+    p = dask_surge.plan(_frame(new, list(range(len(new))), 6), "text", reuse=a, token_sample=len(new))
+    in_old = sum(t in set(old) for t in new)
+    assert p.reuse["sampled"] == len(new) and p.reuse["reused"] == in_old
+    assert p.reuse["encoded"] == len(new) - in_old and "reuse:" in str(p)

@@ -35,7 +35,7 @@ from .devices import pick_device as _pick_device
 from .hub import cached_snapshot, looks_like_repo_id, resolve_hub_model
 from .modelid import directory_digest, is_secret_key, object_digest, redact, without_secrets
 from .prompts import resolve_prompt
-from .windows import DEFAULT_CHUNK_OVERLAP, LongEncoded, LongTexts, Windows, check_long_texts
+from .windows import DEFAULT_CHUNK_OVERLAP, LongEncoded, LongTexts, Windows, check_long_texts, no_tokenizer
 
 __all__ = [
     "DEFAULT_MODEL_ALIASES",
@@ -750,6 +750,54 @@ class Encoder:
         if loaded.backend != "fast":  # the fast engine checks on its device
             check_finite(emb)
         return emb
+
+    def windows(self, texts: Sequence[str], *, chunk_overlap: int | None = DEFAULT_CHUNK_OVERLAP) -> Windows:
+        """The token windows ``long_texts="chunk"`` would make of ``texts``, without encoding them.
+
+        What :func:`dask_surge.plan` counts on a sample (texts over the window, windows to encode).
+
+        Raises
+        ------
+        SurgeValueError
+            For a model without a fast tokenizer (a plain callable), or a bad ``chunk_overlap``.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> w = Encoder(device="cpu").windows(["short", "word " * 600])
+        >>> w.text.tolist()
+        [0, 1, 1, 1]
+        """
+        cutter = self._cutter()
+        overlap = DEFAULT_CHUNK_OVERLAP if chunk_overlap is None else chunk_overlap
+        cutter.check_overlap(overlap)
+        return cutter.cut(list(texts), overlap)
+
+    @property
+    def window_capacity(self) -> int | None:
+        """Content tokens one window holds (the model's window less its special tokens and the
+        prompt), or None for a model without a fast tokenizer.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> Encoder(device="cpu").window_capacity   # all-MiniLM-L6-v2: 256 less [CLS] and [SEP]
+        254
+        """
+        try:
+            return self._cutter().capacity
+        except SurgeValueError:
+            return None
+
+    def _cutter(self):
+        """The loaded backend's window cutter (see :class:`~dask_surge.models.windows.WindowCutter`)."""
+        impl = self._loaded().impl
+        engine = getattr(impl, "engine", None)
+        if engine is not None:
+            return engine.cutter()
+        if hasattr(impl, "_window_cutter"):
+            return impl._window_cutter("chunk")
+        raise no_tokenizer("chunk", "a plain callable model has no tokenizer")
 
     def encode_long(self, texts: Sequence[str], *, normalize: bool = False, long_texts: LongTexts = "truncate",
                     chunk_overlap: int | None = DEFAULT_CHUNK_OVERLAP) -> LongEncoded:

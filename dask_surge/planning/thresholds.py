@@ -34,7 +34,7 @@ from ..errors import SurgeValueError
 from .costmodel import auto_thresholds
 from .policy import validate_thresholds
 
-__all__ = ["Thresholds", "requested_thresholds", "resolve_thresholds", "DEFAULTS",
+__all__ = ["Thresholds", "requested_thresholds", "resolve_thresholds", "DEFAULTS", "window_byte_cap",
            "MIN_SUPERBATCHES_PER_WORKER", "balanced_b_min", "makespan"]
 
 #: ``(b_min, b_max)`` for ``"auto"`` without a calibration, by device kind
@@ -52,7 +52,28 @@ BALANCE_MAX_SUPERBATCHES_PER_WORKER = 16
 #: partitions x candidate plans that balancing may replan (measured: 2.3 s to plan 1M partitions)
 BALANCE_WORK = 200_000
 
+#: characters per token a byte cap on token windows assumes: few, so the cap errs small (prose runs ~4)
+CHARS_PER_TOKEN = 3
+
 Requested = int | Literal["auto"]
+
+
+def window_byte_cap(max_bytes: int | None, b_max: Requested, capacity: int, overlap: int, *, gpu: bool) -> int:
+    """The byte cap of a SuperBatch whose texts are cut into token windows (``long_texts="chunk"``
+    or ``"mean"``): what is encoded at once is windows, not texts, so the text bytes are capped
+    at about ``b_max`` windows' worth (``b_max`` as requested, ``"auto"`` meaning its default),
+    and at ``max_bytes``.
+
+    Examples
+    --------
+    >>> window_byte_cap(None, 1000, 254, 32, gpu=False)
+    666000
+    >>> window_byte_cap(100_000, "auto", 254, 32, gpu=False)
+    100000
+    """
+    rows = DEFAULTS["gpu" if gpu else "cpu"][1] if b_max == "auto" else int(b_max)
+    cap = rows * max(1, capacity - overlap) * CHARS_PER_TOKEN
+    return cap if max_bytes is None else min(max_bytes, cap)
 
 
 @dataclass(frozen=True)
