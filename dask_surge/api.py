@@ -154,7 +154,8 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
         params = calibration.calibrate(_resolve_encoder(model, {}), client=active)
     tokens_source, raw_params = None, params
     if params is not None and sizes.total:  # predictions (and known-size thresholds) use this data's tokens
-        params, tokens_source = _params_for_data(ddf, column, sizes, params, model, opts["token_sample"])
+        params, tokens_source = _params_for_data(ddf, column, sizes, params, model, opts["token_sample"],
+                                                 long_texts, config.get("chunk-overlap", opts["chunk_overlap"]))
     threads = _threads(active, scheduler)
     # as encode() resolves them: a streamed input is not sampled before it starts
     th = _run_thresholds(b_min, b_max, known, params if known is not None else raw_params,
@@ -254,8 +255,12 @@ def _work(sizes: PartitionSizes, superbatches: list[SuperBatch]) -> list[int]:
                 for s in sb.spans) for sb in superbatches]
 
 
-def _params_for_data(ddf, column: str, sizes: PartitionSizes, params, model, token_sample):
-    """``params`` re-based on the token lengths of a sample of the user's texts, and where they came from."""
+def _params_for_data(ddf, column: str, sizes: PartitionSizes, params, model, token_sample,
+                     long_texts: str = "truncate", overlap: int = 0):
+    """``params`` re-based on the token lengths of a sample of the user's texts, and where they came from.
+
+    In chunk/mean mode a text counts all its windows' tokens (each window with the special
+    tokens and the prompt), so the cost model predicts what those runs encode."""
 
     n = config.get("token-sample", token_sample)
     if n is None:
@@ -263,7 +268,13 @@ def _params_for_data(ddf, column: str, sizes: PartitionSizes, params, model, tok
     texts = sample_texts(ddf, column, sizes.sizes, n=n)
     if not texts:
         return params, f"calibration texts ({params.tokens_per_text:.1f} tokens a text): no text to sample"
-    lengths = token_counter(_resolve_encoder(model, {}))(texts)
+    encoder = _resolve_encoder(model, {})
+    if long_texts in ("chunk", "mean") and encoder.window_capacity is not None:
+        w = encoder.windows(texts, chunk_overlap=overlap)
+        added = encoder.window_overhead
+        lengths = np.bincount(w.text, weights=w.tokens.astype(float) + added, minlength=len(texts))
+    else:
+        lengths = token_counter(encoder)(texts)
     params = params.with_token_lengths(lengths)
     return params, f"a sample of {len(texts):,} texts ({params.tokens_per_text:.1f} tokens a text)"
 

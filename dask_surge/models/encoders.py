@@ -789,6 +789,22 @@ class Encoder:
         except SurgeValueError:
             return None
 
+    @property
+    def window_overhead(self) -> int:
+        """Tokens each window adds to its content: the special tokens and the prompt's (0 without a tokenizer).
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> Encoder(device="cpu").window_overhead   # [CLS] and [SEP]
+        2
+        """
+        try:
+            cutter = self._cutter()
+        except SurgeValueError:
+            return 0
+        return len(cutter.head) + len(cutter.tail)
+
     def _cutter(self):
         """The loaded backend's window cutter (see :class:`~dask_surge.models.windows.WindowCutter`)."""
         impl = self._loaded().impl
