@@ -14,6 +14,7 @@ NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 def _run(name, tiny_model, monkeypatch):
     monkeypatch.setenv("SURGE_NOTEBOOK_MODEL", tiny_model)
     monkeypatch.setenv("SURGE_NOTEBOOK_ROWS", "600")
+    monkeypatch.setenv("SURGE_NOTEBOOK_DOCS", "8")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
@@ -29,6 +30,7 @@ def _text(nb) -> str:
 def test_quickstart_notebook_runs(tiny_model, monkeypatch):
     nb = _run("quickstart.ipynb", tiny_model, monkeypatch)
     assert "and encoded 2" in _text(nb)
+    assert "best passage per document for" in _text(nb) and "windows" in _text(nb)
     # progress is a bar updated in place: a widget where ipywidgets is installed, else tqdm's text bar
     shown = [o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs
              if o.get("output_type") in ("display_data", "update_display_data")]
