@@ -109,3 +109,20 @@ def test_e2e_small_files_writes_its_ratio(tmp_path):
     assert {(r["encoder"], r["method"]) for r in report["results"]} == {("tiny", "st"), ("tiny", "st1"), ("tiny", "surge")}
     assert all(r["rows"] == 600 for r in report["results"])
     assert report["summary"]["tiny"]["ratio_surge_over_st"] > 0
+
+
+@pytest.mark.slow
+def test_reuse_update_writes_its_speedups_and_memory(tmp_path):
+    report = _run("reuse_update", "--quick", "--workdir", str(tmp_path), "--out", str(tmp_path / "r.json"))
+    by = {(r["part"], r["encoder"], r["method"]) for r in report["results"]}
+    assert {("speed", m, k) for m in ("minilm", "tiny") for k in ("old", "full", "update")} <= by
+    for name in ("minilm", "tiny"):
+        s = report["summary"][name]
+        assert 0.08 < s["changed_fraction"] < 0.12 and s["speedup_update_over_full"] > 0
+        assert s["reused"] > 0 and s["encoded"] + s["reused"] == s["n_new"] and s["encoded"] < s["full_encoded"]
+    assert "met" in report["summary"]["minilm"] and "met" not in report["summary"]["tiny"]
+    mem = [r for r in report["results"] if r["part"] == "memory"]
+    assert len(mem) == 2 and mem[0]["old_output_rows"] < mem[1]["old_output_rows"]
+    assert mem[0]["encoded"] == mem[1]["encoded"] and mem[0]["reused"] == mem[1]["reused"] > 0
+    assert all(r["max_worker_peak_rss_bytes"] > 0 and "client" in r["peak_rss_bytes"] for r in mem)
+    assert report["summary"]["minilm_projected_at_tiny_n"]["speedup_update_over_full"] > 0
