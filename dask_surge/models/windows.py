@@ -20,6 +20,7 @@ packs into its length-sorted micro-batches without tokenizing again
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -627,12 +628,23 @@ def collect(count: int, long_texts: str, parts: Iterable[tuple[Windows, np.ndarr
 
 def encode_windows(texts: Sequence[str], long_texts: str, overlap: int, cutter: WindowCutter,
                    encode: Callable[[Iterator[WindowGroup]], Iterator[np.ndarray]], dimension: int, *,
-                   renormalize: bool) -> LongEncoded:
-    """``"chunk"``/``"mean"``: cut ``texts`` with ``cutter``, embed each group with ``encode``, collect."""
+                   renormalize: bool, clock: Any = None) -> LongEncoded:
+    """``"chunk"``/``"mean"``: cut ``texts`` with ``cutter``, embed each group with ``encode``, collect.
+
+    ``clock`` (a :class:`~dask_surge.models.tokenize.StageClock`) counts the cutting, tokenizer
+    included, as its ``tokenize`` stage.
+    """
     groups: list[WindowGroup] = []
 
     def kept() -> Iterator[WindowGroup]:
-        for group in cutter.groups(texts, overlap):
+        cut = cutter.groups(texts, overlap)
+        while True:
+            t0 = time.perf_counter()
+            group = next(cut, None)
+            if clock is not None:
+                clock.count("tokenize", t0)
+            if group is None:
+                return
             groups.append(group)
             yield group
 
