@@ -168,3 +168,16 @@ def test_plan_estimates_what_a_reuse_run_copies(tmp_path, corpus):
     in_old = sum(t in set(old) for t in new)
     assert p.reuse["sampled"] == len(new) and p.reuse["reused"] == in_old
     assert p.reuse["encoded"] == len(new) - in_old and "reuse:" in str(p)
+
+
+def test_the_cudf_reader_gets_the_hash_as_two_int64_halves(tmp_path):
+    from dask_surge.io.readers import _split_hash
+    from dask_surge.io.reuse import hash_column, hashes_of, text_hashes
+
+    h = text_hashes(["a", "b", "c"])
+    part = pd.DataFrame({"row": [0, 1, 2], "text_hash": hash_column(h).to_pylist(), "embedding": [1, 2, 3]})
+    out = _split_hash(part.copy())
+    assert list(out.columns) == ["row", "text_hash_hi", "text_hash_lo", "embedding"]
+    back = np.stack([out["text_hash_hi"].to_numpy().view(np.uint64), out["text_hash_lo"].to_numpy().view(np.uint64)], 1)
+    np.testing.assert_array_equal(back, h)
+    np.testing.assert_array_equal(hashes_of(hash_column(h)), h)

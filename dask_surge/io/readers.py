@@ -129,7 +129,9 @@ def read_embeddings(path: str, *, partition: int | None = None, columns: Sequenc
     columns : sequence of str, optional
         Columns to read.
     backend : {"pandas", "cudf"}
-        ``"cudf"`` returns a dask-cuDF DataFrame (needs RAPIDS).
+        ``"cudf"`` returns a dask-cuDF DataFrame (needs RAPIDS). cuDF has no fixed-size binary
+        type, so there the ``text_hash`` column is read only when ``columns`` names it (as
+        two int64 columns ``text_hash_hi`` and ``text_hash_lo``, the hash's halves).
 
     Examples
     --------
@@ -151,11 +153,35 @@ def read_embeddings(path: str, *, partition: int | None = None, columns: Sequenc
     if backend not in ("pandas", "cudf"):
         raise SurgeValueError(f"backend={backend!r} is not supported. Fix: use backend='pandas' or 'cudf'.")
     if backend == "cudf":
-        return dd.read_parquet(files, columns=list(columns) if columns else None, filters=filters,
-                               storage_options=storage_options).to_backend("cudf")
+        names = list(columns) if columns else [n for n in _schema_names(files[0], storage_options) if n != "text_hash"]
+        frame = dd.read_parquet(files, columns=names, filters=filters, storage_options=storage_options)
+        if "text_hash" in names:
+            frame = frame.map_partitions(_split_hash)
+        return frame.to_backend("cudf")
     return dd.read_parquet(files, columns=list(columns) if columns else None, filters=filters,
                            storage_options=storage_options,
                            arrow_to_pandas={"types_mapper": _embedding_types})
+
+
+def _schema_names(path: str, storage_options: dict | None) -> list[str]:
+    import pyarrow.parquet as pq
+    from fsspec.core import url_to_fs
+
+    fs, p = url_to_fs(path, **(storage_options or {}))
+    with fs.open(p, "rb") as f:
+        return list(pq.read_schema(f).names)
+
+
+def _split_hash(part):
+    """``text_hash`` (16 bytes) as two int64 columns, for engines without a binary type (cuDF)."""
+    import numpy as np
+
+    col = part.pop("text_hash")
+    raw = np.frombuffer(b"".join(col.tolist()), dtype=">u8").reshape(-1, 2) if len(col) else np.zeros((0, 2), ">u8")
+    at = part.columns.get_loc("embedding") if "embedding" in part.columns else len(part.columns)
+    part.insert(at, "text_hash_hi", raw[:, 0].astype(np.uint64).view(np.int64))
+    part.insert(at + 1, "text_hash_lo", raw[:, 1].astype(np.uint64).view(np.int64))
+    return part
 
 
 def _embedding_types(pa_type):
