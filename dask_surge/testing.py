@@ -27,7 +27,7 @@ import numpy as np
 from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, write_partitioned_parquet
 
 __all__ = [
-    "CountingEncoder", "DieOnce", "FakeClock", "FakeTimedEncoder", "GatedEncoder", "Hog", "InterruptAfter",
+    "CountingEncoder", "DieOnce", "FailOnce", "FakeClock", "FakeTimedEncoder", "GatedEncoder", "Hog", "InterruptAfter",
     "checksum_model", "lognormal_sizes", "make_partitioned_frame", "make_texts", "make_tiny_model",
     "packaged_model_dir", "write_partitioned_parquet", "cosines", "min_cosine", "package_documents",
 ]
@@ -292,6 +292,35 @@ class DieOnce:
             open(self.flag, "w").close()
             os._exit(1)
         return np.array([[len(t), 1.0] for t in texts], dtype=np.float32).reshape(len(texts), 2)
+
+
+class FailOnce:
+    """An input step (``ddf.map_partitions(FailOnce(flag, 6))``) that raises ``RuntimeError`` for the
+    partition whose first ``doc_id`` is ``doc_id``, once: until the file ``flag`` exists. A run
+    over it stops there; the same call again resumes (the step, and so the run, is the same).
+
+    Examples
+    --------
+    >>> import os, tempfile, pandas as pd
+    >>> step = FailOnce(os.path.join(tempfile.mkdtemp(), "flag"), 7)
+    >>> part = pd.DataFrame({"doc_id": [7, 8]})
+    >>> try:
+    ...     step(part)
+    ... except RuntimeError as err:
+    ...     print(err)
+    injected failure
+    >>> len(step(part))
+    2
+    """
+
+    def __init__(self, flag: str, doc_id: int):
+        self.flag, self.doc_id = flag, int(doc_id)
+
+    def __call__(self, part):
+        if len(part) and int(part["doc_id"].iloc[0]) == self.doc_id and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            raise RuntimeError("injected failure")
+        return part
 
 
 class InterruptAfter:

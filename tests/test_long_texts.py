@@ -3,8 +3,6 @@ multi-process cluster, against sentence-transformers on the same spans; resume i
 
 from __future__ import annotations
 
-import os
-
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -12,7 +10,7 @@ import pytest
 
 import dask_surge
 from dask_surge.errors import SurgeInputError
-from dask_surge.testing import cosines, package_documents, packaged_model_dir
+from dask_surge.testing import FailOnce, cosines, package_documents, packaged_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -96,19 +94,6 @@ def test_truncate_counts_what_it_cuts_and_error_stops_naming_the_row(tmp_path, d
     assert committed >= 1
     resumed = dask_surge.encode(frame, "text", output=err_out, long_texts="truncate", **{**opts, "b_min": 4, "b_max": 4})
     assert resumed.resumed and resumed.skipped_superbatches == committed and resumed.truncated == 4
-
-
-class FailOnce:
-    """An input step that raises for the partition starting at ``doc_id`` until ``flag`` exists."""
-
-    def __init__(self, flag: str, doc_id: int):
-        self.flag, self.doc_id = flag, doc_id
-
-    def __call__(self, part: pd.DataFrame) -> pd.DataFrame:
-        if len(part) and int(part["doc_id"].iloc[0]) == self.doc_id and not os.path.exists(self.flag):
-            open(self.flag, "w").close()
-            raise RuntimeError("injected failure")
-        return part
 
 
 def test_a_stopped_chunk_run_resumes_to_the_same_windows(tmp_path, documents):

@@ -12,7 +12,7 @@ import pytest
 
 import dask_surge
 from dask_surge.errors import SurgeInputError
-from dask_surge.testing import CountingEncoder, min_cosine, package_documents
+from dask_surge.testing import CountingEncoder, FailOnce, min_cosine, package_documents
 
 
 def _paragraphs(n: int) -> list[str]:
@@ -123,19 +123,6 @@ def test_repeated_texts_go_through_the_model_once_per_superbatch(tmp_path):
     assert sum(enc.calls) == 10 + 1  # the distinct texts, and the dimension probe
     df = _read(str(tmp_path / "o"))
     np.testing.assert_array_equal(np.stack(df["embedding"]), enc(column))
-
-
-class FailOnce:
-    """An input step that raises for the partition starting at ``doc_id`` until ``flag`` exists."""
-
-    def __init__(self, flag: str, doc_id: int):
-        self.flag, self.doc_id = flag, doc_id
-
-    def __call__(self, part: pd.DataFrame) -> pd.DataFrame:
-        if len(part) and int(part["doc_id"].iloc[0]) == self.doc_id and not os.path.exists(self.flag):
-            open(self.flag, "w").close()
-            raise RuntimeError("injected failure")
-        return part
 
 
 def test_a_stopped_reuse_run_resumes_exactly(tmp_path, tiny_model, corpus):

@@ -729,27 +729,20 @@ class Encoder:
         texts = list(texts)
         if not texts:
             return np.zeros((0, loaded.dimension), dtype=np.float32)
+        loaded, raw = self._call(loaded, lambda impl: impl.encode(texts, normalize))
+        return _checked(raw, len(texts), loaded.backend)
+
+    def _call(self, loaded: _Loaded, run: Any) -> tuple[_Loaded, Any]:
+        """``run(backend)``, with the model loaded again if another thread closed it meanwhile."""
         for _ in range(3):  # closed (evicted, unloaded) by another thread meanwhile: load it again
             try:
-                raw = loaded.encode(texts, normalize)
-                break
+                return loaded, run(loaded.impl)
             except BackendClosed:
                 with _LOAD_LOCK:  # closed while still cached (closed directly): forget it
                     if _LOADED.get(self.spec) is loaded:
                         del _LOADED[self.spec]
                 loaded = self._loaded()
-        else:
-            raw = loaded.encode(texts, normalize)
-        emb = np.ascontiguousarray(raw, dtype=np.float32)
-        if emb.ndim != 2 or emb.shape[0] != len(texts):
-            raise SurgeModelError(
-                f"the encoder returned shape {emb.shape} for {len(texts)} texts; an encoder must "
-                f"return one row per text, shape ({len(texts)}, d). Fix: make the callable return one "
-                "embedding per input text."
-            )
-        if loaded.backend != "fast":  # the fast engine checks on its device
-            check_finite(emb)
-        return emb
+        return loaded, run(loaded.impl)
 
     def windows(self, texts: Sequence[str], *, chunk_overlap: int | None = DEFAULT_CHUNK_OVERLAP) -> Windows:
         """The token windows ``long_texts="chunk"`` would make of ``texts``, without encoding them.
@@ -876,27 +869,9 @@ class Encoder:
                 loaded.impl.encode_long(texts, normalize, long_texts, int(chunk_overlap))  # raises: no tokenizer
             return LongEncoded(empty, Windows.empty() if long_texts == "chunk" else None,
                                np.zeros(0, dtype=bool), 0)
-        for _ in range(3):  # closed (evicted, unloaded) by another thread meanwhile: load it again
-            try:
-                out = loaded.impl.encode_long(texts, normalize, long_texts, int(chunk_overlap))
-                break
-            except BackendClosed:
-                with _LOAD_LOCK:
-                    if _LOADED.get(self.spec) is loaded:
-                        del _LOADED[self.spec]
-                loaded = self._loaded()
-        else:
-            out = loaded.impl.encode_long(texts, normalize, long_texts, int(chunk_overlap))
-        emb = np.ascontiguousarray(out.embeddings, dtype=np.float32)
-        rows = len(out.windows) if out.windows is not None else len(texts)
-        if emb.ndim != 2 or emb.shape[0] != rows:
-            raise SurgeModelError(
-                f"the encoder returned shape {emb.shape} for {rows} texts; an encoder must "
-                f"return one row per text, shape ({rows}, d). Fix: make the callable return one "
-                "embedding per input text."
-            )
-        if loaded.backend != "fast":  # the fast engine checks on its device
-            check_finite(emb)
+        loaded, out = self._call(loaded, lambda impl: impl.encode_long(texts, normalize, long_texts,
+                                                                        int(chunk_overlap)))
+        emb = _checked(out.embeddings, len(out.windows) if out.windows is not None else len(texts), loaded.backend)
         return out if emb is out.embeddings else replace(out, embeddings=emb)
 
     def __call__(self, texts: Any, *, normalize: bool = False) -> Any:
@@ -1053,6 +1028,21 @@ def _stored_dtype(spec: EncoderSpec) -> str | None:
         if stored is not None:
             return str(stored).removeprefix("torch.")
     return None
+
+
+def _checked(raw: Any, rows: int, backend: str) -> np.ndarray:
+    """A backend's output as a float32 C-contiguous ``(rows, d)`` array, checked (shape; finite unless
+    the fast engine checked on its device)."""
+    emb = np.ascontiguousarray(raw, dtype=np.float32)
+    if emb.ndim != 2 or emb.shape[0] != rows:
+        raise SurgeModelError(
+            f"the encoder returned shape {emb.shape} for {rows} texts; an encoder must "
+            f"return one row per text, shape ({rows}, d). Fix: make the callable return one "
+            "embedding per input text."
+        )
+    if backend != "fast":  # the fast engine checks on its device
+        check_finite(emb)
+    return emb
 
 
 def check_finite(emb: np.ndarray) -> None:
