@@ -34,10 +34,15 @@ def distinct(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     >>> first, inverse = distinct(h)
     >>> first.tolist(), inverse.tolist()
     ([0, 1, 3], [0, 1, 0, 2])
+    >>> [a.tolist() for a in distinct(np.array([[1, 2], [1, 3], [4, 2]], dtype=np.uint64))]  # high halves equal
+    [[0, 1, 2], [0, 1, 2]]
     """
     n = len(hashes)
     if n == 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    hi = np.sort(hashes[:, 0])
+    if not (hi[1:] == hi[:-1]).any():  # distinct high halves: every row is distinct (the usual case)
+        return np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)
     order = np.lexsort((np.arange(n), hashes[:, 1], hashes[:, 0]))  # stable: equal hashes by position
     s = hashes[order]
     new = np.ones(n, dtype=bool)
@@ -307,7 +312,7 @@ class SuperBatchEncoder:
         cut: np.ndarray | None = np.zeros(len(first), dtype=bool)
         if len(todo) or not parts_:
             fresh, mask = self._encode_blocks(
-                [texts[i] for i in first[todo]],
+                texts if len(todo) == len(texts) else [texts[i] for i in first[todo].tolist()],
                 lambda i: f"partition {partition[first[todo[i]]]}, row {row[first[todo[i]]]}")
             parts_.append((todo, fresh))
             if mask is None:
