@@ -182,6 +182,8 @@ class _Blocks:
 
     @staticmethod
     def concat(blocks: list[_Blocks]) -> _Blocks:
+        if len(blocks) == 1:  # nothing reused: no copy (one huge document's windows are many)
+            return blocks[0]
         chunks = None
         if blocks[0].chunks is not None:
             chunks = {k: np.concatenate([b.chunks[k] for b in blocks]) for k in CHUNK_COLUMNS}  # type: ignore[index]
@@ -325,10 +327,11 @@ class SuperBatchEncoder:
         position[ids] = np.arange(len(ids))
         counts = blocks.counts
         take = expand(counts, position[inverse])  # output rows, text by text, in order
+        in_order = len(take) == len(blocks.embedding) and bool((take == np.arange(len(take))).all())
         reps = counts[position[inverse]]
         data: dict = {"partition": np.repeat(partition, reps), "row": np.repeat(row, reps)}
         if self.chunked:
-            data.update({k: v[take] for k, v in blocks.chunks.items()})  # type: ignore[union-attr]
+            data.update({k: v if in_order else v[take] for k, v in blocks.chunks.items()})  # type: ignore[union-attr]
         src = np.repeat(np.arange(len(texts)), reps) if self.chunked else None
         for col in self.keep:
             kept = [piece[col] for _, _, piece in pieces]
@@ -337,7 +340,8 @@ class SuperBatchEncoder:
         out = pd.DataFrame(data)
         hash_array = hash_column(hashes)
         out[TEXT_HASH] = pd.arrays.ArrowExtensionArray(hash_array if src is None else hash_array.take(src))
-        out["embedding"] = pd.arrays.ArrowExtensionArray(blocks.embedding.take(pa.array(take)))
+        out["embedding"] = pd.arrays.ArrowExtensionArray(blocks.embedding if in_order
+                                                         else blocks.embedding.take(pa.array(take)))
         truncated = -1 if cut is None else int(np.count_nonzero(cut[inverse]))  # each written text counts
         return Encoded(out, skipped, texts=len(texts), truncated=truncated,
                        encoded=len(todo), reused=int(np.count_nonzero(found[inverse])))
