@@ -126,3 +126,15 @@ def test_reuse_update_writes_its_speedups_and_memory(tmp_path):
     assert mem[0]["encoded"] == mem[1]["encoded"] and mem[0]["reused"] == mem[1]["reused"] > 0
     assert all(r["max_worker_peak_rss_bytes"] > 0 and "client" in r["peak_rss_bytes"] for r in mem)
     assert report["summary"]["minilm_projected_at_tiny_n"]["speedup_update_over_full"] > 0
+
+
+@pytest.mark.slow
+def test_long_texts_writes_its_ratio_and_memory(tmp_path):
+    report = _run("long_texts", "--docs", "4", "--repeats", "1", "--sizes-mb", "0.2",
+                  "--out", str(tmp_path / "l.json"))
+    speed = [r for r in report["results"] if r["measure"] == "speed"]
+    assert [r["forward"] for r in speed] == ["MiniLM", "no-op"]
+    assert all(r["windows"] > 4 and r["chunk_over_truncate"] > 0 for r in speed)
+    mem = [r for r in report["results"] if r["measure"] == "memory"]
+    assert [r["kind"] for r in mem] == ["short", "document"] and mem[1]["windows"] > 10
+    assert all(r["peak_above_warmup"] >= 0 for r in mem) and "0.2 MB" in report["summary"]["peak_above_warmup_mib"]
