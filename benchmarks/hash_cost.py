@@ -241,6 +241,40 @@ def micro(data: Path, sb_rows: int = 65_536, repeats: int = 7) -> dict:
     return {"texts": len(texts), "us_per_text": us, "total_us_per_text": sum(us.values())}
 
 
+def inprocess(data: Path, model: str, rounds: int, sb_rows: int = 20_000) -> dict:
+    """One SuperBatch of ``sb_rows`` texts through :meth:`SuperBatchEncoder.encode` with the tiny model's
+    forward, in this process, hashed against bypassed (the module's ``text_hashes``/``distinct`` swapped
+    for stand-ins), ABBA: process CPU seconds (no cluster, no other process's noise in the figure)."""
+    import numpy as np
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    import dask_surge.execution.superbatch as sbm
+    from dask_surge import Encoder
+    from dask_surge.planning.policy import Span
+
+    texts = pq.read_table(str(data), columns=["text"]).column("text").to_pylist()[:sb_rows]
+    sbe = sbm.SuperBatchEncoder("text", (), Encoder(model, device="cpu"))
+    part, spans = pd.DataFrame({"text": texts}), [(Span(0, 0, len(texts)), len(texts))]
+    real = (sbm.text_hashes, sbm.distinct)
+    stand_in = (lambda v: np.stack([np.arange(len(v), dtype=np.uint64)] * 2, 1),
+                lambda h: (np.arange(len(h)), np.arange(len(h))))
+    sbe.encode([part], spans)  # warm-up
+    cpu: dict[str, list[float]] = {"hashed": [], "bypassed": []}
+    try:
+        for r in range(rounds):
+            for mode in (("hashed", "bypassed") if r % 2 == 0 else ("bypassed", "hashed")):
+                sbm.text_hashes, sbm.distinct = real if mode == "hashed" else stand_in
+                t0 = time.process_time()
+                sbe.encode([part], spans)
+                cpu[mode].append(time.process_time() - t0)
+    finally:
+        sbm.text_hashes, sbm.distinct = real
+    ratio = statistics.median(cpu["bypassed"]) / statistics.median(cpu["hashed"])
+    return {"texts": len(texts), "rounds": rounds, "cpu_s": cpu, "cpu_median_ratio": ratio,
+            "cpu_cost_pct": (1 / ratio - 1) * 100, "target_cost_pct": 3.0, "met": (1 / ratio - 1) * 100 < 3.0}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=100_000)
@@ -248,6 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny-n", type=int, default=40_000, help="texts for the tiny model stage (0: skip it)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--inprocess-only", action="store_true",
+                        help="only the in-process stage (one SuperBatch, tiny model, hashed vs bypassed)")
     parser.add_argument("--out", default=str(_results.RESULTS / "hash_cost_cpu.json"))
     args = parser.parse_args(argv)
 
@@ -262,6 +298,10 @@ def main(argv: list[str] | None = None) -> dict:
     data, layout = unique_files(args.n, args.files)
     warm, _ = unique_files(2000, 20, seed=1)
     report["summary"]["layout"] = layout
+    report["summary"]["inprocess"] = inprocess(data, str(tiny), args.rounds)
+    print(f"in process: CPU cost {report['summary']['inprocess']['cpu_cost_pct']:+.1f}%", flush=True)
+    if args.inprocess_only:
+        return _results.save(report, args.out)
     report["summary"]["micro"] = micro(data)
     print(f"micro: {report['summary']['micro']}", flush=True)
     report["summary"]["noop"] = stage("noop", str(tiny), data, warm, args.n, args.rounds, args.workers, True, report)
