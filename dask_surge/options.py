@@ -590,6 +590,12 @@ OPTIONS: tuple[Option, ...] = (
          Bytes per worker that ``b_min``/``b_max`` ``"auto"`` may use; None is 2 GiB.""",
          "bytes per worker that b-min/b-max auto may use; null is 2 GiB",
          config="memory-budget", validator=positive_int(none=True), schema={"oneOf": [_INT_MIN_1, _NULL]}),
+    _opt("max_loaded_models", int, "int", """
+         Models a process (a worker, or the client) keeps loaded at most: loading one more closes
+         the least recently used (its engine thread, pinned buffer and weights are released; it
+         loads again on its next use).""",
+         "models a process keeps loaded at most; one more closes the least recently used",
+         default=4, config="max-loaded-models", validator=positive_int(fix="pass e.g. 4"), schema=_INT_MIN_1),
     _opt("in_flight", int | None, "int, optional", """
          SuperBatches submitted at once when writing; None is 2 x worker threads.""",
          "SuperBatches submitted at once when writing; null is 2 x worker threads",

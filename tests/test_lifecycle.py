@@ -9,6 +9,7 @@ import sys
 import weakref
 from dataclasses import replace
 
+import dask
 import numpy as np
 import pytest
 
@@ -96,8 +97,8 @@ def test_the_context_manager_releases_the_feeder_thread_and_the_model(three_mode
 
 
 def test_loaded_models_are_bounded_least_recently_used_first(three_models, monkeypatch):
-    monkeypatch.setattr(encoders, "MAX_LOADED_MODELS", 2)
     monkeypatch.setattr(encoders, "_LOADED", {})
+    monkeypatch.setitem(dask.config.config.setdefault("surge", {}), "max-loaded-models", 2)
     a, b, c = (Encoder(p, device="cpu") for p in three_models)
     a.load()
     b.load()

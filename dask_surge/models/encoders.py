@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import config
 from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
 from ..io.arrow import embedding_array
 from ..options import Dtype, EngineName, Invalid, defaults, option, options_of
@@ -53,11 +54,7 @@ DEFAULT_MODEL_ALIASES = ("default", "all-MiniLM-L6-v2", PACKAGED_HUB_ID)
 
 logger = logging.getLogger(__name__)
 
-#: Loaded models a process keeps at most: loading one more closes the least recently used
-#: (its engine thread, pinned buffer and weights are released; it loads again on its next use).
-MAX_LOADED_MODELS = 4
-
-# process-wide state: loaded models by spec (at most MAX_LOADED_MODELS), in-memory sources by token
+# process-wide state: loaded models by spec (at most surge.max-loaded-models), in-memory sources by token
 _LOADED: dict[EncoderSpec, _Loaded] = {}
 _LOAD_LOCK = threading.Lock()
 _uses = itertools.count()
@@ -1178,12 +1175,12 @@ def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
 
 
 def _over_the_bound(keep: EncoderSpec) -> list[_Loaded]:
-    """Take the least recently used models out of ``_LOADED`` beyond :data:`MAX_LOADED_MODELS` (``keep`` stays).
+    """Take the least recently used models out of ``_LOADED`` beyond ``surge.max-loaded-models`` (``keep`` stays).
 
     The caller holds ``_LOAD_LOCK`` and closes what this returns.
     """
     evicted = []
-    bound = max(1, int(MAX_LOADED_MODELS))
+    bound = config.get("max-loaded-models")
     while len(_LOADED) > bound:
         spec = min((k for k in _LOADED if k != keep), key=lambda k: _LOADED[k].used)
         evicted.append(_LOADED.pop(spec))
