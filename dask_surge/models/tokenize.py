@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import SurgeInputError
 from .batching import WINDOW_TEXTS, BatchPlan, plan_batches
 
-__all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker"]
+__all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker", "flat_ids", "not_a_str"]
 
 #: The stages whose seconds an engine counts (see :attr:`StageClock.stats`).
 STAGES = ("tokenize", "pack", "device", "finish")
@@ -140,13 +140,9 @@ class TextPacker:
             self.clock.count("tokenize", t0)
             return encodings
         except TypeError:
-            bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
-            if bad is None:
+            if (err := not_a_str(texts)) is None:
                 raise
-            raise SurgeInputError(
-                f"texts[{bad}]={texts[bad]!r} is a {type(texts[bad]).__name__}, but every text must be a str; "
-                "Fix: drop or fill missing values first (e.g. series.fillna(''))."
-            ) from None
+            raise err from None
 
     def count_tokens(self, texts: Sequence[str]) -> np.ndarray:
         """Token length of each text after truncation, special tokens included (int32)."""
@@ -247,7 +243,7 @@ class TextPacker:
         lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
         plan = plan_batches(lengths, max_tokens, split_runs=split_runs)
         ordered = operator.itemgetter(*plan.order.tolist())(encodings) if len(encodings) > 1 else encodings
-        flat = np.fromiter(_chain_ids(ordered), dtype=np.int32, count=plan.real_tokens)
+        flat = flat_ids(ordered, plan.real_tokens)
         window = PackedWindow(
             plan=plan, size=int(flat.size), ids=flat, lengths=plan.lengths.astype(np.int32),
             starts=(np.cumsum(plan.lengths) - plan.lengths).astype(np.int64), where=plan.order + offset,
@@ -256,6 +252,26 @@ class TextPacker:
         return window
 
 
-def _chain_ids(encodings) -> Iterator[int]:
-    """The token ids of ``encodings``, one after the other (C-level iteration over the lists)."""
-    return chain.from_iterable(map(operator.attrgetter("ids"), encodings))
+def flat_ids(encodings: Sequence, count: int) -> np.ndarray:
+    """The token ids of ``encodings`` (``count`` in all), one after the other, as int32 (C-level
+    iteration over the lists the tokenizer hands back)."""
+    return np.fromiter(chain.from_iterable(map(operator.attrgetter("ids"), encodings)), dtype=np.int32, count=count)
+
+
+def not_a_str(texts: Sequence) -> SurgeInputError | None:
+    """The error for the first element of ``texts`` that is not a str; None when all are.
+
+    Examples
+    --------
+    >>> print(not_a_str(["a", 3]))
+    texts[1]=3 is a int, but every text must be a str; Fix: drop or fill missing values first (e.g. series.fillna('')).
+    >>> not_a_str(["a", "b"]) is None
+    True
+    """
+    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+    if bad is None:
+        return None
+    return SurgeInputError(
+        f"texts[{bad}]={texts[bad]!r} is a {type(texts[bad]).__name__}, but every text must be a str; "
+        "Fix: drop or fill missing values first (e.g. series.fillna(''))."
+    )

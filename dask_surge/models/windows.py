@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import SurgeInputError, SurgeValueError
 from ..options import DEFAULT_CHUNK_OVERLAP, LONG_TEXTS, LongTexts
 from .batching import WINDOW_TEXTS
+from .tokenize import flat_ids, not_a_str
 
 __all__ = [
     "DEFAULT_CHUNK_OVERLAP",
@@ -280,7 +281,7 @@ class _GroupBuilder:
     def _flush_encodings(self) -> None:
         if self.encodings:
             count = sum(map(len, self.encodings))
-            self.arrays.append(np.fromiter(_chain_ids(self.encodings), dtype=np.int32, count=count))
+            self.arrays.append(flat_ids(self.encodings, count))
             self.encodings = []
 
     def build(self) -> WindowGroup:
@@ -295,13 +296,6 @@ class _GroupBuilder:
         )
         self.__init__()  # type: ignore[misc]
         return group
-
-
-def _chain_ids(encodings: list) -> Iterator[int]:
-    from itertools import chain
-    from operator import attrgetter
-
-    return chain.from_iterable(map(attrgetter("ids"), encodings))
 
 
 class _Stream:
@@ -459,13 +453,9 @@ class WindowCutter:
                 return self._tokenizer.encode_batch(texts, add_special_tokens=False)
             return self._encode_fast(texts, add_special_tokens=False)
         except TypeError:
-            bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
-            if bad is None:
+            if (err := not_a_str(texts)) is None:
                 raise
-            raise SurgeInputError(
-                f"a text is a {type(texts[bad]).__name__} ({texts[bad]!r}), but every text must be a str; "
-                "Fix: drop or fill missing values first (e.g. series.fillna(''))."
-            ) from None
+            raise err from None
 
     def _pieces(self, texts: Sequence[str]) -> Iterator[list[tuple[int, int, str, bool]]]:
         """Batches of ``(text index, char base, piece, last piece of its text)``, about BATCH_CHARS each."""
@@ -473,10 +463,9 @@ class WindowCutter:
         chars = 0
         for index, text in enumerate(texts):
             if not isinstance(text, str):
-                raise SurgeInputError(
-                    f"texts[{index}]={text!r} is a {type(text).__name__}, but every text must be a str; "
-                    "Fix: drop or fill missing values first (e.g. series.fillna(''))."
-                )
+                err = not_a_str(texts)  # this one: every text before it is a str
+                assert err is not None
+                raise err
             start = 0
             while True:
                 stop = _slice_end(text, start, SLICE_CHARS)
