@@ -152,10 +152,14 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
     active = client if client is not None else (_active_client() if scheduler is None else None)
     if opts["calibrate"] and params is None:
         params = calibration.calibrate(_resolve_encoder(model, {}), client=active)
+    overlap = config.get("chunk-overlap", opts["chunk_overlap"])
+    n = config.get("token-sample", opts["token_sample"])
+    estimates = bool((opts["long_texts"] is not None or opts["reuse"]) and sizes.total)
+    # one sample serves the predictions (with a token sample configured) and the estimates (asked for)
+    sample = TextSample(ddf, column, sizes, model, n or 2048, overlap) if sizes.total else None
     tokens_source, raw_params = None, params
-    if params is not None and sizes.total:  # predictions (and known-size thresholds) use this data's tokens
-        params, tokens_source = _params_for_data(ddf, column, sizes, params, model, opts["token_sample"],
-                                                 long_texts, config.get("chunk-overlap", opts["chunk_overlap"]))
+    if params is not None and sample is not None:  # predictions (and known-size thresholds) use this data's tokens
+        params, tokens_source = _params_for_data(params, sample if n is not None else None, long_texts)
     threads = _threads(active, scheduler)
     # as encode() resolves them: a streamed input is not sampled before it starts
     th = _run_thresholds(b_min, b_max, known, params if known is not None else raw_params,
@@ -168,16 +172,18 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
                                      max_bytes=max_bytes)
     result = SurgePlan(sizes, superbatches, th.b_min, th.b_max, params=params, max_bytes=max_bytes,
                        tokens_source=tokens_source, unit_partitions=None if known is not None else per_unit)
-    if (opts["long_texts"] is not None or opts["reuse"]) and sizes.total:
-        texts = sample_texts(ddf, column, sizes.sizes, n=config.get("token-sample", opts["token_sample"]) or 2048)
-        if opts["long_texts"] is not None and texts:
-            result.long_texts = _long_text_estimate(_resolve_encoder(model, {}), texts, sizes.total, long_texts,
-                                                    config.get("chunk-overlap", opts["chunk_overlap"]))
-        if opts["reuse"] and texts:
+    if estimates and sample is not None and sample.texts:
+        texts, total = sample.texts, sizes.total
+        if opts["long_texts"] is not None:
+            counts = sample.windows_per_text()
+            over = float(np.mean(counts > 1))
+            result.long_texts = {"mode": long_texts, "sampled": len(texts), "over_window": over,
+                                 "texts_over": round(over * total), "windows": round(float(np.mean(counts)) * total)}
+        if opts["reuse"]:
             with ReuseIndex(_absolute(opts["reuse"])) as index:
                 found = index.find(text_hashes(texts)).found.mean()
-            result.reuse = {"sampled": len(texts), "found": float(found), "reused": round(found * sizes.total),
-                            "encoded": sizes.total - round(found * sizes.total)}
+            result.reuse = {"sampled": len(texts), "found": float(found), "reused": round(found * total),
+                            "encoded": total - round(found * total)}
     if params is not None and sizes.total:
 
         # predict the plan shown, under the byte cap it was made with
@@ -197,13 +203,45 @@ def _windowed_bytes(max_bytes: int | None, b_max, encoder: Encoder, long_texts: 
     return window_byte_cap(max_bytes, b_max, encoder.window_capacity, overlap, gpu=gpu)
 
 
-def _long_text_estimate(encoder: Encoder, texts: list[str], total: int, mode: str, overlap: int) -> dict:
-    """How many of ``texts`` (a sample of ``total``) are over the model's window, and the windows
-    chunk/mean mode would make of them, scaled to the input."""
-    counts = np.bincount(encoder.windows(texts, chunk_overlap=overlap).text, minlength=len(texts))
-    over = float(np.mean(counts > 1))
-    return {"mode": mode, "sampled": len(texts), "over_window": over, "texts_over": round(over * total),
-            "windows": round(float(np.mean(counts)) * total)}
+class TextSample:
+    """Texts sampled from a frame (read once, when first asked for), and what the model makes of
+    them: token lengths, and the token windows of chunk/mean mode (cut once)."""
+
+    def __init__(self, ddf, column: str, sizes: PartitionSizes, model, n: int, overlap: int) -> None:
+        self._args = (ddf, column, sizes.sizes, n)
+        self.model, self.overlap = model, overlap
+        self._texts: list[str] | None = None
+        self._windows = None
+
+    @property
+    def texts(self) -> list[str]:
+        if self._texts is None:
+            ddf, column, sizes, n = self._args
+            self._texts = sample_texts(ddf, column, sizes, n=n)
+        return self._texts
+
+    @property
+    def encoder(self) -> Encoder:
+        return _resolve_encoder(self.model, {})
+
+    def _cut(self):
+        if self._windows is None:
+            self._windows = self.encoder.windows(self.texts, chunk_overlap=self.overlap)
+        return self._windows
+
+    def windows_per_text(self) -> np.ndarray:
+        """Windows each sampled text makes (1 for a text within the model's window)."""
+        return np.bincount(self._cut().text, minlength=len(self.texts))
+
+    def token_lengths(self, long_texts: str) -> np.ndarray:
+        """Tokens the model runs per sampled text: truncated, or in chunk/mean mode all its windows'
+        tokens (each window with the special tokens and the prompt)."""
+        encoder = self.encoder
+        if long_texts in ("chunk", "mean") and encoder.window_capacity is not None:
+            w = self._cut()
+            return np.bincount(w.text, weights=w.tokens.astype(float) + encoder.window_overhead,
+                               minlength=len(self.texts))
+        return token_counter(encoder)(self.texts)
 
 
 def _plan(sizes: PartitionSizes, b_min: int, b_max: int, max_bytes: int | None) -> list[SuperBatch]:
@@ -255,28 +293,18 @@ def _work(sizes: PartitionSizes, superbatches: list[SuperBatch]) -> list[int]:
                 for s in sb.spans) for sb in superbatches]
 
 
-def _params_for_data(ddf, column: str, sizes: PartitionSizes, params, model, token_sample,
-                     long_texts: str = "truncate", overlap: int = 0):
-    """``params`` re-based on the token lengths of a sample of the user's texts, and where they came from.
+def _params_for_data(params, sample: TextSample | None, long_texts: str):
+    """``params`` re-based on the token lengths of a sample of the user's texts (None: no token
+    sample is configured), and where they came from.
 
-    In chunk/mean mode a text counts all its windows' tokens (each window with the special
-    tokens and the prompt), so the cost model predicts what those runs encode."""
-
-    n = config.get("token-sample", token_sample)
-    if n is None:
+    In chunk/mean mode a text counts all its windows' tokens, so the cost model predicts what
+    those runs encode."""
+    if sample is None:
         return params, f"calibration texts ({params.tokens_per_text:.1f} tokens a text)"
-    texts = sample_texts(ddf, column, sizes.sizes, n=n)
-    if not texts:
+    if not sample.texts:
         return params, f"calibration texts ({params.tokens_per_text:.1f} tokens a text): no text to sample"
-    encoder = _resolve_encoder(model, {})
-    if long_texts in ("chunk", "mean") and encoder.window_capacity is not None:
-        w = encoder.windows(texts, chunk_overlap=overlap)
-        added = encoder.window_overhead
-        lengths = np.bincount(w.text, weights=w.tokens.astype(float) + added, minlength=len(texts))
-    else:
-        lengths = token_counter(encoder)(texts)
-    params = params.with_token_lengths(lengths)
-    return params, f"a sample of {len(texts):,} texts ({params.tokens_per_text:.1f} tokens a text)"
+    params = params.with_token_lengths(sample.token_lengths(long_texts))
+    return params, f"a sample of {len(sample.texts):,} texts ({params.tokens_per_text:.1f} tokens a text)"
 
 
 def _active_client():
@@ -411,7 +439,8 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
         _open_reuse(sbe, run_id)
         return write_run(RunRequest(
             frame, sbe, output, fingerprint=run_id,
-            thresholds=_RunThresholds(requested, encoder, frame, column, client, gpu=on_gpu),
+            thresholds=_RunThresholds(requested, encoder, frame, column, client, gpu=on_gpu,
+                                      long_texts=sbe.long_texts, overlap=sbe.chunk_overlap),
             max_bytes=max_bytes, client=client, scheduler=scheduler, overwrite=overwrite,
             storage_options=storage_options, progress=config.get("progress", progress), started=started,
             bar=bar,
@@ -431,7 +460,7 @@ def _open_reuse(sbe: SuperBatchEncoder, run_fingerprint: dict) -> None:
 
 
 def _resolve(requested, encoder: Encoder, frame, column: str, client, sizes: PartitionSizes | None, *,
-             gpu: bool, max_bytes: int | None) -> Thresholds:
+             gpu: bool, max_bytes: int | None, long_texts: str = "truncate", overlap: int = 0) -> Thresholds:
     """Thresholds for a new run: ``"auto"`` uses a cached calibration of this encoder and
     cluster when there is one (see :func:`plan` with ``calibrate=True``), re-based on a
     token sample of the data as :func:`plan` does, so both pick the same thresholds."""
@@ -443,7 +472,9 @@ def _resolve(requested, encoder: Encoder, frame, column: str, client, sizes: Par
         except Exception as err:  # noqa: BLE001 - a broken cache must not stop a run: fall back to defaults
             logger.warning("dask-surge: calibration cache not usable (%s); using default thresholds", err)
     if params is not None and sizes is not None and sizes.total:
-        params, _ = _params_for_data(frame, column, sizes, params, encoder, None)
+        n = config.get("token-sample")
+        sample = TextSample(frame, column, sizes, encoder, n, overlap) if n is not None else None
+        params, _ = _params_for_data(params, sample, long_texts)
     b_min, b_max = requested
     return _run_thresholds(b_min, b_max, sizes, params, gpu=gpu, threads=_threads(client, "sync"),
                            max_bytes=max_bytes)
@@ -460,10 +491,12 @@ class _RunThresholds:
     column: str
     client: Any
     gpu: bool
+    long_texts: str = "truncate"
+    overlap: int = 0
 
     def __call__(self, sizes: PartitionSizes | None, max_bytes: int | None) -> Thresholds:
         return _resolve(self.requested, self.encoder, self.frame, self.column, self.client, sizes, gpu=self.gpu,
-                        max_bytes=max_bytes)
+                        max_bytes=max_bytes, long_texts=self.long_texts, overlap=self.overlap)
 
 
 def _lazy(frame, sbe: SuperBatchEncoder, requested, max_bytes: int | None, *, gpu: bool):
@@ -472,7 +505,8 @@ def _lazy(frame, sbe: SuperBatchEncoder, requested, max_bytes: int | None, *, gp
     _register(sbe.encoder)
     known = known_sizes(frame, sbe.column, max_bytes)
     sizes = known if known is not None else partition_sizes(frame, sbe.column if max_bytes else None)
-    th = _RunThresholds(requested, sbe.encoder, frame, sbe.column, _active_client(), gpu=gpu)(sizes, max_bytes)
+    th = _RunThresholds(requested, sbe.encoder, frame, sbe.column, _active_client(), gpu=gpu,
+                        long_texts=sbe.long_texts, overlap=sbe.chunk_overlap)(sizes, max_bytes)
     superbatches = _plan(sizes, th.b_min, th.b_max, max_bytes)
     return superbatch_collection(frame, superbatches, sizes.sizes, sbe, sbe.meta(frame._meta))
 

@@ -4,6 +4,7 @@ import json
 
 import dask.dataframe as dd
 import numpy as np
+import pandas as pd
 import pytest
 
 from dask_surge.planning.costmodel import (
@@ -560,3 +561,31 @@ def test_call_overhead_interpolates_between_idle_and_busy_calls():
     with pytest.raises(SurgeValueError, match="alpha_idle_s"):
         params(alpha_s=0.02, setup_s=0.005, alpha_idle_s=0.001, busy_call_s=0.04)
     assert CostParams.from_dict(p.to_dict()) == p
+
+
+def test_plan_and_encode_resolve_the_same_auto_thresholds_in_chunk_mode(monkeypatch):
+    """With a cached calibration, encode()'s automatic thresholds come from the same windowed token
+    sample as plan()'s in chunk mode (a text counts its windows' tokens), not the truncated one."""
+    import dask
+
+    import dask_surge.execution.calibrate as cal
+    from dask_surge import Encoder
+    from dask_surge.api import _RunThresholds
+    from dask_surge.planning.sizes import known_sizes
+    from dask_surge.testing import package_documents
+
+    monkeypatch.setattr(cal, "calibrate", lambda *a, **k: params())
+    docs = [d[:3000] for d in package_documents(40, min_chars=2000)]
+    frame = pd.DataFrame({"text": [docs[i % len(docs)] for i in range(40_000)]})
+    ddf = dd.from_pandas(frame, npartitions=20)
+    enc = Encoder("default", device="cpu")
+    sizes = known_sizes(ddf, "text", None)
+    with dask.config.set({"surge.ttfo-target": 0.5, "surge.token-sample": 256}):
+        shown = {m: ddf.surge.plan("text", b_min="auto", b_max="auto", params=params(), model=enc, long_texts=m)
+                 for m in ("truncate", "chunk")}
+        resolved = {m: _RunThresholds(("auto", "auto"), enc, ddf, "text", None, gpu=False, long_texts=m,
+                                      overlap=32)(sizes, None) for m in ("truncate", "chunk")}
+    assert shown["chunk"].params.tokens_per_text > 2 * shown["truncate"].params.tokens_per_text
+    for m in ("truncate", "chunk"):
+        assert (resolved[m].b_min, resolved[m].b_max) == (shown[m].b_min, shown[m].b_max), m
+    assert resolved["chunk"].b_min < resolved["truncate"].b_min
