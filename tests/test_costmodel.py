@@ -580,11 +580,14 @@ def test_plan_and_encode_resolve_the_same_auto_thresholds_in_chunk_mode(monkeypa
     ddf = dd.from_pandas(frame, npartitions=20)
     enc = Encoder("default", device="cpu")
     sizes = known_sizes(ddf, "text", None)
-    with dask.config.set({"surge.ttfo-target": 0.5, "surge.token-sample": 256}):
-        shown = {m: ddf.surge.plan("text", b_min="auto", b_max="auto", params=params(), model=enc, long_texts=m)
-                 for m in ("truncate", "chunk")}
-        resolved = {m: _RunThresholds(("auto", "auto"), enc, ddf, "text", None, gpu=False, long_texts=m,
-                                      overlap=32)(sizes, None) for m in ("truncate", "chunk")}
+    try:
+        with dask.config.set({"surge.ttfo-target": 0.5, "surge.token-sample": 256}):
+            shown = {m: ddf.surge.plan("text", b_min="auto", b_max="auto", params=params(), model=enc, long_texts=m)
+                     for m in ("truncate", "chunk")}
+            resolved = {m: _RunThresholds(("auto", "auto"), enc, ddf, "text", None, gpu=False, long_texts=m,
+                                          overlap=32)(sizes, None) for m in ("truncate", "chunk")}
+    finally:
+        enc.close()  # not left loaded in this process's model cache for the tests after this one
     assert shown["chunk"].params.tokens_per_text > 2 * shown["truncate"].params.tokens_per_text
     for m in ("truncate", "chunk"):
         assert (resolved[m].b_min, resolved[m].b_max) == (shown[m].b_min, shown[m].b_max), m
