@@ -7,12 +7,19 @@ built), pooling, the one feeder thread that launches device work on CUDA
 (:class:`_Feeder`), and the pinned staging buffer results are copied out through.
 It turns the host's packed windows (:class:`dask_surge.models.tokenize.PackedWindow`)
 into tensors and runs their micro-batches. :meth:`DeviceRunner.close` releases all of it.
+
+On CUDA a call's finish never drains the GPU: an event marks the end of the call's
+micro-batches on the compute stream, and the finiteness check and the copy to the host
+run on a side stream that waits on that event, waited for by the calling thread through
+events of the side stream only (see :meth:`DeviceRunner.finish_fed`). The compute stream
+meanwhile runs the micro-batches the feeder thread launches for the next call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import queue
 import threading
@@ -118,6 +125,11 @@ class DeviceRunner:
         self._feeder: _Feeder | None = None
         self._feeder_lock = threading.Lock()
         self.staging: torch.Tensor | None = None  # the pinned copy-out buffer, made on first use (CUDA)
+        #: On CUDA, with :attr:`staging`: the stream that checks and copies out results (waiting on the
+        #: compute stream's event, never draining it) and a pinned slot for the finiteness check's sum.
+        #: Made on first use; used only under ``_staging_lock``, so one call at a time.
+        self.side_stream: Any = None
+        self._flag: torch.Tensor | None = None
         self._staging_lock = threading.Lock()
 
     # -- host tensors and the micro-batches ---------------------------------------------------
@@ -166,17 +178,84 @@ class DeviceRunner:
         self.clock.count("device", t0)
 
     def finish(self, out: torch.Tensor) -> np.ndarray:
-        """Check the call's embeddings and bring them to the host in one copy."""
+        """Check the call's embeddings (all finite) and bring them to the host.
+
+        Call it from the thread that launched the call's device work. On a CPU, the
+        check and ``out.numpy()``. On CUDA, an event is recorded on this thread's current
+        stream, the stream that ran the call, and the rest is :meth:`collect`'s: nothing
+        waits for that stream as a whole.
+
+        Raises
+        ------
+        SurgeModelError
+            If an embedding holds NaN or inf (naming the rows).
+        """
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            self.clock.call(out.shape[0])
+            try:
+                _check_finite(out)
+                return out.numpy()
+            finally:
+                self.clock.count("finish", t0)
+        return self.collect(out, self.mark())
+
+    def finish_fed(self, feeder: _Feeder, out: torch.Tensor) -> np.ndarray:
+        """:meth:`finish` of a call whose device work ``feeder`` launched; called from the calling thread.
+
+        On CUDA the feeder thread only records the end of the call's micro-batches (an event
+        on its stream, queued after them: :meth:`mark`), and this thread waits for the check
+        and the copy (:meth:`collect`), so the feeder launches the next call's micro-batches
+        while this one's results travel. On a CPU the feeder thread runs :meth:`finish`.
+        """
+        if self.device.type != "cuda":
+            return feeder.submit(lambda: self.finish(out)).result()
+        ready = feeder.submit(self.mark).result()
+        return self.collect(out, ready)
+
+    def mark(self) -> Any:
+        """A CUDA event recorded now on this thread's current stream of the device (the compute stream)."""
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        return ready
+
+    def collect(self, out: torch.Tensor, ready: Any) -> np.ndarray:
+        """CUDA: ``out`` as a host array, once the work before the event ``ready`` is done; checked finite.
+
+        On the side stream, which first waits on ``ready`` (a device-side wait: the host
+        and the compute stream go on): the sum of ``out`` into a pinned slot (a NaN or inf
+        anywhere makes it non-finite), then ``out`` through the pinned staging buffer, in
+        chunks (:func:`_copy_out`). This thread waits on events of the side stream only,
+        never on the compute stream or the device, and holds the staging lock while it
+        does, so two calls never share the buffer. ``out`` is marked as used by the side
+        stream (``record_stream``): the caching allocator does not hand its memory to the
+        compute stream until the copy is done, even if ``out`` is dropped early.
+
+        Raises
+        ------
+        SurgeModelError
+            If an embedding holds NaN or inf (naming the rows).
+        """
         t0 = time.perf_counter()
         self.clock.call(out.shape[0])
         try:
-            _check_finite(out)
-            if self.device.type != "cuda":
-                return out.numpy()
-            with self._staging_lock:
-                if self.staging is None:
+            with self._staging_lock, torch.cuda.device(self.device), torch.inference_mode():
+                if self.staging is None or self._flag is None or self.side_stream is None:
                     self.staging = torch.empty(STAGING_BYTES // 4, dtype=torch.float32, pin_memory=True)
-                return _copy_out(out, self.staging, torch.cuda.current_stream(self.device))
+                    self._flag = torch.empty(1, dtype=torch.float32, pin_memory=True)
+                    # high priority: the check's small reduction runs ahead of the next call's forwards
+                    self.side_stream = torch.cuda.Stream(self.device, priority=-1)
+                side = self.side_stream
+                with torch.cuda.stream(side):
+                    side.wait_event(ready)
+                    if out.numel() == 0:
+                        return np.empty(tuple(out.shape), dtype=np.float32)
+                    out.record_stream(side)
+                    self._flag.copy_(out.sum().reshape(1), non_blocking=True)
+                    host = _copy_out(out, self.staging, side)  # waits on the side stream's events
+                    if not math.isfinite(float(self._flag[0])):  # ordered before the last chunk's event
+                        _check_finite(out)
+                    return host
         finally:
             self.clock.count("finish", t0)
 
@@ -300,17 +379,24 @@ class DeviceRunner:
         if feeder is not None:
             feeder.close()
         with self._staging_lock:
-            self.staging = None
+            self.staging = self._flag = self.side_stream = None
         if feeder is None or not feeder.thread.is_alive():
             self.hf = None
 
 
-def _copy_out(out: torch.Tensor, staging: torch.Tensor, stream=None) -> np.ndarray:
-    """``out`` as a new numpy array, copied through ``staging`` (1-D, same dtype) chunk by chunk.
+def _copy_out(out: torch.Tensor, staging: torch.Tensor, stream: Any = None) -> np.ndarray:
+    """``out`` as a new numpy array, copied through ``staging`` (1-D, same dtype, 2 elements or more).
 
-    On CUDA ``staging`` is pinned and ``stream`` is the stream that wrote ``out``: each
-    chunk is an asynchronous device-to-host copy, waited for, then copied into ordinary
-    (pageable) memory, so no pinned block outlives the call.
+    ``staging`` is used as two halves in turn: chunk ``k`` goes into half ``k % 2``
+    while chunk ``k - 1`` is copied from the other half into the result, so on CUDA the
+    device-to-host copy of one chunk overlaps the host's copy of the one before.
+
+    On CUDA ``staging`` is pinned and ``stream`` is a stream ordered after the work that
+    wrote ``out``: each chunk is an asynchronous device-to-host copy on ``stream``, and an
+    event recorded after it is waited for before the host reads that half (the only
+    waiting: on ``stream``'s events, never the device). The result is ordinary (pageable)
+    memory, so no pinned block outlives the call. With ``stream`` None the copies are
+    synchronous (a CPU ``out``).
 
     Examples
     --------
@@ -319,14 +405,30 @@ def _copy_out(out: torch.Tensor, staging: torch.Tensor, stream=None) -> np.ndarr
     [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0], [8.0, 9.0]]
     """
     host = np.empty(tuple(out.shape), dtype=np.float32)
-    src, dst, step = out.reshape(-1), host.reshape(-1), staging.numel()
-    view = staging.numpy()
-    for a in range(0, src.numel(), step):
-        b = min(a + step, src.numel())
-        staging[: b - a].copy_(src[a:b], non_blocking=stream is not None)
-        if stream is not None:
-            stream.synchronize()
-        dst[a:b] = view[: b - a]
+    src, dst, step = out.reshape(-1), host.reshape(-1), staging.numel() // 2
+    if step < 1:
+        raise ValueError(f"the staging buffer holds {staging.numel()} values; it needs 2 or more")
+    halves = (staging[:step], staging[step : 2 * step])
+    views = tuple(h.numpy() for h in halves)
+    copied = (torch.cuda.Event(), torch.cuda.Event()) if stream is not None else None
+    waiting: tuple[int, int, int] | None = None  # (half, a, b): copied into a half, not yet read from it
+
+    def drain(half: int, a: int, b: int) -> None:
+        if copied is not None:
+            copied[half].synchronize()
+        dst[a:b] = views[half][: b - a]
+
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for k, a in enumerate(range(0, src.numel(), step)):
+            b, half = min(a + step, src.numel()), k % 2
+            halves[half][: b - a].copy_(src[a:b], non_blocking=stream is not None)  # this half was read already
+            if copied is not None:
+                copied[half].record(stream)
+            if waiting is not None:
+                drain(*waiting)
+            waiting = (half, a, b)
+        if waiting is not None:
+            drain(*waiting)
     return host
 
 
