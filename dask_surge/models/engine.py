@@ -332,7 +332,7 @@ class TransformerEngine:
                 job.exception()
         for job in jobs:
             job.result()  # the first device error, if any
-        return feeder.submit(lambda: self._device.finish(state["out"])).result()
+        return self._device.finish_fed(feeder, state["out"])  # CUDA: waits here, not on the feeder thread
 
     def _windows(self, texts: list[str]):
         """``(offset, encodings)`` per window; on CUDA the next window tokenizes during compute."""
