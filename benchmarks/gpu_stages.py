@@ -31,8 +31,10 @@ surge_minilm / surge_bert   dask-surge end to end, random-weight MiniLM-L6 on se
 engine     the engine alone in this process (length-split micro-batches, then the greedy
            cut), then SentenceTransformer.encode (fp16, batch 1024) on the same texts;
            pinned host memory before and after four calls (bounded by the staging buffer)
-busy       GPU-busy fraction: CUDA events around every forward of one encode call
-inflight   set B with 2, then 4 SuperBatches in flight per GPU (worker threads)
+busy       GPU-busy fraction: CUDA events around every forward of one encode call; then two threads
+           calling encode at once, with the asynchronous finish and with the feeder waiting for each
+           copy: the GPU's idle gap after each call's last forward (does it drain between calls?)
+inflight   set B with 2, then 4 SuperBatches in flight per GPU (surge.superbatches-per-gpu and threads)
 cosine     the engine in fp16 and bf16 on real MiniLM weights against CPU fp32 embeddings
 pytest     the gpu-marked tests, on the carried fp16 MiniLM copy
 """
@@ -201,6 +203,7 @@ def stage_preflight(s: Session) -> None:
         engines[which] = {"mask4d": engine._mask4d, "max_tokens": engine.max_tokens, "feeder": engine.use_feeder,
                           "weights_dtype": str(next(engine._hf.parameters()).dtype),
                           "staging_pinned": bool(engine._staging is not None and engine._staging.is_pinned()),
+                          "async_finish": engine._device.side_stream is not None,
                           "noop": engine._noop}
         if engine._noop:
             problems.append("DASK_SURGE_BENCH_NOOP_FORWARD is set: every embedding would be zero")
@@ -357,11 +360,14 @@ def _stage_surge(s: Session, which: str, files_set: str, threads: int | None = N
                 torch.cuda.reset_peak_memory_stats()
 
         client.run(reset)
+        from dask_surge.execution.runner import task_resources
+
+        resources = task_resources(client)  # what each SuperBatch task claims, as encode computes it
         run = _surge(s, client, model, s.files(files_set), which + tag)
         (facts,) = client.run(_worker_facts).values()
     s.save_detail(f"{s.stage}{tag}_superbatches.json", run.pop("_records"))
     return {"model": which, "set": files_set, "threads": threads, "cluster_start_s": start, "warm_s": warm_s, **run,
-            "worker": facts}
+            "task_resources": resources, "worker": facts}
 
 
 def stage_surge_minilm(s: Session) -> None:
@@ -373,11 +379,18 @@ def stage_surge_bert(s: Session) -> None:
 
 
 def stage_inflight(s: Session) -> None:
+    """Set B with 2, then 4 SuperBatches in flight per GPU: the ``surge.superbatches-per-gpu`` key, set
+    where the client computes the tasks' GPU resource share, and as many worker threads."""
+    import dask
+
     runs = {}
-    for threads in (2, 4):
-        runs[threads] = _stage_surge(s, "minilm", "b", threads=threads, tag=f"_t{threads}")
-        s.emit(threads=threads, texts_per_s=runs[threads]["texts_per_s"], seconds=runs[threads]["seconds"])
-    s.emit("ok", texts_per_s={t: r["texts_per_s"] for t, r in runs.items()},
+    for n in (2, 4):
+        with dask.config.set({"surge.superbatches-per-gpu": n}):
+            runs[n] = _stage_surge(s, "minilm", "b", threads=n, tag=f"_n{n}")
+        s.emit(superbatches_per_gpu=n, texts_per_s=runs[n]["texts_per_s"], seconds=runs[n]["seconds"],
+               task_resources=runs[n]["task_resources"])
+    s.emit("ok", texts_per_s={n: r["texts_per_s"] for n, r in runs.items()},
+           task_resources={n: r["task_resources"] for n, r in runs.items()},
            ratio_4_over_2=runs[4]["texts_per_s"] / runs[2]["texts_per_s"])
 
 
@@ -434,41 +447,148 @@ def stage_engine(s: Session) -> None:
     s.emit("ok", **out)
 
 
+class _ForwardTimeline:
+    """Start and end of every forward of an engine, tagged with its call; CUDA events on a GPU.
+
+    Wraps the engine's ``_forward`` and ``_run_window`` (instance attributes, the hooks the
+    tests use too): each window run tags the forwards after it with its call's output
+    tensor, so calls are told apart whatever thread made them. On CUDA the stamps are events
+    recorded on the stream the forward runs on (device time, read once everything is done);
+    in the CPU dry run, ``perf_counter``.
+    """
+
+    def __init__(self, engine, cuda: bool) -> None:
+        import torch
+
+        self.cuda, self.engine = cuda, engine
+        self.spans: list = []  # (call, start, end): events or seconds
+        self.calls: dict[int, tuple[int, object]] = {}  # id(out) -> (call number, out kept alive: no id reuse)
+        self.current = -1
+        forward, run_window = engine._forward, engine._run_window
+
+        def tagged(window, out, normalize):
+            if id(out) not in self.calls:
+                self.calls[id(out)] = (len(self.calls), out)
+            self.current = self.calls[id(out)][0]
+            run_window(window, out, normalize)
+
+        def timed(ids, valid):
+            if cuda:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = forward(ids, valid)
+                b.record()
+            else:
+                a = time.perf_counter()
+                out = forward(ids, valid)
+                b = time.perf_counter()
+            self.spans.append((self.current, a, b))
+            return out
+
+        engine._forward, engine._run_window = timed, tagged
+
+    def reset(self) -> None:
+        self.spans, self.calls, self.current = [], {}, -1
+
+    def summary(self) -> dict:
+        """Busy share of the forwards' span; the GPU's idle gap after each call's last forward, against
+        the gaps between forwards inside a call (a drain at call ends shows as the first much larger)."""
+        import numpy as np
+
+        if not self.spans:
+            return {"forwards": 0}
+        if self.cuda:
+            zero = self.spans[0][1]
+            rows = [(c, zero.elapsed_time(a), zero.elapsed_time(b)) for c, a, b in self.spans]  # ms
+        else:
+            zero = self.spans[0][1]
+            rows = [(c, (a - zero) * 1e3, (b - zero) * 1e3) for c, a, b in self.spans]
+        rows.sort(key=lambda r: r[1])
+        tags = [r[0] for r in rows]
+        gaps = np.array([max(rows[i + 1][1] - rows[i][2], 0.0) for i in range(len(rows) - 1)])
+        last = {tag: i for i, tag in enumerate(tags)}  # each call's last forward
+        after_end = np.array([gaps[i] for i in last.values() if i < len(gaps)])
+        within = np.array([gaps[i] for i in range(len(gaps)) if tags[i + 1] == tags[i]])
+        switches = int(sum(tags[i + 1] != tags[i] for i in range(len(tags) - 1)))
+        span_ms = rows[-1][2] - rows[0][1]
+        busy_ms = float(sum(b - a for _, a, b in rows))
+
+        def stats(x) -> dict:
+            return ({"n": len(x), "median_ms": float(np.median(x)), "mean_ms": float(x.mean()),
+                     "max_ms": float(x.max()), "sum_ms": float(x.sum())} if len(x) else {"n": 0})
+
+        return {"forwards": len(rows), "calls": len(last), "call_switches": switches, "span_ms": span_ms,
+                "forward_ms": busy_ms, "busy_fraction_of_span": busy_ms / span_ms if span_ms > 0 else None,
+                "gap_after_call_end": stats(after_end), "gap_within_call": stats(within),
+                "idle_ms": float(gaps.sum()) if len(gaps) else 0.0}
+
+
 def stage_busy(s: Session) -> None:
-    """Share of one encode call's wall time the GPU spends in forwards (CUDA events around each one)."""
-    import torch
+    """GPU-busy fraction from CUDA events around every forward: one encode call, then two threads calling
+    encode concurrently, with the asynchronous finish and with the feeder thread waiting for each copy
+    (the GPU drains at every call end then): the idle gap after each call's last forward, both ways."""
+    import threading
 
     from dask_surge.testing import make_texts
 
     texts = make_texts(s.sizes["engine_texts"], seed=8)
     _, engine = _engine(s)
+    engine.use_feeder = True  # the CUDA default; on the CPU dry run too, so the same path runs
+    runner = engine._device
     engine.encode(texts[:1024])
     _sync(s.device)
-    spans: list = []
-    forward = engine._forward
     cuda = s.device == "cuda"
-
-    def timed(ids, valid):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            out = forward(ids, valid)
-            b.record()
-            spans.append((a, b))
-            return out
-        t = time.perf_counter()
-        out = forward(ids, valid)
-        spans.append(time.perf_counter() - t)
-        return out
-
-    engine._forward = timed
+    timeline = _ForwardTimeline(engine, cuda)
     t = time.perf_counter()
     engine.encode(texts)
     _sync(s.device)
     wall = time.perf_counter() - t
-    busy = sum(a.elapsed_time(b) / 1e3 for a, b in spans) if cuda else sum(spans)
-    s.emit("ok", texts=len(texts), forwards=len(spans), wall_s=wall, forward_s=busy, busy_fraction=busy / wall,
-           clock="cuda events" if cuda else "perf_counter (CPU dry run)")
+    one = timeline.summary()
+    busy = one.get("forward_ms", 0.0) / 1e3
+    out = {"texts": len(texts), "forwards": one["forwards"], "wall_s": wall, "forward_s": busy,
+           "busy_fraction": busy / wall, "one_call": one, "clock": "cuda events" if cuda else "perf_counter (CPU dry run)"}
+    s.emit(**out)
+
+    # two threads, each encoding its calls one after another (as two SuperBatches in flight per GPU do)
+    per_call = max(len(texts) // 16, 16)
+    calls = [texts[i : i + per_call] for i in range(0, per_call * 8, per_call)]
+
+    def waits_on_feeder(feeder, result):  # what finish did before: the feeder thread waits for the copy
+        return feeder.submit(lambda: runner.finish(result)).result()
+
+    two: dict = {}
+    for mode in ("async", "feeder_waits", "async_again"):
+        if mode == "feeder_waits":
+            runner.finish_fed = waits_on_feeder
+        else:
+            runner.__dict__.pop("finish_fed", None)
+        timeline.reset()
+        errors: list = []
+
+        def worker(mine: list) -> None:
+            try:
+                for batch in mine:
+                    engine.encode(batch)
+            except BaseException as err:  # noqa: BLE001 - reported below
+                errors.append(repr(err))
+
+        threads = [threading.Thread(target=worker, args=(calls[k::2],)) for k in range(2)]
+        t = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        _sync(s.device)
+        wall = time.perf_counter() - t
+        two[mode] = {"wall_s": wall, "texts_per_s": sum(map(len, calls)) / wall, "errors": errors,
+                     **timeline.summary()}
+        s.emit(two_threads_mode=mode, **two[mode])
+    out["two_threads"] = two
+    out["two_threads_texts_per_call"] = per_call
+    fast, slow = two["async"], two["feeder_waits"]
+    out["async_over_feeder_waits_texts_per_s"] = fast["texts_per_s"] / slow["texts_per_s"]
+    engine.close()
+    s.emit("ok", **out)
 
 
 def stage_cosine(s: Session) -> None:
@@ -519,7 +639,8 @@ def stage_pytest(s: Session) -> None:
     # the parent imported pytest's plugins' modules already (anyio): their rewrite warning is no failure
     rc = pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning",
                       "-m", "gpu", "--junitxml", str(s.detail / "pytest_gpu.xml"),
-                      "tests/test_devices.py", "tests/test_engine.py"], plugins=[Count()])
+                      "tests/test_devices.py", "tests/test_engine.py", "tests/test_device_finish.py"],
+                     plugins=[Count()])
     s.emit("ok" if int(rc) in (0, 5) else "error", rc=int(rc), model=os.environ.get("SURGE_GPU_MODEL"), **counts)
 
 
