@@ -18,7 +18,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from dask_surge.errors import SurgeModelError
-from dask_surge.models.device import STAGING_BYTES, _copy_out
+from dask_surge.models.device import _ENDED, STAGING_BYTES, _copy_out
 from dask_surge.models.engine import TransformerEngine
 from dask_surge.testing import make_texts
 
@@ -66,6 +66,22 @@ def test_cpu_finish_is_the_check_and_a_numpy_view(cpu_engine):
         runner.finish(out)
 
 
+def _one_window(engine, texts):
+    """``texts`` as one staged window of ``engine`` and an output tensor for it, on its device."""
+    packer = engine._packer
+    window = engine._device.stage(packer.pack(packer.tokenize(texts), 0, max_tokens=engine.max_tokens))
+    return window, torch.empty((len(texts), engine.dimension), device=engine.device)
+
+
+def test_cpu_window_records_no_event(cpu_engine):
+    texts = make_texts(30, seed=1)
+    window, out = _one_window(cpu_engine, texts)
+    with torch.inference_mode():
+        cpu_engine._run_window(window, out, False)
+    assert getattr(out, _ENDED, None) is None  # events are CUDA's only
+    np.testing.assert_allclose(cpu_engine._device.finish(out), cpu_engine.encode(texts), rtol=1e-5, atol=1e-6)
+
+
 def test_cpu_finish_fed_runs_the_finish_on_the_feeder_thread(cpu_engine):
     runner = cpu_engine._device
     feeder = runner.feeder_thread()
@@ -108,6 +124,26 @@ def test_cuda_finish_returns_while_the_compute_stream_is_still_busy(cuda_engine)
     torch.cuda.synchronize()
     np.testing.assert_array_equal(host, out.cpu().numpy())
     assert still_busy  # the results came back while the compute stream still ran: it did not drain
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_finish_fed_waits_for_its_last_window_not_for_work_queued_after_it(cuda_engine):
+    engine = cuda_engine
+    runner = engine._device
+    texts = make_texts(2000, seed=5)
+    expected = engine.encode(texts)
+    feeder = runner.feeder_thread()
+    window, out = _one_window(engine, texts)
+    feeder.submit(lambda: engine._run_window(window, out, False)).result()
+    assert getattr(out, _ENDED, None) is not None
+    feeder.submit(lambda: torch.cuda._sleep(2_000_000_000))  # the next call's work, queued on the feeder
+    later = feeder.submit(runner.mark).result()  # recorded after it on the compute stream
+    host = runner.finish_fed(feeder, out)
+    still_busy = not later.query()
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(host, expected, rtol=1e-5, atol=1e-6)
+    assert still_busy  # the copy waited for this call's window only, and the feeder was not blocked
 
 
 @needs_cuda

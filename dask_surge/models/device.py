@@ -52,6 +52,10 @@ NOOP_FORWARD_ENV = "DASK_SURGE_BENCH_NOOP_FORWARD"
 #: (reused, never grown): results are ordinary numpy memory, and the pinned memory stays bounded.
 STAGING_BYTES = 8 << 20
 
+#: Attribute of a call's output tensor holding the CUDA event recorded at the end of its latest window
+#: (set by :meth:`DeviceRunner.run_window`; it lives and dies with the tensor).
+_ENDED = "_surge_ended"
+
 #: A forward pass: ``(ids, valid) -> pooled float32 embeddings`` (see :meth:`DeviceRunner.forward`).
 Forward = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -175,6 +179,10 @@ class DeviceRunner:
             if normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
             out.index_copy_(0, where_d[start:stop], pooled)
+        if dev.type == "cuda":  # where this window's work ends on the compute stream: finish_fed waits on it
+            ended = torch.cuda.Event()
+            ended.record(torch.cuda.current_stream(dev))
+            setattr(out, _ENDED, ended)
         self.clock.count("device", t0)
 
     def finish(self, out: torch.Tensor) -> np.ndarray:
@@ -203,14 +211,19 @@ class DeviceRunner:
     def finish_fed(self, feeder: _Feeder, out: torch.Tensor) -> np.ndarray:
         """:meth:`finish` of a call whose device work ``feeder`` launched; called from the calling thread.
 
-        On CUDA the feeder thread only records the end of the call's micro-batches (an event
-        on its stream, queued after them: :meth:`mark`), and this thread waits for the check
-        and the copy (:meth:`collect`), so the feeder launches the next call's micro-batches
-        while this one's results travel. On a CPU the feeder thread runs :meth:`finish`.
+        Call it once every window of the call has been launched (their jobs are done). On
+        CUDA this thread waits for the check and the copy (:meth:`collect`) after the event
+        :meth:`run_window` recorded on the compute stream at the end of the call's last window,
+        so neither the feeder thread nor the GPU waits: the feeder launches the next call's
+        micro-batches while this one's results travel, and the copy does not wait for work
+        queued after this call's. A call with no window gets an event from the feeder thread
+        (:meth:`mark`). On a CPU the feeder thread runs :meth:`finish`.
         """
         if self.device.type != "cuda":
             return feeder.submit(lambda: self.finish(out)).result()
-        ready = feeder.submit(self.mark).result()
+        ready = getattr(out, _ENDED, None)
+        if ready is None:
+            ready = feeder.submit(self.mark).result()
         return self.collect(out, ready)
 
     def mark(self) -> Any:
