@@ -596,6 +596,14 @@ OPTIONS: tuple[Option, ...] = (
          loads again on its next use).""",
          "models a process keeps loaded at most; one more closes the least recently used",
          default=4, config="max-loaded-models", validator=positive_int(fix="pass e.g. 4"), schema=_INT_MIN_1),
+    _opt("superbatches_per_gpu", int, "int", """
+         SuperBatch tasks a GPU worker runs at once: one encodes on the GPU (the engine serializes
+         forward passes through one feeder thread) while the others read, tokenize, pack, write and
+         commit, so the GPU does not wait for the host between SuperBatches. Each task claims
+         ``1/n`` of the ``GPU`` resource a GPU worker advertises, and each holds its SuperBatch in
+         memory; dask-surge's own GPU clusters start this many threads per GPU worker.""",
+         "SuperBatch tasks a GPU worker runs at once (one on the GPU, the others reading, tokenizing or writing)",
+         default=4, config="superbatches-per-gpu", validator=positive_int(fix="pass e.g. 4"), schema=_INT_MIN_1),
     _opt("in_flight", int | None, "int, optional", """
          SuperBatches submitted at once when writing; None is 2 x worker threads.""",
          "SuperBatches submitted at once when writing; null is 2 x worker threads",

@@ -6,10 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dask
 from distributed import Client, LocalCluster
 
 import dask_surge
-from dask_surge.execution.runner import SUPERBATCHES_PER_GPU
 from dask_surge.execution.runner import task_resources as _task_resources
 from dask_surge.testing import make_partitioned_frame
 
@@ -26,7 +26,7 @@ def test_superbatches_run_only_on_workers_that_advertise_a_gpu(tmp_path, tiny_mo
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             client.wait_for_workers(2, timeout=60)
-            assert _task_resources(client) == {"GPU": 1 / SUPERBATCHES_PER_GPU}
+            assert _task_resources(client) == {"GPU": 1 / 4}  # surge.superbatches-per-gpu's default
             pids = client.run(os.getpid)
             info = client.scheduler_info(n_workers=-1)["workers"]
             gpu_pid = next(pids[a] for a, w in info.items() if w.get("resources", {}).get("GPU"))
@@ -50,7 +50,6 @@ def test_superbatches_run_only_on_workers_that_advertise_a_gpu(tmp_path, tiny_mo
 
 from distributed.utils_test import gen_cluster  # noqa: E402
 
-
 #: the session's 2-process cluster (tests/conftest.py) lives across tests: its worker processes, threads
 #: and client are not leaks of these in-process clusters
 CLEAN = {"processes": False, "threads": False, "instances": False}
@@ -65,7 +64,9 @@ def _where(i: int) -> str:
 @gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 2, {"resources": {"GPU": 1}})], clean_kwargs=CLEAN)
 async def test_tasks_claim_half_a_gpu_once_a_worker_advertises_one(c, s, plain, gpu):
     await c.wait_for_workers(2)
-    assert _task_resources(c) == {"GPU": 1 / SUPERBATCHES_PER_GPU}
+    assert _task_resources(c) == {"GPU": 1 / 4}  # surge.superbatches-per-gpu's default
+    with dask.config.set({"surge.superbatches-per-gpu": 2}):  # read on the client, when the run starts
+        assert _task_resources(c) == {"GPU": 1 / 2}
     # a claim of half a GPU runs only where one is advertised
     futures = [c.submit(_where, i, resources=_task_resources(c), pure=False) for i in range(6)]
     assert set(await c.gather(futures)) == {gpu.address}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
+from .. import config
 from ..models.devices import gpu_count
 
 __all__ = ["local_cluster", "local_cluster_threads"]
@@ -18,10 +19,11 @@ def local_cluster(**kwargs):
     """A local Dask cluster sized for this machine.
 
     With GPUs and ``dask-cuda`` installed: a ``LocalCUDACluster`` with one
-    worker per visible GPU (each worker sees its GPU as device 0), two threads
-    per worker, so writing SuperBatch ``j`` overlaps encoding ``j+1``, and a
-    ``GPU=1`` worker resource, which SuperBatch tasks claim half of (see
-    :func:`dask_surge.api.encode`). Otherwise a ``LocalCluster`` with one
+    worker per visible GPU (each worker sees its GPU as device 0),
+    ``surge.superbatches-per-gpu`` threads per worker (default 4), so while one
+    SuperBatch is on the GPU the others read, tokenize and write, and a ``GPU=1``
+    worker resource, of which each SuperBatch task claims ``1/n`` (see
+    :func:`dask_surge.execution.runner.task_resources`). Otherwise a ``LocalCluster`` with one
     single-threaded worker per core (torch uses one thread per worker, so the
     cores are not oversubscribed).
 
@@ -66,9 +68,10 @@ def _defaults() -> tuple[bool, dict]:
                 "LocalCluster. Fix: pip install 'dask-surge[gpu]'.", gpus,
             )
         else:
-            # two threads per GPU worker: while one SuperBatch runs on the GPU (the engine
-            # serializes forward passes), the other reads, tokenizes or writes its Parquet
-            return True, {"n_workers": gpus, "threads_per_worker": 2, "resources": {"GPU": 1}}
+            # a thread per SuperBatch in flight (surge.superbatches-per-gpu): while one runs on the GPU
+            # (the engine serializes forward passes), the others read, tokenize or write their Parquet
+            return True, {"n_workers": gpus, "threads_per_worker": int(config.get("superbatches-per-gpu")),
+                          "resources": {"GPU": 1}}
     return False, {"n_workers": max(1, os.cpu_count() or 1), "threads_per_worker": 1}
 
 

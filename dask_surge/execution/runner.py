@@ -25,9 +25,11 @@ skips every complete partition without computing it (see :class:`dask_surge.io.m
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -63,13 +65,9 @@ from .sink import SuperBatchWriter
 from .superbatch import SuperBatchEncoder, partition_digest
 
 __all__ = ["Unit", "UnitRunner", "planned_units", "streaming_units", "InputGraph", "RunRequest",
-           "ThresholdResolver", "run_units", "task_resources", "write_run", "SUPERBATCHES_PER_GPU"]
+           "ThresholdResolver", "run_units", "task_resources", "write_run"]
 
 logger = logging.getLogger(__name__)
-
-#: SuperBatches one GPU worker runs at once: one on the GPU, one reading or writing
-SUPERBATCHES_PER_GPU = 2
-
 
 @dataclass(frozen=True)
 class UnitRunner:
@@ -85,9 +83,13 @@ class UnitRunner:
 
     def __call__(self, source: UnitSource, values: list, unit: Unit) -> list[SuperBatchReport]:
         frames = self._checked(source.iterate(unit.partitions, values), unit)
-        records = self._planned(frames, unit) if unit.plan is not None else self._streaming(frames, unit)
+        with _Committer(self.writer) as committer:
+            if unit.plan is not None:
+                self._planned(frames, unit, committer)
+            else:
+                self._streaming(frames, unit, committer)
         ended = time.time()  # this worker's clock: the client maps commit times onto its own with it
-        return [r.with_task_end(ended) for r in records]
+        return [r.with_task_end(ended) for r in committer.reports]
 
     def _checked(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> Iterator[tuple[int, Any]]:
         """``frames``, each partition that was committed in part checked against its commits."""
@@ -108,33 +110,30 @@ class UnitRunner:
                     )
             yield partition, frame
 
-    def _commit(self, parts: list, spans: list[tuple[Span, int]], unit: Unit) -> list[SuperBatchReport]:
+    @staticmethod
+    def _commit(parts: list, spans: list[tuple[Span, int]], unit: Unit, committer: _Committer) -> None:
         first = spans[0][0]
-        if sb_key(first.partition, first.start) in unit.done:
-            return []
-        return [self.writer(parts, tuple(spans))]
+        if sb_key(first.partition, first.start) not in unit.done:
+            committer(parts, tuple(spans))
 
-    def _planned(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> list[SuperBatchReport]:
+    def _planned(self, frames: Iterator[tuple[int, Any]], unit: Unit, committer: _Committer) -> None:
         held = dict(frames)
         assert unit.plan is not None and unit.sizes is not None
         planned = dict(zip(unit.partitions, unit.sizes))
-        records = []
         for sb in unit.plan:
             inputs, spans = task_arguments(sb, planned)
-            records += self._commit([held[p] for p in inputs], list(spans), unit)
-        return records
+            self._commit([held[p] for p in inputs], list(spans), unit, committer)
 
-    def _streaming(self, frames: Iterator[tuple[int, Any]], unit: Unit) -> list[SuperBatchReport]:
+    def _streaming(self, frames: Iterator[tuple[int, Any]], unit: Unit, committer: _Committer) -> None:
         column = self.writer.encoder.column
         planner = OnlinePlanner(self.b_min, self.b_max, self.max_bytes)
         held: dict[int, tuple[int, Any]] = {}  # planner's partition index -> (partition, frame)
-        records: list[SuperBatchReport] = []
 
         def emit(sbs: list[SuperBatch]) -> None:
             for sb in sbs:
                 spans = [(Span(held[s.partition][0], s.start, s.stop), len(held[s.partition][1])) for s in sb.spans]
                 local = sorted({s.partition for s in sb.spans})
-                records.extend(self._commit([held[i][1] for i in local], spans, unit))
+                self._commit([held[i][1] for i in local], spans, unit, committer)
                 last = sb.spans[-1]
                 for i in [i for i in held if i < last.partition or (i == last.partition
                                                                     and last.stop == len(held[i][1]))]:
@@ -145,7 +144,53 @@ class UnitRunner:
             nbytes = text_bytes(frame[column]) if self.max_bytes else None
             emit(planner.push(len(frame), nbytes))
         emit(planner.finish())
-        return records
+
+
+class _Committer:
+    """A unit's SuperBatches, encoded in the task's thread and committed on a writer thread.
+
+    Calling it encodes one SuperBatch (in the calling thread: it needs the input partitions,
+    and the engine's device work), then hands the encoded rows to one writer thread that
+    serializes them to Parquet, hashes, writes, fsyncs and commits them
+    (:meth:`~dask_surge.execution.sink.SuperBatchWriter.commit`), so the unit reads and
+    encodes its next SuperBatch meanwhile. At most one commit is pending: the next call waits
+    for it before it queues its own (so commits keep their order, and a unit holds at most two
+    encoded SuperBatches), and leaving the ``with`` block waits for the last. A failed commit
+    raises from the next call or from the block's end; an error in the block waits for the
+    pending commit before it propagates, so no write outlives the task.
+    """
+
+    def __init__(self, writer: SuperBatchWriter) -> None:
+        self.writer = writer
+        self.reports: list[SuperBatchReport] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+
+    def __call__(self, parts: list, spans: tuple) -> None:
+        batch = self.writer.encode(parts, spans)
+        self._wait()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="surge-commit")
+        # the worker's context (distributed's get_worker(), used to announce the commit) goes with it
+        self._pending = self._pool.submit(contextvars.copy_context().run, self.writer.commit, batch)
+
+    def _wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self.reports.append(pending.result())
+
+    def __enter__(self) -> _Committer:
+        return self
+
+    def __exit__(self, kind, err, tb) -> None:
+        try:
+            if kind is None:
+                self._wait()
+            elif self._pending is not None:
+                wait([self._pending])  # the task's own error wins; the write must not outlive it
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
 
 
 def _expected(partitions: Sequence[int], coverage: Coverage | None) -> tuple[tuple[int, int, str | None], ...]:
@@ -217,14 +262,21 @@ def streaming_units(npartitions: int, per_unit: int, coverage: Coverage) -> list
 def task_resources(client) -> dict | None:
     """Worker resources for unit tasks: when workers advertise ``GPU`` (dask-cuda
     workers from :func:`dask_surge.execution.cluster.local_cluster` or :mod:`dask_surge.execution.hpc`), each
-    task claims ``1 / SUPERBATCHES_PER_GPU`` of one, so SuperBatches run only on GPU workers,
-    at most two at a time per GPU (the engine serializes the forward passes; the other
-    reads, tokenizes or writes). ``None`` when no worker advertises a GPU."""
+    task claims ``1 / n`` of one (``n``: ``surge.superbatches-per-gpu``, read here on the
+    client), so SuperBatches run only on GPU workers, at most ``n`` at a time per GPU (the
+    engine serializes the forward passes; the others read, tokenize, write and commit).
+    ``None`` when no worker advertises a GPU.
+
+    Examples
+    --------
+    >>> task_resources(None) is None
+    True
+    """
     if client is None:
         return None
     workers = client.scheduler_info(n_workers=-1).get("workers", {}).values()
     if any(w.get("resources", {}).get("GPU", 0) >= 1 for w in workers):
-        return {"GPU": 1 / SUPERBATCHES_PER_GPU}
+        return {"GPU": 1 / int(config.get("superbatches-per-gpu"))}
     return None
 
 
