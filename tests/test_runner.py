@@ -8,6 +8,7 @@ would finish them), with a writer that keeps commits in a dict (the exclusive-cr
 from __future__ import annotations
 
 import random
+import threading
 
 import pandas as pd
 import pytest
@@ -55,11 +56,14 @@ class Writer:
     def __init__(self, store: Store) -> None:
         self.store = store
 
-    def __call__(self, parts, spans) -> SuperBatchReport:
+    def encode(self, parts, spans):
         by_partition = dict(zip(sorted({s.partition for s, _ in spans}), parts))
         for span, n in spans:  # the rows it was given are the rows it was planned
             assert len(by_partition[span.partition]) == n
             assert 0 <= span.start < span.stop <= n or (span.start == span.stop == 0 == n)
+        return spans
+
+    def commit(self, spans) -> SuperBatchReport:
         first = spans[0][0]
         key = sb_key(first.partition, first.start)
         spans = tuple((s.partition, s.start, s.stop, n) for s, n in spans)
@@ -136,3 +140,77 @@ def test_a_complete_run_has_no_units_left(mode):
     _run(_units(mode, sizes, 4, 6, 2, store), runner, Source(sizes), random.Random(0))
     assert not _units(mode, sizes, 4, 6, 2, store)
     assert Coverage.of(store.records.values()).missing(len(sizes)) == []
+
+
+# -- a unit encodes its next SuperBatch while its writer thread commits the last one --------------
+
+
+class OverlapWriter(Writer):
+    """A writer whose commit of a SuperBatch waits until the next SuperBatch's encoding has started:
+    it finishes only when the two overlap (a unit that encoded and committed in series would wait
+    here until the timeout)."""
+
+    def __init__(self, store: Store, fail_commit: int | None = None, fail_encode: int | None = None) -> None:
+        super().__init__(store)
+        self.encodes = 0
+        self.next_encode = [threading.Event() for _ in range(64)]
+        self.events: list[str] = []
+        self.fail_commit, self.fail_encode = fail_commit, fail_encode
+
+    def encode(self, parts, spans):
+        i = self.encodes
+        self.encodes += 1
+        self.events.append(f"encode {i}")
+        self.next_encode[i].set()
+        if i == self.fail_encode:
+            raise ValueError(f"encode {i} failed")
+        return super().encode(parts, spans), i
+
+    def commit(self, batch) -> SuperBatchReport:
+        spans, i = batch
+        last = i == self.expected - 1
+        assert last or self.next_encode[i + 1].wait(30), f"commit {i} did not overlap encode {i + 1}"
+        if i == self.fail_commit:
+            self.events.append(f"commit {i} failed")
+            raise OSError(f"commit {i}: disk full")
+        report = super().commit(spans)
+        self.events.append(f"commit {i}")
+        return report
+
+
+def _streaming_unit(sizes) -> Unit:
+    return streaming_units(len(sizes), len(sizes), Coverage.of([]))[0]
+
+
+def test_a_unit_encodes_its_next_superbatch_while_the_last_one_commits():
+    sizes, store = [4, 4, 4, 4, 4], Store()
+    writer = OverlapWriter(store)
+    writer.expected = 5  # b_min=b_max=4: one SuperBatch per partition
+    reports = UnitRunner(writer, 4, 4, None)(Source(sizes), [], _streaming_unit(sizes))  # type: ignore[arg-type]
+    assert [r.sb for r in reports] == [sb_key(p, 0) for p in range(5)]  # committed in order, each reported
+    assert list(store.records) == [sb_key(p, 0) for p in range(5)]
+    commits = [e for e in writer.events if e.startswith("commit")]
+    assert commits == [f"commit {i}" for i in range(5)]
+    # commit i never starts before encode i ended, nor is commit i+1 queued before commit i ended
+    assert all(writer.events.index(f"encode {i}") < writer.events.index(f"commit {i}") for i in range(5))
+
+
+def test_a_failed_commit_fails_the_unit_and_later_superbatches_are_not_committed():
+    sizes, store = [4, 4, 4, 4], Store()
+    writer = OverlapWriter(store, fail_commit=1)
+    writer.expected = 4
+    with pytest.raises(OSError, match="commit 1: disk full"):
+        UnitRunner(writer, 4, 4, None)(Source(sizes), [], _streaming_unit(sizes))  # type: ignore[arg-type]
+    assert list(store.records) == [sb_key(0, 0)]  # commits stop at the failure: none after it
+    assert writer.encodes <= 3  # the failure is heard when the unit queues its next commit
+
+
+def test_an_encode_error_waits_for_the_pending_commit_and_wins():
+    sizes, store = [4, 4, 4], Store()
+    writer = OverlapWriter(store, fail_encode=2)
+    writer.expected = 3
+    threads_before = threading.active_count()
+    with pytest.raises(ValueError, match="encode 2 failed"):
+        UnitRunner(writer, 4, 4, None)(Source(sizes), [], _streaming_unit(sizes))  # type: ignore[arg-type]
+    assert list(store.records) == [sb_key(0, 0), sb_key(1, 0)]  # the pending commit ended before the error left
+    assert threading.active_count() == threads_before  # no writer thread outlives the task

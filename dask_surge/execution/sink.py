@@ -24,9 +24,9 @@ from ..io.manifest import CommitRecord, Manifest, sb_key, write_bytes_atomic
 from ..io.reuse import TEXT_HASH, text_hash_field
 from ..results import SuperBatchReport
 from .events import announce
-from .superbatch import SuperBatchEncoder, partition_digest
+from .superbatch import Encoded, SuperBatchEncoder, partition_digest
 
-__all__ = ["SuperBatchWriter", "table_of", "parquet_bytes", "skipped_bytes"]
+__all__ = ["EncodedBatch", "SuperBatchWriter", "table_of", "parquet_bytes", "skipped_bytes"]
 
 def table_of(frame: pd.DataFrame) -> pa.Table:
     """Arrow table of an encoded frame; the embedding column is not copied.
@@ -119,6 +119,31 @@ def _leaf_paths(schema: pa.Schema) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
+class EncodedBatch:
+    """A SuperBatch encoded and not yet written: what :meth:`SuperBatchWriter.commit` takes.
+
+    Attributes
+    ----------
+    encoded : Encoded
+        The output rows and counts.
+    spans : tuple of (Span, int)
+        The SuperBatch's spans, with their partitions' rows.
+    digests : tuple of (int, str)
+        Digests of the partitions it covers in part (see ``CommitRecord.digests``).
+    started_at : float
+        Wall clock (``time.time()``) when its encoding started.
+    encode_s : float
+        Seconds its encoding took.
+    """
+
+    encoded: Encoded
+    spans: tuple
+    digests: tuple[tuple[int, str], ...]
+    started_at: float
+    encode_s: float
+
+
+@dataclass(frozen=True)
 class SuperBatchWriter:
     """Encodes, writes and commits one SuperBatch; returns its :class:`~dask_surge.results.SuperBatchReport`."""
 
@@ -141,12 +166,24 @@ class SuperBatchWriter:
     def __call__(self, parts, spans) -> SuperBatchReport:
         """Encode ``spans`` (``(Span, partition rows)`` pairs) of ``parts`` (their input
         partitions, in order) and commit them as the SuperBatch keyed by the first span."""
+        return self.commit(self.encode(parts, spans))
+
+    def encode(self, parts, spans) -> EncodedBatch:
+        """The first half of :meth:`__call__`: encode the SuperBatch (what needs its input partitions)."""
         started_at, t0 = time.time(), time.perf_counter()
+        encoded = self.encoder.encode(parts, spans)
+        return EncodedBatch(encoded, tuple(spans), self._digests(parts, spans), started_at,
+                            time.perf_counter() - t0)
+
+    def commit(self, batch: EncodedBatch) -> SuperBatchReport:
+        """The second half of :meth:`__call__`: write the encoded SuperBatch's Parquet file, commit it
+        (exclusive, fsynced record) and publish it. Needs nothing of the input, so a unit runs it on its
+        writer thread while it encodes its next SuperBatch (see :class:`dask_surge.execution.runner.UnitRunner`)."""
+        t1 = time.perf_counter()
+        encoded, spans = batch.encoded, batch.spans
         first = spans[0][0]
         key = sb_key(first.partition, first.start)
-        encoded = self.encoder.encode(parts, spans)
         frame, skipped = encoded.frame, encoded.skipped
-        t1 = time.perf_counter()
         # rows of each source partition (one span each); skipped nulls are not among them
         data = parquet_bytes(table_of(frame), np.unique(frame["partition"].to_numpy(), return_counts=True)[1],
                              self.compression)
@@ -160,7 +197,7 @@ class SuperBatchWriter:
             spans=tuple((s.partition, s.start, s.stop, int(n)) for s, n in spans),
             skipped=len(skipped), skipped_file=skip_path.rsplit("/", 1)[-1] if skipped else "",
             skipped_sha256=hashlib.sha256(skip_data).hexdigest() if skipped else "",
-            attempt=attempt, pid=os.getpid(), committed_at=0.0, digests=self._digests(parts, spans),
+            attempt=attempt, pid=os.getpid(), committed_at=0.0, digests=batch.digests,
             output_rows=len(frame), truncated=encoded.truncated, encoded=encoded.encoded, reused=encoded.reused,
         )
         won, step = False, f"writing {staged!r}"
@@ -201,7 +238,7 @@ class SuperBatchWriter:
             announce(manifest.run_id, key, encoded.texts + len(skipped))
         return SuperBatchReport(
             sb=key, rows=encoded.texts, skipped=len(skipped), file=record.file if won else "", bytes=len(data),
-            spans=record.spans, started_at=started_at, encode_s=t1 - t0, write_s=time.perf_counter() - t1,
+            spans=record.spans, started_at=batch.started_at, encode_s=batch.encode_s, write_s=time.perf_counter() - t1,
             committed=won, committed_at=record.committed_at,
             engine=self.encoder.encoder.backend,  # what encoded on this worker
             output_rows=len(frame), truncated=encoded.truncated, encoded=encoded.encoded, reused=encoded.reused,
