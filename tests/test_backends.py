@@ -155,3 +155,76 @@ def test_loaded_records_keep_the_names_benchmarks_read(tiny_dir):
     assert loaded.backend == "fast" and loaded.engine is enc.engine and loaded.dimension == 32
     assert {"tokenize", "pack", "device", "finish"} <= set(loaded.engine.stats)
     enc.close()
+
+
+def _copy_model(src, dst, edit):
+    """A copy of the model directory ``src`` in ``dst`` with ``edit(dst)`` applied to its files."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    edit(dst)
+    return str(dst)
+
+
+def _edit_json(path, **changes):
+    import json
+
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def test_a_plain_transformer_pooling_normalize_directory_is_loaded_without_sentence_transformers(tiny_dir):
+    from dask_surge.models.direct import direct_layout
+
+    layout, why = direct_layout(tiny_dir)
+    assert layout is not None and layout.modules[:2] == ["Transformer", "Pooling"], why
+    # in a fresh process: the encoder loads, encodes, and never imports sentence-transformers
+    code = ("import sys; from dask_surge import Encoder; e = Encoder(sys.argv[1], device='cpu'); "
+            "e.encode(['a dog']); print(e._loaded().impl.loaded_by, 'sentence_transformers' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, tiny_dir], capture_output=True, text=True, check=True)
+    assert done.stdout.split()[-2:] == ["transformers", "False"]
+
+
+def test_the_direct_load_computes_what_the_sentence_transformers_load_computes(tiny_dir):
+    from sentence_transformers import SentenceTransformer
+
+    from dask_surge.models.engine import TransformerEngine
+
+    texts = [*TEXTS, "word " * 400, "query: Ünïcödé 漢字"]
+    for prompt in (None, "query: "):
+        with Encoder(tiny_dir, device="cpu", prompt=prompt) as enc:
+            direct = enc.encode(texts)
+            assert enc._loaded().impl.loaded_by == "transformers"
+        engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(tiny_dir, device="cpu"),
+                                                             prompt=prompt)
+        assert np.array_equal(direct, engine.encode(texts))  # the same weights, tokenizer and pooling: bitwise
+        engine.close()
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda d: _edit_json(d / "sentence_bert_config.json", do_lower_case=True), "do_lower_case"),
+    (lambda d: _edit_json(d / "config_sentence_transformers.json", truncate_dim=8), "truncate_dim"),
+    (lambda d: _edit_json(d / "config.json", auto_map={"AutoModel": "x.Y"}), "custom code"),
+    (lambda d: _edit_json(d / "1_Pooling" / "config.json", pooling_mode="lasttoken"), "pooling"),
+    (lambda d: (d / "tokenizer.json").unlink(), "no tokenizer.json"),
+])
+def test_anything_but_the_plain_stack_is_left_to_sentence_transformers(tiny_dir, tmp_path, edit, why):
+    from dask_surge.models.backends import direct_backend
+    from dask_surge.models.direct import direct_layout
+
+    path = _copy_model(tiny_dir, tmp_path / "m", edit)
+    assert direct_layout(path)[0] is None, why
+    assert direct_backend(path, name="m", device="cpu") is None
+    if why == "truncate_dim":  # sentence-transformers loads the rest as before
+        return
+    if why in ("do_lower_case", "pooling"):
+        with Encoder(path, device="cpu") as enc:
+            assert getattr(enc._loaded().impl, "loaded_by", "sentence-transformers") == "sentence-transformers"
+
+
+def test_engine_sentence_transformers_and_model_kwargs_keep_the_sentence_transformers_load(tiny_dir):
+    for enc in (Encoder(tiny_dir, device="cpu", engine="sentence-transformers"),
+                Encoder(tiny_dir, device="cpu", model_kwargs={"attn_implementation": "eager"})):
+        with enc:
+            assert getattr(enc._loaded().impl, "loaded_by", "sentence-transformers") == "sentence-transformers"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import logging
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -31,6 +32,8 @@ from .devices import auto_dtype, checkpoint_dtype, move_to
 from .prompts import resolve_prompt
 from .windows import LongEncoded, TextTooLong, WindowCutter, WindowGroup, encode_windows, no_tokenizer
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "Backend",
     "BackendClosed",
@@ -38,6 +41,7 @@ __all__ = [
     "FastBackend",
     "SentenceTransformersBackend",
     "choose_backend",
+    "direct_backend",
     "free_memory",
 ]
 
@@ -140,6 +144,9 @@ class FastBackend(_Released):
     """
 
     name = "fast"
+    #: What loaded the model: ``"sentence-transformers"``, or ``"transformers"`` for a plain
+    #: Transformer + Pooling (+ Normalize) directory loaded without it (:func:`direct_backend`).
+    loaded_by = "sentence-transformers"
 
     def __init__(self, model: Any, engine: Any) -> None:
         super().__init__()
@@ -369,6 +376,50 @@ def choose_backend(
         reason = (f"engine='auto' and the model ({' + '.join(modules)}) is not an encoder Transformer + Pooling "
                   "(cls, mean or max) (+ Normalize) the fast engine runs: SentenceTransformer.encode runs")
     return SentenceTransformersBackend(obj, prompt=resolved, batch_size=batch_size), reason
+
+
+def direct_backend(
+    path: str, *, name: str, device: str, engine: str = "auto", dtype: str = "auto", max_tokens: int | None = None,
+    prompt: str | None = None, prompt_name: str | None = None,
+) -> tuple[Backend, str] | None:
+    """The fast backend of the model directory ``path``, loaded without sentence-transformers when its
+    files say it is a plain Transformer + Pooling (+ Normalize) encoder (see :mod:`dask_surge.models.direct`);
+    None when it is not (the caller loads it with sentence-transformers, which also raises the errors).
+
+    The reason is the one :func:`choose_backend` gives for the same model.
+
+    Examples
+    --------
+    >>> from dask_surge.testing import packaged_model_dir
+    >>> backend, why = direct_backend(str(packaged_model_dir()), name="minilm", device="cpu")
+    >>> backend.name, backend.dimension, backend.loaded_by
+    ('fast', 384, 'transformers')
+    >>> backend.close()
+    >>> direct_backend(str(packaged_model_dir()), name="minilm", device="cpu", engine="sentence-transformers") is None
+    True
+    """
+    from .direct import direct_layout, load_direct
+
+    if engine == "sentence-transformers":
+        return None
+    layout, why = direct_layout(path)
+    if layout is None:
+        logger.debug("dask-surge: %s is loaded with sentence-transformers: %s", name, why)
+        return None
+    resolved = resolve_prompt(layout.prompts, layout.default_prompt_name, prompt, prompt_name, source=repr(name))
+    module = load_direct(layout, device)
+    if dtype == "auto":
+        dtype = auto_dtype(str(device), checkpoint_dtype(module.auto_model))
+    if dtype not in (None, "float32") and not str(device).startswith("cuda"):
+        return None  # half precision on a CPU: sentence-transformers' load raises the error that says so
+    from .engine import TransformerEngine
+
+    fast = TransformerEngine(module, (layout.mode,), normalize=layout.normalize, max_tokens=max_tokens,
+                             dtype=dtype, prompt="" if resolved is None else resolved,
+                             include_prompt=layout.include_prompt)
+    backend = FastBackend(module.auto_model, fast)
+    backend.loaded_by = "transformers"
+    return backend, f"engine={engine!r} and the model is {' + '.join(layout.modules)}, which the fast engine runs"
 
 
 def free_memory() -> None:

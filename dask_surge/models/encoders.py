@@ -29,7 +29,7 @@ from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
 from ..io.arrow import embedding_array
 from ..options import Dtype, EngineName, Invalid, defaults, option, options_of
 from .allocator import keep_large_blocks
-from .backends import Backend, BackendClosed, choose_backend, free_memory
+from .backends import Backend, BackendClosed, choose_backend, direct_backend, free_memory
 from .devices import auto_dtype, checkpoint_dtype, gpu_count
 from .devices import move_to as _move_to  # noqa: F401 - importable from here as before
 from .devices import pick_device as _pick_device
@@ -1141,8 +1141,6 @@ def _load(spec: EncoderSpec) -> _Loaded:
                 "the model as a Hub name or local path so each worker loads it itself."
             ) from None
         return _wrap_object(obj, spec)
-    from sentence_transformers import SentenceTransformer
-
     device = _pick_device(spec.device)
     source = spec.source
     if spec.repo_id is not None and not Path(source).is_dir():
@@ -1150,6 +1148,11 @@ def _load(spec: EncoderSpec) -> _Loaded:
 
         source = resolve_hub_model(spec.repo_id, spec.commit).path
     kwargs = _thaw(spec.model_kwargs) or None
+    direct = _load_direct(spec, source, device) if kwargs is None and not spec.trust_remote_code else None
+    if direct is not None:
+        return direct
+    from sentence_transformers import SentenceTransformer
+
     try:
         model = SentenceTransformer(source, device=device, local_files_only=True,
                                     trust_remote_code=spec.trust_remote_code, model_kwargs=kwargs)
@@ -1162,6 +1165,27 @@ def _load(spec: EncoderSpec) -> _Loaded:
             f"SentenceTransformer.save(), or model='default'.{hint}"
         ) from err
     return _wrap_object(model, spec)
+
+
+def _load_direct(spec: EncoderSpec, source: str, device: str) -> _Loaded | None:
+    """The model of ``source`` on the fast engine, loaded without importing sentence-transformers when its
+    files allow (see :func:`~dask_surge.models.backends.direct_backend`); None to load it the usual way.
+
+    A direct load that fails for any reason falls back to sentence-transformers (which raises the
+    errors users know), so this only ever makes a load cheaper.
+    """
+    name = spec.repo_id or source
+    try:
+        found = direct_backend(source, name=name, device=device, engine=spec.engine, dtype=spec.dtype,
+                               max_tokens=spec.max_tokens, prompt=spec.prompt, prompt_name=spec.prompt_name)
+    except Exception as err:  # noqa: BLE001 - any failure: the usual load decides, and reports its own error
+        logger.info("dask-surge: loading %s without sentence-transformers failed (%s: %s); loading it with "
+                    "sentence-transformers", name, type(err).__name__, scrub(str(err), spec.model_kwargs))
+        return None
+    if found is None:
+        return None
+    impl, reason = found
+    return _Loaded(impl, reason)
 
 
 def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
