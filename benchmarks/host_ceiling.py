@@ -87,8 +87,36 @@ def _engine_stats() -> list[dict]:
     return [dict(v.engine.stats) for v in _LOADED.values() if v.engine is not None]
 
 
-def gil_seconds(client, run) -> dict:
-    """Run ``run()`` while py-spy samples every worker's GIL-holding thread; GIL seconds per worker."""
+def gil_profile(raw: str, top: int = 40) -> dict:
+    """Where the GIL samples of a ``py-spy record --format raw`` profile fall: per thread, and per
+    function the samples it held the GIL in itself (``self``, the leaf frame) and under it (``inclusive``)."""
+    own: dict[str, int] = {}
+    under: dict[str, int] = {}
+    threads: dict[str, int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        thread, *frames = [f.strip() for f in stack.split(";")]  # the first frame names the thread
+        name = thread.split('"')[1] if thread.count('"') >= 2 else thread
+        threads[name] = threads.get(name, 0) + n
+        if frames:
+            own[frames[-1]] = own.get(frames[-1], 0) + n
+        for frame in set(frames):
+            under[frame] = under.get(frame, 0) + n
+
+    def ranked(d: dict[str, int]) -> list[tuple[str, int]]:
+        return sorted(d.items(), key=lambda kv: -kv[1])[:top]
+
+    return {"samples": total, "threads": ranked(threads), "self": ranked(own), "inclusive": ranked(under)}
+
+
+def gil_seconds(client, run, *, native: bool = False) -> dict:
+    """Run ``run()`` while py-spy samples every worker's GIL-holding thread; GIL seconds per worker,
+    and where the samples fell (:func:`gil_profile`, per worker; ``native`` adds C/Rust frames)."""
     pids = list(client.run(os.getpid).values())
     rate = 250
     tmp = Path(tempfile.mkdtemp())
@@ -97,22 +125,19 @@ def gil_seconds(client, run) -> dict:
         out = tmp / f"{pid}.txt"
         spies.append((pid, out, subprocess.Popen(
             ["py-spy", "record", "--pid", str(pid), "--gil", "--rate", str(rate), "--format", "raw",
-             "--output", str(out), "--nonblocking"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+             "--output", str(out), *(["--native"] if native else ["--nonblocking"])],  # native needs pauses
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
     time.sleep(1.0)  # let py-spy attach
     result = run()
-    per_worker = {}
+    per_worker, profiles = {}, {}
     for pid, out, proc in spies:
         proc.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
         proc.wait(timeout=60)
-        samples = 0
-        if out.is_file():
-            for line in out.read_text().splitlines():
-                _, _, count = line.rpartition(" ")
-                if count.isdigit():
-                    samples += int(count)
-        per_worker[str(pid)] = samples / rate
+        raw = out.read_text() if out.is_file() else ""
+        profiles[str(pid)] = gil_profile(raw)
+        per_worker[str(pid)] = profiles[str(pid)]["samples"] / rate
     shutil.rmtree(tmp, ignore_errors=True)
-    return {"result": result, "gil_s_by_worker": per_worker, "rate_hz": rate}
+    return {"result": result, "gil_s_by_worker": per_worker, "rate_hz": rate, "profile_by_worker": profiles}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -122,6 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gil", action="store_true", help="also sample the workers' GIL with py-spy")
+    parser.add_argument("--native", action="store_true", help="with --gil: C and Rust frames too (py-spy then pauses the workers to sample)")
     parser.add_argument("--out", default=str(HERE / "results" / "host_ceiling_cpu.json"))
     args = parser.parse_args(argv)
 
@@ -148,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
             s, f = surge_run(data, client, scratch)
             surge_s.append(s)
             facts.append(f)
-        gil = gil_seconds(client, lambda: surge_run(data, client, scratch)) if args.gil else None
+        gil = gil_seconds(client, lambda: surge_run(data, client, scratch), native=args.native) if args.gil else None
         stages = client.run(_engine_stats)
     finally:
         client.close()
