@@ -15,9 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from dask_surge.models import batching
-
-from dask_surge.planning import costmodel
 from dask_surge.models.batching import WINDOW_TEXTS, cut, plan_batches, replay, sort_order, windows
+from dask_surge.planning import costmodel
 
 lengths_st = arrays(np.int64, st.integers(0, 300), elements=st.integers(0, 512))
 budget_st = st.integers(1, 20_000)
@@ -131,6 +130,18 @@ def test_windows_and_sort_order():
     assert sort_order(np.array([1, 3, 3, 2])).tolist() == [1, 2, 3, 0]
     with pytest.raises(ValueError, match="window=0"):
         windows(5, 0)
+
+
+def test_a_large_call_can_start_with_a_small_window_then_full_ones():
+    from dask_surge.models.batching import FIRST_WINDOW_TEXTS
+
+    n = 2 * WINDOW_TEXTS
+    assert windows(n, first=FIRST_WINDOW_TEXTS) == [0, FIRST_WINDOW_TEXTS, FIRST_WINDOW_TEXTS + WINDOW_TEXTS]
+    small = 16 * FIRST_WINDOW_TEXTS - 1  # tokenized quickly anyway: cutting it would only cost padding
+    assert windows(small, first=FIRST_WINDOW_TEXTS) == windows(small) == [0]
+    assert windows(n, first=0) == windows(n)
+    with pytest.raises(ValueError, match=r"first=-1 must be >= 0.*Fix"):
+        windows(5, first=-1)
 
 
 def test_cost_model_replays_the_same_rule():

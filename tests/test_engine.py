@@ -10,8 +10,8 @@ import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Dense, Pooling
 
-from dask_surge.models.engine import TransformerEngine
 from dask_surge.errors import SurgeInputError, SurgeValueError
+from dask_surge.models.engine import TransformerEngine
 from dask_surge.testing import make_texts, make_tiny_model, min_cosine, packaged_model_dir
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -412,3 +412,42 @@ def test_unmasked_pooling_honours_every_mode_and_the_prompt(tiny, include_prompt
     engine = TransformerEngine.from_sentence_transformer(model, prompt="query: ")
     assert engine.encode(texts).shape == (60, 96)
     assert min_cosine(engine.encode(texts), model.encode(texts, prompt="query: ")) >= 0.9999
+
+
+def test_a_large_call_starts_with_a_small_window_and_the_windows_concatenate(tiny, monkeypatch):
+    """Where the device overlaps tokenizing (CUDA's background tokenizer, forced here on the CPU), a large
+    call's first window is FIRST_WINDOW_TEXTS texts and the rest full windows; each window is sorted and
+    cut on its own, so the call's rows are exactly those of encoding its windows one by one."""
+    from dask_surge.models import tokenize
+
+    monkeypatch.setattr(tokenize, "FIRST_WINDOW_TEXTS", 4)
+    monkeypatch.setattr(tokenize, "WINDOW_TEXTS", 16)
+    engine = TransformerEngine.from_sentence_transformer(tiny)
+    texts = mixed_texts(60, seed=5)  # 67 texts: at least 16 first windows, so the call starts small
+    spans = [(offset, len(e)) for offset, e in engine._packer.windows(texts, background=True)]
+    assert spans == [(0, 4), (4, 16), (20, 16), (36, 16), (52, 15)]
+    assert [offset for offset, _ in engine._packer.windows(texts)] == [0, 16, 32, 48, 64]
+    monkeypatch.setattr(engine, "_windows", lambda t: engine._packer.windows(t, background=True))
+    whole = engine.encode(texts)
+    pieces = np.concatenate([engine.encode(texts[a : a + n]) for a, n in spans])
+    assert np.array_equal(whole, pieces)
+    assert min_cosine(whole, tiny.encode(texts, convert_to_numpy=True)) >= 0.9999
+
+
+def test_the_collector_is_paused_while_encodings_are_made_and_packed(tiny, monkeypatch):
+    """The tokenizer's one GC-tracked object per text would trigger collections of the whole heap;
+    the engine pauses the collector from tokenizing to packing and restores it, errors included."""
+    import gc
+
+    engine = TransformerEngine.from_sentence_transformer(tiny)
+    packer = engine._packer
+    seen: list[bool] = []
+    encode_batch, pack = packer._encode_batch, packer.pack
+    monkeypatch.setattr(packer, "_encode_batch", lambda texts: seen.append(gc.isenabled()) or encode_batch(texts))
+    monkeypatch.setattr(packer, "pack", lambda *a, **k: seen.append(gc.isenabled()) or pack(*a, **k))
+    assert gc.isenabled()
+    engine.encode(mixed_texts(30))
+    assert seen == [False, False] and gc.isenabled()
+    with pytest.raises(SurgeInputError):
+        engine.encode(["fine", None])  # type: ignore[list-item]
+    assert gc.isenabled()

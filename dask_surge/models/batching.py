@@ -8,7 +8,11 @@ rule changes both.
 The rule
 --------
 1. Texts are taken in windows of :data:`WINDOW_TEXTS` consecutive texts (the whole
-   call when it is smaller). Each window is tokenized and sorted on its own.
+   call when it is smaller). Each window is tokenized and sorted on its own. Where the
+   device runs while the host tokenizes the next window (CUDA), a call of at least
+   ``16 * FIRST_WINDOW_TEXTS`` texts starts with a window of :data:`FIRST_WINDOW_TEXTS`
+   texts, so the device starts after a small fraction of the call is tokenized; the rest
+   follows in full windows (:func:`windows`, ``first``).
 2. Inside a window, texts are sorted by token length, longest first (stable, so
    equal lengths keep their input order).
 3. Sorted texts are cut into micro-batches from the front. A micro-batch is as wide
@@ -50,7 +54,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CPU_MAX_TOKENS", "WINDOW_TEXTS", "BatchPlan", "cut", "plan_batches", "replay", "sort_order", "windows"]
+__all__ = ["CPU_MAX_TOKENS", "FIRST_WINDOW_TEXTS", "WINDOW_TEXTS", "BatchPlan", "cut", "plan_batches", "replay", "sort_order", "windows"]
 
 #: Token budget of one micro-batch on a CPU (rows x padded length): measured best on 2 cores
 #: (DESIGN.md section 9: 2,048 gave 1.83x sentence-transformers, 8,192 1.29x).
@@ -58,6 +62,13 @@ CPU_MAX_TOKENS = 2048
 #: Texts tokenized and length-sorted together. Sorting windows of 65,536 texts wastes about
 #: 6.5% of the forward's tokens on padding, against 21.7% for windows of 16,384 (issue 17).
 WINDOW_TEXTS = 65_536
+#: Texts of a large call's first window where the device overlaps the host (see :func:`windows`):
+#: the device starts once these are tokenized (about 20 ms for 2,048 texts at the Rust tokenizer's
+#: 94k texts/s on 16 cores), not after the whole first full window (about 0.7 s). The rest stays in
+#: full windows: growing windows geometrically (2k, 4k, ... 64k) added 19% padded tokens to a
+#: 65,536-text call at a 65,536-token budget, a small first window then full ones 3.4%
+#: (``benchmarks/first_window.py``).
+FIRST_WINDOW_TEXTS = 2048
 
 
 def _check(max_tokens: int, batch_rows: int) -> None:
@@ -69,7 +80,7 @@ def _check(max_tokens: int, batch_rows: int) -> None:
             )
 
 
-def windows(n: int, window: int = WINDOW_TEXTS) -> range:
+def windows(n: int, window: int = WINDOW_TEXTS, *, first: int = 0) -> list[int]:
     """Start offsets of the sorting windows of a call of ``n`` texts.
 
     Parameters
@@ -78,22 +89,33 @@ def windows(n: int, window: int = WINDOW_TEXTS) -> range:
         Texts in the call.
     window : int, default :data:`WINDOW_TEXTS`
         Texts per window (the last one may be shorter).
+    first : int, default 0
+        Texts of a smaller first window (e.g. :data:`FIRST_WINDOW_TEXTS`), used only when the
+        call holds at least ``16 * first`` texts (a smaller call is tokenized quickly anyway, and
+        cutting it would cost padding: +11% padded tokens for a 16,384-text call at a 65,536-token
+        budget); the windows after it are full ones. 0: no small first window.
 
     Returns
     -------
-    range
-        ``range(0, n, window)``; window ``k`` is texts ``[start, start + window)``.
+    list of int
+        Window ``k`` is texts ``[starts[k], starts[k + 1])``, the last one ending at ``n``.
 
     Examples
     --------
-    >>> list(windows(5, 2))
+    >>> windows(5, 2)
     [0, 2, 4]
-    >>> list(windows(0))
+    >>> windows(0)
     []
+    >>> windows(40, 16, first=2), windows(31, 16, first=2)
+    ([0, 2, 18, 34], [0, 16])
     """
-    if window < 1:
-        raise ValueError(f"window={window!r} must be >= 1 text. Fix: pass e.g. window={WINDOW_TEXTS}.")
-    return range(0, n, window)
+    if window < 1 or first < 0:
+        name, value = ("window", window) if window < 1 else ("first", first)
+        raise ValueError(f"{name}={value!r} must be >= {1 if name == 'window' else 0} text(s): it sizes the sorting "
+                         f"windows. Fix: pass e.g. window={WINDOW_TEXTS} or first={FIRST_WINDOW_TEXTS}.")
+    if first and n >= 16 * first:
+        return [0, *range(first, n, window)]
+    return list(range(0, n, window))
 
 
 def sort_order(lengths: np.ndarray) -> np.ndarray:

@@ -38,7 +38,7 @@ from .device import _Feeder as _Feeder
 from .device import _fuse_gelu as _fuse_gelu
 from .device import _OneDNNLinear as _OneDNNLinear
 from .prompts import resolve_prompt
-from .tokenize import StageClock, TextPacker
+from .tokenize import StageClock, TextPacker, prepared
 from .windows import (
     DEFAULT_CHUNK_OVERLAP,
     LongEncoded,
@@ -308,8 +308,8 @@ class TransformerEngine:
             return self._encode_fed(count, windows, prepare, normalize)
         with self._lock, torch.inference_mode():
             out = torch.empty((count, self.dimension), dtype=torch.float32, device=self.device)
-            for start, item in windows:
-                self._run_window(prepare(item, start), out, normalize)
+            for window in prepared(iter(windows), prepare):
+                self._run_window(window, out, normalize)
             return self._device.finish(out)
 
     def _encode_fed(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], _Window],
@@ -324,8 +324,7 @@ class TransformerEngine:
 
         jobs = [feeder.submit(start)]
         try:
-            for offset, item in windows:
-                window = prepare(item, offset)
+            for window in prepared(iter(windows), prepare):
                 jobs.append(feeder.submit(lambda w=window: self._run_window(w, state["out"], normalize)))
         finally:  # a failed preparation still waits for what was queued (it writes into ``out``)
             for job in jobs:

@@ -9,10 +9,12 @@ device side (:mod:`dask_surge.models.device`) turns a packed window into tensors
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import operator
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
@@ -21,12 +23,72 @@ from typing import Any
 import numpy as np
 
 from ..errors import SurgeInputError
-from .batching import WINDOW_TEXTS, BatchPlan, plan_batches
+from .batching import FIRST_WINDOW_TEXTS, WINDOW_TEXTS, BatchPlan, plan_batches
+from .batching import windows as window_starts
 
-__all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker", "flat_ids", "not_a_str"]
+__all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker", "flat_ids", "gc_paused", "not_a_str", "prepared"]
 
 #: The stages whose seconds an engine counts (see :attr:`StageClock.stats`).
 STAGES = ("tokenize", "pack", "device", "finish")
+
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0  # threads inside gc_paused() now
+_gc_was_enabled = False  # the collector's state when the first of them entered
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Hold off Python's cyclic garbage collector while the block runs (thread-safe, nestable).
+
+    The Rust tokenizer hands back one GC-tracked ``Encoding`` object per text: allocating
+    65,536 of them triggers collections that walk the whole heap of a worker (torch,
+    pandas, distributed: ~500k objects), about 2 us of GIL per text (measured by
+    ``benchmarks/gil_stages.py``). Nothing they hold forms cycles, so nothing is lost by
+    collecting later. The collector's state is restored when the last thread leaves.
+
+    Examples
+    --------
+    >>> enabled = gc.isenabled()
+    >>> with gc_paused():
+    ...     with gc_paused():
+    ...         paused = not gc.isenabled()
+    >>> paused, gc.isenabled() == enabled
+    (True, True)
+    """
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        if _gc_pauses == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_pauses += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+def prepared(windows: Iterator[tuple[int, Any]], prepare: Callable[[Any, int], Any]) -> Iterator[Any]:
+    """``prepare(item, offset)`` of each ``(offset, item)`` of ``windows``, with the collector paused
+    (:func:`gc_paused`) from making each item to the end of its preparation; the item (a window's
+    encodings) is dropped before the result is handed on, so one window's encodings live at a time.
+
+    Examples
+    --------
+    >>> list(prepared(iter([(0, "ab"), (2, "c")]), lambda item, offset: (offset, item.upper())))
+    [(0, 'AB'), (2, 'C')]
+    """
+    while True:
+        with gc_paused():
+            step = next(windows, None)
+            if step is None:
+                return
+            result = prepare(step[1], step[0])
+            del step  # the encodings go now, not when the next window comes
+        yield result
 
 
 class StageClock:
@@ -136,7 +198,8 @@ class TextPacker:
         """
         t0 = time.perf_counter()
         try:
-            encodings = self._encode_batch([self.prompt + t for t in texts] if self.prompt else texts)
+            with gc_paused():  # one GC-tracked object per text (see gc_paused)
+                encodings = self._encode_batch([self.prompt + t for t in texts] if self.prompt else texts)
             self.clock.count("tokenize", t0)
             return encodings
         except TypeError:
@@ -150,20 +213,35 @@ class TextPacker:
         return np.fromiter(map(len, self.tokenize(texts)), dtype=np.int32, count=len(texts))
 
     def windows(self, texts: list[str], *, background: bool = False) -> Iterator[tuple[int, list]]:
-        """Yield ``(offset, encodings)`` per window; with ``background`` the next window tokenizes meanwhile."""
-        starts = range(0, len(texts), WINDOW_TEXTS)
-        if not background or len(starts) < 2:
-            for start in starts:
-                yield start, self.tokenize(texts[start : start + WINDOW_TEXTS])
+        """Yield ``(offset, encodings)`` per window; with ``background`` the next window tokenizes meanwhile.
+
+        Windows follow :func:`~dask_surge.models.batching.windows`; with ``background`` (the device
+        runs while the host tokenizes) a large call starts with a window of
+        :data:`~dask_surge.models.batching.FIRST_WINDOW_TEXTS` texts, so the device starts early.
+
+        Examples
+        --------
+        >>> from transformers import AutoTokenizer
+        >>> from dask_surge.testing import packaged_model_dir
+        >>> packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 8, clock=StageClock())
+        >>> [(offset, len(e)) for offset, e in packer.windows(["a"] * 3)]
+        [(0, 3)]
+        """
+        starts = window_starts(len(texts), WINDOW_TEXTS, first=FIRST_WINDOW_TEXTS if background else 0)
+        spans = list(zip(starts, [*starts[1:], len(texts)]))
+        if not background or len(spans) < 2:
+            for start, stop in spans:
+                yield start, self.tokenize(texts[start:stop])
             return
         with ThreadPoolExecutor(1, thread_name_prefix="surge-tokenize") as pool:
-            pending = pool.submit(self.tokenize, texts[:WINDOW_TEXTS])
-            for start in starts:
+            pending = pool.submit(self.tokenize, texts[spans[0][0] : spans[0][1]])
+            for k, (start, _) in enumerate(spans):
                 encodings = pending.result()
-                nxt = start + WINDOW_TEXTS
-                if nxt < len(texts):
-                    pending = pool.submit(self.tokenize, texts[nxt : nxt + WINDOW_TEXTS])
+                if k + 1 < len(spans):
+                    a, b = spans[k + 1]
+                    pending = pool.submit(self.tokenize, texts[a:b])
                 yield start, encodings
+                del encodings  # before the next window's are taken
 
     def overflowed(self, encodings: list) -> np.ndarray:
         """bool per encoding: its text was cut (truncation left tokens over), without tokenizing again.

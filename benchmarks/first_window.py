@@ -1,0 +1,114 @@
+"""A call's first window: how soon the device can start, and what the window plans cost in padding.
+
+Usage::
+
+    python benchmarks/first_window.py [--n 100000] [--rounds 4] [--out benchmarks/results/first_window_cpu.json]
+
+On ``--n`` real texts (docstring paragraphs, ``_realtext.py``) tokenized with the packaged
+all-MiniLM-L6-v2 tokenizer (truncation 256), for calls of 3,500 (a CPU SuperBatch of the host
+ceiling run), 16,384 and 65,536 texts:
+
+- padding ratio (padded tokens / real tokens, :func:`dask_surge.models.batching.plan_batches`)
+  at token budgets 2,048 (CPU), 16,384 and 65,536 (CUDA) for these window plans:
+  ``full`` (windows of ``WINDOW_TEXTS``), ``first_then_full`` (what the engine does where the
+  device overlaps tokenizing: :func:`dask_surge.models.batching.windows` with
+  ``first=FIRST_WINDOW_TEXTS``), ``geometric_x2`` / ``x4`` / ``x8`` (2,048 texts, growing by the
+  factor up to ``WINDOW_TEXTS``);
+- seconds until the device can start: the engine tokenizer's time for the first window of a
+  65,536-text call, ``FIRST_WINDOW_TEXTS`` texts against a full window, alternating (ABBA), on
+  this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from _ab import script_header  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def geometric(n: int, first: int, growth: int, window: int) -> list[int]:
+    """Window starts: ``first`` texts, then ``growth`` times more each window, at most ``window``."""
+    starts, size, at = [], first, 0
+    while at < n:
+        starts.append(at)
+        at += min(size, window)
+        size *= growth
+    return starts
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=100_000)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--out", default=str(HERE / "results" / "first_window_cpu.json"))
+    args = parser.parse_args(argv)
+
+    import numpy as np
+    import pyarrow.parquet as pq
+    from _realtext import small_files
+    from transformers import AutoTokenizer
+
+    from dask_surge.models.batching import FIRST_WINDOW_TEXTS, WINDOW_TEXTS, plan_batches, windows
+    from dask_surge.models.tokenize import StageClock, TextPacker
+    from dask_surge.testing import packaged_model_dir
+
+    data, layout = small_files(args.n, max(1, args.n // 100))
+    texts = pq.read_table(str(data), columns=["text"]).column("text").to_pylist()
+    packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 256, clock=StageClock())
+    lengths = packer.count_tokens(texts).astype(np.int64)
+    plans = {
+        "full": lambda n: windows(n),
+        "first_then_full": lambda n: windows(n, first=FIRST_WINDOW_TEXTS),
+        **{f"geometric_x{g}": (lambda n, g=g: geometric(n, FIRST_WINDOW_TEXTS, g, WINDOW_TEXTS)) for g in (2, 4, 8)},
+    }
+    padding: dict[str, dict[str, dict[str, float]]] = {}
+    for call in (3500, 16_384, 65_536):
+        for budget in (2048, 16_384, 65_536):
+            row = {}
+            for name, plan in plans.items():
+                padded = real = 0
+                for at in range(0, len(lengths) - call + 1, call):
+                    x = lengths[at : at + call]
+                    starts = plan(call)
+                    for a, b in zip(starts, [*starts[1:], call]):
+                        padded += plan_batches(x[a:b], budget).padded_tokens
+                    real += int(x.sum())
+                row[name] = padded / real
+            padding.setdefault(str(call), {})[str(budget)] = row
+    call = texts[:WINDOW_TEXTS]
+    seconds: dict[str, list[float]] = {"first_window": [], "full_window": []}
+    for r in range(args.rounds):
+        for name in (("first_window", "full_window") if r % 2 == 0 else ("full_window", "first_window")):
+            size = FIRST_WINDOW_TEXTS if name == "first_window" else WINDOW_TEXTS
+            t0 = time.perf_counter()
+            packer.tokenize(call[:size])
+            seconds[name].append(time.perf_counter() - t0)
+    start = {k: statistics.median(v) for k, v in seconds.items()}
+    out = {**script_header(argv), "layout": layout, "first_window_texts": FIRST_WINDOW_TEXTS,
+           "window_texts": WINDOW_TEXTS, "padding_ratio_by_call_and_budget": padding,
+           "device_start_s": {"median": start, "runs": seconds,
+                              "ratio_first_over_full": start["first_window"] / start["full_window"]}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    for call_n, by_budget in padding.items():
+        for budget, row in by_budget.items():
+            print(f"call {call_n:>6} budget {budget:>6}: " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()))
+    print(f"device can start after {start['first_window']:.3f} s (first window) vs {start['full_window']:.3f} s "
+          f"(full window): ratio {out['device_start_s']['ratio_first_over_full']:.3f}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
