@@ -245,9 +245,11 @@ class TextSample:
 
 
 def _plan(sizes: PartitionSizes, b_min: int, b_max: int, max_bytes: int | None) -> list[SuperBatch]:
-    """The SuperBatches for these sizes; the byte cap applies where text bytes are known."""
+    """The SuperBatches a new run makes of these sizes: the byte cap applies where text bytes are
+    known, and the first ones ramp up from ``surge.first-superbatch`` rows (as the run records it)."""
     cap = max_bytes if sizes.nbytes is not None else None
-    return plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap)
+    return plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap,
+                             first=config.get("first-superbatch"))
 
 
 def _max_bytes(value: Any) -> int | None:

@@ -596,6 +596,15 @@ OPTIONS: tuple[Option, ...] = (
          loads again on its next use).""",
          "models a process keeps loaded at most; one more closes the least recently used",
          default=4, config="max-loaded-models", validator=positive_int(fix="pass e.g. 4"), schema=_INT_MIN_1),
+    _opt("first_superbatch", int | None, "int, optional", """
+         Rows of a new run's first SuperBatch when partition sizes are known (Parquet, in-memory
+         frames): the thresholds of the next ones double from there up to ``b_min``, so the first
+         output comes after one small SuperBatch, not ``b_min`` rows (a cold worker's first forward
+         passes are the slowest part of its start). Recorded with the run, so a resumed run plans
+         the same SuperBatches. Can be a positive int, or None to start at ``b_min``.""",
+         "rows of a new run's first SuperBatch (thresholds double up to b-min); null starts at b-min",
+         default=256, config="first-superbatch", validator=positive_int(none=True),
+         schema={"oneOf": [_INT_MIN_1, _NULL]}),
     _opt("superbatches_per_gpu", int, "int", """
          SuperBatch tasks a GPU worker runs at once: one encodes on the GPU (the engine serializes
          forward passes through one feeder thread) while the others read, tokenize, pack, write and

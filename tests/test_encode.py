@@ -1,5 +1,7 @@
 """End-to-end: ddf.surge.encode, lazily and to Parquet, checked against sentence-transformers."""
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -408,3 +410,35 @@ def test_dask_cudf_text_column_encodes_like_pandas(tmp_path, counting_encoder):
     np.testing.assert_array_equal(_emb(got), _emb(want))
     res = gddf.surge.encode("text", str(tmp_path / "o"), scheduler="sync", progress=False, **kw)
     assert res.rows == sum(sizes)
+
+
+def test_first_superbatch_is_small_and_a_resume_keeps_the_recorded_ramp(tmp_path, counting_encoder):
+    """A new run's SuperBatches ramp up from surge.first-superbatch rows to b_min, the run records the
+    ramp, and a resume plans the same SuperBatches whatever the config says then (no row twice)."""
+    from dask_surge.testing import write_partitioned_parquet
+
+    sizes = [4] * 30
+    write_partitioned_parquet(tmp_path / "in", sizes)
+    ddf = dd.read_parquet(str(tmp_path / "in"))  # sizes known from the footers: a planned run
+    out = tmp_path / "emb"
+    kw = dict(model=counting_encoder, b_min=32, b_max=64, scheduler="sync", progress=False)
+    with dask.config.set({"surge.first-superbatch": 4}):
+        res = ddf.surge.encode("text", str(out), **kw)
+    assert [r.rows for r in res.records][:5] == [4, 8, 16, 32, 32]  # thresholds 4, 8, 16, then b_min
+    assert counting_encoder.calls[-len(res.records):] == [r.rows for r in res.records]  # a model call each
+    run = json.loads(next(out.glob("_surge/runs/*/run.json")).read_text())
+    assert run["plan"]["first"] == 4
+    records = sorted((out / "_surge" / "runs").glob("*/commits/*.json"))
+    for rec in records[:2]:  # the first two SuperBatches as if never committed
+        rec.unlink()
+    next(out.glob("_surge/runs/*/COMPLETE")).unlink()
+    counting_encoder.calls.clear()
+    with dask.config.set({"surge.first-superbatch": None}):  # another ramp asked: the recorded one plans
+        again = ddf.surge.encode("text", str(out), **kw)
+    assert sorted(counting_encoder.calls) == [4, 8]
+    back = dask_surge.read_embeddings(str(out)).compute()
+    assert len(back) == sum(sizes) == len(back[["partition", "row"]].drop_duplicates())
+    assert again.rows == sum(sizes)
+    with dask.config.set({"surge.first-superbatch": 4}):  # plan() shows the SuperBatches a new run makes
+        planned = dask_surge.plan(ddf, "text", b_min=32, b_max=64, scheduler="sync")
+    assert [sb.rows for sb in planned.superbatches] == [r.rows for r in res.records]

@@ -196,3 +196,47 @@ def test_plan_and_encode_resolve_the_same_thresholds(sizes, b_min, b_max, thread
         assert got.b_max == b_max
     again = _run_thresholds(b_min, b_max, known, None, gpu=gpu, threads=threads, max_bytes=None)
     assert again == got
+
+
+# -- the ramp: small first SuperBatches, thresholds doubling up to b_min -------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts(), st.integers(min_value=1, max_value=400))
+def test_a_ramp_keeps_every_row_once_and_the_cap_and_ramps_its_thresholds(layout, first):
+    sizes, b_min, b_max = layout
+    plan = plan_superbatches(sizes, b_min, b_max, first=first)
+    flat = [(s.partition, r) for sb in plan for s in sb.spans for r in range(s.start, s.stop)]
+    assert flat == [(p, r) for p, n in enumerate(sizes) for r in range(n)]
+    assert [sb.index for sb in plan] == list(range(len(plan)))
+    for k, sb in enumerate(plan):
+        assert sb.rows <= b_max
+        threshold = min(b_min, first * 2**k)
+        is_slice = len(sb.spans) == 1 and sizes[sb.spans[0].partition] > b_max
+        if k < len(plan) - 1 and not is_slice:
+            nxt = plan[k + 1].spans[0].partition
+            assert sb.rows >= threshold or sb.rows + sizes[nxt] > b_max  # the ramp's threshold, as b_min's
+            # ... and flushed as soon as it was reached: without its last partition it was under the threshold
+            whole = [s for s in sb.spans if s.start == 0 and s.stop == sizes[s.partition]]
+            if len(whole) == len(sb.spans) > 1:
+                assert sb.rows - sizes[sb.spans[-1].partition] < threshold
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts())
+def test_a_ramp_from_b_min_or_more_is_no_ramp(layout):
+    sizes, b_min, b_max = layout
+    assert plan_superbatches(sizes, b_min, b_max, first=b_min) == plan_superbatches(sizes, b_min, b_max)
+    assert plan_superbatches(sizes, b_min, b_max, first=None) == plan_superbatches(sizes, b_min, b_max)
+
+
+def test_a_ramp_gives_a_small_first_superbatch_then_b_min_ones():
+    rows = [sb.rows for sb in plan_superbatches([10] * 100, b_min=400, b_max=800, first=16)]
+    assert rows[:6] == [20, 40, 70, 130, 260, 400]  # thresholds 16, 32, 64, 128, 256, then b_min
+    assert set(rows[5:-1]) == {400} and sum(rows) == 1000
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, "256", True])
+def test_a_bad_ramp_is_refused_with_the_fix(bad):
+    with pytest.raises(SurgeValueError, match=r"first=.*Fix: pass e.g. first=256"):
+        plan_superbatches([3], 5, 8, first=bad)

@@ -11,7 +11,9 @@ each SuperBatch as it closes (:class:`UnitRunner`). Two modes:
 - **planned** (partition sizes known without reading data: Parquet footers, in-memory
   frames): SuperBatches are planned ahead (:func:`dask_surge.planning.policy.plan_superbatches`);
   a unit is one SuperBatch, or all the slices of one partition larger than ``b_max``
-  (so that partition is read once).
+  (so that partition is read once). The first SuperBatches ramp up from
+  ``surge.first-superbatch`` rows to ``b_min`` (the run records the ramp), so the first
+  output comes after one small SuperBatch.
 - **streaming** (any other input: ``map_partitions`` chains, CSV/JSON, filters, joins):
   no size pass. A unit applies :class:`dask_surge.planning.policy.OnlinePlanner` to its partitions
   as it computes them, holding at most ``b_min + n_max`` rows; only its last SuperBatch
@@ -489,7 +491,8 @@ def _new_plan(request: RunRequest, sizes: PartitionSizes | None, max_bytes: int 
     if sizes is None:
         return RunPlan(th.b_min, th.b_max, "streaming", npartitions, max_bytes, th.reason,
                        unit_partitions=unit_partitions(npartitions, threads))
-    return RunPlan(th.b_min, th.b_max, "planned", npartitions, max_bytes, th.reason, rows=sizes.total)
+    return RunPlan(th.b_min, th.b_max, "planned", npartitions, max_bytes, th.reason, rows=sizes.total,
+                   first=config.get("first-superbatch"))
 
 
 def _follow_model(bar: RunProgress, request: RunRequest) -> None:
@@ -528,7 +531,8 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
             raise SurgeError(f"the run in {output!r} was planned from known partition sizes, which the "
                              "input no longer gives. Fix: rerun on the same input, or overwrite=True.")
         cap = max_bytes if sizes.nbytes is not None else None
-        superbatches = plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap)
+        superbatches = plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap,
+                                         first=plan.first)  # the ramp this run recorded
         planned_sbs = len(superbatches)
         units = planned_units(superbatches, sizes.sizes, set(committed), coverage)
         bar.planned(rows=sizes.total, superbatches=planned_sbs, done_rows=done_rows,

@@ -219,11 +219,12 @@ class RunPlan:
     reason: str = ""
     rows: int | None = None  # planned mode: the rows the sizes promised
     unit_partitions: int | None = None  # streaming mode: partitions per unit
+    first: int | None = None  # planned mode: the ramp's first threshold (None: b_min from the start)
 
     def as_dict(self) -> dict:
-        """The ``plan`` of ``run.json``: ``rows`` and ``unit_partitions`` only where set."""
+        """The ``plan`` of ``run.json``: ``rows``, ``unit_partitions`` and ``first`` only where set."""
         out = asdict(self)
-        for key in ("rows", "unit_partitions"):
+        for key in ("rows", "unit_partitions", "first"):
             if out[key] is None:
                 del out[key]
         return out

@@ -130,6 +130,29 @@ def validate_thresholds(b_min: object, b_max: object) -> tuple[int, int]:
     return b_min, b_max
 
 
+def validate_first(first: object) -> int | None:
+    """Check the ramp's first threshold (see :class:`OnlinePlanner`): a positive int or None.
+
+    Raises
+    ------
+    SurgeValueError
+        If ``first`` is neither.
+
+    Examples
+    --------
+    >>> validate_first(256), validate_first(None)
+    (256, None)
+    """
+    if first is None:
+        return None
+    if isinstance(first, bool) or not hasattr(first, "__index__") or operator.index(first) <= 0:  # type: ignore[arg-type]
+        raise SurgeValueError(
+            f"first={first!r} is not a positive integer: it is the rows of the first SuperBatch, whose "
+            "threshold doubles up to b_min. Fix: pass e.g. first=256, or None for no ramp."
+        )
+    return operator.index(first)  # type: ignore[arg-type]
+
+
 class OnlinePlanner:
     """Form SuperBatches as partition sizes arrive, one at a time.
 
@@ -140,6 +163,12 @@ class OnlinePlanner:
     max_bytes : int, optional
         Cap on the text bytes of one SuperBatch (used when :meth:`push` is given
         byte sizes); ``None``: rows only.
+    first : int, optional
+        A ramp: the flush threshold of SuperBatch ``k`` is ``min(b_min, first * 2**k)``,
+        so the first ones are small and the first output comes early (the work before
+        it is one small SuperBatch, not ``b_min`` rows), then the thresholds double up to
+        ``b_min``; ``b_max`` caps them all. Can be a positive int, or None (the default)
+        for ``b_min`` from the start.
 
     Examples
     --------
@@ -154,17 +183,31 @@ class OnlinePlanner:
     >>> p = OnlinePlanner(b_min=5, b_max=8, max_bytes=2_000_000)
     >>> [sb.rows for sb in p.push(3, nbytes=3_000_000) + p.finish()]
     [2, 1]
+
+    A ramp from 1 row: thresholds 1, 2, 4, then ``b_min``.
+
+    >>> p = OnlinePlanner(b_min=5, b_max=8, first=1)
+    >>> [sb.rows for n in [1, 1, 1, 1, 3, 2, 2, 2] for sb in p.push(n)] + [sb.rows for sb in p.finish()]
+    [1, 2, 4, 6]
     """
 
-    def __init__(self, b_min: int, b_max: int, max_bytes: int | None = None) -> None:
+    def __init__(self, b_min: int, b_max: int, max_bytes: int | None = None, *, first: int | None = None) -> None:
         self.b_min, self.b_max = validate_thresholds(b_min, b_max)
         self.max_bytes = validate_max_bytes(max_bytes)
+        self.first = validate_first(first)
         self._buffer: list[Span] = []
         self._rows = 0
         self._bytes = 0
         self._next_partition = 0
         self._next_index = 0
         self._finished = False
+
+    @property
+    def threshold(self) -> int:
+        """The flush threshold of the next SuperBatch: ``b_min``, or less while the ramp lasts."""
+        if self.first is None or self.first >= self.b_min:
+            return self.b_min
+        return min(self.b_min, self.first << min(self._next_index, 62))
 
     @property
     def partitions_seen(self) -> int:
@@ -211,13 +254,13 @@ class OnlinePlanner:
             out += self._flush()
             self._buffer, self._rows, self._bytes = [Span(i, 0, n)], n, m
             # b_min <= b_max and n <= b_max: a lone partition may itself reach b_min
-            if self._rows >= self.b_min:
+            if self._rows >= self.threshold:
                 out += self._flush()
         else:
             self._buffer.append(Span(i, 0, n))
             self._rows += n
             self._bytes += m
-            if self._rows >= self.b_min:
+            if self._rows >= self.threshold:
                 out += self._flush()
         return out
 
@@ -228,9 +271,9 @@ class OnlinePlanner:
 
 
 def iter_superbatches(sizes: Iterable[int], b_min: int, b_max: int, *, nbytes: Iterable[int] | None = None,
-                      max_bytes: int | None = None) -> Iterator[SuperBatch]:
+                      max_bytes: int | None = None, first: int | None = None) -> Iterator[SuperBatch]:
     """Lazily yield the SuperBatches for ``sizes`` (see :class:`OnlinePlanner`)."""
-    planner = OnlinePlanner(b_min, b_max, max_bytes if nbytes is not None else None)
+    planner = OnlinePlanner(b_min, b_max, max_bytes if nbytes is not None else None, first=first)
     sizes = list(sizes)
     byte_sizes = [None] * len(sizes) if nbytes is None else list(nbytes)
     if len(byte_sizes) != len(sizes):
@@ -244,7 +287,7 @@ def iter_superbatches(sizes: Iterable[int], b_min: int, b_max: int, *, nbytes: I
 
 
 def plan_superbatches(sizes: Iterable[int], b_min: int, b_max: int, *, nbytes: Iterable[int] | None = None,
-                      max_bytes: int | None = None) -> list[SuperBatch]:
+                      max_bytes: int | None = None, first: int | None = None) -> list[SuperBatch]:
     """Plan SuperBatches for known partition sizes.
 
     Parameters
@@ -261,6 +304,9 @@ def plan_superbatches(sizes: Iterable[int], b_min: int, b_max: int, *, nbytes: I
         Bytes of text in each partition (for the byte cap).
     max_bytes : int, optional
         Hard cap on the text bytes of one SuperBatch (needs ``nbytes``).
+    first : int, optional
+        The ramp (see :class:`OnlinePlanner`): the first SuperBatches flush at ``first``,
+        ``2 * first``... rows up to ``b_min``. None: at ``b_min`` from the start.
 
     Returns
     -------
@@ -270,6 +316,8 @@ def plan_superbatches(sizes: Iterable[int], b_min: int, b_max: int, *, nbytes: I
     --------
     >>> [sb.rows for sb in plan_superbatches([3, 4, 20, 1], b_min=5, b_max=8)]
     [7, 8, 8, 4, 1]
+    >>> [sb.rows for sb in plan_superbatches([1] * 12, b_min=5, b_max=8, first=1)]
+    [1, 2, 4, 5]
     >>> plan_superbatches([3, 4], 5, 8)[0].partitions
     (0, 1)
 
@@ -278,7 +326,7 @@ def plan_superbatches(sizes: Iterable[int], b_min: int, b_max: int, *, nbytes: I
     >>> [sb.rows for sb in plan_superbatches([2, 2], 5, 8, nbytes=[10**6, 10**6], max_bytes=1_500_000)]
     [2, 2]
     """
-    return list(iter_superbatches(sizes, b_min, b_max, nbytes=nbytes, max_bytes=max_bytes))
+    return list(iter_superbatches(sizes, b_min, b_max, nbytes=nbytes, max_bytes=max_bytes, first=first))
 
 
 def max_superbatch_rows(sizes: Sequence[int], b_min: int, b_max: int) -> int:
