@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/first_window.py [--n 100000] [--rounds 4] [--out benchmarks/results/first_window_cpu.json]
+    python -m benchmarks.first_window [--n 100000] [--rounds 4] [--out benchmarks/results/first_window_cpu.json]
 
 On ``--n`` real texts (docstring paragraphs, ``_realtext.py``) tokenized with the packaged
 all-MiniLM-L6-v2 tokenizer (truncation 256), for calls of 3,500 (a CPU SuperBatch of the host
@@ -22,17 +22,11 @@ ceiling run), 16,384 and 65,536 texts:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from _ab import script_header  # noqa: E402
+from . import _results
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -52,17 +46,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", default=str(HERE / "results" / "first_window_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "first_window_cpu.json"))
     args = parser.parse_args(argv)
 
     import numpy as np
     import pyarrow.parquet as pq
-    from _realtext import small_files
     from transformers import AutoTokenizer
 
     from dask_surge.models.batching import FIRST_WINDOW_TEXTS, WINDOW_TEXTS, plan_batches, windows
     from dask_surge.models.tokenize import StageClock, TextPacker
     from dask_surge.testing import packaged_model_dir
+
+    from ._realtext import small_files
 
     data, layout = small_files(args.n, max(1, args.n // 100))
     texts = pq.read_table(str(data), columns=["text"]).column("text").to_pylist()
@@ -96,17 +91,19 @@ def main(argv: list[str] | None = None) -> dict:
             packer.tokenize(call[:size])
             seconds[name].append(time.perf_counter() - t0)
     start = {k: statistics.median(v) for k, v in seconds.items()}
-    out = {**script_header(argv), "layout": layout, "first_window_texts": FIRST_WINDOW_TEXTS,
-           "window_texts": WINDOW_TEXTS, "padding_ratio_by_call_and_budget": padding,
-           "device_start_s": {"median": start, "runs": seconds,
-                              "ratio_first_over_full": start["first_window"] / start["full_window"]}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    report = _results.new_report(__spec__.name, argv, args)
+    report["results"] = [{"call_texts": int(call_n), "budget_tokens": int(budget), "plan": name, "padding_ratio": ratio}
+                         for call_n, by_budget in padding.items() for budget, row in by_budget.items()
+                         for name, ratio in row.items()]
+    report["summary"] = {"layout": layout, "first_window_texts": FIRST_WINDOW_TEXTS, "window_texts": WINDOW_TEXTS,
+                         "device_start_s": {"median": start, "runs": seconds,
+                                            "ratio_first_over_full": start["first_window"] / start["full_window"]}}
+    out = _results.save(report, args.out)
     for call_n, by_budget in padding.items():
         for budget, row in by_budget.items():
             print(f"call {call_n:>6} budget {budget:>6}: " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()))
     print(f"device can start after {start['first_window']:.3f} s (first window) vs {start['full_window']:.3f} s "
-          f"(full window): ratio {out['device_start_s']['ratio_first_over_full']:.3f}")
+          f"(full window): ratio {out['summary']['device_start_s']['ratio_first_over_full']:.3f}")
     return out
 
 

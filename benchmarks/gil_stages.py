@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/gil_stages.py [--n 65536] [--rounds 4] [--out benchmarks/results/gil_stages_cpu.json]
+    python -m benchmarks.gil_stages [--n 65536] [--rounds 4] [--out benchmarks/results/gil_stages_cpu.json]
 
 On ``--n`` real texts (docstring paragraphs, ``_realtext.py``, read back from Parquet as a worker
 reads them), with the encoder's forward replaced by zeros (:data:`dask_surge.models.engine.NOOP_FORWARD_ENV`),
@@ -20,18 +20,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from _ab import script_header  # noqa: E402
+from . import _results
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -48,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=65_536)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", default=str(HERE / "results" / "gil_stages_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "gil_stages_cpu.json"))
     args = parser.parse_args(argv)
 
     from dask_surge.models.engine import NOOP_FORWARD_ENV
@@ -56,13 +50,14 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ[NOOP_FORWARD_ENV] = "1"
     import numpy as np
     import pyarrow.parquet as pq
-    from _realtext import small_files
 
     from dask_surge.execution.sink import parquet_bytes, table_of
     from dask_surge.execution.superbatch import texts_of
     from dask_surge.io.reuse import text_hashes
     from dask_surge.models.encoders import Encoder
     from dask_surge.models.tokenize import flat_ids
+
+    from ._realtext import small_files
 
     data, layout = small_files(args.n, max(1, args.n // 100))
     encoder = Encoder("default", device="cpu").load()
@@ -128,16 +123,26 @@ def main(argv: list[str] | None = None) -> dict:
         w, c, _ = timed(lambda: parquet_bytes(table_of(out_frame), np.array([len(texts)]), None))  # type: ignore[arg-type]
         note("parquet_bytes (releases the GIL in Arrow)", w, c)
     n = args.n
-    result = {name: {"wall_us_per_text": statistics.median(x[0] for x in v) * 1e6 / n,
-                     "cpu_us_per_text": statistics.median(x[1] for x in v) * 1e6 / n} for name, v in rows.items()}
     import gc
 
-    out = {**script_header(argv), "texts": n, "layout": layout, "gc_tracked_objects": len(gc.get_objects()),
-           "torch_threads": torch.get_num_threads(), "stages": result}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    for name, r in result.items():
-        print(f"{name:28s} wall {r['wall_us_per_text']:7.2f} us/text   thread cpu {r['cpu_us_per_text']:7.2f} us/text")
+    report = _results.new_report(__spec__.name, argv, args)
+    report["results"] = [{"stage": name, "texts": n,
+                          "wall_us_per_text": statistics.median(x[0] for x in v) * 1e6 / n,
+                          "thread_cpu_us_per_text": statistics.median(x[1] for x in v) * 1e6 / n}
+                         for name, v in rows.items()]
+    by = {r["stage"]: r["thread_cpu_us_per_text"] for r in report["results"]}
+    paths = {k: sum(by[f"{s}[{k}]"] for s in ("tokenize_encode_batch", "pack", "free_encodings"))
+             for k in ("gc_on", "gc_paused")}
+    report["summary"] = {"layout": layout, "gc_tracked_objects": len(gc.get_objects()),
+                         "torch_threads": torch.get_num_threads(),
+                         "host_path_thread_cpu_us_per_text": paths,
+                         "host_path_paused_over_on": paths["gc_paused"] / paths["gc_on"]}
+    out = _results.save(report, args.out)
+    for r in report["results"]:
+        print(f"{r['stage']:42s} wall {r['wall_us_per_text']:7.2f} us/text   thread cpu "
+              f"{r['thread_cpu_us_per_text']:7.2f} us/text")
+    print(f"host path (tokenize + pack + free), thread CPU: {paths['gc_on']:.2f} us/text with the collector on, "
+          f"{paths['gc_paused']:.2f} paused")
     return out
 
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/tokenpool_handoff.py [--n 65536] [--rounds 4] [--out benchmarks/results/tokenpool_handoff_cpu.json]
+    python -m benchmarks.tokenpool_handoff [--n 65536] [--rounds 4] [--out benchmarks/results/tokenpool_handoff_cpu.json]
 
 Issue 27 item 4 offers two ways to cut a worker's GIL-holding Python per text: vectorize in
 the worker, or move tokenize-and-pack into a small pool of processes that hand back int32 ids
@@ -27,18 +27,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
-import sys
 import time
 from multiprocessing import get_context, shared_memory
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from _ab import script_header  # noqa: E402
+from . import _results
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -96,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=65_536)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", default=str(HERE / "results" / "tokenpool_handoff_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "tokenpool_handoff_cpu.json"))
     args = parser.parse_args(argv)
 
     from concurrent.futures import ProcessPoolExecutor
@@ -104,11 +98,12 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from _realtext import small_files
     from transformers import AutoTokenizer
 
     from dask_surge.models.tokenize import StageClock, TextPacker, flat_ids, gc_paused
     from dask_surge.testing import packaged_model_dir
+
+    from ._realtext import small_files
 
     data, layout = small_files(args.n, max(1, args.n // 100))
     texts = pq.read_table(str(data), columns=["text"]).column("text").to_pylist()
@@ -166,15 +161,18 @@ def main(argv: list[str] | None = None) -> dict:
             shm.close()
             shm.unlink()
     medians = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
-    out = {**script_header(argv), "layout": layout, "texts": n, "per_text_median": medians, "runs": runs,
-           "note": "thread_cpu_us: the caller's thread (its GIL time); total_cpu_us: this process plus the "
-                   "helper's CPU; the Rust tokenizer's threads count in both"}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    report = _results.new_report(__spec__.name, argv, args)
+    report["results"] = [{"path": k, "round": i, "texts": n, **r} for k, v in runs.items() for i, r in enumerate(v)]
+    report["summary"] = {"layout": layout, "per_text_median": medians,
+                         "caller_thread_helper_over_inprocess":
+                             medians["helper"]["thread_cpu_us"] / medians["inprocess"]["thread_cpu_us"],
+                         "note": "thread_cpu_us: the caller's thread (its GIL time); total_cpu_us: this process plus "
+                                 "the helper's CPU; the Rust tokenizer's threads count in both"}
+    _results.save(report, args.out)
     for k, m in medians.items():
         print(f"{k:10s} caller thread {m['thread_cpu_us']:6.2f} us/text   wall {m['wall_us']:6.2f}   "
               f"total cpu {m['total_cpu_us']:6.2f}")
-    return out
+    return report
 
 
 if __name__ == "__main__":
