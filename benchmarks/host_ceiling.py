@@ -18,10 +18,12 @@ Parquet files of log-normal sizes, see ``_realtext.py``) and the same cores:
     see :data:`dask_surge.models.engine.NOOP_FORWARD_ENV`). The model is loaded on the workers
     by a warm-up run before the clock starts.
 
-Issue 17's target: (b) >= 0.8 x (a) in texts/s ("everything but tokenization costs at most
-25% more"). Runs alternate (a, b, a, b, ...); medians are reported. ``--gil`` also samples
-the workers with ``py-spy record --gil`` during one extra (b) run and reports the
-GIL-holding microseconds per text.
+Target: (b) >= 0.95 x (a) in texts/s (issue 27; issue 17 asked for 0.8). Runs alternate
+(a, b, a, b, ...); medians are reported, with each worker's CPU per text by thread (the Dask
+task thread, the event loop's ``MainThread``, ``native`` pools: :func:`thread_cpu`, which
+holds up on a loaded machine). ``--gil`` also samples the workers with ``py-spy record --gil``
+during one extra (b) run and reports the GIL-holding microseconds per text and where they fall
+(:func:`gil_profile`); on a loaded machine a thread preempted while holding the GIL still counts.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))
 from _ab import script_header  # noqa: E402 - the benchmarks folder, put on the path above
+
+#: Issue 27's target for (b) / (a).
+TARGET = 0.95
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -100,8 +105,11 @@ def gil_profile(raw: str, top: int = 40) -> dict:
             continue
         n = int(count)
         total += n
-        thread, *frames = [f.strip() for f in stack.split(";")]  # the first frame names the thread
-        name = thread.split('"')[1] if thread.count('"') >= 2 else thread
+        frames = [f.strip() for f in stack.split(";")]
+        if frames and frames[0].startswith("thread ("):  # py-spy --threads: the root names the thread
+            name, frames = frames[0], frames[1:]
+        else:  # the root frame tells the threads apart (<module> runs a worker's event loop)
+            name = frames[0] if frames else ""
         threads[name] = threads.get(name, 0) + n
         if frames:
             own[frames[-1]] = own.get(frames[-1], 0) + n
@@ -112,6 +120,44 @@ def gil_profile(raw: str, top: int = 40) -> dict:
         return sorted(d.items(), key=lambda kv: -kv[1])[:top]
 
     return {"samples": total, "threads": ranked(threads), "self": ranked(own), "inclusive": ranked(under)}
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's live threads (Linux ``/proc``; ``{}`` elsewhere), summed by
+    Python thread name with digits dropped (``Dask-Default-Threads-``); threads Python did not
+    start (the Rust tokenizer's, Arrow's, torch's pools) count as ``native``.
+
+    Unlike py-spy's GIL samples (a thread preempted while it holds the GIL still counts), this
+    counts only time on a core, so it holds up on a shared, loaded machine; it includes work a
+    thread does without the GIL (Arrow, torch kernels).
+    """
+    import re
+    import threading
+
+    out: dict[str, float] = {}
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return out
+    names = {t.native_id: re.sub(r"[-_]?\d+", "", t.name).strip("-_") for t in threading.enumerate()}
+    ticks = os.sysconf("SC_CLK_TCK")
+    for task in tasks.iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        name = names.get(int(task.name), "native")
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    return out
+
+
+def thread_cpu_during(client, run) -> tuple[object, dict[str, dict[str, float]]]:
+    """``run()``'s result and each worker's CPU seconds per thread name spent meanwhile."""
+    before = client.run(thread_cpu)
+    result = run()
+    after = client.run(thread_cpu)
+    return result, {w: {k: round(v - before[w].get(k, 0.0), 3) for k, v in after[w].items()
+                        if v - before[w].get(k, 0.0) > 0} for w in after}
 
 
 def gil_seconds(client, run, *, native: bool = False) -> dict:
@@ -128,7 +174,7 @@ def gil_seconds(client, run, *, native: bool = False) -> dict:
              "--output", str(out), *(["--native"] if native else ["--nonblocking"])],  # native needs pauses
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
     time.sleep(1.0)  # let py-spy attach
-    result = run()
+    result, cpu = thread_cpu_during(client, run)
     per_worker, profiles = {}, {}
     for pid, out, proc in spies:
         proc.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
@@ -137,7 +183,15 @@ def gil_seconds(client, run, *, native: bool = False) -> dict:
         profiles[str(pid)] = gil_profile(raw)
         per_worker[str(pid)] = profiles[str(pid)]["samples"] / rate
     shutil.rmtree(tmp, ignore_errors=True)
-    return {"result": result, "gil_s_by_worker": per_worker, "rate_hz": rate, "profile_by_worker": profiles}
+    return {"result": result, "gil_s_by_worker": per_worker, "rate_hz": rate, "profile_by_worker": profiles,
+            "thread_cpu_s_by_worker": cpu}
+
+
+def _per_text_by_thread(runs: list[dict[str, dict[str, float]]], texts: int) -> dict[str, float]:
+    """Median over runs of the workers' CPU microseconds per text, per thread name (workers summed)."""
+    names = sorted({name for run in runs for worker in run.values() for name in worker})
+    return {name: round(statistics.median(sum(w.get(name, 0.0) for w in run.values()) for run in runs) * 1e6 / texts, 2)
+            for name in names}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -171,9 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
         tok_s, surge_s, facts = [], [], []
         for _ in range(args.repeats):
             tok_s.append(tokenizer_run(texts))
-            s, f = surge_run(data, client, scratch)
+            (s, f), cpu = thread_cpu_during(client, lambda: surge_run(data, client, scratch))
             surge_s.append(s)
-            facts.append(f)
+            facts.append({**f, "thread_cpu_s_by_worker": cpu})
         gil = gil_seconds(client, lambda: surge_run(data, client, scratch), native=args.native) if args.gil else None
         stages = client.run(_engine_stats)
     finally:
@@ -188,7 +242,8 @@ def main(argv: list[str] | None = None) -> dict:
         "workers": args.workers,
         "a_tokenizer_texts_per_s": a, "a_seconds": tok_s,
         "b_surge_noop_texts_per_s": b, "b_seconds": surge_s, "b_runs": facts,
-        "ratio_b_over_a": b / a, "target_ratio": 0.8, "met": b / a >= 0.8,
+        "ratio_b_over_a": b / a, "target_ratio": TARGET, "met": b / a >= TARGET,
+        "b_thread_cpu_us_per_text": _per_text_by_thread([f["thread_cpu_s_by_worker"] for f in facts], args.n),
         "engine_stage_seconds_by_worker": stages,
     }
     if gil is not None:
@@ -199,7 +254,9 @@ def main(argv: list[str] | None = None) -> dict:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
     print(f"(a) tokenizer {a:,.0f} texts/s   (b) SURGE no-op forward {b:,.0f} texts/s   "
-          f"ratio {b / a:.3f} (target >= 0.8)")
+          f"ratio {b / a:.3f} (target >= {TARGET})")
+    print("worker CPU us per text by thread (median of the (b) runs, workers summed): "
+          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(out["b_thread_cpu_us_per_text"].items(), key=lambda kv: -kv[1])))
     if gil is not None:
         print(f"GIL-holding us per text (workers, summed): {out['gil']['gil_us_per_text']:.1f}")
     return out

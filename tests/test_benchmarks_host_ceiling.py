@@ -23,3 +23,47 @@ def test_host_ceiling_writes_its_ratio(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["b_runs"][0]["rows"] == 2000 and report["ratio_b_over_a"] > 0 and "met" in report
+
+
+def _host_ceiling_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("host_ceiling", ROOT / "benchmarks" / "host_ceiling.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gil_profile_says_where_the_samples_fall():
+    """py-spy's raw lines (``frame;frame count``, the root a thread with ``--threads``) summed per thread,
+    leaf frame and frame."""
+    module = _host_ceiling_module()
+    raw = "\n".join([
+        "thread (0x1);run (a.py:1);pack (t.py:9) 3",
+        "thread (0x1);run (a.py:1);free (t.py:12) 2",
+        "<module> (<string>:1);loop (b.py:4) 1",
+        "not a sample line",
+    ])
+    profile = module.gil_profile(raw)
+    assert profile["samples"] == 6
+    assert profile["threads"] == [("thread (0x1)", 5), ("<module> (<string>:1)", 1)]
+    assert profile["self"][0] == ("pack (t.py:9)", 3)
+    assert dict(profile["inclusive"])["run (a.py:1)"] == 5
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux /proc")
+def test_thread_cpu_names_python_threads_and_counts_the_rest_as_native():
+    import threading
+
+    module = _host_ceiling_module()
+
+    def spin():
+        end = module.time.process_time() + 0.1
+        while module.time.process_time() < end:
+            pass
+
+    worker = threading.Thread(target=spin, name="Busy-12")
+    worker.start()
+    during = module.thread_cpu()
+    worker.join()
+    assert "Busy" in during and "MainThread" in during and all(v >= 0 for v in during.values())
