@@ -5,6 +5,9 @@ import ipaddress
 import psutil
 import pytest
 
+import dask
+from distributed import Client
+
 from dask_surge.execution.cluster import _loopback, local_cluster
 
 
@@ -26,6 +29,10 @@ def test_a_started_cluster_listens_on_loopback_only():
     with local_cluster(n_workers=2, threads_per_worker=1) as cluster:
         opened = [s for s in _listening(me) if (s[1], s[2]) not in before]
         dashboard = cluster.dashboard_link
+        with Client(cluster) as client:  # its workers run without the statistical profiler (its CPU is the host's)
+            profiling = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
+            assert list(profiling.values()) == [False, False]
+    assert dask.config.get("distributed.worker.profile.enabled") is True  # this process's config is as it was
     # scheduler, its dashboard, each worker and nanny: at least the scheduler and dashboard
     assert len(opened) >= 2, opened
     exposed = [s for s in opened if not ipaddress.ip_address(s[1]).is_loopback]
