@@ -57,13 +57,22 @@ def test_thread_cpu_names_python_threads_and_counts_the_rest_as_native():
 
     module = _host_ceiling_module()
 
-    def spin():
-        end = module.time.process_time() + 0.1
-        while module.time.process_time() < end:
+    busy, stop = threading.Event(), threading.Event()
+
+    def spin():  # burns 0.05 s of its own CPU, then spins on until the snapshot is taken
+        end = module.time.thread_time() + 0.05
+        while module.time.thread_time() < end:
+            pass
+        busy.set()
+        while not stop.is_set():
             pass
 
     worker = threading.Thread(target=spin, name="Busy-12")
     worker.start()
-    during = module.thread_cpu()
-    worker.join()
+    try:
+        assert busy.wait(60)
+        during = module.thread_cpu()  # the thread is alive and has run (process-wide CPU ended it too early)
+    finally:
+        stop.set()
+        worker.join()
     assert "Busy" in during and "MainThread" in during and all(v >= 0 for v in during.values())

@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import SurgeModelError, SurgeValueError
 from .devices import auto_dtype, checkpoint_dtype, move_to
+from .direct import direct_layout, load_direct
 from .prompts import resolve_prompt
 from .windows import LongEncoded, TextTooLong, WindowCutter, WindowGroup, encode_windows, no_tokenizer
 
@@ -398,8 +399,6 @@ def direct_backend(
     >>> direct_backend(str(packaged_model_dir()), name="minilm", device="cpu", engine="sentence-transformers") is None
     True
     """
-    from .direct import direct_layout, load_direct
-
     if engine == "sentence-transformers":
         return None
     layout, why = direct_layout(path)
