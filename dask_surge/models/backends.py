@@ -366,8 +366,7 @@ def choose_backend(
         fast = TransformerEngine.from_sentence_transformer(obj, max_tokens=max_tokens, dtype=dtype,
                                                            prompt="" if resolved is None else resolved)
         if fast is not None:
-            return FastBackend(obj, fast), (
-                f"engine={engine!r} and the model is {' + '.join(modules)}, which the fast engine runs")
+            return FastBackend(obj, fast), _fast_reason(engine, modules)
         if engine == "fast":
             raise SurgeModelError(
                 f"engine='fast' needs a Transformer (an encoder) + Pooling (cls, mean or max) (+ Normalize) "
@@ -418,7 +417,12 @@ def direct_backend(
                              include_prompt=layout.include_prompt)
     backend = FastBackend(module.auto_model, fast)
     backend.loaded_by = "transformers"
-    return backend, f"engine={engine!r} and the model is {' + '.join(layout.modules)}, which the fast engine runs"
+    return backend, _fast_reason(engine, layout.modules)
+
+
+def _fast_reason(engine: str, modules: list[str]) -> str:
+    """Why the fast engine runs a model of these modules (the same whichever loader built it)."""
+    return f"engine={engine!r} and the model is {' + '.join(modules)}, which the fast engine runs"
 
 
 def free_memory() -> None:
