@@ -68,3 +68,10 @@ def small_files(n: int, files: int, *, sigma: float = 1.0, seed: int = 0) -> tup
               f"{sysconfig.get_paths()['purelib']} (ast, sorted files)", "python": sys.version.split()[0]}
     meta_path.write_text(json.dumps(layout, indent=2))  # outside data/: readers never see it
     return data, layout
+
+
+def read_texts(data: Path) -> list[str]:
+    """The texts of a :func:`small_files` directory, in file and row order."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(str(data), columns=["text"]).column("text").to_pylist()

@@ -205,14 +205,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(HERE / "results" / "host_ceiling_cpu.json"))
     args = parser.parse_args(argv)
 
-    import pyarrow.parquet as pq
-    from _realtext import small_files
+    from _realtext import read_texts, small_files
     from distributed import Client, LocalCluster
 
     from dask_surge.models.engine import NOOP_FORWARD_ENV
 
     data, layout = small_files(args.n, args.files)
-    texts = pq.read_table(str(data), columns=["text"]).column("text").to_pylist()
+    texts = read_texts(data)
     os.environ[NOOP_FORWARD_ENV] = "1"  # inherited by the worker processes started below: benchmark only
     scratch = Path(tempfile.mkdtemp(prefix="host-ceiling-"))
     cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,

@@ -97,16 +97,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     import numpy as np
     import pyarrow as pa
-    import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
     from dask_surge.models.tokenize import StageClock, TextPacker, flat_ids, gc_paused
     from dask_surge.testing import packaged_model_dir
 
-    from ._realtext import small_files
+    from ._realtext import read_texts, small_files
 
     data, layout = small_files(args.n, max(1, args.n // 100))
-    texts = pq.read_table(str(data), columns=["text"]).column("text").to_pylist()
+    texts = read_texts(data)
     n = len(texts)
     hf = AutoTokenizer.from_pretrained(str(packaged_model_dir()))
     packer = TextPacker(hf, 256, clock=StageClock())
