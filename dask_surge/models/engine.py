@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import config
 from ..errors import SurgeValueError
 from .device import (  # the private helpers are re-exported: tests and benchmarks import them from here
     DTYPES,
@@ -39,6 +40,7 @@ from .device import _fuse_gelu as _fuse_gelu
 from .device import _OneDNNLinear as _OneDNNLinear
 from .prompts import resolve_prompt
 from .tokenize import StageClock, TextPacker, prepared
+from .tokenpool import auto_processes
 from .windows import (
     DEFAULT_CHUNK_OVERLAP,
     LongEncoded,
@@ -122,6 +124,17 @@ class TransformerEngine:
         self.prompt = self._packer.prompt
         #: Tokens of the prompt left out of pooling (0 when the Pooling module includes the prompt).
         self.prompt_length = self._packer.prompt_length
+        #: Helper processes that tokenize (:mod:`~dask_surge.models.tokenpool`): None reads
+        #: ``surge.tokenize-processes`` at each call (None there: :func:`~dask_surge.models.tokenpool.auto_processes`
+        #: of the device). Settable; the embeddings are the same either way.
+        self.tokenize_processes: int | None = None
+
+    def _use_processes(self) -> None:
+        """Set the packer's helper processes for this call (see :attr:`tokenize_processes`)."""
+        wanted = self.tokenize_processes
+        if wanted is None:
+            wanted = config.get("tokenize-processes")
+        self._packer.processes = auto_processes(self.device.type) if wanted is None else wanted
 
     @property
     def stats(self) -> dict[str, float]:
@@ -291,6 +304,7 @@ class TransformerEngine:
         (0, 384)
         """
         self._check_open()
+        self._use_processes()
         texts = texts if isinstance(texts, list) else list(texts)
         return self._encode_with(len(texts), self._windows(texts), self._prepare_window, normalize or self._normalize)
 
@@ -337,7 +351,7 @@ class TransformerEngine:
         """``(offset, encodings)`` per window; on CUDA the next window tokenizes during compute."""
         return self._packer.windows(texts, background=self.device.type == "cuda")
 
-    def _prepare_window(self, encodings: list, offset: int) -> _Window:
+    def _prepare_window(self, encodings: Any, offset: int) -> _Window:
         """Host side of one window: the plan and the token ids in run order, as int32 (pinned on CUDA)."""
         packed = self._packer.pack(encodings, offset, max_tokens=self.max_tokens, split_runs=self.split_runs)
         return self._device.stage(packed)
@@ -375,6 +389,7 @@ class TransformerEngine:
         ((4, 384), [0, 0, 1, 2], [2, 254, 254, 156], 1)
         """
         self._check_open()
+        self._use_processes()
         check_long_texts(long_texts, chunk_overlap)
         texts = texts if isinstance(texts, list) else list(texts)
         normalize = normalize or self._normalize
@@ -385,7 +400,7 @@ class TransformerEngine:
                                   self.dimension, renormalize=normalize, clock=self._clock)
         truncated = np.zeros(len(texts), dtype=bool)
 
-        def prepare(encodings: list, offset: int) -> _Window:
+        def prepare(encodings: Any, offset: int) -> _Window:
             over = self._packer.overflowed(encodings)
             if long_texts == "error" and over.any():
                 first = offset + int(np.argmax(over))
@@ -411,7 +426,8 @@ class TransformerEngine:
         return self._device.stage(packed)
 
     def close(self) -> None:
-        """Stop the feeder thread, release the pinned staging buffer and the engine's encoder copy; idempotent.
+        """Stop the feeder thread and the tokenizer helper processes, release the pinned staging buffer and the
+        engine's encoder copy; idempotent.
 
         Work already queued finishes first. The engine cannot encode afterwards; the
         model's weights are the caller's and stay as they are (the engine's own copies,
@@ -427,6 +443,7 @@ class TransformerEngine:
         """
         with self._lock:
             self._closed = True
+        self._packer.close()
         self._device.close()
 
     @property
@@ -455,6 +472,7 @@ class TransformerEngine:
         >>> engine.count_tokens(["", "hello world"]).tolist()
         [2, 4]
         """
+        self._use_processes()
         return self._packer.count_tokens(texts)
 
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import operator
 import threading
 import time
+import warnings
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,8 +28,15 @@ import numpy as np
 from ..errors import SurgeInputError
 from .batching import FIRST_WINDOW_TEXTS, WINDOW_TEXTS, BatchPlan, plan_batches
 from .batching import windows as window_starts
+from .tokenpool import Pending, TokenizedWindow, TokenizerProcessError, TokenPool
 
 __all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker", "flat_ids", "gc_paused", "not_a_str", "prepared"]
+
+logger = logging.getLogger(__name__)
+
+#: What a window of :meth:`TextPacker.windows` holds: the Rust tokenizer's encodings (tokenized in
+#: this process) or a :class:`~dask_surge.models.tokenpool.TokenizedWindow` (by a helper process).
+Tokenized = list | TokenizedWindow
 
 #: The stages whose seconds an engine counts (see :attr:`StageClock.stats`).
 STAGES = ("tokenize", "pack", "device", "finish")
@@ -160,10 +170,13 @@ class TextPacker:
         :attr:`prompt_length` then counts them.
     clock : StageClock
         Where the ``tokenize`` and ``pack`` seconds go.
+    processes : int, default 0
+        Helper processes that tokenize (:class:`~dask_surge.models.tokenpool.TokenPool`, started on
+        first use); 0 tokenizes in this process. Settable: :attr:`processes`.
     """
 
     def __init__(self, hf_tokenizer: Any, max_seq_length: int, *, prompt: str = "", include_prompt: bool = True,
-                 clock: StageClock) -> None:
+                 clock: StageClock, processes: int = 0) -> None:
         self.max_seq_length = int(max_seq_length)
         self.clock = clock
         self._tokenizer = hf_tokenizer.backend_tokenizer.__class__.from_str(hf_tokenizer.backend_tokenizer.to_str())
@@ -182,6 +195,49 @@ class TextPacker:
         self.prompt_length = 0
         if self.prompt and not include_prompt:
             self.prompt_length = self._prompt_tokens(set(getattr(hf_tokenizer, "all_special_ids", ()) or ()))
+        #: Helper processes that tokenize (0: this process does). A change applies from the next call
+        #: (the pool of another size is closed and a new one started on first use).
+        self.processes = processes
+        self._pool: TokenPool | None = None
+        self._pool_lock = threading.Lock()
+        self._pool_failure: str | None = None  # why the helpers are no longer used, once one died
+
+    def tokenizer_json(self) -> str:
+        """This packer's tokenizer (truncation set, padding off) as ``tokenizers.Tokenizer.to_str()`` writes it."""
+        return self._tokenizer.to_str()
+
+    def token_pool(self) -> TokenPool | None:
+        """The helper processes that tokenize, or None when this process does (:attr:`processes` is 0,
+        or a helper died: then the packer stays in process, see :meth:`windows`)."""
+        with self._pool_lock:
+            pool = self._pool
+            if pool is not None and (pool.processes != self.processes or pool.closed):
+                self._pool = None
+                pool.close()
+                pool = None
+            if pool is None and self.processes > 0 and self._pool_failure is None:
+                pool = self._pool = TokenPool(self.tokenizer_json(), self.max_seq_length, prompt=self.prompt,
+                                              processes=self.processes)
+            return pool
+
+    def _pool_died(self, err: TokenizerProcessError) -> None:
+        """A helper died: close the pool, tokenize in process from now on, and say so once."""
+        with self._pool_lock:
+            first = self._pool_failure is None
+            self._pool_failure = str(err)
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+        if first:
+            warnings.warn(str(err), RuntimeWarning, stacklevel=3)
+            logger.warning("dask-surge: %s", err)
+
+    def close(self) -> None:
+        """Stop the helper processes, if any (they start again on the next call); idempotent."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     def _prompt_tokens(self, special_ids: set[int]) -> int:
         """Tokens of the prompt alone (truncated), less a trailing special token: sentence-transformers' rule."""
@@ -210,14 +266,56 @@ class TextPacker:
     def count_tokens(self, texts: Sequence[str]) -> np.ndarray:
         """Token length of each text after truncation, special tokens included (int32)."""
         texts = texts if isinstance(texts, list) else list(texts)
+        pool = self.token_pool()
+        if pool is not None and texts:
+            t0 = time.perf_counter()
+            done = self._pooled(pool, texts, ids=False)
+            if done is not None:
+                self.clock.count("tokenize", t0)
+                return done.lengths
         return np.fromiter(map(len, self.tokenize(texts)), dtype=np.int32, count=len(texts))
 
-    def windows(self, texts: list[str], *, background: bool = False) -> Iterator[tuple[int, list]]:
+    def _submit(self, pool: TokenPool, texts: list[str], *, ids: bool = True, block: bool = True
+                ) -> Pending | TokenizerProcessError | None:
+        """``pool.submit(texts)``; a :class:`TokenizerProcessError` is returned (a died one handled), not raised."""
+        try:
+            return pool.submit(texts, ids=ids, block=block)
+        except TypeError:
+            if (err := not_a_str(texts)) is None:
+                raise
+            raise err from None
+        except TokenizerProcessError as err:
+            return self._failed(err)
+
+    def _failed(self, err: TokenizerProcessError) -> TokenizerProcessError:
+        if err.died:
+            self._pool_died(err)
+        else:
+            logger.info("dask-surge: a window is tokenized in process: %s", err)
+        return err
+
+    def _pooled(self, pool: TokenPool, texts: list[str], *, ids: bool = True) -> TokenizedWindow | None:
+        """``texts`` tokenized by a helper, or None when that failed (see :meth:`_submit`)."""
+        pending = self._submit(pool, texts, ids=ids)
+        if not isinstance(pending, Pending):
+            return None
+        try:
+            return pending.result()
+        except TokenizerProcessError as err:
+            self._failed(err)
+            return None
+
+    def windows(self, texts: list[str], *, background: bool = False) -> Iterator[tuple[int, Tokenized]]:
         """Yield ``(offset, encodings)`` per window; with ``background`` the next window tokenizes meanwhile.
 
         Windows follow :func:`~dask_surge.models.batching.windows`; with ``background`` (the device
         runs while the host tokenizes) a large call starts with a window of
         :data:`~dask_surge.models.batching.FIRST_WINDOW_TEXTS` texts, so the device starts early.
+        With :attr:`processes` > 0 the helper processes tokenize (one window per helper handed over
+        ahead of the one yielded, whatever ``background`` says) and each window is a
+        :class:`~dask_surge.models.tokenpool.TokenizedWindow`; the windows, and so the plans and the
+        embeddings, are the same. When a helper dies the rest is tokenized in this process, with a
+        ``RuntimeWarning`` that says why (:class:`~dask_surge.models.tokenpool.TokenizerProcessError`).
 
         Examples
         --------
@@ -226,24 +324,79 @@ class TextPacker:
         >>> packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 8, clock=StageClock())
         >>> [(offset, len(e)) for offset, e in packer.windows(["a"] * 3)]
         [(0, 3)]
+        >>> packer.processes = 1  # a helper process tokenizes
+        >>> [(offset, type(e).__name__, len(e)) for offset, e in packer.windows(["a"] * 3)]
+        [(0, 'TokenizedWindow', 3)]
+        >>> packer.close()
         """
         starts = window_starts(len(texts), WINDOW_TEXTS, first=FIRST_WINDOW_TEXTS if background else 0)
         spans = list(zip(starts, [*starts[1:], len(texts)]))
+        pool = self.token_pool() if texts else None
+        if pool is not None:
+            yield from self._pooled_windows(pool, texts, spans)
+            return
         if not background or len(spans) < 2:
             for start, stop in spans:
                 yield start, self.tokenize(texts[start:stop])
             return
-        with ThreadPoolExecutor(1, thread_name_prefix="surge-tokenize") as pool:
-            pending = pool.submit(self.tokenize, texts[spans[0][0] : spans[0][1]])
+        with ThreadPoolExecutor(1, thread_name_prefix="surge-tokenize") as pool_:
+            pending = pool_.submit(self.tokenize, texts[spans[0][0] : spans[0][1]])
             for k, (start, _) in enumerate(spans):
                 encodings = pending.result()
                 if k + 1 < len(spans):
                     a, b = spans[k + 1]
-                    pending = pool.submit(self.tokenize, texts[a:b])
+                    pending = pool_.submit(self.tokenize, texts[a:b])
                 yield start, encodings
                 del encodings  # before the next window's are taken
 
-    def overflowed(self, encodings: list) -> np.ndarray:
+    def _pooled_windows(self, pool: TokenPool, texts: list[str], spans: list[tuple[int, int]]
+                        ) -> Iterator[tuple[int, Tokenized]]:
+        """:meth:`windows` through the helper processes: up to one window per helper in flight ahead of
+        the one the caller packs. A window a helper could not take or finish is tokenized here; after a
+        helper died, every later one is (the same ids either way)."""
+        ahead: deque[tuple[int, int, Pending]] = deque()
+        k = 0  # the next span to hand over
+        in_process = False
+        try:
+            while k < len(spans) or ahead:
+                while not in_process and k < len(spans) and len(ahead) < pool.processes:
+                    t0 = time.perf_counter()
+                    a, b = spans[k]
+                    # never wait for a helper while holding one: two calls could each wait for the other's
+                    got = self._submit(pool, texts[a:b], block=not ahead)
+                    self.clock.count("tokenize", t0)
+                    if got is None:
+                        break  # every helper is busy: take a result first
+                    if isinstance(got, TokenizerProcessError):
+                        in_process = got.died
+                        if not ahead:
+                            k += 1
+                            yield a, self.tokenize(texts[a:b])
+                        break
+                    ahead.append((a, b, got))
+                    k += 1
+                if not ahead:
+                    if k < len(spans):  # the helpers are gone: the rest here
+                        a, b = spans[k]
+                        k += 1
+                        yield a, self.tokenize(texts[a:b])
+                    continue
+                a, b, pending = ahead.popleft()
+                t0 = time.perf_counter()
+                try:
+                    item: Tokenized = pending.result()
+                except TokenizerProcessError as err:
+                    self._failed(err)
+                    in_process = in_process or err.died
+                    item = self.tokenize(texts[a:b])
+                self.clock.count("tokenize", t0)
+                yield a, item
+                del item
+        finally:  # the caller stopped early (an error) or finished: free the helpers still working for it
+            for _, _, pending in ahead:
+                pending.discard()
+
+    def overflowed(self, encodings: Tokenized) -> np.ndarray:
         """bool per encoding: its text was cut (truncation left tokens over), without tokenizing again.
 
         Only an encoding :attr:`max_seq_length` long can have been cut; for those the tokenizer's
@@ -257,6 +410,8 @@ class TextPacker:
         >>> packer.overflowed(packer.tokenize(["one two three", "one two three four five", ""])).tolist()
         [False, True, False]
         """
+        if isinstance(encodings, TokenizedWindow):
+            return encodings.overflow
         lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
         out = np.zeros(len(encodings), dtype=bool)
         for i in np.flatnonzero(lengths >= self.max_seq_length).tolist():
@@ -315,8 +470,10 @@ class TextPacker:
         self.clock.count("pack", t0)
         return window
 
-    def pack(self, encodings: list, offset: int, *, max_tokens: int, split_runs: bool = True) -> PackedWindow:
+    def pack(self, encodings: Tokenized, offset: int, *, max_tokens: int, split_runs: bool = True) -> PackedWindow:
         """Plan one window (:func:`~dask_surge.models.batching.plan_batches`) and gather its ids in run order."""
+        if isinstance(encodings, TokenizedWindow):
+            return self._pack_tokenized(encodings, offset, max_tokens=max_tokens, split_runs=split_runs)
         t0 = time.perf_counter()
         lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
         plan = plan_batches(lengths, max_tokens, split_runs=split_runs)
@@ -328,6 +485,36 @@ class TextPacker:
         )
         self.clock.count("pack", t0)
         return window
+
+    def _pack_tokenized(self, window: TokenizedWindow, offset: int, *, max_tokens: int,
+                        split_runs: bool = True) -> PackedWindow:
+        """:meth:`pack` of a window a helper tokenized: the same plan, the ids gathered with NumPy."""
+        t0 = time.perf_counter()
+        plan = plan_batches(window.lengths, max_tokens, split_runs=split_runs)
+        flat = _gather(window.ids, window.starts, window.lengths, plan.order)
+        packed = PackedWindow(
+            plan=plan, size=int(flat.size), ids=flat, lengths=plan.lengths.astype(np.int32),
+            starts=(np.cumsum(plan.lengths) - plan.lengths).astype(np.int64), where=plan.order + offset,
+        )
+        self.clock.count("pack", t0)
+        return packed
+
+
+def _gather(ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """The ids of the texts ``order`` (text ``i``: ``ids[starts[i] : starts[i] + lengths[i]]``), one after
+    the other (NumPy, no loop over texts).
+
+    Examples
+    --------
+    >>> _gather(np.arange(6, dtype=np.int32), np.array([0, 2, 5]), np.array([2, 3, 1]), np.array([1, 2, 0])).tolist()
+    [2, 3, 4, 5, 0, 1]
+    """
+    inner = lengths[order].astype(np.int64)
+    total = int(inner.sum())
+    if not total:
+        return np.empty(0, dtype=np.int32)
+    shift = np.repeat(starts[order].astype(np.int64) - (np.cumsum(inner) - inner), inner)
+    return ids[shift + np.arange(total)]
 
 
 def flat_ids(encodings: Sequence, count: int) -> np.ndarray:

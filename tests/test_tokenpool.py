@@ -1,0 +1,329 @@
+"""Tests of dask_surge.models.tokenpool: tokenizing in helper processes gives the same ids, lengths,
+overflow flags and embeddings as in process; the pool cleans up after itself; a dead helper loses nothing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import dask.config
+import numpy as np
+import pytest
+from sentence_transformers import SentenceTransformer
+from transformers import AutoTokenizer
+
+from dask_surge.errors import SurgeInputError, SurgeValueError
+from dask_surge.models import tokenize as tokenize_module
+from dask_surge.models.engine import TransformerEngine
+from dask_surge.models.tokenize import StageClock, TextPacker, flat_ids
+from dask_surge.models.tokenpool import TokenizedWindow, TokenizerProcessError, TokenPool, auto_processes
+from dask_surge.testing import make_texts, make_tiny_model, packaged_model_dir
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+EDGE = ["", " ", "\t\n", "Ünïcödé café 日本語 🙂", "x", "word " * 400, "naïve " * 300, "🙂" * 600, "a\x00b"]
+
+
+def texts_for(n: int, seed: int = 0) -> list[str]:
+    texts = make_texts(n, seed=seed) + EDGE
+    np.random.default_rng(seed).shuffle(texts)
+    return texts
+
+
+def _segment_exists(name: str) -> bool:
+    return Path("/dev/shm", name).exists()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    return AutoTokenizer.from_pretrained(str(packaged_model_dir()))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, SentenceTransformer]:
+    root = tmp_path_factory.mktemp("tokenpool-models")
+    return {
+        "packaged": SentenceTransformer(str(packaged_model_dir()), device="cpu"),
+        "tiny": SentenceTransformer(make_tiny_model(root / "tiny", max_seq_length=64), device="cpu"),
+    }
+
+
+@pytest.mark.parametrize("prompt", ["", "query: "])
+def test_pool_ids_lengths_and_overflow_match_the_packer(hf_tokenizer, prompt):
+    packer = TextPacker(hf_tokenizer, 32, prompt=prompt, clock=StageClock())
+    texts = texts_for(300)
+    encodings = packer.tokenize(texts)
+    lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(texts))
+    pool = TokenPool(packer.tokenizer_json(), 32, prompt=prompt)
+    try:
+        got = pool.tokenize(texts)
+        assert isinstance(got, TokenizedWindow) and len(got) == len(texts)
+        np.testing.assert_array_equal(got.lengths, lengths)
+        np.testing.assert_array_equal(got.ids, flat_ids(encodings, int(lengths.sum())))
+        np.testing.assert_array_equal(got.overflow, packer.overflowed(encodings))
+        assert got.overflow.any() and not got.overflow.all()
+        only = pool.tokenize(texts, ids=False)  # count_tokens' form: no ids
+        np.testing.assert_array_equal(only.lengths, lengths)
+        assert only.ids.size == 0
+        assert pool.tokenize([]).lengths.size == 0
+    finally:
+        pool.close()
+
+
+def test_packed_windows_are_the_same(hf_tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenize_module, "WINDOW_TEXTS", 64)  # several windows, handed over ahead
+    texts = texts_for(500, seed=1)
+    packer = TextPacker(hf_tokenizer, 48, prompt="passage: ", clock=StageClock())
+    ref = [packer.pack(e, o, max_tokens=512) for o, e in packer.windows(texts)]
+    packer.processes = 2
+    try:
+        got = [(o, e) for o, e in packer.windows(texts)]
+        assert all(isinstance(e, TokenizedWindow) for _, e in got)
+        packed = [packer.pack(e, o, max_tokens=512) for o, e in got]
+    finally:
+        packer.close()
+    assert len(packed) == len(ref) > 2
+    for a, b in zip(ref, packed):
+        for name in ("ids", "lengths", "starts", "where"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        np.testing.assert_array_equal(a.plan.bounds, b.plan.bounds)
+        np.testing.assert_array_equal(a.plan.widths, b.plan.widths)
+
+
+@pytest.mark.parametrize("name", ["packaged", "tiny"])
+def test_embeddings_are_identical_with_the_pool_on_and_off(models, name):
+    model = models[name]
+    texts = texts_for(150, seed=2)
+    for prompt in ("", "query: "):
+        engine = TransformerEngine.from_sentence_transformer(model, prompt=prompt)
+        assert engine is not None
+        try:
+            engine.tokenize_processes = 0
+            ref = engine.encode(texts)
+            ref_long = engine.encode_long(texts, long_texts="truncate")
+            ref_counts = engine.count_tokens(texts)
+            engine.tokenize_processes = 1
+            got = engine.encode(texts)
+            got_long = engine.encode_long(texts, long_texts="truncate")
+            got_counts = engine.count_tokens(texts)
+            assert engine._packer.token_pool() is not None  # the helper really ran
+        finally:
+            engine.close()
+        np.testing.assert_array_equal(got, ref)
+        np.testing.assert_array_equal(got_long.embeddings, ref_long.embeddings)
+        np.testing.assert_array_equal(got_long.truncated, ref_long.truncated)
+        assert got_long.over == ref_long.over > 0
+        np.testing.assert_array_equal(got_counts, ref_counts)
+
+
+def test_include_prompt_false_and_long_text_modes(models):
+    model = models["tiny"]
+    model[1].include_prompt = False
+    try:
+        engine = TransformerEngine.from_sentence_transformer(model, prompt="query: ")
+        assert engine is not None and engine.prompt_length > 0
+        texts = texts_for(80, seed=3)
+        out = {}
+        for processes in (0, 1):
+            engine.tokenize_processes = processes
+            out[processes] = (engine.encode(texts), engine.encode_long(texts, long_texts="mean", chunk_overlap=8).embeddings,
+                              engine.encode_long(texts, long_texts="chunk", chunk_overlap=8).embeddings)
+        engine.tokenize_processes = 1
+        with pytest.raises(Exception, match="tokens"):  # long_texts="error" names the first long text
+            engine.encode_long(texts, long_texts="error")
+        assert engine.encode(["a short one"]).shape == (1, engine.dimension)  # the pool still serves
+        engine.close()
+    finally:
+        model[1].include_prompt = True
+    for a, b in zip(out[0], out[1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_not_a_str_is_the_same_error(models):
+    engine = TransformerEngine.from_sentence_transformer(models["tiny"])
+    engine.tokenize_processes = 1
+    try:
+        with pytest.raises(SurgeInputError, match=r"texts\[1\]=None"):
+            engine.encode(["a", None, "b"])
+        with pytest.raises(SurgeInputError, match=r"texts\[0\]=3"):
+            engine.count_tokens([3])
+        lone = ["ok", "\ud800 lone surrogate"]  # the helper refuses it; in process, the tokenizer's own error
+        engine.tokenize_processes = 0
+        with pytest.raises(Exception) as in_process:
+            engine.encode(lone)
+        engine.tokenize_processes = 1
+        with pytest.raises(type(in_process.value)):
+            engine.encode(lone)
+        assert engine.encode(["fine"]).shape == (1, engine.dimension)
+    finally:
+        engine.close()
+
+
+def test_close_stops_the_helpers_and_unlinks_the_shared_memory(hf_tokenizer):
+    packer = TextPacker(hf_tokenizer, 16, clock=StageClock(), processes=2)
+    pool = packer.token_pool()
+    assert pool is not None
+    pending = [pool.submit(make_texts(50, seed=s)) for s in range(2)]
+    for p in pending:
+        assert p is not None
+        p.result()
+    segments, pids = pool.segments, pool.pids
+    assert len(pids) == 2 and len(segments) == 4 and all(map(_segment_exists, segments))
+    procs = pool._state.helpers[:]
+    packer.close()
+    packer.close()
+    assert pool.closed and pool.segments == [] and not any(map(_segment_exists, segments))
+    assert all(p.proc.poll() is not None for p in procs)
+    with pytest.raises(TokenizerProcessError, match="closed"):
+        pool.submit(["a"])
+    # the packer starts a new pool on its next call
+    assert [len(e) for _, e in packer.windows(["a", "b"])] == [2]
+    packer.close()
+
+
+def test_engine_close_closes_the_pool(models):
+    engine = TransformerEngine.from_sentence_transformer(models["tiny"])
+    engine.tokenize_processes = 1
+    engine.encode(["a", "b"])
+    pool = engine._packer.token_pool()
+    assert pool is not None
+    segments = pool.segments
+    assert segments and all(map(_segment_exists, segments))
+    engine.close()
+    assert pool.closed and not any(map(_segment_exists, segments))
+
+
+def test_a_pool_left_open_is_cleaned_up_at_exit(tmp_path):
+    script = textwrap.dedent(f"""
+        from transformers import AutoTokenizer
+        from dask_surge.models.tokenize import StageClock, TextPacker
+        from dask_surge.models.tokenpool import TokenPool
+        packer = TextPacker(AutoTokenizer.from_pretrained({str(packaged_model_dir())!r}), 16, clock=StageClock())
+        pool = TokenPool(packer.tokenizer_json(), 16, processes=1)
+        pool.tokenize(["a text", "another"])
+        print(" ".join([str(pid) for pid in pool.pids] + pool.segments), flush=True)
+        KEEP = pool  # never closed: the exit must do it
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr
+    pid, *segments = run.stdout.split()
+    assert len(segments) == 2 and not any(map(_segment_exists, segments))
+    assert "leaked" not in run.stderr  # no resource-tracker complaint
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)
+
+
+def test_a_dead_helper_is_reported(hf_tokenizer):
+    packer = TextPacker(hf_tokenizer, 16, clock=StageClock())
+    pool = TokenPool(packer.tokenizer_json(), 16)
+    try:
+        pool.tokenize(["warm"])
+        segments = pool.segments
+        os.kill(pool.pids[0], signal.SIGKILL)
+        with pytest.raises(TokenizerProcessError, match=r"signal 9.*Fix: .*surge.tokenize-processes") as err:
+            pool.tokenize(["a", "b"])
+        assert err.value.died
+        assert pool.pids == [] and not any(map(_segment_exists, segments))  # dropped, its blocks unlinked
+        assert pool.tokenize(["c"]).lengths.tolist() == [3]  # a new helper starts
+    finally:
+        pool.close()
+
+
+def test_a_helper_dying_mid_call_loses_no_row(models, monkeypatch):
+    monkeypatch.setattr(tokenize_module, "WINDOW_TEXTS", 32)
+    engine = TransformerEngine.from_sentence_transformer(models["tiny"], prompt="query: ")
+    texts = texts_for(200, seed=4)
+    engine.tokenize_processes = 0
+    ref = engine.encode(texts)
+    engine.tokenize_processes = 1
+    calls = {"n": 0}
+    original = engine._prepare_window
+
+    def kill_after_the_first(encodings, offset):  # the helper is at work on the next window now
+        calls["n"] += 1
+        if calls["n"] == 1:
+            pool = engine._packer._pool
+            assert pool is not None
+            os.kill(pool.pids[0], signal.SIGKILL)
+        return original(encodings, offset)
+
+    engine._prepare_window = kill_after_the_first  # type: ignore[method-assign]
+    try:
+        with pytest.warns(RuntimeWarning, match=r"tokenizer helper process \d+ killed by signal 9"):
+            got = engine.encode(texts)
+        np.testing.assert_array_equal(got, ref)
+        assert engine._packer.token_pool() is None  # in process from now on
+        np.testing.assert_array_equal(engine.encode(texts), ref)
+    finally:
+        engine.close()
+
+
+def test_two_threads_share_one_helper_without_deadlock(hf_tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenize_module, "WINDOW_TEXTS", 16)
+    packer = TextPacker(hf_tokenizer, 16, clock=StageClock(), processes=1)
+    texts = texts_for(120, seed=5)
+    want = packer.count_tokens(texts)
+    results: dict[int, np.ndarray] = {}
+
+    def run(k: int) -> None:
+        results[k] = np.concatenate([e.lengths for _, e in packer.windows(texts)])
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    try:
+        assert not any(t.is_alive() for t in threads)
+        assert sorted(results) == [0, 1, 2] and all(np.array_equal(r, want) for r in results.values())
+    finally:
+        packer.close()
+
+
+def test_an_abandoned_iteration_frees_the_helpers(hf_tokenizer, monkeypatch):
+    monkeypatch.setattr(tokenize_module, "WINDOW_TEXTS", 16)
+    packer = TextPacker(hf_tokenizer, 16, clock=StageClock(), processes=2)
+    windows = packer.windows(texts_for(100))
+    next(windows)
+    windows.close()  # what an error in the caller's loop does
+    pool = packer.token_pool()
+    assert pool is not None and len(pool._state.idle) == len(pool._state.helpers) == 2
+    packer.close()
+
+
+@pytest.mark.parametrize("value", [-1, "two", 1.5, True])
+def test_config_is_validated(models, value):
+    engine = TransformerEngine.from_sentence_transformer(models["tiny"])
+    try:
+        with dask.config.set({"surge.tokenize-processes": value}), pytest.raises(SurgeValueError) as err:
+            engine.encode(["a"])
+    finally:
+        engine.close()
+    message = str(err.value)
+    assert f"surge.tokenize-processes={value!r}" in message and "int >= 0 or None" in message
+    assert "Fix:" in message and "DASK_SURGE__TOKENIZE_PROCESSES" in message
+
+
+def test_config_picks_the_helpers(models):
+    engine = TransformerEngine.from_sentence_transformer(models["tiny"])
+    try:
+        with dask.config.set({"surge.tokenize-processes": 1}):
+            engine.encode(["a"])
+            assert engine._packer.processes == 1 and engine._packer._pool is not None
+        engine.encode(["a"])  # the default (None): auto, 0 on a CPU
+        assert engine._packer.processes == auto_processes("cpu") == 0
+        assert engine._packer.token_pool() is None
+    finally:
+        engine.close()
+
+
+def test_the_helper_imports_nothing_of_the_package():
+    source = (Path(tokenize_module.__file__).with_name("_tokenhelper.py")).read_text()
+    assert "dask_surge" not in source.replace("dask_surge.models.tokenpool", "")
+    assert "from ." not in source and "import dask" not in source
