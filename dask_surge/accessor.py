@@ -5,17 +5,21 @@
 signature (less ``ddf``) and docstring, so ``ddf.surge.encode?`` in a notebook tells
 the whole story, and they can never drift from them. (Those functions' signatures and
 Parameters are in turn derived from :data:`dask_surge.options.OPTIONS`.)
+
+This module imports :mod:`dask_surge.api` when a method is first looked up, not when it is
+imported: ``import dask_surge`` registers the accessor as soon as ``dask.dataframe`` is
+imported, which may happen in the middle of importing a dask-surge module (a Dask worker
+running a dask-surge task), where importing the API's layers would be circular.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 from dask.dataframe.extensions import register_dataframe_accessor
-
-from . import api
 
 
 class _BoundToFrame:
@@ -30,7 +34,7 @@ class _BoundToFrame:
         self.name = name
 
     def __get__(self, accessor: Any, owner: type | None = None) -> Any:
-        func = getattr(api, self.name)
+        func = getattr(importlib.import_module("dask_surge.api"), self.name)
         if accessor is None:
             return func
         ddf = accessor._ddf
