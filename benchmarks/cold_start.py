@@ -3,7 +3,8 @@
 Usage::
 
     python -m benchmarks.cold_start [--files 2000] [--n 20000] [--workers 2] [--repeats 3]
-                                    [--tree LABEL=PATH ...] [--out benchmarks/results/cold_start_cpu.json]
+                                    [--tree LABEL=PATH[:first=ROWS][:ramp=ROWS] ...]
+                                    [--out benchmarks/results/cold_start_cpu.json]
 
 Issue 27's target: first output <= 5 s on 2,000 small files on a 2-core machine.
 ``dd.read_parquet(dir).surge.encode("text", output=..., model="default")`` with the packaged
@@ -17,7 +18,11 @@ Every measurement runs in a fresh Python process (so the client pays its first p
 imports, as a notebook does) on a fresh cluster. ``--tree LABEL=PATH`` runs the
 ``dask_surge`` package found under ``PATH`` (e.g. a ``git archive`` of an earlier commit)
 instead of this checkout's, so before and after run side by side, alternating
-(``LABEL=.`` is this checkout); the default is this checkout alone.
+(``LABEL=.`` is this checkout); the default is this checkout alone. A ``:first=ROWS`` suffix
+sets ``surge.first-superbatch`` (``DASK_SURGE__FIRST_SUPERBATCH``; ``None``: no ramp) in that
+tree's runs, so first-SuperBatch sizes compare side by side (``--tree f32=.:first=32 --tree
+f256=.:first=256``); ``:ramp=ROWS`` is the benchmark's own ramp (a prototype, for trees
+older than the planner's).
 
 The timeline comes from timestamps of the functions that do each step, wrapped in the client
 (register the plugin, fingerprint, Parquet footers, thresholds, manifest, graph, first
@@ -268,12 +273,19 @@ def summarize(events: list) -> dict[str, float]:
     return steps
 
 
-def _run_child(tree: Path | None, data: str, workers: int, ramp: int = 0) -> dict:
+#: the environment variable that sets ``surge.first-superbatch`` in a run's process (and its workers)
+FIRST_ENV = "DASK_SURGE__FIRST_SUPERBATCH"
+
+
+def _run_child(tree: Path | None, data: str, workers: int, ramp: int = 0, first: str | None = None) -> dict:
     paths = ([str(tree)] if tree is not None else []) + [str(ROOT)]
     code = (f"import sys, json; sys.path[:0] = {paths!r}; from benchmarks import cold_start as m; "
             f"print('@@' + json.dumps(m.one({data!r}, {workers}, {ramp})))")
+    env = dict(os.environ)
+    if first is not None:
+        env[FIRST_ENV] = first
     proc = subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(), capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=env)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("@@")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"the cold-start child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -286,31 +298,38 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH[:ramp=ROWS]",
+    parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH[:ramp=ROWS][:first=ROWS]",
                         help="a dask_surge tree to run ('.': this checkout), with ':ramp=ROWS' the first "
-                             "SuperBatches ramped up from ROWS rows (a prototype); repeat to compare, alternating")
+                             "SuperBatches ramped up from ROWS rows (a prototype of the planner's ramp), with "
+                             "':first=ROWS' surge.first-superbatch set to ROWS ('None': no ramp) in the run's "
+                             "process; repeat to compare, alternating")
     parser.add_argument("--out", default=str(_results.RESULTS / "cold_start_cpu.json"))
     args = parser.parse_args(argv)
     from ._realtext import small_files
 
-    trees: list[tuple[str, Path | None, int]] = []
+    trees: list[tuple[str, Path | None, int, str | None]] = []
     for spec in args.tree or ["this=."]:
-        label, _, path = spec.partition("=")
-        path, _, ramp = path.partition(":ramp=")
-        trees.append((label, None if path in ("", ".") else Path(path).resolve(), int(ramp or 0)))
+        label, _, rest = spec.partition("=")
+        path, *suffixes = rest.split(":")
+        options = dict(s.partition("=")[::2] for s in suffixes)
+        unknown = set(options) - {"ramp", "first"}
+        if unknown:
+            parser.error(f"--tree {spec!r}: unknown suffix {sorted(unknown)} (ramp=ROWS, first=ROWS)")
+        trees.append((label, None if path in ("", ".") else Path(path).resolve(), int(options.get("ramp") or 0),
+                      options.get("first")))
     data, layout = small_files(args.n, args.files)
     records = []
     for repeat in range(args.repeats):
-        for label, tree, ramp in trees:  # alternating: the machine's load drifts over minutes
-            r = _run_child(tree, str(data), args.workers, ramp)
-            r.update(tree=label, repeat=repeat, steps=summarize(r["events"]))
+        for label, tree, ramp, first in trees:  # alternating: the machine's load drifts over minutes
+            r = _run_child(tree, str(data), args.workers, ramp, first)
+            r.update(tree=label, repeat=repeat, first_superbatch=first, steps=summarize(r["events"]))
             records.append(r)
             print(f"[{label} #{repeat}] ttfo {r['ttfo_s']:.2f} s, total {r['seconds']:.2f} s, first SB "
                   f"{r['first_sb_rows']} rows (encode {r['first_sb_encode_s']:.2f} s), load "
                   f"{r['loadavg_at_call'][0]:.2f}", flush=True)
     report = _results.new_report(__spec__.name, argv, args)
     report["results"] = records
-    medians = {label: statistics.median(r["ttfo_s"] for r in records if r["tree"] == label) for label, _, _ in trees}
+    medians = {label: statistics.median(r["ttfo_s"] for r in records if r["tree"] == label) for label, *_ in trees}
     summary: dict[str, Any] = {"layout": layout, "workers": args.workers, "forward": "real",
                                "ttfo_s_median": medians, "target_s": 5.0,
                                "met": {k: v <= 5.0 for k, v in medians.items()}}
