@@ -4,6 +4,8 @@ Usage::
 
     python benchmarks/host_ceiling.py [--n 100000] [--files 1000] [--workers 2] [--repeats 3]
                                       [--gil] [--out benchmarks/results/host_ceiling_cpu.json]
+    python benchmarks/host_ceiling.py --tokenpool [--sizes 50000 150000] [--processes 1] [--repeats 2]
+                                      [--out benchmarks/results/host_ceiling_tokenpool_ab_cpu.json]
 
 On the same texts (``--n`` docstring paragraphs of installed packages, in ``--files``
 Parquet files of log-normal sizes, see ``_realtext.py``) and the same cores:
@@ -24,6 +26,15 @@ task thread, the event loop's ``MainThread``, ``native`` pools: :func:`thread_cp
 holds up on a loaded machine). ``--gil`` also samples the workers with ``py-spy record --gil``
 during one extra (b) run and reports the GIL-holding microseconds per text and where they fall
 (:func:`gil_profile`); on a loaded machine a thread preempted while holding the GIL still counts.
+
+``--tokenpool`` compares (b) with ``surge.tokenize-processes`` 0 (``off``: the worker tokenizes)
+and ``--processes`` (``on``: helper processes tokenize, :mod:`dask_surge.models.tokenpool`) side by
+side: two clusters, one per setting, both warm, on the same texts, runs alternating (ABBA) with
+(a) once per round, at each of ``--sizes`` texts. Every (b) run is sampled by py-spy ``--gil
+--threads``: GIL-holding microseconds per text per worker by thread (the Dask task thread, the
+event loop's ``MainThread``, others), and the slope between the sizes (the marginal GIL per text:
+the event loop's cost is mostly per run and per second, not per text). The helpers' own CPU is
+read from ``/proc`` and added to the workers' for the CPU per text each setting costs.
 """
 
 from __future__ import annotations
@@ -92,9 +103,19 @@ def _engine_stats() -> list[dict]:
     return [dict(v.engine.stats) for v in _LOADED.values() if v.engine is not None]
 
 
+def _thread_name(root: str) -> str:
+    """``Dask-Default-Threads`` of py-spy's ``thread (1234): Dask-Default-Threads-1234-0`` (digits dropped, as
+    :func:`thread_cpu` names threads)."""
+    import re
+
+    name = root.split("): ", 1)[1] if "): " in root else root
+    return re.sub(r"[-_]?\d+", "", name).strip("-_") or root
+
+
 def gil_profile(raw: str, top: int = 40) -> dict:
     """Where the GIL samples of a ``py-spy record --format raw`` profile fall: per thread, and per
-    function the samples it held the GIL in itself (``self``, the leaf frame) and under it (``inclusive``)."""
+    function the samples it held the GIL in itself (``self``, the leaf frame) and under it (``inclusive``).
+    With ``--threads`` the threads are named (:func:`_thread_name`); else the root frame tells them apart."""
     own: dict[str, int] = {}
     under: dict[str, int] = {}
     threads: dict[str, int] = {}
@@ -107,7 +128,7 @@ def gil_profile(raw: str, top: int = 40) -> dict:
         total += n
         frames = [f.strip() for f in stack.split(";")]
         if frames and frames[0].startswith("thread ("):  # py-spy --threads: the root names the thread
-            name, frames = frames[0], frames[1:]
+            name, frames = _thread_name(frames[0]), frames[1:]
         else:  # the root frame tells the threads apart (<module> runs a worker's event loop)
             name = frames[0] if frames else ""
         threads[name] = threads.get(name, 0) + n
@@ -160,7 +181,7 @@ def thread_cpu_during(client, run) -> tuple[object, dict[str, dict[str, float]]]
                         if v - before[w].get(k, 0.0) > 0} for w in after}
 
 
-def gil_seconds(client, run, *, native: bool = False) -> dict:
+def gil_seconds(client, run, *, native: bool = False, threads: bool = False) -> dict:
     """Run ``run()`` while py-spy samples every worker's GIL-holding thread; GIL seconds per worker,
     and where the samples fell (:func:`gil_profile`, per worker; ``native`` adds C/Rust frames)."""
     pids = list(client.run(os.getpid).values())
@@ -171,7 +192,8 @@ def gil_seconds(client, run, *, native: bool = False) -> dict:
         out = tmp / f"{pid}.txt"
         spies.append((pid, out, subprocess.Popen(
             ["py-spy", "record", "--pid", str(pid), "--gil", "--rate", str(rate), "--format", "raw",
-             "--output", str(out), *(["--native"] if native else ["--nonblocking"])],  # native needs pauses
+             "--output", str(out), *(["--threads"] if threads else []),
+             *(["--native"] if native else ["--nonblocking"])],  # native needs pauses
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
     time.sleep(1.0)  # let py-spy attach
     result, cpu = thread_cpu_during(client, run)
@@ -194,6 +216,151 @@ def _per_text_by_thread(runs: list[dict[str, dict[str, float]]], texts: int) -> 
             for name in names}
 
 
+def helper_cpu() -> float:
+    """CPU seconds of the tokenizer helper processes of the engines loaded in this worker (Linux ``/proc``)."""
+    from dask_surge.models.encoders import _LOADED
+
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for loaded in list(_LOADED.values()):
+        pool = getattr(getattr(loaded.engine, "_packer", None), "_pool", None)
+        for pid in pool.pids if pool is not None else ():
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
+def _set_processes(value) -> object:
+    import dask.config
+
+    dask.config.set({"surge.tokenize-processes": value})
+    return dask.config.get("surge.tokenize-processes")
+
+
+def _gil_by_thread(gil: dict) -> dict[str, float]:
+    """GIL seconds per thread name, the workers summed."""
+    out: dict[str, float] = {}
+    for prof in gil["profile_by_worker"].values():
+        for name, samples in prof["threads"]:
+            out[name] = out.get(name, 0.0) + samples / gil["rate_hz"]
+    return out
+
+
+def _slope(small: float, large: float, n_small: int, n_large: int) -> float:
+    return (large - small) * 1e6 / (n_large - n_small)
+
+
+def tokenpool_ab(args) -> dict:
+    """``--tokenpool``: (b) with the helpers off and on, side by side (see the module docstring)."""
+    from _realtext import read_texts, small_files
+    from distributed import Client, LocalCluster
+
+    from dask_surge.models.engine import NOOP_FORWARD_ENV
+
+    arms = {"off": 0, "on": args.processes}
+    os.environ[NOOP_FORWARD_ENV] = "1"  # inherited by the worker processes started below: benchmark only
+    scratch = Path(tempfile.mkdtemp(prefix="host-ceiling-"))
+    clusters: dict[str, tuple] = {}
+    runs: list[dict] = []
+    layouts: dict[str, dict] = {}
+    header = script_header(None)
+    try:
+        for arm, value in arms.items():
+            cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
+                                   dashboard_address="127.0.0.1:0")
+            client = Client(cluster)
+            clusters[arm] = (cluster, client)
+            assert all(client.run(lambda: os.environ.get(NOOP_FORWARD_ENV) == "1").values())
+            assert set(client.run(_set_processes, value).values()) == {value}
+        warm = small_files(2000, 20, seed=1)[0]
+        for arm in arms:  # the model loaded and (on) the helpers started on every worker before the clock
+            surge_run(warm, clusters[arm][1], scratch)
+        for size in args.sizes:
+            data, layouts[str(size)] = small_files(size, max(1, size // 100))
+            texts = read_texts(data)
+            for r in range(args.repeats):
+                a_s = tokenizer_run(texts)
+                for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                    client = clusters[arm][1]
+                    h0 = client.run(helper_cpu)
+                    gil = gil_seconds(client, lambda c=client: surge_run(data, c, scratch), threads=True)
+                    h1 = client.run(helper_cpu)
+                    seconds, facts = gil["result"]
+                    cpu = gil["thread_cpu_s_by_worker"]
+                    helpers = sum(h1[w] - h0.get(w, 0.0) for w in h1)
+                    workers_cpu = sum(sum(v.values()) for v in cpu.values())
+                    runs.append({
+                        "size": size, "round": r, "arm": arm, "tokenize_processes": arms[arm],
+                        "loadavg": os.getloadavg(), "a_seconds": a_s, "b_seconds": seconds,
+                        "ratio_b_over_a": a_s / seconds, "rows": facts["rows"], "superbatches": facts["superbatches"],
+                        "gil_s_by_thread": _gil_by_thread(gil), "gil_s": sum(gil["gil_s_by_worker"].values()),
+                        "thread_cpu_s": {k: sum(w.get(k, 0.0) for w in cpu.values())
+                                         for k in sorted({k for w in cpu.values() for k in w})},
+                        "workers_cpu_s": workers_cpu, "helpers_cpu_s": helpers,
+                        "gil_self_top": {w: p["self"][:8] for w, p in gil["profile_by_worker"].items()},
+                    })
+                    last = runs[-1]
+                    print(f"n={size:>7,} r{r} {arm:3s} b/a {last['ratio_b_over_a']:.3f}  "
+                          f"GIL {last['gil_s'] * 1e6 / size:5.2f} us/text "
+                          f"(task {last['gil_s_by_thread'].get('Dask-Default-Threads', 0) * 1e6 / size:4.2f}, "
+                          f"loop {last['gil_s_by_thread'].get('MainThread', 0) * 1e6 / size:4.2f})  "
+                          f"cpu {(workers_cpu + helpers) * 1e6 / size:5.1f} us/text  load {last['loadavg'][0]:.1f}",
+                          flush=True)
+    finally:
+        for cluster, client in clusters.values():
+            client.close()
+            cluster.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return {**header, "layouts": layouts,
+            "workers": args.workers, "arms": arms, "runs": runs, "summary": tokenpool_summary(runs, args.sizes)}
+
+
+def tokenpool_summary(runs: list[dict], sizes: list[int]) -> dict:
+    """Medians per (size, arm) of the per-text figures; the slopes between the smallest and largest size."""
+    def med(arm: str, size: int, key) -> float:
+        return statistics.median(key(r) for r in runs if r["arm"] == arm and r["size"] == size)
+
+    def thread(name: str):
+        return lambda r: r["gil_s_by_thread"].get(name, 0.0)
+
+    out: dict = {"per_size": {}, "slope_us_per_text": {}}
+    for size in sizes:
+        per = out["per_size"][str(size)] = {}
+        for arm in ("off", "on"):
+            per[arm] = {
+                "ratio_b_over_a": med(arm, size, lambda r: r["ratio_b_over_a"]),
+                "b_texts_per_s": size / med(arm, size, lambda r: r["b_seconds"]),
+                "gil_us_per_text": med(arm, size, lambda r: r["gil_s"]) * 1e6 / size,
+                "gil_us_per_text_task_thread": med(arm, size, thread("Dask-Default-Threads")) * 1e6 / size,
+                "gil_us_per_text_event_loop": med(arm, size, thread("MainThread")) * 1e6 / size,
+                "cpu_us_per_text_workers": med(arm, size, lambda r: r["workers_cpu_s"]) * 1e6 / size,
+                "cpu_us_per_text_helpers": med(arm, size, lambda r: r["helpers_cpu_s"]) * 1e6 / size,
+            }
+        per["on_over_off_b_seconds"] = (med("on", size, lambda r: r["b_seconds"])
+                                        / med("off", size, lambda r: r["b_seconds"]))
+    lo, hi = min(sizes), max(sizes)
+    if hi > lo:
+        for arm in ("off", "on"):
+            out["slope_us_per_text"][arm] = {
+                "gil_all_threads": _slope(med(arm, lo, lambda r: r["gil_s"]), med(arm, hi, lambda r: r["gil_s"]), lo, hi),
+                "gil_task_thread": _slope(med(arm, lo, thread("Dask-Default-Threads")),
+                                          med(arm, hi, thread("Dask-Default-Threads")), lo, hi),
+                "gil_event_loop": _slope(med(arm, lo, thread("MainThread")), med(arm, hi, thread("MainThread")), lo, hi),
+                "cpu_workers_plus_helpers": _slope(
+                    med(arm, lo, lambda r: r["workers_cpu_s"] + r["helpers_cpu_s"]),
+                    med(arm, hi, lambda r: r["workers_cpu_s"] + r["helpers_cpu_s"]), lo, hi),
+            }
+    out["target_gil_us_per_text"] = 4.0
+    out["note"] = ("GIL figures are py-spy --gil samples (250 Hz) of the workers, summed over workers; a thread "
+                   "preempted while it holds the GIL still counts (the machine is shared). Slopes: marginal "
+                   "seconds per text between the smallest and largest size, medians of the runs.")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=100_000)
@@ -202,8 +369,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gil", action="store_true", help="also sample the workers' GIL with py-spy")
     parser.add_argument("--native", action="store_true", help="with --gil: C and Rust frames too (py-spy then pauses the workers to sample)")
-    parser.add_argument("--out", default=str(HERE / "results" / "host_ceiling_cpu.json"))
+    parser.add_argument("--tokenpool", action="store_true",
+                        help="(b) with surge.tokenize-processes 0 and --processes side by side, at --sizes")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[50_000, 150_000])
+    parser.add_argument("--processes", type=int, default=1, help="with --tokenpool: helper processes per worker")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.tokenpool:
+        out = tokenpool_ab(args)
+        path = Path(args.out or HERE / "results" / "host_ceiling_tokenpool_ab_cpu.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=2, default=str) + "\n")
+        print(json.dumps(out["summary"], indent=1))
+        return out
+    args.out = args.out or str(HERE / "results" / "host_ceiling_cpu.json")
 
     from _realtext import read_texts, small_files
     from distributed import Client, LocalCluster
