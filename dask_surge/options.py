@@ -616,7 +616,9 @@ OPTIONS: tuple[Option, ...] = (
     _opt("tokenize_processes", int | None, "int, optional", """
          Helper processes per worker process that tokenize for the fast engine and hand back the
          token ids through shared memory, so the worker's GIL does not pay for one Python object
-         per text (about 4 us each): it then spends ~0.2 us per text on tokenizing. Each helper
+         per text (about 4 us each): it then spends ~0.2 us per text on tokenizing (``encode``, the
+         ``long_texts`` modes ``"truncate"`` and ``"error"``, and token counts; ``"chunk"`` and
+         ``"mean"`` tokenize with offsets in the worker). Each helper
          tokenizes one window (up to 65,536 texts) at a time, the next while the worker packs and
          runs the last one. They start on first use, and stop when the model is closed and at
          exit; the embeddings are the same either way. Can be an int >= 0 (0 tokenizes in the

@@ -327,3 +327,20 @@ def test_the_helper_imports_nothing_of_the_package():
     source = (Path(tokenize_module.__file__).with_name("_tokenhelper.py")).read_text()
     assert "dask_surge" not in source.replace("dask_surge.models.tokenpool", "")
     assert "from ." not in source and "import dask" not in source
+
+
+def test_a_helper_that_cannot_start_falls_back_with_a_warning(models, monkeypatch):
+    from dask_surge.models import tokenpool
+
+    engine = TransformerEngine.from_sentence_transformer(models["tiny"])
+    texts = texts_for(40, seed=6)
+    try:
+        engine.tokenize_processes = 0
+        ref = engine.encode(texts)
+        monkeypatch.setattr(tokenpool.sys, "executable", "/nonexistent/python")
+        engine.tokenize_processes = 1
+        with pytest.warns(RuntimeWarning, match=r"could not start a tokenizer helper process.*Fix:"):
+            got = engine.encode(texts)
+        np.testing.assert_array_equal(got, ref)
+    finally:
+        engine.close()

@@ -181,6 +181,17 @@ class _Helper:
         self.blocks.clear()
 
 
+def _start(setup: dict[str, Any], index: int) -> _Helper:
+    """A new helper process, or :class:`TokenizerProcessError` (``died``) when it cannot start."""
+    try:
+        return _Helper(setup, index)
+    except OSError as err:
+        raise TokenizerProcessError(
+            f"could not start a tokenizer helper process ({err}). Texts are tokenized in this process instead. "
+            "Fix: set surge.tokenize-processes to 0 to tokenize in the worker.", died=True
+        ) from None
+
+
 def _stop(proc: subprocess.Popen) -> None:
     for stream in (proc.stdin, proc.stdout):
         try:
@@ -344,7 +355,7 @@ class TokenPool:
                 if state.idle:
                     return state.idle.pop()
                 if len(state.helpers) < self.processes:
-                    helper = _Helper(self._setup, len(state.helpers))
+                    helper = _start(self._setup, len(state.helpers))
                     state.helpers.append(helper)
                     return helper
                 if not block:
