@@ -108,8 +108,9 @@ def _thread_name(root: str) -> str:
     :func:`thread_cpu` names threads)."""
     import re
 
-    name = root.split("): ", 1)[1] if "): " in root else root
-    return re.sub(r"[-_]?\d+", "", name).strip("-_") or root
+    if "): " not in root:  # an older py-spy: the root as it is
+        return root
+    return re.sub(r"[-_]?\d+", "", root.split("): ", 1)[1]).strip("-_") or root
 
 
 def gil_profile(raw: str, top: int = 40) -> dict:

@@ -49,6 +49,9 @@ def test_gil_profile_says_where_the_samples_fall():
     assert profile["threads"] == [("thread (0x1)", 5), ("<module> (<string>:1)", 1)]
     assert profile["self"][0] == ("pack (t.py:9)", 3)
     assert dict(profile["inclusive"])["run (a.py:1)"] == 5
+    named = module.gil_profile("thread (9574): MainThread;<module> (<string>:7) 4\n"
+                               "thread (9616): Dask-Default-Threads-9616-0;run (a.py:1) 2")
+    assert named["threads"] == [("MainThread", 4), ("Dask-Default-Threads", 2)]
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads Linux /proc")
