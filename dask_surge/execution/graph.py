@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from .._compat import Expr, List, Task, TaskRef, new_collection
 from ..planning.policy import SuperBatch
 from .inputs import InputGraph, Unit, UnitSource, task_arguments
+from .profiler import profiler_paused
 
 __all__ = ["SuperBatchExpr", "FusedSuperBatchExpr", "SuperBatchFrame", "superbatch_collection", "input_files"]
 
@@ -38,9 +39,10 @@ class SuperBatchFrame:
     def __call__(self, source: UnitSource, values: list, unit: Unit):
         assert unit.plan is not None and unit.sizes is not None and len(unit.plan) == 1
         (sb,) = unit.plan
-        held = dict(source.iterate(unit.partitions, values))
-        inputs, spans = task_arguments(sb, dict(zip(unit.partitions, unit.sizes)))
-        return self.func([held[p] for p in inputs], sb.index, spans)
+        with profiler_paused():
+            held = dict(source.iterate(unit.partitions, values))
+            inputs, spans = task_arguments(sb, dict(zip(unit.partitions, unit.sizes)))
+            return self.func([held[p] for p in inputs], sb.index, spans)
 
 
 class SuperBatchExpr(Expr):

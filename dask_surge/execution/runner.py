@@ -62,6 +62,7 @@ from .events import listen
 from .graph import input_files
 from .inputs import InputGraph, Unit, UnitSource, task_arguments
 from .plugins import models_ready
+from .profiler import profiler_paused
 from .progress import RunProgress, logging_through
 from .sink import SuperBatchWriter
 from .superbatch import SuperBatchEncoder, partition_digest
@@ -85,7 +86,7 @@ class UnitRunner:
 
     def __call__(self, source: UnitSource, values: list, unit: Unit) -> list[SuperBatchReport]:
         frames = self._checked(source.iterate(unit.partitions, values), unit)
-        with _Committer(self.writer) as committer:
+        with profiler_paused(), _Committer(self.writer) as committer:
             if unit.plan is not None:
                 self._planned(frames, unit, committer)
             else:
