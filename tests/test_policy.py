@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dask_surge import OnlinePlanner, SurgeValueError, plan_superbatches
-from dask_surge.planning.policy import max_superbatch_rows, validate_thresholds
+from dask_surge.planning.policy import Span, SuperBatch, max_superbatch_rows, validate_thresholds
 
 sizes_st = st.lists(st.integers(min_value=0, max_value=500), min_size=0, max_size=80)
 
@@ -240,3 +240,23 @@ def test_a_ramp_gives_a_small_first_superbatch_then_b_min_ones():
 def test_a_bad_ramp_is_refused_with_the_fix(bad):
     with pytest.raises(SurgeValueError, match=r"first=.*Fix: pass e.g. first=256"):
         plan_superbatches([3], 5, 8, first=bad)
+
+
+def test_dask_tokens_of_plans_and_units_are_cheap_and_tell_them_apart():
+    """Span, SuperBatch and Unit give Dask plain tuples to hash (Dask's field-by-field walk of
+    dataclasses cost 0.1 ms a Span): equal values hash equal, any changed field changes the token."""
+    from dask.tokenize import tokenize
+
+    from dask_surge.execution.inputs import Unit
+
+    sb = SuperBatch(0, (Span(0, 0, 5), Span(1, 0, 3)))
+    assert tokenize(sb) == tokenize(SuperBatch(0, (Span(0, 0, 5), Span(1, 0, 3))))
+    others = [SuperBatch(1, sb.spans), SuperBatch(0, (Span(0, 0, 5), Span(1, 0, 4))),
+              SuperBatch(0, (Span(0, 1, 5), Span(1, 0, 3))), SuperBatch(0, (Span(2, 0, 5), Span(1, 0, 3)))]
+    assert len({tokenize(x) for x in [sb, *others]}) == 5
+    unit = Unit((0, 1), (sb,), sizes=(5, 3))
+    changed = [Unit((0, 1), (others[1],), sizes=(5, 3)), Unit((0, 1), (sb,), sizes=(5, 4)),
+               Unit((0, 1), (sb,), frozenset({"000000000-000000000000"}), sizes=(5, 3)),
+               Unit((0, 1), (sb,), sizes=(5, 3), expect=((1, 3, None),)), Unit((0, 1), None)]
+    assert tokenize(unit) == tokenize(Unit((0, 1), (sb,), sizes=(5, 3)))
+    assert len({tokenize(x) for x in [unit, *changed]}) == 6

@@ -49,6 +49,11 @@ class Unit:
     #: ``(partition, rows, digest)`` committed for partitions this unit covers in part (resume)
     expect: tuple[tuple[int, int, str | None], ...] = ()
 
+    def __dask_tokenize__(self) -> tuple:
+        # plain tuples, not Dask's field-by-field walk of each dataclass (see Span.__dask_tokenize__)
+        plan = None if self.plan is None else tuple(sb.__dask_tokenize__() for sb in self.plan)
+        return ("Unit", self.partitions, plan, tuple(sorted(self.done)), self.sizes, self.expect)
+
     @classmethod
     def of(cls, sb: SuperBatch, sizes: Sequence[int] | Mapping[int, int]) -> Unit:
         """The unit of one planned SuperBatch (``sizes``: planned rows of each input partition).

