@@ -24,7 +24,7 @@ WORK=$(mktemp -d /tmp/surge-gpu-work.XXXXXX)
 TRY=${SURGE_GPU_TRY:-}
 # stage:timeout_s, in order; with SETUP_TIMEOUT the sum must stay well under 480 s (the test checks it)
 SETUP_TIMEOUT=45
-STAGES="preflight:15,data:30,host:40,surge_minilm:65,surge_bert:50,engine:30,busy:30,inflight:40,cosine:20,pytest:60"
+STAGES="preflight:15,data:30,host:45,surge_minilm:65,surge_bert:50,engine:30,busy:30,inflight:40,cosine:20,pytest:60"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTORCH_NVML_BASED_CUDA_CHECK=1
 
 line() {  # one JSON line from the shell itself: line STAGE STATUS [key=number ...]

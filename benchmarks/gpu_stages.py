@@ -25,7 +25,8 @@ preflight  versions, CUDA visible, free memory, fast engine chosen, its mask pat
            pinned staging buffer in use (stops the session if anything is off)
 data       Parquet input: log-normal partition sizes in many small files (sets A and B)
 host       inside one Dask worker: the raw tokenizer's rate on set B's texts, and
-           dask-surge end to end with a no-op forward (the host ceiling) on set B
+           dask-surge end to end with a no-op forward (the host ceiling) on set B, with
+           surge.tokenize-processes at its CUDA default, then 0 (tokenizing in the worker)
 surge_minilm / surge_bert   dask-surge end to end, random-weight MiniLM-L6 on set A and
            BERT-base on set B, after a warm-up that loads the model into the workers
 engine     the engine alone in this process (length-split micro-batches, then the greedy
@@ -286,6 +287,7 @@ def _worker_facts() -> dict:
 
     engines = [v.engine for v in _LOADED.values() if v.engine is not None]
     out = {"backends": sorted({v.backend for v in _LOADED.values()}), "max_tokens": [e.max_tokens for e in engines],
+           "tokenize_processes": [e._packer.processes for e in engines],
            "mask4d": [e._mask4d for e in engines], "stage_seconds": [dict(e.stats) for e in engines],
            "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM"), "arrow_cpu_count": pa.cpu_count(),
            "omp": os.environ.get("OMP_NUM_THREADS"),
@@ -336,11 +338,26 @@ def stage_host(s: Session) -> None:
         tok["texts_per_s"] = tok["texts"] / tok["seconds"]
         s.emit(tokenizer_in_worker=tok)
         warm_s = _warm(s, client, model)
-        noop = _surge(s, client, model, files, "noop")
+        noop = _surge(s, client, model, files, "noop")  # surge.tokenize-processes: the device's default
         noop.pop("_records")
         (facts,) = client.run(_worker_facts).values()
+        s.emit(surge_noop=noop, worker=facts)
+        # the same run tokenizing in the worker process (no helper processes): what the helpers buy here
+        client.run(_set_tokenize_processes, 0)
+        in_worker = _surge(s, client, model, files, "noop_in_worker")
+        in_worker.pop("_records")
+        client.run(_set_tokenize_processes, None)
     s.emit("ok", tokenizer_in_worker=tok, warm_s=warm_s, surge_noop=noop, worker=facts,
-           ratio_noop_over_tokenizer=noop["texts_per_s"] / tok["texts_per_s"])
+           ratio_noop_over_tokenizer=noop["texts_per_s"] / tok["texts_per_s"],
+           surge_noop_tokenize_in_worker=in_worker,
+           ratio_helpers_over_in_worker=noop["texts_per_s"] / in_worker["texts_per_s"])
+
+
+def _set_tokenize_processes(value: int | None) -> None:
+    """In a worker: ``surge.tokenize-processes`` for the engine's next calls (it reads the key per call)."""
+    import dask
+
+    dask.config.set({"surge.tokenize-processes": value})
 
 
 def _stage_surge(s: Session, which: str, files_set: str, threads: int | None = None, tag: str = "") -> dict:
