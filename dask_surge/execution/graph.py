@@ -14,7 +14,6 @@ complete in plan order.
 from __future__ import annotations
 
 import functools
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from ..planning.policy import SuperBatch
 from .inputs import InputGraph, Unit, UnitSource, task_arguments
 from .profiler import profiler_paused
 
-__all__ = ["SuperBatchExpr", "FusedSuperBatchExpr", "SuperBatchFrame", "superbatch_collection", "input_files"]
+__all__ = ["SuperBatchExpr", "FusedSuperBatchExpr", "SuperBatchFrame", "superbatch_collection"]
 
 
 @dataclass(frozen=True)
@@ -198,43 +197,3 @@ def _concat_rows(parts, sb_index, spans):
 
     by_partition = dict(zip(sorted({s.partition for s, _ in spans}), parts))
     return pd.concat([by_partition[s.partition].iloc[s.start : s.stop] for s, _ in spans])
-
-
-def input_files(frame) -> list[str]:
-    """Paths (as their filesystem names them) that the input's readers name: a file, a
-    directory or a glob for each path operand of the expression's leaves, and a plain
-    ``read_parquet``'s files. Nothing is listed or read (used to keep outputs out of inputs).
-
-    Examples
-    --------
-    >>> import os, tempfile, pandas as pd, dask.dataframe as dd
-    >>> d = tempfile.mkdtemp()
-    >>> pd.DataFrame({"text": ["a"]}).to_parquet(os.path.join(d, "x.parquet"))
-    >>> any(p.endswith("x.parquet") for p in input_files(dd.read_parquet(d)))
-    True
-    """
-    from fsspec.core import url_to_fs
-
-    found: list[str] = []
-
-    def strings(value) -> list[str]:
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-            return list(value)
-        return []
-
-    for expr in frame.expr.walk():
-        if expr.dependencies():
-            continue
-        for value in expr.operands:
-            for s in strings(value):
-                if "/" in s or os.sep in s or "://" in s:
-                    try:
-                        found.append(url_to_fs(s)[1].rstrip("/"))
-                    except (ValueError, ImportError):  # not a path after all
-                        continue
-        info = getattr(expr, "_dataset_info", None) if "Parquet" in type(expr).__name__ else None
-        if isinstance(info, dict):
-            found += [part["piece"][0] for part in info.get("plan", {}).get("parts", []) if "piece" in part]
-    return found

@@ -22,6 +22,7 @@ stay separate tasks, computed once; the unit task is given their values.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from ..errors import SurgeError
 from ..io.parquet import ParquetPartitions
 from ..planning.policy import SuperBatch
 
-__all__ = ["InputGraph", "Unit", "UnitSource", "cull", "dependents_of", "private_tasks", "task_arguments"]
+__all__ = ["InputGraph", "Unit", "UnitSource", "cull", "dependents_of", "input_files", "private_tasks", "task_arguments"]
 
 
 @dataclass(frozen=True)
@@ -253,3 +254,43 @@ class InputGraph:
         source = UnitSource(ext, nodes, reader, shared_keys)
         task = Task(key, func, source, List(*(TaskRef(k) for k in ext)), unit, _data_producer=True)
         return {key: task, **extra, **cull(self.graph, ext)}
+
+
+def input_files(frame) -> list[str]:
+    """Paths (as their filesystem names them) that the input's readers name: a file, a
+    directory or a glob for each path operand of the expression's leaves, and a plain
+    ``read_parquet``'s files. Nothing is listed or read (used to keep outputs out of inputs).
+
+    Examples
+    --------
+    >>> import os, tempfile, pandas as pd, dask.dataframe as dd
+    >>> d = tempfile.mkdtemp()
+    >>> pd.DataFrame({"text": ["a"]}).to_parquet(os.path.join(d, "x.parquet"))
+    >>> any(p.endswith("x.parquet") for p in input_files(dd.read_parquet(d)))
+    True
+    """
+    from fsspec.core import url_to_fs
+
+    found: list[str] = []
+
+    def strings(value) -> list[str]:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
+            return list(value)
+        return []
+
+    for expr in frame.expr.walk():
+        if expr.dependencies():
+            continue
+        for value in expr.operands:
+            for s in strings(value):
+                if "/" in s or os.sep in s or "://" in s:
+                    try:
+                        found.append(url_to_fs(s)[1].rstrip("/"))
+                    except (ValueError, ImportError):  # not a path after all
+                        continue
+        info = getattr(expr, "_dataset_info", None) if "Parquet" in type(expr).__name__ else None
+        if isinstance(info, dict):
+            found += [part["piece"][0] for part in info.get("plan", {}).get("parts", []) if "piece" in part]
+    return found

@@ -59,8 +59,7 @@ from ..planning.thresholds import Requested, Thresholds
 from ..planning.units import unit_partitions
 from ..results import EncodeResult, SuperBatchReport
 from .events import listen
-from .graph import input_files
-from .inputs import InputGraph, Unit, UnitSource, task_arguments
+from .inputs import InputGraph, Unit, UnitSource, input_files, task_arguments
 from .plugins import models_ready
 from .profiler import profiler_paused
 from .progress import RunProgress, logging_through

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._compat import Projection, ReadParquetFSSpec
+from .. import _compat
 from ..errors import SurgeInputError
 
 __all__ = ["parquet_pieces", "ParquetPartitions", "arrow_local_fs", "arrow_fragments", "scan_files",
@@ -22,10 +22,10 @@ def parquet_pieces(expr) -> tuple | None:
     columns = None
     # dask does not push a projection of several columns into the read (measured: keep=
     # then lost the footer sizes and cost a full size pass): read those columns ourselves
-    if isinstance(expr, Projection) and isinstance(expr.frame, ReadParquetFSSpec) \
+    if isinstance(expr, _compat.Projection) and isinstance(expr.frame, _compat.ReadParquetFSSpec) \
             and isinstance(expr.operand("columns"), list):
         columns, expr = list(expr.columns), expr.frame
-    if not isinstance(expr, ReadParquetFSSpec) or expr.filters:
+    if not isinstance(expr, _compat.ReadParquetFSSpec) or expr.filters:
         return None
     info = expr._dataset_info
     # index_cols is [None] for files pandas wrote with its default RangeIndex (metadata only)

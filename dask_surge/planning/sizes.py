@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from .._compat import FromPandas, Lengths, Literal
+from .. import _compat
 from ..io.arrow import is_cudf
 from ..io.parquet import arrow_fragments, arrow_local_fs, parquet_pieces
 
@@ -36,10 +36,10 @@ def metadata_lengths(expr) -> tuple[int, ...] | None:
     """Partition lengths that Dask can fold to a constant without reading data."""
 
     try:
-        folded = Lengths(expr).simplify()
+        folded = _compat.Lengths(expr).simplify()
     except Exception:  # noqa: BLE001  # pragma: no cover - private API drift: fall back to counting
         return None
-    if isinstance(folded, Literal) and isinstance(folded.operand("value"), (tuple, list)):
+    if isinstance(folded, _compat.Literal) and isinstance(folded.operand("value"), (tuple, list)):
         return tuple(int(n) for n in folded.operand("value"))
     return None
 
@@ -87,7 +87,7 @@ def in_memory_sizes(frame, column: str) -> PartitionSizes | None:
     """
 
     expr = frame.expr.simplify()
-    if not isinstance(expr, FromPandas) or expr.operand("_partitions") is not None:
+    if not isinstance(expr, _compat.FromPandas) or expr.operand("_partitions") is not None:
         return None
     data = getattr(expr.operand("frame"), "_data", None)  # dask wraps the pandas frame
     if data is None or column not in getattr(data, "columns", ()) or not data.index.is_monotonic_increasing:
