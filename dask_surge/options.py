@@ -603,7 +603,7 @@ OPTIONS: tuple[Option, ...] = (
          passes are the slowest part of its start). Recorded with the run, so a resumed run plans
          the same SuperBatches. Can be a positive int, or None to start at ``b_min``.""",
          "rows of a new run's first SuperBatch (thresholds double up to b-min); null starts at b-min",
-         default=256, config="first-superbatch", validator=positive_int(none=True),
+         default=32, config="first-superbatch", validator=positive_int(none=True),
          schema={"oneOf": [_INT_MIN_1, _NULL]}),
     _opt("superbatches_per_gpu", int, "int", """
          SuperBatch tasks a GPU worker runs at once: one encodes on the GPU (the engine serializes
