@@ -263,7 +263,7 @@ class SuperBatchEncoder:
                     "partitions?). Nothing was written for it. Fix: persist or write the input "
                     "to Parquet first so every read returns the same rows."
                 )
-            piece = part.iloc[span.start : span.stop]
+            piece = part if span.start == 0 and span.stop == len(part) else part.iloc[span.start : span.stop]
             values, kept = texts_of(piece[self.column], span.partition, span.start, self.on_null)
             rows = np.arange(span.start, span.stop, dtype=np.int64)
             if kept is not None:

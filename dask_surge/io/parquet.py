@@ -111,8 +111,9 @@ class ParquetPartitions:
         lengths = [t.num_rows for t in tables]
         table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
         frame = table.to_pandas(types_mapper=string_types)
-        if len(frame.columns):
-            frame = frame.astype(dict(self.dtypes))
+        cast = {c: t for c, t in self.dtypes if str(frame.dtypes[c]) != t}  # most often none: no copy
+        if cast:
+            frame = frame.astype(cast)
         offset = 0
         for p, n in zip(partitions, lengths):
             yield p, frame.iloc[offset : offset + n]
