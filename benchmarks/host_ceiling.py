@@ -355,6 +355,12 @@ def tokenpool_summary(runs: list[dict], sizes: list[int]) -> dict:
                     med(arm, lo, lambda r: r["workers_cpu_s"] + r["helpers_cpu_s"]),
                     med(arm, hi, lambda r: r["workers_cpu_s"] + r["helpers_cpu_s"]), lo, hi),
             }
+        # throughput past the per-run costs (planning, the first SuperBatches, the tail): the extra
+        # texts over the extra seconds, (b) against (a) on the same texts
+        a_extra = med("off", hi, lambda r: r["a_seconds"]) - med("off", lo, lambda r: r["a_seconds"])
+        out["marginal_ratio_b_over_a"] = {
+            arm: a_extra / (med(arm, hi, lambda r: r["b_seconds"]) - med(arm, lo, lambda r: r["b_seconds"]))
+            for arm in ("off", "on")}
     out["target_gil_us_per_text"] = 4.0
     out["note"] = ("GIL figures are py-spy --gil samples (250 Hz) of the workers, summed over workers; a thread "
                    "preempted while it holds the GIL still counts (the machine is shared). Slopes: marginal "
