@@ -47,6 +47,7 @@ import contextlib
 import json
 import os
 import platform
+import shutil
 import signal
 import sys
 import tempfile
@@ -167,6 +168,8 @@ def stage_preflight(s: Session) -> None:
 
     facts: dict = {"versions": _versions(), "cpus": os.cpu_count(),
                    "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+    if Path("/dev/shm").is_dir():  # the tokenizing helpers hand ids back through it (a small one: they fall back)
+        facts["dev_shm_free_bytes"] = shutil.disk_usage("/dev/shm").free
     problems = []
     facts["cuda_available"] = torch.cuda.is_available()
     if s.device == "cuda":
@@ -205,7 +208,11 @@ def stage_preflight(s: Session) -> None:
                           "weights_dtype": str(next(engine._hf.parameters()).dtype),
                           "staging_pinned": bool(engine._staging is not None and engine._staging.is_pinned()),
                           "async_finish": engine._device.side_stream is not None,
-                          "noop": engine._noop}
+                          "noop": engine._noop,
+                          # the tokenizing helpers (surge.tokenize-processes; 2 on CUDA): started, or why not
+                          "tokenize_processes": engine._packer.processes,
+                          "tokenize_pool_started": engine._packer._pool is not None,
+                          "tokenize_pool_failure": engine._packer._pool_failure}
         if engine._noop:
             problems.append("DASK_SURGE_BENCH_NOOP_FORWARD is set: every embedding would be zero")
         if s.device == "cuda" and not engines[which]["staging_pinned"]:
