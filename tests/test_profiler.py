@@ -50,12 +50,27 @@ def test_a_task_pauses_the_profiler_and_the_last_one_resumes_it(client):
     assert (held, stopped) == (True, True)
     assert _all_profiling(client)  # started again once the task left
 
-    # overlapping tasks on one worker: paused until the last one leaves
-    (worker, *_) = client.scheduler_info()["workers"]
-    first = client.submit(_task, True, 1.0, pure=False, workers=[worker])
-    second = client.submit(_task, True, 0.0, pure=False, workers=[worker], allow_other_workers=False)
-    assert first.result() == (True, True) and second.result() == (True, True)
+    # overlapping holders on one worker (as tasks on a worker's threads): paused until the last leaves
+    assert client.submit(_overlapping, pure=False).result() == (True, True, False)
     assert _all_profiling(client)
+
+
+def _overlapping():
+    """In a worker task: two holders overlap; the profiler stays paused when the first leaves and
+    runs again once the second has."""
+    from distributed import get_worker
+
+    worker = get_worker()
+    first, second = profiler_paused(True), profiler_paused(True)
+    first.__enter__()
+    second.__enter__()
+    paused = _wait_for(lambda: not _profiling(worker), timeout=5.0)
+    first.__exit__(None, None, None)
+    time.sleep(0.3)  # a resume, had it been scheduled, would have run on the event loop by now
+    still_paused = not _profiling(worker)
+    second.__exit__(None, None, None)
+    resumed = _wait_for(lambda: _profiling(worker), timeout=5.0)
+    return paused, still_paused, not resumed
 
 
 def test_disabled_or_user_stopped_profilers_are_left_alone(client):
