@@ -12,7 +12,7 @@ import pyarrow as pa
 from ..errors import SurgeInputError
 from ..io.arrow import embedding_array, to_host
 from ..io.precision import truncate
-from ..io.reuse import TEXT_HASH, hash_column, open_index, text_hashes
+from ..io.reuse import TEXT_HASH, arrow_strings, hash_column, open_index, text_hashes
 from ..models.encoders import Encoder
 from ..models.windows import TextTooLong
 from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
@@ -92,17 +92,6 @@ def partition_digest(series: pd.Series) -> str:
     return hashlib.blake2b(hashes.tobytes() + len(series).to_bytes(8, "little"), digest_size=16).hexdigest()
 
 
-def _arrow_strings(series: pd.Series) -> pa.ChunkedArray | pa.Array | None:
-    """The Arrow array behind an Arrow-backed string ``series`` (pandas' ``str`` dtype with pyarrow,
-    ``string[pyarrow]``, ``ArrowDtype(pa.string())``), without a copy; None for any other."""
-    values = series.array
-    if not hasattr(values, "__arrow_array__") or not isinstance(series.dtype, (pd.StringDtype, pd.ArrowDtype)):
-        return None
-    arr = values.__arrow_array__()
-    kind = arr.type
-    return arr if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind) else None
-
-
 def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> tuple[list[str], np.ndarray | None]:
     """Return the texts of ``series`` as a list of ``str``, enforcing the null policy,
     and the mask of rows kept (``None``: all of them).
@@ -124,7 +113,7 @@ def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> tup
     >>> texts_of(pd.Series(["a", "b"], dtype="string[pyarrow]"), 0, 0, "error")  # Arrow strings, no null
     (['a', 'b'], None)
     """
-    strings = _arrow_strings(series)
+    strings = arrow_strings(series)
     if strings is not None and strings.null_count == 0:  # Arrow strings: every value a str, none null
         return strings.to_pylist(), None  # 0.14 us a text against 0.66 through isna() and the checks below
     nulls = series.isna().to_numpy()

@@ -65,7 +65,7 @@ from ..errors import SurgeInputError, SurgeOutputError, SurgeValueError
 from .manifest import current_run, existing_run, index_dir, write_bytes_atomic
 from .readers import model_name
 
-__all__ = ["TEXT_HASH", "HASH_ALGORITHM", "TEXT_HASH_TYPE", "text_hashes", "hash_column", "hashes_of",
+__all__ = ["TEXT_HASH", "HASH_ALGORITHM", "TEXT_HASH_TYPE", "text_hashes", "arrow_strings", "hash_column", "hashes_of",
            "text_hash_field", "embedding_identity", "compatible", "Matches", "Reused", "ReuseIndex", "open_index",
            "index_dir"]
 
@@ -156,7 +156,7 @@ def text_hashes(values) -> np.ndarray:
     ...
     dask_surge.errors.SurgeValueError: text_hashes got 1 null value(s) (first at position 1); ...
     """
-    arrow = _as_arrow(values)
+    arrow = arrow_strings(values)
     if arrow is not None:
         if arrow.null_count:
             valid = np.asarray(arrow.is_valid())
@@ -189,8 +189,23 @@ def _is_null(value: Any) -> bool:
         return True  # pandas.NA: its comparison is NA, whose truth value raises
 
 
-def _as_arrow(values) -> pa.Array | pa.ChunkedArray | None:
-    """``values`` as an Arrow string array when it is one already (no copy), else None."""
+def arrow_strings(values) -> pa.Array | pa.ChunkedArray | None:
+    """``values`` (an Arrow array, or a pandas Series backed by one) as an Arrow string array when
+    it is one already (no copy), else None.
+
+    Raises
+    ------
+    SurgeValueError
+        If ``values`` is an Arrow array of another type.
+
+    Examples
+    --------
+    >>> import pandas as pd
+    >>> arrow_strings(pd.Series(["a", None], dtype="string[pyarrow]")).null_count
+    1
+    >>> arrow_strings(pd.Series(["a"], dtype=object)) is None
+    True
+    """
     if isinstance(values, (pa.Array, pa.ChunkedArray)):
         if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
                 or pa.types.is_string_view(values.type)):

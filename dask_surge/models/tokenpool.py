@@ -159,11 +159,7 @@ class _Helper:
         return reply
 
     def died(self, how: str) -> TokenizerProcessError:
-        try:
-            code = self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
+        code = _reap(self.proc)
         what = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         hint = " (signal 9 is usually the out-of-memory killer)" if code == -9 else ""
         return TokenizerProcessError(
@@ -199,11 +195,16 @@ def _stop(proc: subprocess.Popen) -> None:
                 stream.close()
         except OSError:
             pass
+    _reap(proc)
+
+
+def _reap(proc: subprocess.Popen) -> int:
+    """``proc``'s exit code: it has 5 s to exit, then it is killed."""
     try:
-        proc.wait(timeout=5)
+        return proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        return proc.wait()
 
 
 def _unlink(shm: SharedMemory) -> None:
