@@ -214,3 +214,53 @@ def test_an_encode_error_waits_for_the_pending_commit_and_wins():
         UnitRunner(writer, 4, 4, None)(Source(sizes), [], _streaming_unit(sizes))  # type: ignore[arg-type]
     assert list(store.records) == [sb_key(0, 0), sb_key(1, 0)]  # the pending commit ended before the error left
     assert threading.active_count() == threads_before  # no writer thread outlives the task
+
+
+# -- across units: a worker runs its next unit while the last one's final commit is written ------
+
+#: shared by the in-process worker's tasks (their functions travel pickled, Events do not)
+_STARTED: dict[str, threading.Event] = {}
+
+
+class CrossUnitWriter(Writer):
+    """Unit ``a``'s commit waits until unit ``b`` started encoding: on a one-thread worker it
+    finishes only if the worker ran ``b`` while ``a`` waited for its commit."""
+
+    def __init__(self, store: Store, name: str) -> None:
+        super().__init__(store)
+        self.name = name
+
+    def encode(self, parts, spans):
+        _STARTED[self.name].set()
+        return super().encode(parts, spans)
+
+    def commit(self, spans) -> SuperBatchReport:
+        if self.name == "a":
+            assert _STARTED["b"].wait(20), "unit b did not start while unit a's commit was being written"
+        return super().commit(spans)
+
+
+def test_a_worker_runs_its_next_unit_while_the_last_commit_of_a_unit_is_written():
+    distributed = pytest.importorskip("distributed")
+    sizes = [4, 4]
+    _STARTED.update(a=threading.Event(), b=threading.Event())
+    units = planned_units(plan_superbatches(sizes, 4, 4), sizes, set(), Coverage.of([]))
+    assert len(units) == 2
+    store = Store()
+    runners = [UnitRunner(CrossUnitWriter(store, name), 4, 4, None) for name in "ab"]  # type: ignore[arg-type]
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0") as client:
+        futures = [client.submit(runner, Source(sizes), [], unit, pure=False) for runner, unit in zip(runners, units)]
+        reports = [r for f in futures for r in f.result(timeout=60)]
+    assert [r.sb for r in reports] == [sb_key(0, 0), sb_key(1, 0)]
+    assert all(r.committed for r in reports)  # (the worker's writers commit to copies of ``store``)
+
+
+def test_outside_a_worker_a_unit_waits_for_its_last_commit_in_its_own_thread():
+    sizes, store = [4], Store()
+    _STARTED.update(a=threading.Event(), b=threading.Event())
+    _STARTED["b"].set()  # nothing else to wait for: called by hand, the unit runs and commits in series
+    unit = planned_units(plan_superbatches(sizes, 4, 4), sizes, set(), Coverage.of([]))[0]
+    threads_before = threading.active_count()
+    reports = UnitRunner(CrossUnitWriter(store, "a"), 4, 4, None)(Source(sizes), [], unit)  # type: ignore[arg-type]
+    assert [r.sb for r in reports] == [sb_key(0, 0)] and list(store.records) == [sb_key(0, 0)]
+    assert threading.active_count() == threads_before

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -187,12 +188,65 @@ class _Committer:
     def __exit__(self, kind, err, tb) -> None:
         try:
             if kind is None:
-                self._wait()
+                with _thread_handed_over(self._pending):
+                    self._wait()
             elif self._pending is not None:
                 wait([self._pending])  # the task's own error wins; the write must not outlive it
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
+
+
+_handed_over_lock = threading.Lock()
+_handed_over = 0  # tasks of this worker process waiting for their last commit out of its thread pool
+
+
+@contextlib.contextmanager
+def _thread_handed_over(pending: Future | None) -> Iterator[None]:
+    """While a task waits for its last commit, the worker runs its next task in its place.
+
+    A unit's last SuperBatch has nothing left to encode while the writer thread serializes,
+    hashes, writes and fsyncs it, and a planned run's unit is mostly one SuperBatch: without
+    this, the worker's thread would idle through every commit. In a distributed worker's
+    thread, with that commit still running, the task secedes (:func:`distributed.secede`):
+    the worker starts its next task on a fresh thread, which reads and encodes meanwhile. The
+    task still returns only once its commit is durable (its report says so), and its errors
+    still fail it. At most as many tasks as the worker has threads wait so at a time (each
+    holds one encoded SuperBatch: memory stays bounded); past that, and anywhere else (the
+    local schedulers, a task called by hand), the task waits in its slot.
+
+    Worker resources (``resources={"GPU": 1}``) are held until the task ends, so a worker whose
+    tasks each need all of a resource still runs them one after the other.
+    """
+    global _handed_over
+    nthreads = _worker_threads() if pending is not None and not pending.done() else 0
+    with _handed_over_lock:
+        seceding = _handed_over < nthreads
+        _handed_over += seceding
+    try:
+        if seceding:
+            from distributed import secede
+
+            secede()
+        yield
+    finally:
+        if seceding:
+            with _handed_over_lock:
+                _handed_over -= 1
+
+
+def _worker_threads() -> int:
+    """Threads of the distributed worker whose thread pool runs this thread (0: none does)."""
+    try:
+        from distributed import get_worker
+        from distributed.threadpoolexecutor import thread_state
+
+        worker = get_worker()
+    except (ImportError, ValueError):
+        return 0
+    if getattr(thread_state, "executor", None) is None or not getattr(thread_state, "proceed", False):
+        return 0  # not one of the worker's pool threads, or one that already left it
+    return int(worker.state.nthreads)
 
 
 def _expected(partitions: Sequence[int], coverage: Coverage | None) -> tuple[tuple[int, int, str | None], ...]:
