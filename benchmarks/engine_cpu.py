@@ -2,11 +2,12 @@
 
 Usage::
 
-    python -m benchmarks.engine_cpu [--n 3000] [--model packaged|tiny] [--repeats 3]
+    python -m benchmarks.engine_cpu [--n 3000] [--model packaged|tiny] [--real] [--repeats 3]
                                     [--max-tokens 2048[,4096,...]] [--threads N]
                                     [--out benchmarks/results/engine_cpu.json]
 
-Runs are interleaved (ST, engine(s), ST, engine(s), ...) and the median of the
+``--real`` encodes real text (docstring paragraphs of installed packages, ``_realtext.py``)
+instead of :func:`dask_surge.testing.make_texts`. Runs are interleaved (ST, engine(s), ST, engine(s), ...) and the median of the
 repeats is reported. Several ``--max-tokens`` values tune the micro-batch budget
 in one run. The JSON holds the machine facts and the exact command line.
 """
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=32, help="SentenceTransformer.encode batch_size")
     parser.add_argument("--max-tokens", default="auto", help="engine token budget(s), comma-separated, or 'auto'")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--real", action="store_true", help="real text (docstring paragraphs) instead of make_texts")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--out", default="benchmarks/results/engine_cpu.json")
     args = parser.parse_args(argv)
@@ -53,7 +55,12 @@ def main(argv: list[str] | None = None) -> dict:
     for b in budgets:
         engine = TransformerEngine.from_sentence_transformer(model, max_tokens=b)
         engines[f"engine[max_tokens={engine.max_tokens}]"] = engine
-    texts = make_texts(args.n, seed=args.seed)
+    if args.real:
+        from ._realtext import docstring_paragraphs
+
+        texts = docstring_paragraphs(args.n)
+    else:
+        texts = make_texts(args.n, seed=args.seed)
     runners = {"st": lambda t: model.encode(t, batch_size=args.batch_size, convert_to_numpy=True)}
     runners |= {name: e.encode for name, e in engines.items()}
 

@@ -11,6 +11,7 @@ from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Dense, Pooling
 
 from dask_surge.errors import SurgeInputError, SurgeValueError
+from dask_surge.models.batching import CPU_MAX_TOKENS, CPU_MAX_TOKENS_CAP
 from dask_surge.models.engine import TransformerEngine
 from dask_surge.testing import make_texts, make_tiny_model, min_cosine, packaged_model_dir
 
@@ -231,9 +232,12 @@ def test_bad_options_raise(tiny, kwargs, match):
         TransformerEngine.from_sentence_transformer(tiny, **kwargs)
 
 
-def test_float32_dtype_and_auto_budget_on_cpu(tiny):
+def test_float32_dtype_and_auto_budget_on_cpu(tiny, models):
     engine = TransformerEngine.from_sentence_transformer(tiny, dtype="float32")
-    assert engine.device.type == "cpu" and engine.max_tokens == 2048
+    # the tiny encoder is narrow: more tokens a micro-batch (batching.cpu_max_tokens), up to the cap
+    assert engine.device.type == "cpu" and engine.max_tokens == CPU_MAX_TOKENS_CAP == 8192
+    minilm = TransformerEngine.from_sentence_transformer(models["packaged"])
+    assert minilm.max_tokens == CPU_MAX_TOKENS == 2048  # MiniLM keeps the budget measured best for it
 
 
 def test_concurrent_calls_from_threads(tiny):

@@ -51,14 +51,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
-__all__ = ["CPU_MAX_TOKENS", "FIRST_WINDOW_TEXTS", "WINDOW_TEXTS", "BatchPlan", "cut", "plan_batches", "replay", "sort_order", "windows"]
+__all__ = ["CPU_MAX_TOKENS", "CPU_MAX_TOKENS_CAP", "activation_bytes_per_token", "cpu_max_tokens", "FIRST_WINDOW_TEXTS", "WINDOW_TEXTS", "BatchPlan", "cut", "plan_batches", "replay", "sort_order", "windows"]
 
 #: Token budget of one micro-batch on a CPU (rows x padded length): measured best on 2 cores
 #: (DESIGN.md section 9: 2,048 gave 1.83x sentence-transformers, 8,192 1.29x).
 CPU_MAX_TOKENS = 2048
+#: The most tokens :func:`cpu_max_tokens` gives a narrow model's micro-batch: on real text, one
+#: core, the tiny 2-layer 32-wide test encoder did 10.6k, 12.5k, 13.6k and 13.9k texts/s at
+#: 2,048, 4,096, 8,192 and 16,384 tokens (``python -m benchmarks.engine_cpu --model tiny --real
+#: --n 20000 --threads 1 --max-tokens 2048,4096,8192,16384``): past 8,192, 2% for twice the memory.
+CPU_MAX_TOKENS_CAP = 8192
 #: Texts tokenized and length-sorted together. Sorting windows of 65,536 texts wastes about
 #: 6.5% of the forward's tokens on padding, against 21.7% for windows of 16,384 (issue 17).
 WINDOW_TEXTS = 65_536
@@ -69,6 +75,54 @@ WINDOW_TEXTS = 65_536
 #: 65,536-text call at a 65,536-token budget, a small first window then full ones 3.4%
 #: (``benchmarks/first_window.py``).
 FIRST_WINDOW_TEXTS = 2048
+
+
+def activation_bytes_per_token(config, max_seq_length: int) -> int:
+    """fp32 bytes of the widest activations alive per token during one layer of a BERT-like
+    ``config`` (its feed-forward, the hidden states around it, and one attention row a head).
+
+    Examples
+    --------
+    >>> from types import SimpleNamespace
+    >>> minilm = SimpleNamespace(hidden_size=384, intermediate_size=1536, num_attention_heads=12)
+    >>> activation_bytes_per_token(minilm, 256)
+    27648
+    """
+    return 4 * (
+        int(getattr(config, "intermediate_size", 4 * config.hidden_size))
+        + 6 * int(config.hidden_size)
+        + int(getattr(config, "num_attention_heads", 1)) * int(max_seq_length)
+    )
+
+
+def cpu_max_tokens(per_token_bytes: int) -> int:
+    """The token budget of one micro-batch on a CPU for a model of ``per_token_bytes``
+    (:func:`activation_bytes_per_token`).
+
+    A micro-batch holds the activation bytes of :data:`CPU_MAX_TOKENS` tokens of
+    all-MiniLM-L6-v2 (256-token rows), where that budget measured best: a narrower model takes
+    more tokens (a power of two, at most :data:`CPU_MAX_TOKENS_CAP`), so each of its many small
+    operators does more work per call; a wider one keeps :data:`CPU_MAX_TOKENS`.
+
+    Examples
+    --------
+    >>> cpu_max_tokens(27648)  # all-MiniLM-L6-v2
+    2048
+    >>> cpu_max_tokens(55296)  # BERT-base: never below CPU_MAX_TOKENS
+    2048
+    >>> cpu_max_tokens(2048)  # the 2-layer, 32-wide test encoder (128-token rows)
+    8192
+    """
+    budget = CPU_MAX_TOKENS * _MINILM_BYTES_PER_TOKEN
+    tokens = CPU_MAX_TOKENS
+    while tokens < CPU_MAX_TOKENS_CAP and 2 * tokens * max(1, int(per_token_bytes)) <= budget:
+        tokens *= 2
+    return tokens
+
+
+#: :func:`activation_bytes_per_token` of all-MiniLM-L6-v2 at its 256-token rows (27,648)
+_MINILM_BYTES_PER_TOKEN = activation_bytes_per_token(
+    SimpleNamespace(hidden_size=384, intermediate_size=1536, num_attention_heads=12), 256)
 
 
 def _check(max_tokens: int, batch_rows: int) -> None:

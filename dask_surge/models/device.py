@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..errors import SurgeModelError
-from .batching import CPU_MAX_TOKENS, BatchPlan
+from .batching import CPU_MAX_TOKENS, BatchPlan, activation_bytes_per_token, cpu_max_tokens
 from .tokenize import PackedWindow, StageClock
 
 __all__ = ["DTYPES", "NOOP_FORWARD_ENV", "STAGING_BYTES", "DeviceRunner"]
@@ -354,16 +354,12 @@ class DeviceRunner:
 
     # -- sizing, the feeder thread, release ----------------------------------------------------
     def auto_max_tokens(self, max_seq_length: int) -> int:
-        """The token budget of one micro-batch: 2048 on a CPU, sized from free memory on CUDA."""
+        """The token budget of one micro-batch: on a CPU, :func:`~dask_surge.models.batching.cpu_max_tokens`
+        (2,048 for MiniLM-sized and wider models, up to 8,192 for narrower ones); on CUDA, sized from
+        free memory."""
+        per_token = activation_bytes_per_token(self.config, max_seq_length)
         if self.device.type != "cuda":
-            return _CPU_MAX_TOKENS
-        config = self.config
-        # fp32 bytes of the widest activations alive per token during one layer
-        per_token = 4 * (
-            getattr(config, "intermediate_size", 4 * config.hidden_size)
-            + 6 * config.hidden_size
-            + getattr(config, "num_attention_heads", 1) * max_seq_length
-        )
+            return cpu_max_tokens(per_token)
         free, _ = torch.cuda.mem_get_info(self.device)
         return int(min(65536, max(4096, free // 4 // per_token)))
 
