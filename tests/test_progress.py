@@ -6,6 +6,7 @@ import io
 import logging
 import re
 import sys
+import time
 
 import dask.dataframe as dd
 import pandas as pd
@@ -146,8 +147,14 @@ def test_model_phase_follows_the_workers(every_update):
     buf = io.StringIO()
     answers = iter([(0, 0), (0, 2), (1, 2), (2, 2)])
     with RunProgress(file=buf) as bar:
-        bar.follow_model(lambda: next(answers), workers=True)
+        bar.follow_model(lambda: next(answers), workers=True)  # the ticker asks at once, not this thread
+        deadline = time.monotonic() + 10
+        while bar.phase_name != "waiting for workers" and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert bar.phase_name == "waiting for workers"
+        bar._stop.set()  # the rest of the answers, one per explicit check
+        bar._wake.set()
+        bar._ticker.join(5)
         bar._check_model()
         assert bar.phase_name == "loading model 0/2 workers"
         bar._check_model()
@@ -155,6 +162,17 @@ def test_model_phase_follows_the_workers(every_update):
         assert bar.phase_name == "encoding, model on 1/2 workers"
         bar._check_model()
         assert bar.phase_name == "encoding"
+
+
+def test_a_disabled_bar_never_asks_whether_the_model_is_loaded():
+    def ask():
+        raise AssertionError("a disabled bar asked the workers")
+
+    with RunProgress(enabled=False) as bar:
+        bar.follow_model(ask, workers=True)
+        bar.commit("0-0", 3)
+        time.sleep(0.05)
+        assert bar._ready is None and bar.phase_name == "encoding"
 
 
 def test_distributed_run_bar_hears_commits_from_workers(client, tmp_path, capsys, every_update):
