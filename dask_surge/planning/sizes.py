@@ -63,11 +63,15 @@ def known_sizes(frame, column: str, max_bytes: int | None) -> PartitionSizes | N
     >>> known_sizes(ddf.map_partitions(lambda d: d[d.text > "a"]), "text", 2**20) is None
     True
     """
+    # a plain read_parquet: our footer read (Arrow, 0.05-0.1 s for 2,237 files) before Dask's
+    # folding of the lengths, which opens each footer again through fsspec (0.22 s)
+    footers = parquet_footer_sizes(frame, column)
     if max_bytes:  # the byte cap needs text bytes too: else the streaming mode measures them
-        footers = parquet_footer_sizes(frame, column)
         if footers is not None:
             return PartitionSizes(footers[0], "metadata", footers[1])
         return in_memory_sizes(frame, column)
+    if footers is not None:
+        return PartitionSizes(footers[0], "metadata")
     lengths = metadata_lengths(frame.expr)
     # a count mismatch means dask folded the wrong lengths
     if lengths is not None and len(lengths) == frame.npartitions:
