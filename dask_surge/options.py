@@ -490,8 +490,10 @@ OPTIONS: tuple[Option, ...] = (
          default=32, config="batch-size", validator=positive_int(fix="pass e.g. batch_size=32"),
          schema=_INT_MIN_1, identity=False, takers="encode Encoder", cli=Cli(type=int)),
     _opt("max_tokens", int | None, "int, optional", """
-         Token budget per micro-batch of the fast engine. Can be a positive int, or None to choose it
-         automatically.""",
+         Token budget per micro-batch of the fast engine. Can be a positive int, or None to size it
+         from the model's activation bytes per token: on a CPU, what 2,048 MiniLM tokens take
+         (2,048 tokens for MiniLM and wider models, up to 8,192 for narrower ones), on CUDA a
+         quarter of the free GPU memory (4,096 to 65,536 tokens).""",
          "tokens per micro-batch of the fast engine; default automatic",
          config="max-tokens", validator=positive_int(none=True, what="tokens per micro-batch",
                                                  fix="pass e.g. max_tokens=8192, or None for automatic"),
