@@ -317,11 +317,16 @@ def tokenpool_ab(args) -> dict:
             cluster.close()
         shutil.rmtree(scratch, ignore_errors=True)
     return {**header, "layouts": layouts,
-            "workers": args.workers, "arms": arms, "runs": runs, "summary": tokenpool_summary(runs, args.sizes)}
+            "workers": args.workers, "arms": arms, "runs": runs, "summary": tokenpool_summary(runs, args.sizes, args.workers)}
 
 
-def tokenpool_summary(runs: list[dict], sizes: list[int]) -> dict:
-    """Medians per (size, arm) of the per-text figures; the slopes between the smallest and largest size."""
+def tokenpool_summary(runs: list[dict], sizes: list[int], workers: int = 1) -> dict:
+    """Medians per (size, arm) of the per-text figures; the slopes between the smallest and largest size.
+
+    The event loop's GIL is also given per second of run and per worker
+    (``gil_ms_per_s_event_loop_per_worker``): heartbeats and the system monitor cost time, not
+    texts, so its per-text figure shrinks as a worker's texts/s grow (on a GPU, say); the task
+    thread's per-text figure does not."""
     def med(arm: str, size: int, key) -> float:
         return statistics.median(key(r) for r in runs if r["arm"] == arm and r["size"] == size)
 
@@ -338,6 +343,8 @@ def tokenpool_summary(runs: list[dict], sizes: list[int]) -> dict:
                 "gil_us_per_text": med(arm, size, lambda r: r["gil_s"]) * 1e6 / size,
                 "gil_us_per_text_task_thread": med(arm, size, thread("Dask-Default-Threads")) * 1e6 / size,
                 "gil_us_per_text_event_loop": med(arm, size, thread("MainThread")) * 1e6 / size,
+                "gil_ms_per_s_event_loop_per_worker": med(
+                    arm, size, lambda r: thread("MainThread")(r) / r["b_seconds"]) * 1e3 / workers,
                 "cpu_us_per_text_workers": med(arm, size, lambda r: r["workers_cpu_s"]) * 1e6 / size,
                 "cpu_us_per_text_helpers": med(arm, size, lambda r: r["helpers_cpu_s"]) * 1e6 / size,
             }

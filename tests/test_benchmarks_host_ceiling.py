@@ -79,3 +79,24 @@ def test_thread_cpu_names_python_threads_and_counts_the_rest_as_native():
         stop.set()
         worker.join()
     assert "Busy" in during and "MainThread" in during and all(v >= 0 for v in during.values())
+
+
+def test_tokenpool_summary_gives_the_event_loop_per_second_and_the_task_thread_per_text():
+    """A loop cost that follows the seconds and a task cost that follows the texts: the summary's
+    per-second loop figure is the same at both sizes, its per-text task figure too."""
+    module = _host_ceiling_module()
+    runs = []
+    for size, seconds in ((1000, 2.0), (3000, 4.0)):
+        for arm in ("off", "on"):
+            runs.append({"size": size, "arm": arm, "a_seconds": seconds / 2, "b_seconds": seconds,
+                         "ratio_b_over_a": 0.5, "gil_s": 0.0, "workers_cpu_s": 1.0, "helpers_cpu_s": 0.0,
+                         # 2 workers: 30 ms of loop GIL per second each; 4 us of task GIL per text
+                         "gil_s_by_thread": {"MainThread": 2 * 0.030 * seconds, "Dask-Default-Threads": 4e-6 * size}})
+    out = module.tokenpool_summary(runs, [1000, 3000], workers=2)
+    for size in ("1000", "3000"):
+        per = out["per_size"][size]["on"]
+        assert per["gil_ms_per_s_event_loop_per_worker"] == pytest.approx(30.0)
+        assert per["gil_us_per_text_task_thread"] == pytest.approx(4.0)
+    # per text, the loop's figure falls as the texts per second grow
+    assert (out["per_size"]["3000"]["on"]["gil_us_per_text_event_loop"]
+            < out["per_size"]["1000"]["on"]["gil_us_per_text_event_loop"])
