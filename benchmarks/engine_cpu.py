@@ -7,8 +7,8 @@ Usage::
                                     [--out benchmarks/results/engine_cpu.json]
 
 ``--real`` encodes real text (docstring paragraphs of installed packages, ``_realtext.py``)
-instead of :func:`dask_surge.testing.make_texts`. Runs are interleaved (ST, engine(s), ST, engine(s), ...) and the median of the
-repeats is reported. Several ``--max-tokens`` values tune the micro-batch budget
+instead of :func:`dask_surge.testing.make_texts`. Runs are interleaved (ST, engine(s), ST,
+engine(s), ...) and the median of the repeats is reported. Several ``--max-tokens`` values tune the micro-batch budget
 in one run. The JSON holds the machine facts and the exact command line.
 """
 
