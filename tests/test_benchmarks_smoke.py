@@ -138,3 +138,14 @@ def test_long_texts_writes_its_ratio_and_memory(tmp_path):
     mem = [r for r in report["results"] if r["measure"] == "memory"]
     assert [r["kind"] for r in mem] == ["short", "document"] and mem[1]["windows"] > 10
     assert all(r["peak_above_warmup"] >= 0 for r in mem) and "0.2 MB" in report["summary"]["peak_above_warmup_mib"]
+
+
+def test_row_groups_ab_writes_its_ratio(tmp_path):
+    report = _run("row_groups_ab", "--rows", "500", "--partitions", "60", "--dims", "8", "--rounds", "1",
+                  "--out", str(tmp_path / "g.json"))
+    layouts = {r["layout"]: r for r in report["results"]}
+    assert set(layouts) == {"per_partition", "row_groups", "one"}
+    partitions = report["summary"]["dim8"]["partitions"]  # the non-empty ones of 60
+    assert 1 < partitions <= 60 and layouts["per_partition"]["row_groups"] == partitions
+    assert layouts["one"]["row_groups"] == 1 and layouts["row_groups"]["row_groups"] < partitions
+    assert report["summary"]["dim8"]["ratio_per_partition_over_row_groups"] > 0

@@ -1,6 +1,7 @@
 """Parquet write of one SuperBatch: ``parquet_bytes`` (serialize + compress in memory) of
-the table SURGE writes (``partition``, ``row``, a 384-d float32 ``embedding``), one row
-group per source partition, for the default codec (``none``) and zstd."""
+the table SURGE writes (``partition``, ``row``, a 384-d float32 ``embedding``), in the row
+groups a run writes (``row_groups`` of 250-row source partitions), for the default codec
+(``none``) and zstd."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import numpy as np
 import pandas as pd
 
-from dask_surge.execution.sink import parquet_bytes, table_of
+from dask_surge.execution.sink import parquet_bytes, row_groups, table_of
 
 # internal names in one place (see _fixtures)
 from dask_surge.io.arrow import embedding_array
@@ -30,7 +31,7 @@ class ParquetWrite:
                               "row": np.tile(np.arange(GROUP), ROWS // GROUP)})
         frame["embedding"] = pd.arrays.ArrowExtensionArray(embedding_array(emb))
         self.table = table_of(frame)
-        self.groups = [GROUP] * (ROWS // GROUP)
+        self.groups = row_groups([GROUP] * (ROWS // GROUP))
 
     def time_parquet_bytes(self, compression):
         parquet_bytes(self.table, self.groups, compression=compression)
