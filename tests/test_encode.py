@@ -442,3 +442,31 @@ def test_first_superbatch_is_small_and_a_resume_keeps_the_recorded_ramp(tmp_path
     with dask.config.set({"surge.first-superbatch": 4}):  # plan() shows the SuperBatches a new run makes
         planned = dask_surge.plan(ddf, "text", b_min=32, b_max=64, scheduler="sync")
     assert [sb.rows for sb in planned.superbatches] == [r.rows for r in res.records]
+
+
+def test_kept_columns_of_every_dtype_come_through_whole_and_in_order():
+    """keep= columns of several dtypes, over small partitions joined into SuperBatches, one with a
+    dtype its neighbours do not share (pandas then promotes, as a concat of the partitions does)."""
+    sizes = [3, 1, 4, 2, 5]
+    frames = []
+    for i, n in enumerate(sizes):
+        start = sum(sizes[:i])
+        frames.append(pd.DataFrame({
+            "text": pd.array([f"text {start + j}" for j in range(n)], dtype="string[pyarrow]"),
+            "doc_id": np.arange(start, start + n),
+            "label": pd.Categorical([["a", "b"][j % 2] for j in range(n)], categories=["a", "b"]),
+            "when": pd.date_range("2026-01-01", periods=n, freq="h", tz="UTC") + pd.Timedelta(days=start),
+            "score": pd.array([None if j == 0 else j for j in range(n)], dtype="Int64"),
+            "mixed": np.arange(n, dtype=np.int64) if i != 2 else np.arange(n, dtype=np.float64) + 0.5,
+        }))
+    ddf = dd.from_map(lambda i: frames[i], list(range(len(sizes))), meta=frames[0].iloc[:0].astype({"mixed": "float64"}),
+                      divisions=[None] * (len(sizes) + 1))
+    keep = ["doc_id", "label", "when", "score", "mixed"]
+    out = ddf.surge.encode("text", model=lambda t: np.ones((len(t), 4)), b_min=6, b_max=9, keep=keep).compute(
+        scheduler="sync")
+    whole = pd.concat(frames, ignore_index=True)
+    assert out["doc_id"].tolist() == whole["doc_id"].tolist()
+    for col in ("label", "when", "score"):
+        assert out[col].dtype == whole[col].dtype, col
+        pd.testing.assert_series_equal(out[col].reset_index(drop=True), whole[col], check_names=False)
+    assert out["mixed"].astype(float).tolist() == whole["mixed"].astype(float).tolist()
