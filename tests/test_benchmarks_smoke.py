@@ -149,3 +149,11 @@ def test_row_groups_ab_writes_its_ratio(tmp_path):
     assert 1 < partitions <= 60 and layouts["per_partition"]["row_groups"] == partitions
     assert layouts["one"]["row_groups"] == 1 and layouts["row_groups"]["row_groups"] < partitions
     assert report["summary"]["dim8"]["ratio_per_partition_over_row_groups"] > 0
+
+
+def test_gather_ab_writes_both_arms(tmp_path):
+    report = _run("gather_ab", "--n", "400", "--files", "40", "--b-min", "64", "--b-max", "128", "--rounds", "2",
+                  "--out", str(tmp_path / "a.json"))
+    assert {r["arm"] for r in report["results"]} == {"sliced", "rows"}
+    assert all(r["rows"] == 400 for r in report["results"])
+    assert report["summary"]["superbatches"] > 1 and report["summary"]["ratio_sliced_over_rows_cpu"] > 0

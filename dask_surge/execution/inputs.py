@@ -156,13 +156,14 @@ class UnitSource:
 
     def iterate(self, partitions: Sequence[int], values: Sequence) -> Iterator[tuple[int, Any]]:
         """``(partition, frame)`` for each of ``partitions``, in order, computed as it is asked for
-        (the Parquet files of the unit are read together, at the first of them)."""
+        (the Parquet files of the unit are read together, at the first of them, and their
+        partitions come as :class:`~dask_surge.io.arrow.FrameRows` of that one frame)."""
         known = dict(zip(self.external, values))
         partitions = list(partitions)
         read = [p for p in partitions if p not in self.shared and p not in self.nodes]
         if read and self.reader is None:
             raise KeyError(f"partitions {read[:5]} are not part of this unit")
-        frames = self.reader.iterate(read, []) if read and self.reader is not None else iter(())
+        frames = self.reader.rows(read) if read and self.reader is not None else iter(())
         for p in partitions:
             if p in self.shared:
                 yield p, known[self.shared[p]]

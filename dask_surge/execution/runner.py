@@ -40,7 +40,7 @@ from fsspec.core import url_to_fs
 
 from .. import config
 from ..errors import SurgeError, SurgeInputError, SurgeOutputError
-from ..io.arrow import to_host
+from ..io.arrow import FrameRows, to_host
 from ..io.manifest import (
     Claim,
     Coverage,
@@ -143,6 +143,7 @@ class UnitRunner:
                     del held[i]  # consumed: release its rows
 
         for i, (partition, frame) in enumerate(frames):
+            frame = frame.sliced() if isinstance(frame, FrameRows) else frame
             held[i] = (partition, frame)
             nbytes = text_bytes(frame[column]) if self.max_bytes else None
             emit(planner.push(len(frame), nbytes))

@@ -10,7 +10,7 @@ import pandas as pd
 import pyarrow as pa
 
 from ..errors import SurgeInputError
-from ..io.arrow import embedding_array, to_host
+from ..io.arrow import FrameRows, embedding_array, to_host
 from ..io.precision import truncate
 from ..io.reuse import TEXT_HASH, arrow_strings, hash_column, open_index, text_hashes
 from ..models.encoders import Encoder
@@ -78,9 +78,9 @@ def concat_column(frames: Sequence[pd.DataFrame], column: str) -> pd.Series:
     """Column ``column`` of ``frames`` end to end, indexed 0..n-1 (as ``pd.concat(..., ignore_index=True)``).
 
     When every frame holds it with one dtype, its arrays are joined directly (one
-    ``_concat_same_type`` of the pandas extension-array interface): a third of the time
-    ``pd.concat`` takes for a SuperBatch's many small partitions, which aligns an index
-    per piece. Otherwise ``pd.concat``, which promotes mixed dtypes.
+    ``_concat_same_type`` of the pandas extension-array interface), without the index
+    alignment ``pd.concat`` does per piece (a SuperBatch of small partitions has many).
+    Otherwise ``pd.concat``, which promotes mixed dtypes.
 
     Examples
     --------
@@ -222,6 +222,25 @@ class _Blocks:
                        pa.concat_arrays([b.embedding for b in blocks]), chunks)
 
 
+def _runs(spans: Sequence[tuple[Span, int]], by_partition: dict) -> list[list[tuple[Span, int]]]:
+    """``spans`` cut into runs of consecutive spans whose partitions are :class:`FrameRows` of one
+    frame and whose rows follow each other there; any other span is a run of its own."""
+    runs: list[list[tuple[Span, int]]] = []
+    frame, end = None, -1
+    for item in spans:
+        span, part = item[0], by_partition[item[0].partition]
+        if isinstance(part, FrameRows):
+            if runs and part.frame is frame and part.start + span.start == end:
+                runs[-1].append(item)
+            else:
+                runs.append([item])
+            frame, end = part.frame, part.start + span.stop
+        else:
+            runs.append([item])
+            frame, end = None, -1
+    return runs
+
+
 @dataclass(frozen=True)
 class SuperBatchEncoder:
     """Callable run by each SuperBatch task: ``(partitions, sb_index, spans) -> DataFrame``.
@@ -265,10 +284,15 @@ class SuperBatchEncoder:
     def gather(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]):
         """Slice the planned rows out of the input partitions, checking their sizes.
 
-        Returns ``(pieces, texts, skipped)``: ``(span, rows kept, frame of them)``
-        per span, the texts to encode, and ``(partition, row)`` of skipped nulls."""
-        pieces, texts, skipped = [], [], []
-        by_partition = dict(zip(sorted({s.partition for s, _ in spans}), map(to_host, parts)))
+        Returns ``(blocks, texts, skipped)``: ``(partition of each row, row of each, frame
+        of those rows)`` per block of rows, the texts to encode, and ``(partition, row)`` of
+        skipped nulls. Consecutive spans whose partitions are :class:`~dask_surge.io.arrow.FrameRows`
+        of one frame, one after the other there (a unit's Parquet files, read together),
+        are one block: one slice and one column of texts for all of them, not one per
+        partition. A block whose texts are not all Arrow strings, or hold a null, is taken
+        span by span, so that errors and skipped rows name their partition and row."""
+        blocks, texts, skipped = [], [], []
+        by_partition = dict(zip(sorted({s.partition for s, _ in spans}), parts))
         for span, planned in spans:
             part = by_partition[span.partition]
             if len(part) != planned:
@@ -278,15 +302,39 @@ class SuperBatchEncoder:
                     "partitions?). Nothing was written for it. Fix: persist or write the input "
                     "to Parquet first so every read returns the same rows."
                 )
-            piece = part if span.start == 0 and span.stop == len(part) else part.iloc[span.start : span.stop]
-            values, kept = texts_of(piece[self.column], span.partition, span.start, self.on_null)
-            rows = np.arange(span.start, span.stop, dtype=np.int64)
-            if kept is not None:
-                skipped += [(span.partition, int(r)) for r in rows[~kept]]
-                rows, piece = rows[kept], piece[kept]
-            texts += values
-            pieces.append((span, rows, piece))
-        return pieces, texts, skipped
+        for run in _runs(spans, by_partition):
+            if len(run) > 1:
+                block = self._run_block(run, by_partition)
+                if block is not None:
+                    blocks.append(block[:3])
+                    texts += block[3]
+                    continue
+            for span, _ in run:
+                part = to_host(by_partition[span.partition])
+                piece = part if span.start == 0 and span.stop == len(part) else part.iloc[span.start : span.stop]
+                values, kept = texts_of(piece[self.column], span.partition, span.start, self.on_null)
+                rows = np.arange(span.start, span.stop, dtype=np.int64)
+                if kept is not None:
+                    skipped += [(span.partition, int(r)) for r in rows[~kept]]
+                    rows, piece = rows[kept], piece[kept]
+                texts += values
+                blocks.append((np.full(len(rows), span.partition, dtype=np.int64), rows, piece))
+        return blocks, texts, skipped
+
+    def _run_block(self, run, by_partition):
+        """``(partitions, rows, frame, texts)`` of a run of spans over one frame, sliced once; None
+        when its texts are not all Arrow strings without a null (the caller goes span by span)."""
+        first, last = by_partition[run[0][0].partition], by_partition[run[-1][0].partition]
+        frame = first.frame.iloc[first.start + run[0][0].start : last.start + run[-1][0].stop]
+        strings = arrow_strings(frame[self.column])
+        if strings is None or strings.null_count:
+            return None
+        starts = np.array([s.start for s, _ in run], dtype=np.int64)
+        counts = np.array([s.stop - s.start for s, _ in run], dtype=np.int64)
+        ends = np.cumsum(counts)
+        rows = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - counts - starts, counts)
+        partitions = np.repeat(np.array([s.partition for s, _ in run], dtype=np.int64), counts)
+        return partitions, rows, frame, strings.to_pylist()
 
     def _stored(self, emb: np.ndarray) -> pa.Array:
         """Embeddings as written: truncated (``truncate_dim``), normalized, in the stored precision."""
@@ -328,11 +376,9 @@ class SuperBatchEncoder:
 
     def encode(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]) -> Encoded:
         """Encode the planned rows of ``parts``: see :class:`Encoded`."""
-        pieces, texts, skipped = self.gather(parts, spans)
-        partition = np.concatenate(
-            [np.full(len(rows), span.partition, dtype=np.int64) for span, rows, _ in pieces]
-        ) if pieces else np.zeros(0, dtype=np.int64)
-        row = np.concatenate([rows for _, rows, _ in pieces]) if pieces else np.zeros(0, dtype=np.int64)
+        gathered, texts, skipped = self.gather(parts, spans)
+        partition = np.concatenate([p for p, _, _ in gathered]) if gathered else np.zeros(0, dtype=np.int64)
+        row = np.concatenate([r for _, r, _ in gathered]) if gathered else np.zeros(0, dtype=np.int64)
         hashes = text_hashes(texts)
         first, inverse = distinct(hashes)
         found = np.zeros(len(first), dtype=bool)
@@ -365,7 +411,7 @@ class SuperBatchEncoder:
             data.update({k: v if in_order else v[take] for k, v in blocks.chunks.items()})  # type: ignore[union-attr]
         src = np.repeat(np.arange(len(texts)), reps) if self.chunked else None
         for col in self.keep:
-            values = concat_column([piece for _, _, piece in pieces], col)
+            values = concat_column([frame for _, _, frame in gathered], col)
             data[col] = values if src is None else values.take(src).reset_index(drop=True)
         out = pd.DataFrame(data)
         hash_array = hash_column(hashes)

@@ -104,7 +104,15 @@ class ParquetPartitions:
 
     def iterate(self, partitions, values: list):
         """``(partition, frame)`` for each of ``partitions``, in order (``values``: unused)."""
+        for p, rows in self.rows(partitions):
+            yield p, rows.sliced()
+
+    def rows(self, partitions):
+        """``(partition, FrameRows)`` for each of ``partitions``, in order: views of one frame of
+        them all (see :class:`~dask_surge.io.arrow.FrameRows`)."""
         import pyarrow as pa
+
+        from .arrow import FrameRows
 
         partitions = list(partitions)
         tables = self._tables([self.pieces[p] for p in partitions])
@@ -116,7 +124,7 @@ class ParquetPartitions:
             frame = frame.astype(cast)
         offset = 0
         for p, n in zip(partitions, lengths):
-            yield p, frame.iloc[offset : offset + n]
+            yield p, FrameRows(frame, offset, offset + n)
             offset += n
 
 
