@@ -151,7 +151,11 @@ def thread_cpu() -> dict[str, float]:
 
     Unlike py-spy's GIL samples (a thread preempted while it holds the GIL still counts), this
     counts only time on a core, so it holds up on a shared, loaded machine; it includes work a
-    thread does without the GIL (Arrow, torch kernels).
+    thread does without the GIL (Arrow, torch kernels). Only threads alive at both readings
+    count: since a unit's task secedes from the worker's pool while its last commit is
+    written, the pool starts new task threads and the seceded ones end, so a run's
+    ``Dask-Default-Threads`` figure can be short or missing; the process's CPU
+    (``cpu_us_per_text_workers``) is whole.
     """
     import re
     import threading
