@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -23,12 +25,13 @@ def _frame(sizes, *, dtype="string[pyarrow]", null_at=None):
                           "label": pd.Categorical([("a", "b")[i % 2] for i in range(len(texts))])})
     if null_at is not None:
         frame.loc[null_at, "text"] = None
+    frame["text"] = frame["text"].astype(dtype)  # pandas infers its str dtype from str values
     return frame
 
 
 def _views(frame, sizes):
     bounds = np.concatenate([[0], np.cumsum(sizes)])
-    return [FrameRows(frame, int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    return [FrameRows(frame, int(a), int(b)) for a, b in pairwise(bounds)]
 
 
 # spans over partitions 3..6 of sizes [4, 1, 5, 3]: the first and last cut, as SuperBatches cut them
@@ -39,12 +42,17 @@ SPANS = [(Span(3, 2, 4), 4), (Span(4, 0, 1), 1), (Span(5, 0, 5), 5), (Span(6, 0,
 @pytest.mark.parametrize("dtype", ["string[pyarrow]", "object"])
 def test_one_frame_read_gives_the_rows_the_sliced_partitions_give(dtype, monkeypatch):
     frame = _frame(SIZES, dtype=dtype)
+    assert frame["text"].dtype == dtype
     sbe = SuperBatchEncoder("text", ("doc_id", "label"), Encoder(_vectors))
     views = _views(frame, SIZES)
     slow = sbe.encode([v.sliced() for v in views], SPANS).frame
-    # the run is sliced once out of the frame: no partition of it is sliced on its own
-    monkeypatch.setattr(FrameRows, "sliced", lambda self: pytest.fail("a partition of the run was sliced"))
+    sliced = []
+    real = FrameRows.sliced
+    monkeypatch.setattr(FrameRows, "sliced", lambda self: sliced.append(self) or real(self))
     fast = sbe.encode(views, SPANS).frame
+    # Arrow strings: the run is sliced once out of the frame, no partition of it on its own;
+    # Python strings: partition by partition, as before
+    assert len(sliced) == (0 if dtype == "string[pyarrow]" else len(SPANS))
     pd.testing.assert_frame_equal(fast, slow)
     assert fast["partition"].tolist() == [3, 3, 4, 5, 5, 5, 5, 5, 6, 6]
     assert fast["row"].tolist() == [2, 3, 0, 0, 1, 2, 3, 4, 0, 1]
