@@ -14,7 +14,7 @@ the same frame and the same plan (``plan_superbatches(sizes, --b-min, --b-max)``
 
 - ``sliced``: a pandas slice per partition, as ``ParquetPartitions.iterate`` hands them on
   (and as every partition was handed on before);
-- ``rows``: a :class:`~dask_surge.io.arrow.FrameRows` view per partition
+- ``rows``: a :class:`~dask_surge.io.frames.FrameRows` view per partition
   (``ParquetPartitions.rows``, what a unit's task now gets), a SuperBatch sliced once.
 
 Input: ``--n`` real texts (docstring paragraphs, ``_realtext.py``) in ``--files`` Parquet files of

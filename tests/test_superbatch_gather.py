@@ -10,7 +10,7 @@ import pytest
 
 from dask_surge import Encoder, SurgeInputError
 from dask_surge.execution.superbatch import SuperBatchEncoder
-from dask_surge.io.arrow import FrameRows
+from dask_surge.io.frames import FrameRows
 from dask_surge.planning.policy import Span
 
 

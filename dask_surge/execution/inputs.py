@@ -157,7 +157,7 @@ class UnitSource:
     def iterate(self, partitions: Sequence[int], values: Sequence) -> Iterator[tuple[int, Any]]:
         """``(partition, frame)`` for each of ``partitions``, in order, computed as it is asked for
         (the Parquet files of the unit are read together, at the first of them, and their
-        partitions come as :class:`~dask_surge.io.arrow.FrameRows` of that one frame)."""
+        partitions come as :class:`~dask_surge.io.frames.FrameRows` of that one frame)."""
         known = dict(zip(self.external, values))
         partitions = list(partitions)
         read = [p for p in partitions if p not in self.shared and p not in self.nodes]

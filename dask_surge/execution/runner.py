@@ -40,7 +40,8 @@ from fsspec.core import url_to_fs
 
 from .. import config
 from ..errors import SurgeError, SurgeInputError, SurgeOutputError
-from ..io.arrow import FrameRows, to_host
+from ..io.arrow import to_host
+from ..io.frames import FrameRows
 from ..io.manifest import (
     Claim,
     Coverage,

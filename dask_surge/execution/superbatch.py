@@ -10,7 +10,8 @@ import pandas as pd
 import pyarrow as pa
 
 from ..errors import SurgeInputError
-from ..io.arrow import FrameRows, embedding_array, to_host
+from ..io.arrow import embedding_array, to_host
+from ..io.frames import FrameRows
 from ..io.precision import truncate
 from ..io.reuse import TEXT_HASH, arrow_strings, hash_column, open_index, text_hashes
 from ..models.encoders import Encoder
@@ -286,7 +287,7 @@ class SuperBatchEncoder:
 
         Returns ``(blocks, texts, skipped)``: ``(partition of each row, row of each, frame
         of those rows)`` per block of rows, the texts to encode, and ``(partition, row)`` of
-        skipped nulls. Consecutive spans whose partitions are :class:`~dask_surge.io.arrow.FrameRows`
+        skipped nulls. Consecutive spans whose partitions are :class:`~dask_surge.io.frames.FrameRows`
         of one frame, one after the other there (a unit's Parquet files, read together),
         are one block: one slice and one column of texts for all of them, not one per
         partition. A block whose texts are not all Arrow strings, or hold a null, is taken

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from .frames import FrameRows
 from .precision import PRECISIONS, quantize, stored_dimension
 
-__all__ = ["embedding_array", "embedding_type", "to_host", "is_cudf", "FrameRows"]
+__all__ = ["embedding_array", "embedding_type", "to_host", "is_cudf"]
 
 
 def embedding_type(dimension: int, precision: str = "float32") -> pa.DataType:
@@ -43,43 +44,9 @@ def is_cudf(obj) -> bool:
     return type(obj).__module__.split(".", 1)[0] == "cudf"
 
 
-class FrameRows:
-    """Rows ``start:stop`` of ``frame``: one input partition of several read as one frame.
-
-    A unit's Parquet files are read into one pandas frame (see
-    :class:`~dask_surge.io.parquet.ParquetPartitions`); handing each partition on as this
-    view instead of a sliced frame spares a SuperBatch of many small partitions a pandas
-    slice, a column lookup and an index per partition: the SuperBatch's rows are one run of
-    the frame, sliced once (:meth:`dask_surge.execution.superbatch.SuperBatchEncoder.gather`).
-    Anything else takes :func:`to_host` of it, the sliced frame.
-
-    Examples
-    --------
-    >>> import pandas as pd
-    >>> rows = FrameRows(pd.DataFrame({"text": list("abcd")}), 1, 3)
-    >>> len(rows), to_host(rows)["text"].tolist()
-    (2, ['b', 'c'])
-    """
-
-    __slots__ = ("frame", "start", "stop")
-
-    def __init__(self, frame, start: int, stop: int) -> None:
-        self.frame, self.start, self.stop = frame, start, stop
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def __repr__(self) -> str:
-        return f"FrameRows({self.start}:{self.stop} of {len(self.frame)} rows)"
-
-    def sliced(self):
-        """The rows as a frame of their own (a pandas slice)."""
-        return self.frame.iloc[self.start : self.stop]
-
-
 def to_host(obj):
     """A cuDF DataFrame or Series as pandas (texts go to the host tokenizer anyway), a
-    :class:`FrameRows` as its sliced frame; others as is.
+    :class:`~dask_surge.io.frames.FrameRows` as its sliced frame; others as is.
 
     Examples
     --------

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from .. import _compat
 from ..errors import SurgeInputError
+from .frames import FrameRows
 
 __all__ = ["parquet_pieces", "ParquetPartitions", "arrow_local_fs", "arrow_fragments", "scan_files",
            "string_types"]
@@ -109,10 +110,8 @@ class ParquetPartitions:
 
     def rows(self, partitions):
         """``(partition, FrameRows)`` for each of ``partitions``, in order: views of one frame of
-        them all (see :class:`~dask_surge.io.arrow.FrameRows`)."""
+        them all (see :class:`~dask_surge.io.frames.FrameRows`)."""
         import pyarrow as pa
-
-        from .arrow import FrameRows
 
         partitions = list(partitions)
         tables = self._tables([self.pieces[p] for p in partitions])
