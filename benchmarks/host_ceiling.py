@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/host_ceiling.py [--n 100000] [--files 1000] [--workers 2] [--repeats 3]
                                       [--gil] [--out benchmarks/results/host_ceiling_cpu.json]
-    python benchmarks/host_ceiling.py --tokenpool [--sizes 50000 150000] [--processes 1] [--repeats 2]
+    python benchmarks/host_ceiling.py --tokenpool [--sizes 50000 150000] [--processes 1] [--repeats 2] [--pin]
                                       [--out benchmarks/results/host_ceiling_tokenpool_ab_cpu.json]
 
 On the same texts (``--n`` docstring paragraphs of installed packages, in ``--files``
@@ -34,7 +34,14 @@ side: two clusters, one per setting, both warm, on the same texts, runs alternat
 --threads``: GIL-holding microseconds per text per worker by thread (the Dask task thread, the
 event loop's ``MainThread``, others), and the slope between the sizes (the marginal GIL per text:
 the event loop's cost is mostly per run and per second, not per text). The helpers' own CPU is
-read from ``/proc`` and added to the workers' for the CPU per text each setting costs.
+read from ``/proc`` and added to the workers' for the CPU per text each setting costs; each
+worker's whole process CPU (``process_cpu``: threads that ended included) is read too.
+
+``--pin`` (with ``--tokenpool``) runs worker ``i`` of each cluster on core ``i`` alone and
+everything else (the helpers, the client and schedulers, py-spy) on the other cores, (a) on every
+core as always: on a machine with few cores another process otherwise preempts a worker thread
+that holds the GIL, and py-spy counts that wait as GIL time (on 2 cores with one helper busy,
+py-spy's figure exceeded the worker's CPU). Pinned, only the worker's own threads can preempt it.
 """
 
 from __future__ import annotations
@@ -118,6 +125,7 @@ def gil_profile(raw: str, top: int = 40) -> dict:
     function the samples it held the GIL in itself (``self``, the leaf frame) and under it (``inclusive``).
     With ``--threads`` the threads are named (:func:`_thread_name`); else the root frame tells them apart."""
     own: dict[str, int] = {}
+    own_by_thread: dict[str, dict[str, int]] = {}
     under: dict[str, int] = {}
     threads: dict[str, int] = {}
     total = 0
@@ -135,13 +143,16 @@ def gil_profile(raw: str, top: int = 40) -> dict:
         threads[name] = threads.get(name, 0) + n
         if frames:
             own[frames[-1]] = own.get(frames[-1], 0) + n
+            mine = own_by_thread.setdefault(name, {})
+            mine[frames[-1]] = mine.get(frames[-1], 0) + n
         for frame in set(frames):
             under[frame] = under.get(frame, 0) + n
 
     def ranked(d: dict[str, int]) -> list[tuple[str, int]]:
         return sorted(d.items(), key=lambda kv: -kv[1])[:top]
 
-    return {"samples": total, "threads": ranked(threads), "self": ranked(own), "inclusive": ranked(under)}
+    return {"samples": total, "threads": ranked(threads), "self": ranked(own), "inclusive": ranked(under),
+            "self_by_thread": {name: ranked(d)[:12] for name, d in own_by_thread.items()}}
 
 
 def thread_cpu() -> dict[str, float]:
@@ -186,9 +197,10 @@ def thread_cpu_during(client, run) -> tuple[object, dict[str, dict[str, float]]]
                         if v - before[w].get(k, 0.0) > 0} for w in after}
 
 
-def gil_seconds(client, run, *, native: bool = False, threads: bool = False) -> dict:
+def gil_seconds(client, run, *, native: bool = False, threads: bool = False, gil: bool = True) -> dict:
     """Run ``run()`` while py-spy samples every worker's GIL-holding thread; GIL seconds per worker,
-    and where the samples fell (:func:`gil_profile`, per worker; ``native`` adds C/Rust frames)."""
+    and where the samples fell (:func:`gil_profile`, per worker; ``native`` adds C/Rust frames).
+    ``gil=False`` samples every running thread instead: CPU seconds per worker, by thread."""
     pids = list(client.run(os.getpid).values())
     rate = 250
     tmp = Path(tempfile.mkdtemp())
@@ -196,7 +208,7 @@ def gil_seconds(client, run, *, native: bool = False, threads: bool = False) -> 
     for pid in pids:
         out = tmp / f"{pid}.txt"
         spies.append((pid, out, subprocess.Popen(
-            ["py-spy", "record", "--pid", str(pid), "--gil", "--rate", str(rate), "--format", "raw",
+            ["py-spy", "record", "--pid", str(pid), *(["--gil"] if gil else []), "--rate", str(rate), "--format", "raw",
              "--output", str(out), *(["--threads"] if threads else []),
              *(["--native"] if native else ["--nonblocking"])],  # native needs pauses
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
@@ -221,22 +233,52 @@ def _per_text_by_thread(runs: list[dict[str, dict[str, float]]], texts: int) -> 
             for name in names}
 
 
-def helper_cpu() -> float:
-    """CPU seconds of the tokenizer helper processes of the engines loaded in this worker (Linux ``/proc``)."""
+def _helper_pids() -> list[int]:
+    """Pids of the tokenizer helper processes of the engines loaded in this worker."""
     from dask_surge.models.encoders import _LOADED
 
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    pids: list[int] = []
     for loaded in list(_LOADED.values()):
         pool = getattr(getattr(loaded.engine, "_packer", None), "_pool", None)
-        for pid in pool.pids if pool is not None else ():
-            try:
-                stat = Path(f"/proc/{pid}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            total += (int(fields[11]) + int(fields[12])) / ticks
-    return total
+        pids.extend(pool.pids if pool is not None else ())
+    return pids
+
+
+def process_cpu(pid: int | None = None) -> float:
+    """CPU seconds of process ``pid`` (this one by default), threads that ended included (Linux ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid or os.getpid()}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def helper_cpu() -> float:
+    """CPU seconds of the tokenizer helper processes of the engines loaded in this worker (Linux ``/proc``)."""
+    return sum(process_cpu(pid) for pid in _helper_pids())
+
+
+def pin_process(cores: set[int], pid: int | None = None) -> None:
+    """Let every thread of process ``pid`` (this one by default) run on ``cores`` only (Linux).
+
+    Threads started later inherit the affinity of the thread that starts them."""
+    pid = pid or os.getpid()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):  # the thread ended meanwhile
+            pass
+
+
+def pin_worker(core: int, others: list[int]) -> list[int]:
+    """``--pin``, in a worker: its threads on ``core`` alone, its tokenizer helpers on ``others``;
+    the helpers' pids."""
+    pin_process({core})
+    pids = _helper_pids()
+    for pid in pids:
+        pin_process(set(others), pid)
+    return pids
 
 
 def _set_processes(value) -> object:
@@ -257,6 +299,21 @@ def _gil_by_thread(gil: dict) -> dict[str, float]:
 
 def _slope(small: float, large: float, n_small: int, n_large: int) -> float:
     return (large - small) * 1e6 / (n_large - n_small)
+
+
+def pin_all(clusters: dict[str, tuple], workers: int) -> set[int]:
+    """``--pin``: worker ``i`` of every cluster on core ``i``, their helpers and this process (the
+    client, the schedulers, py-spy) on the other cores; those other cores."""
+    cores = os.cpu_count() or 1
+    if cores <= workers:
+        raise SystemExit(f"--pin needs more cores than --workers ({workers}); this machine has {cores}. "
+                         "Fix: run with fewer --workers, or without --pin.")
+    others = list(range(workers, cores))
+    for _cluster, client in clusters.values():
+        for i, address in enumerate(sorted(client.scheduler_info()["workers"])):
+            client.run(pin_worker, i, others, workers=[address])
+    pin_process(set(others))
+    return set(others)
 
 
 def tokenpool_ab(args) -> dict:
@@ -284,16 +341,24 @@ def tokenpool_ab(args) -> dict:
         warm = small_files(2000, 20, seed=1)[0]
         for arm in arms:  # the model loaded and (on) the helpers started on every worker before the clock
             surge_run(warm, clusters[arm][1], scratch)
+        every = set(range(os.cpu_count() or 1))
+        if args.pin:
+            pinned = pin_all(clusters, args.workers)
+            print(f"--pin: worker i on core i (both arms), helpers and this process on cores {sorted(pinned)}", flush=True)
         for size in args.sizes:
             data, layouts[str(size)] = small_files(size, max(1, size // 100))
             texts = read_texts(data)
             for r in range(args.repeats):
+                if args.pin:  # (a) on every core, as always; then this process back off the workers' cores
+                    pin_process(every)
                 a_s = tokenizer_run(texts)
+                if args.pin:
+                    pin_process(every - set(range(args.workers)))
                 for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
                     client = clusters[arm][1]
-                    h0 = client.run(helper_cpu)
+                    h0, p0 = client.run(helper_cpu), client.run(process_cpu)
                     gil = gil_seconds(client, lambda c=client: surge_run(data, c, scratch), threads=True)
-                    h1 = client.run(helper_cpu)
+                    h1, p1 = client.run(helper_cpu), client.run(process_cpu)
                     seconds, facts = gil["result"]
                     cpu = gil["thread_cpu_s_by_worker"]
                     helpers = sum(h1[w] - h0.get(w, 0.0) for w in h1)
@@ -306,7 +371,9 @@ def tokenpool_ab(args) -> dict:
                         "thread_cpu_s": {k: sum(w.get(k, 0.0) for w in cpu.values())
                                          for k in sorted({k for w in cpu.values() for k in w})},
                         "workers_cpu_s": workers_cpu, "helpers_cpu_s": helpers,
+                        "workers_process_cpu_s": sum(p1[w] - p0[w] for w in p1),
                         "gil_self_top": {w: p["self"][:8] for w, p in gil["profile_by_worker"].items()},
+                        "gil_self_top_by_thread": {w: p["self_by_thread"] for w, p in gil["profile_by_worker"].items()},
                     })
                     last = runs[-1]
                     print(f"n={size:>7,} r{r} {arm:3s} b/a {last['ratio_b_over_a']:.3f}  "
@@ -320,11 +387,11 @@ def tokenpool_ab(args) -> dict:
             client.close()
             cluster.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    return {**header, "layouts": layouts,
-            "workers": args.workers, "arms": arms, "runs": runs, "summary": tokenpool_summary(runs, args.sizes, args.workers)}
+    return {**header, "layouts": layouts, "pinned": args.pin,
+            "workers": args.workers, "arms": arms, "runs": runs, "summary": tokenpool_summary(runs, args.sizes, args.workers, args.pin)}
 
 
-def tokenpool_summary(runs: list[dict], sizes: list[int], workers: int = 1) -> dict:
+def tokenpool_summary(runs: list[dict], sizes: list[int], workers: int = 1, pinned: bool = False) -> dict:
     """Medians per (size, arm) of the per-text figures; the slopes between the smallest and largest size.
 
     The event loop's GIL is also given per second of run and per worker
@@ -351,6 +418,7 @@ def tokenpool_summary(runs: list[dict], sizes: list[int], workers: int = 1) -> d
                     arm, size, lambda r: thread("MainThread")(r) / r["b_seconds"]) * 1e3 / workers,
                 "cpu_us_per_text_workers": med(arm, size, lambda r: r["workers_cpu_s"]) * 1e6 / size,
                 "cpu_us_per_text_helpers": med(arm, size, lambda r: r["helpers_cpu_s"]) * 1e6 / size,
+                "process_cpu_us_per_text_workers": med(arm, size, lambda r: r.get("workers_process_cpu_s", 0.0)) * 1e6 / size,
             }
         per["on_over_off_b_seconds"] = (med("on", size, lambda r: r["b_seconds"])
                                         / med("off", size, lambda r: r["b_seconds"]))
@@ -362,6 +430,8 @@ def tokenpool_summary(runs: list[dict], sizes: list[int], workers: int = 1) -> d
                 "gil_task_thread": _slope(med(arm, lo, thread("Dask-Default-Threads")),
                                           med(arm, hi, thread("Dask-Default-Threads")), lo, hi),
                 "gil_event_loop": _slope(med(arm, lo, thread("MainThread")), med(arm, hi, thread("MainThread")), lo, hi),
+                "process_cpu_workers": _slope(med(arm, lo, lambda r: r.get("workers_process_cpu_s", 0.0)),
+                                              med(arm, hi, lambda r: r.get("workers_process_cpu_s", 0.0)), lo, hi),
                 "cpu_workers_plus_helpers": _slope(
                     med(arm, lo, lambda r: r["workers_cpu_s"] + r["helpers_cpu_s"]),
                     med(arm, hi, lambda r: r["workers_cpu_s"] + r["helpers_cpu_s"]), lo, hi),
@@ -374,7 +444,10 @@ def tokenpool_summary(runs: list[dict], sizes: list[int], workers: int = 1) -> d
             for arm in ("off", "on")}
     out["target_gil_us_per_text"] = 4.0
     out["note"] = ("GIL figures are py-spy --gil samples (250 Hz) of the workers, summed over workers; a thread "
-                   "preempted while it holds the GIL still counts (the machine is shared). Slopes: marginal "
+                   "preempted while it holds the GIL still counts. "
+                   + ("Pinned (--pin): each worker ran on a core of its own, so only its own threads could "
+                      "preempt it. " if pinned else "The machine is shared: other processes preempt it too. ")
+                   + "process_cpu: the workers' whole CPU (threads that ended included). Slopes: marginal "
                    "seconds per text between the smallest and largest size, medians of the runs.")
     return out
 
@@ -391,6 +464,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="(b) with surge.tokenize-processes 0 and --processes side by side, at --sizes")
     parser.add_argument("--sizes", type=int, nargs="+", default=[50_000, 150_000])
     parser.add_argument("--processes", type=int, default=1, help="with --tokenpool: helper processes per worker")
+    parser.add_argument("--pin", action="store_true",
+                        help="with --tokenpool: each worker on a core of its own, everything else on the other "
+                             "cores, so no other process preempts a worker thread that holds the GIL")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.tokenpool:

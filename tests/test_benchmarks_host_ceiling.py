@@ -5,6 +5,7 @@ script run as a file, as the GPU session runs it.
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,8 @@ def test_gil_profile_says_where_the_samples_fall():
     assert profile["threads"] == [("thread (0x1)", 5), ("<module> (<string>:1)", 1)]
     assert profile["self"][0] == ("pack (t.py:9)", 3)
     assert dict(profile["inclusive"])["run (a.py:1)"] == 5
+    assert profile["self_by_thread"] == {"thread (0x1)": [("pack (t.py:9)", 3), ("free (t.py:12)", 2)],
+                                         "<module> (<string>:1)": [("loop (b.py:4)", 1)]}
     named = module.gil_profile("thread (9574): MainThread;<module> (<string>:7) 4\n"
                                "thread (9616): Dask-Default-Threads-9616-0;run (a.py:1) 2")
     assert named["threads"] == [("MainThread", 4), ("Dask-Default-Threads", 2)]
@@ -100,3 +103,60 @@ def test_tokenpool_summary_gives_the_event_loop_per_second_and_the_task_thread_p
     # per text, the loop's figure falls as the texts per second grow
     assert (out["per_size"]["3000"]["on"]["gil_us_per_text_event_loop"]
             < out["per_size"]["1000"]["on"]["gil_us_per_text_event_loop"])
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not Path("/proc/self/task").is_dir(),
+                    reason="sets Linux CPU affinity")
+def test_pin_process_pins_every_thread_and_new_threads_inherit_it():
+    """``--pin``'s mechanism: every live thread of the process gets the cores, and a thread started
+    afterwards inherits them (so a worker's later task threads stay on its core)."""
+    import threading
+
+    module = _host_ceiling_module()
+    every = os.sched_getaffinity(0)
+    ready, stop = threading.Event(), threading.Event()
+    seen: dict[str, set[int]] = {}
+
+    def body(name: str) -> None:
+        ready.set()
+        stop.wait(10)
+        seen[name] = os.sched_getaffinity(0)
+
+    before = threading.Thread(target=body, args=("before",))
+    before.start()
+    ready.wait(10)
+    one = {min(every)}
+    try:
+        module.pin_process(one)
+        after = threading.Thread(target=body, args=("after",))
+        after.start()
+        assert os.sched_getaffinity(0) == one
+        stop.set()
+        before.join(10)
+        after.join(10)
+        assert seen == {"before": one, "after": one}
+    finally:
+        module.pin_process(every)
+    assert os.sched_getaffinity(0) == every
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads Linux /proc")
+def test_process_cpu_counts_threads_that_ended():
+    """The whole process's CPU, unlike :func:`thread_cpu`'s live threads: a thread that burned CPU and
+    ended still counts."""
+    import threading
+    import time
+
+    module = _host_ceiling_module()
+    before = module.process_cpu()
+
+    def burn() -> None:
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+
+    t = threading.Thread(target=burn)
+    t.start()
+    t.join()
+    assert module.process_cpu() - before >= 0.25
+    assert module.process_cpu(os.getpid()) >= module.process_cpu() - 0.05
