@@ -47,6 +47,7 @@ py-spy's figure exceeded the worker's CPU). Pinned, only the worker's own thread
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -265,10 +266,8 @@ def pin_process(cores: set[int], pid: int | None = None) -> None:
     Threads started later inherit the affinity of the thread that starts them."""
     pid = pid or os.getpid()
     for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the thread ended meanwhile
             os.sched_setaffinity(int(tid), cores)
-        except (ProcessLookupError, PermissionError):  # the thread ended meanwhile
-            pass
 
 
 def pin_worker(core: int, others: list[int]) -> list[int]:
