@@ -369,3 +369,14 @@ def test_a_plan_recorded_by_an_older_version_still_loads(tmp_path):
     manifest, _ = open_run(str(tmp_path / "o"), {"t": 2})  # a run that recorded no plan
     assert manifest.plan is None and current_run(str(tmp_path / "o")).plan is None
     assert dask_surge.status(str(tmp_path / "o"))["mode"] is None
+
+
+def test_commit_record_json_is_the_records_fields_as_written_before():
+    """to_json writes the fields as they are (no deep copy): the same bytes asdict gave, and it reads back."""
+    from dataclasses import asdict
+
+    rec = CommitRecord("000000000-000000000000", "0" * 16, "part-00000000-000000000-000000000000-0123abcd.parquet", 7, 10, "ab",
+                       tuple((p, 0, 3, 3) for p in range(5)), skipped=1, digests=tuple((p, f"{p:016x}") for p in range(5)),
+                       truncated=-1, encoded=6, reused=1)
+    assert rec.to_json() == json.dumps(asdict(rec), sort_keys=True).encode()
+    assert CommitRecord.from_json(rec.to_json()) == rec

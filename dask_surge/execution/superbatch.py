@@ -410,7 +410,7 @@ class SuperBatchEncoder:
         cut: np.ndarray | None = np.zeros(len(first), dtype=bool)
         if len(todo) or not parts_:
             fresh, mask = self._encode_blocks(
-                texts if len(todo) == len(texts) else [texts[i] for i in first[todo].tolist()],
+                texts if len(todo) == len(texts) else list(map(texts.__getitem__, first[todo].tolist())),
                 lambda i: f"partition {partition[first[todo[i]]]}, row {row[first[todo[i]]]}")
             parts_.append((todo, fresh))
             if mask is None:
