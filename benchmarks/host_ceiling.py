@@ -5,6 +5,7 @@ Usage::
     python benchmarks/host_ceiling.py [--n 100000] [--files 1000] [--workers 2] [--repeats 3]
                                       [--gil] [--out benchmarks/results/host_ceiling_cpu.json]
     python benchmarks/host_ceiling.py --tokenpool [--sizes 50000 150000] [--processes 1] [--repeats 2] [--pin]
+                                      [--set max-tokens=65536 ...]
                                       [--out benchmarks/results/host_ceiling_tokenpool_ab_cpu.json]
 
 On the same texts (``--n`` docstring paragraphs of installed packages, in ``--files``
@@ -42,6 +43,11 @@ everything else (the helpers, the client and schedulers, py-spy) on the other co
 core as always: on a machine with few cores another process otherwise preempts a worker thread
 that holds the GIL, and py-spy counts that wait as GIL time (on 2 cores with one helper busy,
 py-spy's figure exceeded the worker's CPU). Pinned, only the worker's own threads can preempt it.
+``--set KEY=VALUE`` sets ``surge.KEY`` in the workers. A GPU worker runs larger SuperBatches than a
+CPU one (``b-min``/``b-max`` "auto": 100,000/400,000 rows against 4,096/16,384) and larger
+micro-batches (``max-tokens``: up to 65,536 against 2,048 for MiniLM), and each SuperBatch and
+micro-batch costs the worker's GIL the same whatever its size; ``--set b-min=100000 --set
+b-max=400000 --set max-tokens=65536`` measures what feeding a GPU costs per text.
 """
 
 from __future__ import annotations
@@ -280,11 +286,12 @@ def pin_worker(core: int, others: list[int]) -> list[int]:
     return pids
 
 
-def _set_processes(value) -> object:
+def _set_config(key: str, value) -> object:
+    """Set ``surge.<key>`` in this process's Dask config (a worker's, through ``client.run``); its value now."""
     import dask.config
 
-    dask.config.set({"surge.tokenize-processes": value})
-    return dask.config.get("surge.tokenize-processes")
+    dask.config.set({f"surge.{key}": value})
+    return dask.config.get(f"surge.{key}")
 
 
 def _gil_by_thread(gil: dict) -> dict[str, float]:
@@ -315,6 +322,16 @@ def pin_all(clusters: dict[str, tuple], workers: int) -> set[int]:
     return set(others)
 
 
+def _key_value(text: str) -> tuple[str, object]:
+    """``--set max-tokens=65536`` as ``("max-tokens", 65536)`` (the value read as YAML, as Dask reads config)."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE; Fix: e.g. --set max-tokens=65536")
+    return key.removeprefix("surge."), yaml.safe_load(value)
+
+
 def tokenpool_ab(args) -> dict:
     """``--tokenpool``: (b) with the helpers off and on, side by side (see the module docstring)."""
     from _realtext import read_texts, small_files
@@ -336,7 +353,11 @@ def tokenpool_ab(args) -> dict:
             client = Client(cluster)
             clusters[arm] = (cluster, client)
             assert all(client.run(lambda: os.environ.get(NOOP_FORWARD_ENV) == "1").values())
-            assert set(client.run(_set_processes, value).values()) == {value}
+            assert set(client.run(_set_config, "tokenize-processes", value).values()) == {value}
+            for key, value in args.set:  # before the warm-up run loads the model
+                assert set(client.run(_set_config, key, value).values()) == {value}
+        for key, value in args.set:  # and here, where the run is planned (b-min, b-max)
+            assert _set_config(key, value) == value
         warm = small_files(2000, 20, seed=1)[0]
         for arm in arms:  # the model loaded and (on) the helpers started on every worker before the clock
             surge_run(warm, clusters[arm][1], scratch)
@@ -386,7 +407,7 @@ def tokenpool_ab(args) -> dict:
             client.close()
             cluster.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    return {**header, "layouts": layouts, "pinned": args.pin,
+    return {**header, "layouts": layouts, "pinned": args.pin, "worker_config": dict(args.set),
             "workers": args.workers, "arms": arms, "runs": runs, "summary": tokenpool_summary(runs, args.sizes, args.workers, args.pin)}
 
 
@@ -463,6 +484,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="(b) with surge.tokenize-processes 0 and --processes side by side, at --sizes")
     parser.add_argument("--sizes", type=int, nargs="+", default=[50_000, 150_000])
     parser.add_argument("--processes", type=int, default=1, help="with --tokenpool: helper processes per worker")
+    parser.add_argument("--set", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                        help="with --tokenpool: surge.KEY in the workers, e.g. --set max-tokens=65536 (repeatable)")
     parser.add_argument("--pin", action="store_true",
                         help="with --tokenpool: each worker on a core of its own, everything else on the other "
                              "cores, so no other process preempts a worker thread that holds the GIL")

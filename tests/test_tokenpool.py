@@ -75,6 +75,32 @@ def test_pool_ids_lengths_and_overflow_match_the_packer(hf_tokenizer, prompt):
         pool.close()
 
 
+@pytest.mark.parametrize("arrow_type", ["string", "large_string", "string_view"])
+@pytest.mark.parametrize("prompt", ["", "query: "])
+def test_arrow_texts_go_to_the_helper_as_their_bytes(hf_tokenizer, arrow_type, prompt):
+    """An Arrow column's texts (sliced, non-ASCII, empty, over the window) reach the helper as the
+    column's UTF-8 bytes and byte offsets: the same ids as the list, and no Python string made here."""
+    import pyarrow as pa
+
+    from dask_surge.io.texts import ArrowTexts
+
+    texts = texts_for(200, seed=2)
+    packer = TextPacker(hf_tokenizer, 32, prompt=prompt, clock=StageClock())
+    pool = TokenPool(packer.tokenizer_json(), 32, prompt=prompt)
+    try:
+        column = ArrowTexts(pa.array(["skipped"] + texts, getattr(pa, arrow_type)()))[1:]  # an offset slice
+        got = pool.tokenize(column)
+        assert column._list is None  # nothing was turned into Python strings in this process
+        want = pool.tokenize(texts)
+        np.testing.assert_array_equal(got.lengths, want.lengths)
+        np.testing.assert_array_equal(got.ids, want.ids)
+        np.testing.assert_array_equal(got.overflow, want.overflow)
+        ascii_only = ArrowTexts(pa.array(["plain", "", "text"]))
+        np.testing.assert_array_equal(pool.tokenize(ascii_only).ids, pool.tokenize(["plain", "", "text"]).ids)
+    finally:
+        pool.close()
+
+
 def test_packed_windows_are_the_same(hf_tokenizer, monkeypatch):
     monkeypatch.setattr(tokenize_module, "WINDOW_TEXTS", 64)  # several windows, handed over ahead
     texts = texts_for(500, seed=1)

@@ -14,6 +14,7 @@ from ..io.arrow import embedding_array, to_host
 from ..io.frames import FrameRows
 from ..io.precision import truncate
 from ..io.reuse import TEXT_HASH, arrow_strings, hash_column, open_index, text_hashes
+from ..io.texts import ArrowTexts, as_list, join_texts
 from ..models.encoders import Encoder
 from ..models.windows import TextTooLong
 from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
@@ -119,26 +120,29 @@ def partition_digest(series: pd.Series) -> str:
     return hashlib.blake2b(hashes.tobytes() + len(series).to_bytes(8, "little"), digest_size=16).hexdigest()
 
 
-def arrow_texts(series: pd.Series) -> list[str] | None:
-    """The texts of an Arrow-backed string column with no null, straight from Arrow; else None.
+def arrow_texts(series: pd.Series) -> ArrowTexts | None:
+    """The texts of an Arrow-backed string column with no null, kept in Arrow; else None.
 
     Every value of such a column is a str and none is null, so it needs none of the checks
-    :func:`texts_of` makes otherwise (0.14 us a text against 0.66 through ``isna()`` and them).
+    :func:`texts_of` makes otherwise (0.14 us a text against 0.66 through ``isna()`` and them),
+    and the tokenizer helpers take its UTF-8 bytes whole (:class:`~dask_surge.io.texts.ArrowTexts`).
 
     Examples
     --------
-    >>> arrow_texts(pd.Series(["a", "b"], dtype="string[pyarrow]"))
+    >>> arrow_texts(pd.Series(["a", "b"], dtype="string[pyarrow]")).tolist()
     ['a', 'b']
     >>> arrow_texts(pd.Series(["a", None], dtype="string[pyarrow]")) is None
     True
     """
     strings = arrow_strings(series)
-    return strings.to_pylist() if strings is not None and strings.null_count == 0 else None
+    return ArrowTexts(strings) if strings is not None and strings.null_count == 0 else None
 
 
-def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> tuple[list[str], np.ndarray | None]:
-    """Return the texts of ``series`` as a list of ``str``, enforcing the null policy,
-    and the mask of rows kept (``None``: all of them).
+def texts_of(series: pd.Series, partition: int, start: int, on_null: str
+             ) -> tuple[list[str] | ArrowTexts, np.ndarray | None]:
+    """Return the texts of ``series`` as a sequence of ``str`` (an :class:`~dask_surge.io.texts.ArrowTexts`
+    for Arrow strings with no null, else a list), enforcing the null policy, and the mask of
+    rows kept (``None``: all of them).
 
     ``on_null`` is ``"error"`` (raise), ``"empty"`` (encode ``""``) or ``"skip"``
     (leave the row out: the mask is False there).
@@ -154,7 +158,8 @@ def texts_of(series: pd.Series, partition: int, start: int, on_null: str) -> tup
     >>> import pandas as pd
     >>> texts_of(pd.Series(["a", None, "c"]), 0, 0, "skip")
     (['a', 'c'], array([ True, False,  True]))
-    >>> texts_of(pd.Series(["a", "b"], dtype="string[pyarrow]"), 0, 0, "error")  # Arrow strings, no null
+    >>> texts, kept = texts_of(pd.Series(["a", "b"], dtype="string[pyarrow]"), 0, 0, "error")  # Arrow, no null
+    >>> texts.tolist(), kept
     (['a', 'b'], None)
     """
     values = arrow_texts(series)
@@ -309,7 +314,7 @@ class SuperBatchEncoder:
         are one block: one slice and one column of texts for all of them, not one per
         partition. A block whose texts are not all Arrow strings, or hold a null, is taken
         span by span, so that errors and skipped rows name their partition and row."""
-        blocks, texts, skipped = [], [], []
+        blocks, pieces, skipped = [], [], []
         by_partition = dict(zip(sorted({s.partition for s, _ in spans}), parts))
         for span, planned in spans:
             part = by_partition[span.partition]
@@ -325,7 +330,7 @@ class SuperBatchEncoder:
                 block, values = self._run_block(run, by_partition)
                 if values is not None:
                     blocks.append(block)
-                    texts += values
+                    pieces.append(values)
                     continue
             for span, _ in run:
                 part = to_host(by_partition[span.partition])
@@ -335,9 +340,9 @@ class SuperBatchEncoder:
                 if kept is not None:
                     skipped += [(span.partition, int(r)) for r in rows[~kept]]
                     rows, piece = rows[kept], piece[kept]
-                texts += values
+                pieces.append(values)
                 blocks.append((np.full(len(rows), span.partition, dtype=np.int64), rows, piece))
-        return blocks, texts, skipped
+        return blocks, join_texts(pieces), skipped
 
     def _run_block(self, run, by_partition):
         """``((partitions, rows, frame), texts)`` of a run of spans over one frame, sliced once;
@@ -359,7 +364,7 @@ class SuperBatchEncoder:
         """Embeddings as written: truncated (``truncate_dim``), normalized, in the stored precision."""
         return embedding_array(truncate(emb, self.truncate_dim, self.normalize), self.precision)
 
-    def _encode_blocks(self, texts: list[str], where) -> tuple[_Blocks, np.ndarray | None]:
+    def _encode_blocks(self, texts: Sequence[str], where) -> tuple[_Blocks, np.ndarray | None]:
         """Run the model on distinct ``texts``; ``where(i)`` names text ``i`` in errors. Returns the
         blocks and which texts were cut at the window (None: the model cannot tell)."""
         try:  # truncate first, then normalize what is kept (as sentence-transformers' truncate_dim)
@@ -410,7 +415,7 @@ class SuperBatchEncoder:
         cut: np.ndarray | None = np.zeros(len(first), dtype=bool)
         if len(todo) or not parts_:
             fresh, mask = self._encode_blocks(
-                texts if len(todo) == len(texts) else list(map(texts.__getitem__, first[todo].tolist())),
+                texts if len(todo) == len(texts) else list(map(as_list(texts).__getitem__, first[todo].tolist())),
                 lambda i: f"partition {partition[first[todo[i]]]}, row {row[first[todo[i]]]}")
             parts_.append((todo, fresh))
             if mask is None:

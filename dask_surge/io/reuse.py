@@ -64,6 +64,7 @@ import xxhash
 from ..errors import SurgeInputError, SurgeOutputError, SurgeValueError
 from .manifest import current_run, existing_run, index_dir, write_bytes_atomic
 from .readers import model_name
+from .texts import ArrowTexts, as_list
 
 __all__ = ["TEXT_HASH", "HASH_ALGORITHM", "TEXT_HASH_TYPE", "text_hashes", "arrow_strings", "hash_column", "hashes_of",
            "text_hash_field", "embedding_identity", "compatible", "Matches", "Reused", "ReuseIndex", "open_index",
@@ -156,7 +157,7 @@ def text_hashes(values) -> np.ndarray:
     ...
     dask_surge.errors.SurgeValueError: text_hashes got 1 null value(s) (first at position 1); ...
     """
-    arrow = arrow_strings(values)
+    arrow = None if isinstance(values, ArrowTexts) else arrow_strings(values)
     if arrow is not None:
         if arrow.null_count:
             valid = np.asarray(arrow.is_valid())
@@ -164,7 +165,8 @@ def text_hashes(values) -> np.ndarray:
         chunks = arrow.chunks if isinstance(arrow, pa.ChunkedArray) else [arrow]
         blob = b"".join(_digests_of_arrow(c) for c in chunks)
     else:
-        seq = values.tolist() if isinstance(values, np.ndarray) else list(values)
+        # Python strings hash faster than Arrow's bytes sliced one by one: an ArrowTexts gives its list
+        seq = values.tolist() if isinstance(values, np.ndarray) else as_list(values)
         try:
             blob = _digests_of_str(seq)
         except TypeError:

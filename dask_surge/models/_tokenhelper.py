@@ -10,9 +10,10 @@ little-endian length and a pickle.
 
 - First message: ``{"tokenizer": <json str>, "prompt": str, "max_length": int}``. The tokenizer JSON
   is the caller's own copy (truncation set, padding off), so the ids are the same.
-- Then requests ``(in_name, in_size, n, data_bytes, out_name, out_size, want_ids)``: shared-memory
-  block ``in_name`` holds ``n + 1`` int64 character offsets then ``data_bytes`` bytes of UTF-8 (the
-  texts joined); the helper writes into block ``out_name``: ``n`` int32 lengths, ``n`` bytes of
+- Then requests ``(in_name, in_size, n, data_bytes, out_name, out_size, want_ids, unit)``: shared-memory
+  block ``in_name`` holds ``n + 1`` int64 offsets then ``data_bytes`` bytes of UTF-8 (the texts
+  joined); the offsets count characters (``unit`` "chars": texts the caller joined from Python
+  strings) or bytes (``"bytes"``: an Arrow string column's own offsets); the helper writes into block ``out_name``: ``n`` int32 lengths, ``n`` bytes of
   overflow flags (1: truncation left tokens over), padded to 4 bytes, then the int32 ids of every
   text one after the other (only with ``want_ids``). Reply ``("ok", tokens, cpu_seconds)`` or
   ``("error", type_name, message)``.
@@ -115,18 +116,26 @@ class Helper:
         return block
 
     def encode(self, in_name: str, in_size: int, n: int, data_bytes: int, out_name: str, out_size: int,
-               want_ids: bool) -> tuple[str, int, float]:
+               want_ids: bool, unit: str = "chars") -> tuple[str, int, float]:
         """Serve one request (see the protocol above): ``("ok", tokens, cpu_seconds)``."""
         import numpy as np
 
         c0 = time.process_time()
         src = self._block("in", in_name, in_size)
         dst = self._block("out", out_name, out_size)
-        offsets = np.frombuffer(src.buf, dtype=np.int64, count=n + 1).tolist()
-        joined = bytes(src.buf[8 * (n + 1) : 8 * (n + 1) + data_bytes]).decode("utf-8", "surrogatepass")
+        offsets = np.frombuffer(src.buf, dtype=np.int64, count=n + 1)
+        data = bytes(src.buf[8 * (n + 1) : 8 * (n + 1) + data_bytes])
+        joined = data.decode("utf-8", "surrogatepass")
+        if unit == "bytes" and len(joined) != len(data):  # not all ASCII: byte offsets to character offsets
+            starts = np.frombuffer(data, dtype=np.uint8) & 0xC0 != 0x80  # the first byte of each character
+            chars = np.zeros(len(data) + 1, dtype=np.int64)
+            np.cumsum(starts, out=chars[1:])
+            offsets = chars[offsets]
+        del data
+        bounds = offsets.tolist()
         prompt = self.prompt
-        texts = ([prompt + joined[a:b] for a, b in pairwise(offsets)] if prompt
-                 else [joined[a:b] for a, b in pairwise(offsets)])
+        texts = ([prompt + joined[a:b] for a, b in pairwise(bounds)] if prompt
+                 else [joined[a:b] for a, b in pairwise(bounds)])
         del joined
         gc.disable()  # one GC-tracked Encoding per text, no cycles (see tokenize.gc_paused)
         try:

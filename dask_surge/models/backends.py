@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import SurgeModelError, SurgeValueError
+from ..io.texts import ArrowTexts
 from .devices import auto_dtype, checkpoint_dtype, move_to
 from .direct import direct_layout, load_direct
 from .prompts import resolve_prompt
@@ -80,6 +81,7 @@ class Backend(Protocol):
     def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> LongEncoded:
         """Embed ``texts`` doing with those over the window what ``long_texts`` says (see
         :meth:`~dask_surge.models.encoders.Encoder.encode_long`; the options are checked already).
+        The ``"fast"`` backend also takes an :class:`~dask_surge.io.texts.ArrowTexts`.
 
         Raises
         ------
@@ -160,7 +162,8 @@ class FastBackend(_Released):
         with self._call():
             return self.engine.encode(texts, normalize=normalize)
 
-    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> LongEncoded:
+    def encode_long(self, texts: list[str] | ArrowTexts, normalize: bool, long_texts: str, chunk_overlap: int
+                    ) -> LongEncoded:
         with self._call():
             return self.engine.encode_long(texts, normalize=normalize, long_texts=long_texts,  # type: ignore[arg-type]
                                            chunk_overlap=chunk_overlap)

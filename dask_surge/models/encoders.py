@@ -27,6 +27,7 @@ import numpy as np
 from .. import config
 from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
 from ..io.arrow import embedding_array
+from ..io.texts import as_list, as_texts
 from ..options import Dtype, EngineName, Invalid, defaults, option, options_of
 from .allocator import keep_large_blocks
 from .backends import Backend, BackendClosed, choose_backend, direct_backend, free_memory
@@ -859,15 +860,17 @@ class Encoder:
         chunk_overlap = DEFAULT_CHUNK_OVERLAP if chunk_overlap is None else chunk_overlap
         check_long_texts(long_texts, chunk_overlap)
         loaded = self._loaded()
-        texts = list(texts)
+        texts = as_texts(texts)
         if not texts:
             empty = np.zeros((0, loaded.dimension), dtype=np.float32)
             if long_texts != "truncate" and loaded.backend == "callable":
-                loaded.impl.encode_long(texts, normalize, long_texts, int(chunk_overlap))  # raises: no tokenizer
+                loaded.impl.encode_long([], normalize, long_texts, int(chunk_overlap))  # raises: no tokenizer
             return LongEncoded(empty, Windows.empty() if long_texts == "chunk" else None,
                                np.zeros(0, dtype=bool), 0)
-        loaded, out = self._call(loaded, lambda impl: impl.encode_long(texts, normalize, long_texts,
-                                                                        int(chunk_overlap)))
+        # the fast engine takes Arrow-held texts as they are (its tokenizer helpers copy their bytes);
+        # every other backend, a user's callable among them, gets a list of str
+        loaded, out = self._call(loaded, lambda impl: impl.encode_long(
+            texts if impl.name == "fast" else as_list(texts), normalize, long_texts, int(chunk_overlap)))
         emb = _checked(out.embeddings, len(out.windows) if out.windows is not None else len(texts), loaded.backend)
         return out if emb is out.embeddings else replace(out, embeddings=emb)
 

@@ -25,6 +25,7 @@ import torch
 
 from .. import config
 from ..errors import SurgeValueError
+from ..io.texts import ArrowTexts, as_list, as_texts
 from .device import (  # the private helpers are re-exported: tests and benchmarks import them from here
     DTYPES,
     NOOP_FORWARD_ENV,
@@ -305,7 +306,7 @@ class TransformerEngine:
         """
         self._check_open()
         self._use_processes()
-        texts = texts if isinstance(texts, list) else list(texts)
+        texts = as_texts(texts)
         return self._encode_with(len(texts), self._windows(texts), self._prepare_window, normalize or self._normalize)
 
     def _check_open(self) -> None:
@@ -347,7 +348,7 @@ class TransformerEngine:
             job.result()  # the first device error, if any
         return self._device.finish_fed(feeder, state["out"])  # CUDA: waits here, not on the feeder thread
 
-    def _windows(self, texts: list[str]):
+    def _windows(self, texts: list[str] | ArrowTexts):
         """``(offset, encodings)`` per window; on CUDA the next window tokenizes during compute."""
         return self._packer.windows(texts, background=self.device.type == "cuda")
 
@@ -391,12 +392,12 @@ class TransformerEngine:
         self._check_open()
         self._use_processes()
         check_long_texts(long_texts, chunk_overlap)
-        texts = texts if isinstance(texts, list) else list(texts)
+        texts = as_texts(texts)
         normalize = normalize or self._normalize
         if long_texts in ("chunk", "mean"):
             cutter = self.cutter()
             cutter.check_overlap(chunk_overlap)
-            return encode_windows(texts, long_texts, chunk_overlap, cutter, lambda g: self._encode_groups(g, normalize),
+            return encode_windows(as_list(texts), long_texts, chunk_overlap, cutter, lambda g: self._encode_groups(g, normalize),
                                   self.dimension, renormalize=normalize, clock=self._clock)
         truncated = np.zeros(len(texts), dtype=bool)
 

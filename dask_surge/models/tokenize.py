@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SurgeInputError
+from ..io.texts import ArrowTexts, as_list, as_texts
 from .batching import FIRST_WINDOW_TEXTS, WINDOW_TEXTS, BatchPlan, plan_batches
 from .batching import windows as window_starts
 from .tokenpool import Pending, TokenizedWindow, TokenizerProcessError, TokenPool
@@ -244,7 +245,7 @@ class TextPacker:
         ids = self._tokenizer.encode(self.prompt).ids
         return len(ids) - 1 if ids and ids[-1] in special_ids else len(ids)
 
-    def tokenize(self, texts: list[str]) -> list:
+    def tokenize(self, texts: Sequence[str]) -> list:
         """The Rust tokenizer's encodings of ``texts`` (prompt first, truncated, unpadded).
 
         Raises
@@ -253,6 +254,7 @@ class TextPacker:
             If an element of ``texts`` is not a str.
         """
         t0 = time.perf_counter()
+        texts = as_list(texts)
         try:
             with gc_paused():  # one GC-tracked object per text (see gc_paused)
                 encodings = self._encode_batch([self.prompt + t for t in texts] if self.prompt else texts)
@@ -265,7 +267,7 @@ class TextPacker:
 
     def count_tokens(self, texts: Sequence[str]) -> np.ndarray:
         """Token length of each text after truncation, special tokens included (int32)."""
-        texts = texts if isinstance(texts, list) else list(texts)
+        texts = as_texts(texts)
         pool = self.token_pool()
         if pool is not None and texts:
             t0 = time.perf_counter()
@@ -275,7 +277,7 @@ class TextPacker:
                 return done.lengths
         return np.fromiter(map(len, self.tokenize(texts)), dtype=np.int32, count=len(texts))
 
-    def _submit(self, pool: TokenPool, texts: list[str], *, ids: bool = True, block: bool = True
+    def _submit(self, pool: TokenPool, texts: Sequence[str], *, ids: bool = True, block: bool = True
                 ) -> Pending | TokenizerProcessError | None:
         """``pool.submit(texts)``; a :class:`TokenizerProcessError` is returned (a died one handled), not raised."""
         try:
@@ -294,7 +296,7 @@ class TextPacker:
             logger.info("dask-surge: a window is tokenized in process: %s", err)
         return err
 
-    def _pooled(self, pool: TokenPool, texts: list[str], *, ids: bool = True) -> TokenizedWindow | None:
+    def _pooled(self, pool: TokenPool, texts: Sequence[str], *, ids: bool = True) -> TokenizedWindow | None:
         """``texts`` tokenized by a helper, or None when that failed (see :meth:`_submit`)."""
         pending = self._submit(pool, texts, ids=ids)
         if not isinstance(pending, Pending):
@@ -305,7 +307,7 @@ class TextPacker:
             self._failed(err)
             return None
 
-    def windows(self, texts: list[str], *, background: bool = False) -> Iterator[tuple[int, Tokenized]]:
+    def windows(self, texts: list[str] | ArrowTexts, *, background: bool = False) -> Iterator[tuple[int, Tokenized]]:
         """Yield ``(offset, encodings)`` per window; with ``background`` the next window tokenizes meanwhile.
 
         Windows follow :func:`~dask_surge.models.batching.windows`; with ``background`` (the device
@@ -349,7 +351,7 @@ class TextPacker:
                 yield start, encodings
                 del encodings  # before the next window's are taken
 
-    def _pooled_windows(self, pool: TokenPool, texts: list[str], spans: list[tuple[int, int]]
+    def _pooled_windows(self, pool: TokenPool, texts: list[str] | ArrowTexts, spans: list[tuple[int, int]]
                         ) -> Iterator[tuple[int, Tokenized]]:
         """:meth:`windows` through the helper processes: up to one window per helper in flight ahead of
         the one the caller packs. A window a helper could not take or finish is tokenized here; after a

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SurgeError
+from ..io.texts import ArrowTexts
 from ._tokenhelper import out_layout, read_message, write_message
 
 __all__ = ["TokenPool", "TokenizedWindow", "TokenizerProcessError", "auto_processes"]
@@ -382,6 +383,8 @@ class TokenPool:
         Parameters
         ----------
         texts : sequence of str
+            A list, or an :class:`~dask_surge.io.texts.ArrowTexts`, whose UTF-8 bytes and byte
+            offsets are copied as they are.
         ids : bool, default True
             False: only the lengths and the overflow flags (``count_tokens``).
         block : bool, default True
@@ -402,10 +405,16 @@ class TokenPool:
         TokenizerProcessError
             If the helper died before it took the window (it is dropped from the pool).
         """
-        joined = "".join(texts).encode("utf-8", "surrogatepass")  # TypeError for a non-str
         n = len(texts)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=n), out=offsets[1:])
+        joined: bytes | memoryview
+        if isinstance(texts, ArrowTexts):  # the column's own UTF-8 bytes and byte offsets: no per-text work
+            offsets, joined = texts.utf8()
+            unit = "bytes"
+        else:
+            joined = "".join(texts).encode("utf-8", "surrogatepass")  # TypeError for a non-str
+            offsets = np.zeros(n + 1, dtype=np.int64)
+            np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=n), out=offsets[1:])
+            unit = "chars"
         tokens = min(n * self.max_length, len(joined) + n * self._per_text) if ids else 0
         _, ids_at = out_layout(n)
         need = 8 * (n + 1) + len(joined) + ids_at + 4 * tokens
@@ -428,7 +437,7 @@ class TokenPool:
             buf[: 8 * (n + 1)] = offsets.tobytes()
             buf[8 * (n + 1) : 8 * (n + 1) + len(joined)] = joined
             del buf
-            helper.send((src.name, src.size, n, len(joined), dst.name, dst.size, ids))
+            helper.send((src.name, src.size, n, len(joined), dst.name, dst.size, ids, unit))
         except TokenizerProcessError:
             self._drop(helper)
             raise

@@ -1,0 +1,146 @@
+"""Texts held as Arrow strings: a sequence of ``str`` that can hand over its UTF-8 bytes whole.
+
+A SuperBatch's texts mostly come from an Arrow string column with no null (a Parquet read).
+:class:`ArrowTexts` keeps them so: code that wants Python strings gets them (made once, on
+first use), and code that wants bytes (:class:`dask_surge.models.tokenpool.TokenPool`, which
+copies a window's texts into shared memory for a helper process) takes the column's own
+offsets and data buffer, with no per-text Python in the worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import overload
+
+import numpy as np
+import pyarrow as pa
+
+__all__ = ["ArrowTexts", "as_list", "as_texts", "join_texts"]
+
+
+class ArrowTexts(Sequence[str]):
+    """The strings of an Arrow string array with no null, as a read-only sequence of ``str``.
+
+    Parameters
+    ----------
+    arrow : pyarrow.Array or pyarrow.ChunkedArray
+        Of type string, large_string or string_view, with no null (its chunks are combined).
+
+    Raises
+    ------
+    ValueError
+        If ``arrow`` is not of a string type or holds a null.
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> texts = ArrowTexts(pa.array(["a dog", "é", "cat"]))
+    >>> len(texts), texts[1], list(texts[1:])
+    (3, 'é', ['é', 'cat'])
+    >>> offsets, data = texts.utf8()
+    >>> offsets.tolist(), bytes(data)
+    ([0, 5, 7, 10], b'a dog\\xc3\\xa9cat')
+    """
+
+    __slots__ = ("_list", "arrow")
+
+    def __init__(self, arrow: pa.Array | pa.ChunkedArray) -> None:
+        if isinstance(arrow, pa.ChunkedArray):
+            arrow = arrow.combine_chunks() if arrow.num_chunks != 1 else arrow.chunk(0)
+        if pa.types.is_string_view(arrow.type):
+            arrow = arrow.cast(pa.large_string())
+        if not (pa.types.is_string(arrow.type) or pa.types.is_large_string(arrow.type)):
+            raise ValueError(f"ArrowTexts takes a string array, not {arrow.type}; Fix: pass the text column")
+        if arrow.null_count:
+            raise ValueError(f"ArrowTexts takes no null, and this array holds {arrow.null_count}; "
+                             "Fix: leave the nulls out first (or use a list of str)")
+        #: The Arrow string or large_string array.
+        self.arrow: pa.Array = arrow
+        self._list: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self.arrow)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> ArrowTexts: ...
+
+    def __getitem__(self, index: int | slice) -> str | ArrowTexts:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                raise ValueError(f"ArrowTexts slices with step 1 only, not {step}; Fix: use as_list(texts)[...]")
+            part = ArrowTexts(self.arrow.slice(start, max(stop - start, 0)))
+            if self._list is not None:
+                part._list = self._list[start:stop]
+            return part
+        return self.tolist()[index]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tolist())
+
+    def __repr__(self) -> str:
+        return f"ArrowTexts({len(self)} texts, {self.arrow.type})"
+
+    def tolist(self) -> list[str]:
+        """The texts as a list of ``str``, made on the first call and kept."""
+        if self._list is None:
+            self._list = self.arrow.to_pylist()
+        return self._list
+
+    def utf8(self) -> tuple[np.ndarray, memoryview]:
+        """``(offsets, data)``: the ``len + 1`` int64 byte offsets of the texts in ``data``, from 0,
+        and their UTF-8 bytes (a view of the array's buffer, no copy)."""
+        n, arrow = len(self), self.arrow
+        width = np.int64 if pa.types.is_large_string(arrow.type) else np.int32
+        buffers = arrow.buffers()
+        raw = np.frombuffer(buffers[1], dtype=width)[arrow.offset : arrow.offset + n + 1] if n else np.zeros(1, width)
+        first, last = int(raw[0]), int(raw[-1])
+        data = memoryview(buffers[2]).cast("B")[first:last] if buffers[2] is not None else memoryview(b"")
+        return raw.astype(np.int64) - first, data
+
+
+def as_list(texts: Sequence[str]) -> list[str]:
+    """``texts`` as a list of ``str`` (an :class:`ArrowTexts` makes its list once; a list is itself).
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> as_list(ArrowTexts(pa.array(["a"]))), as_list(("b",))
+    (['a'], ['b'])
+    """
+    if isinstance(texts, list):
+        return texts
+    return texts.tolist() if isinstance(texts, ArrowTexts) else list(texts)
+
+
+def as_texts(texts: Sequence[str]) -> list[str] | ArrowTexts:
+    """``texts`` as it is when a list or an :class:`ArrowTexts`, else as a list."""
+    return texts if isinstance(texts, (list, ArrowTexts)) else list(texts)
+
+
+def join_texts(pieces: Sequence[Sequence[str]]) -> list[str] | ArrowTexts:
+    """The texts of ``pieces`` one after the other: an :class:`ArrowTexts` when every piece is one
+    (one Arrow array, its strings copied once), else a list.
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> joined = join_texts([ArrowTexts(pa.array(["a"])), ArrowTexts(pa.array(["b"], pa.large_string()))])
+    >>> type(joined).__name__, list(joined)
+    ('ArrowTexts', ['a', 'b'])
+    >>> join_texts([ArrowTexts(pa.array(["a"])), ["b"]]), join_texts([])
+    (['a', 'b'], [])
+    """
+    if len(pieces) == 1:
+        return as_texts(pieces[0])
+    held = [p for p in pieces if isinstance(p, ArrowTexts)]
+    if pieces and len(held) == len(pieces):
+        arrays = [p.arrow for p in held]
+        if len({a.type for a in arrays}) > 1:
+            arrays = [a.cast(pa.large_string()) for a in arrays]
+        return ArrowTexts(pa.concat_arrays(arrays))
+    return list(itertools.chain.from_iterable(as_list(p) for p in pieces))
