@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dask_surge.io.texts import ArrowTexts, as_list, as_texts, join_texts
+from dask_surge.io.texts import ArrowTexts, as_list, as_texts, join_texts, take_texts
 
 # Arrow holds valid UTF-8 only: no lone surrogates
 TEXTS = st.lists(st.text(st.characters(exclude_categories=("Cs",)), max_size=20), max_size=30)
@@ -30,6 +31,12 @@ def test_arrow_texts_behave_as_the_list(texts, arrow_type, data):
     if texts:
         i = data.draw(st.integers(-len(texts), len(texts) - 1))
         assert held[i] == texts[i]
+        picks = np.array(data.draw(st.lists(st.integers(0, len(texts) - 1), max_size=10)), dtype=np.int64)
+        if data.draw(st.booleans()):
+            held.tolist()  # made already: the pick reuses it
+        taken = take_texts(held, picks)
+        assert isinstance(taken, ArrowTexts) and list(taken) == [texts[k] for k in picks]
+        assert take_texts(texts, picks) == [texts[k] for k in picks]
 
 
 @settings(max_examples=100, deadline=None)

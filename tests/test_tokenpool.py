@@ -370,3 +370,28 @@ def test_a_helper_that_cannot_start_falls_back_with_a_warning(models, monkeypatc
         np.testing.assert_array_equal(got, ref)
     finally:
         engine.close()
+
+
+def test_a_superbatch_of_arrow_texts_with_repeats_is_the_same_with_the_helpers(models, tmp_path):
+    """End to end through a SuperBatch: Arrow strings with repeats (the distinct ones, picked in Arrow,
+    go to a helper as bytes) give the frame the in-process tokenizer gives."""
+    import pandas as pd
+
+    from dask_surge import Encoder
+    from dask_surge.execution.superbatch import SuperBatchEncoder
+    from dask_surge.planning.policy import Span
+
+    texts = texts_for(120, seed=3)
+    texts = texts + texts[:40]  # repeats: only the distinct texts are encoded
+    frame = pd.DataFrame({"text": pd.array(texts, dtype="string[pyarrow]")})
+    model = make_tiny_model(tmp_path / "tiny", max_seq_length=64)
+    sbe = SuperBatchEncoder("text", (), Encoder(model, device="cpu"))
+    spans = [(Span(0, 0, len(texts)), len(texts))]
+    with dask.config.set({"surge.tokenize-processes": 0}):
+        off = sbe.encode([frame], spans)
+    with dask.config.set({"surge.tokenize-processes": 1}):
+        on = sbe.encode([frame], spans)
+    packer = sbe.encoder._loaded().impl.engine._packer
+    assert packer._pool is not None and packer._pool_failure is None  # a helper tokenized them
+    assert on.encoded == off.encoded < len(texts)
+    pd.testing.assert_frame_equal(on.frame, off.frame)

@@ -14,7 +14,7 @@ from ..io.arrow import embedding_array, to_host
 from ..io.frames import FrameRows
 from ..io.precision import truncate
 from ..io.reuse import TEXT_HASH, arrow_strings, hash_column, open_index, text_hashes
-from ..io.texts import ArrowTexts, as_list, join_texts
+from ..io.texts import ArrowTexts, join_texts, take_texts
 from ..models.encoders import Encoder
 from ..models.windows import TextTooLong
 from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
@@ -415,7 +415,7 @@ class SuperBatchEncoder:
         cut: np.ndarray | None = np.zeros(len(first), dtype=bool)
         if len(todo) or not parts_:
             fresh, mask = self._encode_blocks(
-                texts if len(todo) == len(texts) else list(map(as_list(texts).__getitem__, first[todo].tolist())),
+                texts if len(todo) == len(texts) else take_texts(texts, first[todo]),
                 lambda i: f"partition {partition[first[todo[i]]]}, row {row[first[todo[i]]]}")
             parts_.append((todo, fresh))
             if mask is None:

@@ -16,7 +16,7 @@ from typing import overload
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["ArrowTexts", "as_list", "as_texts", "join_texts"]
+__all__ = ["ArrowTexts", "as_list", "as_texts", "join_texts", "take_texts"]
 
 
 class ArrowTexts(Sequence[str]):
@@ -91,6 +91,14 @@ class ArrowTexts(Sequence[str]):
             self._list = self.arrow.to_pylist()
         return self._list
 
+    def take(self, indices: np.ndarray) -> ArrowTexts:
+        """The texts at ``indices`` (int), in that order: Arrow copies their bytes; the list, when
+        made already, is picked from too, so it is not made again."""
+        part = ArrowTexts(self.arrow.take(pa.array(np.asarray(indices, dtype=np.int64))))
+        if self._list is not None:
+            part._list = list(map(self._list.__getitem__, np.asarray(indices).tolist()))
+        return part
+
     def utf8(self) -> tuple[np.ndarray, memoryview]:
         """``(offsets, data)``: the ``len + 1`` int64 byte offsets of the texts in ``data``, from 0,
         and their UTF-8 bytes (a view of the array's buffer, no copy)."""
@@ -120,6 +128,22 @@ def as_list(texts: Sequence[str]) -> list[str]:
 def as_texts(texts: Sequence[str]) -> list[str] | ArrowTexts:
     """``texts`` as it is when a list or an :class:`ArrowTexts`, else as a list."""
     return texts if isinstance(texts, (list, ArrowTexts)) else list(texts)
+
+
+def take_texts(texts: Sequence[str], indices: np.ndarray) -> list[str] | ArrowTexts:
+    """The texts of ``texts`` at ``indices``: an :class:`ArrowTexts` stays one (:meth:`ArrowTexts.take`).
+
+    Examples
+    --------
+    >>> import numpy as np, pyarrow as pa
+    >>> take_texts(["a", "b", "c"], np.array([2, 0]))
+    ['c', 'a']
+    >>> take_texts(ArrowTexts(pa.array(["a", "b", "c"])), np.array([2, 0]))
+    ArrowTexts(2 texts, string)
+    """
+    if isinstance(texts, ArrowTexts):
+        return texts.take(indices)
+    return list(map(as_list(texts).__getitem__, np.asarray(indices).tolist()))
 
 
 def join_texts(pieces: Sequence[Sequence[str]]) -> list[str] | ArrowTexts:
