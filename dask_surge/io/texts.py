@@ -43,7 +43,7 @@ class ArrowTexts(Sequence[str]):
     ([0, 5, 7, 10], b'a dog\\xc3\\xa9cat')
     """
 
-    __slots__ = ("_list", "arrow")
+    __slots__ = ("_list", "_pick", "arrow")
 
     def __init__(self, arrow: pa.Array | pa.ChunkedArray) -> None:
         if isinstance(arrow, pa.ChunkedArray):
@@ -58,6 +58,7 @@ class ArrowTexts(Sequence[str]):
         #: The Arrow string or large_string array.
         self.arrow: pa.Array = arrow
         self._list: list[str] | None = None
+        self._pick: tuple[list[str], np.ndarray] | None = None  # (a list these are picked from, where)
 
     def __len__(self) -> int:
         return len(self.arrow)
@@ -88,15 +89,21 @@ class ArrowTexts(Sequence[str]):
     def tolist(self) -> list[str]:
         """The texts as a list of ``str``, made on the first call and kept."""
         if self._list is None:
-            self._list = self.arrow.to_pylist()
+            if self._pick is not None:
+                whole, indices = self._pick
+                self._list = list(map(whole.__getitem__, indices.tolist()))
+                self._pick = None
+            else:
+                self._list = self.arrow.to_pylist()
         return self._list
 
     def take(self, indices: np.ndarray) -> ArrowTexts:
-        """The texts at ``indices`` (int), in that order: Arrow copies their bytes; the list, when
-        made already, is picked from too, so it is not made again."""
-        part = ArrowTexts(self.arrow.take(pa.array(np.asarray(indices, dtype=np.int64))))
-        if self._list is not None:
-            part._list = list(map(self._list.__getitem__, np.asarray(indices).tolist()))
+        """The texts at ``indices`` (int), in that order: Arrow copies their bytes; when this list is
+        made already, that of the texts taken is picked from it when asked for, not made again."""
+        indices = np.asarray(indices, dtype=np.int64)
+        part = ArrowTexts(self.arrow.take(pa.array(indices)))
+        if self._list is not None:  # picked from it only if asked for (the helpers take the bytes)
+            part._pick = (self._list, indices)
         return part
 
     def utf8(self) -> tuple[np.ndarray, memoryview]:
