@@ -10,11 +10,11 @@ little-endian length and a pickle.
 
 - First message: ``{"tokenizer": <json str>, "prompt": str, "max_length": int}``. The tokenizer JSON
   is the caller's own copy (truncation set, padding off), so the ids are the same.
-- Then requests ``(in_name, in_size, n, data_bytes, out_name, out_size, want_ids, unit)``: shared-memory
-  block ``in_name`` holds ``n + 1`` int64 offsets then ``data_bytes`` bytes of UTF-8 (the texts
-  joined); the offsets count characters (``unit`` "chars": texts the caller joined from Python
-  strings) or bytes (``"bytes"``: an Arrow string column's own offsets); the helper writes into block ``out_name``: ``n`` int32 lengths, ``n`` bytes of
-  overflow flags (1: truncation left tokens over), padded to 4 bytes, then the int32 ids of every
+- Then requests ``(in_name, in_size, n, data_bytes, out_name, out_size, want_ids, unit)``:
+  shared-memory block ``in_name`` holds ``n + 1`` int64 offsets then ``data_bytes`` bytes of UTF-8
+  (the texts joined); the offsets count characters (``unit`` "chars": texts the caller joined from
+  Python strings) or bytes (``"bytes"``: an Arrow string column's own offsets); the helper writes
+  into block ``out_name``: ``n`` int32 lengths, ``n`` bytes of overflow flags (1: truncation left tokens over), padded to 4 bytes, then the int32 ids of every
   text one after the other (only with ``want_ids``). Reply ``("ok", tokens, cpu_seconds)`` or
   ``("error", type_name, message)``.
 - EOF on stdin (the caller closed the pipe, or died): the helper exits.
