@@ -14,8 +14,9 @@ little-endian length and a pickle.
   shared-memory block ``in_name`` holds ``n + 1`` int64 offsets then ``data_bytes`` bytes of UTF-8
   (the texts joined); the offsets count characters (``unit`` "chars": texts the caller joined from
   Python strings) or bytes (``"bytes"``: an Arrow string column's own offsets); the helper writes
-  into block ``out_name``: ``n`` int32 lengths, ``n`` bytes of overflow flags (1: truncation left tokens over), padded to 4 bytes, then the int32 ids of every
-  text one after the other (only with ``want_ids``). Reply ``("ok", tokens, cpu_seconds)`` or
+  into block ``out_name``: ``n`` int32 lengths, ``n`` bytes of overflow flags (1: truncation left
+  tokens over), padded to 4 bytes, then the int32 ids of every text one after the other (only
+  with ``want_ids``). Reply ``("ok", tokens, cpu_seconds)`` or
   ``("error", type_name, message)``.
 - EOF on stdin (the caller closed the pipe, or died): the helper exits.
 
