@@ -67,3 +67,23 @@ def test_a_null_or_a_non_string_array_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="step 1 only"):
         ArrowTexts(pa.array(["a", "b"]))[::2]
     assert ArrowTexts(pa.chunked_array([["a"], ["b"]])).tolist() == ["a", "b"]
+
+
+def test_a_callable_model_gets_a_list_of_its_own():
+    """Only the fast engine takes Arrow-held texts; a user's callable gets a list, its own: sorting it in
+    place changes neither the caller's list nor the texts an ArrowTexts holds."""
+    from dask_surge import Encoder
+
+    seen = []
+
+    def model(texts):
+        seen.append(type(texts))
+        texts.sort()
+        return np.zeros((len(texts), 2), np.float32)
+
+    texts, held = ["b", "a"], ArrowTexts(pa.array(["d", "c"]))
+    held.tolist()
+    Encoder(model).encode_long(texts)
+    Encoder(model).encode_long(held)
+    assert seen and set(seen) == {list}
+    assert texts == ["b", "a"] and held.tolist() == ["d", "c"] == held.arrow.to_pylist()

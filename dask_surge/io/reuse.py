@@ -64,7 +64,7 @@ import xxhash
 from ..errors import SurgeInputError, SurgeOutputError, SurgeValueError
 from .manifest import current_run, existing_run, index_dir, write_bytes_atomic
 from .readers import model_name
-from .texts import ArrowTexts, as_list
+from .texts import ArrowTexts, as_list, is_string_view
 
 __all__ = ["TEXT_HASH", "HASH_ALGORITHM", "TEXT_HASH_TYPE", "text_hashes", "arrow_strings", "hash_column", "hashes_of",
            "text_hash_field", "embedding_identity", "compatible", "Matches", "Reused", "ReuseIndex", "open_index",
@@ -103,7 +103,7 @@ def _digests_of_str(values: Iterable) -> bytes:
 
 
 def _digests_of_arrow(arr: pa.Array) -> bytes:
-    if pa.types.is_string_view(arr.type):
+    if is_string_view(arr.type):
         arr = arr.cast(pa.large_string())
     width = np.int64 if pa.types.is_large_string(arr.type) else np.int32
     bufs = arr.buffers()
@@ -210,7 +210,7 @@ def arrow_strings(values) -> pa.Array | pa.ChunkedArray | None:
     """
     if isinstance(values, (pa.Array, pa.ChunkedArray)):
         if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
-                or pa.types.is_string_view(values.type)):
+                or is_string_view(values.type)):
             raise SurgeValueError(f"text_hashes got an Arrow {values.type} array; only strings are hashed. "
                                   "Fix: pass the text column.")
         return values

@@ -16,7 +16,20 @@ from typing import overload
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["ArrowTexts", "as_list", "as_texts", "join_texts", "take_texts"]
+__all__ = ["ArrowTexts", "as_list", "as_texts", "is_string_view", "join_texts", "take_texts"]
+
+
+def is_string_view(arrow_type: pa.DataType) -> bool:
+    """True for Arrow's string_view type (pyarrow >= 16; older pyarrow has none).
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> is_string_view(pa.string())
+    False
+    """
+    check = getattr(pa.types, "is_string_view", None)
+    return bool(check(arrow_type)) if check is not None else False
 
 
 class ArrowTexts(Sequence[str]):
@@ -46,10 +59,11 @@ class ArrowTexts(Sequence[str]):
     __slots__ = ("_list", "_pick", "arrow")
 
     def __init__(self, arrow: pa.Array | pa.ChunkedArray) -> None:
-        if isinstance(arrow, pa.ChunkedArray):
-            arrow = arrow.combine_chunks() if arrow.num_chunks != 1 else arrow.chunk(0)
-        if pa.types.is_string_view(arrow.type):
+        if is_string_view(arrow.type):
             arrow = arrow.cast(pa.large_string())
+        if isinstance(arrow, pa.ChunkedArray):  # 64-bit offsets when combined: past 2 GiB of text too
+            arrow = (arrow.chunk(0) if arrow.num_chunks == 1
+                     else _large(arrow).combine_chunks() if pa.types.is_string(arrow.type) else arrow.combine_chunks())
         if not (pa.types.is_string(arrow.type) or pa.types.is_large_string(arrow.type)):
             raise ValueError(f"ArrowTexts takes a string array, not {arrow.type}; Fix: pass the text column")
         if arrow.null_count:
@@ -88,19 +102,17 @@ class ArrowTexts(Sequence[str]):
 
     def tolist(self) -> list[str]:
         """The texts as a list of ``str``, made on the first call and kept."""
-        if self._list is None:
-            if self._pick is not None:
-                whole, indices = self._pick
-                self._list = list(map(whole.__getitem__, indices.tolist()))
-                self._pick = None
-            else:
-                self._list = self.arrow.to_pylist()
-        return self._list
+        made = self._list
+        if made is None:
+            pick = self._pick  # read once: another thread may take it meanwhile (both make the same list)
+            made = list(map(pick[0].__getitem__, pick[1].tolist())) if pick is not None else self.arrow.to_pylist()
+            self._list, self._pick = made, None
+        return made
 
     def take(self, indices: np.ndarray) -> ArrowTexts:
         """The texts at ``indices`` (int), in that order: Arrow copies their bytes; when this list is
         made already, that of the texts taken is picked from it when asked for, not made again."""
-        indices = np.asarray(indices, dtype=np.int64)
+        indices = np.array(indices, dtype=np.int64)  # a copy: the pick must not follow the caller's array
         part = ArrowTexts(self.arrow.take(pa.array(indices)))
         if self._list is not None:  # picked from it only if asked for (the helpers take the bytes)
             part._pick = (self._list, indices)
@@ -170,8 +182,11 @@ def join_texts(pieces: Sequence[Sequence[str]]) -> list[str] | ArrowTexts:
         return as_texts(pieces[0])
     held = [p for p in pieces if isinstance(p, ArrowTexts)]
     if pieces and len(held) == len(pieces):
-        arrays = [p.arrow for p in held]
-        if len({a.type for a in arrays}) > 1:
-            arrays = [a.cast(pa.large_string()) for a in arrays]
-        return ArrowTexts(pa.concat_arrays(arrays))
+        # 64-bit offsets: the pieces may hold more than 2 GiB of text together (a cast shares the data)
+        return ArrowTexts(pa.concat_arrays([_large(p.arrow) for p in held]))
     return list(itertools.chain.from_iterable(as_list(p) for p in pieces))
+
+
+def _large(arrow):
+    """``arrow`` (a string array or chunked array) with 64-bit offsets."""
+    return arrow if pa.types.is_large_string(arrow.type) else arrow.cast(pa.large_string())

@@ -124,20 +124,17 @@ class Helper:
         c0 = time.process_time()
         src = self._block("in", in_name, in_size)
         dst = self._block("out", out_name, out_size)
-        offsets = np.frombuffer(src.buf, dtype=np.int64, count=n + 1)
+        bounds = np.frombuffer(src.buf, dtype=np.int64, count=n + 1).tolist()
         data = bytes(src.buf[8 * (n + 1) : 8 * (n + 1) + data_bytes])
-        joined = data.decode("utf-8", "surrogatepass")
-        if unit == "bytes" and len(joined) != len(data):  # not all ASCII: byte offsets to character offsets
-            starts = np.frombuffer(data, dtype=np.uint8) & 0xC0 != 0x80  # the first byte of each character
-            chars = np.zeros(len(data) + 1, dtype=np.int64)
-            np.cumsum(starts, out=chars[1:])
-            offsets = chars[offsets]
+        if unit == "bytes":  # each text decoded from its own bytes (no array the size of the data)
+            texts = [data[a:b].decode("utf-8", "surrogatepass") for a, b in pairwise(bounds)]
+        else:
+            joined = data.decode("utf-8", "surrogatepass")
+            texts = [joined[a:b] for a, b in pairwise(bounds)]
+            del joined
         del data
-        bounds = offsets.tolist()
-        prompt = self.prompt
-        texts = ([prompt + joined[a:b] for a, b in pairwise(bounds)] if prompt
-                 else [joined[a:b] for a, b in pairwise(bounds)])
-        del joined
+        if self.prompt:
+            texts = [self.prompt + t for t in texts]
         gc.disable()  # one GC-tracked Encoding per text, no cycles (see tokenize.gc_paused)
         try:
             encodings = self.encode_batch(texts)

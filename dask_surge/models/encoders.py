@@ -27,7 +27,7 @@ import numpy as np
 from .. import config
 from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
 from ..io.arrow import embedding_array
-from ..io.texts import as_list, as_texts
+from ..io.texts import as_texts
 from ..options import Dtype, EngineName, Invalid, defaults, option, options_of
 from .allocator import keep_large_blocks
 from .backends import Backend, BackendClosed, choose_backend, direct_backend, free_memory
@@ -868,9 +868,9 @@ class Encoder:
             return LongEncoded(empty, Windows.empty() if long_texts == "chunk" else None,
                                np.zeros(0, dtype=bool), 0)
         # the fast engine takes Arrow-held texts as they are (its tokenizer helpers copy their bytes);
-        # every other backend, a user's callable among them, gets a list of str
+        # every other backend, a user's callable among them, gets a list of str of its own
         loaded, out = self._call(loaded, lambda impl: impl.encode_long(
-            texts if impl.name == "fast" else as_list(texts), normalize, long_texts, int(chunk_overlap)))
+            texts if impl.name == "fast" else list(texts), normalize, long_texts, int(chunk_overlap)))
         emb = _checked(out.embeddings, len(out.windows) if out.windows is not None else len(texts), loaded.backend)
         return out if emb is out.embeddings else replace(out, embeddings=emb)
 
