@@ -103,14 +103,10 @@ def _digests_of_str(values: Iterable) -> bytes:
 
 
 def _digests_of_arrow(arr: pa.Array) -> bytes:
-    if is_string_view(arr.type):
-        arr = arr.cast(pa.large_string())
-    width = np.int64 if pa.types.is_large_string(arr.type) else np.int32
-    bufs = arr.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=width)[arr.offset: arr.offset + len(arr) + 1].tolist()
-    data = memoryview(bufs[2]) if bufs[2] is not None else memoryview(b"")
+    offsets, data = ArrowTexts(arr).utf8()  # no null here: text_hashes refused them
+    bounds = offsets.tolist()
     digest = xxhash.xxh3_128_digest
-    return b"".join([digest(data[offsets[i]: offsets[i + 1]]) for i in range(len(arr))])
+    return b"".join([digest(data[bounds[i]: bounds[i + 1]]) for i in range(len(arr))])
 
 
 def _null_error(n: int, first: int) -> SurgeValueError:

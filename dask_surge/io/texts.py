@@ -61,9 +61,10 @@ class ArrowTexts(Sequence[str]):
     def __init__(self, arrow: pa.Array | pa.ChunkedArray) -> None:
         if is_string_view(arrow.type):
             arrow = arrow.cast(pa.large_string())
-        if isinstance(arrow, pa.ChunkedArray):  # 64-bit offsets when combined: past 2 GiB of text too
-            arrow = (arrow.chunk(0) if arrow.num_chunks == 1
-                     else _large(arrow).combine_chunks() if pa.types.is_string(arrow.type) else arrow.combine_chunks())
+        if isinstance(arrow, pa.ChunkedArray):
+            if arrow.num_chunks > 1 and pa.types.is_string(arrow.type):
+                arrow = _large(arrow)  # 64-bit offsets once combined: past 2 GiB of text too
+            arrow = arrow.chunk(0) if arrow.num_chunks == 1 else arrow.combine_chunks()
         if not (pa.types.is_string(arrow.type) or pa.types.is_large_string(arrow.type)):
             raise ValueError(f"ArrowTexts takes a string array, not {arrow.type}; Fix: pass the text column")
         if arrow.null_count:
