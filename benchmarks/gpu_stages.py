@@ -26,7 +26,8 @@ preflight  versions, CUDA visible, free memory, fast engine chosen, its mask pat
 data       Parquet input: log-normal partition sizes in many small files (sets A and B)
 host       inside one Dask worker: the raw tokenizer's rate on set B's texts, and
            dask-surge end to end with a no-op forward (the host ceiling) on set B, with
-           surge.tokenize-processes at its CUDA default, then 0 (tokenizing in the worker)
+           surge.tokenize-processes at its CUDA default (py-spy --gil sampling the worker:
+           GIL microseconds per text, target <= 4), then 0 (tokenizing in the worker)
 surge_minilm / surge_bert   dask-surge end to end, random-weight MiniLM-L6 on set A and
            BERT-base on set B, after a warm-up that loads the model into the workers
 engine     the engine alone in this process (length-split micro-batches, then the greedy
@@ -345,19 +346,57 @@ def stage_host(s: Session) -> None:
         tok["texts_per_s"] = tok["texts"] / tok["seconds"]
         s.emit(tokenizer_in_worker=tok)
         warm_s = _warm(s, client, model)
-        noop = _surge(s, client, model, files, "noop")  # surge.tokenize-processes: the device's default
+        # surge.tokenize-processes: the device's default; py-spy samples the worker's GIL meanwhile
+        noop, gil = _gil_sampled(s, client, lambda: _surge(s, client, model, files, "noop"))
         noop.pop("_records")
         (facts,) = client.run(_worker_facts).values()
-        s.emit(surge_noop=noop, worker=facts)
+        s.emit(surge_noop=noop, worker=facts, gil=gil)
         # the same run tokenizing in the worker process (no helper processes): what the helpers buy here
         client.run(_set_tokenize_processes, 0)
         in_worker = _surge(s, client, model, files, "noop_in_worker")
         in_worker.pop("_records")
         client.run(_set_tokenize_processes, None)
-    s.emit("ok", tokenizer_in_worker=tok, warm_s=warm_s, surge_noop=noop, worker=facts,
+    s.emit("ok", tokenizer_in_worker=tok, warm_s=warm_s, surge_noop=noop, worker=facts, gil=gil,
            ratio_noop_over_tokenizer=noop["texts_per_s"] / tok["texts_per_s"],
            surge_noop_tokenize_in_worker=in_worker,
            ratio_helpers_over_in_worker=noop["texts_per_s"] / in_worker["texts_per_s"])
+
+
+#: Issue 27's bound on the GIL a worker holds per text, with the forward a no-op.
+GIL_TARGET_US = 4.0
+
+
+def _gil_sampled(s: Session, client, run) -> tuple[dict, dict]:
+    """``run()`` (a :func:`_surge` run) while ``py-spy record --gil`` samples every worker, and what
+    the samples say: the GIL microseconds per text the workers held, by thread, and the event
+    loop's milliseconds per second (a cost per second, not per text). py-spy comes from ``.gpu/``
+    (its wheel, installed with the others); without it, or where it may not read the workers
+    (ptrace refused), the run still counts and the second dict says why there is no figure.
+    The whole profile (frames per thread) goes to ``detail/gil_profile.json``.
+    """
+    if shutil.which("py-spy") is None:
+        return run(), {"skipped": "py-spy is not on PATH (gpu_session.sh installs the wheel .gpu/ carries)"}
+    import host_ceiling  # benchmarks/, on the path as this script's folder
+
+    sampled = host_ceiling.gil_seconds(client, run, threads=True)
+    result = sampled["result"]
+    rows, seconds = result["rows"], result["seconds"]
+    profiles = sampled["profile_by_worker"]
+    s.save_detail("gil_profile.json", profiles)
+    held = sum(sampled["gil_s_by_worker"].values())
+    if not held:
+        return result, {"error": "py-spy took no sample of the workers (ptrace refused here?)"}
+    rate = sampled["rate_hz"]
+    by_thread: dict[str, float] = {}
+    for profile in profiles.values():
+        for name, count in profile["threads"]:
+            by_thread[name] = by_thread.get(name, 0.0) + count / rate * 1e6 / rows
+    loop = by_thread.get("MainThread", 0.0) * rows / 1e3 / seconds
+    us = held * 1e6 / rows
+    return result, {"gil_us_per_text": round(us, 3), "target_us_per_text": GIL_TARGET_US, "met": us <= GIL_TARGET_US,
+                    "by_thread_us_per_text": {k: round(v, 3) for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1])},
+                    "event_loop_ms_per_s": round(loop, 2), "workers": len(profiles), "rate_hz": rate,
+                    "texts_per_s": round(rows / seconds, 1)}
 
 
 def _set_tokenize_processes(value: int | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,10 @@ def test_dry_run_writes_one_line_per_stage_into_at_most_four_files(tmp_path):
         assert final[name]["status"] in ("ok", "skipped"), final[name]
     assert final["session"]["status"] == "done"
     assert final["host"]["surge_noop"]["rows"] > 0 and final["host"]["tokenizer_in_worker"]["texts_per_s"] > 0
+    gil = final["host"]["gil"]  # py-spy's GIL figure, or why there is none (no py-spy, ptrace refused)
+    assert gil.get("gil_us_per_text", 0) > 0 or gil.get("skipped") or gil.get("error"), gil
+    if shutil.which("py-spy") is None:
+        assert "not on PATH" in gil["skipped"]
     assert final["inflight"]["ratio_4_over_2"] > 0 and 0 < final["busy"]["busy_fraction"] <= 1.0
     assert final["surge_minilm"]["engine"] == ["fast"] and final["surge_minilm"]["worker"]["backends"] == ["fast"]
     assert final["cosine"]["min_cosine"] >= 0.9999
