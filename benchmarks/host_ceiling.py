@@ -127,7 +127,7 @@ def _thread_name(root: str) -> str:
     return re.sub(r"[-_]?\d+", "", root.split("): ", 1)[1]).strip("-_") or root
 
 
-def gil_profile(raw: str, top: int = 40) -> dict:
+def gil_profile(raw: str, top: int | None = 40) -> dict:
     """Where the GIL samples of a ``py-spy record --format raw`` profile fall: per thread, and per
     function the samples it held the GIL in itself (``self``, the leaf frame) and under it (``inclusive``).
     With ``--threads`` the threads are named (:func:`_thread_name`); else the root frame tells them apart."""
@@ -204,10 +204,12 @@ def thread_cpu_during(client, run) -> tuple[object, dict[str, dict[str, float]]]
                         if v - before[w].get(k, 0.0) > 0} for w in after}
 
 
-def gil_seconds(client, run, *, native: bool = False, threads: bool = False, gil: bool = True) -> dict:
+def gil_seconds(client, run, *, native: bool = False, threads: bool = False, gil: bool = True,
+                top: int | None = 40) -> dict:
     """Run ``run()`` while py-spy samples every worker's GIL-holding thread; GIL seconds per worker,
-    and where the samples fell (:func:`gil_profile`, per worker; ``native`` adds C/Rust frames).
-    ``gil=False`` samples every running thread instead: CPU seconds per worker, by thread."""
+    and where the samples fell (:func:`gil_profile`, per worker, its ``top`` frames, None: all;
+    ``native`` adds C/Rust frames). ``gil=False`` samples every running thread instead: CPU
+    seconds per worker, by thread."""
     pids = list(client.run(os.getpid).values())
     rate = 250
     tmp = Path(tempfile.mkdtemp())
@@ -226,7 +228,7 @@ def gil_seconds(client, run, *, native: bool = False, threads: bool = False, gil
         proc.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
         proc.wait(timeout=60)
         raw = out.read_text() if out.is_file() else ""
-        profiles[str(pid)] = gil_profile(raw)
+        profiles[str(pid)] = gil_profile(raw, top)
         per_worker[str(pid)] = profiles[str(pid)]["samples"] / rate
     shutil.rmtree(tmp, ignore_errors=True)
     return {"result": result, "gil_s_by_worker": per_worker, "rate_hz": rate, "profile_by_worker": profiles,

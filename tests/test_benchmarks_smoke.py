@@ -109,6 +109,29 @@ def test_e2e_small_files_writes_its_ratio(tmp_path):
     assert {(r["encoder"], r["method"]) for r in report["results"]} == {("tiny", "st"), ("tiny", "st1"), ("tiny", "surge")}
     assert all(r["rows"] == 600 for r in report["results"])
     assert report["summary"]["tiny"]["ratio_surge_over_st"] > 0
+    surge = next(r for r in report["results"] if r["method"] == "surge")
+    assert surge["workers_cpu_s"] > 0 and surge["client_cpu_s"] > 0 and surge["machine_busy"] > 0
+
+
+def test_e2e_breakdown_sorts_py_spy_samples_into_where_the_workers_cpu_went():
+    """py-spy's raw lines, summed by ``host_ceiling.gil_profile``, then shared out by ``e2e_small_files.breakdown``:
+    a frame's line number does not matter, waiting leaves are left out, the event loop is ``MainThread``'s rest."""
+    raw = "\n".join([
+        "thread (1): MainThread;<module> (a.py:1);EpollSelector.select (selectors.py:468) 5",
+        "thread (1): MainThread;<module> (a.py:1);Worker.heartbeat (w.py:9) 4",
+        "thread (2): Dask-Default-Threads-2-0;Thread.run (t.py:1);DeviceRunner.forward (device.py:289);f (l.py:3) 10",
+        "thread (2): Dask-Default-Threads-2-0;Thread.run (t.py:1);DeviceRunner.forward (device.py:290) 2",
+        "thread (2): Dask-Default-Threads-2-0;Thread.run (t.py:1);UnitSource.iterate (s.py:5) 3",
+        "thread (3): surge-commit_0;Thread.run (t.py:1);g (x.py:2) 1",
+    ])
+    code = ("import json, sys; from benchmarks.host_ceiling import gil_profile; "
+            "from benchmarks.e2e_small_files import breakdown; "
+            "print(json.dumps(breakdown({'w': gil_profile(sys.stdin.read(), None)})))")
+    proc = subprocess.run([sys.executable, "-c", code], input=raw, capture_output=True, text=True, cwd=str(ROOT),
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out == {"busy_samples": 20, "share": {"forward": 0.6, "read": 0.15, "event loop": 0.2, "other": 0.05}}
 
 
 @pytest.mark.slow
