@@ -106,7 +106,7 @@ class ArrowTexts(Sequence[str]):
         made = self._list
         if made is None:
             pick = self._pick  # read once: another thread may take it meanwhile (both make the same list)
-            made = list(map(pick[0].__getitem__, pick[1].tolist())) if pick is not None else self.arrow.to_pylist()
+            made = _picked(*pick) if pick is not None else self.arrow.to_pylist()
             self._list, self._pick = made, None
         return made
 
@@ -163,7 +163,12 @@ def take_texts(texts: Sequence[str], indices: np.ndarray) -> list[str] | ArrowTe
     """
     if isinstance(texts, ArrowTexts):
         return texts.take(indices)
-    return list(map(as_list(texts).__getitem__, np.asarray(indices).tolist()))
+    return _picked(as_list(texts), indices)
+
+
+def _picked(texts: list[str], indices: np.ndarray) -> list[str]:
+    """The texts of ``texts`` at ``indices``, as a list."""
+    return list(map(texts.__getitem__, np.asarray(indices).tolist()))
 
 
 def join_texts(pieces: Sequence[Sequence[str]]) -> list[str] | ArrowTexts:
