@@ -386,17 +386,13 @@ def _gil_sampled(s: Session, client, run) -> tuple[dict, dict]:
     held = sum(sampled["gil_s_by_worker"].values())
     if not held:
         return result, {"error": "py-spy took no sample of the workers (ptrace refused here?)"}
-    rate = sampled["rate_hz"]
-    by_thread: dict[str, float] = {}
-    for profile in profiles.values():
-        for name, count in profile["threads"]:
-            by_thread[name] = by_thread.get(name, 0.0) + count / rate * 1e6 / rows
-    loop = by_thread.get("MainThread", 0.0) * rows / 1e3 / seconds
+    by_thread = host_ceiling.gil_by_thread(sampled)  # seconds
     us = held * 1e6 / rows
     return result, {"gil_us_per_text": round(us, 3), "target_us_per_text": GIL_TARGET_US, "met": us <= GIL_TARGET_US,
-                    "by_thread_us_per_text": {k: round(v, 3) for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1])},
-                    "event_loop_ms_per_s": round(loop, 2), "workers": len(profiles), "rate_hz": rate,
-                    "texts_per_s": round(rows / seconds, 1)}
+                    "by_thread_us_per_text": {k: round(v * 1e6 / rows, 3)
+                                              for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1])},
+                    "event_loop_ms_per_s": round(by_thread.get("MainThread", 0.0) * 1e3 / seconds, 2),
+                    "workers": len(profiles), "rate_hz": sampled["rate_hz"], "texts_per_s": round(rows / seconds, 1)}
 
 
 def _set_tokenize_processes(value: int | None) -> None:

@@ -296,8 +296,8 @@ def _set_config(key: str, value) -> object:
     return dask.config.get(f"surge.{key}")
 
 
-def _gil_by_thread(gil: dict) -> dict[str, float]:
-    """GIL seconds per thread name, the workers summed."""
+def gil_by_thread(gil: dict) -> dict[str, float]:
+    """GIL seconds per thread name, the workers summed, from :func:`gil_seconds`'s result."""
     out: dict[str, float] = {}
     for prof in gil["profile_by_worker"].values():
         for name, samples in prof["threads"]:
@@ -389,7 +389,7 @@ def tokenpool_ab(args) -> dict:
                         "size": size, "round": r, "arm": arm, "tokenize_processes": arms[arm],
                         "loadavg": os.getloadavg(), "a_seconds": a_s, "b_seconds": seconds,
                         "ratio_b_over_a": a_s / seconds, "rows": facts["rows"], "superbatches": facts["superbatches"],
-                        "gil_s_by_thread": _gil_by_thread(gil), "gil_s": sum(gil["gil_s_by_worker"].values()),
+                        "gil_s_by_thread": gil_by_thread(gil), "gil_s": sum(gil["gil_s_by_worker"].values()),
                         "thread_cpu_s": {k: sum(w.get(k, 0.0) for w in cpu.values())
                                          for k in sorted({k for w in cpu.values() for k in w})},
                         "workers_cpu_s": workers_cpu, "helpers_cpu_s": helpers,
