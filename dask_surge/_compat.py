@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from dask.dataframe.dask_expr.io.parquet import ReadParquetFSSpec
 
 __all__ = ["Alias", "BaseExpr", "DataNode", "Expr", "FromPandas", "GraphNode", "Lengths", "List", "Literal",
-           "Projection", "ReadParquetFSSpec", "Task", "TaskRef", "new_collection"]
+           "Projection", "ReadParquetFSSpec", "Task", "TaskRef", "new_collection", "simplified"]
 
 #: dask.dataframe's names, imported on first use (PEP 562): a worker running SuperBatch tasks
 #: needs the task spec above but not dask.dataframe, whose import (pandas, dask.array, dask-expr:
@@ -42,3 +42,34 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+
+def simplified(expr: Any) -> Any:
+    """``expr.simplify()``, computed once per expression object.
+
+    A run asks for the simplified input several times before its first task (its identity,
+    its partition sizes, its Parquet reader), and each ``simplify()`` builds new expressions,
+    which Dask tokenizes: on a ``read_parquet`` of 1,500 files, 0.04 s a call, all before any
+    worker has work. The result is kept on ``expr`` itself, as Dask keeps its own cached
+    properties (``_name``, ``_meta``): it lives exactly as long as ``expr``, and every caller
+    gets the same object.
+
+    Examples
+    --------
+    >>> import pandas as pd, dask.dataframe as dd
+    >>> expr = dd.from_pandas(pd.DataFrame({"t": ["a", "b"]}), npartitions=1)[["t"]].expr
+    >>> simplified(expr) is simplified(expr), type(simplified(expr)).__name__
+    (True, 'FromPandas')
+    """
+    cache = getattr(expr, "__dict__", None)
+    if cache is None:  # pragma: no cover - an expression without a __dict__: nowhere to keep it
+        return expr.simplify()
+    done = cache.get(_SIMPLIFIED)
+    if done is None:
+        done = cache[_SIMPLIFIED] = expr.simplify()  # two threads at once compute the same, harmlessly
+    return done
+
+
+#: the attribute :func:`simplified` keeps its result in
+_SIMPLIFIED = "_dask_surge_simplified"

@@ -59,7 +59,7 @@ class ParquetPartitions:
     def of(cls, expr) -> ParquetPartitions | None:
         """The reader of every partition of ``expr`` (a dask-expr expression) when it is a plain
         ``read_parquet`` (see :func:`parquet_pieces`), else None."""
-        found = parquet_pieces(expr.simplify())
+        found = parquet_pieces(_compat.simplified(expr))
         if found is None or len(found[1]) != expr.npartitions:
             return None
         fs, pieces, columns = found

@@ -100,7 +100,7 @@ def in_memory_sizes(frame, column: str) -> PartitionSizes | None:
     PartitionSizes(sizes=(2, 1), source='metadata', nbytes=(3, 4))
     """
 
-    expr = frame.expr.simplify()
+    expr = _compat.simplified(frame.expr)
     if not isinstance(expr, _compat.FromPandas) or expr.operand("_partitions") is not None:
         return None
     data = getattr(expr.operand("frame"), "_data", None)  # dask wraps the pandas frame
@@ -188,7 +188,7 @@ def parquet_footer_sizes(frame, column: str) -> tuple[tuple[int, ...], tuple[int
     import pyarrow.parquet as pq
 
 
-    found = parquet_pieces(frame.expr.simplify())
+    found = parquet_pieces(_compat.simplified(frame.expr))
     if found is None or len(found[1]) != frame.npartitions:
         return None
     fs, pieces, _ = found
