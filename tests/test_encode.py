@@ -251,6 +251,23 @@ def test_distributed_cluster_end_to_end(tmp_path, tiny_model, client):
     assert all(k <= i + 1 for i, k in enumerate(units)), units
 
 
+def test_a_client_passed_as_scheduler_need_not_be_the_current_one(tmp_path, tiny_model, _session_client):
+    """``scheduler=client`` with no current client (``Client(..., set_as_default=False)``, a second
+    cluster beside the default one): the run follows that client's futures on its own loop
+    (``as_completed()`` had looked for a default client and raised "No clients found")."""
+    from distributed import default_client
+
+    with pytest.raises(ValueError):
+        default_client()  # no client is current here: the run may only use the one it is given
+    sizes = [30, 1, 0, 12, 7]
+    ddf = make_partitioned_frame(sizes, seed=6)
+    res = ddf.surge.encode("text", str(tmp_path / "emb"), model=tiny_model, b_min=20, b_max=40, keep=["doc_id"],
+                           device="cpu", progress=False, scheduler=_session_client)
+    assert res.rows == sum(sizes) and res.superbatches >= 2
+    back = dask_surge.read_embeddings(str(tmp_path / "emb")).compute().sort_values("doc_id")
+    assert back.doc_id.tolist() == list(range(sum(sizes)))
+
+
 def test_lazy_compute_gives_the_scheduler_superbatch_priorities():
     """compute() of the lazy result keeps the SuperBatch priorities (plan order first): Dask
     reads annotations from the top expression only, and its gather step used to hide them,

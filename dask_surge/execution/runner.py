@@ -362,7 +362,7 @@ def run_units(units, make_task, client, scheduler, in_flight: int,
         return
     from distributed import as_completed
 
-    running = as_completed()
+    running = as_completed(loop=client.loop)  # this client's, which need not be the default one
     live: list = []
     exhausted = False
 
