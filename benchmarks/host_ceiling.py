@@ -24,7 +24,8 @@ Parquet files of log-normal sizes, see ``_realtext.py``) and the same cores:
 Target: (b) >= 0.95 x (a) in texts/s (issue 27; issue 17 asked for 0.8). Runs alternate
 (a, b, a, b, ...); medians are reported, with each worker's CPU per text by thread (the Dask
 task thread, the event loop's ``MainThread``, ``native`` pools: :func:`thread_cpu`, which
-holds up on a loaded machine). ``--gil`` also samples the workers with ``py-spy record --gil``
+holds up on a loaded machine), and the ratio split into the CPU each arm spends per text and
+the share of the machine each keeps busy (:func:`cpu_split`). ``--gil`` also samples the workers with ``py-spy record --gil``
 during one extra (b) run and reports the GIL-holding microseconds per text and where they fall
 (:func:`gil_profile`); on a loaded machine a thread preempted while holding the GIL still counts.
 
@@ -202,6 +203,43 @@ def thread_cpu_during(client, run) -> tuple[object, dict[str, dict[str, float]]]
     after = client.run(thread_cpu)
     return result, {w: {k: round(v - before[w].get(k, 0.0), 3) for k, v in after[w].items()
                         if v - before[w].get(k, 0.0) > 0} for w in after}
+
+
+def run_cpu(client, run) -> tuple[object, dict[str, dict[str, float]], dict[str, float]]:
+    """:func:`thread_cpu_during`, plus the CPU seconds ``run()`` cost: each worker process's (threads that
+    ended included, :func:`process_cpu`) and this client process's (which runs a ``LocalCluster``'s
+    scheduler, and the planning)."""
+    before, c0 = client.run(process_cpu), time.process_time()
+    result, by_thread = thread_cpu_during(client, run)
+    after, client_s = client.run(process_cpu), time.process_time() - c0
+    workers = sum(after[w] - before.get(w, after[w]) for w in after)
+    return result, by_thread, {"workers": round(workers, 3), "client": round(client_s, 3)}
+
+
+def cpu_split(a_s: list[float], a_cpu: list[float], b_s: list[float], b_cpu: list[dict[str, float]], texts: int,
+              cores: int | None = None) -> dict[str, float]:
+    """The ratio (b)/(a) in texts/s split into two factors, each a median over the runs (their product
+    is the ratio up to taking medians): the CPU each arm spends per text (``cpu_ratio``: (a)'s CPU per
+    text over (b)'s, workers and client) and the share of the machine each keeps busy (``busy_ratio``:
+    (b)'s over (a)'s; time the workers wait, for the planning or a last SuperBatch, lowers it). A
+    neighbour on a shared machine moves the wall clock of both arms far more than their CPU per text,
+    so the split says which of the two a change moved.
+
+    Examples
+    --------
+    >>> split = cpu_split([10.0], [19.0], [11.0], [{"workers": 18.0, "client": 1.0}], 1000, cores=2)
+    >>> split["cpu_ratio"], round(split["busy_ratio"], 3), round(split["cpu_ratio"] * split["busy_ratio"], 3)
+    (1.0, 0.909, 0.909)
+    """
+    cores = cores or len(os.sched_getaffinity(0))
+    b_total = [sum(c.values()) for c in b_cpu]
+    a_busy = statistics.median(c / (s * cores) for c, s in zip(a_cpu, a_s))
+    b_busy = statistics.median(c / (s * cores) for c, s in zip(b_total, b_s))
+    a_us, b_us = statistics.median(a_cpu) * 1e6 / texts, statistics.median(b_total) * 1e6 / texts
+    return {"a_cpu_us_per_text": round(a_us, 2), "b_cpu_us_per_text": round(b_us, 2),
+            "b_client_cpu_us_per_text": round(statistics.median(c["client"] for c in b_cpu) * 1e6 / texts, 2),
+            "a_busy": round(a_busy, 4), "b_busy": round(b_busy, 4),
+            "cpu_ratio": round(a_us / b_us, 4), "busy_ratio": round(b_busy / a_busy, 4)}
 
 
 def gil_seconds(client, run, *, native: bool = False, threads: bool = False, gil: bool = True,
@@ -518,12 +556,15 @@ def main(argv: list[str] | None = None) -> dict:
         assert all(client.run(lambda: os.environ.get(NOOP_FORWARD_ENV) == "1").values())
         warm = small_files(2000, 20, seed=1)[0]
         surge_run(warm, client, scratch)  # load the model on every worker before the clock
-        tok_s, surge_s, facts = [], [], []
+        tok_s, surge_s, facts, tok_cpu, surge_cpu = [], [], [], [], []
         for _ in range(args.repeats):
+            c0 = time.process_time()  # the Rust pool's threads are this process's
             tok_s.append(tokenizer_run(texts))
-            (s, f), cpu = thread_cpu_during(client, lambda: surge_run(data, client, scratch))
+            tok_cpu.append(time.process_time() - c0)
+            (s, f), cpu, spent = run_cpu(client, lambda: surge_run(data, client, scratch))
             surge_s.append(s)
-            facts.append({**f, "thread_cpu_s_by_worker": cpu})
+            surge_cpu.append(spent)
+            facts.append({**f, "thread_cpu_s_by_worker": cpu, "cpu_s": spent})
         gil = gil_seconds(client, lambda: surge_run(data, client, scratch), native=args.native) if args.gil else None
         stages = client.run(_engine_stats)
     finally:
@@ -540,6 +581,7 @@ def main(argv: list[str] | None = None) -> dict:
         "b_surge_noop_texts_per_s": b, "b_seconds": surge_s, "b_runs": facts,
         "ratio_b_over_a": b / a, "target_ratio": TARGET, "met": b / a >= TARGET,
         "b_thread_cpu_us_per_text": _per_text_by_thread([f["thread_cpu_s_by_worker"] for f in facts], args.n),
+        "cpu": cpu_split(tok_s, tok_cpu, surge_s, surge_cpu, args.n),
         "engine_stage_seconds_by_worker": stages,
     }
     if gil is not None:
@@ -551,6 +593,10 @@ def main(argv: list[str] | None = None) -> dict:
     Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
     print(f"(a) tokenizer {a:,.0f} texts/s   (b) SURGE no-op forward {b:,.0f} texts/s   "
           f"ratio {b / a:.3f} (target >= {TARGET})")
+    split = out["cpu"]
+    print(f"CPU us per text: (a) {split['a_cpu_us_per_text']:.1f}, (b) {split['b_cpu_us_per_text']:.1f} "
+          f"(workers and client); machine busy: (a) {split['a_busy']:.0%}, (b) {split['b_busy']:.0%}; "
+          f"ratio = CPU {split['cpu_ratio']:.3f} x busy {split['busy_ratio']:.3f}")
     print("worker CPU us per text by thread (median of the (b) runs, workers summed): "
           + ", ".join(f"{k} {v:.1f}" for k, v in sorted(out["b_thread_cpu_us_per_text"].items(), key=lambda kv: -kv[1])))
     if gil is not None:

@@ -24,6 +24,24 @@ def test_host_ceiling_writes_its_ratio(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["b_runs"][0]["rows"] == 2000 and report["ratio_b_over_a"] > 0 and "met" in report
+    cpu = report["cpu"]  # both arms spent CPU on the texts, and kept part of the machine busy
+    assert cpu["a_cpu_us_per_text"] > 0 and cpu["b_cpu_us_per_text"] > cpu["b_client_cpu_us_per_text"] > 0
+    assert 0 < cpu["b_busy"] and 0 < cpu["a_busy"]
+
+
+def test_cpu_split_factors_the_ratio_into_cpu_per_text_and_the_busy_share():
+    module = _host_ceiling_module()
+    # (a): 10 s and 11 s of wall, 19 and 21 CPU-s; (b): 12 s and 13 s, with 18 + 2 and 19 + 2 CPU-s, 2 cores
+    split = module.cpu_split([10.0, 11.0], [19.0, 21.0], [12.0, 13.0],
+                             [{"workers": 18.0, "client": 2.0}, {"workers": 19.0, "client": 2.0}], 1000, cores=2)
+    assert split["a_cpu_us_per_text"] == 20000.0 and split["b_cpu_us_per_text"] == 20500.0
+    assert split["b_client_cpu_us_per_text"] == 2000.0
+    assert split["cpu_ratio"] == round(20000 / 20500, 4)
+    a_busy = (19 / 20 + 21 / 22) / 2
+    b_busy = (20 / 24 + 21 / 26) / 2
+    assert split["busy_ratio"] == round(b_busy / a_busy, 4)
+    # the product is the texts/s ratio, up to the medians (here 10.5 / 12.5 = 0.84)
+    assert abs(split["cpu_ratio"] * split["busy_ratio"] - 10.5 / 12.5) < 0.01
 
 
 def _host_ceiling_module():
