@@ -44,6 +44,9 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+#: the attribute :func:`simplified` keeps its result in
+_SIMPLIFIED = "_dask_surge_simplified"
+
 
 def simplified(expr: Any) -> Any:
     """``expr.simplify()``, computed once per expression object.
@@ -69,7 +72,3 @@ def simplified(expr: Any) -> Any:
     if done is None:
         done = cache[_SIMPLIFIED] = expr.simplify()  # two threads at once compute the same, harmlessly
     return done
-
-
-#: the attribute :func:`simplified` keeps its result in
-_SIMPLIFIED = "_dask_surge_simplified"
