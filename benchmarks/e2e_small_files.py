@@ -102,17 +102,18 @@ def one(method: str, model: str, data: str, workers: int, profile: bool = False)
                 return dd.read_parquet(data).surge.encode("text", output=str(out / "emb"), model=model, device="cpu",
                                                           keep=["doc_id"], progress=False, scheduler=client)
 
-            if profile:
-                from .host_ceiling import gil_seconds
+            from .host_ceiling import gil_seconds, run_cpu
 
+            if profile:
                 sampled = gil_seconds(client, run, threads=True, gil=False, top=None)
                 return {"breakdown": breakdown(sampled["profile_by_worker"]), "rate_hz": sampled["rate_hz"]}
-            cpu0, workers0 = time.process_time(), client.run(time.process_time)
-            t0 = time.perf_counter()
-            res = run()
-            seconds = time.perf_counter() - t0
-            client_cpu = time.process_time() - cpu0
-            workers_cpu = sum(v - workers0[k] for k, v in client.run(time.process_time).items())
+
+            def timed():
+                t0 = time.perf_counter()
+                return run(), time.perf_counter() - t0
+
+            (res, seconds), spent = run_cpu(client, timed)
+            client_cpu, workers_cpu = spent["client"], spent["workers"]
             return {"seconds": seconds, "rows": int(sum(r.rows for r in res.records)),
                     "cluster_start_s": start_s, "ttfo_s": res.ttfo_s, "superbatches": res.superbatches,
                     "engine": sorted({r.engine for r in res.records}), "client_cpu_s": client_cpu,

@@ -205,15 +205,15 @@ def thread_cpu_during(client, run) -> tuple[object, dict[str, dict[str, float]]]
                         if v - before[w].get(k, 0.0) > 0} for w in after}
 
 
-def run_cpu(client, run) -> tuple[object, dict[str, dict[str, float]], dict[str, float]]:
-    """:func:`thread_cpu_during`, plus the CPU seconds ``run()`` cost: each worker process's (threads that
-    ended included, :func:`process_cpu`) and this client process's (which runs a ``LocalCluster``'s
+def run_cpu(client, run) -> tuple[object, dict[str, float]]:
+    """``run()``'s result and the CPU seconds it cost: the worker processes' (threads that ended
+    included, :func:`process_cpu`) and this client process's (which runs a ``LocalCluster``'s
     scheduler, and the planning)."""
     before, c0 = client.run(process_cpu), time.process_time()
-    result, by_thread = thread_cpu_during(client, run)
+    result = run()
     after, client_s = client.run(process_cpu), time.process_time() - c0
     workers = sum(after[w] - before.get(w, after[w]) for w in after)
-    return result, by_thread, {"workers": round(workers, 3), "client": round(client_s, 3)}
+    return result, {"workers": round(workers, 3), "client": round(client_s, 3)}
 
 
 def cpu_split(a_s: list[float], a_cpu: list[float], b_s: list[float], b_cpu: list[dict[str, float]], texts: int,
@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> dict:
             c0 = time.process_time()  # the Rust pool's threads are this process's
             tok_s.append(tokenizer_run(texts))
             tok_cpu.append(time.process_time() - c0)
-            (s, f), cpu, spent = run_cpu(client, lambda: surge_run(data, client, scratch))
+            ((s, f), cpu), spent = run_cpu(client, lambda: thread_cpu_during(client, lambda: surge_run(data, client, scratch)))
             surge_s.append(s)
             surge_cpu.append(spent)
             facts.append({**f, "thread_cpu_s_by_worker": cpu, "cpu_s": spent})
