@@ -47,8 +47,8 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .. import _compat
 from .._compat import BaseExpr as Expr
+from .._compat import simplified
 from ..errors import SurgeInputError
 from ..models.modelid import NotDeterministic, stable_token, without_secrets
 from ..options import identity_options
@@ -289,7 +289,7 @@ def input_identity(frame: Any, token: str | None = None) -> str:
                 "across reruns. Fix: pass e.g. input_token='corpus-2024-06', or leave it out."
             )
         return f"input_token:{token}"
-    expr = _compat.simplified(frame.expr)
+    expr = simplified(frame.expr)
     blob = json.dumps(_node(expr, {}), sort_keys=True, default=_json_fallback)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
