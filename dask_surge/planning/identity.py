@@ -235,11 +235,12 @@ def _node(expr: Any, memo: dict[str, Any]) -> Any:
         if _is_filesystem(op):  # its options may hold credentials; the files it lists are what count
             operands[name] = {"filesystem": _protocol(op)}
             continue
-        if name == "storage_options" and isinstance(op, Mapping):
+        options = name == "storage_options" and isinstance(op, Mapping)
+        if options:  # how to reach the files (an endpoint URL among them), not files the input reads
             op = without_secrets(op)
         where = f"{type(expr).__name__}.{name}"
         files = None
-        if leaf:
+        if leaf and not options:
             fs = leaf_fs if name == "path" else None
             files = functools.partial(_location, leaf_fs=fs, storage_options=storage_options, where=where)
         try:
