@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import os
 import sys
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ._version import __version__
 from .api import encode, plan, read_embeddings, status
@@ -72,15 +73,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _files_of(item: str) -> list[str] | None:
+    """The files of directory or glob ``item``, sorted (a local path or any fsspec URL, such as
+    ``s3://bucket/data/``); None when ``item`` names a single file."""
+    pattern = any(ch in item for ch in "*?[")
+    if "://" not in item:
+        if pattern:
+            return sorted(glob.glob(item))
+        return sorted(str(p) for p in Path(item).iterdir()) if Path(item).is_dir() else None
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(item)
+    if pattern:
+        names = fs.glob(path)
+    elif fs.isdir(path):
+        names = fs.ls(path, detail=False)
+    else:
+        return None
+    return sorted(fs.unstrip_protocol(name) for name in names)
+
+
+def _format_of(name: str) -> str | None:
+    return FORMATS.get(PurePosixPath(name).suffix)
+
+
 def _detect_format(inputs: list[str]) -> str:
     for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            files = sorted(p for p in path.iterdir() if p.suffix in FORMATS)
-            if files:
-                return FORMATS[files[0].suffix]
-        elif path.suffix in FORMATS:
-            return FORMATS[path.suffix]
+        for name in _files_of(item) or [item]:
+            if (fmt := _format_of(name)) is not None:
+                return fmt
     raise SurgeError(
         f"cannot tell the format of {inputs}: no .parquet, .csv or .jsonl file found. "
         "Fix: pass --format parquet|csv|json."
@@ -88,7 +109,12 @@ def _detect_format(inputs: list[str]) -> str:
 
 
 def read_input(inputs: list[str], fmt: str | None):
-    """Open input files as a Dask DataFrame with one partition per file (the partition id)."""
+    """Open input files as a Dask DataFrame with one partition per file (the partition id).
+
+    ``inputs`` are files, directories or globs, local or fsspec URLs (``s3://...``: the
+    store's credentials and endpoint come from its usual environment, e.g. ``AWS_PROFILE``
+    and ``AWS_ENDPOINT_URL``).
+    """
     import dask.dataframe as dd
 
     fmt = fmt or _detect_format(inputs)
@@ -98,10 +124,12 @@ def read_input(inputs: list[str], fmt: str | None):
     if fmt == "parquet":
         paths = inputs[0] if len(inputs) == 1 else inputs
         return dd.read_parquet(paths)
-    files = []  # directories expand to their files of that format, sorted: partition i = file i
+    files = []  # directories and globs expand to their files of that format, sorted: partition i = file i
     for item in inputs:
-        path = Path(item)
-        files += sorted(str(p) for p in path.iterdir() if FORMATS.get(p.suffix) == fmt) if path.is_dir() else [item]
+        listed = _files_of(item)
+        files += [item] if listed is None else [name for name in listed if _format_of(name) == fmt]
+    if not files:
+        raise SurgeError(f"no {fmt} file found in {inputs}. Fix: check the paths, or pass --format.")
     return dd.from_map(_read_csv if fmt == "csv" else _read_jsonl, files, enforce_metadata=False)
 
 

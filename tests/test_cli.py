@@ -9,8 +9,9 @@ from dask_surge.cli import main
 from dask_surge.testing import make_texts, write_partitioned_parquet
 
 
-@pytest.mark.parametrize("fmt", ["parquet", "csv", "jsonl"])
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "jsonl", "csv glob"])
 def test_encode_each_format(tmp_path, tiny_model, fmt, capsys):
+    """A directory of each format, and a glob of CSV files (each file one partition)."""
     src = tmp_path / "in"
     src.mkdir()
     sizes = [4, 0, 9, 1] if fmt == "parquet" else [4, 9, 1]
@@ -21,12 +22,13 @@ def test_encode_each_format(tmp_path, tiny_model, fmt, capsys):
         for i, n in enumerate(sizes):
             df = pd.DataFrame({"text": texts[start:start + n], "doc_id": range(start, start + n)})
             start += n
-            if fmt == "csv":
+            if fmt.startswith("csv"):
                 df.to_csv(src / f"p{i}.csv", index=False)
             else:
                 df.to_json(src / f"p{i}.jsonl", orient="records", lines=True)
     out = tmp_path / "emb"
-    code = main(["encode", str(src), "--text-column", "text", "--output", str(out), "--keep", "doc_id",
+    code = main(["encode", str(src / "p*.csv") if fmt == "csv glob" else str(src), "--text-column", "text",
+                 "--output", str(out), "--keep", "doc_id",
                  "--model", tiny_model, "--b-min", "5", "--b-max", "10", "--device", "cpu",
                  "--scheduler", "sync", "--no-progress", "--json"])
     assert code == 0
