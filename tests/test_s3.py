@@ -59,14 +59,24 @@ def _doc_ids(path) -> list[int]:
     return sorted(dask_surge.read_embeddings(str(path)).compute().doc_id.tolist())
 
 
-def test_s3_input_with_an_endpoint_in_storage_options(tmp_path, s3, tiny_model, client):
+def _arrow_s3(endpoint: str):
+    import pyarrow.fs as pafs
+
+    return pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", access_key="testing", secret_key="testing",
+                             region="us-east-1")
+
+
+@pytest.mark.parametrize("how", ["storage_options", "pyarrow filesystem"])
+def test_s3_input_with_its_endpoint_given_to_read_parquet(tmp_path, s3, tiny_model, client, how):
+    """The endpoint in ``storage_options``, or a ``pyarrow.fs.S3FileSystem`` as ``filesystem=``."""
     import dask.dataframe as dd
 
     endpoint, options, fs = s3
     out = tmp_path / "emb"
+    reader = {"storage_options": options} if how == "storage_options" else {"filesystem": _arrow_s3(endpoint)}
 
     def run():
-        ddf = dd.read_parquet("s3://surge/in/", storage_options=options)
+        ddf = dd.read_parquet("s3://surge/in/", **reader)
         return ddf.surge.encode("text", output=str(out), model=tiny_model, keep=["doc_id"], b_max=200,
                                 progress=False)
 

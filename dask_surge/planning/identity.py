@@ -134,8 +134,8 @@ def _filesystem_of(text: str, leaf_fs: Any, storage_options: Mapping | None):
     """
     from fsspec.core import url_to_fs
 
-    if leaf_fs is not None and not _looks_like_url(text):
-        return leaf_fs, leaf_fs._strip_protocol(text)
+    if leaf_fs is not None:  # the source reads its path with this filesystem, URL or not
+        return leaf_fs, leaf_fs._strip_protocol(text).rstrip("/") or text
     if _looks_like_url(text):
         return url_to_fs(text, **dict(storage_options or {}))
     if _GLOB.search(text) or os.path.exists(text):
@@ -180,12 +180,14 @@ def _files(text: str, *, leaf_fs: Any, storage_options: Mapping | None, where: s
                 found.update(fs.find(name, detail=True))
             else:
                 found[name] = info
-    except OSError as err:
+    except Exception as err:  # OSError, or a store client's own (botocore's EndpointConnectionError)
         raise SurgeInputError(_unlisted(where, text, err)) from err
     return {"files": [_file_record(n, i) for n, i in sorted(found.items())], "protocol": _protocol(fs)}
 
 
 def _protocol(fs: Any) -> str:
+    if _is_arrow_filesystem(fs):
+        return fs.type_name
     return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
 
 
@@ -196,9 +198,24 @@ def _unlisted(where: str, location: str, err: Exception) -> str:
             "choose' to encode() to identify the input yourself.")
 
 
+def _is_arrow_filesystem(value: Any) -> bool:
+    pafs = sys.modules.get("pyarrow.fs")
+    return pafs is not None and isinstance(value, pafs.FileSystem)
+
+
 def _is_filesystem(value: Any) -> bool:
+    """An fsspec filesystem, or a ``pyarrow.fs`` one (``dd.read_parquet(..., filesystem=...)``)."""
     fsspec = sys.modules.get("fsspec")
-    return fsspec is not None and isinstance(value, fsspec.AbstractFileSystem)
+    return (fsspec is not None and isinstance(value, fsspec.AbstractFileSystem)) or _is_arrow_filesystem(value)
+
+
+def _lister(fs: Any) -> Any:
+    """``fs`` as an fsspec filesystem, to list the files it reads."""
+    if _is_arrow_filesystem(fs):
+        from fsspec.implementations.arrow import ArrowFSWrapper
+
+        return ArrowFSWrapper(fs)
+    return fs
 
 
 def _is_cache(name: str) -> bool:
@@ -241,7 +258,7 @@ def _node(expr: Any, memo: dict[str, Any]) -> Any:
         where = f"{type(expr).__name__}.{name}"
         files = None
         if leaf and not options:
-            fs = leaf_fs if name == "path" else None
+            fs = _lister(leaf_fs) if name == "path" and leaf_fs is not None else None
             files = functools.partial(_location, leaf_fs=fs, storage_options=storage_options, where=where)
         try:
             operands[name] = stable_token(op, where, files)
