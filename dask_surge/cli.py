@@ -73,10 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_glob(item: str) -> bool:
+    return any(ch in item for ch in "*?[")
+
+
 def _files_of(item: str) -> list[str] | None:
     """The files of directory or glob ``item``, sorted (a local path or any fsspec URL, such as
     ``s3://bucket/data/``); None when ``item`` names a single file."""
-    pattern = any(ch in item for ch in "*?[")
+    pattern = _is_glob(item)
     if "://" not in item:
         if pattern:
             return sorted(glob.glob(item))
@@ -118,7 +122,7 @@ def read_input(inputs: list[str], fmt: str | None):
     import dask.dataframe as dd
 
     fmt = fmt or _detect_format(inputs)
-    missing = [i for i in inputs if not any(ch in i for ch in "*?[") and "://" not in i and not os.path.exists(i)]
+    missing = [i for i in inputs if not _is_glob(i) and "://" not in i and not os.path.exists(i)]
     if missing:
         raise SurgeError(f"input(s) {missing} do not exist. Fix: check the paths.")
     if fmt == "parquet":
