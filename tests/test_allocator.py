@@ -30,15 +30,26 @@ def mmapped_blocks_for_4mib():
     libc.free(block)
     return during - before
 
+def heap_kept_after_freeing_8mib():  # the block came from the heap, which stayed as large once it was freed
+    before = libc.mallinfo2().arena
+    block = libc.malloc(8 << 20)
+    grown = libc.mallinfo2().arena
+    libc.free(block)
+    return int(grown > before and libc.mallinfo2().arena == grown)
+
 first = mmapped_blocks_for_4mib()
 if sys.argv[1] == "keep":
     from dask_surge.models.allocator import keep_large_blocks
     assert keep_large_blocks()
-print(first, mmapped_blocks_for_4mib())
+elif sys.argv[1] == "mmap-only":  # the threshold raised, Dask's trim threshold left as it is
+    from dask_surge.models.allocator import _M_MMAP_THRESHOLD, MMAP_THRESHOLD
+    assert libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+print(first, mmapped_blocks_for_4mib(), heap_kept_after_freeing_8mib())
 """
 
 
-@pytest.mark.parametrize("mode, expected", [("keep", "1 0"), ("stock", "1 1")])
+# columns: a 4 MiB block mmapped before the setting, and after it; an 8 MiB block from the heap, kept there once freed
+@pytest.mark.parametrize("mode, expected", [("keep", "1 0 1"), ("stock", "1 1 0"), ("mmap-only", "1 0 0")])
 def test_a_worker_like_process_serves_large_blocks_from_the_heap_once_told(mode, expected):
     env = {"MALLOC_TRIM_THRESHOLD_": "65536", "PATH": "/usr/bin:/bin"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env=env,
