@@ -180,3 +180,12 @@ def test_gather_ab_writes_both_arms(tmp_path):
     assert {r["arm"] for r in report["results"]} == {"sliced", "rows"}
     assert all(r["rows"] == 400 for r in report["results"])
     assert report["summary"]["superbatches"] > 1 and report["summary"]["ratio_sliced_over_rows_cpu"] > 0
+
+
+@pytest.mark.slow
+def test_allocator_ab_runs_every_arm_and_sees_the_nannys_page_faults(tmp_path):
+    report = _run("allocator_ab", "--n", "600", "--minilm-n", "0", "--rounds", "1", "--out", str(tmp_path / "m.json"))
+    assert [r["arm"] for r in report["results"]] == ["glibc", "dask", "mmap", "kept"]
+    assert all(r["engine"] == "TransformerEngine" and r["device_s"] > 0 for r in report["results"])
+    faults = report["summary"]["tiny"]["median_minor_faults"]
+    assert faults["dask"] > faults["mmap"] > faults["kept"]  # every activation block mapped anew, then its top trimmed
