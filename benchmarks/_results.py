@@ -97,3 +97,22 @@ def save(report: dict, out: str | os.PathLike) -> dict:
     path.write_text(json.dumps(ordered, indent=1, default=str) + "\n")
     return ordered
 
+
+
+#: How a measurement run in a fresh process (``--one``) hands its record to the parent: one stdout line.
+RESULT_PREFIX = "RESULT "
+
+
+def emit(record: dict) -> None:
+    """Print ``record`` as the one line :func:`run_one` reads (in the child process)."""
+    print(RESULT_PREFIX + json.dumps(record), flush=True)
+
+
+def run_one(cmd: list[str], *, what: str, env: dict[str, str] | None = None) -> dict:
+    """Run ``cmd`` (a fresh Python process that calls :func:`emit`) from the repository root and return
+    its record; a child that emits none raises, with its exit code and the end of its stderr."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT), check=False)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    raise RuntimeError(f"{what} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -29,10 +29,8 @@ encode; the summary gives medians and each arm's speed over ``dask``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -82,11 +80,7 @@ def measure(arm: str, model: str, data: Path) -> dict:
     if arm != "glibc":
         env["MALLOC_TRIM_THRESHOLD_"] = "65536"  # as distributed.nanny.pre-spawn-environ sets it
     cmd = [sys.executable, "-m", __spec__.name, "--one", arm, "--model-path", model, "--data", str(data)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(_results.ROOT), check=False)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{arm} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return _results.run_one(cmd, what=arm, env=env)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -100,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--data", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print("RESULT " + json.dumps(one(args.one, args.model_path, args.data)), flush=True)
+        _results.emit(one(args.one, args.model_path, args.data))
         return {}
 
     from dask_surge.testing import make_tiny_model, packaged_model_dir

@@ -43,10 +43,8 @@ reading the input, committing the output, the event loop, and the rest.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -172,11 +170,7 @@ def breakdown(profiles: dict[str, dict]) -> dict:
 def measure(method: str, model: str, data: Path, workers: int, profile: bool = False) -> dict:
     cmd = [sys.executable, "-m", __spec__.name, "--one", method, "--model-path", model, "--data", str(data),
            "--workers", str(workers), *(["--profile"] if profile else [])]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=str(_results.ROOT))
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    raise RuntimeError(f"{method} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return _results.run_one(cmd, what=method)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -196,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--data", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one:
-        print("RESULT " + json.dumps(one(args.one, args.model_path, args.data, args.workers, args.profile)), flush=True)
+        _results.emit(one(args.one, args.model_path, args.data, args.workers, args.profile))
         return {}
 
     from dask_surge.testing import make_tiny_model, packaged_model_dir
