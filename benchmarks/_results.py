@@ -98,7 +98,6 @@ def save(report: dict, out: str | os.PathLike) -> dict:
     return ordered
 
 
-
 #: How a measurement run in a fresh process (``--one``) hands its record to the parent: one stdout line.
 RESULT_PREFIX = "RESULT "
 

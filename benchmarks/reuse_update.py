@@ -51,7 +51,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -350,11 +349,7 @@ def memory(setup: dict, args) -> tuple[list[dict], dict]:
             spec = {"work": str(here), "workers": args.workers, "model": model, "old": old, "old_rows": old_rows,
                     "new": str(here / "new")}
             cmd = [sys.executable, "-m", __spec__.name, "--one-memory", json.dumps(spec)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=str(_results.ROOT))
-            line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            if not line:
-                raise RuntimeError(f"memory run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-            r = json.loads(line[-1][len("RESULT "):])
+            r = _results.run_one(cmd, what="memory")
             assert r["rows"] == layout["new_rows"], (r, layout)
             records.append({"part": "memory", "encoder": "tiny", "method": "update", "old_output_rows": old_rows,
                             "new_rows": layout["new_rows"], **r})
@@ -410,7 +405,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     args.mem_old = sorted(r for r in args.mem_old if r > 0)
     if args.one_memory:
-        print("RESULT " + json.dumps(one_memory(json.loads(args.one_memory))), flush=True)
+        _results.emit(one_memory(json.loads(args.one_memory)))
         return {}
     if args.quick:
         args.n, args.minilm_n, args.mem_old, args.mem_new = 3000, 150, [1000, 3000], 1000

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "keep_large_blocks"]
+__all__ = ["MMAP_THRESHOLD", "keep_large_blocks"]
 
 #: glibc's ``M_TRIM_THRESHOLD`` and ``M_MMAP_THRESHOLD`` parameters of ``mallopt``
 _M_TRIM_THRESHOLD = -1
@@ -34,8 +34,6 @@ _M_MMAP_THRESHOLD = -3
 
 #: 32 MiB: the ceiling glibc's own dynamic threshold reaches on 64-bit systems
 MMAP_THRESHOLD = 32 * 1024 * 1024
-#: 64 MiB: free bytes at the top of the heap kept for the next blocks (glibc's dynamic rule: twice the mmap threshold)
-TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
 
 _done: list[int] = []
 
@@ -64,6 +62,6 @@ def keep_large_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if mallopt(_M_MMAP_THRESHOLD, int(threshold)) != 1:  # pragma: no cover - glibc accepts up to 32 MiB
         return False
-    mallopt(_M_TRIM_THRESHOLD, 2 * int(threshold))
+    mallopt(_M_TRIM_THRESHOLD, 2 * int(threshold))  # glibc's dynamic rule: trim at twice the mmap threshold
     _done.append(int(threshold))
     return True
