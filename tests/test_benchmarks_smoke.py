@@ -189,3 +189,12 @@ def test_allocator_ab_runs_every_arm_and_sees_the_nannys_page_faults(tmp_path):
     assert all(r["engine"] == "TransformerEngine" and r["device_s"] > 0 for r in report["results"])
     faults = report["summary"]["tiny"]["median_minor_faults"]
     assert faults["dask"] > faults["mmap"] > faults["kept"]  # every activation block mapped anew, then its top trimmed
+
+
+@pytest.mark.slow
+def test_attention_ab_runs_both_arms_on_one_engine_with_the_same_output(tmp_path):
+    report = _run("attention_ab", "--n", "600", "--minilm-n", "0", "--rounds", "2", "--out", str(tmp_path / "a.json"))
+    assert [r["arm"] for r in report["results"]] == ["stock", "padded", "padded", "stock"]
+    assert all(r["device_s"] > 0 for r in report["results"])
+    tiny = report["summary"]["tiny"]
+    assert tiny["max_abs_difference"] < 1e-5 and len(tiny["paired_ratios_stock_over_padded"]) == 2

@@ -455,3 +455,55 @@ def test_the_collector_is_paused_while_encodings_are_made_and_packed(tiny, monke
     with pytest.raises(SurgeInputError):
         engine.encode(["fine", None])  # type: ignore[list-item]
     assert gc.isenabled()
+
+
+def test_cpu_attention_runs_with_padded_keys_and_leaves_the_model_alone(models):
+    from dask_surge.models import device
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN: the engine shares the user's module tree")
+    model = models["packaged"]
+    engine = TransformerEngine.from_sentence_transformer(model)
+    assert engine._hf.config._attn_implementation == device._PADDED_SDPA
+    assert model[0].auto_model.config._attn_implementation == "sdpa"  # the user's model keeps its own
+    texts = mixed_texts(120, seed=5)  # lengths off and on the multiple, padded and one-length micro-batches
+    assert min_cosine(engine.encode(texts), model.encode(texts, convert_to_numpy=True)) >= 0.9999
+
+
+def test_padded_attention_is_kept_only_where_the_probe_gives_the_same_output(tiny, monkeypatch):
+    from dask_surge.models import device
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN: the engine shares the user's module tree")
+
+    def wrong(module, query, key, value, attention_mask, **kwargs):
+        out, weights = device._sdpa_forward(module, query, key, value, attention_mask, **kwargs)
+        return out + 1.0, weights
+
+    monkeypatch.setattr(device, "_padded_sdpa", wrong)
+    engine = TransformerEngine.from_sentence_transformer(tiny)
+    assert engine._hf.config._attn_implementation == "sdpa"
+    texts = mixed_texts(40, seed=6)
+    assert min_cosine(engine.encode(texts), tiny.encode(texts, convert_to_numpy=True)) >= 0.9999
+
+
+@pytest.mark.parametrize("length", [3, 16, 29])
+@pytest.mark.parametrize("mask", ["none", "bool2d", "float4d", "float4d-full", "broadcast"])
+def test_padded_sdpa_equals_sdpa(length, mask):
+    from dask_surge.models import device
+
+    gen = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(4, 2, length, 16, generator=gen) for _ in range(3))
+    valid = torch.ones(4, length, dtype=torch.bool)
+    valid[1:, length // 2 + 1:] = False
+    neg = torch.finfo(torch.float32).min
+    masks = {"none": None, "bool2d": valid[:, None, None, :],
+             "float4d": torch.zeros(4, 1, 1, length).masked_fill(~valid[:, None, None, :], neg),
+             "float4d-full": torch.zeros(4, 1, length, length).masked_fill(~valid[:, None, None, :], neg),
+             "broadcast": torch.zeros(1, 1, 1, 1)}
+    module = torch.nn.Module()
+    want, _ = device._sdpa_forward(module, q, k, v, masks[mask], is_causal=False, scaling=0.25)
+    got, _ = device._padded_sdpa(module, q, k, v, masks[mask], is_causal=False, scaling=0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    causal, _ = device._padded_sdpa(module, q, k, v, None, is_causal=True)
+    torch.testing.assert_close(causal, device._sdpa_forward(module, q, k, v, None, is_causal=True)[0])

@@ -111,6 +111,8 @@ class DeviceRunner:
         amp = DTYPES[dtype]
         if self.device.type == "cpu":
             model = _with_onednn_linear(model)
+            if model is not hf:  # a copy of the tree (its own config): the user's model stays as it was
+                _pad_cpu_attention(model, self._probe_input(pad_id, type_ids))
         elif amp is not None:
             model = _cast_copy(model, amp)  # native half weights: no autocast re-cast per call
         self.hf: torch.nn.Module | None = model
@@ -307,18 +309,22 @@ class DeviceRunner:
         bias = torch.zeros(valid.shape, dtype=self.compute_dtype, device=valid.device)
         return bias.masked_fill_(~valid, torch.finfo(self.compute_dtype).min)[:, None, None, :]
 
+    def _probe_input(self, pad_id: int, type_ids: bool) -> dict[str, torch.Tensor]:
+        """A two-row encoder input, the second row padded, with its 2D mask (for the probes)."""
+        valid = torch.tensor([[True, True, True], [True, True, False]], device=self.device)
+        ids = torch.full(valid.shape, 101, dtype=torch.int32, device=self.device).masked_fill_(~valid, pad_id)
+        extra = {"token_type_ids": torch.zeros_like(ids)} if type_ids else {}
+        return {"input_ids": ids, "attention_mask": valid.to(torch.int64), **extra}
+
     def _takes_4d_mask(self) -> bool:
         """True when the encoder gives the same output for the 4D additive mask as for the 2D mask."""
-        valid = torch.tensor([[True, True, True], [True, True, False]], device=self.device)
-        ids = torch.full(valid.shape, 101, dtype=torch.int32, device=self.device).masked_fill_(~valid, self.pad_id)
-        extra = {"token_type_ids": torch.zeros_like(ids)} if self.type_ids else {}
+        extra = self._probe_input(self.pad_id, self.type_ids)
+        valid = extra.pop("attention_mask").bool()
         hf = self._encoder()
         try:
             with torch.inference_mode():
-                two = hf(input_ids=ids, attention_mask=self.attention_mask(valid, four_d=False),
-                         **extra).last_hidden_state
-                four = hf(input_ids=ids, attention_mask=self.attention_mask(valid, four_d=True),
-                          **extra).last_hidden_state
+                two = hf(attention_mask=self.attention_mask(valid, four_d=False), **extra).last_hidden_state
+                four = hf(attention_mask=self.attention_mask(valid, four_d=True), **extra).last_hidden_state
         except Exception:  # noqa: BLE001 - a model that refuses a 4D mask keeps the 2D one
             return False
         tol = 1e-4 if self.compute_dtype == torch.float32 else 2e-2
@@ -609,6 +615,82 @@ def _with_onednn_linear(hf: torch.nn.Module) -> torch.nn.Module:
     for module in list(clone.modules()):
         _fuse_gelu(module)
     return clone
+
+
+#: On a CPU, attention runs with its keys padded to a multiple of this many (masked out): torch's
+#: flash kernel computes each row's softmax 16 floats at a time and the rest one by one, so a
+#: key length off that multiple (29 tokens: 16 + 13 scalar exponentials a row) costs up to twice
+#: the aligned one (see :func:`_padded_sdpa`).
+CPU_KEY_MULTIPLE = 16
+_PADDED_SDPA = "dask_surge_padded_sdpa"
+
+
+def _padded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                 is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """transformers' SDPA attention with the keys padded to :data:`CPU_KEY_MULTIPLE`, the padding masked out.
+
+    The same attention (the padded keys get no weight): only the kernel's loops change. Left
+    as it is for causal attention and a position bias, which padding would have to follow.
+
+    Examples
+    --------
+    >>> q, k, v = (torch.randn(3, 2, 29, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    >>> out, _ = _padded_sdpa(torch.nn.Module(), q, k, v, None, is_causal=False)
+    >>> bool(torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2), atol=1e-6))
+    True
+    """
+    length = key.shape[-2]
+    pad = -length % CPU_KEY_MULTIPLE
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+    if pad and not causal and kwargs.get("position_bias") is None:
+        key = torch.nn.functional.pad(key, (0, 0, 0, pad))
+        value = torch.nn.functional.pad(value, (0, 0, 0, pad))
+        if attention_mask is None:
+            attention_mask = torch.zeros((1, 1, 1, length + pad), dtype=query.dtype, device=query.device)
+            attention_mask[..., length:] = torch.finfo(query.dtype).min
+        else:
+            attention_mask = attention_mask.expand(*attention_mask.shape[:-1], length)
+            fill = False if attention_mask.dtype == torch.bool else torch.finfo(attention_mask.dtype).min
+            attention_mask = torch.nn.functional.pad(attention_mask, (0, pad), value=fill)
+    return _sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                        is_causal=is_causal, **kwargs)
+
+
+def _sdpa_forward(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+    """transformers' own SDPA attention function (imported on first use)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(*args, **kwargs)
+
+
+def _pad_cpu_attention(model: torch.nn.Module, probe: dict[str, torch.Tensor]) -> bool:
+    """Run ``model``'s SDPA attention through :func:`_padded_sdpa`, where it gives the same output on ``probe``.
+
+    Only for a model whose config says ``sdpa`` and a transformers that takes an attention
+    function by name (``AttentionInterface``, with its mask function); it sets ``model.config``,
+    so ``model`` must be the engine's own copy. True if the model now runs padded.
+    """
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+        AttentionMaskInterface.register(_PADDED_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        AttentionInterface.register(_PADDED_SDPA, _padded_sdpa)
+        with torch.inference_mode():
+            before = model(**probe).last_hidden_state
+            config._attn_implementation = _PADDED_SDPA
+            after = model(**probe).last_hidden_state
+        valid = probe["attention_mask"].bool()
+        if torch.allclose(before[valid], after[valid], rtol=1e-4, atol=1e-5):
+            return True
+    except Exception:  # noqa: BLE001 - any failure: the model keeps its stock attention
+        pass
+    config._attn_implementation = "sdpa"
+    return False
 
 
 def _is_exact_gelu(act) -> bool:
