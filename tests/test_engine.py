@@ -81,11 +81,34 @@ def test_cpu_fast_path_is_packed_and_fused_and_leaves_the_model_alone(models):
     assert type(act).__name__ == "GELUActivation"  # the user's model keeps its activation
 
 
-def test_packed_weights_follow_an_in_place_update(tmp_path):
+def test_narrow_linears_stay_stock_in_a_copy(tmp_path):
+    """Below ONEDNN_MIN_WEIGHT a linear keeps torch's own (MKL) path: oneDNN would build a primitive
+    per input shape for no gain; the engine still works on a copy of the tree."""
+    from dask_surge.models.device import ONEDNN_MIN_WEIGHT
+    from dask_surge.models.engine import _OneDNNLinear
+
+    model = SentenceTransformer(make_tiny_model(tmp_path / "tiny"), device="cpu")
+    engine = TransformerEngine.from_sentence_transformer(model)
+    linears = [m for m in engine._hf.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.in_features * m.out_features < ONEDNN_MIN_WEIGHT for m in linears)
+    assert not any(isinstance(m, _OneDNNLinear) for m in linears)
+    assert engine._hf is not model[0].auto_model  # a copy, sharing the weights
+    assert engine._hf.encoder.layer[0].intermediate.dense.weight is model[0].auto_model.encoder.layer[0].intermediate.dense.weight
+    texts = mixed_texts(20, seed=4)
+    assert min_cosine(engine.encode(texts), model.encode(texts, convert_to_numpy=True)) >= 0.9999
+
+
+def test_packed_weights_follow_an_in_place_update(tmp_path, monkeypatch):
     """The oneDNN-packed copy is a snapshot: after fine-tuning in place the engine must not mix
     old linear weights with new ones."""
+    import dask_surge.models.device as device
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setattr(device, "ONEDNN_MIN_WEIGHT", 0)  # pack the tiny model's narrow linears too
     model = SentenceTransformer(make_tiny_model(tmp_path / "tuned"), device="cpu")
     engine = TransformerEngine.from_sentence_transformer(model)
+    assert any(m._packed is not None for m in engine._hf.modules() if isinstance(m, device._OneDNNLinear))
     texts = mixed_texts(20, seed=9)
     before = engine.encode(texts)
     gen = torch.Generator().manual_seed(0)
