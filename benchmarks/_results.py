@@ -107,10 +107,10 @@ def emit(record: dict) -> None:
     print(RESULT_PREFIX + json.dumps(record), flush=True)
 
 
-def run_one(cmd: list[str], *, what: str, env: dict[str, str] | None = None) -> dict:
-    """Run ``cmd`` (a fresh Python process that calls :func:`emit`) from the repository root and return
-    its record; a child that emits none raises, with its exit code and the end of its stderr."""
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=str(ROOT), check=False)
+def run_one(cmd: list[str], *, what: str, env: dict[str, str] | None = None, cwd: str | None = None) -> dict:
+    """Run ``cmd`` (a fresh Python process that calls :func:`emit`) from ``cwd`` (default: the repository
+    root) and return its record; a child that emits none raises, with its exit code and the end of its stderr."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd or str(ROOT), check=False)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])

@@ -110,18 +110,28 @@ def one(method: str, model: str, data: str, workers: int, profile: bool = False)
                 t0 = time.perf_counter()
                 return run(), time.perf_counter() - t0
 
+            faults = client.run(minor_faults)
             (res, seconds), spent = run_cpu(client, timed)
+            faults = sum(n - faults.get(w, n) for w, n in client.run(minor_faults).items())
             client_cpu, workers_cpu = spent["client"], spent["workers"]
             return {"seconds": seconds, "rows": int(sum(r.rows for r in res.records)),
                     "cluster_start_s": start_s, "ttfo_s": res.ttfo_s, "superbatches": res.superbatches,
                     "engine": sorted({r.engine for r in res.records}), "client_cpu_s": client_cpu,
-                    "workers_cpu_s": workers_cpu,
+                    "workers_cpu_s": workers_cpu, "workers_minflt": faults,
                     "machine_busy": (client_cpu + workers_cpu) / (seconds * (os.cpu_count() or 1))}
         finally:
             client.close()
             cluster.close()
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (memory it touched for the first time, each a trip
+    into the kernel)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 #: Where a worker's CPU goes, by the first of these frames (py-spy's qualified names) under a sample;

@@ -198,3 +198,13 @@ def test_attention_ab_runs_both_arms_on_one_engine_with_the_same_output(tmp_path
     assert all(r["device_s"] > 0 for r in report["results"])
     tiny = report["summary"]["tiny"]
     assert tiny["max_abs_difference"] < 1e-5 and len(tiny["paired_ratios_stock_over_padded"]) == 2
+
+
+@pytest.mark.slow
+def test_e2e_ab_runs_the_base_library_under_this_harness(tmp_path):
+    report = _run("e2e_ab", "--base", "HEAD", "--n", "300", "--files", "30", "--rounds", "1",
+                  "--out", str(tmp_path / "e.json"))
+    assert [r["variant"] for r in report["results"]] == ["base", "this"]
+    assert all(r["rows"] == 300 and r["workers_cpu_s"] > 0 and r["workers_minflt"] > 0 for r in report["results"])
+    summary = report["summary"]
+    assert summary["base"] == "HEAD" and len(summary["paired_speedup"]) == 1 and summary["speedup"] > 0
