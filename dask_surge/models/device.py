@@ -596,8 +596,8 @@ class _OneDNNLinear(torch.nn.Linear):
 #: this many elements (``in_features * out_features``). oneDNN builds and caches a primitive for each
 #: new input shape (~0.3-4 ms and ~0.5 MB each; a run's micro-batches bring hundreds of shapes),
 #: and pays it back only on wide layers: measured one thread, 1,500-2,500 rows (a 384x384 layer
-#: gains 0.85 ms a call, a 384x1536 one 3 ms; a 32x128 layer gains nothing and its primitives
-#: held 270 MB of a worker's heap after 30,000 texts).
+#: gains 0.85 ms a call, a 384x1536 one 3 ms, a 32x128 one nothing; the tiny test encoder's
+#: primitives held 270 MB of a worker's heap after 30,000 texts).
 ONEDNN_MIN_WEIGHT = 1 << 17
 
 
