@@ -1,7 +1,8 @@
 """Real text for benchmarks: docstring paragraphs of installed Python packages, in many small Parquet files.
 
 Read from the sources with :mod:`ast` (nothing imported), so the texts are the same on
-every machine with the same packages. Used by ``host_ceiling.py`` and ``e2e_small_files.py``.
+every machine with the same packages. Used by ``host_ceiling.py`` and ``e2e_small_files.py``;
+also the tiny test encoder the benchmarks share (:func:`tiny_model`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,17 @@ from pathlib import Path
 import numpy as np
 
 TMP = Path(__file__).resolve().parent / "results" / "tmp"  # git-ignored
+
+
+def tiny_model() -> Path:
+    """The benchmarks' tiny test encoder (:func:`dask_surge.testing.make_tiny_model`), built in
+    :data:`TMP` on first use and reused after."""
+    from dask_surge.testing import make_tiny_model
+
+    tiny = TMP / "tiny-model"
+    if not (tiny / "modules.json").is_file():
+        make_tiny_model(tiny)
+    return tiny
 
 
 def docstring_paragraphs(n: int, *, max_chars: int = 2000) -> list[str]:

@@ -51,14 +51,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     from dask_surge.models import device
     from dask_surge.models.engine import TransformerEngine
-    from dask_surge.testing import make_tiny_model, packaged_model_dir
+    from dask_surge.testing import packaged_model_dir
 
-    from ._realtext import TMP, docstring_paragraphs
+    from ._realtext import docstring_paragraphs, tiny_model
 
     torch.set_num_threads(1)
-    tiny = TMP / "tiny-model"
-    if not (tiny / "modules.json").is_file():
-        make_tiny_model(tiny)
+    tiny = tiny_model()
     suites = {"tiny": (tiny, args.n)}
     if args.minilm_n:
         suites["minilm"] = (packaged_model_dir(), args.minilm_n)

@@ -41,14 +41,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(_results.RESULTS / "e2e_ab_cpu.json"))
     args = parser.parse_args(argv)
 
-    from dask_surge.testing import make_tiny_model, packaged_model_dir
+    from dask_surge.testing import packaged_model_dir
 
-    from ._realtext import TMP, small_files
+    from ._realtext import small_files, tiny_model
 
     if args.model == "tiny":
-        model = TMP / "tiny-model"
-        if not (model / "modules.json").is_file():
-            make_tiny_model(model)
+        model = tiny_model()
     else:
         model = packaged_model_dir()
     data, layout = small_files(args.n, args.files, sigma=args.sigma)
@@ -73,19 +71,20 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{name:4s} {args.n / rec['seconds']:9,.0f} texts/s  ({rec['seconds']:.2f} s; workers' CPU "
                       f"{rec['workers_cpu_s']:.2f} s)", flush=True)
 
+    def medians(key: str) -> dict[str, float]:
+        return {name: statistics.median(r[key] for r in rs) for name, rs in runs.items()}
+
     def paired(key: str) -> list[float]:
         return [b[key] / t[key] for b, t in zip(runs["base"], runs["this"])]
 
     report["summary"].update({
         "model": str(model), "base": args.base,
-        "median_seconds": {k: statistics.median(r["seconds"] for r in v) for k, v in runs.items()},
-        "median_workers_cpu_s": {k: statistics.median(r["workers_cpu_s"] for r in v) for k, v in runs.items()},
+        "median_seconds": medians("seconds"), "median_workers_cpu_s": medians("workers_cpu_s"),
+        "median_workers_minflt": medians("workers_minflt"),
         "paired_speedup": [round(x, 3) for x in paired("seconds")],
         "speedup": statistics.median(paired("seconds")),
         "workers_cpu_ratio": statistics.median(paired("workers_cpu_s")),
     })
-    report["summary"]["median_workers_minflt"] = {
-        k: statistics.median(r["workers_minflt"] for r in v) for k, v in runs.items()}
     print(f"this / base: {report['summary']['speedup']:.2f}x faster (paired median); workers' CPU "
           f"base/this {report['summary']['workers_cpu_ratio']:.2f}", flush=True)
     return _results.save(report, args.out)

@@ -203,13 +203,11 @@ def main(argv: list[str] | None = None) -> dict:
         _results.emit(one(args.one, args.model_path, args.data, args.workers, args.profile))
         return {}
 
-    from dask_surge.testing import make_tiny_model, packaged_model_dir
+    from dask_surge.testing import packaged_model_dir
 
-    from ._realtext import TMP, small_files
+    from ._realtext import small_files, tiny_model
 
-    tiny = TMP / "tiny-model"
-    if not (tiny / "modules.json").is_file():
-        make_tiny_model(tiny)
+    tiny = tiny_model()
     suites = {"tiny": (str(tiny), args.n, args.files)}
     if args.minilm_n:
         suites["minilm"] = (str(packaged_model_dir()), args.minilm_n, args.minilm_files)

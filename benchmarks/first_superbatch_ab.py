@@ -38,13 +38,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(_results.RESULTS / "first_superbatch_ab_cpu.json"))
     args = parser.parse_args(argv)
 
-    from dask_surge.testing import make_tiny_model
+    from ._realtext import small_files, tiny_model
 
-    from ._realtext import TMP, small_files
-
-    tiny = TMP / "tiny-model"
-    if not (tiny / "modules.json").is_file():
-        make_tiny_model(tiny)
+    tiny = tiny_model()
     data, layout = small_files(args.n, args.files, sigma=args.sigma)
     report = _results.new_report(__spec__.name, argv, args)
     arms = {"ramp": str(args.first), "none": "None"}

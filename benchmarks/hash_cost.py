@@ -287,13 +287,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(_results.RESULTS / "hash_cost_cpu.json"))
     args = parser.parse_args(argv)
 
-    from dask_surge.testing import make_tiny_model
+    from ._realtext import tiny_model
 
-    from ._realtext import TMP
-
-    tiny = TMP / "tiny-model"
-    if not (tiny / "modules.json").is_file():
-        make_tiny_model(tiny)
+    tiny = tiny_model()
     report = _results.new_report(__spec__.name, argv, args)
     data, layout = unique_files(args.n, args.files)
     warm, _ = unique_files(2000, 20, seed=1)

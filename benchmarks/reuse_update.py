@@ -412,14 +412,12 @@ def main(argv: list[str] | None = None) -> dict:
         args.rows_per_file, args.distinct = 100, 5000
 
     import dask_surge  # noqa: F401
-    from dask_surge.testing import make_tiny_model, packaged_model_dir
+    from dask_surge.testing import packaged_model_dir
 
-    from ._realtext import TMP
+    from ._realtext import tiny_model
 
     report = _results.new_report(__spec__.name, argv, args)
-    tiny = TMP / "tiny-model"
-    if not (tiny / "modules.json").is_file():
-        make_tiny_model(tiny)
+    tiny = tiny_model()
     t0 = time.perf_counter()
     need = max([args.n, args.minilm_n, *args.mem_old])
     pool = texts(int(need * (1 + NEW)) + 10, args.distinct)
