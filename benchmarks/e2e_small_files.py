@@ -32,7 +32,10 @@ load on both sides:
 Runs alternate (st, st1, surge, st, st1, surge...); medians are reported with the ratio
 surge texts/s / best st texts/s (issue 17's target: >= 1.2 for both models). Each surge run
 also reports the CPU seconds of the client process (the scheduler and the planning run there)
-and of the workers, and the share of the machine they used (on 2 cores the run is CPU-bound).
+and of the workers, and the share of the machine they used (on 2 cores the run is CPU-bound);
+before its clock starts, the cores its cluster keeps busy while idle for a second
+(``cluster_idle_cores``: the scheduler, nannies, heartbeats and monitors, which tick through
+the run as well; on 2 cores every tenth of a core is 5% of the machine).
 
 ``--profile`` adds one more surge run per model, not timed, with ``py-spy record`` sampling
 every running thread of each worker, and reports where the workers' CPU went
@@ -71,7 +74,7 @@ def one(method: str, model: str, data: str, workers: int, profile: bool = False)
 
             if method == "st1":
                 torch.set_num_threads(1)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             table = pq.read_table(data, columns=["text", "doc_id"])
             st = SentenceTransformer(model, device="cpu")
             emb = st.encode(table.column("text").to_pylist(), batch_size=32, convert_to_numpy=True,
@@ -81,7 +84,8 @@ def one(method: str, model: str, data: str, workers: int, profile: bool = False)
             pq.write_table(pa.table({"doc_id": table.column("doc_id"),
                                      "embedding": embedding_array(np.asarray(emb, dtype=np.float32))}),
                            out / "embeddings.parquet")
-            return {"seconds": time.perf_counter() - t0, "rows": table.num_rows, "torch_threads": torch.get_num_threads()}
+            return {"seconds": time.perf_counter() - t0, "rows": table.num_rows, "torch_threads": torch.get_num_threads(),
+                    "cpu_s": round(time.process_time() - c0, 3)}
         import dask.dataframe as dd
         from distributed import Client, LocalCluster
 
@@ -110,6 +114,7 @@ def one(method: str, model: str, data: str, workers: int, profile: bool = False)
                 t0 = time.perf_counter()
                 return run(), time.perf_counter() - t0
 
+            _, idle = run_cpu(client, lambda: time.sleep(IDLE_S))  # Dask's own ticking, before the clock
             faults = client.run(minor_faults)
             (res, seconds), spent = run_cpu(client, timed)
             faults = sum(n - faults.get(w, n) for w, n in client.run(minor_faults).items())
@@ -118,12 +123,28 @@ def one(method: str, model: str, data: str, workers: int, profile: bool = False)
                     "cluster_start_s": start_s, "ttfo_s": res.ttfo_s, "superbatches": res.superbatches,
                     "engine": sorted({r.engine for r in res.records}), "client_cpu_s": client_cpu,
                     "workers_cpu_s": workers_cpu, "workers_minflt": faults,
+                    "cluster_idle_cores": round(sum(idle.values()) / IDLE_S, 3),
                     "machine_busy": (client_cpu + workers_cpu) / (seconds * (os.cpu_count() or 1))}
         finally:
             client.close()
             cluster.close()
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def cpu_per_text(runs: list[dict], texts: int) -> float:
+    """Median CPU microseconds per text of ``runs``: an ST run's ``cpu_s``, or a surge run's client
+    and workers together.
+
+    >>> cpu_per_text([{"cpu_s": 2.0}, {"cpu_s": 4.0}, {"client_cpu_s": 0.5, "workers_cpu_s": 2.5}], 1000)
+    3000.0
+    """
+    return round(statistics.median(r.get("cpu_s", r.get("client_cpu_s", 0) + r.get("workers_cpu_s", 0))
+                                   for r in runs) * 1e6 / texts, 1)
+
+
+#: Seconds the cluster is left idle before a timed surge run, to measure what it costs doing nothing.
+IDLE_S = 1.0
 
 
 def minor_faults() -> int:
@@ -238,8 +259,16 @@ def main(argv: list[str] | None = None) -> dict:
             "machine_busy": statistics.median(r["machine_busy"] for r in runs["surge"]),
             "client_cpu_s": statistics.median(r["client_cpu_s"] for r in runs["surge"]),
             "workers_cpu_s": statistics.median(r["workers_cpu_s"] for r in runs["surge"]),
+            # CPU per text, every thread and process (surge: client and workers), and the cores the
+            # surge cluster keeps busy doing nothing (see the module docstring)
+            "st_cpu_us_per_text": cpu_per_text(runs["st" if st == st_default else "st1"], n),
+            "surge_cpu_us_per_text": cpu_per_text(runs["surge"], n),
+            "cluster_idle_cores": statistics.median(r["cluster_idle_cores"] for r in runs["surge"]),
         }
         print(f"{name:6s} ratio surge/st {st / su:.2f} (with cluster start {st / su_start:.2f}; target >= 1.2)")
+        summary = report["summary"][name]
+        print(f"{name:6s} CPU per text: st {summary['st_cpu_us_per_text']:.0f} us, surge "
+              f"{summary['surge_cpu_us_per_text']:.0f} us; idle cluster {summary['cluster_idle_cores']:.2f} cores")
         if args.profile:
             sampled = measure("surge", model, data, args.workers, profile=True)
             report["summary"][name]["workers_cpu_breakdown"] = sampled["breakdown"]
