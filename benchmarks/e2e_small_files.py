@@ -84,8 +84,8 @@ def one(method: str, model: str, data: str, workers: int, profile: bool = False)
             pq.write_table(pa.table({"doc_id": table.column("doc_id"),
                                      "embedding": embedding_array(np.asarray(emb, dtype=np.float32))}),
                            out / "embeddings.parquet")
-            return {"seconds": time.perf_counter() - t0, "rows": table.num_rows, "torch_threads": torch.get_num_threads(),
-                    "cpu_s": round(time.process_time() - c0, 3)}
+            return {"seconds": time.perf_counter() - t0, "rows": table.num_rows,
+                    "torch_threads": torch.get_num_threads(), "cpu_s": round(time.process_time() - c0, 3)}
         import dask.dataframe as dd
         from distributed import Client, LocalCluster
 
@@ -130,17 +130,6 @@ def one(method: str, model: str, data: str, workers: int, profile: bool = False)
             cluster.close()
     finally:
         shutil.rmtree(out, ignore_errors=True)
-
-
-def cpu_per_text(runs: list[dict], texts: int) -> float:
-    """Median CPU microseconds per text of ``runs``: an ST run's ``cpu_s``, or a surge run's client
-    and workers together.
-
-    >>> cpu_per_text([{"cpu_s": 2.0}, {"cpu_s": 4.0}, {"client_cpu_s": 0.5, "workers_cpu_s": 2.5}], 1000)
-    3000.0
-    """
-    return round(statistics.median(r.get("cpu_s", r.get("client_cpu_s", 0) + r.get("workers_cpu_s", 0))
-                                   for r in runs) * 1e6 / texts, 1)
 
 
 #: Seconds the cluster is left idle before a timed surge run, to measure what it costs doing nothing.
@@ -227,6 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     from dask_surge.testing import packaged_model_dir
 
     from ._realtext import small_files, tiny_model
+    from .host_ceiling import cpu_split
 
     tiny = tiny_model()
     suites = {"tiny": (str(tiny), args.n, args.files)}
@@ -246,6 +236,7 @@ def main(argv: list[str] | None = None) -> dict:
         st_default = statistics.median(r["seconds"] for r in runs["st"])
         st_one = statistics.median(r["seconds"] for r in runs["st1"])
         st = min(st_default, st_one)  # the baseline at its best thread setting
+        best = runs["st" if st == st_default else "st1"]
         su = statistics.median(r["seconds"] for r in runs["surge"])
         su_start = statistics.median(r["seconds"] + r["cluster_start_s"] for r in runs["surge"])
         report["summary"][name] = {
@@ -259,16 +250,20 @@ def main(argv: list[str] | None = None) -> dict:
             "machine_busy": statistics.median(r["machine_busy"] for r in runs["surge"]),
             "client_cpu_s": statistics.median(r["client_cpu_s"] for r in runs["surge"]),
             "workers_cpu_s": statistics.median(r["workers_cpu_s"] for r in runs["surge"]),
-            # CPU per text, every thread and process (surge: client and workers), and the cores the
-            # surge cluster keeps busy doing nothing (see the module docstring)
-            "st_cpu_us_per_text": cpu_per_text(runs["st" if st == st_default else "st1"], n),
-            "surge_cpu_us_per_text": cpu_per_text(runs["surge"], n),
+            # CPU per text (a: the faster ST arm, every thread; b: surge's client and workers) and the
+            # share of the machine each kept busy, then the cores the surge cluster keeps busy doing
+            # nothing (see the module docstring)
+            "cpu": cpu_split([r["seconds"] for r in best], [r["cpu_s"] for r in best],
+                             [r["seconds"] for r in runs["surge"]],
+                             [{"workers": r["workers_cpu_s"], "client": r["client_cpu_s"]}
+                              for r in runs["surge"]], n),
             "cluster_idle_cores": statistics.median(r["cluster_idle_cores"] for r in runs["surge"]),
         }
         print(f"{name:6s} ratio surge/st {st / su:.2f} (with cluster start {st / su_start:.2f}; target >= 1.2)")
         summary = report["summary"][name]
-        print(f"{name:6s} CPU per text: st {summary['st_cpu_us_per_text']:.0f} us, surge "
-              f"{summary['surge_cpu_us_per_text']:.0f} us; idle cluster {summary['cluster_idle_cores']:.2f} cores")
+        cpu, idle = summary["cpu"], summary["cluster_idle_cores"]
+        print(f"{name:6s} CPU per text: st {cpu['a_cpu_us_per_text']:.0f} us, "
+              f"surge {cpu['b_cpu_us_per_text']:.0f} us; idle cluster {idle:.2f} cores")
         if args.profile:
             sampled = measure("surge", model, data, args.workers, profile=True)
             report["summary"][name]["workers_cpu_breakdown"] = sampled["breakdown"]

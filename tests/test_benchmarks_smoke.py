@@ -112,7 +112,7 @@ def test_e2e_small_files_writes_its_ratio(tmp_path):
     surge = next(r for r in report["results"] if r["method"] == "surge")
     assert surge["workers_cpu_s"] > 0 and surge["client_cpu_s"] > 0 and surge["machine_busy"] > 0
     summary = report["summary"]["tiny"]
-    assert summary["st_cpu_us_per_text"] > 0 and summary["surge_cpu_us_per_text"] > 0
+    assert summary["cpu"]["a_cpu_us_per_text"] > 0 and summary["cpu"]["b_cpu_us_per_text"] > 0
     assert 0 < summary["cluster_idle_cores"] < 2  # Dask's heartbeats tick, but an idle cluster is not busy
 
 
