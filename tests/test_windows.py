@@ -119,6 +119,18 @@ def test_short_empty_and_space_texts_are_one_window(packaged):
     assert w.tokens.tolist()[:3] == [0, 0, 3]
 
 
+def test_a_word_longer_than_the_window_has_left_does_not_repeat_windows(packaged):
+    # capacity 14, overlap 4: after "a ... l" the word (13 pieces) fits no window that overlaps the first;
+    # each window used to end at the word's start again, from one word later: (16, 23), (18, 23), (20, 23)
+    cutter = WindowCutter(packaged.tokenizer, 16)
+    word = "supercalifragilistic" * 2
+    text = "a b c d e f g h i j k l " + word + " end"
+    w = cutter.cut([text], overlap=4)
+    assert w.char_start.tolist() == [0, 16, 45] and w.char_end.tolist() == [23, 54, 68]
+    assert w.tokens.tolist() == [12, 14, 8]
+    check_tiling(text, w, 0, cutter.capacity, 4)
+
+
 def test_one_word_longer_than_a_window_is_cut_inside(packaged):
     cutter = WindowCutter(packaged.tokenizer, 16)
     word = "supercalifragilistic" * 4  # one word of many word pieces (under WordPiece's 100 chars)

@@ -307,6 +307,7 @@ class _Stream:
         self.base = 0  # the text's token index of ids[0]
         self.ids = np.zeros(0, np.int32)
         self.starts = np.zeros(0, np.int64)  # word starts, as indices into ids (ascending)
+        self.end = 0  # where the last window cut ends, as an index into ids (0: none yet)
         self.encodings: list[tuple[Any, int, int]] = []  # (encoding, text token index of its first, char base)
 
     def add(self, encoding: Any, char_base: int) -> None:
@@ -333,14 +334,18 @@ class _Stream:
 
     def cut(self, capacity: int, overlap: int, last: bool) -> tuple[np.ndarray, list]:
         """Windows whose tokens are all known: ``(segment ids, cuts)``; the stream keeps the rest."""
-        n, s, bounds = len(self.ids), 0, self.starts
+        n, s, bounds, end = len(self.ids), 0, self.starts, self.end
         spans = []
         while s + capacity < n:
             e = s + capacity
             j = int(np.searchsorted(bounds, e, side="right")) - 1  # the last word start <= e
-            if j >= 0 and bounds[j] > s:
+            # at a word start, if that ends the window past the last one's end; else inside the next
+            # word (longer than what the window has left: else windows ending at its start repeat, each
+            # shorter than the last)
+            if j >= 0 and bounds[j] > max(s, end):
                 e = int(bounds[j])
             spans.append((s, e))
+            end = e
             low = max(e - overlap, s + 1)
             k = int(np.searchsorted(bounds, low, side="left"))  # the first word start >= low
             s = int(bounds[k]) if k < len(bounds) and bounds[k] <= e else low
@@ -356,6 +361,7 @@ class _Stream:
         # keep the tokens from s on (and the encodings that hold them)
         self.ids = self.ids[s:]
         self.starts = bounds[bounds >= s] - s
+        self.end = max(end - s, 0)
         self.base += s
         self.encodings = [e for i, e in enumerate(self.encodings)
                           if i + 1 == len(self.encodings) or self.encodings[i + 1][1] > self.base]
@@ -379,7 +385,8 @@ class WindowCutter:
     tokenizer's post-processor adds, found by encoding one word). A window holds
     :attr:`capacity` content tokens, so the whole fits ``max_seq_length``; consecutive windows
     of a text share ``overlap`` tokens and start and end at word boundaries (the tokenizer's
-    word ids), unless one word is longer than a window.
+    word ids), unless one word is longer than a window, or than what a window that overlaps
+    the last one has left: each window ends past the last one's end.
 
     Parameters
     ----------
