@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sentence_transformers import SentenceTransformer
 
 from dask_surge.errors import SurgeInputError, SurgeValueError
@@ -129,6 +131,34 @@ def test_a_word_longer_than_the_window_has_left_does_not_repeat_windows(packaged
     assert w.char_start.tolist() == [0, 16, 45] and w.char_end.tolist() == [23, 54, 68]
     assert w.tokens.tolist() == [12, 14, 8]
     check_tiling(text, w, 0, cutter.capacity, 4)
+
+
+#: Words of every kind a cutter meets: short ones, punctuation, and alphanumeric runs (base64, ids,
+#: DNA) from a few word pieces to longer than any window, or than WordPiece's 100 chars (one [UNK]).
+WORDS = st.one_of(st.text("abcdefghij", min_size=1, max_size=8), st.sampled_from([".", ",", "!", "(", "'"]),
+                  st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789", min_size=9, max_size=160),
+                  st.text("abcXYZ019+/=", min_size=9, max_size=60))
+
+
+@settings(max_examples=150, deadline=None)
+@given(words=st.lists(st.tuples(WORDS, st.sampled_from([" ", " ", "\n", ""])), min_size=1, max_size=60),
+       max_seq_length=st.integers(6, 40), overlap_share=st.floats(0, 0.49), slice_chars=st.sampled_from([None, 40, 97]))
+def test_windows_tile_any_text(packaged, words, max_seq_length, overlap_share, slice_chars):
+    # whatever the words, the windows of a text follow each other, each ending past the last, and cover it
+    # (consecutive windows overlap, by at most ``overlap`` tokens, unless the word before the join is longer)
+    text = "".join(w + sep for w, sep in words)
+    cutter = WindowCutter(packaged.tokenizer, max_seq_length)
+    overlap = min(int(overlap_share * cutter.capacity), (cutter.capacity - 1) // 2)
+    saved = windows_mod.SLICE_CHARS
+    windows_mod.SLICE_CHARS = slice_chars or saved  # small slices: a long text tokenized piece by piece
+    try:
+        w = cutter.cut(["x", text], overlap=overlap)
+    finally:
+        windows_mod.SLICE_CHARS = saved
+    check_tiling(text, w, 1, cutter.capacity, None)
+    if slice_chars is None:  # each join shares at most ``overlap`` tokens: none when the word before it is longer
+        shared = int(w.tokens[w.text == 1].sum()) - content_tokens(packaged, text)
+        assert 0 <= shared <= overlap * (int((w.text == 1).sum()) - 1)
 
 
 def test_one_word_longer_than_a_window_is_cut_inside(packaged):
