@@ -438,7 +438,7 @@ OPTIONS: tuple[Option, ...] = (
          ``"truncate"`` (cut at the window, as sentence-transformers does, and counted:
          :attr:`EncodeResult.truncated`, ``dask-surge status``); ``"error"`` (the first such text
          stops the run with an error naming its partition, row and token count; what was committed
-         is kept); ``"chunk"`` (one output row per token window, windows overlapping by
+         is kept); ``"chunk"`` (one output row per token window, windows overlapping by up to
          ``chunk_overlap`` tokens and cut at word boundaries, with columns ``chunk``,
          ``char_start``, ``char_end`` and ``tokens``; the key becomes ``(partition, row, chunk)``);
          or ``"mean"`` (one row per text: its windows' embeddings averaged, weighted by their
@@ -449,7 +449,8 @@ OPTIONS: tuple[Option, ...] = (
          default="truncate", config="long-texts", vocabulary=LongTexts,
          validator=one_of(LongTexts, "is not a long-text mode"), identity=True, takers="encode plan", cli=Cli()),
     _opt("chunk_overlap", int | None, "int, optional", f"""
-         Tokens two consecutive windows share with ``long_texts="chunk"`` or ``"mean"``. Can be an
+         Tokens two consecutive windows share at most with ``long_texts="chunk"`` or ``"mean"``
+         (fewer where the word before the join is longer: windows start at word starts). Can be an
          int from 0 to less than half the window, or None for the default ({DEFAULT_CHUNK_OVERLAP}).""",
          "tokens consecutive windows share (long-texts chunk or mean)",
          default=DEFAULT_CHUNK_OVERLAP, config="chunk-overlap",

@@ -822,8 +822,8 @@ class Encoder:
             ``"truncate"`` (:meth:`encode`'s behaviour): cut, as sentence-transformers does, and
             counted in ``truncated``. ``"error"``: raise :class:`~dask_surge.models.windows.TextTooLong`
             for the first text over the window. ``"chunk"``: one row per window; a text's windows
-            overlap by ``chunk_overlap`` tokens and start and end at word boundaries (unless one word
-            is longer than a window), and a window's embedding is the model's on
+            overlap by up to ``chunk_overlap`` tokens and start and end at word boundaries (unless one
+            word is longer than a window), and a window's embedding is the model's on
             ``text[char_start:char_end]``. ``"mean"``: one row per text, the mean of its windows'
             embeddings weighted by their tokens, renormalized when the model normalizes or
             ``normalize`` is set.

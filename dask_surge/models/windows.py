@@ -384,9 +384,11 @@ class WindowCutter:
     prompt's tokens, the window's content tokens, the trailing special tokens (those the
     tokenizer's post-processor adds, found by encoding one word). A window holds
     :attr:`capacity` content tokens, so the whole fits ``max_seq_length``; consecutive windows
-    of a text share ``overlap`` tokens and start and end at word boundaries (the tokenizer's
-    word ids), unless one word is longer than a window, or than what a window that overlaps
-    the last one has left: each window ends past the last one's end.
+    of a text share up to ``overlap`` tokens (the next starts at the first word start at or
+    after the last one's end less ``overlap``: none shared when the word before the join is
+    longer) and start and end at word boundaries (the tokenizer's word ids), unless one word is
+    longer than a window, or than what a window that overlaps the last one has left: each
+    window ends past the last one's end.
 
     Parameters
     ----------
