@@ -64,14 +64,18 @@ def content_tokens(model: SentenceTransformer, text: str) -> int:
 
 
 def check_tiling(text: str, windows, text_index: int, capacity: int, overlap: int | None) -> None:
-    """The windows of one text: increasing, within the window, overlapping, covering every non-space char."""
+    """The windows of one text: increasing, within the window, covering every non-space char; with
+    ``overlap`` 0 they share nothing, with more each join shares chars or, where the word before it is
+    longer than ``overlap`` tokens (windows start at word starts), the next starts after whitespace."""
     sel = windows.text == text_index
     cs, ce, tokens, chunk = windows.char_start[sel], windows.char_end[sel], windows.tokens[sel], windows.chunk[sel]
     assert chunk.tolist() == list(range(len(chunk)))
     assert (tokens <= capacity).all() and (tokens > 0).all()
     assert (np.diff(cs) > 0).all() and (np.diff(ce) > 0).all()
-    if overlap is not None:  # consecutive windows share tokens (or, with no overlap, no chars)
-        assert (cs[1:] < ce[:-1]).all() if overlap else (cs[1:] >= ce[:-1]).all()
+    if overlap == 0:
+        assert (cs[1:] >= ce[:-1]).all()
+    elif overlap is not None:
+        assert all(b < e or not text[e:b].strip() for b, e in zip(cs[1:].tolist(), ce[:-1].tolist()))
     covered = np.zeros(len(text) + 1, dtype=np.int64)
     np.add.at(covered, cs, 1)
     np.add.at(covered, ce, -1)
@@ -155,7 +159,7 @@ def test_windows_tile_any_text(packaged, words, max_seq_length, overlap_share, s
         w = cutter.cut(["x", text], overlap=overlap)
     finally:
         windows_mod.SLICE_CHARS = saved
-    check_tiling(text, w, 1, cutter.capacity, None)
+    check_tiling(text, w, 1, cutter.capacity, overlap)
     if slice_chars is None:  # each join shares at most ``overlap`` tokens: none when the word before it is longer
         shared = int(w.tokens[w.text == 1].sum()) - content_tokens(packaged, text)
         assert 0 <= shared <= overlap * (int((w.text == 1).sum()) - 1)
