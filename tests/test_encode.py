@@ -367,6 +367,22 @@ def test_invalid_utf8_bytes_get_a_clear_error(tmp_path, counting_encoder):
         ddf.surge.encode("text", str(tmp_path / "o"), model=counting_encoder, scheduler="sync", progress=False)
 
 
+@pytest.mark.parametrize("convert_string", [True, False])
+def test_a_lone_surrogate_gets_a_clear_error_and_commits_nothing(tmp_path, tiny_model, convert_string):
+    # a str with half an emoji (json.loads keeps "\\ud83d"): Arrow cannot hold it, and no tokenizer reads it
+    from dask_surge.io.manifest import current_run
+
+    texts = ["fine", "broken \ud83d emoji", "also fine"] * 3
+    out = tmp_path / str(convert_string)
+    with dask.config.set({"dataframe.convert-string": convert_string}):
+        ddf = dd.from_pandas(pd.DataFrame({"text": pd.Series(texts, dtype=object)}), npartitions=1)
+        # converted to Arrow strings, the column fails as a whole; kept as str objects, the text is named
+        where = r"column 'text'" if convert_string else r"the text at partition 0, row 1="
+        with pytest.raises(SurgeInputError, match=where + r".*lone surrogate.*Fix: replace"):
+            ddf.surge.encode("text", str(out), model=tiny_model, device="cpu", scheduler="sync", progress=False)
+    assert not list(out.glob("part-*.parquet")) and not current_run(str(out)).committed()
+
+
 def test_categorical_and_large_string_columns_encode(counting_encoder):
     import pyarrow as pa
 

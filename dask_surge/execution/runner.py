@@ -400,7 +400,7 @@ def stopped_error(err: BaseException, manifest: Manifest, column: str) -> BaseEx
     """The error to raise for a run that stopped on ``err``: what is kept and how to go on
     (``None``: raise ``err`` as it is)."""
     kept = f"{len(manifest.committed())} SuperBatches are committed and kept"
-    if isinstance(err, UnicodeDecodeError):
+    if isinstance(err, (UnicodeDecodeError, UnicodeEncodeError)):
         return not_utf8(column, err, kept)
     if type(err).__name__ in ("NoWorkerError", "NoValidWorkerError"):
         return SurgeError(
@@ -418,7 +418,16 @@ def stopped_error(err: BaseException, manifest: Manifest, column: str) -> BaseEx
     return None
 
 
-def not_utf8(column: str, err: UnicodeDecodeError, kept: str) -> SurgeInputError:
+def not_utf8(column: str, err: UnicodeDecodeError | UnicodeEncodeError, kept: str) -> SurgeInputError:
+    """The error for a text column that is not UTF-8: bytes that do not decode, or (converting
+    Python strings to Arrow) a str with a lone surrogate, which has no UTF-8 form."""
+    if isinstance(err, UnicodeEncodeError):
+        return SurgeInputError(
+            f"the text column {column!r} holds a str with a lone surrogate ({err}), which has no UTF-8 form "
+            "(bytes decoded with errors='surrogateescape', or a JSON \\ud83d escape without its pair). "
+            f"{kept}. Fix: replace such characters first, e.g. .map(lambda s: s.encode('utf-8', "
+            "'replace').decode('utf-8')), then rerun."
+        )
     return SurgeInputError(
         f"the text column {column!r} holds bytes that are not valid UTF-8 ({err}). {kept}. Fix: decode "
         "the column yourself first, e.g. .map(lambda b: b.decode('utf-8', errors='replace')), then rerun."

@@ -16,6 +16,7 @@ from ..io.precision import truncate
 from ..io.reuse import TEXT_HASH, arrow_strings, hash_column, open_index, text_hashes
 from ..io.texts import ArrowTexts, join_texts, take_texts
 from ..models.encoders import Encoder
+from ..models.tokenize import unreadable_text
 from ..models.windows import TextTooLong
 from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
 from ..planning.policy import Span
@@ -379,6 +380,11 @@ class SuperBatchEncoder:
                 "long_texts='chunk' (a row per window) or 'mean' (their average), which make a new run "
                 "(another output, or overwrite=True)."
             ) from None
+        except SurgeInputError:
+            # a text no tokenizer reads: named by partition and row (the tokenizer's texts[i] is its own call's)
+            if (bad := unreadable_text(texts, lambda i: f"the text at {where(i)}")) is None:
+                raise
+            raise bad from None
         truncated = None if out.truncated is None else np.asarray(out.truncated, dtype=bool)
         if out.windows is None:
             return _Blocks(np.ones(len(texts), np.int64), self._stored(out.embeddings)), truncated

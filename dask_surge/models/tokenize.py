@@ -31,7 +31,7 @@ from .batching import FIRST_WINDOW_TEXTS, WINDOW_TEXTS, BatchPlan, plan_batches
 from .batching import windows as window_starts
 from .tokenpool import Pending, TokenizedWindow, TokenizerProcessError, TokenPool
 
-__all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker", "flat_ids", "gc_paused", "not_a_str", "prepared"]
+__all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker", "flat_ids", "gc_paused", "unreadable_text", "prepared"]
 
 logger = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class TextPacker:
             self.clock.count("tokenize", t0)
             return encodings
         except TypeError:
-            if (err := not_a_str(texts)) is None:
+            if (err := unreadable_text(texts)) is None:
                 raise
             raise err from None
 
@@ -283,7 +283,7 @@ class TextPacker:
         try:
             return pool.submit(texts, ids=ids, block=block)
         except TypeError:
-            if (err := not_a_str(texts)) is None:
+            if (err := unreadable_text(texts)) is None:
                 raise
             raise err from None
         except TokenizerProcessError as err:
@@ -525,20 +525,35 @@ def flat_ids(encodings: Sequence, count: int) -> np.ndarray:
     return np.fromiter(chain.from_iterable(map(operator.attrgetter("ids"), encodings)), dtype=np.int32, count=count)
 
 
-def not_a_str(texts: Sequence) -> SurgeInputError | None:
-    """The error for the first element of ``texts`` that is not a str; None when all are.
+def unreadable_text(texts: Sequence, name: Callable[[int], str] | None = None) -> SurgeInputError | None:
+    """The error for the first element of ``texts`` that no tokenizer can read: one that is not a
+    str, or a str with a lone surrogate (it has no UTF-8 form); None when every one is readable.
+    ``name(i)`` names element ``i`` in the message (default: ``texts[i]``). Only for the error
+    path: it looks at every text.
 
     Examples
     --------
-    >>> print(not_a_str(["a", 3]))
+    >>> print(unreadable_text(["a", 3]))
     texts[1]=3 is a int, but every text must be a str; Fix: drop or fill missing values first (e.g. series.fillna('')).
-    >>> not_a_str(["a", "b"]) is None
+    >>> print(unreadable_text(["a", "broken \\ud83d emoji"]))  # doctest: +ELLIPSIS
+    texts[1]='broken \\ud83d emoji' holds a lone surrogate ('\\ud83d' at character 7), which has no UTF-8 form...
+    >>> unreadable_text(["a", "b"]) is None
     True
     """
-    bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
-    if bad is None:
-        return None
-    return SurgeInputError(
-        f"texts[{bad}]={texts[bad]!r} is a {type(texts[bad]).__name__}, but every text must be a str; "
-        "Fix: drop or fill missing values first (e.g. series.fillna(''))."
-    )
+    name = name or (lambda i: f"texts[{i}]")
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            return SurgeInputError(
+                f"{name(i)}={text!r:.60} is a {type(text).__name__}, but every text must be a str; "
+                "Fix: drop or fill missing values first (e.g. series.fillna(''))."
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            return SurgeInputError(
+                f"{name(i)}={text!r:.60} holds a lone surrogate ({text[err.start]!r} at character {err.start}), "
+                "which has no UTF-8 form, so no tokenizer can read it (it comes from bytes decoded with "
+                "errors='surrogateescape', or a JSON \\ud83d escape without its pair). Fix: replace such "
+                "characters first, e.g. series.map(lambda s: s.encode('utf-8', 'replace').decode('utf-8'))."
+            )
+    return None

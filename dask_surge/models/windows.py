@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import SurgeInputError, SurgeValueError
 from ..options import DEFAULT_CHUNK_OVERLAP, LONG_TEXTS, LongTexts
 from .batching import WINDOW_TEXTS
-from .tokenize import flat_ids, not_a_str
+from .tokenize import flat_ids, unreadable_text
 
 __all__ = [
     "DEFAULT_CHUNK_OVERLAP",
@@ -462,7 +462,7 @@ class WindowCutter:
                 return self._tokenizer.encode_batch(texts, add_special_tokens=False)
             return self._encode_fast(texts, add_special_tokens=False)
         except TypeError:
-            if (err := not_a_str(texts)) is None:
+            if (err := unreadable_text(texts)) is None:
                 raise
             raise err from None
 
@@ -472,7 +472,7 @@ class WindowCutter:
         chars = 0
         for index, text in enumerate(texts):
             if not isinstance(text, str):
-                err = not_a_str(texts)  # this one: every text before it is a str
+                err = unreadable_text(texts)  # this one: every text before it is a str
                 assert err is not None
                 raise err
             start = 0
