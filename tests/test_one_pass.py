@@ -222,6 +222,7 @@ def test_input_errors_are_clear_on_a_distributed_client_and_commit_nothing(tmp_p
         "null": (pd.DataFrame({"text": ["a", None, "c"] * 4}), "null"),
         "int": (pd.DataFrame({"text": [1, 2, 3] * 4}), "not a string|non-string|str"),
         "utf8": (pd.DataFrame({"text": [b"ok", b"\xff\xfe"] * 4}, dtype=object), "not valid UTF-8"),
+        "surrogate": (pd.DataFrame({"text": ["ok", "half an emoji \ud83d"] * 4}, dtype=object), "lone surrogate"),
     }
     for name, (df, match) in bad.items():
         out = tmp_path / name
