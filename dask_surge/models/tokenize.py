@@ -31,7 +31,8 @@ from .batching import FIRST_WINDOW_TEXTS, WINDOW_TEXTS, BatchPlan, plan_batches
 from .batching import windows as window_starts
 from .tokenpool import Pending, TokenizedWindow, TokenizerProcessError, TokenPool
 
-__all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker", "flat_ids", "gc_paused", "unreadable_text", "prepared"]
+__all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker", "flat_ids", "gc_paused", "prepared",
+           "unreadable_text"]
 
 logger = logging.getLogger(__name__)
 
