@@ -55,6 +55,7 @@ from ..io.manifest import (
     sb_key,
     text_counts,
 )
+from ..models.tokenize import LONE_SURROGATE
 from ..planning.policy import OnlinePlanner, Span, SuperBatch, plan_superbatches
 from ..planning.sizes import PartitionSizes, known_sizes, text_bytes
 from ..planning.thresholds import Requested, Thresholds
@@ -423,10 +424,8 @@ def not_utf8(column: str, err: UnicodeDecodeError | UnicodeEncodeError, kept: st
     Python strings to Arrow) a str with a lone surrogate, which has no UTF-8 form."""
     if isinstance(err, UnicodeEncodeError):
         return SurgeInputError(
-            f"the text column {column!r} holds a str with a lone surrogate ({err}), which has no UTF-8 form "
-            "(bytes decoded with errors='surrogateescape', or a JSON \\ud83d escape without its pair). "
-            f"{kept}. Fix: replace such characters first, e.g. .map(lambda s: s.encode('utf-8', "
-            "'replace').decode('utf-8')), then rerun."
+            f"the text column {column!r} holds a str with a lone surrogate ({err}), {LONE_SURROGATE} "
+            f"{kept}; rerun once it is fixed."
         )
     return SurgeInputError(
         f"the text column {column!r} holds bytes that are not valid UTF-8 ({err}). {kept}. Fix: decode "

@@ -553,8 +553,15 @@ def unreadable_text(texts: Sequence, name: Callable[[int], str] | None = None) -
         except UnicodeEncodeError as err:
             return SurgeInputError(
                 f"{name(i)}={text!r:.60} holds a lone surrogate ({text[err.start]!r} at character {err.start}), "
-                "which has no UTF-8 form, so no tokenizer can read it (it comes from bytes decoded with "
-                "errors='surrogateescape', or a JSON \\ud83d escape without its pair). Fix: replace such "
-                "characters first, e.g. series.map(lambda s: s.encode('utf-8', 'replace').decode('utf-8'))."
+                f"{LONE_SURROGATE}"
             )
     return None
+
+
+#: Why a str with a lone surrogate cannot be encoded, and the fix: the tail of each error that finds one
+#: (:func:`unreadable_text`, and the run's error when Dask's conversion to Arrow strings met it first).
+LONE_SURROGATE = (
+    "which has no UTF-8 form, so no tokenizer can read it (it comes from bytes decoded with "
+    "errors='surrogateescape', or a JSON \\ud83d escape without its pair). Fix: replace such "
+    "characters first, e.g. series.map(lambda s: s.encode('utf-8', 'replace').decode('utf-8'))."
+)

@@ -472,7 +472,7 @@ class WindowCutter:
         chars = 0
         for index, text in enumerate(texts):
             if not isinstance(text, str):
-                err = unreadable_text(texts)  # this one: every text before it is a str
+                err = unreadable_text(texts)  # this one, or an earlier str with a lone surrogate
                 assert err is not None
                 raise err
             start = 0
