@@ -211,8 +211,14 @@ def test_bad_options_are_refused(packaged):
     enc = Encoder(device="cpu")
     with pytest.raises(SurgeValueError, match=r"long_texts='split'.*truncate"):
         enc.encode_long(["a"], long_texts="split")  # type: ignore[arg-type]
-    with pytest.raises(SurgeValueError, match="half the model's window of 254"):
+    with pytest.raises(SurgeValueError, match=r"half the model's window of 254.*chunk_overlap < 127, e\.g\. the "
+                                              r"default 32\.$"):
         enc.encode_long(["a"], long_texts="chunk", chunk_overlap=200)
+    small = WindowCutter(packaged.tokenizer, 40)  # a window of 38: the default 32 does not fit it
+    with pytest.raises(SurgeValueError, match=r"window of 38 tokens.*chunk_overlap < 19, e\.g\. 18 \(the default 32 "
+                                              r"does not fit this window either\)\.$"):
+        small.check_overlap(32)
+    small.check_overlap(18)
     with pytest.raises(SurgeValueError, match="prompt"):
         WindowCutter(packaged.tokenizer, 4, prompt="a long prompt of many words")
 

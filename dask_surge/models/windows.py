@@ -448,10 +448,13 @@ class WindowCutter:
         """Raise SurgeValueError unless ``0 <= overlap`` and ``2 * overlap < capacity``."""
         check_long_texts("chunk", overlap)
         if 2 * overlap >= self.capacity:
+            fits = (self.capacity - 1) // 2
+            example = (f"the default {DEFAULT_CHUNK_OVERLAP}" if fits >= DEFAULT_CHUNK_OVERLAP
+                       else f"{fits} (the default {DEFAULT_CHUNK_OVERLAP} does not fit this window either)")
             raise SurgeValueError(
                 f"chunk_overlap={overlap!r} is not smaller than half the model's window of {self.capacity} "
                 f"tokens: consecutive windows may share less than half a window. Fix: pass chunk_overlap < "
-                f"{(self.capacity + 1) // 2}, e.g. the default {min(DEFAULT_CHUNK_OVERLAP, (self.capacity - 1) // 2)}."
+                f"{fits + 1}, e.g. {example}."
             )
 
     def _tokenize(self, texts: list[str], *, offsets: bool) -> list:
