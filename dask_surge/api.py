@@ -56,14 +56,22 @@ _RECORDED_WITH = {"model": "model", "revision": "model", "prompt": "model", "pro
 
 def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
     columns = list(ddf.columns)
-    if not isinstance(column, str) or column not in columns:
-        raise SurgeInputError(
-            f"text column {column!r} is not in the DataFrame, whose columns are {columns}. "
-            "Fix: pass the name of the column that holds the texts."
-        )
     if isinstance(keep, str):
         keep = [keep]
     keep = tuple(dict.fromkeys(keep))
+    labels = [c for c in (column, *keep) if not isinstance(c, str)]
+    if labels:
+        raise SurgeInputError(
+            f"column label(s) {labels} of types {sorted({type(c).__name__ for c in labels})} name the text "
+            "column or keep=; dask-surge takes str labels, because the output is Parquet, whose column names "
+            "are strings. Fix: ddf = ddf.rename(columns=str), then pass the labels as strings (e.g. "
+            f"{str(labels[0])!r})."
+        )
+    if column not in columns:
+        raise SurgeInputError(
+            f"text column {column!r} is not in the DataFrame, whose columns are {columns}"
+            f"{_index_hint(ddf, [column])}. Fix: pass the name of the column that holds the texts."
+        )
     clash = [k for k in keep if k in RESERVED]
     if clash:
         raise SurgeInputError(
@@ -72,9 +80,19 @@ def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
         )
     missing = [k for k in keep if k not in columns]
     if missing:
-        raise SurgeInputError(f"keep={list(keep)} names missing column(s) {missing}; columns are {columns}. "
-                              "Fix: keep only existing columns.")
+        raise SurgeInputError(f"keep={list(keep)} names missing column(s) {missing}; columns are {columns}"
+                              f"{_index_hint(ddf, missing)}. Fix: keep only existing columns.")
     return keep
+
+
+def _index_hint(ddf, names: Sequence[str]) -> str:
+    """What to add to a missing-column error when a name is the index's: the output keeps
+    columns only (rows are found by ``partition``, ``row``), so the index must become one."""
+    index = getattr(getattr(ddf, "index", None), "name", None)
+    if index is None or index not in names:
+        return ""
+    return (f" ({index!r} is the index, which the output does not keep: make it a column first, "
+            f"ddf = ddf.reset_index())")
 
 
 def _resolve_encoder(model: Any, opts: dict) -> Encoder:

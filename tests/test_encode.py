@@ -339,6 +339,27 @@ def test_bad_arguments_fail_before_any_work(kwargs, err, match, tmp_path):
     assert not list(tmp_path.glob("o/part-*"))
 
 
+def test_column_labels_that_are_not_str_or_are_the_index_say_so(tmp_path):
+    frame = pd.DataFrame({0: ["a b", "c"], 1: [1, 2]})
+    ddf = dd.from_pandas(frame, npartitions=1)
+    for column, keep in ((0, ()), ("0", (1,))):
+        with pytest.raises(SurgeInputError, match=r"column label\(s\) \[[01]\] of types \['int'\].*Parquet.*"
+                                                  r"ddf\.rename\(columns=str\).*'[01]'"):
+            ddf.surge.encode(column, str(tmp_path / "o"), keep=list(keep), scheduler="sync", progress=False)
+    # the fix the message gives works
+    renamed = ddf.rename(columns=str)
+    plan = renamed.surge.plan("0")
+    assert plan.rows == 2
+    indexed = dd.from_pandas(pd.DataFrame({"id": [7, 8], "text": ["a", "b"]}).set_index("id"), npartitions=1)
+    with pytest.raises(SurgeInputError, match=r"keep=\['id'\].*'id' is the index.*ddf = ddf\.reset_index\(\)"):
+        indexed.surge.encode("text", str(tmp_path / "o"), keep=["id"], scheduler="sync", progress=False)
+    with pytest.raises(SurgeInputError, match=r"text column 'id'.*'id' is the index"):
+        indexed.surge.encode("id", str(tmp_path / "o"), scheduler="sync", progress=False)
+    with pytest.raises(SurgeInputError, match=r"missing column\(s\) \['nope'\]; columns are \['text'\]\. Fix"):
+        indexed.surge.encode("text", str(tmp_path / "o"), keep=["nope"], scheduler="sync", progress=False)
+    assert not (tmp_path / "o").exists()
+
+
 def test_null_text_is_refused_by_default_or_encoded_empty(counting_encoder, tmp_path):
     ddf = dd.from_pandas(pd.DataFrame({"text": ["a", None, "c"]}), npartitions=1)
     with pytest.raises(SurgeInputError, match=r"partition 0, first at row 1"):
