@@ -3,7 +3,7 @@
 dask-expr has no public extension point for what dask-surge does (a graph expression that
 fuses planned partitions into one task per SuperBatch, row counts from Parquet footers
 without a pass), so it subclasses and inspects private classes. They are imported here
-only, so a Dask release that moves them breaks one module, and ``tests/test_compat.py``
+only, so a Dask release that moves them breaks one module, and ``tests/test_layout.py``
 checks each against the pinned Dask range (``pyproject.toml``: ``dask>=2026.8.0,<2026.12``).
 """
 
@@ -13,7 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from dask._expr import Expr as BaseExpr
-from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef
+from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef, convert_legacy_graph
 
 if TYPE_CHECKING:
     from dask.dataframe.dask_expr import new_collection
@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from dask.dataframe.dask_expr.io.parquet import ReadParquetFSSpec
 
 __all__ = ["Alias", "BaseExpr", "DataNode", "Expr", "FromPandas", "GraphNode", "Lengths", "List", "Literal",
-           "Projection", "ReadParquetFSSpec", "Task", "TaskRef", "new_collection", "simplified"]
+           "Projection", "ReadParquetFSSpec", "Task", "TaskRef", "convert_legacy_graph", "new_collection",
+           "simplified"]
 
 #: dask.dataframe's names, imported on first use (PEP 562): a worker running SuperBatch tasks
 #: needs the task spec above but not dask.dataframe, whose import (pandas, dask.array, dask-expr:

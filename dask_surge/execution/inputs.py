@@ -29,12 +29,13 @@ from typing import Any
 
 import dask
 
-from .._compat import BaseExpr, GraphNode, List, Task, TaskRef
+from .._compat import BaseExpr, GraphNode, List, Task, TaskRef, convert_legacy_graph
 from ..errors import SurgeError
 from ..io.parquet import ParquetPartitions
 from ..planning.policy import SuperBatch
 
-__all__ = ["InputGraph", "Unit", "UnitSource", "cull", "dependents_of", "input_files", "private_tasks", "task_arguments"]
+__all__ = ["InputGraph", "Unit", "UnitSource", "cull", "dependents_of", "input_files", "private_tasks", "task_arguments",
+           "task_spec_graph"]
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,26 @@ def dependents_of(graph: dict) -> dict:
         for dep in getattr(task, "dependencies", ()):
             dependents.setdefault(dep, set()).add(key)
     return dependents
+
+
+def task_spec_graph(graph: Mapping) -> dict:
+    """``graph`` with every task as a task-spec node: some Dask layers still build legacy tuple
+    tasks (a repartition to fewer partitions, the disk shuffle of a local scheduler's merge or
+    shuffle), whose dependencies only the scheduler can tell, by looking up every key in the
+    graph. Persisted results (Futures) stay as they are: they are not tasks to fuse.
+
+    Examples
+    --------
+    >>> from operator import add
+    >>> g = task_spec_graph({"a": 1, "b": (add, "a", 10), "c": Task("c", add, TaskRef("b"), 1)})
+    >>> [type(g[k]).__name__ for k in "abc"], g["b"].dependencies
+    (['DataNode', 'Task', 'Task'], frozenset({'a'}))
+    >>> g["c"]({"b": 11})
+    12
+    """
+    persisted = {key: value for key, value in graph.items() if isinstance(value, TaskRef)}
+    converted = convert_legacy_graph({k: v for k, v in graph.items() if k not in persisted}, all_keys=set(graph))
+    return {**converted, **persisted}
 
 
 def private_tasks(upstream: dict, dependents: dict, root, deps) -> set:
@@ -214,7 +235,7 @@ class InputGraph:
             with dask.config.set({"optimization.tune.active": False}):  # keep the planned partitions
                 opt = expr.optimize(fuse=True)
             self.name, npartitions = opt._name, opt.npartitions
-            self.graph = dict(opt.__dask_graph__())
+            self.graph = task_spec_graph(dict(opt.__dask_graph__()))
             self.dependents = dependents_of(self.graph)
         if npartitions != planned:
             raise SurgeError(
