@@ -166,6 +166,34 @@ def test_a_pipeline_of_legacy_tasks_is_encoded_whole_by_both_paths(tmp_path, nam
     assert sorted(back["doc_id"]) == sorted(lazy["doc_id"]) == list(range(20))
 
 
+@pytest.mark.parametrize("read", ["filters", "hive"])
+def test_a_parquet_read_dask_would_tune_is_encoded_on_its_own_partitions(tmp_path, read):
+    # Dask's "tune" pass fuses small Parquet partitions when it computes a frame: the sizes
+    # pass of the lazy frame counted 2 partitions where the unit tasks read 3, and it stopped
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "in").mkdir()
+    for f in range(6):
+        ids = np.arange(f * 30, f * 30 + 30)
+        pq.write_table(pa.table({"doc_id": ids, "text": [f"doc {i}" for i in ids], "grp": [f"g{i % 3}" for i in ids]}),
+                       tmp_path / "in" / f"part{f}.parquet", row_group_size=7)
+    if read == "filters":
+        frame = dd.read_parquet(tmp_path / "in", filters=[("doc_id", ">", 100)])
+    else:
+        pd.read_parquet(tmp_path / "in").to_parquet(tmp_path / "hive", partition_cols=["grp"])
+        frame = dd.read_parquet(tmp_path / "hive")
+    # the text column alone (no keep=) is a third of the columns: Dask fuses partitions when it computes it
+    tuned = frame[["text"]].map_partitions(len, meta=(None, "int64")).compute(scheduler="sync")
+    assert len(tuned) < frame.npartitions  # what this test is about
+    want = sorted(len(t) for t in frame["text"].compute(scheduler="sync"))
+    kw = {"model": lambda t: np.asarray([[len(x), 1.0] for x in t]), "b_min": 20, "b_max": 40}
+    lazy = frame.surge.encode("text", **kw).compute(scheduler="sync")
+    res = frame.surge.encode("text", str(tmp_path / "o"), scheduler="sync", progress=False, **kw)
+    assert res.rows == len(lazy) == len(want)
+    assert sorted(int(e[0]) for e in lazy["embedding"]) == want
+
+
 def test_unit_source_mixes_shared_values_fused_nodes_and_reads(tmp_path):
     write_partitioned_parquet(tmp_path / "in", [2, 3], seed=6)
     reader = ParquetPartitions.of(dd.read_parquet(tmp_path / "in").expr)

@@ -139,9 +139,15 @@ def partition_sizes(frame, column: str | None = None) -> PartitionSizes:
     elif (folded := folded_sizes(frame)) is not None:
         return folded
     # Not dask's Lengths expression: its constant folding can be wrong on a partition
-    # subset of read_parquet (it filters the selected partitions twice).
-    counted = frame.map_partitions(_count, column, enforce_metadata=False,
-                                   meta={"rows": "int64", "bytes": "int64"}).compute()
+    # subset of read_parquet (it filters the selected partitions twice). Without Dask's "tune"
+    # pass, which may fuse small Parquet partitions (a read with filters or an index, a hive
+    # layout): the sizes are those of the partitions the SuperBatches consume, as the
+    # input graph (execution/inputs.py) computes them.
+    import dask
+
+    with dask.config.set({"optimization.tune.active": False}):
+        counted = frame.map_partitions(_count, column, enforce_metadata=False,
+                                       meta={"rows": "int64", "bytes": "int64"}).compute()
     rows = tuple(int(n) for n in counted["rows"])
     return PartitionSizes(rows, "len-pass", tuple(int(m) for m in counted["bytes"]) if column else None)
 
