@@ -21,7 +21,7 @@ from .execution.graph import superbatch_collection
 from .execution.plugins import register_encoder
 from .execution.progress import RunProgress, logging_through
 from .execution.runner import RunRequest, write_run
-from .execution.superbatch import SuperBatchEncoder
+from .execution.superbatch import SuperBatchEncoder, reserved_columns
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows, status
 from .io.reuse import ReuseIndex, embedding_identity, text_hashes
@@ -45,7 +45,6 @@ __all__ = ["encode", "plan", "fingerprint", "status", "read_embeddings", "skippe
            "SurgePlan"]
 
 logger = logging.getLogger(__name__)
-RESERVED = ("partition", "row", "embedding")
 SCHEDULERS = (None, "sync", "synchronous", "threads")
 #: the options the fingerprint records inside another entry: the model's identity (its content,
 #: revision, prompts, ``model_kwargs`` and the resolved compute dtype) and the input's
@@ -54,7 +53,7 @@ _RECORDED_WITH = {"model": "model", "revision": "model", "prompt": "model", "pro
                   "long_texts": "long_texts", "chunk_overlap": "long_texts"}
 
 
-def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
+def _check_columns(ddf, column: str, keep: Sequence[str], *, chunked: bool = False) -> tuple[str, ...]:
     columns = list(ddf.columns)
     if isinstance(keep, str):
         keep = [keep]
@@ -72,11 +71,13 @@ def _check_columns(ddf, column: str, keep: Sequence[str]) -> tuple[str, ...]:
             f"text column {column!r} is not in the DataFrame, whose columns are {columns}"
             f"{_index_hint(ddf, [column])}. Fix: pass the name of the column that holds the texts."
         )
-    clash = [k for k in keep if k in RESERVED]
+    reserved = reserved_columns(chunked)
+    clash = [k for k in keep if k in reserved]
     if clash:
         raise SurgeInputError(
-            f"keep={list(keep)} includes {clash}, which the output reserves for (partition, row, "
-            "embedding). Fix: rename those columns first, e.g. ddf.rename(columns={...})."
+            f"keep={list(keep)} includes {clash}, which the output reserves for its own columns "
+            f"({', '.join(reserved)}){' with long_texts=chunk' if chunked else ''}. Fix: rename those columns "
+            f"first, e.g. ddf = ddf.rename(columns={{{clash[0]!r}: 'my_{clash[0]}'}})."
         )
     missing = [k for k in keep if k not in columns]
     if missing:
@@ -417,7 +418,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     """
     started = time.perf_counter()  # TTFO counts from the call (model load and cluster start included)
     opts = bind("encode", options)
-    keep = _check_columns(ddf, column, opts["keep"])
+    keep = _check_columns(ddf, column, opts["keep"], chunked=config.get("long-texts", opts["long_texts"]) == "chunk")
     _check_arguments(opts)
     overwrite, storage_options, scheduler, progress, input_token = (
         opts[k] for k in ("overwrite", "storage_options", "scheduler", "progress", "input_token"))

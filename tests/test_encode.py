@@ -360,6 +360,20 @@ def test_column_labels_that_are_not_str_or_are_the_index_say_so(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_kept_column_may_not_take_an_output_column_name(tmp_path, counting_encoder):
+    # a kept "text_hash" was silently replaced by the output's own; "tokens" only clashes in chunk mode
+    ddf = dd.from_pandas(pd.DataFrame({"text": ["a b", "c"], "text_hash": [1, 2], "tokens": [3, 4]}), npartitions=1)
+    kw = {"model": counting_encoder, "scheduler": "sync", "progress": False}
+    with pytest.raises(SurgeInputError, match=r"keep=\['text_hash'\] includes \['text_hash'\], which the output "
+                                              r"reserves.*rename\(columns=\{'text_hash': 'my_text_hash'\}\)"):
+        ddf.surge.encode("text", str(tmp_path / "a"), keep=["text_hash"], **kw)
+    with pytest.raises(SurgeInputError, match=r"\['tokens'\].*chunk, char_start, char_end, tokens.*long_texts=chunk"):
+        ddf.surge.encode("text", str(tmp_path / "b"), keep=["tokens"], long_texts="chunk", **kw)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    res = ddf.surge.encode("text", str(tmp_path / "c"), keep=["tokens"], **kw)
+    assert res.rows == 2 and dask_surge.read_embeddings(str(tmp_path / "c")).compute()["tokens"].tolist() == [3, 4]
+
+
 def test_null_text_is_refused_by_default_or_encoded_empty(counting_encoder, tmp_path):
     ddf = dd.from_pandas(pd.DataFrame({"text": ["a", None, "c"]}), npartitions=1)
     with pytest.raises(SurgeInputError, match=r"partition 0, first at row 1"):

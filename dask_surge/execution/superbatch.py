@@ -21,11 +21,27 @@ from ..models.windows import TextTooLong
 from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
 from ..planning.policy import Span
 
-__all__ = ["CHUNK_COLUMNS", "Encoded", "SuperBatchEncoder", "distinct", "expand", "texts_of", "arrow_texts",
+__all__ = ["CHUNK_COLUMNS", "Encoded", "SuperBatchEncoder", "distinct", "expand", "reserved_columns", "texts_of",
+           "arrow_texts",
            "partition_digest", "concat_column"]
 
 #: The columns a ``long_texts="chunk"`` output has beside ``partition`` and ``row``, with their types.
 CHUNK_COLUMNS = {"chunk": np.int32, "char_start": np.int64, "char_end": np.int64, "tokens": np.int32}
+
+
+def reserved_columns(chunked: bool) -> tuple[str, ...]:
+    """The output columns dask-surge writes itself (a kept column may not take their names):
+    ``partition``, ``row``, in chunk mode the window's :data:`CHUNK_COLUMNS`, then
+    ``text_hash`` and ``embedding``; the kept columns come after ``row`` (and the window's).
+
+    Examples
+    --------
+    >>> reserved_columns(chunked=False)
+    ('partition', 'row', 'text_hash', 'embedding')
+    >>> reserved_columns(chunked=True)[2:6]
+    ('chunk', 'char_start', 'char_end', 'tokens')
+    """
+    return ("partition", "row", *(CHUNK_COLUMNS if chunked else ()), TEXT_HASH, "embedding")
 
 
 def distinct(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
