@@ -59,12 +59,18 @@ def _check_columns(ddf, column: str, keep: Sequence[str], *, chunked: bool = Fal
         keep = [keep]
     keep = tuple(dict.fromkeys(keep))
     labels = [c for c in (column, *keep) if not isinstance(c, str)]
-    if labels:
+    if labels and all(c in columns for c in labels):
         raise SurgeInputError(
             f"column label(s) {labels} of types {sorted({type(c).__name__ for c in labels})} name the text "
             "column or keep=; dask-surge takes str labels, because the output is Parquet, whose column names "
             "are strings. Fix: ddf = ddf.rename(columns=str), then pass the labels as strings (e.g. "
             f"{str(labels[0])!r})."
+        )
+    if labels:
+        raise SurgeInputError(
+            f"the text column and keep= take column names (str), but {labels} "
+            f"{'is' if len(labels) == 1 else 'are'} not; the DataFrame's columns are {columns}. "
+            "Fix: pass the text column's name, e.g. encode(ddf, 'text', keep=['id'])."
         )
     if column not in columns:
         raise SurgeInputError(

@@ -342,10 +342,15 @@ def test_bad_arguments_fail_before_any_work(kwargs, err, match, tmp_path):
 def test_column_labels_that_are_not_str_or_are_the_index_say_so(tmp_path):
     frame = pd.DataFrame({0: ["a b", "c"], 1: [1, 2]})
     ddf = dd.from_pandas(frame, npartitions=1)
-    for column, keep in ((0, ()), ("0", (1,))):
-        with pytest.raises(SurgeInputError, match=r"column label\(s\) \[[01]\] of types \['int'\].*Parquet.*"
-                                                  r"ddf\.rename\(columns=str\).*'[01]'"):
+    for column, keep, label in ((0, (), 0), ("0", (1,), 1)):
+        with pytest.raises(SurgeInputError, match=rf"column label\(s\) \[{label}\] of types \['int'\].*Parquet.*"
+                                                  rf"ddf\.rename\(columns=str\).*'{label}'"):
             ddf.surge.encode(column, str(tmp_path / "o"), keep=list(keep), scheduler="sync", progress=False)
+    # a label that is not a str and not a column either: no rename advice, the columns
+    for column in (5, ["0"]):
+        with pytest.raises(SurgeInputError, match=r"take column names \(str\), but \[.*\] is not; the DataFrame's "
+                                                  r"columns are \[0, 1\]"):
+            ddf.surge.encode(column, str(tmp_path / "o"), scheduler="sync", progress=False)
     # the fix the message gives works
     renamed = ddf.rename(columns=str)
     plan = renamed.surge.plan("0")

@@ -132,16 +132,24 @@ def test_a_written_run_and_the_lazy_frame_encode_the_same_rows(tmp_path):
 
 def _legacy_inputs(ddf):
     """Pipelines whose Dask layers build legacy tuple tasks (a repartition to fewer partitions;
-    a merge and a shuffle through the disk shuffle, a local scheduler's default), not task specs."""
+    a merge, a shuffle and a groupby-apply through the disk shuffle, a local scheduler's
+    default), not task specs."""
     other = dd.from_pandas(pd.DataFrame({"doc_id": np.arange(40), "weight": np.arange(40) * 0.5}), npartitions=3)
+    with dask.config.set({"dataframe.shuffle.method": "disk"}):
+        grouped = ddf.assign(key=ddf.doc_id % 3).groupby("key").apply(
+            lambda g: g[list(ddf.columns)].assign(n=len(g)), meta=ddf._meta.assign(n=np.int64(0)).iloc[:0])
     return {
         "repartition": ddf.repartition(npartitions=2),
         "merge": ddf.merge(other, on="doc_id", shuffle_method="disk"),
         "shuffle": ddf.shuffle("doc_id", shuffle_method="disk"),
+        "groupby-apply": grouped,
     }
 
 
-@pytest.mark.parametrize("name", ["repartition", "merge", "shuffle"])
+LEGACY = ["repartition", "merge", "shuffle", "groupby-apply"]
+
+
+@pytest.mark.parametrize("name", LEGACY)
 def test_units_over_legacy_tuple_tasks_compute_their_partitions(name):
     ddf = make_partitioned_frame([3, 5, 2, 4, 6])
     frame = _legacy_inputs(ddf)[name]
@@ -155,7 +163,7 @@ def test_units_over_legacy_tuple_tasks_compute_their_partitions(name):
     assert sum(want) == 20
 
 
-@pytest.mark.parametrize("name", ["repartition", "merge", "shuffle"])
+@pytest.mark.parametrize("name", LEGACY)
 def test_a_pipeline_of_legacy_tasks_is_encoded_whole_by_both_paths(tmp_path, name):
     frame = _legacy_inputs(make_partitioned_frame([3, 5, 2, 4, 6]))[name]
     kw = {"model": lambda t: np.asarray([[len(x), 1.0] for x in t]), "b_min": 4, "b_max": 8, "keep": ["doc_id"]}
@@ -166,7 +174,21 @@ def test_a_pipeline_of_legacy_tasks_is_encoded_whole_by_both_paths(tmp_path, nam
     assert sorted(back["doc_id"]) == sorted(lazy["doc_id"]) == list(range(20))
 
 
-@pytest.mark.parametrize("read", ["filters", "hive"])
+def test_a_persisted_input_repartitioned_on_a_client_is_encoded_whole(tmp_path, client):
+    # the repartition's tuple tasks name the persisted partitions (Futures), which stay results
+    persisted = make_partitioned_frame([3, 5, 2, 4, 6]).persist()
+    frame = persisted.repartition(npartitions=2)
+    inputs = InputGraph(frame)
+    assert any(type(v).__name__ == "Future" for v in inputs.graph.values())
+    kw = {"model": lambda t: np.asarray([[len(x), 1.0] for x in t]), "b_min": 4, "b_max": 8, "keep": ["doc_id"]}
+    res = frame.surge.encode("text", str(tmp_path / "o"), scheduler=client, progress=False, **kw)
+    lazy = frame.surge.encode("text", **kw).compute()
+    back = dask_surge.read_embeddings(str(tmp_path / "o")).compute()
+    assert res.rows == len(back) == len(lazy) == 20
+    assert sorted(back["doc_id"]) == sorted(lazy["doc_id"]) == list(range(20))
+
+
+@pytest.mark.parametrize("read", ["filters", "index", "hive"])
 def test_a_parquet_read_dask_would_tune_is_encoded_on_its_own_partitions(tmp_path, read):
     # Dask's "tune" pass fuses small Parquet partitions when it computes a frame: the sizes
     # pass of the lazy frame counted 2 partitions where the unit tasks read 3, and it stopped
@@ -180,6 +202,8 @@ def test_a_parquet_read_dask_would_tune_is_encoded_on_its_own_partitions(tmp_pat
                        tmp_path / "in" / f"part{f}.parquet", row_group_size=7)
     if read == "filters":
         frame = dd.read_parquet(tmp_path / "in", filters=[("doc_id", ">", 100)])
+    elif read == "index":
+        frame = dd.read_parquet(tmp_path / "in", index="doc_id")
     else:
         pd.read_parquet(tmp_path / "in").to_parquet(tmp_path / "hive", partition_cols=["grp"])
         frame = dd.read_parquet(tmp_path / "hive")

@@ -105,7 +105,8 @@ def task_spec_graph(graph: Mapping) -> dict:
     """``graph`` with every task as a task-spec node: some Dask layers still build legacy tuple
     tasks (a repartition to fewer partitions, the disk shuffle of a local scheduler's merge or
     shuffle), whose dependencies only the scheduler can tell, by looking up every key in the
-    graph. Persisted results (Futures) stay as they are: they are not tasks to fuse.
+    graph. Persisted results (Futures: Dask's, or another library's ``__dask_future__``) stay as
+    they are: they are not tasks to fuse.
 
     Examples
     --------
@@ -116,7 +117,8 @@ def task_spec_graph(graph: Mapping) -> dict:
     >>> g["c"]({"b": 11})
     12
     """
-    persisted = {key: value for key, value in graph.items() if isinstance(value, TaskRef)}
+    persisted = {key: value for key, value in graph.items()
+                 if isinstance(value, TaskRef) or getattr(value, "__dask_future__", False)}
     converted = convert_legacy_graph({k: v for k, v in graph.items() if k not in persisted}, all_keys=set(graph))
     return {**converted, **persisted}
 
