@@ -406,7 +406,8 @@ OPTIONS: tuple[Option, ...] = (
          default="512 MiB", config="max-bytes", validator=byte_size, identity=False,
          schema={"oneOf": [_INT_MIN_1, {"type": "string"}, _NULL]}, takers="encode plan", cli=Cli()),
     _opt("keep", Sequence[str], "sequence of str", """
-         Input columns to carry into the output beside ``partition``/``row``.""",
+         Input columns (str names) to carry into the output beside ``partition``/``row``: not the
+         index (``ddf.reset_index()`` makes it a column), nor a name the output writes itself.""",
          "input columns to carry into the output",
          default=(), identity=True, takers="encode"),
     _opt("normalize", bool | None, "bool, optional", """
