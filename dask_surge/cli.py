@@ -17,7 +17,7 @@ from .errors import SurgeError
 from .execution.cluster import local_cluster
 from .io.manifest import repair, verify
 from .models.devices import gpu_count
-from .options import add_arguments, from_arguments
+from .options import add_arguments, from_arguments, option
 from .synthetic import lognormal_sizes, write_partitioned_parquet
 
 __all__ = ["main", "build_parser", "format_status"]
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--text-column", required=True)
     enc.add_argument("--output", required=True, help="output directory: a new or empty local/shared-filesystem path (or one a "
                      "dask-surge run wrote); object stores are refused for writing")
-    enc.add_argument("--keep", nargs="*", default=[], help="input columns to carry into the output")
+    enc.add_argument("--keep", nargs="*", default=[], help=option("keep").summary)  # its help from the option table
     enc.add_argument("--format", choices=["parquet", "csv", "json"], default=None,
                      help="input format (default: from the file extension)")
     _add_encode_options(enc)
