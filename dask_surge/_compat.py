@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask._expr import Expr as BaseExpr
 from dask._task_spec import Alias, DataNode, GraphNode, List, Task, TaskRef, convert_legacy_graph
+from dask._task_spec import _is_dask_future as is_dask_future
 
 if TYPE_CHECKING:
     from dask.dataframe.dask_expr import new_collection
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
     from dask.dataframe.dask_expr.io.parquet import ReadParquetFSSpec
 
 __all__ = ["Alias", "BaseExpr", "DataNode", "Expr", "FromPandas", "GraphNode", "Lengths", "List", "Literal",
-           "Projection", "ReadParquetFSSpec", "Task", "TaskRef", "convert_legacy_graph", "new_collection",
-           "simplified"]
+           "Projection", "ReadParquetFSSpec", "Task", "TaskRef", "convert_legacy_graph", "is_dask_future",
+           "new_collection", "simplified", "untuned"]
 
 #: dask.dataframe's names, imported on first use (PEP 562): a worker running SuperBatch tasks
 #: needs the task spec above but not dask.dataframe, whose import (pandas, dask.array, dask-expr:
@@ -73,3 +74,20 @@ def simplified(expr: Any) -> Any:
     if done is None:
         done = cache[_SIMPLIFIED] = expr.simplify()  # two threads at once compute the same, harmlessly
     return done
+
+
+def untuned() -> Any:
+    """Dask's config without its "tune" optimization pass, which may fuse small input
+    partitions (Parquet files) into fewer: where the input is computed on the partitions the
+    SuperBatches were planned for (the input graph, and the pass that sizes them).
+
+    Examples
+    --------
+    >>> import dask
+    >>> with untuned():
+    ...     dask.config.get("optimization.tune.active")
+    False
+    """
+    import dask
+
+    return dask.config.set({"optimization.tune.active": False})

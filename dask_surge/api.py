@@ -424,7 +424,8 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     """
     started = time.perf_counter()  # TTFO counts from the call (model load and cluster start included)
     opts = bind("encode", options)
-    keep = _check_columns(ddf, column, opts["keep"], chunked=config.get("long-texts", opts["long_texts"]) == "chunk")
+    long_texts = config.get("long-texts", opts["long_texts"])
+    keep = _check_columns(ddf, column, opts["keep"], chunked=long_texts == "chunk")
     _check_arguments(opts)
     overwrite, storage_options, scheduler, progress, input_token = (
         opts[k] for k in ("overwrite", "storage_options", "scheduler", "progress", "input_token"))
@@ -437,7 +438,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
         precision=check_precision(config.get("precision", opts["precision"]), normalize),
         on_null=config.get("on-null", opts["on_null"]),
         truncate_dim=check_truncate_dim(config.get("truncate-dim", opts["truncate_dim"]), encoder.dimension),
-        long_texts=config.get("long-texts", opts["long_texts"]),
+        long_texts=long_texts,
         chunk_overlap=config.get("chunk-overlap", opts["chunk_overlap"]),
         reuse=_absolute(opts["reuse"]),
     )

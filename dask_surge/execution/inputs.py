@@ -27,9 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import dask
-
-from .._compat import BaseExpr, GraphNode, List, Task, TaskRef, convert_legacy_graph
+from .._compat import BaseExpr, GraphNode, List, Task, TaskRef, convert_legacy_graph, is_dask_future, untuned
 from ..errors import SurgeError
 from ..io.parquet import ParquetPartitions
 from ..planning.policy import SuperBatch
@@ -117,8 +115,7 @@ def task_spec_graph(graph: Mapping) -> dict:
     >>> g["c"]({"b": 11})
     12
     """
-    persisted = {key: value for key, value in graph.items()
-                 if isinstance(value, TaskRef) or getattr(value, "__dask_future__", False)}
+    persisted = {key: value for key, value in graph.items() if is_dask_future(value)}
     converted = convert_legacy_graph({k: v for k, v in graph.items() if k not in persisted}, all_keys=set(graph))
     return {**converted, **persisted}
 
@@ -234,7 +231,7 @@ class InputGraph:
         self.dependents: dict = {}
         npartitions = expr.npartitions
         if self.reader is None:
-            with dask.config.set({"optimization.tune.active": False}):  # keep the planned partitions
+            with untuned():  # keep the planned partitions
                 opt = expr.optimize(fuse=True)
             self.name, npartitions = opt._name, opt.npartitions
             self.graph = task_spec_graph(dict(opt.__dask_graph__()))

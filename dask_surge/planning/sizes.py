@@ -143,9 +143,7 @@ def partition_sizes(frame, column: str | None = None) -> PartitionSizes:
     # pass, which may fuse small Parquet partitions (a read with filters or an index, a hive
     # layout): the sizes are those of the partitions the SuperBatches consume, as the
     # input graph (execution/inputs.py) computes them.
-    import dask
-
-    with dask.config.set({"optimization.tune.active": False}):
+    with _compat.untuned():
         counted = frame.map_partitions(_count, column, enforce_metadata=False,
                                        meta={"rows": "int64", "bytes": "int64"}).compute()
     rows = tuple(int(n) for n in counted["rows"])
