@@ -385,14 +385,14 @@ OPTIONS: tuple[Option, ...] = (
          takers="encode plan", cli=Cli()),
     _opt("b_min", int | Literal["auto"] | None, 'int or "auto", optional', """
          SuperBatch flush threshold in rows: a SuperBatch is flushed once it holds at least this
-         many. Can be a number of rows, or ``"auto"`` to pick it (100,000 on a GPU, 4,096 on a CPU,
+         many. Can be a number of rows, or ``"auto"`` to pick it (100,000 on a GPU, 8,192 on a CPU,
          or from a cached calibration). A run keeps the thresholds it recorded when it started.""",
          "SuperBatch flush threshold, rows, or auto",
          default="auto", config="b-min", validator=positive_int(auto=True), identity=False,
          schema={"oneOf": [_INT_MIN_1, {"enum": ["auto"]}]}, takers="encode plan", cli=Cli(type=threshold)),
     _opt("b_max", int | Literal["auto"] | None, 'int or "auto", optional', """
          SuperBatch hard cap in rows; larger partitions are sliced. Can be a number of rows, or
-         ``"auto"`` (400,000 on a GPU, 16,384 on a CPU).""",
+         ``"auto"`` (400,000 on a GPU, 32,768 on a CPU).""",
          "SuperBatch hard cap, rows, or auto",
          default="auto", config="b-max", validator=positive_int(auto=True), identity=False,
          schema={"oneOf": [_INT_MIN_1, {"enum": ["auto"]}]}, takers="encode plan", cli=Cli(type=threshold)),

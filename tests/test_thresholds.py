@@ -74,3 +74,23 @@ def test_plan_and_encode_agree_on_the_balanced_thresholds(tmp_path, client):
     back = dask_surge.read_embeddings(str(tmp_path / "out")).compute()
     assert len(back) == 700 and np.isfinite(np.stack(back["embedding"].to_numpy())).all()
     assert isinstance(back, pd.DataFrame)
+
+
+def test_the_documented_auto_thresholds_are_the_resolvers_own():
+    """The option docs, the shipped YAML and the quick start state the ``"auto"`` defaults; they
+    restate :data:`DEFAULTS` (which the layers keep out of ``options``), so they are checked here."""
+    from pathlib import Path
+
+    from dask_surge import config
+    from dask_surge.options import option
+    from dask_surge.planning.thresholds import DEFAULTS
+
+    (gpu_min, gpu_max), (cpu_min, cpu_max) = DEFAULTS["gpu"], DEFAULTS["cpu"]
+    yaml_text = Path(config.DEFAULTS_PATH).read_text()
+    quickstart = (Path(__file__).parents[1] / "docs" / "quickstart.md").read_text()
+    assert f"{gpu_min:,} on a GPU, {cpu_min:,} on a CPU" in " ".join(option("b_min").doc.split())
+    assert f"{gpu_max:,} on a GPU, {cpu_max:,} on a CPU" in " ".join(option("b_max").doc.split())
+    assert f"{gpu_min:,} / {gpu_max:,} when encoding on a GPU" in yaml_text
+    assert f"{cpu_min:,} / {cpu_max:,} on a CPU" in yaml_text
+    assert f"{gpu_min:,} on a GPU and {cpu_min:,} on a CPU" in " ".join(quickstart.split())
+    assert f"{gpu_max:,} on a GPU, {cpu_max:,} on" in " ".join(quickstart.split())
