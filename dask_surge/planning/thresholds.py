@@ -41,8 +41,8 @@ __all__ = ["Thresholds", "requested_thresholds", "resolve_thresholds", "DEFAULTS
 #: SuperBatch is also the fast engine's sorting window: smaller ones pad more (a micro-batch
 #: of a narrow model holds up to 8,192 tokens, ~250 texts, a tenth of a 2,800-text window) and
 #: pay their fixed cost (task, read setup, write, fsync, commit) more often. 8,192 / 32,768
-#: (was 4,096 / 16,384) ran 1.09x faster with 1.11x less worker CPU on 60,000 real texts in
-#: 2,237 small files, tiny encoder, 2 workers (16 SuperBatches against 26; paired median of 5,
+#: (was 4,096 / 16,384) ran 1.07-1.09x faster with 1.09-1.11x less worker CPU on 60,000 real
+#: texts in 2,237 small files, tiny encoder, 2 workers (16 SuperBatches against 26; paired medians of 5,
 #: ``python -m benchmarks.e2e_ab --base <before> --rounds 5``); MiniLM does 8,192 rows in ~5 s
 #: a core, still a few seconds of work.
 DEFAULTS = {"gpu": (100_000, 400_000), "cpu": (8_192, 32_768)}
