@@ -21,7 +21,8 @@ from .execution.graph import superbatch_collection
 from .execution.plugins import register_encoder
 from .execution.progress import RunProgress, logging_through
 from .execution.runner import RunRequest, write_run
-from .execution.superbatch import SuperBatchEncoder, reserved_columns
+from .execution.superbatch import SuperBatchEncoder
+from .io.layout import reserved_columns
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows, status
 from .io.reuse import ReuseIndex, embedding_identity, text_hashes

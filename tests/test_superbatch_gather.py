@@ -11,6 +11,7 @@ import pytest
 from dask_surge import Encoder, SurgeInputError
 from dask_surge.execution.superbatch import SuperBatchEncoder
 from dask_surge.io.frames import FrameRows
+from dask_surge.io.layout import output_columns
 from dask_surge.planning.policy import Span
 
 
@@ -81,3 +82,12 @@ def test_a_partition_that_changed_size_is_refused_before_anything_is_encoded():
     bad = [*SPANS[:2], (Span(5, 0, 5), 6), SPANS[3]]
     with pytest.raises(SurgeInputError, match=r"partition 5 has 5 rows but 6 were planned"):
         SuperBatchEncoder("text", (), Encoder(_vectors)).encode(views, bad)
+
+
+def test_the_frame_and_its_meta_have_the_layouts_columns_in_order():
+    frame = _frame(SIZES)
+    sbe = SuperBatchEncoder("text", ("label", "doc_id"), Encoder(_vectors))
+    done = sbe.encode(_views(frame, SIZES), SPANS).frame
+    meta = sbe.meta(frame.iloc[:0])
+    assert tuple(done.columns) == tuple(meta.columns) == output_columns(["label", "doc_id"], chunked=False)
+    assert (done.dtypes == meta.dtypes).all()

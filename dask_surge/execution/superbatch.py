@@ -12,8 +12,9 @@ import pyarrow as pa
 from ..errors import SurgeInputError
 from ..io.arrow import embedding_array, to_host
 from ..io.frames import FrameRows
+from ..io.layout import CHUNK_COLUMNS, EMBEDDING, PARTITION, ROW, TEXT_HASH
 from ..io.precision import truncate
-from ..io.reuse import TEXT_HASH, arrow_strings, hash_column, open_index, text_hashes
+from ..io.reuse import arrow_strings, hash_column, open_index, text_hashes
 from ..io.texts import ArrowTexts, join_texts, take_texts
 from ..models.encoders import Encoder
 from ..models.tokenize import unreadable_text
@@ -21,28 +22,9 @@ from ..models.windows import TextTooLong
 from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
 from ..planning.policy import Span
 
-__all__ = ["CHUNK_COLUMNS", "Encoded", "SuperBatchEncoder", "distinct", "expand", "reserved_columns", "texts_of",
+__all__ = ["Encoded", "SuperBatchEncoder", "distinct", "expand", "texts_of",
            "arrow_texts",
            "partition_digest", "concat_column"]
-
-#: The columns a ``long_texts="chunk"`` output has beside ``partition`` and ``row``, with their types.
-CHUNK_COLUMNS = {"chunk": np.int32, "char_start": np.int64, "char_end": np.int64, "tokens": np.int32}
-
-
-def reserved_columns(chunked: bool) -> tuple[str, ...]:
-    """The output columns dask-surge writes itself (a kept column may not take their names):
-    ``partition``, ``row``, in chunk mode the window's :data:`CHUNK_COLUMNS`, then
-    ``text_hash`` and ``embedding``; the kept columns come after ``row`` (and the window's).
-
-    Examples
-    --------
-    >>> reserved_columns(chunked=False)
-    ('partition', 'row', 'text_hash', 'embedding')
-    >>> reserved_columns(chunked=True)[2:6]
-    ('chunk', 'char_start', 'char_end', 'tokens')
-    """
-    return ("partition", "row", *(CHUNK_COLUMNS if chunked else ()), TEXT_HASH, "embedding")
-
 
 def distinct(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The first occurrence of each distinct row of ``hashes`` (``(n, 2)`` uint64), in order of
@@ -405,10 +387,9 @@ class SuperBatchEncoder:
         if out.windows is None:
             return _Blocks(np.ones(len(texts), np.int64), self._stored(out.embeddings)), truncated
         w = out.windows
-        chunks = {"chunk": w.chunk, "char_start": w.char_start, "char_end": w.char_end, "tokens": w.tokens}
         counts = np.bincount(w.text, minlength=len(texts)).astype(np.int64)
-        return _Blocks(counts, self._stored(out.embeddings),
-                       {k: np.asarray(v, dtype=t) for (k, t), v in zip(CHUNK_COLUMNS.items(), chunks.values())}), truncated
+        return _Blocks(counts, self._stored(out.embeddings),  # the windows' fields bear the columns' names
+                       {k: np.asarray(getattr(w, k), dtype=t) for k, t in CHUNK_COLUMNS.items()}), truncated
 
     def _reused_blocks(self, hashes: np.ndarray) -> tuple[np.ndarray, _Blocks | None]:
         """Which of the distinct ``hashes`` a ``reuse`` output holds, and their rows there."""
@@ -452,7 +433,7 @@ class SuperBatchEncoder:
         take = expand(counts, position[inverse])  # output rows, text by text, in order
         in_order = len(take) == len(blocks.embedding) and bool((take == np.arange(len(take))).all())
         reps = counts[position[inverse]]
-        data: dict = {"partition": np.repeat(partition, reps), "row": np.repeat(row, reps)}
+        data: dict = {PARTITION: np.repeat(partition, reps), ROW: np.repeat(row, reps)}
         if self.chunked:
             data.update({k: v if in_order else v[take] for k, v in blocks.chunks.items()})  # type: ignore[union-attr]
         src = np.repeat(np.arange(len(texts)), reps) if self.chunked else None
@@ -462,7 +443,7 @@ class SuperBatchEncoder:
         out = pd.DataFrame(data)
         hash_array = hash_column(hashes)
         out[TEXT_HASH] = pd.arrays.ArrowExtensionArray(hash_array if src is None else hash_array.take(src))
-        out["embedding"] = pd.arrays.ArrowExtensionArray(blocks.embedding if in_order
+        out[EMBEDDING] = pd.arrays.ArrowExtensionArray(blocks.embedding if in_order
                                                          else blocks.embedding.take(pa.array(take)))
         truncated = -1 if cut is None else int(np.count_nonzero(cut[inverse]))  # each written text counts
         return Encoded(out, skipped, texts=len(texts), truncated=truncated,
@@ -474,7 +455,7 @@ class SuperBatchEncoder:
     def meta(self, frame_meta: pd.DataFrame) -> pd.DataFrame:
         """Empty frame with the output schema (pandas, also for cuDF input)."""
         frame_meta = to_host(frame_meta)
-        data = {"partition": np.zeros(0, np.int64), "row": np.zeros(0, np.int64)}
+        data = {PARTITION: np.zeros(0, np.int64), ROW: np.zeros(0, np.int64)}
         if self.chunked:
             data.update({k: np.zeros(0, t) for k, t in CHUNK_COLUMNS.items()})
         out = pd.DataFrame(data)
@@ -482,5 +463,5 @@ class SuperBatchEncoder:
             out[col] = frame_meta[col].iloc[:0].reset_index(drop=True)
         out[TEXT_HASH] = pd.arrays.ArrowExtensionArray(hash_column(np.zeros((0, 2), np.uint64)))
         emb = np.zeros((0, self.dimension), dtype=np.float32)
-        out["embedding"] = pd.arrays.ArrowExtensionArray(embedding_array(emb, self.precision))
+        out[EMBEDDING] = pd.arrays.ArrowExtensionArray(embedding_array(emb, self.precision))
         return out

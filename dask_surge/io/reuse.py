@@ -62,6 +62,7 @@ import pyarrow.parquet as pq
 import xxhash
 
 from ..errors import SurgeInputError, SurgeOutputError, SurgeValueError
+from .layout import CHUNK, CHUNK_COLUMNS, TEXT_HASH
 from .manifest import current_run, existing_run, index_dir, write_bytes_atomic
 from .readers import model_name
 from .texts import ArrowTexts, as_list, is_string_view
@@ -70,8 +71,6 @@ __all__ = ["TEXT_HASH", "HASH_ALGORITHM", "TEXT_HASH_TYPE", "text_hashes", "arro
            "text_hash_field", "embedding_identity", "compatible", "Matches", "Reused", "ReuseIndex", "open_index",
            "index_dir"]
 
-#: name of the output column holding each row's text hash
-TEXT_HASH = "text_hash"
 #: what :func:`text_hashes` computes; recorded in the column's field metadata and the index
 HASH_ALGORITHM = "xxh3_128-utf8"
 #: Arrow type of :data:`TEXT_HASH`: 16 bytes, big-endian, so byte order sorts like ``(hi, lo)``
@@ -82,13 +81,10 @@ NON_EMBEDDING_KEYS = ("input", "column", "keep", "partitions", "library")
 INDEX_FORMAT = 1
 #: entries per bucket the bucket count aims at (a bucket file is then ~16 MiB; sorting one takes ~4x that)
 BUCKET_ENTRIES = 1 << 19
-_CHUNK = "chunk"
 #: a process building an index refreshes its ``BUILDING`` note this often; others wait for it
 BUILD_BEAT_S = 10.0
 #: ... unless its note is older than this (the builder died): they then build it themselves
 BUILD_STALE_S = 60.0
-#: the columns a chunked output has per row beside ``partition`` and ``row``
-_CHUNK_COLUMNS = ("chunk", "char_start", "char_end", "tokens")
 
 
 # -- hashing ------------------------------------------------------------------------------
@@ -692,8 +688,8 @@ class _OutputIndex:
                     f"dask-surge uses {HASH_ALGORITHM!r}, so equal texts would not match. Fix: re-run once "
                     "without reuse= to record hashes this version can match."
                 )
-            chunked = _CHUNK in schema.names
-            columns = [TEXT_HASH] + ([_CHUNK] if chunked else [])
+            chunked = CHUNK in schema.names
+            columns = [TEXT_HASH] + ([CHUNK] if chunked else [])
             base = 0
             pending: np.ndarray | None = None  # the file's last run so far: it may go on in the next group
             for g in range(pf.num_row_groups):
@@ -702,7 +698,7 @@ class _OutputIndex:
                 if n == 0:
                     continue
                 h = hashes_of(table.column(TEXT_HASH))
-                starts = np.flatnonzero(table.column(_CHUNK).to_numpy() == 0) if chunked else np.arange(n)
+                starts = np.flatnonzero(table.column(CHUNK).to_numpy() == 0) if chunked else np.arange(n)
                 lead = int(starts[0]) if len(starts) else n
                 if lead:
                     if pending is None or not (h[:lead] == pending[0, :2]).all():
@@ -912,7 +908,7 @@ class ReuseIndex:
         ``columns``: what to copy besides ``embedding``; default: the chunk columns
         (``chunk``, ``char_start``, ``char_end``, ``tokens``) when the outputs are chunked, else none.
         """
-        extra = tuple(columns) if columns is not None else (_CHUNK_COLUMNS if self.chunked else ())
+        extra = tuple(columns) if columns is not None else (tuple(CHUNK_COLUMNS) if self.chunked else ())
         with self._lock:
             matches = self.find(hashes)
             table = self.fetch(matches, (*extra, "embedding"))
