@@ -138,7 +138,10 @@ def _legacy_inputs(ddf):
     with dask.config.set({"dataframe.shuffle.method": "disk"}):
         grouped = ddf.assign(key=ddf.doc_id % 3).groupby("key").apply(
             lambda g: g[list(ddf.columns)].assign(n=len(g)), meta=ddf._meta.assign(n=np.int64(0)).iloc[:0])
+    parts = [dask.delayed(ddf.get_partition(i).compute(scheduler="sync")) for i in range(ddf.npartitions)]
     return {
+        # not legacy tasks, but keyed apart from the node Dask files under the key (below)
+        "from_delayed": dd.from_delayed(parts, meta=ddf._meta, verify_meta=False),
         "repartition": ddf.repartition(npartitions=2),
         "merge": ddf.merge(other, on="doc_id", shuffle_method="disk"),
         "shuffle": ddf.shuffle("doc_id", shuffle_method="disk"),
@@ -147,6 +150,9 @@ def _legacy_inputs(ddf):
 
 
 LEGACY = ["repartition", "merge", "shuffle", "groupby-apply"]
+#: inputs whose graph files a node under another key than its own: ``from_delayed`` without
+#: ``verify_meta`` files each partition as ``Alias(delayed key)`` under ``(fromdelayed, i)``
+REKEYED = ["from_delayed"]
 
 
 @pytest.mark.parametrize("name", LEGACY)
@@ -163,7 +169,17 @@ def test_units_over_legacy_tuple_tasks_compute_their_partitions(name):
     assert sum(want) == 20
 
 
-@pytest.mark.parametrize("name", LEGACY)
+@pytest.mark.parametrize("name", REKEYED)
+def test_units_over_nodes_filed_under_another_key_compute_their_partitions(name):
+    frame = _legacy_inputs(make_partitioned_frame([3, 5, 2, 4, 6]))[name]
+    with dask.config.set({"optimization.tune.active": False}):
+        graph = dict(frame.expr.optimize(fuse=True).__dask_graph__())
+    assert any(getattr(v, "key", k) != k for k, v in graph.items())  # what this test is about
+    everything = Unit(tuple(range(frame.npartitions)))
+    assert _run(InputGraph(frame).task("u", lengths, everything), "u") == list(enumerate([3, 5, 2, 4, 6]))
+
+
+@pytest.mark.parametrize("name", LEGACY + REKEYED)
 def test_a_pipeline_of_legacy_tasks_is_encoded_whole_by_both_paths(tmp_path, name):
     frame = _legacy_inputs(make_partitioned_frame([3, 5, 2, 4, 6]))[name]
     kw = {"model": lambda t: np.asarray([[len(x), 1.0] for x in t]), "b_min": 4, "b_max": 8, "keep": ["doc_id"]}

@@ -27,13 +27,23 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._compat import BaseExpr, GraphNode, List, Task, TaskRef, convert_legacy_graph, is_dask_future, untuned
+from .._compat import (
+    Alias,
+    BaseExpr,
+    GraphNode,
+    List,
+    Task,
+    TaskRef,
+    convert_legacy_graph,
+    is_dask_future,
+    untuned,
+)
 from ..errors import SurgeError
 from ..io.parquet import ParquetPartitions
 from ..planning.policy import SuperBatch
 
-__all__ = ["InputGraph", "Unit", "UnitSource", "cull", "dependents_of", "input_files", "private_tasks", "task_arguments",
-           "task_spec_graph"]
+__all__ = ["InputGraph", "Unit", "UnitSource", "cull", "dependents_of", "filed_as", "input_files", "private_tasks",
+           "task_arguments", "task_spec_graph"]
 
 
 @dataclass(frozen=True)
@@ -117,7 +127,25 @@ def task_spec_graph(graph: Mapping) -> dict:
     """
     persisted = {key: value for key, value in graph.items() if is_dask_future(value)}
     converted = convert_legacy_graph({k: v for k, v in graph.items() if k not in persisted}, all_keys=set(graph))
-    return {**converted, **persisted}
+    return {**{k: filed_as(k, v) for k, v in converted.items()}, **persisted}
+
+
+def filed_as(key, node):
+    """``node`` keyed as the graph files it: Dask's ``from_delayed`` (without ``verify_meta``)
+    files ``Alias(delayed key)`` under its own partition key, which its scheduler runs by the
+    graph's key but fusing (which chains nodes by their own keys) cannot.
+
+    Examples
+    --------
+    >>> node = filed_as(("fromdelayed", 0), Alias(("delayed", 0)))
+    >>> node.key, node.dependencies
+    (('fromdelayed', 0), frozenset({('delayed', 0)}))
+    """
+    if not isinstance(node, GraphNode) or node.key == key:
+        return node
+    if isinstance(node, Alias):
+        return Alias(key, node.target)
+    return node.substitute({}, key=key)
 
 
 def private_tasks(upstream: dict, dependents: dict, root, deps) -> set:
