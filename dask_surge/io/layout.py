@@ -1,7 +1,8 @@
 """The output's columns, stated once: their names, the types dask-surge writes, their order.
 
-A written SuperBatch file, the lazy frame's partitions, the reuse index and the checks of
-``keep=`` all name these columns; each takes them from here, so they cannot drift apart.
+The SuperBatch frame (written, or a partition of the lazy frame), its meta, the reuse index
+and the checks of ``keep=`` take the columns from here. The Parquet sink and the readers of an
+output still name ``partition`` and ``row`` themselves.
 
 The order of an output's columns (:func:`output_columns`): ``partition``, ``row``; in chunk
 mode (``long_texts="chunk"``) the window's :data:`CHUNK_COLUMNS`; the kept input columns;
