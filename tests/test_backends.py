@@ -179,11 +179,13 @@ def test_a_plain_transformer_pooling_normalize_directory_is_loaded_without_sente
 
     layout, why = direct_layout(tiny_dir)
     assert layout is not None and layout.modules[:2] == ["Transformer", "Pooling"], why
-    # in a fresh process: the encoder loads, encodes, and never imports sentence-transformers
+    # in a fresh process: the encoder loads, encodes, and imports neither sentence-transformers nor
+    # transformers' modeling stack (the BERT is dask-surge's own)
     code = ("import sys; from dask_surge import Encoder; e = Encoder(sys.argv[1], device='cpu'); "
-            "e.encode(['a dog']); print(e._loaded().impl.loaded_by, 'sentence_transformers' in sys.modules)")
+            "e.encode(['a dog']); print(e._loaded().impl.loaded_by, 'sentence_transformers' in sys.modules, "
+            "'transformers.modeling_utils' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code, tiny_dir], capture_output=True, text=True, check=True)
-    assert done.stdout.split()[-2:] == ["transformers", "False"]
+    assert done.stdout.split()[-3:] == ["dask-surge", "False", "False"]
 
 
 def test_the_direct_load_computes_what_the_sentence_transformers_load_computes(tiny_dir):
@@ -195,7 +197,7 @@ def test_the_direct_load_computes_what_the_sentence_transformers_load_computes(t
     for prompt in (None, "query: "):
         with Encoder(tiny_dir, device="cpu", prompt=prompt) as enc:
             direct = enc.encode(texts)
-            assert enc._loaded().impl.loaded_by == "transformers"
+            assert enc._loaded().impl.loaded_by == "dask-surge"
         engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(tiny_dir, device="cpu"),
                                                              prompt=prompt)
         assert np.array_equal(direct, engine.encode(texts))  # the same weights, tokenizer and pooling: bitwise

@@ -147,8 +147,9 @@ class FastBackend(_Released):
     """
 
     name = "fast"
-    #: What loaded the model: ``"sentence-transformers"``, or ``"transformers"`` for a plain
-    #: Transformer + Pooling (+ Normalize) directory loaded without it (:func:`direct_backend`).
+    #: What loaded the model: ``"sentence-transformers"``; for a plain Transformer + Pooling
+    #: (+ Normalize) directory loaded without it (:func:`direct_backend`), ``"dask-surge"`` (a BERT,
+    #: :mod:`dask_surge.models.bert`) or ``"transformers"`` (another encoder, ``AutoModel``).
     loaded_by = "sentence-transformers"
 
     def __init__(self, model: Any, engine: Any) -> None:
@@ -396,7 +397,7 @@ def direct_backend(
     >>> from dask_surge.testing import packaged_model_dir
     >>> backend, why = direct_backend(str(packaged_model_dir()), name="minilm", device="cpu")
     >>> backend.name, backend.dimension, backend.loaded_by
-    ('fast', 384, 'transformers')
+    ('fast', 384, 'dask-surge')
     >>> backend.close()
     >>> direct_backend(str(packaged_model_dir()), name="minilm", device="cpu", engine="sentence-transformers") is None
     True
@@ -419,7 +420,7 @@ def direct_backend(
                              dtype=dtype, prompt="" if resolved is None else resolved,
                              include_prompt=layout.include_prompt)
     backend = FastBackend(module.auto_model, fast)
-    backend.loaded_by = "transformers"
+    backend.loaded_by = module.loaded_by
     return backend, _fast_reason(engine, layout.modules)
 
 

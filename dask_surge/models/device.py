@@ -35,6 +35,7 @@ import torch
 
 from ..errors import SurgeModelError
 from .batching import CPU_MAX_TOKENS, BatchPlan, activation_bytes_per_token, cpu_max_tokens
+from .bert import BertEncoder, pad_keys
 from .tokenize import PackedWindow, StageClock
 
 __all__ = ["DTYPES", "NOOP_FORWARD_ENV", "STAGING_BYTES", "DeviceRunner"]
@@ -659,19 +660,9 @@ def _padded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     >>> bool(torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2), atol=1e-6))
     True
     """
-    length = key.shape[-2]
-    pad = -length % CPU_KEY_MULTIPLE
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
-    if pad and not causal and kwargs.get("position_bias") is None:
-        key = torch.nn.functional.pad(key, (0, 0, 0, pad))
-        value = torch.nn.functional.pad(value, (0, 0, 0, pad))
-        if attention_mask is None:
-            attention_mask = torch.zeros((1, 1, 1, length + pad), dtype=query.dtype, device=query.device)
-            attention_mask[..., length:] = torch.finfo(query.dtype).min
-        else:
-            attention_mask = attention_mask.expand(*attention_mask.shape[:-1], length)
-            fill = False if attention_mask.dtype == torch.bool else torch.finfo(attention_mask.dtype).min
-            attention_mask = torch.nn.functional.pad(attention_mask, (0, pad), value=fill)
+    if not causal and kwargs.get("position_bias") is None:
+        key, value, attention_mask = pad_keys(key, value, attention_mask, CPU_KEY_MULTIPLE)
     return _sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         is_causal=is_causal, **kwargs)
 
@@ -684,12 +675,16 @@ def _sdpa_forward(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
 
 
 def _pad_cpu_attention(model: torch.nn.Module, probe: dict[str, torch.Tensor]) -> bool:
-    """Run ``model``'s SDPA attention through :func:`_padded_sdpa`, where it gives the same output on ``probe``.
+    """Run ``model``'s SDPA attention through :func:`_padded_sdpa`, where it gives the same output on ``probe``
+    (a :class:`~dask_surge.models.bert.BertEncoder` pads its keys itself: the same padding, no probe).
 
     Only for a model whose config says ``sdpa`` and a transformers that takes an attention
     function by name (``AttentionInterface``, with its mask function); it sets ``model.config``,
     so ``model`` must be the engine's own copy. True if the model now runs padded.
     """
+    if isinstance(model, BertEncoder):  # dask-surge's own BERT pads its keys itself when asked
+        model.pad_attention_keys(CPU_KEY_MULTIPLE)
+        return True
     config: Any = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) != "sdpa":
         return False
