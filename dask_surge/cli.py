@@ -15,6 +15,7 @@ from ._version import __version__
 from .api import encode, plan, read_embeddings, status
 from .errors import SurgeError
 from .execution.cluster import local_cluster
+from .io.layout import PARTITION, ROW
 from .io.manifest import repair, verify
 from .models.devices import gpu_count
 from .options import add_arguments, from_arguments, option
@@ -202,7 +203,7 @@ def cmd_demo(args) -> int:
     opts = _options(args)
     result = encode(ddf, "text", str(root / "embeddings"), keep=["doc_id"], **opts)
     _print_result(result, args.json)
-    back = read_embeddings(str(root / "embeddings"), columns=["partition", "row"]).compute()
+    back = read_embeddings(str(root / "embeddings"), columns=[PARTITION, ROW]).compute()
     unique = len(back.drop_duplicates())
     print(f"[dask-surge demo] read back {len(back):,} rows, {unique:,} distinct (partition, row) of "
           f"{args.rows:,} input rows: {'OK' if unique == len(back) == args.rows else 'MISMATCH'}")

@@ -20,8 +20,9 @@ import pyarrow.parquet as pq
 from ..config import get
 from ..errors import SurgeOutputError
 from ..io.arrow import to_host
+from ..io.layout import EMBEDDING, PARTITION, ROW, TEXT_HASH
 from ..io.manifest import CommitRecord, Manifest, sb_key, write_bytes_atomic
-from ..io.reuse import TEXT_HASH, text_hash_field
+from ..io.reuse import text_hash_field
 from ..results import SuperBatchReport
 from .events import announce
 from .superbatch import Encoded, SuperBatchEncoder, partition_digest
@@ -59,7 +60,7 @@ def skipped_bytes(skipped) -> bytes:
     [{'partition': 0, 'row': 1}, {'partition': 2, 'row': 5}]
     """
     pairs = np.asarray(skipped, dtype=np.int64).reshape(-1, 2)
-    table = pa.table({"partition": pairs[:, 0], "row": pairs[:, 1]})
+    table = pa.table({PARTITION: pairs[:, 0], ROW: pairs[:, 1]})
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     return buf.getvalue()
@@ -139,10 +140,10 @@ def parquet_bytes(table: pa.Table, group_rows, compression: str | None = None) -
 
     codec = get("compression", compression)
     sink = pa.BufferOutputStream()
-    other = [c for c in table.column_names if c != "embedding"]
-    codecs = {leaf: (codec if leaf.split(".", 1)[0] == "embedding" else "zstd") for leaf in _leaf_paths(table.schema)}
+    other = [c for c in table.column_names if c != EMBEDDING]
+    codecs = {leaf: (codec if leaf.split(".", 1)[0] == EMBEDDING else "zstd") for leaf in _leaf_paths(table.schema)}
     with pq.ParquetWriter(
-        sink, table.schema, use_dictionary=[c for c in other if c not in ("partition", "row", TEXT_HASH)],
+        sink, table.schema, use_dictionary=[c for c in other if c not in (PARTITION, ROW, TEXT_HASH)],
         write_statistics=other, compression=codecs,
     ) as writer:
         offset = 0
@@ -231,7 +232,7 @@ class SuperBatchWriter:
         key = sb_key(first.partition, first.start)
         frame, skipped = encoded.frame, encoded.skipped
         # rows of each source partition (one span each); skipped nulls are not among them
-        groups = row_groups(np.unique(frame["partition"].to_numpy(), return_counts=True)[1])
+        groups = row_groups(np.unique(frame[PARTITION].to_numpy(), return_counts=True)[1])
         data = parquet_bytes(table_of(frame), groups, self.compression)
         attempt = uuid.uuid4().hex[:8]
         manifest, fs = self.manifest, self.manifest.fs

@@ -1,8 +1,8 @@
 """The output's columns, stated once: their names, the types dask-surge writes, their order.
 
-The SuperBatch frame (written, or a partition of the lazy frame), its meta, the reuse index
-and the checks of ``keep=`` take the columns from here. The Parquet sink and the readers of an
-output still name ``partition`` and ``row`` themselves.
+The SuperBatch frame (written, or a partition of the lazy frame), its meta, the reuse index,
+the checks of ``keep=``, the Parquet sink (its skipped-rows files, its dictionary and codec
+choices, its row groups) and the readers of an output take the columns from here.
 
 The order of an output's columns (:func:`output_columns`): ``partition``, ``row``; in chunk
 mode (``long_texts="chunk"``) the window's :data:`CHUNK_COLUMNS`; the kept input columns;

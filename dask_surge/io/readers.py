@@ -11,6 +11,7 @@ from typing import Literal
 import pandas as pd
 
 from ..errors import SurgeInputError, SurgeValueError
+from .layout import EMBEDDING, PARTITION, ROW, TEXT_HASH
 from .manifest import current_run, existing_run, text_counts
 
 __all__ = ["read_embeddings", "skipped_rows", "status", "model_name"]
@@ -108,9 +109,9 @@ def skipped_rows(output: str, storage_options: dict | None = None) -> pd.DataFra
     for path in manifest.skipped_files(manifest.committed().values()):
         with manifest.fs.open(path, "rb") as f:
             frames.append(pq.read_table(f).to_pandas())
-    empty = pd.DataFrame({"partition": pd.Series([], dtype="int64"), "row": pd.Series([], dtype="int64")})
+    empty = pd.DataFrame({PARTITION: pd.Series([], dtype="int64"), ROW: pd.Series([], dtype="int64")})
     out = pd.concat(frames, ignore_index=True) if frames else empty
-    return out.sort_values(["partition", "row"], ignore_index=True)
+    return out.sort_values([PARTITION, ROW], ignore_index=True)
 
 
 def read_embeddings(path: str, *, partition: int | None = None, columns: Sequence[str] | None = None,
@@ -149,13 +150,13 @@ def read_embeddings(path: str, *, partition: int | None = None, columns: Sequenc
         raise SurgeInputError(f"{path!r} has no committed rows" + (
             f" for partition {partition}" if partition is not None else "") + ". Fix: run (or resume) "
             "the encode into it first, or check the partition id against dask_surge.status(path).")
-    filters = [("partition", "==", partition)] if partition is not None else None
+    filters = [(PARTITION, "==", partition)] if partition is not None else None
     if backend not in ("pandas", "cudf"):
         raise SurgeValueError(f"backend={backend!r} is not supported. Fix: use backend='pandas' or 'cudf'.")
     if backend == "cudf":
-        names = list(columns) if columns else [n for n in _schema_names(files[0], storage_options) if n != "text_hash"]
+        names = list(columns) if columns else [n for n in _schema_names(files[0], storage_options) if n != TEXT_HASH]
         frame = dd.read_parquet(files, columns=names, filters=filters, storage_options=storage_options)
-        if "text_hash" in names:
+        if TEXT_HASH in names:
             frame = frame.map_partitions(_split_hash)
         return frame.to_backend("cudf")
     return dd.read_parquet(files, columns=list(columns) if columns else None, filters=filters,
@@ -176,9 +177,9 @@ def _split_hash(part):
     """``text_hash`` (16 bytes) as two int64 columns, for engines without a binary type (cuDF)."""
     import numpy as np
 
-    col = part.pop("text_hash")
+    col = part.pop(TEXT_HASH)
     raw = np.frombuffer(b"".join(col.tolist()), dtype=">u8").reshape(-1, 2) if len(col) else np.zeros((0, 2), ">u8")
-    at = part.columns.get_loc("embedding") if "embedding" in part.columns else len(part.columns)
+    at = part.columns.get_loc(EMBEDDING) if EMBEDDING in part.columns else len(part.columns)
     part.insert(at, "text_hash_hi", raw[:, 0].astype(np.uint64).view(np.int64))
     part.insert(at + 1, "text_hash_lo", raw[:, 1].astype(np.uint64).view(np.int64))
     return part
