@@ -8,11 +8,13 @@ all-MiniLM-L6-v2 in a worker that had torch imported, on a busy 2-core machine, 
 2.6-3.0 s for ``transformers`` alone), and every cold worker pays it before its first
 SuperBatch. For a model directory whose files say it is exactly that stack,
 :func:`direct_layout` reads the layout from the JSON files (nothing imported), and
-:func:`load_direct` loads it the way sentence-transformers' ``Transformer`` module does
-(``AutoTokenizer`` with ``max_seq_length`` as ``model_max_length``; a BERT by
-:mod:`dask_surge.models.bert`, which needs no ``transformers`` modeling import, any other
-encoder by ``AutoModel`` with the cache off), so the engine computes the same embeddings. Anything else (other modules or options, lower-casing, custom code, an
-architecture outside :data:`DIRECT_MODEL_TYPES`) is loaded by sentence-transformers, as before.
+:func:`load_direct` loads it the way sentence-transformers' ``Transformer`` module does, so
+the engine computes the same embeddings: the tokenizer with ``max_seq_length`` as
+``model_max_length`` (a BERT one read by :mod:`dask_surge.models.bert_tokenizer`, any other
+by ``AutoTokenizer``), the encoder by :mod:`dask_surge.models.bert` for a BERT (neither needs
+``transformers``), else by ``AutoModel`` with the cache off. Anything else (other modules or
+options, lower-casing, custom code, an architecture outside :data:`DIRECT_MODEL_TYPES`) is
+loaded by sentence-transformers, as before.
 """
 
 from __future__ import annotations
