@@ -28,7 +28,7 @@ torch.Size([1, 3, 384])
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +65,6 @@ class BertConfig:
     layer_norm_eps: float
     model_type: str = "bert"
     dtype: str | None = None
-    #: Not ``"sdpa"``: the engine's transformers-specific attention swap leaves this model alone.
-    _attn_implementation: str = field(default="dask-surge", repr=False)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> BertConfig:
@@ -258,6 +256,9 @@ class BertEncoder(nn.Module):
     token_type_ids=..., return_dict=True).last_hidden_state``. ``attention_mask`` is the 2D 0/1
     mask (1: a real token), or a 4D additive one (0 to attend, a large negative to skip) in the
     weights' dtype, or None (every token is real).
+
+    Build it with :func:`load_bert`, which assigns the checkpoint's weights: constructed on its
+    own, its embedding tables are left uninitialized.
 
     Parameters
     ----------

@@ -149,11 +149,10 @@ def load_bert_tokenizer(directory: str, *, model_max_length: int | None = None) 
     if any(added.get(_content(token)) != int(index) for index, token in declared.items()):
         raise NotNativeTokenizer("tokenizer_config.json adds tokens that tokenizer.json does not hold")
     cls, sep = tokens["cls_token"], tokens["sep_token"]
-    template = Tokenizer.from_str(backend.to_str())
-    template.post_processor = processors.TemplateProcessing(
+    template = processors.TemplateProcessing(
         single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
         special_tokens=[(cls, ids["cls_token"]), (sep, ids["sep_token"])])
-    if json.loads(template.to_str()).get("post_processor") != layout.get("post_processor"):
+    if json.loads(template.__getstate__()) != layout.get("post_processor"):  # its JSON, as tokenizer.json holds it
         raise NotNativeTokenizer("tokenizer.json's post-processor is not BERT's [CLS] ... [SEP] template")
     length = model_max_length if model_max_length is not None else config.get("model_max_length", UNBOUNDED_LENGTH)
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:
