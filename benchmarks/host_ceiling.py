@@ -92,12 +92,12 @@ def tokenizer_run(texts: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def surge_run(data: Path, client, scratch: Path) -> tuple[float, dict]:
+def surge_run(data: Path, client, scratch: Path, model: str = "default") -> tuple[float, dict]:
     import dask.dataframe as dd
 
     out = scratch / f"out-{time.time_ns()}"
     t0 = time.perf_counter()
-    res = dd.read_parquet(str(data)).surge.encode("text", output=str(out), model="default", device="cpu",
+    res = dd.read_parquet(str(data)).surge.encode("text", output=str(out), model=model, device="cpu",
                                                   progress=False, scheduler=client)
     seconds = time.perf_counter() - t0
     facts = {

@@ -116,3 +116,60 @@ def test_release_encoder_closes_the_engine(tiny_model):
     assert release_encoder(encoder) is True and not encoder.is_loaded
     assert not thread.is_alive() and release_encoder(encoder) is False
     assert encoder.encode(["b"]).shape == (1, 32)  # loads again on use
+
+
+# -- the Rust tokenizer's pool: one share of the host's cores per CPU worker process -------------------
+def test_two_cpu_workers_on_one_host_share_its_cores_in_the_tokenizer_pool(tiny_model):
+    import os
+
+    from distributed import Client, LocalCluster
+
+    from dask_surge.execution.plugins import register_encoder, tokenizer_threads
+
+    def rayon() -> tuple[str | None, int, int]:
+        import tokenizers
+
+        from dask_surge.testing import packaged_model_dir
+
+        before = len(os.listdir("/proc/self/task"))
+        tok = tokenizers.Tokenizer.from_file(str(packaged_model_dir() / "tokenizer.json"))
+        tok.encode_batch(["a few words to tokenize"] * 4000)  # the first parallel call makes the pool
+        return os.environ.get("RAYON_NUM_THREADS"), before, len(os.listdir("/proc/self/task"))
+
+    cores = len(os.sched_getaffinity(0))
+    share = tokenizer_threads(cores, 2)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0") as cluster, \
+            Client(cluster) as client:
+        register_encoder(client, Encoder(tiny_model, device="cpu"))
+        got = list(client.run(rayon).values())
+    assert len(got) == 2
+    for env, before, after in got:
+        if share < cores:
+            assert env == str(share)
+            assert after - before <= share  # the pool's threads (never every core's)
+        else:  # a machine with one core: nothing to share
+            assert env is None
+
+
+def test_a_user_setting_a_gpu_worker_and_a_worker_in_the_client_keep_the_tokenizer_pool(tiny_model, monkeypatch):
+    import os
+
+    from dask_surge.execution.plugins import share_tokenizer_cores
+
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    address, hosts = "tcp://127.0.0.1:4321", {"127.0.0.1": 4}
+    EncoderPlugin(Encoder(tiny_model, device="cpu"), host_workers=hosts)._share_cores(address)
+    assert "RAYON_NUM_THREADS" not in os.environ  # the plugin was made in this process: the client's pools
+    gpu = EncoderPlugin(Encoder(tiny_model, device="cuda"), host_workers=hosts)
+    gpu.client_pid = -1  # as in a worker process of its own
+    gpu._share_cores(address)
+    assert "RAYON_NUM_THREADS" not in os.environ  # a GPU worker's helpers keep every core
+    cpu = EncoderPlugin(Encoder(tiny_model, device="cpu"), host_workers=hosts)
+    cpu.client_pid = -1
+    monkeypatch.setenv("RAYON_NUM_THREADS", "3")
+    cpu._share_cores(address)
+    assert os.environ["RAYON_NUM_THREADS"] == "3"  # the user's setting stays
+    monkeypatch.delenv("RAYON_NUM_THREADS")
+    cpu._share_cores("tcp://10.0.0.9:4321")  # a host the client did not count (a worker that joined later)
+    assert "RAYON_NUM_THREADS" not in os.environ
+    assert share_tokenizer_cores(4, cores=16) == 4 and os.environ["RAYON_NUM_THREADS"] == "4"

@@ -7,14 +7,18 @@ import hashlib
 import logging
 import os
 import threading
+from collections import Counter
+from collections.abc import Mapping
 
 from dask.base import tokenize
+from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from ..models.devices import default_device
 from ..models.encoders import Encoder, install_object, uninstall_object
 
 __all__ = ["EncoderPlugin", "configure_worker_threads", "register_encoder", "release_encoder", "plugin_name",
-           "models_ready"]
+           "models_ready", "share_tokenizer_cores", "tokenizer_threads", "workers_by_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,12 @@ class EncoderPlugin(WorkerPlugin):
         worker loads; a task that needs the model meanwhile waits for that load, and
         a load that fails is retried, and its error raised, by the first task.
         False (default) returns once the model is loaded.
+    host_workers : dict of str to int, optional
+        Worker processes per host (:func:`workers_by_host`, counted by the client when it
+        registers the plugin). Can be a mapping, or None to leave the Rust tokenizer's
+        thread pool at every core. A worker that encodes on the CPU, in a process of
+        its own, sizes that pool to its share of its host's cores before it loads
+        (:func:`share_tokenizer_cores`).
 
     Examples
     --------
@@ -44,11 +54,14 @@ class EncoderPlugin(WorkerPlugin):
     >>> client.register_plugin(EncoderPlugin(Encoder("default")))  # doctest: +SKIP
     """
 
-    def __init__(self, encoder: Encoder, *, preload: bool = True, background: bool = False) -> None:
+    def __init__(self, encoder: Encoder, *, preload: bool = True, background: bool = False,
+                 host_workers: Mapping[str, int] | None = None) -> None:
         self.encoder = encoder
         self.obj = encoder.source_object
         self.preload = preload
         self.background = background
+        self.host_workers = dict(host_workers or {})
+        self.client_pid = os.getpid()  # a worker in this process shares the client's thread pools: left alone
         # the spec's repr hides credentials; its token does not (two tokens: two plugins)
         self.name = plugin_name(encoder)
 
@@ -107,6 +120,7 @@ class EncoderPlugin(WorkerPlugin):
 
     def _load(self, address: str, strict: bool) -> None:
         try:
+            self._share_cores(address)  # before the load: no task can tokenize before the model is there
             self.encoder.load()
         except Exception as err:
             if strict:
@@ -117,6 +131,21 @@ class EncoderPlugin(WorkerPlugin):
                            type(err).__name__, err)
             return
         logger.info("dask-surge: %r loaded on %s", self.encoder, address)
+
+
+    def _share_cores(self, address: str) -> None:
+        """:func:`share_tokenizer_cores` in a worker process of its own that encodes on the CPU."""
+        if not self.host_workers or os.getpid() == self.client_pid:
+            return
+        workers = self.host_workers.get(get_address_host(address), 0)
+        if workers < 2:
+            return
+        if (self.encoder.spec.device or default_device()).startswith("cuda"):
+            return  # a GPU worker's helpers tokenize for the device: not measured with fewer threads
+        threads = share_tokenizer_cores(workers)
+        if threads is not None:
+            logger.info("dask-surge: the tokenizer's thread pool on %s: %d threads (%d workers on its host)",
+                        address, threads, workers)
 
 
 def plugin_name(encoder: Encoder) -> str:
@@ -196,6 +225,76 @@ def release_encoder(encoder: Encoder) -> bool:
     return encoder.close()
 
 
+def tokenizer_threads(cores: int, workers: int) -> int:
+    """Threads of the Rust tokenizer's pool for one of ``workers`` worker processes sharing ``cores`` cores.
+
+    Each process's pool otherwise starts a thread per core: two workers on two cores ran
+    four tokenizer threads, and the no-op pipeline spent more CPU per text and ran slower
+    than with one each (``benchmarks/tokenizer_threads_ab.py``).
+
+    Examples
+    --------
+    >>> tokenizer_threads(2, 2), tokenizer_threads(16, 3), tokenizer_threads(4, 8)
+    (1, 5, 1)
+    """
+    return max(1, int(cores) // max(1, int(workers)))
+
+
+def share_tokenizer_cores(workers: int, *, cores: int | None = None) -> int | None:
+    """Size this process's Rust tokenizer pool (``RAYON_NUM_THREADS``) to its share of the host's cores.
+
+    The pool is made on the first parallel tokenization and keeps its size, so this must
+    run before it; :class:`EncoderPlugin` calls it before the model loads. A value the user
+    set is kept, and so is the default when the share is every core.
+
+    Parameters
+    ----------
+    workers : int
+        Worker processes on this host (:func:`workers_by_host`).
+    cores : int, optional
+        The host's cores; default: the cores in this process's CPU affinity.
+
+    Returns
+    -------
+    int or None
+        The threads set, or None when nothing was set.
+
+    Examples
+    --------
+    >>> saved = os.environ.pop("RAYON_NUM_THREADS", None)
+    >>> share_tokenizer_cores(2, cores=2), os.environ["RAYON_NUM_THREADS"]  # two workers on two cores
+    (1, '1')
+    >>> share_tokenizer_cores(4, cores=16)  # set already (by the user, or before): kept
+    >>> os.environ["RAYON_NUM_THREADS"]
+    '1'
+    >>> del os.environ["RAYON_NUM_THREADS"]
+    >>> share_tokenizer_cores(1, cores=16)  # one worker: every core, the default
+    >>> "RAYON_NUM_THREADS" in os.environ
+    False
+    >>> os.environ.update({"RAYON_NUM_THREADS": saved} if saved is not None else {})
+    """
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = tokenizer_threads(cores, workers)
+    if "RAYON_NUM_THREADS" in os.environ or threads >= cores:
+        return None
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    return threads
+
+
+def workers_by_host(client) -> dict[str, int]:
+    """Worker processes per host on ``client``'s cluster now (workers that join later are not counted).
+
+    Examples
+    --------
+    >>> workers_by_host(client)  # two local worker processes  # doctest: +SKIP
+    {'127.0.0.1': 2}
+    """
+    hosts = Counter(w.get("host") for w in client.scheduler_info(n_workers=-1).get("workers", {}).values())
+    return {h: n for h, n in hosts.items() if h}
+
+
 def register_encoder(client, encoder: Encoder, *, preload: bool = True, background: bool = False) -> None:
     """Register :class:`EncoderPlugin` for ``encoder`` on ``client``'s workers (idempotent)."""
-    client.register_plugin(EncoderPlugin(encoder, preload=preload, background=background))
+    client.register_plugin(EncoderPlugin(encoder, preload=preload, background=background,
+                                         host_workers=workers_by_host(client)))
