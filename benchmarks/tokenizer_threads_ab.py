@@ -29,7 +29,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from . import _results

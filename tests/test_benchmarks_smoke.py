@@ -185,6 +185,19 @@ def test_gather_ab_writes_both_arms(tmp_path):
     assert report["summary"]["superbatches"] > 1 and report["summary"]["ratio_sliced_over_rows_cpu"] > 0
 
 
+def test_tokenizer_threads_ab_runs_both_pools_side_by_side(tmp_path):
+    report = _run("tokenizer_threads_ab", "--n", "2000", "--files", "20", "--rounds", "2",
+                  "--out", str(tmp_path / "t.json"))
+    assert [r["arm"] for r in report["results"]] == ["raw_tokenizer", "every_core", "share",
+                                                     "raw_tokenizer", "share", "every_core"]
+    summary = report["summary"]
+    # the old pool: a thread per core in every worker; the new: the plugin's share (none set on one core)
+    assert summary["rayon_num_threads_seen"]["every_core"] == [str(summary["cores"])]
+    expected = summary["share_threads_expected"]
+    assert summary["rayon_num_threads_seen"]["share"] == ([str(expected)] if expected < summary["cores"] else [None])
+    assert len(summary["paired_share_over_every_core"]) == 2 and summary["over_raw_tokenizer"]["share"] > 0
+
+
 @pytest.mark.slow
 def test_allocator_ab_runs_every_arm_and_sees_the_nannys_page_faults(tmp_path):
     report = _run("allocator_ab", "--n", "600", "--minilm-n", "0", "--rounds", "1", "--out", str(tmp_path / "m.json"))
