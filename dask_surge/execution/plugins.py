@@ -132,7 +132,6 @@ class EncoderPlugin(WorkerPlugin):
             return
         logger.info("dask-surge: %r loaded on %s", self.encoder, address)
 
-
     def _share_cores(self, address: str) -> None:
         """:func:`share_tokenizer_cores` in a worker process of its own that encodes on the CPU."""
         if not self.host_workers or os.getpid() == self.client_pid:
@@ -245,7 +244,9 @@ def share_tokenizer_cores(workers: int, *, cores: int | None = None) -> int | No
 
     The pool is made on the first parallel tokenization and keeps its size, so this must
     run before it; :class:`EncoderPlugin` calls it before the model loads. A value the user
-    set is kept, and so is the default when the share is every core.
+    set is kept, and so is the default when the share is every core. Other Rust libraries
+    in the process that use rayon's global pool read the same variable (as Dask's nanny
+    sets ``OMP_NUM_THREADS=1`` for every OpenMP library in its worker).
 
     Parameters
     ----------
