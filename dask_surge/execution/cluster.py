@@ -24,7 +24,8 @@ def local_cluster(**kwargs):
     SuperBatch is on the GPU the others read, tokenize and write, and a ``GPU=1``
     worker resource, of which each SuperBatch task claims ``1/n`` (see
     :func:`dask_surge.execution.runner.task_resources`). Otherwise a ``LocalCluster`` with one
-    single-threaded worker per core (torch uses one thread per worker, so the
+    single-threaded worker per core (torch uses one thread per worker, and so does the
+    Rust tokenizer, see :func:`~dask_surge.execution.plugins.share_tokenizer_cores`, so the
     cores are not oversubscribed).
 
     Everything it starts listens on the loopback interface only: the scheduler, the
