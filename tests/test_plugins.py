@@ -161,11 +161,11 @@ def test_a_user_setting_a_gpu_worker_and_a_worker_in_the_client_keep_the_tokeniz
     EncoderPlugin(Encoder(tiny_model, device="cpu"), host_workers=hosts)._share_cores(address)
     assert "RAYON_NUM_THREADS" not in os.environ  # the plugin was made in this process: the client's pools
     gpu = EncoderPlugin(Encoder(tiny_model, device="cuda"), host_workers=hosts)
-    gpu.client_pid = -1  # as in a worker process of its own
+    gpu.client_process = ("another-host", os.getpid())  # as in a worker process of its own
     gpu._share_cores(address)
     assert "RAYON_NUM_THREADS" not in os.environ  # a GPU worker's helpers keep every core
     cpu = EncoderPlugin(Encoder(tiny_model, device="cpu"), host_workers=hosts)
-    cpu.client_pid = -1
+    cpu.client_process = ("another-host", os.getpid())
     monkeypatch.setenv("RAYON_NUM_THREADS", "3")
     cpu._share_cores(address)
     assert os.environ["RAYON_NUM_THREADS"] == "3"  # the user's setting stays

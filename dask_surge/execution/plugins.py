@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import socket
 import threading
 from collections import Counter
 from collections.abc import Mapping
@@ -61,7 +62,8 @@ class EncoderPlugin(WorkerPlugin):
         self.preload = preload
         self.background = background
         self.host_workers = dict(host_workers or {})
-        self.client_pid = os.getpid()  # a worker in this process shares the client's thread pools: left alone
+        # a worker in the client's own process shares the user's thread pools: left alone
+        self.client_process = (socket.gethostname(), os.getpid())
         # the spec's repr hides credentials; its token does not (two tokens: two plugins)
         self.name = plugin_name(encoder)
 
@@ -134,7 +136,7 @@ class EncoderPlugin(WorkerPlugin):
 
     def _share_cores(self, address: str) -> None:
         """:func:`share_tokenizer_cores` in a worker process of its own that encodes on the CPU."""
-        if not self.host_workers or os.getpid() == self.client_pid:
+        if not self.host_workers or (socket.gethostname(), os.getpid()) == self.client_process:
             return
         workers = self.host_workers.get(get_address_host(address), 0)
         if workers < 2:
