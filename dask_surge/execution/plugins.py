@@ -138,12 +138,10 @@ class EncoderPlugin(WorkerPlugin):
         """:func:`share_tokenizer_cores` in a worker process of its own that encodes on the CPU."""
         if not self.host_workers or (socket.gethostname(), os.getpid()) == self.client_process:
             return
-        workers = self.host_workers.get(get_address_host(address), 0)
-        if workers < 2:
-            return
         if (self.encoder.spec.device or default_device()).startswith("cuda"):
             return  # a GPU worker's helpers tokenize for the device: not measured with fewer threads
-        threads = share_tokenizer_cores(workers)
+        workers = self.host_workers.get(get_address_host(address), 0)
+        threads = share_tokenizer_cores(workers)  # None for a host of one worker, or one not counted
         if threads is not None:
             logger.info("dask-surge: the tokenizer's thread pool on %s: %d threads (%d workers on its host)",
                         address, threads, workers)
@@ -168,6 +166,17 @@ def models_ready(client, encoder: Encoder) -> tuple[int, int]:
     """
     states = client.run(_model_loaded, plugin_name(encoder), on_error="return")
     return sum(1 for v in states.values() if v is True), len(states)
+
+
+def _affinity_cores() -> int:
+    """The cores this process may run on (its CPU affinity; the machine's cores where there is none).
+
+    Examples
+    --------
+    >>> _affinity_cores() >= 1
+    True
+    """
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def configure_worker_threads(*, cpus: int | None = None) -> dict:
@@ -201,7 +210,7 @@ def configure_worker_threads(*, cpus: int | None = None) -> dict:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     if cpus is None:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cpus = _affinity_cores()
     cpus = max(1, int(cpus))
     pa.set_cpu_count(cpus)
     pa.set_io_thread_count(max(8, cpus))
@@ -277,7 +286,7 @@ def share_tokenizer_cores(workers: int, *, cores: int | None = None) -> int | No
     >>> os.environ.update({"RAYON_NUM_THREADS": saved} if saved is not None else {})
     """
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = _affinity_cores()
     threads = tokenizer_threads(cores, workers)
     if "RAYON_NUM_THREADS" in os.environ or threads >= cores:
         return None
