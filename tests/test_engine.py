@@ -470,6 +470,7 @@ def test_the_collector_is_paused_while_encodings_are_made_and_packed(tiny, monke
 
     engine = TransformerEngine.from_sentence_transformer(tiny)
     packer = engine._packer
+    packer._joined = None  # text by text, as for a tokenizer JoinedTokenizer does not take (one object per text)
     seen: list[bool] = []
     encode_batch, pack = packer._encode_batch, packer.pack
     monkeypatch.setattr(packer, "_encode_batch", lambda texts: seen.append(gc.isenabled()) or encode_batch(texts))

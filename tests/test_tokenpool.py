@@ -57,8 +57,12 @@ def models(tmp_path_factory) -> dict[str, SentenceTransformer]:
 def test_pool_ids_lengths_and_overflow_match_the_packer(hf_tokenizer, prompt):
     packer = TextPacker(hf_tokenizer, 32, prompt=prompt, clock=StageClock())
     texts = texts_for(300)
-    encodings = packer.tokenize(texts)
+    encodings = packer._tokenizer.encode_batch([prompt + t for t in texts])  # the Rust tokenizer, text by text
     lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(texts))
+    in_process = packer.tokenize(texts)  # texts joined (JoinedTokenizer): the same
+    np.testing.assert_array_equal(in_process.lengths, lengths)
+    np.testing.assert_array_equal(in_process.ids, flat_ids(encodings, int(lengths.sum())))
+    np.testing.assert_array_equal(in_process.overflow, packer.overflowed(encodings))
     pool = TokenPool(packer.tokenizer_json(), 32, prompt=prompt)
     try:
         got = pool.tokenize(texts)
@@ -348,10 +352,20 @@ def test_config_picks_the_helpers(models):
         engine.close()
 
 
-def test_the_helper_imports_nothing_of_the_package():
-    source = (Path(tokenize_module.__file__).with_name("_tokenhelper.py")).read_text()
-    assert "dask_surge" not in source.replace("dask_surge.models.tokenpool", "")
-    assert "from ." not in source and "import dask" not in source
+def test_the_helper_imports_nothing_of_the_package_and_joins_texts(hf_tokenizer, tmp_path):
+    from dask_surge.models.tokenpool import _BOOT, _HELPER
+
+    packer = TextPacker(hf_tokenizer, 16, clock=StageClock())
+    (tmp_path / "tok.json").write_text(packer.tokenizer_json())
+    # as the helper starts (python -c _BOOT, sys.path without this folder), then its Helper as main() builds it
+    probe = ("import sys, runpy; sys.path[:1] = []; "
+             f"g = runpy.run_path({str(_HELPER)!r}, run_name='probe'); "
+             f"h = g['Helper'](open({str(tmp_path / 'tok.json')!r}).read(), '', 16); "
+             "print(h.joined is not None, sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('dask', 'dask_surge', 'distributed', 'pandas', 'torch', 'transformers')))")
+    assert _BOOT.startswith("import sys, runpy; sys.path[:1] = []; runpy.run_path(")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert done.stdout.split() == ["True", "[]"], done.stdout + done.stderr
 
 
 def test_a_helper_that_cannot_start_falls_back_with_a_warning(models, monkeypatch):

@@ -197,7 +197,7 @@ def test_pack_windows_gives_the_ids_of_the_window_texts(packaged, docs):
     packed = packer.pack_windows(group.content, group.starts, w.tokens, 5, head=cutter.head, tail=cutter.tail,
                                  max_tokens=2048)
     spans = [texts[t][a:b] for t, a, b in zip(w.text, w.char_start, w.char_end)]
-    expected = [e.ids for e in packer.tokenize(spans)]
+    expected = [e.ids for e in packer._tokenizer.encode_batch([prompt + s for s in spans])]
     for pos, (row, start, length) in enumerate(zip(packed.where, packed.starts, packed.lengths)):
         assert packed.ids[start : start + length].tolist() == expected[row - 5], pos
 

@@ -2,7 +2,9 @@
 
 This file runs on its own (``runpy.run_path``, started by :class:`~dask_surge.models.tokenpool.TokenPool`
 as ``python -c``): it imports only the standard library, NumPy and ``tokenizers`` (importing the
-package would import Dask, seconds on a busy machine), so keep it that way.
+package would import Dask, seconds on a busy machine), so keep it that way. It loads its sibling
+``joined.py`` (the same constraint) by path: a helper tokenizes with
+:class:`~dask_surge.models.joined.JoinedTokenizer` where the tokenizer allows it, as the worker does.
 
 Protocol, over the helper's stdin (requests) and a duplicate of its stdout (replies; fd 1 then
 points at stderr, so a stray print cannot corrupt the stream): each message is a 4-byte
@@ -28,6 +30,7 @@ the caller's block when the helper exits. The caller creates, owns and unlinks e
 from __future__ import annotations
 
 import gc
+import importlib.util
 import mmap
 import os
 import pickle
@@ -35,6 +38,8 @@ import struct
 import sys
 import time
 from itertools import pairwise
+from pathlib import Path
+from types import ModuleType
 from typing import IO, Any
 
 _HEADER = struct.Struct("<I")
@@ -96,6 +101,23 @@ class _Block:
             self._map.close()
 
 
+def _joined() -> ModuleType:
+    """:mod:`dask_surge.models.joined`: imported within the package, else (a helper process) loaded by path."""
+    try:
+        from . import joined  # type: ignore[attr-defined,unused-ignore]
+
+        return joined
+    except ImportError:  # run as a script: no package around it
+        name = "_dask_surge_joined"
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("joined.py"))
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        return sys.modules[name]
+
+
 class Helper:
     """The tokenizer and the blocks last used, for one helper process (or a test, in process)."""
 
@@ -104,6 +126,9 @@ class Helper:
 
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.encode_batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
+        self._flat_ids = _joined().flat_ids
+        #: Texts joined into few tokenizer inputs where the tokenizer allows it (the same ids), else None.
+        self.joined = _joined().JoinedTokenizer.of(self.tokenizer)
         self.prompt = prompt
         self.max_length = max_length
         self._blocks: dict[str, _Block] = {}  # role -> the block last mapped for it
@@ -135,32 +160,40 @@ class Helper:
         del data
         if self.prompt:
             texts = [self.prompt + t for t in texts]
+        flags_at, ids_at = out_layout(n)
+        if self.joined is not None:
+            lengths, overflow, ids = self.joined.encode(texts)
+            del texts
+            total = len(ids)
+            self._check_fits(ids_at, total, want_ids, out_size)
+            np.frombuffer(dst.buf, dtype=np.int32, count=n)[:] = lengths
+            np.frombuffer(dst.buf, dtype=np.uint8, count=n, offset=flags_at)[:] = overflow
+            if want_ids and total:
+                np.frombuffer(dst.buf, dtype=np.int32, count=total, offset=ids_at)[:] = ids
+            return "ok", total, time.process_time() - c0
         gc.disable()  # one GC-tracked Encoding per text, no cycles (see tokenize.gc_paused)
         try:
             encodings = self.encode_batch(texts)
             del texts
             lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=n)
             total = int(lengths.sum())
-            flags_at, ids_at = out_layout(n)
-            if ids_at + (4 * total if want_ids else 0) > out_size:
-                raise ValueError(f"{total:,} tokens do not fit the {out_size:,}-byte output block")
+            self._check_fits(ids_at, total, want_ids, out_size)
             np.frombuffer(dst.buf, dtype=np.int32, count=n)[:] = lengths
             flags = np.frombuffer(dst.buf, dtype=np.uint8, count=n, offset=flags_at)
             flags[:] = 0
             for i in np.flatnonzero(lengths >= self.max_length).tolist():
                 flags[i] = bool(encodings[i].overflowing)
             if want_ids and total:
-                from itertools import chain
-                from operator import attrgetter
-
-                ids = np.frombuffer(dst.buf, dtype=np.int32, count=total, offset=ids_at)
-                ids[:] = np.fromiter(chain.from_iterable(map(attrgetter("ids"), encodings)), dtype=np.int32,
-                                     count=total)
-                del ids
+                np.frombuffer(dst.buf, dtype=np.int32, count=total, offset=ids_at)[:] = self._flat_ids(encodings, total)
             del flags, encodings
         finally:
             gc.enable()
         return "ok", total, time.process_time() - c0
+
+    @staticmethod
+    def _check_fits(ids_at: int, total: int, want_ids: bool, out_size: int) -> None:
+        if ids_at + (4 * total if want_ids else 0) > out_size:
+            raise ValueError(f"{total:,} tokens do not fit the {out_size:,}-byte output block")
 
     def close(self) -> None:
         for block in self._blocks.values():

@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -29,6 +28,7 @@ from ..errors import SurgeInputError
 from ..io.texts import ArrowTexts, as_list, as_texts
 from .batching import FIRST_WINDOW_TEXTS, WINDOW_TEXTS, BatchPlan, plan_batches
 from .batching import windows as window_starts
+from .joined import JoinedTokenizer, flat_ids
 from .tokenpool import Pending, TokenizedWindow, TokenizerProcessError, TokenPool
 
 __all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker", "flat_ids", "gc_paused", "prepared",
@@ -37,7 +37,8 @@ __all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker", "flat_ids", "gc
 logger = logging.getLogger(__name__)
 
 #: What a window of :meth:`TextPacker.windows` holds: the Rust tokenizer's encodings (tokenized in
-#: this process) or a :class:`~dask_surge.models.tokenpool.TokenizedWindow` (by a helper process).
+#: this process, text by text) or a :class:`~dask_surge.models.tokenpool.TokenizedWindow` (texts joined,
+#: :mod:`dask_surge.models.joined`, or tokenized by a helper process).
 Tokenized = list | TokenizedWindow
 
 #: The stages whose seconds an engine counts (see :attr:`StageClock.stats`).
@@ -187,6 +188,9 @@ class TextPacker:
             self.max_seq_length, strategy="longest_first", direction=hf_tokenizer.truncation_side
         )
         self._encode_batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        #: Texts joined into few tokenizer inputs (the same ids, far fewer Python objects), or None where the
+        #: tokenizer does not allow it (see :mod:`dask_surge.models.joined`).
+        self._joined = JoinedTokenizer.of(self._tokenizer)
         #: Id that pads a row (the tokenizer's pad token, else 0).
         self.pad_id: int = hf_tokenizer.pad_token_id or 0
         #: True when the model takes ``token_type_ids``.
@@ -246,21 +250,36 @@ class TextPacker:
         ids = self._tokenizer.encode(self.prompt).ids
         return len(ids) - 1 if ids and ids[-1] in special_ids else len(ids)
 
-    def tokenize(self, texts: Sequence[str]) -> list:
-        """The Rust tokenizer's encodings of ``texts`` (prompt first, truncated, unpadded).
+    def tokenize(self, texts: Sequence[str]) -> Tokenized:
+        """``texts`` tokenized in this process (prompt first, truncated, unpadded): a
+        :class:`~dask_surge.models.tokenpool.TokenizedWindow` where the tokenizer allows joining texts
+        (:class:`~dask_surge.models.joined.JoinedTokenizer`, the same ids), else the Rust tokenizer's encodings.
 
         Raises
         ------
         SurgeInputError
             If an element of ``texts`` is not a str.
+
+        Examples
+        --------
+        >>> from transformers import AutoTokenizer
+        >>> from dask_surge.testing import packaged_model_dir
+        >>> packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 8, clock=StageClock())
+        >>> window = packer.tokenize(["a dog", "one two three four five six seven"])
+        >>> type(window).__name__, window.lengths.tolist(), window.overflow.tolist()
+        ('TokenizedWindow', [4, 8], [False, True])
         """
         t0 = time.perf_counter()
         texts = as_list(texts)
         try:
-            with gc_paused():  # one GC-tracked object per text (see gc_paused)
-                encodings = self._encode_batch([self.prompt + t for t in texts] if self.prompt else texts)
+            inputs = [self.prompt + t for t in texts] if self.prompt else texts
+            if self._joined is not None:
+                tokenized: Tokenized = TokenizedWindow(*self._joined.encode(inputs))
+            else:
+                with gc_paused():  # one GC-tracked object per text (see gc_paused)
+                    tokenized = self._encode_batch(inputs)
             self.clock.count("tokenize", t0)
-            return encodings
+            return tokenized
         except TypeError:
             if (err := unreadable_text(texts)) is None:
                 raise
@@ -276,7 +295,10 @@ class TextPacker:
             if done is not None:
                 self.clock.count("tokenize", t0)
                 return done.lengths
-        return np.fromiter(map(len, self.tokenize(texts)), dtype=np.int32, count=len(texts))
+        tokenized = self.tokenize(texts)
+        if isinstance(tokenized, TokenizedWindow):
+            return tokenized.lengths
+        return np.fromiter(map(len, tokenized), dtype=np.int32, count=len(texts))
 
     def _submit(self, pool: TokenPool, texts: Sequence[str], *, ids: bool = True, block: bool = True
                 ) -> Pending | TokenizerProcessError | None:
@@ -491,7 +513,8 @@ class TextPacker:
 
     def _pack_tokenized(self, window: TokenizedWindow, offset: int, *, max_tokens: int,
                         split_runs: bool = True) -> PackedWindow:
-        """:meth:`pack` of a window a helper tokenized: the same plan, the ids gathered with NumPy."""
+        """:meth:`pack` of a window tokenized as arrays (joined texts, or a helper): the same plan, the ids
+        gathered with NumPy."""
         t0 = time.perf_counter()
         plan = plan_batches(window.lengths, max_tokens, split_runs=split_runs)
         flat = _gather(window.ids, window.starts, window.lengths, plan.order)
@@ -518,12 +541,6 @@ def _gather(ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray, order: np.
         return np.empty(0, dtype=np.int32)
     shift = np.repeat(starts[order].astype(np.int64) - (np.cumsum(inner) - inner), inner)
     return ids[shift + np.arange(total)]
-
-
-def flat_ids(encodings: Sequence, count: int) -> np.ndarray:
-    """The token ids of ``encodings`` (``count`` in all), one after the other, as int32 (C-level
-    iteration over the lists the tokenizer hands back)."""
-    return np.fromiter(chain.from_iterable(map(operator.attrgetter("ids"), encodings)), dtype=np.int32, count=count)
 
 
 def unreadable_text(texts: Sequence, name: Callable[[int], str] | None = None) -> SurgeInputError | None:

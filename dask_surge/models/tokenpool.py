@@ -78,7 +78,8 @@ def auto_processes(device_type: str) -> int:
 
 @dataclass(frozen=True)
 class TokenizedWindow:
-    """One window of texts, tokenized by a helper: per text its length and overflow flag, and all ids.
+    """One window of texts as arrays: per text its length and overflow flag, and all ids (from a helper
+    process, or from :class:`~dask_surge.models.joined.JoinedTokenizer` in process).
 
     Attributes
     ----------

@@ -30,7 +30,8 @@ import numpy as np
 from ..errors import SurgeInputError, SurgeValueError
 from ..options import DEFAULT_CHUNK_OVERLAP, LONG_TEXTS, LongTexts
 from .batching import WINDOW_TEXTS
-from .tokenize import flat_ids, unreadable_text
+from .joined import flat_ids, special_ends
+from .tokenize import unreadable_text
 
 __all__ = [
     "DEFAULT_CHUNK_OVERLAP",
@@ -426,15 +427,12 @@ class WindowCutter:
         self._tokenizer = backend.__class__.from_str(backend.to_str())
         self._tokenizer.no_padding()
         self._tokenizer.no_truncation()
-        probe = self._tokenizer.encode("a", add_special_tokens=True)
-        mask = probe.special_tokens_mask
-        lead = next((i for i, m in enumerate(mask) if not m), len(mask))
-        trail = next((i for i, m in enumerate(reversed(mask)) if not m), 0)
+        lead, trail = special_ends(self._tokenizer)
         prompt_ids = self._tokenizer.encode(prompt, add_special_tokens=False).ids if prompt else []
         #: Ids before each window's content: the leading special tokens, then the prompt's.
-        self.head = np.array(probe.ids[:lead] + prompt_ids, dtype=np.int32)
+        self.head = np.array(lead + prompt_ids, dtype=np.int32)
         #: Ids after each window's content: the trailing special tokens.
-        self.tail = np.array(probe.ids[len(probe.ids) - trail:] if trail else [], dtype=np.int32)
+        self.tail = np.array(trail, dtype=np.int32)
         #: Content tokens a window holds.
         self.capacity = self.max_seq_length - len(self.head) - len(self.tail)
         if self.capacity < 2:
