@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
     from dask_surge.execution.superbatch import texts_of
     from dask_surge.io.reuse import text_hashes
     from dask_surge.models.encoders import Encoder
-    from dask_surge.models.tokenize import flat_ids
+    from dask_surge.models.joined import flat_ids
 
     from ._realtext import small_files
 
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     def host_path(paused: bool) -> None:
         """The engine's host side of one window, with the collector paused as the engine does, or not."""
         pause = gc_paused if paused else contextlib.nullcontext
-        w, c, enc = timed(lambda: packer.tokenize(texts) if paused else packer._encode_batch(texts))
+        with pause():
+            w, c, enc = timed(lambda: packer._encode_batch(texts))  # text by text (not joined)
         note(f"tokenize_encode_batch[{'gc_paused' if paused else 'gc_on'}]", w, c)
         with pause():
             w, c, _ = timed(lambda: packer.pack(enc, 0, max_tokens=engine.max_tokens))  # type: ignore[arg-type]
@@ -101,7 +102,12 @@ def main(argv: list[str] | None = None) -> dict:
         note("text_hashes", w, c)
         for paused in ((False, True) if r % 2 == 0 else (True, False)):  # ABBA
             host_path(paused)
-        enc = packer.tokenize(texts)
+        w, c, window = timed(lambda: packer.tokenize(texts))  # texts joined (JoinedTokenizer), as the engine does
+        note("tokenize_joined", w, c)
+        w, c, _ = timed(lambda: packer.pack(window, 0, max_tokens=engine.max_tokens))
+        note("pack_joined", w, c)
+        del window
+        enc = packer._encode_batch(texts)
         w, c, _ = timed(lambda: packer.overflowed(enc))
         note("overflowed", w, c)
         lengths = np.fromiter(map(len, enc), dtype=np.int32, count=len(enc))

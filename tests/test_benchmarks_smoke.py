@@ -224,3 +224,12 @@ def test_e2e_ab_runs_the_base_library_under_this_harness(tmp_path):
     assert all(r["rows"] == 300 and r["workers_cpu_s"] > 0 and r["workers_minflt"] > 0 for r in report["results"])
     summary = report["summary"]
     assert summary["base"] == "HEAD" and len(summary["paired_speedup"]) == 1 and summary["speedup"] > 0
+
+
+def test_joined_tokenize_compares_the_arms_on_the_same_ids(tmp_path):
+    report = _run("joined_tokenize", "--n", "600", "--rounds", "2", "--group", "8", "auto",
+                  "--out", str(tmp_path / "j.json"))
+    arms = {r["arm"]: r for r in report["results"]}
+    assert set(arms) == {"per_text", "joined[8]", "joined[auto]"}  # each packed per_text's ids (checked in the run)
+    assert all(r["rounds"] == 2 and r["thread_cpu_us_per_text"] > 0 for r in arms.values())
+    assert report["summary"]["thread_cpu_over_per_text"]["per_text"] == 1.0
