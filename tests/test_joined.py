@@ -135,6 +135,10 @@ def wordpiece(**changes) -> Tokenizer:
                                 "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"}), "padding"),
     (lambda: wordpiece(added_tokens=[{**t, "normalized": True} for t in json.loads(minilm(16).to_str())["added_tokens"]]),
      "special tokens matched after normalizing"),
+    (lambda: wordpiece(added_tokens=[*json.loads(minilm(16).to_str())["added_tokens"],
+                                     {"id": 7, "special": False, "content": " x", "single_word": False, "lstrip": False,
+                                      "rstrip": False, "normalized": True}]),
+     "an added token with whitespace could match at a joined text's edge"),
     (lambda: wordpiece(truncation={"max_length": 2, "strategy": "LongestFirst", "stride": 0, "direction": "Right"}),
      "no room for a text's tokens"),
 ])
@@ -157,3 +161,15 @@ def test_special_ends_ignores_padding_and_truncation():
     bare.normalizer = normalizers.BertNormalizer()
     bare.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     assert special_ends(bare) == ([], [])
+
+
+def test_why_an_added_token_with_whitespace_refuses_joining():
+    spec = json.loads(minilm(16).to_str())
+    spec["added_tokens"].append({"id": 30522, "special": False, "content": " x", "single_word": False,
+                                 "lstrip": False, "rstrip": False, "normalized": True})
+    tok = Tokenizer.from_str(json.dumps(spec))
+    assert JoinedTokenizer.of(tok) is None
+    forced = JoinedTokenizer(tok, "[SEP]")  # joined anyway: the space before a text lets " x" match
+    texts = ["a x b", "x"]
+    lengths, _, ids = forced._cut(*forced._tokenize(*forced.groups(texts, size=2)))
+    assert [a.tolist() for a in np.split(ids, np.cumsum(lengths)[:-1])] != per_text(tok, texts)[0]

@@ -15,8 +15,9 @@ split the string, which :meth:`JoinedTokenizer.of` checks, else it returns None 
 tokenizes text by text:
 
 - the separator is a special added token matched on the raw text (not normalized, no strip, not a
-  single word), and no other added token overlaps it: it splits the string before anything else, so
-  each text is normalized and pre-tokenized on its own;
+  single word), and no other added token overlaps it or holds whitespace: it splits the string before
+  anything else, and no added token can match across the spaces put around it, so each text is
+  normalized and pre-tokenized on its own;
 - the normalizer is ``BertNormalizer`` (or none), the pre-tokenizer ``BertPreTokenizer`` and the model
   ``WordPiece``: each works within a text and splits on whitespace, so a text's tokens do not depend
   on what is around it (a byte-level BPE's or a SentencePiece's would: they mark a word's start);
@@ -47,7 +48,6 @@ True
 
 from __future__ import annotations
 
-import json
 import operator
 import os
 from itertools import chain
@@ -77,7 +77,8 @@ def flat_ids(encodings: Any, count: int) -> np.ndarray:
 def special_ends(tokenizer: Any) -> tuple[list[int], list[int]]:
     """The special token ids a tokenizer's post-processor puts before and after one text's tokens.
 
-    Read off the encoding of ``"a"`` (its special-tokens mask) by a copy without padding.
+    Read off the encoding of ``"a"`` (its special-tokens mask), by a copy without padding if the
+    tokenizer pads.
 
     Examples
     --------
@@ -86,9 +87,10 @@ def special_ends(tokenizer: Any) -> tuple[list[int], list[int]]:
     >>> special_ends(Tokenizer.from_file(str(packaged_model_dir() / "tokenizer.json")))
     ([101], [102])
     """
-    bare = tokenizer.__class__.from_str(tokenizer.to_str())
-    bare.no_padding()
-    probe = bare.encode("a", add_special_tokens=True)
+    if tokenizer.padding is not None:
+        tokenizer = tokenizer.__class__.from_str(tokenizer.to_str())
+        tokenizer.no_padding()
+    probe = tokenizer.encode("a", add_special_tokens=True)
     mask = probe.special_tokens_mask
     lead = next((i for i, m in enumerate(mask) if not m), len(mask))
     trail = next((i for i, m in enumerate(reversed(mask)) if not m), 0)
@@ -116,9 +118,9 @@ class JoinedTokenizer:
         The special token put between texts.
     """
 
-    def __init__(self, tokenizer: Any, separator: str) -> None:
+    def __init__(self, tokenizer: Any, separator: str, ends: tuple[list[int], list[int]] | None = None) -> None:
         truncation = tokenizer.truncation
-        self.head, self.tail = (np.array(ids, dtype=np.int32) for ids in special_ends(tokenizer))
+        self.head, self.tail = (np.array(ids, dtype=np.int32) for ids in (ends or special_ends(tokenizer)))
         specials = len(self.head) + len(self.tail)
         #: Content tokens a text keeps (the truncation length less the special tokens); None: no limit.
         self.capacity: int | None = None if truncation is None else int(truncation["max_length"]) - specials
@@ -142,28 +144,28 @@ class JoinedTokenizer:
         >>> JoinedTokenizer.of(Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))) is None
         True
         """
-        spec = json.loads(tokenizer.to_str())
-        if (spec.get("model") or {}).get("type") not in _MODELS:
-            return None
-        if (spec.get("normalizer") or {"type": _NORMALIZERS[0]}).get("type") not in _NORMALIZERS:
-            return None
-        if (spec.get("pre_tokenizer") or {}).get("type") not in _PRE_TOKENIZERS:
+        def kind(part: Any) -> str | None:
+            return None if part is None else type(part).__name__
+
+        if (kind(tokenizer.model) not in _MODELS or kind(tokenizer.normalizer) not in (None, *_NORMALIZERS)
+                or kind(tokenizer.pre_tokenizer) not in _PRE_TOKENIZERS or tokenizer.padding is not None):
             return None
         truncation = tokenizer.truncation
-        if tokenizer.padding is not None or (truncation is not None and int(truncation.get("stride") or 0)):
+        if truncation is not None and (int(truncation.get("stride") or 0) or int(truncation["max_length"]) < 3):
             return None
         head, tail = special_ends(tokenizer)
         if truncation is not None and int(truncation["max_length"]) <= len(head) + len(tail):
             return None
-        added = spec.get("added_tokens") or []
-        candidates = [t for t in added if t.get("special") and not t.get("normalized") and not t.get("lstrip")
-                      and not t.get("rstrip") and not t.get("single_word") and t.get("content")]
-        ids = {t["id"]: t["content"] for t in candidates}
-        preferred = [ids[i] for i in (*tail, *head) if i in ids]
-        for separator in preferred or [t["content"] for t in candidates]:
-            others = [t["content"] for t in added if t["content"] != separator]
+        added = list(tokenizer.get_added_tokens_decoder().items())
+        if any(any(c.isspace() for c in t.content) for _, t in added):
+            return None  # it could match across the spaces around a separator, or at a text's joined edge
+        candidates = {i: t.content for i, t in added if t.special and not t.normalized and not t.lstrip
+                      and not t.rstrip and not t.single_word and t.content}
+        preferred = [candidates[i] for i in (*tail, *head) if i in candidates]
+        for separator in preferred or list(candidates.values()):
+            others = [t.content for _, t in added if t.content != separator]
             if not any(separator in o or o in separator for o in others):
-                return cls(tokenizer, separator)
+                return cls(tokenizer, separator, (head, tail))
         return None
 
     def groups(self, texts: list[str], size: int | None = None) -> tuple[list[tuple[int, int]], list[str]]:
