@@ -101,21 +101,22 @@ class _Block:
             self._map.close()
 
 
-def _joined() -> ModuleType:
-    """:mod:`dask_surge.models.joined`: imported within the package, else (a helper process) loaded by path."""
-    try:
-        from . import joined  # type: ignore[attr-defined,unused-ignore]
+def _sibling(name: str) -> ModuleType:
+    """This folder's module ``name`` loaded by path, alone (a helper process runs without the package)."""
+    key = f"_dask_surge_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
 
-        return joined
-    except ImportError:  # run as a script: no package around it
-        name = "_dask_surge_joined"
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("joined.py"))
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-        return sys.modules[name]
+
+try:
+    from . import joined as _joined
+except ImportError:  # run as a script (a helper process): no package around it
+    _joined = _sibling("joined")
 
 
 class Helper:
@@ -126,9 +127,9 @@ class Helper:
 
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.encode_batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
-        self._flat_ids = _joined().flat_ids
+        self._flat_ids = _joined.flat_ids
         #: Texts joined into few tokenizer inputs where the tokenizer allows it (the same ids), else None.
-        self.joined = _joined().JoinedTokenizer.of(self.tokenizer)
+        self.joined = _joined.JoinedTokenizer.of(self.tokenizer)
         self.prompt = prompt
         self.max_length = max_length
         self._blocks: dict[str, _Block] = {}  # role -> the block last mapped for it
