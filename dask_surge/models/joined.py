@@ -58,8 +58,8 @@ import numpy as np
 __all__ = ["GROUP_TEXTS", "JoinedTokenizer", "flat_ids", "special_ends"]
 
 #: At most this many texts are joined into one string (measured on 16,384 docstring paragraphs of ~105
-#: characters, MiniLM's tokenizer on 2 cores, :func:`benchmarks.joined_tokenize`: groups of 64-256 take
-#: half the tokenizing thread's CPU per text of one encoding per text, and less CPU in all).
+#: characters, MiniLM's tokenizer on 2 cores, ``python -m benchmarks.joined_tokenize``: groups of 64-256
+#: take half the tokenizing thread's CPU per text of one encoding per text, and 0.81x the CPU in all).
 GROUP_TEXTS = 256
 #: ... and at least this many groups are made per tokenizer thread, so every core has work.
 GROUPS_PER_THREAD = 4
@@ -116,6 +116,8 @@ class JoinedTokenizer:
         The tokenizer whose ids to reproduce (its truncation; padding off); a copy is used.
     separator : str
         The special token put between texts.
+    ends : tuple of (list of int, list of int), optional
+        The special token ids put before and after each text; None reads them with :func:`special_ends`.
     """
 
     def __init__(self, tokenizer: Any, separator: str, ends: tuple[list[int], list[int]] | None = None) -> None:
