@@ -2,7 +2,8 @@
 
 The Rust tokenizer runs without the GIL, but what it hands back does not: one Python
 ``Encoding`` per text, its ``.ids`` list, their frees (about 4 us of GIL per text in a worker,
-``benchmarks/gil_stages.py``). On a GPU worker every microsecond of GIL per text caps the
+``benchmarks/gil_stages.py``; about 1.5 with texts joined, :mod:`dask_surge.models.joined`, most
+of it a Python int per token). On a GPU worker every microsecond of GIL per text caps the
 texts/s one process can feed. A :class:`TokenPool` moves that work into helper processes:
 
 - the caller joins a window's texts into one UTF-8 buffer and writes it, with the character
