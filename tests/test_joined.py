@@ -14,8 +14,17 @@ from dask_surge.models.joined import JoinedTokenizer, special_ends
 from dask_surge.testing import packaged_model_dir
 
 
-def minilm(max_length: int | None = 16, direction: str = "right") -> Tokenizer:
+def minilm(max_length: int | None = 16, direction: str = "right", family: str = "bert") -> Tokenizer:
+    """MiniLM's tokenizer; ``family="mpnet"``: with MPNet's post-processor (``RobertaProcessing``) and its
+    mask token stripping the whitespace before it (all-mpnet-base-v2's settings on BERT's vocabulary)."""
     tok = Tokenizer.from_file(str(packaged_model_dir() / "tokenizer.json"))
+    if family == "mpnet":
+        spec = json.loads(tok.to_str())
+        spec["post_processor"] = {"type": "RobertaProcessing", "sep": ["[SEP]", 102], "cls": ["[CLS]", 101],
+                                  "trim_offsets": True, "add_prefix_space": False}
+        for added in spec["added_tokens"]:
+            added["lstrip"] = added["content"] == "[MASK]"
+        tok = Tokenizer.from_str(json.dumps(spec))
     tok.no_padding()
     if max_length is None:
         tok.no_truncation()
@@ -47,9 +56,9 @@ text = st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=12)), max_si
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(texts=st.lists(text, max_size=40), size=st.integers(1, 9), max_length=st.sampled_from([3, 8, 32, None]),
-       direction=st.sampled_from(["right", "left"]))
-def test_same_ids_as_one_text_at_a_time(texts, size, max_length, direction):
-    tok = minilm(max_length, direction)
+       direction=st.sampled_from(["right", "left"]), family=st.sampled_from(["bert", "mpnet"]))
+def test_same_ids_as_one_text_at_a_time(texts, size, max_length, direction, family):
+    tok = minilm(max_length, direction, family)
     joined = JoinedTokenizer.of(tok)
     assert joined is not None
     expected = per_text(tok, texts)
