@@ -408,3 +408,29 @@ def test_a_superbatch_of_arrow_texts_with_repeats_is_the_same_with_the_helpers(m
     assert packer._pool is not None and packer._pool_failure is None  # a helper tokenized them
     assert on.encoded == off.encoded < len(texts)
     pd.testing.assert_frame_equal(on.frame, off.frame)
+
+
+def test_a_helper_tokenizes_one_by_one_where_texts_cannot_be_joined(hf_tokenizer):
+    import json
+
+    from tokenizers import Tokenizer
+
+    from dask_surge.models.joined import JoinedTokenizer
+
+    spec = json.loads(TextPacker(hf_tokenizer, 16, clock=StageClock()).tokenizer_json())
+    spec["truncation"]["stride"] = 2  # joining refuses a stride: the helper takes one Encoding per text
+    tokenizer_json = json.dumps(spec)
+    reference = Tokenizer.from_str(tokenizer_json)
+    assert JoinedTokenizer.of(reference) is None
+    texts = texts_for(120, seed=3)
+    encodings = reference.encode_batch(texts)
+    pool = TokenPool(tokenizer_json, 16)
+    try:
+        got = pool.tokenize(texts)
+        np.testing.assert_array_equal(got.lengths, [len(e) for e in encodings])
+        np.testing.assert_array_equal(got.ids, flat_ids(encodings, sum(map(len, encodings))))
+        np.testing.assert_array_equal(got.overflow, [bool(e.overflowing) for e in encodings])
+        assert got.overflow.any() and not got.overflow.all()
+        assert pool.tokenize(texts, ids=False).ids.size == 0
+    finally:
+        pool.close()

@@ -161,35 +161,36 @@ class Helper:
         del data
         if self.prompt:
             texts = [self.prompt + t for t in texts]
-        flags_at, ids_at = out_layout(n)
         if self.joined is not None:
             lengths, overflow, ids = self.joined.encode(texts)
-            del texts
-            total = len(ids)
-            self._check_fits(ids_at, total, want_ids, out_size)
-            np.frombuffer(dst.buf, dtype=np.int32, count=n)[:] = lengths
-            np.frombuffer(dst.buf, dtype=np.uint8, count=n, offset=flags_at)[:] = overflow
-            if want_ids and total:
-                np.frombuffer(dst.buf, dtype=np.int32, count=total, offset=ids_at)[:] = ids
-            return "ok", total, time.process_time() - c0
+        else:
+            lengths, overflow, ids = self._one_by_one(texts, want_ids)
+        del texts
+        total = int(lengths.sum())
+        flags_at, ids_at = out_layout(n)
+        self._check_fits(ids_at, total, want_ids, out_size)
+        np.frombuffer(dst.buf, dtype=np.int32, count=n)[:] = lengths
+        np.frombuffer(dst.buf, dtype=np.uint8, count=n, offset=flags_at)[:] = overflow
+        if want_ids and total:
+            np.frombuffer(dst.buf, dtype=np.int32, count=total, offset=ids_at)[:] = ids
+        return "ok", total, time.process_time() - c0
+
+    def _one_by_one(self, texts: list[str], want_ids: bool) -> tuple[Any, Any, Any]:
+        """``(lengths, overflow, ids)`` of ``texts`` from one ``Encoding`` each (ids empty unless ``want_ids``)."""
+        import numpy as np
+
         gc.disable()  # one GC-tracked Encoding per text, no cycles (see tokenize.gc_paused)
         try:
             encodings = self.encode_batch(texts)
-            del texts
-            lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=n)
-            total = int(lengths.sum())
-            self._check_fits(ids_at, total, want_ids, out_size)
-            np.frombuffer(dst.buf, dtype=np.int32, count=n)[:] = lengths
-            flags = np.frombuffer(dst.buf, dtype=np.uint8, count=n, offset=flags_at)
-            flags[:] = 0
+            lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
+            overflow = np.zeros(len(encodings), dtype=bool)
             for i in np.flatnonzero(lengths >= self.max_length).tolist():
-                flags[i] = bool(encodings[i].overflowing)
-            if want_ids and total:
-                np.frombuffer(dst.buf, dtype=np.int32, count=total, offset=ids_at)[:] = self._flat_ids(encodings, total)
-            del flags, encodings
+                overflow[i] = bool(encodings[i].overflowing)
+            ids = self._flat_ids(encodings, int(lengths.sum())) if want_ids else np.zeros(0, np.int32)
+            del encodings
         finally:
             gc.enable()
-        return "ok", total, time.process_time() - c0
+        return lengths, overflow, ids
 
     @staticmethod
     def _check_fits(ids_at: int, total: int, want_ids: bool, out_size: int) -> None:
