@@ -244,9 +244,9 @@ class JoinedTokenizer:
         multi = counts > 1
         seps = np.flatnonzero(ids == self.sep_id)
         group_of = np.searchsorted(ends, seps, side="right")
-        seps = seps[multi[group_of]] if len(seps) else seps
-        if not np.array_equal(np.bincount(group_of[multi[group_of]], minlength=len(groups)),
-                              np.where(multi, counts - 1, 0)):
+        between = multi[group_of]  # a separator id in a group of one text is that text's own
+        seps = seps[between]
+        if not np.array_equal(np.bincount(group_of[between], minlength=len(groups)), np.where(multi, counts - 1, 0)):
             return None
         # text spans in order: each group's begin and the token after each separator; each separator and the end
         starts = np.sort(np.concatenate([begins, seps + 1]))
