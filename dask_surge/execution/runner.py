@@ -53,6 +53,8 @@ from ..io.manifest import (
     finish_run,
     open_run,
     sb_key,
+    settle,
+    settled,
     text_counts,
 )
 from ..models.tokenize import LONE_SURROGATE
@@ -513,13 +515,18 @@ def write_run(request: RunRequest) -> EncodeResult:
         check_output(output, storage_options, inputs=input_files(request.frame))
         found = find_run(output, request.fingerprint, storage_options)
         _say_recorded_thresholds(found, request)
+        fs, root = url_to_fs(output, **(storage_options or {}))
+        root = root.rstrip("/") or "/"
         if found is not None and found.completion() is not None and not request.overwrite \
                 and not found.coverage().missing(request.frame.npartitions):  # records, not the marker, are the truth
+            committed = found.committed()
+            if not settled(found, committed):  # a process killed while it finished: finish its clean-up
+                with Claim.acquire(fs, root, found.run_id, heartbeat=False):
+                    settle(found, found.committed(), retire_others=False)
             result = _complete_result(found, output, t0)
             bar.finish(result.rows + result.nulls_skipped, result.superbatches)
             return result
-        fs, root = url_to_fs(output, **(storage_options or {}))
-        claim = Claim.acquire(fs, root.rstrip("/") or "/", fingerprint_digest(request.fingerprint))
+        claim = Claim.acquire(fs, root, fingerprint_digest(request.fingerprint))
         try:
             return _claimed_run(request, t0, wall0, claim, bar)
         finally:

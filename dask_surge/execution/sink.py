@@ -21,7 +21,7 @@ from ..config import get
 from ..errors import SurgeOutputError
 from ..io.arrow import to_host
 from ..io.layout import EMBEDDING, PARTITION, ROW, TEXT_HASH
-from ..io.manifest import CommitRecord, Manifest, sb_key, write_bytes_atomic
+from ..io.manifest import CommitRecord, Manifest, discard, sb_key, write_bytes_atomic
 from ..io.reuse import text_hash_field
 from ..results import SuperBatchReport
 from .events import announce
@@ -256,14 +256,14 @@ class SuperBatchWriter:
             step = f"creating the commit record {manifest.record_path(key)!r}"
             record = dataclasses.replace(record, committed_at=time.time())
             won = manifest.commit(record)
-            if won:
+            if won and not manifest.defer_publish:  # an overwrite publishes once it completes
                 step = f"publishing {path!r}"
                 manifest.publish(record)  # now, and only now, under its part-*.parquet name
         except OSError as err:
             if not won:
                 for leftover in (staged, skip_path):
                     with contextlib.suppress(OSError):
-                        fs.rm(leftover)
+                        discard(fs, manifest.root, leftover)
             if isinstance(err, FileNotFoundError) and not fs.exists(manifest.run_dir):
                 raise SurgeOutputError(
                     f"SuperBatch {key} of run {manifest.run_id} was not committed: the run's directory "
@@ -278,9 +278,9 @@ class SuperBatchWriter:
                 "Fix: free disk space or fix permissions, then rerun the same call to resume."
             ) from err
         if not won:  # another attempt of this SuperBatch committed first: ours is an orphan
-            fs.rm(staged)
+            discard(fs, manifest.root, staged)
             if skipped:
-                fs.rm(skip_path)
+                discard(fs, manifest.root, skip_path)
         else:  # the client's progress moves now, not when the whole unit ends
             announce(manifest.run_id, key, encoded.texts + len(skipped))
         return SuperBatchReport(

@@ -50,10 +50,12 @@ from typing import Any, Literal
 from fsspec.core import url_to_fs
 
 from ..errors import SurgeInputError, SurgeOutputError
+from .atomic import LinkRefused, links_below, listdir, protocols, remove_tree, rename, unlink, write_atomic
 
 __all__ = ["FORMAT_VERSION", "Manifest", "RunPlan", "CommitRecord", "Coverage", "Claim", "sb_key", "text_counts", "index_dir", "fingerprint_digest",
            "open_run", "current_run", "existing_run", "find_run", "finish_run", "check_output", "check_writable_store", "repair",
-           "verify", "LOCAL_PROTOCOLS"]
+           "verify", "LOCAL_PROTOCOLS", "owned", "discard", "relocate", "LinkRefused", "write_bytes_atomic",
+           "create_exclusive"]
 
 FORMAT_VERSION = 2  # 2: SuperBatches keyed by their first row; recorded thresholds
 META_DIR = "_surge"
@@ -75,103 +77,102 @@ def fingerprint_digest(fingerprint: dict) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _protocols(fs) -> tuple[str, ...]:
-    return fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+_RUN = r"[0-9a-f]{16}"
+#: what this layout writes, relative to the output root: the only names a run deletes or moves
+_OWNED = re.compile(
+    rf"^(?:part-[0-9a-f]{{8}}-{_SB}-[0-9a-f]{{8}}\.parquet"
+    rf"|{META_DIR}/(?:CURRENT|CLAIM|\.heartbeat-[0-9a-f]{{32}}|\.stale-claim-\d+|\.takeover-[0-9a-f]{{32}}-\d+)"
+    rf"|{META_DIR}/(?:retired|index/{_RUN})"
+    rf"|{META_DIR}/(?:runs/{_RUN}|retired/{_RUN}-\d+)"
+    rf"(?:/(?:run\.json|COMPLETE|STOPPED|commits/{_SB}\.json|(?:staging|skipped)/{_SB}-[0-9a-f]{{8}}\.parquet))?"
+    rf"|{META_DIR}/index/{_RUN}/(?:meta\.json|BUILDING|bucket-\d{{6}}\.npy))$"
+)
+_WRAPPED = re.compile(r"^(?P<dir>(?:.*/)?)\.(?:(?P<tmp>.+)\.tmp-\d+-\d+|torn-(?P<torn>.+)-\d+)$")
 
 
-def _is_local(fs) -> bool:
-    return "file" in _protocols(fs) or "local" in _protocols(fs)
+def owned(rel: str) -> bool:
+    """True when ``rel`` (a path relative to an output root) is a name this layout writes: a
+    data file, a manifest file, a run's directory, or the temporary or set-aside (``.torn-``)
+    form of one. :func:`discard` and :func:`relocate` act on nothing else.
 
-
-def _temp_name(path: str) -> tuple[str, str]:
-    parent, name = path.rsplit("/", 1)
-    return parent, f"{parent}/.{name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
-
-
-def _atomic_write(fs, path: str, data: builtins.bytes | memoryview, *, exclusive: bool = False) -> bool:
-    """Write ``data`` to ``path`` so that no reader ever sees a partial file.
-
-    Local files are written to a temporary name, fsynced, then renamed over ``path``
-    (or, with ``exclusive=True``, hard-linked to it, which fails if ``path`` exists),
-    and the directory is fsynced. The in-memory filesystem (one process) writes the
-    temporary file and moves it. On any failure the temporary file is removed.
-    Returns False only when ``exclusive`` and ``path`` already existed.
+    Examples
+    --------
+    >>> owned("part-0123abcd-000000000-000000000000-89abcdef.parquet"), owned("notes.txt")
+    (True, False)
+    >>> owned("_surge/runs/0123456789abcdef/staging/000000000-000000000000-89abcdef.parquet")
+    True
+    >>> owned("_surge/runs/0123456789abcdef/commits/.torn-000000000-000000000000.json-17")
+    True
+    >>> owned("_surge/runs/0123456789abcdef/staging/../../../../etc/passwd")
+    False
     """
-    parent, tmp = _temp_name(path)
-    local = _is_local(fs)
-    try:
-        if local:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            if exclusive:
-                try:
-                    os.link(tmp, path)  # atomic, fails if path exists
-                except FileExistsError:
-                    return False
-                finally:
-                    os.unlink(tmp)
-            else:
-                os.replace(tmp, path)
-            _fsync_dir(parent)
-        else:
-            if exclusive and fs.exists(path):  # one process: no other writer between check and move
-                return False
-            with fs.open(tmp, "wb") as f:
-                f.write(data)
-            fs.mv(tmp, path)
-    except BaseException:
-        # disk full, killed write, ...: leave no partial file behind
-        with contextlib.suppress(Exception):
-            fs.rm(tmp)
-        raise
-    return True
+    if _OWNED.match(rel):
+        return True
+    m = _WRAPPED.match(rel)
+    return m is not None and _OWNED.match(m.group("dir") + (m.group("tmp") or m.group("torn"))) is not None
+
+
+def _check_owned(root: str, path: str) -> None:
+    base = root.rstrip("/") + "/"
+    if not path.startswith(base) or not owned(path[len(base):]):
+        raise SurgeOutputError(
+            f"refusing to delete or move {path!r}: it is not a file dask-surge writes in the output {root!r} "
+            "(a run deletes and moves only its own files). Nothing was changed. This is a bug: please report it."
+        )
+
+
+def discard(fs, root: str, path: str) -> bool:
+    """Delete ``path``, a file of this layout below the output ``root``; False if it was not there.
+
+    Every delete of the package goes through here: a name the layout does not write is
+    refused, and so is a path through a symbolic link below ``root``
+    (:func:`dask_surge.io.atomic.unlink`).
+    """
+    _check_owned(root, path)
+    return unlink(fs, root, path)
+
+
+def relocate(fs, root: str, src: str, dst: str) -> None:
+    """Move ``src`` to ``dst``, both of this layout below ``root`` (FileNotFoundError when
+    ``src`` is gone). Every move of the package goes through here (see :func:`discard`)."""
+    _check_owned(root, src)
+    _check_owned(root, dst)
+    rename(fs, root, src, dst)
+
+
+def _discard_tree(fs, root: str, path: str) -> list[str]:
+    """Delete the files of this layout below ``path``, then the directories left empty;
+    returns what was left (anything else, links included)."""
+    _check_owned(root, path)
+    return remove_tree(fs, root, path, owned)
+
+
+def _aside(fs, root: str, path: str) -> str:
+    """Rename a damaged manifest file to ``.torn-<name>-<ns>`` beside it; returns the new path."""
+    parent, name = path.rsplit("/", 1)
+    new = f"{parent}/.torn-{name}-{time.time_ns()}"
+    relocate(fs, root, path, new)
+    return new
+
+
+def _meta_root(path: str) -> str:
+    return path.split(f"/{META_DIR}/", 1)[0]
 
 
 def write_bytes_atomic(fs, path: str, data: builtins.bytes | memoryview) -> None:
-    """Write ``data`` to ``path`` via a temporary name: fsync, then rename over."""
-    _atomic_write(fs, path, data)
+    """Write ``data`` to ``path`` via a temporary name: fsync, then rename over (one PUT on a store)."""
+    write_atomic(fs, path, data)
 
 
 def create_exclusive(fs, path: str, data: bytes) -> bool:
     """Create ``path`` holding ``data`` only if it does not exist; True if we created it.
 
-    A reader never sees a torn record (see :func:`_atomic_write`).
+    A reader never sees a torn record (see :func:`dask_surge.io.atomic.write_atomic`).
     """
-    return _atomic_write(fs, path, data, exclusive=True)
+    return write_atomic(fs, path, data, exclusive=True)
 
 
-def _rename(fs, src: str, dst: str) -> None:
-    """Move ``src`` to ``dst`` atomically (raises FileNotFoundError when ``src`` is gone)."""
-    if _is_local(fs):
-        os.rename(src, dst)
-        _fsync_dir(dst.rsplit("/", 1)[0])
-    else:
-        if not fs.exists(src):
-            raise FileNotFoundError(src)
-        fs.mv(src, dst, recursive=fs.isdir(src))
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _ls(fs, path: str) -> list[str]:
-    """Names in ``path`` (fresh: never from a listing cache); [] when it does not exist."""
-    with contextlib.suppress(AttributeError, TypeError):
-        fs.invalidate_cache(path)
-    try:
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+_ls = listdir
 
 
 def sb_key(partition: int, start: int) -> str:
@@ -433,6 +434,9 @@ class Manifest:
     fingerprint: dict = field(default_factory=dict)
     plan: RunPlan | None = None  # what the run recorded: thresholds, partitions, mode
     format_version: int = FORMAT_VERSION
+    #: True while another run is current (an overwrite): committed files stay in ``staging/``
+    #: until this run completes, so a ``part-*`` reader never sees two runs' rows at once
+    defer_publish: bool = False
 
     @property
     def run_dir(self) -> str:
@@ -463,7 +467,7 @@ class Manifest:
 
     def data_urls(self, records) -> list[str]:
         """Paths of ``records``' data files that any fsspec or Parquet reader opens."""
-        proto = _protocols(self.fs)[0]
+        proto = protocols(self.fs)[0]
         files = [f"{self.root}/{r.file}" for r in records]
         return files if proto in ("file", "local") else [f"{proto}://{f}" for f in files]
 
@@ -491,7 +495,7 @@ class Manifest:
         assert m is not None  # checked when the record was read
         staged = self.staging_path(record.sb, m.group("attempt"))
         try:
-            _rename(self.fs, staged, final)
+            relocate(self.fs, self.root, staged, final)
         except FileNotFoundError:
             if not self.fs.exists(final):
                 raise
@@ -516,7 +520,7 @@ class Manifest:
             except (ValueError, KeyError, TypeError, OSError):
                 # torn record: that SuperBatch is not committed
                 if repair:
-                    self.fs.mv(path, f"{self.commits_dir}/.torn-{name}-{time.time_ns()}")
+                    _aside(self.fs, self.root, path)
                 continue
             out[rec.sb] = rec
         return out
@@ -528,8 +532,11 @@ class Manifest:
 
     def publish_pending(self, records: dict[str, CommitRecord]) -> int:
         """Publish committed files still in ``staging/`` (their task died between commit and
-        publish); returns how many. Raises :class:`SurgeOutputError` for a committed file
-        that is nowhere (deleted by hand, or lost to a crash)."""
+        publish, or the run defers publishing, see :attr:`defer_publish`); returns how many.
+        Does nothing while the run defers publishing. Raises :class:`SurgeOutputError` for a
+        committed file that is nowhere (deleted by hand, or lost to a crash)."""
+        if self.defer_publish:
+            return 0
         present = set(_ls(self.fs, self.root))
         moved = 0
         for rec in records.values():
@@ -568,8 +575,7 @@ class Manifest:
         return self.fs.exists(self._stopped_path)
 
     def clear_stopped(self) -> None:
-        if self.fs.exists(self._stopped_path):
-            self.fs.rm(self._stopped_path)
+        discard(self.fs, self.root, self._stopped_path)
 
     def completion(self) -> dict | None:
         """The completion summary (rows, nulls skipped, SuperBatches) of a finished run, else None."""
@@ -739,6 +745,14 @@ def check_output(path: str, storage_options: dict | None = None, *, inputs: Sequ
             "a manifest). Nothing was written. Fix: choose a new directory path."
         )
     inside = [p for p in inputs if p.rstrip("/").startswith(root.rstrip("/") + "/")]
+    around = [d for d in _input_dirs(inputs) if (root.rstrip("/") + "/").startswith(d.rstrip("/") + "/")]
+    if around:
+        raise SurgeOutputError(
+            f"output={path!r} is {'' if around[0].rstrip('/') == root.rstrip('/') else 'inside '}the input "
+            f"directory {around[0]!r}: a run never writes into its input (the rerun that resumes it would read the "
+            "embedding files as input, and they would pollute the dataset). Nothing was written. Fix: "
+            f"write beside the input, e.g. {around[0].rstrip('/') + '-embeddings'!r}."
+        )
     if inside:
         raise SurgeOutputError(
             f"output={path!r} holds input file {inside[0]!r} ({len(inside)} input file(s) in all): a run "
@@ -747,6 +761,7 @@ def check_output(path: str, storage_options: dict | None = None, *, inputs: Sequ
         )
     if ancestor != root:
         return
+    refuse_links(fs, root)
     names = _ls(fs, root)
     ours = META_DIR in names
     foreign = [n for n in names if not n.startswith(".") and n != META_DIR and not (ours and _DATA_FILE.match(n))]
@@ -760,6 +775,16 @@ def check_output(path: str, storage_options: dict | None = None, *, inputs: Sequ
         )
 
 
+def _input_dirs(inputs: Sequence[str]) -> list[str]:
+    """Each input path, with a glob cut to its fixed directory (``in/*.parquet`` reads ``in``):
+    an output below one of them is inside an input directory."""
+    dirs = []
+    for p in inputs:
+        cut = min((i for i, c in enumerate(p) if c in "*?["), default=-1)
+        dirs.append(p if cut < 0 else p[:cut].rsplit("/", 1)[0] if "/" in p[:cut] else "")
+    return [d for d in dirs if d not in ("", "/")]
+
+
 @dataclass
 class Claim:
     """An exclusive, heartbeated claim of an output directory by one live run.
@@ -769,7 +794,7 @@ class Claim:
     so refreshing it can never overwrite another run's claim. :meth:`acquire` creates
     the claim exclusively; a claim whose process is gone (same host, pid not alive) or
     whose heartbeat is older than :data:`CLAIM_TTL_S` is stale and is taken over
-    (renamed aside first, so of two processes taking it over one wins). While held, a
+    (:meth:`_take_over`: of several processes taking it over, one wins). While held, a
     daemon thread refreshes the heartbeat and notices a lost claim (:attr:`lost`);
     :meth:`release` removes the claim if it is still ours.
 
@@ -846,9 +871,10 @@ class Claim:
     def acquire(cls, fs, root: str, run_id: str, *, heartbeat: bool = True) -> Claim:
         """Claim ``root`` for ``run_id`` or raise :class:`SurgeOutputError` naming the live holder."""
         claim = cls(fs, root, run_id, uuid.uuid4().hex)
+        meta = f"{root}/{META_DIR}"
         try:
-            fs.makedirs(f"{root}/{META_DIR}", exist_ok=True)
-            for _ in range(3):
+            fs.makedirs(meta, exist_ok=True)
+            for _ in range(5):
                 if create_exclusive(fs, cls.path(root), claim._body()):
                     break
                 info = cls.holder(fs, root)
@@ -863,29 +889,63 @@ class Claim:
                         f"whose process died is taken over at once on the same host, else after "
                         f"{CLAIM_TTL_S:.0f} s without a heartbeat."
                     )
-                with contextlib.suppress(FileNotFoundError):  # another taker may have moved it first
-                    _rename(fs, cls.path(root), f"{root}/{META_DIR}/.stale-claim-{time.time_ns()}")
-                if re.fullmatch(r"[0-9a-f]{32}", str(info.get("token", ""))):
-                    with contextlib.suppress(OSError):
-                        fs.rm(cls._beat_path(root, str(info["token"])))
+                claim._take_over(info)
             else:
-                raise SurgeOutputError(f"output={root!r}: could not claim it after 3 tries (another run "
+                raise SurgeOutputError(f"output={root!r}: could not claim it after 5 tries (another run "
                                        "keeps claiming it). Fix: rerun when the other run is done.")
+        except SurgeOutputError:
+            raise  # our own refusal (an OSError subclass): not a filesystem failure
         except OSError as err:
             raise SurgeOutputError(
                 f"output={root!r} is not writable ({type(err).__name__}: {err}). Nothing was encoded. "
                 "Fix: choose a directory you can create and write to."
             ) from err
-        for name in _ls(fs, f"{root}/{META_DIR}"):
-            if name.startswith(".stale-claim-"):
+        for name in _ls(fs, meta):  # what takeovers of stale claims left
+            if name.startswith((".stale-claim-", ".takeover-")):
                 with contextlib.suppress(OSError):
-                    fs.rm(f"{root}/{META_DIR}/{name}")
+                    discard(fs, root, f"{meta}/{name}")
         with contextlib.suppress(OSError):
             claim._beat_once()
         if heartbeat:
             claim._thread = threading.Thread(target=claim._beat, name="dask-surge-claim", daemon=True)
             claim._thread.start()
         return claim
+
+    def _take_over(self, stale: dict) -> None:
+        """Remove the stale claim ``stale`` so that :meth:`acquire` may create its own.
+
+        Of several processes taking over one stale claim, only the one that creates the
+        takeover marker ``.takeover-<its token>-<k>`` exclusively removes it, and only if
+        the claim still carries that token; the others are refused while that process lives
+        (a marker of a dead one is passed over by the next ``k``). So a takeover never has
+        two winners: a process that did not remove the stale claim can only win by creating
+        ``CLAIM`` exclusively, which fails once any other process has.
+        """
+        fs, root = self.fs, self.root
+        old = str(stale.get("token", ""))
+        token = old if re.fullmatch(r"[0-9a-f]{32}", old) else "0" * 32
+        for k in range(8):
+            marker = f"{root}/{META_DIR}/.takeover-{token}-{k}"
+            if create_exclusive(fs, marker, self._body()):
+                break
+            try:
+                taker = _read_json(fs, marker)
+            except SurgeOutputError:
+                taker = None  # torn: its writer died while writing it
+            if taker is not None and not self._stale({**taker, "heartbeat": taker.get("started", 0.0)}):
+                raise SurgeOutputError(
+                    f"output={root!r} is being claimed by another run (pid {taker.get('pid')} on "
+                    f"{taker.get('host')} is taking over the stale claim of run {stale.get('run')}). Nothing "
+                    "was written. Fix: wait for that run to finish, or write to another directory."
+                )
+        else:
+            raise SurgeOutputError(f"output={root!r}: its stale claim could not be taken over (8 takeovers "
+                                   "died). Fix: remove _surge/CLAIM and _surge/.takeover-* by hand, then rerun.")
+        info = Claim.holder(fs, root)
+        if info is not None and str(info.get("token", "")) == old:
+            discard(fs, root, Claim.path(root))
+        if token == old:
+            discard(fs, root, Claim._beat_path(root, old))
 
     def held(self) -> bool:
         """True while the claim file still carries our token."""
@@ -909,9 +969,9 @@ class Claim:
             self._thread.join(timeout=5)
         with contextlib.suppress(OSError):
             if self.held():
-                self.fs.rm(Claim.path(self.root))
+                discard(self.fs, self.root, Claim.path(self.root))
         with contextlib.suppress(OSError):
-            self.fs.rm(Claim._beat_path(self.root, self.token))
+            discard(self.fs, self.root, Claim._beat_path(self.root, self.token))
 
     def __enter__(self) -> Claim:
         return self
@@ -948,8 +1008,10 @@ def open_run(
     its resolved thresholds, its partitions): a resumed run keeps them, whatever the
     cluster's shape is now. A directory holding a different current run is refused
     unless ``overwrite=True``; even then the old run's files stay until the new run
-    completes (see :func:`finish_run`). A different run that stopped on an error before
-    committing anything (e.g. a bad input) holds no data and is replaced.
+    completes (see :func:`finish_run`): until then the new run's committed files stay in its
+    ``staging/`` (:attr:`Manifest.defer_publish`), so a ``part-*.parquet`` reader never sees
+    two runs' rows. A different run that stopped on an error before committing anything
+    (e.g. a bad input) holds no data and is replaced.
 
     Raises
     ------
@@ -971,6 +1033,9 @@ def open_run(
             "Fix: write to a new path, or pass overwrite=True (the old output is replaced "
             "only once the new run has completed)."
         )
+    refuse_links(fs, root)
+    # while another run is current, this one's files wait in staging/ until it completes (settle)
+    manifest.defer_publish = other is not None and not empty_other
     info = _read_json(fs, f"{manifest.run_dir}/run.json")
     try:
         if info is None:
@@ -1002,52 +1067,94 @@ def _retire(fs, root: str, run: str) -> None:
     runs = f"{root}/{META_DIR}/runs"
     retired_dir = f"{root}/{META_DIR}/retired"
     fs.makedirs(retired_dir, exist_ok=True)
-    gone = f"{retired_dir}/{run}-{time.time_ns()}"
     with contextlib.suppress(FileNotFoundError):
-        _rename(fs, f"{runs}/{run}", gone)
+        relocate(fs, root, f"{runs}/{run}", f"{retired_dir}/{run}-{time.time_ns()}")
     prefix = run[:8]
     for name in _ls(fs, root):
         m = _DATA_FILE.match(name)
         if m and m.group("run") == prefix:
-            fs.rm(f"{root}/{name}")
+            discard(fs, root, f"{root}/{name}")
+
+
+def refuse_links(fs, root: str) -> None:
+    """Raise :class:`LinkRefused` when anything under the output's ``_surge/`` is a symbolic
+    link: a run moves and deletes files there, and never follows a link out of its output.
+    One ``lstat`` walk of ``_surge/``, at the start and the end of a run (local filesystems)."""
+    found = links_below(fs, root, f"{root}/{META_DIR}")
+    if found:
+        where = found[0]
+        with contextlib.suppress(OSError):
+            where += f" -> {os.readlink(found[0])!r}"
+        raise LinkRefused(
+            f"output={root!r}: {where} is a symbolic link inside dask-surge's manifest ({len(found)} link(s) in "
+            "all). A run moves and deletes files there and never follows a link out of its output, so it "
+            f"refuses to start. Nothing was written or deleted. Fix: remove the link (`rm {found[0]}` removes "
+            "the link only, not its target), then rerun; to keep the output on another disk, point the output "
+            "path itself there."
+        )
 
 
 def finish_run(manifest: Manifest, committed: dict[str, CommitRecord], summary: dict) -> None:
-    """Record the run as complete and current, and delete what it owns and no longer needs.
+    """Record the run as complete and current, then :func:`settle` the directory.
 
     ``committed`` is ``manifest.committed()`` as just read by the caller; ``summary``
     (rows, SuperBatches, nulls skipped) is kept in the run's ``COMPLETE`` marker, so a
-    rerun of a complete run does nothing and :func:`dask_surge.status` reads it. Then,
-    and only then: committed files still in staging are published, other runs in the
-    directory are retired (their files deleted), and this run's uncommitted attempts
-    (data files of this layout not named by a record, staging leftovers, skipped-null
-    files of losing attempts) and the reuse indexes of other runs are deleted. Nothing that does not match this layout
-    is ever touched. Afterwards the ``part-*.parquet`` files are exactly the committed ones.
+    rerun of a complete run does nothing and :func:`dask_surge.status` reads it.
     """
     fs, root = manifest.fs, manifest.root
-    manifest.publish_pending(committed)
+    refuse_links(fs, root)
+    if not manifest.defer_publish:
+        manifest.publish_pending(committed)  # a run that publishes as it commits: readers see it whole first
     _write_meta(fs, manifest._complete_path, json.dumps(summary, sort_keys=True).encode())
     manifest.mark_current()
-    runs = f"{root}/{META_DIR}/runs"
-    for run in _ls(fs, runs):
-        if run != manifest.run_id and _RUN_ID.match(run):
+    settle(manifest, committed)
+
+
+def settled(manifest: Manifest, committed: dict[str, CommitRecord]) -> bool:
+    """True when the data files of the directory are exactly the committed ones of this
+    complete, current run (none unpublished, none another run's or an uncommitted attempt's)."""
+    fs, root = manifest.fs, manifest.root
+    data = {n for n in _ls(fs, root) if _DATA_FILE.match(n)}
+    return data == {rec.file for rec in committed.values()}
+
+
+def settle(manifest: Manifest, committed: dict[str, CommitRecord], *, retire_others: bool = True) -> None:
+    """What follows a run's completion; idempotent, so a rerun or a repair finishes what a
+    killed process left.
+
+    Other runs in the directory are retired (fenced off, then their data files deleted);
+    only then are this run's committed files still in ``staging/`` published (an overwrite
+    defers them until now), so a ``part-*.parquet`` reader never sees two runs' rows at
+    once. Then this run's uncommitted attempts (data files of this layout no record names,
+    staging leftovers, skipped-null files of losing attempts), the reuse indexes of other
+    runs and the retired runs are deleted. Everything goes through :func:`discard`: nothing
+    that does not match this layout is touched, and no link is followed. Afterwards the
+    ``part-*.parquet`` files are exactly the committed ones.
+
+    With ``retire_others=False`` (a rerun or a repair of a complete run) only the runs whose
+    data files are published are retired: an overwrite in progress (its files in staging) stays.
+    """
+    fs, root = manifest.fs, manifest.root
+    published = {m.group("run") for m in map(_DATA_FILE.match, _ls(fs, root)) if m}
+    for run in _ls(fs, f"{root}/{META_DIR}/runs"):
+        if run != manifest.run_id and _RUN_ID.match(run) and (retire_others or run[:8] in published):
             _retire(fs, root, run)
+    manifest.defer_publish = False  # complete and current: its files are the output now
+    manifest.publish_pending(committed)
     keep = {rec.file for rec in committed.values()}
     for name in _ls(fs, root):
         if _DATA_FILE.match(name) and name not in keep:  # a data file of this layout: ours, not committed
-            fs.rm(f"{root}/{name}")
-    for name in _ls(fs, manifest.staging_dir):
-        fs.rm(f"{manifest.staging_dir}/{name}")
+            discard(fs, root, f"{root}/{name}")
     keep_skipped = {rec.skipped_file for rec in committed.values()}
-    for name in _ls(fs, f"{manifest.run_dir}/skipped"):
-        if name not in keep_skipped:  # of attempts that lost the commit
-            fs.rm(f"{manifest.run_dir}/skipped/{name}")
+    for side in ("staging", "skipped"):
+        for name in _ls(fs, f"{manifest.run_dir}/{side}"):
+            path = f"{manifest.run_dir}/{side}/{name}"
+            if (side == "staging" or name not in keep_skipped) and owned(path[len(root) + 1:]):
+                discard(fs, root, path)  # staging leftovers; skipped files of attempts that lost the commit
     for run in _ls(fs, index_dir(root, "").rstrip("/")):  # reuse indexes of runs now gone
         if run != manifest.run_id and _RUN_ID.match(run):
-            with contextlib.suppress(FileNotFoundError):
-                fs.rm(index_dir(root, run), recursive=True)
-    with contextlib.suppress(FileNotFoundError):
-        fs.rm(f"{root}/{META_DIR}/retired", recursive=True)
+            _discard_tree(fs, root, index_dir(root, run))
+    _discard_tree(fs, root, f"{root}/{META_DIR}/retired")
 
 
 def _problems(manifest: Manifest) -> list[tuple[CommitRecord, str]]:
@@ -1083,8 +1190,15 @@ def verify(path: str, storage_options: dict | None = None) -> list[str]:
     >>> verify(tempfile.mkdtemp())
     []
     """
+    fs, root = _fs_root(path, storage_options)
+    refuse_links(fs, root)
     manifest = current_run(path, storage_options)
-    return [] if manifest is None else [line for _, line in _problems(manifest)]
+    if manifest is None:
+        return []
+    strays = [f"{manifest.root}/{n}: a data file that no commit record of the current run names (left by a "
+              "replaced or killed run; `part-*` readers would read its rows); --repair deletes it"
+              for n in _strays(manifest)]
+    return [line for _, line in _problems(manifest)] + strays
 
 
 def repair(path: str, storage_options: dict | None = None) -> list[str]:
@@ -1103,18 +1217,17 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
     []
     """
     fs, root = _fs_root(path, storage_options)
+    refuse_links(fs, root)
     done: list[str] = []
     meta = f"{root}/{META_DIR}"
 
     def aside(p: str) -> None:
-        parent, name = p.rsplit("/", 1)
-        fs.mv(p, f"{parent}/.torn-{name}-{time.time_ns()}")
+        _aside(fs, root, p)
         done.append(f"moved damaged {p} aside")
 
     def forget(manifest: Manifest, rec: CommitRecord, why: str) -> None:
         aside(manifest.record_path(rec.sb))
-        with contextlib.suppress(FileNotFoundError):
-            fs.rm(manifest._complete_path)
+        discard(fs, root, manifest._complete_path)
         done.append(f"forgot SuperBatch {rec.sb} of run {manifest.run_id}: {why}; a rerun encodes those rows again")
 
     valid: dict[str, Manifest] = {}
@@ -1132,7 +1245,7 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
         aside(current_path(root))
         current = None
     if current is not None and current not in valid:
-        fs.rm(current_path(root))
+        discard(fs, root, current_path(root))
         done.append(f"removed {current_path(root)} (it named run {current}, which has no valid run.json)")
         current = None
     if current is None and len(valid) == 1:
@@ -1148,17 +1261,31 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
             manifest.completion()
         except SurgeOutputError:
             aside(manifest._complete_path)
-        present = set(_ls(fs, root))
+        present, staged = set(_ls(fs, root)), set(_ls(fs, manifest.staging_dir))
         for rec in records.values():
-            if rec.file not in present:
-                try:
-                    manifest.publish(rec)
-                    done.append(f"published committed {rec.file} from staging")
-                except FileNotFoundError:
-                    forget(manifest, rec, f"its file {rec.file} is missing")
+            if rec.file in present:
+                continue
+            attempt = rec.file.rsplit("-", 1)[-1].removesuffix(".parquet")
+            if f"{rec.sb}-{attempt}.parquet" not in staged:
+                forget(manifest, rec, f"its file {rec.file} is missing")
+            elif manifest.run_id == current:  # another run's files wait in staging until it completes
+                manifest.publish(rec)
+                done.append(f"published committed {rec.file} from staging")
     if current is not None:
         manifest = valid[current]
         for rec, line in _problems(manifest):
             if fs.exists(manifest.record_path(rec.sb)):  # a record with two bad files is forgotten once
                 forget(manifest, rec, line)
+        for name in _strays(manifest):
+            discard(fs, root, f"{root}/{name}")
+            done.append(f"deleted {name}: a data file of this layout that no commit record of the current run "
+                        "names (left by a replaced or killed run)")
     return done
+
+
+def _strays(manifest: Manifest) -> list[str]:
+    """Data files of this layout in the output that no commit record of ``manifest`` names
+    (listed before the records are read, so a file published meanwhile is named)."""
+    names = [n for n in _ls(manifest.fs, manifest.root) if _DATA_FILE.match(n)]
+    named = {rec.file for rec in manifest.committed().values()}
+    return [n for n in names if n not in named]
