@@ -92,10 +92,23 @@ def test_after_complete_the_parquet_files_are_exactly_the_committed_ones(tmp_pat
     assert not (out / "_surge" / "retired").exists()
 
 
-def test_remote_outputs_are_refused_until_proven(counting_encoder):
-    for url in ("s3://bucket/emb", "gcs://bucket/emb", "simplecache::s3://bucket/emb"):
-        with pytest.raises(SurgeOutputError, match="proven on local and shared POSIX filesystems.*Nothing was"):
+def test_filesystems_without_an_exclusive_create_are_refused(counting_encoder):
+    for url in ("ftp://host/emb", "simplecache::s3://bucket/emb", "http://host/emb"):
+        with pytest.raises(SurgeOutputError, match="needs an atomic write and an exclusive create.*Nothing was"):
             make_partitioned_frame([2]).surge.encode("text", url, model=counting_encoder, **KW)
+
+
+def test_a_store_that_cannot_be_reached_is_a_clear_error(counting_encoder, monkeypatch):
+    pytest.importorskip("s3fs")
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
+    with pytest.raises(SurgeOutputError, match="s3://bucket/emb.*cannot be reached.*Nothing was written.*credentials"):
+        make_partitioned_frame([2]).surge.encode("text", "s3://bucket/emb", model=counting_encoder,
+                                                 storage_options=options, **KW)
 
 
 def test_an_output_under_a_regular_file_is_a_clear_error(tmp_path, counting_encoder):

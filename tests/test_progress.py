@@ -194,7 +194,7 @@ def test_a_worker_announces_a_commit_to_the_client(client):
     import time
 
     heard: list[tuple[str, int]] = []
-    with events.listen("run-x", lambda sb, rows: heard.append((sb, rows)), client):
+    with events.listen("run-x", lambda sb, rows, file: heard.append((sb, rows)), client):
         # subscribing is asynchronous: announce until the scheduler forwards one (deadline, not timing)
         deadline = time.monotonic() + 30
         while not heard and time.monotonic() < deadline:

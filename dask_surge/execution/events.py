@@ -31,20 +31,21 @@ logger = logging.getLogger(__name__)
 #: the worker-event topic of commit announcements
 TOPIC = "dask-surge-commit"
 
-#: run id -> listener(sb key, rows), in this process
-_LISTENERS: dict[str, Callable[[str, int], None]] = {}
+#: run id -> listener(sb key, rows, file), in this process
+_LISTENERS: dict[str, Callable[[str, int, str], None]] = {}
 _LOCK = threading.Lock()
 
 
-def announce(run: str, sb: str, rows: int) -> None:
-    """Tell the client that SuperBatch ``sb`` of ``run`` committed ``rows`` (written + skipped) rows.
+def announce(run: str, sb: str, rows: int, file: str = "") -> None:
+    """Tell the client that SuperBatch ``sb`` of ``run`` committed ``rows`` (written + skipped) rows
+    in its data file ``file``.
 
     Never raises: a progress report must not fail a commit.
 
     Examples
     --------
     >>> heard = []
-    >>> with listen("run-1", lambda sb, rows: heard.append((sb, rows))):
+    >>> with listen("run-1", lambda sb, rows, file: heard.append((sb, rows))):
     ...     announce("run-1", "0-0", 5)
     >>> announce("run-1", "1-0", 5)  # nobody listens (and no worker here): nothing happens
     >>> heard
@@ -53,13 +54,13 @@ def announce(run: str, sb: str, rows: int) -> None:
     try:
         listener = _LISTENERS.get(run)
         if listener is not None:
-            listener(sb, int(rows))
+            listener(sb, int(rows), file)
             return
         try:
             worker = get_worker()
         except ValueError:  # not in a distributed worker, and nobody here listens
             return
-        worker.log_event(TOPIC, {"run": run, "sb": sb, "rows": int(rows)})
+        worker.log_event(TOPIC, {"run": run, "sb": sb, "rows": int(rows), "file": file})
     except Exception as err:  # noqa: BLE001  # pragma: no cover - a lost announcement costs nothing
         logger.debug("dask-surge: commit of %s not announced: %s", sb, err)
 
@@ -69,12 +70,12 @@ def _dispatch(event) -> None:
     _, msg = event
     listener = _LISTENERS.get(str(msg.get("run"))) if isinstance(msg, dict) else None
     if listener is not None:
-        listener(str(msg["sb"]), int(msg["rows"]))
+        listener(str(msg["sb"]), int(msg["rows"]), str(msg.get("file", "")))
 
 
 @contextlib.contextmanager
-def listen(run: str, listener: Callable[[str, int], None], client=None) -> Iterator[None]:
-    """Call ``listener(sb, rows)`` for each commit announced for ``run`` while inside.
+def listen(run: str, listener: Callable[[str, int, str], None], client=None) -> Iterator[None]:
+    """Call ``listener(sb, rows, file)`` for each commit announced for ``run`` while inside.
 
     With a distributed ``client``, the client subscribes to :data:`TOPIC` (one handler
     for every run of this process, dispatching by run id), and unsubscribes when the

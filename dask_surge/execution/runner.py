@@ -36,8 +36,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from fsspec.core import url_to_fs
-
 from .. import config
 from ..errors import SurgeError, SurgeInputError, SurgeOutputError
 from ..io.arrow import to_host
@@ -48,10 +46,12 @@ from ..io.manifest import (
     Manifest,
     RunPlan,
     check_output,
+    check_store,
     find_run,
     fingerprint_digest,
     finish_run,
     open_run,
+    output_fs,
     sb_key,
     settle,
     settled,
@@ -68,6 +68,7 @@ from .inputs import InputGraph, Unit, UnitSource, input_files, task_arguments
 from .plugins import models_ready
 from .profiler import profiler_paused
 from .progress import RunProgress, logging_through
+from .reach import check_workers_see_output
 from .sink import SuperBatchWriter
 from .superbatch import SuperBatchEncoder, partition_digest
 
@@ -515,8 +516,8 @@ def write_run(request: RunRequest) -> EncodeResult:
         check_output(output, storage_options, inputs=input_files(request.frame))
         found = find_run(output, request.fingerprint, storage_options)
         _say_recorded_thresholds(found, request)
-        fs, root = url_to_fs(output, **(storage_options or {}))
-        root = root.rstrip("/") or "/"
+        fs, root = output_fs(output, storage_options)
+        check_store(fs, root)  # an object store honours conditional creates, before the claim relies on one
         if found is not None and found.completion() is not None and not request.overwrite \
                 and not found.coverage().missing(request.frame.npartitions):  # records, not the marker, are the truth
             committed = found.committed()
@@ -526,6 +527,8 @@ def write_run(request: RunRequest) -> EncodeResult:
             result = _complete_result(found, output, t0)
             bar.finish(result.rows + result.nulls_skipped, result.superbatches)
             return result
+        if request.client is not None:  # before any work: a worker that cannot see the output stops the run
+            check_workers_see_output(request.client, fs, root, str(output))
         claim = Claim.acquire(fs, root, fingerprint_digest(request.fingerprint))
         try:
             return _claimed_run(request, t0, wall0, claim, bar)
@@ -615,15 +618,25 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
     runner = UnitRunner(SuperBatchWriter(sbe, manifest, config.get("compression")), b_min, b_max, max_bytes)
     reports: list[SuperBatchReport] = []
     ttfo = None
+    # on an object store this process publishes each commit as it hears of it (Manifest.tasks_publish)
+    publisher = None if manifest.tasks_publish or manifest.defer_publish else Publisher(manifest)
+
+    def heard(sb: str, rows: int, file: str) -> None:
+        bar.commit(sb, rows)
+        if publisher is not None and file:
+            publisher.submit(sb, file)
+
     if units:
         window = config.get("in-flight") or 2 * max(1, threads)
         try:
             graph = InputGraph(frame)  # may already convert in-memory data (bad UTF-8 raises here)
             _follow_model(bar, request)
-            with listen(manifest.run_id, bar.commit, client):  # each commit as it happens (events.py)
+            with listen(manifest.run_id, heard, client):  # each commit as it happens (events.py)
                 for report in run_units(iter(units), lambda key, unit: graph.task(key, runner, unit), client,
                                         request.scheduler, window, task_resources(client)):
-                    if report.committed:  # when its file became readable, not when the client heard
+                    if report.committed and publisher is not None:
+                        publisher.submit(report.sb, report.file)  # one whose commit was not announced
+                    elif report.committed:  # when its file became readable, not when the client heard
                         first = report.committed_at - wall0
                         ttfo = first if ttfo is None else min(ttfo, first)
                     reports.append(report)
@@ -635,6 +648,10 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
                             "run stopped; what it committed is kept. Fix: let the other run finish, or rerun."
                         )
         except BaseException as err:
+            if publisher is not None:  # what committed is readable by part-* globs, as on a filesystem
+                publisher.close()
+                with contextlib.suppress(Exception):
+                    manifest.publish_pending(manifest.committed())
             # a run that stops before its first commit may then be replaced (see open_run)
             manifest.mark_stopped(f"{type(err).__name__}: {err}")
             if isinstance(err, KeyboardInterrupt):
@@ -643,6 +660,10 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
             if better is not None:
                 raise better from err
             raise
+    if publisher is not None:
+        publisher.close()
+        if publisher.first is not None:
+            ttfo = publisher.first - wall0
     committed = manifest.committed()
     coverage = manifest.coverage(committed)
     _check_complete(coverage, committed, npartitions, sizes, output)
@@ -660,6 +681,44 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
         output_rows=summary["output_rows"], truncated=summary["truncated"], encoded=summary["encoded"],
         reused=summary["reused"],
     )
+
+
+class Publisher:
+    """Publishes committed SuperBatch files on an object store as their commits reach the
+    client (announced, or in a unit's reports), on one thread so that the client's event loop
+    never waits on the store; the end of the run publishes whatever is left.
+
+    ``first`` is the wall-clock time the first file became readable (None before).
+    """
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.first: float | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dask-surge-publish")
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def submit(self, sb: str, file: str) -> None:
+        """Publish ``file`` of SuperBatch ``sb`` soon (once per SuperBatch)."""
+        with self._lock:
+            if sb in self._seen:
+                return
+            self._seen.add(sb)
+        with contextlib.suppress(RuntimeError):  # closed: the end of the run publishes it
+            self._pool.submit(self._publish, sb, file)
+
+    def _publish(self, sb: str, file: str) -> None:
+        try:
+            self.manifest.publish_file(sb, file)
+        except Exception as err:  # noqa: BLE001 - the end of the run (or a rerun) publishes it, or says why
+            logger.warning("dask-surge: publishing %s waits for the end of the run: %s", file, err)
+            return
+        if self.first is None:
+            self.first = time.time()
+
+    def close(self) -> None:
+        """Wait for the files submitted so far."""
+        self._pool.shutdown(wait=True)
 
 
 def _check_complete(coverage: Coverage, committed: dict, npartitions: int, sizes, output: str) -> None:

@@ -256,7 +256,7 @@ class SuperBatchWriter:
             step = f"creating the commit record {manifest.record_path(key)!r}"
             record = dataclasses.replace(record, committed_at=time.time())
             won = manifest.commit(record)
-            if won and not manifest.defer_publish:  # an overwrite publishes once it completes
+            if won and manifest.tasks_publish:  # else the claim holder publishes it (see Manifest.tasks_publish)
                 step = f"publishing {path!r}"
                 manifest.publish(record)  # now, and only now, under its part-*.parquet name
         except OSError as err:
@@ -282,7 +282,7 @@ class SuperBatchWriter:
             if skipped:
                 discard(fs, manifest.root, skip_path)
         else:  # the client's progress moves now, not when the whole unit ends
-            announce(manifest.run_id, key, encoded.texts + len(skipped))
+            announce(manifest.run_id, key, encoded.texts + len(skipped), record.file)
         return SuperBatchReport(
             sb=key, rows=encoded.texts, skipped=len(skipped), file=record.file if won else "", bytes=len(data),
             spans=record.spans, started_at=batch.started_at, encode_s=batch.encode_s, write_s=time.perf_counter() - t1,

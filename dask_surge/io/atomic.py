@@ -224,10 +224,14 @@ def rename(fs: Any, root: str, src: str, dst: str) -> None:
     what no reader relies on yet, or what a retry may move again.
     """
     sparts, dparts = _parts(root, src), _parts(root, dst)
-    if not is_local(fs):
+    if "memory" in protocols(fs):
         if not fs.exists(src):
             raise FileNotFoundError(src)
         fs.mv(src, dst, recursive=fs.isdir(src))
+        return
+    if not is_local(fs):  # a file: one server-side copy (FileNotFoundError when src is gone), one delete
+        fs.cp_file(src, dst)
+        fs.rm_file(src)
         return
     with _parent_fd(root, sparts) as sfd, _parent_fd(root, dparts) as dfd:
         os.rename(sparts[-1], dparts[-1], src_dir_fd=sfd, dst_dir_fd=dfd)

@@ -50,17 +50,31 @@ from typing import Any, Literal
 from fsspec.core import url_to_fs
 
 from ..errors import SurgeInputError, SurgeOutputError
-from .atomic import LinkRefused, links_below, listdir, protocols, remove_tree, rename, unlink, write_atomic
+from .atomic import (
+    LinkRefused,
+    is_local,
+    links_below,
+    listdir,
+    protocols,
+    remove_tree,
+    rename,
+    unlink,
+    write_atomic,
+)
 
 __all__ = ["FORMAT_VERSION", "Manifest", "RunPlan", "CommitRecord", "Coverage", "Claim", "sb_key", "text_counts", "index_dir", "fingerprint_digest",
            "open_run", "current_run", "existing_run", "find_run", "finish_run", "check_output", "check_writable_store", "repair",
            "verify", "LOCAL_PROTOCOLS", "owned", "discard", "relocate", "LinkRefused", "write_bytes_atomic",
-           "create_exclusive"]
+           "create_exclusive", "check_store", "output_fs", "STORE_PROTOCOLS", "settle", "settled",
+           "refuse_links"]
 
 FORMAT_VERSION = 2  # 2: SuperBatches keyed by their first row; recorded thresholds
 META_DIR = "_surge"
 #: filesystems whose rename and exclusive create the commit protocol relies on (tested)
 LOCAL_PROTOCOLS = ("file", "local", "memory")
+#: object stores written with one PUT per file and conditional PUTs for exclusive creates,
+#: where the installed fsspec filesystem offers them (proven on the store by :func:`check_store`)
+STORE_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "abfs", "az")
 #: a claim whose heartbeat is older than this is stale (its process is gone or hung)
 CLAIM_TTL_S = 60.0
 #: how often a live run refreshes its claim
@@ -81,7 +95,8 @@ _RUN = r"[0-9a-f]{16}"
 #: what this layout writes, relative to the output root: the only names a run deletes or moves
 _OWNED = re.compile(
     rf"^(?:part-[0-9a-f]{{8}}-{_SB}-[0-9a-f]{{8}}\.parquet"
-    rf"|{META_DIR}/(?:CURRENT|CLAIM|\.heartbeat-[0-9a-f]{{32}}|\.stale-claim-\d+|\.takeover-[0-9a-f]{{32}}-\d+)"
+    rf"|{META_DIR}/(?:CURRENT|CLAIM|\.heartbeat-[0-9a-f]{{32}}|\.stale-claim-\d+|\.takeover-[0-9a-f]{{32}}-\d+"
+    rf"|\.probe-[0-9a-f]{{32}}|\.reach-[0-9a-f]{{32}}(?:-\d+)?)"
     rf"|{META_DIR}/(?:retired|index/{_RUN})"
     rf"|{META_DIR}/(?:runs/{_RUN}|retired/{_RUN}-\d+)"
     rf"(?:/(?:run\.json|COMPLETE|STOPPED|commits/{_SB}\.json|(?:staging|skipped)/{_SB}-[0-9a-f]{{8}}\.parquet))?"
@@ -411,8 +426,7 @@ def _corrupt(path: str, err: Exception) -> SurgeOutputError:
 def _read_json(fs, path: str) -> dict | None:
     """The JSON object in ``path``; None when it does not exist; a clear error when it is damaged."""
     try:
-        with fs.open(path, "rb") as f:
-            data = f.read()
+        data = fs.cat_file(path)  # one GET on a store
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
@@ -437,6 +451,14 @@ class Manifest:
     #: True while another run is current (an overwrite): committed files stay in ``staging/``
     #: until this run completes, so a ``part-*`` reader never sees two runs' rows at once
     defer_publish: bool = False
+
+    @property
+    def tasks_publish(self) -> bool:
+        """True when the task that commits a SuperBatch also publishes its file (a rename on a
+        local or shared filesystem). On an object store a move is a copy and a delete, which
+        a retired run's late task could still make, so there only the process holding the
+        claim publishes (:meth:`publish`, as each commit reaches it, and at the end)."""
+        return not self.defer_publish and (is_local(self.fs) or "memory" in protocols(self.fs))
 
     @property
     def run_dir(self) -> str:
@@ -490,10 +512,15 @@ class Manifest:
         finishing or repairing the run) the first moves it; the other finds it there.
         Raises FileNotFoundError when the file is in neither place (a crash destroyed it).
         """
-        final = f"{self.root}/{record.file}"
-        m = _DATA_FILE.match(record.file)
-        assert m is not None  # checked when the record was read
-        staged = self.staging_path(record.sb, m.group("attempt"))
+        self.publish_file(record.sb, record.file)
+
+    def publish_file(self, sb: str, file: str) -> None:
+        """:meth:`publish` the committed file ``file`` of SuperBatch ``sb``."""
+        final = f"{self.root}/{file}"
+        m = _DATA_FILE.match(file)
+        if m is None:
+            raise SurgeOutputError(f"{file!r} is not a data file of this layout. This is a bug: please report it.")
+        staged = self.staging_path(sb, m.group("attempt"))
         try:
             relocate(self.fs, self.root, staged, final)
         except FileNotFoundError:
@@ -513,8 +540,7 @@ class Manifest:
                 continue
             path = f"{self.commits_dir}/{name}"
             try:
-                with self.fs.open(path, "rb") as f:
-                    rec = CommitRecord.from_json(f.read())
+                rec = CommitRecord.from_json(self.fs.cat_file(path))
                 if name != f"{rec.sb}.json" or rec.run != self.run_id:
                     continue
             except (ValueError, KeyError, TypeError, OSError):
@@ -609,8 +635,7 @@ def _current_id(fs, root: str) -> str | None:
     """The run id in ``CURRENT``; None when there is none; a clear error when it is damaged."""
     path = current_path(root)
     try:
-        with fs.open(path, "rb") as f:
-            run_id = f.read().decode(errors="replace").strip()
+        run_id = fs.cat_file(path).decode(errors="replace").strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
     if not _RUN_ID.match(run_id):
@@ -629,9 +654,19 @@ def _load(fs, root: str, run_id: str) -> Manifest | None:
                     format_version=info["format_version"])
 
 
-def _fs_root(path: str, storage_options: dict | None) -> tuple[Any, str]:
-    fs, root = url_to_fs(path, **(storage_options or {}))
+def output_fs(path: str, storage_options: dict | None = None) -> tuple[Any, str]:
+    """The filesystem and root of an output ``path``: an object store's without a listing
+    cache (a commit made by another process must never be hidden by a stale listing)."""
+    from fsspec.core import split_protocol
+
+    options = dict(storage_options or {})
+    if split_protocol(str(path))[0] in STORE_PROTOCOLS:
+        options.setdefault("use_listings_cache", False)
+    fs, root = url_to_fs(path, **options)
     return fs, root.rstrip("/") or "/"
+
+
+_fs_root = output_fs
 
 
 def current_run(path: str, storage_options: dict | None = None) -> Manifest | None:
@@ -673,29 +708,99 @@ def _differences(old: dict, new: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
-def check_writable_store(path: str) -> None:
-    """Refuse to write to a store whose commit protocol is not proven (any but :data:`LOCAL_PROTOCOLS`).
+def _create_mode(protocol: str) -> bool:
+    """True when the installed fsspec filesystem of ``protocol`` offers an exclusive create
+    (``pipe_file(..., mode="create")``: a conditional PUT with ``If-None-Match: *``)."""
+    import inspect
 
-    Reading such a store (a finished output copied there) is fine; only writing is refused.
+    from fsspec.registry import get_filesystem_class
+
+    try:
+        cls = get_filesystem_class(protocol)
+    except (ImportError, ValueError):
+        return False
+    for name in ("_pipe_file", "pipe_file"):
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            if "mode" in inspect.signature(getattr(cls, name)).parameters:
+                return True
+    return False
+
+
+def check_writable_store(path: str) -> None:
+    """Refuse to write where the commit protocol cannot hold.
+
+    Local and shared POSIX filesystems (:data:`LOCAL_PROTOCOLS`) are accepted, and object
+    stores (:data:`STORE_PROTOCOLS`) whose installed fsspec filesystem offers an exclusive
+    create; those are proven on the store itself before the first write
+    (:func:`check_store`). Anything else, and chained URLs, are refused. Reading any
+    store (a finished output copied there) is fine; only writing is checked.
 
     Examples
     --------
     >>> check_writable_store("/tmp/emb")
-    >>> check_writable_store("s3://bucket/emb")
+    >>> check_writable_store("ftp://host/emb")
     Traceback (most recent call last):
     ...
-    dask_surge.errors.SurgeOutputError: output='s3://bucket/emb' is on a 's3' filesystem. ...
+    dask_surge.errors.SurgeOutputError: output='ftp://host/emb' is on a 'ftp' filesystem. ...
     """
     from fsspec.core import split_protocol
 
     protocol = split_protocol(str(path))[0] or "file"  # before any filesystem is built (none may be installed)
-    if protocol not in LOCAL_PROTOCOLS or "::" in str(path):
+    if protocol in LOCAL_PROTOCOLS and "::" not in str(path):
+        return
+    if protocol in STORE_PROTOCOLS and "::" not in str(path):
+        if _create_mode(protocol):
+            return
         raise SurgeOutputError(
-            f"output={path!r} is on a {protocol!r} filesystem. dask-surge's exactly-once commit (atomic "
-            "rename, exclusive create, fresh listings) is proven on local and shared POSIX filesystems "
-            "(local disks, NFS, Lustre, GPFS) only, so it refuses other stores rather than risk lost or "
-            "duplicated rows. Nothing was written. Fix: write to a local or shared filesystem path, then "
-            f"copy the finished directory to the store (e.g. `aws s3 sync out/ {path}`)."
+            f"output={path!r} is on a {protocol!r} store, but the installed fsspec filesystem for it gives no "
+            "exclusive create (pipe_file(..., mode='create'), a conditional PUT), which dask-surge's commit "
+            "protocol needs. Nothing was written. Fix: install or upgrade its package (s3fs, gcsfs or adlfs, "
+            "2024.12 or newer), or write to a shared filesystem path."
+        )
+    raise SurgeOutputError(
+        f"output={path!r} is on a {protocol!r} filesystem. dask-surge's exactly-once commit needs an atomic "
+        "write and an exclusive create, which it uses on local and shared POSIX filesystems (local disks, NFS, "
+        f"Lustre, GPFS) and on object stores ({', '.join(STORE_PROTOCOLS)}) only, so it refuses other "
+        "filesystems (and chained URLs) rather than risk lost or duplicated rows. Nothing was written. Fix: "
+        "write to a shared filesystem path or an object-store URL such as 's3://bucket/prefix'."
+    )
+
+
+def check_store(fs, root: str) -> None:
+    """Prove on an object store's own prefix that an exclusive create is exclusive (some
+    S3-compatible servers ignore ``If-None-Match`` and answer 200 to both writers) and that a
+    listing shows a new key; a :class:`SurgeOutputError` naming the store otherwise. Costs
+    two PUTs, one LIST and one DELETE, once per run; does nothing on a local filesystem."""
+    if is_local(fs) or "memory" in protocols(fs):
+        return
+    probe = f"{root}/{META_DIR}/.probe-{uuid.uuid4().hex}"
+    store = f"{protocols(fs)[0]}://{root}"
+    try:
+        first = create_exclusive(fs, probe, b"1")
+        second = create_exclusive(fs, probe, b"2")
+        listed = probe.rsplit("/", 1)[1] in _ls(fs, f"{root}/{META_DIR}")
+        discard(fs, root, probe)
+    except SurgeOutputError:
+        raise
+    except OSError as err:
+        raise SurgeOutputError(
+            f"output={store!r} cannot be written ({type(err).__name__}: {err}). Nothing was encoded. Fix: check "
+            "the bucket exists and the credentials (storage_options, the environment or the store's config) "
+            "allow PUT, GET, LIST and DELETE under that prefix."
+        ) from err
+    if not first or second:
+        raise SurgeOutputError(
+            f"output={store!r}: the store ignored a conditional create (a second exclusive PUT of one key "
+            f"{'succeeded' if second else 'failed although the key was new'}). dask-surge commits each SuperBatch "
+            "and claims the output with conditional PUTs (If-None-Match: *); on this store two writers could both "
+            "win and rows could be duplicated or lost. Nothing was written. Fix: use a store that honours "
+            "If-None-Match (AWS S3, recent MinIO, GCS, Azure), or write to a shared filesystem path."
+        )
+    if not listed:
+        raise SurgeOutputError(
+            f"output={store!r}: a key just written did not appear in a listing of its prefix, so resume could "
+            "miss committed SuperBatches. Nothing was written. Fix: turn off any listing cache of the store "
+            "(storage_options={'use_listings_cache': False}) or use a store with consistent listings."
         )
 
 
@@ -735,10 +840,19 @@ def check_output(path: str, storage_options: dict | None = None, *, inputs: Sequ
     """
     check_writable_store(path)
     fs, root = _fs_root(path, storage_options)
-    ancestor = root
-    while ancestor not in ("", "/") and not fs.exists(ancestor):
-        ancestor = ancestor.rsplit("/", 1)[0] if "/" in ancestor else ""
-    if ancestor not in ("", "/") and not fs.isdir(ancestor):
+    try:
+        ancestor = root
+        while ancestor not in ("", "/") and not fs.exists(ancestor):
+            ancestor = ancestor.rsplit("/", 1)[0] if "/" in ancestor else ""
+        is_file = ancestor not in ("", "/") and not fs.isdir(ancestor)
+    except Exception as err:
+        if is_local(fs):
+            raise
+        raise SurgeOutputError(
+            f"output={path!r} cannot be reached ({type(err).__name__}: {err}). Nothing was written. Fix: check the "
+            "URL, the endpoint and the credentials (storage_options, the environment or the store's config)."
+        ) from err
+    if is_file:
         what = "is a file" if ancestor == root else f"is under {ancestor!r}, which is a file"
         raise SurgeOutputError(
             f"output={path!r} {what}; the output must be a directory (one Parquet file per SuperBatch plus "
@@ -840,8 +954,7 @@ class Claim:
         token = str(info.get("token", ""))
         if re.fullmatch(r"[0-9a-f]{32}", token):
             try:
-                with fs.open(Claim._beat_path(root, token), "rb") as f:
-                    info["heartbeat"] = float(f.read().decode())
+                info["heartbeat"] = float(fs.cat_file(Claim._beat_path(root, token)).decode())
             except (FileNotFoundError, ValueError):
                 pass  # no beat yet: the time the claim was made
         info.setdefault("heartbeat", info.get("started", 0.0))
@@ -1062,18 +1175,21 @@ def open_run(
 
 
 def _retire(fs, root: str, run: str) -> None:
-    """Fence off and delete another run: its directory is moved to ``retired/`` first (a
-    late task of it can then neither commit nor publish), then its data files go."""
+    """Fence off and delete another run: on a filesystem its directory is moved to ``retired/``
+    first (a late task of it can then neither commit nor publish), then its data files go."""
     runs = f"{root}/{META_DIR}/runs"
     retired_dir = f"{root}/{META_DIR}/retired"
-    fs.makedirs(retired_dir, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        relocate(fs, root, f"{runs}/{run}", f"{retired_dir}/{run}-{time.time_ns()}")
+    if is_local(fs) or "memory" in protocols(fs):
+        fs.makedirs(retired_dir, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            relocate(fs, root, f"{runs}/{run}", f"{retired_dir}/{run}-{time.time_ns()}")
     prefix = run[:8]
     for name in _ls(fs, root):
         m = _DATA_FILE.match(name)
         if m and m.group("run") == prefix:
             discard(fs, root, f"{root}/{name}")
+    if not is_local(fs):  # a store has no directory to move: the run's tasks never publish there, so
+        _discard_tree(fs, root, f"{runs}/{run}")  # its metadata goes now (a late record is harmless garbage)
 
 
 def refuse_links(fs, root: str) -> None:

@@ -1,0 +1,120 @@
+"""Before any work: every worker sees the output the client sees.
+
+A cluster whose workers do not share the output path (a local ``/data/out`` on each
+machine) or lack the store's credentials would commit where the client cannot see, so a
+run proves the opposite first: the client writes a probe file under the output's
+``_surge/``, each worker reads it back (the same bytes) and writes one of its own, and the
+client reads those. One round trip to the workers (``Client.run``), seconds at most; the
+probe files are deleted whatever the outcome.
+
+Examples
+--------
+>>> import tempfile
+>>> from dask_surge.io.manifest import output_fs
+>>> fs, root = output_fs(tempfile.mkdtemp())
+>>> worker_sees(fs, root, "0" * 32, "tcp://127.0.0.1:1")  # a worker, when the client wrote no probe
+"FileNotFoundError: [Errno 2] No such file or directory: ..."
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import uuid
+import zlib
+from typing import Any
+
+from ..errors import SurgeOutputError
+from ..io.manifest import META_DIR, discard, write_bytes_atomic
+
+__all__ = ["check_workers_see_output", "worker_sees"]
+
+
+def _probe(root: str, token: str) -> str:
+    return f"{root}/{META_DIR}/.reach-{token}"
+
+
+def _answer(root: str, token: str, address: str) -> str:
+    return f"{_probe(root, token)}-{zlib.crc32(address.encode())}"
+
+
+def worker_sees(fs: Any, root: str, token: str, address: str) -> str | None:
+    """On a worker: read the client's probe and write this worker's answer; None when both
+    worked, else what failed (the probe is written by :func:`check_workers_see_output`)."""
+    probe = _probe(root, token)
+    try:
+        with fs.open(probe, "rb") as f:
+            data = f.read()
+        if data != token.encode():
+            return f"{probe!r} holds other bytes than the client wrote"
+        write_bytes_atomic(fs, _answer(root, token, address), address.encode())
+    except Exception as err:  # noqa: BLE001 - any failure is the answer: a missing file, no credentials, a read-only mount
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _run_on_worker(fs: Any, root: str, token: str, dask_worker: Any = None) -> tuple[str, str | None]:
+    address = dask_worker.address if dask_worker is not None else "?"
+    return socket.gethostname(), worker_sees(fs, root, token, address)
+
+
+def _clean_on_worker(fs: Any, root: str, token: str, dask_worker: Any = None) -> None:
+    address = dask_worker.address if dask_worker is not None else "?"
+    with contextlib.suppress(Exception):
+        discard(fs, root, _answer(root, token, address))
+
+
+def check_workers_see_output(client: Any, fs: Any, root: str, output: str) -> None:
+    """Raise :class:`SurgeOutputError` unless every worker of ``client`` reads what the client
+    wrote at the output ``root`` and writes what the client reads there.
+
+    Parameters
+    ----------
+    client : distributed.Client
+        The run's client; its current workers are checked.
+    fs, root
+        The output's filesystem and root (:func:`dask_surge.io.manifest.output_fs`).
+    output : str
+        The output as the user named it (for the message).
+    """
+    token = uuid.uuid4().hex
+    probe = _probe(root, token)
+    fs.makedirs(f"{root}/{META_DIR}", exist_ok=True)
+    write_bytes_atomic(fs, probe, token.encode())
+    failures: list[str] = []
+    try:
+        answers = client.run(_run_on_worker, fs, root, token, on_error="return")
+        for address, answer in sorted(answers.items()):
+            if isinstance(answer, BaseException):
+                failures.append(f"worker {address}: {type(answer).__name__}: {answer}")
+                continue
+            host, error = answer
+            if error is None:
+                try:
+                    with fs.open(_answer(root, token, address), "rb") as f:
+                        seen = f.read() == address.encode()
+                except FileNotFoundError:
+                    seen = False
+                if not seen:
+                    error = f"the client cannot read back what it wrote ({_answer(root, token, address)!r})"
+            else:
+                error = f"it cannot read {probe!r}, which the client wrote ({error})"
+            if error is not None:
+                failures.append(f"worker {address} on host {host!r}: {error}")
+    finally:
+        if failures:
+            with contextlib.suppress(Exception):
+                client.run(_clean_on_worker, fs, root, token, on_error="return")
+        for address in client.scheduler_info().get("workers", {}):
+            with contextlib.suppress(OSError):
+                discard(fs, root, _answer(root, token, address))
+        with contextlib.suppress(OSError):
+            discard(fs, root, probe)
+    if failures:
+        raise SurgeOutputError(
+            f"output={output!r}: {len(failures)} worker(s) do not see the output the client sees, so what they "
+            f"commit would land where the client cannot read it: {'; '.join(failures[:3])}"
+            f"{' ...' if len(failures) > 3 else ''}. Nothing was encoded. Fix: write to a path every worker mounts "
+            "at the same place (NFS, Lustre, GPFS), or to an object-store URL (s3://bucket/prefix) with "
+            "credentials every worker has (storage_options, or the same environment on every worker)."
+        )

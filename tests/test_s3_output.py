@@ -1,0 +1,362 @@
+"""Output on an object store (issue 52), against a real S3 endpoint: moto's server on loopback.
+
+Every row once and equal to an undisturbed run after interruptions and kills, exactly the
+committed objects under the prefix (read by DuckDB through fsspec), one winner of two runs,
+a late task of a replaced run publishing nothing, a store that ignores conditional creates
+refused, workers that do not see the output refused before any work, and a constant number
+of requests per SuperBatch with no LIST."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import dask_surge
+from dask_surge import SurgeOutputError
+from dask_surge.io.manifest import Claim, current_run, output_fs, verify
+from dask_surge.synthetic import lognormal_sizes, make_partitioned_frame, write_partitioned_parquet
+from dask_surge.testing import CountingEncoder, InterruptAfter
+
+s3fs = pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+duckdb = pytest.importorskip("duckdb")
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+SIZES = [int(s) for s in lognormal_sizes(600, 24, seed=11)]
+N = sum(SIZES)
+FULL = os.environ.get("SURGE_SWEEP") == "full"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """``(endpoint, storage_options, filesystem)`` of a moto S3 server on 127.0.0.1 with bucket ``emb``."""
+    saved = {k: os.environ.get(k) for k in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
+        fs = s3fs.S3FileSystem(use_listings_cache=False, **options)
+        fs.mkdir("emb")
+        yield endpoint, options, fs
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_names = iter(range(10**6))
+
+
+def _url() -> str:
+    return f"s3://emb/out{next(_names)}"
+
+
+def _encode(url, options, model, frame=None, **kw):
+    frame = make_partitioned_frame(SIZES, seed=3) if frame is None else frame
+    kw = {"b_min": 60, "b_max": 120, "scheduler": "sync", "progress": False, **kw}
+    return frame.surge.encode("text", url, model=model, keep=["doc_id"], storage_options=options, **kw)
+
+
+def _glob(url: str, fs) -> list[tuple[int, int]]:
+    """The ``(partition, row)`` keys DuckDB reads from ``<url>/part-*.parquet`` (through fsspec)."""
+    if not fs.glob(f"{url.removeprefix('s3://')}/part-*.parquet"):
+        return []
+    con = duckdb.connect()
+    con.register_filesystem(fs)
+    return con.sql(f"select partition, row from read_parquet('{url}/part-*.parquet')").fetchall()
+
+
+def _objects(url: str, fs) -> set[str]:
+    return {p.rsplit("/", 1)[1] for p in fs.glob(f"{url.removeprefix('s3://')}/part-*.parquet")}
+
+
+def _committed(url: str, options) -> set[str]:
+    return {r.file for r in current_run(url, options).committed().values()}
+
+
+def _exactly_once(url, options, fs, reference=None) -> pd.DataFrame:
+    keys = _glob(url, fs)
+    assert len(keys) == len(set(keys)) == N
+    assert _objects(url, fs) == _committed(url, options)
+    back = dask_surge.read_embeddings(url, storage_options=options).compute(scheduler="sync")
+    back = back.sort_values("doc_id").reset_index(drop=True)
+    assert back.doc_id.tolist() == list(range(N))
+    if reference is not None:
+        np.testing.assert_array_equal(np.stack(back.embedding.to_numpy()), np.stack(reference.embedding.to_numpy()))
+    assert verify(url, options) == []
+    return back
+
+
+@pytest.fixture(scope="module")
+def reference(store):
+    endpoint, options, fs = store
+    url = _url()
+    _encode(url, options, CountingEncoder())
+    return _exactly_once(url, options, fs)
+
+
+def test_a_cluster_writes_to_s3_and_duckdb_reads_every_row_once(store, client, tiny_model):
+    _, options, fs = store
+    url = _url()
+    res = _encode(url, options, tiny_model, scheduler=None)
+    assert res.rows == N and res.superbatches > 3 and res.ttfo_s is not None
+    _exactly_once(url, options, fs)
+    assert dask_surge.status(url, storage_options=options)["state"] == "complete"
+    run_json = fs.cat(f"{url.removeprefix('s3://')}/_surge/runs/{res.run_id}/run.json")
+    assert b"testing" not in run_json and b"secret" not in run_json  # credentials never reach disk
+
+
+def test_interrupted_then_resumed_on_s3_is_exact(store, reference):
+    _, options, fs = store
+    url = _url()
+    model = InterruptAfter(3)
+    with pytest.raises(KeyboardInterrupt):
+        _encode(url, options, model)
+    assert 0 < len(_committed(url, options)) < 8
+    keys = _glob(url, fs)
+    assert len(keys) == len(set(keys)) < N and _objects(url, fs) == _committed(url, options)
+    _encode(url, options, model)  # the same call again: resumes
+    _exactly_once(url, options, fs)
+
+
+def test_two_runs_on_one_prefix_one_wins_and_a_dead_claim_is_taken_over(store):
+    _, options, _ = store
+    fs, root = output_fs(_url(), options)
+    claim = Claim.acquire(fs, root, "0" * 16, heartbeat=False)
+    with pytest.raises(SurgeOutputError, match="being written by another run"):
+        Claim.acquire(fs, root, "1" * 16, heartbeat=False)
+    # a claim from another machine whose heartbeat stopped more than the TTL ago
+    fs.pipe_file(f"{root}/_surge/CLAIM", json.dumps({"run": "2" * 16, "token": "a" * 32, "host": "elsewhere",
+                                                     "pid": 1, "started": time.time() - 3600}).encode())
+    taken = Claim.acquire(fs, root, "1" * 16, heartbeat=False)
+    assert Claim.holder(fs, root)["token"] == taken.token != claim.token
+    taken.release()
+    assert Claim.holder(fs, root) is None
+
+
+def test_a_late_task_of_a_replaced_run_publishes_nothing(store, counting_encoder):
+    from dask_surge.execution.sink import SuperBatchWriter
+    from dask_surge.execution.superbatch import SuperBatchEncoder
+    from dask_surge.planning.policy import Span
+
+    _, options, fs = store
+    url = _url()
+    _encode(url, options, CountingEncoder(dim=4))
+    old = current_run(url, options)
+    late = SuperBatchWriter(SuperBatchEncoder("text", ("doc_id",), dask_surge.Encoder(CountingEncoder(dim=4))), old)
+    _encode(url, options, counting_encoder, overwrite=True)
+    part = make_partitioned_frame(SIZES, seed=3).partitions[0].compute()
+    late([part], ((Span(0, 0, len(part)), len(part)),))  # its commit lands in the retired run's prefix
+    _exactly_once(url, options, fs)
+
+
+def test_an_overwrite_on_s3_never_shows_two_runs(store, reference):
+    _, options, fs = store
+    url = _url()
+    _encode(url, options, CountingEncoder(dim=4))
+    model = InterruptAfter(3)
+    with pytest.raises(KeyboardInterrupt):
+        _encode(url, options, model, overwrite=True)
+    keys = _glob(url, fs)
+    assert len(keys) == len(set(keys)) == N  # the old run, whole
+    _encode(url, options, model, overwrite=True)
+    _exactly_once(url, options, fs)
+
+
+def test_chunked_long_texts_and_reuse_work_on_the_store(store, tiny_model, tmp_path):
+    _, options, fs = store
+    texts = [("word " * (100 + 9 * i)).strip() for i in range(30)]
+    frame = make_partitioned_frame([10, 10, 10], seed=1)
+    frame = frame.assign(text=frame.text + " " + frame.doc_id.astype(str).map(lambda i: texts[int(i)], meta=("text", str)))
+    url = _url()
+    res = _encode(url, options, tiny_model, frame=frame, b_min=10, b_max=10, long_texts="chunk")
+    assert res.output_rows > 30
+    chunks = dask_surge.read_embeddings(url, storage_options=options).compute(scheduler="sync")
+    assert len(chunks) == res.output_rows and set(chunks.doc_id) == set(range(30))
+    _exactly_chunked = _objects(url, fs) == _committed(url, options)
+    assert _exactly_chunked
+    again = _url()
+    reused = _encode(again, options, tiny_model, frame=frame, b_min=10, b_max=10, long_texts="chunk",
+                     reuse=[url])
+    assert reused.reused == 30 and reused.encoded == 0
+    back = dask_surge.read_embeddings(again, storage_options=options).compute(scheduler="sync")
+    key = ["partition", "row", "chunk"]
+    pd.testing.assert_frame_equal(back.sort_values(key).reset_index(drop=True)[key],
+                                  chunks.sort_values(key).reset_index(drop=True)[key])
+
+
+def test_a_store_that_ignores_conditional_creates_is_refused(store, counting_encoder, monkeypatch):
+    """moto's S3 server made to ignore ``If-None-Match`` (as some S3-compatible servers do)."""
+    from moto.s3.responses import S3Response
+    from werkzeug.datastructures import Headers
+
+    _, options, fs = store
+    real = S3Response.put_object
+
+    def ignoring(self, *args, **kwargs):
+        headers = Headers(self.headers)
+        headers.remove("If-None-Match")
+        self.headers = headers
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(S3Response, "put_object", ignoring)
+    url = _url()
+    with pytest.raises(SurgeOutputError, match="ignored a conditional create.*Nothing was written"):
+        _encode(url, options, counting_encoder)
+    assert fs.find(url.removeprefix("s3://")) == []
+
+
+class _Requests:
+    """Counts the S3 calls s3fs makes in this process, by operation."""
+
+    def __init__(self, monkeypatch):
+        self.calls: collections.Counter = collections.Counter()
+        real = s3fs.S3FileSystem._call_s3
+
+        async def counting(fs, method, *args, **kwargs):
+            self.calls[method] += 1
+            return await real(fs, method, *args, **kwargs)
+
+        monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counting)
+
+
+def test_a_superbatch_costs_a_constant_number_of_requests_and_no_list(store, counting_encoder, monkeypatch):
+    _, options, _ = store
+    requests = _Requests(monkeypatch)
+    counts = {}
+    for b in (120, 60):  # the same rows in about twice as many SuperBatches
+        requests.calls.clear()
+        res = _encode(_url(), options, counting_encoder, b_min=b, b_max=b)
+        counts[res.superbatches] = dict(requests.calls)
+    (few, a), (many, b) = sorted(counts.items())
+    per_sb = {op: (b.get(op, 0) - a.get(op, 0)) / (many - few) for op in set(a) | set(b)}
+    assert per_sb.get("list_objects_v2", 0) == 0, per_sb  # listing at start and finish only
+    assert all(v == int(v) and v >= 0 for v in per_sb.values()), per_sb  # a whole number of each, per SuperBatch
+    assert 3 <= sum(per_sb.values()) <= 8, per_sb
+
+
+# --- clusters whose workers do not see the output -------------------------------------------------------
+
+def _worker(scheduler: str, env: dict, prefix: list[str] = ()) -> subprocess.Popen:
+    return subprocess.Popen([*prefix, sys.executable, "-m", "distributed.cli.dask_worker", scheduler,
+                             "--nthreads", "1", "--no-dashboard"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _cluster_with(worker_env: dict, prefix: list[str] = ()):
+    from distributed import Client, LocalCluster
+
+    cluster = LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address="127.0.0.1:0")
+    client = Client(cluster)
+    proc = _worker(cluster.scheduler_address, worker_env, prefix)
+    client.wait_for_workers(2, timeout=60)
+    return cluster, client, proc
+
+
+def test_a_worker_without_the_stores_credentials_is_refused_before_any_work(store, counting_encoder):
+    endpoint, _, fs = store
+    options = {"client_kwargs": {"endpoint_url": endpoint}}  # credentials from the client's environment
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_CONFIG_FILE="/nonexistent", AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
+               AWS_EC2_METADATA_DISABLED="true")
+    cluster, client, proc = _cluster_with(env)
+    try:
+        url = _url()
+        t0 = time.perf_counter()
+        with client.as_current(), pytest.raises(SurgeOutputError, match=r"1 worker\(s\) do not see the output.*"
+                                                                      r"Credentials.*Nothing was encoded"):
+            _encode(url, options, counting_encoder, scheduler=None)
+        assert time.perf_counter() - t0 < 20
+        assert sum(counting_encoder.calls) <= 1  # at most the model's one-text probe of its dimension
+        assert fs.find(url.removeprefix("s3://")) == []
+    finally:
+        client.close()
+        cluster.close()
+        proc.kill()
+        proc.wait()
+
+
+def _can_unshare() -> bool:
+    return (os.geteuid() == 0 and shutil.which("unshare") is not None
+            and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0)
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare to give a worker its own mounts")
+def test_a_worker_that_sees_another_disk_is_refused_within_seconds(tmp_path, counting_encoder):
+    """A second 'machine': a worker in its own mount namespace, where the output's parent is an
+    empty tmpfs (its own local disk at the same path)."""
+    shared = tmp_path / "data"
+    shared.mkdir()
+    prefix = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+              f"mount -t tmpfs tmpfs {shared} && exec \"$0\" \"$@\""]
+    cluster, client, proc = _cluster_with(dict(os.environ), prefix)
+    try:
+        out = shared / "emb"
+        t0 = time.perf_counter()
+        with client.as_current(), pytest.raises(SurgeOutputError, match=r"worker tcp://.* on host .*cannot read "
+                                                                      r".*Nothing was encoded. Fix: write to a path"):
+            make_partitioned_frame([5, 5]).surge.encode("text", str(out), model=counting_encoder, progress=False)
+        assert time.perf_counter() - t0 < 20
+        assert sum(counting_encoder.calls) <= 1  # at most the model's one-text probe of its dimension
+        assert not out.exists() or not [p for p in out.rglob("*") if p.is_file()]  # nothing left behind
+    finally:
+        client.close()
+        cluster.close()
+        proc.kill()
+        proc.wait()
+
+
+# --- kill -9 of the CLI and its local cluster, then resume ---------------------------------------------
+
+def _cli(src: str, url: str, model: str, fmt: str) -> list[str]:
+    return [sys.executable, "-m", "dask_surge.cli", "encode", src, "--text-column", "text", "--output", url,
+            "--model", model, "--b-min", "40", "--b-max", "80", "--device", "cpu", "--no-progress",
+            "--keep", "doc_id", "--format", fmt]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["parquet", "csv"])  # planned (sizes from footers) and streamed
+def test_kill_the_cli_and_its_cluster_then_resume_on_s3(store, tmp_path, tiny_model, fmt):
+    endpoint, options, fs = store
+    src = tmp_path / "in"
+    write_partitioned_parquet(src, SIZES, seed=5)
+    if fmt == "csv":
+        for f in sorted(src.glob("*.parquet")):
+            pd.read_parquet(f).to_csv(f.with_suffix(".csv"), index=False)
+            f.unlink()
+    src_glob = str(src / f"*.{fmt}")
+    env = {**os.environ, "AWS_ENDPOINT_URL": endpoint}
+    clean = _url()
+    subprocess.run(_cli(src_glob, clean, tiny_model, fmt), env=env, check=True, capture_output=True)
+    reference = dask_surge.read_embeddings(clean, storage_options=options).compute(scheduler="sync")
+    reference = reference.sort_values("doc_id").reset_index(drop=True)
+    trials = 13 if FULL else 2
+    rng = random.Random(fmt)
+    for _ in range(trials):
+        url = _url()
+        for _kill in range(rng.choice([1, 2])):
+            proc = subprocess.Popen(_cli(src_glob, url, tiny_model, fmt), env=env, start_new_session=True,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(rng.uniform(4.0, 12.0))
+            os.killpg(proc.pid, signal.SIGKILL)  # the CLI and its cluster's processes at once
+            proc.wait()
+        done = subprocess.run(_cli(src_glob, url, tiny_model, fmt), env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        _exactly_once(url, options, fs, reference)
