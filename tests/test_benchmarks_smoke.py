@@ -233,3 +233,15 @@ def test_joined_tokenize_compares_the_arms_on_the_same_ids(tmp_path):
     assert set(arms) == {"per_text", "joined[8]", "joined[auto]"}  # each packed per_text's ids (checked in the run)
     assert all(r["rounds"] == 2 and r["thread_cpu_us_per_text"] > 0 for r in arms.values())
     assert report["summary"]["thread_cpu_over_per_text"]["per_text"] == 1.0
+
+
+def test_store_output_compares_s3_with_a_local_disk_and_counts_requests(tmp_path):
+    pytest.importorskip("moto.server")
+    report = _run("store_output", "--n", "1200", "--files", "20", "--b", "200", "--rounds", "1",
+                  "--out", str(tmp_path / "s.json"))
+    assert {r["method"] for r in report["results"]} == {"local", "s3", "s3-half-b"}
+    assert all(r["rows"] == 1200 for r in report["results"])
+    summary = report["summary"]
+    assert summary["ratio_s3_over_local_seconds"] > 0
+    assert summary["requests_per_superbatch"]["list_objects_v2"] == 0  # listing at start and finish only
+    assert summary["requests_per_superbatch"]["put_object"] == 2  # the staged file and its commit record
