@@ -27,7 +27,7 @@ from dask_surge.testing import CountingEncoder, InterruptAfter
 
 SIZES = [3, 4, 2, 5, 3, 4, 1, 6]
 N = sum(SIZES)
-SLOW = os.environ.get("SURGE_SWEEP") == "full"
+FULL = os.environ.get("SURGE_SWEEP") == "full"
 
 
 def _part(i: int, null_at: tuple) -> pd.DataFrame:
@@ -311,7 +311,15 @@ def _racer(base: str, trials: int, barrier, results, me: int) -> None:
 
 def test_a_stale_claim_is_taken_over_by_exactly_one_of_many(tmp_path):
     """Barrier-released processes take over a claim naming a dead process: one winner a trial."""
-    trials, racers = (5000 if SLOW else 1000), 4
+    _race(tmp_path, 1000)
+
+
+@pytest.mark.slow
+def test_a_stale_claim_race_long_form(tmp_path):
+    _race(tmp_path, 10000 if FULL else 3000)
+
+
+def _race(tmp_path, trials: int, racers: int = 4) -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
     for t in range(trials):
