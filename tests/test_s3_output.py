@@ -180,26 +180,37 @@ def test_an_overwrite_on_s3_never_shows_two_runs(store, reference):
     _exactly_once(url, options, fs)
 
 
-def test_chunked_long_texts_and_reuse_work_on_the_store(store, tiny_model, tmp_path):
-    _, options, fs = store
+def _long_frame():
     texts = [("word " * (100 + 9 * i)).strip() for i in range(30)]
     frame = make_partitioned_frame([10, 10, 10], seed=1)
-    frame = frame.assign(text=frame.text + " " + frame.doc_id.astype(str).map(lambda i: texts[int(i)], meta=("text", str)))
+    return frame.assign(text=frame.doc_id.map(lambda i: texts[int(i)], meta=("text", "string[pyarrow]")))
+
+
+def test_chunked_long_texts_work_on_the_store(store, tiny_model):
+    _, options, fs = store
     url = _url()
-    res = _encode(url, options, tiny_model, frame=frame, b_min=10, b_max=10, long_texts="chunk")
+    res = _encode(url, options, tiny_model, frame=_long_frame(), b_min=10, b_max=10, long_texts="chunk")
     assert res.output_rows > 30
     chunks = dask_surge.read_embeddings(url, storage_options=options).compute(scheduler="sync")
     assert len(chunks) == res.output_rows and set(chunks.doc_id) == set(range(30))
-    _exactly_chunked = _objects(url, fs) == _committed(url, options)
-    assert _exactly_chunked
-    again = _url()
-    reused = _encode(again, options, tiny_model, frame=frame, b_min=10, b_max=10, long_texts="chunk",
-                     reuse=[url])
-    assert reused.reused == 30 and reused.encoded == 0
-    back = dask_surge.read_embeddings(again, storage_options=options).compute(scheduler="sync")
-    key = ["partition", "row", "chunk"]
-    pd.testing.assert_frame_equal(back.sort_values(key).reset_index(drop=True)[key],
-                                  chunks.sort_values(key).reset_index(drop=True)[key])
+    assert _objects(url, fs) == _committed(url, options) and verify(url, options) == []
+
+
+def test_status_verify_and_repair_on_the_store(store):
+    endpoint, options, fs = store
+    url = _url()
+    _encode(url, options, CountingEncoder())
+    lost = sorted(_objects(url, fs))[0]
+    fs.rm_file(f"{url.removeprefix('s3://')}/{lost}")
+    problems = verify(url, options)
+    assert len(problems) == 1 and lost in problems[0] and "missing" in problems[0]
+    env = {**os.environ, "AWS_ENDPOINT_URL": endpoint}
+    cli = [sys.executable, "-m", "dask_surge.cli", "status"]
+    assert subprocess.run([*cli, "--verify", url], env=env, capture_output=True).returncode == 1
+    done = subprocess.run([*cli, "--repair", url], env=env, capture_output=True, text=True)
+    assert "forgot SuperBatch" in done.stdout + done.stderr, done.stdout + done.stderr
+    _encode(url, options, CountingEncoder())  # the rerun encodes the forgotten rows again
+    _exactly_once(url, options, fs)
 
 
 def test_a_store_that_ignores_conditional_creates_is_refused(store, counting_encoder, monkeypatch):
