@@ -371,3 +371,25 @@ def test_kill_the_cli_and_its_cluster_then_resume_on_s3(store, tmp_path, tiny_mo
         done = subprocess.run(_cli(src_glob, url, tiny_model, fmt), env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         _exactly_once(url, options, fs, reference)
+
+
+def test_a_prefix_with_foreign_objects_or_the_inputs_prefix_is_refused(store, counting_encoder, tmp_path):
+    import dask.dataframe as dd
+
+    _, options, fs = store
+    url = _url()
+    key = f"{url.removeprefix('s3://')}/notes.txt"
+    fs.pipe_file(key, b"mine")
+    with pytest.raises(SurgeOutputError, match="did not write.*Nothing was written"):
+        _encode(url, options, counting_encoder)
+    assert fs.find(url.removeprefix("s3://")) == [key] and fs.cat(key) == b"mine"
+    src = _url()
+    local = tmp_path / "in"
+    write_partitioned_parquet(local, [5, 5], seed=1)
+    fs.put(f"{local}/", f"{src.removeprefix('s3://')}/", recursive=True)
+    before = sorted(fs.find(src.removeprefix("s3://")))
+    frame = dd.read_parquet(src, storage_options=options)
+    with pytest.raises(SurgeOutputError, match="inside the input directory"):
+        frame.surge.encode("text", f"{src}/emb", model=counting_encoder, storage_options=options, scheduler="sync",
+                           progress=False)
+    assert sorted(fs.find(src.removeprefix("s3://"))) == before
