@@ -6,7 +6,7 @@ Only commit records are trusted: a directory listing never is (see :mod:`dask_su
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import pandas as pd
 
@@ -161,7 +161,7 @@ def read_embeddings(path: str, *, partition: int | None = None, columns: Sequenc
         return frame.to_backend("cudf")
     return dd.read_parquet(files, columns=list(columns) if columns else None, filters=filters,
                            storage_options=storage_options,
-                           arrow_to_pandas={"types_mapper": _embedding_types})
+                           arrow_to_pandas=_ArrowToPandas(types_mapper=_embedding_types))
 
 
 def _schema_names(path: str, storage_options: dict | None) -> list[str]:
@@ -191,3 +191,24 @@ def _embedding_types(pa_type):
 
     return pd.ArrowDtype(pa_type) if pa.types.is_fixed_size_list(pa_type) else None
 
+
+class _ArrowToPandas(dict[str, Any]):
+    """``read_parquet``'s ``arrow_to_pandas`` options, whose ``types_mapper`` Dask cannot nest.
+
+    Dask's pyarrow engine builds its own types mapper around the one given, then stores it back
+    into this dict, which its plan cache shares with every later ``read_parquet`` of the same
+    files: each partition read in this process wrapped the mapper once more, until tokenizing
+    the chain of wrappers failed (``TokenizationError``, after about 110). Dask asks for the
+    given mapper with ``get``: here it gets :func:`_embedding_types` every time, so the mapper
+    it builds (and stores) stays one wrapper deep.
+
+    Examples
+    --------
+    >>> opts = _ArrowToPandas(types_mapper=_embedding_types)
+    >>> opts["types_mapper"] = len  # as Dask stores its wrapper
+    >>> opts.get("types_mapper") is _embedding_types, opts["types_mapper"] is len
+    (True, True)
+    """
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        return _embedding_types if key == "types_mapper" else super().get(key, default)
