@@ -13,7 +13,7 @@ from pathlib import Path, PurePosixPath
 
 from ._version import __version__
 from .api import encode, plan, read_embeddings, status
-from .errors import SurgeError
+from .errors import SurgeError, SurgeInputError
 from .execution.cluster import local_cluster
 from .io.layout import PARTITION, ROW
 from .io.manifest import repair, verify
@@ -25,6 +25,10 @@ __all__ = ["main", "build_parser", "format_status"]
 
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "json", ".json": "json",
            ".ndjson": "json"}
+#: the extensions of the files Dask reads as Parquet from a directory or glob (read_parquet's default)
+PARQUET_EXTENSIONS = (".parq", ".parquet", ".pq")
+#: a Parquet file's first and last four bytes (PARE: encrypted footer)
+PARQUET_MAGIC = (b"PAR1", b"PARE")
 
 
 def _add_encode_options(p: argparse.ArgumentParser) -> None:
@@ -120,13 +124,23 @@ def read_input(inputs: list[str], fmt: str | None):
     store's credentials and endpoint come from its usual environment, e.g. ``AWS_PROFILE``
     and ``AWS_ENDPOINT_URL``).
     """
+    import dask
     import dask.dataframe as dd
 
-    fmt = fmt or _detect_format(inputs)
-    missing = [i for i in inputs if not _is_glob(i) and "://" not in i and not os.path.exists(i)]
+    local = [i for i in inputs if "://" not in i]
+    missing = [i for i in local if not _is_glob(i) and not os.path.exists(i)]
     if missing:
-        raise SurgeError(f"input(s) {missing} do not exist. Fix: check the paths.")
+        raise SurgeInputError((f"input {missing[0]!r} does not exist" if len(missing) == 1 else
+                               f"inputs {missing} do not exist") + ". Fix: check the paths.")
+    empty = [i for i in local if _is_glob(i) and not glob.glob(i)]
+    if empty:
+        raise SurgeInputError((f"input pattern {empty[0]!r} matches no file" if len(empty) == 1 else
+                               f"input patterns {empty} match no file") + ". Fix: check the paths and the pattern.")
+    fmt = fmt or _detect_format(inputs)
     if fmt == "parquet":
+        for item in local:
+            for name in _files_of(item) or [item]:
+                _check_parquet(name, given=name == item)
         paths = inputs[0] if len(inputs) == 1 else inputs
         return dd.read_parquet(paths)
     files = []  # directories and globs expand to their files of that format, sorted: partition i = file i
@@ -135,7 +149,30 @@ def read_input(inputs: list[str], fmt: str | None):
         files += [item] if listed is None else [name for name in listed if _format_of(name) == fmt]
     if not files:
         raise SurgeError(f"no {fmt} file found in {inputs}. Fix: check the paths, or pass --format.")
-    return dd.from_map(_read_csv if fmt == "csv" else _read_jsonl, files, enforce_metadata=False)
+    # columns as the files hold them: Dask's dataframe.convert-string would turn an object column of
+    # mixed values (JSON's {"text": 5} beside strings) into the strings "5", ... that the run must refuse;
+    # the readers already give Arrow strings for string columns
+    with dask.config.set({"dataframe.convert-string": False}):
+        return dd.from_map(_read_csv if fmt == "csv" else _read_jsonl, files, enforce_metadata=False)
+
+
+def _check_parquet(path: str, *, given: bool) -> None:
+    """Refuse a local file that Dask would read as Parquet but that is not one (no ``PAR1`` magic
+    at its start and end), naming it: pyarrow's error is a traceback. ``given``: named as an
+    input itself (read whatever its name); a directory's files are read by their extension."""
+    if os.path.isdir(path) or not (given or PurePosixPath(path).suffix in PARQUET_EXTENSIONS):
+        return
+    with open(path, "rb") as f:
+        head = f.read(4)
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - 4))
+        tail = f.read(4)
+    if size < 12 or head not in PARQUET_MAGIC or tail not in PARQUET_MAGIC:
+        raise SurgeInputError(
+            f"{path!r} is not a Parquet file: a Parquet file starts and ends with the bytes b'PAR1', this one "
+            f"starts with {head!r} and ends with {tail!r} ({size:,} bytes). Fix: remove it from the input (or "
+            "write it again if it was cut short), or pass --format csv|json if the inputs are CSV or JSON lines."
+        )
 
 
 def _read_csv(path: str):

@@ -116,3 +116,59 @@ def test_the_cli_adds_one_console_handler_that_follows_stderr(tmp_path, capsys):
     capsys.readouterr()
     package.warning("once")
     assert capsys.readouterr().err.count("once") == 1
+
+
+def _encode_cli(inputs, out, *extra):
+    return main(["encode", *inputs, "--text-column", "text", "--output", str(out), "--scheduler", "sync",
+                 "--no-progress", "--device", "cpu", "--model", "default", *extra])
+
+
+def _last_error(capsys) -> str:
+    return capsys.readouterr().err.rsplit("\r", 1)[-1].strip().splitlines()[-1]
+
+
+def test_a_file_that_is_not_parquet_is_one_clear_line(tmp_path, capsys):
+    """A text file named .parquet, alone or among real Parquet files: exit 2 naming the file, not
+    pyarrow's traceback (exit 1), and nothing written."""
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "fake.parquet").write_text("hello, I am text\n")
+    mixed = tmp_path / "mixed"
+    write_partitioned_parquet(mixed, [3, 4])
+    (mixed / "part-00009.parquet").write_bytes(b"PAR1 and then no footer")
+    for given, bad in ([str(alone / "fake.parquet")], alone / "fake.parquet"), ([str(mixed)], mixed / "part-00009.parquet"), \
+            ([str(mixed / "*.parquet")], mixed / "part-00009.parquet"):
+        out = tmp_path / f"o{len(list(tmp_path.iterdir()))}"
+        assert _encode_cli(given, out) == 2
+        err = _last_error(capsys)
+        assert err.startswith("dask-surge: error: ") and f"{str(bad)!r} is not a Parquet file" in err, err
+        assert "Fix: " in err and not out.exists()
+        assert main(["plan", *given, "--text-column", "text"]) == 2
+        assert "is not a Parquet file" in _last_error(capsys)
+
+
+def test_a_missing_input_says_it_does_not_exist(tmp_path, capsys):
+    for given in ([str(tmp_path / "nope")], [str(tmp_path / "nope.parquet")], [str(tmp_path / "nope" / "*.csv")]):
+        assert _encode_cli(given, tmp_path / "o") == 2
+        err = _last_error(capsys)
+        assert "does not exist" in err or "matches no file" in err, err
+        assert "cannot tell the format" not in err and "Fix: " in err
+
+
+def test_a_json_text_column_of_mixed_values_stops_the_run(tmp_path, capsys):
+    """Under Dask's default dataframe.convert-string, an object column read from JSON lines was turned into
+    the strings '5', '3.5': the CLI reads JSON and CSV as the file holds them, and refuses the number."""
+    import dask
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps({"text": t}) for t in ["a", 5, 3.5]) + "\n")
+    assert dask.config.get("dataframe.convert-string") is not False
+    out = tmp_path / "o"
+    assert _encode_cli([str(src)], out) == 2
+    err = _last_error(capsys)
+    assert "holds a int (5) in partition 0, row 1" in err and "only strings can be encoded" in err, err
+    assert not list(out.glob("part-*.parquet"))
+    csv = tmp_path / "in.csv"
+    pd.DataFrame({"text": ["a", "b"], "doc_id": [1, 2]}).to_csv(csv, index=False)
+    assert _encode_cli([str(csv)], tmp_path / "ok", "--json") == 0  # strings still encode
+    assert json.loads(capsys.readouterr().out)["rows"] == 2
