@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_overloads, overload
 
 import numpy as np
+import pandas as pd
 
-from . import config
+from . import _compat, config
 from ._version import __version__
 from .errors import SurgeInputError, SurgeValueError
 from .execution import calibrate as calibration  # called through the module: tests swap its calibrate
@@ -90,7 +91,53 @@ def _check_columns(ddf, column: str, keep: Sequence[str], *, chunked: bool = Fal
     if missing:
         raise SurgeInputError(f"keep={list(keep)} names missing column(s) {missing}; columns are {columns}"
                               f"{_index_hint(ddf, missing)}. Fix: keep only existing columns.")
+    _check_source_texts(ddf, column)
     return keep
+
+
+def _check_source_texts(ddf, column: str) -> None:
+    """Refuse a text column read straight from a pandas DataFrame (``dd.from_pandas``) whose
+    object column holds values that are not strings, checked in that DataFrame as the user built
+    it: Dask's ``dataframe.convert-string`` (on by default) turns it into strings (``5`` into
+    ``"5"``) before any task sees it, so the run's own check, value by value, would pass them.
+
+    A column of bytes alone is left to Dask's conversion, which decodes UTF-8 (and fails on what
+    does not decode). Other inputs are checked as they arrive: Parquet by its schema, and an
+    object column that Dask did not convert by each task.
+
+    Examples
+    --------
+    >>> import dask.dataframe as dd
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": pd.Series(["a", 5], dtype=object)}), npartitions=1)
+    >>> _check_source_texts(ddf, "text")
+    Traceback (most recent call last):
+    dask_surge.errors.SurgeInputError: text column 'text' holds a int (5) at index 1 of the pandas ...
+    """
+    source = _compat.simplified(ddf[[column]].expr) if hasattr(ddf, "expr") else None
+    if not isinstance(source, _compat.FromPandas) or not source.pyarrow_strings_enabled:
+        return
+    frame = getattr(source.frame, "_data", None)
+    if not isinstance(frame, pd.DataFrame) or column not in frame.columns or frame[column].dtype != object:
+        return
+    values = frame[column]
+    if pd.api.types.infer_dtype(values, skipna=True) in ("string", "bytes", "empty"):
+        return
+    label, value = next(((k, v) for k, v in values.items() if not isinstance(v, str) and not _is_null(v)),
+                        (None, None))
+    if label is None:
+        return
+    raise SurgeInputError(
+        f"text column {column!r} holds a {type(value).__name__} ({value!r:.60}) at index {label!r} of the pandas "
+        "DataFrame given to dd.from_pandas: only strings can be encoded. Checked in that DataFrame as built, "
+        "because Dask's dataframe.convert-string turns such values into strings (5 into '5') before the run "
+        f"sees them. Fix: convert or clean the column before dd.from_pandas, e.g. "
+        f"df[{column!r}] = df[{column!r}].astype(str)."
+    )
+
+
+def _is_null(value: Any) -> bool:
+    """A null as ``pandas.api.types.infer_dtype(skipna=True)`` skips it: None, NA, NaT, a float NaN."""
+    return value is None or value is pd.NA or value is pd.NaT or (isinstance(value, float) and value != value)
 
 
 def _index_hint(ddf, names: Sequence[str]) -> str:
