@@ -28,11 +28,13 @@ from .errors import SurgeError, SurgeInputError, SurgeModelError, SurgeOutputErr
 
 if TYPE_CHECKING:
     from .api import EncodeResult, SurgePlan, encode, plan, read_embeddings, skipped_rows, status
+    from .execution.cluster import local_cluster
     from .models.encoders import Encoder
     from .planning.policy import OnlinePlanner, SuperBatch, plan_superbatches
 
 __all__ = [
     "__version__", "encode", "plan", "read_embeddings", "skipped_rows", "status", "Encoder", "EncodeResult", "SurgePlan",
+    "local_cluster",
     "OnlinePlanner", "SuperBatch", "plan_superbatches",
     "SurgeError", "SurgeInputError", "SurgeModelError", "SurgeOutputError", "SurgeValueError",
 ]
@@ -42,6 +44,7 @@ _LAZY = {
     **dict.fromkeys(("encode", "plan", "read_embeddings", "skipped_rows", "status", "EncodeResult", "SurgePlan"),
                     "dask_surge.api"),
     "Encoder": "dask_surge.models.encoders",
+    "local_cluster": "dask_surge.execution.cluster",
     **dict.fromkeys(("OnlinePlanner", "SuperBatch", "plan_superbatches"), "dask_surge.planning.policy"),
 }
 

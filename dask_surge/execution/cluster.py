@@ -49,21 +49,24 @@ def local_cluster(**kwargs):
     Examples
     --------
     >>> from distributed import Client
+    >>> from dask_surge import local_cluster
     >>> with local_cluster(n_workers=1, processes=False) as cluster:  # doctest: +SKIP
     ...     client = Client(cluster)
     """
     import dask
+    # imported before the config.set below: importing distributed registers its defaults
+    # (distributed.*), which a config.set entered before it would erase as it restores the key
+    from distributed import LocalCluster
 
     cuda, opts = _defaults()
     opts.update(kwargs)
+    cls = LocalCluster
+    if cuda:
+        from dask_cuda import LocalCUDACluster
+
+        cls = LocalCUDACluster
     with dask.config.set({"distributed.worker.profile.enabled": False}):  # the nannies hand it to the workers
-        if cuda:
-            from dask_cuda import LocalCUDACluster
-
-            return LocalCUDACluster(**_loopback(opts))
-        from distributed import LocalCluster
-
-        return LocalCluster(**_loopback(opts))
+        return cls(**_loopback(opts))
 
 
 def _defaults() -> tuple[bool, dict]:
