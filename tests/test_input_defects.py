@@ -60,3 +60,101 @@ def test_local_cluster_is_public_and_the_old_path_warns():
         warnings.simplefilter("error")
         from dask_surge import local_cluster as new  # the public path: no warning
     assert new is local_cluster
+
+
+# -- an input edited in place (issue 51, item 6) -------------------------------------------------
+
+
+def _write_fixed_width(root, tag: str) -> None:
+    """Four files of three 4-character texts: a rewrite with another ``tag`` has the same byte size."""
+    import pandas as pd
+
+    for i in range(4):
+        pd.DataFrame({"text": [f"{tag}{i}{j}x" for j in range(3)]}).to_parquet(
+            root / f"p{i}.parquet", compression=None)
+
+
+def test_an_input_rewritten_with_its_size_and_mtime_kept_is_refused(tmp_path):
+    """Texts changed in a committed and an uncommitted file, size and mtime restored (as ``cp -p``,
+    ``touch -r`` and ``tar -x`` do): the rerun is a different run, refused, not a resume that mixes
+    old and new embeddings."""
+    import dask.dataframe as dd
+
+    from dask_surge import SurgeOutputError
+    from dask_surge.testing import InterruptAfter
+
+    src = tmp_path / "in"
+    src.mkdir()
+    _write_fixed_width(src, "a")
+    out = str(tmp_path / "out")
+    kw = dict(model=InterruptAfter(3), b_min=3, b_max=3, scheduler="sync", progress=False)
+    with pytest.raises(KeyboardInterrupt):  # SuperBatches 0 and 1 (files p0, p1) committed
+        dd.read_parquet(str(src)).surge.encode("text", out, **kw)
+    before = {p: os.stat(src / p) for p in ("p0.parquet", "p3.parquet")}
+    for name, st in before.items():  # rewrite in place: other texts, same size, the old mtime put back
+        import pandas as pd
+
+        pd.DataFrame({"text": [f"b{name[1]}{j}x" for j in range(3)]}).to_parquet(src / name, compression=None)
+        os.utime(src / name, ns=(st.st_atime_ns, st.st_mtime_ns))
+        after = os.stat(src / name)
+        assert (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns)  # what size+mtime saw
+    with pytest.raises(SurgeOutputError, match=r"already holds a different run \(input: '\w+' -> '\w+'\)"):
+        dd.read_parquet(str(src)).surge.encode("text", out, **kw)
+
+
+# -- from_map over strings -----------------------------------------------------------------------
+
+DOCSTRINGS = [["register(func, *args, **kwargs) -> func", "SELECT * FROM t WHERE a LIKE '[x]%'"],
+              ["see https://example.invalid/a?b=1 or std::vector", ""], ["what? ** and *"]]
+
+
+def _texts_frame(texts_per_partition):
+    import dask.dataframe as dd
+    import pandas as pd
+
+    return dd.from_map(lambda texts: pd.DataFrame({"text": pd.array(texts, dtype="str")}), texts_per_partition,
+                       meta=pd.DataFrame({"text": pd.Series([], dtype="str")}))
+
+
+def test_from_map_over_texts_is_encoded(tmp_path, client):
+    """Strings that are not paths (a docstring holding ``**``, SQL, a URL in prose) are the input's
+    values: the run is identified by them and encoded, not refused as unlistable locations."""
+    import dask_surge
+    from dask_surge.io.reuse import hash_column, text_hashes
+    from dask_surge.planning.identity import input_identity
+
+    ddf = _texts_frame(DOCSTRINGS)
+    changed = _texts_frame([DOCSTRINGS[0], DOCSTRINGS[1], ["what? ** and +"]])
+    assert input_identity(ddf) != input_identity(changed)
+    res = ddf.surge.encode("text", str(tmp_path / "o"), model=dask_surge.testing.checksum_model, progress=False)
+    assert res.rows == 5
+    back = dask_surge.read_embeddings(str(tmp_path / "o")).compute().sort_values(["partition", "row"])
+    expected = [t for texts in DOCSTRINGS for t in texts]
+    assert back.text_hash.tolist() == hash_column(text_hashes(expected)).to_pylist()
+
+
+def _read_glob(pattern: str):
+    import glob
+
+    import pandas as pd
+
+    return pd.concat([pd.read_parquet(p) for p in sorted(glob.glob(pattern))], ignore_index=True)
+
+
+def test_a_from_map_string_naming_files_is_still_a_location(tmp_path):
+    """A string that names an existing file, or a glob that matches files, stands for those files:
+    rewriting one changes the identity although the string is the same."""
+    import pandas as pd
+
+    from dask_surge.planning.identity import input_identity
+
+    for i in range(2):
+        pd.DataFrame({"text": [f"t{i}"]}).to_parquet(tmp_path / f"p{i}.parquet")
+    import dask.dataframe as dd
+
+    meta = pd.DataFrame({"text": pd.Series([], dtype="str")})
+    frames = {"file": lambda: dd.from_map(pd.read_parquet, [str(tmp_path / "p0.parquet")]),
+              "glob": lambda: dd.from_map(_read_glob, [str(tmp_path / "p*.parquet")], meta=meta)}
+    before = {name: input_identity(make()) for name, make in frames.items()}
+    pd.DataFrame({"text": ["changed"]}).to_parquet(tmp_path / "p0.parquet")
+    assert all(input_identity(make()) != before[name] for name, make in frames.items())

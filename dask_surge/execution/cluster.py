@@ -54,12 +54,12 @@ def local_cluster(**kwargs):
     ...     client = Client(cluster)
     """
     import dask
-    # imported before the config.set below: importing distributed registers its defaults
-    # (distributed.*), which a config.set entered before it would erase as it restores the key
     from distributed import LocalCluster
 
     cuda, opts = _defaults()
     opts.update(kwargs)
+    # distributed (and dask-cuda) are imported before this config.set: importing distributed registers
+    # its defaults (distributed.*), which a set entered before the import would erase on exit
     cls = LocalCluster
     if cuda:
         from dask_cuda import LocalCUDACluster

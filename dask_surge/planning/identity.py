@@ -9,7 +9,11 @@ built from what defines the data, and is the same in every process:
   ``memory://``, ``file://``...) or list of them among a source's operands
   counts as the files it expands to on its fsspec filesystem, each with its
   path, size and version (the store's ETag/version/generation, else its
-  modification time), listed afresh (never from a listing cache);
+  modification time; on a local or shared POSIX filesystem also its inode and
+  inode change time, which no ``touch -r`` or ``cp -p`` restores), listed afresh
+  (never from a listing cache). A string that names no existing file, and a glob
+  that matches none or is no valid pattern, is a value like any other (the
+  texts, ids or queries ``dd.from_map`` is often given);
 * functions (``map_partitions(upper)``, ``from_map(reader, ...)``) by their
   qualified name and a digest of their code (bytecode, constants, names),
   defaults, closure cells and the globals they use (a global without a
@@ -104,10 +108,10 @@ def _open_file_record(value: Any, where: str) -> Any:
     fs = value.fs
     try:
         fs.invalidate_cache()
-        info = fs.info(value.path)
+        record = _file_record(value.path, fs.info(value.path), fs)
     except OSError as err:
         raise SurgeInputError(_unlisted(where, value.path, err)) from err
-    return {"files": [_file_record(value.path, info)], "protocol": _protocol(fs)}
+    return {"files": [record], "protocol": _protocol(fs)}
 
 
 
@@ -117,10 +121,26 @@ _VERSION_FIELDS = ("VersionId", "version_id", "ETag", "etag", "generation", "md5
 _TIME_FIELDS = ("mtime", "LastModified", "last_modified", "updated", "modified", "created")
 
 
-def _file_record(name: str, info: Mapping) -> list:
+def _file_record(name: str, info: Mapping, fs: Any) -> list:
+    """``[path, size, version, mtime]`` of a file, and on a local (POSIX) filesystem its inode and
+    inode change time too: ``cp -p``, ``touch -r`` or ``tar -x`` restore a rewritten file's size and
+    mtime, but no call sets the change time, and a file replaced by another gets a new inode."""
     version = next((info[k] for k in _VERSION_FIELDS if info.get(k) is not None), None)
     mtime = next((info[k] for k in _TIME_FIELDS if info.get(k) is not None), None)
-    return [name, info.get("size"), None if version is None else str(version), None if mtime is None else str(mtime)]
+    record = [name, info.get("size"), None if version is None else str(version), None if mtime is None else str(mtime)]
+    if _is_local(fs):
+        st = os.stat(name)
+        record += [st.st_ino, st.st_ctime_ns]
+    return record
+
+
+def _is_local(fs: Any) -> bool:
+    """Whether ``fs`` (fsspec's, or pyarrow's wrapped in fsspec's ``ArrowFSWrapper``) is this machine's
+    filesystem: a local disk or a shared POSIX one (NFS, Lustre, GPFS) mounted here."""
+    local = sys.modules.get("fsspec.implementations.local")
+    if local is not None and isinstance(fs, local.LocalFileSystem):
+        return True
+    return _is_arrow_filesystem(getattr(fs, "fs", None)) and fs.fs.type_name == "local"
 
 
 def _looks_like_url(text: str) -> bool:
@@ -167,7 +187,10 @@ def _files(text: str, *, leaf_fs: Any, storage_options: Mapping | None, where: s
     try:
         fs.invalidate_cache()  # a listing cache (s3fs, gcsfs) may predate files written since
         if _GLOB.search(path) and not fs.exists(path):
-            matches = fs.glob(path, detail=True)
+            try:
+                matches = fs.glob(path, detail=True)
+            except (ValueError, re.error):  # no valid pattern ("f(*args, **kw)"): text, not a location
+                return None
             if not matches:
                 return None  # matches nothing: a plain string (a source over no files fails by itself)
         elif fs.exists(path):
@@ -180,9 +203,10 @@ def _files(text: str, *, leaf_fs: Any, storage_options: Mapping | None, where: s
                 found.update(fs.find(name, detail=True))
             else:
                 found[name] = info
+        records = [_file_record(n, i, fs) for n, i in sorted(found.items())]
     except Exception as err:  # OSError, or a store client's own (botocore's EndpointConnectionError)
         raise SurgeInputError(_unlisted(where, text, err)) from err
-    return {"files": [_file_record(n, i) for n, i in sorted(found.items())], "protocol": _protocol(fs)}
+    return {"files": records, "protocol": _protocol(fs)}
 
 
 def _protocol(fs: Any) -> str:
