@@ -158,3 +158,33 @@ def test_a_from_map_string_naming_files_is_still_a_location(tmp_path):
     before = {name: input_identity(make()) for name, make in frames.items()}
     pd.DataFrame({"text": ["changed"]}).to_parquet(tmp_path / "p0.parquet")
     assert all(input_identity(make()) != before[name] for name, make in frames.items())
+
+
+# -- a null text stops the run: what is kept, and how to resume ---------------------------------
+
+
+def test_the_null_text_error_says_what_is_kept_and_how_to_resume(tmp_path):
+    """Three SuperBatches committed before a null in partition 3: the error says they are kept and that
+    a rerun with on_null='empty'/'skip' (not part of the run's identity) resumes from them, as it does."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    import dask_surge
+    from dask_surge import SurgeInputError
+
+    parts = [["a", "b"], ["c", "d"], ["e", "f"], ["g", None], ["h", "i"]]
+    frames = [pd.DataFrame({"text": pd.array(t, dtype="str")}) for t in parts]
+    ddf = dd.from_map(lambda i: frames[i], range(len(frames)), enforce_metadata=False)
+    out = str(tmp_path / "o")
+    kw = dict(model=dask_surge.testing.checksum_model, b_min=2, b_max=2, scheduler="sync", progress=False)
+    with pytest.raises(SurgeInputError) as stopped:
+        ddf.surge.encode("text", out, **kw)
+    message = str(stopped.value)
+    assert "null value(s) in partition 3" in message  # the cause and its fix, as before
+    assert "3 SuperBatches are committed and kept" in message and "on_null='skip'" in message
+    assert "resumes from them" in message
+    res = ddf.surge.encode("text", out, on_null="skip", **kw)
+    assert res.resumed and res.skipped_superbatches == 3 and res.nulls_skipped == 1
+    back = dask_surge.read_embeddings(out).compute()
+    assert sorted(zip(back.partition, back.row)) == [(p, r) for p, texts in enumerate(parts)
+                                                     for r, t in enumerate(texts) if t is not None]

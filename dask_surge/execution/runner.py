@@ -406,6 +406,12 @@ def stopped_error(err: BaseException, manifest: Manifest, column: str) -> BaseEx
     kept = f"{len(manifest.committed())} SuperBatches are committed and kept"
     if isinstance(err, (UnicodeDecodeError, UnicodeEncodeError)):
         return not_utf8(column, err, kept)
+    if isinstance(err, SurgeInputError) and "on_null=" in str(err):  # a null text (superbatch.texts_of)
+        return SurgeInputError(
+            f"{err} {kept}: a rerun with on_null='empty' or on_null='skip' resumes from them (on_null is not "
+            "part of the run's identity); a cleaned column is another input, a new run (write it to a new "
+            "output, or pass overwrite=True)."
+        )
     if type(err).__name__ in ("NoWorkerError", "NoValidWorkerError"):
         return SurgeError(
             f"no worker was left to run the SuperBatches ({err}): jobs preempted, cancelled or out of "
