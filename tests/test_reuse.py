@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -108,9 +109,11 @@ def part_table(partitions: list[tuple[int, list[str]]], *, chunked: bool, with_h
 
 def write_output(path: str, sbs: list[list[tuple[int, list[str]]]], *, chunked: bool = False,
                  with_hash: bool = True, row_group_rows: int | None = None, fp: dict | None = None,
-                 hashes: list[np.ndarray] | None = None, complete: bool = True) -> str:
+                 hashes: list[np.ndarray] | None = None, complete: bool = True,
+                 truncated: list[int] | None = None) -> str:
     """An output as a run writes it: part files (a row group per partition, or of
-    ``row_group_rows``), commit records, ``run.json``, ``CURRENT``, ``COMPLETE``."""
+    ``row_group_rows``), commit records (``truncated``: each one's count of texts cut at the
+    window), ``run.json``, ``CURRENT``, ``COMPLETE``."""
     partitions = sum(len(sb) for sb in sbs)
     manifest, _ = open_run(path, fp or fingerprint(partitions=partitions),
                            plan=RunPlan(b_min=1, b_max=10**6, mode="planned", partitions=partitions))
@@ -136,7 +139,8 @@ def write_output(path: str, sbs: list[list[tuple[int, list[str]]]], *, chunked: 
         rows += n_texts
         rec = CommitRecord(sb=key, run=manifest.run_id, file=target.rsplit("/", 1)[-1], rows=n_texts,
                            bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                           spans=tuple((p, 0, len(t), len(t)) for p, t in sb), attempt=attempt)
+                           spans=tuple((p, 0, len(t), len(t)) for p, t in sb), attempt=attempt,
+                           truncated=0 if truncated is None else truncated[i])
         assert manifest.commit(rec)
     if complete:
         finish_run(manifest, manifest.committed(),
@@ -338,6 +342,64 @@ def test_damaged_or_stale_index_is_rebuilt(tmp_path):
     check(ReuseIndex(old), texts, truth)
     with open(f"{where}/meta.json") as f:
         assert json.load(f)["bits"] == 3
+
+
+def _files(path: str) -> list[str]:
+    manifest = existing_run(path)
+    return [f"{manifest.root}/{rec.file}" for rec in manifest.committed().values()]
+
+
+def test_a_file_changed_after_its_run_is_never_copied(tmp_path):
+    texts = corpus(90, seed=21)
+    old = write_output(str(tmp_path / "old"), layout(texts, 15, 2))  # three files of 30 texts
+    truth = stored(old)
+    files = _files(old)
+    table = pq.read_table(files[1])
+    changed = table.set_column(table.schema.get_field_index("embedding"), table.schema.field("embedding"),
+                               pa.array([[9.0] * DIM] * table.num_rows, table.schema.field("embedding").type))
+    pq.write_table(changed, files[1])  # a valid Parquet file, every value wrong
+    with open(files[2], "r+b") as f:  # the same size: only the sha256 differs
+        f.seek(os.path.getsize(files[2]) // 2)
+        f.write(b"\xff" * 8)
+    index = ReuseIndex(old)
+    check(index, texts[:30], truth)  # the file left as written is copied from
+    with pytest.raises(SurgeInputError, match=re.escape(os.path.basename(files[1])) + r" is [\d,]+ bytes, its "
+                       r"commit record says [\d,]+.*dask-surge status --verify " + re.escape(old)):
+        index.lookup(text_hashes(texts[25:35]))
+    with pytest.raises(SurgeInputError, match=re.escape(os.path.basename(files[2])) + r" has sha256 [0-9a-f]{16}"
+                       r"\.\.\., its commit record says [0-9a-f]{16}\.\.\..*dask-surge status --verify"):
+        index.lookup(text_hashes(texts[60:]))
+    opened = ReuseIndex(old)
+    os.unlink(files[0])  # gone after the index was opened: rebuilding it finds the file missing
+    with pytest.raises(SurgeInputError, match=re.escape(f"reuse={old!r}: its data file "
+                                                        f"{os.path.basename(files[0])} is missing")):
+        opened.lookup(text_hashes(texts[:1]))
+
+
+def test_a_file_of_another_layout_is_a_clear_input_error(tmp_path):
+    texts = corpus(40, seed=23)
+    old = write_output(str(tmp_path / "old"), layout(texts, 10, 2), chunked=True)
+    path = _files(old)[1]
+    table = pq.read_table(path)
+    pq.write_table(table.slice(1), path)  # its first text's first chunk row gone
+    with pytest.raises(SurgeInputError, match=r"is not of the layout dask-surge writes \(rows at 0 continue no "
+                                              r"text's chunks\).*dask-surge status --verify"):
+        ReuseIndex(old)
+
+
+def test_may_be_cut_follows_the_records_count_of_texts_cut_at_the_window(tmp_path):
+    texts = corpus(60, seed=25)
+    old = write_output(str(tmp_path / "old"), layout(texts, 10, 2), truncated=[0, 3, -1])
+    got = ReuseIndex(old).lookup(text_hashes([texts[45], texts[5], "new", texts[25], texts[15]]))
+    assert got.found.tolist() == [True, True, False, True, True]
+    assert got.may_be_cut.tolist() == [True, False, True, False]  # files 2 (unknown), 0, 1 (3 cut), 0
+    meta_path = f"{index_dir(old, existing_run(old).run_id)}/meta.json"
+    with open(meta_path) as f:
+        meta = json.load(f)
+    assert meta["truncated"] == [0, 3, -1] and len(meta["sha256"]) == 3
+    with open(meta_path, "w") as f:  # an index of the format before: rebuilt with what is checked
+        json.dump({**meta, "format": 1, "sha256": None}, f)
+    assert ReuseIndex(old).indexes[0].meta["sha256"] == meta["sha256"]
 
 
 def test_old_output_without_text_hash_is_refused(tmp_path):

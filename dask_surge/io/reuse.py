@@ -13,9 +13,20 @@ Arrow values (embedding, chunk columns) byte for byte. With long-text chunking a
 output holds several rows per text (``chunk`` 0, 1, ...; each carrying the hash of the
 whole text); a hash then maps to the *run* of that text's chunk rows, in chunk order.
 
+What is copied is checked: before the first row of a part file is copied, the whole file
+is hashed and compared with the sha256 its commit record holds (recorded in the index's
+meta), once per file per open index (:func:`open_index` keeps a process's indexes open,
+so a worker hashes a file once, not per SuperBatch). A file damaged, truncated or gone,
+and any failure to read one, is a :class:`~dask_surge.errors.SurgeInputError` naming the
+output and ``dask-surge status --verify``. The meta also keeps each file's count of texts
+cut at the model's window (its commit record's ``truncated``): :attr:`Reused.may_be_cut`
+says which copied texts come from a file that counted some, so a run in
+``long_texts="truncate"`` or ``"error"`` tokenizes only those to apply its rule.
+
 Index layout, under the old output's metadata (``<run>`` from ``_surge/CURRENT``)::
 
-    out/_surge/index/<run>/meta.json             written last: files, bucket bits, entries
+    out/_surge/index/<run>/meta.json             written last: files (their sha256, bytes and
+                                                 texts cut at the window), bucket bits, entries
     out/_surge/index/<run>/bucket-<b>.npy        (4, n) uint64: hash hi, hash lo,
                                                  file << 32 | first row, rows in the run
     out/_surge/index/<run>/BUILDING              while a process builds it: time, host, pid
@@ -43,6 +54,7 @@ bucket per query.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -78,7 +90,7 @@ TEXT_HASH_TYPE = pa.binary(16)
 _ALGO_KEY = b"dask_surge.hash"
 #: fingerprint keys that identify the input or the output's shape, not how a text is embedded
 NON_EMBEDDING_KEYS = ("input", "column", "keep", "partitions", "library")
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2
 #: entries per bucket the bucket count aims at (a bucket file is then ~16 MiB; sorting one takes ~4x that)
 BUCKET_ENTRIES = 1 << 19
 #: a process building an index refreshes its ``BUILDING`` note this often; others wait for it
@@ -398,13 +410,16 @@ class Reused:
     ``found[i]`` says whether query ``i`` was found; the found queries' runs follow one
     another, in query order, in ``embedding`` (the stored Arrow values) and ``columns``
     (NumPy arrays, e.g. the chunk columns): the ``j``-th found query has ``counts[j]``
-    rows there (1, or its chunks).
+    rows there (1, or its chunks). ``may_be_cut[j]`` is True when the file it was copied from
+    holds texts cut at the model's window (its commit record counts some, or could not tell):
+    whether this one was is known only by tokenizing it. Where it is False the text was not cut.
     """
 
     matches: Matches
     counts: np.ndarray  # int64 (hits,)
     embedding: pa.Array
     columns: dict[str, np.ndarray]
+    may_be_cut: np.ndarray  # bool (hits,)
 
     @property
     def found(self) -> np.ndarray:
@@ -490,6 +505,9 @@ class _OutputIndex:
         self.chunked = bool(self.meta.get("chunked"))
         self.bits: int = self.meta["bits"]
         self.entries = np.asarray(self.meta["bucket_entries"], dtype=np.int64)
+        self.sha256: list[str] = self.meta["sha256"]  # per file, from its commit record
+        self.sizes: list[int] = self.meta["bytes"]
+        self.may_be_cut = np.asarray(self.meta["truncated"], dtype=np.int64) != 0  # per file (-1: unknown)
 
     # -- one builder at a time (an optimization only: two builders write the same bytes)
     @property
@@ -544,6 +562,8 @@ class _OutputIndex:
             if meta.get("format") != INDEX_FORMAT or meta.get("algorithm") != HASH_ALGORITHM \
                     or meta.get("run") != self.manifest.run_id or meta.get("complete") != self.complete:
                 return None
+            if not len(meta["sha256"]) == len(meta["bytes"]) == len(meta["truncated"]) == len(meta["files"]):
+                return None
             present = set(self._ls(self.root))
             if not set(meta["files"]) <= present:
                 return None  # a file it names is gone (repaired and rerun): stale
@@ -574,6 +594,8 @@ class _OutputIndex:
         (plus one row group's hashes), then ~4x one bucket while sorting it."""
         records = self._records()
         files = [r.file for r in records]
+        checks = {"sha256": [r.sha256 for r in records], "bytes": [r.bytes for r in records],
+                  "truncated": [r.truncated for r in records]}
         rows = sum(r.rows for r in records)
         bits = _bucket_bits(rows, self.bucket_entries) if bits is None else int(bits)
         nb = 1 << bits
@@ -640,7 +662,7 @@ class _OutputIndex:
                     bucket_entries.append(int(block.shape[1]))
                     del block, buf
                 meta = {"format": INDEX_FORMAT, "algorithm": HASH_ALGORITHM, "run": self.manifest.run_id,
-                        "complete": self.complete, "bits": bits, "rows": rows, "files": files,
+                        "complete": self.complete, "bits": bits, "rows": rows, "files": files, **checks,
                         "chunked": bool(chunked), "bucket_entries": bucket_entries, "built": time.time()}
                 write_bytes_atomic(self.fs, f"{self.dir}/meta.json", json.dumps(meta, sort_keys=True).encode())
                 keep = {_bucket_name(b) for b in range(nb) if bucket_entries[b]}
@@ -662,14 +684,57 @@ class _OutputIndex:
         self._buckets.clear()
         return meta
 
-    def _layout_error(self, name: str, what: str) -> SurgeOutputError:
-        return SurgeOutputError(
-            f"reuse={self.path!r}: {name} is not of the layout dask-surge writes ({what}). Nothing was "
-            "reused. Fix: pass an output written by dask_surge.encode, unmodified."
+    def _damaged(self, name: str, what: str) -> SurgeInputError:
+        """The error for part file ``name`` of this output that cannot be copied from: ``what`` it is."""
+        return SurgeInputError(
+            f"reuse={self.path!r}: its data file {name} {what}, so no row is copied from it: the output was "
+            "changed or damaged after its run wrote it. Fix: run `dask-surge status --verify "
+            f"{self.path}` to list what is damaged, then `dask-surge status --repair {self.path}` and "
+            "rerun the call that wrote it (it encodes the rows of damaged files again); or leave it out "
+            "of reuse=."
         )
+
+    def unreadable(self, name: str, err: Exception) -> SurgeInputError:
+        """:meth:`_damaged` for a failure to read part file ``name`` (``err``)."""
+        if isinstance(err, FileNotFoundError):
+            return self._damaged(name, "is missing")
+        return self._damaged(name, f"cannot be read ({type(err).__name__}: {str(err)[:200]})")
+
+    def _layout_error(self, name: str, what: str) -> SurgeInputError:
+        return self._damaged(name, f"is not of the layout dask-surge writes ({what})")
+
+    def check_file(self, f: int) -> None:
+        """Hash part file ``f`` whole and compare it with the sha256 and size its commit record holds.
+
+        Raises
+        ------
+        SurgeInputError
+            The file is missing, cannot be read, or differs from its record.
+        """
+        name = self.files[f]
+        digest, size = hashlib.sha256(), 0
+        try:
+            with self.fs.open(f"{self.root}/{name}", "rb") as fh:
+                while block := fh.read(1 << 22):
+                    digest.update(block)
+                    size += len(block)
+        except OSError as err:
+            raise self.unreadable(name, err) from err
+        want_size, want = int(self.sizes[f]), str(self.sha256[f])
+        if size != want_size:
+            raise self._damaged(name, f"is {size:,} bytes, its commit record says {want_size:,}")
+        if digest.hexdigest() != want:
+            raise self._damaged(name, f"has sha256 {digest.hexdigest()[:16]}..., its commit record says "
+                                      f"{want[:16]}...")
 
     def _file_entries(self, file_id: int, name: str) -> Iterator[tuple[np.ndarray, bool]]:
         """Index entries ``(m, 4)`` uint64 of one part file, a row group at a time; chunk runs joined."""
+        try:
+            yield from self._read_entries(file_id, name)
+        except (OSError, pa.ArrowException) as err:
+            raise self.unreadable(name, err) from err
+
+    def _read_entries(self, file_id: int, name: str) -> Iterator[tuple[np.ndarray, bool]]:
         path = f"{self.root}/{name}"
         with self.fs.open(path, "rb") as f:
             pf = pq.ParquetFile(f)
@@ -887,6 +952,7 @@ class ReuseIndex:
         self.indexes = [_OutputIndex(p, rebuild=rebuild, **self._opts) for p in self.outputs]  # type: ignore[arg-type]
         self._files = _LRU(max_open)
         self._groups = _LRU(1 << 16, cache_bytes)
+        self._verified: set[tuple[int, int]] = set()  # (output, file) hashed and found as recorded
         self._lock = threading.RLock()  # a worker's SuperBatch tasks share one index from several threads
 
     def __repr__(self) -> str:
@@ -911,10 +977,32 @@ class ReuseIndex:
         extra = tuple(columns) if columns is not None else (tuple(CHUNK_COLUMNS) if self.chunked else ())
         with self._lock:
             matches = self.find(hashes)
-            table = self.fetch(matches, (*extra, "embedding"))
-        return Reused(matches, matches.count[matches.found],
-                      table.column("embedding").combine_chunks(),
-                      {c: table.column(c).to_numpy() for c in extra})
+            try:
+                table = self.fetch(matches, (*extra, "embedding"))
+            except SurgeInputError:
+                if not self._reopen_rebuilt():
+                    raise
+                matches = self.find(hashes)  # found again in the index as it is now
+                table = self.fetch(matches, (*extra, "embedding"))
+        hit = matches.found
+        may_be_cut = np.zeros(matches.hits, dtype=bool)
+        for s, ix in enumerate(self.indexes):
+            here = matches.source[hit] == s
+            may_be_cut[here] = ix.may_be_cut[matches.file[hit][here]]
+        return Reused(matches, matches.count[hit], table.column("embedding").combine_chunks(),
+                      {c: table.column(c).to_numpy() for c in extra}, may_be_cut)
+
+    def _reopen_rebuilt(self) -> bool:
+        """Reopen the outputs whose index on disk is no longer the one open here (it was rebuilt
+        since: the output was repaired and rerun); True when there was one."""
+        stale = [s for s, ix in enumerate(self.indexes) if ix._valid_meta() != ix.meta]
+        for s in stale:
+            self.indexes[s] = _OutputIndex(self.outputs[s], rebuild=False, **self._opts)  # type: ignore[arg-type]
+            self._verified = {(o, f) for o, f in self._verified if o != s}
+        if stale:
+            self._files.clear()
+            self._groups.clear()
+        return bool(stale)
 
     def find(self, hashes: np.ndarray) -> Matches:
         """Where each of ``hashes`` (``(n, 2)`` uint64, as :func:`text_hashes` returns) was committed.
@@ -937,6 +1025,7 @@ class ReuseIndex:
             except _Damaged:  # rebuilt as it was (its bucket count)
                 opts = {**self._opts, "bits": ix.bits}
                 self.indexes[s] = ix = _OutputIndex(self.outputs[s], rebuild=True, **opts)  # type: ignore[arg-type]
+                self._verified = {(o, f) for o, f in self._verified if o != s}
                 found, file, row, count = ix.lookup(q[todo])
             at = todo[found]
             m.found[at], m.source[at], m.file[at], m.row[at], m.count[at] = True, s, file[found], row[found], count[found]
@@ -952,7 +1041,8 @@ class ReuseIndex:
         """The stored rows of the found queries' runs, in query order (``matches.offsets``).
 
         Reads only the row groups holding those rows (each decoded once while in the LRU
-        of ``cache_bytes``); values are the stored Arrow values, byte for byte.
+        of ``cache_bytes``); values are the stored Arrow values, byte for byte. Each file is
+        first checked against its commit record's sha256 (once while this index is open).
 
         Parameters
         ----------
@@ -961,6 +1051,11 @@ class ReuseIndex:
         columns : sequence of str
             Columns to copy, e.g. ``("embedding",)`` or, with chunking,
             ``("chunk", "char_start", "char_end", "tokens", "embedding")``.
+
+        Raises
+        ------
+        SurgeInputError
+            A file to copy from differs from its commit record, is missing or cannot be read.
         """
         with self._lock:
             return self._fetch(matches, tuple(columns))
@@ -982,14 +1077,14 @@ class ReuseIndex:
             change = np.flatnonzero((np.diff(s_o) != 0) | (np.diff(f_o) != 0)) + 1
             for a, b in zip(np.concatenate([[0], change]), np.concatenate([change, [total]])):
                 s, f = int(s_o[a]), int(f_o[a])
-                _, starts = self._files.get_or((s, f), lambda s=s, f=f: self._open(s, f))
-                rows = r_o[a:b]
-                g_of = np.searchsorted(starts, rows, side="right") - 1
-                cuts = np.flatnonzero(np.diff(g_of)) + 1
-                for c0, c1 in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(rows)]])):
-                    g = int(g_of[c0])
-                    t = self._group(s, f, g, columns)
-                    pieces.append(t.take(pa.array(rows[c0:c1] - starts[g])))
+                if (s, f) not in self._verified:
+                    self.indexes[s].check_file(f)
+                    self._verified.add((s, f))
+                try:
+                    pieces += self._rows(s, f, r_o[a:b], columns)
+                except (OSError, pa.ArrowException) as err:
+                    ix = self.indexes[s]
+                    raise ix.unreadable(ix.files[f], err) from err
         if not pieces:
             schema = self._schema(columns)
             return schema.empty_table()
@@ -997,6 +1092,17 @@ class ReuseIndex:
         inverse = np.empty(total, dtype=np.int64)
         inverse[order] = np.arange(total)
         return table.take(pa.array(inverse))
+
+    def _rows(self, s: int, f: int, rows: np.ndarray, columns: tuple[str, ...]) -> list[pa.Table]:
+        """``columns`` of rows ``rows`` (sorted) of file ``f`` of output ``s``, a table per row group."""
+        _, starts = self._files.get_or((s, f), lambda: self._open(s, f))
+        g_of = np.searchsorted(starts, rows, side="right") - 1
+        cuts = np.flatnonzero(np.diff(g_of)) + 1
+        pieces = []
+        for c0, c1 in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(rows)]])):
+            g = int(g_of[c0])
+            pieces.append(self._group(s, f, g, columns).take(pa.array(rows[c0:c1] - starts[g])))
+        return pieces
 
     def _open(self, s: int, f: int):
         ix = self.indexes[s]
@@ -1009,7 +1115,10 @@ class ReuseIndex:
     def _schema(self, columns: tuple[str, ...]) -> pa.Schema:
         for s, ix in enumerate(self.indexes):
             if ix.files:
-                pf, _ = self._files.get_or((s, 0), lambda s=s: self._open(s, 0))
+                try:
+                    pf, _ = self._files.get_or((s, 0), lambda s=s: self._open(s, 0))
+                except (OSError, pa.ArrowException) as err:
+                    raise ix.unreadable(ix.files[0], err) from err
                 return pa.schema([pf.schema_arrow.field(c) for c in columns])
         return pa.schema([pa.field(c, pa.null()) for c in columns])
 
@@ -1040,8 +1149,9 @@ def open_index(outputs: str | Sequence[str], storage_options: dict | None = None
     For a worker's SuperBatch tasks: each call with the same outputs returns the same
     open index (the last :data:`OPEN_INDEXES` are kept), so buckets and row groups stay
     cached between SuperBatches; an output whose current run changed since (an in-place
-    update completed) is opened afresh. Build the index on the client first (``ReuseIndex(outputs)``)
-    so that workers only open it.
+    update completed) is opened afresh, and one whose index was rebuilt since (the output was
+    repaired and rerun) when a file the open index names is found gone or changed. Build the
+    index on the client first (``ReuseIndex(outputs)``) so that workers only open it.
 
     Examples
     --------
