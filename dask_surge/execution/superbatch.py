@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from ..errors import SurgeInputError
+from ..errors import SurgeInputError, SurgeValueError
 from ..io.arrow import embedding_array, to_host
 from ..io.frames import FrameRows
 from ..io.layout import CHUNK_COLUMNS, EMBEDDING, PARTITION, ROW, TEXT_HASH
@@ -18,7 +18,7 @@ from ..io.reuse import arrow_strings, hash_column, open_index, text_hashes
 from ..io.texts import ArrowTexts, join_texts, take_texts
 from ..models.encoders import Encoder
 from ..models.tokenize import unreadable_text
-from ..models.windows import TextTooLong
+from ..models.windows import TextTooLong, no_tokenizer
 from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
 from ..planning.policy import Span
 
@@ -209,8 +209,9 @@ class Encoded:
     texts : int
         Input rows written (one or more output rows each).
     truncated : int
-        Texts encoded here that were over the model's window and cut (``long_texts="truncate"``);
-        -1 when the model cannot tell (a callable without a tokenizer).
+        Texts written here that were over the model's window and cut (``long_texts="truncate"``),
+        those copied from a ``reuse`` output included; -1 when the model cannot tell (a callable
+        without a tokenizer).
     encoded : int
         Distinct texts that went through the model (repeats are encoded once).
     reused : int
@@ -223,6 +224,17 @@ class Encoded:
     truncated: int = 0
     encoded: int = 0
     reused: int = 0
+
+
+def _too_long(where: str, tokens: int, window: int) -> SurgeInputError:
+    """The error for the text at ``where`` (partition and row), ``tokens`` long, with ``long_texts="error"``."""
+    return SurgeInputError(
+        f"the text at {where} is {tokens:,} tokens long, over the model's window of {window:,} tokens, and "
+        "long_texts='error' refuses to cut it. What was committed before is kept. Fix: rerun with "
+        "long_texts='truncate' (resumes this run: texts are cut at the window, as sentence-transformers "
+        "does, and counted), or encode every token with long_texts='chunk' (a row per window) or 'mean' "
+        "(their average), which make a new run (another output, or overwrite=True)."
+    )
 
 
 @dataclass(frozen=True)
@@ -363,21 +375,14 @@ class SuperBatchEncoder:
         """Embeddings as written: truncated (``truncate_dim``), normalized, in the stored precision."""
         return embedding_array(truncate(emb, self.truncate_dim, self.normalize), self.precision)
 
-    def _encode_blocks(self, texts: Sequence[str], where) -> tuple[_Blocks, np.ndarray | None]:
+    def _encode_blocks(self, texts: Sequence[str], where: Callable[[int], str]) -> tuple[_Blocks, np.ndarray | None]:
         """Run the model on distinct ``texts``; ``where(i)`` names text ``i`` in errors. Returns the
         blocks and which texts were cut at the window (None: the model cannot tell)."""
         try:  # truncate first, then normalize what is kept (as sentence-transformers' truncate_dim)
             out = self.encoder.encode_long(texts, normalize=self.normalize and self.truncate_dim is None,
                                            long_texts=self.long_texts, chunk_overlap=self.chunk_overlap)
         except TextTooLong as err:
-            raise SurgeInputError(
-                f"the text at {where(err.index)} is {err.tokens:,} tokens long, over the model's window of "
-                f"{err.window:,} tokens, and long_texts='error' refuses to cut it. What was committed before "
-                "is kept. Fix: rerun with long_texts='truncate' (resumes this run: texts are cut at the "
-                "window, as sentence-transformers does, and counted), or encode every token with "
-                "long_texts='chunk' (a row per window) or 'mean' (their average), which make a new run "
-                "(another output, or overwrite=True)."
-            ) from None
+            raise _too_long(where(err.index), err.tokens, err.window) from None
         except SurgeInputError:
             # a text no tokenizer reads: named by partition and row (the tokenizer's texts[i] is its own call's)
             if (bad := unreadable_text(texts, lambda i: f"the text at {where(i)}")) is None:
@@ -391,15 +396,35 @@ class SuperBatchEncoder:
         return _Blocks(counts, self._stored(out.embeddings),  # the windows' fields bear the columns' names
                        {k: np.asarray(getattr(w, k), dtype=t) for k, t in CHUNK_COLUMNS.items()}), truncated
 
-    def _reused_blocks(self, hashes: np.ndarray) -> tuple[np.ndarray, _Blocks | None]:
-        """Which of the distinct ``hashes`` a ``reuse`` output holds, and their rows there."""
+    def _reused_blocks(self, hashes: np.ndarray) -> tuple[np.ndarray, _Blocks | None, np.ndarray]:
+        """Which of the distinct ``hashes`` a ``reuse`` output holds, their rows there, and which of
+        those found may be over the model's window (see :attr:`dask_surge.io.reuse.Reused.may_be_cut`)."""
         hit = open_index(self.reuse).lookup(hashes, columns=tuple(CHUNK_COLUMNS) if self.chunked else ())
         if not hit.found.any():
-            return hit.found, None
+            return hit.found, None, hit.may_be_cut
         chunks = None
         if self.chunked:
             chunks = {k: np.asarray(hit.columns[k], dtype=t) for k, t in CHUNK_COLUMNS.items()}
-        return hit.found, _Blocks(np.asarray(hit.counts, np.int64), hit.embedding, chunks)
+        return hit.found, _Blocks(np.asarray(hit.counts, np.int64), hit.embedding, chunks), hit.may_be_cut
+
+    def _reused_over(self, texts: Sequence[str], where: Callable[[int], str]) -> np.ndarray | None:
+        """Which of ``texts`` (copied from a ``reuse`` output) are over the model's window, tokenized
+        only to count, as :meth:`_encode_blocks` would have found them; None when the model cannot
+        tell. With ``long_texts="error"`` the first such text is refused (``where(i)`` names text ``i``)."""
+        if not len(texts):
+            return np.zeros(0, dtype=bool)
+        try:
+            w = self.encoder.windows(texts, chunk_overlap=0)  # overlap 0: a text's windows share no token
+        except SurgeValueError:  # a plain callable: no tokenizer to count with
+            if self.long_texts == "error":
+                raise no_tokenizer("error", "the model has none to count the reused texts' tokens") from None
+            return None
+        over = np.bincount(w.text, minlength=len(texts)) > 1
+        if self.long_texts == "error" and over.any():
+            first = int(np.argmax(over))
+            tokens = int(w.tokens[w.text == first].sum())
+            raise _too_long(where(first), tokens, int(self.encoder.window_capacity or 0))
+        return over
 
     def encode(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]) -> Encoded:
         """Encode the planned rows of ``parts``: see :class:`Encoded`."""
@@ -410,21 +435,32 @@ class SuperBatchEncoder:
         first, inverse = distinct(hashes)
         found = np.zeros(len(first), dtype=bool)
         parts_: list[tuple[np.ndarray, _Blocks]] = []  # (distinct ids, their blocks)
+        cut = np.zeros(len(first), dtype=bool)  # distinct texts cut at the window
+        uncounted = False  # the model cannot tell which were
+
+        def where(ids: np.ndarray) -> Callable[[int], str]:
+            return lambda i: f"partition {partition[first[ids[i]]]}, row {row[first[ids[i]]]}"
+
         if self.reuse and len(first):
-            found, old = self._reused_blocks(hashes[first])
+            found, old, may_be_cut = self._reused_blocks(hashes[first])
             if old is not None:
                 parts_.append((np.flatnonzero(found), old))
+                if self.long_texts in ("truncate", "error"):  # chunk and mean rows are never cut
+                    check = np.flatnonzero(found)[may_be_cut]
+                    over = self._reused_over(take_texts(texts, first[check]), where(check))
+                    if over is None:
+                        uncounted = True
+                    else:
+                        cut[check] = over
         todo = np.flatnonzero(~found)
-        cut: np.ndarray | None = np.zeros(len(first), dtype=bool)
         if len(todo) or not parts_:
             fresh, mask = self._encode_blocks(
-                texts if len(todo) == len(texts) else take_texts(texts, first[todo]),
-                lambda i: f"partition {partition[first[todo[i]]]}, row {row[first[todo[i]]]}")
+                texts if len(todo) == len(texts) else take_texts(texts, first[todo]), where(todo))
             parts_.append((todo, fresh))
             if mask is None:
-                cut = None
+                uncounted = True
             else:
-                cut[todo] = mask  # type: ignore[index]
+                cut[todo] = mask
         ids = np.concatenate([d for d, _ in parts_])
         blocks = _Blocks.concat([b for _, b in parts_])
         position = np.empty(len(first), np.int64)  # where each distinct text's block is among ``blocks``
@@ -445,7 +481,7 @@ class SuperBatchEncoder:
         out[TEXT_HASH] = pd.arrays.ArrowExtensionArray(hash_array if src is None else hash_array.take(src))
         out[EMBEDDING] = pd.arrays.ArrowExtensionArray(blocks.embedding if in_order
                                                          else blocks.embedding.take(pa.array(take)))
-        truncated = -1 if cut is None else int(np.count_nonzero(cut[inverse]))  # each written text counts
+        truncated = -1 if uncounted else int(np.count_nonzero(cut[inverse]))  # each written text counts
         return Encoded(out, skipped, texts=len(texts), truncated=truncated,
                        encoded=len(todo), reused=int(np.count_nonzero(found[inverse])))
 
