@@ -188,3 +188,116 @@ def test_the_null_text_error_says_what_is_kept_and_how_to_resume(tmp_path):
     back = dask_surge.read_embeddings(out).compute()
     assert sorted(zip(back.partition, back.row)) == [(p, r) for p, texts in enumerate(parts)
                                                      for r, t in enumerate(texts) if t is not None]
+
+
+# -- Parquet files whose types drift ------------------------------------------------------------
+
+
+def _expect_rows(out: str, texts_by_partition) -> None:
+    """Every input row written exactly once, with its own text (``text_hash`` by ``(partition, row)``)."""
+    import dask_surge
+    from dask_surge.io.reuse import hash_column, text_hashes
+
+    back = dask_surge.read_embeddings(out).compute().sort_values(["partition", "row"])
+    want = [(p, r) for p, texts in enumerate(texts_by_partition) for r in range(len(texts))]
+    assert list(zip(back.partition, back.row)) == want
+    assert back.text_hash.tolist() == hash_column(text_hashes([t for ts in texts_by_partition for t in ts])).to_pylist()
+
+
+def _write(path, texts, **kwargs) -> None:
+    import pandas as pd
+
+    path.parent.mkdir(exist_ok=True)
+    pd.DataFrame({"text": texts, "n": range(len(texts))}).to_parquet(path, **kwargs)
+
+
+@pytest.mark.parametrize("empty_at", [0, 2])
+def test_an_empty_parquet_file_is_read_with_the_others(tmp_path, client, empty_at):
+    """pandas 3 writes an empty text column as ``double``: the file joins its SuperBatch's others (it
+    stopped the run mid-way with ArrowTypeError), first file or not (first: Dask's meta says float64)."""
+    import dask.dataframe as dd
+    import pyarrow.parquet as pq
+
+    import dask_surge
+
+    texts = [["a", "b"], ["c"], ["d", "e", "f"], ["g"]]
+    texts.insert(empty_at, [])
+    for i, t in enumerate(texts):
+        _write(tmp_path / "in" / f"p{i}.parquet", t)
+    assert str(pq.read_schema(tmp_path / "in" / f"p{empty_at}.parquet").field("text").type) == "double"
+    out = str(tmp_path / "o")
+    res = dd.read_parquet(str(tmp_path / "in" / "p*.parquet")).surge.encode(
+        "text", out, model=dask_surge.testing.checksum_model, keep=["n"], b_min=4, b_max=8, progress=False)
+    assert res.rows == 7
+    _expect_rows(out, texts)
+
+
+@pytest.mark.parametrize("null_type", ["null", "float64"])
+def test_an_all_null_text_file_takes_the_text_type(tmp_path, null_type):
+    """A file whose text column is all null (typed ``null``, or ``double``: a column of NaN) reads as
+    strings with the others; its nulls are then what on_null says."""
+    import dask.dataframe as dd
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import dask_surge
+
+    _write(tmp_path / "in" / "p0.parquet", ["a", "b"])
+    pq.write_table(pa.table({"text": pa.nulls(2, getattr(pa, null_type)()), "n": pa.array([0, 1])}),
+                   tmp_path / "in" / "p1.parquet")
+    _write(tmp_path / "in" / "p2.parquet", ["c"])
+    out = str(tmp_path / "o")
+    res = dd.read_parquet(str(tmp_path / "in")).surge.encode(
+        "text", out, model=dask_surge.testing.checksum_model, on_null="skip", b_min=5, b_max=5,
+        scheduler="sync", progress=False)
+    assert res.nulls_skipped == 2
+    assert sorted(map(tuple, dask_surge.skipped_rows(out).values.tolist())) == [(1, 0), (1, 1)]
+    back = dask_surge.read_embeddings(out).compute()
+    assert sorted(zip(back.partition, back.row)) == [(0, 0), (0, 1), (2, 0)]
+    assert pd.api.types.is_string_dtype(dd.read_parquet(str(tmp_path / "in" / "p0.parquet")).text.dtype)
+
+
+def test_a_real_type_conflict_is_refused_from_the_footers_before_any_encoding(tmp_path, counting_encoder):
+    import dask.dataframe as dd
+
+    from dask_surge import SurgeInputError
+
+    _write(tmp_path / "in" / "p0.parquet", ["a", "b"])
+    _write(tmp_path / "in" / "p1.parquet", [1, 2])  # ints where the other file holds strings
+    out = tmp_path / "o"
+    with pytest.raises(SurgeInputError, match=r"p1\.parquet' holds column 'text' as int64, but '.*p0\.parquet' "
+                                              r"holds string values.*nothing was encoded"):
+        dd.read_parquet(str(tmp_path / "in" / "p*.parquet")).surge.encode(
+            "text", str(out), model=counting_encoder, scheduler="sync", progress=False)
+    assert [c for c in counting_encoder.calls if c > 1] == [] and not list(out.glob("_surge/runs/*/commits/*"))
+
+
+def test_a_conflict_the_footers_cannot_show_is_refused_when_read(tmp_path, counting_encoder):
+    """Without statistics a footer cannot tell an all-null column from values: the read tells, and the
+    error names both files."""
+    import dask.dataframe as dd
+
+    from dask_surge import SurgeInputError
+
+    _write(tmp_path / "in" / "p0.parquet", ["a", "b"])
+    _write(tmp_path / "in" / "p1.parquet", [1, 2], write_statistics=False)
+    with pytest.raises(SurgeInputError, match=r"p1\.parquet' holds column 'text' as int64, but '.*p0\.parquet' "
+                                              r"holds string values.*nothing of its SuperBatch was written"):
+        dd.read_parquet(str(tmp_path / "in" / "p*.parquet")).surge.encode(
+            "text", str(tmp_path / "o"), model=counting_encoder, b_min=4, scheduler="sync", progress=False)
+    assert [c for c in counting_encoder.calls if c > 1] == []
+
+
+def test_a_file_missing_a_kept_column_is_refused_before_any_encoding(tmp_path, counting_encoder):
+    import dask.dataframe as dd
+    import pandas as pd
+
+    from dask_surge import SurgeInputError
+
+    _write(tmp_path / "in" / "p0.parquet", ["a", "b"])
+    pd.DataFrame({"text": ["c"]}).to_parquet(tmp_path / "in" / "p1.parquet")  # no column n
+    with pytest.raises(SurgeInputError, match=r"p1\.parquet' has no column 'n'.*Nothing was encoded"):
+        dd.read_parquet(str(tmp_path / "in" / "p*.parquet")).surge.encode(
+            "text", str(tmp_path / "o"), model=counting_encoder, keep=["n"], scheduler="sync", progress=False)
+    assert [c for c in counting_encoder.calls if c > 1] == []  # the one-text probe of the dimension only

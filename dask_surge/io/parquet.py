@@ -1,5 +1,12 @@
 """Reading a plain ``read_parquet`` input ourselves: its files and row groups per partition,
-footers through Arrow fragments, and whole SuperBatches of files in one Arrow scan."""
+footers through Arrow fragments, and whole SuperBatches of files in one Arrow scan.
+
+The files of one input may disagree on a column's type where it holds no value (pandas writes
+an empty text column as ``double``): each column is read as one type for the whole run, its
+**target** (:func:`column_targets`), to which an empty or all-null column is cast. Files that
+disagree where they hold values (integers in one, strings in another) are refused, from their
+footers before anything is encoded (:func:`check_footers`), else when the files are read.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ from ..errors import SurgeInputError
 from .frames import FrameRows
 
 __all__ = ["parquet_pieces", "ParquetPartitions", "arrow_local_fs", "arrow_fragments", "scan_files",
-           "string_types"]
+           "string_types", "read_footers", "column_targets", "check_footers", "type_family"]
 
 
 def parquet_pieces(expr) -> tuple | None:
@@ -52,23 +59,37 @@ class ParquetPartitions:
     in one scan.
     """
 
-    def __init__(self, fs, pieces: dict, columns: tuple, dtypes: tuple) -> None:
+    def __init__(self, fs, pieces: dict, columns: tuple, dtypes: tuple, targets: tuple = ()) -> None:
         self.fs, self.pieces, self.columns, self.dtypes = fs, pieces, columns, dtypes
+        #: ``(column, Arrow type, file that holds it)`` each file's columns are resolved to (see
+        #: :func:`column_targets`); ``()``: none (the files are concatenated as they are)
+        self.targets = targets
 
     @classmethod
     def of(cls, expr) -> ParquetPartitions | None:
         """The reader of every partition of ``expr`` (a dask-expr expression) when it is a plain
-        ``read_parquet`` (see :func:`parquet_pieces`), else None."""
-        found = parquet_pieces(_compat.simplified(expr))
+        ``read_parquet`` (see :func:`parquet_pieces`), else None.
+
+        Reads the footer of the input's first file (of more, in order, while a column it reads is
+        empty or all null in those): what each column's type is across the files."""
+        simple = _compat.simplified(expr)
+        found = parquet_pieces(simple)
         if found is None or len(found[1]) != expr.npartitions:
             return None
         fs, pieces, columns = found
-        dtypes = tuple((c, str(t)) for c, t in expr._meta.dtypes.items())
-        return cls(fs, dict(enumerate(pieces)), tuple(columns), dtypes)
+        paths = list(dict.fromkeys(path for path, _ in pieces))
+        schema = _dataset_schema(simple)
+        targets = column_targets(schema, columns, paths, lambda path: read_footers(fs, [path])[path])
+        # a column whose type the meta took from an empty file (double for an empty text column) is read
+        # as its target, not cast to the meta's dtype, which its values do not fit
+        weak = {c for c, t, _ in targets if type_family(schema.field(c).type) != type_family(t)}
+        dtypes = tuple((c, str(t)) for c, t in expr._meta.dtypes.items() if c not in weak)
+        return cls(fs, dict(enumerate(pieces)), tuple(columns), dtypes, tuple(targets))
 
     def subset(self, partitions) -> ParquetPartitions:
         """The reader of ``partitions`` alone (what one task ships)."""
-        return ParquetPartitions(self.fs, {p: self.pieces[p] for p in partitions}, self.columns, self.dtypes)
+        return ParquetPartitions(self.fs, {p: self.pieces[p] for p in partitions}, self.columns, self.dtypes,
+                                 self.targets)
 
     def __repr__(self) -> str:
         return f"ParquetPartitions({len(self.pieces)} partitions, columns={list(self.columns)})"
@@ -89,6 +110,31 @@ class ParquetPartitions:
             if row_groups is None:
                 return pf.read(columns=list(self.columns), use_threads=False)
             return pf.read_row_groups(list(row_groups), columns=list(self.columns), use_threads=False)
+
+    def _resolved(self, table, path: str):
+        """``table`` (read from ``path``) with each column as its target type: an empty or all-null
+        column takes it, a column of the same kind is cast to it (``string`` to ``large_string``,
+        ``int32`` to ``int64``). Raises :class:`SurgeInputError` where values disagree."""
+        import pyarrow as pa
+
+        for column, target, origin in self.targets:
+            i = table.schema.get_field_index(column)
+            have = table.column(i)
+            if have.type == target:
+                continue
+            if have.null_count == len(have):
+                table = table.set_column(i, column, pa.chunked_array([pa.nulls(len(have), target)]))
+                continue
+            if type_family(have.type) == type_family(target):
+                try:
+                    table = table.set_column(i, column, have.cast(target))
+                    continue
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as err:
+                    raise SurgeInputError(_conflict(path, column, have.type, origin, target,
+                                                    f" ({err}); nothing of its SuperBatch was written")) from None
+            raise SurgeInputError(_conflict(path, column, have.type, origin, target,
+                                            "; nothing of its SuperBatch was written"))
+        return table
 
     def _tables(self, pieces: list) -> list:
         """One Arrow table per piece, in order."""
@@ -114,7 +160,8 @@ class ParquetPartitions:
         import pyarrow as pa
 
         partitions = list(partitions)
-        tables = self._tables([self.pieces[p] for p in partitions])
+        pieces = [self.pieces[p] for p in partitions]
+        tables = [self._resolved(t, path) for t, (path, _) in zip(self._tables(pieces), pieces)]
         lengths = [t.num_rows for t in tables]
         table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
         frame = table.to_pandas(types_mapper=string_types)
@@ -125,6 +172,143 @@ class ParquetPartitions:
         for p, n in zip(partitions, lengths):
             yield p, FrameRows(frame, offset, offset + n)
             offset += n
+
+
+def _dataset_schema(expr):
+    """The Arrow schema Dask took the input's meta from (its first file's, or ``_metadata``'s)."""
+    return expr._dataset_info["schema"]
+
+
+def type_family(pa_type) -> str:
+    """What kind of values an Arrow type holds: types of one family cast into each other without
+    changing what the values mean (``string``, ``large_string``, ``string_view`` and dictionaries
+    of them; integers and floats; each time unit...); ``"null"`` holds none.
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> type_family(pa.string_view()), type_family(pa.dictionary(pa.int8(), pa.large_string()))
+    ('string', 'string')
+    >>> type_family(pa.int32()) == type_family(pa.float64()), type_family(pa.timestamp("ms", "UTC"))
+    (True, 'timestamp')
+    """
+    import pyarrow as pa
+
+    t = pa_type.value_type if pa.types.is_dictionary(pa_type) else pa_type
+    kinds = (("null", pa.types.is_null), ("string", pa.types.is_string), ("string", pa.types.is_large_string),
+             ("string", pa.types.is_string_view), ("binary", pa.types.is_binary),
+             ("binary", pa.types.is_large_binary), ("binary", pa.types.is_binary_view),
+             ("number", pa.types.is_integer), ("number", pa.types.is_floating), ("number", pa.types.is_decimal),
+             ("bool", pa.types.is_boolean), ("timestamp", pa.types.is_timestamp), ("date", pa.types.is_date),
+             ("time", pa.types.is_time), ("duration", pa.types.is_duration))
+    return next((kind for kind, test in kinds if test(t)), str(t))
+
+
+def read_footers(fs, paths: Sequence[str]) -> dict:
+    """``{path: pyarrow.parquet.FileMetaData}`` of each file of ``paths``: local files through Arrow
+    fragments (GIL-free), others through ``fs`` in threads (the latency of each footer overlaps)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow.parquet as pq
+
+    paths = list(dict.fromkeys(paths))
+    local = arrow_local_fs(fs)
+    if local is not None:  # measured: 0.1 s for 2,000 files, 0.55 s through fsspec
+        fragments = arrow_fragments(local, paths)
+        for fragment in fragments:
+            fragment.ensure_complete_metadata()
+        return {path: fragment.metadata for path, fragment in zip(paths, fragments)}
+
+    def footer(path):
+        with fs.open(path, "rb") as f:
+            return pq.ParquetFile(f).metadata
+
+    with ThreadPoolExecutor(max_workers=min(16, len(paths) or 1)) as pool:
+        return dict(zip(paths, pool.map(footer, paths)))
+
+
+def _column_counts(md, column: str) -> tuple[int, int | None]:
+    """``(rows, nulls)`` of ``column`` in a file (``nulls``: None where a row group has no statistics)."""
+    names = [md.schema.column(i).path for i in range(md.num_columns)]
+    col = names.index(column)
+    nulls: int | None = 0
+    for r in range(md.num_row_groups):
+        stats = md.row_group(r).column(col).statistics
+        if stats is None or not stats.has_null_count or nulls is None:
+            nulls = None
+        else:
+            nulls += stats.null_count
+    return md.num_rows, nulls
+
+
+def _holds_values(md, column: str) -> bool | None:
+    """Whether ``column`` holds a value in the file of ``md`` (None: its footer cannot tell)."""
+    rows, nulls = _column_counts(md, column)
+    if rows == 0:
+        return False
+    return None if nulls is None else nulls < rows
+
+
+def column_targets(schema, columns: Sequence[str], paths: Sequence[str], footer) -> list[tuple]:
+    """``(column, Arrow type, file)`` for each of ``columns``: the type every file's column is read as.
+
+    It is ``schema``'s (the type Dask's meta took from the input's first file), unless that file
+    holds no value in the column (an empty file: pandas writes an empty text column as ``double``):
+    then the type of the first file of ``paths`` that holds one, read with ``footer(path)`` (a
+    ``FileMetaData``). ``file`` is the file that holds the type, for messages.
+    """
+    targets: dict[str, tuple] = {}
+    pending = [c for c in columns if c in schema.names]
+    for path in paths:
+        if not pending:
+            break
+        md = footer(path)
+        arrow = md.schema.to_arrow_schema()
+        for c in list(pending):
+            if c not in arrow.names:
+                continue  # refused by check_footers, or when the file is read
+            held = _holds_values(md, c)
+            if held is not False:  # values, or no statistics to tell: its own type is what the column is
+                own = arrow.field(c).type
+                meta = schema.field(c).type
+                targets[c] = (meta if type_family(meta) == type_family(own) else own, path)
+                pending.remove(c)
+    for c in pending:  # no file holds a value: the meta's type
+        targets[c] = (schema.field(c).type, paths[0] if paths else "")
+    return [(c, *targets[c]) for c in columns if c in targets]
+
+
+def check_footers(targets: Sequence[tuple], columns: Sequence[str], footers: dict) -> None:
+    """Refuse, from their footers, files that miss a column the run reads or hold values of another
+    kind in it than its target (:func:`column_targets`): before anything is encoded.
+
+    Raises
+    ------
+    SurgeInputError
+        Naming the file, the column, its type there and the file that holds the target type.
+    """
+    wanted = {c: (t, origin) for c, t, origin in targets}
+    for path, md in footers.items():
+        arrow = md.schema.to_arrow_schema()
+        missing = [c for c in columns if c not in arrow.names]
+        if missing:
+            raise SurgeInputError(
+                f"{path!r} has no column {missing[0]!r} (its columns: {arrow.names}), but the run reads "
+                f"{list(columns)} from every file. Nothing was encoded. Fix: drop the file from the input, "
+                "or add the column to it."
+            )
+        for c, (target, origin) in wanted.items():
+            have = arrow.field(c).type
+            if type_family(have) != type_family(target) and type_family(have) != "null" \
+                    and _holds_values(md, c):
+                raise SurgeInputError(_conflict(path, c, have, origin, target, "; nothing was encoded"))
+
+
+def _conflict(path: str, column: str, have, origin: str, target, what: str) -> str:
+    return (f"{path!r} holds column {column!r} as {have}, but {origin!r} holds {type_family(target)} values in "
+            f"it (the run reads it as {target}){what}. The files of one input must agree on each column's kind "
+            "of values where they hold any (an empty or all-null column may be of any type). Fix: rewrite "
+            f"{path!r} with {column!r} as {target}, or leave the file out of the input.")
 
 
 def arrow_local_fs(fs):
