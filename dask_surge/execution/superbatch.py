@@ -287,7 +287,11 @@ class SuperBatchEncoder:
     (fixed-size list of the stored precision: float32 by default), sorted by
     ``(partition, row[, chunk])``. With ``on_null="skip"`` null rows are left out;
     :meth:`encode` returns their ``(partition, row)``. Texts repeated within the
-    SuperBatch go through the model once; texts a ``reuse`` output holds not at all.
+    SuperBatch go through the model once; texts a ``reuse`` output holds not at all:
+    their stored rows are copied. With ``long_texts="truncate"`` or ``"error"`` the copied
+    texts that may be over the window (from a file whose commit record counts texts cut
+    there) are tokenized, only to count them as truncated or refuse them as an encoded
+    text would be.
     """
 
     column: str
