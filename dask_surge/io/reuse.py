@@ -75,7 +75,7 @@ import xxhash
 
 from ..errors import SurgeInputError, SurgeOutputError, SurgeValueError
 from .layout import CHUNK, CHUNK_COLUMNS, TEXT_HASH
-from .manifest import current_run, existing_run, index_dir, write_bytes_atomic
+from .manifest import current_run, discard, existing_run, index_dir, write_bytes_atomic
 from .readers import model_name
 from .texts import ArrowTexts, as_list, is_string_view
 
@@ -668,8 +668,7 @@ class _OutputIndex:
                 keep = {_bucket_name(b) for b in range(nb) if bucket_entries[b]}
                 for name in self._ls(self.dir):  # buckets of an index built before with other bits
                     if name.startswith("bucket-") and name.endswith(".npy") and name not in keep:
-                        with contextlib.suppress(FileNotFoundError):
-                            self.fs.rm(f"{self.dir}/{name}")
+                        discard(self.fs, self.root, f"{self.dir}/{name}")
             except OSError as err:
                 raise SurgeOutputError(
                     f"reuse={self.path!r}: writing its reuse index to {self.dir!r} failed "
@@ -680,7 +679,7 @@ class _OutputIndex:
         finally:
             shutil.rmtree(spill, ignore_errors=True)
             with contextlib.suppress(OSError):
-                self.fs.rm(self._lock_path)
+                discard(self.fs, self.root, self._lock_path)
         self._buckets.clear()
         return meta
 
