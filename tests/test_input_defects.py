@@ -258,6 +258,24 @@ def test_an_all_null_text_file_takes_the_text_type(tmp_path, null_type):
     assert pd.api.types.is_string_dtype(dd.read_parquet(str(tmp_path / "in" / "p0.parquet")).text.dtype)
 
 
+def test_a_first_file_of_null_texts_does_not_type_the_column(tmp_path):
+    """Shrunk from the property: pandas writes a column of None as Arrow ``null`` (no statistics), first
+    file: it was taken for the column's type and the file of strings refused as a conflict."""
+    import dask.dataframe as dd
+
+    import dask_surge
+
+    _write(tmp_path / "in" / "p0.parquet", [None])
+    _write(tmp_path / "in" / "p1.parquet", [""])
+    out = str(tmp_path / "o")
+    res = dd.read_parquet(str(tmp_path / "in")).surge.encode(
+        "text", out, model=dask_surge.testing.checksum_model, on_null="skip", b_min=1, b_max=1,
+        scheduler="sync", progress=False)
+    assert res.nulls_skipped == 1
+    back = dask_surge.read_embeddings(out).compute()
+    assert list(zip(back.partition, back.row)) == [(1, 0)]
+
+
 def test_a_real_type_conflict_is_refused_from_the_footers_before_any_encoding(tmp_path, counting_encoder):
     import dask.dataframe as dd
 
@@ -289,6 +307,24 @@ def test_a_conflict_the_footers_cannot_show_is_refused_when_read(tmp_path, count
     assert [c for c in counting_encoder.calls if c > 1] == []
 
 
+def test_a_conflict_under_later_steps_is_refused_before_any_encoding(tmp_path, counting_encoder):
+    """A ``read_parquet`` with steps on top (a filter): Dask reads the files one partition at a time, so the
+    run stopped mid-way on the file of ints ("holds a int"); its footers refuse it first."""
+    import dask.dataframe as dd
+
+    from dask_surge import SurgeInputError
+
+    _write(tmp_path / "in" / "p0.parquet", ["a", "b"])
+    _write(tmp_path / "in" / "p1.parquet", ["c", "d"])
+    _write(tmp_path / "in" / "p2.parquet", [1, 2])
+    ddf = dd.read_parquet(str(tmp_path / "in"))
+    out = tmp_path / "o"
+    with pytest.raises(SurgeInputError, match=r"p2\.parquet' holds column 'text' as int64.*nothing was encoded"):
+        ddf[ddf.n >= 0].surge.encode("text", str(out), model=counting_encoder, b_min=2, b_max=2,
+                                      scheduler="sync", progress=False)
+    assert [c for c in counting_encoder.calls if c > 1] == [] and not list(out.glob("_surge/runs/*/commits/*"))
+
+
 def test_a_file_missing_a_kept_column_is_refused_before_any_encoding(tmp_path, counting_encoder):
     import dask.dataframe as dd
     import pandas as pd
@@ -301,3 +337,51 @@ def test_a_file_missing_a_kept_column_is_refused_before_any_encoding(tmp_path, c
         dd.read_parquet(str(tmp_path / "in" / "p*.parquet")).surge.encode(
             "text", str(tmp_path / "o"), model=counting_encoder, keep=["n"], scheduler="sync", progress=False)
     assert [c for c in counting_encoder.calls if c > 1] == []  # the one-text probe of the dimension only
+
+
+# -- found by tests/test_input_properties.py ---------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
+    "execution/superbatch.py texts_of: on_null='empty' fills nulls with series.where(~nulls, ''), which a "
+    "Categorical refuses ('' is not a category): proposed fix in the input-side report"))
+@pytest.mark.parametrize("source", ["from_pandas", "read_parquet"])
+def test_a_categorical_text_column_with_nulls_encodes_them_as_empty(tmp_path, source):
+    """pandas ``category`` text (a dictionary-encoded Parquet column reads as one): a null with
+    on_null='empty' is encoded as "" (it raised TypeError: Cannot setitem on a Categorical with a new
+    category)."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    import dask_surge
+
+    frame = pd.DataFrame({"text": pd.Series([" ", None, "b"], dtype="category")})
+    if source == "read_parquet":
+        (tmp_path / "in").mkdir()
+        frame.to_parquet(tmp_path / "in" / "p0.parquet")
+        ddf = dd.read_parquet(str(tmp_path / "in"))
+    else:
+        ddf = dd.from_pandas(frame, npartitions=1)
+    out = str(tmp_path / "o")
+    ddf.surge.encode("text", out, model=dask_surge.testing.checksum_model, on_null="empty", scheduler="sync",
+                     progress=False)
+    _expect_rows(out, [[" ", "", "b"]])
+
+
+@pytest.mark.xfail(strict=True, raises=UnicodeEncodeError, reason=(
+    "api.py: Dask computes set_index's divisions while encode() plans (frame.npartitions in fingerprint), "
+    "and its conversion to Arrow strings raises a bare UnicodeEncodeError: proposed fix in the report"))
+def test_a_lone_surrogate_met_while_planning_is_a_clear_error(tmp_path):
+    """Shrunk from the property: object texts holding a lone surrogate, then set_index: the error is
+    dask-surge's lone-surrogate error with its fix, not a bare UnicodeEncodeError from Dask."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    import dask_surge
+    from dask_surge import SurgeInputError
+
+    frame = pd.DataFrame({"text": pd.Series(["", "a\ud800b"], dtype=object), "n": [0, 1]})
+    ddf = dd.from_pandas(frame, npartitions=2, sort=False).set_index("n")
+    with pytest.raises(SurgeInputError, match=r"lone surrogate.*Fix"):
+        ddf.surge.encode("text", str(tmp_path / "o"), model=dask_surge.testing.checksum_model, scheduler="sync",
+                         progress=False)

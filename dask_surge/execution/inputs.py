@@ -39,7 +39,7 @@ from .._compat import (
     untuned,
 )
 from ..errors import SurgeError
-from ..io.parquet import ParquetPartitions
+from ..io.parquet import ParquetPartitions, check_sources
 from ..planning.policy import SuperBatch
 
 __all__ = ["InputGraph", "Unit", "UnitSource", "cull", "dependents_of", "filed_as", "input_files", "private_tasks",
@@ -248,6 +248,9 @@ class InputGraph:
     ------
     SurgeError
         When the optimized input has another number of partitions than was planned.
+    SurgeInputError
+        When the files of a ``read_parquet`` among its sources disagree on a column's kind of values,
+        or miss a column it reads (see :func:`dask_surge.io.parquet.check_sources`).
     """
 
     def __init__(self, frame, planned: int | None = None) -> None:
@@ -259,6 +262,7 @@ class InputGraph:
         self.dependents: dict = {}
         npartitions = expr.npartitions
         if self.reader is None:
+            check_sources(expr)  # Parquet files whose types conflict, before any task (a plain read: when planned)
             with untuned():  # keep the planned partitions
                 opt = expr.optimize(fuse=True)
             self.name, npartitions = opt._name, opt.npartitions

@@ -17,7 +17,7 @@ from ..errors import SurgeInputError
 from .frames import FrameRows
 
 __all__ = ["parquet_pieces", "ParquetPartitions", "arrow_local_fs", "arrow_fragments", "scan_files",
-           "string_types", "read_footers", "column_targets", "check_footers", "type_family"]
+           "string_types", "read_footers", "column_targets", "check_footers", "check_sources", "type_family"]
 
 
 def parquet_pieces(expr) -> tuple | None:
@@ -255,7 +255,8 @@ def column_targets(schema, columns: Sequence[str], paths: Sequence[str], footer)
     It is ``schema``'s (the type Dask's meta took from the input's first file), unless that file
     holds no value in the column (an empty file: pandas writes an empty text column as ``double``):
     then the type of the first file of ``paths`` that holds one, read with ``footer(path)`` (a
-    ``FileMetaData``). ``file`` is the file that holds the type, for messages.
+    ``FileMetaData``). ``file`` is the file that holds the type, for messages (``""`` where no file
+    holds a value in the column).
     """
     targets: dict[str, tuple] = {}
     pending = [c for c in columns if c in schema.names]
@@ -267,20 +268,21 @@ def column_targets(schema, columns: Sequence[str], paths: Sequence[str], footer)
         for c in list(pending):
             if c not in arrow.names:
                 continue  # refused by check_footers, or when the file is read
-            held = _holds_values(md, c)
+            own = arrow.field(c).type
+            held = type_family(own) != "null" and _holds_values(md, c)  # (a null column has no statistics)
             if held is not False:  # values, or no statistics to tell: its own type is what the column is
-                own = arrow.field(c).type
                 meta = schema.field(c).type
                 targets[c] = (meta if type_family(meta) == type_family(own) else own, path)
                 pending.remove(c)
-    for c in pending:  # no file holds a value: the meta's type
-        targets[c] = (schema.field(c).type, paths[0] if paths else "")
+    for c in pending:  # no file holds a value: the meta's type (and no file to name)
+        targets[c] = (schema.field(c).type, "")
     return [(c, *targets[c]) for c in columns if c in targets]
 
 
-def check_footers(targets: Sequence[tuple], columns: Sequence[str], footers: dict) -> None:
+def check_footers(targets: Sequence[tuple], columns: Sequence[str], footers: dict, text: str | None = None) -> None:
     """Refuse, from their footers, files that miss a column the run reads or hold values of another
-    kind in it than its target (:func:`column_targets`): before anything is encoded.
+    kind in it than its target (:func:`column_targets`), and a ``text`` column whose files hold values
+    that are not strings: before anything is encoded.
 
     Raises
     ------
@@ -288,6 +290,13 @@ def check_footers(targets: Sequence[tuple], columns: Sequence[str], footers: dic
         Naming the file, the column, its type there and the file that holds the target type.
     """
     wanted = {c: (t, origin) for c, t, origin in targets}
+    if text in wanted and wanted[text][1] and type_family(wanted[text][0]) not in ("string", "binary", "null"):
+        target, origin = wanted[text]
+        raise SurgeInputError(
+            f"the text column {text!r} holds {target} values ({origin!r}): only strings can be encoded. Nothing "
+            f"was encoded. Fix: pass the column that holds the texts, or convert it first, e.g. "
+            f"ddf[{text!r}] = ddf[{text!r}].astype(str)."
+        )
     for path, md in footers.items():
         arrow = md.schema.to_arrow_schema()
         missing = [c for c in columns if c not in arrow.names]
@@ -302,6 +311,25 @@ def check_footers(targets: Sequence[tuple], columns: Sequence[str], footers: dic
             if type_family(have) != type_family(target) and type_family(have) != "null" \
                     and _holds_values(md, c):
                 raise SurgeInputError(_conflict(path, c, have, origin, target, "; nothing was encoded"))
+
+
+def check_sources(expr) -> None:
+    """:func:`check_footers` for each plain ``read_parquet`` among the sources of ``expr`` (a dask-expr
+    expression), whatever steps follow it (Dask reads their files then, one partition at a time).
+
+    Raises
+    ------
+    SurgeInputError
+        As :func:`check_footers`: before any of the input is computed.
+    """
+    for leaf in _compat.simplified(expr).walk():
+        found = parquet_pieces(leaf) if isinstance(leaf, _compat.ReadParquetFSSpec) else None
+        if found is None:
+            continue
+        fs, pieces, columns = found
+        paths = list(dict.fromkeys(path for path, _ in pieces))
+        footers = read_footers(fs, paths)
+        check_footers(column_targets(_dataset_schema(leaf), columns, paths, footers.__getitem__), columns, footers)
 
 
 def _conflict(path: str, column: str, have, origin: str, target, what: str) -> str:
