@@ -276,6 +276,45 @@ def test_a_first_file_of_null_texts_does_not_type_the_column(tmp_path):
     assert list(zip(back.partition, back.row)) == [(1, 0)]
 
 
+@pytest.mark.parametrize("first", ["dictionary", "string_view"])
+def test_string_view_and_dictionary_files_are_read_together(tmp_path, first):
+    """Shrunk from the property: Arrow has no cast between ``string_view`` and dictionary text; the
+    SuperBatch of such files stopped with "Unsupported cast" (cast through large_string now)."""
+    import dask.dataframe as dd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import dask_surge
+
+    texts = [["a", None, "a"], ["b", "c"]]
+    kinds = [first, "string_view" if first == "dictionary" else "dictionary"]
+    (tmp_path / "in").mkdir()
+    for i, (t, kind) in enumerate(zip(texts, kinds)):
+        arr = pa.array(t, pa.string_view()) if kind == "string_view" else pa.array(t).dictionary_encode()
+        pq.write_table(pa.table({"text": arr}), tmp_path / "in" / f"p{i}.parquet")
+    out = str(tmp_path / "o")
+    dd.read_parquet(str(tmp_path / "in")).surge.encode(
+        "text", out, model=dask_surge.testing.checksum_model, on_null="skip", b_min=5, b_max=5, scheduler="sync",
+        progress=False)
+    back = dask_surge.read_embeddings(out).compute()
+    assert sorted(zip(back.partition, back.row)) == [(0, 0), (0, 2), (1, 0), (1, 1)]
+
+
+def test_a_text_column_of_numbers_names_the_files_own_type(tmp_path, counting_encoder):
+    """Shrunk from the property: an empty first file (double) and a file of ints: the refusal said the ints
+    file "holds double values" (the meta's type); it names what the file holds."""
+    import dask.dataframe as dd
+
+    from dask_surge import SurgeInputError
+
+    _write(tmp_path / "in" / "p0.parquet", [])
+    _write(tmp_path / "in" / "p1.parquet", [5, 6])
+    with pytest.raises(SurgeInputError, match=r"the text column 'text' holds int64 values \('.*p1\.parquet'\): "
+                                              r"only strings can be encoded\. Nothing was encoded"):
+        dd.read_parquet(str(tmp_path / "in")).surge.encode("text", str(tmp_path / "o"), model=counting_encoder,
+                                                          scheduler="sync", progress=False)
+
+
 def test_a_real_type_conflict_is_refused_from_the_footers_before_any_encoding(tmp_path, counting_encoder):
     import dask.dataframe as dd
 
@@ -385,3 +424,28 @@ def test_a_lone_surrogate_met_while_planning_is_a_clear_error(tmp_path):
     with pytest.raises(SurgeInputError, match=r"lone surrogate.*Fix"):
         ddf.surge.encode("text", str(tmp_path / "o"), model=dask_surge.testing.checksum_model, scheduler="sync",
                          progress=False)
+
+
+@pytest.mark.xfail(strict=True, raises=FileNotFoundError, reason=(
+    "io/manifest.py Manifest.data_urls names the published part-*.parquet of every commit record; a task that "
+    "died (or, on a cluster, still runs) between commit and publish leaves its file in staging/: proposed fix "
+    "in the report"))
+def test_a_committed_file_not_yet_published_is_read_from_staging(tmp_path):
+    """Found by the property on the cluster: encode raised (a null) while another SuperBatch task was between
+    its commit and its publish; read_embeddings then failed with FileNotFoundError. Here the state a task
+    killed between the two leaves: the record committed, the file still in staging/."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    import dask_surge
+    from dask_surge.io.manifest import _DATA_FILE, current_run
+
+    ddf = dd.from_pandas(pd.DataFrame({"text": list("abcdef")}), npartitions=3)
+    out = str(tmp_path / "o")
+    ddf.surge.encode("text", out, model=dask_surge.testing.checksum_model, b_min=2, b_max=2, scheduler="sync",
+                     progress=False)
+    manifest = current_run(out)
+    last = list(manifest.committed().values())[-1]
+    os.replace(f"{out}/{last.file}", manifest.staging_path(last.sb, _DATA_FILE.match(last.file).group("attempt")))
+    back = dask_surge.read_embeddings(out).compute()
+    assert sorted(zip(back.partition, back.row)) == [(p, r) for p in range(3) for r in range(2)]

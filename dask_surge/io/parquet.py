@@ -127,7 +127,7 @@ class ParquetPartitions:
                 continue
             if type_family(have.type) == type_family(target):
                 try:
-                    table = table.set_column(i, column, have.cast(target))
+                    table = table.set_column(i, column, _cast(have, target))
                     continue
                 except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as err:
                     raise SurgeInputError(_conflict(path, column, have.type, origin, target,
@@ -172,6 +172,23 @@ class ParquetPartitions:
         for p, n in zip(partitions, lengths):
             yield p, FrameRows(frame, offset, offset + n)
             offset += n
+
+
+def _cast(column, target):
+    """``column`` (a ChunkedArray) as ``target``, a type of its family (:func:`type_family`). Arrow has no
+    cast between some string types (``string_view`` and dictionaries): those go through
+    ``large_string`` (``large_binary``), a dictionary decoded first."""
+    import pyarrow as pa
+
+    try:
+        return column.cast(target)
+    except pa.ArrowNotImplementedError:
+        if type_family(target) not in ("string", "binary"):
+            raise
+    if pa.types.is_dictionary(column.type):
+        column = pa.chunked_array([chunk.dictionary_decode() for chunk in column.chunks], column.type.value_type)
+    plain = pa.large_string() if type_family(target) == "string" else pa.large_binary()
+    return column.cast(plain).cast(target)
 
 
 def _dataset_schema(expr):
@@ -291,9 +308,10 @@ def check_footers(targets: Sequence[tuple], columns: Sequence[str], footers: dic
     """
     wanted = {c: (t, origin) for c, t, origin in targets}
     if text in wanted and wanted[text][1] and type_family(wanted[text][0]) not in ("string", "binary", "null"):
-        target, origin = wanted[text]
+        origin = wanted[text][1]
+        held = footers[origin].schema.to_arrow_schema().field(text).type if origin in footers else wanted[text][0]
         raise SurgeInputError(
-            f"the text column {text!r} holds {target} values ({origin!r}): only strings can be encoded. Nothing "
+            f"the text column {text!r} holds {held} values ({origin!r}): only strings can be encoded. Nothing "
             f"was encoded. Fix: pass the column that holds the texts, or convert it first, e.g. "
             f"ddf[{text!r}] = ddf[{text!r}].astype(str)."
         )
