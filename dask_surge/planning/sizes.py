@@ -192,7 +192,8 @@ def parquet_footer_sizes(frame, column: str) -> tuple[tuple[int, ...], tuple[int
     ------
     SurgeInputError
         A file misses a column the run reads, or holds values of another kind in it than the
-        other files (see :func:`~dask_surge.io.parquet.check_footers`): before anything is encoded.
+        other files, or the files hold values that are not strings in ``column`` (see
+        :func:`~dask_surge.io.parquet.check_footers`): before anything is encoded.
     """
     expr = _compat.simplified(frame.expr)
     found = parquet_pieces(expr)
@@ -202,7 +203,7 @@ def parquet_footer_sizes(frame, column: str) -> tuple[tuple[int, ...], tuple[int
     paths = list(dict.fromkeys(path for path, _ in pieces))
     footers = read_footers(fs, paths)
     check_footers(column_targets(expr._dataset_info["schema"], columns, paths, footers.__getitem__), columns,
-                  footers)
+                  footers, text=column)
 
     def groups(md):
         names = [md.schema.column(i).path for i in range(md.num_columns)]
