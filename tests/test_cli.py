@@ -77,7 +77,7 @@ def _junk_model(tmp_path):
     (["--max-bytes", "lots"], None, "surge.max-bytes='lots' is not allowed"),
     (["--model", "/does/not/exist"], None, "does not exist"),
     (["--model", "JUNK"], None, "not a sentence-transformers or Hugging Face text encoder"),
-    ([], {"text": [1, 2, 3]}, "holds a int .* only strings can be encoded"),
+    ([], {"text": [1, 2, 3]}, "holds (a int|int64 values) .* only strings can be encoded"),
     ([], {"text": ["a", None]}, "1 null value.*partition 0, first at row 1.*on_null='skip'"),
     ([], {"body": ["a"]}, "text column 'text' is not in the DataFrame"),
 ] + ([] if __import__("torch").cuda.is_available() else

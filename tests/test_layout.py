@@ -114,3 +114,46 @@ def test_function_level_imports_are_for_heavy_dependencies_only():
                     if isinstance(node, ast.ImportFrom) and node.level > 0 and node.module not in torch_modules:
                         lazy.append(f"{path.relative_to(PACKAGE)}:{node.lineno} from {'.' * node.level}{node.module}")
     assert lazy == []
+
+
+#: calls that delete or move files, and where they may stand outside ``io/atomic.py`` (what they touch is
+#: not an output: shared memory, the model-digest and calibration caches, a reuse index's private spill
+#: directory under the system's temporary folder)
+_DELETES = {"rm", "rm_file", "rmdir", "mv", "unlink", "remove", "rename", "replace", "rmtree", "delete"}
+_ALLOWED_DELETES = {
+    ("models/tokenpool.py", "unlink"),  # a shared-memory block, not a file of an output
+    ("models/modelid.py", "replace"),  # the model digest cache (~/.cache/dask-surge)
+    ("execution/calibrate.py", "replace"),  # the calibration cache
+    ("io/reuse.py", "unlink"),  # the index builder's spill files in its own temporary directory
+    ("io/reuse.py", "rmtree"),  # that temporary directory
+}
+
+
+def _delete_calls(source: str) -> list[tuple[int, str]]:
+    calls = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _DELETES:
+            owner = node.func.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if node.func.attr == "replace" and name != "os":  # str.replace, dataclasses' replace
+                continue
+            if name in ("os", "shutil", "fs", "self", "manifest") or name.endswith("fs"):
+                calls.append((node.lineno, node.func.attr))
+    return calls
+
+
+def test_every_delete_and_move_of_an_output_goes_through_one_module():
+    """``io/atomic.py`` (reached through the manifest's ``discard`` / ``relocate``, which check the layout) is
+    the only place that deletes or moves a file; nothing else calls ``fs.rm``, ``os.unlink``, ``rmtree``..."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = str(path.relative_to(PACKAGE))
+        if rel == "io/atomic.py":
+            continue
+        found += [f"{rel}:{line} .{attr}()" for line, attr in _delete_calls(path.read_text())
+                  if (rel, attr) not in _ALLOWED_DELETES]
+    assert found == []
+
+
+def test_the_delete_check_can_fail():
+    assert _delete_calls("import os\nos.unlink(p)\nself.fs.rm(p)\nx.replace('a', 'b')\n") == [(2, "unlink"), (3, "rm")]

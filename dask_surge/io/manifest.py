@@ -953,10 +953,8 @@ class Claim:
             return None
         token = str(info.get("token", ""))
         if re.fullmatch(r"[0-9a-f]{32}", token):
-            try:
+            with contextlib.suppress(FileNotFoundError, ValueError):  # no beat yet: the time the claim was made
                 info["heartbeat"] = float(fs.cat_file(Claim._beat_path(root, token)).decode())
-            except (FileNotFoundError, ValueError):
-                pass  # no beat yet: the time the claim was made
         info.setdefault("heartbeat", info.get("started", 0.0))
         return info
 
