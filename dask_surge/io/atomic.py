@@ -264,6 +264,18 @@ def remove_tree(fs: Any, root: str, path: str, owned: Callable[[str], bool]) -> 
                 left.append(rel)
         return left
 
+    def sweep(pfd: int, name: str, rel: str) -> bool:  # True when the directory ``name`` in ``pfd`` is gone
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=pfd)
+        try:
+            empty = walk(fd, rel)
+        finally:
+            os.close(fd)
+        if empty:
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=pfd)
+                return True
+        return False
+
     def walk(dfd: int, rel: str) -> bool:  # True when the directory is now empty
         empty = True
         with os.scandir(dfd) as entries:
@@ -274,16 +286,7 @@ def remove_tree(fs: Any, root: str, path: str, owned: Callable[[str], bool]) -> 
                 left.append(child)
                 empty = False
             elif entry.is_dir(follow_symlinks=False):
-                sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
-                try:
-                    gone = walk(sub, child)
-                finally:
-                    os.close(sub)
-                if gone:
-                    with contextlib.suppress(OSError):
-                        os.rmdir(entry.name, dir_fd=dfd)
-                        continue
-                empty = False
+                empty = sweep(dfd, entry.name, child) and empty
             elif owned(child):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(entry.name, dir_fd=dfd)
@@ -292,24 +295,16 @@ def remove_tree(fs: Any, root: str, path: str, owned: Callable[[str], bool]) -> 
                 empty = False
         return empty
 
-    rel = "/".join(parts)
     try:
         with _parent_fd(root, parts) as pfd:
             try:
-                fd = os.open(parts[-1], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=pfd)
+                sweep(pfd, parts[-1], "/".join(parts))
             except FileNotFoundError:
                 return []
             except OSError as err:
                 if err.errno in (errno.ENOTDIR, errno.ELOOP):
                     raise _refused(root, parts, len(parts) - 1) from err
                 raise
-            try:
-                emptied = walk(fd, rel)
-            finally:
-                os.close(fd)
-            if emptied:
-                with contextlib.suppress(OSError):
-                    os.rmdir(parts[-1], dir_fd=pfd)
     except FileNotFoundError:
         return []
     return left

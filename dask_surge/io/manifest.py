@@ -170,10 +170,6 @@ def _aside(fs, root: str, path: str) -> str:
     return new
 
 
-def _meta_root(path: str) -> str:
-    return path.split(f"/{META_DIR}/", 1)[0]
-
-
 def write_bytes_atomic(fs, path: str, data: builtins.bytes | memoryview) -> None:
     """Write ``data`` to ``path`` via a temporary name: fsync, then rename over (one PUT on a store)."""
     write_atomic(fs, path, data)
