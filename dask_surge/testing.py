@@ -16,6 +16,7 @@ The synthetic data generators (:func:`make_texts`, :func:`make_partitioned_frame
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -27,6 +28,7 @@ import numpy as np
 from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, write_partitioned_parquet
 
 __all__ = [
+    "loopback_s3",
     "CountingEncoder", "DieOnce", "FailOnce", "FakeClock", "FakeTimedEncoder", "GatedEncoder", "Hog", "InterruptAfter",
     "checksum_model", "lognormal_sizes", "make_partitioned_frame", "make_texts", "make_tiny_model",
     "packaged_model_dir", "write_partitioned_parquet", "cosines", "min_cosine", "package_documents",
@@ -522,3 +524,35 @@ class SleepyModel:
         if len(texts) > 1:  # not the one-text probe that learns the dimension
             time.sleep(self.seconds)
         return checksum_model(texts)
+
+
+#: the credentials a loopback S3 server of :func:`loopback_s3` accepts
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@contextlib.contextmanager
+def loopback_s3(bucket: str):
+    """A moto S3 server on 127.0.0.1 holding ``bucket``, with :data:`S3_CREDENTIALS` in the
+    environment while inside; yields ``(endpoint, storage_options, s3fs filesystem)`` (the
+    filesystem without a listing cache). Needs ``moto[server]`` and ``s3fs``."""
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    saved = {k: os.environ.get(k) for k in S3_CREDENTIALS}
+    os.environ.update(S3_CREDENTIALS)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
+        fs = s3fs.S3FileSystem(use_listings_cache=False, **options)
+        fs.mkdir(bucket)
+        yield endpoint, options, fs
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

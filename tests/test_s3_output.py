@@ -26,13 +26,12 @@ import dask_surge
 from dask_surge import SurgeOutputError
 from dask_surge.io.manifest import Claim, current_run, output_fs, verify
 from dask_surge.synthetic import lognormal_sizes, make_partitioned_frame, write_partitioned_parquet
-from dask_surge.testing import CountingEncoder, InterruptAfter
+from dask_surge.testing import CountingEncoder, InterruptAfter, loopback_s3
 
 s3fs = pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 duckdb = pytest.importorskip("duckdb")
 
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 SIZES = [int(s) for s in lognormal_sizes(600, 24, seed=11)]
 N = sum(SIZES)
 FULL = os.environ.get("SURGE_SWEEP") == "full"
@@ -41,24 +40,8 @@ FULL = os.environ.get("SURGE_SWEEP") == "full"
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """``(endpoint, storage_options, filesystem)`` of a moto S3 server on 127.0.0.1 with bucket ``emb``."""
-    saved = {k: os.environ.get(k) for k in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
-        fs = s3fs.S3FileSystem(use_listings_cache=False, **options)
-        fs.mkdir("emb")
-        yield endpoint, options, fs
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with loopback_s3("emb") as server:
+        yield server
 
 
 _names = iter(range(10**6))
