@@ -276,6 +276,8 @@ def test_a_first_file_of_null_texts_does_not_type_the_column(tmp_path):
     assert list(zip(back.partition, back.row)) == [(1, 0)]
 
 
+@pytest.mark.skipif(int(__import__("pyarrow").__version__.split(".")[0]) < 21,
+                    reason="pyarrow writes string_view columns to Parquet from 21 on")
 @pytest.mark.parametrize("first", ["dictionary", "string_view"])
 def test_string_view_and_dictionary_files_are_read_together(tmp_path, first):
     """Shrunk from the property: Arrow has no cast between ``string_view`` and dictionary text; the
