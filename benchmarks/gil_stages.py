@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     import pyarrow.parquet as pq
 
-    from dask_surge.execution.sink import parquet_bytes, table_of
+    from dask_surge.io.partfiles import parquet_bytes, table_of
     from dask_surge.execution.superbatch import texts_of
-    from dask_surge.io.reuse import text_hashes
+    from dask_surge.io.hashing import text_hashes
     from dask_surge.models.encoders import Encoder
     from dask_surge.models.joined import flat_ids
 
@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)  # as in a worker (the nanny sets OMP_NUM_THREADS=1)
 
     from dask_surge.io.arrow import embedding_array
-    from dask_surge.io.reuse import TEXT_HASH, hash_column
+    from dask_surge.io.layout import TEXT_HASH
+    from dask_surge.io.hashing import hash_column
     from dask_surge.models.tokenize import gc_paused
 
     def host_path(paused: bool) -> None:

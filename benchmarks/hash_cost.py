@@ -5,7 +5,7 @@ Usage::
     python -m benchmarks.hash_cost [--n 100000] [--files 1000] [--tiny-n 40000] [--rounds 6]
                                    [--workers 2] [--out benchmarks/results/hash_cost_cpu.json]
 
-Every SuperBatch hashes its texts (:func:`dask_surge.io.reuse.text_hashes`, XXH3-128),
+Every SuperBatch hashes its texts (:func:`dask_surge.io.hashing.text_hashes`, XXH3-128),
 de-duplicates them (:func:`dask_surge.execution.superbatch.distinct`) before encoding and
 writes a ``text_hash`` column. This script measures what that costs end to end, side by
 side on the same warm cluster, alternating the two variants (ABBA order):
@@ -97,7 +97,7 @@ def set_variant(name: str) -> str:
     import numpy as np
 
     from dask_surge.execution import sink, superbatch
-    from dask_surge.io.reuse import TEXT_HASH
+    from dask_surge.io.layout import TEXT_HASH
 
     if not hasattr(superbatch, "_bench_orig"):
         superbatch._bench_orig = (superbatch.text_hashes, superbatch.distinct, sink.table_of)  # type: ignore[attr-defined]
@@ -223,7 +223,7 @@ def micro(data: Path, sb_rows: int = 65_536, repeats: int = 7) -> dict:
     import pyarrow.parquet as pq
 
     from dask_surge.execution.superbatch import distinct
-    from dask_surge.io.reuse import hash_column, text_hashes
+    from dask_surge.io.hashing import hash_column, text_hashes
 
     texts = pq.read_table(str(data), columns=["text"]).column("text").to_pylist()[:sb_rows]
     parts = {"text_hashes": [], "distinct": [], "hash_column": []}

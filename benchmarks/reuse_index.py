@@ -42,8 +42,9 @@ def write_old_output(path: str, rows: int, rows_per_file: int, row_group: int, s
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dask_surge.io.manifest import CommitRecord, RunPlan, finish_run, open_run, sb_key, write_bytes_atomic
-    from dask_surge.io.reuse import hash_column, text_hash_field
+    from dask_surge.io.directory import sb_key, write_bytes_atomic
+    from dask_surge.io.manifest import CommitRecord, RunPlan, finish_run, open_run
+    from dask_surge.io.hashing import hash_column, text_hash_field
 
     rng = np.random.default_rng(seed)
     files = -(-rows // rows_per_file)
@@ -117,7 +118,8 @@ def measure(path: str, queries: int, sb: int, seed: int = 1) -> dict:
     import pyarrow.parquet as pq
 
     from dask_surge.io.manifest import existing_run
-    from dask_surge.io.reuse import ReuseIndex, hashes_of
+    from dask_surge.io.reuse import ReuseIndex
+    from dask_surge.io.hashing import hashes_of
 
     base = _rss()
     anon0, file0 = _rss_parts()
@@ -174,7 +176,7 @@ def hash_rates(n: int) -> dict:
     import pyarrow as pa
     from pandas.util import hash_array
 
-    from dask_surge.io.reuse import text_hashes
+    from dask_surge.io.hashing import text_hashes
     from dask_surge.testing import make_texts
 
     texts = make_texts(n)

@@ -1,4 +1,4 @@
-"""A part file's row groups: one per source partition against :func:`~dask_surge.execution.sink.row_groups`.
+"""A part file's row groups: one per source partition against :func:`~dask_surge.io.partfiles.row_groups`.
 
 Usage::
 
@@ -8,7 +8,7 @@ Usage::
 One SuperBatch's output table as a run writes it (``partition``, ``row``, ``doc_id``,
 ``text_hash``, a float32 ``embedding`` of each of ``--dims``), over source partitions of
 ``--partitions`` source partitions of log-normal sizes (sigma 1.72: a median of a few rows,
-as ``e2e_small_files.py``'s many small files), serialized by :func:`~dask_surge.execution.sink.parquet_bytes` (the in-memory
+as ``e2e_small_files.py``'s many small files), serialized by :func:`~dask_surge.io.partfiles.parquet_bytes` (the in-memory
 Parquet write, no disk) in three layouts, alternated in each round on the same table:
 
 - ``per_partition``: a row group per source partition (the layout before);
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(_results.RESULTS / "row_groups_ab_cpu.json"))
     args = parser.parse_args(argv)
 
-    from dask_surge.execution.sink import ROW_GROUP_ROWS, parquet_bytes, row_groups
+    from dask_surge.io.partfiles import ROW_GROUP_ROWS, parquet_bytes, row_groups
     from dask_surge.io.arrow import embedding_array
     from dask_surge.synthetic import lognormal_sizes
 

@@ -23,10 +23,11 @@ from .execution.plugins import register_encoder
 from .execution.progress import RunProgress, logging_through
 from .execution.runner import RunRequest, write_run
 from .execution.superbatch import SuperBatchEncoder
+from .io.hashing import text_hashes
 from .io.layout import reserved_columns
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows, status
-from .io.reuse import ReuseIndex, embedding_identity, text_hashes
+from .io.reuse import ReuseIndex, embedding_identity
 from .models.devices import gpu_count
 from .models.encoders import Encoder
 from .models.modelid import redact

@@ -16,7 +16,7 @@ from .api import encode, plan, read_embeddings, status
 from .errors import SurgeError, SurgeInputError
 from .execution.cluster import local_cluster
 from .io.layout import PARTITION, ROW
-from .io.manifest import repair, verify
+from .io.verify import repair, verify
 from .models.devices import gpu_count
 from .options import add_arguments, from_arguments, option
 from .synthetic import lognormal_sizes, write_partitioned_parquet

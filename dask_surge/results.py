@@ -201,7 +201,7 @@ class SuperBatchReport:
     Attributes
     ----------
     sb : str
-        The SuperBatch's key (:func:`dask_surge.io.manifest.sb_key` of its first row).
+        The SuperBatch's key (:func:`dask_surge.io.directory.sb_key` of its first row).
     rows, skipped : int
         Rows written, and null texts left out (``on_null="skip"``).
     file : str

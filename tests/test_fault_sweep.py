@@ -19,7 +19,8 @@ import psutil
 import pytest
 
 import dask_surge
-from dask_surge.io.manifest import current_run, verify
+from dask_surge.io.manifest import current_run
+from dask_surge.io.verify import verify
 from dask_surge.testing import write_partitioned_parquet
 
 pytestmark = pytest.mark.slow

@@ -114,7 +114,7 @@ def test_same_superbatch_twice_concurrently_commits_once(tmp_path, counting_enco
     from dask_surge.io.manifest import open_run
     from dask_surge.execution.sink import SuperBatchWriter
     from dask_surge.execution.superbatch import SuperBatchEncoder
-    from dask_surge.io.manifest import sb_key
+    from dask_surge.io.directory import sb_key
     from dask_surge.planning.policy import Span
 
     manifest, _ = open_run(str(tmp_path / "o"), {"t": 1})
@@ -148,10 +148,10 @@ def test_disk_full_fails_cleanly_and_resumes(tmp_path, counting_encoder, monkeyp
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_fsync(fd)
 
-    monkeypatch.setattr("dask_surge.io.manifest.os.fsync", full_disk)
+    monkeypatch.setattr("dask_surge.io.atomic.os.fsync", full_disk)
     with pytest.raises(SurgeOutputError, match="No space left on device.*rerun the same call to resume"):
         ddf.surge.encode("text", str(out), **kw)
-    monkeypatch.setattr("dask_surge.io.manifest.os.fsync", real_fsync)
+    monkeypatch.setattr("dask_surge.io.atomic.os.fsync", real_fsync)
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no partial temp file
     assert not list(out.glob("_surge/runs/*/staging/*"))  # nor a staged file of the failed SuperBatch
     assert len(list(out.glob("part-*.parquet"))) == 2  # readers' globs see the committed files only

@@ -20,9 +20,12 @@ import pyarrow.dataset as pads
 import pytest
 
 import dask_surge
+import dask_surge.io.directory as directory_mod
 import dask_surge.io.manifest as manifest_mod
 from dask_surge import SurgeOutputError
-from dask_surge.io.manifest import Claim, current_run, repair, verify
+from dask_surge.io.lease import Claim
+from dask_surge.io.manifest import current_run
+from dask_surge.io.verify import repair, verify
 from dask_surge.testing import CountingEncoder, InterruptAfter
 
 SIZES = [3, 4, 2, 5, 3, 4, 1, 6]
@@ -180,9 +183,9 @@ def test_discard_refuses_names_the_layout_does_not_write(tmp_path):
     import fsspec
 
     with pytest.raises(SurgeOutputError, match="not a file dask-surge writes"):
-        manifest_mod.discard(fsspec.filesystem("file"), str(tmp_path), str(keep))
+        directory_mod.discard(fsspec.filesystem("file"), str(tmp_path), str(keep))
     with pytest.raises(SurgeOutputError, match="not a file dask-surge writes"):
-        manifest_mod.discard(fsspec.filesystem("file"), str(tmp_path / "a"), str(tmp_path / "a/../notes.txt"))
+        directory_mod.discard(fsspec.filesystem("file"), str(tmp_path / "a"), str(tmp_path / "a/../notes.txt"))
     assert keep.read_text() == "mine"
 
 

@@ -120,7 +120,7 @@ def test_from_map_over_texts_is_encoded(tmp_path, client):
     """Strings that are not paths (a docstring holding ``**``, SQL, a URL in prose) are the input's
     values: the run is identified by them and encoded, not refused as unlistable locations."""
     import dask_surge
-    from dask_surge.io.reuse import hash_column, text_hashes
+    from dask_surge.io.hashing import hash_column, text_hashes
     from dask_surge.planning.identity import input_identity
 
     ddf = _texts_frame(DOCSTRINGS)
@@ -196,7 +196,7 @@ def test_the_null_text_error_says_what_is_kept_and_how_to_resume(tmp_path):
 def _expect_rows(out: str, texts_by_partition) -> None:
     """Every input row written exactly once, with its own text (``text_hash`` by ``(partition, row)``)."""
     import dask_surge
-    from dask_surge.io.reuse import hash_column, text_hashes
+    from dask_surge.io.hashing import hash_column, text_hashes
 
     back = dask_surge.read_embeddings(out).compute().sort_values(["partition", "row"])
     want = [(p, r) for p, texts in enumerate(texts_by_partition) for r in range(len(texts))]
@@ -440,7 +440,8 @@ def test_a_committed_file_not_yet_published_is_read_from_staging(tmp_path):
     import pandas as pd
 
     import dask_surge
-    from dask_surge.io.manifest import _DATA_FILE, current_run
+    from dask_surge.io.directory import _DATA_FILE
+    from dask_surge.io.manifest import current_run
 
     ddf = dd.from_pandas(pd.DataFrame({"text": list("abcdef")}), npartitions=3)
     out = str(tmp_path / "o")

@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 
 import dask_surge
 from dask_surge import SurgeError, SurgeInputError
-from dask_surge.io.reuse import hash_column, text_hashes
+from dask_surge.io.hashing import hash_column, text_hashes
 from dask_surge.testing import checksum_model
 
 # -- texts -------------------------------------------------------------------------------------------

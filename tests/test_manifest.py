@@ -19,18 +19,11 @@ import pytest
 
 import dask_surge
 from dask_surge import SurgeInputError, SurgeOutputError
-from dask_surge.io.manifest import (
-    Claim,
-    CommitRecord,
-    RunPlan,
-    check_output,
-    current_run,
-    finish_run,
-    open_run,
-    repair,
-    sb_key,
-    verify,
-)
+from dask_surge.io.directory import sb_key
+from dask_surge.io.lease import Claim
+from dask_surge.io.manifest import CommitRecord, RunPlan, current_run, finish_run, open_run
+from dask_surge.io.stores import check_output
+from dask_surge.io.verify import repair, verify
 from dask_surge.results import SuperBatchReport
 from dask_surge.testing import CountingEncoder, make_partitioned_frame, write_partitioned_parquet
 
@@ -150,7 +143,7 @@ def test_a_dead_or_expired_claim_is_taken_over(tmp_path, counting_encoder, monke
     other = tmp_path / "other"
     with pytest.raises(SurgeOutputError, match="being written by another run"):
         Claim.acquire(__import__("fsspec").filesystem("file"), str(out), "fedcba9876543210", heartbeat=False)
-    monkeypatch.setattr("dask_surge.io.manifest.CLAIM_TTL_S", 0.0)
+    monkeypatch.setattr("dask_surge.io.lease.CLAIM_TTL_S", 0.0)
     time.sleep(0.01)
     Claim.acquire(__import__("fsspec").filesystem("file"), str(out), "fedcba9876543210", heartbeat=False).release()
     assert not other.exists()
@@ -169,7 +162,7 @@ def _eventually(check, seconds: float = 20.0) -> bool:
 def test_the_heartbeat_refreshes_and_a_lost_claim_is_noticed(tmp_path, monkeypatch):
     import fsspec
 
-    monkeypatch.setattr("dask_surge.io.manifest.HEARTBEAT_S", 0.05)
+    monkeypatch.setattr("dask_surge.io.lease.HEARTBEAT_S", 0.05)
     fs = fsspec.filesystem("file")
     claim = Claim.acquire(fs, str(tmp_path), "0123456789abcdef")
     first = Claim.holder(fs, str(tmp_path))["heartbeat"]
@@ -242,10 +235,10 @@ def test_disk_full_while_creating_a_record_keeps_readers_clean_and_resumes(tmp_p
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_link(src, dst, *a, **k)
 
-    monkeypatch.setattr("dask_surge.io.manifest.os.link", full)
+    monkeypatch.setattr("dask_surge.io.atomic.os.link", full)
     with pytest.raises(SurgeOutputError, match="creating the commit record.*No space left.*rerun the same call"):
         ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
-    monkeypatch.setattr("dask_surge.io.manifest.os.link", real_link)
+    monkeypatch.setattr("dask_surge.io.atomic.os.link", real_link)
     assert _parts(out) == _committed_files(out) and len(_parts(out)) == 1  # no uncommitted file readers glob
     assert not list(out.glob("_surge/runs/*/staging/*"))
     res = ddf.surge.encode("text", str(out), model=counting_encoder, **KW)

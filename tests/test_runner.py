@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dask_surge.execution.runner import Unit, UnitRunner, planned_units, streaming_units
-from dask_surge.io.manifest import Coverage, sb_key
+from dask_surge.io.directory import sb_key
+from dask_surge.io.manifest import Coverage
 from dask_surge.planning.policy import plan_superbatches
 from dask_surge.planning.units import unit_partitions
 from dask_surge.results import SuperBatchReport

@@ -24,7 +24,10 @@ import pytest
 
 import dask_surge
 from dask_surge import SurgeOutputError
-from dask_surge.io.manifest import Claim, current_run, output_fs, verify
+from dask_surge.io.lease import Claim
+from dask_surge.io.manifest import current_run
+from dask_surge.io.stores import output_fs
+from dask_surge.io.verify import verify
 from dask_surge.synthetic import lognormal_sizes, make_partitioned_frame, write_partitioned_parquet
 from dask_surge.testing import CountingEncoder, InterruptAfter, loopback_s3
 

@@ -11,7 +11,7 @@ import pytest
 from dask_surge.io.arrow import embedding_array
 from dask_surge.errors import SurgeValueError
 from dask_surge.options import COMPRESSIONS
-from dask_surge.execution.sink import parquet_bytes
+from dask_surge.io.partfiles import parquet_bytes
 
 
 def _table(n: int = 50, d: int = 8) -> pa.Table:

@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dask_surge.execution.sink import ROW_GROUP_ROWS, row_groups
+from dask_surge.io.partfiles import ROW_GROUP_ROWS, row_groups
 from dask_surge.testing import checksum_model, make_partitioned_frame
 
 

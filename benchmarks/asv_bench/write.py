@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pandas as pd
 
-from dask_surge.execution.sink import parquet_bytes, row_groups, table_of
+from dask_surge.io.partfiles import parquet_bytes, row_groups, table_of
 
 # internal names in one place (see _fixtures)
 from dask_surge.io.arrow import embedding_array

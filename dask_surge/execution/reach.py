@@ -25,7 +25,7 @@ import zlib
 from typing import Any
 
 from ..errors import SurgeOutputError
-from ..io.manifest import META_DIR, discard, write_bytes_atomic
+from ..io.directory import META_DIR, discard, write_bytes_atomic
 
 __all__ = ["check_workers_see_output", "worker_sees"]
 
@@ -73,7 +73,7 @@ def check_workers_see_output(client: Any, fs: Any, root: str, output: str) -> No
     client : distributed.Client
         The run's client; its current workers are checked.
     fs, root
-        The output's filesystem and root (:func:`dask_surge.io.manifest.output_fs`).
+        The output's filesystem and root (:func:`dask_surge.io.stores.output_fs`).
     output : str
         The output as the user named it (for the message).
     """

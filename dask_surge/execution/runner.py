@@ -39,24 +39,22 @@ from typing import Any, Protocol
 from .. import config
 from ..errors import SurgeError, SurgeInputError, SurgeOutputError
 from ..io.arrow import to_host
+from ..io.directory import sb_key
 from ..io.frames import FrameRows
+from ..io.lease import Claim
 from ..io.manifest import (
-    Claim,
     Coverage,
     Manifest,
     RunPlan,
-    check_output,
-    check_store,
     find_run,
     fingerprint_digest,
     finish_run,
     open_run,
-    output_fs,
-    sb_key,
     settle,
     settled,
     text_counts,
 )
+from ..io.stores import check_output, check_store, output_fs
 from ..models.tokenize import LONE_SURROGATE
 from ..planning.policy import OnlinePlanner, Span, SuperBatch, plan_superbatches
 from ..planning.sizes import PartitionSizes, known_sizes, text_bytes

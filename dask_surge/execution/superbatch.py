@@ -12,9 +12,10 @@ import pyarrow as pa
 from ..errors import SurgeInputError, SurgeValueError
 from ..io.arrow import embedding_array, to_host
 from ..io.frames import FrameRows
+from ..io.hashing import arrow_strings, hash_column, text_hashes
 from ..io.layout import CHUNK_COLUMNS, EMBEDDING, PARTITION, ROW, TEXT_HASH
 from ..io.precision import truncate
-from ..io.reuse import arrow_strings, hash_column, open_index, text_hashes
+from ..io.reuse import open_index
 from ..io.texts import ArrowTexts, join_texts, take_texts
 from ..models.encoders import Encoder
 from ..models.tokenize import unreadable_text
@@ -283,7 +284,7 @@ class SuperBatchEncoder:
     partition), with ``long_texts="chunk"`` also ``chunk`` (int32), ``char_start`` and
     ``char_end`` (int64, so ``text[char_start:char_end]`` is the window's text) and
     ``tokens`` (int32), then the kept columns, ``text_hash`` (16 bytes: the text's
-    content hash, :func:`dask_surge.io.reuse.text_hashes`) and ``embedding``
+    content hash, :func:`dask_surge.io.hashing.text_hashes`) and ``embedding``
     (fixed-size list of the stored precision: float32 by default), sorted by
     ``(partition, row[, chunk])``. With ``on_null="skip"`` null rows are left out;
     :meth:`encode` returns their ``(partition, row)``. Texts repeated within the

@@ -31,7 +31,7 @@ PARTITION, ROW = "partition", "row"
 CHUNK = "chunk"
 #: The columns a ``long_texts="chunk"`` output has beside ``partition`` and ``row``, with their types.
 CHUNK_COLUMNS = {CHUNK: np.int32, "char_start": np.int64, "char_end": np.int64, "tokens": np.int32}
-#: each row's text hash (:mod:`dask_surge.io.reuse`)
+#: each row's text hash (:mod:`dask_surge.io.hashing`)
 TEXT_HASH = "text_hash"
 #: the embedding vector (:mod:`dask_surge.io.precision`)
 EMBEDDING = "embedding"

@@ -1,25 +1,12 @@
-"""The run manifest: fingerprint, claim, commit records, resume. The only source of truth.
+"""The run manifest: fingerprint, commit records, resume. The only source of truth.
 
-Layout of an output directory ``out/``::
-
-    out/part-<run>-<sb>-<attempt>.parquet        one file per committed SuperBatch
-    out/_surge/CURRENT                           id of the run whose rows are current
-    out/_surge/CLAIM                             the live run's claim: host, pid, heartbeat
-    out/_surge/runs/<run>/run.json               fingerprint, resolved thresholds, partitions
-    out/_surge/runs/<run>/staging/<sb>-<a>.parquet  a SuperBatch's data before its commit
-    out/_surge/runs/<run>/commits/<sb>.json      one commit record per SuperBatch
-    out/_surge/runs/<run>/skipped/<sb>-<a>.parquet  (partition, row) of nulls it skipped
-    out/_surge/runs/<run>/COMPLETE               written once every partition is accounted for
-    out/_surge/runs/<run>/STOPPED                the last process stopped on an error
-    out/_surge/retired/<run>-<ns>/               a replaced run, fenced off, then deleted
-
-``<sb>`` is :func:`sb_key` of the SuperBatch's first row. This module alone spells
-these paths.
+A run lives in ``_surge/runs/<run>/`` of its output directory (the layout:
+:mod:`dask_surge.io.directory`), claimed by one live process (:class:`~dask_surge.io.lease.Claim`).
 
 **Ownership.** A run writes only into a directory that is new, empty, or holds
-nothing but dask-surge's own files (:func:`check_output`), claims it exclusively
-before writing (:class:`Claim`), and deletes only files it can prove are its own:
-data files named by this layout, staging files and the metadata of runs it replaced.
+nothing but dask-surge's own files (:func:`~dask_surge.io.stores.check_output`), claims it
+exclusively before writing, and deletes only files it can prove are its own: data files
+named by the layout, staging files and the metadata of runs it replaced.
 
 **Commit protocol.** A SuperBatch's file is written into the run's ``staging/``
 (temporary name, fsync, rename), then its commit record is created exclusively (of
@@ -37,168 +24,45 @@ import builtins
 import contextlib
 import hashlib
 import json
-import os
 import re
-import socket
-import threading
 import time
-import uuid
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
-from fsspec.core import url_to_fs
-
 from ..errors import SurgeInputError, SurgeOutputError
-from .atomic import (
-    LinkRefused,
-    is_local,
-    links_below,
-    listdir,
-    protocols,
-    remove_tree,
-    rename,
-    unlink,
-    write_atomic,
+from .atomic import is_local, protocols
+from .directory import (
+    _DATA_FILE,
+    _RUN_ID,
+    _SB,
+    _SIDE_FILE,
+    META_DIR,
+    _aside,
+    _corrupt,
+    _discard_tree,
+    _ls,
+    _read_json,
+    create_exclusive,
+    current_path,
+    discard,
+    index_dir,
+    owned,
+    refuse_links,
+    relocate,
+    write_bytes_atomic,
 )
+from .stores import check_writable_store, output_fs
 
-__all__ = ["FORMAT_VERSION", "Manifest", "RunPlan", "CommitRecord", "Coverage", "Claim", "sb_key", "text_counts", "index_dir", "fingerprint_digest",
-           "open_run", "current_run", "existing_run", "find_run", "finish_run", "check_output", "check_writable_store", "repair",
-           "verify", "LOCAL_PROTOCOLS", "owned", "discard", "relocate", "LinkRefused", "write_bytes_atomic",
-           "create_exclusive", "check_store", "output_fs", "STORE_PROTOCOLS", "settle", "settled",
-           "refuse_links"]
+__all__ = ["FORMAT_VERSION", "Manifest", "RunPlan", "CommitRecord", "Coverage", "text_counts", "fingerprint_digest",
+           "open_run", "current_run", "existing_run", "find_run", "finish_run", "settle", "settled"]
 
 FORMAT_VERSION = 2  # 2: SuperBatches keyed by their first row; recorded thresholds
-META_DIR = "_surge"
-#: filesystems whose rename and exclusive create the commit protocol relies on (tested)
-LOCAL_PROTOCOLS = ("file", "local", "memory")
-#: object stores written with one PUT per file and conditional PUTs for exclusive creates,
-#: where the installed fsspec filesystem offers them (proven on the store by :func:`check_store`)
-STORE_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "abfs", "az")
-#: a claim whose heartbeat is older than this is stale (its process is gone or hung)
-CLAIM_TTL_S = 60.0
-#: how often a live run refreshes its claim
-HEARTBEAT_S = 10.0
-_RUN_ID = re.compile(r"^[0-9a-f]{16}$")
-_SB = r"\d{9}-\d{12}"
-_DATA_FILE = re.compile(rf"^part-(?P<run>[0-9a-f]{{8}})-(?P<sb>{_SB})-(?P<attempt>[0-9a-f]{{8}})\.parquet$")
-_SIDE_FILE = re.compile(rf"^(?P<sb>{_SB})-(?P<attempt>[0-9a-f]{{8}})\.parquet$")
 
 
 def fingerprint_digest(fingerprint: dict) -> str:
     """Stable 16-hex-digit id of a fingerprint (keys sorted, JSON-encoded)."""
     blob = json.dumps(fingerprint, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
-
-
-_RUN = r"[0-9a-f]{16}"
-#: what this layout writes, relative to the output root: the only names a run deletes or moves
-_OWNED = re.compile(
-    rf"^(?:part-[0-9a-f]{{8}}-{_SB}-[0-9a-f]{{8}}\.parquet"
-    rf"|{META_DIR}/(?:CURRENT|CLAIM|\.heartbeat-[0-9a-f]{{32}}|\.stale-claim-\d+|\.takeover-[0-9a-f]{{32}}-\d+"
-    rf"|\.probe-[0-9a-f]{{32}}|\.reach-[0-9a-f]{{32}}(?:-\d+)?)"
-    rf"|{META_DIR}/(?:retired|index/{_RUN})"
-    rf"|{META_DIR}/(?:runs/{_RUN}|retired/{_RUN}-\d+)"
-    rf"(?:/(?:run\.json|COMPLETE|STOPPED|commits/{_SB}\.json|(?:staging|skipped)/{_SB}-[0-9a-f]{{8}}\.parquet))?"
-    rf"|{META_DIR}/index/{_RUN}/(?:meta\.json|BUILDING|bucket-\d{{6}}\.npy))$"
-)
-_WRAPPED = re.compile(r"^(?P<dir>(?:.*/)?)\.(?:(?P<tmp>.+)\.tmp-\d+-\d+|torn-(?P<torn>.+)-\d+)$")
-
-
-def owned(rel: str) -> bool:
-    """True when ``rel`` (a path relative to an output root) is a name this layout writes: a
-    data file, a manifest file, a run's directory, or the temporary or set-aside (``.torn-``)
-    form of one. :func:`discard` and :func:`relocate` act on nothing else.
-
-    Examples
-    --------
-    >>> owned("part-0123abcd-000000000-000000000000-89abcdef.parquet"), owned("notes.txt")
-    (True, False)
-    >>> owned("_surge/runs/0123456789abcdef/staging/000000000-000000000000-89abcdef.parquet")
-    True
-    >>> owned("_surge/runs/0123456789abcdef/commits/.torn-000000000-000000000000.json-17")
-    True
-    >>> owned("_surge/runs/0123456789abcdef/staging/../../../../etc/passwd")
-    False
-    """
-    if _OWNED.match(rel):
-        return True
-    m = _WRAPPED.match(rel)
-    return m is not None and _OWNED.match(m.group("dir") + (m.group("tmp") or m.group("torn"))) is not None
-
-
-def _check_owned(root: str, path: str) -> None:
-    base = root.rstrip("/") + "/"
-    if not path.startswith(base) or not owned(path[len(base):]):
-        raise SurgeOutputError(
-            f"refusing to delete or move {path!r}: it is not a file dask-surge writes in the output {root!r} "
-            "(a run deletes and moves only its own files). Nothing was changed. This is a bug: please report it."
-        )
-
-
-def discard(fs, root: str, path: str) -> bool:
-    """Delete ``path``, a file of this layout below the output ``root``; False if it was not there.
-
-    Every delete of the package goes through here: a name the layout does not write is
-    refused, and so is a path through a symbolic link below ``root``
-    (:func:`dask_surge.io.atomic.unlink`).
-    """
-    _check_owned(root, path)
-    return unlink(fs, root, path)
-
-
-def relocate(fs, root: str, src: str, dst: str) -> None:
-    """Move ``src`` to ``dst``, both of this layout below ``root`` (FileNotFoundError when
-    ``src`` is gone). Every move of the package goes through here (see :func:`discard`)."""
-    _check_owned(root, src)
-    _check_owned(root, dst)
-    rename(fs, root, src, dst)
-
-
-def _discard_tree(fs, root: str, path: str) -> list[str]:
-    """Delete the files of this layout below ``path``, then the directories left empty;
-    returns what was left (anything else, links included)."""
-    _check_owned(root, path)
-    return remove_tree(fs, root, path, owned)
-
-
-def _aside(fs, root: str, path: str) -> str:
-    """Rename a damaged manifest file to ``.torn-<name>-<ns>`` beside it; returns the new path."""
-    parent, name = path.rsplit("/", 1)
-    new = f"{parent}/.torn-{name}-{time.time_ns()}"
-    relocate(fs, root, path, new)
-    return new
-
-
-def write_bytes_atomic(fs, path: str, data: builtins.bytes | memoryview) -> None:
-    """Write ``data`` to ``path`` via a temporary name: fsync, then rename over (one PUT on a store)."""
-    write_atomic(fs, path, data)
-
-
-def create_exclusive(fs, path: str, data: bytes) -> bool:
-    """Create ``path`` holding ``data`` only if it does not exist; True if we created it.
-
-    A reader never sees a torn record (see :func:`dask_surge.io.atomic.write_atomic`).
-    """
-    return write_atomic(fs, path, data, exclusive=True)
-
-
-_ls = listdir
-
-
-def sb_key(partition: int, start: int) -> str:
-    """The key of the SuperBatch whose first span starts at row ``start`` of ``partition``.
-
-    SuperBatches never overlap, so their first rows identify them, whether they were
-    planned ahead (sizes known) or formed as partitions streamed in; keys sort in
-    ``(partition, row)`` order, as the data does.
-
-    Examples
-    --------
-    >>> sb_key(12, 0), sb_key(12, 0) < sb_key(12, 5000) < sb_key(13, 0)
-    ('000000012-000000000000', True)
-    """
-    return f"{int(partition):09d}-{int(start):012d}"
 
 
 @dataclass(frozen=True)
@@ -410,30 +274,6 @@ class Coverage:
         return sum(self.rows.values())
 
 
-def _corrupt(path: str, err: Exception) -> SurgeOutputError:
-    root = path.split(f"/{META_DIR}/", 1)[0]
-    return SurgeOutputError(
-        f"{path!r} is damaged ({type(err).__name__}: {err}); it is part of the dask-surge manifest of "
-        f"{root!r} (a crash or a full disk while it was written?). Nothing was changed. Fix: run "
-        f"`dask-surge status --repair {root}` (or dask_surge.io.manifest.repair(...)), then rerun the same call."
-    )
-
-
-def _read_json(fs, path: str) -> dict | None:
-    """The JSON object in ``path``; None when it does not exist; a clear error when it is damaged."""
-    try:
-        data = fs.cat_file(path)  # one GET on a store
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    try:
-        out = json.loads(data)
-        if not isinstance(out, dict):
-            raise ValueError(f"a JSON object was expected, found {type(out).__name__}")
-    except ValueError as err:
-        raise _corrupt(path, err) from err
-    return out
-
-
 @dataclass
 class Manifest:
     """One run inside an output directory (see module docstring)."""
@@ -617,16 +457,6 @@ def _write_meta(fs, path: str, data: bytes) -> None:
         ) from err
 
 
-def index_dir(root: str, run_id: str) -> str:
-    """Where the reuse index (:mod:`dask_surge.io.reuse`) of run ``run_id`` of the output ``root`` lives."""
-    return f"{root}/{META_DIR}/index/{run_id}"
-
-
-def current_path(root: str) -> str:
-    """Where an output directory names its current run."""
-    return f"{root}/{META_DIR}/CURRENT"
-
-
 def _current_id(fs, root: str) -> str | None:
     """The run id in ``CURRENT``; None when there is none; a clear error when it is damaged."""
     path = current_path(root)
@@ -650,24 +480,9 @@ def _load(fs, root: str, run_id: str) -> Manifest | None:
                     format_version=info["format_version"])
 
 
-def output_fs(path: str, storage_options: dict | None = None) -> tuple[Any, str]:
-    """The filesystem and root of an output ``path``: an object store's without a listing
-    cache (a commit made by another process must never be hidden by a stale listing)."""
-    from fsspec.core import split_protocol
-
-    options = dict(storage_options or {})
-    if split_protocol(str(path))[0] in STORE_PROTOCOLS:
-        options.setdefault("use_listings_cache", False)
-    fs, root = url_to_fs(path, **options)
-    return fs, root.rstrip("/") or "/"
-
-
-_fs_root = output_fs
-
-
 def current_run(path: str, storage_options: dict | None = None) -> Manifest | None:
     """The run whose rows are current in the output directory ``path`` (or None)."""
-    fs, root = _fs_root(path, storage_options)
+    fs, root = output_fs(path, storage_options)
     run_id = _current_id(fs, root)
     return None if run_id is None else _load(fs, root, run_id)
 
@@ -704,394 +519,11 @@ def _differences(old: dict, new: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
-def _create_mode(protocol: str) -> bool:
-    """True when the installed fsspec filesystem of ``protocol`` offers an exclusive create
-    (``pipe_file(..., mode="create")``: a conditional PUT with ``If-None-Match: *``)."""
-    import inspect
-
-    from fsspec.registry import get_filesystem_class
-
-    try:
-        cls = get_filesystem_class(protocol)
-    except (ImportError, ValueError):
-        return False
-    for name in ("_pipe_file", "pipe_file"):
-        with contextlib.suppress(AttributeError, TypeError, ValueError):
-            if "mode" in inspect.signature(getattr(cls, name)).parameters:
-                return True
-    return False
-
-
-def check_writable_store(path: str) -> None:
-    """Refuse to write where the commit protocol cannot hold.
-
-    Local and shared POSIX filesystems (:data:`LOCAL_PROTOCOLS`) are accepted, and object
-    stores (:data:`STORE_PROTOCOLS`) whose installed fsspec filesystem offers an exclusive
-    create; those are proven on the store itself before the first write
-    (:func:`check_store`). Anything else, and chained URLs, are refused. Reading any
-    store (a finished output copied there) is fine; only writing is checked.
-
-    Examples
-    --------
-    >>> check_writable_store("/tmp/emb")
-    >>> check_writable_store("ftp://host/emb")
-    Traceback (most recent call last):
-    ...
-    dask_surge.errors.SurgeOutputError: output='ftp://host/emb' is on a 'ftp' filesystem. ...
-    """
-    from fsspec.core import split_protocol
-
-    protocol = split_protocol(str(path))[0] or "file"  # before any filesystem is built (none may be installed)
-    if protocol in LOCAL_PROTOCOLS and "::" not in str(path):
-        return
-    if protocol in STORE_PROTOCOLS and "::" not in str(path):
-        if _create_mode(protocol):
-            return
-        raise SurgeOutputError(
-            f"output={path!r} is on a {protocol!r} store, but the installed fsspec filesystem for it gives no "
-            "exclusive create (pipe_file(..., mode='create'), a conditional PUT), which dask-surge's commit "
-            "protocol needs. Nothing was written. Fix: install or upgrade its package (s3fs, gcsfs or adlfs, "
-            "2024.12 or newer), or write to a shared filesystem path."
-        )
-    raise SurgeOutputError(
-        f"output={path!r} is on a {protocol!r} filesystem. dask-surge's exactly-once commit needs an atomic "
-        "write and an exclusive create, which it uses on local and shared POSIX filesystems (local disks, NFS, "
-        f"Lustre, GPFS) and on object stores ({', '.join(STORE_PROTOCOLS)}) only, so it refuses other "
-        "filesystems (and chained URLs) rather than risk lost or duplicated rows. Nothing was written. Fix: "
-        "write to a shared filesystem path or an object-store URL such as 's3://bucket/prefix'."
-    )
-
-
-def check_store(fs, root: str) -> None:
-    """Prove on an object store's own prefix that an exclusive create is exclusive (some
-    S3-compatible servers ignore ``If-None-Match`` and answer 200 to both writers) and that a
-    listing shows a new key; a :class:`SurgeOutputError` naming the store otherwise. Costs
-    two PUTs, one LIST and one DELETE, once per run; does nothing on a local filesystem."""
-    if is_local(fs) or "memory" in protocols(fs):
-        return
-    probe = f"{root}/{META_DIR}/.probe-{uuid.uuid4().hex}"
-    store = f"{protocols(fs)[0]}://{root}"
-    try:
-        first = create_exclusive(fs, probe, b"1")
-        second = create_exclusive(fs, probe, b"2")
-        listed = probe.rsplit("/", 1)[1] in _ls(fs, f"{root}/{META_DIR}")
-        discard(fs, root, probe)
-    except SurgeOutputError:
-        raise
-    except OSError as err:
-        raise SurgeOutputError(
-            f"output={store!r} cannot be written ({type(err).__name__}: {err}). Nothing was encoded. Fix: check "
-            "the bucket exists and the credentials (storage_options, the environment or the store's config) "
-            "allow PUT, GET, LIST and DELETE under that prefix."
-        ) from err
-    if not first or second:
-        raise SurgeOutputError(
-            f"output={store!r}: the store ignored a conditional create (a second exclusive PUT of one key "
-            f"{'succeeded' if second else 'failed although the key was new'}). dask-surge commits each SuperBatch "
-            "and claims the output with conditional PUTs (If-None-Match: *); on this store two writers could both "
-            "win and rows could be duplicated or lost. Nothing was written. Fix: use a store that honours "
-            "If-None-Match (AWS S3, recent MinIO, GCS, Azure), or write to a shared filesystem path."
-        )
-    if not listed:
-        raise SurgeOutputError(
-            f"output={store!r}: a key just written did not appear in a listing of its prefix, so resume could "
-            "miss committed SuperBatches. Nothing was written. Fix: turn off any listing cache of the store "
-            "(storage_options={'use_listings_cache': False}) or use a store with consistent listings."
-        )
-
-
-def check_output(path: str, storage_options: dict | None = None, *, inputs: Sequence[str] = ()) -> None:
-    """Refuse an output location that a run could not own (before anything is written).
-
-    The output must be a directory on a filesystem whose commit protocol is proven
-    (:data:`LOCAL_PROTOCOLS`), not under a regular file, not one of the input files'
-    directories, and either new, empty, or holding only dask-surge's own files
-    (``_surge/`` and data files named by this layout; ``.``-prefixed entries are left
-    alone). A run never deletes, overwrites or reads as output a file it did not write.
-
-    Parameters
-    ----------
-    path : str
-        The output directory (local path or fsspec URL).
-    storage_options : dict, optional
-        fsspec options for ``path``.
-    inputs : list of str
-        Input files (as their filesystem names them): none may be inside ``path``.
-
-    Raises
-    ------
-    SurgeOutputError
-        Naming the path, the rule and the fix.
-
-    Examples
-    --------
-    >>> import os, tempfile
-    >>> d = tempfile.mkdtemp()
-    >>> check_output(d)  # empty: fine
-    >>> open(os.path.join(d, "part-00000.parquet"), "w").close()
-    >>> check_output(d)
-    Traceback (most recent call last):
-    ...
-    dask_surge.errors.SurgeOutputError: output=... holds 1 entry that dask-surge did not write ('part-00000.parquet'); ...
-    """
-    check_writable_store(path)
-    fs, root = _fs_root(path, storage_options)
-    try:
-        ancestor = root
-        while ancestor not in ("", "/") and not fs.exists(ancestor):
-            ancestor = ancestor.rsplit("/", 1)[0] if "/" in ancestor else ""
-        is_file = ancestor not in ("", "/") and not fs.isdir(ancestor)
-    except Exception as err:
-        if is_local(fs):
-            raise
-        raise SurgeOutputError(
-            f"output={path!r} cannot be reached ({type(err).__name__}: {err}). Nothing was written. Fix: check the "
-            "URL, the endpoint and the credentials (storage_options, the environment or the store's config)."
-        ) from err
-    if is_file:
-        what = "is a file" if ancestor == root else f"is under {ancestor!r}, which is a file"
-        raise SurgeOutputError(
-            f"output={path!r} {what}; the output must be a directory (one Parquet file per SuperBatch plus "
-            "a manifest). Nothing was written. Fix: choose a new directory path."
-        )
-    inside = [p for p in inputs if p.rstrip("/").startswith(root.rstrip("/") + "/")]
-    around = [d for d in _input_dirs(inputs) if (root.rstrip("/") + "/").startswith(d.rstrip("/") + "/")]
-    if around:
-        raise SurgeOutputError(
-            f"output={path!r} is {'' if around[0].rstrip('/') == root.rstrip('/') else 'inside '}the input "
-            f"directory {around[0]!r}: a run never writes into its input (the rerun that resumes it would read the "
-            "embedding files as input, and they would pollute the dataset). Nothing was written. Fix: "
-            f"write beside the input, e.g. {around[0].rstrip('/') + '-embeddings'!r}."
-        )
-    if inside:
-        raise SurgeOutputError(
-            f"output={path!r} holds input file {inside[0]!r} ({len(inside)} input file(s) in all): a run "
-            "never writes into its input. Nothing was written. Fix: choose another directory for the output, "
-            f"e.g. {root.rstrip('/') + '-embeddings'!r}."
-        )
-    if ancestor != root:
-        return
-    refuse_links(fs, root)
-    names = _ls(fs, root)
-    ours = META_DIR in names
-    foreign = [n for n in names if not n.startswith(".") and n != META_DIR and not (ours and _DATA_FILE.match(n))]
-    if foreign:
-        shown = ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise SurgeOutputError(
-            f"output={path!r} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} that dask-surge did "
-            f"not write ({shown}); a run never deletes, overwrites or mixes in files it does not own, and "
-            "readers of the output would read those as rows. Nothing was written. Fix: write to a new or "
-            f"empty directory, e.g. {root.rstrip('/') + '/embeddings'!r}."
-        )
-
-
-def _input_dirs(inputs: Sequence[str]) -> list[str]:
-    """Each input path, with a glob cut to its fixed directory (``in/*.parquet`` reads ``in``):
-    an output below one of them is inside an input directory."""
-    dirs = []
-    for p in inputs:
-        cut = min((i for i, c in enumerate(p) if c in "*?["), default=-1)
-        dirs.append(p if cut < 0 else p[:cut].rsplit("/", 1)[0] if "/" in p[:cut] else "")
-    return [d for d in dirs if d not in ("", "/")]
-
-
-@dataclass
-class Claim:
-    """An exclusive, heartbeated claim of an output directory by one live run.
-
-    ``_surge/CLAIM`` holds the run, host, pid and a random token, and is never rewritten;
-    the holder's heartbeat is the time written in its own ``_surge/.heartbeat-<token>``,
-    so refreshing it can never overwrite another run's claim. :meth:`acquire` creates
-    the claim exclusively; a claim whose process is gone (same host, pid not alive) or
-    whose heartbeat is older than :data:`CLAIM_TTL_S` is stale and is taken over
-    (:meth:`_take_over`: of several processes taking it over, one wins). While held, a
-    daemon thread refreshes the heartbeat and notices a lost claim (:attr:`lost`);
-    :meth:`release` removes the claim if it is still ours.
-
-    Examples
-    --------
-    >>> import tempfile, fsspec
-    >>> fs, root = fsspec.filesystem("file"), tempfile.mkdtemp()
-    >>> claim = Claim.acquire(fs, root, "0123456789abcdef", heartbeat=False)
-    >>> Claim.acquire(fs, root, "fedcba9876543210", heartbeat=False)
-    Traceback (most recent call last):
-    ...
-    dask_surge.errors.SurgeOutputError: output=... is being written by another run (...
-    >>> claim.release(); Claim.holder(fs, root) is None
-    True
-    """
-
-    fs: Any
-    root: str
-    run_id: str
-    token: str
-    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
-    _thread: threading.Thread | None = field(default=None, repr=False)
-    lost: bool = False
-
-    @staticmethod
-    def path(root: str) -> str:
-        return f"{root}/{META_DIR}/CLAIM"
-
-    @staticmethod
-    def _beat_path(root: str, token: str) -> str:
-        return f"{root}/{META_DIR}/.heartbeat-{token}"
-
-    @staticmethod
-    def holder(fs, root: str) -> dict | None:
-        """What the claim of ``root`` says, with its last ``heartbeat`` (None: unclaimed; a torn
-        claim reads as stale)."""
-        try:
-            info = _read_json(fs, Claim.path(root))
-        except SurgeOutputError:
-            return {"heartbeat": 0.0, "host": "?", "pid": 0, "run": "?", "token": "?"}
-        if info is None:
-            return None
-        token = str(info.get("token", ""))
-        if re.fullmatch(r"[0-9a-f]{32}", token):
-            with contextlib.suppress(FileNotFoundError, ValueError):  # no beat yet: the time the claim was made
-                info["heartbeat"] = float(fs.cat_file(Claim._beat_path(root, token)).decode())
-        info.setdefault("heartbeat", info.get("started", 0.0))
-        return info
-
-    @staticmethod
-    def _stale(info: dict) -> bool:
-        if time.time() - float(info.get("heartbeat", 0)) > CLAIM_TTL_S:
-            return True
-        if info.get("host") == socket.gethostname():
-            try:
-                os.kill(int(info.get("pid", 0)), 0)
-            except ProcessLookupError:
-                return True
-            except (PermissionError, ValueError, OverflowError):
-                return False
-        return False
-
-    def _body(self) -> bytes:
-        return json.dumps({"run": self.run_id, "token": self.token, "host": socket.gethostname(),
-                           "pid": os.getpid(), "started": time.time()}, sort_keys=True).encode()
-
-    def _beat_once(self) -> None:
-        write_bytes_atomic(self.fs, Claim._beat_path(self.root, self.token), repr(time.time()).encode())
-
-    @classmethod
-    def acquire(cls, fs, root: str, run_id: str, *, heartbeat: bool = True) -> Claim:
-        """Claim ``root`` for ``run_id`` or raise :class:`SurgeOutputError` naming the live holder."""
-        claim = cls(fs, root, run_id, uuid.uuid4().hex)
-        meta = f"{root}/{META_DIR}"
-        try:
-            fs.makedirs(meta, exist_ok=True)
-            for _ in range(5):
-                if create_exclusive(fs, cls.path(root), claim._body()):
-                    break
-                info = cls.holder(fs, root)
-                if info is None:
-                    continue  # released meanwhile
-                if not cls._stale(info):
-                    age = time.time() - float(info.get("heartbeat", 0))
-                    raise SurgeOutputError(
-                        f"output={root!r} is being written by another run (run {info.get('run')}, pid "
-                        f"{info.get('pid')} on {info.get('host')}, last heartbeat {age:.0f} s ago). Nothing "
-                        "was written. Fix: wait for it to finish, or write to another directory; a claim "
-                        f"whose process died is taken over at once on the same host, else after "
-                        f"{CLAIM_TTL_S:.0f} s without a heartbeat."
-                    )
-                claim._take_over(info)
-            else:
-                raise SurgeOutputError(f"output={root!r}: could not claim it after 5 tries (another run "
-                                       "keeps claiming it). Fix: rerun when the other run is done.")
-        except SurgeOutputError:
-            raise  # our own refusal (an OSError subclass): not a filesystem failure
-        except OSError as err:
-            raise SurgeOutputError(
-                f"output={root!r} is not writable ({type(err).__name__}: {err}). Nothing was encoded. "
-                "Fix: choose a directory you can create and write to."
-            ) from err
-        for name in _ls(fs, meta):  # what takeovers of stale claims left
-            if name.startswith((".stale-claim-", ".takeover-")):
-                with contextlib.suppress(OSError):
-                    discard(fs, root, f"{meta}/{name}")
-        with contextlib.suppress(OSError):
-            claim._beat_once()
-        if heartbeat:
-            claim._thread = threading.Thread(target=claim._beat, name="dask-surge-claim", daemon=True)
-            claim._thread.start()
-        return claim
-
-    def _take_over(self, stale: dict) -> None:
-        """Remove the stale claim ``stale`` so that :meth:`acquire` may create its own.
-
-        Of several processes taking over one stale claim, only the one that creates the
-        takeover marker ``.takeover-<its token>-<k>`` exclusively removes it, and only if
-        the claim still carries that token; the others are refused while that process lives
-        (a marker of a dead one is passed over by the next ``k``). So a takeover never has
-        two winners: a process that did not remove the stale claim can only win by creating
-        ``CLAIM`` exclusively, which fails once any other process has.
-        """
-        fs, root = self.fs, self.root
-        old = str(stale.get("token", ""))
-        token = old if re.fullmatch(r"[0-9a-f]{32}", old) else "0" * 32
-        for k in range(8):
-            marker = f"{root}/{META_DIR}/.takeover-{token}-{k}"
-            if create_exclusive(fs, marker, self._body()):
-                break
-            try:
-                taker = _read_json(fs, marker)
-            except SurgeOutputError:
-                taker = None  # torn: its writer died while writing it
-            if taker is not None and not self._stale({**taker, "heartbeat": taker.get("started", 0.0)}):
-                raise SurgeOutputError(
-                    f"output={root!r} is being claimed by another run (pid {taker.get('pid')} on "
-                    f"{taker.get('host')} is taking over the stale claim of run {stale.get('run')}). Nothing "
-                    "was written. Fix: wait for that run to finish, or write to another directory."
-                )
-        else:
-            raise SurgeOutputError(f"output={root!r}: its stale claim could not be taken over (8 takeovers "
-                                   "died). Fix: remove _surge/CLAIM and _surge/.takeover-* by hand, then rerun.")
-        info = Claim.holder(fs, root)
-        if info is not None and str(info.get("token", "")) == old:
-            discard(fs, root, Claim.path(root))
-        if token == old:
-            discard(fs, root, Claim._beat_path(root, old))
-
-    def held(self) -> bool:
-        """True while the claim file still carries our token."""
-        info = Claim.holder(self.fs, self.root)
-        return info is not None and info.get("token") == self.token
-
-    def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                if not self.held():
-                    self.lost = True
-                    return
-                self._beat_once()  # our own file: a claim taken over meanwhile is never overwritten
-            except OSError:  # a full disk: the next beat tries again; the claim goes stale if it persists
-                continue
-
-    def release(self) -> None:
-        """Stop the heartbeat and remove the claim if it is still ours (idempotent)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-        with contextlib.suppress(OSError):
-            if self.held():
-                discard(self.fs, self.root, Claim.path(self.root))
-        with contextlib.suppress(OSError):
-            discard(self.fs, self.root, Claim._beat_path(self.root, self.token))
-
-    def __enter__(self) -> Claim:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
 def find_run(path: str, fingerprint: dict, storage_options: dict | None = None) -> Manifest | None:
     """The run of ``fingerprint`` in ``path`` if it was ever created there (current or
     not), with what it recorded; None otherwise. Reads only the run's ``run.json``."""
     check_writable_store(path)  # it is asked by a run about to write there
-    fs, root = _fs_root(path, storage_options)
+    fs, root = output_fs(path, storage_options)
     run_id = fingerprint_digest(fingerprint)
     manifest = Manifest(fs, root, run_id, fingerprint)
     info = _read_json(fs, f"{manifest.run_dir}/run.json")
@@ -1127,7 +559,7 @@ def open_run(
         damaged manifest, or was written by a newer manifest format.
     """
     check_writable_store(path)
-    fs, root = _fs_root(path, storage_options)
+    fs, root = output_fs(path, storage_options)
     run_id = fingerprint_digest(fingerprint)
     manifest = Manifest(fs, root, run_id, fingerprint)
     current = current_run(path, storage_options)
@@ -1184,24 +616,6 @@ def _retire(fs, root: str, run: str) -> None:
             discard(fs, root, f"{root}/{name}")
     if not is_local(fs):  # a store has no directory to move: the run's tasks never publish there, so
         _discard_tree(fs, root, f"{runs}/{run}")  # its metadata goes now (a late record is harmless garbage)
-
-
-def refuse_links(fs, root: str) -> None:
-    """Raise :class:`LinkRefused` when anything under the output's ``_surge/`` is a symbolic
-    link: a run moves and deletes files there, and never follows a link out of its output.
-    One ``lstat`` walk of ``_surge/``, at the start and the end of a run (local filesystems)."""
-    found = links_below(fs, root, f"{root}/{META_DIR}")
-    if found:
-        where = found[0]
-        with contextlib.suppress(OSError):
-            where += f" -> {os.readlink(found[0])!r}"
-        raise LinkRefused(
-            f"output={root!r}: {where} is a symbolic link inside dask-surge's manifest ({len(found)} link(s) in "
-            "all). A run moves and deletes files there and never follows a link out of its output, so it "
-            f"refuses to start. Nothing was written or deleted. Fix: remove the link (`rm {found[0]}` removes "
-            "the link only, not its target), then rerun; to keep the output on another disk, point the output "
-            "path itself there."
-        )
 
 
 def finish_run(manifest: Manifest, committed: dict[str, CommitRecord], summary: dict) -> None:
@@ -1267,135 +681,3 @@ def settle(manifest: Manifest, committed: dict[str, CommitRecord], *, retire_oth
     _discard_tree(fs, root, f"{root}/{META_DIR}/retired")
 
 
-def _problems(manifest: Manifest) -> list[tuple[CommitRecord, str]]:
-    """Each committed file of ``manifest`` (data and skipped-null files) that is missing or whose
-    sha256 differs from its record, with a line that says so."""
-    problems = []
-    for rec in manifest.committed().values():
-        for name, digest, where in ((rec.file, rec.sha256, manifest.root),
-                                    (rec.skipped_file, rec.skipped_sha256, f"{manifest.run_dir}/skipped")):
-            if not name:
-                continue
-            h = hashlib.sha256()
-            try:
-                with manifest.fs.open(f"{where}/{name}", "rb") as f:
-                    while block := f.read(1 << 22):
-                        h.update(block)
-            except FileNotFoundError:
-                problems.append((rec, f"{where}/{name}: missing (SuperBatch {rec.sb})"))
-                continue
-            if h.hexdigest() != digest:
-                problems.append((rec, f"{where}/{name}: sha256 {h.hexdigest()[:16]}... differs from the recorded "
-                                      f"{digest[:16]}... (SuperBatch {rec.sb})"))
-    return problems
-
-
-def verify(path: str, storage_options: dict | None = None) -> list[str]:
-    """Check every committed file of the current run in ``path`` against its recorded
-    ``sha256``; returns one line per problem (empty: all good).
-
-    Examples
-    --------
-    >>> import tempfile
-    >>> verify(tempfile.mkdtemp())
-    []
-    """
-    fs, root = _fs_root(path, storage_options)
-    refuse_links(fs, root)
-    manifest = current_run(path, storage_options)
-    if manifest is None:
-        return []
-    strays = [f"{manifest.root}/{n}: a data file that no commit record of the current run names (left by a "
-              "replaced or killed run; `part-*` readers would read its rows); --repair deletes it"
-              for n in _strays(manifest)]
-    return [line for _, line in _problems(manifest)] + strays
-
-
-def repair(path: str, storage_options: dict | None = None) -> list[str]:
-    """Bring a damaged manifest back to a state a rerun can resume from; returns what was done.
-
-    Never deletes a file that is not dask-surge's: damaged manifest files and commit
-    records are renamed aside (``.torn-*``), committed files left in staging are
-    published, and a commit whose data file is gone (or fails its checksum) is
-    forgotten, so a rerun encodes those rows again. A damaged ``CURRENT`` is pointed
-    at the one run left, or removed. Repair a directory no run is writing.
-
-    Examples
-    --------
-    >>> import tempfile
-    >>> repair(tempfile.mkdtemp())
-    []
-    """
-    fs, root = _fs_root(path, storage_options)
-    refuse_links(fs, root)
-    done: list[str] = []
-    meta = f"{root}/{META_DIR}"
-
-    def aside(p: str) -> None:
-        _aside(fs, root, p)
-        done.append(f"moved damaged {p} aside")
-
-    def forget(manifest: Manifest, rec: CommitRecord, why: str) -> None:
-        aside(manifest.record_path(rec.sb))
-        discard(fs, root, manifest._complete_path)
-        done.append(f"forgot SuperBatch {rec.sb} of run {manifest.run_id}: {why}; a rerun encodes those rows again")
-
-    valid: dict[str, Manifest] = {}
-    for run in [r for r in _ls(fs, f"{meta}/runs") if _RUN_ID.match(r)]:
-        try:
-            loaded = _load(fs, root, run)
-        except SurgeOutputError:
-            aside(f"{meta}/runs/{run}/run.json")
-            continue
-        if loaded is not None:
-            valid[run] = loaded
-    try:
-        current = _current_id(fs, root)
-    except SurgeOutputError:
-        aside(current_path(root))
-        current = None
-    if current is not None and current not in valid:
-        discard(fs, root, current_path(root))
-        done.append(f"removed {current_path(root)} (it named run {current}, which has no valid run.json)")
-        current = None
-    if current is None and len(valid) == 1:
-        current = next(iter(valid))
-        _write_meta(fs, current_path(root), current.encode())
-        done.append(f"pointed {current_path(root)} at run {current}")
-    for manifest in valid.values():
-        before = {n for n in _ls(fs, manifest.commits_dir) if n.startswith(".torn-")}
-        records = manifest.committed(repair=True)
-        done += [f"moved damaged commit record {n} aside" for n in
-                 {n for n in _ls(fs, manifest.commits_dir) if n.startswith(".torn-")} - before]
-        try:
-            manifest.completion()
-        except SurgeOutputError:
-            aside(manifest._complete_path)
-        present, staged = set(_ls(fs, root)), set(_ls(fs, manifest.staging_dir))
-        for rec in records.values():
-            if rec.file in present:
-                continue
-            attempt = rec.file.rsplit("-", 1)[-1].removesuffix(".parquet")
-            if f"{rec.sb}-{attempt}.parquet" not in staged:
-                forget(manifest, rec, f"its file {rec.file} is missing")
-            elif manifest.run_id == current:  # another run's files wait in staging until it completes
-                manifest.publish(rec)
-                done.append(f"published committed {rec.file} from staging")
-    if current is not None:
-        manifest = valid[current]
-        for rec, line in _problems(manifest):
-            if fs.exists(manifest.record_path(rec.sb)):  # a record with two bad files is forgotten once
-                forget(manifest, rec, line)
-        for name in _strays(manifest):
-            discard(fs, root, f"{root}/{name}")
-            done.append(f"deleted {name}: a data file of this layout that no commit record of the current run "
-                        "names (left by a replaced or killed run)")
-    return done
-
-
-def _strays(manifest: Manifest) -> list[str]:
-    """Data files of this layout in the output that no commit record of ``manifest`` names
-    (listed before the records are read, so a file published meanwhile is named)."""
-    names = [n for n in _ls(manifest.fs, manifest.root) if _DATA_FILE.match(n)]
-    named = {rec.file for rec in manifest.committed().values()}
-    return [n for n in names if n not in named]
