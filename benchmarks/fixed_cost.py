@@ -20,7 +20,7 @@ Measured per call, each call into a new output directory (a new run, not a resum
 - the client-side phases inside it, timed by wrapping the functions that do them in this
   process: ``footers`` (:func:`dask_surge.planning.sizes.known_sizes`), ``fingerprint``
   (:func:`dask_surge.api.fingerprint`: input and model identity), ``thresholds``
-  (:func:`dask_surge.api._resolve`), ``register`` (shipping the encoder to the workers),
+  (:func:`dask_surge.planning.run.thresholds_for`), ``register`` (shipping the encoder to the workers),
   ``open_run`` (manifest) and ``graph`` (:class:`dask_surge.execution.runner.InputGraph`);
 - whether the client process loaded the model (``dask_surge.models.encoders._LOADED`` and
   ``sentence_transformers`` in ``sys.modules`` after the calls): the target is that it never does.
@@ -51,7 +51,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 PHASES = {
     ("dask_surge.planning.sizes", "known_sizes"): "footers",
     ("dask_surge.api", "fingerprint"): "fingerprint",
-    ("dask_surge.api", "_resolve"): "thresholds",
+    ("dask_surge.planning.run", "thresholds_for"): "thresholds",
     ("dask_surge.api", "_register"): "register",
     ("dask_surge.io.manifest", "open_run"): "open_run",
     ("dask_surge.execution.runner", "InputGraph"): "graph",

@@ -7,7 +7,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_overloads, overload
 
 import numpy as np
@@ -30,15 +29,21 @@ from .io.readers import read_embeddings, skipped_rows, status
 from .io.reuse import ReuseIndex, embedding_identity
 from .models.devices import gpu_count
 from .models.encoders import Encoder
-from .models.modelid import redact
-from .options import EncodeOptions, Invalid, PlanOptions, bind, document, option, options_of, signature
+from .options import EncodeOptions, PlanOptions, document, option, options_of, signature
 from .planning.costmodel import advise, predict
 from .planning.identity import IDENTITY_OPTIONS, input_identity
-from .planning.policy import SuperBatch, plan_superbatches
-from .planning.sizes import PartitionSizes, known_sizes, partition_sizes
-from .planning.thresholds import Thresholds, requested_thresholds, resolve_thresholds, window_byte_cap
-from .planning.tokens import sample_texts, token_counter
-from .planning.units import streamed_plan, unit_partitions
+from .planning.run import (
+    RunThresholds,
+    TextSample,
+    encoder_for,
+    params_for_data,
+    planned_run,
+    superbatches_for,
+    thresholds_for,
+    windowed_bytes,
+)
+from .planning.sizes import known_sizes, partition_sizes
+from .planning.thresholds import requested_thresholds
 from .results import EncodeResult, SurgePlan
 
 if TYPE_CHECKING:
@@ -151,38 +156,6 @@ def _index_hint(ddf, names: Sequence[str]) -> str:
             f"ddf = ddf.reset_index())")
 
 
-def _resolve_encoder(model: Any, opts: dict) -> Encoder:
-    """``model`` as an :class:`Encoder` with the Encoder options in ``opts`` (the config's where None)."""
-    taken = options_of("Encoder")
-    if isinstance(model, Encoder):
-        given = {o.name: opts[o.name] for o in taken if opts.get(o.name) is not None and opts.get(o.name) is not False}
-        if given:
-            raise SurgeValueError(
-                f"{', '.join(f'{k}={redact(v)!r}' for k, v in given.items())} given alongside a ready Encoder "
-                f"({model!r}), which holds its own options, so they would be dropped. Fix: "
-                f"model.with_options({', '.join(f'{k}=...' for k in given)}), or pass the model's name with them."
-            )
-        return model
-    model = config.get("model") if model is None else model
-    kwargs = {o.name: config.get(o.config, opts.get(o.name)) if o.config
-              else o.default if opts.get(o.name) is None else opts[o.name] for o in taken}
-    return Encoder(model, **kwargs)
-
-
-def _check_arguments(opts: dict) -> None:
-    """Validate (in place: a validator may normalize, e.g. ``reuse`` to a tuple) the options no one
-    else checks: a config option is checked as it is resolved (:func:`dask_surge.config.get`), an
-    Encoder option by :class:`Encoder`."""
-    for name, value in opts.items():
-        opt = option(name)
-        if opt.validator is None or opt.config or "Encoder" in opt.takers:
-            continue
-        try:
-            opts[name] = opt.check(value)
-        except Invalid as err:
-            raise SurgeValueError(opt.argument_error(value, err)) from None
-
-
 def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
     """Plan the SuperBatches for ``ddf[column]`` without encoding anything.
 
@@ -204,19 +177,16 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
     >>> plan(ddf, "text", b_min=4, b_max=6)
     SurgePlan(10 rows in 5 partitions -> 3 SuperBatches of 2-4 rows; b_min=4, b_max=6, sizes from metadata)
     """
-    opts = bind("plan", options)
-    _check_arguments(opts)
-    b_min, b_max, model, params, client, scheduler = (
-        opts[k] for k in ("b_min", "b_max", "model", "params", "client", "scheduler"))
+    opts = config.bind("plan", options)
+    requested = requested_thresholds(opts["b_min"], opts["b_max"])
+    model, params, client, scheduler = (opts[k] for k in ("model", "params", "client", "scheduler"))
+    long_texts, overlap, max_bytes, n = (opts[k] for k in ("long_texts", "chunk_overlap", "max_bytes", "token_sample"))
     _check_columns(ddf, column, ())
     model_opts = {o.name: opts[o.name] for o in options_of("plan") if "Encoder" in o.takers}
     if any(v is not None and v is not False for v in model_opts.values()):
-        model = _resolve_encoder(model, model_opts)  # the probe and the token sample use this model
-    max_bytes = _max_bytes(opts["max_bytes"])
-    long_texts = config.get("long-texts", opts["long_texts"])
-    if long_texts in ("chunk", "mean"):  # as encode() caps it
-        max_bytes = _windowed_bytes(max_bytes, requested_thresholds(b_min, b_max)[1], _resolve_encoder(model, {}),
-                                    long_texts, config.get("chunk-overlap", opts["chunk_overlap"]), gpu=gpu_count() > 0)
+        model = encoder_for(model, model_opts)  # the probe and the token sample use this model
+    max_bytes = windowed_bytes(max_bytes, requested[1], encoder_for(model, {}), long_texts, overlap,
+                               gpu=gpu_count() > 0)  # as encode() caps it
     frame = ddf[[column]]
     known = known_sizes(frame, column, max_bytes)
     # an input that encode() streams is sized here with one pass, to show its SuperBatches
@@ -225,30 +195,23 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
         client, scheduler = scheduler, None
     active = client if client is not None else (_active_client() if scheduler is None else None)
     if opts["calibrate"] and params is None:
-        params = calibration.calibrate(_resolve_encoder(model, {}), client=active)
-    overlap = config.get("chunk-overlap", opts["chunk_overlap"])
-    n = config.get("token-sample", opts["token_sample"])
-    estimates = bool((opts["long_texts"] is not None or opts["reuse"]) and sizes.total)
+        params = calibration.calibrate(encoder_for(model, {}), client=active)
     # one sample serves the predictions (with a token sample configured) and the estimates (asked for)
     sample = TextSample(ddf, column, sizes, model, n or 2048, overlap) if sizes.total else None
-    tokens_source, raw_params = None, params
-    if params is not None and sample is not None:  # predictions (and known-size thresholds) use this data's tokens
-        params, tokens_source = _params_for_data(params, sample if n is not None else None, long_texts)
     threads = _threads(active, scheduler)
-    # as encode() resolves them: a streamed input is not sampled before it starts
-    th = _run_thresholds(b_min, b_max, known, params if known is not None else raw_params,
-                         gpu=gpu_count() > 0, threads=threads, max_bytes=max_bytes)
-    if known is not None:
-        superbatches = _plan(sizes, th.b_min, th.b_max, max_bytes)
-    else:
-        per_unit = unit_partitions(len(sizes.sizes), threads)
-        superbatches = streamed_plan(sizes.sizes, th.b_min, th.b_max, per_unit, nbytes=sizes.nbytes,
-                                     max_bytes=max_bytes)
-    result = SurgePlan(sizes, superbatches, th.b_min, th.b_max, params=params, max_bytes=max_bytes,
-                       tokens_source=tokens_source, unit_partitions=None if known is not None else per_unit)
-    if estimates and sample is not None and sample.texts:
+    run = planned_run(sizes, known, thresholds_for(requested, known, params, gpu=gpu_count() > 0, threads=threads,
+                                                   max_bytes=max_bytes, sample=sample if n is not None else None,
+                                                   long_texts=long_texts),
+                      threads=threads, max_bytes=max_bytes)
+    th = run.thresholds
+    tokens_source = None
+    if params is not None and sample is not None:  # predictions use this data's tokens
+        params, tokens_source = params_for_data(params, sample if n is not None else None, long_texts)
+    result = SurgePlan(sizes, run.superbatches, th.b_min, th.b_max, params=params, max_bytes=max_bytes,
+                       tokens_source=tokens_source, unit_partitions=run.unit_partitions)
+    if sample is not None and sample.texts and (options.get("long_texts") is not None or opts["reuse"]):
         texts, total = sample.texts, sizes.total
-        if opts["long_texts"] is not None:
+        if options.get("long_texts") is not None:
             counts = sample.windows_per_text()
             over = float(np.mean(counts > 1))
             result.long_texts = {"mode": long_texts, "sampled": len(texts), "over_window": over,
@@ -259,77 +222,12 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
             result.reuse = {"sampled": len(texts), "found": float(found), "reused": round(found * total),
                             "encoded": total - round(found * total)}
     if params is not None and sizes.total:
-
         # predict the plan shown, under the byte cap it was made with
         result.predictions = predict(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, nbytes=sizes.nbytes,
-                                     max_bytes=max_bytes, superbatches=superbatches)
+                                     max_bytes=max_bytes, superbatches=run.superbatches)
         result.advice = advise(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, nbytes=sizes.nbytes,
-                               max_bytes=max_bytes, superbatches=superbatches)
+                               max_bytes=max_bytes, superbatches=run.superbatches)
     return result
-
-
-def _windowed_bytes(max_bytes: int | None, b_max, encoder: Encoder, long_texts: str, overlap: int, *,
-                    gpu: bool) -> int | None:
-    """The byte cap, lowered in chunk/mean mode so a SuperBatch holds about ``b_max`` token windows
-    (:func:`~dask_surge.planning.thresholds.window_byte_cap`): its memory counts windows, not texts."""
-    if long_texts not in ("chunk", "mean") or encoder.window_capacity is None:
-        return max_bytes
-    return window_byte_cap(max_bytes, b_max, encoder.window_capacity, overlap, gpu=gpu)
-
-
-class TextSample:
-    """Texts sampled from a frame (read once, when first asked for), and what the model makes of
-    them: token lengths, and the token windows of chunk/mean mode (cut once)."""
-
-    def __init__(self, ddf, column: str, sizes: PartitionSizes, model, n: int, overlap: int) -> None:
-        self._args = (ddf, column, sizes.sizes, n)
-        self.model, self.overlap = model, overlap
-        self._texts: list[str] | None = None
-        self._windows = None
-
-    @property
-    def texts(self) -> list[str]:
-        if self._texts is None:
-            ddf, column, sizes, n = self._args
-            self._texts = sample_texts(ddf, column, sizes, n=n)
-        return self._texts
-
-    @property
-    def encoder(self) -> Encoder:
-        return _resolve_encoder(self.model, {})
-
-    def _cut(self):
-        if self._windows is None:
-            self._windows = self.encoder.windows(self.texts, chunk_overlap=self.overlap)
-        return self._windows
-
-    def windows_per_text(self) -> np.ndarray:
-        """Windows each sampled text makes (1 for a text within the model's window)."""
-        return np.bincount(self._cut().text, minlength=len(self.texts))
-
-    def token_lengths(self, long_texts: str) -> np.ndarray:
-        """Tokens the model runs per sampled text: truncated, or in chunk/mean mode all its windows'
-        tokens (each window with the special tokens and the prompt)."""
-        encoder = self.encoder
-        if long_texts in ("chunk", "mean") and encoder.window_capacity is not None:
-            w = self._cut()
-            return np.bincount(w.text, weights=w.tokens.astype(float) + encoder.window_overhead,
-                               minlength=len(self.texts))
-        return token_counter(encoder)(self.texts)
-
-
-def _plan(sizes: PartitionSizes, b_min: int, b_max: int, max_bytes: int | None) -> list[SuperBatch]:
-    """The SuperBatches a new run makes of these sizes: the byte cap applies where text bytes are
-    known, and the first ones ramp up from ``surge.first-superbatch`` rows (as the run records it)."""
-    cap = max_bytes if sizes.nbytes is not None else None
-    return plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap,
-                             first=config.get("first-superbatch"))
-
-
-def _max_bytes(value: Any) -> int | None:
-    """The byte cap: ``value``, else ``surge.max-bytes``, as a positive int or None."""
-    cap = config.get("max-bytes", value)
-    return None if cap is None else int(cap)
 
 
 def _threads(client, scheduler: Any = None) -> int:
@@ -342,45 +240,6 @@ def _threads(client, scheduler: Any = None) -> int:
         return 1
 
     return local_cluster_threads()
-
-
-def _run_thresholds(b_min, b_max, known: PartitionSizes | None, params, *, gpu: bool, threads: int,
-                    max_bytes: int | None) -> Thresholds:
-    """The thresholds a run uses, the same for :func:`plan` and :func:`encode`: sizes
-    count only where the run knows them before it starts (else it streams); then an
-    automatic ``b_min`` is balanced over the threads on the plan the run would make."""
-    if known is None:
-        return resolve_thresholds(b_min, b_max, gpu=gpu, workers=threads, params=params)
-    return resolve_thresholds(
-        b_min, b_max, gpu=gpu, workers=threads, params=params, total_rows=known.total,
-        n_max=max(known.sizes, default=0), partitions=len(known.sizes),
-        superbatch_work=lambda lo, hi: _work(known, _plan(known, lo, hi, max_bytes)),
-    )
-
-
-def _work(sizes: PartitionSizes, superbatches: list[SuperBatch]) -> list[int]:
-    """The work of each SuperBatch: its text bytes plus 8 a row (tokens follow bytes, and
-    each text adds its special tokens) where bytes are known, else its rows. Measured
-    (MiniLM on a CPU): SuperBatches of 374 and 226 rows took 3.8 s and 2.0 s, so rows
-    alone balanced the tail badly."""
-    if sizes.nbytes is None:
-        return [sb.rows for sb in superbatches]
-    return [sum(8 * s.rows + sizes.nbytes[s.partition] * s.rows // max(1, sizes.sizes[s.partition])
-                for s in sb.spans) for sb in superbatches]
-
-
-def _params_for_data(params, sample: TextSample | None, long_texts: str):
-    """``params`` re-based on the token lengths of a sample of the user's texts (None: no token
-    sample is configured), and where they came from.
-
-    In chunk/mean mode a text counts all its windows' tokens, so the cost model predicts what
-    those runs encode."""
-    if sample is None:
-        return params, f"calibration texts ({params.tokens_per_text:.1f} tokens a text)"
-    if not sample.texts:
-        return params, f"calibration texts ({params.tokens_per_text:.1f} tokens a text): no text to sample"
-    params = params.with_token_lengths(sample.token_lengths(long_texts))
-    return params, f"a sample of {len(sample.texts):,} texts ({params.tokens_per_text:.1f} tokens a text)"
 
 
 def _active_client():
@@ -472,27 +331,21 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     [[0, 0], [0, 1], [1, 0]]
     """
     started = time.perf_counter()  # TTFO counts from the call (model load and cluster start included)
-    opts = bind("encode", options)
-    long_texts = config.get("long-texts", opts["long_texts"])
+    opts = config.bind("encode", options)
+    long_texts, overlap = opts["long_texts"], opts["chunk_overlap"]
     keep = _check_columns(ddf, column, opts["keep"], chunked=long_texts == "chunk")
-    _check_arguments(opts)
     overwrite, storage_options, scheduler, progress, input_token = (
         opts[k] for k in ("overwrite", "storage_options", "scheduler", "progress", "input_token"))
     requested = requested_thresholds(opts["b_min"], opts["b_max"])  # fail before any work
-    encoder = _resolve_encoder(opts["model"], opts)
+    encoder = encoder_for(opts["model"], opts)
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
-    normalize = config.get("normalize", opts["normalize"])
     sbe = SuperBatchEncoder(
-        column, keep, encoder, normalize=normalize,
-        precision=check_precision(config.get("precision", opts["precision"]), normalize),
-        on_null=config.get("on-null", opts["on_null"]),
-        truncate_dim=check_truncate_dim(config.get("truncate-dim", opts["truncate_dim"]), encoder.dimension),
-        long_texts=long_texts,
-        chunk_overlap=config.get("chunk-overlap", opts["chunk_overlap"]),
-        reuse=_absolute(opts["reuse"]),
+        column, keep, encoder, normalize=opts["normalize"],
+        precision=check_precision(opts["precision"], opts["normalize"]), on_null=opts["on_null"],
+        truncate_dim=check_truncate_dim(opts["truncate_dim"], encoder.dimension),
+        long_texts=long_texts, chunk_overlap=overlap, reuse=_absolute(opts["reuse"]),
     )
-    max_bytes = _windowed_bytes(_max_bytes(opts["max_bytes"]), requested[1], encoder, sbe.long_texts,
-                                sbe.chunk_overlap, gpu=on_gpu)
+    max_bytes = windowed_bytes(opts["max_bytes"], requested[1], encoder, long_texts, overlap, gpu=on_gpu)
     frame = ddf[[column, *[k for k in keep if k != column]]]
     if output is None:
         if sbe.on_null == "skip":
@@ -504,10 +357,10 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
         if sbe.reuse:
             _open_reuse(sbe, fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
                                          options=opts))
-        return _lazy(frame, sbe, requested, max_bytes, gpu=on_gpu)
+        return _lazy(frame, sbe, _thresholds(requested, sbe, frame, _active_client(), gpu=on_gpu), max_bytes)
     # the bar opens now: starting a cluster (workers importing torch) is the first thing a user waits for
     starting = scheduler is None and _active_client() is None  # _client_for starts a local cluster
-    bar = RunProgress(enabled=config.get("progress", progress), phase="starting workers" if starting else "planning")
+    bar = RunProgress(enabled=progress, phase="starting workers" if starting else "planning")
     with bar, logging_through(bar), _client_for(scheduler) as client:
         if client is not None:
             _register(sbe.encoder, client)
@@ -515,12 +368,9 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
                              options=opts)
         _open_reuse(sbe, run_id)
         return write_run(RunRequest(
-            frame, sbe, output, fingerprint=run_id,
-            thresholds=_RunThresholds(requested, encoder, frame, column, client, gpu=on_gpu,
-                                      long_texts=sbe.long_texts, overlap=sbe.chunk_overlap),
+            frame, sbe, output, fingerprint=run_id, thresholds=_thresholds(requested, sbe, frame, client, gpu=on_gpu),
             max_bytes=max_bytes, client=client, scheduler=scheduler, overwrite=overwrite,
-            storage_options=storage_options, progress=config.get("progress", progress), started=started,
-            bar=bar,
+            storage_options=storage_options, progress=progress, started=started, bar=bar,
         ))
 
 
@@ -536,62 +386,37 @@ def _open_reuse(sbe: SuperBatchEncoder, run_fingerprint: dict) -> None:
         ReuseIndex(sbe.reuse, identity=embedding_identity(run_fingerprint)).close()
 
 
-def _resolve(requested, encoder: Encoder, frame, column: str, client, sizes: PartitionSizes | None, *,
-             gpu: bool, max_bytes: int | None, long_texts: str = "truncate", overlap: int = 0) -> Thresholds:
-    """Thresholds for a new run: ``"auto"`` uses a cached calibration of this encoder and
-    cluster when there is one (see :func:`plan` with ``calibrate=True``), re-based on a
-    token sample of the data as :func:`plan` does, so both pick the same thresholds."""
-    params = None
-    if "auto" in requested:
+def _thresholds(requested, sbe: SuperBatchEncoder, frame, client, *, gpu: bool) -> RunThresholds:
+    """What resolves a new run's thresholds once its sizes are known: ``"auto"`` uses a cached
+    calibration of this encoder and cluster when there is one (see :func:`plan` with
+    ``calibrate=True``), re-based on a token sample of the data as :func:`plan` does."""
 
+    def cached() -> Any:
         try:
-            params = calibration.calibrate(encoder, client=client, probe=False)
+            return calibration.calibrate(sbe.encoder, client=client, probe=False)
         except Exception as err:  # noqa: BLE001 - a broken cache must not stop a run: fall back to defaults
             logger.warning("dask-surge: calibration cache not usable (%s); using default thresholds", err)
-    if params is not None and sizes is not None and sizes.total:
-        n = config.get("token-sample")
-        sample = TextSample(frame, column, sizes, encoder, n, overlap) if n is not None else None
-        params, _ = _params_for_data(params, sample, long_texts)
-    b_min, b_max = requested
-    return _run_thresholds(b_min, b_max, sizes, params, gpu=gpu, threads=_threads(client, "sync"),
-                           max_bytes=max_bytes)
+            return None
+
+    return RunThresholds(requested, sbe.encoder, frame, sbe.column, lambda: _threads(client, "sync"), gpu,
+                         long_texts=sbe.long_texts, overlap=sbe.chunk_overlap, calibration=cached,
+                         token_sample=config.get("token-sample"))
 
 
-@dataclass(frozen=True)
-class _RunThresholds:
-    """The thresholds encode() was asked for (``requested``), resolved by :func:`_resolve` for a
-    new run once its sizes are known (a :class:`~dask_surge.execution.runner.ThresholdResolver`)."""
-
-    requested: tuple
-    encoder: Encoder
-    frame: Any
-    column: str
-    client: Any
-    gpu: bool
-    long_texts: str = "truncate"
-    overlap: int = 0
-
-    def __call__(self, sizes: PartitionSizes | None, max_bytes: int | None) -> Thresholds:
-        return _resolve(self.requested, self.encoder, self.frame, self.column, self.client, sizes, gpu=self.gpu,
-                        max_bytes=max_bytes, long_texts=self.long_texts, overlap=self.overlap)
-
-
-def _lazy(frame, sbe: SuperBatchEncoder, requested, max_bytes: int | None, *, gpu: bool):
+def _lazy(frame, sbe: SuperBatchEncoder, thresholds: RunThresholds, max_bytes: int | None):
     """A lazy frame of one partition per SuperBatch. It needs the SuperBatch boundaries
     up front, so an input whose sizes are not known from metadata is sized with one pass."""
     _register(sbe.encoder)
     known = known_sizes(frame, sbe.column, max_bytes)
     sizes = known if known is not None else partition_sizes(frame, sbe.column if max_bytes else None)
-    th = _RunThresholds(requested, sbe.encoder, frame, sbe.column, _active_client(), gpu=gpu,
-                        long_texts=sbe.long_texts, overlap=sbe.chunk_overlap)(sizes, max_bytes)
-    superbatches = _plan(sizes, th.b_min, th.b_max, max_bytes)
+    th = thresholds(sizes, max_bytes)
+    superbatches = superbatches_for(sizes, th.b_min, th.b_max, max_bytes)
     return superbatch_collection(frame, superbatches, sizes.sizes, sbe, sbe.meta(frame._meta))
 
 
 def _register(encoder: Encoder, client=None) -> None:
     """Ship the encoder to the workers of ``client`` (or the active one) once; they load
-    it in the background while the client plans (measured on a cold 2-worker cluster with
-    2,000 files: first output 7.25 -> 6.40 s, ``benchmarks/fixed_cost.py``)."""
+    it in the background while the client plans (``benchmarks/fixed_cost.py``)."""
     if client is None:
         try:
             from distributed import get_client

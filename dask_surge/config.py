@@ -10,15 +10,17 @@ generated) are declared once, in :data:`dask_surge.options.OPTIONS`.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import dask.config
 import yaml
 
 from .errors import SurgeValueError
-from .options import Invalid, Option, config_options
+from .options import Invalid, Option, config_options, options_of
+from .options import bind as bind_given
 
-__all__ = ["DEFAULTS_PATH", "OPTIONS", "get"]
+__all__ = ["DEFAULTS_PATH", "OPTIONS", "get", "bind"]
 
 DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "surge.yaml")
 
@@ -59,3 +61,51 @@ def get(name: str, value: Any = None) -> Any:
     if value is None:
         value = dask.config.get(f"surge.{name}")
     return _check(name, value)
+
+
+def bind(taker: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """Every option ``taker`` takes -> its value as the call resolves it, checked by its validator.
+
+    An option given as None (or not given) takes its configured ``surge.<name>`` where it has
+    one (checked as :func:`get` checks it), else its default; a given value is checked by its
+    option's validator, and an error names the argument. The options of the
+    :class:`~dask_surge.Encoder` are left as given (it resolves and checks them itself, and refuses
+    them beside a ready Encoder); the model is only resolved (a loaded model or an Encoder passes as
+    it is). The other options are checked by their validators, in place (a validator may normalize,
+    e.g. ``reuse`` to a tuple).
+
+    Raises
+    ------
+    TypeError
+        For a keyword ``taker`` does not take (as Python would).
+    SurgeValueError
+        For a value its option refuses, naming the value, the rule and the fix.
+
+    Examples
+    --------
+    >>> opts = bind("plan", {"b_min": 5})
+    >>> opts["b_min"], opts["max_bytes"], opts["long_texts"]
+    (5, 536870912, 'truncate')
+    >>> with dask.config.set({"surge.long-texts": "chunk"}):
+    ...     bind("plan", {})["long_texts"]
+    'chunk'
+    >>> bind("plan", {"chunk_overlap": -1})["chunk_overlap"]
+    Traceback (most recent call last):
+    ...
+    dask_surge.errors.SurgeValueError: ...
+    """
+    opts = bind_given(taker, given)
+    for opt in options_of(taker):
+        value = opts[opt.name]
+        if "Encoder" in opt.takers:
+            continue
+        if opt.name == "model":
+            opts[opt.name] = dask.config.get(f"surge.{opt.config}") if value is None else value
+        elif opt.config and value is None:
+            opts[opt.name] = get(opt.config)
+        elif opt.validator is not None:
+            try:
+                opts[opt.name] = opt.check(value)
+            except Invalid as err:
+                raise SurgeValueError(opt.argument_error(value, err)) from None
+    return opts

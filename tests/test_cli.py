@@ -73,8 +73,8 @@ def _junk_model(tmp_path):
 
 @pytest.mark.parametrize("extra,data,match", [
     (["--b-min", "10", "--b-max", "5"], None, "b_min=10 is larger than b_max=5"),
-    (["--b-min", "0"], None, "b_min=0 must be positive"),
-    (["--max-bytes", "lots"], None, "surge.max-bytes='lots' is not allowed"),
+    (["--b-min", "0"], None, "b_min=0 must be a positive int"),
+    (["--max-bytes", "lots"], None, "max_bytes='lots' must be a positive int of bytes"),
     (["--model", "/does/not/exist"], None, "does not exist"),
     (["--model", "JUNK"], None, "not a sentence-transformers or Hugging Face text encoder"),
     ([], {"text": [1, 2, 3]}, "holds (a int|int64 values) .* only strings can be encoded"),

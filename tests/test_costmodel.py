@@ -573,7 +573,8 @@ def test_plan_and_encode_resolve_the_same_auto_thresholds_in_chunk_mode(monkeypa
 
     import dask_surge.execution.calibrate as cal
     from dask_surge import Encoder
-    from dask_surge.api import _RunThresholds
+    from dask_surge.api import _thresholds
+    from dask_surge.execution.superbatch import SuperBatchEncoder
     from dask_surge.planning.sizes import known_sizes
     from dask_surge.testing import package_documents
 
@@ -587,8 +588,8 @@ def test_plan_and_encode_resolve_the_same_auto_thresholds_in_chunk_mode(monkeypa
         with dask.config.set({"surge.ttfo-target": 0.5, "surge.token-sample": 256}):
             shown = {m: ddf.surge.plan("text", b_min="auto", b_max="auto", params=params(), model=enc, long_texts=m)
                      for m in ("truncate", "chunk")}
-            resolved = {m: _RunThresholds(("auto", "auto"), enc, ddf, "text", None, gpu=False, long_texts=m,
-                                          overlap=32)(sizes, None) for m in ("truncate", "chunk")}
+            resolved = {m: _thresholds(("auto", "auto"), SuperBatchEncoder("text", (), enc, long_texts=m, chunk_overlap=32),
+                                       ddf, None, gpu=False)(sizes, None) for m in ("truncate", "chunk")}
     finally:
         enc.close()  # not left loaded in this process's model cache for the tests after this one
     assert shown["chunk"].params.tokens_per_text > 2 * shown["truncate"].params.tokens_per_text

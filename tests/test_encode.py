@@ -322,7 +322,7 @@ def test_encoder_usable_with_map_partitions(tiny_model):
     (dict(keep=["missing"]), SurgeInputError, "missing column"),
     (dict(keep=["partition"]), SurgeInputError, "reserves"),
     (dict(b_min=10, b_max=5), SurgeValueError, "larger than b_max"),
-    (dict(b_min=0), SurgeValueError, "must be positive"),
+    (dict(b_min=0), SurgeValueError, "b_min=0 must be a positive int"),
     (dict(precision="int3"), SurgeValueError, "precision"),
     (dict(model="/does/not/exist"), dask_surge.SurgeModelError, "does not exist"),
     (dict(device="cuda:0"), SurgeValueError if not __import__("torch").cuda.is_available() else type(None),

@@ -181,11 +181,11 @@ def test_plan_and_encode_resolve_the_same_thresholds(sizes, b_min, b_max, thread
     an automatic threshold never contradicts a given one."""
     from dask_surge.errors import SurgeValueError
     from dask_surge.planning.sizes import PartitionSizes
-    from dask_surge.api import _run_thresholds
+    from dask_surge.planning.run import thresholds_for
 
     known = PartitionSizes(tuple(sizes), "metadata")
     try:
-        got = _run_thresholds(b_min, b_max, known, None, gpu=gpu, threads=threads, max_bytes=None)
+        got = thresholds_for((b_min, b_max), known, None, gpu=gpu, threads=threads, max_bytes=None)
     except SurgeValueError as err:  # only two given, contradicting thresholds are refused
         assert isinstance(b_min, int) and isinstance(b_max, int) and b_min > b_max, err
         return
@@ -194,7 +194,7 @@ def test_plan_and_encode_resolve_the_same_thresholds(sizes, b_min, b_max, thread
         assert got.b_min == b_min
     if isinstance(b_max, int):
         assert got.b_max == b_max
-    again = _run_thresholds(b_min, b_max, known, None, gpu=gpu, threads=threads, max_bytes=None)
+    again = thresholds_for((b_min, b_max), known, None, gpu=gpu, threads=threads, max_bytes=None)
     assert again == got
 
 
