@@ -100,3 +100,16 @@ def test_a_file_without_the_text_column_stops_the_run_instead_of_skipping_its_ro
                                                 progress=False)
     with pytest.raises(SurgeInputError, match="holds no dask-surge run|has no committed rows"):  # nothing that looks complete
         dask_surge.read_embeddings(str(tmp_path / "out"))
+
+
+def test_footer_sizes_of_a_projection_of_several_columns(tmp_path):
+    """``ddf[[text, doc_id]]`` of files that hold ``doc_id`` first (what ``keep=`` reads) stays a projection
+    over the read: its footers give the sizes, and the type check reads the dataset's schema beneath it (it
+    raised AttributeError: 'Projection' object has no attribute '_dataset_info')."""
+    import dask.dataframe as dd
+
+    for i, n in enumerate([4, 2]):
+        _write(tmp_path / f"p{i}.parquet", doc_id=pa.array(range(n)), text=pa.array([f"t{r}" for r in range(n)]))
+    frame = dd.read_parquet(str(tmp_path))[["text", "doc_id"]]
+    found = parquet_footer_sizes(frame, "text")
+    assert found is not None and list(found[0]) == [4, 2]

@@ -17,7 +17,7 @@ from ..errors import SurgeInputError
 from .frames import FrameRows
 
 __all__ = ["parquet_pieces", "ParquetPartitions", "arrow_local_fs", "arrow_fragments", "scan_files",
-           "string_types", "read_footers", "column_targets", "check_footers", "check_sources", "type_family"]
+           "string_types", "dataset_schema", "read_footers", "column_targets", "check_footers", "check_sources", "type_family"]
 
 
 def parquet_pieces(expr) -> tuple | None:
@@ -78,7 +78,7 @@ class ParquetPartitions:
             return None
         fs, pieces, columns = found
         paths = list(dict.fromkeys(path for path, _ in pieces))
-        schema = _dataset_schema(simple)
+        schema = dataset_schema(simple)
         targets = column_targets(schema, columns, paths, lambda path: read_footers(fs, [path])[path])
         # a column whose type the meta took from an empty file (double for an empty text column) is read
         # as its target, not cast to the meta's dtype, which its values do not fit
@@ -191,8 +191,11 @@ def _cast(column, target):
     return column.cast(plain).cast(target)
 
 
-def _dataset_schema(expr):
-    """The Arrow schema Dask took the input's meta from (its first file's, or ``_metadata``'s)."""
+def dataset_schema(expr):
+    """The Arrow schema Dask took the input's meta from (its first file's, or ``_metadata``'s), of a
+    ``read_parquet`` or a projection of one (what :func:`parquet_pieces` accepts)."""
+    if isinstance(expr, _compat.Projection):
+        expr = expr.frame
     return expr._dataset_info["schema"]
 
 
@@ -347,7 +350,7 @@ def check_sources(expr) -> None:
         fs, pieces, columns = found
         paths = list(dict.fromkeys(path for path, _ in pieces))
         footers = read_footers(fs, paths)
-        check_footers(column_targets(_dataset_schema(leaf), columns, paths, footers.__getitem__), columns, footers)
+        check_footers(column_targets(dataset_schema(leaf), columns, paths, footers.__getitem__), columns, footers)
 
 
 def _conflict(path: str, column: str, have, origin: str, target, what: str) -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .. import _compat
 from ..io.arrow import is_cudf
-from ..io.parquet import check_footers, column_targets, parquet_pieces, read_footers
+from ..io.parquet import check_footers, column_targets, dataset_schema, parquet_pieces, read_footers
 
 __all__ = ["PartitionSizes", "partition_sizes", "known_sizes", "folded_sizes", "in_memory_sizes", "text_bytes"]
 
@@ -202,7 +202,7 @@ def parquet_footer_sizes(frame, column: str) -> tuple[tuple[int, ...], tuple[int
     fs, pieces, columns = found
     paths = list(dict.fromkeys(path for path, _ in pieces))
     footers = read_footers(fs, paths)
-    check_footers(column_targets(expr._dataset_info["schema"], columns, paths, footers.__getitem__), columns,
+    check_footers(column_targets(dataset_schema(expr), columns, paths, footers.__getitem__), columns,
                   footers, text=column)
 
     def groups(md):
