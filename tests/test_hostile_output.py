@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import multiprocessing
@@ -10,6 +11,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -333,8 +335,15 @@ def _race(tmp_path, trials: int, racers: int = 4) -> None:
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(racers), ctx.Queue()
     procs = [ctx.Process(target=_racer, args=(str(tmp_path), trials, barrier, results, i)) for i in range(racers)]
-    for p in procs:
-        p.start()
+    # a spawned racer imports this module by its name (tests.test_hostile_output under pytest's importlib
+    # mode): from the repository root, which a plain `pytest` does not put on sys.path (spawn copies it)
+    root = str(Path(__file__).resolve().parents[1])
+    with contextlib.ExitStack() as undo:
+        if root not in sys.path:
+            sys.path.insert(0, root)
+            undo.callback(sys.path.remove, root)
+        for p in procs:
+            p.start()
     got = [results.get(timeout=300) for _ in range(trials * racers)]
     for p in procs:
         p.join(timeout=60)
