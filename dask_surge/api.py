@@ -359,9 +359,9 @@ def _run_thresholds(b_min, b_max, known: PartitionSizes | None, params, *, gpu: 
 
 def _work(sizes: PartitionSizes, superbatches: list[SuperBatch]) -> list[int]:
     """The work of each SuperBatch: its text bytes plus 8 a row (tokens follow bytes, and
-    each text adds its special tokens) where bytes are known, else its rows. Measured
-    (MiniLM on a CPU): SuperBatches of 374 and 226 rows took 3.8 s and 2.0 s, so rows
-    alone balanced the tail badly."""
+    each text adds its special tokens) where bytes are known, else its rows: a
+    SuperBatch's time follows its tokens more than its rows, so rows alone balance the
+    tail badly."""
     if sizes.nbytes is None:
         return [sb.rows for sb in superbatches]
     return [sum(8 * s.rows + sizes.nbytes[s.partition] * s.rows // max(1, sizes.sizes[s.partition])
@@ -589,8 +589,8 @@ def _lazy(frame, sbe: SuperBatchEncoder, requested, max_bytes: int | None, *, gp
 
 def _register(encoder: Encoder, client=None) -> None:
     """Ship the encoder to the workers of ``client`` (or the active one) once; they load
-    it in the background while the client plans (measured on a cold 2-worker cluster with
-    2,000 files: first output 7.25 -> 6.40 s, ``benchmarks/fixed_cost.py``)."""
+    it in the background while the client plans, which brings the first output closer on a
+    cold cluster (``python -m benchmarks.fixed_cost``)."""
     if client is None:
         try:
             from distributed import get_client
