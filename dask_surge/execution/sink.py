@@ -31,9 +31,8 @@ __all__ = ["EncodedBatch", "SuperBatchWriter", "ROW_GROUP_ROWS", "row_groups", "
            "skipped_bytes"]
 
 #: Rows a part file's row group holds at least (but the file's last): whole source partitions, in order,
-#: are gathered until this many. A row group per partition cost 7x the write time of the same rows in
-#: these (8.8 against 1.3 us a row for 4,100 rows of 32 floats in 148 partitions; 15.0 against 6.9 with
-#: 384 floats; ``python -m benchmarks.row_groups_ab``) and a fifth more bytes; readers pay per row group too.
+#: are gathered until this many: a row group per partition costs several times the write time and more
+#: bytes (``docs/ab_studies.md``, "Row groups"), and readers pay per row group too.
 ROW_GROUP_ROWS = 1024
 
 
