@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks.allocator_ab [--n 20000] [--minilm-n 1500] [--rounds 3]
-                                      [--out benchmarks/results/allocator_ab_trim_cpu.json]
+                                      [--out benchmarks/results/allocator_ab.json]
 
 A Dask nanny starts each worker with ``MALLOC_TRIM_THRESHOLD_=65536``, which also freezes
 glibc's mmap threshold at 128 KiB (see :mod:`dask_surge.models.allocator`). Each measurement
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n", type=int, default=20_000, help="texts for the tiny encoder")
     parser.add_argument("--minilm-n", type=int, default=1500, help="texts for MiniLM (0: skip it)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=str(_results.RESULTS / "allocator_ab_trim_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "allocator_ab.json"))
     parser.add_argument("--one", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)

@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks.attention_ab [--n 20000] [--minilm-n 1500] [--rounds 6]
-                                      [--out benchmarks/results/attention_ab_cpu.json]
+                                      [--out benchmarks/results/attention_ab.json]
 
 torch's CPU flash-attention kernel computes each row's softmax 16 floats at a time and the
 rest of the row one float at a time, so a key length just short of a multiple of 16 costs
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n", type=int, default=20_000, help="texts for the tiny encoder")
     parser.add_argument("--minilm-n", type=int, default=1500, help="texts for MiniLM (0: skip it)")
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--out", default=str(_results.RESULTS / "attention_ab_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "attention_ab.json"))
     args = parser.parse_args(argv)
 
     import numpy as np

@@ -4,7 +4,7 @@ Usage::
 
     python -m benchmarks.cold_start [--files 2000] [--n 20000] [--workers 2] [--repeats 3]
                                     [--tree LABEL=PATH[:first=ROWS][:ramp=ROWS] ...]
-                                    [--out benchmarks/results/cold_start_cpu.json]
+                                    [--out benchmarks/results/cold_start.json]
 
 Issue 27's target: first output <= 5 s on 2,000 small files on a 2-core machine.
 ``dd.read_parquet(dir).surge.encode("text", output=..., model="default")`` with the packaged
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "SuperBatches ramped up from ROWS rows (a prototype of the planner's ramp), with "
                              "':first=ROWS' surge.first-superbatch set to ROWS ('None': no ramp) in the run's "
                              "process; repeat to compare, alternating")
-    parser.add_argument("--out", default=str(_results.RESULTS / "cold_start_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "cold_start.json"))
     args = parser.parse_args(argv)
     from ._realtext import small_files
 

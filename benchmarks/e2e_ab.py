@@ -4,7 +4,7 @@ Usage::
 
     python -m benchmarks.e2e_ab --base REV [--n 60000] [--files 2237] [--sigma 1.72] [--rounds 4]
                                 [--workers 2] [--model tiny|minilm]
-                                [--out benchmarks/results/e2e_ab_cpu.json]
+                                [--out benchmarks/results/e2e_ab.json]
 
 A change to the engine or the run that matters on a cold cluster (what a first call meets:
 the model loading, the first shapes, the heap growing) needs fresh processes on both sides:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--model", choices=("tiny", "minilm"), default="tiny")
-    parser.add_argument("--out", default=str(_results.RESULTS / "e2e_ab_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "e2e_ab.json"))
     args = parser.parse_args(argv)
 
     from dask_surge.testing import packaged_model_dir

@@ -4,7 +4,7 @@ Usage::
 
     python -m benchmarks.e2e_small_files [--n 60000] [--files 2237] [--sigma 1.72]
                                          [--minilm-n 3000] [--minilm-files 112] [--repeats 2]
-                                         [--workers 2] [--out benchmarks/results/e2e_small_files_cpu.json]
+                                         [--workers 2] [--out benchmarks/results/e2e_small_files.json]
 
 Issue 17's "simplest alternative" comparison, side by side in one run, per model:
 
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--minilm-files", type=int, default=112)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", default=str(_results.RESULTS / "e2e_small_files_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "e2e_small_files.json"))
     parser.add_argument("--profile", action="store_true",
                         help="one more surge run per model, untimed, sampled by py-spy: where the workers' CPU goes")
     parser.add_argument("--one", choices=("st", "st1", "surge"), help=argparse.SUPPRESS)

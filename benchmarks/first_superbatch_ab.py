@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks.first_superbatch_ab [--n 60000] [--files 2237] [--rounds 2] [--first 256]
-                                             [--out benchmarks/results/first_superbatch_ab_cpu.json]
+                                             [--out benchmarks/results/first_superbatch_ab.json]
 
 The workload and the measurement are ``benchmarks/e2e_small_files.py``'s ``surge`` run (the
 tiny random-weight BERT, real texts in many small Parquet files, a fresh 2-worker cluster
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--first", type=int, default=256)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", default=str(_results.RESULTS / "first_superbatch_ab_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "first_superbatch_ab.json"))
     args = parser.parse_args(argv)
 
     from ._realtext import small_files, tiny_model

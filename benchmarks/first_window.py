@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.first_window [--n 100000] [--rounds 4] [--out benchmarks/results/first_window_cpu.json]
+    python -m benchmarks.first_window [--n 100000] [--rounds 4] [--out benchmarks/results/first_window.json]
 
 On ``--n`` real texts (docstring paragraphs, ``_realtext.py``) tokenized with the packaged
 all-MiniLM-L6-v2 tokenizer (truncation 256), for calls of 3,500 (a CPU SuperBatch of the host
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", default=str(_results.RESULTS / "first_window_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "first_window.json"))
     args = parser.parse_args(argv)
 
     import numpy as np

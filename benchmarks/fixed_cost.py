@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks.fixed_cost [--files 2000] [--n 20000] [--workers 2] [--repeats 3]
-                                    [--out benchmarks/results/fixed_cost_cpu.json]
+                                    [--out benchmarks/results/fixed_cost.json]
 
 ``dd.read_parquet(dir).surge.encode("text", output=..., model="default")`` over ``--files``
 Parquet files of real texts (``_realtext.py``), on a ``LocalCluster`` of ``--workers``
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--real-forward", action="store_true", help="run the model's forward pass")
-    parser.add_argument("--out", default=str(_results.RESULTS / "fixed_cost_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "fixed_cost.json"))
     args = parser.parse_args(argv)
 
     from distributed import Client, LocalCluster

@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks.gather_ab [--n 60000] [--files 2237] [--sigma 1.72] [--b-min 4096] [--b-max 8192]
-                                   [--rounds 5] [--out benchmarks/results/gather_ab_cpu.json]
+                                   [--rounds 5] [--out benchmarks/results/gather_ab.json]
 
 A unit's Parquet files are read into one pandas frame
 (:class:`~dask_surge.io.parquet.ParquetPartitions`); this times what a SuperBatch task does
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--b-min", type=int, default=4096)
     parser.add_argument("--b-max", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=str(_results.RESULTS / "gather_ab_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "gather_ab.json"))
     args = parser.parse_args(argv)
 
     import dask.dataframe as dd

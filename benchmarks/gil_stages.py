@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.gil_stages [--n 65536] [--rounds 4] [--out benchmarks/results/gil_stages_cpu.json]
+    python -m benchmarks.gil_stages [--n 65536] [--rounds 4] [--out benchmarks/results/gil_stages.json]
 
 On ``--n`` real texts (docstring paragraphs, ``_realtext.py``, read back from Parquet as a worker
 reads them), with the encoder's forward replaced by zeros (:data:`dask_surge.models.engine.NOOP_FORWARD_ENV`),
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=65_536)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", default=str(_results.RESULTS / "gil_stages_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "gil_stages.json"))
     args = parser.parse_args(argv)
 
     from dask_surge.models.engine import NOOP_FORWARD_ENV

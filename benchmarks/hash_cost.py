@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks.hash_cost [--n 100000] [--files 1000] [--tiny-n 40000] [--rounds 6]
-                                   [--workers 2] [--out benchmarks/results/hash_cost_cpu.json]
+                                   [--workers 2] [--out benchmarks/results/hash_cost.json]
 
 Every SuperBatch hashes its texts (:func:`dask_surge.io.hashing.text_hashes`, XXH3-128),
 de-duplicates them (:func:`dask_surge.execution.superbatch.distinct`) before encoding and
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--inprocess-only", action="store_true",
                         help="only the in-process stage (one SuperBatch, tiny model, hashed vs bypassed)")
-    parser.add_argument("--out", default=str(_results.RESULTS / "hash_cost_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "hash_cost.json"))
     args = parser.parse_args(argv)
 
     from ._realtext import tiny_model

@@ -3,10 +3,10 @@
 Usage::
 
     python benchmarks/host_ceiling.py [--n 100000] [--files 1000] [--workers 2] [--repeats 3]
-                                      [--gil] [--out benchmarks/results/host_ceiling_cpu.json]
+                                      [--gil] [--out benchmarks/results/host_ceiling.json]
     python benchmarks/host_ceiling.py --tokenpool [--sizes 50000 150000] [--processes 1] [--repeats 2] [--pin]
                                       [--set max-tokens=65536 ...]
-                                      [--out benchmarks/results/host_ceiling_tokenpool_ab_cpu.json]
+                                      [--out benchmarks/results/host_ceiling.json]
 
 On the same texts (``--n`` docstring paragraphs of installed packages, in ``--files``
 Parquet files of log-normal sizes, see ``_realtext.py``) and the same cores:
@@ -539,12 +539,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.tokenpool:
         out = tokenpool_ab(args)
-        path = Path(args.out or HERE / "results" / "host_ceiling_tokenpool_ab_cpu.json")
+        path = Path(args.out or HERE / "results" / "host_ceiling.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=2, default=str) + "\n")
         print(json.dumps(out["summary"], indent=1))
         return out
-    args.out = args.out or str(HERE / "results" / "host_ceiling_cpu.json")
+    args.out = args.out or str(HERE / "results" / "host_ceiling.json")
 
     from _realtext import read_texts, small_files
     from distributed import Client, LocalCluster

@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks.joined_tokenize [--n 16384] [--rounds 6] [--group 16 64 256]
-                                         [--out benchmarks/results/joined_tokenize_cpu.json]
+                                         [--out benchmarks/results/joined_tokenize.json]
 
 On ``--n`` real texts (docstring paragraphs, ``_realtext.py``), with the packaged all-MiniLM-L6-v2
 tokenizer as the fast engine holds it (truncation at the model's 256 tokens, padding off), each
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--group", nargs="*", default=["16", "64", "256", "auto"],
                         help="texts joined at most per group, per joined arm ('auto': the engine's choice)")
-    parser.add_argument("--out", default=str(_results.RESULTS / "joined_tokenize_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "joined_tokenize.json"))
     args = parser.parse_args(argv)
 
     import numpy as np

@@ -4,7 +4,7 @@ of one huge document in chunk mode.
 Usage::
 
     python -m benchmarks.long_texts [--docs 30] [--repeats 3] [--sizes-mb 1 10 50]
-                                    [--out benchmarks/results/long_texts_cpu.json]
+                                    [--out benchmarks/results/long_texts.json]
 
 Speed, side by side in one process, alternating (ABAB...), with the packaged all-MiniLM-L6-v2
 on the CPU: ``--docs`` real documents (README texts of installed packages,
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--docs", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 10, 50])
-    parser.add_argument("--out", default="benchmarks/results/long_texts_cpu.json")
+    parser.add_argument("--out", default="benchmarks/results/long_texts.json")
     args = parser.parse_args(argv)
     report = _results.new_report(__spec__.name, argv, args)
     docs = _documents(args.docs)

@@ -4,7 +4,7 @@ Usage::
 
     python -m benchmarks.reuse_index [--rows 1000000 10000000] [--rows-per-file 50000] [--row-group 5000]
                                      [--queries 200000] [--sb 20000] [--hash-texts 200000]
-                                     [--out benchmarks/results/reuse_index_cpu.json]
+                                     [--out benchmarks/results/reuse_index.json]
 
 For each size an old output is written as a run writes it (part files with a row group per
 ``--row-group`` rows, commit records, ``COMPLETE``) holding random 128-bit ``text_hash``
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--queries", type=int, default=200_000)
     parser.add_argument("--sb", type=int, default=20_000)
     parser.add_argument("--hash-texts", type=int, default=200_000)
-    parser.add_argument("--out", default="benchmarks/results/reuse_index_cpu.json")
+    parser.add_argument("--out", default="benchmarks/results/reuse_index.json")
     args = parser.parse_args(argv)
     report = _results.new_report(__spec__.name if __spec__ else "benchmarks.reuse_index", argv, args)
     report["summary"]["hashing"] = hash_rates(args.hash_texts)

@@ -5,7 +5,7 @@ Usage::
     python -m benchmarks.reuse_update [--n 1000000] [--minilm-n 8000] [--mem-old 100000 1000000]
                                       [--mem-new 100000] [--rows-per-file 500] [--workers 2]
                                       [--distinct 250000] [--quick]
-                                      [--out benchmarks/results/reuse_update_cpu.json]
+                                      [--out benchmarks/results/reuse_update.json]
 
 Issue 25's benchmark: "10^6 rows with 10% new or edited, update run vs full run, with MiniLM
 on CPU: >= 5x faster; peak worker memory flat as the old output grows 10x".
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
     parser.add_argument("--workdir", default=None, help="where corpora and outputs go (default: a temp dir)")
-    parser.add_argument("--out", default=str(_results.RESULTS / "reuse_update_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "reuse_update.json"))
     parser.add_argument("--one-memory", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.mem_old = sorted(r for r in args.mem_old if r > 0)

@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks.row_groups_ab [--rows 4100] [--partitions 153] [--sigma 1.72] [--dims 32,384] [--rounds 7]
-                                       [--out benchmarks/results/row_groups_ab_cpu.json]
+                                       [--out benchmarks/results/row_groups_ab.json]
 
 One SuperBatch's output table as a run writes it (``partition``, ``row``, ``doc_id``,
 ``text_hash``, a float32 ``embedding`` of each of ``--dims``), over source partitions of
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sigma", type=float, default=1.72)
     parser.add_argument("--dims", default="32,384")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", default=str(_results.RESULTS / "row_groups_ab_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "row_groups_ab.json"))
     args = parser.parse_args(argv)
 
     from dask_surge.io.partfiles import ROW_GROUP_ROWS, parquet_bytes, row_groups

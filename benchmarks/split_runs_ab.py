@@ -3,7 +3,7 @@
 Usage::
 
     python benchmarks/split_runs_ab.py [--n 4000] [--rounds 5] [--threads 1] [--max-tokens 2048]
-                                       [--out benchmarks/results/split_runs_ab_cpu.json]
+                                       [--out benchmarks/results/split_runs_ab.json]
 
 One process, one engine, the same texts (``--n`` docstring paragraphs of installed
 packages, ``_realtext.py``): ``TransformerEngine.encode`` with ``split_runs=True`` (the
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--max-tokens", type=int, default=None, help="default: the engine's (2048 on CPU)")
     parser.add_argument("--model", default=None, help="default: the packaged all-MiniLM-L6-v2")
-    parser.add_argument("--out", default=str(HERE / "results" / "split_runs_ab_cpu.json"))
+    parser.add_argument("--out", default=str(HERE / "results" / "split_runs_ab.json"))
     args = parser.parse_args(argv)
 
     import numpy as np

@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks.store_output [--n 20000] [--files 200] [--b 2000] [--rounds 3] [--workers 2]
-                                      [--out benchmarks/results/store_output_cpu.json]
+                                      [--out benchmarks/results/store_output.json]
 
 Input: ``--n`` synthetic texts in ``--files`` local Parquet files of log-normal sizes. Encoder:
 the random 2-layer BERT of ``make_tiny_model`` (compute-light, so the output path weighs
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--b", type=int, default=2000, help="b_min = b_max (sets the SuperBatch count)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", default=str(_results.RESULTS / "store_output_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "store_output.json"))
     args = parser.parse_args(argv)
     report = _results.new_report(__spec__.name if __spec__ else "benchmarks.store_output", argv, args)
 

@@ -4,7 +4,7 @@ Usage::
 
     python -m benchmarks.streaming_memory [--rows 25000 100000 400000 1600000] [--rows-per-partition 100]
                                            [--b-min 2000] [--b-max 8000]
-                                           [--out benchmarks/results/streaming_memory_cpu.json]
+                                           [--out benchmarks/results/streaming_memory.json]
 
 The input is ``dd.from_map`` over partition numbers, each partition generating its texts
 (``make_texts``, seeded by its number) when computed: Dask does not know its sizes, so
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows-per-partition", type=int, default=100)
     parser.add_argument("--b-min", type=int, default=2_000)
     parser.add_argument("--b-max", type=int, default=8_000)
-    parser.add_argument("--out", default="benchmarks/results/streaming_memory_cpu.json")
+    parser.add_argument("--out", default="benchmarks/results/streaming_memory.json")
     args = parser.parse_args(argv)
 
     import functools

@@ -4,7 +4,7 @@ Usage::
 
     python -m benchmarks.tokenizer_threads_ab [--n 150000] [--files 1500] [--workers 2] [--rounds 5]
                                               [--forward noop|tiny]
-                                              [--out benchmarks/results/tokenizer_threads_ab_cpu.json]
+                                              [--out benchmarks/results/tokenizer_threads_ab.json]
 
 Two ``LocalCluster`` s of ``--workers`` single-threaded worker processes, both warm, on the same
 texts (``--n`` docstring paragraphs in ``--files`` Parquet files, ``_realtext.py``):
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--forward", choices=("noop", "tiny"), default="noop")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    args.out = args.out or str(_results.RESULTS / f"tokenizer_threads_ab_{args.forward}_cpu.json")
+    args.out = args.out or str(_results.RESULTS / "tokenizer_threads_ab.json")
 
     from distributed import Client, LocalCluster
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m benchmarks.tokenpool_handoff [--n 65536] [--rounds 4] [--out benchmarks/results/tokenpool_handoff_cpu.json]
+    python -m benchmarks.tokenpool_handoff [--n 65536] [--rounds 4] [--out benchmarks/results/tokenpool_handoff.json]
 
 Issue 27 item 4 offers two ways to cut a worker's GIL-holding Python per text: vectorize in
 the worker, or move tokenize-and-pack into a small pool of processes that hand back int32 ids
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=65_536)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--out", default=str(_results.RESULTS / "tokenpool_handoff_cpu.json"))
+    parser.add_argument("--out", default=str(_results.RESULTS / "tokenpool_handoff.json"))
     args = parser.parse_args(argv)
 
     from concurrent.futures import ProcessPoolExecutor

@@ -9,9 +9,9 @@ The package imports lazily (PEP 562): ``import dask_surge`` loads only its confi
 errors and version; the public names below are imported on first use. The accessor is
 registered at once when ``dask.dataframe`` is already imported, else as soon as it is (in
 whichever order a notebook imports the two). So a Dask worker that unpickles a dask-surge
-plugin or task imports what that needs, not ``dask.dataframe`` and the planning layers:
-measured 0.04 s against 0.8 s for the import the encoder plugin needs in a worker that had
-torch imported, which a fresh worker pays before it starts loading the model.
+plugin or task imports what that needs, not ``dask.dataframe`` and the planning layers,
+which a fresh worker would pay before it starts loading the model (see the cold-start study
+in ``docs/ab_studies.md``).
 """
 
 from __future__ import annotations

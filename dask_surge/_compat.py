@@ -27,8 +27,8 @@ __all__ = ["Alias", "BaseExpr", "DataNode", "Expr", "FromPandas", "GraphNode", "
            "new_collection", "simplified", "untuned"]
 
 #: dask.dataframe's names, imported on first use (PEP 562): a worker running SuperBatch tasks
-#: needs the task spec above but not dask.dataframe, whose import (pandas, dask.array, dask-expr:
-#: ~0.7 s of CPU with the GIL held) would otherwise run beside its model load on a cold start
+#: needs the task spec above but not dask.dataframe, whose import (pandas, dask.array, dask-expr,
+#: with the GIL held) would otherwise run beside its model load on a cold start
 _DATAFRAME = {
     "new_collection": "dask.dataframe.dask_expr",
     "Expr": "dask.dataframe.dask_expr._expr", "Lengths": "dask.dataframe.dask_expr._expr",
@@ -55,8 +55,7 @@ def simplified(expr: Any) -> Any:
 
     A run asks for the simplified input several times before its first task (its identity,
     its partition sizes, its Parquet reader), and each ``simplify()`` builds new expressions,
-    which Dask tokenizes: on a ``read_parquet`` of 1,500 files, 0.04 s a call, all before any
-    worker has work. The result is kept on ``expr`` itself, as Dask keeps its own cached
+    which Dask tokenizes, all before any worker has work. The result is kept on ``expr`` itself, as Dask keeps its own cached
     properties (``_name``, ``_meta``): it lives exactly as long as ``expr``, and every caller
     gets the same object.
 

@@ -416,7 +416,8 @@ def _lazy(frame, sbe: SuperBatchEncoder, thresholds: RunThresholds, max_bytes: i
 
 def _register(encoder: Encoder, client=None) -> None:
     """Ship the encoder to the workers of ``client`` (or the active one) once; they load
-    it in the background while the client plans (``benchmarks/fixed_cost.py``)."""
+    it in the background while the client plans, which brings the first output closer on a
+    cold cluster (``python -m benchmarks.fixed_cost``)."""
     if client is None:
         try:
             from distributed import get_client

@@ -69,7 +69,7 @@ Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 #: ``encode``, or ``"auto"`` (fast where the model's structure allows, else sentence-transformers).
 EngineName = Literal["auto", "fast", "sentence-transformers"]
 #: Parquet codec of the embedding column. ``"none"`` (the default) writes fastest: float vectors
-#: barely compress (zstd saves ~7% on float32 MiniLM vectors at several times the write time).
+#: barely compress; the codecs' cost and gain are in ``docs/ab_studies.md``.
 Compression = Literal["none", "snappy", "lz4", "zstd"]
 #: What a text longer than the model's window does: cut (and counted), stop the run, one output row
 #: per overlapping token window, or one row of the windows' token-weighted mean.
@@ -620,7 +620,7 @@ OPTIONS: tuple[Option, ...] = (
     _opt("tokenize_processes", int | None, "int, optional", """
          Helper processes per worker process that tokenize for the fast engine and hand back the
          token ids through shared memory, so the worker's GIL does not pay for one Python object
-         per text (about 4 us each): it then spends ~0.2 us per text on tokenizing (``encode``, the
+         per text (``docs/ab_studies.md``, "the token pool"): it applies to tokenizing (``encode``, the
          ``long_texts`` modes ``"truncate"`` and ``"error"``, and token counts; ``"chunk"`` and
          ``"mean"`` tokenize with offsets in the worker). Each helper
          tokenizes one window (up to 65,536 texts) at a time, the next while the worker packs and
@@ -638,9 +638,8 @@ OPTIONS: tuple[Option, ...] = (
     _opt("pause_worker_profiler", bool, "bool", """
          Pause distributed's statistical profiler on a worker while it runs SuperBatch tasks, and
          resume it when the worker's last one ends. Every 10 ms the profiler takes the GIL to walk
-         every thread's stack (measured: it doubled the event loop's GIL time per text, 1.1 to
-         2.1 us, on a worker feeding the engine), time a GPU worker's one process needs to feed
-         its GPU. Can be True, or False to leave the profiler running (the dashboard's profile
+         every thread's stack, time a GPU worker's one process needs to feed its GPU (measured on
+         a CPU only: ``docs/ab_studies.md``). Can be True, or False to leave the profiler running (the dashboard's profile
          page then covers the run).""",
          "pause distributed's profiler on a worker while it runs SuperBatch tasks",
          default=True, config="pause-worker-profiler", validator=boolean(), schema={"type": "boolean"}),

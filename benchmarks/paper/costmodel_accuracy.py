@@ -6,7 +6,7 @@ Usage::
                                                   [--repeats 3] [--calib-seconds 10] [--quiet-wait 60]
                                                   [--max-foreign 0.05] [--retries 4] [--mean-words 20]
                                                   [--calibrate-each]
-                                                  [--out benchmarks/results/costmodel_accuracy_cpu.json]
+                                                  [--out benchmarks/results/costmodel_accuracy.json]
 
 For each encoder the script calibrates once (:func:`dask_surge.execution.calibrate.calibrate`,
 uniform one-row, moderate and large partitions, SuperBatches of one-row partitions),
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--calibrate-each", action="store_true",
                         help="calibrate again before each layout (separates the model's error from the "
                              "machine's drift over minutes; a user calibrates once)")
-    parser.add_argument("--out", default="benchmarks/results/costmodel_accuracy_cpu.json")
+    parser.add_argument("--out", default="benchmarks/results/costmodel_accuracy.json")
     args = parser.parse_args(argv)
 
     import numpy as np

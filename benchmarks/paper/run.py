@@ -68,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CI smoke run: tiny encoder, small N, one shared cluster")
     p.add_argument("--gpu", action="store_true", help="device='cuda', dask-cuda LocalCUDACluster when importable")
-    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/suite-<cpu|gpu>[-quick].json)")
+    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/paper_run[_gpu][_quick].json)")
     p.add_argument("--workdir", default=None, help="datasets, models and scratch output (default benchmarks/results/tmp)")
     p.add_argument("--readme", default=None,
                    help="markdown file whose BENCH-TABLE block is regenerated (default benchmarks/README.md, "
@@ -120,7 +120,7 @@ def defaults(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, k, v)
     if args.workers is None:
         args.workers = _gpu_count() if args.gpu else 2
-    args.out = args.out or str(BENCH / "results" / f"suite-{'gpu' if args.gpu else 'cpu'}{'-quick' if args.quick else ''}.json")
+    args.out = args.out or str(BENCH / "results" / f"paper_run{'_gpu' if args.gpu else ''}{'_quick' if args.quick else ''}.json")
     args.workdir = args.workdir or str(BENCH / "results" / "tmp")
     if args.readme is None:
         args.readme = "none" if args.quick else str(BENCH / "README.md")

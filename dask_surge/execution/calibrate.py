@@ -38,9 +38,8 @@ The probe measures, through the real code paths, the constants of Theorem 1:
    ``m`` is the smallest size whose encode cost ``c(m)`` is at least the
    per-call overhead of one-row partitions (measured by a warm-up run), within
    the budget. From there on a worker is busy encoding for most of each call,
-   and the scheduler's and client's CPU per task competes with encoding
-   (measured on a 2-core machine: about 16 ms a call over one-row partitions,
-   20-25 ms over 64-row ones); one-row calls leave the cores idle between
+   and the scheduler's and client's CPU per task competes with encoding, so
+   such a call pays more overhead; one-row calls leave the cores idle between
    round trips. The cost model therefore interpolates the per-call cost
    linearly in ``c`` between the one-row and the moderate runs and keeps
    ``alpha`` above ``c(m)`` (:func:`dask_surge.planning.costmodel.call_overhead`).

@@ -34,9 +34,8 @@ def local_cluster(**kwargs):
 
     Its workers run without distributed's statistical profiler
     (``distributed.worker.profile.enabled: False``): sampling every thread's stack costs
-    the workers' event loops about 2.3 us of CPU per text encoded (measured with a no-op
-    forward, ``benchmarks/host_ceiling.py``), CPU the host path needs. Start your own
-    cluster for the dashboard's profile page.
+    the workers' event loops CPU that the host path needs (``docs/ab_studies.md``). Start
+    your own cluster for the dashboard's profile page.
 
     Parameters
     ----------

@@ -76,8 +76,8 @@ class SuperBatchExpr(Expr):
     def finalize_compute(self):
         # Dask gathers a computed frame through Repartition(frame, 1), and the scheduler reads
         # annotations from the top expression only: the SuperBatch priorities were dropped
-        # and SuperBatches ran in dask.order's order (measured: 7 of them in the order
-        # 3, 1, 2, 6, 0, 4, 5, and one layout 7.6 s or 9.2 s depending on it).
+        # and SuperBatches ran in dask.order's order, not plan order (later first output,
+        # and makespans that varied with that order).
         return _GatheredSuperBatches(self)
 
     def _lower(self):

@@ -174,8 +174,7 @@ class RunProgress:
 
         ``ready`` returns ``(workers ready, workers)``. The ticker thread asks it at once and
         then every :data:`TICK_S`, never the caller's thread: on a cluster the question is a
-        round trip to every worker (0.15 s measured on 2 local workers), which the run's first
-        tasks must not wait for. A disabled bar asks nothing. With ``workers=False`` (one
+        round trip to every worker, which the run's first tasks must not wait for. A disabled bar asks nothing. With ``workers=False`` (one
         process) the count is not shown.
         """
         if self.disabled:

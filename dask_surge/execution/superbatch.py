@@ -124,8 +124,7 @@ def arrow_texts(series: pd.Series) -> ArrowTexts | None:
     """The texts of an Arrow-backed string column with no null, kept in Arrow; else None.
 
     Every value of such a column is a str and none is null, so it needs none of the checks
-    :func:`texts_of` makes otherwise (0.14 us a text against 0.66 through ``isna()`` and them),
-    and the tokenizer helpers take its UTF-8 bytes whole (:class:`~dask_surge.io.texts.ArrowTexts`).
+    :func:`texts_of` makes otherwise (``isna()`` and the type checks), and the tokenizer helpers take its UTF-8 bytes whole (:class:`~dask_surge.io.texts.ArrowTexts`).
 
     Examples
     --------

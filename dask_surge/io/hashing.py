@@ -63,8 +63,7 @@ def text_hashes(values) -> np.ndarray:
     Column 0 holds the high 64 bits, column 1 the low ones, so rows sort as the hashes do.
     The same text hashes the same from a list, a pandas Series (object or Arrow-backed),
     a NumPy object array or an Arrow string array, in every process and platform.
-    Measured at ~0.2 us per 120-character text on one core (see
-    ``benchmarks/reuse_index.py``).
+    Its cost per text is in ``docs/performance.md``.
 
     Parameters
     ----------

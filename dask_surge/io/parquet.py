@@ -28,8 +28,8 @@ def parquet_pieces(expr) -> tuple | None:
     """
 
     columns = None
-    # dask does not push a projection of several columns into the read (measured: keep=
-    # then lost the footer sizes and cost a full size pass): read those columns ourselves
+    # dask does not push a projection of several columns into the read (keep= would then lose
+    # the footer sizes and cost a full size pass): read those columns ourselves
     if isinstance(expr, _compat.Projection) and isinstance(expr.frame, _compat.ReadParquetFSSpec) \
             and isinstance(expr.operand("columns"), list):
         columns, expr = list(expr.columns), expr.frame
@@ -54,9 +54,8 @@ class ParquetPartitions:
     ``(path, row groups or None)``), all at once, with one conversion to pandas.
 
     Whole local files are read in one Arrow scan (Arrow's own threads, no GIL); other
-    inputs (row-group pieces, remote filesystems) file by file in Python threads.
-    Measured on 250 files of ~110 rows: 0.18 s file by file through fsspec, 0.05-0.07 s
-    in one scan.
+    inputs (row-group pieces, remote filesystems) file by file in Python threads: one scan
+    of many small local files is several times faster than reading them one by one.
     """
 
     def __init__(self, fs, pieces: dict, columns: tuple, dtypes: tuple, targets: tuple = ()) -> None:
@@ -233,7 +232,7 @@ def read_footers(fs, paths: Sequence[str]) -> dict:
 
     paths = list(dict.fromkeys(paths))
     local = arrow_local_fs(fs)
-    if local is not None:  # measured: 0.1 s for 2,000 files, 0.55 s through fsspec
+    if local is not None:  # Arrow's own listing: several times faster than through fsspec
         fragments = arrow_fragments(local, paths)
         for fragment in fragments:
             fragment.ensure_complete_metadata()

@@ -22,8 +22,8 @@ __all__ = ["ROW_GROUP_ROWS", "row_groups", "table_of", "parquet_bytes", "skipped
 
 
 #: Rows a part file's row group holds at least (but the file's last): whole source partitions, in order,
-#: are gathered until this many. A row group per small partition costs write time, bytes and readers'
-#: time per group (``python -m benchmarks.row_groups_ab``; docs/ab_studies.md).
+#: are gathered until this many: a row group per partition costs several times the write time and more
+#: bytes (``docs/ab_studies.md``, "Row groups"), and readers pay per row group too.
 ROW_GROUP_ROWS = 1024
 
 

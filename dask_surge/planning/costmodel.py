@@ -49,8 +49,8 @@ worker (:func:`call_overhead`): a call that encodes for at least
 ``alpha_idle`` for a call that encodes nothing, linearly in ``c``. On a
 machine with as many cores as workers the scheduler's and client's CPU per
 task competes with encoding while the workers are busy, but runs on idle
-cores while one-row calls wait for their round trips (measured on 2 cores:
-about 16 ms a call over one-row partitions, 20-25 ms over 64-row ones).
+cores while one-row calls wait for their round trips, so a busy call pays
+more than a one-row call.
 
 Every constant is measured on the live cluster by
 :func:`dask_surge.execution.calibrate.calibrate`, from runs that the formula above

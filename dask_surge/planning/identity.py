@@ -1,6 +1,6 @@
 """A stable identity of a Dask DataFrame's input, for run fingerprints.
 
-A run is what it encodes (DESIGN.md section 6), so the identity of its input is
+A run is what it encodes (docs/design.md, "Output contract"), so the identity of its input is
 built from what defines the data, and is the same in every process:
 
 * the whole expression upstream of the text column, node by node: each node's

@@ -63,8 +63,8 @@ def known_sizes(frame, column: str, max_bytes: int | None) -> PartitionSizes | N
     >>> known_sizes(ddf.map_partitions(lambda d: d[d.text > "a"]), "text", 2**20) is None
     True
     """
-    # a plain read_parquet: our footer read (Arrow: 0.08 s for 2,237 files) before Dask's folding
-    # of the lengths, which opens each footer again through fsspec (0.155 s)
+    # a plain read_parquet: our footer read (one Arrow pass) before Dask's folding of the
+    # lengths, which opens each footer again through fsspec
     footers = parquet_footer_sizes(frame, column)
     if footers is not None:
         return PartitionSizes(footers[0], "metadata", footers[1] if max_bytes else None)

@@ -6,7 +6,7 @@ A threshold is requested as a positive row count or ``"auto"`` (argument, else t
 
 1. a calibration of this model and cluster (:mod:`dask_surge.execution.calibrate`), through
    :func:`dask_surge.planning.costmodel.auto_thresholds` (memory budget, TTFO target);
-2. else the defaults below, measured as a few seconds of work per SuperBatch:
+2. else the defaults below, chosen as a few seconds of work per SuperBatch:
    100,000 / 400,000 rows on a GPU (the paper's setting), 8,192 / 32,768 on a CPU.
 
 A given threshold is kept as given; an automatic one never contradicts it (an automatic
@@ -40,23 +40,21 @@ __all__ = ["Thresholds", "requested_thresholds", "resolve_thresholds", "DEFAULTS
 #: ``(b_min, b_max)`` for ``"auto"`` without a calibration, by device kind. On a CPU a
 #: SuperBatch is also the fast engine's sorting window: smaller ones pad more (a micro-batch
 #: of a narrow model holds up to 8,192 tokens, ~250 texts, a tenth of a 2,800-text window) and
-#: pay their fixed cost (task, read setup, write, fsync, commit) more often. 8,192 / 32,768
-#: (was 4,096 / 16,384) ran 1.07-1.09x faster with 1.09-1.11x less worker CPU on 60,000 real
-#: texts in 2,237 small files, tiny encoder, 2 workers (16 SuperBatches against 26; paired medians of 5,
-#: ``python -m benchmarks.e2e_ab --base <before> --rounds 5``); MiniLM does 8,192 rows in ~5 s
-#: a core, still a few seconds of work.
+#: pay their fixed cost (task, read setup, write, fsync, commit) more often; 8,192 rows of
+#: MiniLM are still a few seconds of work a core. The A/B against 4,096 / 16,384 is in
+#: ``docs/ab_studies.md`` ("Automatic CPU thresholds").
 DEFAULTS = {"gpu": (100_000, 400_000), "cpu": (8_192, 32_768)}
 
 #: an automatic b_min gives each worker thread at least this many SuperBatches: with fewer,
-#: the last one runs alone while the others idle (measured: N=125k on 2 workers ran at
-#: 4.0k texts/s with 3 SuperBatches against 7.5k with 21)
+#: the last one runs alone while the others idle (the ``bmin`` suite of
+#: ``python -m benchmarks.paper.run`` shows it)
 MIN_SUPERBATCHES_PER_WORKER = 4
 
 #: balancing looks at plans with at most this many SuperBatches per worker thread: beyond, the
 #: last round is under 1/16 of the run
 BALANCE_MAX_SUPERBATCHES_PER_WORKER = 16
 
-#: partitions x candidate plans that balancing may replan (measured: 2.3 s to plan 1M partitions)
+#: partitions x candidate plans that balancing may replan (bounds the client's planning time)
 BALANCE_WORK = 200_000
 
 #: characters per token a byte cap on token windows assumes: few, so the cap errs small (prose runs ~4)
@@ -220,15 +218,14 @@ def balanced_b_min(b_min: int, b_max: int, workers: int, superbatch_work: Callab
     """The automatic ``b_min`` whose plan ends soonest on ``workers`` threads.
 
     With a few SuperBatches per thread, the last ones run alone while the other threads
-    idle (measured: MiniLM, 3,000 texts on 2 CPU workers, 7 SuperBatches: the 7th ran
-    3.1 s alone in an 18.2 s run). This tries ``b_min`` and ``candidates - 1`` values down to
+    idle (``docs/ab_studies.md``, "Balance an automatic b_min"). This tries ``b_min`` and ``candidates - 1`` values down to
     half of it, replans each (``superbatch_work(b_min, b_max)``: the work of each
     SuperBatch the run would plan, e.g. its rows) and keeps the largest whose :func:`makespan` is within
     1% of the best (fewer, larger calls on a tie). The two-threshold policy is unchanged:
     only the value of ``b_min`` it is given. A plan's work sums to the same total whatever
     ``b_min`` (each row is in one SuperBatch), so no plan ends before ``total / workers``:
     when ``b_min``'s own plan is within 1% of that, it is kept without replanning (the same
-    answer; on 1,500 partitions it saves eight plans, 0.1 s before the first task).
+    answer, without replanning before the first task).
 
     Examples
     --------
