@@ -13,7 +13,6 @@ import numpy as np
 import pandas as pd
 
 from . import _compat, config
-from ._version import __version__
 from .errors import SurgeInputError, SurgeValueError
 from .execution import calibrate as calibration  # called through the module: tests swap its calibrate
 from .execution.cluster import local_cluster, local_cluster_threads
@@ -29,9 +28,9 @@ from .io.readers import read_embeddings, skipped_rows, status
 from .io.reuse import ReuseIndex, embedding_identity
 from .models.devices import gpu_count
 from .models.encoders import Encoder
-from .options import EncodeOptions, PlanOptions, document, option, options_of, signature
+from .options import EncodeOptions, PlanOptions, document, options_of, signature
 from .planning.costmodel import advise, predict
-from .planning.identity import IDENTITY_OPTIONS, input_identity
+from .planning.identity import fingerprint
 from .planning.run import (
     RunThresholds,
     TextSample,
@@ -54,11 +53,6 @@ __all__ = ["encode", "plan", "fingerprint", "status", "read_embeddings", "skippe
 
 logger = logging.getLogger(__name__)
 SCHEDULERS = (None, "sync", "synchronous", "threads")
-#: the options the fingerprint records inside another entry: the model's identity (its content,
-#: revision, prompts, ``model_kwargs`` and the resolved compute dtype) and the input's
-_RECORDED_WITH = {"model": "model", "revision": "model", "prompt": "model", "prompt_name": "model",
-                  "model_kwargs": "model", "dtype": "model", "input_token": "ddf",
-                  "long_texts": "long_texts", "chunk_overlap": "long_texts"}
 
 
 def _check_columns(ddf, column: str, keep: Sequence[str], *, chunked: bool = False) -> tuple[str, ...]:
@@ -427,67 +421,6 @@ def _register(encoder: Encoder, client=None) -> None:
             return
 
     register_encoder(client, encoder, background=True)
-
-
-def fingerprint(frame, sbe: SuperBatchEncoder, *, device: str | None = None,
-                input_token: str | None = None, options: dict | None = None) -> dict:
-    """What makes two runs the same run (and lets a rerun resume): what it encodes.
-
-    The options in it are those :data:`dask_surge.planning.identity.IDENTITY_OPTIONS` marks as
-    changing the embeddings or the output: the input (its files and graph, or
-    ``input_token``), the column and kept columns, the model's identity (content,
-    revision, prompts, ``model_kwargs`` without credentials, the compute dtype resolved
-    for ``device``), normalization, precision and truncation. ``on_null``, the
-    thresholds (a run records the ones it resolved and keeps them), the device,
-    engine, batch size and token budget are not in it. It is written to the run's
-    ``run.json`` and shown when a rerun differs, so it holds no credentials.
-
-    Parameters
-    ----------
-    frame : dask.dataframe.DataFrame
-        The input as the run reads it (the text column and kept columns).
-    sbe : SuperBatchEncoder
-    device : str, optional
-        Where the run encodes (``"cuda"`` or ``"cpu"``): ``dtype="auto"`` resolves for it.
-    input_token : str, optional
-        The input's identity as the caller named it (see :func:`encode`).
-    options : dict, optional
-        The options of :func:`encode` as given: an option that changes the embeddings and is
-        recorded nowhere else (one declared after these, see :mod:`dask_surge.options`) is
-        recorded under its name, resolved from the config, when it differs from its default
-        (so adding one leaves the identity of existing runs alone).
-
-    Examples
-    --------
-    >>> import pandas as pd, dask.dataframe as dd
-    >>> from dask_surge.execution.superbatch import SuperBatchEncoder
-    >>> from dask_surge import Encoder
-    >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
-    >>> enc = Encoder("default")
-    >>> a = fingerprint(ddf, SuperBatchEncoder("text", (), enc, on_null="error"), device="cpu")
-    >>> b = fingerprint(ddf, SuperBatchEncoder("text", (), enc.with_options(batch_size=8), on_null="skip"), device="cpu")
-    >>> a == b, a["model"]["dtype"]
-    (True, 'float32')
-    """
-
-    values = {
-        "ddf": input_identity(frame, token=input_token), "column": sbe.column, "keep": list(sbe.keep),
-        "model": sbe.encoder.identity(device), "normalize": sbe.normalize, "precision": sbe.precision,
-        "truncate_dim": sbe.truncate_dim, "on_null": sbe.on_null,
-    }
-    if sbe.long_texts in ("chunk", "mean"):  # "truncate" and "error" write the same rows: one run
-        values["long_texts"] = {"mode": sbe.long_texts, "chunk_overlap": sbe.chunk_overlap}
-    for name, changes in IDENTITY_OPTIONS.items():  # options declared later record their value by name
-        if changes and name not in values and name not in _RECORDED_WITH and options and name in options:
-            opt = option(name)
-            value = config.get(opt.config, options[name]) if opt.config else options[name]
-            if value != opt.default:
-                values[name] = value
-    names = {"ddf": "input"}  # the fingerprint's own key names (kept from earlier runs)
-    found = {names.get(k, k): v for k, v in values.items() if IDENTITY_OPTIONS[k]}
-    # what the input and the model imply: the partitions read and the vectors' size
-    found.update(partitions=frame.npartitions, dimension=sbe.dimension, library=__version__)
-    return found
 
 
 _DOC_TEMPLATES = {"encode": encode.__doc__, "plan": plan.__doc__}

@@ -1,4 +1,4 @@
-"""A stable identity of a Dask DataFrame's input, for run fingerprints.
+"""A run's identity: what it encodes (:func:`fingerprint`), and the stable identity of its input.
 
 A run is what it encodes (docs/design.md, "Output contract"), so the identity of its input is
 built from what defines the data, and is the same in every process:
@@ -53,11 +53,13 @@ from typing import Any
 
 from .._compat import BaseExpr as Expr
 from .._compat import simplified
+from .._version import __version__
+from ..config import get as config_get
 from ..errors import SurgeInputError
 from ..models.modelid import NotDeterministic, stable_token, without_secrets
-from ..options import identity_options
+from ..options import identity_options, option
 
-__all__ = ["IDENTITY_OPTIONS", "input_identity"]
+__all__ = ["IDENTITY_OPTIONS", "input_identity", "fingerprint"]
 
 
 
@@ -338,3 +340,72 @@ def input_identity(frame: Any, token: str | None = None) -> str:
 
 def _json_fallback(value: Any) -> str:  # pragma: no cover - _token returns JSON-able values only
     raise TypeError(f"not JSON-able in an identity: {type(value).__name__}")
+
+
+#: the options the fingerprint records inside another entry: the model's identity (its content,
+#: revision, prompts, ``model_kwargs`` and the resolved compute dtype) and the input's
+_RECORDED_WITH = {"model": "model", "revision": "model", "prompt": "model", "prompt_name": "model",
+                  "model_kwargs": "model", "dtype": "model", "input_token": "ddf",
+                  "long_texts": "long_texts", "chunk_overlap": "long_texts"}
+
+
+def fingerprint(frame: Any, sbe: Any, *, device: str | None = None,
+                input_token: str | None = None, options: dict | None = None) -> dict:
+    """What makes two runs the same run (and lets a rerun resume): what it encodes.
+
+    The options in it are those :data:`dask_surge.planning.identity.IDENTITY_OPTIONS` marks as
+    changing the embeddings or the output: the input (its files and graph, or
+    ``input_token``), the column and kept columns, the model's identity (content,
+    revision, prompts, ``model_kwargs`` without credentials, the compute dtype resolved
+    for ``device``), normalization, precision and truncation. ``on_null``, the
+    thresholds (a run records the ones it resolved and keeps them), the device,
+    engine, batch size and token budget are not in it. It is written to the run's
+    ``run.json`` and shown when a rerun differs, so it holds no credentials.
+
+    Parameters
+    ----------
+    frame : dask.dataframe.DataFrame
+        The input as the run reads it (the text column and kept columns).
+    sbe : dask_surge.execution.superbatch.SuperBatchEncoder
+        What each SuperBatch runs: its column, kept columns, encoder and output options.
+    device : str, optional
+        Where the run encodes (``"cuda"`` or ``"cpu"``): ``dtype="auto"`` resolves for it.
+    input_token : str, optional
+        The input's identity as the caller named it (see :func:`encode`).
+    options : dict, optional
+        The options of :func:`encode` as given: an option that changes the embeddings and is
+        recorded nowhere else (one declared after these, see :mod:`dask_surge.options`) is
+        recorded under its name, resolved from the config, when it differs from its default
+        (so adding one leaves the identity of existing runs alone).
+
+    Examples
+    --------
+    >>> import pandas as pd, dask.dataframe as dd
+    >>> from dask_surge.execution.superbatch import SuperBatchEncoder
+    >>> from dask_surge import Encoder
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
+    >>> enc = Encoder("default")
+    >>> a = fingerprint(ddf, SuperBatchEncoder("text", (), enc, on_null="error"), device="cpu")
+    >>> b = fingerprint(ddf, SuperBatchEncoder("text", (), enc.with_options(batch_size=8), on_null="skip"), device="cpu")
+    >>> a == b, a["model"]["dtype"]
+    (True, 'float32')
+    """
+
+    values = {
+        "ddf": input_identity(frame, token=input_token), "column": sbe.column, "keep": list(sbe.keep),
+        "model": sbe.encoder.identity(device), "normalize": sbe.normalize, "precision": sbe.precision,
+        "truncate_dim": sbe.truncate_dim, "on_null": sbe.on_null,
+    }
+    if sbe.long_texts in ("chunk", "mean"):  # "truncate" and "error" write the same rows: one run
+        values["long_texts"] = {"mode": sbe.long_texts, "chunk_overlap": sbe.chunk_overlap}
+    for name, changes in IDENTITY_OPTIONS.items():  # options declared later record their value by name
+        if changes and name not in values and name not in _RECORDED_WITH and options and name in options:
+            opt = option(name)
+            value = config_get(opt.config, options[name]) if opt.config else options[name]
+            if value != opt.default:
+                values[name] = value
+    names = {"ddf": "input"}  # the fingerprint's own key names (kept from earlier runs)
+    found = {names.get(k, k): v for k, v in values.items() if IDENTITY_OPTIONS[k]}
+    # what the input and the model imply: the partitions read and the vectors' size
+    found.update(partitions=frame.npartitions, dimension=sbe.dimension, library=__version__)
+    return found
