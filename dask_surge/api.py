@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, get_overloads, overload
 
 import numpy as np
@@ -19,7 +19,7 @@ from .execution.cluster import local_cluster, local_cluster_threads
 from .execution.graph import superbatch_collection
 from .execution.plugins import register_encoder
 from .execution.progress import RunProgress, logging_through
-from .execution.runner import RunRequest, write_run
+from .execution.runner import RunRequest, not_utf8, write_run
 from .execution.superbatch import SuperBatchEncoder
 from .io.hashing import text_hashes
 from .io.layout import reserved_columns
@@ -349,8 +349,10 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
                 "pass output='dir/', or use on_null='error' (default) or 'empty'."
             )
         if sbe.reuse:
-            _open_reuse(sbe, fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
-                                         options=opts))
+            with _planning_texts(column):
+                run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
+                                     options=opts)
+            _open_reuse(sbe, run_id)
         return _lazy(frame, sbe, _thresholds(requested, sbe, frame, _active_client(), gpu=on_gpu), max_bytes)
     # the bar opens now: starting a cluster (workers importing torch) is the first thing a user waits for
     starting = scheduler is None and _active_client() is None  # _client_for starts a local cluster
@@ -358,14 +360,26 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     with bar, logging_through(bar), _client_for(scheduler) as client:
         if client is not None:
             _register(sbe.encoder, client)
-        run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
-                             options=opts)
+        with _planning_texts(column):
+            run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
+                                 options=opts)
         _open_reuse(sbe, run_id)
         return write_run(RunRequest(
             frame, sbe, output, fingerprint=run_id, thresholds=_thresholds(requested, sbe, frame, client, gpu=on_gpu),
             max_bytes=max_bytes, client=client, scheduler=scheduler, overwrite=overwrite,
             storage_options=storage_options, progress=progress, started=started, bar=bar,
         ))
+
+
+@contextlib.contextmanager
+def _planning_texts(column: str) -> Iterator[None]:
+    """Dask may compute on the texts while a run is planned (``set_index``'s divisions, as the
+    fingerprint counts the partitions): text that is not UTF-8 is the same clear error there as in
+    a SuperBatch."""
+    try:
+        yield
+    except (UnicodeDecodeError, UnicodeEncodeError) as err:
+        raise not_utf8(column, err, "Nothing was encoded") from err
 
 
 def _absolute(paths: tuple[str, ...]) -> tuple[str, ...]:

@@ -383,9 +383,6 @@ def test_a_file_missing_a_kept_column_is_refused_before_any_encoding(tmp_path, c
 # -- found by tests/test_input_properties.py ---------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "execution/superbatch.py texts_of: on_null='empty' fills nulls with series.where(~nulls, ''), which a "
-    "Categorical refuses ('' is not a category): proposed fix in the input-side report"))
 @pytest.mark.parametrize("source", ["from_pandas", "read_parquet"])
 def test_a_categorical_text_column_with_nulls_encodes_them_as_empty(tmp_path, source):
     """pandas ``category`` text (a dictionary-encoded Parquet column reads as one): a null with
@@ -409,9 +406,6 @@ def test_a_categorical_text_column_with_nulls_encodes_them_as_empty(tmp_path, so
     _expect_rows(out, [[" ", "", "b"]])
 
 
-@pytest.mark.xfail(strict=True, raises=UnicodeEncodeError, reason=(
-    "api.py: Dask computes set_index's divisions while encode() plans (frame.npartitions in fingerprint), "
-    "and its conversion to Arrow strings raises a bare UnicodeEncodeError: proposed fix in the report"))
 def test_a_lone_surrogate_met_while_planning_is_a_clear_error(tmp_path):
     """Shrunk from the property: object texts holding a lone surrogate, then set_index: the error is
     dask-surge's lone-surrogate error with its fix, not a bare UnicodeEncodeError from Dask."""
@@ -428,10 +422,6 @@ def test_a_lone_surrogate_met_while_planning_is_a_clear_error(tmp_path):
                          progress=False)
 
 
-@pytest.mark.xfail(strict=True, raises=FileNotFoundError, reason=(
-    "io/manifest.py Manifest.data_urls names the published part-*.parquet of every commit record; a task that "
-    "died (or, on a cluster, still runs) between commit and publish leaves its file in staging/: proposed fix "
-    "in the report"))
 def test_a_committed_file_not_yet_published_is_read_from_staging(tmp_path):
     """Found by the property on the cluster: encode raised (a null) while another SuperBatch task was between
     its commit and its publish; read_embeddings then failed with FileNotFoundError. Here the state a task

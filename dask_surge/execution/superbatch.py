@@ -180,6 +180,8 @@ def texts_of(series: pd.Series, partition: int, start: int, on_null: str
             kept = ~nulls
             series = series[kept]
         else:
+            if isinstance(series.dtype, pd.CategoricalDtype):  # "" is rarely one of its categories
+                series = series.astype(object)
             series = series.where(~nulls, "")
     values = series.tolist()
     rows = np.flatnonzero(kept) if kept is not None else None  # positions of the kept rows

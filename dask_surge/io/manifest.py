@@ -324,9 +324,14 @@ class Manifest:
         return f"{self.commits_dir}/{sb}.json"
 
     def data_urls(self, records) -> list[str]:
-        """Paths of ``records``' data files that any fsspec or Parquet reader opens."""
+        """Paths of ``records``' data files that any fsspec or Parquet reader opens: each one's
+        published name, or its ``staging/`` name while it is not published yet (a task that died, or
+        still runs, between its commit and its publish; an overwrite not yet complete)."""
         proto = protocols(self.fs)[0]
-        files = [f"{self.root}/{r.file}" for r in records]
+        records = list(records)
+        published = set(_ls(self.fs, self.root)) if records else set()
+        files = [f"{self.root}/{r.file}" if r.file in published
+                 else self.staging_path(r.sb, _DATA_FILE.match(r.file).group("attempt")) for r in records]
         return files if proto in ("file", "local") else [f"{proto}://{f}" for f in files]
 
     def skipped_files(self, records) -> list[str]:
