@@ -149,6 +149,18 @@ def create_exclusive(fs, path: str, data: bytes) -> bool:
 _ls = listdir
 
 
+def attempt_of(name: str) -> str:
+    """The attempt a data file's name carries (``""`` for a name not of this layout).
+
+    Examples
+    --------
+    >>> attempt_of("part-0123abcd-000000000-000000000000-89abcdef.parquet")
+    '89abcdef'
+    """
+    m = _DATA_FILE.match(name)
+    return m.group("attempt") if m else ""
+
+
 def sb_key(partition: int, start: int) -> str:
     """The key of the SuperBatch whose first span starts at row ``start`` of ``partition``.
 

@@ -42,6 +42,7 @@ from .directory import (
     _discard_tree,
     _ls,
     _read_json,
+    attempt_of,
     create_exclusive,
     current_path,
     discard,
@@ -330,8 +331,8 @@ class Manifest:
         proto = protocols(self.fs)[0]
         records = list(records)
         published = set(_ls(self.fs, self.root)) if records else set()
-        files = [f"{self.root}/{r.file}" if r.file in published
-                 else self.staging_path(r.sb, _DATA_FILE.match(r.file).group("attempt")) for r in records]
+        files = [f"{self.root}/{r.file}" if r.file in published else self.staging_path(r.sb, attempt_of(r.file))
+                 for r in records]
         return files if proto in ("file", "local") else [f"{proto}://{f}" for f in files]
 
     def skipped_files(self, records) -> list[str]:

@@ -125,7 +125,7 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
         for rec in records.values():
             if rec.file in present:
                 continue
-            attempt = rec.file.rsplit("-", 1)[-1].removesuffix(".parquet")
+            attempt = attempt_of(rec.file)
             if f"{rec.sb}-{attempt}.parquet" not in staged:
                 forget(manifest, rec, f"its file {rec.file} is missing")
             elif manifest.run_id == current:  # another run's files wait in staging until it completes
