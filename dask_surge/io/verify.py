@@ -10,7 +10,17 @@ from __future__ import annotations
 import hashlib
 
 from ..errors import SurgeOutputError
-from .directory import _DATA_FILE, _RUN_ID, META_DIR, _aside, _ls, current_path, discard, refuse_links
+from .directory import (
+    _DATA_FILE,
+    _RUN_ID,
+    META_DIR,
+    _aside,
+    _ls,
+    attempt_of,
+    current_path,
+    discard,
+    refuse_links,
+)
 from .manifest import CommitRecord, Manifest, _current_id, _load, _write_meta, current_run
 from .stores import output_fs
 
