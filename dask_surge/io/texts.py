@@ -20,7 +20,7 @@ __all__ = ["ArrowTexts", "as_list", "as_texts", "is_string_view", "join_texts", 
 
 
 def is_string_view(arrow_type: pa.DataType) -> bool:
-    """True for Arrow's string_view type (pyarrow >= 16; older pyarrow has none).
+    """True for Arrow's string_view type.
 
     Examples
     --------
@@ -28,8 +28,7 @@ def is_string_view(arrow_type: pa.DataType) -> bool:
     >>> is_string_view(pa.string())
     False
     """
-    check = getattr(pa.types, "is_string_view", None)
-    return bool(check(arrow_type)) if check is not None else False
+    return bool(pa.types.is_string_view(arrow_type))
 
 
 class ArrowTexts(Sequence[str]):
