@@ -338,6 +338,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
         precision=check_precision(opts["precision"], opts["normalize"]), on_null=opts["on_null"],
         truncate_dim=check_truncate_dim(opts["truncate_dim"], encoder.dimension),
         long_texts=long_texts, chunk_overlap=overlap, reuse=_absolute(opts["reuse"]),
+        reuse_storage_options=storage_options if any("://" in r for r in opts["reuse"]) else None,
     )
     max_bytes = windowed_bytes(opts["max_bytes"], requested[1], encoder, long_texts, overlap, gpu=on_gpu)
     frame = ddf[[column, *[k for k in keep if k != column]]]
@@ -391,7 +392,8 @@ def _open_reuse(sbe: SuperBatchEncoder, run_fingerprint: dict) -> None:
     """Check that every ``reuse`` output embedded texts as this run will (else a clear error,
     before anything is written), and build its index here once, so workers only open it."""
     if sbe.reuse:
-        ReuseIndex(sbe.reuse, identity=embedding_identity(run_fingerprint)).close()
+        ReuseIndex(sbe.reuse, identity=embedding_identity(run_fingerprint),
+                   storage_options=sbe.reuse_storage_options).close()
 
 
 def _thresholds(requested, sbe: SuperBatchEncoder, frame, client, *, gpu: bool) -> RunThresholds:

@@ -537,7 +537,8 @@ OPTIONS: tuple[Option, ...] = (
          default=False, validator=boolean("pass overwrite=True to replace a different run"), identity=False,
          takers="encode", cli=Cli(action="store_true")),
     _opt("storage_options", dict | None, "dict, optional", """
-         fsspec options for ``output``.""",
+         Can be the fsspec options (credentials, endpoint) of ``output``, which also apply to the
+         ``reuse`` outputs given as URLs (``s3://...``), or None to use the filesystem's defaults.""",
          "fsspec options for the output",
          validator=mapping("pass e.g. storage_options={'auto_mkdir': True}"), identity=False, takers="encode"),
     _opt("scheduler", Scheduler, 'None, distributed.Client, "threads" or "sync"', """

@@ -379,3 +379,17 @@ def test_a_prefix_with_foreign_objects_or_the_inputs_prefix_is_refused(store, co
         frame.surge.encode("text", f"{src}/emb", model=counting_encoder, storage_options=options, scheduler="sync",
                            progress=False)
     assert sorted(fs.find(src.removeprefix("s3://"))) == before
+
+
+def test_reuse_of_an_output_on_the_store_copies_every_row(store, reference):
+    """``reuse=`` of an output on the store, with the store's ``storage_options``: every text is found
+    there, nothing is encoded again (the index is built under the old output's ``_surge/index``)."""
+    endpoint, options, fs = store
+    old = _url()
+    _encode(old, options, CountingEncoder())
+    model = CountingEncoder()
+    new = _url()
+    res = _encode(new, options, model, reuse=[old])
+    assert (res.reused, res.encoded) == (N, 0)
+    assert fs.glob(f"{old.removeprefix('s3://')}/_surge/index/*/meta.json")
+    _exactly_once(new, options, fs, reference=reference)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -306,6 +306,8 @@ class SuperBatchEncoder:
     long_texts: LongTexts = "truncate"
     chunk_overlap: int = DEFAULT_CHUNK_OVERLAP
     reuse: tuple[str, ...] = ()
+    #: fsspec options of the ``reuse`` outputs on an object store (credentials: never in the token)
+    reuse_storage_options: dict | None = field(default=None, repr=False)
 
     def __dask_tokenize__(self):
         return ("SuperBatchEncoder", self.column, self.keep, self.encoder.spec, self.normalize,
@@ -405,7 +407,7 @@ class SuperBatchEncoder:
     def _reused_blocks(self, hashes: np.ndarray) -> tuple[np.ndarray, _Blocks | None, np.ndarray]:
         """Which of the distinct ``hashes`` a ``reuse`` output holds, their rows there, and which of
         those found may be over the model's window (see :attr:`dask_surge.io.reuse.Reused.may_be_cut`)."""
-        hit = open_index(self.reuse).lookup(hashes, columns=tuple(CHUNK_COLUMNS) if self.chunked else ())
+        hit = open_index(self.reuse, self.reuse_storage_options).lookup(hashes, columns=tuple(CHUNK_COLUMNS) if self.chunked else ())
         if not hit.found.any():
             return hit.found, None, hit.may_be_cut
         chunks = None
