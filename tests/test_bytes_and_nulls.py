@@ -95,7 +95,7 @@ def test_byte_cap_falls_back_to_the_size_pass_when_footers_cannot_say(tmp_path):
 
 def test_bad_max_bytes_fails_before_any_work(tmp_path, counting_encoder):
     ddf = dd.from_pandas(pd.DataFrame({"text": ["a"]}), npartitions=1)
-    with pytest.raises(SurgeValueError, match="surge.max-bytes='a lot' is not allowed"):
+    with pytest.raises(SurgeValueError, match="max_bytes='a lot' must be a positive int of bytes"):
         ddf.surge.encode("text", str(tmp_path / "o"), model=counting_encoder, max_bytes="a lot")
     assert not (tmp_path / "o").exists()
 

@@ -144,5 +144,5 @@ def test_plan_predicts_from_the_datas_token_lengths():
 
 def test_bad_token_sample_is_refused():
     ddf = make_partitioned_frame([10, 10])
-    with pytest.raises(SurgeValueError, match="surge.token-sample=0"):
+    with pytest.raises(SurgeValueError, match="token_sample=0 must be a positive int"):
         ddf.surge.plan("text", b_min=5, b_max=10, params=_params(), token_sample=0)
