@@ -54,6 +54,11 @@ if [ "$(cat "$VENV/.surge-pins" 2> /dev/null)" != "$STAMP" ]; then
     exit 4
   fi
   echo "$STAMP" > "$VENV/.surge-pins"
+  echo "$ROOT" > "$VENV/.surge-root"
+fi
+if [ "$(cat "$VENV/.surge-root" 2> /dev/null)" != "$ROOT" ]; then  # another checkout: point the install here
+  "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" 2>&1 | grep -v "^WARNING: Location"
+  echo "$ROOT" > "$VENV/.surge-root"
 fi
 
 # what the venv holds against the pins: one line each, "=" when it matches, "!= want" when it does not
@@ -94,7 +99,7 @@ final = {r["stage"]: r for r in lines if r["status"] != "partial"}
 bad = []
 for name, r in final.items():
     why = r.get("reason") or (r.get("error") or "").strip().splitlines()[-1:] or ""
-    print(f"   {name:14s} {r['status']:8s} {str(why)[:160]}")
+    print(f"   {name:14s} {r['status']:8s} {str(r.get('loaded_by', '')):12s} {str(why)[:160]}")
     if r["status"] not in ("ok", "skipped", "start", "done"):
         bad.append(name)
 sys.exit(1 if bad or int(sys.argv[2]) else 0)

@@ -508,7 +508,8 @@ def _forward_only(s: Session, engine, texts: list[str], which: str) -> dict:
     validity mask, on the device: length-sorted, cut by the engine's token budget, the
     one-length ones unmasked); then those micro-batches run again through the same forward
     (encoder and pooling), back to back, with no tokenizing, packing, copying or waiting
-    between them: texts/s of the forward alone, the engine's ceiling on this device.
+    between them (the faster of two passes): texts/s of the forward alone, the engine's ceiling
+    on this device.
     """
     import torch
 
@@ -537,14 +538,17 @@ def _forward_only(s: Session, engine, texts: list[str], which: str) -> dict:
         for ids, valid in batches[:4]:  # warm (kernels for these shapes were chosen by the encode above)
             run(ids, valid)
         _sync(s.device)
-        t = time.perf_counter()
-        for ids, valid in batches:
-            run(ids, valid)
-        _sync(s.device)
-        seconds = time.perf_counter() - t
+        runs = []
+        for _ in range(2):  # the faster of two passes: a first pass may still pay one-time costs
+            t = time.perf_counter()
+            for ids, valid in batches:
+                run(ids, valid)
+            _sync(s.device)
+            runs.append(time.perf_counter() - t)
+    seconds = min(runs)
     rate = rows / seconds
     ceiling = None if s.trying else FORWARD_CEILING_TEXTS_PER_S.get(which)
-    return {"texts": rows, "micro_batches": len(batches), "seconds": seconds, "texts_per_s": rate,
+    return {"texts": rows, "micro_batches": len(batches), "seconds": seconds, "seconds_each": runs, "texts_per_s": rate,
             "tokens_per_s": real / seconds, "tokens_per_text": real / max(rows, 1),
             "padding_share": 1 - real / max(padded, 1), "masked_batches": sum(v is not None for _, v in batches),
             "ceiling_texts_per_s": ceiling, "over_ceiling": rate / ceiling if ceiling else None}
