@@ -9,8 +9,9 @@ For each compute dtype (float16, bfloat16 on CUDA; float32 on CPU), the engine e
 reference texts and the minimum and median cosine against the fp32 reference are saved
 (issue 17's target: >= 0.9999), twice: the engine built on the model sentence-transformers
 loaded (``<dtype>``), and ``dask_surge.Encoder`` loading the directory itself (``<dtype> via
-Encoder``: a plain BERT is then dask-surge's own, :mod:`dask_surge.models.bert`, its
-``loaded_by`` saved). ``--device cpu`` tries the script on a CPU.
+Encoder``: a plain BERT is then dask-surge's own, :mod:`dask_surge.models.bert`, as in a Dask
+worker; its ``loaded_by`` saved). ``benchmarks/gpu_session.sh``'s headline is ``float16 via
+Encoder``. ``--device cpu`` tries the script on a CPU.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     for dtype in dtypes:
         engine = TransformerEngine.from_sentence_transformer(model, dtype=dtype)
-        report["dtypes"][dtype] = {**cosines(engine.encode(texts)),
+        report["dtypes"][dtype] = {**cosines(engine.encode(texts)), "loaded_by": "sentence-transformers",
                                    "weights_dtype": str(next(engine._hf.parameters()).dtype)}
         engine.close()
         Path(args.out).write_text(json.dumps(report, indent=2))

@@ -15,7 +15,8 @@ For each model, in one run: (1) ``ddf.surge.encode`` of ``--rows`` texts in log-
 Parquet partitions (sigma 1.72) on ``dask_surge.execution.cluster.local_cluster()`` (one dask-cuda
 worker per GPU), after a warm-up run that loads the model into the workers, with per-SuperBatch
 encode/write seconds and worker facts (CPU affinity, backend, ``max_tokens``, weight dtype);
-(2) the fast engine alone in this process on ``--st-rows`` texts; (3)
+(2) the fast engine alone in this process on ``--st-rows`` texts, loaded as the workers load it
+(``loaded_by``: dask-surge's native BERT loader for these models); (3)
 ``SentenceTransformer.encode`` on the same texts (fp32, and fp16 on CUDA) at
 ``--st-batch-size`` (1024, its best on the H200); (4) the cosine between dask-surge's output
 and ST fp32 on a sample of the texts. Reported: texts/s, tokens/s
@@ -76,20 +77,24 @@ def _sync(device: str) -> None:
 
 
 def bench_in_process(path: str, texts: list[str], device: str, st_batch_size: int = 1024) -> dict:
-    """The fast engine alone, then ST encode (fp32; fp16 on CUDA) at ``st_batch_size``, in this process."""
+    """The fast engine alone, loaded as a Dask worker loads it (an ``Encoder`` of the path: a plain BERT
+    by dask-surge's native loader), then ST encode (fp32; fp16 on CUDA) at ``st_batch_size``, in this process."""
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.models.engine import TransformerEngine
+    from dask_surge import Encoder
 
     out = {"st_batch_size": st_batch_size}
+    with Encoder(path, device=device) as enc:
+        engine = enc.engine
+        out["engine_loaded_by"] = getattr(enc._loaded().impl, "loaded_by", None)
+        run = engine.encode if engine is not None else enc.encode  # the fallback, where the engine refused it
+        run(texts[:1024])  # warm-up (allocator, tokenizer thread pool)
+        _sync(device)
+        out["engine_s"] = _timed(lambda: (run(texts), _sync(device)))
+        out["engine_max_tokens"] = engine.max_tokens if engine is not None else None
+        engine = None  # closing the Encoder frees the half-precision copy before ST runs
     st = SentenceTransformer(path, device=device)
-    engine = TransformerEngine.from_sentence_transformer(st, dtype="float16" if device.startswith("cuda") else None)
-    engine.encode(texts[:1024])  # warm-up (allocator, tokenizer thread pool)
-    _sync(device)
-    out["engine_s"] = _timed(lambda: (engine.encode(texts), _sync(device)))
-    out["engine_max_tokens"] = engine.max_tokens
-    engine = None  # frees the half-precision copy before ST runs
     st.encode(texts[:256], batch_size=st_batch_size)  # warm-up
     _sync(device)
     out["st_fp32_s"] = _timed(lambda: (st.encode(texts, batch_size=st_batch_size, convert_to_numpy=True),
@@ -138,6 +143,7 @@ def bench_surge(path: str, data: str, rows: int, device: str, work: Path, warm: 
             engines = [v.engine for v in _LOADED.values() if v.engine is not None]
             return {"cpu_affinity": sorted(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity") else None,
                     "backends": sorted({v.backend for v in _LOADED.values()}),
+                    "loaded_by": sorted({str(getattr(v.impl, "loaded_by", None)) for v in _LOADED.values()}),
                     "max_tokens": [e.max_tokens for e in engines], "devices": [str(e.device) for e in engines],
                     "weights_dtype": [str(next(e._hf.parameters()).dtype) for e in engines],
                     "mask4d": [e._mask4d for e in engines],

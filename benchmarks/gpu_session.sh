@@ -10,9 +10,12 @@
 #   python benchmarks/gpu_prepare.py   # real MiniLM weights in fp16 + CPU fp32 reference embeddings
 # CPU dry run (tiny models and sizes, same stages and files, timeouts scaled by 0.5; part of the tests):
 #   SURGE_GPU_TRY=1 OUT=/tmp/gpu-try bash benchmarks/gpu_session.sh
+# The same dry run in a venv pinned to the GPU image's versions (API drift shows here, not there):
+#   bash benchmarks/gpu_image_venv.sh   # pins and the ones not matched: benchmarks/gpu_image.txt
 #
 # What comes back ($OUT, at most 4 files): results.jsonl (one JSON line per stage result, partial
-# results as they come), session.log (everything printed), details.tar.gz (per-SuperBatch records,
+# results as they come; every stage's final line says which loader loaded its model, `loaded_by`;
+# the cosine line's headline is fp16's, bf16's beside it), session.log (everything printed), details.tar.gz (per-SuperBatch records,
 # pytest's junit report, the NVML trace, nvidia-smi -q). Each stage runs in a forked child under its
 # own timeout (benchmarks/gpu_stages.py); a stage that times out is killed with the workers it started
 # and the next one runs. A failed preflight stops the session with one line.
@@ -23,9 +26,11 @@ RESULTS="$OUT/results.jsonl"
 LOG="$OUT/session.log"
 WORK=$(mktemp -d /tmp/surge-gpu-work.XXXXXX)
 TRY=${SURGE_GPU_TRY:-}
-# stage:timeout_s, in order; with SETUP_TIMEOUT the sum must stay well under 480 s (the test checks it)
+# stage:timeout_s, in order; with SETUP_TIMEOUT the sum must stay under 480 s (the test checks it).
+# What matters most runs first, so a session cut short still answers it: end to end through Dask
+# (MiniLM, then BERT-base), then the GPU-busy fraction; each with room left in its timeout.
 SETUP_TIMEOUT=45
-STAGES="preflight:15,data:30,host:45,surge_minilm:65,surge_bert:50,engine:30,busy:30,inflight:40,cosine:20,pytest:60"
+STAGES="preflight:15,data:30,surge_minilm:85,surge_bert:65,busy:30,host:45,engine:45,inflight:40,cosine:20,pytest:50"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTORCH_NVML_BASED_CUDA_CHECK=1
 
 line() {  # one JSON line from the shell itself: line STAGE STATUS [key=number ...]
