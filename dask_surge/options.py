@@ -243,6 +243,24 @@ def byte_size(value: Any) -> int | None:
     raise Invalid("must be a positive int of bytes, a size such as '512 MiB', or None", "pass e.g. '512 MiB'")
 
 
+def duration(value: Any) -> float | None:
+    """Seconds (> 0) from a number or a duration string such as ``"5 minutes"``, or None."""
+    from dask.utils import parse_timedelta
+
+    if value is None:
+        return None
+    seconds = value
+    if isinstance(value, str):
+        try:
+            seconds = parse_timedelta(value, default="s")
+        except (ValueError, KeyError):
+            seconds = None
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds > 0:
+        return float(seconds)
+    raise Invalid("must be a positive number of seconds, a duration such as '5 minutes', or None",
+                  "pass e.g. '5 minutes', or None to wait for workers as long as it takes")
+
+
 def torch_device(value: Any) -> Any:
     """None, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"mps"``."""
     if value is None or (isinstance(value, str) and (
@@ -648,6 +666,19 @@ OPTIONS: tuple[Option, ...] = (
          SuperBatches submitted at once when writing; None is 2 x worker threads.""",
          "SuperBatches submitted at once when writing; null is 2 x worker threads",
          config="in-flight", validator=positive_int(none=True), schema={"oneOf": [_INT_MIN_1, _NULL]}),
+    _opt("no_workers_timeout", float | str | None, "float or str, optional", """
+         How long a written run waits once every worker has left the cluster (jobs preempted or
+         cancelled, workers that crashed, or that closed because they could not unpickle a task)
+         before it stops with an error that says so; its commits are kept, and a rerun resumes.
+         A cluster that has had no worker yet (jobs still queued) is waited for as long as it
+         takes. Can be seconds, a duration such as ``"5 minutes"``, or None to wait for workers
+         in every case (e.g. an adaptive cluster whose replacement jobs queue for long).
+         ``distributed.scheduler.no-workers-timeout``, when set, stops the run too.""",
+         "seconds (or e.g. '5 minutes') a run waits once every worker has left before it stops; "
+         "null waits as long as it takes",
+         default=300, config="no-workers-timeout", validator=duration,
+         schema={"oneOf": [{"type": "number", "exclusiveMinimum": 0},
+                           {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+\s*[a-zA-Z]*\s*$"}, _NULL]}),
 )
 
 

@@ -30,7 +30,9 @@ from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, writ
 __all__ = [
     "loopback_s3",
     "CountingEncoder", "DieOnce", "FailOnce", "FakeClock", "FakeTimedEncoder", "GatedEncoder", "Hog", "InterruptAfter",
-    "checksum_model", "lognormal_sizes", "make_partitioned_frame", "make_texts", "make_tiny_model",
+    "checksum_model", "input_partition", "input_partition_from_dict", "input_partition_from_json",
+    "input_partition_from_tuple", "lognormal_sizes", "mark_texts", "make_partitioned_frame", "make_texts",
+    "make_tiny_model",
     "packaged_model_dir", "write_partitioned_parquet", "cosines", "min_cosine", "package_documents",
 ]
 
@@ -419,6 +421,63 @@ class CallLog:
                 return [int(line) for line in f if line.strip()]
         except FileNotFoundError:
             return []
+
+
+# -- input partitions for tests/test_input_properties.py ---------------------------------------------
+# The functions its frames run on workers (from_map, from_delayed, map_partitions): here, not in
+# the test module, for the reason above; a worker that cannot unpickle a task closes, nanny and all.
+
+
+def input_partition(texts: list, start: int, dtype: str = "str"):
+    """One partition of a property-test input: ``text`` (``dtype``, or Python objects for
+    ``"object"``) and ``n``, the row's number in the whole input (``start`` onwards).
+
+    Examples
+    --------
+    >>> input_partition(["a", None], 3, "object").to_dict("list")
+    {'text': ['a', None], 'n': [3, 4]}
+    """
+    import pandas as pd
+
+    text = pd.Series(texts, dtype=object) if dtype == "object" else pd.array(texts, dtype=dtype)
+    return pd.DataFrame({"text": text, "n": np.arange(start, start + len(texts), dtype="int64")})
+
+
+def input_partition_from_json(text: str):
+    """:func:`input_partition` (of objects) from the JSON of ``[texts, start]`` (``from_map`` over strings).
+
+    Examples
+    --------
+    >>> input_partition_from_json('[["a"], 2]').n.tolist()
+    [2]
+    """
+    import json
+
+    texts, start = json.loads(text)
+    return input_partition(texts, start, "object")
+
+
+def input_partition_from_tuple(item: tuple):
+    """:func:`input_partition` (of objects) from ``(start, *texts)`` (``from_map`` over tuples)."""
+    return input_partition(list(item[1:]), item[0], "object")
+
+
+def input_partition_from_dict(item: dict):
+    """:func:`input_partition` (of objects) from ``{"texts": ..., "start": ...}`` (``from_map`` over dicts)."""
+    return input_partition(item["texts"], item["start"], "object")
+
+
+def mark_texts(df, column: str):
+    """``df`` with a ``"\u00b7"`` appended to each str of ``column`` (a ``map_partitions`` step).
+
+    Examples
+    --------
+    >>> import pandas as pd
+    >>> mark_texts(pd.DataFrame({"t": ["a", "b"]}), "t").t.tolist()
+    ['a\xb7', 'b\xb7']
+    """
+    marked = df[column].astype(object).map(lambda t: t + "\u00b7" if isinstance(t, str) else t)
+    return df.assign(**{column: marked})
 
 
 # -- a deterministic clock and encoder for timing logic (the calibration probe) ------------------

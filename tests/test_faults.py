@@ -230,3 +230,94 @@ def test_worker_out_of_memory_fails_clearly_keeps_work_and_resumes(tmp_path):
     assert res.resumed and res.skipped_superbatches == info["superbatches_committed"]
     df = dask_surge.read_embeddings(out).compute()
     assert sorted(zip(df.partition, df.row)) == [(p, r) for p, n in enumerate(sizes) for r in range(n)]
+
+
+_CLIENT_ONLY = '''
+import pandas as pd
+
+
+def part(i):
+    return pd.DataFrame({"text": [f"only the client can import this {i} {j}" for j in range(3)]})
+'''
+
+
+@pytest.mark.timeout(240)  # before the fix the run waited for ever: this is what ends it then
+def test_a_run_whose_workers_all_close_stops_clearly_and_resumes(tmp_path, monkeypatch):
+    """A worker that cannot unpickle a task closes, nanny and all: here every one of them, on an
+    input whose later partitions come from a function defined in a module only the client can
+    import (what the property sweep's test-module functions did to the suite's shared cluster).
+    The run waited for ever for a worker; it stops once none has been back for
+    ``surge.no-workers-timeout``, says why and how to go on, keeps what it committed, and the same
+    call resumes once the input's function is importable where the run computes it."""
+    import dask
+    import dask.dataframe as dd
+    import pandas as pd
+    from distributed import Client, LocalCluster
+
+    from dask_surge.testing import checksum_model
+
+    out = str(tmp_path / "o")
+    importable = dd.from_pandas(pd.DataFrame({"text": [f"anyone can import this {i}" for i in range(12)]}),
+                                npartitions=4, sort=False)
+    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster, Client(cluster) as c:
+        (tmp_path / "client_only").mkdir()  # after the workers started: not on their sys.path
+        (tmp_path / "client_only" / "surge_client_only_input.py").write_text(_CLIENT_ONLY)
+        monkeypatch.syspath_prepend(str(tmp_path / "client_only"))
+        monkeypatch.delitem(sys.modules, "surge_client_only_input", raising=False)
+        import surge_client_only_input
+
+        ddf = dd.concat([importable, dd.from_map(surge_client_only_input.part, range(4),
+                                                 meta=pd.DataFrame({"text": pd.Series([], dtype=str)}))])
+        t0 = time.monotonic()
+        with dask.config.set({"surge.no-workers-timeout": 3, "surge.in-flight": 1}), \
+                pytest.raises(dask_surge.SurgeError, match=r"(?s)every worker left the cluster.*no-workers-timeout=3s"
+                                                           r".*Failed to deserialize.*rerun the same call"):
+            ddf.surge.encode("text", out, model=checksum_model, b_min=3, b_max=3, progress=False)
+        assert time.monotonic() - t0 < 120
+        assert not c.nthreads()  # every worker really closed
+        monkeypatch.delitem(sys.modules, "surge_client_only_input")
+    info = dask_surge.status(out)
+    assert info["state"] == "incomplete" and info["superbatches_committed"] >= 1
+    res = ddf.surge.encode("text", out, model=checksum_model, b_min=3, b_max=3, progress=False, scheduler="threads")
+    assert res.resumed and res.skipped_superbatches == info["superbatches_committed"] and res.rows == 24
+    df = dask_surge.read_embeddings(out).compute()
+    assert len(df[["partition", "row"]].drop_duplicates()) == len(df) == 24
+
+
+class _Cluster:
+    """What :class:`~dask_surge.execution.runner.WorkerWatch` asks a client: its workers."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+
+    def nthreads(self) -> dict:
+        return {f"w{i}": 1 for i in range(self.workers)}
+
+
+def test_the_worker_watch_stops_a_run_only_once_its_workers_have_all_been_gone_for_the_timeout():
+    from dask_surge.execution.runner import NoWorkersLeft, WorkerWatch
+    from dask_surge.testing import FakeClock
+
+    clock, cluster = FakeClock(), _Cluster(0)
+    queued = WorkerWatch(cluster, 10.0, clock=clock)  # no worker yet (jobs queued): waited for
+    clock.advance(1000)
+    queued.check(3)
+    cluster.workers = 2
+    watch = WorkerWatch(cluster, 10.0, clock=clock)
+    cluster.workers = 0  # every worker gone
+    watch.check(3)
+    clock.advance(9)
+    watch.check(3)
+    cluster.workers = 1  # one came back (a replaced job): the clock starts again
+    watch.check(3)
+    cluster.workers = 0
+    watch.check(3)
+    clock.advance(9.5)
+    watch.check(3)
+    clock.advance(1)
+    with pytest.raises(NoWorkersLeft, match=r"surge\.no-workers-timeout=10s, while 3 SuperBatch"):
+        watch.check(3)
+    cluster.workers = 0
+    unbounded = WorkerWatch(cluster, None, clock=clock)  # None: waits in every case
+    clock.advance(10**6)
+    unbounded.check(3)

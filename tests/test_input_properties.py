@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import os
 import re
 import shutil
@@ -44,7 +45,14 @@ from hypothesis import strategies as st
 import dask_surge
 from dask_surge import SurgeError, SurgeInputError
 from dask_surge.io.hashing import hash_column, text_hashes
-from dask_surge.testing import checksum_model
+from dask_surge.testing import (
+    checksum_model,
+    input_partition,
+    input_partition_from_dict,
+    input_partition_from_json,
+    input_partition_from_tuple,
+    mark_texts,
+)
 
 # -- texts -------------------------------------------------------------------------------------------
 
@@ -67,42 +75,19 @@ def partitions(draw, nulls: bool, surrogates: bool) -> list[list[str | None]]:
 
 
 # -- sources ----------------------------------------------------------------------------------------
-
-
-def _frame(texts: list, start: int, dtype: str = "str") -> pd.DataFrame:
-    """The pandas frame of one partition: ``text`` and ``n`` (the row's number in the whole input)."""
-    return pd.DataFrame({"text": pd.array(texts, dtype=dtype) if dtype != "object" else
-                         pd.Series(texts, dtype=object), "n": np.arange(start, start + len(texts), dtype="int64")})
+# Every function a frame runs (from_map, from_delayed, map_partitions) is importable on the workers
+# (dask_surge.testing, pandas, operator), never defined here: workers unpickle a module-level function
+# by reference to its module, and under plain `pytest` (as CI runs it) they cannot import this one; a
+# worker that cannot unpickle a task closes, nanny and all, so one such example left the shared cluster
+# with no worker (dask_surge.testing says more).
 
 
 def _starts(parts: list) -> list[int]:
     return [int(x) for x in np.cumsum([0] + [len(p) for p in parts])[:-1]]
 
 
-def _from_json_text(text: str) -> pd.DataFrame:
-    """``from_map`` over strings: each is the JSON of ``[texts, start]``."""
-    texts, start = json.loads(text)
-    return _frame(texts, start, "object")
-
-
-def _from_tuple(item: tuple) -> pd.DataFrame:
-    return _frame(list(item[1:]), item[0], "object")
-
-
-def _from_dict(item: dict) -> pd.DataFrame:
-    return _frame(item["texts"], item["start"], "object")
-
-
-def _pick(frames: list, i: int) -> pd.DataFrame:
-    return frames[i]
-
-
-def _from_path(path: str) -> pd.DataFrame:
-    return pd.read_parquet(path)
-
-
 def _meta(dtype: str = "object") -> pd.DataFrame:
-    return _frame([], 0, dtype)
+    return input_partition([], 0, dtype)
 
 
 @dataclass
@@ -186,7 +171,7 @@ def _write_parquet(parts: list, root: Path, options: dict) -> dd.DataFrame:
 def _write_csv(parts: list, root: Path, options: dict) -> dd.DataFrame:
     (root / "in").mkdir()
     for i, (texts, start) in enumerate(zip(parts, _starts(parts))):
-        _frame(texts, start, "object").to_csv(root / "in" / f"p{i:03d}.csv", index=False)
+        input_partition(texts, start, "object").to_csv(root / "in" / f"p{i:03d}.csv", index=False)
     kw = {"dtype": {"text": options["dtype"]}} if options["dtype"] else {}
     return dd.read_csv(str(root / "in" / "*.csv"), blocksize=None, **kw)
 
@@ -195,14 +180,14 @@ def _write_json(parts: list, root: Path, options: dict) -> dd.DataFrame:
     (root / "in").mkdir()
     for i, (texts, start) in enumerate(zip(parts, _starts(parts))):
         if texts:  # an empty JSON lines file has no columns
-            _frame(texts, start, "object").to_json(root / "in" / f"p{i:03d}.json", orient="records", lines=True,
-                                                   force_ascii=options["ascii"])
+            input_partition(texts, start, "object").to_json(root / "in" / f"p{i:03d}.json", orient="records",
+                                                            lines=True, force_ascii=options["ascii"])
     return dd.read_json(str(root / "in" / "*.json"), lines=True, blocksize=None,
                         dtype={"text": "str", "n": "int64"}, meta=_meta("str"))
 
 
 def _concat(parts: list, dtype: str) -> pd.DataFrame:
-    return _frame([t for p in parts for t in p], 0, dtype)
+    return input_partition([t for p in parts for t in p], 0, dtype)
 
 
 def build(source: Source, parts: list, root: Path) -> dd.DataFrame:
@@ -222,25 +207,28 @@ def build(source: Source, parts: list, root: Path) -> dd.DataFrame:
         frame = _concat(parts, "object")
         return dd.from_dict({"text": frame["text"].tolist(), "n": frame["n"].to_numpy()}, npartitions=o["npartitions"])
     if source.name == "from_delayed":
-        frames = [dask.delayed(_frame)(texts, start, "object") for texts, start in zip(parts, _starts(parts))]
+        frames = [dask.delayed(input_partition)(texts, start, "object")
+                  for texts, start in zip(parts, _starts(parts))]
         return dd.from_delayed(frames, meta=_meta(), verify_meta=o["verify"])
     over = o["over"]
     if over == "strings":
-        return dd.from_map(_from_json_text, [json.dumps([t, s]) for t, s in zip(parts, _starts(parts))], meta=_meta())
-    if over == "ints":
-        frames = [_frame(t, s, "object") for t, s in zip(parts, _starts(parts))]
-        return dd.from_map(functools.partial(_pick, frames), list(range(len(frames))), meta=_meta())
-    if over == "tuples":
-        return dd.from_map(_from_tuple, [(s, *t) for t, s in zip(parts, _starts(parts))], meta=_meta())
-    if over == "dicts":
-        return dd.from_map(_from_dict, [{"texts": t, "start": s} for t, s in zip(parts, _starts(parts))],
+        return dd.from_map(input_partition_from_json, [json.dumps([t, s]) for t, s in zip(parts, _starts(parts))],
                            meta=_meta())
+    if over == "ints":
+        frames = [input_partition(t, s, "object") for t, s in zip(parts, _starts(parts))]
+        return dd.from_map(functools.partial(operator.getitem, frames), list(range(len(frames))), meta=_meta())
+    if over == "tuples":
+        return dd.from_map(input_partition_from_tuple, [(s, *t) for t, s in zip(parts, _starts(parts))],
+                           meta=_meta())
+    if over == "dicts":
+        return dd.from_map(input_partition_from_dict,
+                           [{"texts": t, "start": s} for t, s in zip(parts, _starts(parts))], meta=_meta())
     (root / "in").mkdir()  # paths: a Parquet file per partition, read by the function
     paths = []
     for i, (texts, start) in enumerate(zip(parts, _starts(parts))):
         paths.append(str(root / "in" / f"p{i:03d}.parquet"))
-        _frame(texts, start, "str").to_parquet(paths[-1])
-    return dd.from_map(_from_path, paths, meta=_meta("str"))
+        input_partition(texts, start, "str").to_parquet(paths[-1])
+    return dd.from_map(pd.read_parquet, paths, meta=_meta("str"))
 
 
 @st.composite
@@ -276,11 +264,6 @@ def sources(draw) -> tuple[Source, list]:
 # -- steps after the read ---------------------------------------------------------------------------
 
 
-def _mark(df: pd.DataFrame, column: str) -> pd.DataFrame:
-    marked = df[column].astype(object).map(lambda t: t + "\u00b7" if isinstance(t, str) else t)
-    return df.assign(**{column: marked})
-
-
 STEPS = ["map_partitions", "filter_some", "filter_most", "repartition_more", "repartition_fewer", "merge",
          "set_index", "dropna", "astype_str", "rename"]
 
@@ -290,7 +273,7 @@ def apply_steps(ddf: dd.DataFrame, steps: list[str]) -> tuple[dd.DataFrame, str,
     column, has_n = "text", True
     for step in steps:
         if step == "map_partitions":
-            ddf = ddf.map_partitions(_mark, column)
+            ddf = ddf.map_partitions(mark_texts, column)
         elif step == "filter_some" and has_n:
             ddf = ddf[ddf.n % 3 != 1]
         elif step == "filter_most" and has_n:
@@ -351,9 +334,12 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 def _oracle(frame: dd.DataFrame, columns: list[str]) -> list[pd.DataFrame]:
     """Each partition of ``frame`` as Dask computes it (in this process, on the planned partitions).
 
+    In this process entirely: what Dask computes to build the frame (``set_index``'s divisions, in
+    ``to_delayed``) too, never on the cluster the run under test uses.
+
     Dask converts object strings to Arrow ones, which a lone surrogate cannot be: then the texts as they
     are, without the conversion (the run stops on them, with its own error)."""
-    with dask.config.set({"optimization.tune.active": False}):
+    with dask.config.set({"optimization.tune.active": False, "scheduler": "sync"}):
         try:
             return list(dask.compute(*frame[columns].to_delayed(), scheduler="sync"))
         except UnicodeEncodeError:
@@ -367,7 +353,7 @@ def _committed(out: str) -> pd.DataFrame | None:
     is (see test_input_defects.py::test_a_committed_file_not_yet_published_is_read_from_staging)."""
     for attempt in range(20):
         try:
-            return dask_surge.read_embeddings(out).compute().sort_values(["partition", "row"])
+            return dask_surge.read_embeddings(out).compute(scheduler="sync").sort_values(["partition", "row"])
         except SurgeInputError:  # no run there, or nothing committed
             return None
         except FileNotFoundError:
@@ -534,10 +520,34 @@ def _scheduler(where: str, request) -> str | None:
     return "threads"
 
 
-def _run(case: Case, scheduler: str | None, tiny_model: str) -> str:
-    root = Path(tempfile.mkdtemp(prefix="surge-prop-"))
+_LOST: list[str] = []  # why the shared cluster was found without its workers (then every example fails at once)
+_LAST: list[Case] = []  # the example run last (on the cluster: the one that was running when the workers went)
+
+
+def _workers_left(request, where: str) -> None:
+    """Fail at once, saying why, if the shared cluster has lost its workers: an example run there would
+    only wait for them (up to surge.no-workers-timeout, and hypothesis then replays many examples)."""
+    if where != "cluster":
+        return
+    if _LOST:
+        pytest.fail(_LOST[0])
+    client = request.getfixturevalue("client")
     try:
-        return check_case(case, root, scheduler, tiny_model)
+        client.wait_for_workers(2, timeout=60)  # a nanny restarts a worker that died in a few seconds
+    except TimeoutError:
+        last = f"; the example run before: {_LAST[-1]!r}" if _LAST else ""
+        _LOST.append(f"the suite's shared cluster has {len(client.nthreads())} of its 2 workers (an earlier "
+                     "example or test killed or closed them: see the workers' log, e.g. 'Failed to "
+                     f"deserialize'); this example was not run{last}")
+        pytest.fail(_LOST[0])
+
+
+def _run(case: Case, scheduler: str | None, tiny_model: str) -> str:
+    _LAST[:] = [case]
+    root = Path(tempfile.mkdtemp(prefix="surge-prop-"))
+    try:  # a run whose workers all went stops in 30 s (with its error), not the default 300
+        with dask.config.set({"surge.no-workers-timeout": 30}):
+            return check_case(case, root, scheduler, tiny_model)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -550,6 +560,7 @@ def test_every_input_row_is_written_once_or_the_input_is_refused(where, examples
     @settings(max_examples=examples, derandomize=True, **_COMMON)
     @given(cases())
     def prop(case):
+        _workers_left(request, where)
         _run(case, scheduler, tiny_model)
 
     prop()
@@ -564,6 +575,7 @@ def test_every_input_row_is_written_once_or_the_input_is_refused_sweep(where, re
     @settings(max_examples=SLOW, **_COMMON)
     @given(cases())
     def prop(case):
+        _workers_left(request, where)
         what = _run(case, scheduler, tiny_model)
         tally[what] = tally.get(what, 0) + 1
 

@@ -366,6 +366,8 @@ def run_units(units, make_task, client, scheduler, in_flight: int,
 
     running = as_completed(loop=client.loop)  # this client's, which need not be the default one
     live: list = []
+    waiting: set = set()  # submitted, not yet handed back by `running`
+    finished = threading.Event()  # set as any of them finishes
     exhausted = False
 
     def submit_more() -> None:
@@ -378,17 +380,82 @@ def run_units(units, make_task, client, scheduler, in_flight: int,
             key, graph = submit(unit)
             future = client.get(graph, key, sync=False, resources=resources)
             live.append(future)
+            waiting.add(future)
+            future.add_done_callback(lambda _: finished.set())
             running.add(future)
 
+    watch = WorkerWatch(client, config.get("no-workers-timeout"))
     try:
         submit_more()
-        for fut in running:
+        while not running.is_empty():
+            if not running.has_ready():
+                finished.clear()
+                # none finished: wait for one, asking now and then whether any worker is left
+                if not any(f.done() for f in waiting) and not finished.wait(watch.poll_s):
+                    watch.check(len(waiting))  # raises once every worker has been gone too long
+                    continue
+            fut = next(running)  # (one that finished reaches `running` a moment later)
+            waiting.discard(fut)
             reports = fut.result()
             fut.release()
             submit_more()
             yield from _received(reports)
     finally:
         client.cancel([f for f in live if not f.done()])
+
+
+class NoWorkersLeft(RuntimeError):
+    """Every worker left the cluster while SuperBatches waited, for longer than
+    ``surge.no-workers-timeout`` (see :class:`WorkerWatch`); :func:`stopped_error` says what is kept."""
+
+
+class WorkerWatch:
+    """Watches, while a run waits on SuperBatch tasks, whether the cluster still has a worker.
+
+    A run whose cluster had workers and then has none for ``timeout`` seconds (jobs preempted
+    or cancelled, worker processes that crashed, or that closed, nanny and all, because they
+    could not unpickle a task) raises :class:`NoWorkersLeft` from :meth:`check`, instead of
+    waiting for ever: Dask's own ``distributed.scheduler.no-workers-timeout`` is off by default.
+    A cluster that has not had a worker yet (jobs still queued) is waited for, as long as it
+    takes; ``timeout`` None waits for workers in every case.
+
+    Examples
+    --------
+    >>> WorkerWatch(None, None).check(1)  # no timeout: nothing to watch
+    """
+
+    poll_s = 2.0  # how often a run that waits asks the scheduler how many workers it has
+
+    def __init__(self, client, timeout: float | None, clock=time.monotonic) -> None:
+        self.client, self.timeout, self.clock = client, timeout, clock
+        self.had_workers = False
+        self.gone_since: float | None = None
+        if timeout is not None:
+            self._workers()
+
+    def _workers(self) -> int:
+        n = len(self.client.nthreads())
+        self.had_workers = self.had_workers or n > 0
+        return n
+
+    def check(self, waiting: int) -> None:
+        """Raise :class:`NoWorkersLeft` if every worker has been gone for ``timeout`` seconds while
+        ``waiting`` SuperBatch tasks wait."""
+        if self.timeout is None:
+            return
+        if self._workers() or not self.had_workers:
+            self.gone_since = None
+            return
+        now = self.clock()
+        if self.gone_since is None:
+            self.gone_since = now
+            logger.warning("every worker has left the cluster; %d SuperBatch task(s) wait for one "
+                           "(the run stops after surge.no-workers-timeout=%ss)", waiting, self.timeout)
+        elif now - self.gone_since >= self.timeout:
+            raise NoWorkersLeft(
+                f"every worker left the cluster and none came back within surge.no-workers-timeout="
+                f"{self.timeout:g}s, while {waiting} SuperBatch task(s) waited"
+            )
 
 
 def _received(reports: list[SuperBatchReport]) -> list[SuperBatchReport]:
@@ -409,6 +476,16 @@ def stopped_error(err: BaseException, manifest: Manifest, column: str) -> BaseEx
             f"{err} {kept}: a rerun with on_null='empty' or on_null='skip' resumes from them (on_null is not "
             "part of the run's identity); a cleaned column is another input, a new run (write it to a new "
             "output, or pass overwrite=True)."
+        )
+    if isinstance(err, NoWorkersLeft):
+        return SurgeError(
+            f"{err}: workers were killed or exited (jobs preempted, cancelled or out of walltime; a crash, "
+            "e.g. out of memory), or closed because they could not unpickle a task (their logs then say "
+            "'Failed to deserialize', e.g. ModuleNotFoundError: a function of the input defined in a module "
+            f"the workers cannot import). {kept}. Fix: see the workers' logs; move such functions into a "
+            "module installed on the workers; start workers again (cluster.scale(n), or cluster.adapt(...) "
+            "to replace lost jobs), then rerun the same call to resume (surge.no-workers-timeout=None "
+            "waits for workers instead)."
         )
     if type(err).__name__ in ("NoWorkerError", "NoValidWorkerError"):
         return SurgeError(
