@@ -54,7 +54,8 @@ from typing import Any
 from .._compat import BaseExpr as Expr
 from .._compat import simplified
 from ..errors import SurgeInputError
-from ..models.modelid import NotDeterministic, stable_token, without_secrets
+from ..fingerprint import NotDeterministic, without_secrets
+from ..models.modelid import stable_token  # the fingerprint's token, with a torch module's weights digest
 from ..options import identity_options
 
 __all__ = ["IDENTITY_OPTIONS", "input_identity"]
