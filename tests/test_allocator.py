@@ -60,9 +60,19 @@ def test_a_worker_like_process_serves_large_blocks_from_the_heap_once_told(mode,
     assert proc.stdout.split() == expected.split()
 
 
-def test_loading_a_model_applies_it(tiny_model):
+def test_the_cpu_worker_plugin_applies_it_in_a_worker_process(tiny_model, monkeypatch):
     from dask_surge import Encoder
-    from dask_surge.models import allocator
+    from dask_surge.execution import plugins
 
-    Encoder(str(tiny_model), device="cpu").load()
-    assert allocator._done == [allocator.MMAP_THRESHOLD]
+    calls: list[int] = []
+    monkeypatch.setattr(plugins, "keep_large_blocks", lambda: calls.append(1) or True)
+    plugin = plugins.EncoderPlugin(Encoder(str(tiny_model), device="cpu"), preload=False)
+    plugin._tune_allocator()  # the client's own process (a user's notebook): left alone
+    assert calls == []
+    plugin.client_process = ("elsewhere", -1)  # a worker process of its own
+    plugin._tune_allocator()
+    assert calls == [1]
+    gpu = plugins.EncoderPlugin(Encoder(str(tiny_model), device="cuda"), preload=False)
+    gpu.client_process = ("elsewhere", -1)
+    gpu._tune_allocator()  # measured only on a CPU: off on a GPU worker
+    assert calls == [1]

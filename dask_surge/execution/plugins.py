@@ -15,6 +15,7 @@ from dask.base import tokenize
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from ..models.allocator import keep_large_blocks
 from ..models.devices import default_device
 from ..models.encoders import Encoder, install_object, uninstall_object
 
@@ -74,6 +75,7 @@ class EncoderPlugin(WorkerPlugin):
         which a worker whose event loop were blocked would miss heartbeats and look dead.
         """
         configure_worker_threads()
+        self._tune_allocator()
         if self.obj is not None:
             install_object(self.encoder.spec.source, self.obj)
         if not self.preload:
@@ -133,6 +135,19 @@ class EncoderPlugin(WorkerPlugin):
                            type(err).__name__, err)
             return
         logger.info("dask-surge: %r loaded on %s", self.encoder, address)
+
+    def _tune_allocator(self) -> None:
+        """:func:`~dask_surge.models.allocator.keep_large_blocks` in a CPU worker process of its own.
+
+        A process-wide setting, measured only on a CPU: never applied in the client's own
+        process (a user's notebook keeps its allocator), nor on a GPU worker until a GPU run
+        shows it helps there.
+        """
+        if (socket.gethostname(), os.getpid()) == self.client_process:
+            return
+        if (self.encoder.spec.device or default_device()).startswith("cuda"):
+            return
+        keep_large_blocks()
 
     def _share_cores(self, address: str) -> None:
         """:func:`share_tokenizer_cores` in a worker process of its own that encodes on the CPU."""

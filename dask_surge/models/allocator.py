@@ -1,24 +1,11 @@
-"""The C allocator of a process that runs a model: keep torch's activation blocks on the heap.
+"""The C allocator of a Dask worker that runs a model on a CPU: keep activation blocks on the heap.
 
-A Dask nanny starts its worker with ``MALLOC_TRIM_THRESHOLD_=65536``
-(``distributed.nanny.pre-spawn-environ``). Setting that variable also freezes glibc's
-``mmap`` threshold at its 128 KiB start, instead of letting it grow with the blocks a
-process frees. Every activation a CPU forward pass allocates above 128 KiB is then a fresh
-``mmap`` whose pages the kernel zeroes on first touch, and an ``munmap`` when freed; and
-the blocks below it that a forward pass frees at the top of the heap go back to the system
-as soon as 64 KiB are free there, to be faulted in again by the next micro-batch.
-
-:func:`keep_large_blocks` sets both thresholds as glibc's own dynamic rule would once it has
-seen blocks that large: the ``mmap`` threshold to 32 MiB and the trim threshold to twice that,
-64 MiB, when a model loads, before its weights and first activations are allocated (a worker
-that already grew its heap serves large blocks from it anyway). Freed memory above 64 MiB at
-the top of the heap still goes back to the system, as Dask intends.
-
-Measured on the 2-core CPU (``python -m benchmarks.allocator_ab --rounds 3``, fresh processes
-side by side, ``docs/ab_studies.md``), the narrow test encoder on real text: 1.73x faster than
-with the variable alone, against 1.42x with the raised ``mmap`` threshold alone and 1.70x for
-a process without the variable; MiniLM 1.23x (1.18x). End to end, MiniLM on 3,000 texts and 2
-fresh Dask workers: 17.8 s with the variable, 14.9 s with the raised ``mmap`` threshold.
+A Dask nanny starts its worker with ``MALLOC_TRIM_THRESHOLD_=65536``, which also freezes
+glibc's ``mmap`` threshold at 128 KiB: every activation block of a CPU forward pass above
+that is then a fresh, zero-filled ``mmap``. :func:`keep_large_blocks` sets both thresholds
+as glibc's own dynamic rule would (``mmap`` at 32 MiB, trim at twice that). It is a
+process-wide setting: the worker plugin applies it in a CPU worker process of its own,
+never in a user's own process (``python -m benchmarks.allocator_ab`` measures it).
 """
 
 from __future__ import annotations

@@ -57,13 +57,11 @@ import numpy as np
 
 __all__ = ["CPU_MAX_TOKENS", "CPU_MAX_TOKENS_CAP", "activation_bytes_per_token", "cpu_max_tokens", "FIRST_WINDOW_TEXTS", "WINDOW_TEXTS", "BatchPlan", "cut", "plan_batches", "replay", "sort_order", "windows"]
 
-#: Token budget of one micro-batch on a CPU (rows x padded length): measured best on 2 cores
-#: (DESIGN.md section 9: 2,048 gave 1.83x sentence-transformers, 8,192 1.29x).
+#: Token budget of one micro-batch on a CPU (rows x padded length): the budget that measured
+#: fastest on 2 cores (``python -m benchmarks.engine_cpu --max-tokens``).
 CPU_MAX_TOKENS = 2048
-#: The most tokens :func:`cpu_max_tokens` gives a narrow model's micro-batch: on real text, one
-#: core, the tiny 2-layer 32-wide test encoder did 10.6k, 12.5k, 13.6k and 13.9k texts/s at
-#: 2,048, 4,096, 8,192 and 16,384 tokens (``python -m benchmarks.engine_cpu --model tiny --real
-#: --n 20000 --threads 1 --max-tokens 2048,4096,8192,16384``): past 8,192, 2% for twice the memory.
+#: The most tokens :func:`cpu_max_tokens` gives a narrow model's micro-batch: past it, a larger
+#: micro-batch gains little speed for twice the memory (``benchmarks.engine_cpu --max-tokens``).
 CPU_MAX_TOKENS_CAP = 8192
 #: Texts tokenized and length-sorted together. Sorting windows of 65,536 texts wastes about
 #: 6.5% of the forward's tokens on padding, against 21.7% for windows of 16,384 (issue 17).

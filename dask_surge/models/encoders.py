@@ -29,7 +29,6 @@ from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
 from ..io.arrow import embedding_array
 from ..io.texts import as_texts
 from ..options import Dtype, EngineName, Invalid, defaults, option, options_of
-from .allocator import keep_large_blocks
 from .backends import Backend, BackendClosed, choose_backend, direct_backend, free_memory
 from .devices import auto_dtype, checkpoint_dtype, gpu_count
 from .devices import move_to as _move_to  # noqa: F401 - importable from here as before
@@ -1131,7 +1130,6 @@ def dimension_from_files(path: str | os.PathLike) -> int | None:
 
 def _load(spec: EncoderSpec) -> _Loaded:
 
-    keep_large_blocks()  # a Dask worker's allocator would mmap every activation block (see allocator)
     if spec.kind == "object":
         try:
             obj = _OBJECTS[spec.source]

@@ -53,7 +53,7 @@ from .windows import (
     encode_windows,
 )
 
-__all__ = ["NOOP_FORWARD_ENV", "STAGING_BYTES", "TransformerEngine", "chunk_throughput"]
+__all__ = ["NOOP_FORWARD_ENV", "STAGING_BYTES", "TransformerEngine"]
 
 _DTYPES = DTYPES
 _POOLING_MODES = frozenset({"cls", "max", "mean"})
@@ -492,55 +492,3 @@ def _prefetch(items: Iterable[Any], *, background: bool) -> Iterator[Any]:
                 return
             pending = pool.submit(next, iterator, done)
             yield item
-
-
-def chunk_throughput(engine: TransformerEngine, docs: Sequence[str], *,
-                     chunk_overlap: int = DEFAULT_CHUNK_OVERLAP) -> dict[str, float]:
-    """Chunk mode's tokens/s against truncate mode's on the same tokens, in this process (a benchmark).
-
-    Runs ``engine.encode_long(docs, long_texts="chunk")``, then ``engine.encode`` on the
-    windows' texts (``doc[char_start:char_end]``, each within the window, so truncate mode
-    runs the same tokens through the model). Tokens count what the model runs: each
-    window's content, special and prompt tokens. Build the engine with
-    :data:`NOOP_FORWARD_ENV` set to compare the host sides alone (tokenize, cut, pack).
-
-    Returns
-    -------
-    dict
-        ``windows``, ``tokens``; ``chunk_s``, ``truncate_s`` (wall seconds),
-        ``chunk_tokens_per_s``, ``truncate_tokens_per_s``, ``ratio`` (chunk over truncate);
-        ``chunk_host_s``, ``truncate_host_s`` (the engine's tokenize + pack seconds).
-
-    Examples
-    --------
-    >>> from sentence_transformers import SentenceTransformer
-    >>> from dask_surge.testing import packaged_model_dir
-    >>> engine = TransformerEngine.from_sentence_transformer(
-    ...     SentenceTransformer(str(packaged_model_dir()), device="cpu"))
-    >>> r = chunk_throughput(engine, ["a dog " * 300, "a cat"])
-    >>> r["windows"], r["tokens"] > 600, r["ratio"] > 0
-    (4, True, True)
-    """
-    import time
-
-    docs = list(docs)
-
-    def host() -> float:
-        return engine.stats["tokenize"] + engine.stats["pack"]
-
-    h0, t0 = host(), time.perf_counter()
-    out = engine.encode_long(docs, long_texts="chunk", chunk_overlap=chunk_overlap)
-    chunk_s, chunk_host = time.perf_counter() - t0, host() - h0
-    w = out.windows
-    assert w is not None
-    spans = [docs[t][a:b] for t, a, b in zip(w.text.tolist(), w.char_start.tolist(), w.char_end.tolist())]
-    cutter = engine.cutter()
-    tokens = int(w.tokens.sum()) + len(w) * (len(cutter.head) + len(cutter.tail))
-    h0, t0 = host(), time.perf_counter()
-    engine.encode(spans)
-    truncate_s, truncate_host = time.perf_counter() - t0, host() - h0
-    return {
-        "windows": len(w), "tokens": tokens, "chunk_s": chunk_s, "truncate_s": truncate_s,
-        "chunk_tokens_per_s": tokens / chunk_s, "truncate_tokens_per_s": tokens / truncate_s,
-        "ratio": truncate_s / chunk_s, "chunk_host_s": chunk_host, "truncate_host_s": truncate_host,
-    }

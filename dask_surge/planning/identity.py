@@ -56,7 +56,8 @@ from .._compat import simplified
 from .._version import __version__
 from ..config import get as config_get
 from ..errors import SurgeInputError
-from ..models.modelid import NotDeterministic, stable_token, without_secrets
+from ..fingerprint import NotDeterministic, without_secrets
+from ..models.modelid import stable_token  # the fingerprint's token, with a torch module's weights digest
 from ..options import identity_options, option
 
 __all__ = ["IDENTITY_OPTIONS", "input_identity", "fingerprint"]
