@@ -32,8 +32,8 @@ busy       GPU-busy fraction: CUDA events around every forward of one encode cal
            copy: the GPU's idle gap after each call's last forward (does it drain between calls?)
 host       inside one Dask worker: the raw tokenizer's rate on set B's texts, and
            dask-surge end to end with a no-op forward (the host ceiling) on set B, with
-           surge.tokenize-processes at its CUDA default (py-spy --gil sampling the worker:
-           GIL microseconds per text, target <= 4), then 0 (tokenizing in the worker)
+           surge.tokenize-processes=2 (the token pool's arm; py-spy --gil sampling the worker:
+           GIL microseconds per text, target <= 4), then 0 (the default: tokenizing in the worker)
 engine     the engine alone in this process, loaded as the workers load it (length-split
            micro-batches, then the greedy cut); the model forward alone on the same
            micro-batches, pre-tokenized (the ceiling the engine is measured against); pinned
@@ -226,7 +226,7 @@ def stage_preflight(s: Session) -> None:
                           "staging_pinned": bool(engine._staging is not None and engine._staging.is_pinned()),
                           "async_finish": engine._device.side_stream is not None,
                           "noop": engine._noop,
-                          # the tokenizing helpers (surge.tokenize-processes; 2 on CUDA): started, or why not
+                          # the tokenizing helpers (surge.tokenize-processes; 0 by default): started, or why not
                           "tokenize_processes": engine._packer.processes,
                           "tokenize_pool_started": engine._packer._pool is not None,
                           "tokenize_pool_failure": engine._packer._pool_failure}
@@ -377,7 +377,9 @@ def stage_host(s: Session) -> None:
         tok["texts_per_s"] = tok["texts"] / tok["seconds"]
         s.emit(tokenizer_in_worker=tok)
         warm_s = _warm(s, client, model)
-        # surge.tokenize-processes: the device's default; py-spy samples the worker's GIL meanwhile
+        # surge.tokenize-processes=2 (the token pool's arm: off by default until a GPU run shows it helps);
+        # py-spy samples the worker's GIL meanwhile
+        client.run(_set_tokenize_processes, 2)
         noop, gil = _gil_sampled(s, client, lambda: _surge(s, client, model, files, "noop"))
         noop.pop("_records")
         (facts,) = client.run(_worker_facts).values()

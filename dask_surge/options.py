@@ -645,11 +645,11 @@ OPTIONS: tuple[Option, ...] = (
          tokenizes one window (up to 65,536 texts) at a time, the next while the worker packs and
          runs the last one. They start on first use, and stop when the model is closed and at
          exit; the embeddings are the same either way. Can be an int >= 0 (0 tokenizes in the
-         worker), or None to pick by device: 2 on CUDA, where one process's GIL feeds a GPU, and 0
-         on a CPU, where the cores, not the GIL, are the limit and a helper only adds the
-         hand-off.""",
+         worker), or None for the default, 0: on a CPU the cores, not the GIL, are the limit and a
+         helper only adds the hand-off; on CUDA it stays off until a GPU run shows it helps
+         (``docs/tuning.md``).""",
          "helper processes per worker that tokenize for the fast engine (ids through shared memory); "
-         "null: 2 on CUDA, 0 on a CPU",
+         "null: 0 (off)",
          config="tokenize-processes",
          validator=non_negative_int("pass e.g. 2, 0 to tokenize in the worker, or None to pick by device",
                                     none=True),

@@ -64,17 +64,18 @@ class TokenizerProcessError(SurgeError, RuntimeError):
 def auto_processes(device_type: str) -> int:
     """Helper processes ``surge.tokenize-processes: null`` means on a device of type ``device_type``.
 
-    0 off CUDA: on a CPU worker the cores are the bottleneck, and a helper adds work (the
-    hand-off) without taking any off the cores (``benchmarks/host_ceiling.py --tokenpool``). 2 on
-    CUDA: one worker process feeds a GPU, and its GIL, not the cores, caps the texts/s; two
-    helpers let two SuperBatches tokenize at once.
+    0 on every device. On a CPU worker the cores are the bottleneck, and a helper adds work (the
+    hand-off) without taking any off the cores (``benchmarks/host_ceiling.py --tokenpool``). On
+    CUDA, where one worker process feeds a GPU and its GIL may cap the texts/s, helpers could let two
+    SuperBatches tokenize at once, but no GPU run has shown it yet: off until one does (the GPU
+    session's ``host`` stage times both, ``docs/tuning.md``).
 
     Examples
     --------
     >>> auto_processes("cpu"), auto_processes("cuda")
-    (0, 2)
+    (0, 0)
     """
-    return 2 if device_type == "cuda" else 0
+    return 0
 
 
 @dataclass(frozen=True)
