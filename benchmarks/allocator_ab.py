@@ -6,7 +6,7 @@ Usage::
                                       [--out benchmarks/results/allocator_ab.json]
 
 A Dask nanny starts each worker with ``MALLOC_TRIM_THRESHOLD_=65536``, which also freezes
-glibc's mmap threshold at 128 KiB (see :mod:`dask_surge.models.allocator`). Each measurement
+glibc's mmap threshold at 128 KiB (see :mod:`dask_surge.engine.allocator`). Each measurement
 runs in a fresh Python process with one torch thread (as a Dask worker on a CPU runs), loads
 the model through :class:`dask_surge.Encoder` (``device="cpu"``, the fast engine) and encodes
 real text (docstring paragraphs, ``_realtext.py``) in calls of 2,857 texts, the SuperBatch
@@ -16,7 +16,7 @@ size ``e2e_small_files`` sees. Four arms:
 - ``dask``: the variable as a nanny sets it, the allocator left as it is;
 - ``mmap``: the variable, and the mmap threshold raised to 32 MiB only (what dask-surge
   did before the trim threshold was raised too);
-- ``kept``: the variable, and :func:`~dask_surge.models.allocator.keep_large_blocks` as a
+- ``kept``: the variable, and :func:`~dask_surge.engine.allocator.keep_large_blocks` as a
   CPU worker plugin applies it (mmap threshold 32 MiB, trim threshold 64 MiB).
 
 Arms run in a rotating order each round, for the narrow test encoder (``tiny``, where the
@@ -51,7 +51,7 @@ def one(arm: str, model: str, data: str) -> dict:
 
     torch.set_num_threads(1)
     from dask_surge import Encoder
-    from dask_surge.models import allocator
+    from dask_surge.engine import allocator
 
     from ._realtext import read_texts
 

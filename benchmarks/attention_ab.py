@@ -7,7 +7,7 @@ Usage::
 
 torch's CPU flash-attention kernel computes each row's softmax 16 floats at a time and the
 rest of the row one float at a time, so a key length just short of a multiple of 16 costs
-up to twice the aligned one (see :data:`dask_surge.models.device.CPU_KEY_MULTIPLE`). The
+up to twice the aligned one (see :data:`dask_surge.engine.forward.CPU_KEY_MULTIPLE`). The
 engine runs its CPU copy of the encoder through ``_padded_sdpa``, which pads the keys with
 masked-out zeros. This script builds one engine per model, with one torch thread (as a Dask
 worker on a CPU runs), and encodes the same real texts (docstring paragraphs,
@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.models import device
-    from dask_surge.models.engine import TransformerEngine
+    from dask_surge.engine import forward as device
+    from dask_surge.engine.transformer import TransformerEngine
     from dask_surge.testing import packaged_model_dir
 
     from ._realtext import docstring_paragraphs, tiny_model

@@ -97,7 +97,7 @@ def one(method: str, model: str, data: str, workers: int, profile: bool = False)
                                dashboard_address="127.0.0.1:0")
         client = Client(cluster)
         # the imports, as on the ST side (whose clock starts after them); the model loads inside the clock
-        client.run(lambda: __import__("dask_surge.models.engine") and __import__("sentence_transformers") and None)
+        client.run(lambda: __import__("dask_surge.engine.transformer") and __import__("sentence_transformers") and None)
         start_s = time.perf_counter() - t0
         try:
             def run():

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dask_surge.models.engine import TransformerEngine
+from dask_surge.engine.transformer import TransformerEngine
 from dask_surge.testing import make_texts, make_tiny_model, packaged_model_dir
 
 from . import _results

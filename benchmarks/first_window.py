@@ -8,10 +8,10 @@ On ``--n`` real texts (docstring paragraphs, ``_realtext.py``) tokenized with th
 all-MiniLM-L6-v2 tokenizer (truncation 256), for calls of 3,500 (a CPU SuperBatch of the host
 ceiling run), 16,384 and 65,536 texts:
 
-- padding ratio (padded tokens / real tokens, :func:`dask_surge.models.batching.plan_batches`)
+- padding ratio (padded tokens / real tokens, :func:`dask_surge.engine.batching.plan_batches`)
   at token budgets 2,048 (CPU), 16,384 and 65,536 (CUDA) for these window plans:
   ``full`` (windows of ``WINDOW_TEXTS``), ``first_then_full`` (what the engine does where the
-  device overlaps tokenizing: :func:`dask_surge.models.batching.windows` with
+  device overlaps tokenizing: :func:`dask_surge.engine.batching.windows` with
   ``first=FIRST_WINDOW_TEXTS``), ``geometric_x2`` / ``x4`` / ``x8`` (2,048 texts, growing by the
   factor up to ``WINDOW_TEXTS``);
 - seconds until the device can start: the engine tokenizer's time for the first window of a
@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from dask_surge.models.batching import FIRST_WINDOW_TEXTS, WINDOW_TEXTS, plan_batches, windows
-    from dask_surge.models.tokenize import StageClock, TextPacker
+    from dask_surge.engine.batching import FIRST_WINDOW_TEXTS, WINDOW_TEXTS, plan_batches, windows
+    from dask_surge.engine.tokenizing import StageClock, TextPacker
     from dask_surge.testing import packaged_model_dir
 
     from ._realtext import read_texts, small_files

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     from distributed import Client, LocalCluster
 
     import dask_surge  # noqa: F401 - registers the .surge accessor
-    from dask_surge.models.engine import NOOP_FORWARD_ENV
+    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
 
     from ._realtext import small_files
 

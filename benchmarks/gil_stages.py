@@ -5,7 +5,7 @@ Usage::
     python -m benchmarks.gil_stages [--n 65536] [--rounds 4] [--out benchmarks/results/gil_stages.json]
 
 On ``--n`` real texts (docstring paragraphs, ``_realtext.py``, read back from Parquet as a worker
-reads them), with the encoder's forward replaced by zeros (:data:`dask_surge.models.engine.NOOP_FORWARD_ENV`),
+reads them), with the encoder's forward replaced by zeros (:data:`dask_surge.engine.transformer.NOOP_FORWARD_ENV`),
 times each step a SuperBatch task takes, in this process: the read, ``texts_of`` (the list of
 str), ``text_hashes``, the engine's ``encode_long`` (tokenize, pack, no-op device) split into
 its parts, the output frame and the Parquet bytes. Each step reports microseconds per text of
@@ -45,17 +45,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(_results.RESULTS / "gil_stages.json"))
     args = parser.parse_args(argv)
 
-    from dask_surge.models.engine import NOOP_FORWARD_ENV
+    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
 
     os.environ[NOOP_FORWARD_ENV] = "1"
     import numpy as np
     import pyarrow.parquet as pq
 
-    from dask_surge.io.partfiles import parquet_bytes, table_of
+    from dask_surge.engine.joined import flat_ids
     from dask_surge.execution.superbatch import texts_of
     from dask_surge.io.hashing import text_hashes
+    from dask_surge.io.partfiles import parquet_bytes, table_of
     from dask_surge.models.encoders import Encoder
-    from dask_surge.models.joined import flat_ids
 
     from ._realtext import small_files
 
@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)  # as in a worker (the nanny sets OMP_NUM_THREADS=1)
 
+    from dask_surge.engine.tokenizing import gc_paused
     from dask_surge.io.arrow import embedding_array
-    from dask_surge.io.layout import TEXT_HASH
     from dask_surge.io.hashing import hash_column
-    from dask_surge.models.tokenize import gc_paused
+    from dask_surge.io.layout import TEXT_HASH
 
     def host_path(paused: bool) -> None:
         """The engine's host side of one window, with the collector paused as the engine does, or not."""

@@ -9,7 +9,7 @@ For each compute dtype (float16, bfloat16 on CUDA; float32 on CPU), the engine e
 reference texts and the minimum and median cosine against the fp32 reference are saved
 (issue 17's target: >= 0.9999), twice: the engine built on the model sentence-transformers
 loaded (``<dtype>``), and ``dask_surge.Encoder`` loading the directory itself (``<dtype> via
-Encoder``: a plain BERT is then dask-surge's own, :mod:`dask_surge.models.bert`, as in a Dask
+Encoder``: a plain BERT is then dask-surge's own, :mod:`dask_surge.engine.bert`, as in a Dask
 worker; its ``loaded_by`` saved). ``benchmarks/gpu_session.sh``'s headline is ``float16 via
 Encoder``. ``--device cpu`` tries the script on a CPU.
 """
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     from sentence_transformers import SentenceTransformer
 
     from dask_surge import Encoder
-    from dask_surge.models.engine import TransformerEngine
+    from dask_surge.engine.transformer import TransformerEngine
 
     ref = json.loads(Path(args.ref).read_text())
     texts, expected = ref["texts"], np.load(Path(args.ref).with_suffix(".npy"))

@@ -352,7 +352,7 @@ def stage_host(s: Session) -> None:
     """Host ceiling: the raw tokenizer inside a worker, and dask-surge with a no-op forward, on set B."""
     from distributed import Client
 
-    from dask_surge.models.engine import NOOP_FORWARD_ENV
+    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
 
     files, model = s.files("b"), s.model("minilm")
     t0 = time.perf_counter()
@@ -933,7 +933,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import dask_surge  # noqa: F401
-    from dask_surge.models import engine  # noqa: F401
+    from dask_surge.engine import transformer as engine  # noqa: F401
 
     if torch.cuda.is_initialized():  # a forked child could not use CUDA then
         print("PREFLIGHT FAILED: CUDA was initialised before forking the stages", flush=True)

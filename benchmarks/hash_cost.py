@@ -162,7 +162,7 @@ def stage(name: str, model: str, data: Path, warm: Path, n: int, rounds: int, wo
           report: dict) -> dict:
     from distributed import Client, LocalCluster
 
-    from dask_surge.models.device import NOOP_FORWARD_ENV
+    from dask_surge.engine.forward import NOOP_FORWARD_ENV
 
     if noop:
         os.environ[NOOP_FORWARD_ENV] = "1"

@@ -14,13 +14,13 @@ Parquet files of log-normal sizes, see ``_realtext.py``) and the same cores:
 (a) ``tokenizers.Tokenizer.encode_batch`` of the packaged all-MiniLM-L6-v2 tokenizer
     (truncation at 256, as the model) over all texts, already in memory, in one call
     (the Rust thread pool uses every core); and (a') the same tokenizer through
-    :class:`~dask_surge.models.joined.JoinedTokenizer` (texts joined around ``[SEP]``, the same ids),
+    :class:`~dask_surge.engine.joined.JoinedTokenizer` (texts joined around ``[SEP]``, the same ids),
     as the pipeline tokenizes them: (b) / (a') is what the pipeline costs besides tokenizing;
 (b) ``dd.read_parquet(dir).surge.encode("text", output=...)`` on a ``LocalCluster`` of
     ``--workers`` single-threaded workers, from the call to the last committed file, with
     the encoder's forward pass replaced by zeros of the right shape
     (``DASK_SURGE_BENCH_NOOP_FORWARD=1`` in the workers, a switch for benchmarks only;
-    see :data:`dask_surge.models.engine.NOOP_FORWARD_ENV`). The model is loaded on the workers
+    see :data:`dask_surge.engine.transformer.NOOP_FORWARD_ENV`). The model is loaded on the workers
     by a warm-up run before the clock starts.
 
 Target: (b) >= 0.95 x (a) in texts/s (issue 27; issue 17 asked for 0.8). Runs alternate
@@ -32,7 +32,7 @@ during one extra (b) run and reports the GIL-holding microseconds per text and w
 (:func:`gil_profile`); on a loaded machine a thread preempted while holding the GIL still counts.
 
 ``--tokenpool`` compares (b) with ``surge.tokenize-processes`` 0 (``off``: the worker tokenizes)
-and ``--processes`` (``on``: helper processes tokenize, :mod:`dask_surge.models.tokenpool`) side by
+and ``--processes`` (``on``: helper processes tokenize, :mod:`dask_surge.engine.tokenpool`) side by
 side: two clusters, one per setting, both warm, on the same texts, runs alternating (ABBA) with
 (a) once per round, at each of ``--sizes`` texts. Every (b) run is sampled by py-spy ``--gil
 --threads``: GIL-holding microseconds per text per worker by thread (the Dask task thread, the
@@ -82,11 +82,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def tokenizer_run(texts: list[str], *, joined: bool = False) -> float:
     """Seconds of one ``encode_batch`` over ``texts`` with the model's tokenizer and truncation; with
-    ``joined``, of :class:`~dask_surge.models.joined.JoinedTokenizer`'s ``encode`` (the same ids, texts
+    ``joined``, of :class:`~dask_surge.engine.joined.JoinedTokenizer`'s ``encode`` (the same ids, texts
     joined around ``[SEP]``: the fastest this tokenizer gives them, as the pipeline tokenizes them)."""
     from tokenizers import Tokenizer
 
-    from dask_surge.models.joined import JoinedTokenizer
+    from dask_surge.engine.joined import JoinedTokenizer
     from dask_surge.testing import packaged_model_dir
 
     tok = Tokenizer.from_file(str(packaged_model_dir() / "tokenizer.json"))
@@ -383,7 +383,7 @@ def tokenpool_ab(args) -> dict:
     from _realtext import read_texts, small_files
     from distributed import Client, LocalCluster
 
-    from dask_surge.models.engine import NOOP_FORWARD_ENV
+    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
 
     arms = {"off": 0, "on": args.processes}
     os.environ[NOOP_FORWARD_ENV] = "1"  # inherited by the worker processes started below: benchmark only
@@ -549,7 +549,7 @@ def main(argv: list[str] | None = None) -> dict:
     from _realtext import read_texts, small_files
     from distributed import Client, LocalCluster
 
-    from dask_surge.models.engine import NOOP_FORWARD_ENV
+    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
 
     data, layout = small_files(args.n, args.files)
     texts = read_texts(data)

@@ -7,12 +7,12 @@ Usage::
 
 On ``--n`` real texts (docstring paragraphs, ``_realtext.py``), with the packaged all-MiniLM-L6-v2
 tokenizer as the fast engine holds it (truncation at the model's 256 tokens, padding off), each
-arm turns the texts into one packed window (:meth:`~dask_surge.models.tokenize.TextPacker.pack`) and
+arm turns the texts into one packed window (:meth:`~dask_surge.engine.tokenizing.TextPacker.pack`) and
 frees what it made:
 
 - ``per_text``: the Rust tokenizer's ``encode_batch`` of the texts (one ``Encoding`` per text, the
   collector paused as the engine pauses it), packed by gathering each one's ids;
-- ``joined[g]``: :class:`~dask_surge.models.joined.JoinedTokenizer` with groups of ``g`` texts (at
+- ``joined[g]``: :class:`~dask_surge.engine.joined.JoinedTokenizer` with groups of ``g`` texts (at
   most; ``auto`` is the engine's own choice), packed with NumPy.
 
 Every arm must pack the same ids (checked each round). Reported per text, medians over rounds (the
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from dask_surge.models import joined as joined_module
-    from dask_surge.models.tokenize import StageClock, TextPacker, gc_paused
-    from dask_surge.models.tokenpool import TokenizedWindow
+    from dask_surge.engine import joined as joined_module
+    from dask_surge.engine.tokenizing import StageClock, TextPacker, gc_paused
+    from dask_surge.engine.tokenpool import TokenizedWindow
     from dask_surge.testing import packaged_model_dir
 
     from ._realtext import docstring_paragraphs

@@ -50,7 +50,7 @@ def chunk_throughput(engine: Any, docs: Sequence[str], *, chunk_overlap: int = 3
     windows' texts (``doc[char_start:char_end]``, each within the window, so truncate mode
     runs the same tokens through the model). Tokens count what the model runs: each
     window's content, special and prompt tokens. Build the engine with
-    :data:`dask_surge.models.engine.NOOP_FORWARD_ENV` set to compare the host sides alone (tokenize, cut, pack).
+    :data:`dask_surge.engine.transformer.NOOP_FORWARD_ENV` set to compare the host sides alone (tokenize, cut, pack).
 
     Returns
     -------
@@ -61,7 +61,7 @@ def chunk_throughput(engine: Any, docs: Sequence[str], *, chunk_overlap: int = 3
 
     Examples
     --------
-    >>> from dask_surge.models.engine import TransformerEngine
+    >>> from dask_surge.engine.transformer import TransformerEngine
     >>> from sentence_transformers import SentenceTransformer
     >>> from dask_surge.testing import packaged_model_dir
     >>> engine = TransformerEngine.from_sentence_transformer(
@@ -101,7 +101,7 @@ def speed(docs: list[str], repeats: int, *, noop: bool) -> dict:
     import numpy as np
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.models.engine import NOOP_FORWARD_ENV, TransformerEngine
+    from dask_surge.engine.transformer import NOOP_FORWARD_ENV, TransformerEngine
     from dask_surge.testing import packaged_model_dir
 
     os.environ[NOOP_FORWARD_ENV] = "1" if noop else ""
@@ -124,7 +124,7 @@ def speed(docs: list[str], repeats: int, *, noop: bool) -> dict:
 _CHILD = r"""
 import json, os, sys, tempfile, threading, time
 import pandas as pd, dask.dataframe as dd, psutil
-from dask_surge.models.engine import NOOP_FORWARD_ENV
+from dask_surge.engine.transformer import NOOP_FORWARD_ENV
 os.environ[NOOP_FORWARD_ENV] = "1"  # the host side: tokenize, cut, pack, frame, write
 import dask_surge
 from dask_surge.testing import package_documents

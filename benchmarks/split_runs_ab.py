@@ -37,7 +37,7 @@ def plan_facts(lengths, max_tokens: int, split_runs: bool) -> dict:
     """Forward passes, padded tokens and unmasked share of the windows the engine plans."""
     import numpy as np
 
-    from dask_surge.models.batching import WINDOW_TEXTS, plan_batches
+    from dask_surge.engine.batching import WINDOW_TEXTS, plan_batches
 
     forwards = padded = real = uniform_batches = uniform_texts = 0
     for start in range(0, len(lengths), WINDOW_TEXTS):
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     from _realtext import docstring_paragraphs
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.models.engine import TransformerEngine
+    from dask_surge.engine.transformer import TransformerEngine
     from dask_surge.testing import min_cosine, packaged_model_dir
 
     torch.set_num_threads(args.threads)

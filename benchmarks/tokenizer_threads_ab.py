@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from distributed import Client, LocalCluster
 
+    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
     from dask_surge.execution.plugins import tokenizer_threads
-    from dask_surge.models.engine import NOOP_FORWARD_ENV
 
     from ._realtext import read_texts, small_files, tiny_model
     from .host_ceiling import run_cpu, surge_run, tokenizer_run

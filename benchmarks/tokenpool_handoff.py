@@ -10,7 +10,7 @@ through shared memory. This measures both host paths on the same ``--n`` real te
 paragraphs, ``_realtext.py``), alternating per round (ABBA), with the packaged
 all-MiniLM-L6-v2 tokenizer (truncation 256):
 
-- ``inprocess``: what the engine does (:meth:`dask_surge.models.tokenize.TextPacker.tokenize`,
+- ``inprocess``: what the engine does (:meth:`dask_surge.engine.tokenizing.TextPacker.tokenize`,
   collector paused; lengths; ids into one int32 array; the encodings freed);
 - ``helper``: the caller puts the texts in shared memory as an Arrow string array (offsets and
   bytes), a helper process started with ``spawn`` (a Dask worker is multithreaded: no fork)
@@ -56,7 +56,7 @@ def _helper_tokenize(texts_shm: str, n: int, offsets_bytes: int, data_bytes: int
     import numpy as np
     import pyarrow as pa
 
-    from dask_surge.models.joined import flat_ids
+    from dask_surge.engine.joined import flat_ids
 
     c0 = time.process_time()
     shm = shared_memory.SharedMemory(texts_shm)
@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
     import pyarrow as pa
     from transformers import AutoTokenizer
 
-    from dask_surge.models.joined import flat_ids
-    from dask_surge.models.tokenize import StageClock, TextPacker, gc_paused
+    from dask_surge.engine.joined import flat_ids
+    from dask_surge.engine.tokenizing import StageClock, TextPacker, gc_paused
     from dask_surge.testing import packaged_model_dir
 
     from ._realtext import read_texts, small_files

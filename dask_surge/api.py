@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from . import _compat, config
+from .engine.placement import gpu_count
 from .errors import SurgeInputError, SurgeValueError
 from .execution import calibrate as calibration  # called through the module: tests swap its calibrate
 from .execution.cluster import local_cluster, local_cluster_threads
@@ -26,7 +27,6 @@ from .io.layout import reserved_columns
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows, status
 from .io.reuse import ReuseIndex, embedding_identity
-from .models.devices import gpu_count
 from .models.encoders import Encoder
 from .options import EncodeOptions, PlanOptions, document, options_of, signature
 from .planning.costmodel import advise, predict

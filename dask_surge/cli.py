@@ -13,11 +13,11 @@ from pathlib import Path, PurePosixPath
 
 from ._version import __version__
 from .api import encode, plan, read_embeddings, status
+from .engine.placement import gpu_count
 from .errors import SurgeError, SurgeInputError
 from .execution.cluster import local_cluster
 from .io.layout import PARTITION, ROW
 from .io.verify import repair, verify
-from .models.devices import gpu_count
 from .options import add_arguments, from_arguments, option
 from .synthetic import lognormal_sizes, write_partitioned_parquet
 

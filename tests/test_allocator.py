@@ -39,10 +39,10 @@ def heap_kept_after_freeing_8mib():  # the block came from the heap, which staye
 
 first = mmapped_blocks_for_4mib()
 if sys.argv[1] == "keep":
-    from dask_surge.models.allocator import keep_large_blocks
+    from dask_surge.engine.allocator import keep_large_blocks
     assert keep_large_blocks()
 elif sys.argv[1] == "mmap-only":  # the threshold raised, Dask's trim threshold left as it is
-    from dask_surge.models.allocator import _M_MMAP_THRESHOLD, MMAP_THRESHOLD
+    from dask_surge.engine.allocator import _M_MMAP_THRESHOLD, MMAP_THRESHOLD
     assert libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
 print(first, mmapped_blocks_for_4mib(), heap_kept_after_freeing_8mib())
 """

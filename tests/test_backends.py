@@ -1,4 +1,4 @@
-"""The encoder backends (dask_surge.models.backends) and the engine's two halves (tokenize, device)."""
+"""The encoder backends (dask_surge.engine.backends) and the engine's two halves (tokenize, device)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 
 from dask_surge import Encoder
-from dask_surge.errors import SurgeModelError, SurgeValueError
-from dask_surge.models import encoders
-from dask_surge.models.backends import (
+from dask_surge.engine.backends import (
     Backend,
     BackendClosed,
     CallableBackend,
@@ -20,6 +18,8 @@ from dask_surge.models.backends import (
     SentenceTransformersBackend,
     choose_backend,
 )
+from dask_surge.errors import SurgeModelError, SurgeValueError
+from dask_surge.models import encoders
 from dask_surge.testing import make_tiny_model
 
 TEXTS = ["a dog", "", "a cat on the mat", "x y z"]
@@ -114,8 +114,8 @@ def test_an_encoder_whose_backend_was_closed_meanwhile_loads_it_again():
 
 
 def test_the_mask_probe_runs_once_when_the_engine_is_built(tiny, monkeypatch):
-    from dask_surge.models.device import DeviceRunner
-    from dask_surge.models.engine import TransformerEngine
+    from dask_surge.engine.forward import DeviceRunner
+    from dask_surge.engine.transformer import TransformerEngine
 
     probes = []
     real = DeviceRunner._takes_4d_mask
@@ -128,8 +128,8 @@ def test_the_mask_probe_runs_once_when_the_engine_is_built(tiny, monkeypatch):
 
 
 def test_the_host_side_packs_what_the_device_side_runs(tiny):
-    from dask_surge.models.batching import plan_batches
-    from dask_surge.models.engine import TransformerEngine
+    from dask_surge.engine.batching import plan_batches
+    from dask_surge.engine.transformer import TransformerEngine
 
     engine = TransformerEngine.from_sentence_transformer(tiny, max_tokens=64)
     packer = engine._packer
@@ -143,7 +143,7 @@ def test_the_host_side_packs_what_the_device_side_runs(tiny):
 
 
 def test_the_host_side_and_the_backends_import_no_torch():
-    code = ("import sys, dask_surge.models.tokenize, dask_surge.models.backends, dask_surge.models.encoders; "
+    code = ("import sys, dask_surge.engine.tokenizing, dask_surge.engine.backends, dask_surge.models.encoders; "
             "print('torch' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
@@ -175,7 +175,7 @@ def _edit_json(path, **changes):
 
 
 def test_a_plain_transformer_pooling_normalize_directory_is_loaded_without_sentence_transformers(tiny_dir):
-    from dask_surge.models.direct import direct_layout
+    from dask_surge.engine.loading import direct_layout
 
     layout, why = direct_layout(tiny_dir)
     assert layout is not None and layout.modules[:2] == ["Transformer", "Pooling"], why
@@ -191,7 +191,7 @@ def test_a_plain_transformer_pooling_normalize_directory_is_loaded_without_sente
 def test_the_direct_load_computes_what_the_sentence_transformers_load_computes(tiny_dir):
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.models.engine import TransformerEngine
+    from dask_surge.engine.transformer import TransformerEngine
 
     texts = [*TEXTS, "word " * 400, "query: Ünïcödé 漢字"]
     for prompt in (None, "query: "):
@@ -212,8 +212,8 @@ def test_the_direct_load_computes_what_the_sentence_transformers_load_computes(t
     (lambda d: (d / "tokenizer.json").unlink(), "no tokenizer.json"),
 ])
 def test_anything_but_the_plain_stack_is_left_to_sentence_transformers(tiny_dir, tmp_path, edit, why):
-    from dask_surge.models.backends import direct_backend
-    from dask_surge.models.direct import direct_layout
+    from dask_surge.engine.backends import direct_backend
+    from dask_surge.engine.loading import direct_layout
 
     path = _copy_model(tiny_dir, tmp_path / "m", edit)
     assert direct_layout(path)[0] is None, why

@@ -1,4 +1,4 @@
-"""Property tests of the one micro-batching rule (dask_surge.models.batching).
+"""Property tests of the one micro-batching rule (dask_surge.engine.batching).
 
 The engine runs this rule and the cost model replays it; these tests pin what
 both rely on: every text is in exactly one micro-batch, a micro-batch keeps to
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from dask_surge.models import batching
-from dask_surge.models.batching import WINDOW_TEXTS, cut, plan_batches, replay, sort_order, windows
+from dask_surge.engine import batching
+from dask_surge.engine.batching import WINDOW_TEXTS, cut, plan_batches, replay, sort_order, windows
 from dask_surge.planning import costmodel
 
 lengths_st = arrays(np.int64, st.integers(0, 300), elements=st.integers(0, 512))
@@ -133,7 +133,7 @@ def test_windows_and_sort_order():
 
 
 def test_a_large_call_can_start_with_a_small_window_then_full_ones():
-    from dask_surge.models.batching import FIRST_WINDOW_TEXTS
+    from dask_surge.engine.batching import FIRST_WINDOW_TEXTS
 
     n = 2 * WINDOW_TEXTS
     assert windows(n, first=FIRST_WINDOW_TEXTS) == [0, FIRST_WINDOW_TEXTS, FIRST_WINDOW_TEXTS + WINDOW_TEXTS]
@@ -154,7 +154,7 @@ def test_engine_runs_the_planned_micro_batches(monkeypatch, tmp_path):
     """The engine's forward passes are exactly the micro-batches plan_batches cuts."""
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.models.engine import TransformerEngine
+    from dask_surge.engine.transformer import TransformerEngine
     from dask_surge.testing import make_tiny_model
 
     model = SentenceTransformer(make_tiny_model(tmp_path / "tiny"), device="cpu")

@@ -17,9 +17,9 @@ import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
+from dask_surge.engine.forward import _ENDED, STAGING_BYTES, _copy_out
+from dask_surge.engine.transformer import TransformerEngine
 from dask_surge.errors import SurgeModelError
-from dask_surge.models.device import _ENDED, STAGING_BYTES, _copy_out
-from dask_surge.models.engine import TransformerEngine
 from dask_surge.testing import make_texts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from dask_surge import Encoder
+from dask_surge.engine.transformer import TransformerEngine, _cast_copy
+from dask_surge.errors import SurgeModelError, SurgeValueError
 from dask_surge.models.encoders import (
     _check_device,
     _move_to,
@@ -25,8 +27,6 @@ from dask_surge.models.encoders import (
     checkpoint_dtype,
     dimension_from_files,
 )
-from dask_surge.models.engine import TransformerEngine, _cast_copy
-from dask_surge.errors import SurgeModelError, SurgeValueError
 from dask_surge.testing import make_tiny_model, packaged_model_dir
 
 gpu = pytest.mark.gpu
@@ -206,7 +206,7 @@ def test_nan_from_the_fast_engine_names_the_rows(tmp_path):
 
 @pytest.mark.parametrize("value, row", [(float("nan"), 2), (float("inf"), 0), (float("-inf"), 4)])
 def test_the_engine_finiteness_check_finds_any_bad_value(value, row):
-    from dask_surge.models.engine import _check_finite
+    from dask_surge.engine.transformer import _check_finite
 
     out = torch.ones((5, 8))
     out[row, 3] = value

@@ -1,4 +1,4 @@
-"""Tests of dask_surge.models.engine.TransformerEngine against SentenceTransformer.encode."""
+"""Tests of dask_surge.engine.transformer.TransformerEngine against SentenceTransformer.encode."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.sentence_transformer.modules import Dense, Pooling
 
+from dask_surge.engine.batching import CPU_MAX_TOKENS, CPU_MAX_TOKENS_CAP
+from dask_surge.engine.transformer import TransformerEngine
 from dask_surge.errors import SurgeInputError, SurgeValueError
-from dask_surge.models.batching import CPU_MAX_TOKENS, CPU_MAX_TOKENS_CAP
-from dask_surge.models.engine import TransformerEngine
 from dask_surge.testing import make_texts, make_tiny_model, min_cosine, packaged_model_dir
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -68,7 +68,7 @@ def test_user_model_is_left_untouched(models):
 
 
 def test_cpu_fast_path_is_packed_and_fused_and_leaves_the_model_alone(models):
-    from dask_surge.models.engine import _OneDNNLinear
+    from dask_surge.engine.transformer import _OneDNNLinear
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
@@ -84,8 +84,8 @@ def test_cpu_fast_path_is_packed_and_fused_and_leaves_the_model_alone(models):
 def test_narrow_linears_stay_stock_in_a_copy(tmp_path):
     """Below ONEDNN_MIN_WEIGHT a linear keeps torch's own (MKL) path: oneDNN would build a primitive
     per input shape for no gain; the engine still works on a copy of the tree."""
-    from dask_surge.models.device import ONEDNN_MIN_WEIGHT
-    from dask_surge.models.engine import _OneDNNLinear
+    from dask_surge.engine.forward import ONEDNN_MIN_WEIGHT
+    from dask_surge.engine.transformer import _OneDNNLinear
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN: the engine keeps the model's own tree")
@@ -103,7 +103,7 @@ def test_narrow_linears_stay_stock_in_a_copy(tmp_path):
 def test_packed_weights_follow_an_in_place_update(tmp_path, monkeypatch):
     """The oneDNN-packed copy is a snapshot: after fine-tuning in place the engine must not mix
     old linear weights with new ones."""
-    import dask_surge.models.device as device
+    import dask_surge.engine.forward as device
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
@@ -124,7 +124,7 @@ def test_packed_weights_follow_an_in_place_update(tmp_path, monkeypatch):
 
 
 def test_gelu_is_not_fused_into_a_module_that_does_more():
-    from dask_surge.models.engine import _fuse_gelu, _OneDNNLinear
+    from dask_surge.engine.transformer import _fuse_gelu, _OneDNNLinear
 
     class Shifted(torch.nn.Module):  # dense, +1, GELU: fusing would drop the shift
         def __init__(self):
@@ -334,7 +334,7 @@ def test_feeder_serves_concurrent_callers_and_passes_errors_back():
 
 def test_benchmark_noop_forward_switch_returns_zeros_of_the_right_shape(monkeypatch, tmp_path):
     """DASK_SURGE_BENCH_NOOP_FORWARD=1 (benchmarks only) skips the forward: zeros, same shape, same path."""
-    from dask_surge.models.engine import NOOP_FORWARD_ENV
+    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
 
     model = SentenceTransformer(make_tiny_model(tmp_path / "m"), device="cpu")
     monkeypatch.setenv(NOOP_FORWARD_ENV, "1")
@@ -359,7 +359,7 @@ def test_stage_seconds_are_counted(tmp_path):
 def test_feeder_drops_each_job_once_it_ran():
     import weakref
 
-    from dask_surge.models.engine import _Feeder
+    from dask_surge.engine.transformer import _Feeder
 
     class Job:
         def __call__(self):
@@ -405,7 +405,7 @@ def test_close_stops_the_feeder_and_a_dropped_engine_frees_it(tiny):
 
 
 def test_results_are_copied_out_through_a_small_reused_buffer():
-    from dask_surge.models.engine import _copy_out
+    from dask_surge.engine.transformer import _copy_out
 
     out = torch.randn(37, 5)
     staging = torch.empty(16)  # smaller than the output: many chunks through one buffer
@@ -447,7 +447,7 @@ def test_a_large_call_starts_with_a_small_window_and_the_windows_concatenate(tin
     """Where the device overlaps tokenizing (CUDA's background tokenizer, forced here on the CPU), a large
     call's first window is FIRST_WINDOW_TEXTS texts and the rest full windows; each window is sorted and
     cut on its own, so the call's rows are exactly those of encoding its windows one by one."""
-    from dask_surge.models import tokenize
+    from dask_surge.engine import tokenizing as tokenize
 
     monkeypatch.setattr(tokenize, "FIRST_WINDOW_TEXTS", 4)
     monkeypatch.setattr(tokenize, "WINDOW_TEXTS", 16)
@@ -484,7 +484,7 @@ def test_the_collector_is_paused_while_encodings_are_made_and_packed(tiny, monke
 
 
 def test_cpu_attention_runs_with_padded_keys_and_leaves_the_model_alone(models):
-    from dask_surge.models import device
+    from dask_surge.engine import forward as device
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN: the engine shares the user's module tree")
@@ -497,7 +497,7 @@ def test_cpu_attention_runs_with_padded_keys_and_leaves_the_model_alone(models):
 
 
 def test_padded_attention_is_kept_only_where_the_probe_gives_the_same_output(tiny, monkeypatch):
-    from dask_surge.models import device
+    from dask_surge.engine import forward as device
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN: the engine shares the user's module tree")
@@ -516,7 +516,7 @@ def test_padded_attention_is_kept_only_where_the_probe_gives_the_same_output(tin
 @pytest.mark.parametrize("length", [3, 16, 29])
 @pytest.mark.parametrize("mask", ["none", "bool2d", "float4d", "float4d-full", "broadcast"])
 def test_padded_sdpa_equals_sdpa(length, mask):
-    from dask_surge.models import device
+    from dask_surge.engine import forward as device
 
     gen = torch.Generator().manual_seed(length)
     q, k, v = (torch.randn(4, 2, length, 16, generator=gen) for _ in range(3))

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
-from dask_surge.models.joined import JoinedTokenizer, special_ends
+from dask_surge.engine.joined import JoinedTokenizer, special_ends
 from dask_surge.testing import packaged_model_dir
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -72,6 +73,38 @@ def test_layers_contract_is_kept():
     assert f"{len(contracts)} kept, 0 broken" in done.stdout
 
 
+def _lint_with(tmp_path: Path, plant: dict[str, str]) -> str:
+    """``lint-imports`` on a copy of the package with ``plant`` (module path -> a line) appended."""
+    import shutil
+
+    root = PACKAGE.parent
+    shutil.copytree(PACKAGE, tmp_path / "dask_surge", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root / "pyproject.toml", tmp_path / "pyproject.toml")
+    for module, line in plant.items():
+        with open(tmp_path / "dask_surge" / module, "a") as f:
+            f.write(f"\n{line}\n")
+    done = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; "
+                           "lint_imports_command()"], cwd=tmp_path, capture_output=True, text=True)
+    return done.stdout
+
+
+@pytest.mark.parametrize("module, line, broken", [
+    # the host side of the engine imports torch (even inside a function)
+    ("engine/tokenizing.py", "def f():\n    import torch", "engine, the host side"),
+    ("engine/long_texts.py", "import transformers", "engine, the host side"),
+    # a rule the engine is built on imports the machinery above it
+    ("engine/batching.py", "from . import forward", "engine: backends > transformer"),
+    # the engine reaches up into the models a user holds
+    ("engine/transformer.py", "from ..models import encoders", "Layers: public API"),
+])
+def test_a_planted_violation_breaks_its_contract(tmp_path, module, line, broken):
+    pytest.importorskip("importlinter")
+    out = " ".join(_lint_with(tmp_path, {module: line}).split())
+    summary = out[out.index("Contracts ---"):out.index("Contracts:")]  # "<name> KEPT|BROKEN" per contract
+    status = re.search(re.escape(broken) + r".*?(KEPT|BROKEN)", summary)
+    assert status is not None and status.group(1) == "BROKEN", out[-2000:]
+
+
 def test_importing_the_package_loads_no_model_library():
     code = ("import sys, dask_surge, dask_surge.cli; "
             "print(sorted(m for m in ('torch', 'sentence_transformers', 'transformers', 'tokenizers', "
@@ -104,9 +137,9 @@ def test_compat_names_exist_in_the_pinned_dask():
 
 
 def test_function_level_imports_are_for_heavy_dependencies_only():
-    """Inside functions, only the torch-importing modules (the engine, the BERT encoder) and third-party modules
-    are imported."""
-    torch_modules = {"engine", "bert"}
+    """Inside functions, only the torch-importing modules (the engine's transformer, the BERT encoder) and
+    third-party modules are imported."""
+    torch_modules = {"transformer", "bert"}
     lazy = []
     for path in PACKAGE.rglob("*.py"):
         tree = ast.parse(path.read_text())
@@ -123,7 +156,7 @@ def test_function_level_imports_are_for_heavy_dependencies_only():
 #: directory under the system's temporary folder)
 _DELETES = {"rm", "rm_file", "rmdir", "mv", "unlink", "remove", "rename", "replace", "rmtree", "delete"}
 _ALLOWED_DELETES = {
-    ("models/tokenpool.py", "unlink"),  # a shared-memory block, not a file of an output
+    ("engine/tokenpool.py", "unlink"),  # a shared-memory block, not a file of an output
     ("models/modelid.py", "replace"),  # the model digest cache (~/.cache/dask-surge)
     ("execution/calibrate.py", "replace"),  # the calibration cache
     ("io/reuse.py", "unlink"),  # the index builder's spill files in its own temporary directory
@@ -159,3 +192,17 @@ def test_every_delete_and_move_of_an_output_goes_through_one_module():
 
 def test_the_delete_check_can_fail():
     assert _delete_calls("import os\nos.unlink(p)\nself.fs.rm(p)\nx.replace('a', 'b')\n") == [(2, "unlink"), (3, "rm")]
+
+
+def test_the_old_paths_of_the_engine_modules_warn_and_give_the_moved_module():
+    code = ("import importlib, warnings; from dask_surge.models import MOVED\n"
+            "for old, new in sorted(MOVED.items()):\n"
+            "    with warnings.catch_warnings(record=True) as w:\n"
+            "        warnings.simplefilter('always')\n"
+            "        module = importlib.import_module('dask_surge.models.' + old)\n"
+            "    assert module is importlib.import_module(new) and module.__spec__.name == new, old\n"
+            "    assert [str(x.message).split(' moved to ')[1].split(';')[0] for x in w "
+            "if x.category is DeprecationWarning] == [new], (old, [str(x.message) for x in w])\n"
+            "print(len(MOVED))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "14", done.stdout + done.stderr

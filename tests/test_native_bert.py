@@ -1,4 +1,4 @@
-"""dask-surge's own BERT (models/bert.py) and BERT tokenizer (models/bert_tokenizer.py) against transformers'.
+"""dask-surge's own BERT (engine/bert.py) and BERT tokenizer (engine/bert_tokenizer.py) against transformers'.
 
 A plain BERT sentence-transformers model loads in a cold worker without importing transformers
 (3.4 s on a 2-core machine); these tests hold that load to computing what transformers computes,
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from dask_surge.models.bert import BertEncoder, NotNativeBert, load_bert
-from dask_surge.models.bert_tokenizer import BertTokenizerFiles, NotNativeTokenizer, load_bert_tokenizer
-from dask_surge.models.direct import direct_layout, load_direct
+from dask_surge.engine.bert import BertEncoder, NotNativeBert, load_bert
+from dask_surge.engine.bert_tokenizer import BertTokenizerFiles, NotNativeTokenizer, load_bert_tokenizer
+from dask_surge.engine.loading import direct_layout, load_direct
 from dask_surge.testing import make_tiny_model, packaged_model_dir
 
 TEXTS = ["Hello world", "", "Ünïcödé café naïve façade", "漢字 かな カナ 한국어", "tabs\tand\nnew lines  ",
@@ -102,7 +102,7 @@ def test_a_checkpoint_saved_from_a_task_model_loads_under_its_bert_prefix(tmp_pa
 def test_half_checkpoints_load_as_float32_and_say_what_they_store(tmp_path, tiny_dir):
     from safetensors.torch import load_file, save_file
 
-    from dask_surge.models.devices import checkpoint_dtype
+    from dask_surge.engine.placement import checkpoint_dtype
 
     src = _transformer_dir(tiny_dir)
     shutil.copytree(src, tmp_path / "m")

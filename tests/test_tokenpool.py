@@ -1,4 +1,4 @@
-"""Tests of dask_surge.models.tokenpool: tokenizing in helper processes gives the same ids, lengths,
+"""Tests of dask_surge.engine.tokenpool: tokenizing in helper processes gives the same ids, lengths,
 overflow flags and embeddings as in process; the pool cleans up after itself; a dead helper loses nothing."""
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 from sentence_transformers import SentenceTransformer
 from transformers import AutoTokenizer
 
+from dask_surge.engine import tokenizing as tokenize_module
+from dask_surge.engine.tokenizing import StageClock, TextPacker, flat_ids
+from dask_surge.engine.tokenpool import TokenizedWindow, TokenizerProcessError, TokenPool, auto_processes
+from dask_surge.engine.transformer import TransformerEngine
 from dask_surge.errors import SurgeInputError, SurgeValueError
-from dask_surge.models import tokenize as tokenize_module
-from dask_surge.models.engine import TransformerEngine
-from dask_surge.models.tokenize import StageClock, TextPacker, flat_ids
-from dask_surge.models.tokenpool import TokenizedWindow, TokenizerProcessError, TokenPool, auto_processes
 from dask_surge.testing import make_texts, make_tiny_model, packaged_model_dir
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -230,8 +230,8 @@ def test_engine_close_closes_the_pool(models):
 def test_a_pool_left_open_is_cleaned_up_at_exit(tmp_path):
     script = textwrap.dedent(f"""
         from transformers import AutoTokenizer
-        from dask_surge.models.tokenize import StageClock, TextPacker
-        from dask_surge.models.tokenpool import TokenPool
+        from dask_surge.engine.tokenizing import StageClock, TextPacker
+        from dask_surge.engine.tokenpool import TokenPool
         packer = TextPacker(AutoTokenizer.from_pretrained({str(packaged_model_dir())!r}), 16, clock=StageClock())
         pool = TokenPool(packer.tokenizer_json(), 16, processes=1)
         pool.tokenize(["a text", "another"])
@@ -353,23 +353,28 @@ def test_config_picks_the_helpers(models):
 
 
 def test_the_helper_imports_nothing_of_the_package_and_joins_texts(hf_tokenizer, tmp_path):
-    from dask_surge.models.tokenpool import _BOOT, _HELPER
+    from dask_surge.engine.tokenpool import _HELPER
 
     packer = TextPacker(hf_tokenizer, 16, clock=StageClock())
     (tmp_path / "tok.json").write_text(packer.tokenizer_json())
-    # as the helper starts (python -c _BOOT, sys.path without this folder), then its Helper as main() builds it
-    probe = ("import sys, runpy; sys.path[:1] = []; "
+    # as the helper starts (python _tokenhelper.py: its folder first on sys.path), then its Helper as
+    # main() builds it; the standard library's tokenize must be the one imported (no module of the
+    # folder may shadow it, nor any other module the helper and its imports use)
+    probe = (f"import sys, runpy; sys.path.insert(0, {str(_HELPER.parent)!r}); "
              f"g = runpy.run_path({str(_HELPER)!r}, run_name='probe'); "
              f"h = g['Helper'](open({str(tmp_path / 'tok.json')!r}).read(), '', 16); "
+             "import tokenize, inspect; "
+             f"shadowed = sorted(n for n, m in sys.modules.items() if not n.startswith('_dask_surge_') and "
+             f"(getattr(m, '__file__', None) or '')"
+             f".startswith({str(_HELPER.parent)!r})); "
              "print(h.joined is not None, sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('dask', 'dask_surge', 'distributed', 'pandas', 'torch', 'transformers')))")
-    assert _BOOT.startswith("import sys, runpy; sys.path[:1] = []; runpy.run_path(")
+             "('dask', 'dask_surge', 'distributed', 'pandas', 'torch', 'transformers')), shadowed)")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path)
-    assert done.stdout.split() == ["True", "[]"], done.stdout + done.stderr
+    assert done.stdout.split() == ["True", "[]", "[]"], done.stdout + done.stderr
 
 
 def test_a_helper_that_cannot_start_falls_back_with_a_warning(models, monkeypatch):
-    from dask_surge.models import tokenpool
+    from dask_surge.engine import tokenpool
 
     engine = TransformerEngine.from_sentence_transformer(models["tiny"])
     texts = texts_for(40, seed=6)
@@ -415,7 +420,7 @@ def test_a_helper_tokenizes_one_by_one_where_texts_cannot_be_joined(hf_tokenizer
 
     from tokenizers import Tokenizer
 
-    from dask_surge.models.joined import JoinedTokenizer
+    from dask_surge.engine.joined import JoinedTokenizer
 
     spec = json.loads(TextPacker(hf_tokenizer, 16, clock=StageClock()).tokenizer_json())
     spec["truncation"]["stride"] = 2  # joining refuses a stride: the helper takes one Encoding per text

@@ -6,10 +6,10 @@ import pandas as pd
 import pytest
 
 from dask_surge import Encoder
-from dask_surge.planning.costmodel import CostParams, predict
 from dask_surge.errors import SurgeValueError
-from dask_surge.testing import lognormal_sizes, make_partitioned_frame, make_texts
+from dask_surge.planning.costmodel import CostParams, predict
 from dask_surge.planning.tokens import DEFAULT_TRUNCATION, _max_seq_length, sample_texts, token_counter
+from dask_surge.testing import lognormal_sizes, make_partitioned_frame, make_texts
 
 
 def _params(**changes) -> CostParams:
@@ -23,8 +23,8 @@ def _params(**changes) -> CostParams:
 def test_counter_matches_the_loaded_engine_without_loading_weights(monkeypatch):
     from sentence_transformers import SentenceTransformer
 
+    from dask_surge.engine.transformer import TransformerEngine
     from dask_surge.models import encoders
-    from dask_surge.models.engine import TransformerEngine
     from dask_surge.testing import packaged_model_dir
 
     monkeypatch.setattr(encoders, "_LOADED", {})  # nothing loaded here: the tokenizer.json path answers

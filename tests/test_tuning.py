@@ -8,7 +8,7 @@ SCRIPT = r"""
 import gc, os, sys
 rayon = os.environ.get("RAYON_NUM_THREADS")
 from dask_surge import Encoder
-from dask_surge.models import allocator
+from dask_surge.engine import allocator
 enc = Encoder(sys.argv[1], device="cpu")
 enc.load()
 enc.encode(["a notebook loads a model", "and encodes two texts"])

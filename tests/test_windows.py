@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sentence_transformers import SentenceTransformer
 
+from dask_surge.engine import long_texts as windows_mod
+from dask_surge.engine.long_texts import DEFAULT_CHUNK_OVERLAP, TextTooLong, WindowCutter
+from dask_surge.engine.tokenizing import StageClock, TextPacker
+from dask_surge.engine.transformer import TransformerEngine
 from dask_surge.errors import SurgeInputError, SurgeValueError
-from dask_surge.models import windows as windows_mod
 from dask_surge.models.encoders import Encoder
-from dask_surge.models.engine import TransformerEngine
-from dask_surge.models.tokenize import StageClock, TextPacker
-from dask_surge.models.windows import DEFAULT_CHUNK_OVERLAP, TextTooLong, WindowCutter
 from dask_surge.testing import cosines, make_tiny_model, min_cosine, packaged_model_dir
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -6,7 +6,7 @@ import logging
 import os
 
 from .. import config
-from ..models.devices import gpu_count
+from ..engine.placement import gpu_count
 
 __all__ = ["local_cluster", "local_cluster_threads"]
 

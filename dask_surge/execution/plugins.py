@@ -15,8 +15,8 @@ from dask.base import tokenize
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from ..models.allocator import keep_large_blocks
-from ..models.devices import default_device
+from ..engine.allocator import keep_large_blocks
+from ..engine.placement import default_device
 from ..models.encoders import Encoder, install_object, uninstall_object
 
 __all__ = ["EncoderPlugin", "configure_worker_threads", "register_encoder", "release_encoder", "plugin_name",
@@ -137,7 +137,7 @@ class EncoderPlugin(WorkerPlugin):
         logger.info("dask-surge: %r loaded on %s", self.encoder, address)
 
     def _tune_allocator(self) -> None:
-        """:func:`~dask_surge.models.allocator.keep_large_blocks` in a CPU worker process of its own.
+        """:func:`~dask_surge.engine.allocator.keep_large_blocks` in a CPU worker process of its own.
 
         A process-wide setting, measured only on a CPU: never applied in the client's own
         process (a user's notebook keeps its allocator), nor on a GPU worker until a GPU run

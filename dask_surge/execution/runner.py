@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .. import config
+from ..engine.tokenizing import LONE_SURROGATE
 from ..errors import SurgeError, SurgeInputError, SurgeOutputError
 from ..io.arrow import to_host
 from ..io.directory import sb_key
@@ -55,7 +56,6 @@ from ..io.manifest import (
     text_counts,
 )
 from ..io.stores import check_output, check_store, output_fs
-from ..models.tokenize import LONE_SURROGATE
 from ..planning.policy import OnlinePlanner, Span, SuperBatch, plan_superbatches
 from ..planning.sizes import PartitionSizes, known_sizes, text_bytes
 from ..planning.thresholds import Requested, Thresholds

@@ -9,6 +9,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from ..engine.long_texts import TextTooLong, no_tokenizer
+from ..engine.tokenizing import unreadable_text
 from ..errors import SurgeInputError, SurgeValueError
 from ..io.arrow import embedding_array, to_host
 from ..io.frames import FrameRows
@@ -18,8 +20,6 @@ from ..io.precision import truncate
 from ..io.reuse import open_index
 from ..io.texts import ArrowTexts, join_texts, take_texts
 from ..models.encoders import Encoder
-from ..models.tokenize import unreadable_text
-from ..models.windows import TextTooLong, no_tokenizer
 from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
 from ..planning.policy import Span
 

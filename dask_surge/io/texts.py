@@ -2,7 +2,7 @@
 
 A SuperBatch's texts mostly come from an Arrow string column with no null (a Parquet read).
 :class:`ArrowTexts` keeps them so: code that wants Python strings gets them (made once, on
-first use), and code that wants bytes (:class:`dask_surge.models.tokenpool.TokenPool`, which
+first use), and code that wants bytes (:class:`dask_surge.engine.tokenpool.TokenPool`, which
 copies a window's texts into shared memory for a helper process) takes the column's own
 offsets and data buffer, with no per-text Python in the worker.
 """

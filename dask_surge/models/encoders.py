@@ -25,18 +25,25 @@ from typing import Any
 import numpy as np
 
 from .. import config
+from ..engine.backends import Backend, BackendClosed, choose_backend, direct_backend, free_memory
+from ..engine.long_texts import (
+    DEFAULT_CHUNK_OVERLAP,
+    LongEncoded,
+    LongTexts,
+    Windows,
+    check_long_texts,
+    no_tokenizer,
+)
+from ..engine.placement import auto_dtype, checkpoint_dtype, gpu_count
+from ..engine.placement import move_to as _move_to  # noqa: F401 - importable from here as before
+from ..engine.placement import pick_device as _pick_device
+from ..engine.prompts import resolve_prompt
 from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
 from ..io.arrow import embedding_array
 from ..io.texts import as_texts
 from ..options import Dtype, EngineName, Invalid, defaults, option, options_of
-from .backends import Backend, BackendClosed, choose_backend, direct_backend, free_memory
-from .devices import auto_dtype, checkpoint_dtype, gpu_count
-from .devices import move_to as _move_to  # noqa: F401 - importable from here as before
-from .devices import pick_device as _pick_device
 from .hub import cached_snapshot, looks_like_repo_id, resolve_hub_model
 from .modelid import directory_digest, is_secret_key, object_digest, redact, without_secrets
-from .prompts import resolve_prompt
-from .windows import DEFAULT_CHUNK_OVERLAP, LongEncoded, LongTexts, Windows, check_long_texts, no_tokenizer
 
 __all__ = [
     "DEFAULT_MODEL_ALIASES",
@@ -677,7 +684,7 @@ class Encoder:
 
     @property
     def engine(self):
-        """The fast :class:`~dask_surge.models.engine.TransformerEngine` encoding here, or None."""
+        """The fast :class:`~dask_surge.engine.transformer.TransformerEngine` encoding here, or None."""
         return self._loaded().engine
 
     @property
@@ -694,7 +701,7 @@ class Encoder:
 
     @property
     def backend_reason(self) -> str:
-        """Why :attr:`backend` encodes (see :func:`dask_surge.models.backends.choose_backend`).
+        """Why :attr:`backend` encodes (see :func:`dask_surge.engine.backends.choose_backend`).
 
         Examples
         --------
@@ -796,7 +803,7 @@ class Encoder:
         return len(cutter.head) + len(cutter.tail)
 
     def _cutter(self):
-        """The loaded backend's window cutter (see :class:`~dask_surge.models.windows.WindowCutter`)."""
+        """The loaded backend's window cutter (see :class:`~dask_surge.engine.long_texts.WindowCutter`)."""
         impl = self._loaded().impl
         engine = getattr(impl, "engine", None)
         if engine is not None:
@@ -819,7 +826,7 @@ class Encoder:
             L2-normalize each embedding (models ending in a ``Normalize`` module are normalized anyway).
         long_texts : {"truncate", "error", "chunk", "mean"}
             ``"truncate"`` (:meth:`encode`'s behaviour): cut, as sentence-transformers does, and
-            counted in ``truncated``. ``"error"``: raise :class:`~dask_surge.models.windows.TextTooLong`
+            counted in ``truncated``. ``"error"``: raise :class:`~dask_surge.engine.long_texts.TextTooLong`
             for the first text over the window. ``"chunk"``: one row per window; a text's windows
             overlap by up to ``chunk_overlap`` tokens and start and end at word boundaries (unless one
             word is longer than a window), and a window's embedding is the model's on
@@ -1170,7 +1177,7 @@ def _load(spec: EncoderSpec) -> _Loaded:
 
 def _load_direct(spec: EncoderSpec, source: str, device: str) -> _Loaded | None:
     """The model of ``source`` on the fast engine, loaded without importing sentence-transformers when its
-    files allow (see :func:`~dask_surge.models.backends.direct_backend`); None to load it the usual way.
+    files allow (see :func:`~dask_surge.engine.backends.direct_backend`); None to load it the usual way.
 
     A direct load that fails for any reason falls back to sentence-transformers (which raises the
     errors users know), so this only ever makes a load cheaper.
@@ -1190,7 +1197,7 @@ def _load_direct(spec: EncoderSpec, source: str, device: str) -> _Loaded | None:
 
 
 def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
-    """The backend that encodes with ``obj`` for ``spec``, and why (see :func:`~dask_surge.models.backends.choose_backend`)."""
+    """The backend that encodes with ``obj`` for ``spec``, and why (see :func:`~dask_surge.engine.backends.choose_backend`)."""
     name = spec.repo_id or (spec.source if spec.kind == "path" else type(obj).__name__)
     impl, reason = choose_backend(
         obj, name=name, in_memory=spec.kind == "object", device=spec.device, engine=spec.engine, dtype=spec.dtype,

@@ -106,8 +106,8 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import pandas as pd
 
+from ..engine.batching import WINDOW_TEXTS, replay
 from ..errors import SurgeValueError
-from ..models.batching import WINDOW_TEXTS, replay
 from .policy import plan_superbatches, validate_thresholds
 
 __all__ = ["CostParams", "predict", "phi_cv", "Advice", "advise", "auto_thresholds", "call_cost", "call_overhead",
@@ -330,7 +330,7 @@ _GRID = np.unique(np.concatenate([np.arange(1, 129), np.round(np.geomspace(128, 
 def _replay(lengths: np.ndarray, max_tokens: int, batch_rows: int) -> tuple[float, int]:
     """(padded tokens, forward passes) of one call whose token lengths are sorted descending.
 
-    The engine's rule, from :func:`dask_surge.models.batching.replay` (kept under this name for callers).
+    The engine's rule, from :func:`dask_surge.engine.batching.replay` (kept under this name for callers).
     """
     return replay(lengths, max_tokens, batch_rows)
 

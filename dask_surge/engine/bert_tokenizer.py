@@ -114,7 +114,7 @@ def load_bert_tokenizer(directory: str, *, model_max_length: int | None = None) 
     >>> load_bert_tokenizer(tempfile.mkdtemp())
     Traceback (most recent call last):
     ...
-    dask_surge.models.bert_tokenizer.NotNativeTokenizer: there is no tokenizer_config.json
+    dask_surge.engine.bert_tokenizer.NotNativeTokenizer: there is no tokenizer_config.json
     """
     from tokenizers import Tokenizer, processors
 

@@ -1,10 +1,10 @@
-"""The helper process of :mod:`dask_surge.models.tokenpool`: tokenize windows of texts out of the worker.
+"""The helper process of :mod:`dask_surge.engine.tokenpool`: tokenize windows of texts out of the worker.
 
-This file runs on its own (``runpy.run_path``, started by :class:`~dask_surge.models.tokenpool.TokenPool`
-as ``python -c``): it imports only the standard library, NumPy and ``tokenizers`` (importing the
+This file runs on its own (``python _tokenhelper.py``, started by
+:class:`~dask_surge.engine.tokenpool.TokenPool`): it imports only the standard library, NumPy and ``tokenizers`` (importing the
 package would import Dask, seconds on a busy machine), so keep it that way. It loads its sibling
 ``joined.py`` (the same constraint) by path: a helper tokenizes with
-:class:`~dask_surge.models.joined.JoinedTokenizer` where the tokenizer allows it, as the worker does.
+:class:`~dask_surge.engine.joined.JoinedTokenizer` where the tokenizer allows it, as the worker does.
 
 Protocol, over the helper's stdin (requests) and a duplicate of its stdout (replies; fd 1 then
 points at stderr, so a stray print cannot corrupt the stream): each message is a 4-byte

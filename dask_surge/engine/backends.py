@@ -1,6 +1,6 @@
 """What encodes a loaded model: three backends behind one small protocol, and the function that picks one.
 
-- :class:`FastBackend`: the tokenize-sort-forward :class:`~dask_surge.models.engine.TransformerEngine`,
+- :class:`FastBackend`: the tokenize-sort-forward :class:`~dask_surge.engine.transformer.TransformerEngine`,
   for a ``SentenceTransformer`` that is Transformer (an encoder) + Pooling (cls, mean or
   max) (+ Normalize);
 - :class:`SentenceTransformersBackend`: ``SentenceTransformer.encode``, for every other
@@ -29,10 +29,10 @@ import numpy as np
 
 from ..errors import SurgeModelError, SurgeValueError
 from ..io.texts import ArrowTexts
-from .devices import auto_dtype, checkpoint_dtype, move_to
-from .direct import direct_layout, load_direct
+from .loading import direct_layout, load_direct
+from .long_texts import LongEncoded, TextTooLong, WindowCutter, WindowGroup, encode_windows, no_tokenizer
+from .placement import auto_dtype, checkpoint_dtype, move_to
 from .prompts import resolve_prompt
-from .windows import LongEncoded, TextTooLong, WindowCutter, WindowGroup, encode_windows, no_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ class _Released:
 
 
 class FastBackend(_Released):
-    """The fast engine of a ``SentenceTransformer`` (see :class:`~dask_surge.models.engine.TransformerEngine`).
+    """The fast engine of a ``SentenceTransformer`` (see :class:`~dask_surge.engine.transformer.TransformerEngine`).
 
     It checks the embeddings for NaN and inf itself, on the device.
     """
@@ -149,13 +149,13 @@ class FastBackend(_Released):
     name = "fast"
     #: What loaded the model: ``"sentence-transformers"``; for a plain Transformer + Pooling
     #: (+ Normalize) directory loaded without it (:func:`direct_backend`), ``"dask-surge"`` (a BERT,
-    #: :mod:`dask_surge.models.bert`) or ``"transformers"`` (another encoder, ``AutoModel``).
+    #: :mod:`dask_surge.engine.bert`) or ``"transformers"`` (another encoder, ``AutoModel``).
     loaded_by = "sentence-transformers"
 
     def __init__(self, model: Any, engine: Any) -> None:
         super().__init__()
         self.model = model
-        #: The :class:`~dask_surge.models.engine.TransformerEngine` (None once released).
+        #: The :class:`~dask_surge.engine.transformer.TransformerEngine` (None once released).
         self.engine = engine
         self.dimension = int(engine.dimension)
 
@@ -363,7 +363,7 @@ def choose_backend(
     if engine == "sentence-transformers":
         reason = "engine='sentence-transformers' was asked for: SentenceTransformer.encode runs"
     else:
-        from .engine import TransformerEngine
+        from .transformer import TransformerEngine
 
         if dtype == "auto":
             dtype = auto_dtype(str(obj.device), checkpoint_dtype(obj))
@@ -387,7 +387,7 @@ def direct_backend(
     prompt: str | None = None, prompt_name: str | None = None,
 ) -> tuple[Backend, str] | None:
     """The fast backend of the model directory ``path``, loaded without sentence-transformers when its
-    files say it is a plain Transformer + Pooling (+ Normalize) encoder (see :mod:`dask_surge.models.direct`);
+    files say it is a plain Transformer + Pooling (+ Normalize) encoder (see :mod:`dask_surge.engine.loading`);
     None when it is not (the caller loads it with sentence-transformers, which also raises the errors).
 
     The reason is the one :func:`choose_backend` gives for the same model.
@@ -414,7 +414,7 @@ def direct_backend(
         dtype = auto_dtype(str(device), checkpoint_dtype(module.auto_model))
     if dtype not in (None, "float32") and not str(device).startswith("cuda"):
         return None  # half precision on a CPU: sentence-transformers' load raises the error that says so
-    from .engine import TransformerEngine
+    from .transformer import TransformerEngine
 
     fast = TransformerEngine(module, (layout.mode,), normalize=layout.normalize, max_tokens=max_tokens,
                              dtype=dtype, prompt="" if resolved is None else resolved,

@@ -51,7 +51,7 @@ class BertConfig:
     """The parts of a BERT ``config.json`` the forward pass reads.
 
     ``dtype`` is the floating dtype the checkpoint stores its weights in (the weights are
-    loaded as float32; :func:`~dask_surge.models.devices.checkpoint_dtype` reads it here, as
+    loaded as float32; :func:`~dask_surge.engine.placement.checkpoint_dtype` reads it here, as
     it reads a ``transformers`` config's).
     """
 
@@ -80,7 +80,7 @@ class BertConfig:
         >>> BertConfig.from_json({"model_type": "bert", "hidden_act": "gelu_new"})
         Traceback (most recent call last):
         ...
-        dask_surge.models.bert.NotNativeBert: hidden_act='gelu_new' is not the exact GELU
+        dask_surge.engine.bert.NotNativeBert: hidden_act='gelu_new' is not the exact GELU
         """
         checks = {
             "model_type": (raw.get("model_type") == "bert", "is not 'bert'"),
@@ -123,7 +123,7 @@ def pad_keys(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, 
     """Pad attention's keys and values to a multiple of ``multiple`` tokens, the padding masked out.
 
     The attention is the same (the padded keys get no weight); only the kernel's loops change
-    (see :data:`dask_surge.models.device.CPU_KEY_MULTIPLE`). ``mask`` is None, a boolean mask
+    (see :data:`dask_surge.engine.forward.CPU_KEY_MULTIPLE`). ``mask`` is None, a boolean mask
     (True: attend) or an additive one, broadcastable to ``(batch, heads, queries, keys)``.
 
     Examples
@@ -315,7 +315,7 @@ def load_bert(directory: str, device: str | torch.device) -> BertEncoder:
     >>> load_bert(tempfile.mkdtemp(), "cpu")
     Traceback (most recent call last):
     ...
-    dask_surge.models.bert.NotNativeBert: no config.json ...
+    dask_surge.engine.bert.NotNativeBert: no config.json ...
     """
     root = Path(directory)
     try:

@@ -1,10 +1,10 @@
 """The host side of the fast engine: tokenize with the Rust tokenizer, sort by length, pack int32 ids.
 
 :class:`TextPacker` holds a private copy of a model's fast tokenizer (truncation set,
-padding off) and turns texts into windows of :data:`~dask_surge.models.batching.WINDOW_TEXTS`
-texts, each planned by :func:`~dask_surge.models.batching.plan_batches` and gathered, in run
+padding off) and turns texts into windows of :data:`~dask_surge.engine.batching.WINDOW_TEXTS`
+texts, each planned by :func:`~dask_surge.engine.batching.plan_batches` and gathered, in run
 order, into one int32 array (:class:`PackedWindow`). Nothing here imports torch: the
-device side (:mod:`dask_surge.models.device`) turns a packed window into tensors.
+device side (:mod:`dask_surge.engine.forward`) turns a packed window into tensors.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ __all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker", "flat_ids", "gc
 logger = logging.getLogger(__name__)
 
 #: What a window of :meth:`TextPacker.windows` holds: the Rust tokenizer's encodings (tokenized in
-#: this process, text by text) or a :class:`~dask_surge.models.tokenpool.TokenizedWindow` (texts joined,
-#: :mod:`dask_surge.models.joined`, or tokenized by a helper process).
+#: this process, text by text) or a :class:`~dask_surge.engine.tokenpool.TokenizedWindow` (texts joined,
+#: :mod:`dask_surge.engine.joined`, or tokenized by a helper process).
 Tokenized = list | TokenizedWindow
 
 #: The stages whose seconds an engine counts (see :attr:`StageClock.stats`).
@@ -174,7 +174,7 @@ class TextPacker:
     clock : StageClock
         Where the ``tokenize`` and ``pack`` seconds go.
     processes : int, default 0
-        Helper processes that tokenize (:class:`~dask_surge.models.tokenpool.TokenPool`, started on
+        Helper processes that tokenize (:class:`~dask_surge.engine.tokenpool.TokenPool`, started on
         first use); 0 tokenizes in this process. Settable: :attr:`processes`.
     """
 
@@ -189,7 +189,7 @@ class TextPacker:
         )
         self._encode_batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
         #: Texts joined into few tokenizer inputs (the same ids, far fewer Python objects), or None where the
-        #: tokenizer does not allow it (see :mod:`dask_surge.models.joined`).
+        #: tokenizer does not allow it (see :mod:`dask_surge.engine.joined`).
         self._joined = JoinedTokenizer.of(self._tokenizer)
         #: Id that pads a row (the tokenizer's pad token, else 0).
         self.pad_id: int = hf_tokenizer.pad_token_id or 0
@@ -252,8 +252,8 @@ class TextPacker:
 
     def tokenize(self, texts: Sequence[str]) -> Tokenized:
         """``texts`` tokenized in this process (prompt first, truncated, unpadded): a
-        :class:`~dask_surge.models.tokenpool.TokenizedWindow` where the tokenizer allows joining texts
-        (:class:`~dask_surge.models.joined.JoinedTokenizer`, the same ids), else the Rust tokenizer's encodings.
+        :class:`~dask_surge.engine.tokenpool.TokenizedWindow` where the tokenizer allows joining texts
+        (:class:`~dask_surge.engine.joined.JoinedTokenizer`, the same ids), else the Rust tokenizer's encodings.
 
         Raises
         ------
@@ -333,14 +333,14 @@ class TextPacker:
     def windows(self, texts: list[str] | ArrowTexts, *, background: bool = False) -> Iterator[tuple[int, Tokenized]]:
         """Yield ``(offset, encodings)`` per window; with ``background`` the next window tokenizes meanwhile.
 
-        Windows follow :func:`~dask_surge.models.batching.windows`; with ``background`` (the device
+        Windows follow :func:`~dask_surge.engine.batching.windows`; with ``background`` (the device
         runs while the host tokenizes) a large call starts with a window of
-        :data:`~dask_surge.models.batching.FIRST_WINDOW_TEXTS` texts, so the device starts early.
+        :data:`~dask_surge.engine.batching.FIRST_WINDOW_TEXTS` texts, so the device starts early.
         With :attr:`processes` > 0 the helper processes tokenize (one window per helper handed over
         ahead of the one yielded, whatever ``background`` says) and each window is a
-        :class:`~dask_surge.models.tokenpool.TokenizedWindow`; the windows, and so the plans and the
+        :class:`~dask_surge.engine.tokenpool.TokenizedWindow`; the windows, and so the plans and the
         embeddings, are the same. When a helper dies the rest is tokenized in this process, with a
-        ``RuntimeWarning`` that says why (:class:`~dask_surge.models.tokenpool.TokenizerProcessError`).
+        ``RuntimeWarning`` that says why (:class:`~dask_surge.engine.tokenpool.TokenizerProcessError`).
 
         Examples
         --------
@@ -496,7 +496,7 @@ class TextPacker:
         return window
 
     def pack(self, encodings: Tokenized, offset: int, *, max_tokens: int, split_runs: bool = True) -> PackedWindow:
-        """Plan one window (:func:`~dask_surge.models.batching.plan_batches`) and gather its ids in run order."""
+        """Plan one window (:func:`~dask_surge.engine.batching.plan_batches`) and gather its ids in run order."""
         if isinstance(encodings, TokenizedWindow):
             return self._pack_tokenized(encodings, offset, max_tokens=max_tokens, split_runs=split_runs)
         t0 = time.perf_counter()

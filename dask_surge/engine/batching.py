@@ -1,6 +1,6 @@
 """The micro-batching rule, stated once: sort by token length, cut by a token budget.
 
-Both the fast engine (:mod:`dask_surge.models.engine`), which runs the rule, and the cost
+Both the fast engine (:mod:`dask_surge.engine.transformer`), which runs the rule, and the cost
 model (:mod:`dask_surge.planning.costmodel`, :mod:`dask_surge.execution.calibrate`), which replays it
 to predict padding and forward passes, call these functions, so a change to the
 rule changes both.

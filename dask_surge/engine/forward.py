@@ -5,7 +5,7 @@ encoder module (a oneDNN copy sharing the weights on a CPU, native half weights 
 CUDA), the attention-mask form the encoder takes (probed once, when the runner is
 built), pooling, the one feeder thread that launches device work on CUDA
 (:class:`_Feeder`), and the pinned staging buffer results are copied out through.
-It turns the host's packed windows (:class:`dask_surge.models.tokenize.PackedWindow`)
+It turns the host's packed windows (:class:`dask_surge.engine.tokenizing.PackedWindow`)
 into tensors and runs their micro-batches. :meth:`DeviceRunner.close` releases all of it.
 
 On CUDA a call's finish never drains the GPU: an event marks the end of the call's
@@ -36,13 +36,13 @@ import torch
 from ..errors import SurgeModelError
 from .batching import CPU_MAX_TOKENS, BatchPlan, activation_bytes_per_token, cpu_max_tokens
 from .bert import BertEncoder, pad_keys
-from .tokenize import PackedWindow, StageClock
+from .tokenizing import PackedWindow, StageClock
 
 __all__ = ["DTYPES", "NOOP_FORWARD_ENV", "STAGING_BYTES", "DeviceRunner"]
 
 #: Compute dtypes by name (None: the weights' own, float32).
 DTYPES = {None: None, "float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
-#: Token budget per micro-batch on CPU (rows x padded length); the rule lives in :mod:`dask_surge.models.batching`.
+#: Token budget per micro-batch on CPU (rows x padded length); the rule lives in :mod:`dask_surge.engine.batching`.
 _CPU_MAX_TOKENS = CPU_MAX_TOKENS
 #: FOR BENCHMARKING ONLY. When this environment variable is "1" in the process that builds an
 #: engine, the engine skips the encoder's forward pass and returns zeros of the right shape, so
@@ -361,7 +361,7 @@ class DeviceRunner:
 
     # -- sizing, the feeder thread, release ----------------------------------------------------
     def auto_max_tokens(self, max_seq_length: int) -> int:
-        """The token budget of one micro-batch: on a CPU, :func:`~dask_surge.models.batching.cpu_max_tokens`
+        """The token budget of one micro-batch: on a CPU, :func:`~dask_surge.engine.batching.cpu_max_tokens`
         (2,048 for MiniLM-sized and wider models, up to 8,192 for narrower ones); on CUDA, sized from
         free memory."""
         per_token = activation_bytes_per_token(self.config, max_seq_length)
@@ -676,7 +676,7 @@ def _sdpa_forward(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
 
 def _pad_cpu_attention(model: torch.nn.Module, probe: dict[str, torch.Tensor]) -> bool:
     """Run ``model``'s SDPA attention through :func:`_padded_sdpa`, where it gives the same output on ``probe``
-    (a :class:`~dask_surge.models.bert.BertEncoder` pads its keys itself: the same padding, no probe).
+    (a :class:`~dask_surge.engine.bert.BertEncoder` pads its keys itself: the same padding, no probe).
 
     Only for a model whose config says ``sdpa`` and a transformers that takes an attention
     function by name (``AttentionInterface``, with its mask function); it sets ``model.config``,

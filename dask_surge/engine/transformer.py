@@ -7,9 +7,9 @@ call, sorts the texts by token length, cuts micro-batches under a token budget s
 padding is nearly zero, runs the encoder, pools on the device and puts the rows back in
 the caller's order.
 
-It is two parts: the host side, :class:`~dask_surge.models.tokenize.TextPacker`
+It is two parts: the host side, :class:`~dask_surge.engine.tokenizing.TextPacker`
 (tokenize, length sort, pack int32 ids; no torch), and the device side,
-:class:`~dask_surge.models.device.DeviceRunner` (forward, pooling, the feeder thread and
+:class:`~dask_surge.engine.forward.DeviceRunner` (forward, pooling, the feeder thread and
 the pinned staging buffer; the attention-mask form probed once, when it is built).
 """
 
@@ -26,23 +26,20 @@ import torch
 from .. import config
 from ..errors import SurgeValueError
 from ..io.texts import ArrowTexts, as_list, as_texts
-from .device import (  # the private helpers are re-exported: tests and benchmarks import them from here
+from .forward import (  # the private helpers are re-exported: tests and benchmarks import them from here
     DTYPES,
     NOOP_FORWARD_ENV,
     STAGING_BYTES,
     DeviceRunner,
     _Window,
 )
-from .device import _cast_copy as _cast_copy
-from .device import _check_finite as _check_finite
-from .device import _copy_out as _copy_out
-from .device import _Feeder as _Feeder
-from .device import _fuse_gelu as _fuse_gelu
-from .device import _OneDNNLinear as _OneDNNLinear
-from .prompts import resolve_prompt
-from .tokenize import StageClock, TextPacker, prepared
-from .tokenpool import auto_processes
-from .windows import (
+from .forward import _cast_copy as _cast_copy
+from .forward import _check_finite as _check_finite
+from .forward import _copy_out as _copy_out
+from .forward import _Feeder as _Feeder
+from .forward import _fuse_gelu as _fuse_gelu
+from .forward import _OneDNNLinear as _OneDNNLinear
+from .long_texts import (
     DEFAULT_CHUNK_OVERLAP,
     LongEncoded,
     LongTexts,
@@ -52,6 +49,9 @@ from .windows import (
     check_long_texts,
     encode_windows,
 )
+from .prompts import resolve_prompt
+from .tokenizing import StageClock, TextPacker, prepared
+from .tokenpool import auto_processes
 
 __all__ = ["NOOP_FORWARD_ENV", "STAGING_BYTES", "TransformerEngine"]
 
@@ -117,7 +117,7 @@ class TransformerEngine:
         #: CUDA, where the calling threads then only tokenize and pack. Settable (tests set it on CPU).
         self.use_feeder = self.device.type == "cuda"
         self._closed = False
-        #: Cut micro-batches where the sorted length changes (:func:`dask_surge.models.batching.cut`,
+        #: Cut micro-batches where the sorted length changes (:func:`dask_surge.engine.batching.cut`,
         #: ``split_runs``), and run the one-length ones without an attention mask. Settable
         #: (benchmarks compare both); the embeddings are the same either way.
         self.split_runs = True
@@ -125,8 +125,8 @@ class TransformerEngine:
         self.prompt = self._packer.prompt
         #: Tokens of the prompt left out of pooling (0 when the Pooling module includes the prompt).
         self.prompt_length = self._packer.prompt_length
-        #: Helper processes that tokenize (:mod:`~dask_surge.models.tokenpool`): None reads
-        #: ``surge.tokenize-processes`` at each call (None there: :func:`~dask_surge.models.tokenpool.auto_processes`
+        #: Helper processes that tokenize (:mod:`~dask_surge.engine.tokenpool`): None reads
+        #: ``surge.tokenize-processes`` at each call (None there: :func:`~dask_surge.engine.tokenpool.auto_processes`
         #: of the device). Settable; the embeddings are the same either way.
         self.tokenize_processes: int | None = None
 
@@ -365,7 +365,7 @@ class TransformerEngine:
         return self._device.forward(ids, valid)
 
     def cutter(self) -> WindowCutter:
-        """The :class:`~dask_surge.models.windows.WindowCutter` of this model and prompt (built on first use)."""
+        """The :class:`~dask_surge.engine.long_texts.WindowCutter` of this model and prompt (built on first use)."""
         if self._cutter is None:
             self._cutter = WindowCutter(self._hf_tokenizer, self.max_seq_length, prompt=self.prompt)
         return self._cutter

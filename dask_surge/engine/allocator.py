@@ -34,7 +34,7 @@ def keep_large_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
 
     Examples
     --------
-    >>> from dask_surge.models.allocator import keep_large_blocks
+    >>> from dask_surge.engine.allocator import keep_large_blocks
     >>> keep_large_blocks()  # in a Dask worker, before the model's first forward pass  # doctest: +SKIP
     True
     """

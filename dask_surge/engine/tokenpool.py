@@ -2,7 +2,7 @@
 
 The Rust tokenizer runs without the GIL, but what it hands back does not: one Python
 ``Encoding`` per text, its ``.ids`` list, their frees (about 4 us of GIL per text in a worker,
-``benchmarks/gil_stages.py``; about 1.5 with texts joined, :mod:`dask_surge.models.joined`, most
+``benchmarks/gil_stages.py``; about 1.5 with texts joined, :mod:`dask_surge.engine.joined`, most
 of it a Python int per token). On a GPU worker every microsecond of GIL per text caps the
 texts/s one process can feed. A :class:`TokenPool` moves that work into helper processes:
 
@@ -15,7 +15,7 @@ texts/s one process can feed. A :class:`TokenPool` moves that work into helper p
   crosses the boundary.
 
 The caller creates, owns and unlinks every block; the helpers only map them. A helper that dies
-is reported as :class:`TokenizerProcessError`; :meth:`dask_surge.models.tokenize.TextPacker.windows`
+is reported as :class:`TokenizerProcessError`; :meth:`dask_surge.engine.tokenizing.TextPacker.windows`
 then tokenizes the rest in process, with a warning, so no row is lost and the ids are the same.
 """
 
@@ -44,11 +44,10 @@ __all__ = ["TokenPool", "TokenizedWindow", "TokenizerProcessError", "auto_proces
 
 logger = logging.getLogger(__name__)
 
+#: The helper's program, run as a script: it imports nothing of the package (which would import
+#: Dask, seconds on a busy machine); its folder, first on the helper's ``sys.path``, shadows no
+#: module of the standard library or of a dependency (``tests/test_tokenpool.py`` checks).
 _HELPER = Path(__file__).with_name("_tokenhelper.py")
-#: ``python -c`` program of a helper: runs ``_tokenhelper.py`` without importing the package (Dask:
-#: seconds) and without putting this folder (whose ``tokenize.py`` shadows the standard library's)
-#: on ``sys.path``.
-_BOOT = "import sys, runpy; sys.path[:1] = []; runpy.run_path({path!r}, run_name='__main__')"
 
 
 class TokenizerProcessError(SurgeError, RuntimeError):
@@ -81,7 +80,7 @@ def auto_processes(device_type: str) -> int:
 @dataclass(frozen=True)
 class TokenizedWindow:
     """One window of texts as arrays: per text its length and overflow flag, and all ids (from a helper
-    process, or from :class:`~dask_surge.models.joined.JoinedTokenizer` in process).
+    process, or from :class:`~dask_surge.engine.joined.JoinedTokenizer` in process).
 
     Attributes
     ----------
@@ -125,7 +124,7 @@ class _Helper:
     def __init__(self, setup: dict[str, Any], index: int) -> None:
         self.index = index
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT.format(path=str(_HELPER))],
+            [sys.executable, str(_HELPER)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
         )
         self.blocks: dict[str, SharedMemory] = {}
@@ -292,7 +291,7 @@ class TokenPool:
     ----------
     tokenizer_json : str
         The tokenizer, as ``tokenizers.Tokenizer.to_str()`` writes it, truncation and padding set
-        as the ids should come out (:class:`~dask_surge.models.tokenize.TextPacker` passes its own).
+        as the ids should come out (:class:`~dask_surge.engine.tokenizing.TextPacker` passes its own).
     max_length : int
         The truncation length: a text whose encoding is this long may have been cut, and its
         overflow flag is read.
@@ -311,7 +310,7 @@ class TokenPool:
     Examples
     --------
     >>> from transformers import AutoTokenizer
-    >>> from dask_surge.models.tokenize import StageClock, TextPacker
+    >>> from dask_surge.engine.tokenizing import StageClock, TextPacker
     >>> from dask_surge.testing import packaged_model_dir
     >>> packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 8, clock=StageClock())
     >>> pool = TokenPool(packer.tokenizer_json(), 8)

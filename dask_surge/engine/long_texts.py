@@ -13,9 +13,9 @@ prompt) is, by ``long_texts=``:
 (Rust) tokenizer (no special tokens, no truncation), very long texts in slices of
 :data:`SLICE_CHARS` characters cut at whitespace, and cuts windows on the token ids at word
 boundaries. It yields :class:`WindowGroup` s of at most about
-:data:`~dask_surge.models.batching.WINDOW_TEXTS` windows, whose token ids the fast engine
+:data:`~dask_surge.engine.batching.WINDOW_TEXTS` windows, whose token ids the fast engine
 packs into its length-sorted micro-batches without tokenizing again
-(:meth:`~dask_surge.models.tokenize.TextPacker.pack_windows`). Nothing here imports torch.
+(:meth:`~dask_surge.engine.tokenizing.TextPacker.pack_windows`). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..errors import SurgeInputError, SurgeValueError
 from ..options import DEFAULT_CHUNK_OVERLAP, LONG_TEXTS, LongTexts
 from .batching import WINDOW_TEXTS
 from .joined import flat_ids, special_ends
-from .tokenize import unreadable_text
+from .tokenizing import unreadable_text
 
 __all__ = [
     "DEFAULT_CHUNK_OVERLAP",
@@ -635,7 +635,7 @@ def encode_windows(texts: Sequence[str], long_texts: str, overlap: int, cutter: 
                    renormalize: bool, clock: Any = None) -> LongEncoded:
     """``"chunk"``/``"mean"``: cut ``texts`` with ``cutter``, embed each group with ``encode``, collect.
 
-    ``clock`` (a :class:`~dask_surge.models.tokenize.StageClock`) counts the cutting, tokenizer
+    ``clock`` (a :class:`~dask_surge.engine.tokenizing.StageClock`) counts the cutting, tokenizer
     included, as its ``tokenize`` stage.
     """
     groups: list[WindowGroup] = []

@@ -1,6 +1,6 @@
 """Load a plain Transformer + Pooling (+ Normalize) model for the fast engine without sentence-transformers.
 
-The fast engine (:class:`~dask_surge.models.engine.TransformerEngine`) needs three things
+The fast engine (:class:`~dask_surge.engine.transformer.TransformerEngine`) needs three things
 of a sentence-transformers model: the Hugging Face encoder, its fast tokenizer and the
 pooling. Importing ``sentence_transformers`` to get them costs more than the rest of the
 load: it imports scikit-learn and SciPy (measured: 3.4-6.8 s of a 3.7-7.6 s load of
@@ -10,8 +10,8 @@ SuperBatch. For a model directory whose files say it is exactly that stack,
 :func:`direct_layout` reads the layout from the JSON files (nothing imported), and
 :func:`load_direct` loads it the way sentence-transformers' ``Transformer`` module does, so
 the engine computes the same embeddings: the tokenizer with ``max_seq_length`` as
-``model_max_length`` (a BERT one read by :mod:`dask_surge.models.bert_tokenizer`, any other
-by ``AutoTokenizer``), the encoder by :mod:`dask_surge.models.bert` for a BERT (neither needs
+``model_max_length`` (a BERT one read by :mod:`dask_surge.engine.bert_tokenizer`, any other
+by ``AutoTokenizer``), the encoder by :mod:`dask_surge.engine.bert` for a BERT (neither needs
 ``transformers``), else by ``AutoModel`` with the cache off. Anything else (other modules or
 options, lower-casing, custom code, an architecture outside :data:`DIRECT_MODEL_TYPES`) is
 loaded by sentence-transformers, as before.
@@ -158,7 +158,7 @@ class DirectModule:
     tokenizer: Any
     max_seq_length: int
     auto_model: Any
-    #: ``"dask-surge"`` (:mod:`dask_surge.models.bert`) or ``"transformers"`` (``AutoModel``).
+    #: ``"dask-surge"`` (:mod:`dask_surge.engine.bert`) or ``"transformers"`` (``AutoModel``).
     loaded_by: str = "transformers"
 
 
@@ -167,8 +167,8 @@ def load_direct(layout: DirectLayout, device: str) -> DirectModule:
     ``device``, in eval mode.
 
     The tokenizer has ``max_seq_length`` as ``model_max_length``: a BERT tokenizer that
-    :mod:`dask_surge.models.bert_tokenizer` reads as transformers does is read by it, any other
-    by ``AutoTokenizer``. A BERT checkpoint that :mod:`dask_surge.models.bert` computes is
+    :mod:`dask_surge.engine.bert_tokenizer` reads as transformers does is read by it, any other
+    by ``AutoTokenizer``. A BERT checkpoint that :mod:`dask_surge.engine.bert` computes is
     loaded by it, any other encoder by ``AutoModel`` (its config's cache off, as
     sentence-transformers sets it). A BERT loaded that way imports no ``transformers`` at all
     (measured 3.4 s less per cold worker on a 2-core machine).
