@@ -81,7 +81,7 @@ WORKER_STEPS = {
     ("dask_surge.models.encoders", "Encoder.encode_long"): "encode",
     ("dask_surge.execution.runner", "UnitRunner.__call__"): "unit task",
     ("dask_surge.io.parquet", "ParquetPartitions._tables"): "read files",
-    ("dask_surge.execution.superbatch", "SuperBatchEncoder.gather"): "gather texts",
+    ("dask_surge.execution.superbatch", "SuperBatchTask.gather"): "gather texts",
     ("dask_surge.execution.superbatch", "text_hashes"): "hash texts",
     ("dask_surge.execution.sink", "SuperBatchWriter.__call__"): "superbatch (encode+write+commit)",
 }

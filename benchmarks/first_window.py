@@ -10,12 +10,12 @@ ceiling run), 16,384 and 65,536 texts:
 
 - padding ratio (padded tokens / real tokens, :func:`dask_surge.engine.batching.plan_batches`)
   at token budgets 2,048 (CPU), 16,384 and 65,536 (CUDA) for these window plans:
-  ``full`` (windows of ``WINDOW_TEXTS``), ``first_then_full`` (what the engine does where the
-  device overlaps tokenizing: :func:`dask_surge.engine.batching.windows` with
-  ``first=FIRST_WINDOW_TEXTS``), ``geometric_x2`` / ``x4`` / ``x8`` (2,048 texts, growing by the
-  factor up to ``WINDOW_TEXTS``);
+  ``full`` (windows of ``BLOCK_TEXTS``), ``first_then_full`` (what the engine does where the
+  device overlaps tokenizing: :func:`dask_surge.engine.batching.blocks` with
+  ``first=FIRST_BLOCK_TEXTS``), ``geometric_x2`` / ``x4`` / ``x8`` (2,048 texts, growing by the
+  factor up to ``BLOCK_TEXTS``);
 - seconds until the device can start: the engine tokenizer's time for the first window of a
-  65,536-text call, ``FIRST_WINDOW_TEXTS`` texts against a full window, alternating (ABBA), on
+  65,536-text call, ``FIRST_BLOCK_TEXTS`` texts against a full window, alternating (ABBA), on
   this machine's cores.
 """
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     from transformers import AutoTokenizer
 
-    from dask_surge.engine.batching import FIRST_WINDOW_TEXTS, WINDOW_TEXTS, plan_batches, windows
+    from dask_surge.engine.batching import BLOCK_TEXTS, FIRST_BLOCK_TEXTS, blocks, plan_batches
     from dask_surge.engine.tokenizing import StageClock, TextPacker
     from dask_surge.testing import packaged_model_dir
 
@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
     packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 256, clock=StageClock())
     lengths = packer.count_tokens(texts).astype(np.int64)
     plans = {
-        "full": lambda n: windows(n),
-        "first_then_full": lambda n: windows(n, first=FIRST_WINDOW_TEXTS),
-        **{f"geometric_x{g}": (lambda n, g=g: geometric(n, FIRST_WINDOW_TEXTS, g, WINDOW_TEXTS)) for g in (2, 4, 8)},
+        "full": lambda n: blocks(n),
+        "first_then_full": lambda n: blocks(n, first=FIRST_BLOCK_TEXTS),
+        **{f"geometric_x{g}": (lambda n, g=g: geometric(n, FIRST_BLOCK_TEXTS, g, BLOCK_TEXTS)) for g in (2, 4, 8)},
     }
     padding: dict[str, dict[str, dict[str, float]]] = {}
     for call in [c for c in (3500, 16_384, 65_536) if c <= len(lengths)]:  # a call size needs that many texts
@@ -81,11 +81,11 @@ def main(argv: list[str] | None = None) -> dict:
                     real += int(x.sum())
                 row[name] = padded / real
             padding.setdefault(str(call), {})[str(budget)] = row
-    call = texts[:WINDOW_TEXTS]
+    call = texts[:BLOCK_TEXTS]
     seconds: dict[str, list[float]] = {"first_window": [], "full_window": []}
     for r in range(args.rounds):
         for name in (("first_window", "full_window") if r % 2 == 0 else ("full_window", "first_window")):
-            size = FIRST_WINDOW_TEXTS if name == "first_window" else WINDOW_TEXTS
+            size = FIRST_BLOCK_TEXTS if name == "first_window" else BLOCK_TEXTS
             t0 = time.perf_counter()
             packer.tokenize(call[:size])
             seconds[name].append(time.perf_counter() - t0)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["results"] = [{"call_texts": int(call_n), "budget_tokens": int(budget), "plan": name, "padding_ratio": ratio}
                          for call_n, by_budget in padding.items() for budget, row in by_budget.items()
                          for name, ratio in row.items()]
-    report["summary"] = {"layout": layout, "first_window_texts": FIRST_WINDOW_TEXTS, "window_texts": WINDOW_TEXTS,
+    report["summary"] = {"layout": layout, "first_window_texts": FIRST_BLOCK_TEXTS, "window_texts": BLOCK_TEXTS,
                          "device_start_s": {"median": start, "runs": seconds,
                                             "ratio_first_over_full": start["first_window"] / start["full_window"]}}
     out = _results.save(report, args.out)

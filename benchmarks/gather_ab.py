@@ -9,7 +9,7 @@ A unit's Parquet files are read into one pandas frame
 (:class:`~dask_surge.io.parquet.ParquetPartitions`); this times what a SuperBatch task does
 with it on the host before and around the model, in this process, with the model replaced by
 a constant callable: the partitions handed on, the SuperBatch's texts and ``keep=["doc_id"]``
-gathered, hashed and built into the output frame (``SuperBatchEncoder.encode``). Two arms, on
+gathered, hashed and built into the output frame (``SuperBatchTask.encode``). Two arms, on
 the same frame and the same plan (``plan_superbatches(sizes, --b-min, --b-max)``), ABBA by round:
 
 - ``sliced``: a pandas slice per partition, as ``ParquetPartitions.iterate`` hands them on
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from dask_surge import Encoder
     from dask_surge.execution.inputs import task_arguments
-    from dask_surge.execution.superbatch import SuperBatchEncoder
+    from dask_surge.execution.superbatch import SuperBatchTask
     from dask_surge.io.parquet import ParquetPartitions
     from dask_surge.planning.policy import plan_superbatches
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     plan = plan_superbatches(sizes, args.b_min, args.b_max)
     planned = dict(zip(partitions, sizes))
     tasks = [task_arguments(sb, planned) for sb in plan]
-    sbe = SuperBatchEncoder("text", ("doc_id",), Encoder(lambda texts: np.zeros((len(texts), 4), np.float32)))
+    sbe = SuperBatchTask("text", ("doc_id",), Encoder(lambda texts: np.zeros((len(texts), 4), np.float32)))
 
     def run(arm: str) -> tuple[float, float, int]:
         c0, t0 = time.thread_time(), time.perf_counter()

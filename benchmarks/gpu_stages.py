@@ -631,7 +631,7 @@ def stage_engine(s: Session) -> None:
 class _ForwardTimeline:
     """Start and end of every forward of an engine, tagged with its call; CUDA events on a GPU.
 
-    Wraps the engine's ``_forward`` and ``_run_window`` (instance attributes, the hooks the
+    Wraps the engine's ``_forward`` and ``_run_block`` (instance attributes, the hooks the
     tests use too): each window run tags the forwards after it with its call's output
     tensor, so calls are told apart whatever thread made them. On CUDA the stamps are events
     recorded on the stream the forward runs on (device time, read once everything is done);
@@ -645,13 +645,13 @@ class _ForwardTimeline:
         self.spans: list = []  # (call, start, end): events or seconds
         self.calls: dict[int, tuple[int, object]] = {}  # id(out) -> (call number, out kept alive: no id reuse)
         self.current = -1
-        forward, run_window = engine._forward, engine._run_window
+        forward, run_block = engine._forward, engine._run_block
 
         def tagged(window, out, normalize):
             if id(out) not in self.calls:
                 self.calls[id(out)] = (len(self.calls), out)
             self.current = self.calls[id(out)][0]
-            run_window(window, out, normalize)
+            run_block(window, out, normalize)
 
         def timed(ids, valid):
             if cuda:
@@ -666,7 +666,7 @@ class _ForwardTimeline:
             self.spans.append((self.current, a, b))
             return out
 
-        engine._forward, engine._run_window = timed, tagged
+        engine._forward, engine._run_block = timed, tagged
 
     def reset(self) -> None:
         self.spans, self.calls, self.current = [], {}, -1

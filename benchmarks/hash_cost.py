@@ -242,7 +242,7 @@ def micro(data: Path, sb_rows: int = 65_536, repeats: int = 7) -> dict:
 
 
 def inprocess(data: Path, model: str, rounds: int, sb_rows: int = 20_000) -> dict:
-    """One SuperBatch of ``sb_rows`` texts through :meth:`SuperBatchEncoder.encode` with the tiny model's
+    """One SuperBatch of ``sb_rows`` texts through :meth:`SuperBatchTask.encode` with the tiny model's
     forward, in this process, hashed against bypassed (the module's ``text_hashes``/``distinct`` swapped
     for stand-ins), ABBA: process CPU seconds (no cluster, no other process's noise in the figure)."""
     import numpy as np
@@ -254,7 +254,7 @@ def inprocess(data: Path, model: str, rounds: int, sb_rows: int = 20_000) -> dic
     from dask_surge.planning.policy import Span
 
     texts = pq.read_table(str(data), columns=["text"]).column("text").to_pylist()[:sb_rows]
-    sbe = sbm.SuperBatchEncoder("text", (), Encoder(model, device="cpu"))
+    sbe = sbm.SuperBatchTask("text", (), Encoder(model, device="cpu"))
     part, spans = pd.DataFrame({"text": texts}), [(Span(0, 0, len(texts)), len(texts))]
     real = (sbm.text_hashes, sbm.distinct)
     stand_in = (lambda v: np.stack([np.arange(len(v), dtype=np.uint64)] * 2, 1),

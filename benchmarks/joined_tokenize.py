@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from dask_surge.engine import joined as joined_module
     from dask_surge.engine.tokenizing import StageClock, TextPacker, gc_paused
-    from dask_surge.engine.tokenpool import TokenizedWindow
+    from dask_surge.engine.tokenpool import TokenizedBlock
     from dask_surge.testing import packaged_model_dir
 
     from ._realtext import docstring_paragraphs
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
             size = None if group == "auto" else int(group)
             found = joined._tokenize(*joined.groups(texts, size=size))
             assert found is not None
-            return packer.pack(TokenizedWindow(*joined._cut(*found)), 0, max_tokens=max_tokens).ids
+            return packer.pack(TokenizedBlock(*joined._cut(*found)), 0, max_tokens=max_tokens).ids
         return run
 
     arms: dict[str, Callable[[], np.ndarray]] = {"per_text": per_text}

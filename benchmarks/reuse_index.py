@@ -43,8 +43,8 @@ def write_old_output(path: str, rows: int, rows_per_file: int, row_group: int, s
     import pyarrow.parquet as pq
 
     from dask_surge.io.directory import sb_key, write_bytes_atomic
-    from dask_surge.io.manifest import CommitRecord, RunPlan, finish_run, open_run
     from dask_surge.io.hashing import hash_column, text_hash_field
+    from dask_surge.io.manifest import CommitRecord, RunPlan, finish_run, open_run
 
     rng = np.random.default_rng(seed)
     files = -(-rows // rows_per_file)
@@ -117,9 +117,9 @@ def measure(path: str, queries: int, sb: int, seed: int = 1) -> dict:
 
     import pyarrow.parquet as pq
 
+    from dask_surge.io.hashing import hashes_of
     from dask_surge.io.manifest import existing_run
     from dask_surge.io.reuse import ReuseIndex
-    from dask_surge.io.hashing import hashes_of
 
     base = _rss()
     anon0, file0 = _rss_parts()

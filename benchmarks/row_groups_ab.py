@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(_results.RESULTS / "row_groups_ab.json"))
     args = parser.parse_args(argv)
 
-    from dask_surge.io.partfiles import ROW_GROUP_ROWS, parquet_bytes, row_groups
     from dask_surge.io.arrow import embedding_array
+    from dask_surge.io.partfiles import ROW_GROUP_ROWS, parquet_bytes, row_groups
     from dask_surge.synthetic import lognormal_sizes
 
     report = _results.new_report(__spec__.name, argv, args)

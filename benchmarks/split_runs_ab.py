@@ -37,11 +37,11 @@ def plan_facts(lengths, max_tokens: int, split_runs: bool) -> dict:
     """Forward passes, padded tokens and unmasked share of the windows the engine plans."""
     import numpy as np
 
-    from dask_surge.engine.batching import WINDOW_TEXTS, plan_batches
+    from dask_surge.engine.batching import BLOCK_TEXTS, plan_batches
 
     forwards = padded = real = uniform_batches = uniform_texts = 0
-    for start in range(0, len(lengths), WINDOW_TEXTS):
-        plan = plan_batches(lengths[start:start + WINDOW_TEXTS], max_tokens, split_runs=split_runs)
+    for start in range(0, len(lengths), BLOCK_TEXTS):
+        plan = plan_batches(lengths[start:start + BLOCK_TEXTS], max_tokens, split_runs=split_runs)
         same = plan.uniform if split_runs else np.zeros(plan.forwards, dtype=bool)
         forwards += plan.forwards
         padded += plan.padded_tokens

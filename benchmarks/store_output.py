@@ -69,12 +69,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     os.environ.update(CREDENTIALS)
     import dask.dataframe as dd
-
-    from benchmarks import store_output as this  # by reference, not by value as __main__'s functions would go
     import s3fs
     from distributed import Client, LocalCluster
     from moto.server import ThreadedMotoServer
 
+    from benchmarks import store_output as this  # by reference, not by value as __main__'s functions would go
     from dask_surge.synthetic import lognormal_sizes, write_partitioned_parquet
     from dask_surge.testing import make_tiny_model
 

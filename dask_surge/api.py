@@ -21,7 +21,7 @@ from .execution.graph import superbatch_collection
 from .execution.plugins import register_encoder
 from .execution.progress import RunProgress, logging_through
 from .execution.runner import RunRequest, not_utf8, write_run
-from .execution.superbatch import SuperBatchEncoder
+from .execution.superbatch import SuperBatchTask
 from .io.hashing import text_hashes
 from .io.layout import reserved_columns
 from .io.precision import check_precision, check_truncate_dim
@@ -333,7 +333,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     requested = requested_thresholds(opts["b_min"], opts["b_max"])  # fail before any work
     encoder = encoder_for(opts["model"], opts)
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
-    sbe = SuperBatchEncoder(
+    sbe = SuperBatchTask(
         column, keep, encoder, normalize=opts["normalize"],
         precision=check_precision(opts["precision"], opts["normalize"]), on_null=opts["on_null"],
         truncate_dim=check_truncate_dim(opts["truncate_dim"], encoder.dimension),
@@ -388,7 +388,7 @@ def _absolute(paths: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(p if "://" in p else os.path.abspath(p) for p in paths)
 
 
-def _open_reuse(sbe: SuperBatchEncoder, run_fingerprint: dict) -> None:
+def _open_reuse(sbe: SuperBatchTask, run_fingerprint: dict) -> None:
     """Check that every ``reuse`` output embedded texts as this run will (else a clear error,
     before anything is written), and build its index here once, so workers only open it."""
     if sbe.reuse:
@@ -396,7 +396,7 @@ def _open_reuse(sbe: SuperBatchEncoder, run_fingerprint: dict) -> None:
                    storage_options=sbe.reuse_storage_options).close()
 
 
-def _thresholds(requested, sbe: SuperBatchEncoder, frame, client, *, gpu: bool) -> RunThresholds:
+def _thresholds(requested, sbe: SuperBatchTask, frame, client, *, gpu: bool) -> RunThresholds:
     """What resolves a new run's thresholds once its sizes are known: ``"auto"`` uses a cached
     calibration of this encoder and cluster when there is one (see :func:`plan` with
     ``calibrate=True``), re-based on a token sample of the data as :func:`plan` does."""
@@ -413,7 +413,7 @@ def _thresholds(requested, sbe: SuperBatchEncoder, frame, client, *, gpu: bool) 
                          token_sample=config.get("token-sample"))
 
 
-def _lazy(frame, sbe: SuperBatchEncoder, thresholds: RunThresholds, max_bytes: int | None):
+def _lazy(frame, sbe: SuperBatchTask, thresholds: RunThresholds, max_bytes: int | None):
     """A lazy frame of one partition per SuperBatch. It needs the SuperBatch boundaries
     up front, so an input whose sizes are not known from metadata is sized with one pass."""
     _register(sbe.encoder)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from dask_surge.engine import batching
-from dask_surge.engine.batching import WINDOW_TEXTS, cut, plan_batches, replay, sort_order, windows
+from dask_surge.engine.batching import BLOCK_TEXTS, cut, plan_batches, replay, sort_order, blocks
 from dask_surge.planning import costmodel
 
 lengths_st = arrays(np.int64, st.integers(0, 300), elements=st.integers(0, 512))
@@ -124,30 +124,30 @@ def test_bad_budget_is_refused_with_a_fix(bad):
         cut(np.array([3]), max_tokens=bad)
 
 
-def test_windows_and_sort_order():
-    assert list(windows(3 * WINDOW_TEXTS + 1)) == [0, WINDOW_TEXTS, 2 * WINDOW_TEXTS, 3 * WINDOW_TEXTS]
-    assert WINDOW_TEXTS >= 65_536  # issue 17: sort over windows of at least 64k texts
+def test_blocks_and_sort_order():
+    assert list(blocks(3 * BLOCK_TEXTS + 1)) == [0, BLOCK_TEXTS, 2 * BLOCK_TEXTS, 3 * BLOCK_TEXTS]
+    assert BLOCK_TEXTS >= 65_536  # issue 17: sort over blocks of at least 64k texts
     assert sort_order(np.array([1, 3, 3, 2])).tolist() == [1, 2, 3, 0]
-    with pytest.raises(ValueError, match="window=0"):
-        windows(5, 0)
+    with pytest.raises(ValueError, match="block=0"):
+        blocks(5, 0)
 
 
-def test_a_large_call_can_start_with_a_small_window_then_full_ones():
-    from dask_surge.engine.batching import FIRST_WINDOW_TEXTS
+def test_a_large_call_can_start_with_a_small_block_then_full_ones():
+    from dask_surge.engine.batching import FIRST_BLOCK_TEXTS
 
-    n = 2 * WINDOW_TEXTS
-    assert windows(n, first=FIRST_WINDOW_TEXTS) == [0, FIRST_WINDOW_TEXTS, FIRST_WINDOW_TEXTS + WINDOW_TEXTS]
-    small = 16 * FIRST_WINDOW_TEXTS - 1  # tokenized quickly anyway: cutting it would only cost padding
-    assert windows(small, first=FIRST_WINDOW_TEXTS) == windows(small) == [0]
-    assert windows(n, first=0) == windows(n)
+    n = 2 * BLOCK_TEXTS
+    assert blocks(n, first=FIRST_BLOCK_TEXTS) == [0, FIRST_BLOCK_TEXTS, FIRST_BLOCK_TEXTS + BLOCK_TEXTS]
+    small = 16 * FIRST_BLOCK_TEXTS - 1  # tokenized quickly anyway: cutting it would only cost padding
+    assert blocks(small, first=FIRST_BLOCK_TEXTS) == blocks(small) == [0]
+    assert blocks(n, first=0) == blocks(n)
     with pytest.raises(ValueError, match=r"first=-1 must be >= 0.*Fix"):
-        windows(5, first=-1)
+        blocks(5, first=-1)
 
 
 def test_cost_model_replays_the_same_rule():
     x = np.array([40, 33, 33, 20, 7, 7, 2])
     assert costmodel._replay(x, 100, 0) == batching.replay(x, 100, 0)
-    assert costmodel._CHUNK == WINDOW_TEXTS
+    assert costmodel._CHUNK == BLOCK_TEXTS
 
 
 def test_engine_runs_the_planned_micro_batches(monkeypatch, tmp_path):

@@ -4,11 +4,10 @@ import json
 import subprocess
 import sys
 
+import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
-
-import dask.dataframe as dd
 
 import dask_surge
 from dask_surge import SurgeInputError, SurgeValueError

@@ -2,10 +2,9 @@
 
 import ipaddress
 
+import dask
 import psutil
 import pytest
-
-import dask
 from distributed import Client
 
 from dask_surge.execution.cluster import _loopback, local_cluster

@@ -7,10 +7,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dask_surge.planning.costmodel import (
-    Advice, CostParams, advise, auto_thresholds, batch_shape, call_cost, phi_cv, predict,
-)
 from dask_surge.errors import SurgeValueError
+from dask_surge.planning.costmodel import (
+    Advice,
+    CostParams,
+    advise,
+    auto_thresholds,
+    batch_shape,
+    call_cost,
+    phi_cv,
+    predict,
+)
 from dask_surge.planning.policy import plan_superbatches
 from dask_surge.testing import lognormal_sizes
 
@@ -574,7 +581,7 @@ def test_plan_and_encode_resolve_the_same_auto_thresholds_in_chunk_mode(monkeypa
     import dask_surge.execution.calibrate as cal
     from dask_surge import Encoder
     from dask_surge.api import _thresholds
-    from dask_surge.execution.superbatch import SuperBatchEncoder
+    from dask_surge.execution.superbatch import SuperBatchTask
     from dask_surge.planning.sizes import known_sizes
     from dask_surge.testing import package_documents
 
@@ -588,7 +595,7 @@ def test_plan_and_encode_resolve_the_same_auto_thresholds_in_chunk_mode(monkeypa
         with dask.config.set({"surge.ttfo-target": 0.5, "surge.token-sample": 256}):
             shown = {m: ddf.surge.plan("text", b_min="auto", b_max="auto", params=params(), model=enc, long_texts=m)
                      for m in ("truncate", "chunk")}
-            resolved = {m: _thresholds(("auto", "auto"), SuperBatchEncoder("text", (), enc, long_texts=m, chunk_overlap=32),
+            resolved = {m: _thresholds(("auto", "auto"), SuperBatchTask("text", (), enc, long_texts=m, chunk_overlap=32),
                                        ddf, None, gpu=False)(sizes, None) for m in ("truncate", "chunk")}
     finally:
         enc.close()  # not left loaded in this process's model cache for the tests after this one

@@ -77,7 +77,7 @@ def test_cpu_window_records_no_event(cpu_engine):
     texts = make_texts(30, seed=1)
     window, out = _one_window(cpu_engine, texts)
     with torch.inference_mode():
-        cpu_engine._run_window(window, out, False)
+        cpu_engine._run_block(window, out, False)
     assert getattr(out, _ENDED, None) is None  # events are CUDA's only
     np.testing.assert_allclose(cpu_engine._device.finish(out), cpu_engine.encode(texts), rtol=1e-5, atol=1e-6)
 
@@ -135,7 +135,7 @@ def test_cuda_finish_fed_waits_for_its_last_window_not_for_work_queued_after_it(
     expected = engine.encode(texts)
     feeder = runner.feeder_thread()
     window, out = _one_window(engine, texts)
-    feeder.submit(lambda: engine._run_window(window, out, False)).result()
+    feeder.submit(lambda: engine._run_block(window, out, False)).result()
     assert getattr(out, _ENDED, None) is not None
     feeder.submit(lambda: torch.cuda._sleep(2_000_000_000))  # the next call's work, queued on the feeder
     later = feeder.submit(runner.mark).result()  # recorded after it on the compute stream

@@ -2,12 +2,11 @@
 
 import json
 
+import dask
+import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
-
-import dask
-import dask.dataframe as dd
 
 import dask_surge
 from dask_surge import Encoder, SurgeInputError, SurgeOutputError, SurgeValueError

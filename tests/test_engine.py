@@ -445,18 +445,18 @@ def test_unmasked_pooling_honours_every_mode_and_the_prompt(tiny, include_prompt
 
 def test_a_large_call_starts_with_a_small_window_and_the_windows_concatenate(tiny, monkeypatch):
     """Where the device overlaps tokenizing (CUDA's background tokenizer, forced here on the CPU), a large
-    call's first window is FIRST_WINDOW_TEXTS texts and the rest full windows; each window is sorted and
+    call's first window is FIRST_BLOCK_TEXTS texts and the rest full windows; each window is sorted and
     cut on its own, so the call's rows are exactly those of encoding its windows one by one."""
     from dask_surge.engine import tokenizing as tokenize
 
-    monkeypatch.setattr(tokenize, "FIRST_WINDOW_TEXTS", 4)
-    monkeypatch.setattr(tokenize, "WINDOW_TEXTS", 16)
+    monkeypatch.setattr(tokenize, "FIRST_BLOCK_TEXTS", 4)
+    monkeypatch.setattr(tokenize, "BLOCK_TEXTS", 16)
     engine = TransformerEngine.from_sentence_transformer(tiny)
     texts = mixed_texts(60, seed=5)  # 67 texts: at least 16 first windows, so the call starts small
-    spans = [(offset, len(e)) for offset, e in engine._packer.windows(texts, background=True)]
+    spans = [(offset, len(e)) for offset, e in engine._packer.blocks(texts, background=True)]
     assert spans == [(0, 4), (4, 16), (20, 16), (36, 16), (52, 15)]
-    assert [offset for offset, _ in engine._packer.windows(texts)] == [0, 16, 32, 48, 64]
-    monkeypatch.setattr(engine, "_windows", lambda t: engine._packer.windows(t, background=True))
+    assert [offset for offset, _ in engine._packer.blocks(texts)] == [0, 16, 32, 48, 64]
+    monkeypatch.setattr(engine, "_blocks", lambda t: engine._packer.blocks(t, background=True))
     whole = engine.encode(texts)
     pieces = np.concatenate([engine.encode(texts[a : a + n]) for a, n in spans])
     assert np.array_equal(whole, pieces)

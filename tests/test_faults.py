@@ -111,14 +111,14 @@ def test_worker_dying_mid_encode_is_retried(tmp_path):
 
 
 def test_same_superbatch_twice_concurrently_commits_once(tmp_path, counting_encoder):
-    from dask_surge.io.manifest import open_run
     from dask_surge.execution.sink import SuperBatchWriter
-    from dask_surge.execution.superbatch import SuperBatchEncoder
+    from dask_surge.execution.superbatch import SuperBatchTask
     from dask_surge.io.directory import sb_key
+    from dask_surge.io.manifest import open_run
     from dask_surge.planning.policy import Span
 
     manifest, _ = open_run(str(tmp_path / "o"), {"t": 1})
-    writer = SuperBatchWriter(SuperBatchEncoder("text", (), dask_surge.Encoder(counting_encoder)), manifest)
+    writer = SuperBatchWriter(SuperBatchTask("text", (), dask_surge.Encoder(counting_encoder)), manifest)
     part = make_partitioned_frame([6]).compute()
     barrier, results = threading.Barrier(2), []
 

@@ -25,8 +25,8 @@ import pytest
 import dask_surge
 from dask_surge import Encoder, api
 from dask_surge.errors import SurgeInputError, SurgeModelError
+from dask_surge.execution.superbatch import SuperBatchTask
 from dask_surge.planning.identity import IDENTITY_OPTIONS, input_identity
-from dask_surge.execution.superbatch import SuperBatchEncoder
 
 
 def upper(df):
@@ -191,7 +191,7 @@ def test_a_callable_model_without_a_deterministic_token_is_refused():
 
 
 def _fingerprint(ddf, enc, device="cpu", **opts) -> dict:
-    sbe = SuperBatchEncoder("text", (), enc, **opts)
+    sbe = SuperBatchTask("text", (), enc, **opts)
     return api.fingerprint(ddf[["text"]], sbe, device=device)
 
 

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import pandas as pd
-import pytest
-
 import dask
 import dask.dataframe as dd
+import pandas as pd
+import pytest
 
 import dask_surge
 from dask_surge import SurgeInputError

@@ -206,3 +206,23 @@ def test_the_old_paths_of_the_engine_modules_warn_and_give_the_moved_module():
             "print(len(MOVED))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == "14", done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("module, old, new", [
+    ("dask_surge.execution.superbatch", "SuperBatchEncoder", "SuperBatchTask"),
+    ("dask_surge.execution.superbatch", "Encoded", "SuperBatchRows"),
+    ("dask_surge.execution.sink", "EncodedBatch", "PendingCommit"),
+    ("dask_surge.engine.long_texts", "LongEncoded", "TextEmbeddings"),
+    ("dask_surge.engine.batching", "WINDOW_TEXTS", "BLOCK_TEXTS"),
+    ("dask_surge.engine.batching", "windows", "blocks"),
+    ("dask_surge.engine.tokenizing", "PackedWindow", "PackedBlock"),
+    ("dask_surge.engine.tokenpool", "TokenizedWindow", "TokenizedBlock"),
+])
+def test_a_renamed_name_still_imports_with_a_warning(module, old, new):
+    import importlib
+
+    mod = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=f"{module}.{old} was renamed {module}.{new}"):
+        assert getattr(mod, old) is getattr(mod, new)
+    with pytest.raises(AttributeError, match="no attribute 'Nonexistent'"):
+        mod.Nonexistent  # noqa: B018

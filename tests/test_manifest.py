@@ -200,14 +200,14 @@ def test_two_runs_started_at_once_one_wins_cleanly(tmp_path):
 
 
 def test_a_late_task_of_a_replaced_run_can_neither_commit_nor_publish(tmp_path, counting_encoder):
-    from dask_surge.planning.policy import Span
     from dask_surge.execution.sink import SuperBatchWriter
-    from dask_surge.execution.superbatch import SuperBatchEncoder
+    from dask_surge.execution.superbatch import SuperBatchTask
+    from dask_surge.planning.policy import Span
 
     out = tmp_path / "out"
     ddf = make_partitioned_frame([6, 6])
     old, _ = open_run(str(out), {"t": "old"})
-    late = SuperBatchWriter(SuperBatchEncoder("text", (), dask_surge.Encoder(CountingEncoder(dim=4))), old)
+    late = SuperBatchWriter(SuperBatchTask("text", (), dask_surge.Encoder(CountingEncoder(dim=4))), old)
     new = dask_surge.encode(ddf, "text", str(out), model=counting_encoder, overwrite=True, **KW)
     part = ddf.partitions[0].compute()
     with pytest.raises(SurgeOutputError, match="another run replaced it"):

@@ -20,9 +20,9 @@ from sentence_transformers import SentenceTransformer
 
 import dask_surge
 from dask_surge import Encoder
+from dask_surge.errors import SurgeModelError, SurgeValueError
 from dask_surge.models import modelid
 from dask_surge.models.encoders import PACKAGED_HUB_ID
-from dask_surge.errors import SurgeModelError, SurgeValueError
 from dask_surge.models.hub import hub_cache_dir, looks_like_repo_id
 from dask_surge.testing import make_texts, make_tiny_model, min_cosine, packaged_model_dir
 
@@ -397,7 +397,6 @@ def test_vocabularies_are_defined_once():
     import yaml
 
     from dask_surge import cli, config, options
-
     from dask_surge.io import precision
 
     assert set(options.PRECISIONS) == set(precision.PRECISIONS)

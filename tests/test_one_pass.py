@@ -212,9 +212,8 @@ def test_plan_shows_the_superbatches_a_streamed_encode_forms(tmp_path, client):
 
 
 def test_input_errors_are_clear_on_a_distributed_client_and_commit_nothing(tmp_path, client, capsys):
-    import pandas as pd
-
     import dask.dataframe as dd
+    import pandas as pd
 
     from dask_surge import SurgeInputError
 

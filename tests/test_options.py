@@ -19,7 +19,7 @@ import yaml
 import dask_surge
 from dask_surge import api, cli, config, options
 from dask_surge.errors import SurgeOutputError, SurgeValueError
-from dask_surge.execution.superbatch import SuperBatchEncoder
+from dask_surge.execution.superbatch import SuperBatchTask
 from dask_surge.models.encoders import Encoder, EncoderSpec
 from dask_surge.options import Cli, Option, options_of
 from dask_surge.planning.identity import IDENTITY_OPTIONS
@@ -247,7 +247,7 @@ def test_a_new_option_is_one_declaration(flavour, tmp_path, counting_encoder):
     assert IDENTITY_OPTIONS["flavour"] is True
     out = str(tmp_path / "emb")
     kw = {"model": counting_encoder, "scheduler": "sync", "progress": False, "b_min": 2, "b_max": 4}
-    sbe = SuperBatchEncoder("text", (), Encoder(counting_encoder), on_null="error")
+    sbe = SuperBatchTask("text", (), Encoder(counting_encoder), on_null="error")
     frame = ddf[["text"]]
     base = api.fingerprint(frame, sbe, device="cpu")
     assert api.fingerprint(frame, sbe, device="cpu", options={"flavour": None}) == base  # the default: unchanged

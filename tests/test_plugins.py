@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 
 from dask_surge import Encoder
-
-from dask_surge.models import encoders
 from dask_surge.errors import SurgeModelError
 from dask_surge.execution.plugins import EncoderPlugin
+from dask_surge.models import encoders
 
 WORKER = types.SimpleNamespace(address="tcp://test-worker")
 

@@ -180,8 +180,8 @@ def test_plan_and_encode_resolve_the_same_thresholds(sizes, b_min, b_max, thread
     """plan() and encode() call one resolver with the same inputs, so they cannot disagree;
     an automatic threshold never contradicts a given one."""
     from dask_surge.errors import SurgeValueError
-    from dask_surge.planning.sizes import PartitionSizes
     from dask_surge.planning.run import thresholds_for
+    from dask_surge.planning.sizes import PartitionSizes
 
     known = PartitionSizes(tuple(sizes), "metadata")
     try:

@@ -1,10 +1,9 @@
 """Stored precisions (float16, int8, binary) and Matryoshka truncation, end to end."""
 
+import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
-
-import dask.dataframe as dd
 
 import dask_surge
 from dask_surge import SurgeValueError

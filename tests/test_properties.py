@@ -3,12 +3,11 @@ input (partition, row) exactly once, and nothing else."""
 
 import tempfile
 
+import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import dask.dataframe as dd
 
 import dask_surge
 from dask_surge.testing import checksum_model as _model  # installed: workers can unpickle it

@@ -27,12 +27,11 @@ from hypothesis import strategies as st
 
 from dask_surge.errors import SurgeInputError, SurgeValueError
 from dask_surge.io import reuse
-from dask_surge.io.directory import sb_key, write_bytes_atomic
-from dask_surge.io.manifest import CommitRecord, RunPlan, existing_run, finish_run, open_run
-from dask_surge.io.directory import index_dir
-from dask_surge.io.layout import TEXT_HASH
-from dask_surge.io.reuse import ReuseIndex, compatible, embedding_identity, open_index
+from dask_surge.io.directory import index_dir, sb_key, write_bytes_atomic
 from dask_surge.io.hashing import hash_column, hashes_of, text_hash_field, text_hashes
+from dask_surge.io.layout import TEXT_HASH
+from dask_surge.io.manifest import CommitRecord, RunPlan, existing_run, finish_run, open_run
+from dask_surge.io.reuse import ReuseIndex, compatible, embedding_identity, open_index
 
 DIM = 4
 

@@ -20,10 +20,10 @@ import pytest
 import dask_surge
 from dask_surge.errors import SurgeInputError
 from dask_surge.io import reuse
-from dask_surge.io.manifest import existing_run
-from dask_surge.io.verify import repair, verify
-from dask_surge.io.reuse import ReuseIndex
 from dask_surge.io.hashing import text_hashes
+from dask_surge.io.manifest import existing_run
+from dask_surge.io.reuse import ReuseIndex
+from dask_surge.io.verify import repair, verify
 from dask_surge.testing import package_documents
 
 OPTS = {"device": "cpu", "keep": ["doc_id"], "b_min": 80, "b_max": 80, "progress": False}

@@ -158,8 +158,8 @@ def test_plan_estimates_what_a_reuse_run_copies(tmp_path, corpus):
 
 
 def test_the_cudf_reader_gets_the_hash_as_two_int64_halves(tmp_path):
-    from dask_surge.io.readers import _split_hash
     from dask_surge.io.hashing import hash_column, hashes_of, text_hashes
+    from dask_surge.io.readers import _split_hash
 
     h = text_hashes(["a", "b", "c"])
     part = pd.DataFrame({"row": [0, 1, 2], "text_hash": hash_column(h).to_pylist(), "embedding": [1, 2, 3]})

@@ -139,14 +139,14 @@ def test_two_runs_on_one_prefix_one_wins_and_a_dead_claim_is_taken_over(store):
 
 def test_a_late_task_of_a_replaced_run_publishes_nothing(store, counting_encoder):
     from dask_surge.execution.sink import SuperBatchWriter
-    from dask_surge.execution.superbatch import SuperBatchEncoder
+    from dask_surge.execution.superbatch import SuperBatchTask
     from dask_surge.planning.policy import Span
 
     _, options, fs = store
     url = _url()
     _encode(url, options, CountingEncoder(dim=4))
     old = current_run(url, options)
-    late = SuperBatchWriter(SuperBatchEncoder("text", ("doc_id",), dask_surge.Encoder(CountingEncoder(dim=4))), old)
+    late = SuperBatchWriter(SuperBatchTask("text", ("doc_id",), dask_surge.Encoder(CountingEncoder(dim=4))), old)
     _encode(url, options, counting_encoder, overwrite=True)
     part = make_partitioned_frame(SIZES, seed=3).partitions[0].compute()
     late([part], ((Span(0, 0, len(part)), len(part)),))  # its commit lands in the retired run's prefix

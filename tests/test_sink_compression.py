@@ -8,10 +8,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dask_surge.io.arrow import embedding_array
 from dask_surge.errors import SurgeValueError
-from dask_surge.options import COMPRESSIONS
+from dask_surge.io.arrow import embedding_array
 from dask_surge.io.partfiles import parquet_bytes
+from dask_surge.options import COMPRESSIONS
 
 
 def _table(n: int = 50, d: int = 8) -> pa.Table:

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from dask_surge import Encoder, SurgeInputError
-from dask_surge.execution.superbatch import SuperBatchEncoder
+from dask_surge.execution.superbatch import SuperBatchTask
 from dask_surge.io.frames import FrameRows
 from dask_surge.io.layout import output_columns
 from dask_surge.planning.policy import Span
@@ -44,7 +44,7 @@ SPANS = [(Span(3, 2, 4), 4), (Span(4, 0, 1), 1), (Span(5, 0, 5), 5), (Span(6, 0,
 def test_one_frame_read_gives_the_rows_the_sliced_partitions_give(dtype, monkeypatch):
     frame = _frame(SIZES, dtype=dtype)
     assert frame["text"].dtype == dtype
-    sbe = SuperBatchEncoder("text", ("doc_id", "label"), Encoder(_vectors))
+    sbe = SuperBatchTask("text", ("doc_id", "label"), Encoder(_vectors))
     views = _views(frame, SIZES)
     slow = sbe.encode([v.sliced() for v in views], SPANS).frame
     sliced = []
@@ -70,8 +70,8 @@ def test_a_null_in_a_run_is_named_by_its_partition_and_row_and_skipped_rows_are_
     frame = _frame(SIZES, null_at=6)  # partition 5, row 1
     views = _views(frame, SIZES)
     with pytest.raises(SurgeInputError, match=r"partition 5, first at row 1"):
-        SuperBatchEncoder("text", (), Encoder(_vectors)).encode(views, SPANS)
-    done = SuperBatchEncoder("text", ("doc_id",), Encoder(_vectors), on_null="skip").encode(views, SPANS)
+        SuperBatchTask("text", (), Encoder(_vectors)).encode(views, SPANS)
+    done = SuperBatchTask("text", ("doc_id",), Encoder(_vectors), on_null="skip").encode(views, SPANS)
     assert done.skipped == [(5, 1)]
     assert done.frame["doc_id"].tolist() == [2, 3, 4, 5, 7, 8, 9, 10, 11]
 
@@ -81,12 +81,12 @@ def test_a_partition_that_changed_size_is_refused_before_anything_is_encoded():
     views = _views(frame, SIZES)
     bad = [*SPANS[:2], (Span(5, 0, 5), 6), SPANS[3]]
     with pytest.raises(SurgeInputError, match=r"partition 5 has 5 rows but 6 were planned"):
-        SuperBatchEncoder("text", (), Encoder(_vectors)).encode(views, bad)
+        SuperBatchTask("text", (), Encoder(_vectors)).encode(views, bad)
 
 
 def test_the_frame_and_its_meta_have_the_layouts_columns_in_order():
     frame = _frame(SIZES)
-    sbe = SuperBatchEncoder("text", ("label", "doc_id"), Encoder(_vectors))
+    sbe = SuperBatchTask("text", ("label", "doc_id"), Encoder(_vectors))
     done = sbe.encode(_views(frame, SIZES), SPANS).frame
     meta = sbe.meta(frame.iloc[:0])
     assert tuple(done.columns) == tuple(meta.columns) == output_columns(["label", "doc_id"], chunked=False)

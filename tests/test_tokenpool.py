@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from dask_surge.engine import tokenizing as tokenize_module
 from dask_surge.engine.tokenizing import StageClock, TextPacker, flat_ids
-from dask_surge.engine.tokenpool import TokenizedWindow, TokenizerProcessError, TokenPool, auto_processes
+from dask_surge.engine.tokenpool import TokenizedBlock, TokenizerProcessError, TokenPool, auto_processes
 from dask_surge.engine.transformer import TransformerEngine
 from dask_surge.errors import SurgeInputError, SurgeValueError
 from dask_surge.testing import make_texts, make_tiny_model, packaged_model_dir
@@ -66,7 +66,7 @@ def test_pool_ids_lengths_and_overflow_match_the_packer(hf_tokenizer, prompt):
     pool = TokenPool(packer.tokenizer_json(), 32, prompt=prompt)
     try:
         got = pool.tokenize(texts)
-        assert isinstance(got, TokenizedWindow) and len(got) == len(texts)
+        assert isinstance(got, TokenizedBlock) and len(got) == len(texts)
         np.testing.assert_array_equal(got.lengths, lengths)
         np.testing.assert_array_equal(got.ids, flat_ids(encodings, int(lengths.sum())))
         np.testing.assert_array_equal(got.overflow, packer.overflowed(encodings))
@@ -106,14 +106,14 @@ def test_arrow_texts_go_to_the_helper_as_their_bytes(hf_tokenizer, arrow_type, p
 
 
 def test_packed_windows_are_the_same(hf_tokenizer, monkeypatch):
-    monkeypatch.setattr(tokenize_module, "WINDOW_TEXTS", 64)  # several windows, handed over ahead
+    monkeypatch.setattr(tokenize_module, "BLOCK_TEXTS", 64)  # several windows, handed over ahead
     texts = texts_for(500, seed=1)
     packer = TextPacker(hf_tokenizer, 48, prompt="passage: ", clock=StageClock())
-    ref = [packer.pack(e, o, max_tokens=512) for o, e in packer.windows(texts)]
+    ref = [packer.pack(e, o, max_tokens=512) for o, e in packer.blocks(texts)]
     packer.processes = 2
     try:
-        got = [(o, e) for o, e in packer.windows(texts)]
-        assert all(isinstance(e, TokenizedWindow) for _, e in got)
+        got = [(o, e) for o, e in packer.blocks(texts)]
+        assert all(isinstance(e, TokenizedBlock) for _, e in got)
         packed = [packer.pack(e, o, max_tokens=512) for o, e in got]
     finally:
         packer.close()
@@ -211,7 +211,7 @@ def test_close_stops_the_helpers_and_unlinks_the_shared_memory(hf_tokenizer):
     with pytest.raises(TokenizerProcessError, match="closed"):
         pool.submit(["a"])
     # the packer starts a new pool on its next call
-    assert [len(e) for _, e in packer.windows(["a", "b"])] == [2]
+    assert [len(e) for _, e in packer.blocks(["a", "b"])] == [2]
     packer.close()
 
 
@@ -265,14 +265,14 @@ def test_a_dead_helper_is_reported(hf_tokenizer):
 
 
 def test_a_helper_dying_mid_call_loses_no_row(models, monkeypatch):
-    monkeypatch.setattr(tokenize_module, "WINDOW_TEXTS", 32)
+    monkeypatch.setattr(tokenize_module, "BLOCK_TEXTS", 32)
     engine = TransformerEngine.from_sentence_transformer(models["tiny"], prompt="query: ")
     texts = texts_for(200, seed=4)
     engine.tokenize_processes = 0
     ref = engine.encode(texts)
     engine.tokenize_processes = 1
     calls = {"n": 0}
-    original = engine._prepare_window
+    original = engine._prepare_block
 
     def kill_after_the_first(encodings, offset):  # the helper is at work on the next window now
         calls["n"] += 1
@@ -282,7 +282,7 @@ def test_a_helper_dying_mid_call_loses_no_row(models, monkeypatch):
             os.kill(pool.pids[0], signal.SIGKILL)
         return original(encodings, offset)
 
-    engine._prepare_window = kill_after_the_first  # type: ignore[method-assign]
+    engine._prepare_block = kill_after_the_first  # type: ignore[method-assign]
     try:
         with pytest.warns(RuntimeWarning, match=r"tokenizer helper process \d+ killed by signal 9"):
             got = engine.encode(texts)
@@ -294,14 +294,14 @@ def test_a_helper_dying_mid_call_loses_no_row(models, monkeypatch):
 
 
 def test_two_threads_share_one_helper_without_deadlock(hf_tokenizer, monkeypatch):
-    monkeypatch.setattr(tokenize_module, "WINDOW_TEXTS", 16)
+    monkeypatch.setattr(tokenize_module, "BLOCK_TEXTS", 16)
     packer = TextPacker(hf_tokenizer, 16, clock=StageClock(), processes=1)
     texts = texts_for(120, seed=5)
     want = packer.count_tokens(texts)
     results: dict[int, np.ndarray] = {}
 
     def run(k: int) -> None:
-        results[k] = np.concatenate([e.lengths for _, e in packer.windows(texts)])
+        results[k] = np.concatenate([e.lengths for _, e in packer.blocks(texts)])
 
     threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
     for t in threads:
@@ -316,9 +316,9 @@ def test_two_threads_share_one_helper_without_deadlock(hf_tokenizer, monkeypatch
 
 
 def test_an_abandoned_iteration_frees_the_helpers(hf_tokenizer, monkeypatch):
-    monkeypatch.setattr(tokenize_module, "WINDOW_TEXTS", 16)
+    monkeypatch.setattr(tokenize_module, "BLOCK_TEXTS", 16)
     packer = TextPacker(hf_tokenizer, 16, clock=StageClock(), processes=2)
-    windows = packer.windows(texts_for(100))
+    windows = packer.blocks(texts_for(100))
     next(windows)
     windows.close()  # what an error in the caller's loop does
     pool = packer.token_pool()
@@ -396,14 +396,14 @@ def test_a_superbatch_of_arrow_texts_with_repeats_is_the_same_with_the_helpers(m
     import pandas as pd
 
     from dask_surge import Encoder
-    from dask_surge.execution.superbatch import SuperBatchEncoder
+    from dask_surge.execution.superbatch import SuperBatchTask
     from dask_surge.planning.policy import Span
 
     texts = texts_for(120, seed=3)
     texts = texts + texts[:40]  # repeats: only the distinct texts are encoded
     frame = pd.DataFrame({"text": pd.array(texts, dtype="string[pyarrow]")})
     model = make_tiny_model(tmp_path / "tiny", max_seq_length=64)
-    sbe = SuperBatchEncoder("text", (), Encoder(model, device="cpu"))
+    sbe = SuperBatchTask("text", (), Encoder(model, device="cpu"))
     spans = [(Span(0, 0, len(texts)), len(texts))]
     with dask.config.set({"surge.tokenize-processes": 0}):
         off = sbe.encode([frame], spans)

@@ -10,10 +10,9 @@ import time
 import numpy as np
 import pandas as pd
 
-from dask_surge.io.partfiles import parquet_bytes, row_groups, table_of
-
 # internal names in one place (see _fixtures)
 from dask_surge.io.arrow import embedding_array
+from dask_surge.io.partfiles import parquet_bytes, row_groups, table_of
 
 ROWS, DIM, GROUP = 20_000, 384, 250
 

@@ -1,4 +1,4 @@
-"""The helper process of :mod:`dask_surge.engine.tokenpool`: tokenize windows of texts out of the worker.
+"""The helper process of :mod:`dask_surge.engine.tokenpool`: tokenize blocks of texts out of the worker.
 
 This file runs on its own (``python _tokenhelper.py``, started by
 :class:`~dask_surge.engine.tokenpool.TokenPool`): it imports only the standard library, NumPy and ``tokenizers`` (importing the
@@ -70,14 +70,14 @@ def out_layout(n: int) -> tuple[int, int]:
     return flags, flags + (n + 3) // 4 * 4
 
 
-class _Block:
+class _SharedBlock:
     """A shared-memory block opened by name, mapped read-write (POSIX: ``shm_open``, no tracker)."""
 
     def __init__(self, name: str, size: int) -> None:
         self.name, self.size = name, size
         try:
             import _posixshmem
-        except ImportError:  # Windows: named mappings, no resource tracker to mind
+        except ImportError:  # Blocks: named mappings, no resource tracker to mind
             from multiprocessing.shared_memory import SharedMemory
 
             self._shm: Any = SharedMemory(name)
@@ -132,14 +132,14 @@ class Helper:
         self.joined = _joined.JoinedTokenizer.of(self.tokenizer)
         self.prompt = prompt
         self.max_length = max_length
-        self._blocks: dict[str, _Block] = {}  # role -> the block last mapped for it
+        self._blocks: dict[str, _SharedBlock] = {}  # role -> the block last mapped for it
 
-    def _block(self, role: str, name: str, size: int) -> _Block:
+    def _block(self, role: str, name: str, size: int) -> _SharedBlock:
         block = self._blocks.get(role)
         if block is None or block.name != name or block.size != size:
             if block is not None:
                 block.close()
-            block = self._blocks[role] = _Block(name, size)
+            block = self._blocks[role] = _SharedBlock(name, size)
         return block
 
     def encode(self, in_name: str, in_size: int, n: int, data_bytes: int, out_name: str, out_size: int,
@@ -217,7 +217,7 @@ def main() -> None:
         while (request := read_message(requests)) is not None:
             try:
                 reply: tuple = helper.encode(*request)
-            except Exception as err:  # noqa: BLE001 - the caller tokenizes this window itself, and says why
+            except Exception as err:  # noqa: BLE001 - the caller tokenizes this block itself, and says why
                 reply = ("error", type(err).__name__, str(err))
             write_message(replies, reply)
     finally:

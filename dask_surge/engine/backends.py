@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import SurgeModelError, SurgeValueError
 from ..io.texts import ArrowTexts
 from .loading import direct_layout, load_direct
-from .long_texts import LongEncoded, TextTooLong, WindowCutter, WindowGroup, encode_windows, no_tokenizer
+from .long_texts import TextEmbeddings, TextTooLong, WindowCutter, WindowGroup, encode_windows, no_tokenizer
 from .placement import auto_dtype, checkpoint_dtype, move_to
 from .prompts import resolve_prompt
 
@@ -78,7 +78,7 @@ class Backend(Protocol):
         """
         ...
 
-    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> LongEncoded:
+    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> TextEmbeddings:
         """Embed ``texts`` doing with those over the window what ``long_texts`` says (see
         :meth:`~dask_surge.models.encoders.Encoder.encode_long`; the options are checked already).
         The ``"fast"`` backend also takes an :class:`~dask_surge.io.texts.ArrowTexts`.
@@ -164,7 +164,7 @@ class FastBackend(_Released):
             return self.engine.encode(texts, normalize=normalize)
 
     def encode_long(self, texts: list[str] | ArrowTexts, normalize: bool, long_texts: str, chunk_overlap: int
-                    ) -> LongEncoded:
+                    ) -> TextEmbeddings:
         with self._call():
             return self.engine.encode_long(texts, normalize=normalize, long_texts=long_texts,  # type: ignore[arg-type]
                                            chunk_overlap=chunk_overlap)
@@ -205,7 +205,7 @@ class SentenceTransformersBackend(_Released):
                 convert_to_numpy=True, show_progress_bar=False,
             )
 
-    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> LongEncoded:
+    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> TextEmbeddings:
         """As the fast engine, with windows cut by the model's fast tokenizer and their texts run by ``model.encode``.
 
         ``"truncate"`` counts the texts over the window by tokenizing them (up to just past it).
@@ -216,7 +216,7 @@ class SentenceTransformersBackend(_Released):
             except SurgeValueError:
                 if long_texts != "truncate":
                     raise
-                return LongEncoded(self._encode(texts, normalize), None, None, 0)  # what is cut: unknown
+                return TextEmbeddings(self._encode(texts, normalize), None, None, 0)  # what is cut: unknown
             if long_texts in ("chunk", "mean"):
                 cutter.check_overlap(chunk_overlap)
                 renormalize = normalize or any(type(m).__name__ == "Normalize" for m in self.model)
@@ -234,7 +234,7 @@ class SentenceTransformersBackend(_Released):
             if long_texts == "error" and over.any():
                 first = int(np.argmax(over))
                 raise TextTooLong(first, cutter.content_tokens(texts[first]), cutter.capacity)
-            return LongEncoded(self._encode(texts, normalize), None, over, int(over.sum()))
+            return TextEmbeddings(self._encode(texts, normalize), None, over, int(over.sum()))
 
     def _window_cutter(self, long_texts: str) -> WindowCutter:
         """The model's window cutter (built once), or the error saying why there is none."""
@@ -287,7 +287,7 @@ class CallableBackend(_Released):
             emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
         return emb
 
-    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> LongEncoded:
+    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> TextEmbeddings:
         """``"truncate"`` only: a plain callable has no tokenizer, so what it cuts is unknown (``truncated`` None).
 
         Raises
@@ -298,7 +298,7 @@ class CallableBackend(_Released):
         if long_texts != "truncate":
             raise no_tokenizer(long_texts, "a plain callable model has no tokenizer")
         with self._call():
-            return LongEncoded(self._encode(texts, normalize), None, None, 0)
+            return TextEmbeddings(self._encode(texts, normalize), None, None, 0)
 
     def _release(self) -> None:
         self.fn = None

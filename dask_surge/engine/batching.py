@@ -7,19 +7,19 @@ rule changes both.
 
 The rule
 --------
-1. Texts are taken in windows of :data:`WINDOW_TEXTS` consecutive texts (the whole
-   call when it is smaller). Each window is tokenized and sorted on its own. Where the
-   device runs while the host tokenizes the next window (CUDA), a call of at least
-   ``16 * FIRST_WINDOW_TEXTS`` texts starts with a window of :data:`FIRST_WINDOW_TEXTS`
+1. Texts are taken in blocks of :data:`BLOCK_TEXTS` consecutive texts (the whole
+   call when it is smaller). Each block is tokenized and sorted on its own. Where the
+   device runs while the host tokenizes the next block (CUDA), a call of at least
+   ``16 * FIRST_BLOCK_TEXTS`` texts starts with a block of :data:`FIRST_BLOCK_TEXTS`
    texts, so the device starts after a small fraction of the call is tokenized; the rest
-   follows in full windows (:func:`windows`, ``first``).
-2. Inside a window, texts are sorted by token length, longest first (stable, so
+   follows in full blocks (:func:`blocks`, ``first``).
+2. Inside a block, texts are sorted by token length, longest first (stable, so
    equal lengths keep their input order).
 3. Sorted texts are cut into micro-batches from the front. A micro-batch is as wide
    as its first (longest) text, ``width = max(length, 1)``, and holds at most
    ``cap = max(1, max_tokens // width)`` texts when a token budget is set, else
    ``batch_rows`` texts (``sentence-transformers``' ``batch_size``), else the whole
-   window. A single text always fits, however long.
+   block. A single text always fits, however long.
 4. With a token budget, micro-batches are cut where the sorted length changes
    whenever that leaves them at least half full (``split_runs``, the default): a
    run of ``r`` texts of one length, ``r >= max(1, cap // 2)``, is cut into
@@ -27,7 +27,7 @@ The rule
    padding and no attention mask (the encoder's fastest attention path). A shorter
    run starts a mixed, padded micro-batch of ``cap`` texts, ended early at the last
    length change that keeps it at least half full, so the next one starts on a run.
-   Every micro-batch but a window's last holds at least ``max(1, cap // 2)`` texts.
+   Every micro-batch but a block's last holds at least ``max(1, cap // 2)`` texts.
    ``split_runs=False`` is the plain greedy cut (``cap`` texts each), kept for
    comparison.
 5. A micro-batch's padded tokens are ``rows x width``.
@@ -55,7 +55,12 @@ from types import SimpleNamespace
 
 import numpy as np
 
-__all__ = ["CPU_MAX_TOKENS", "CPU_MAX_TOKENS_CAP", "activation_bytes_per_token", "cpu_max_tokens", "FIRST_WINDOW_TEXTS", "WINDOW_TEXTS", "BatchPlan", "cut", "plan_batches", "replay", "sort_order", "windows"]
+from .._deprecated import renamed
+
+__all__ = ["CPU_MAX_TOKENS", "CPU_MAX_TOKENS_CAP", "activation_bytes_per_token", "cpu_max_tokens", "FIRST_BLOCK_TEXTS", "BLOCK_TEXTS", "BatchPlan", "cut", "plan_batches", "replay", "sort_order", "blocks"]
+
+#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
+__getattr__ = renamed(__name__, {'WINDOW_TEXTS': 'BLOCK_TEXTS', 'FIRST_WINDOW_TEXTS': 'FIRST_BLOCK_TEXTS', 'windows': 'blocks'})
 
 #: Token budget of one micro-batch on a CPU (rows x padded length): the budget that measured
 #: fastest on 2 cores (``python -m benchmarks.engine_cpu --max-tokens``).
@@ -63,16 +68,16 @@ CPU_MAX_TOKENS = 2048
 #: The most tokens :func:`cpu_max_tokens` gives a narrow model's micro-batch: past it, a larger
 #: micro-batch gains little speed for twice the memory (``benchmarks.engine_cpu --max-tokens``).
 CPU_MAX_TOKENS_CAP = 8192
-#: Texts tokenized and length-sorted together. Sorting windows of 65,536 texts wastes about
-#: 6.5% of the forward's tokens on padding, against 21.7% for windows of 16,384 (issue 17).
-WINDOW_TEXTS = 65_536
-#: Texts of a large call's first window where the device overlaps the host (see :func:`windows`):
+#: Texts tokenized and length-sorted together. Sorting blocks of 65,536 texts wastes about
+#: 6.5% of the forward's tokens on padding, against 21.7% for blocks of 16,384 (issue 17).
+BLOCK_TEXTS = 65_536
+#: Texts of a large call's first block where the device overlaps the host (see :func:`blocks`):
 #: the device starts once these are tokenized (about 20 ms for 2,048 texts at the Rust tokenizer's
-#: 94k texts/s on 16 cores), not after the whole first full window (about 0.7 s). The rest stays in
-#: full windows: growing windows geometrically (2k, 4k, ... 64k) added 19% padded tokens to a
-#: 65,536-text call at a 65,536-token budget, a small first window then full ones 3.4%
+#: 94k texts/s on 16 cores), not after the whole first full block (about 0.7 s). The rest stays in
+#: full blocks: growing blocks geometrically (2k, 4k, ... 64k) added 19% padded tokens to a
+#: 65,536-text call at a 65,536-token budget, a small first block then full ones 3.4%
 #: (``benchmarks/first_window.py``).
-FIRST_WINDOW_TEXTS = 2048
+FIRST_BLOCK_TEXTS = 2048
 
 
 def activation_bytes_per_token(config, max_seq_length: int) -> int:
@@ -132,42 +137,42 @@ def _check(max_tokens: int, batch_rows: int) -> None:
             )
 
 
-def windows(n: int, window: int = WINDOW_TEXTS, *, first: int = 0) -> list[int]:
-    """Start offsets of the sorting windows of a call of ``n`` texts.
+def blocks(n: int, block: int = BLOCK_TEXTS, *, first: int = 0) -> list[int]:
+    """Start offsets of the sorting blocks of a call of ``n`` texts.
 
     Parameters
     ----------
     n : int
         Texts in the call.
-    window : int, default :data:`WINDOW_TEXTS`
-        Texts per window (the last one may be shorter).
+    block : int, default :data:`BLOCK_TEXTS`
+        Texts per block (the last one may be shorter).
     first : int, default 0
-        Texts of a smaller first window (e.g. :data:`FIRST_WINDOW_TEXTS`), used only when the
+        Texts of a smaller first block (e.g. :data:`FIRST_BLOCK_TEXTS`), used only when the
         call holds at least ``16 * first`` texts (a smaller call is tokenized quickly anyway, and
         cutting it would cost padding: +11% padded tokens for a 16,384-text call at a 65,536-token
-        budget); the windows after it are full ones. 0: no small first window.
+        budget); the blocks after it are full ones. 0: no small first block.
 
     Returns
     -------
     list of int
-        Window ``k`` is texts ``[starts[k], starts[k + 1])``, the last one ending at ``n``.
+        Block ``k`` is texts ``[starts[k], starts[k + 1])``, the last one ending at ``n``.
 
     Examples
     --------
-    >>> windows(5, 2)
+    >>> blocks(5, 2)
     [0, 2, 4]
-    >>> windows(0)
+    >>> blocks(0)
     []
-    >>> windows(40, 16, first=2), windows(31, 16, first=2)
+    >>> blocks(40, 16, first=2), blocks(31, 16, first=2)
     ([0, 2, 18, 34], [0, 16])
     """
-    if window < 1 or first < 0:
-        name, value = ("window", window) if window < 1 else ("first", first)
-        raise ValueError(f"{name}={value!r} must be >= {1 if name == 'window' else 0} text(s): it sizes the sorting "
-                         f"windows. Fix: pass e.g. window={WINDOW_TEXTS} or first={FIRST_WINDOW_TEXTS}.")
+    if block < 1 or first < 0:
+        name, value = ("block", block) if block < 1 else ("first", first)
+        raise ValueError(f"{name}={value!r} must be >= {1 if name == 'block' else 0} text(s): it sizes the sorting "
+                         f"blocks. Fix: pass e.g. block={BLOCK_TEXTS} or first={FIRST_BLOCK_TEXTS}.")
     if first and n >= 16 * first:
-        return [0, *range(first, n, window)]
-    return list(range(0, n, window))
+        return [0, *range(first, n, block)]
+    return list(range(0, n, block))
 
 
 def sort_order(lengths: np.ndarray) -> np.ndarray:
@@ -268,7 +273,7 @@ def _cut_greedy(x: np.ndarray, max_tokens: int, batch_rows: int) -> tuple[np.nda
 def replay(
     sorted_lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0, *, split_runs: bool = True
 ) -> tuple[float, int]:
-    """Padded tokens and forward passes of one window whose lengths are sorted longest first.
+    """Padded tokens and forward passes of one block whose lengths are sorted longest first.
 
     Examples
     --------
@@ -283,12 +288,12 @@ def replay(
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How one window of texts is run: the sort and the micro-batches.
+    """How one block of texts is run: the sort and the micro-batches.
 
     Attributes
     ----------
     order : numpy.ndarray
-        int64 positions (in the window) of the texts in run order, longest first.
+        int64 positions (in the block) of the texts in run order, longest first.
     lengths : numpy.ndarray
         Token lengths in run order (``original_lengths[order]``).
     bounds : numpy.ndarray
@@ -331,19 +336,19 @@ class BatchPlan:
 
     @property
     def padding_ratio(self) -> float:
-        """``padded_tokens / real_tokens`` (1.0 is no padding; 1.0 for an empty window)."""
+        """``padded_tokens / real_tokens`` (1.0 is no padding; 1.0 for an empty block)."""
         return self.padded_tokens / self.real_tokens if self.real_tokens else 1.0
 
 
 def plan_batches(
     lengths: np.ndarray, max_tokens: int = 0, batch_rows: int = 0, *, split_runs: bool = True
 ) -> BatchPlan:
-    """Sort one window of texts by token length and cut it into micro-batches.
+    """Sort one block of texts by token length and cut it into micro-batches.
 
     Parameters
     ----------
     lengths : numpy.ndarray
-        Token length of each text of the window, in input order.
+        Token length of each text of the block, in input order.
     max_tokens, batch_rows : int
         As in :func:`cut`.
     split_runs : bool, default True

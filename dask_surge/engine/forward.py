@@ -5,7 +5,7 @@ encoder module (a oneDNN copy sharing the weights on a CPU, native half weights 
 CUDA), the attention-mask form the encoder takes (probed once, when the runner is
 built), pooling, the one feeder thread that launches device work on CUDA
 (:class:`_Feeder`), and the pinned staging buffer results are copied out through.
-It turns the host's packed windows (:class:`dask_surge.engine.tokenizing.PackedWindow`)
+It turns the host's packed windows (:class:`dask_surge.engine.tokenizing.PackedBlock`)
 into tensors and runs their micro-batches. :meth:`DeviceRunner.close` releases all of it.
 
 On CUDA a call's finish never drains the GPU: an event marks the end of the call's
@@ -36,7 +36,7 @@ import torch
 from ..errors import SurgeModelError
 from .batching import CPU_MAX_TOKENS, BatchPlan, activation_bytes_per_token, cpu_max_tokens
 from .bert import BertEncoder, pad_keys
-from .tokenizing import PackedWindow, StageClock
+from .tokenizing import PackedBlock, StageClock
 
 __all__ = ["DTYPES", "NOOP_FORWARD_ENV", "STAGING_BYTES", "DeviceRunner"]
 
@@ -54,7 +54,7 @@ NOOP_FORWARD_ENV = "DASK_SURGE_BENCH_NOOP_FORWARD"
 STAGING_BYTES = 8 << 20
 
 #: Attribute of a call's output tensor holding the CUDA event recorded at the end of its latest window
-#: (set by :meth:`DeviceRunner.run_window`; it lives and dies with the tensor).
+#: (set by :meth:`DeviceRunner.run_block`; it lives and dies with the tensor).
 _ENDED = "_surge_ended"
 
 #: A forward pass: ``(ids, valid) -> pooled float32 embeddings`` (see :meth:`DeviceRunner.forward`).
@@ -62,7 +62,7 @@ Forward = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class _Window:
+class _DeviceBlock:
     """One prepared window: its micro-batch plan and its host tensors (ids in run order, int32)."""
 
     plan: BatchPlan
@@ -140,17 +140,17 @@ class DeviceRunner:
         self._staging_lock = threading.Lock()
 
     # -- host tensors and the micro-batches ---------------------------------------------------
-    def stage(self, packed: PackedWindow) -> _Window:
+    def stage(self, packed: PackedBlock) -> _DeviceBlock:
         """``packed`` as host tensors, pinned on CUDA (they travel to the device asynchronously)."""
         t0 = time.perf_counter()
         pin = self.device.type == "cuda"
-        window = _Window(plan=packed.plan, size=packed.size, ids=_host(packed.ids, pin),
+        window = _DeviceBlock(plan=packed.plan, size=packed.size, ids=_host(packed.ids, pin),
                          lengths=_host(packed.lengths, pin), starts=_host(packed.starts, pin),
                          where=_host(packed.where, pin))
         self.clock.count("pack", t0)
         return window
 
-    def run_window(self, window: _Window, out: torch.Tensor, normalize: bool, *, split_runs: bool = True,
+    def run_block(self, window: _DeviceBlock, out: torch.Tensor, normalize: bool, *, split_runs: bool = True,
                    forward: Forward | None = None) -> None:
         """Device side of one window: every micro-batch, written into ``out`` at its rows.
 
@@ -216,7 +216,7 @@ class DeviceRunner:
 
         Call it once every window of the call has been launched (their jobs are done). On
         CUDA this thread waits for the check and the copy (:meth:`collect`) after the event
-        :meth:`run_window` recorded on the compute stream at the end of the call's last window,
+        :meth:`run_block` recorded on the compute stream at the end of the call's last window,
         so neither the feeder thread nor the GPU waits: the feeder launches the next call's
         micro-batches while this one's results travel, and the copy does not wait for work
         queued after this call's. A call with no window gets an event from the feeder thread

@@ -13,7 +13,7 @@ prompt) is, by ``long_texts=``:
 (Rust) tokenizer (no special tokens, no truncation), very long texts in slices of
 :data:`SLICE_CHARS` characters cut at whitespace, and cuts windows on the token ids at word
 boundaries. It yields :class:`WindowGroup` s of at most about
-:data:`~dask_surge.engine.batching.WINDOW_TEXTS` windows, whose token ids the fast engine
+:data:`~dask_surge.engine.batching.BLOCK_TEXTS` windows, whose token ids the fast engine
 packs into its length-sorted micro-batches without tokenizing again
 (:meth:`~dask_surge.engine.tokenizing.TextPacker.pack_windows`). Nothing here imports torch.
 """
@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from .._deprecated import renamed
 from ..errors import SurgeInputError, SurgeValueError
 from ..options import DEFAULT_CHUNK_OVERLAP, LONG_TEXTS, LongTexts
-from .batching import WINDOW_TEXTS
+from .batching import BLOCK_TEXTS
 from .joined import flat_ids, special_ends
 from .tokenizing import unreadable_text
 
@@ -37,7 +38,7 @@ __all__ = [
     "DEFAULT_CHUNK_OVERLAP",
     "LONG_TEXTS",
     "SLICE_CHARS",
-    "LongEncoded",
+    "TextEmbeddings",
     "LongTexts",
     "TextTooLong",
     "WindowCutter",
@@ -46,6 +47,9 @@ __all__ = [
     "check_long_texts",
     "collect",
 ]
+
+#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
+__getattr__ = renamed(__name__, {'LongEncoded': 'TextEmbeddings'})
 
 # LongTexts (the modes), LONG_TEXTS and DEFAULT_CHUNK_OVERLAP (32 tokens) are declared with the options
 # (dask_surge.options) and re-exported from here.
@@ -158,7 +162,7 @@ class Windows:
 
 
 @dataclass(frozen=True)
-class LongEncoded:
+class TextEmbeddings:
     """What :meth:`~dask_surge.models.encoders.Encoder.encode_long` returns.
 
     Attributes
@@ -178,7 +182,7 @@ class LongEncoded:
 
     Examples
     --------
-    >>> enc = LongEncoded(np.zeros((1, 2), np.float32), None, np.zeros(1, bool), 0)
+    >>> enc = TextEmbeddings(np.zeros((1, 2), np.float32), None, np.zeros(1, bool), 0)
     >>> enc.embeddings.shape, enc.over
     ((1, 2), 0)
     """
@@ -482,7 +486,7 @@ class WindowCutter:
                 batch.append((index, start, text[start:stop] if start or stop < len(text) else text,
                               stop >= len(text)))
                 chars += stop - start
-                if chars >= BATCH_CHARS or len(batch) >= WINDOW_TEXTS:
+                if chars >= BATCH_CHARS or len(batch) >= BLOCK_TEXTS:
                     yield batch
                     batch, chars = [], 0
                 if stop >= len(text):
@@ -492,7 +496,7 @@ class WindowCutter:
             yield batch
 
     def groups(self, texts: Sequence[str], overlap: int = DEFAULT_CHUNK_OVERLAP, *,
-               max_windows: int = WINDOW_TEXTS) -> Iterator[WindowGroup]:
+               max_windows: int = BLOCK_TEXTS) -> Iterator[WindowGroup]:
         """The windows of ``texts``, in (text, chunk) order, in groups of about ``max_windows``.
 
         Each text is tokenized once (a text over :data:`SLICE_CHARS` characters slice by slice);
@@ -575,8 +579,8 @@ class WindowCutter:
 
 
 def collect(count: int, long_texts: str, parts: Iterable[tuple[Windows, np.ndarray]], dimension: int, *,
-            renormalize: bool) -> LongEncoded:
-    """The :class:`LongEncoded` of a ``"chunk"`` or ``"mean"`` call from its windows' embeddings.
+            renormalize: bool) -> TextEmbeddings:
+    """The :class:`TextEmbeddings` of a ``"chunk"`` or ``"mean"`` call from its windows' embeddings.
 
     Parameters
     ----------
@@ -623,16 +627,16 @@ def collect(count: int, long_texts: str, parts: Iterable[tuple[Windows, np.ndarr
     if long_texts == "chunk":
         emb = np.concatenate(rows) if len(rows) != 1 else rows[0]
         emb = np.ascontiguousarray(emb, dtype=np.float32).reshape(-1, dimension)
-        return LongEncoded(emb, Windows.concat(windows), truncated, over)
+        return TextEmbeddings(emb, Windows.concat(windows), truncated, over)
     sums /= np.maximum(weights, 1e-12)[:, None].astype(np.float32)
     if renormalize:
         sums /= np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)
-    return LongEncoded(sums, None, truncated, over)
+    return TextEmbeddings(sums, None, truncated, over)
 
 
 def encode_windows(texts: Sequence[str], long_texts: str, overlap: int, cutter: WindowCutter,
                    encode: Callable[[Iterator[WindowGroup]], Iterator[np.ndarray]], dimension: int, *,
-                   renormalize: bool, clock: Any = None) -> LongEncoded:
+                   renormalize: bool, clock: Any = None) -> TextEmbeddings:
     """``"chunk"``/``"mean"``: cut ``texts`` with ``cutter``, embed each group with ``encode``, collect.
 
     ``clock`` (a :class:`~dask_surge.engine.tokenizing.StageClock`) counts the cutting, tokenizer

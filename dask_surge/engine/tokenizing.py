@@ -1,10 +1,10 @@
 """The host side of the fast engine: tokenize with the Rust tokenizer, sort by length, pack int32 ids.
 
 :class:`TextPacker` holds a private copy of a model's fast tokenizer (truncation set,
-padding off) and turns texts into windows of :data:`~dask_surge.engine.batching.WINDOW_TEXTS`
+padding off) and turns texts into blocks of :data:`~dask_surge.engine.batching.BLOCK_TEXTS`
 texts, each planned by :func:`~dask_surge.engine.batching.plan_batches` and gathered, in run
-order, into one int32 array (:class:`PackedWindow`). Nothing here imports torch: the
-device side (:mod:`dask_surge.engine.forward`) turns a packed window into tensors.
+order, into one int32 array (:class:`PackedBlock`). Nothing here imports torch: the
+device side (:mod:`dask_surge.engine.forward`) turns a packed block into tensors.
 """
 
 from __future__ import annotations
@@ -24,22 +24,26 @@ from typing import Any
 
 import numpy as np
 
+from .._deprecated import renamed
 from ..errors import SurgeInputError
 from ..io.texts import ArrowTexts, as_list, as_texts
-from .batching import FIRST_WINDOW_TEXTS, WINDOW_TEXTS, BatchPlan, plan_batches
-from .batching import windows as window_starts
+from .batching import BLOCK_TEXTS, FIRST_BLOCK_TEXTS, BatchPlan, plan_batches
+from .batching import blocks as block_starts
 from .joined import JoinedTokenizer, flat_ids
-from .tokenpool import Pending, TokenizedWindow, TokenizerProcessError, TokenPool
+from .tokenpool import Pending, TokenizedBlock, TokenizerProcessError, TokenPool
 
-__all__ = ["STAGES", "PackedWindow", "StageClock", "TextPacker", "flat_ids", "gc_paused", "prepared",
+__all__ = ["STAGES", "PackedBlock", "StageClock", "TextPacker", "flat_ids", "gc_paused", "prepared",
            "unreadable_text"]
+
+#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
+__getattr__ = renamed(__name__, {'PackedWindow': 'PackedBlock'})
 
 logger = logging.getLogger(__name__)
 
-#: What a window of :meth:`TextPacker.windows` holds: the Rust tokenizer's encodings (tokenized in
-#: this process, text by text) or a :class:`~dask_surge.engine.tokenpool.TokenizedWindow` (texts joined,
+#: What a block of :meth:`TextPacker.blocks` holds: the Rust tokenizer's encodings (tokenized in
+#: this process, text by text) or a :class:`~dask_surge.engine.tokenpool.TokenizedBlock` (texts joined,
 #: :mod:`dask_surge.engine.joined`, or tokenized by a helper process).
-Tokenized = list | TokenizedWindow
+Tokenized = list | TokenizedBlock
 
 #: The stages whose seconds an engine counts (see :attr:`StageClock.stats`).
 STAGES = ("tokenize", "pack", "device", "finish")
@@ -84,10 +88,10 @@ def gc_paused() -> Iterator[None]:
                 gc.enable()
 
 
-def prepared(windows: Iterator[tuple[int, Any]], prepare: Callable[[Any, int], Any]) -> Iterator[Any]:
-    """``prepare(item, offset)`` of each ``(offset, item)`` of ``windows``, with the collector paused
-    (:func:`gc_paused`) from making each item to the end of its preparation; the item (a window's
-    encodings) is dropped before the result is handed on, so one window's encodings live at a time.
+def prepared(blocks: Iterator[tuple[int, Any]], prepare: Callable[[Any, int], Any]) -> Iterator[Any]:
+    """``prepare(item, offset)`` of each ``(offset, item)`` of ``blocks``, with the collector paused
+    (:func:`gc_paused`) from making each item to the end of its preparation; the item (a block's
+    encodings) is dropped before the result is handed on, so one block's encodings live at a time.
 
     Examples
     --------
@@ -96,11 +100,11 @@ def prepared(windows: Iterator[tuple[int, Any]], prepare: Callable[[Any, int], A
     """
     while True:
         with gc_paused():
-            step = next(windows, None)
+            step = next(blocks, None)
             if step is None:
                 return
             result = prepare(step[1], step[0])
-            del step  # the encodings go now, not when the next window comes
+            del step  # the encodings go now, not when the next block comes
         yield result
 
 
@@ -132,14 +136,14 @@ class StageClock:
 
 
 @dataclass(frozen=True)
-class PackedWindow:
-    """One window, packed on the host: its micro-batch plan and its token ids in run order.
+class PackedBlock:
+    """One block, packed on the host: its micro-batch plan and its token ids in run order.
 
     Attributes
     ----------
     plan : BatchPlan
     size : int
-        Real tokens of the window (the length of ``ids``).
+        Real tokens of the block (the length of ``ids``).
     ids : numpy.ndarray
         int32 token ids of every text, in run order, one after the other.
     lengths, starts : numpy.ndarray
@@ -157,7 +161,7 @@ class PackedWindow:
 
 
 class TextPacker:
-    """Tokenize texts (a prompt put first) and pack them into length-sorted windows of int32 ids.
+    """Tokenize texts (a prompt put first) and pack them into length-sorted blocks of int32 ids.
 
     Parameters
     ----------
@@ -214,7 +218,7 @@ class TextPacker:
 
     def token_pool(self) -> TokenPool | None:
         """The helper processes that tokenize, or None when this process does (:attr:`processes` is 0,
-        or a helper died: then the packer stays in process, see :meth:`windows`)."""
+        or a helper died: then the packer stays in process, see :meth:`blocks`)."""
         with self._pool_lock:
             pool = self._pool
             if pool is not None and (pool.processes != self.processes or pool.closed):
@@ -252,7 +256,7 @@ class TextPacker:
 
     def tokenize(self, texts: Sequence[str]) -> Tokenized:
         """``texts`` tokenized in this process (prompt first, truncated, unpadded): a
-        :class:`~dask_surge.engine.tokenpool.TokenizedWindow` where the tokenizer allows joining texts
+        :class:`~dask_surge.engine.tokenpool.TokenizedBlock` where the tokenizer allows joining texts
         (:class:`~dask_surge.engine.joined.JoinedTokenizer`, the same ids), else the Rust tokenizer's encodings.
 
         Raises
@@ -265,16 +269,16 @@ class TextPacker:
         >>> from transformers import AutoTokenizer
         >>> from dask_surge.testing import packaged_model_dir
         >>> packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 8, clock=StageClock())
-        >>> window = packer.tokenize(["a dog", "one two three four five six seven"])
-        >>> type(window).__name__, window.lengths.tolist(), window.overflow.tolist()
-        ('TokenizedWindow', [4, 8], [False, True])
+        >>> block = packer.tokenize(["a dog", "one two three four five six seven"])
+        >>> type(block).__name__, block.lengths.tolist(), block.overflow.tolist()
+        ('TokenizedBlock', [4, 8], [False, True])
         """
         t0 = time.perf_counter()
         texts = as_list(texts)
         try:
             inputs = [self.prompt + t for t in texts] if self.prompt else texts
             if self._joined is not None:
-                tokenized: Tokenized = TokenizedWindow(*self._joined.encode(inputs))
+                tokenized: Tokenized = TokenizedBlock(*self._joined.encode(inputs))
             else:
                 with gc_paused():  # one GC-tracked object per text (see gc_paused)
                     tokenized = self._encode_batch(inputs)
@@ -296,7 +300,7 @@ class TextPacker:
                 self.clock.count("tokenize", t0)
                 return done.lengths
         tokenized = self.tokenize(texts)
-        if isinstance(tokenized, TokenizedWindow):
+        if isinstance(tokenized, TokenizedBlock):
             return tokenized.lengths
         return np.fromiter(map(len, tokenized), dtype=np.int32, count=len(texts))
 
@@ -316,10 +320,10 @@ class TextPacker:
         if err.died:
             self._pool_died(err)
         else:
-            logger.info("dask-surge: a window is tokenized in process: %s", err)
+            logger.info("dask-surge: a block is tokenized in process: %s", err)
         return err
 
-    def _pooled(self, pool: TokenPool, texts: Sequence[str], *, ids: bool = True) -> TokenizedWindow | None:
+    def _pooled(self, pool: TokenPool, texts: Sequence[str], *, ids: bool = True) -> TokenizedBlock | None:
         """``texts`` tokenized by a helper, or None when that failed (see :meth:`_submit`)."""
         pending = self._submit(pool, texts, ids=ids)
         if not isinstance(pending, Pending):
@@ -330,15 +334,15 @@ class TextPacker:
             self._failed(err)
             return None
 
-    def windows(self, texts: list[str] | ArrowTexts, *, background: bool = False) -> Iterator[tuple[int, Tokenized]]:
-        """Yield ``(offset, encodings)`` per window; with ``background`` the next window tokenizes meanwhile.
+    def blocks(self, texts: list[str] | ArrowTexts, *, background: bool = False) -> Iterator[tuple[int, Tokenized]]:
+        """Yield ``(offset, encodings)`` per block; with ``background`` the next block tokenizes meanwhile.
 
-        Windows follow :func:`~dask_surge.engine.batching.windows`; with ``background`` (the device
-        runs while the host tokenizes) a large call starts with a window of
-        :data:`~dask_surge.engine.batching.FIRST_WINDOW_TEXTS` texts, so the device starts early.
-        With :attr:`processes` > 0 the helper processes tokenize (one window per helper handed over
-        ahead of the one yielded, whatever ``background`` says) and each window is a
-        :class:`~dask_surge.engine.tokenpool.TokenizedWindow`; the windows, and so the plans and the
+        Blocks follow :func:`~dask_surge.engine.batching.blocks`; with ``background`` (the device
+        runs while the host tokenizes) a large call starts with a block of
+        :data:`~dask_surge.engine.batching.FIRST_BLOCK_TEXTS` texts, so the device starts early.
+        With :attr:`processes` > 0 the helper processes tokenize (one block per helper handed over
+        ahead of the one yielded, whatever ``background`` says) and each block is a
+        :class:`~dask_surge.engine.tokenpool.TokenizedBlock`; the blocks, and so the plans and the
         embeddings, are the same. When a helper dies the rest is tokenized in this process, with a
         ``RuntimeWarning`` that says why (:class:`~dask_surge.engine.tokenpool.TokenizerProcessError`).
 
@@ -347,14 +351,14 @@ class TextPacker:
         >>> from transformers import AutoTokenizer
         >>> from dask_surge.testing import packaged_model_dir
         >>> packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 8, clock=StageClock())
-        >>> [(offset, len(e)) for offset, e in packer.windows(["a"] * 3)]
+        >>> [(offset, len(e)) for offset, e in packer.blocks(["a"] * 3)]
         [(0, 3)]
         >>> packer.processes = 1  # a helper process tokenizes
-        >>> [(offset, type(e).__name__, len(e)) for offset, e in packer.windows(["a"] * 3)]
-        [(0, 'TokenizedWindow', 3)]
+        >>> [(offset, type(e).__name__, len(e)) for offset, e in packer.blocks(["a"] * 3)]
+        [(0, 'TokenizedBlock', 3)]
         >>> packer.close()
         """
-        starts = window_starts(len(texts), WINDOW_TEXTS, first=FIRST_WINDOW_TEXTS if background else 0)
+        starts = block_starts(len(texts), BLOCK_TEXTS, first=FIRST_BLOCK_TEXTS if background else 0)
         spans = list(zip(starts, [*starts[1:], len(texts)]))
         pool = self.token_pool() if texts else None
         if pool is not None:
@@ -372,12 +376,12 @@ class TextPacker:
                     a, b = spans[k + 1]
                     pending = pool_.submit(self.tokenize, texts[a:b])
                 yield start, encodings
-                del encodings  # before the next window's are taken
+                del encodings  # before the next block's are taken
 
     def _pooled_windows(self, pool: TokenPool, texts: list[str] | ArrowTexts, spans: list[tuple[int, int]]
                         ) -> Iterator[tuple[int, Tokenized]]:
-        """:meth:`windows` through the helper processes: up to one window per helper in flight ahead of
-        the one the caller packs. A window a helper could not take or finish is tokenized here; after a
+        """:meth:`blocks` through the helper processes: up to one block per helper in flight ahead of
+        the one the caller packs. A block a helper could not take or finish is tokenized here; after a
         helper died, every later one is (the same ids either way)."""
         ahead: deque[tuple[int, int, Pending]] = deque()
         k = 0  # the next span to hand over
@@ -435,7 +439,7 @@ class TextPacker:
         >>> packer.overflowed(packer.tokenize(["one two three", "one two three four five", ""])).tolist()
         [False, True, False]
         """
-        if isinstance(encodings, TokenizedWindow):
+        if isinstance(encodings, TokenizedBlock):
             return encodings.overflow
         lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
         out = np.zeros(len(encodings), dtype=bool)
@@ -444,20 +448,20 @@ class TextPacker:
         return out
 
     def pack_windows(self, content: np.ndarray, starts: np.ndarray, lengths: np.ndarray, offset: int, *,
-                     head: np.ndarray, tail: np.ndarray, max_tokens: int, split_runs: bool = True) -> PackedWindow:
-        """Plan and pack windows of token ids already cut (no tokenizing): each is ``head + content[a:b] + tail``.
+                     head: np.ndarray, tail: np.ndarray, max_tokens: int, split_runs: bool = True) -> PackedBlock:
+        """Plan and pack blocks of token ids already cut (no tokenizing): each is ``head + content[a:b] + tail``.
 
         Parameters
         ----------
         content : numpy.ndarray
-            int32 content token ids; window ``k`` is ``content[starts[k] : starts[k] + lengths[k]]``.
+            int32 content token ids; block ``k`` is ``content[starts[k] : starts[k] + lengths[k]]``.
         starts, lengths : numpy.ndarray
-            Per window (windows may overlap in ``content``).
+            Per block (blocks may overlap in ``content``).
         offset : int
-            Row of the first window in the call's output.
+            Row of the first block in the call's output.
         head, tail : numpy.ndarray
             int32 ids put before (the leading special tokens and the prompt's) and after
-            (the trailing special tokens) each window.
+            (the trailing special tokens) each block.
         max_tokens, split_runs
             As in :meth:`pack`.
 
@@ -488,37 +492,37 @@ class TextPacker:
             shift = np.repeat(np.asarray(starts, dtype=np.int64)[plan.order] - (out_starts + n_head), inner)
             dst = np.repeat(out_starts + n_head - (np.cumsum(inner) - inner), inner) + np.arange(total)
             flat[dst] = content[dst + shift]
-        window = PackedWindow(
+        block = PackedBlock(
             plan=plan, size=int(flat.size), ids=flat, lengths=run_lengths.astype(np.int32),
             starts=out_starts, where=plan.order + offset,
         )
         self.clock.count("pack", t0)
-        return window
+        return block
 
-    def pack(self, encodings: Tokenized, offset: int, *, max_tokens: int, split_runs: bool = True) -> PackedWindow:
-        """Plan one window (:func:`~dask_surge.engine.batching.plan_batches`) and gather its ids in run order."""
-        if isinstance(encodings, TokenizedWindow):
+    def pack(self, encodings: Tokenized, offset: int, *, max_tokens: int, split_runs: bool = True) -> PackedBlock:
+        """Plan one block (:func:`~dask_surge.engine.batching.plan_batches`) and gather its ids in run order."""
+        if isinstance(encodings, TokenizedBlock):
             return self._pack_tokenized(encodings, offset, max_tokens=max_tokens, split_runs=split_runs)
         t0 = time.perf_counter()
         lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
         plan = plan_batches(lengths, max_tokens, split_runs=split_runs)
         ordered = operator.itemgetter(*plan.order.tolist())(encodings) if len(encodings) > 1 else encodings
         flat = flat_ids(ordered, plan.real_tokens)
-        window = PackedWindow(
+        block = PackedBlock(
             plan=plan, size=int(flat.size), ids=flat, lengths=plan.lengths.astype(np.int32),
             starts=(np.cumsum(plan.lengths) - plan.lengths).astype(np.int64), where=plan.order + offset,
         )
         self.clock.count("pack", t0)
-        return window
+        return block
 
-    def _pack_tokenized(self, window: TokenizedWindow, offset: int, *, max_tokens: int,
-                        split_runs: bool = True) -> PackedWindow:
-        """:meth:`pack` of a window tokenized as arrays (joined texts, or a helper): the same plan, the ids
+    def _pack_tokenized(self, block: TokenizedBlock, offset: int, *, max_tokens: int,
+                        split_runs: bool = True) -> PackedBlock:
+        """:meth:`pack` of a block tokenized as arrays (joined texts, or a helper): the same plan, the ids
         gathered with NumPy."""
         t0 = time.perf_counter()
-        plan = plan_batches(window.lengths, max_tokens, split_runs=split_runs)
-        flat = _gather(window.ids, window.starts, window.lengths, plan.order)
-        packed = PackedWindow(
+        plan = plan_batches(block.lengths, max_tokens, split_runs=split_runs)
+        flat = _gather(block.ids, block.starts, block.lengths, plan.order)
+        packed = PackedBlock(
             plan=plan, size=int(flat.size), ids=flat, lengths=plan.lengths.astype(np.int32),
             starts=(np.cumsum(plan.lengths) - plan.lengths).astype(np.int64), where=plan.order + offset,
         )

@@ -6,16 +6,16 @@ The Rust tokenizer runs without the GIL, but what it hands back does not: one Py
 of it a Python int per token). On a GPU worker every microsecond of GIL per text caps the
 texts/s one process can feed. A :class:`TokenPool` moves that work into helper processes:
 
-- the caller joins a window's texts into one UTF-8 buffer and writes it, with the character
+- the caller joins a block's texts into one UTF-8 buffer and writes it, with the character
   offsets, into a shared-memory block (a C-level join and encode, ~0.1 us per text);
 - a helper (a fresh interpreter started with ``python -c``, never a fork: a Dask worker is
   multithreaded) tokenizes them with a copy of the caller's tokenizer (truncation, prompt) and
   writes the lengths, the overflow flags and the int32 ids into a second block;
-- the caller copies the three arrays out (:class:`TokenizedWindow`); no per-text Python object
+- the caller copies the three arrays out (:class:`TokenizedBlock`); no per-text Python object
   crosses the boundary.
 
 The caller creates, owns and unlinks every block; the helpers only map them. A helper that dies
-is reported as :class:`TokenizerProcessError`; :meth:`dask_surge.engine.tokenizing.TextPacker.windows`
+is reported as :class:`TokenizerProcessError`; :meth:`dask_surge.engine.tokenizing.TextPacker.blocks`
 then tokenizes the rest in process, with a warning, so no row is lost and the ids are the same.
 """
 
@@ -36,11 +36,15 @@ from typing import Any
 
 import numpy as np
 
+from .._deprecated import renamed
 from ..errors import SurgeError
 from ..io.texts import ArrowTexts
 from ._tokenhelper import out_layout, read_message, write_message
 
-__all__ = ["TokenPool", "TokenizedWindow", "TokenizerProcessError", "auto_processes"]
+__all__ = ["TokenPool", "TokenizedBlock", "TokenizerProcessError", "auto_processes"]
+
+#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
+__getattr__ = renamed(__name__, {'TokenizedWindow': 'TokenizedBlock'})
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +55,12 @@ _HELPER = Path(__file__).with_name("_tokenhelper.py")
 
 
 class TokenizerProcessError(SurgeError, RuntimeError):
-    """A tokenizer helper process died (:attr:`died`) or could not take a window (see :class:`TokenPool`)."""
+    """A tokenizer helper process died (:attr:`died`) or could not take a block (see :class:`TokenPool`)."""
 
     def __init__(self, message: str, *, died: bool = False) -> None:
         super().__init__(message)
         #: True when a helper process died (the pool is not to be trusted any more); False when one
-        #: window could not be handed over or tokenized there (the next may be).
+        #: block could not be handed over or tokenized there (the next may be).
         self.died = died
 
 
@@ -78,8 +82,8 @@ def auto_processes(device_type: str) -> int:
 
 
 @dataclass(frozen=True)
-class TokenizedWindow:
-    """One window of texts as arrays: per text its length and overflow flag, and all ids (from a helper
+class TokenizedBlock:
+    """One block of texts as arrays: per text its length and overflow flag, and all ids (from a helper
     process, or from :class:`~dask_surge.engine.joined.JoinedTokenizer` in process).
 
     Attributes
@@ -94,7 +98,7 @@ class TokenizedWindow:
 
     Examples
     --------
-    >>> w = TokenizedWindow(np.array([2, 3], np.int32), np.zeros(2, bool), np.arange(5, dtype=np.int32))
+    >>> w = TokenizedBlock(np.array([2, 3], np.int32), np.zeros(2, bool), np.arange(5, dtype=np.int32))
     >>> len(w), w.starts.tolist()
     (2, [0, 2])
     """
@@ -236,19 +240,19 @@ class _State:
 
 
 class Pending:
-    """A window handed to a helper; :meth:`result` waits for it (and must be called, once)."""
+    """A block handed to a helper; :meth:`result` waits for it (and must be called, once)."""
 
     def __init__(self, pool: TokenPool, helper: _Helper, n: int, want_ids: bool) -> None:
         self._pool, self._helper, self._n, self._want_ids = pool, helper, n, want_ids
         self._done = False
 
-    def result(self) -> TokenizedWindow:
-        """The tokenized window (copied out of shared memory); the helper is free again.
+    def result(self) -> TokenizedBlock:
+        """The tokenized block (copied out of shared memory); the helper is free again.
 
         Raises
         ------
         TokenizerProcessError
-            If the helper died (it is then dropped from the pool), or failed on this window.
+            If the helper died (it is then dropped from the pool), or failed on this block.
         """
         if self._done:
             raise RuntimeError("Pending.result() was already called")
@@ -261,7 +265,7 @@ class Pending:
             raise
         try:
             if reply[0] != "ok":
-                raise TokenizerProcessError(f"tokenizer helper process {helper.pid} failed on a window: "
+                raise TokenizerProcessError(f"tokenizer helper process {helper.pid} failed on a block: "
                                             f"{reply[1]}: {reply[2]}")
             total = int(reply[1])
             out = helper.blocks["out"]
@@ -273,19 +277,19 @@ class Pending:
             ids = (np.frombuffer(buf, dtype=np.int32, count=total, offset=ids_at).copy() if self._want_ids
                    else np.empty(0, dtype=np.int32))
             del buf
-            return TokenizedWindow(lengths, overflow, ids)
+            return TokenizedBlock(lengths, overflow, ids)
         finally:
             self._pool._release(helper)
 
     def discard(self) -> None:
-        """Wait for the helper and drop the result (a window the caller no longer wants)."""
+        """Wait for the helper and drop the result (a block the caller no longer wants)."""
         if not self._done:
             with contextlib.suppress(TokenizerProcessError):
                 self.result()
 
 
 class TokenPool:
-    """Up to ``processes`` helper processes that tokenize windows of texts, started on first use.
+    """Up to ``processes`` helper processes that tokenize blocks of texts, started on first use.
 
     Parameters
     ----------
@@ -298,7 +302,7 @@ class TokenPool:
     prompt : str, default ""
         Put before every text.
     processes : int, default 1
-        Helper processes at most; each serves one window at a time.
+        Helper processes at most; each serves one block at a time.
 
     Notes
     -----
@@ -328,7 +332,7 @@ class TokenPool:
         self.max_length = int(max_length)
         self._setup = {"tokenizer": tokenizer_json, "prompt": prompt, "max_length": self.max_length}
         # ids per text at most, beyond one per byte of text: the prompt's (one per byte), special tokens and a
-        # word-start marker (a helper whose ids do not fit says so, and the window is tokenized here)
+        # word-start marker (a helper whose ids do not fit says so, and the block is tokenized here)
         self._per_text = len(prompt.encode("utf-8", "surrogatepass")) + 16
         self._state = _State()
         self._finalizer = weakref.finalize(self, self._state.close)  # also runs at interpreter exit
@@ -391,7 +395,7 @@ class TokenPool:
             False: only the lengths and the overflow flags (``count_tokens``).
         block : bool, default True
             Wait for a free helper; False returns None when none is free. A caller holding
-            :class:`Pending` windows must not block (two callers could each wait for the other's
+            :class:`Pending` blocks must not block (two callers could each wait for the other's
             helper): take a result first.
 
         Returns
@@ -405,7 +409,7 @@ class TokenPool:
         UnicodeEncodeError
             If a text cannot be written as UTF-8 (nothing was handed over).
         TokenizerProcessError
-            If the helper died before it took the window (it is dropped from the pool).
+            If the helper died before it took the block (it is dropped from the pool).
         """
         n = len(texts)
         joined: bytes | memoryview
@@ -423,8 +427,8 @@ class TokenPool:
         room = shm_room()
         if room is not None and room < 2 * need:
             raise TokenizerProcessError(
-                f"{room:,} bytes are free in /dev/shm, under twice the {need:,} a window of {n:,} texts needs "
-                "(a full /dev/shm kills the process that writes to it). The window is tokenized in this process "
+                f"{room:,} bytes are free in /dev/shm, under twice the {need:,} a block of {n:,} texts needs "
+                "(a full /dev/shm kills the process that writes to it). The block is tokenized in this process "
                 "instead. Fix: make /dev/shm larger (docker run --shm-size=1g), or set surge.tokenize-processes "
                 "to 0 to tokenize in the worker."
             )
@@ -448,14 +452,14 @@ class TokenPool:
             raise
         return Pending(self, helper, n, ids)
 
-    def tokenize(self, texts: Sequence[str], *, ids: bool = True) -> TokenizedWindow:
-        """:meth:`submit` ``texts`` and wait for them (see :class:`TokenizedWindow`)."""
+    def tokenize(self, texts: Sequence[str], *, ids: bool = True) -> TokenizedBlock:
+        """:meth:`submit` ``texts`` and wait for them (see :class:`TokenizedBlock`)."""
         pending = self.submit(texts, ids=ids)
         assert pending is not None
         return pending.result()
 
     def close(self) -> None:
-        """Stop the helpers and unlink the shared-memory blocks; idempotent. Windows in flight fail."""
+        """Stop the helpers and unlink the shared-memory blocks; idempotent. Blocks in flight fail."""
         self._finalizer()
 
 

@@ -31,7 +31,7 @@ from .forward import (  # the private helpers are re-exported: tests and benchma
     NOOP_FORWARD_ENV,
     STAGING_BYTES,
     DeviceRunner,
-    _Window,
+    _DeviceBlock,
 )
 from .forward import _cast_copy as _cast_copy
 from .forward import _check_finite as _check_finite
@@ -41,8 +41,8 @@ from .forward import _fuse_gelu as _fuse_gelu
 from .forward import _OneDNNLinear as _OneDNNLinear
 from .long_texts import (
     DEFAULT_CHUNK_OVERLAP,
-    LongEncoded,
     LongTexts,
+    TextEmbeddings,
     TextTooLong,
     WindowCutter,
     WindowGroup,
@@ -307,7 +307,7 @@ class TransformerEngine:
         self._check_open()
         self._use_processes()
         texts = as_texts(texts)
-        return self._encode_with(len(texts), self._windows(texts), self._prepare_window, normalize or self._normalize)
+        return self._encode_with(len(texts), self._blocks(texts), self._prepare_block, normalize or self._normalize)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -316,7 +316,7 @@ class TransformerEngine:
                 "cannot encode. Fix: build a new engine with TransformerEngine.from_sentence_transformer(model)."
             )
 
-    def _encode_with(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], _Window],
+    def _encode_with(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], _DeviceBlock],
                      normalize: bool) -> np.ndarray:
         """``(count, dimension)`` embeddings: ``prepare(item, offset)`` of each ``(offset, item)`` of ``windows``, run."""
         if self.use_feeder:
@@ -324,10 +324,10 @@ class TransformerEngine:
         with self._lock, torch.inference_mode():
             out = torch.empty((count, self.dimension), dtype=torch.float32, device=self.device)
             for window in prepared(iter(windows), prepare):
-                self._run_window(window, out, normalize)
+                self._run_block(window, out, normalize)
             return self._device.finish(out)
 
-    def _encode_fed(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], _Window],
+    def _encode_fed(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], _DeviceBlock],
                     normalize: bool) -> np.ndarray:
         """Prepare windows in the calling thread; the feeder thread launches all device work."""
         with self._lock:
@@ -340,7 +340,7 @@ class TransformerEngine:
         jobs = [feeder.submit(start)]
         try:
             for window in prepared(iter(windows), prepare):
-                jobs.append(feeder.submit(lambda w=window: self._run_window(w, state["out"], normalize)))
+                jobs.append(feeder.submit(lambda w=window: self._run_block(w, state["out"], normalize)))
         finally:  # a failed preparation still waits for what was queued (it writes into ``out``)
             for job in jobs:
                 job.exception()
@@ -348,17 +348,17 @@ class TransformerEngine:
             job.result()  # the first device error, if any
         return self._device.finish_fed(feeder, state["out"])  # CUDA: waits here, not on the feeder thread
 
-    def _windows(self, texts: list[str] | ArrowTexts):
+    def _blocks(self, texts: list[str] | ArrowTexts):
         """``(offset, encodings)`` per window; on CUDA the next window tokenizes during compute."""
-        return self._packer.windows(texts, background=self.device.type == "cuda")
+        return self._packer.blocks(texts, background=self.device.type == "cuda")
 
-    def _prepare_window(self, encodings: Any, offset: int) -> _Window:
+    def _prepare_block(self, encodings: Any, offset: int) -> _DeviceBlock:
         """Host side of one window: the plan and the token ids in run order, as int32 (pinned on CUDA)."""
         packed = self._packer.pack(encodings, offset, max_tokens=self.max_tokens, split_runs=self.split_runs)
         return self._device.stage(packed)
 
-    def _run_window(self, window: _Window, out: torch.Tensor, normalize: bool) -> None:
-        self._device.run_window(window, out, normalize, split_runs=self.split_runs, forward=self._forward)
+    def _run_block(self, window: _DeviceBlock, out: torch.Tensor, normalize: bool) -> None:
+        self._device.run_block(window, out, normalize, split_runs=self.split_runs, forward=self._forward)
 
     def _forward(self, ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """Pooled float32 embeddings of one micro-batch (see :meth:`DeviceRunner.forward`); tests wrap it."""
@@ -371,7 +371,7 @@ class TransformerEngine:
         return self._cutter
 
     def encode_long(self, texts: Sequence[str], *, normalize: bool = False, long_texts: LongTexts = "truncate",
-                    chunk_overlap: int = DEFAULT_CHUNK_OVERLAP) -> LongEncoded:
+                    chunk_overlap: int = DEFAULT_CHUNK_OVERLAP) -> TextEmbeddings:
         """Embed ``texts``, doing with those over the window what ``long_texts`` says.
 
         See :meth:`dask_surge.models.encoders.Encoder.encode_long`. ``"truncate"`` and
@@ -401,24 +401,24 @@ class TransformerEngine:
                                   self.dimension, renormalize=normalize, clock=self._clock)
         truncated = np.zeros(len(texts), dtype=bool)
 
-        def prepare(encodings: Any, offset: int) -> _Window:
+        def prepare(encodings: Any, offset: int) -> _DeviceBlock:
             over = self._packer.overflowed(encodings)
             if long_texts == "error" and over.any():
                 first = offset + int(np.argmax(over))
                 cutter = self.cutter()
                 raise TextTooLong(first, cutter.content_tokens(texts[first]), cutter.capacity)
             truncated[offset : offset + len(encodings)] = over
-            return self._prepare_window(encodings, offset)
+            return self._prepare_block(encodings, offset)
 
-        emb = self._encode_with(len(texts), self._windows(texts), prepare, normalize)
-        return LongEncoded(emb, None, truncated, int(truncated.sum()))
+        emb = self._encode_with(len(texts), self._blocks(texts), prepare, normalize)
+        return TextEmbeddings(emb, None, truncated, int(truncated.sum()))
 
     def _encode_groups(self, groups: Iterable[WindowGroup], normalize: bool) -> Iterator[np.ndarray]:
         """Each group's windows' embeddings; on CUDA the next group is cut while this one runs."""
         for group in _prefetch(groups, background=self.device.type == "cuda"):
             yield self._encode_with(len(group), [(0, group)], self._prepare_group, normalize)
 
-    def _prepare_group(self, group: WindowGroup, offset: int) -> _Window:
+    def _prepare_group(self, group: WindowGroup, offset: int) -> _DeviceBlock:
         """Host side of one group of windows: packed from their ids (no tokenizing), staged."""
         cutter = self.cutter()
         packed = self._packer.pack_windows(group.content, group.starts, group.windows.tokens, offset,

@@ -77,7 +77,7 @@ from ..planning.tokens import token_counter
 from ..synthetic import make_partitioned_frame, make_texts
 from .graph import superbatch_collection
 from .plugins import register_encoder
-from .superbatch import SuperBatchEncoder
+from .superbatch import SuperBatchTask
 
 __all__ = ["PROBE_VERSION", "CalibrationWarning", "Timing", "cache_dir", "cache_path", "calibrate",
            "fit_encode_curve", "separated", "solve_dask_terms"]
@@ -528,7 +528,7 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
 
     null = Encoder(_NullModel(encoder.dimension))  # costs nothing: its runs time the per-row I/O alone
     register_encoder(client, null)
-    sbe = SuperBatchEncoder("text", (), encoder)
+    sbe = SuperBatchTask("text", (), encoder)
     meta = sbe.meta(make_partitioned_frame([1], seed=0)[["text"]]._meta)
 
     def pbp_null(sizes):

@@ -68,7 +68,7 @@ from .profiler import profiler_paused
 from .progress import RunProgress, logging_through
 from .reach import check_workers_see_output
 from .sink import SuperBatchWriter
-from .superbatch import SuperBatchEncoder, partition_digest
+from .superbatch import SuperBatchTask, partition_digest
 
 __all__ = ["Unit", "UnitRunner", "planned_units", "streaming_units", "InputGraph", "RunRequest",
            "ThresholdResolver", "run_units", "task_resources", "write_run"]
@@ -545,7 +545,7 @@ class RunRequest:
     ----------
     frame : dask.dataframe.DataFrame
         The input as the run reads it (the text column and the kept columns).
-    encoder : SuperBatchEncoder
+    encoder : SuperBatchTask
         What each SuperBatch task runs.
     output : str
         The output directory.
@@ -562,7 +562,7 @@ class RunRequest:
     """
 
     frame: Any
-    encoder: SuperBatchEncoder
+    encoder: SuperBatchTask
     output: str
     fingerprint: dict
     thresholds: ThresholdResolver

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._deprecated import renamed
 from ..errors import SurgeOutputError
 from ..io.arrow import to_host
 from ..io.directory import discard, sb_key, write_bytes_atomic
@@ -20,18 +21,21 @@ from ..io.manifest import CommitRecord, Manifest
 from ..io.partfiles import parquet_bytes, row_groups, skipped_bytes, table_of
 from ..results import SuperBatchReport
 from .events import announce
-from .superbatch import Encoded, SuperBatchEncoder, partition_digest
+from .superbatch import SuperBatchRows, SuperBatchTask, partition_digest
 
-__all__ = ["EncodedBatch", "SuperBatchWriter"]
+__all__ = ["PendingCommit", "SuperBatchWriter"]
+
+#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
+__getattr__ = renamed(__name__, {'EncodedBatch': 'PendingCommit'})
 
 
 @dataclass(frozen=True)
-class EncodedBatch:
+class PendingCommit:
     """A SuperBatch encoded and not yet written: what :meth:`SuperBatchWriter.commit` takes.
 
     Attributes
     ----------
-    encoded : Encoded
+    encoded : SuperBatchRows
         The output rows and counts.
     spans : tuple of (Span, int)
         The SuperBatch's spans, with their partitions' rows.
@@ -43,7 +47,7 @@ class EncodedBatch:
         Seconds its encoding took.
     """
 
-    encoded: Encoded
+    encoded: SuperBatchRows
     spans: tuple
     digests: tuple[tuple[int, str], ...]
     started_at: float
@@ -54,7 +58,7 @@ class EncodedBatch:
 class SuperBatchWriter:
     """Encodes, writes and commits one SuperBatch; returns its :class:`~dask_surge.results.SuperBatchReport`."""
 
-    encoder: SuperBatchEncoder
+    encoder: SuperBatchTask
     manifest: Manifest
     #: codec of the embedding column, resolved where the run starts (None: the worker's surge.compression)
     compression: str | None = None
@@ -75,14 +79,14 @@ class SuperBatchWriter:
         partitions, in order) and commit them as the SuperBatch keyed by the first span."""
         return self.commit(self.encode(parts, spans))
 
-    def encode(self, parts, spans) -> EncodedBatch:
+    def encode(self, parts, spans) -> PendingCommit:
         """The first half of :meth:`__call__`: encode the SuperBatch (what needs its input partitions)."""
         started_at, t0 = time.time(), time.perf_counter()
         encoded = self.encoder.encode(parts, spans)
-        return EncodedBatch(encoded, tuple(spans), self._digests(parts, spans), started_at,
+        return PendingCommit(encoded, tuple(spans), self._digests(parts, spans), started_at,
                             time.perf_counter() - t0)
 
-    def commit(self, batch: EncodedBatch) -> SuperBatchReport:
+    def commit(self, batch: PendingCommit) -> SuperBatchReport:
         """The second half of :meth:`__call__`: write the encoded SuperBatch's Parquet file, commit it
         (exclusive, fsynced record) and publish it. Needs nothing of the input, so a unit runs it on its
         writer thread while it encodes its next SuperBatch (see :class:`dask_surge.execution.runner.UnitRunner`)."""

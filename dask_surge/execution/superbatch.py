@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
+from .._deprecated import renamed
 from ..engine.long_texts import TextTooLong, no_tokenizer
 from ..engine.tokenizing import unreadable_text
 from ..errors import SurgeInputError, SurgeValueError
@@ -23,9 +24,12 @@ from ..models.encoders import Encoder
 from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
 from ..planning.policy import Span
 
-__all__ = ["Encoded", "SuperBatchEncoder", "distinct", "expand", "texts_of",
+__all__ = ["SuperBatchRows", "SuperBatchTask", "distinct", "expand", "texts_of",
            "arrow_texts",
            "partition_digest", "concat_column"]
+
+#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
+__getattr__ = renamed(__name__, {'SuperBatchEncoder': 'SuperBatchTask', 'Encoded': 'SuperBatchRows'})
 
 def distinct(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The first occurrence of each distinct row of ``hashes`` (``(n, 2)`` uint64), in order of
@@ -199,13 +203,13 @@ def texts_of(series: pd.Series, partition: int, start: int, on_null: str
 
 
 @dataclass(frozen=True)
-class Encoded:
+class SuperBatchRows:
     """What one SuperBatch encoded.
 
     Attributes
     ----------
     frame : pandas.DataFrame
-        The output rows (see :class:`SuperBatchEncoder`).
+        The output rows (see :class:`SuperBatchTask`).
     skipped : list of (int, int)
         ``(partition, row)`` of the null texts left out (``on_null="skip"``).
     texts : int
@@ -278,7 +282,7 @@ def _runs(spans: Sequence[tuple[Span, int]], by_partition: dict) -> list[list[tu
 
 
 @dataclass(frozen=True)
-class SuperBatchEncoder:
+class SuperBatchTask:
     """Callable run by each SuperBatch task: ``(partitions, sb_index, spans) -> DataFrame``.
 
     The result has columns ``partition`` (int64), ``row`` (int64, offset within the
@@ -310,7 +314,7 @@ class SuperBatchEncoder:
     reuse_storage_options: dict | None = field(default=None, repr=False)
 
     def __dask_tokenize__(self):
-        return ("SuperBatchEncoder", self.column, self.keep, self.encoder.spec, self.normalize,
+        return ("SuperBatchTask", self.column, self.keep, self.encoder.spec, self.normalize,
                 self.precision, self.on_null, self.truncate_dim, self.long_texts, self.chunk_overlap, self.reuse)
 
     @property
@@ -434,8 +438,8 @@ class SuperBatchEncoder:
             raise _too_long(where(first), tokens, int(self.encoder.window_capacity or 0))
         return over
 
-    def encode(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]) -> Encoded:
-        """Encode the planned rows of ``parts``: see :class:`Encoded`."""
+    def encode(self, parts: Sequence[pd.DataFrame], spans: Sequence[tuple[Span, int]]) -> SuperBatchRows:
+        """Encode the planned rows of ``parts``: see :class:`SuperBatchRows`."""
         gathered, texts, skipped = self.gather(parts, spans)
         partition = np.concatenate([p for p, _, _ in gathered]) if gathered else np.zeros(0, dtype=np.int64)
         row = np.concatenate([r for _, r, _ in gathered]) if gathered else np.zeros(0, dtype=np.int64)
@@ -490,7 +494,7 @@ class SuperBatchEncoder:
         out[EMBEDDING] = pd.arrays.ArrowExtensionArray(blocks.embedding if in_order
                                                          else blocks.embedding.take(pa.array(take)))
         truncated = -1 if uncounted else int(np.count_nonzero(cut[inverse]))  # each written text counts
-        return Encoded(out, skipped, texts=len(texts), truncated=truncated,
+        return SuperBatchRows(out, skipped, texts=len(texts), truncated=truncated,
                        encoded=len(todo), reused=int(np.count_nonzero(found[inverse])))
 
     def __call__(self, parts: Sequence[pd.DataFrame], sb_index: int, spans: Sequence[tuple[Span, int]]) -> pd.DataFrame:

@@ -17,7 +17,7 @@ class FrameRows:
     :class:`~dask_surge.io.parquet.ParquetPartitions`); handing each partition on as this
     view instead of a sliced frame spares a SuperBatch of many small partitions a pandas
     slice, a column lookup and an index per partition: the SuperBatch's rows are one run of
-    the frame, sliced once (:meth:`dask_surge.execution.superbatch.SuperBatchEncoder.gather`).
+    the frame, sliced once (:meth:`dask_surge.execution.superbatch.SuperBatchTask.gather`).
     Anything else takes :func:`~dask_surge.io.arrow.to_host` of it, the sliced frame.
 
     Examples

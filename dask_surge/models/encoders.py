@@ -28,8 +28,8 @@ from .. import config
 from ..engine.backends import Backend, BackendClosed, choose_backend, direct_backend, free_memory
 from ..engine.long_texts import (
     DEFAULT_CHUNK_OVERLAP,
-    LongEncoded,
     LongTexts,
+    TextEmbeddings,
     Windows,
     check_long_texts,
     no_tokenizer,
@@ -813,7 +813,7 @@ class Encoder:
         raise no_tokenizer("chunk", "a plain callable model has no tokenizer")
 
     def encode_long(self, texts: Sequence[str], *, normalize: bool = False, long_texts: LongTexts = "truncate",
-                    chunk_overlap: int | None = DEFAULT_CHUNK_OVERLAP) -> LongEncoded:
+                    chunk_overlap: int | None = DEFAULT_CHUNK_OVERLAP) -> TextEmbeddings:
         """Encode texts, doing with those longer than the model's window what ``long_texts`` says.
 
         The window is the model's ``max_seq_length`` less its special tokens and the prompt's
@@ -839,7 +839,7 @@ class Encoder:
 
         Returns
         -------
-        LongEncoded
+        TextEmbeddings
             ``embeddings`` (float32, C-contiguous), ``windows`` (``"chunk"``), ``truncated``, ``over``.
 
         Raises
@@ -871,7 +871,7 @@ class Encoder:
             empty = np.zeros((0, loaded.dimension), dtype=np.float32)
             if long_texts != "truncate" and loaded.backend == "callable":
                 loaded.impl.encode_long([], normalize, long_texts, int(chunk_overlap))  # raises: no tokenizer
-            return LongEncoded(empty, Windows.empty() if long_texts == "chunk" else None,
+            return TextEmbeddings(empty, Windows.empty() if long_texts == "chunk" else None,
                                np.zeros(0, dtype=bool), 0)
         # the fast engine takes Arrow-held texts as they are (its tokenizer helpers copy their bytes);
         # every other backend, a user's callable among them, gets a list of str of its own

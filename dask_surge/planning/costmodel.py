@@ -106,7 +106,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 import pandas as pd
 
-from ..engine.batching import WINDOW_TEXTS, replay
+from ..engine.batching import BLOCK_TEXTS, replay
 from ..errors import SurgeValueError
 from .policy import plan_superbatches, validate_thresholds
 
@@ -323,7 +323,7 @@ def _freeze(v):
     return v
 
 
-_CHUNK = WINDOW_TEXTS  # the fast engine tokenizes and sorts at most this many texts at a time
+_CHUNK = BLOCK_TEXTS  # the fast engine tokenizes and sorts at most this many texts at a time
 _GRID = np.unique(np.concatenate([np.arange(1, 129), np.round(np.geomspace(128, _CHUNK, 40))]).astype(np.int64))
 
 

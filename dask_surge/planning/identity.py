@@ -367,7 +367,7 @@ def fingerprint(frame: Any, sbe: Any, *, device: str | None = None,
     ----------
     frame : dask.dataframe.DataFrame
         The input as the run reads it (the text column and kept columns).
-    sbe : dask_surge.execution.superbatch.SuperBatchEncoder
+    sbe : dask_surge.execution.superbatch.SuperBatchTask
         What each SuperBatch runs: its column, kept columns, encoder and output options.
     device : str, optional
         Where the run encodes (``"cuda"`` or ``"cpu"``): ``dtype="auto"`` resolves for it.
@@ -382,12 +382,12 @@ def fingerprint(frame: Any, sbe: Any, *, device: str | None = None,
     Examples
     --------
     >>> import pandas as pd, dask.dataframe as dd
-    >>> from dask_surge.execution.superbatch import SuperBatchEncoder
+    >>> from dask_surge.execution.superbatch import SuperBatchTask
     >>> from dask_surge import Encoder
     >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
     >>> enc = Encoder("default")
-    >>> a = fingerprint(ddf, SuperBatchEncoder("text", (), enc, on_null="error"), device="cpu")
-    >>> b = fingerprint(ddf, SuperBatchEncoder("text", (), enc.with_options(batch_size=8), on_null="skip"), device="cpu")
+    >>> a = fingerprint(ddf, SuperBatchTask("text", (), enc, on_null="error"), device="cpu")
+    >>> b = fingerprint(ddf, SuperBatchTask("text", (), enc.with_options(batch_size=8), on_null="skip"), device="cpu")
     >>> a == b, a["model"]["dtype"]
     (True, 'float32')
     """
