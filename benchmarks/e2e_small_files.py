@@ -97,7 +97,16 @@ def one(method: str, model: str, data: str, workers: int, profile: bool = False)
                                dashboard_address="127.0.0.1:0")
         client = Client(cluster)
         # the imports, as on the ST side (whose clock starts after them); the model loads inside the clock
-        client.run(lambda: __import__("dask_surge.engine.transformer") and __import__("sentence_transformers") and None)
+        def engine_imports() -> None:  # the engine's module, here or (engine/ before 0.1.0) in an older tree
+            import importlib.util
+
+            for name in ("dask_surge.engine.transformer", "dask_surge.models.engine"):
+                if importlib.util.find_spec(name.rpartition(".")[0]) is not None:
+                    importlib.import_module(name)
+                    break
+            importlib.import_module("sentence_transformers")
+
+        client.run(engine_imports)
         start_s = time.perf_counter() - t0
         try:
             def run():

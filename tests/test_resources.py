@@ -1,5 +1,6 @@
 """SuperBatch tasks claim the GPU resource that GPU workers advertise (dask-cuda, HPC jobs)."""
 
+import asyncio
 import json
 import os
 import subprocess
@@ -45,14 +46,9 @@ def test_superbatches_run_only_on_workers_that_advertise_a_gpu(tmp_path, tiny_mo
     assert len(back[["partition", "row"]].drop_duplicates()) == 40
 
 
-# in-process clusters (distributed's gen_cluster) where real processes are not the point
-
-
-from distributed.utils_test import gen_cluster  # noqa: E402
-
-#: the session's 2-process cluster (tests/conftest.py) lives across tests: its worker processes, threads
-#: and client are not leaks of these in-process clusters
-CLEAN = {"processes": False, "threads": False, "instances": False}
+# in-process clusters (a scheduler and workers in this process) where real processes are not the point.
+# Not distributed's gen_cluster: its cleanup checks the whole process, where the session's 2-process
+# cluster (tests/conftest.py) and its client live, and under load it closed that cluster's workers.
 
 
 def _where(i: int) -> str:
@@ -61,20 +57,41 @@ def _where(i: int) -> str:
     return get_worker().address
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1), ("127.0.0.1", 2, {"resources": {"GPU": 1}})], clean_kwargs=CLEAN)
-async def test_tasks_claim_half_a_gpu_once_a_worker_advertises_one(c, s, plain, gpu):
-    await c.wait_for_workers(2)
-    assert _task_resources(c) == {"GPU": 1 / 4}  # surge.superbatches-per-gpu's default
-    with dask.config.set({"surge.superbatches-per-gpu": 2}):  # read on the client, when the run starts
-        assert _task_resources(c) == {"GPU": 1 / 2}
-    # a claim of half a GPU runs only where one is advertised
-    futures = [c.submit(_where, i, resources=_task_resources(c), pure=False) for i in range(6)]
-    assert set(await c.gather(futures)) == {gpu.address}
-    plain_futures = [c.submit(_where, i, pure=False) for i in range(6)]  # without the claim: anywhere
-    assert await c.gather(plain_futures)
+async def _in_process(*workers: dict):
+    """An in-process scheduler, one worker per ``workers`` (Worker keyword arguments) and an async client."""
+    from contextlib import AsyncExitStack
+
+    from distributed import Scheduler, Worker
+
+    stack = AsyncExitStack()
+    s = await stack.enter_async_context(Scheduler(dashboard_address=":0", port=0))
+    ws = [await stack.enter_async_context(Worker(s.address, **kw)) for kw in workers]
+    c = await stack.enter_async_context(Client(s.address, asynchronous=True))
+    await c.wait_for_workers(len(ws))
+    return stack, c, ws
 
 
-@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)], clean_kwargs=CLEAN)
-async def test_no_gpu_worker_means_no_restriction(c, s, a):
-    assert _task_resources(c) is None
-    assert _task_resources(None) is None
+def test_tasks_claim_half_a_gpu_once_a_worker_advertises_one():
+    async def main():
+        stack, c, (plain, gpu) = await _in_process({"nthreads": 1}, {"nthreads": 2, "resources": {"GPU": 1}})
+        async with stack:
+            assert _task_resources(c) == {"GPU": 1 / 4}  # surge.superbatches-per-gpu's default
+            with dask.config.set({"surge.superbatches-per-gpu": 2}):  # read on the client, when the run starts
+                assert _task_resources(c) == {"GPU": 1 / 2}
+            # a claim of half a GPU runs only where one is advertised
+            futures = [c.submit(_where, i, resources=_task_resources(c), pure=False) for i in range(6)]
+            assert set(await c.gather(futures)) == {gpu.address}
+            plain_futures = [c.submit(_where, i, pure=False) for i in range(6)]  # without the claim: anywhere
+            assert await c.gather(plain_futures)
+
+    asyncio.run(main())
+
+
+def test_no_gpu_worker_means_no_restriction():
+    async def main():
+        stack, c, _ = await _in_process({"nthreads": 1})
+        async with stack:
+            assert _task_resources(c) is None
+            assert _task_resources(None) is None
+
+    asyncio.run(main())
