@@ -346,7 +346,7 @@ def choose_backend(
     True
     """
     # an instance of SentenceTransformer means its module is imported: a plain callable never pays for the
-    # import (measured: ~2 s idle, ~10 s on a busy 2-core machine, before the first SuperBatch)
+    # import, seconds before the first SuperBatch (docs/ab_studies.md, "Cold first output")
     st_module = sys.modules.get("sentence_transformers")
     SentenceTransformer = getattr(st_module, "SentenceTransformer", ()) if st_module is not None else ()
     if not isinstance(obj, SentenceTransformer):

@@ -3,10 +3,8 @@
 The fast engine (:class:`~dask_surge.engine.transformer.TransformerEngine`) needs three things
 of a sentence-transformers model: the Hugging Face encoder, its fast tokenizer and the
 pooling. Importing ``sentence_transformers`` to get them costs more than the rest of the
-load: it imports scikit-learn and SciPy (measured: 3.4-6.8 s of a 3.7-7.6 s load of
-all-MiniLM-L6-v2 in a worker that had torch imported, on a busy 2-core machine, against
-2.6-3.0 s for ``transformers`` alone), and every cold worker pays it before its first
-SuperBatch. For a model directory whose files say it is exactly that stack,
+load (it imports scikit-learn and SciPy), and every cold worker pays it before its first
+SuperBatch (the cold-start study in ``docs/ab_studies.md``). For a model directory whose files say it is exactly that stack,
 :func:`direct_layout` reads the layout from the JSON files (nothing imported), and
 :func:`load_direct` loads it the way sentence-transformers' ``Transformer`` module does, so
 the engine computes the same embeddings: the tokenizer with ``max_seq_length`` as
@@ -170,8 +168,8 @@ def load_direct(layout: DirectLayout, device: str) -> DirectModule:
     :mod:`dask_surge.engine.bert_tokenizer` reads as transformers does is read by it, any other
     by ``AutoTokenizer``. A BERT checkpoint that :mod:`dask_surge.engine.bert` computes is
     loaded by it, any other encoder by ``AutoModel`` (its config's cache off, as
-    sentence-transformers sets it). A BERT loaded that way imports no ``transformers`` at all
-    (measured 3.4 s less per cold worker on a 2-core machine).
+    sentence-transformers sets it). A BERT loaded that way imports no ``transformers`` at all,
+    which shortens a cold worker's start (``docs/ab_studies.md``, "Cold first output").
 
     Raises
     ------

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
@@ -101,42 +102,7 @@ class Encoder:
         a local sentence-transformers model directory; ``"default"`` for the packaged
         all-MiniLM-L6-v2; a loaded ``SentenceTransformer``, used as is; or any other
         callable mapping a list of ``n`` strings to an ``(n, d)`` float array.
-    device : str, optional
-        ``"cpu"``, ``"cuda"``, ``"cuda:0"``... Default: CUDA when available.
-        In a dask-cuda worker each worker sees its own GPU as ``cuda:0``, so
-        ``"cuda:N"`` must name a device the loading process sees (checked where
-        the model loads). An in-memory ``SentenceTransformer`` is moved to this
-        device (to CUDA when available, with ``device=None``) where it encodes.
-    dtype : {"auto", "float32", "float16", "bfloat16"}
-        Compute dtype of the forward pass; ``"auto"`` is float32 on CPU and, on
-        CUDA, bfloat16 for a bfloat16 checkpoint, else float16.
-    engine : {"auto", "fast", "sentence-transformers"}
-        ``"fast"`` tokenizes with Rust ``tokenizers``, sorts by length and cuts
-        micro-batches by a token budget; ``"auto"`` uses it when the model is
-        Transformer (an encoder) + Pooling (cls, mean or max) (+ Normalize) and falls
-        back to ``SentenceTransformer.encode`` otherwise (decoder embedders with
-        last-token pooling, custom modules, CLIP...). :attr:`backend` says which ran.
-    batch_size : int
-        Batch size of the ``SentenceTransformer.encode`` fallback.
-    max_tokens : int, optional
-        Token budget per micro-batch of the fast engine (default: automatic).
-    prompt : str, optional
-        Text put before every input, as ``SentenceTransformer.encode(prompt=...)``;
-        wins over ``prompt_name`` (as there).
-    prompt_name : str, optional
-        Key of the model's ``prompts`` (``config_sentence_transformers.json``), e.g.
-        ``"query"``. With neither, the model's ``default_prompt_name`` applies, if any;
-        ``prompt=""`` turns it off. Whether the prompt's tokens are pooled follows the
-        model's ``Pooling(include_prompt=...)``.
-    revision : str, optional
-        Branch, tag or commit of a Hub model (default ``main``); the commit it
-        resolves to is what every worker loads and what the run's fingerprint records.
-    trust_remote_code : bool, default False
-        Allow a Hub model's own modelling code to run (``SentenceTransformer(...,
-        trust_remote_code=True)``); only for models you trust.
-    model_kwargs : dict, optional
-        Passed to ``SentenceTransformer(model_kwargs=...)`` (e.g.
-        ``{"attn_implementation": "sdpa"}``).
+    {options}
 
     Examples
     --------
@@ -735,6 +701,47 @@ class Encoder:
         new = object.__new__(Encoder)
         new.spec = replace(self.spec, **changes)
         return new
+
+
+#: what the Encoder adds to an option's description in :data:`dask_surge.options.OPTIONS`
+_ENCODER_NOTES: dict[str, str] = {
+    "device": "``\"cuda:N\"`` must name a device the loading process sees (checked where the model "
+              "loads). An in-memory ``SentenceTransformer`` is moved to this device (to CUDA when "
+              "available, with ``device=None``) where it encodes.",
+    "engine": "The fast engine runs a model that is Transformer (an encoder) + Pooling (cls, mean or max), "
+              "optionally + Normalize; :attr:`backend` says which ran.",
+}
+
+
+def _document(doc: str | None) -> str:
+    r"""``doc`` with its ``{options}`` line replaced by the numpydoc entries of the Encoder's options.
+
+    The text is each option's declaration in :data:`dask_surge.options.OPTIONS` (the one ``encode``
+    shows), with the Encoder's own default (it reads no ``surge.*`` config) and its notes.
+
+    Examples
+    --------
+    >>> print(_document("Parameters\n----------\n{options}").splitlines()[2])
+    device : str, optional
+    """
+    if not doc or "{options}" not in doc:
+        raise ValueError("the Encoder's docstring has no '{options}' line to put its options in")
+    out: list[str] = []
+    for line in doc.split("\n"):
+        if "{options}" not in line:
+            out.append(line)
+            continue
+        indent = line[: len(line) - len(line.lstrip())]
+        for opt in options_of("Encoder"):
+            text = " ".join(filter(None, [opt.doc, _ENCODER_NOTES.get(opt.name, ""),
+                                          f"Default: ``{opt.default!r}``."]))
+            out.append(f"{indent}{opt.name} : {opt.doc_type}")
+            out += textwrap.wrap(text, width=88, initial_indent=indent + "    ", subsequent_indent=indent + "    ",
+                                 break_long_words=False, break_on_hyphens=False)
+    return "\n".join(out)
+
+
+Encoder.__doc__ = _document(Encoder.__doc__)
 
 
 def _check_options(opts: dict[str, Any]) -> None:
