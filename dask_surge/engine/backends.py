@@ -416,7 +416,7 @@ def direct_backend(
         return None  # half precision on a CPU: sentence-transformers' load raises the error that says so
     from .transformer import TransformerEngine
 
-    fast = TransformerEngine(module, (layout.mode,), normalize=layout.normalize, max_tokens=max_tokens,
+    fast = TransformerEngine(module, layout.pooling, normalize=layout.normalize, max_tokens=max_tokens,
                              dtype=dtype, prompt="" if resolved is None else resolved,
                              include_prompt=layout.include_prompt)
     backend = FastBackend(module.auto_model, fast)

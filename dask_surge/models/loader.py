@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.backends import Backend, choose_backend, direct_backend
+from ..engine.layout import read_layout
 from ..engine.placement import pick_device
 from ..errors import SurgeModelError
 from ..fingerprint import scrub
@@ -131,17 +132,14 @@ def stored_dtype(spec: EncoderSpec) -> str | None:
     return None
 
 
-_DIM_MODULES = ("Transformer", "Pooling", "Normalize", "Dense")
-_POOL_FLAGS = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
-
-
 def dimension_from_files(path: str | os.PathLike) -> int | None:
     """Embedding size of a sentence-transformers model directory, from its config files only.
 
-    Follows ``modules.json``: a ``Transformer`` (``config.json``'s ``hidden_size``),
-    then ``Pooling`` (its dimension times its number of modes), ``Dense``
-    (``out_features``) and ``Normalize`` (no change). Returns None for anything else
-    (other modules, missing or unreadable files), and the caller loads the model.
+    The :attr:`~dask_surge.engine.layout.ModelLayout.dimension` of its layout, read once
+    (:func:`~dask_surge.engine.layout.read_layout`): ``modules.json`` followed through a
+    ``Transformer`` (``config.json``'s ``hidden_size``), ``Pooling`` (its dimension times its
+    number of modes), ``Dense`` (``out_features``) and ``Normalize`` (no change). None for
+    anything else (other modules, missing or unreadable files), and the caller loads the model.
 
     Examples
     --------
@@ -151,42 +149,4 @@ def dimension_from_files(path: str | os.PathLike) -> int | None:
     >>> dimension_from_files("/nonexistent") is None
     True
     """
-    root = Path(path)
-
-    def read(p: Path) -> Any:
-        with open(p, encoding="utf-8") as fh:
-            return json.load(fh)
-
-    try:
-        modules = read(root / "modules.json")
-        dim: int | None = None
-        for module in sorted(modules, key=lambda m: m.get("idx", 0)):
-            kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-            where = root / module.get("path", "")
-            if kind not in _DIM_MODULES:
-                return None
-            if kind == "Transformer":
-                configs = [where / "config.json", where / "_transformer" / "config.json"]
-                config = next((read(c) for c in configs if c.is_file()), None)
-                if config is None or not isinstance(config.get("hidden_size"), int):
-                    return None
-                dim = config["hidden_size"]
-            elif kind == "Pooling":
-                cfg = read(where / "config.json")
-                width = cfg.get("embedding_dimension", cfg.get("word_embedding_dimension", dim))
-                mode = cfg.get("pooling_mode")
-                if mode is not None:
-                    count = 1 if isinstance(mode, str) else len(mode)
-                else:
-                    count = sum(bool(cfg.get(f"pooling_mode_{flag}")) for flag in _POOL_FLAGS)
-                if not isinstance(width, int) or count < 1:
-                    return None
-                dim = width * count
-            elif kind == "Dense":
-                out = read(where / "config.json").get("out_features")
-                if not isinstance(out, int):
-                    return None
-                dim = out
-        return dim if isinstance(dim, int) and dim > 0 else None
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
+    return read_layout(path).dimension
