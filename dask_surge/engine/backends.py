@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import SurgeModelError, SurgeValueError
 from ..io.texts import ArrowTexts
+from .layout import layout_of_model
 from .loading import direct_layout, load_direct
 from .long_texts import TextEmbeddings, TextTooLong, WindowCutter, WindowGroup, encode_windows, no_tokenizer
 from .placement import auto_dtype, checkpoint_dtype, move_to
@@ -359,7 +360,7 @@ def choose_backend(
     if in_memory:
         move_to(obj, device)
     resolved = resolve_prompt(dict(obj.prompts), obj.default_prompt_name, prompt, prompt_name, source=repr(name))
-    modules = [type(m).__name__ for m in obj]
+    modules = layout_of_model(obj).modules  # the structure the plain rule judges (engine/layout.py)
     if engine == "sentence-transformers":
         reason = "engine='sentence-transformers' was asked for: SentenceTransformer.encode runs"
     else:
