@@ -74,9 +74,9 @@ CLIENT_STEPS = {
 #: worker steps, wrapped when their module is first imported in the worker
 WORKER_STEPS = {
     ("dask_surge.execution.plugins", "EncoderPlugin._load"): "preload (plugin thread)",
-    ("dask_surge.models.encoders", "_load"): "model load",
-    ("dask_surge.models.encoders", "choose_backend"): "build engine",
-    ("dask_surge.models.encoders", "direct_backend"): "direct load (transformers, model, engine)",
+    ("dask_surge.models.cache", "_load"): "model load",
+    ("dask_surge.models.loader", "choose_backend"): "build engine",
+    ("dask_surge.models.loader", "direct_backend"): "direct load (transformers, model, engine)",
     ("dask_surge.models.encoders", "Encoder._loaded"): "get model",
     ("dask_surge.models.encoders", "Encoder.encode_long"): "encode",
     ("dask_surge.execution.runner", "UnitRunner.__call__"): "unit task",
@@ -129,7 +129,7 @@ def _patch(module: Any, attribute: str, step: str) -> None:
     real = getattr(owner, name, None)
     if real is None:
         return
-    after = _instrument_engine if step in ("build engine", WORKER_STEPS[("dask_surge.models.encoders", "direct_backend")]) \
+    after = _instrument_engine if step in ("build engine", WORKER_STEPS[("dask_surge.models.loader", "direct_backend")]) \
         else None
     setattr(owner, name, _wrapped(real, step, after))
 

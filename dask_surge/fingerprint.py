@@ -5,7 +5,7 @@ function by its qualified name, a digest of its code, its defaults, closure cell
 globals it uses; a callable object by its class's ``__call__`` code plus Dask's deterministic
 token; a Dask task by its function and arguments. A run's identity is built from these tokens
 (:mod:`dask_surge.planning.identity`), so a rerun in a new process finds its run again.
-:func:`without_secrets` and :func:`redact` keep credentials out of identities and messages.
+:func:`without_secrets`, :func:`redact` and :func:`scrub` keep credentials out of identities and messages.
 
 Generic: nothing here knows about models. A torch module's token is its weights' digest,
 which :mod:`dask_surge.models.modelid` supplies.
@@ -27,7 +27,7 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["SECRET_KEY", "NotDeterministic", "code_digest", "is_secret_key", "redact", "stable_token",
+__all__ = ["SECRET_KEY", "NotDeterministic", "code_digest", "is_secret_key", "redact", "scrub", "stable_token",
            "without_secrets"]
 
 #: the digest of a torch module for the :func:`stable_token` call in progress (its ``module_digest``)
@@ -83,6 +83,39 @@ def without_secrets(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [without_secrets(v) for v in value]
     return value
+
+
+def secret_values(value: Any, key: Any = None) -> list[str]:
+    """The string values held under credential keys of ``value`` (nested dicts and lists too).
+
+    Strings shorter than 4 characters are left out: replacing them would garble a message.
+
+    Examples
+    --------
+    >>> secret_values({"token": "hf_abcdef", "opts": [{"api_key": "k-1234"}], "torch_dtype": "float16"})
+    ['hf_abcdef', 'k-1234']
+    """
+    if isinstance(value, Mapping):
+        return [s for k, v in value.items() for s in secret_values(v, k)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in secret_values(v, key)]
+    return [value] if is_secret_key(key) and isinstance(value, str) and len(value) >= 4 else []
+
+
+def scrub(text: str, value: Any) -> str:
+    """``text`` with every credential held in ``value`` (see :func:`secret_values`) replaced by ``***``.
+
+    For error messages that quote what a library said about a call that carried credentials
+    (a Hub token in ``model_kwargs``).
+
+    Examples
+    --------
+    >>> scrub("401 for token hf_abcdef", {"token": "hf_abcdef"})
+    '401 for token ***'
+    """
+    for secret in sorted(secret_values(value), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
 
 
 # -- deterministic tokens of any value ------------------------------------------------------

@@ -19,7 +19,7 @@ from dask_surge.engine.backends import (
     choose_backend,
 )
 from dask_surge.errors import SurgeModelError, SurgeValueError
-from dask_surge.models import encoders
+from dask_surge.models import cache
 from dask_surge.testing import make_tiny_model
 
 TEXTS = ["a dog", "", "a cat on the mat", "x y z"]
@@ -151,7 +151,7 @@ def test_the_host_side_and_the_backends_import_no_torch():
 
 def test_loaded_records_keep_the_names_benchmarks_read(tiny_dir):
     enc = Encoder(tiny_dir, device="cpu").load()
-    loaded = encoders._LOADED[enc.spec]
+    loaded = cache._LOADED[enc.spec]
     assert loaded.backend == "fast" and loaded.engine is enc.engine and loaded.dimension == 32
     assert {"tokenize", "pack", "device", "finish"} <= set(loaded.engine.stats)
     enc.close()

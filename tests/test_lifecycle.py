@@ -15,7 +15,7 @@ import pytest
 
 from dask_surge import Encoder
 from dask_surge.execution.plugins import EncoderPlugin
-from dask_surge.models import encoders
+from dask_surge.models import cache, encoders, registry
 from dask_surge.testing import make_tiny_model
 
 TEXTS = [f"text number {i} " + "word " * (i % 23) for i in range(400)]
@@ -40,7 +40,7 @@ def _rss_mib() -> float:
 
 def _refs(enc: Encoder) -> list[weakref.ref]:
     """Weak references to what a loaded encoder holds: the model, the engine and its encoder copy."""
-    loaded = encoders._LOADED[enc.spec]
+    loaded = cache._LOADED[enc.spec]
     return [weakref.ref(loaded.impl.model), weakref.ref(loaded.engine), weakref.ref(loaded.engine._hf)]
 
 
@@ -97,7 +97,7 @@ def test_the_context_manager_releases_the_feeder_thread_and_the_model(three_mode
 
 
 def test_loaded_models_are_bounded_least_recently_used_first(three_models, monkeypatch):
-    monkeypatch.setattr(encoders, "_LOADED", {})
+    monkeypatch.setattr(cache, "_LOADED", {})
     monkeypatch.setitem(dask.config.config.setdefault("surge", {}), "max-loaded-models", 2)
     a, b, c = (Encoder(p, device="cpu") for p in three_models)
     a.load()
@@ -109,7 +109,7 @@ def test_loaded_models_are_bounded_least_recently_used_first(three_models, monke
     assert a.is_loaded and c.is_loaded and not b.is_loaded
     assert all(r() is None for r in b_refs)  # evicting closed it
     assert b.encode(["b loads again"]).shape == (1, SHAPE["hidden_size"])
-    assert len(encoders._LOADED) == 2 and not a.is_loaded  # a was the least recently used this time
+    assert len(cache._LOADED) == 2 and not a.is_loaded  # a was the least recently used this time
     for enc in (a, b, c):
         enc.close()
 
@@ -118,14 +118,14 @@ def test_plugin_teardown_forgets_a_shipped_object_but_not_the_callers():
     fn = lambda texts: np.ones((len(texts), 2))  # noqa: E731
     here = Encoder(fn)
     shipped_token = "obj-0-feed-1"  # made by another process (pid 0): shipped to this one by the plugin
-    encoders.install_object(shipped_token, fn)
+    registry.install_object(shipped_token, fn)
     shipped = encoders._from_spec(replace(here.spec, source=shipped_token))
     for enc in (here, shipped):
         enc.load()
         EncoderPlugin(enc).teardown(worker=None)  # outside an event loop: released at once
         assert not enc.is_loaded
     assert here.source_object is fn  # the caller's own object stays
-    assert shipped_token not in encoders._OBJECTS
+    assert shipped_token not in registry._OBJECTS
 
 
 def test_plugin_teardown_keeps_an_object_another_plugin_still_uses():
@@ -133,14 +133,14 @@ def test_plugin_teardown_keeps_an_object_another_plugin_still_uses():
 
     fn = lambda texts: np.ones((len(texts), 2))  # noqa: E731
     token = "obj-0-feed-2"
-    encoders.install_object(token, fn)
+    registry.install_object(token, fn)
     one = encoders._from_spec(replace(Encoder(fn).spec, source=token))
     other = one.with_options(batch_size=7)
     plugins = {p.name: p for p in (EncoderPlugin(one), EncoderPlugin(other))}
     worker = types.SimpleNamespace(plugins=plugins)
     first = plugins.pop(EncoderPlugin(one).name)
     first.teardown(worker)
-    assert token in encoders._OBJECTS  # the other option set still needs it
+    assert token in registry._OBJECTS  # the other option set still needs it
     last = plugins.pop(EncoderPlugin(other).name)
     last.teardown(worker)
-    assert token not in encoders._OBJECTS
+    assert token not in registry._OBJECTS

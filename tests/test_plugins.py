@@ -14,7 +14,7 @@ import pytest
 from dask_surge import Encoder
 from dask_surge.errors import SurgeModelError
 from dask_surge.execution.plugins import EncoderPlugin
-from dask_surge.models import encoders
+from dask_surge.models import cache
 
 WORKER = types.SimpleNamespace(address="tcp://test-worker")
 
@@ -25,14 +25,14 @@ def _preload_threads() -> list[threading.Thread]:
 
 def test_background_preload_returns_before_the_model_is_loaded(monkeypatch):
     release, started = threading.Event(), threading.Event()
-    real = encoders._load
+    real = cache._load
 
     def slow_load(spec):
         started.set()
         assert release.wait(30)
         return real(spec)
 
-    monkeypatch.setattr(encoders, "_load", slow_load)
+    monkeypatch.setattr(cache, "_load", slow_load)
     enc = Encoder(lambda texts: np.ones((len(texts), 3)))
     asyncio.run(EncoderPlugin(enc, background=True).setup(WORKER))
     assert started.wait(30)
@@ -79,10 +79,10 @@ def test_worker_threads_are_set_and_teardown_releases_the_model(tiny_model):
     from dask_surge.execution.plugins import register_encoder
 
     def facts():
-        from dask_surge.models import encoders as enc
+        from dask_surge.models import cache
 
         return {"omp": os.environ.get("OMP_NUM_THREADS"), "tok": os.environ.get("TOKENIZERS_PARALLELISM"),
-                "arrow": pa.cpu_count(), "io": pa.io_thread_count(), "loaded": len(enc._LOADED),
+                "arrow": pa.cpu_count(), "io": pa.io_thread_count(), "loaded": len(cache._LOADED),
                 "affinity": len(os.sched_getaffinity(0))}
 
     encoder = Encoder(tiny_model, device="cpu")

@@ -24,13 +24,13 @@ def test_counter_matches_the_loaded_engine_without_loading_weights(monkeypatch):
     from sentence_transformers import SentenceTransformer
 
     from dask_surge.engine.transformer import TransformerEngine
-    from dask_surge.models import encoders
+    from dask_surge.models import cache
     from dask_surge.testing import packaged_model_dir
 
-    monkeypatch.setattr(encoders, "_LOADED", {})  # nothing loaded here: the tokenizer.json path answers
+    monkeypatch.setattr(cache, "_LOADED", {})  # nothing loaded here: the tokenizer.json path answers
     texts = ["", "hello world", " ".join(make_texts(400, seed=2))]  # the last is far over 256 tokens
     counted = token_counter(Encoder("default", device="cpu"))(texts)
-    assert encoders._LOADED == {}  # and it loaded nothing
+    assert cache._LOADED == {}  # and it loaded nothing
     engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(str(packaged_model_dir()), device="cpu"))
     assert counted.tolist() == engine.count_tokens(texts).astype(float).tolist()
     assert counted[-1] == engine.max_seq_length == 256  # truncated at the model's max_seq_length
@@ -41,16 +41,16 @@ def test_counter_of_an_in_memory_model_builds_no_engine(monkeypatch, tmp_path):
 
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.models import encoders
+    from dask_surge.models import cache
     from dask_surge.testing import make_tiny_model
 
     model = SentenceTransformer(make_tiny_model(tmp_path / "tiny"), device="cpu")
     model.max_seq_length = 16
-    monkeypatch.setattr(encoders, "_LOADED", {})
+    monkeypatch.setattr(cache, "_LOADED", {})
     texts = ["a b", " ".join(make_texts(50, seed=4))]
     settings = model.tokenizer.backend_tokenizer.truncation
     counted = token_counter(Encoder(model, device="cpu"))(texts)
-    assert encoders._LOADED == {}
+    assert cache._LOADED == {}
     assert model.tokenizer.backend_tokenizer.truncation == settings  # the user's tokenizer is untouched
     assert counted[-1] == 16 and counted.tolist() == [float(len(model.tokenizer(t, truncation=True,
                                                                            max_length=16)["input_ids"]))

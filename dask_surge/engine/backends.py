@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import SurgeModelError, SurgeValueError
 from ..io.texts import ArrowTexts
+from .layout import layout_of_model
 from .loading import direct_layout, load_direct
 from .long_texts import TextEmbeddings, TextTooLong, WindowCutter, WindowGroup, encode_windows, no_tokenizer
 from .placement import auto_dtype, checkpoint_dtype, move_to
@@ -346,7 +347,7 @@ def choose_backend(
     True
     """
     # an instance of SentenceTransformer means its module is imported: a plain callable never pays for the
-    # import (measured: ~2 s idle, ~10 s on a busy 2-core machine, before the first SuperBatch)
+    # import, seconds before the first SuperBatch (docs/ab_studies.md, "Cold first output")
     st_module = sys.modules.get("sentence_transformers")
     SentenceTransformer = getattr(st_module, "SentenceTransformer", ()) if st_module is not None else ()
     if not isinstance(obj, SentenceTransformer):
@@ -359,7 +360,7 @@ def choose_backend(
     if in_memory:
         move_to(obj, device)
     resolved = resolve_prompt(dict(obj.prompts), obj.default_prompt_name, prompt, prompt_name, source=repr(name))
-    modules = [type(m).__name__ for m in obj]
+    modules = layout_of_model(obj).modules  # the structure the plain rule judges (engine/layout.py)
     if engine == "sentence-transformers":
         reason = "engine='sentence-transformers' was asked for: SentenceTransformer.encode runs"
     else:
@@ -416,7 +417,7 @@ def direct_backend(
         return None  # half precision on a CPU: sentence-transformers' load raises the error that says so
     from .transformer import TransformerEngine
 
-    fast = TransformerEngine(module, (layout.mode,), normalize=layout.normalize, max_tokens=max_tokens,
+    fast = TransformerEngine(module, layout.pooling, normalize=layout.normalize, max_tokens=max_tokens,
                              dtype=dtype, prompt="" if resolved is None else resolved,
                              include_prompt=layout.include_prompt)
     backend = FastBackend(module.auto_model, fast)

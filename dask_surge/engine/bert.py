@@ -1,9 +1,9 @@
 """A BERT encoder in plain torch, loaded from a checkpoint's ``config.json`` and ``model.safetensors``.
 
-Loading a BERT with ``transformers.AutoModel`` imports its modeling stack: measured 2.6 s in a
-worker that already had torch and transformers imported (torch.distributed.tensor and SymPy,
-torch._dynamo, SciPy through the object-detection losses), on top of the 0.8 s of
-``import transformers``, the largest part of a cold worker's first output. The forward pass of
+Loading a BERT with ``transformers.AutoModel`` imports its modeling stack (torch.distributed.tensor
+and SymPy, torch._dynamo, SciPy through the object-detection losses) on top of
+``import transformers``: the largest part of a cold worker's first output (``docs/ab_studies.md``,
+"Cold first output"). The forward pass of
 an encoder is small: :class:`BertEncoder` is that forward (embeddings, self-attention through
 ``torch.nn.functional.scaled_dot_product_attention``, the feed-forward, post-LayerNorm), with the
 module and parameter names of ``transformers``' ``BertModel``, so a checkpoint's state dict loads
@@ -153,7 +153,7 @@ def pad_keys(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, 
 
 def _embedding(rows: int, width: int) -> nn.Embedding:
     """An embedding table left uninitialized (its weights are loaded next): ``nn.Embedding``'s own random
-    init on the meta device imports torch._dynamo (2.6 s measured), which the load is here to avoid."""
+    init on the meta device imports torch._dynamo, the slow import the load is here to avoid."""
     return nn.Embedding(rows, width, _weight=torch.empty(rows, width))
 
 

