@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import tempfile
 
 import numpy as np
 import pandas as pd
@@ -288,7 +289,7 @@ def test_duckdb_reads_the_new_columns(sparse_model, colbert, texts):
     buf = io.BytesIO()
     pq.write_table(back, buf)
     con = duckdb.connect()
-    path = f"{pytest.importorskip('tempfile').mkdtemp()}/part.parquet"
+    path = f"{tempfile.mkdtemp()}/part.parquet"
     with open(path, "wb") as f:
         f.write(buf.getvalue())
     rows = con.execute(f"SELECT indices, \"values\", len(vectors), tokens, vectors[1] FROM '{path}' ORDER BY row"
@@ -297,3 +298,7 @@ def test_duckdb_reads_the_new_columns(sparse_model, colbert, texts):
     np.testing.assert_allclose(np.concatenate([r[1] for r in rows]), np.concatenate(values.to_pylist()), atol=1e-7)
     assert [r[2] for r in rows] == [r[3] for r in rows] == tokens.to_pylist()
     np.testing.assert_allclose([r[4] for r in rows], [m[0] for m in to_matrices(vectors)], atol=1e-7)
+    half, _ = multivector_arrays(colbert.encode_document(texts, convert_to_numpy=True), precision="float16")
+    pq.write_table(pa.table({VECTORS: half}), path)
+    firsts = [r[0] for r in con.execute(f"SELECT vectors[1] FROM '{path}'").fetchall()]
+    np.testing.assert_array_equal(np.array(firsts, np.float32), [m[0] for m in to_matrices(half)])
