@@ -32,7 +32,8 @@ __all__ = [
     "CountingEncoder", "DieOnce", "FailOnce", "FakeClock", "FakeTimedEncoder", "GatedEncoder", "Hog", "InterruptAfter",
     "checksum_model", "input_partition", "input_partition_from_dict", "input_partition_from_json",
     "input_partition_from_tuple", "lognormal_sizes", "mark_texts", "make_partitioned_frame", "make_texts",
-    "make_tiny_model",
+    "make_tiny_model", "make_tiny_sparse_model", "make_tiny_decoder_model", "make_tiny_multivector_model",
+    "add_to_hub_cache",
     "packaged_model_dir", "write_partitioned_parquet", "cosines", "min_cosine", "package_documents",
 ]
 
@@ -176,6 +177,261 @@ def make_tiny_model(
         modules.append(models.Normalize())
     SentenceTransformer(modules=modules, device="cpu").save(str(out))
     return str(out)
+
+
+# -- tiny checkpoints of the other model families (issue 55) ------------------------------------------
+# Each is a real checkpoint its sentence-transformers reference class loads offline, with random weights
+# from ``seed`` and the packaged MiniLM WordPiece tokenizer.
+
+
+def _tiny_bert(out: Path, *, hidden_size: int, seed: int, mlm: bool = False, markers: tuple[str, ...] = ()) -> Path:
+    """A random BERT (with an MLM head when ``mlm``) and the MiniLM tokenizer saved in ``out/_bert``;
+    ``markers`` are added to the tokenizer as special tokens (the embeddings grow to hold them)."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM, BertModel, BertTokenizerFast  # type: ignore[attr-defined]
+
+    torch.manual_seed(seed)
+    tokenizer = BertTokenizerFast.from_pretrained(str(packaged_model_dir()))
+    if markers:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(markers)})
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=hidden_size * 2, max_position_embeddings=512)
+    model = BertForMaskedLM(config) if mlm else BertModel(config)
+    base = out / "_bert"
+    model.save_pretrained(str(base))
+    tokenizer.save_pretrained(str(base))
+    return base
+
+
+def make_tiny_sparse_model(path: str | os.PathLike, *, hidden_size: int = 32, max_seq_length: int = 128,
+                           seed: int = 0) -> str:
+    """Build a small random SPLADE model on disk: a BERT with its MLM head and ``SpladePooling``
+    (max over tokens of ``log1p(relu(logits))``), saved by sentence-transformers' ``SparseEncoder``.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        Directory to write the model to (created if missing); reused as is when it holds a model.
+    hidden_size : int
+        BERT width.
+    max_seq_length : int
+        Truncation length in tokens.
+    seed : int
+        Seed for the random weights (same seed, same model).
+
+    Returns
+    -------
+    str
+        The model directory, loadable with ``SparseEncoder(path)``; its dimension is the
+        tokenizer's vocabulary (30522).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from sentence_transformers import SparseEncoder
+    >>> model = SparseEncoder(make_tiny_sparse_model(tempfile.mkdtemp()), device="cpu")
+    >>> emb = model.encode(["a tiny test"], convert_to_sparse_tensor=True)
+    >>> emb.shape[1] == 30522 and emb.is_sparse
+    True
+    """
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    out = Path(path)
+    if (out / "modules.json").exists():
+        return str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = _tiny_bert(out, hidden_size=hidden_size, seed=seed, mlm=True)
+    transformer = Transformer(str(base), transformer_task="fill-mask", max_seq_length=max_seq_length)
+    pooling = SpladePooling(pooling_strategy="max", embedding_dimension=transformer.get_embedding_dimension())
+    SparseEncoder(modules=[transformer, pooling], device="cpu").save(str(out))
+    return str(out)
+
+
+def make_tiny_decoder_model(path: str | os.PathLike, *, max_seq_length: int = 128, seed: int = 0) -> str:
+    """Build a small random Qwen3-shaped decoder embedder on disk: last-token pooling, normalized,
+    left padding and a query prompt, as Qwen3 embedders ship.
+
+    Two layers, width 32, grouped-query attention (4 heads, 2 key/value heads), the MiniLM
+    WordPiece tokenizer (its ``[SEP]`` closes each text, so the last token is a real one).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        Directory to write the model to (created if missing); reused as is when it holds a model.
+    max_seq_length : int
+        Truncation length in tokens.
+    seed : int
+        Seed for the random weights (same seed, same model).
+
+    Returns
+    -------
+    str
+        The model directory, loadable with ``SentenceTransformer(path)``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from sentence_transformers import SentenceTransformer
+    >>> model = SentenceTransformer(make_tiny_decoder_model(tempfile.mkdtemp()), device="cpu")
+    >>> emb = model.encode(["a tiny test", "and a longer second one"])
+    >>> emb.shape, bool(np.allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5))
+    ((2, 32), True)
+    """
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model  # type: ignore[attr-defined]
+
+    out = Path(path)
+    if (out / "modules.json").exists():
+        return str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(packaged_model_dir()))
+    tokenizer.padding_side = "left"
+    config = Qwen3Config(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    base = out / "_decoder"
+    Qwen3Model(config).save_pretrained(str(base))
+    tokenizer.save_pretrained(str(base))
+    modules = [Transformer(str(base), max_seq_length=max_seq_length), Pooling(32, pooling_mode="lasttoken"),
+               Normalize()]
+    SentenceTransformer(modules=modules, device="cpu",
+                        prompts={"query": "Instruct: Given a query, retrieve relevant passages\nQuery: "}).save(str(out))
+    return str(out)
+
+
+#: The query and document markers of :func:`make_tiny_multivector_model` (ColBERT's, as PyLate adds them)
+MULTIVECTOR_MARKERS = {"query": "[Q] ", "document": "[D] "}
+
+
+def make_tiny_multivector_model(path: str | os.PathLike, *, hidden_size: int = 32, dimension: int = 16,
+                                query_length: int = 32, document_length: int = 128, seed: int = 0) -> str:
+    """Build a small random ColBERT-style late-interaction model on disk, saved by
+    sentence-transformers' ``MultiVectorEncoder``.
+
+    A BERT whose tokenizer has the ``[Q]`` / ``[D]`` markers as special tokens (the
+    model's ``query`` / ``document`` prompts, :data:`MULTIVECTOR_MARKERS`), a linear
+    projection without bias to ``dimension`` per token, a scoring mask that drops
+    punctuation from documents (the ColBERT skiplist) and pads queries to ``query_length``
+    with ``[MASK]`` tokens that count (ColBERT's query expansion), then L2 normalization.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        Directory to write the model to (created if missing); reused as is when it holds a model.
+    hidden_size : int
+        BERT width.
+    dimension : int
+        Values per token vector.
+    query_length, document_length : int
+        Token limits of queries (and their expansion) and of documents.
+    seed : int
+        Seed for the random weights (same seed, same model).
+
+    Returns
+    -------
+    str
+        The model directory, loadable with ``MultiVectorEncoder(path)``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from sentence_transformers import MultiVectorEncoder
+    >>> model = MultiVectorEncoder(make_tiny_multivector_model(tempfile.mkdtemp()), device="cpu")
+    >>> docs = model.encode_document(["a tiny, test."], convert_to_numpy=True)
+    >>> docs[0].shape  # [CLS] [D] a tiny test [SEP]: the comma and full stop are skipped
+    (6, 16)
+    >>> model.encode_query(["a tiny test"], convert_to_numpy=True)[0].shape
+    (32, 16)
+    """
+    import string
+
+    import torch
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
+    from sentence_transformers.multi_vector_encoder.modules import MultiVectorMask
+
+    out = Path(path)
+    if (out / "modules.json").exists():
+        return str(out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = _tiny_bert(out, hidden_size=hidden_size, seed=seed,
+                      markers=tuple(m.strip() for m in MULTIVECTOR_MARKERS.values()))
+    transformer = Transformer(str(base), max_seq_length=document_length, query_length=query_length,
+                              document_length=document_length,
+                              query_expansion={"strategy": "fixed", "length": query_length})
+    torch.manual_seed(seed + 1)
+    projection = Dense(in_features=hidden_size, out_features=dimension, bias=False,
+                       activation_function=torch.nn.Identity(), module_input_name="token_embeddings")
+    modules = [transformer, projection, MultiVectorMask(skiplist_words=list(string.punctuation)),
+               Normalize(module_input_name="token_embeddings")]
+    MultiVectorEncoder(modules=modules, device="cpu", prompts=dict(MULTIVECTOR_MARKERS)).save(str(out))
+    return str(out)
+
+
+def add_to_hub_cache(cache: str | os.PathLike, repo_id: str, src: str | os.PathLike, *, commit: str,
+                     refs: tuple[str, ...] = ("main",)) -> Path:
+    """Lay the model directory ``src`` out in the Hub cache ``cache`` as huggingface_hub does:
+    blobs named by content hash, a snapshot of symlinks at ``commit``, and ``refs``.
+
+    With ``HF_HUB_CACHE=cache`` and ``HF_HUB_OFFLINE=1``, ``repo_id`` then loads offline
+    (sentence-transformers, transformers and :func:`dask_surge.encode` alike).
+
+    Parameters
+    ----------
+    cache : str or os.PathLike
+        The Hub cache directory (``HF_HUB_CACHE``).
+    repo_id : str
+        ``"org/name"``.
+    src : str or os.PathLike
+        The model directory.
+    commit : str
+        The snapshot's commit hash (40 hex digits).
+    refs : tuple of str
+        Branches or tags that point at ``commit``.
+
+    Returns
+    -------
+    Path
+        The snapshot directory.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> src = Path(tempfile.mkdtemp()); _ = (src / "config.json").write_text("{}")
+    >>> snap = add_to_hub_cache(tempfile.mkdtemp(), "org/m", src, commit="ab" * 20)
+    >>> snap.name == "ab" * 20, (snap / "config.json").read_text(), (snap / "config.json").is_symlink()
+    (True, '{}', True)
+    >>> (snap.parent.parent / "refs" / "main").read_text() == "ab" * 20
+    True
+    """
+    import hashlib
+    import shutil
+
+    folder = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = folder / "snapshots" / commit
+    for file in sorted(Path(src).rglob("*")):
+        if not file.is_file():
+            continue
+        blob = folder / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        if not blob.exists():
+            blob.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(file, blob)
+            except OSError:
+                shutil.copyfile(file, blob)
+        link = snapshot / file.relative_to(src)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(os.path.relpath(blob, link.parent))
+    for ref in refs:
+        (folder / "refs").mkdir(parents=True, exist_ok=True)
+        (folder / "refs" / ref).write_text(commit)
+    return snapshot
 
 
 # -- in-memory models for tests ----------------------------------------------------------------------

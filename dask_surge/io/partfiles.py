@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 
 from ..config import get
 from .hashing import text_hash_field
-from .layout import EMBEDDING, PARTITION, ROW, TEXT_HASH
+from .layout import FAMILY_COLUMNS, PARTITION, PAYLOAD_COLUMNS, ROW, TEXT_HASH
 
 __all__ = ["ROW_GROUP_ROWS", "row_groups", "table_of", "parquet_bytes", "skipped_bytes"]
 
@@ -97,8 +97,10 @@ def parquet_bytes(table: pa.Table, group_rows, compression: str | None = None) -
     """Serialize ``table`` to Parquet in row groups of ``group_rows`` rows each, in order
     (a part file's are :func:`row_groups`).
 
-    Dictionary encoding and statistics are off for the embedding column (they
-    cost write time and help no reader); statistics are on for ``partition`` and
+    Dictionary encoding and statistics are off for the model's output columns
+    (``embedding``; a sparse output's ``indices`` and ``values``; a multi-vector
+    output's ``vectors``: :data:`~dask_surge.io.layout.PAYLOAD_COLUMNS`): they
+    cost write time and help no reader. Statistics are on for ``partition`` and
     ``row`` so a reader can find a partition's row group from the footer alone.
     ``text_hash`` (random 16-byte values) is written plain: a dictionary of
     distinct hashes only costs write time and bytes.
@@ -109,7 +111,7 @@ def parquet_bytes(table: pa.Table, group_rows, compression: str | None = None) -
     group_rows : sequence of int
         Rows of each row group, in order.
     compression : {"none", "snappy", "lz4", "zstd"}, optional
-        Codec of the embedding column; None reads ``surge.compression`` (default
+        Codec of the model's output columns; None reads ``surge.compression`` (default
         ``"none"``: float vectors barely compress, see README "Performance"). The
         other columns are always zstd.
 
@@ -130,8 +132,9 @@ def parquet_bytes(table: pa.Table, group_rows, compression: str | None = None) -
 
     codec = get("compression", compression)
     sink = pa.BufferOutputStream()
-    other = [c for c in table.column_names if c != EMBEDDING]
-    codecs = {leaf: (codec if leaf.split(".", 1)[0] == EMBEDDING else "zstd") for leaf in _leaf_paths(table.schema)}
+    payload = _payload(tuple(table.column_names))
+    other = [c for c in table.column_names if c not in payload]
+    codecs = {leaf: (codec if leaf.split(".", 1)[0] in payload else "zstd") for leaf in _leaf_paths(table.schema)}
     with pq.ParquetWriter(
         sink, table.schema, use_dictionary=[c for c in other if c not in (PARTITION, ROW, TEXT_HASH)],
         write_statistics=other, compression=codecs,
@@ -144,6 +147,22 @@ def parquet_bytes(table: pa.Table, group_rows, compression: str | None = None) -
         if table.num_rows == 0:
             writer.write_table(table)
     return memoryview(sink.getvalue())
+
+
+def _payload(names: tuple[str, ...]) -> frozenset[str]:
+    """The model's output columns among ``names``: those of the first family (dense, sparse, multi-vector)
+    whose columns are all there, so a kept input column named ``values`` stays an ordinary column of a
+    dense output.
+
+    Examples
+    --------
+    >>> sorted(_payload(("row", "values", "embedding"))), sorted(_payload(("row", "indices", "values")))
+    (['embedding'], ['indices', 'values'])
+    """
+    for columns in FAMILY_COLUMNS.values():
+        if all(c in names for c in columns):
+            return frozenset(columns) & PAYLOAD_COLUMNS
+    return frozenset()
 
 
 @functools.lru_cache(maxsize=32)
