@@ -24,7 +24,7 @@ from dask_surge.errors import SurgeModelError, SurgeValueError
 from dask_surge.models import modelid
 from dask_surge.models.encoders import PACKAGED_HUB_ID
 from dask_surge.models.hub import hub_cache_dir, looks_like_repo_id
-from dask_surge.testing import make_texts, make_tiny_model, min_cosine, packaged_model_dir
+from dask_surge.testing import add_to_hub_cache, make_texts, make_tiny_model, min_cosine, packaged_model_dir
 
 TEXTS = make_texts(40, seed=3) + ["", "x", " ".join(["word"] * 400)]
 
@@ -34,30 +34,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def commit_of(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
-
-
-def add_to_hub_cache(cache: Path, repo_id: str, src: str | os.PathLike, *, commit: str,
-                     refs: tuple[str, ...] = ("main",)) -> Path:
-    """Lay ``src`` out as huggingface_hub does: blobs by content hash, snapshot symlinks, refs."""
-    folder = cache / ("models--" + repo_id.replace("/", "--"))
-    snapshot = folder / "snapshots" / commit
-    for file in sorted(Path(src).rglob("*")):
-        if not file.is_file():
-            continue
-        blob = folder / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
-        if not blob.exists():
-            blob.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(file, blob)
-            except OSError:
-                shutil.copyfile(file, blob)
-        link = snapshot / file.relative_to(src)
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    for ref in refs:
-        (folder / "refs").mkdir(parents=True, exist_ok=True)
-        (folder / "refs" / ref).write_text(commit)
-    return snapshot
 
 
 def model_with_prompts(dst: Path, src: str | os.PathLike, prompts: dict, *, default: str | None = None,
