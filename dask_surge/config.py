@@ -17,10 +17,10 @@ import dask.config
 import yaml
 
 from .errors import SurgeValueError
-from .options import Invalid, Option, config_options, options_of
+from .options import Invalid, Option, config_options, option, options_of
 from .options import bind as bind_given
 
-__all__ = ["DEFAULTS_PATH", "OPTIONS", "get", "bind"]
+__all__ = ["DEFAULTS_PATH", "OPTIONS", "get", "bind", "check_argument"]
 
 DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "surge.yaml")
 
@@ -61,6 +61,44 @@ def get(name: str, value: Any = None) -> Any:
     if value is None:
         value = dask.config.get(f"surge.{name}")
     return _check(name, value)
+
+
+def check_argument(name: str, value: Any, *, shown: Any = None) -> Any:
+    """``value`` of the keyword argument ``name``, checked by its option's validator (the one rule for it).
+
+    Parameters
+    ----------
+    name : str
+        The option's argument name (``"chunk_overlap"``), declared in :data:`dask_surge.options.OPTIONS`.
+    value : object
+        The value given.
+    shown : object, optional
+        What the error shows instead of ``value`` (e.g. with credentials redacted); None shows ``value``.
+
+    Returns
+    -------
+    object
+        The value to use (a validator may normalize it).
+
+    Raises
+    ------
+    SurgeValueError
+        Naming the argument, the value, the rule and the fix.
+
+    Examples
+    --------
+    >>> check_argument("chunk_overlap", 16)
+    16
+    >>> check_argument("chunk_overlap", -1)
+    Traceback (most recent call last):
+    ...
+    dask_surge.errors.SurgeValueError: chunk_overlap=-1 must be an int >= 0. Fix: ...
+    """
+    opt = option(name)
+    try:
+        return opt.check(value)
+    except Invalid as err:
+        raise SurgeValueError(opt.argument_error(value, err, shown=shown)) from None
 
 
 def bind(taker: str, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -104,8 +142,5 @@ def bind(taker: str, given: Mapping[str, Any]) -> dict[str, Any]:
         elif opt.config and value is None:
             opts[opt.name] = get(opt.config)
         elif opt.validator is not None:
-            try:
-                opts[opt.name] = opt.check(value)
-            except Invalid as err:
-                raise SurgeValueError(opt.argument_error(value, err)) from None
+            opts[opt.name] = check_argument(opt.name, value)
     return opts

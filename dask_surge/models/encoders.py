@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import check_argument
 from ..engine.backends import Backend, BackendClosed, choose_backend, direct_backend, free_memory  # noqa: F401
 from ..engine.long_texts import (
     DEFAULT_CHUNK_OVERLAP,
@@ -48,7 +49,7 @@ from ..fingerprint import scrub
 from ..fingerprint import secret_values as _secret_values  # noqa: F401
 from ..io.arrow import embedding_array
 from ..io.texts import as_texts
-from ..options import Dtype, EngineName, Invalid, defaults, options_of
+from ..options import Dtype, EngineName, defaults, options_of
 from . import cache
 from .cache import _LOAD_LOCK, _LOADED, _load, _Loaded, _over_the_bound, _uses  # noqa: F401
 from .loader import _load_direct, _wrap_object, dimension_from_files, stored_dtype  # noqa: F401
@@ -748,11 +749,7 @@ def _check_options(opts: dict[str, Any]) -> None:
     """Each option in ``opts`` by its validator in :data:`dask_surge.options.OPTIONS` (credentials redacted)."""
     for opt in options_of("Encoder"):
         if opt.name in opts:
-            value = opts[opt.name]
-            try:
-                opt.check(value)
-            except Invalid as err:
-                raise SurgeValueError(opt.argument_error(value, err, shown=redact(value))) from None
+            check_argument(opt.name, opts[opt.name], shown=redact(opts[opt.name]))
 
 
 def _from_spec(spec: EncoderSpec) -> Encoder:
