@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import queue
 import threading
 import time
@@ -34,21 +33,17 @@ import numpy as np
 import torch
 
 from ..errors import SurgeModelError
+from . import tuning
 from .batching import CPU_MAX_TOKENS, BatchPlan, activation_bytes_per_token, cpu_max_tokens
 from .bert import BertEncoder, pad_keys
 from .tokenizing import PackedBlock, StageClock
 
-__all__ = ["DTYPES", "NOOP_FORWARD_ENV", "STAGING_BYTES", "DeviceRunner"]
+__all__ = ["DTYPES", "STAGING_BYTES", "DeviceRunner"]
 
 #: Compute dtypes by name (None: the weights' own, float32).
 DTYPES = {None: None, "float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: Token budget per micro-batch on CPU (rows x padded length); the rule lives in :mod:`dask_surge.engine.batching`.
 _CPU_MAX_TOKENS = CPU_MAX_TOKENS
-#: FOR BENCHMARKING ONLY. When this environment variable is "1" in the process that builds an
-#: engine, the engine skips the encoder's forward pass and returns zeros of the right shape, so
-#: a benchmark measures everything else (read, tokenize, sort, pad, write). Never set it otherwise:
-#: the embeddings are all zero (benchmarks/host_ceiling.py sets it in its own worker processes).
-NOOP_FORWARD_ENV = "DASK_SURGE_BENCH_NOOP_FORWARD"
 #: Bytes of the one pinned host buffer per CUDA engine through which every result is copied out
 #: (reused, never grown): results are ordinary numpy memory, and the pinned memory stays bounded.
 STAGING_BYTES = 8 << 20
@@ -110,7 +105,7 @@ class DeviceRunner:
         model = hf.eval()
         self.device: torch.device = next(model.parameters()).device
         amp = DTYPES[dtype]
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and tuning.setting("cpu-kernels", "cpu"):  # surge.tuning.cpu-kernels
             model = _with_onednn_linear(model)
             if model is not hf:  # a copy of the tree (its own config): the user's model stays as it was
                 _pad_cpu_attention(model, self._probe_input(pad_id, type_ids))
@@ -121,8 +116,6 @@ class DeviceRunner:
         #: Dtype the encoder computes in (its weights'); pooling and normalization stay float32.
         self.compute_dtype = amp or torch.float32
         self.modes = pooling_modes
-        #: Benchmarking only: skip the forward pass (see NOOP_FORWARD_ENV).
-        self.noop = os.environ.get(NOOP_FORWARD_ENV, "") == "1"
         self.dimension: int = len(pooling_modes) * int(self.config.hidden_size)
         self.pad_id = pad_id
         self.type_ids = type_ids
@@ -282,8 +275,6 @@ class DeviceRunner:
         ``valid`` None: every token is real (a one-length micro-batch), and the encoder
         runs with no attention mask.
         """
-        if self.noop:
-            return torch.zeros((ids.shape[0], self.dimension), dtype=torch.float32, device=ids.device)
         inputs = {"input_ids": ids}
         if valid is not None:
             inputs["attention_mask"] = self.attention_mask(valid)
