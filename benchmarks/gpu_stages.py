@@ -33,7 +33,8 @@ busy       GPU-busy fraction: CUDA events around every forward of one encode cal
 host       inside one Dask worker: the raw tokenizer's rate on set B's texts, and
            dask-surge end to end with a no-op forward (the host ceiling) on set B, with
            surge.tuning.tokenize-processes=2 (the token pool's arm; py-spy --gil sampling the worker:
-           GIL microseconds per text, target <= 4), then 0 (the default: tokenizing in the worker)
+           GIL microseconds per text, target <= 4), then 0 (the default: tokenizing in the worker),
+           then with the settings measured only on a CPU forced on (CPU_TUNING; "auto" is off on a GPU)
 engine     the engine alone in this process, loaded as the workers load it (length-split
            micro-batches, then the greedy cut); the model forward alone on the same
            micro-batches, pre-tokenized (the ceiling the engine is measured against); pinned
@@ -391,11 +392,20 @@ def stage_host(s: Session) -> None:
         in_worker = _surge(s, client, model, files, "noop_in_worker")
         in_worker.pop("_records")
         client.run(_set_tokenize_processes, "auto")
+        # the arm of the settings measured only on a CPU (docs/tuning.md): forced on in the worker, against
+        # the same run with "auto" (off on a GPU) above; a setting goes on for GPUs once this shows it helps
+        s.emit(surge_noop_tokenize_in_worker=in_worker)
+        client.run(_set_tuning, True)
+        cpu_tuned = _surge(s, client, model, files, "noop_cpu_tuning")
+        cpu_tuned.pop("_records")
+        client.run(_set_tuning, "auto")
         unregister(client)  # a dry run's worker shares this process: the real forward again
     s.emit("ok", tokenizer_in_worker=tok, warm_s=warm_s, surge_noop=noop, worker=facts, gil=gil,
            ratio_noop_over_tokenizer=noop["texts_per_s"] / tok["texts_per_s"],
            surge_noop_tokenize_in_worker=in_worker,
-           ratio_helpers_over_in_worker=noop["texts_per_s"] / in_worker["texts_per_s"])
+           ratio_helpers_over_in_worker=noop["texts_per_s"] / in_worker["texts_per_s"],
+           surge_noop_cpu_tuning=cpu_tuned, cpu_tuning=list(CPU_TUNING),
+           ratio_cpu_tuning_over_auto=cpu_tuned["texts_per_s"] / in_worker["texts_per_s"])
 
 
 #: Issue 27's bound on the GIL a worker holds per text, with the forward a no-op.
@@ -429,6 +439,19 @@ def _gil_sampled(s: Session, client, run) -> tuple[dict, dict]:
                                               for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1])},
                     "event_loop_ms_per_s": round(by_thread.get("MainThread", 0.0) * 1e3 / seconds, 2),
                     "workers": len(profiles), "rate_hz": sampled["rate_hz"], "texts_per_s": round(rows / seconds, 1)}
+
+
+#: The host-side settings measured only on a CPU, off on a GPU under "auto" (dask_surge/engine/tuning.py);
+#: cpu-kernels is left out: it only changes a forward pass on a CPU.
+CPU_TUNING = ("allocator", "gc-pause", "rayon-threads", "pause-profiler", "joined-tokenizing")
+
+
+def _set_tuning(value: bool | str) -> None:
+    """In a worker: every setting of :data:`CPU_TUNING` forced to ``value`` (or back to ``"auto"``); the
+    plugin applies the process ones again when the next run registers it."""
+    import dask
+
+    dask.config.set({f"surge.tuning.{name}": value for name in CPU_TUNING})
 
 
 def _set_tokenize_processes(value: int | str) -> None:

@@ -165,3 +165,18 @@ def test_the_engine_takes_its_settings_for_its_device(tiny_model):
     assert (packer.joined_tokenizing, packer.processes) == (False, 0)
     packer.tune("cpu")
     assert packer.joined_tokenizing is True
+
+
+def test_the_gpu_session_keeps_an_arm_for_each_setting_measured_only_on_a_cpu():
+    """benchmarks/gpu_stages.py's host stage forces CPU_TUNING on against auto; cpu-kernels only changes a
+    CPU forward pass, and the token pool has its own arm (tokenize-processes 2 against 0)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_stages.py"
+    spec = importlib.util.spec_from_file_location("gpu_stages_for_tuning", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cpu_only = {n for n, s in tuning.SETTINGS.items() if s.measured_on == ("cpu",)}
+    assert set(module.CPU_TUNING) == cpu_only - {"cpu-kernels"}

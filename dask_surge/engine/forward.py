@@ -523,7 +523,7 @@ def _check_finite(out: torch.Tensor) -> None:
         Naming the first bad row positions of the call.
     """
     # a NaN or inf anywhere makes the sum NaN or inf, so a finite sum proves every value finite; one
-    # reduction instead of a bool tensor of the whole call (measured: 2.3 ms against 61 ms for 50k x 384)
+    # reduction instead of a bool tensor of the whole call (docs/ab_studies.md)
     if bool(torch.isfinite(out.sum())):
         return
     finite = torch.isfinite(out).all(dim=1)
@@ -563,8 +563,8 @@ def _cast_copy(hf: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 class _OneDNNLinear(torch.nn.Linear):
     """``nn.Linear`` computed by oneDNN from a weight pre-packed in its blocked layout.
 
-    Same fp32 math; ~10% faster than MKL sgemm on AVX-512 CPUs, and packing
-    the weight once (instead of on every call) saves another 3-5% per GEMM.
+    Same fp32 math as MKL sgemm, faster on AVX-512 CPUs, and the weight is packed
+    once instead of on every call (``docs/ab_studies.md``).
     The packed copy is used only while the weight's version is the one it was
     packed from; after an in-place update the layer reads the shared weight.
     """
@@ -586,10 +586,8 @@ class _OneDNNLinear(torch.nn.Linear):
 
 #: A linear layer runs through oneDNN (:class:`_OneDNNLinear`) only when its weight has at least
 #: this many elements (``in_features * out_features``). oneDNN builds and caches a primitive for each
-#: new input shape (~0.3-4 ms and ~0.5 MB each; a run's micro-batches bring hundreds of shapes),
-#: and pays it back only on wide layers: measured one thread, 1,500-2,500 rows (a 384x384 layer
-#: gains 0.85 ms a call, a 384x1536 one 3 ms, a 32x128 one nothing; the tiny test encoder's
-#: primitives held 270 MB of a worker's heap after 30,000 texts).
+#: new input shape (a run's micro-batches bring hundreds of shapes), and pays it back only on wide
+#: layers; narrow ones gain nothing and their primitives fill a worker's heap (``docs/ab_studies.md``).
 ONEDNN_MIN_WEIGHT = 1 << 17
 
 

@@ -1,13 +1,13 @@
 """Tokenize out of the worker's GIL: a small pool of helper processes that hand back int32 ids through shared memory.
 
 The Rust tokenizer runs without the GIL, but what it hands back does not: one Python
-``Encoding`` per text, its ``.ids`` list, their frees (about 4 us of GIL per text in a worker,
-``benchmarks/gil_stages.py``; about 1.5 with texts joined, :mod:`dask_surge.engine.joined`, most
-of it a Python int per token). On a GPU worker every microsecond of GIL per text caps the
+``Encoding`` per text, its ``.ids`` list, their frees (less with texts joined,
+:mod:`dask_surge.engine.joined`, most of it then a Python int per token; ``docs/ab_studies.md``).
+On a GPU worker every microsecond of GIL per text caps the
 texts/s one process can feed. A :class:`TokenPool` moves that work into helper processes:
 
 - the caller joins a block's texts into one UTF-8 buffer and writes it, with the character
-  offsets, into a shared-memory block (a C-level join and encode, ~0.1 us per text);
+  offsets, into a shared-memory block (a C-level join and encode);
 - a helper (a fresh interpreter started with ``python -c``, never a fork: a Dask worker is
   multithreaded) tokenizes them with a copy of the caller's tokenizer (truncation, prompt) and
   writes the lengths, the overflow flags and the int32 ids into a second block;
