@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> dict:
     from ._noop_forward import patch
 
     patch()  # this process builds the engine: its forward pass replaced by zeros
+    import dask
+
+    # this process stands for a CPU worker, where the plugin turns the collector pause on (docs/tuning.md)
+    dask.config.set({"surge.tuning.gc-pause": True})
     import numpy as np
     import pyarrow.parquet as pq
 

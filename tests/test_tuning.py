@@ -1,42 +1,47 @@
-"""Process-wide settings stay off in a user's own process: loading a model changes none of them."""
+"""Process-wide settings (surge.tuning.*): declared once, resolved per device, applied by the worker
+plugin only; a user's own process keeps its state (loading a model and encoding change none of it)."""
 
 import os
 import subprocess
 import sys
 
+import dask
+import pytest
+import yaml
+
+from dask_surge import config, options
+from dask_surge.engine import tuning
+from dask_surge.errors import SurgeValueError
+
 SCRIPT = r"""
 import gc, os, sys
-rayon = os.environ.get("RAYON_NUM_THREADS")
+import torch
+environ = dict(os.environ)
+flags = lambda: (torch.get_num_threads(), torch.backends.mkldnn.enabled, torch.is_grad_enabled(),
+                 torch.are_deterministic_algorithms_enabled(), torch.get_default_dtype())
+before = flags()
 from dask_surge import Encoder
-from dask_surge.engine import allocator
+from dask_surge.engine import allocator, tuning
 enc = Encoder(sys.argv[1], device="cpu")
 enc.load()
 enc.encode(["a notebook loads a model", "and encodes two texts"])
 enc.close()
-from dask_surge.engine import tuning
-print(allocator._done, gc.isenabled(), os.environ.get("RAYON_NUM_THREADS") == rayon, tuning.applied())
+print(allocator._done, gc.isenabled(), dict(os.environ) == environ, tuning.applied(), flags() == before)
 """
 
 
-def test_a_notebook_process_keeps_its_allocator_gc_and_rayon_threads(tiny_model):
+def test_a_notebook_process_keeps_its_allocator_gc_environment_and_torch_flags(tiny_model):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     env.pop("RAYON_NUM_THREADS", None)
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model)], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    # mallopt never called (keep_large_blocks records each setting it applies), gc on, rayon untouched
-    assert proc.stdout.split() == ["[]", "True", "True", "{}"]
+    # mallopt never called (it records each setting it applies), gc on, the environment and torch's global
+    # flags as they were, nothing applied by the worker plugin's tuning
+    assert proc.stdout.split() == ["[]", "True", "True", "{}", "True"]
 
 
 # -- the declaration: one per setting, resolved per device --------------------------------------------
-
-import dask  # noqa: E402
-import pytest  # noqa: E402
-import yaml  # noqa: E402
-
-from dask_surge import config, options  # noqa: E402
-from dask_surge.engine import tuning  # noqa: E402
-from dask_surge.errors import SurgeValueError  # noqa: E402
 
 CPU_MEASURED = ["allocator", "gc-pause", "rayon-threads", "pause-profiler", "cpu-kernels", "joined-tokenizing"]
 
