@@ -439,3 +439,31 @@ def test_a_helper_tokenizes_one_by_one_where_texts_cannot_be_joined(hf_tokenizer
         assert pool.tokenize(texts, ids=False).ids.size == 0
     finally:
         pool.close()
+
+
+def test_the_helpers_get_the_workers_tuning_in_their_setup_message(monkeypatch):
+    """_tokenhelper imports nothing of the package: the gc pause and joined tokenizing reach it in its
+    setup message, as the worker resolved them; a change starts new helpers."""
+    import gc
+
+    from dask_surge.engine import _tokenhelper, tuning
+
+    packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 8, clock=StageClock())
+    packer.processes = 1
+    monkeypatch.setattr(tuning, "_applied", {})
+    try:
+        pool = packer.token_pool()
+        assert pool is not None and pool.tuned == (False, True)  # a user's process: no gc pause
+        with dask.config.set({"surge.tuning.gc-pause": True}):
+            again = packer.token_pool()
+            assert again is not pool and again is not None and again.tuned == (True, True)
+    finally:
+        packer.close()
+    for gc_pause in (False, True):
+        helper = _tokenhelper.Helper(packer.tokenizer_json(), "", 8, gc_pause=gc_pause, joined=False)
+        assert helper.joined is None
+        seen: list[bool] = []
+        encode_batch = helper.encode_batch
+        helper.encode_batch = lambda texts: seen.append(gc.isenabled()) or encode_batch(texts)
+        helper._one_by_one(["a dog", "two words"], True)
+        assert seen == [not gc_pause] and gc.isenabled()

@@ -266,14 +266,14 @@ class TextPacker:
         or a helper died: then the packer stays in process, see :meth:`blocks`)."""
         with self._pool_lock:
             pool = self._pool
-            if pool is not None and (pool.processes != self.processes or pool.closed):
+            tuned = (tuning.active("gc-pause"), self.joined_tokenizing)  # what the helpers were set up with
+            if pool is not None and (pool.processes != self.processes or pool.closed or pool.tuned != tuned):
                 self._pool = None
                 pool.close()
                 pool = None
             if pool is None and self.processes > 0 and self._pool_failure is None:
                 pool = self._pool = TokenPool(self.tokenizer_json(), self.max_seq_length, prompt=self.prompt,
-                                              processes=self.processes, gc_pause=tuning.active("gc-pause"),
-                                              joined=self.joined_tokenizing)
+                                              processes=self.processes, gc_pause=tuned[0], joined=tuned[1])
             return pool
 
     def _pool_died(self, err: TokenizerProcessError) -> None:
@@ -324,7 +324,7 @@ class TextPacker:
         try:
             inputs = [self.prompt + t for t in texts] if self.prompt else texts
             if self._joined is not None:
-                tokenized: Tokenized = TokenizedBlock(*self._joined.encode(inputs))  # one object per block
+                tokenized: Tokenized = TokenizedBlock(*self._joined.encode(inputs))
             else:
                 with gc_paused():  # one GC-tracked object per text (see gc_paused)
                     tokenized = self._encode_batch(inputs)

@@ -345,6 +345,11 @@ class TokenPool:
         self._finalizer = weakref.finalize(self, self._state.close)  # also runs at interpreter exit
 
     @property
+    def tuned(self) -> tuple[bool, bool]:
+        """``(gc_pause, joined)``: the tuning settings the helpers were started with."""
+        return bool(self._setup["gc_pause"]), bool(self._setup["joined"])
+
+    @property
     def closed(self) -> bool:
         """True once :meth:`close` ran."""
         return self._state.closed
