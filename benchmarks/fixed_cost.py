@@ -8,7 +8,7 @@ Usage::
 ``dd.read_parquet(dir).surge.encode("text", output=..., model="default")`` over ``--files``
 Parquet files of real texts (``_realtext.py``), on a ``LocalCluster`` of ``--workers``
 single-threaded workers started before the clock, with the forward pass replaced by zeros
-(``DASK_SURGE_BENCH_NOOP_FORWARD=1``, the benchmark switch of ``host_ceiling.py``; the model
+(``benchmarks/_noop_forward.py``, the benchmark-side plugin of ``host_ceiling.py``; the model
 is still loaded, tokenized for and written; ``--real-forward`` runs MiniLM, ~100x longer here).
 Measured per call, each call into a new output directory (a new run, not a resume):
 
@@ -110,12 +110,10 @@ def main(argv: list[str] | None = None) -> dict:
     from distributed import Client, LocalCluster
 
     import dask_surge  # noqa: F401 - registers the .surge accessor
-    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
 
+    from ._noop_forward import register
     from ._realtext import small_files
 
-    if not args.real_forward:
-        os.environ[NOOP_FORWARD_ENV] = "1"  # inherited by the worker processes started below: benchmark only
     data, layout = small_files(args.n, args.files)
     seconds = timed_phases()
     scratch = Path(tempfile.mkdtemp(prefix="fixed-cost-"))
@@ -123,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
                            dashboard_address="127.0.0.1:0")
     client = Client(cluster)
     try:
+        if not args.real_forward:
+            register(client)  # the forward pass replaced by zeros in each worker: benchmark only
         cold = one_call(data, client, scratch, seconds)
         warm = [one_call(data, client, scratch, seconds) for _ in range(args.repeats)]
     finally:

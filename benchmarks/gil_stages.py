@@ -5,7 +5,7 @@ Usage::
     python -m benchmarks.gil_stages [--n 65536] [--rounds 4] [--out benchmarks/results/gil_stages.json]
 
 On ``--n`` real texts (docstring paragraphs, ``_realtext.py``, read back from Parquet as a worker
-reads them), with the encoder's forward replaced by zeros (:data:`dask_surge.engine.transformer.NOOP_FORWARD_ENV`),
+reads them), with the encoder's forward replaced by zeros (``benchmarks/_noop_forward.py``),
 times each step a SuperBatch task takes, in this process: the read, ``texts_of`` (the list of
 str), ``text_hashes``, the engine's ``encode_long`` (tokenize, pack, no-op device) split into
 its parts, the output frame and the Parquet bytes. Each step reports microseconds per text of
@@ -45,9 +45,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(_results.RESULTS / "gil_stages.json"))
     args = parser.parse_args(argv)
 
-    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
+    from ._noop_forward import patch
 
-    os.environ[NOOP_FORWARD_ENV] = "1"
+    patch()  # this process builds the engine: its forward pass replaced by zeros
+    import dask
+
+    # this process stands for a CPU worker, where the plugin turns the collector pause on (docs/tuning.md)
+    dask.config.set({"surge.tuning.gc-pause": True})
     import numpy as np
     import pyarrow.parquet as pq
 

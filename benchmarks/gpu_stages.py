@@ -32,8 +32,9 @@ busy       GPU-busy fraction: CUDA events around every forward of one encode cal
            copy: the GPU's idle gap after each call's last forward (does it drain between calls?)
 host       inside one Dask worker: the raw tokenizer's rate on set B's texts, and
            dask-surge end to end with a no-op forward (the host ceiling) on set B, with
-           surge.tokenize-processes=2 (the token pool's arm; py-spy --gil sampling the worker:
-           GIL microseconds per text, target <= 4), then 0 (the default: tokenizing in the worker)
+           surge.tuning.tokenize-processes=2 (the token pool's arm; py-spy --gil sampling the worker:
+           GIL microseconds per text, target <= 4), then 0 (the default: tokenizing in the worker),
+           then with the settings measured only on a CPU forced on (CPU_TUNING; "auto" is off on a GPU)
 engine     the engine alone in this process, loaded as the workers load it (length-split
            micro-batches, then the greedy cut); the model forward alone on the same
            micro-batches, pre-tokenized (the ceiling the engine is measured against); pinned
@@ -181,6 +182,7 @@ def _host_pinned() -> dict:
 # -- stages -------------------------------------------------------------------------------------------
 def stage_preflight(s: Session) -> None:
     """Fail fast, with one line, on anything that would make the session inconclusive."""
+    import _noop_forward  # benchmarks/, on the path as this script's folder
     import torch
 
     facts: dict = {"versions": _versions(), "cpus": os.cpu_count(),
@@ -225,13 +227,14 @@ def stage_preflight(s: Session) -> None:
                           "weights_dtype": str(next(engine._hf.parameters()).dtype),
                           "staging_pinned": bool(engine._staging is not None and engine._staging.is_pinned()),
                           "async_finish": engine._device.side_stream is not None,
-                          "noop": engine._noop,
-                          # the tokenizing helpers (surge.tokenize-processes; 0 by default): started, or why not
+                          "noop": _noop_forward.is_patched(),
+                          # the tokenizing helpers (surge.tuning.tokenize-processes; 0 by default): started, or why not
                           "tokenize_processes": engine._packer.processes,
                           "tokenize_pool_started": engine._packer._pool is not None,
                           "tokenize_pool_failure": engine._packer._pool_failure}
-        if engine._noop:
-            problems.append("DASK_SURGE_BENCH_NOOP_FORWARD is set: every embedding would be zero")
+        if _noop_forward.is_patched():
+            problems.append("the forward pass is the benchmark's no-op (benchmarks/_noop_forward.py): "
+                            "every embedding would be zero")
         if s.device == "cuda" and not engines[which]["staging_pinned"]:
             problems.append("results did not go through the pinned staging buffer")
         enc.close()
@@ -350,13 +353,13 @@ def _worker_loaders() -> list[str]:
 
 def stage_host(s: Session) -> None:
     """Host ceiling: the raw tokenizer inside a worker, and dask-surge with a no-op forward, on set B."""
+    from _noop_forward import register, unregister  # benchmarks/, on the path as this script's folder
     from distributed import Client
-
-    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
 
     files, model = s.files("b"), s.model("minilm")
     t0 = time.perf_counter()
-    with s.cluster(env={NOOP_FORWARD_ENV: "1"}) as cluster, Client(cluster) as client:
+    with s.cluster() as cluster, Client(cluster) as client:
+        register(client)  # the forward pass replaced by zeros in each worker (a benchmark-side plugin)
         s.emit(cluster_start_s=time.perf_counter() - t0)
 
         def tokenize_in_worker(paths, model_dir):
@@ -377,7 +380,7 @@ def stage_host(s: Session) -> None:
         tok["texts_per_s"] = tok["texts"] / tok["seconds"]
         s.emit(tokenizer_in_worker=tok)
         warm_s = _warm(s, client, model)
-        # surge.tokenize-processes=2 (the token pool's arm: off by default until a GPU run shows it helps);
+        # surge.tuning.tokenize-processes=2 (the token pool's arm: off by default until a GPU run shows it helps);
         # py-spy samples the worker's GIL meanwhile
         client.run(_set_tokenize_processes, 2)
         noop, gil = _gil_sampled(s, client, lambda: _surge(s, client, model, files, "noop"))
@@ -388,11 +391,21 @@ def stage_host(s: Session) -> None:
         client.run(_set_tokenize_processes, 0)
         in_worker = _surge(s, client, model, files, "noop_in_worker")
         in_worker.pop("_records")
-        client.run(_set_tokenize_processes, None)
+        client.run(_set_tokenize_processes, "auto")
+        # the arm of the settings measured only on a CPU (docs/tuning.md): forced on in the worker, against
+        # the same run with "auto" (off on a GPU) above; a setting goes on for GPUs once this shows it helps
+        s.emit(surge_noop_tokenize_in_worker=in_worker)
+        client.run(_set_tuning, True)
+        cpu_tuned = _surge(s, client, model, files, "noop_cpu_tuning")
+        cpu_tuned.pop("_records")
+        client.run(_set_tuning, "auto")
+        unregister(client)  # a dry run's worker shares this process: the real forward again
     s.emit("ok", tokenizer_in_worker=tok, warm_s=warm_s, surge_noop=noop, worker=facts, gil=gil,
            ratio_noop_over_tokenizer=noop["texts_per_s"] / tok["texts_per_s"],
            surge_noop_tokenize_in_worker=in_worker,
-           ratio_helpers_over_in_worker=noop["texts_per_s"] / in_worker["texts_per_s"])
+           ratio_helpers_over_in_worker=noop["texts_per_s"] / in_worker["texts_per_s"],
+           surge_noop_cpu_tuning=cpu_tuned, cpu_tuning=list(CPU_TUNING),
+           ratio_cpu_tuning_over_auto=cpu_tuned["texts_per_s"] / in_worker["texts_per_s"])
 
 
 #: Issue 27's bound on the GIL a worker holds per text, with the forward a no-op.
@@ -428,11 +441,24 @@ def _gil_sampled(s: Session, client, run) -> tuple[dict, dict]:
                     "workers": len(profiles), "rate_hz": sampled["rate_hz"], "texts_per_s": round(rows / seconds, 1)}
 
 
-def _set_tokenize_processes(value: int | None) -> None:
-    """In a worker: ``surge.tokenize-processes`` for the engine's next calls (it reads the key per call)."""
+#: The host-side settings measured only on a CPU, off on a GPU under "auto" (dask_surge/engine/tuning.py);
+#: cpu-kernels is left out: it only changes a forward pass on a CPU.
+CPU_TUNING = ("allocator", "gc-pause", "rayon-threads", "pause-profiler", "joined-tokenizing")
+
+
+def _set_tuning(value: bool | str) -> None:
+    """In a worker: every setting of :data:`CPU_TUNING` forced to ``value`` (or back to ``"auto"``); the
+    plugin applies the process ones again when the next run registers it."""
     import dask
 
-    dask.config.set({"surge.tokenize-processes": value})
+    dask.config.set({f"surge.tuning.{name}": value for name in CPU_TUNING})
+
+
+def _set_tokenize_processes(value: int | str) -> None:
+    """In a worker: ``surge.tuning.tokenize-processes`` for the engine's next calls (it reads the key per call)."""
+    import dask
+
+    dask.config.set({"surge.tuning.tokenize-processes": value})
 
 
 def _stage_surge(s: Session, which: str, files_set: str, threads: int | None = None, tag: str = "") -> dict:

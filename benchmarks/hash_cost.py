@@ -21,7 +21,7 @@ removed, ``_realtext.py``) in ``--files`` Parquet files of log-normal sizes (sig
 ``host_ceiling.py``). Two stages, each on its own ``LocalCluster`` of ``--workers``
 single-threaded workers with the model loaded by a warm-up run before the clock:
 
-- ``noop``: forward pass replaced by zeros (``DASK_SURGE_BENCH_NOOP_FORWARD=1``): the host
+- ``noop``: forward pass replaced by zeros (``benchmarks/_noop_forward.py``): the host
   path alone, where the hashing weighs most;
 - ``tiny``: the random 2-layer BERT of ``make_tiny_model`` with its forward (``--tiny-n`` texts).
 
@@ -162,17 +162,15 @@ def stage(name: str, model: str, data: Path, warm: Path, n: int, rounds: int, wo
           report: dict) -> dict:
     from distributed import Client, LocalCluster
 
-    from dask_surge.engine.forward import NOOP_FORWARD_ENV
+    from ._noop_forward import register
 
-    if noop:
-        os.environ[NOOP_FORWARD_ENV] = "1"
-    else:
-        os.environ.pop(NOOP_FORWARD_ENV, None)
     scratch = Path(tempfile.mkdtemp(prefix="hash-cost-"))
     cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0")
     client = Client(cluster)
     ratios, cpu_ratios, seconds = [], [], {"hashed": [], "bypassed": []}
     try:
+        if noop:
+            register(client)  # the forward pass replaced by zeros in each worker: benchmark only
         for variant in ("bypassed", "hashed"):  # warm-up: model loaded, both code paths run once
             client.run(set_variant, variant)
             surge_run(warm, model, client, scratch)
@@ -199,7 +197,6 @@ def stage(name: str, model: str, data: Path, warm: Path, n: int, rounds: int, wo
     finally:
         client.close()
         cluster.close()
-        os.environ.pop(NOOP_FORWARD_ENV, None)
         shutil.rmtree(scratch, ignore_errors=True)
     med = statistics.median(ratios)
     cpu_med = statistics.median(cpu_ratios)

@@ -19,8 +19,8 @@ Parquet files of log-normal sizes, see ``_realtext.py``) and the same cores:
 (b) ``dd.read_parquet(dir).surge.encode("text", output=...)`` on a ``LocalCluster`` of
     ``--workers`` single-threaded workers, from the call to the last committed file, with
     the encoder's forward pass replaced by zeros of the right shape
-    (``DASK_SURGE_BENCH_NOOP_FORWARD=1`` in the workers, a switch for benchmarks only;
-    see :data:`dask_surge.engine.transformer.NOOP_FORWARD_ENV`). The model is loaded on the workers
+    (``benchmarks/_noop_forward.py``: a worker plugin of this benchmark patches the forward pass
+    in each worker). The model is loaded on the workers
     by a warm-up run before the clock starts.
 
 Target: (b) >= 0.95 x (a) in texts/s (issue 27; issue 17 asked for 0.8). Runs alternate
@@ -31,7 +31,7 @@ the share of the machine each keeps busy (:func:`cpu_split`). ``--gil`` also sam
 during one extra (b) run and reports the GIL-holding microseconds per text and where they fall
 (:func:`gil_profile`); on a loaded machine a thread preempted while holding the GIL still counts.
 
-``--tokenpool`` compares (b) with ``surge.tokenize-processes`` 0 (``off``: the worker tokenizes)
+``--tokenpool`` compares (b) with ``surge.tuning.tokenize-processes`` 0 (``off``: the worker tokenizes)
 and ``--processes`` (``on``: helper processes tokenize, :mod:`dask_surge.engine.tokenpool`) side by
 side: two clusters, one per setting, both warm, on the same texts, runs alternating (ABBA) with
 (a) once per round, at each of ``--sizes`` texts. Every (b) run is sampled by py-spy ``--gil
@@ -380,13 +380,11 @@ def _key_value(text: str) -> tuple[str, object]:
 
 def tokenpool_ab(args) -> dict:
     """``--tokenpool``: (b) with the helpers off and on, side by side (see the module docstring)."""
+    from _noop_forward import register
     from _realtext import read_texts, small_files
     from distributed import Client, LocalCluster
 
-    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
-
     arms = {"off": 0, "on": args.processes}
-    os.environ[NOOP_FORWARD_ENV] = "1"  # inherited by the worker processes started below: benchmark only
     scratch = Path(tempfile.mkdtemp(prefix="host-ceiling-"))
     clusters: dict[str, tuple] = {}
     runs: list[dict] = []
@@ -398,8 +396,8 @@ def tokenpool_ab(args) -> dict:
                                    dashboard_address="127.0.0.1:0")
             client = Client(cluster)
             clusters[arm] = (cluster, client)
-            assert all(client.run(lambda: os.environ.get(NOOP_FORWARD_ENV) == "1").values())
-            assert set(client.run(_set_config, "tokenize-processes", value).values()) == {value}
+            register(client)  # the forward pass replaced by zeros in each worker: benchmark only
+            assert set(client.run(_set_config, "tuning.tokenize-processes", value).values()) == {value}
             for key, value in args.set:  # before the warm-up run loads the model
                 assert set(client.run(_set_config, key, value).values()) == {value}
         for key, value in args.set:  # and here, where the run is planned (b-min, b-max)
@@ -527,7 +525,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gil", action="store_true", help="also sample the workers' GIL with py-spy")
     parser.add_argument("--native", action="store_true", help="with --gil: C and Rust frames too (py-spy then pauses the workers to sample)")
     parser.add_argument("--tokenpool", action="store_true",
-                        help="(b) with surge.tokenize-processes 0 and --processes side by side, at --sizes")
+                        help="(b) with surge.tuning.tokenize-processes 0 and --processes side by side, at --sizes")
     parser.add_argument("--sizes", type=int, nargs="+", default=[50_000, 150_000])
     parser.add_argument("--processes", type=int, default=1, help="with --tokenpool: helper processes per worker")
     parser.add_argument("--set", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
@@ -546,20 +544,18 @@ def main(argv: list[str] | None = None) -> dict:
         return out
     args.out = args.out or str(HERE / "results" / "host_ceiling.json")
 
+    from _noop_forward import register
     from _realtext import read_texts, small_files
     from distributed import Client, LocalCluster
 
-    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
-
     data, layout = small_files(args.n, args.files)
     texts = read_texts(data)
-    os.environ[NOOP_FORWARD_ENV] = "1"  # inherited by the worker processes started below: benchmark only
     scratch = Path(tempfile.mkdtemp(prefix="host-ceiling-"))
     cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
                            dashboard_address="127.0.0.1:0")
     client = Client(cluster)
     try:
-        assert all(client.run(lambda: os.environ.get(NOOP_FORWARD_ENV) == "1").values())
+        register(client)  # the forward pass replaced by zeros in each worker: benchmark only
         warm = small_files(2000, 20, seed=1)[0]
         surge_run(warm, client, scratch)  # load the model on every worker before the clock
         tok_s, surge_s, facts, tok_cpu, surge_cpu, joined_s = [], [], [], [], [], []

@@ -16,7 +16,7 @@ is what chunking costs (target: within 10%); then the same with a no-op forward,
 
 Memory, each size in a fresh process: one document of ``--sizes-mb`` MB (the same real texts,
 repeated) in one partition, ``dask_surge.encode(..., long_texts="chunk", scheduler="sync")``
-with MiniLM's forward replaced by zeros (``DASK_SURGE_BENCH_NOOP_FORWARD=1``: the host side,
+with MiniLM's forward replaced by zeros (``benchmarks/_noop_forward.py``: the host side,
 whose memory this is about; the forward's working set is the same per micro-batch); reported
 is the process's peak RSS while it encodes (sampled every 10 ms) above its RSS just before (imports,
 model, a warm-up encode and the input itself already in memory), beside the
@@ -50,7 +50,7 @@ def chunk_throughput(engine: Any, docs: Sequence[str], *, chunk_overlap: int = 3
     windows' texts (``doc[char_start:char_end]``, each within the window, so truncate mode
     runs the same tokens through the model). Tokens count what the model runs: each
     window's content, special and prompt tokens. Build the engine with
-    :data:`dask_surge.engine.transformer.NOOP_FORWARD_ENV` set to compare the host sides alone (tokenize, cut, pack).
+    ``benchmarks/_noop_forward.py`` patched in to compare the host sides alone (tokenize, cut, pack).
 
     Returns
     -------
@@ -96,22 +96,23 @@ def chunk_throughput(engine: Any, docs: Sequence[str], *, chunk_overlap: int = 3
 def speed(docs: list[str], repeats: int, *, noop: bool) -> dict:
     """:func:`chunk_throughput` ``repeats`` times (each: chunk, then truncate on the
     same windows' texts); medians. ``noop``: the forward replaced by zeros, so the host sides alone."""
-    import os
-
     import numpy as np
     from sentence_transformers import SentenceTransformer
 
-    from dask_surge.engine.transformer import NOOP_FORWARD_ENV, TransformerEngine
+    from dask_surge.engine.transformer import TransformerEngine
     from dask_surge.testing import packaged_model_dir
 
-    os.environ[NOOP_FORWARD_ENV] = "1" if noop else ""
+    from ._noop_forward import patch, unpatch
+
+    engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(str(packaged_model_dir()), device="cpu"))
+    if noop:
+        patch()
     try:
-        engine = TransformerEngine.from_sentence_transformer(
-            SentenceTransformer(str(packaged_model_dir()), device="cpu"))
+        chunk_throughput(engine, docs[:4])  # warm-up
+        runs = [chunk_throughput(engine, docs) for _ in range(repeats)]
     finally:
-        os.environ.pop(NOOP_FORWARD_ENV, None)
-    chunk_throughput(engine, docs[:4])  # warm-up
-    runs = [chunk_throughput(engine, docs) for _ in range(repeats)]
+        if noop:
+            unpatch()
     med = {k: float(np.median([r[k] for r in runs])) for k in ("chunk_s", "truncate_s", "chunk_host_s",
                                                                  "truncate_host_s")}
     tokens = runs[0]["tokens"]
@@ -124,8 +125,8 @@ def speed(docs: list[str], repeats: int, *, noop: bool) -> dict:
 _CHILD = r"""
 import json, os, sys, tempfile, threading, time
 import pandas as pd, dask.dataframe as dd, psutil
-from dask_surge.engine.transformer import NOOP_FORWARD_ENV
-os.environ[NOOP_FORWARD_ENV] = "1"  # the host side: tokenize, cut, pack, frame, write
+from benchmarks._noop_forward import patch
+patch()  # the forward pass replaced by zeros: the host side, tokenize, cut, pack, frame, write
 import dask_surge
 from dask_surge.testing import package_documents
 

@@ -50,16 +50,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     from distributed import Client, LocalCluster
 
-    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
     from dask_surge.execution.plugins import tokenizer_threads
 
+    from ._noop_forward import register
     from ._realtext import read_texts, small_files, tiny_model
     from .host_ceiling import run_cpu, surge_run, tokenizer_run
 
     cores = len(os.sched_getaffinity(0))
     model = "default" if args.forward == "noop" else str(tiny_model())
-    if args.forward == "noop":
-        os.environ[NOOP_FORWARD_ENV] = "1"  # inherited by the worker processes: benchmark only
     data, layout = small_files(args.n, args.files)
     texts = read_texts(data)
     warm = small_files(2000, 20, seed=1)[0]
@@ -71,6 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
             cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
                                    dashboard_address="127.0.0.1:0", env=env)
             client = Client(cluster, set_as_default=False)
+            if args.forward == "noop":
+                register(client)  # the forward pass replaced by zeros in each worker: benchmark only
             surge_run(warm, client, scratch, model)  # the model loaded and the pool made before the clock
             arms[name] = (cluster, client)
         pools = {name: sorted(set(c.run(lambda: os.environ.get("RAYON_NUM_THREADS")).values()), key=str)

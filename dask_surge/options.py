@@ -56,7 +56,7 @@ __all__ = [
     "COMPRESSIONS", "DTYPES", "ENGINES", "ON_NULLS", "OPTIONS", "PRECISIONS", "Cli", "Compression", "Dtype",
     "EncodeOptions", "EngineName", "Invalid", "LONG_TEXTS", "DEFAULT_CHUNK_OVERLAP", "LongTexts", "OnNull", "Option", "PlanOptions", "Precision", "add_arguments",
     "bind", "choices", "config_options", "defaults", "document", "from_arguments", "identity_options", "option",
-    "options_of", "schema", "schema_yaml", "signature",
+    "options_of", "schema", "schema_yaml", "signature", "TUNING", "tuning_values",
 ]
 
 #: Storage type of the embedding values (see :mod:`dask_surge.io.precision`).
@@ -389,6 +389,36 @@ def _opt(name: str, annotation: Any, doc_type: str, doc: str, summary: str, *, t
                   takers=frozenset(takers.split()), **kw)
 
 
+#: The names under ``surge.tuning.``; each is declared (what it does, where it was measured, its value
+#: per device) in :mod:`dask_surge.engine.tuning` (tests/test_tuning.py keeps the two equal).
+TUNING: tuple[str, ...] = ("allocator", "gc-pause", "rayon-threads", "pause-profiler", "cpu-kernels",
+                           "tokenize-processes", "joined-tokenizing")
+
+
+def tuning_values(value: Any) -> Any:
+    """A mapping of ``surge.tuning`` names to ``"auto"``, a bool (or an int >= 0 for a count).
+
+    Examples
+    --------
+    >>> tuning_values({"allocator": False})
+    {'allocator': False}
+    >>> tuning_values({"allocater": False})
+    Traceback (most recent call last):
+    ...
+    dask_surge.options.Invalid: has an unknown name 'allocater'; use names among ...
+    """
+    if not isinstance(value, Mapping):
+        raise Invalid("must be a mapping of setting names to values", "set e.g. {'allocator': 'auto'}")
+    for name, v in value.items():
+        if name not in TUNING:
+            raise Invalid(f"has an unknown name {name!r}", f"use names among {list(TUNING)}")
+        count = name == "tokenize-processes"
+        if not ((v == "auto" and isinstance(v, str))
+                or (v is None or (_is_int(v) and v >= 0) if count else isinstance(v, bool))):
+            raise Invalid(f"has {name}={v!r}", "use 'auto', or " + ("an int >= 0" if count else "True or False"))
+    return value
+
+
 #: The options, in the order ``encode`` and ``plan`` show them.
 OPTIONS: tuple[Option, ...] = (
     _opt("model", Any, "str, path, SentenceTransformer, callable or Encoder, optional", """
@@ -636,32 +666,21 @@ OPTIONS: tuple[Option, ...] = (
          memory; dask-surge's own GPU clusters start this many threads per GPU worker.""",
          "SuperBatch tasks a GPU worker runs at once (one on the GPU, the others reading, tokenizing or writing)",
          default=4, config="superbatches-per-gpu", validator=positive_int(fix="pass e.g. 4"), schema=_INT_MIN_1),
-    _opt("tokenize_processes", int | None, "int, optional", """
-         Helper processes per worker process that tokenize for the fast engine and hand back the
-         token ids through shared memory, so the worker's GIL does not pay for one Python object
-         per text (``docs/ab_studies.md``, "the token pool"): it applies to tokenizing (``encode``, the
-         ``long_texts`` modes ``"truncate"`` and ``"error"``, and token counts; ``"chunk"`` and
-         ``"mean"`` tokenize with offsets in the worker). Each helper
-         tokenizes one window (up to 65,536 texts) at a time, the next while the worker packs and
-         runs the last one. They start on first use, and stop when the model is closed and at
-         exit; the embeddings are the same either way. Can be an int >= 0 (0 tokenizes in the
-         worker), or None for the default, 0: on a CPU the cores, not the GIL, are the limit and a
-         helper only adds the hand-off; on CUDA it stays off until a GPU run shows it helps
-         (``docs/tuning.md``).""",
-         "helper processes per worker that tokenize for the fast engine (ids through shared memory); "
-         "null: 0 (off)",
-         config="tokenize-processes",
-         validator=non_negative_int("pass e.g. 2, 0 to tokenize in the worker, or None to pick by device",
-                                    none=True),
-         schema={"oneOf": [{"type": "integer", "minimum": 0}, _NULL]}),
-    _opt("pause_worker_profiler", bool, "bool", """
-         Pause distributed's statistical profiler on a worker while it runs SuperBatch tasks, and
-         resume it when the worker's last one ends. Every 10 ms the profiler takes the GIL to walk
-         every thread's stack, time a GPU worker's one process needs to feed its GPU (measured on
-         a CPU only: ``docs/ab_studies.md``). Can be True, or False to leave the profiler running (the dashboard's profile
-         page then covers the run).""",
-         "pause distributed's profiler on a worker while it runs SuperBatch tasks",
-         default=True, config="pause-worker-profiler", validator=boolean(), schema={"type": "boolean"}),
+    _opt("tuning", dict, "dict", """
+         The process-wide settings of a worker (the allocator, the garbage collector pause, the
+         tokenizer's threads, the profiler pause, the CPU kernels, the tokenizing helper processes,
+         joined tokenizing), under ``surge.tuning.<name>``: each ``"auto"`` (on where it was
+         measured: a setting measured only on a CPU stays off on a GPU), ``True``/``False`` to force
+         it, or for ``tokenize-processes`` a number of helper processes. Declared, with what each does
+         and where it was measured, in :mod:`dask_surge.engine.tuning` (``docs/tuning.md``); the worker
+         plugin applies them, never a user's own process unless forced.""",
+         "process-wide settings of a worker (docs/tuning.md): each auto (on where measured), true/false, "
+         "or a count for tokenize-processes",
+         default=dict.fromkeys(TUNING, "auto"), config="tuning", validator=tuning_values,
+         schema={"type": "object", "additionalProperties": False,
+                 "properties": {name: {"oneOf": [{"enum": ["auto"]}, {"type": "integer", "minimum": 0}, _NULL]}
+                                if name == "tokenize-processes" else {"enum": ["auto", True, False]}
+                                for name in TUNING}}),
     _opt("in_flight", int | None, "int, optional", """
          SuperBatches submitted at once when writing; None is 2 x worker threads.""",
          "SuperBatches submitted at once when writing; null is 2 x worker threads",

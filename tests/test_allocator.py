@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import dask
 import pytest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt: Linux only")
@@ -62,17 +63,22 @@ def test_a_worker_like_process_serves_large_blocks_from_the_heap_once_told(mode,
 
 def test_the_cpu_worker_plugin_applies_it_in_a_worker_process(tiny_model, monkeypatch):
     from dask_surge import Encoder
+    from dask_surge.engine import tuning
     from dask_surge.execution import plugins
 
     calls: list[int] = []
-    monkeypatch.setattr(plugins, "keep_large_blocks", lambda: calls.append(1) or True)
+    monkeypatch.setattr(tuning, "keep_large_blocks", lambda: calls.append(1) or True)
+    monkeypatch.setattr(tuning, "_applied", {})  # what the plugin records here stays in this test
     plugin = plugins.EncoderPlugin(Encoder(str(tiny_model), device="cpu"), preload=False)
-    plugin._tune_allocator()  # the client's own process (a user's notebook): left alone
-    assert calls == []
+    plugin._tune()  # the client's own process (a user's notebook): left alone
+    assert calls == [] and tuning.applied() == {}
     plugin.client_process = ("elsewhere", -1)  # a worker process of its own
-    plugin._tune_allocator()
-    assert calls == [1]
+    plugin._tune()
+    assert calls == [1] and tuning.active("gc-pause")
     gpu = plugins.EncoderPlugin(Encoder(str(tiny_model), device="cuda"), preload=False)
     gpu.client_process = ("elsewhere", -1)
-    gpu._tune_allocator()  # measured only on a CPU: off on a GPU worker
-    assert calls == [1]
+    gpu._tune()  # measured only on a CPU: off on a GPU worker
+    assert calls == [1] and not tuning.active("gc-pause") and not tuning.active("allocator")
+    with dask.config.set({"surge.tuning.allocator": True}):  # forced: on a GPU worker too
+        gpu._tune()
+    assert calls == [1, 1]

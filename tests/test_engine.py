@@ -332,17 +332,20 @@ def test_feeder_serves_concurrent_callers_and_passes_errors_back():
     assert engine.encode(["still fine"]).shape == (1, engine.dimension)
 
 
-def test_benchmark_noop_forward_switch_returns_zeros_of_the_right_shape(monkeypatch, tmp_path):
-    """DASK_SURGE_BENCH_NOOP_FORWARD=1 (benchmarks only) skips the forward: zeros, same shape, same path."""
-    from dask_surge.engine.transformer import NOOP_FORWARD_ENV
+def test_benchmark_noop_forward_seam_returns_zeros_of_the_right_shape(tmp_path):
+    """The benchmarks' no-op forward (benchmarks/_noop_forward.py, patching DeviceRunner.forward; the
+    package has no switch for it): zeros, same shape, same path, and the real forward once undone."""
+    from benchmarks import _noop_forward
 
     model = SentenceTransformer(make_tiny_model(tmp_path / "m"), device="cpu")
-    monkeypatch.setenv(NOOP_FORWARD_ENV, "1")
-    noop = TransformerEngine.from_sentence_transformer(model)
-    out = noop.encode(["a", "b c", ""])
-    assert out.shape == (3, noop.dimension) and not out.any()
-    monkeypatch.delenv(NOOP_FORWARD_ENV)
-    assert TransformerEngine.from_sentence_transformer(model).encode(["a"]).any()  # off unless set
+    _noop_forward.patch()
+    try:
+        noop = TransformerEngine.from_sentence_transformer(model)
+        out = noop.encode(["a", "b c", ""])
+        assert out.shape == (3, noop.dimension) and not out.any()
+    finally:
+        _noop_forward.unpatch()
+    assert TransformerEngine.from_sentence_transformer(model).encode(["a"]).any()  # off unless patched
 
 
 def test_stage_seconds_are_counted(tmp_path):
@@ -465,8 +468,13 @@ def test_a_large_call_starts_with_a_small_window_and_the_windows_concatenate(tin
 
 def test_the_collector_is_paused_while_encodings_are_made_and_packed(tiny, monkeypatch):
     """The tokenizer's one GC-tracked object per text would trigger collections of the whole heap;
-    the engine pauses the collector from tokenizing to packing and restores it, errors included."""
+    where surge.tuning.gc-pause is on (a CPU worker, or forced as here), the engine pauses the
+    collector from tokenizing to packing and restores it, errors included."""
     import gc
+
+    import dask
+
+    monkeypatch.setitem(dask.config.config["surge"]["tuning"], "gc-pause", True)
 
     engine = TransformerEngine.from_sentence_transformer(tiny)
     packer = engine._packer

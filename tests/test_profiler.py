@@ -75,7 +75,7 @@ def _overlapping():
 
 def test_disabled_or_user_stopped_profilers_are_left_alone(client):
     held, stopped = client.submit(_task, False, pure=False).result()
-    assert (held, stopped) == (False, False)  # surge.pause-worker-profiler: false
+    assert (held, stopped) == (False, False)  # surge.tuning.pause-profiler: false
 
     client.run(_set_profiling, False)  # the user stopped it: it must stay stopped after our task
     try:
@@ -95,7 +95,7 @@ def test_outside_a_worker_nothing_is_paused(monkeypatch):
         raise AssertionError("the config said no: the worker must not be looked up")
 
     monkeypatch.setattr(module, "_current_worker", no_worker_lookup)
-    with dask.config.set({"surge.pause-worker-profiler": False}), profiler_paused() as held:
+    with dask.config.set({"surge.tuning.pause-profiler": False}), profiler_paused() as held:
         assert held is False
 
 

@@ -255,7 +255,7 @@ def test_a_dead_helper_is_reported(hf_tokenizer):
         pool.tokenize(["warm"])
         segments = pool.segments
         os.kill(pool.pids[0], signal.SIGKILL)
-        with pytest.raises(TokenizerProcessError, match=r"signal 9.*Fix: .*surge.tokenize-processes") as err:
+        with pytest.raises(TokenizerProcessError, match=r"signal 9.*Fix: .*surge.tuning.tokenize-processes") as err:
             pool.tokenize(["a", "b"])
         assert err.value.died
         assert pool.pids == [] and not any(map(_segment_exists, segments))  # dropped, its blocks unlinked
@@ -330,19 +330,19 @@ def test_an_abandoned_iteration_frees_the_helpers(hf_tokenizer, monkeypatch):
 def test_config_is_validated(models, value):
     engine = TransformerEngine.from_sentence_transformer(models["tiny"])
     try:
-        with dask.config.set({"surge.tokenize-processes": value}), pytest.raises(SurgeValueError) as err:
+        with dask.config.set({"surge.tuning.tokenize-processes": value}), pytest.raises(SurgeValueError) as err:
             engine.encode(["a"])
     finally:
         engine.close()
     message = str(err.value)
-    assert f"surge.tokenize-processes={value!r}" in message and "int >= 0 or None" in message
-    assert "Fix:" in message and "DASK_SURGE__TOKENIZE_PROCESSES" in message
+    assert f"surge.tuning.tokenize-processes={value!r}" in message and "'auto' or an int >= 0" in message
+    assert "Fix:" in message and "DASK_SURGE__TUNING__TOKENIZE_PROCESSES" in message
 
 
 def test_config_picks_the_helpers(models):
     engine = TransformerEngine.from_sentence_transformer(models["tiny"])
     try:
-        with dask.config.set({"surge.tokenize-processes": 1}):
+        with dask.config.set({"surge.tuning.tokenize-processes": 1}):
             engine.encode(["a"])
             assert engine._packer.processes == 1 and engine._packer._pool is not None
         engine.encode(["a"])  # the default (None): auto, 0 on a CPU
@@ -405,9 +405,9 @@ def test_a_superbatch_of_arrow_texts_with_repeats_is_the_same_with_the_helpers(m
     model = make_tiny_model(tmp_path / "tiny", max_seq_length=64)
     sbe = SuperBatchTask("text", (), Encoder(model, device="cpu"))
     spans = [(Span(0, 0, len(texts)), len(texts))]
-    with dask.config.set({"surge.tokenize-processes": 0}):
+    with dask.config.set({"surge.tuning.tokenize-processes": 0}):
         off = sbe.encode([frame], spans)
-    with dask.config.set({"surge.tokenize-processes": 1}):
+    with dask.config.set({"surge.tuning.tokenize-processes": 1}):
         on = sbe.encode([frame], spans)
     packer = sbe.encoder._loaded().impl.engine._packer
     assert packer._pool is not None and packer._pool_failure is None  # a helper tokenized them
@@ -439,3 +439,31 @@ def test_a_helper_tokenizes_one_by_one_where_texts_cannot_be_joined(hf_tokenizer
         assert pool.tokenize(texts, ids=False).ids.size == 0
     finally:
         pool.close()
+
+
+def test_the_helpers_get_the_workers_tuning_in_their_setup_message(monkeypatch):
+    """_tokenhelper imports nothing of the package: the gc pause and joined tokenizing reach it in its
+    setup message, as the worker resolved them; a change starts new helpers."""
+    import gc
+
+    from dask_surge.engine import _tokenhelper, tuning
+
+    packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 8, clock=StageClock())
+    packer.processes = 1
+    monkeypatch.setattr(tuning, "_applied", {})
+    try:
+        pool = packer.token_pool()
+        assert pool is not None and pool.tuned == (False, True)  # a user's process: no gc pause
+        with dask.config.set({"surge.tuning.gc-pause": True}):
+            again = packer.token_pool()
+            assert again is not pool and again is not None and again.tuned == (True, True)
+    finally:
+        packer.close()
+    for gc_pause in (False, True):
+        helper = _tokenhelper.Helper(packer.tokenizer_json(), "", 8, gc_pause=gc_pause, joined=False)
+        assert helper.joined is None
+        seen: list[bool] = []
+        encode_batch = helper.encode_batch
+        helper.encode_batch = lambda texts: seen.append(gc.isenabled()) or encode_batch(texts)
+        helper._one_by_one(["a dog", "two words"], True)
+        assert seen == [not gc_pause] and gc.isenabled()

@@ -122,14 +122,17 @@ except ImportError:  # run as a script (a helper process): no package around it
 class Helper:
     """The tokenizer and the blocks last used, for one helper process (or a test, in process)."""
 
-    def __init__(self, tokenizer_json: str, prompt: str, max_length: int) -> None:
+    def __init__(self, tokenizer_json: str, prompt: str, max_length: int, *, gc_pause: bool = True,
+                 joined: bool = True) -> None:
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
         self.encode_batch = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         self._flat_ids = _joined.flat_ids
         #: Texts joined into few tokenizer inputs where the tokenizer allows it (the same ids), else None.
-        self.joined = _joined.JoinedTokenizer.of(self.tokenizer)
+        self.joined = _joined.JoinedTokenizer.of(self.tokenizer) if joined else None
+        #: Hold off the garbage collector during a tokenizer call (``surge.tuning.gc-pause`` of the worker).
+        self.gc_pause = gc_pause
         self.prompt = prompt
         self.max_length = max_length
         self._blocks: dict[str, _SharedBlock] = {}  # role -> the block last mapped for it
@@ -179,7 +182,9 @@ class Helper:
         """``(lengths, overflow, ids)`` of ``texts`` from one ``Encoding`` each (ids empty unless ``want_ids``)."""
         import numpy as np
 
-        gc.disable()  # one GC-tracked Encoding per text, no cycles (see tokenize.gc_paused)
+        paused = self.gc_pause and gc.isenabled()
+        if paused:
+            gc.disable()  # one GC-tracked Encoding per text, no cycles (see tokenizing.gc_paused)
         try:
             encodings = self.encode_batch(texts)
             lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
@@ -189,7 +194,8 @@ class Helper:
             ids = self._flat_ids(encodings, int(lengths.sum())) if want_ids else np.zeros(0, np.int32)
             del encodings
         finally:
-            gc.enable()
+            if paused:
+                gc.enable()
         return lengths, overflow, ids
 
     @staticmethod
@@ -212,7 +218,8 @@ def main() -> None:
     setup = read_message(requests)
     if setup is None:
         return
-    helper = Helper(setup["tokenizer"], setup["prompt"], setup["max_length"])
+    helper = Helper(setup["tokenizer"], setup["prompt"], setup["max_length"], gc_pause=setup.get("gc_pause", True),
+                    joined=setup.get("joined", True))
     try:
         while (request := read_message(requests)) is not None:
             try:

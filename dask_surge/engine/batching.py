@@ -68,15 +68,13 @@ CPU_MAX_TOKENS = 2048
 #: The most tokens :func:`cpu_max_tokens` gives a narrow model's micro-batch: past it, a larger
 #: micro-batch gains little speed for twice the memory (``benchmarks.engine_cpu --max-tokens``).
 CPU_MAX_TOKENS_CAP = 8192
-#: Texts tokenized and length-sorted together. Sorting blocks of 65,536 texts wastes about
-#: 6.5% of the forward's tokens on padding, against 21.7% for blocks of 16,384 (issue 17).
+#: Texts tokenized and length-sorted together: larger blocks sort into less padding (issue 17,
+#: ``docs/ab_studies.md``).
 BLOCK_TEXTS = 65_536
 #: Texts of a large call's first block where the device overlaps the host (see :func:`blocks`):
-#: the device starts once these are tokenized (about 20 ms for 2,048 texts at the Rust tokenizer's
-#: 94k texts/s on 16 cores), not after the whole first full block (about 0.7 s). The rest stays in
-#: full blocks: growing blocks geometrically (2k, 4k, ... 64k) added 19% padded tokens to a
-#: 65,536-text call at a 65,536-token budget, a small first block then full ones 3.4%
-#: (``benchmarks/first_window.py``).
+#: the device starts once these are tokenized, not after the whole first full block. The rest stays
+#: in full blocks: growing blocks geometrically added far more padded tokens than a small first block
+#: then full ones (``benchmarks/first_window.py``, ``docs/ab_studies.md``).
 FIRST_BLOCK_TEXTS = 2048
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import queue
 import threading
 import time
@@ -34,21 +33,17 @@ import numpy as np
 import torch
 
 from ..errors import SurgeModelError
+from . import tuning
 from .batching import CPU_MAX_TOKENS, BatchPlan, activation_bytes_per_token, cpu_max_tokens
 from .bert import BertEncoder, pad_keys
 from .tokenizing import PackedBlock, StageClock
 
-__all__ = ["DTYPES", "NOOP_FORWARD_ENV", "STAGING_BYTES", "DeviceRunner"]
+__all__ = ["DTYPES", "STAGING_BYTES", "DeviceRunner"]
 
 #: Compute dtypes by name (None: the weights' own, float32).
 DTYPES = {None: None, "float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: Token budget per micro-batch on CPU (rows x padded length); the rule lives in :mod:`dask_surge.engine.batching`.
 _CPU_MAX_TOKENS = CPU_MAX_TOKENS
-#: FOR BENCHMARKING ONLY. When this environment variable is "1" in the process that builds an
-#: engine, the engine skips the encoder's forward pass and returns zeros of the right shape, so
-#: a benchmark measures everything else (read, tokenize, sort, pad, write). Never set it otherwise:
-#: the embeddings are all zero (benchmarks/host_ceiling.py sets it in its own worker processes).
-NOOP_FORWARD_ENV = "DASK_SURGE_BENCH_NOOP_FORWARD"
 #: Bytes of the one pinned host buffer per CUDA engine through which every result is copied out
 #: (reused, never grown): results are ordinary numpy memory, and the pinned memory stays bounded.
 STAGING_BYTES = 8 << 20
@@ -110,7 +105,7 @@ class DeviceRunner:
         model = hf.eval()
         self.device: torch.device = next(model.parameters()).device
         amp = DTYPES[dtype]
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and tuning.setting("cpu-kernels", "cpu"):  # surge.tuning.cpu-kernels
             model = _with_onednn_linear(model)
             if model is not hf:  # a copy of the tree (its own config): the user's model stays as it was
                 _pad_cpu_attention(model, self._probe_input(pad_id, type_ids))
@@ -121,8 +116,6 @@ class DeviceRunner:
         #: Dtype the encoder computes in (its weights'); pooling and normalization stay float32.
         self.compute_dtype = amp or torch.float32
         self.modes = pooling_modes
-        #: Benchmarking only: skip the forward pass (see NOOP_FORWARD_ENV).
-        self.noop = os.environ.get(NOOP_FORWARD_ENV, "") == "1"
         self.dimension: int = len(pooling_modes) * int(self.config.hidden_size)
         self.pad_id = pad_id
         self.type_ids = type_ids
@@ -282,8 +275,6 @@ class DeviceRunner:
         ``valid`` None: every token is real (a one-length micro-batch), and the encoder
         runs with no attention mask.
         """
-        if self.noop:
-            return torch.zeros((ids.shape[0], self.dimension), dtype=torch.float32, device=ids.device)
         inputs = {"input_ids": ids}
         if valid is not None:
             inputs["attention_mask"] = self.attention_mask(valid)
@@ -532,7 +523,7 @@ def _check_finite(out: torch.Tensor) -> None:
         Naming the first bad row positions of the call.
     """
     # a NaN or inf anywhere makes the sum NaN or inf, so a finite sum proves every value finite; one
-    # reduction instead of a bool tensor of the whole call (measured: 2.3 ms against 61 ms for 50k x 384)
+    # reduction instead of a bool tensor of the whole call (docs/ab_studies.md)
     if bool(torch.isfinite(out.sum())):
         return
     finite = torch.isfinite(out).all(dim=1)
@@ -572,8 +563,8 @@ def _cast_copy(hf: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
 class _OneDNNLinear(torch.nn.Linear):
     """``nn.Linear`` computed by oneDNN from a weight pre-packed in its blocked layout.
 
-    Same fp32 math; ~10% faster than MKL sgemm on AVX-512 CPUs, and packing
-    the weight once (instead of on every call) saves another 3-5% per GEMM.
+    Same fp32 math as MKL sgemm, faster on AVX-512 CPUs, and the weight is packed
+    once instead of on every call (``docs/ab_studies.md``).
     The packed copy is used only while the weight's version is the one it was
     packed from; after an in-place update the layer reads the shared weight.
     """
@@ -595,10 +586,8 @@ class _OneDNNLinear(torch.nn.Linear):
 
 #: A linear layer runs through oneDNN (:class:`_OneDNNLinear`) only when its weight has at least
 #: this many elements (``in_features * out_features``). oneDNN builds and caches a primitive for each
-#: new input shape (~0.3-4 ms and ~0.5 MB each; a run's micro-batches bring hundreds of shapes),
-#: and pays it back only on wide layers: measured one thread, 1,500-2,500 rows (a 384x384 layer
-#: gains 0.85 ms a call, a 384x1536 one 3 ms, a 32x128 one nothing; the tiny test encoder's
-#: primitives held 270 MB of a worker's heap after 30,000 texts).
+#: new input shape (a run's micro-batches bring hundreds of shapes), and pays it back only on wide
+#: layers; narrow ones gain nothing and their primitives fill a worker's heap (``docs/ab_studies.md``).
 ONEDNN_MIN_WEIGHT = 1 << 17
 
 

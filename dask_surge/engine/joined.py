@@ -1,9 +1,10 @@
 """Tokenize many short texts as a few long ones: joined around a special token, cut back with NumPy.
 
 The Rust tokenizer's Python API hands back one ``Encoding`` per text: a Python object, the
-Python list of its ids, and on free its token strings, offsets and masks. For texts of ~100
-characters that is most of the GIL a worker spends tokenizing (~3 us of its ~4 per text, in
-``benchmarks/gil_stages.py``), and a good part of the tokenizer's own CPU.
+Python list of its ids, and on free its token strings, offsets and masks. For short texts that
+is most of the GIL a worker spends tokenizing, and a good part of the tokenizer's own CPU
+(``docs/ab_studies.md``, ``benchmarks/gil_stages.py``). It is the tuning setting
+``surge.tuning.joined-tokenizing`` (``docs/tuning.md``).
 
 :class:`JoinedTokenizer` joins each group of consecutive texts with the model's separator token
 (``"[SEP]"``) between them, tokenizes the groups without special tokens or truncation, finds each
@@ -57,9 +58,8 @@ import numpy as np
 
 __all__ = ["GROUP_TEXTS", "JoinedTokenizer", "flat_ids", "special_ends"]
 
-#: At most this many texts are joined into one string (measured on 16,384 docstring paragraphs of ~105
-#: characters, MiniLM's tokenizer on 2 cores, ``python -m benchmarks.joined_tokenize``: groups of 64-256
-#: take half the tokenizing thread's CPU per text of one encoding per text, and 0.81x the CPU in all).
+#: At most this many texts are joined into one string (the group sizes that took the least CPU per
+#: text in ``python -m benchmarks.joined_tokenize``; ``docs/ab_studies.md``).
 GROUP_TEXTS = 256
 #: ... and at least this many groups are made per tokenizer thread, so every core has work.
 GROUPS_PER_THREAD = 4

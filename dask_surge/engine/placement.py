@@ -64,7 +64,7 @@ def move_to(obj: Any, requested: str | None) -> str:
     """Put an in-memory ``SentenceTransformer`` on the device asked for; return that device.
 
     A model built on the client's CPU and shipped to a GPU worker would otherwise
-    run on that worker's CPU in float32, silently and ~100x slower.
+    run on that worker's CPU in float32, silently and far slower.
     """
     device = pick_device(requested)
     if same_device(str(obj.device), device):

@@ -27,10 +27,11 @@ import numpy as np
 from .._deprecated import renamed
 from ..errors import SurgeInputError
 from ..io.texts import ArrowTexts, as_list, as_texts
+from . import tuning
 from .batching import BLOCK_TEXTS, FIRST_BLOCK_TEXTS, BatchPlan, plan_batches
 from .batching import blocks as block_starts
 from .joined import JoinedTokenizer, flat_ids
-from .tokenpool import Pending, TokenizedBlock, TokenizerProcessError, TokenPool
+from .tokenpool import Pending, TokenizedBlock, TokenizerProcessError, TokenPool, auto_processes
 
 __all__ = ["STAGES", "PackedBlock", "StageClock", "TextPacker", "flat_ids", "gc_paused", "prepared",
            "unreadable_text"]
@@ -56,23 +57,30 @@ _gc_was_enabled = False  # the collector's state when the first of them entered
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Hold off Python's cyclic garbage collector while the block runs (thread-safe, nestable).
+    """Hold off Python's cyclic garbage collector while the block runs (thread-safe, nestable), where
+    the tuning setting ``surge.tuning.gc-pause`` is on in this process (:func:`~dask_surge.engine.tuning.active`:
+    in a worker the plugin turned it on, or anywhere it is forced); else the block runs as it is.
 
     The Rust tokenizer hands back one GC-tracked ``Encoding`` object per text: allocating
-    65,536 of them triggers collections that walk the whole heap of a worker (torch,
-    pandas, distributed: ~500k objects), about 2 us of GIL per text (measured by
-    ``benchmarks/gil_stages.py``). Nothing they hold forms cycles, so nothing is lost by
-    collecting later. The collector's state is restored when the last thread leaves.
+    a block of them triggers collections that walk the whole heap of a worker, holding the GIL
+    (``docs/ab_studies.md``). Nothing they hold forms cycles, so nothing is lost by collecting
+    later. The collector's state is restored when the last thread leaves.
 
     Examples
     --------
+    >>> import dask
     >>> enabled = gc.isenabled()
-    >>> with gc_paused():
+    >>> with gc_paused():  # a user's own process: the collector is left alone
+    ...     untouched = gc.isenabled() == enabled
+    >>> with dask.config.set({"surge.tuning.gc-pause": True}), gc_paused():
     ...     with gc_paused():
     ...         paused = not gc.isenabled()
-    >>> paused, gc.isenabled() == enabled
-    (True, True)
+    >>> untouched, paused, gc.isenabled() == enabled
+    (True, True, True)
     """
+    if not tuning.active("gc-pause"):
+        yield
+        return
     global _gc_pauses, _gc_was_enabled
     with _gc_lock:
         if _gc_pauses == 0:
@@ -194,7 +202,10 @@ class TextPacker:
         self._encode_batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
         #: Texts joined into few tokenizer inputs (the same ids, far fewer Python objects), or None where the
         #: tokenizer does not allow it (see :mod:`dask_surge.engine.joined`).
-        self._joined = JoinedTokenizer.of(self._tokenizer)
+        self._joiner = JoinedTokenizer.of(self._tokenizer)
+        #: Whether texts are joined where the tokenizer allows it (the tuning setting
+        #: ``surge.tuning.joined-tokenizing``; :meth:`tune` sets it for the engine's device).
+        self.joined_tokenizing = True
         #: Id that pads a row (the tokenizer's pad token, else 0).
         self.pad_id: int = hf_tokenizer.pad_token_id or 0
         #: True when the model takes ``token_type_ids``.
@@ -212,6 +223,40 @@ class TextPacker:
         self._pool_lock = threading.Lock()
         self._pool_failure: str | None = None  # why the helpers are no longer used, once one died
 
+    @property
+    def _joined(self) -> JoinedTokenizer | None:
+        """The joined tokenizer where :attr:`joined_tokenizing` is on and the tokenizer allows it, else None."""
+        return self._joiner if self.joined_tokenizing else None
+
+    @_joined.setter
+    def _joined(self, joiner: JoinedTokenizer | None) -> None:
+        self._joiner = joiner
+
+    def tune(self, device: str, processes: int | None = None) -> None:
+        """Take the engine's tuning settings for ``device`` (:mod:`dask_surge.engine.tuning`) from the next call.
+
+        Parameters
+        ----------
+        device : str
+            The device the engine runs on (``"cpu"``, ``"cuda:0"``).
+        processes : int, optional
+            Helper processes that tokenize; None: ``surge.tuning.tokenize-processes`` for ``device``.
+
+        Examples
+        --------
+        >>> from transformers import AutoTokenizer
+        >>> from dask_surge.testing import packaged_model_dir
+        >>> packer = TextPacker(AutoTokenizer.from_pretrained(str(packaged_model_dir())), 8, clock=StageClock())
+        >>> packer.tune("cuda:0")
+        >>> packer.joined_tokenizing, packer.processes
+        (False, 0)
+        >>> packer.tune("cpu", 2)
+        >>> packer.joined_tokenizing, packer.processes
+        (True, 2)
+        """
+        self.joined_tokenizing = bool(tuning.setting("joined-tokenizing", device))
+        self.processes = auto_processes(device) if processes is None else int(processes)
+
     def tokenizer_json(self) -> str:
         """This packer's tokenizer (truncation set, padding off) as ``tokenizers.Tokenizer.to_str()`` writes it."""
         return self._tokenizer.to_str()
@@ -221,13 +266,14 @@ class TextPacker:
         or a helper died: then the packer stays in process, see :meth:`blocks`)."""
         with self._pool_lock:
             pool = self._pool
-            if pool is not None and (pool.processes != self.processes or pool.closed):
+            tuned = (tuning.active("gc-pause"), self.joined_tokenizing)  # what the helpers were set up with
+            if pool is not None and (pool.processes != self.processes or pool.closed or pool.tuned != tuned):
                 self._pool = None
                 pool.close()
                 pool = None
             if pool is None and self.processes > 0 and self._pool_failure is None:
                 pool = self._pool = TokenPool(self.tokenizer_json(), self.max_seq_length, prompt=self.prompt,
-                                              processes=self.processes)
+                                              processes=self.processes, gc_pause=tuned[0], joined=tuned[1])
             return pool
 
     def _pool_died(self, err: TokenizerProcessError) -> None:

@@ -1,13 +1,13 @@
 """Tokenize out of the worker's GIL: a small pool of helper processes that hand back int32 ids through shared memory.
 
 The Rust tokenizer runs without the GIL, but what it hands back does not: one Python
-``Encoding`` per text, its ``.ids`` list, their frees (about 4 us of GIL per text in a worker,
-``benchmarks/gil_stages.py``; about 1.5 with texts joined, :mod:`dask_surge.engine.joined`, most
-of it a Python int per token). On a GPU worker every microsecond of GIL per text caps the
+``Encoding`` per text, its ``.ids`` list, their frees (less with texts joined,
+:mod:`dask_surge.engine.joined`, most of it then a Python int per token; ``docs/ab_studies.md``).
+On a GPU worker every microsecond of GIL per text caps the
 texts/s one process can feed. A :class:`TokenPool` moves that work into helper processes:
 
 - the caller joins a block's texts into one UTF-8 buffer and writes it, with the character
-  offsets, into a shared-memory block (a C-level join and encode, ~0.1 us per text);
+  offsets, into a shared-memory block (a C-level join and encode);
 - a helper (a fresh interpreter started with ``python -c``, never a fork: a Dask worker is
   multithreaded) tokenizes them with a copy of the caller's tokenizer (truncation, prompt) and
   writes the lengths, the overflow flags and the int32 ids into a second block;
@@ -39,6 +39,7 @@ import numpy as np
 from .._deprecated import renamed
 from ..errors import SurgeError
 from ..io.texts import ArrowTexts
+from . import tuning
 from ._tokenhelper import out_layout, read_message, write_message
 
 __all__ = ["TokenPool", "TokenizedBlock", "TokenizerProcessError", "auto_processes"]
@@ -65,20 +66,23 @@ class TokenizerProcessError(SurgeError, RuntimeError):
 
 
 def auto_processes(device_type: str) -> int:
-    """Helper processes ``surge.tokenize-processes: null`` means on a device of type ``device_type``.
+    """Helper processes ``surge.tuning.tokenize-processes`` gives on a device of type ``device_type``.
 
-    0 on every device. On a CPU worker the cores are the bottleneck, and a helper adds work (the
-    hand-off) without taking any off the cores (``benchmarks/host_ceiling.py --tokenpool``). On
-    CUDA, where one worker process feeds a GPU and its GIL may cap the texts/s, helpers could let two
-    SuperBatches tokenize at once, but no GPU run has shown it yet: off until one does (the GPU
-    session's ``host`` stage times both, ``docs/tuning.md``).
+    ``auto`` is 0 on every device. On a CPU worker the cores are the bottleneck, and a helper adds
+    work (the hand-off) without taking any off the cores. On CUDA, where one worker process feeds a
+    GPU and its GIL may cap the texts/s, helpers could let two SuperBatches tokenize at once, but no
+    GPU run has shown it yet: off until one does (``docs/tuning.md``).
 
     Examples
     --------
     >>> auto_processes("cpu"), auto_processes("cuda")
     (0, 0)
+    >>> import dask
+    >>> with dask.config.set({"surge.tuning.tokenize-processes": 2}):
+    ...     auto_processes("cuda")
+    2
     """
-    return 0
+    return int(tuning.setting("tokenize-processes", device_type))
 
 
 @dataclass(frozen=True)
@@ -172,8 +176,8 @@ class _Helper:
         return TokenizerProcessError(
             f"tokenizer helper process {self.proc.pid} {what}{hint}: {how}. The texts it held are tokenized "
             "in this process instead, with the same ids. Fix: give the worker more memory, or set "
-            "surge.tokenize-processes to 0 to tokenize in the worker (dask.config.set({'surge.tokenize-processes': 0}) "
-            "or DASK_SURGE__TOKENIZE_PROCESSES=0).", died=True
+            "surge.tuning.tokenize-processes to 0 to tokenize in the worker (dask.config.set({'surge.tuning.tokenize-processes': 0}) "
+            "or DASK_SURGE__TUNING__TOKENIZE_PROCESSES=0).", died=True
         )
 
     def close(self) -> None:
@@ -191,7 +195,7 @@ def _start(setup: dict[str, Any], index: int) -> _Helper:
     except OSError as err:
         raise TokenizerProcessError(
             f"could not start a tokenizer helper process ({err}). Texts are tokenized in this process instead. "
-            "Fix: set surge.tokenize-processes to 0 to tokenize in the worker.", died=True
+            "Fix: set surge.tuning.tokenize-processes to 0 to tokenize in the worker.", died=True
         ) from None
 
 
@@ -325,17 +329,25 @@ class TokenPool:
     True
     """
 
-    def __init__(self, tokenizer_json: str, max_length: int, *, prompt: str = "", processes: int = 1) -> None:
+    def __init__(self, tokenizer_json: str, max_length: int, *, prompt: str = "", processes: int = 1,
+                 gc_pause: bool = False, joined: bool = True) -> None:
         if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
             raise ValueError(f"processes={processes!r} must be a positive int")
         self.processes = processes
         self.max_length = int(max_length)
-        self._setup = {"tokenizer": tokenizer_json, "prompt": prompt, "max_length": self.max_length}
+        # the helper imports nothing of the package: the tuning settings travel in its setup message
+        self._setup = {"tokenizer": tokenizer_json, "prompt": prompt, "max_length": self.max_length,
+                       "gc_pause": bool(gc_pause), "joined": bool(joined)}
         # ids per text at most, beyond one per byte of text: the prompt's (one per byte), special tokens and a
         # word-start marker (a helper whose ids do not fit says so, and the block is tokenized here)
         self._per_text = len(prompt.encode("utf-8", "surrogatepass")) + 16
         self._state = _State()
         self._finalizer = weakref.finalize(self, self._state.close)  # also runs at interpreter exit
+
+    @property
+    def tuned(self) -> tuple[bool, bool]:
+        """``(gc_pause, joined)``: the tuning settings the helpers were started with."""
+        return bool(self._setup["gc_pause"]), bool(self._setup["joined"])
 
     @property
     def closed(self) -> bool:
@@ -429,7 +441,7 @@ class TokenPool:
             raise TokenizerProcessError(
                 f"{room:,} bytes are free in /dev/shm, under twice the {need:,} a block of {n:,} texts needs "
                 "(a full /dev/shm kills the process that writes to it). The block is tokenized in this process "
-                "instead. Fix: make /dev/shm larger (docker run --shm-size=1g), or set surge.tokenize-processes "
+                "instead. Fix: make /dev/shm larger (docker run --shm-size=1g), or set surge.tuning.tokenize-processes "
                 "to 0 to tokenize in the worker."
             )
         helper = self._acquire(block)

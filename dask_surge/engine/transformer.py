@@ -23,12 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import config
 from ..errors import SurgeValueError
 from ..io.texts import ArrowTexts, as_list, as_texts
 from .forward import (  # the private helpers are re-exported: tests and benchmarks import them from here
     DTYPES,
-    NOOP_FORWARD_ENV,
     STAGING_BYTES,
     DeviceRunner,
     _DeviceBlock,
@@ -52,9 +50,8 @@ from .long_texts import (
 )
 from .prompts import resolve_prompt
 from .tokenizing import StageClock, TextPacker, prepared
-from .tokenpool import auto_processes
 
-__all__ = ["NOOP_FORWARD_ENV", "STAGING_BYTES", "TransformerEngine"]
+__all__ = ["STAGING_BYTES", "TransformerEngine"]
 
 _DTYPES = DTYPES
 
@@ -125,16 +122,13 @@ class TransformerEngine:
         #: Tokens of the prompt left out of pooling (0 when the Pooling module includes the prompt).
         self.prompt_length = self._packer.prompt_length
         #: Helper processes that tokenize (:mod:`~dask_surge.engine.tokenpool`): None reads
-        #: ``surge.tokenize-processes`` at each call (None there: :func:`~dask_surge.engine.tokenpool.auto_processes`
-        #: of the device). Settable; the embeddings are the same either way.
+        #: ``surge.tuning.tokenize-processes`` at each call (:mod:`~dask_surge.engine.tuning`, for the
+        #: device). Settable; the embeddings are the same either way.
         self.tokenize_processes: int | None = None
 
     def _use_processes(self) -> None:
-        """Set the packer's helper processes for this call (see :attr:`tokenize_processes`)."""
-        wanted = self.tokenize_processes
-        if wanted is None:
-            wanted = config.get("tokenize-processes")
-        self._packer.processes = auto_processes(self.device.type) if wanted is None else wanted
+        """Set the packer's tuning settings for this call (see :attr:`tokenize_processes`)."""
+        self._packer.tune(self.device.type, self.tokenize_processes)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -154,10 +148,6 @@ class TransformerEngine:
     @property
     def _mask4d(self) -> bool:
         return self._device.mask4d
-
-    @property
-    def _noop(self) -> bool:
-        return self._device.noop
 
     @property
     def _staging(self):

@@ -15,7 +15,7 @@ from dask.base import tokenize
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from ..engine.allocator import keep_large_blocks
+from ..engine import tuning
 from ..engine.placement import default_device
 from ..models.encoders import Encoder, install_object, uninstall_object
 
@@ -71,11 +71,13 @@ class EncoderPlugin(WorkerPlugin):
     async def setup(self, worker) -> None:
         """Install an in-memory model in this worker process and, with ``preload``, load the model.
 
-        Loading runs in a thread: it takes seconds (12-16 s seen on a loaded machine), during
-        which a worker whose event loop were blocked would miss heartbeats and look dead.
+        First the process-wide tuning settings for the worker's device (``surge.tuning.*``,
+        :mod:`dask_surge.engine.tuning`), in a worker process of its own only. Loading runs in a
+        thread: it takes seconds, during which a worker whose event loop were blocked would miss
+        heartbeats and look dead.
         """
         configure_worker_threads()
-        self._tune_allocator()
+        self._tune()
         if self.obj is not None:
             install_object(self.encoder.spec.source, self.obj)
         if not self.preload:
@@ -129,32 +131,28 @@ class EncoderPlugin(WorkerPlugin):
         except Exception as err:
             if strict:
                 raise
-            # measured: loading MiniLM took 6.5 s of a cold 2-core worker; the first task loads again
             logger.warning("dask-surge: preloading %r on %s failed (%s: %s); the first SuperBatch "
                            "that needs it loads it again and reports the error", self.encoder, address,
                            type(err).__name__, err)
             return
         logger.info("dask-surge: %r loaded on %s", self.encoder, address)
 
-    def _tune_allocator(self) -> None:
-        """:func:`~dask_surge.engine.allocator.keep_large_blocks` in a CPU worker process of its own.
+    def _own_process(self) -> bool:
+        """True in a worker process of its own; False in the client's (a user's process keeps its state)."""
+        return (socket.gethostname(), os.getpid()) != self.client_process
 
-        A process-wide setting, measured only on a CPU: never applied in the client's own
-        process (a user's notebook keeps its allocator), nor on a GPU worker until a GPU run
-        shows it helps there.
-        """
-        if (socket.gethostname(), os.getpid()) == self.client_process:
-            return
-        if (self.encoder.spec.device or default_device()).startswith("cuda"):
-            return
-        keep_large_blocks()
+    def _tune(self) -> None:
+        """Apply the process-wide tuning settings (:func:`dask_surge.engine.tuning.apply_worker`) for this
+        worker's device, in a worker process of its own only."""
+        if self._own_process():
+            applied = tuning.apply_worker(self.encoder.spec.device or default_device())
+            logger.debug("dask-surge: tuning settings applied in this worker: %s", applied)
 
     def _share_cores(self, address: str) -> None:
-        """:func:`share_tokenizer_cores` in a worker process of its own that encodes on the CPU."""
-        if not self.host_workers or (socket.gethostname(), os.getpid()) == self.client_process:
+        """:func:`share_tokenizer_cores` in a worker process of its own where ``surge.tuning.rayon-threads``
+        is on (a CPU worker, unless forced)."""
+        if not self.host_workers or not self._own_process() or not tuning.active("rayon-threads"):
             return
-        if (self.encoder.spec.device or default_device()).startswith("cuda"):
-            return  # a GPU worker's helpers tokenize for the device: not measured with fewer threads
         workers = self.host_workers.get(get_address_host(address), 0)
         threads = share_tokenizer_cores(workers)  # None for a host of one worker, or one not counted
         if threads is not None:
@@ -253,9 +251,9 @@ def release_encoder(encoder: Encoder) -> bool:
 def tokenizer_threads(cores: int, workers: int) -> int:
     """Threads of the Rust tokenizer's pool for one of ``workers`` worker processes sharing ``cores`` cores.
 
-    Each process's pool otherwise starts a thread per core: two workers on two cores ran
-    four tokenizer threads, and the no-op pipeline spent more CPU per text and ran slower
-    than with one each (``benchmarks/tokenizer_threads_ab.py``).
+    Each process's pool otherwise starts a thread per core: two workers on two cores would run
+    four tokenizer threads, more CPU per text for no more texts/s (``docs/ab_studies.md``,
+    ``benchmarks/tokenizer_threads_ab.py``).
 
     Examples
     --------
@@ -269,7 +267,8 @@ def share_tokenizer_cores(workers: int, *, cores: int | None = None) -> int | No
     """Size this process's Rust tokenizer pool (``RAYON_NUM_THREADS``) to its share of the host's cores.
 
     The pool is made on the first parallel tokenization and keeps its size, so this must
-    run before it; :class:`EncoderPlugin` calls it before the model loads. A value the user
+    run before it; :class:`EncoderPlugin` calls it before the model loads, where the tuning
+    setting ``surge.tuning.rayon-threads`` is on (a CPU worker, unless forced). A value the user
     set is kept, and so is the default when the share is every core. Other Rust libraries
     in the process that use rayon's global pool read the same variable (as Dask's nanny
     sets ``OMP_NUM_THREADS=1`` for every OpenMP library in its worker).

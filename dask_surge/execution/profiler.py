@@ -2,13 +2,11 @@
 
 A Dask worker samples every thread's stack every 10 ms (``distributed.worker.profile``)
 for the dashboard's profile page. Each sample runs on the worker's event loop and holds
-the GIL while it walks the stacks: measured on a worker feeding the engine (no-op forward,
-one helper tokenizing), the event loop's GIL time went from 1.1 to 2.1 us per text with
-the profiler on, and a GPU worker's one process has to feed its GPU with that GIL.
-:func:`profiler_paused` stops the profiler's sampling callback when a worker starts its
-first SuperBatch task and starts it again when its last one ends, so the profiler runs as
-before between runs and for every other task. ``surge.pause-worker-profiler: false``
-leaves it alone.
+the GIL while it walks the stacks (``docs/ab_studies.md``). :func:`profiler_paused` stops
+the profiler's sampling callback when a worker starts its first SuperBatch task and starts
+it again when its last one ends, so the profiler runs as before between runs and for every
+other task. It is the tuning setting ``surge.tuning.pause-profiler`` (``docs/tuning.md``):
+``auto`` pauses it where the worker plugin applied it (a CPU worker), ``false`` leaves it alone.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from .. import config
+from ..engine import tuning
 
 __all__ = ["profiler_paused"]
 
@@ -78,7 +76,8 @@ def profiler_paused(enabled: bool | None = None) -> Iterator[bool]:
     Parameters
     ----------
     enabled : bool, optional
-        Can be True, False, or None to read ``surge.pause-worker-profiler``.
+        Can be True, False, or None for the tuning setting ``surge.tuning.pause-profiler`` in this
+        process (:func:`dask_surge.engine.tuning.active`).
 
     Yields
     ------
@@ -92,7 +91,7 @@ def profiler_paused(enabled: bool | None = None) -> Iterator[bool]:
     False
     """
     if enabled is None:
-        enabled = bool(config.get("pause-worker-profiler"))
+        enabled = tuning.active("pause-profiler")
     worker = _current_worker() if enabled else None
     held = worker is not None and worker.periodic_callbacks.get("profile") is not None
     if held:
