@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, get_args
@@ -130,7 +131,14 @@ Validator = Callable[[Any], Any]
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An int or any integer type (``operator.index``: ``numpy.int64(3)`` counts as 3), not a bool."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def positive_int(*, none: bool = False, auto: bool = False, what: str = "", fix: str = "pass a positive int"
@@ -140,8 +148,10 @@ def positive_int(*, none: bool = False, auto: bool = False, what: str = "", fix:
     problem = f"must be a positive int{f' ({what})' if what else ''}{''.join(f' or {a}' for a in also)}"
 
     def check(value: Any) -> Any:
-        if (none and value is None) or (auto and value == "auto") or (_is_int(value) and value > 0):
+        if (none and value is None) or (auto and value == "auto"):
             return value
+        if _is_int(value) and value > 0:
+            return int(value)
         raise Invalid(problem, fix)
 
     return check
@@ -203,8 +213,10 @@ def non_negative_int(fix: str, *, none: bool = False) -> Validator:
     """An int >= 0 (not a bool), or also None."""
 
     def check(value: Any) -> Any:
-        if (_is_int(value) and value >= 0) or (none and value is None):
+        if none and value is None:
             return value
+        if _is_int(value) and value >= 0:
+            return int(value)
         raise Invalid(f"must be an int >= 0{' or None' if none else ''}", fix)
 
     return check

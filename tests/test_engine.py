@@ -250,7 +250,7 @@ def test_half_precision_on_cpu_raises(tiny, dtype):
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"dtype": "int8"}, "dtype='int8' is not supported"), ({"max_tokens": 0}, "max_tokens=0 is not a positive int")],
+    [({"dtype": "int8"}, "dtype='int8' is not supported"), ({"max_tokens": 0}, "max_tokens=0 must be a positive int")],
 )
 def test_bad_options_raise(tiny, kwargs, match):
     with pytest.raises(SurgeValueError, match=match):

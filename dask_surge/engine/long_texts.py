@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .._deprecated import renamed
+from ..config import check_argument
 from ..errors import SurgeInputError, SurgeValueError
 from ..options import DEFAULT_CHUNK_OVERLAP, LONG_TEXTS, LongTexts
 from .batching import BLOCK_TEXTS
@@ -194,7 +195,9 @@ class TextEmbeddings:
 
 
 def check_long_texts(long_texts: Any, chunk_overlap: Any) -> None:
-    """Check ``long_texts`` and ``chunk_overlap`` as far as they go without a model.
+    """Check ``long_texts`` and ``chunk_overlap`` as far as they go without a model, by their options'
+    validators (:func:`dask_surge.config.check_argument`: the rules are declared once, in
+    :mod:`dask_surge.options`).
 
     Raises
     ------
@@ -207,18 +210,10 @@ def check_long_texts(long_texts: Any, chunk_overlap: Any) -> None:
     >>> check_long_texts("split", 32)
     Traceback (most recent call last):
     ...
-    dask_surge.errors.SurgeValueError: long_texts='split' is not a known mode: ...
+    dask_surge.errors.SurgeValueError: long_texts='split' is not a long-text mode. Fix: ...
     """
-    if long_texts not in LONG_TEXTS:
-        raise SurgeValueError(
-            f"long_texts={long_texts!r} is not a known mode: it must be one of {list(LONG_TEXTS)}. Fix: pass "
-            "'truncate' (cut long texts, counted), 'error', 'chunk' (one row per token window) or 'mean'."
-        )
-    if isinstance(chunk_overlap, bool) or not isinstance(chunk_overlap, (int, np.integer)) or chunk_overlap < 0:
-        raise SurgeValueError(
-            f"chunk_overlap={chunk_overlap!r} is not an int >= 0: it is the tokens two consecutive windows of a "
-            f"text share. Fix: pass e.g. chunk_overlap={DEFAULT_CHUNK_OVERLAP} (the default), or 0 for none."
-        )
+    check_argument("long_texts", long_texts)
+    check_argument("chunk_overlap", chunk_overlap)
 
 
 def no_tokenizer(long_texts: str, what: str) -> SurgeValueError:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import check_argument
 from ..errors import SurgeValueError
 from ..io.texts import ArrowTexts, as_list, as_texts
 from .forward import (  # the private helpers are re-exported: tests and benchmarks import them from here
@@ -211,11 +212,7 @@ class TransformerEngine:
         >>> TransformerEngine.from_sentence_transformer(model, prompt="query: ").prompt
         'query: '
         """
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-            raise SurgeValueError(
-                f"max_tokens={max_tokens!r} is not a positive int: it is the token budget of one micro-batch; "
-                "Fix: pass e.g. max_tokens=2048, or None to pick it automatically."
-            )
+        max_tokens = check_argument("max_tokens", max_tokens)
         if dtype not in _DTYPES:
             raise SurgeValueError(
                 f"dtype={dtype!r} is not supported: the compute dtype must be one of None, 'float32', "
