@@ -97,13 +97,14 @@ def one(method: str, model: str, data: str, workers: int, profile: bool = False)
                                dashboard_address="127.0.0.1:0")
         client = Client(cluster)
         # the imports, as on the ST side (whose clock starts after them); the model loads inside the clock
-        def engine_imports() -> None:  # the engine's module, here or (engine/ before 0.1.0) in an older tree
-            import importlib.util
+        def engine_imports() -> None:  # the engine's module, here or (before engine/ existed) in an older tree
+            import importlib
+            import os
 
-            for name in ("dask_surge.engine.transformer", "dask_surge.models.engine"):
-                if importlib.util.find_spec(name.rpartition(".")[0]) is not None:
-                    importlib.import_module(name)
-                    break
+            import dask_surge as package
+
+            here = os.path.isdir(os.path.join(os.path.dirname(package.__file__), "engine"))
+            importlib.import_module("dask_surge.engine.transformer" if here else "dask_surge.models.engine")
             importlib.import_module("sentence_transformers")
 
         client.run(engine_imports)
