@@ -147,8 +147,8 @@ def blocks(n: int, block: int = BLOCK_TEXTS, *, first: int = 0) -> list[int]:
     first : int, default 0
         Texts of a smaller first block (e.g. :data:`FIRST_BLOCK_TEXTS`), used only when the
         call holds at least ``16 * first`` texts (a smaller call is tokenized quickly anyway, and
-        cutting it would cost padding: +11% padded tokens for a 16,384-text call at a 65,536-token
-        budget); the blocks after it are full ones. 0: no small first block.
+        cutting it would cost padding: ``docs/ab_studies.md``, "A short first window"); the
+        blocks after it are full ones. 0: no small first block.
 
     Returns
     -------

@@ -58,10 +58,9 @@ __getattr__ = renamed(__name__, {'LongEncoded': 'TextEmbeddings'})
 #: (a slice with no whitespace in its second half is cut where it is), so the tokenizer's
 #: per-token state stays bounded whatever the text's length.
 SLICE_CHARS = 100_000
-#: Windows cut and encoded at once in chunk/mean mode: what a call holds besides its output
-#: (token ids, packed copies, encodings). Measured on one 50 MB document (73,319 windows, MiniLM,
-#: no-op forward): peak RSS +658 MiB with groups of 65,536 windows, +277 MiB with 8,192 (107 MiB
-#: of it the output); 8,192 windows of ~256 tokens still fill 32 GPU micro-batches of 65,536 tokens.
+#: Windows cut and encoded at once in chunk/mean mode: it bounds what a call holds besides its
+#: output (token ids, packed copies, encodings), while still filling many GPU micro-batches
+#: (``docs/ab_studies.md``, "Long-text window groups").
 GROUP_WINDOWS = 8_192
 #: Characters tokenized per tokenizer call (many short texts, or a few slices of a long one).
 BATCH_CHARS = 1_000_000
