@@ -29,12 +29,14 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import SurgeValueError
+from .arrow import embedding_array, embedding_type
 from .layout import VECTORS
+from .precision import PRECISIONS
 
 __all__ = ["MULTIVECTOR_PRECISIONS", "vectors_type", "multivector_arrays", "to_matrices"]
 
 #: precision -> (numpy dtype, Arrow value type) of the token vectors
-MULTIVECTOR_PRECISIONS = {"float32": (np.float32, pa.float32()), "float16": (np.float16, pa.float16())}
+MULTIVECTOR_PRECISIONS = {p: PRECISIONS[p] for p in ("float32", "float16")}
 
 _INT32_MAX = 2**31 - 1
 
@@ -47,7 +49,8 @@ def vectors_type(dimension: int, precision: str = "float32") -> pa.DataType:
     >>> vectors_type(128, "float16")
     ListType(list<item: fixed_size_list<item: halffloat>[128]>)
     """
-    return pa.list_(pa.list_(_precision(precision)[1], int(dimension)))
+    _precision(precision)
+    return pa.list_(embedding_type(int(dimension), precision))
 
 
 def _precision(precision: object) -> tuple[Any, pa.DataType]:
@@ -92,7 +95,7 @@ def multivector_arrays(matrices: Sequence[Any], precision: str = "float32",
     >>> multivector_arrays([], dimension=4)[0].type
     ListType(list<item: fixed_size_list<item: float>[4]>)
     """
-    np_dtype, arrow_dtype = _precision(precision)
+    np_dtype = _precision(precision)[0]
     mats = [_numpy(m) for m in matrices]
     for i, m in enumerate(mats):
         if m.ndim != 2 or (dimension is not None and m.shape[1] != dimension):
@@ -112,9 +115,9 @@ def multivector_arrays(matrices: Sequence[Any], precision: str = "float32",
             "fewer rows at a time (a smaller b_max).")
     offsets = np.zeros(len(mats) + 1, dtype=np.int32)
     np.cumsum(counts, out=offsets[1:])
-    flat = np.concatenate([m.astype(np_dtype, copy=False) for m in mats]).reshape(-1) if mats else \
-        np.zeros(0, np_dtype)
-    inner = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=arrow_dtype), int(dimension))
+    stacked = np.concatenate([m.astype(np_dtype, copy=False) for m in mats]) if mats else \
+        np.zeros((0, int(dimension)), np_dtype)
+    inner = embedding_array(stacked, precision)  # every token vector, as an embedding column stores a row
     vectors = pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), inner)
     return vectors, pa.array(counts.astype(np.int32), type=pa.int32())
 
