@@ -34,6 +34,7 @@ from typing import Any, Literal
 import dask.config
 
 from ..errors import SurgeValueError
+from ..options import Invalid, boolean, non_negative_int
 from .allocator import keep_large_blocks
 
 __all__ = ["SETTINGS", "Setting", "active", "apply_worker", "applied", "configured", "setting"]
@@ -82,13 +83,15 @@ class Setting:
 
     def check(self, value: Any) -> Any:
         """``value`` validated: ``"auto"``, a bool (or an int >= 0 for a count, None meaning ``"auto"``)."""
-        if (value == "auto" and isinstance(value, str)) or (isinstance(value, bool) and not self.numeric):
+        if value == "auto" and isinstance(value, str):
             return value
         if self.numeric and value is None:
             return "auto"
-        if self.numeric and isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
         allowed = "'auto' or an int >= 0" if self.numeric else "'auto', True or False"
+        try:  # the int and bool rules of the options (options.py), not restated here
+            return (non_negative_int(allowed) if self.numeric else boolean(allowed))(value)
+        except Invalid:
+            pass
         env = "DASK_SURGE__TUNING__" + self.name.upper().replace("-", "_")
         raise SurgeValueError(
             f"{self.key}={value!r} is not allowed: it must be {allowed}. Fix: dask.config.set({{{self.key!r}: ...}}) "
