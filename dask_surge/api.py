@@ -23,7 +23,7 @@ from .execution.progress import RunProgress, logging_through
 from .execution.runner import RunRequest, not_utf8, write_run
 from .execution.superbatch import SuperBatchTask
 from .io.hashing import text_hashes
-from .io.layout import reserved_columns
+from .io.layout import DENSE, check_family_options, reserved_columns
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows, status
 from .io.reuse import ReuseIndex, embedding_identity
@@ -55,7 +55,8 @@ logger = logging.getLogger(__name__)
 SCHEDULERS = (None, "sync", "synchronous", "threads")
 
 
-def _check_columns(ddf, column: str, keep: Sequence[str], *, chunked: bool = False) -> tuple[str, ...]:
+def _check_columns(ddf, column: str, keep: Sequence[str], *, chunked: bool = False, family: str = DENSE
+                   ) -> tuple[str, ...]:
     columns = list(ddf.columns)
     if isinstance(keep, str):
         keep = [keep]
@@ -79,7 +80,7 @@ def _check_columns(ddf, column: str, keep: Sequence[str], *, chunked: bool = Fal
             f"text column {column!r} is not in the DataFrame, whose columns are {columns}"
             f"{_index_hint(ddf, [column])}. Fix: pass the name of the column that holds the texts."
         )
-    reserved = reserved_columns(chunked)
+    reserved = reserved_columns(chunked, family)
     clash = [k for k in keep if k in reserved]
     if clash:
         raise SurgeInputError(
@@ -327,11 +328,14 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     started = time.perf_counter()  # TTFO counts from the call (model load and cluster start included)
     opts = config.bind("encode", options)
     long_texts, overlap = opts["long_texts"], opts["chunk_overlap"]
-    keep = _check_columns(ddf, column, opts["keep"], chunked=long_texts == "chunk")
     overwrite, storage_options, scheduler, progress, input_token = (
         opts[k] for k in ("overwrite", "storage_options", "scheduler", "progress", "input_token"))
     requested = requested_thresholds(opts["b_min"], opts["b_max"])  # fail before any work
     encoder = encoder_for(opts["model"], opts)
+    family = encoder.family  # what one text becomes: the output's columns and the options that apply
+    check_family_options(family, **{k: opts[k] for k in ("precision", "normalize", "truncate_dim", "long_texts",
+                                                         "sparse_top_k", "sparse_threshold")})
+    keep = _check_columns(ddf, column, opts["keep"], chunked=long_texts == "chunk", family=family)
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
     sbe = SuperBatchTask(
         column, keep, encoder, normalize=opts["normalize"],
@@ -339,6 +343,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
         truncate_dim=check_truncate_dim(opts["truncate_dim"], encoder.dimension),
         long_texts=long_texts, chunk_overlap=overlap, reuse=_absolute(opts["reuse"]),
         reuse_storage_options=storage_options if any("://" in r for r in opts["reuse"]) else None,
+        sparse_top_k=opts["sparse_top_k"], sparse_threshold=opts["sparse_threshold"],
     )
     max_bytes = windowed_bytes(opts["max_bytes"], requested[1], encoder, long_texts, overlap, gpu=on_gpu)
     frame = ddf[[column, *[k for k in keep if k != column]]]

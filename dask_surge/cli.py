@@ -16,7 +16,7 @@ from .api import encode, plan, read_embeddings, status
 from .engine.placement import gpu_count
 from .errors import SurgeError, SurgeInputError
 from .execution.cluster import local_cluster
-from .io.layout import PARTITION, ROW
+from .io.layout import DENSE, FAMILY_COLUMNS, PARTITION, ROW
 from .io.verify import repair, verify
 from .options import add_arguments, from_arguments, option
 from .synthetic import lognormal_sizes, write_partitioned_parquet
@@ -312,6 +312,8 @@ def format_status(info: dict, now: float | None = None) -> str:
     rows = [("output", output), ("run", f"{info['run']} ({info.get('mode') or 'unknown'} mode)")]
     if info.get("model"):
         rows.append(("model", info["model"]))
+    if info.get("family", DENSE) != DENSE:
+        rows.append(("output", f"{info['family']}: columns {', '.join(FAMILY_COLUMNS[info['family']])}"))
     rows += [
         ("thresholds", f"b_min={info['b_min']:,}, b_max={info['b_max']:,}" if info.get("b_min") is not None
          else "not recorded"),
@@ -330,7 +332,8 @@ def format_status(info: dict, now: float | None = None) -> str:
         rows.append(("truncated", "not known (the model has no tokenizer)"))
     elif "truncated" in info:
         rows.append(("truncated", f"{info['truncated']:,} texts over the model's window were cut"
-                     + (" (long_texts='chunk' or 'mean' encode every token)" if info["truncated"] else "")))
+                     + (" (long_texts='chunk' or 'mean' encode every token)"
+                        if info["truncated"] and info.get("family", DENSE) == DENSE else "")))
     if info.get("reused"):
         rows.append(("reused", f"{info['reused']:,} texts copied from earlier outputs; "
                                f"{info.get('encoded', 0):,} distinct texts encoded"))

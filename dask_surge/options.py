@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -162,6 +163,28 @@ def positive_number(value: Any) -> Any:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return value
     raise Invalid("must be a positive number", "pass e.g. 10.0")
+
+
+def finite_number(*, none: bool = False, fix: str = "pass a finite number") -> Validator:
+    """A finite int or float (not a bool), or also None; an int stays an int.
+
+    Examples
+    --------
+    >>> finite_number(none=True)(0.05), finite_number(none=True)(None)
+    (0.05, None)
+    """
+
+    def check(value: Any) -> Any:
+        if none and value is None:
+            return value
+        if _is_int(value):
+            return int(value)
+        is_float = isinstance(value, float) or getattr(getattr(value, "dtype", None), "kind", "") == "f"  # NumPy's too
+        if is_float and math.isfinite(float(value)):
+            return float(value)
+        raise Invalid(f"must be a finite number{' or None' if none else ''}", fix)
+
+    return check
 
 
 def one_of(literal: Any, problem: str = "is not one of the allowed values") -> Validator:
@@ -487,6 +510,20 @@ OPTIONS: tuple[Option, ...] = (
          "keep the first k dimensions (Matryoshka)",
          config="truncate-dim", validator=positive_int(none=True), schema={"oneOf": [_INT_MIN_1, _NULL]},
          identity=True, takers="encode", cli=Cli(type=int)),
+    _opt("sparse_top_k", int | None, "int, optional", """
+         For a sparse (SPLADE) model: the most non-zero weights a row keeps, its largest (ties: the
+         smaller vocabulary id), after ``sparse_threshold``. Can be an int >= 1, or None to keep
+         every non-zero. Other models refuse it.""",
+         "sparse models: the most non-zero weights a row keeps",
+         config="sparse-top-k", validator=positive_int(none=True, what="non-zero weights a row keeps",
+                                                       fix="pass e.g. sparse_top_k=128, or None to keep all"),
+         schema={"oneOf": [_INT_MIN_1, _NULL]}, identity=True, takers="encode", cli=Cli(type=int)),
+    _opt("sparse_threshold", float | None, "float, optional", """
+         For a sparse (SPLADE) model: weights below it are dropped. Can be a finite number, or None
+         to keep every non-zero. Other models refuse it.""",
+         "sparse models: weights below it are dropped",
+         config="sparse-threshold", validator=finite_number(none=True, fix="pass e.g. sparse_threshold=0.01, or None"),
+         schema={"oneOf": [{"type": "number"}, _NULL]}, identity=True, takers="encode", cli=Cli(type=float)),
     _opt("on_null", OnNull | None, '{"error", "empty", "skip"}, optional', """
          What a null text does: ``"error"`` raises, naming its partition and row; ``"empty"``
          encodes it as ``""``; ``"skip"`` leaves it out of the output and records its
@@ -735,6 +772,8 @@ class EncodeOptions(_ModelOptions, total=False):
     normalize: bool | None
     precision: Precision | None
     truncate_dim: int | None
+    sparse_top_k: int | None
+    sparse_threshold: float | None
     on_null: OnNull | None
     long_texts: LongTexts | None
     chunk_overlap: int | None

@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 
 from .errors import SurgeValueError
+from .io.layout import DENSE, FAMILY_COLUMNS
 from .planning.costmodel import predict
 from .planning.policy import SuperBatch
 from .planning.sizes import PartitionSizes
@@ -274,6 +275,9 @@ class SuperBatchReport:
 _REPORT_FIELDS = frozenset(f.name for f in fields(SuperBatchReport))
 
 
+_EVERY_TOKEN = "long_texts='chunk' or 'mean' encode every token"
+
+
 @dataclass
 class EncodeResult:
     """Summary of a written encode run."""
@@ -302,6 +306,9 @@ class EncodeResult:
     encoded: int = 0
     #: texts whose embeddings were copied from a ``reuse`` output, over the run
     reused: int = 0
+    #: what one text became (:data:`dask_surge.io.layout.FAMILIES`): "dense" (``embedding``), "sparse"
+    #: (``indices``, ``values``) or "multivector" (``vectors``, ``tokens``)
+    family: str = "dense"
     #: what writing each SuperBatch encoded in this call did, in the order they were received
     records: tuple[SuperBatchReport, ...] = field(default=(), repr=False)
 
@@ -351,10 +358,12 @@ class EncodeResult:
                 f"{self.seconds:.1f} s, {self.texts_per_s:,.0f} texts/s, first output after {ttfo}\n"
                 f"b_min={self.b_min:,}, b_max={self.b_max:,} ({self.thresholds_reason})"
                 + (f"; engine: {self.engine}" if self.engine else "")
+                + (f"; {self.family} output ({', '.join(FAMILY_COLUMNS[self.family])})" if self.family != DENSE else "")
                 + (f"\n{self.output_rows:,} rows written: one per token window (long_texts='chunk')"
                    if self.output_rows and self.output_rows != self.rows else "")
                 + (f"\n{self.truncated:,} texts were over the model's window and cut (long_texts='truncate'); "
-                   "long_texts='chunk' or 'mean' encode every token" if self.truncated > 0 else "")
+                   + (_EVERY_TOKEN if self.family == DENSE else "long_texts='error' refuses them instead")
+                   if self.truncated > 0 else "")
                 + (f"\n{self.reused:,} texts reused from earlier outputs, {self.encoded:,} distinct texts encoded"
                    if self.reused else "")
                 + (f"\n{self.nulls_skipped:,} null texts left out (on_null='skip'); their (partition, row) "

@@ -28,7 +28,9 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import SurgeModelError, SurgeValueError
+from ..io.layout import DENSE
 from ..io.texts import ArrowTexts
+from .family import family_of_object
 from .layout import layout_of_model
 from .loading import direct_layout, load_direct
 from .long_texts import TextEmbeddings, TextTooLong, WindowCutter, WindowGroup, encode_windows, no_tokenizer
@@ -41,6 +43,7 @@ __all__ = [
     "Backend",
     "BackendClosed",
     "CallableBackend",
+    "FamilyBackend",
     "FastBackend",
     "SentenceTransformersBackend",
     "choose_backend",
@@ -62,11 +65,15 @@ class Backend(Protocol):
     name : str
         ``"fast"``, ``"sentence-transformers"`` or ``"callable"`` (what ``Encoder.backend``
         and ``EncodeResult.engine`` report).
+    family : str
+        What one text becomes: ``"dense"`` (a vector), ``"sparse"`` or ``"multivector"``
+        (:class:`FamilyBackend`; see :mod:`dask_surge.engine.family`).
     dimension : int
-        Embedding size.
+        Embedding size (a sparse model's vocabulary, a multi-vector model's token vector size).
     """
 
     name: str
+    family: str
     dimension: int
 
     def encode(self, texts: list[str], normalize: bool) -> np.ndarray:
@@ -100,6 +107,8 @@ class _Released:
     """Calls in flight and the release that waits for the last of them (shared by the backends)."""
 
     name = "?"
+    #: what one text becomes (:data:`dask_surge.io.layout.FAMILIES`): a vector, but for :class:`FamilyBackend`
+    family = "dense"
 
     def __init__(self) -> None:
         self._calls = threading.Condition(threading.Lock())
@@ -239,19 +248,133 @@ class SentenceTransformersBackend(_Released):
 
     def _window_cutter(self, long_texts: str) -> WindowCutter:
         """The model's window cutter (built once), or the error saying why there is none."""
-        cutter = self._cutter
-        if cutter is None:
-            tokenizer = getattr(self.model, "tokenizer", None)
-            length = getattr(self.model, "max_seq_length", None)
-            if tokenizer is None or not getattr(tokenizer, "is_fast", False):
-                raise no_tokenizer(long_texts, f"the model's tokenizer ({type(tokenizer).__name__}) is not a fast one")
-            if not isinstance(length, int) or length < 1:
-                raise no_tokenizer(long_texts, f"the model has no max_seq_length (it is {length!r})")
-            cutter = self._cutter = WindowCutter(tokenizer, length, prompt=self._prompt)
-        return cutter
+        if self._cutter is None:
+            self._cutter = _window_cutter_of(self.model, long_texts, self._prompt)
+        return self._cutter
 
     def _release(self) -> None:
         self.model = None
+
+
+class FamilyBackend(_Released):
+    """A sentence-transformers ``SparseEncoder`` (``family="sparse"``) or ``MultiVectorEncoder``
+    (``family="multivector"``), run by its own ``encode_document`` (or ``encode_query`` for
+    ``prompt_name="query"``), one call at a time.
+
+    :meth:`encode_long` returns the model's own output in ``embeddings``: a torch sparse
+    ``(n, vocabulary)`` tensor on the CPU for a sparse model, a list of ``n`` ``(tokens, dim)``
+    float32 arrays for a multi-vector one (see :mod:`dask_surge.io.sparse` and
+    :mod:`dask_surge.io.multivector` for the columns they become). Texts over the model's
+    window are cut by the model, and counted (``"truncate"``) or refused (``"error"``) here;
+    ``"chunk"`` and ``"mean"`` are refused.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from sentence_transformers import MultiVectorEncoder
+    >>> from dask_surge.testing import make_tiny_multivector_model
+    >>> model = MultiVectorEncoder(make_tiny_multivector_model(tempfile.mkdtemp()), device="cpu")
+    >>> backend = FamilyBackend(model, family="multivector", prompt=None, prompt_name=None, batch_size=32)
+    >>> out = backend.encode_long(["a tiny, test."], False, "truncate", 0)
+    >>> backend.dimension, [m.shape for m in out.embeddings], out.over
+    (16, [(6, 16)], 0)
+    """
+
+    name = "sentence-transformers"
+    engine = None
+
+    def __init__(self, model: Any, *, family: str, prompt: str | None, prompt_name: str | None,
+                 batch_size: int) -> None:
+        super().__init__()
+        self.model, self.family = model, family
+        self._prompt, self._prompt_name, self._batch_size = prompt, prompt_name, batch_size
+        self._lock = threading.Lock()
+        self._cutter: WindowCutter | None = None
+        # a sparse model's rows are as wide as its vocabulary (get_embedding_dimension says its hidden size)
+        probe = self._encode(["dimension probe"], False)
+        self.dimension = int(probe.shape[1] if family == "sparse" else probe[0].shape[1])
+
+    def encode(self, texts: list[str], normalize: bool) -> np.ndarray:
+        raise SurgeValueError(
+            f"the model writes {self.family} output, not one fixed-size vector per text, so it has no (n, d) "
+            "array to return. Fix: use dask_surge.encode (or Encoder.encode_long) for its rows.")
+
+    def _encode(self, texts: list[str], normalize: bool) -> Any:
+        model = self.model
+        kwargs: dict[str, Any] = {"batch_size": self._batch_size, "show_progress_bar": False}
+        if self.family == "sparse":
+            kwargs.update(convert_to_sparse_tensor=True, save_to_cpu=True)
+        else:
+            kwargs.update(convert_to_numpy=True, normalize_embeddings=normalize)
+        with self._lock:
+            if self._prompt is not None:  # an explicit prompt replaces the model's marker
+                return model.encode_document(texts, prompt=self._prompt, **kwargs)
+            if self._prompt_name == "query":
+                return model.encode_query(texts, **kwargs)
+            if self._prompt_name not in (None, "document"):
+                return model.encode(texts, prompt_name=self._prompt_name, **kwargs)
+            return model.encode_document(texts, **kwargs)
+
+    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> TextEmbeddings:
+        """The model's rows for ``texts`` (see the class); ``"truncate"`` counts the texts over the
+        window by tokenizing them (up to just past it), ``"error"`` refuses the first.
+
+        Raises
+        ------
+        SurgeValueError
+            For ``"chunk"`` and ``"mean"``.
+        TextTooLong
+            ``"error"`` and a text is over the window.
+        """
+        if long_texts not in ("truncate", "error"):
+            raise SurgeValueError(
+                f"long_texts={long_texts!r} is not for a {self.family} model: its rows are not vectors that "
+                "windows could share. Fix: pass long_texts='truncate' (texts are cut at the window, and "
+                "counted) or 'error'.")
+        with self._call():
+            over = self._over(texts, long_texts)
+            if long_texts == "error" and over is not None and over.any():
+                first = int(np.argmax(over))
+                cutter = self._window_cutter(long_texts)
+                raise TextTooLong(first, cutter.content_tokens(texts[first]), cutter.capacity)
+            return TextEmbeddings(self._encode(texts, normalize), None, over, 0 if over is None else int(over.sum()))
+
+    def _over(self, texts: list[str], long_texts: str) -> np.ndarray | None:
+        """Which texts are over the window; None when the model has no fast tokenizer to count with
+        (then ``"error"`` raises: it cannot be kept)."""
+        try:
+            return self._window_cutter(long_texts).over(texts)
+        except SurgeValueError:
+            if long_texts != "truncate":
+                raise
+            return None
+
+    def _window_cutter(self, long_texts: str) -> WindowCutter:
+        if self._cutter is None:
+            self._cutter = _window_cutter_of(self.model, long_texts, self._marker())
+        return self._cutter
+
+    def _marker(self) -> str:
+        """The prompt each text gets: the explicit one, else the model's for the task it runs."""
+        if self._prompt is not None:
+            return self._prompt
+        prompts = getattr(self.model, "prompts", None) or {}
+        return str(prompts.get(self._prompt_name or "document", "") or "")
+
+    def _release(self) -> None:
+        self.model = None
+
+
+def _window_cutter_of(model: Any, long_texts: str, prompt: str) -> WindowCutter:
+    """The window cutter of a sentence-transformers model (its fast tokenizer and ``max_seq_length``),
+    or the error saying why it has none."""
+    tokenizer = getattr(model, "tokenizer", None)
+    length = getattr(model, "max_seq_length", None)
+    if tokenizer is None or not getattr(tokenizer, "is_fast", False):
+        raise no_tokenizer(long_texts, f"the model's tokenizer ({type(tokenizer).__name__}) is not a fast one")
+    if not isinstance(length, int) or length < 1:
+        raise no_tokenizer(long_texts, f"the model has no max_seq_length (it is {length!r})")
+    return WindowCutter(tokenizer, length, prompt=prompt)
 
 
 class CallableBackend(_Released):
@@ -350,6 +473,18 @@ def choose_backend(
     # import, seconds before the first SuperBatch (docs/ab_studies.md, "Cold first output")
     st_module = sys.modules.get("sentence_transformers")
     SentenceTransformer = getattr(st_module, "SentenceTransformer", ()) if st_module is not None else ()
+    family = family_of_object(obj)
+    if family != DENSE:
+        if engine == "fast":
+            raise SurgeModelError(
+                f"engine='fast' runs dense models, but {name!r} is a {type(obj).__name__} ({family} output). "
+                "Fix: pass engine='auto' (its own encode runs inside the SuperBatches).")
+        if in_memory:
+            move_to(obj, device)
+        resolved = resolve_prompt(dict(obj.prompts), obj.default_prompt_name, prompt, prompt_name, source=repr(name))
+        backend = FamilyBackend(obj, family=family, prompt=resolved if prompt is not None else None,
+                                prompt_name=prompt_name, batch_size=batch_size)
+        return backend, f"the model is a {type(obj).__name__} ({family} output): its own encode runs"
     if not isinstance(obj, SentenceTransformer):
         if prompt is not None or prompt_name is not None:
             raise SurgeValueError(

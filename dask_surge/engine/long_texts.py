@@ -170,7 +170,8 @@ class TextEmbeddings:
     embeddings : numpy.ndarray
         ``(m, d)`` float32, C-contiguous: one row per text, in order (``m == len(texts)``), for
         ``"truncate"``, ``"error"`` and ``"mean"``; one row per window, in (text, chunk) order,
-        for ``"chunk"`` (an empty text is one window, so no text is without a row).
+        for ``"chunk"`` (an empty text is one window, so no text is without a row). A sparse or
+        multi-vector model's own rows instead (:class:`~dask_surge.engine.backends.FamilyBackend`).
     windows : Windows or None
         The windows of the rows, for ``"chunk"``; else None.
     truncated : numpy.ndarray or None
@@ -187,7 +188,7 @@ class TextEmbeddings:
     ((1, 2), 0)
     """
 
-    embeddings: np.ndarray
+    embeddings: Any
     windows: Windows | None
     truncated: np.ndarray | None
     over: int

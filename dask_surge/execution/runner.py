@@ -42,6 +42,7 @@ from ..errors import SurgeError, SurgeInputError, SurgeOutputError
 from ..io.arrow import to_host
 from ..io.directory import sb_key
 from ..io.frames import FrameRows
+from ..io.layout import family_of_run
 from ..io.lease import Claim
 from ..io.manifest import (
     Coverage,
@@ -760,7 +761,7 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
         thresholds_reason=plan.reason, records=tuple(reports), nulls_skipped=summary["nulls_skipped"],
         engine=", ".join(sorted({r.engine for r in reports})),
         output_rows=summary["output_rows"], truncated=summary["truncated"], encoded=summary["encoded"],
-        reused=summary["reused"],
+        reused=summary["reused"], family=family_of_run(manifest.fingerprint),
     )
 
 
@@ -834,4 +835,5 @@ def _complete_result(manifest: Manifest, output: str, t0: float) -> EncodeResult
         thresholds_reason=plan.reason if plan is not None else "", nulls_skipped=int(done.get("nulls_skipped", 0)),
         output_rows=int(done.get("output_rows", 0)), truncated=int(done.get("truncated", 0)),
         encoded=int(done.get("encoded", 0)), reused=int(done.get("reused", 0)),
+        family=family_of_run(manifest.fingerprint),
     )

@@ -12,13 +12,29 @@ import pyarrow as pa
 from .._deprecated import renamed
 from ..engine.long_texts import TextTooLong, no_tokenizer
 from ..engine.tokenizing import unreadable_text
-from ..errors import SurgeInputError, SurgeValueError
+from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
 from ..io.arrow import embedding_array, to_host
 from ..io.frames import FrameRows
 from ..io.hashing import arrow_strings, hash_column, text_hashes
-from ..io.layout import CHUNK_COLUMNS, EMBEDDING, PARTITION, ROW, TEXT_HASH
+from ..io.layout import (
+    CHUNK_COLUMNS,
+    DENSE,
+    EMBEDDING,
+    FAMILY_COLUMNS,
+    INDICES,
+    MULTIVECTOR,
+    PARTITION,
+    ROW,
+    SPARSE,
+    TEXT_HASH,
+    TOKENS,
+    VALUES,
+    VECTORS,
+)
+from ..io.multivector import multivector_arrays
 from ..io.precision import truncate
 from ..io.reuse import open_index
+from ..io.sparse import sparse_arrays
 from ..io.texts import ArrowTexts, join_texts, take_texts
 from ..models.encoders import Encoder
 from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
@@ -245,10 +261,11 @@ def _too_long(where: str, tokens: int, window: int) -> SurgeInputError:
 
 @dataclass(frozen=True)
 class _Blocks:
-    """The output rows of some distinct texts: ``counts[i]`` consecutive rows each (several in chunk mode)."""
+    """The output rows of some distinct texts: ``counts[i]`` consecutive rows each (several in chunk mode);
+    ``payload``: the model's output columns (``FAMILY_COLUMNS`` of its family), one value per row."""
 
     counts: np.ndarray
-    embedding: pa.Array
+    payload: dict[str, pa.Array]
     chunks: dict[str, np.ndarray] | None = None  # CHUNK_COLUMNS, one value per row, in chunk mode
 
     @staticmethod
@@ -259,7 +276,7 @@ class _Blocks:
         if blocks[0].chunks is not None:
             chunks = {k: np.concatenate([b.chunks[k] for b in blocks]) for k in CHUNK_COLUMNS}  # type: ignore[index]
         return _Blocks(np.concatenate([b.counts for b in blocks]),
-                       pa.concat_arrays([b.embedding for b in blocks]), chunks)
+                       {k: pa.concat_arrays([b.payload[k] for b in blocks]) for k in blocks[0].payload}, chunks)
 
 
 def _runs(spans: Sequence[tuple[Span, int]], by_partition: dict) -> list[list[tuple[Span, int]]]:
@@ -281,6 +298,14 @@ def _runs(spans: Sequence[tuple[Span, int]], by_partition: dict) -> list[list[tu
     return runs
 
 
+def _check_finite_values(values: np.ndarray, family: str) -> None:
+    """Raise when a sparse or multi-vector model's values hold NaN or inf (as dense embeddings are checked)."""
+    if values.size and not np.isfinite(values).all():
+        raise SurgeModelError(
+            f"the {family} model produced NaN or inf values in this SuperBatch: its output must be finite. This "
+            "usually means a half-precision overflow or broken weights. Fix: pass dtype='float32', and check the model.")
+
+
 @dataclass(frozen=True)
 class SuperBatchTask:
     """Callable run by each SuperBatch task: ``(partitions, sb_index, spans) -> DataFrame``.
@@ -289,9 +314,11 @@ class SuperBatchTask:
     partition), with ``long_texts="chunk"`` also ``chunk`` (int32), ``char_start`` and
     ``char_end`` (int64, so ``text[char_start:char_end]`` is the window's text) and
     ``tokens`` (int32), then the kept columns, ``text_hash`` (16 bytes: the text's
-    content hash, :func:`dask_surge.io.hashing.text_hashes`) and ``embedding``
-    (fixed-size list of the stored precision: float32 by default), sorted by
-    ``(partition, row[, chunk])``. With ``on_null="skip"`` null rows are left out;
+    content hash, :func:`dask_surge.io.hashing.text_hashes`) and the model's output: for a
+    dense model ``embedding`` (fixed-size list of the stored precision: float32 by default),
+    for a sparse one ``indices`` and ``values`` (pruned by ``sparse_top_k`` and
+    ``sparse_threshold``, :mod:`dask_surge.io.sparse`), for a multi-vector one ``vectors`` and
+    ``tokens`` (:mod:`dask_surge.io.multivector`); sorted by ``(partition, row[, chunk])``. With ``on_null="skip"`` null rows are left out;
     :meth:`encode` returns their ``(partition, row)``. Texts repeated within the
     SuperBatch go through the model once; texts a ``reuse`` output holds not at all:
     their stored rows are copied. With ``long_texts="truncate"`` or ``"error"`` the copied
@@ -312,10 +339,19 @@ class SuperBatchTask:
     reuse: tuple[str, ...] = ()
     #: fsspec options of the ``reuse`` outputs on an object store (credentials: never in the token)
     reuse_storage_options: dict | None = field(default=None, repr=False)
+    #: a sparse model's pruning: the most non-zeros a row keeps, and the weight below which one is dropped
+    sparse_top_k: int | None = None
+    sparse_threshold: float | None = None
 
     def __dask_tokenize__(self):
         return ("SuperBatchTask", self.column, self.keep, self.encoder.spec, self.normalize,
-                self.precision, self.on_null, self.truncate_dim, self.long_texts, self.chunk_overlap, self.reuse)
+                self.precision, self.on_null, self.truncate_dim, self.long_texts, self.chunk_overlap, self.reuse,
+                self.sparse_top_k, self.sparse_threshold)
+
+    @property
+    def family(self) -> str:
+        """What one text becomes (:attr:`~dask_surge.models.encoders.Encoder.family`), so which columns hold it."""
+        return self.encoder.family
 
     @property
     def dimension(self) -> int:
@@ -383,9 +419,22 @@ class SuperBatchTask:
         partitions = np.repeat(np.array([s.partition for s, _ in run], dtype=np.int64), counts)
         return (partitions, rows, frame), texts
 
-    def _stored(self, emb: np.ndarray) -> pa.Array:
-        """Embeddings as written: truncated (``truncate_dim``), normalized, in the stored precision."""
-        return embedding_array(truncate(emb, self.truncate_dim, self.normalize), self.precision)
+    def _stored(self, out: object) -> dict[str, pa.Array]:
+        """The model's output as written, by its family (the payload of :class:`_Blocks`): embeddings
+        truncated (``truncate_dim``), normalized, in the stored precision; sparse rows pruned; token
+        vectors truncated and normalized as embeddings are, in the stored precision."""
+        family = self.family
+        if family == SPARSE:
+            indices, values = sparse_arrays(out, top_k=self.sparse_top_k, threshold=self.sparse_threshold)
+            _check_finite_values(values.values.to_numpy(zero_copy_only=False), family)
+            return {INDICES: indices, VALUES: values}
+        if family == MULTIVECTOR:
+            mats = [truncate(np.asarray(m, dtype=np.float32), self.truncate_dim, self.normalize)
+                    for m in out]  # type: ignore[attr-defined]
+            vectors, tokens = multivector_arrays(mats, self.precision, dimension=self.dimension)
+            _check_finite_values(np.concatenate([m.ravel() for m in mats]) if mats else np.zeros(0), family)
+            return {VECTORS: vectors, TOKENS: tokens}
+        return {EMBEDDING: embedding_array(truncate(out, self.truncate_dim, self.normalize), self.precision)}  # type: ignore[arg-type]
 
     def _encode_blocks(self, texts: Sequence[str], where: Callable[[int], str]) -> tuple[_Blocks, np.ndarray | None]:
         """Run the model on distinct ``texts``; ``where(i)`` names text ``i`` in errors. Returns the
@@ -411,13 +460,14 @@ class SuperBatchTask:
     def _reused_blocks(self, hashes: np.ndarray) -> tuple[np.ndarray, _Blocks | None, np.ndarray]:
         """Which of the distinct ``hashes`` a ``reuse`` output holds, their rows there, and which of
         those found may be over the model's window (see :attr:`dask_surge.io.reuse.Reused.may_be_cut`)."""
-        hit = open_index(self.reuse, self.reuse_storage_options).lookup(hashes, columns=tuple(CHUNK_COLUMNS) if self.chunked else ())
+        hit = open_index(self.reuse, self.reuse_storage_options).lookup(
+            hashes, columns=tuple(CHUNK_COLUMNS) if self.chunked else (), payload=FAMILY_COLUMNS[self.family])
         if not hit.found.any():
             return hit.found, None, hit.may_be_cut
         chunks = None
         if self.chunked:
             chunks = {k: np.asarray(hit.columns[k], dtype=t) for k, t in CHUNK_COLUMNS.items()}
-        return hit.found, _Blocks(np.asarray(hit.counts, np.int64), hit.embedding, chunks), hit.may_be_cut
+        return hit.found, _Blocks(np.asarray(hit.counts, np.int64), hit.payload, chunks), hit.may_be_cut
 
     def _reused_over(self, texts: Sequence[str], where: Callable[[int], str]) -> np.ndarray | None:
         """Which of ``texts`` (copied from a ``reuse`` output) are over the model's window, tokenized
@@ -479,7 +529,7 @@ class SuperBatchTask:
         position[ids] = np.arange(len(ids))
         counts = blocks.counts
         take = expand(counts, position[inverse])  # output rows, text by text, in order
-        in_order = len(take) == len(blocks.embedding) and bool((take == np.arange(len(take))).all())
+        in_order = len(take) == len(next(iter(blocks.payload.values()))) and bool((take == np.arange(len(take))).all())
         reps = counts[position[inverse]]
         data: dict = {PARTITION: np.repeat(partition, reps), ROW: np.repeat(row, reps)}
         if self.chunked:
@@ -491,8 +541,8 @@ class SuperBatchTask:
         out = pd.DataFrame(data)
         hash_array = hash_column(hashes)
         out[TEXT_HASH] = pd.arrays.ArrowExtensionArray(hash_array if src is None else hash_array.take(src))
-        out[EMBEDDING] = pd.arrays.ArrowExtensionArray(blocks.embedding if in_order
-                                                         else blocks.embedding.take(pa.array(take)))
+        for name, column in blocks.payload.items():
+            out[name] = pd.arrays.ArrowExtensionArray(column if in_order else column.take(pa.array(take)))
         truncated = -1 if uncounted else int(np.count_nonzero(cut[inverse]))  # each written text counts
         return SuperBatchRows(out, skipped, texts=len(texts), truncated=truncated,
                        encoded=len(todo), reused=int(np.count_nonzero(found[inverse])))
@@ -510,6 +560,9 @@ class SuperBatchTask:
         for col in self.keep:
             out[col] = frame_meta[col].iloc[:0].reset_index(drop=True)
         out[TEXT_HASH] = pd.arrays.ArrowExtensionArray(hash_column(np.zeros((0, 2), np.uint64)))
-        emb = np.zeros((0, self.dimension), dtype=np.float32)
-        out[EMBEDDING] = pd.arrays.ArrowExtensionArray(embedding_array(emb, self.precision))
+        family = self.family
+        empty: object = ([] if family == MULTIVECTOR else  # no token matrices; no sparse rows, of any width
+                         np.zeros((0, self.dimension if family == DENSE else 1), dtype=np.float32))
+        for name, column in self._stored(empty).items():
+            out[name] = pd.arrays.ArrowExtensionArray(column)
         return out

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import pandas as pd
 
 from ..errors import SurgeInputError, SurgeValueError
-from .layout import EMBEDDING, PARTITION, ROW, TEXT_HASH
+from .layout import PARTITION, PAYLOAD_COLUMNS, ROW, TEXT_HASH, family_of_run
 from .manifest import current_run, existing_run, text_counts
 
 __all__ = ["read_embeddings", "skipped_rows", "status", "model_name"]
@@ -58,6 +58,7 @@ def status(output: str, storage_options: dict | None = None) -> dict:
         "last_commit": max((r.committed_at for r in committed.values()), default=None),
         "model": model_name(manifest.fingerprint.get("model")),
         "long_texts": (manifest.fingerprint.get("long_texts") or {}).get("mode", "truncate"),
+        "family": family_of_run(manifest.fingerprint),
         **text_counts(committed.values()),
     }
 
@@ -179,17 +180,18 @@ def _split_hash(part):
 
     col = part.pop(TEXT_HASH)
     raw = np.frombuffer(b"".join(col.tolist()), dtype=">u8").reshape(-1, 2) if len(col) else np.zeros((0, 2), ">u8")
-    at = part.columns.get_loc(EMBEDDING) if EMBEDDING in part.columns else len(part.columns)
+    at = next((part.columns.get_loc(c) for c in part.columns if c in PAYLOAD_COLUMNS), len(part.columns))
     part.insert(at, "text_hash_hi", raw[:, 0].astype(np.uint64).view(np.int64))
     part.insert(at + 1, "text_hash_lo", raw[:, 1].astype(np.uint64).view(np.int64))
     return part
 
 
 def _embedding_types(pa_type):
-    """Read fixed-size lists (embeddings) as pandas ArrowDtype columns, zero-copy."""
+    """Read the model's output columns as pandas ArrowDtype columns, zero-copy: fixed-size lists
+    (embeddings) and lists (a sparse row's ``indices`` and ``values``, a multi-vector row's ``vectors``)."""
     import pyarrow as pa
 
-    return pd.ArrowDtype(pa_type) if pa.types.is_fixed_size_list(pa_type) else None
+    return pd.ArrowDtype(pa_type) if pa.types.is_fixed_size_list(pa_type) or pa.types.is_list(pa_type) else None
 
 
 class _ArrowToPandas(dict[str, Any]):

@@ -74,7 +74,7 @@ import pyarrow.parquet as pq
 from ..errors import SurgeInputError, SurgeOutputError, SurgeValueError
 from .directory import discard, index_dir, write_bytes_atomic
 from .hashing import HASH_ALGORITHM, HASH_METADATA_KEY, hashes_of
-from .layout import CHUNK, CHUNK_COLUMNS, TEXT_HASH
+from .layout import CHUNK, CHUNK_COLUMNS, EMBEDDING, TEXT_HASH
 from .lease import holder_info, stale
 from .manifest import current_run, existing_run
 from .readers import model_name
@@ -212,7 +212,8 @@ class Reused:
     """What :meth:`ReuseIndex.lookup` found and copied.
 
     ``found[i]`` says whether query ``i`` was found; the found queries' runs follow one
-    another, in query order, in ``embedding`` (the stored Arrow values) and ``columns``
+    another, in query order, in ``payload`` (the model's output columns, their stored Arrow
+    values: ``embedding`` for a dense model) and ``columns``
     (NumPy arrays, e.g. the chunk columns): the ``j``-th found query has ``counts[j]``
     rows there (1, or its chunks). ``may_be_cut[j]`` is True when the file it was copied from
     holds texts cut at the model's window (its commit record counts some, or could not tell):
@@ -221,9 +222,14 @@ class Reused:
 
     matches: Matches
     counts: np.ndarray  # int64 (hits,)
-    embedding: pa.Array
+    payload: dict[str, pa.Array]
     columns: dict[str, np.ndarray]
     may_be_cut: np.ndarray  # bool (hits,)
+
+    @property
+    def embedding(self) -> pa.Array:
+        """A dense output's ``embedding`` values."""
+        return self.payload[EMBEDDING]
 
     @property
     def found(self) -> np.ndarray:
@@ -763,28 +769,32 @@ class ReuseIndex:
         """True when the outputs hold several rows per text (long-text chunking)."""
         return any(ix.chunked for ix in self.indexes)
 
-    def lookup(self, hashes: np.ndarray, columns: Sequence[str] | None = None) -> Reused:
+    def lookup(self, hashes: np.ndarray, columns: Sequence[str] | None = None,
+               payload: Sequence[str] = (EMBEDDING,)) -> Reused:
         """:meth:`find` then :meth:`fetch`: which of ``hashes`` were committed, and their stored rows.
 
-        ``columns``: what to copy besides ``embedding``; default: the chunk columns
+        ``columns``: what to copy besides the model's output; default: the chunk columns
         (``chunk``, ``char_start``, ``char_end``, ``tokens``) when the outputs are chunked, else none.
+        ``payload``: the model's output columns (:data:`~dask_surge.io.layout.FAMILY_COLUMNS` of its
+        family: ``embedding`` for a dense model), copied as stored.
         """
         extra = tuple(columns) if columns is not None else (tuple(CHUNK_COLUMNS) if self.chunked else ())
+        wanted = (*extra, *payload)
         with self._lock:
             matches = self.find(hashes)
             try:
-                table = self.fetch(matches, (*extra, "embedding"))
+                table = self.fetch(matches, wanted)
             except SurgeInputError:
                 if not self._reopen_rebuilt():
                     raise
                 matches = self.find(hashes)  # found again in the index as it is now
-                table = self.fetch(matches, (*extra, "embedding"))
+                table = self.fetch(matches, wanted)
         hit = matches.found
         may_be_cut = np.zeros(matches.hits, dtype=bool)
         for s, ix in enumerate(self.indexes):
             here = matches.source[hit] == s
             may_be_cut[here] = ix.may_be_cut[matches.file[hit][here]]
-        return Reused(matches, matches.count[hit], table.column("embedding").combine_chunks(),
+        return Reused(matches, matches.count[hit], {c: table.column(c).combine_chunks() for c in payload},
                       {c: table.column(c).to_numpy() for c in extra}, may_be_cut)
 
     def _reopen_rebuilt(self) -> bool:

@@ -23,7 +23,6 @@ Examples
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ..config import check_argument
 from ..errors import SurgeValueError
 from .layout import INDICES, VALUES
 
@@ -43,7 +43,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def check_pruning(top_k: object = None, threshold: object = None) -> tuple[int | None, float | None]:
-    """Validate the pruning of sparse rows: ``top_k`` an int >= 1 or None, ``threshold`` a finite number or None.
+    """Validate the pruning of sparse rows by the ``sparse_top_k`` and ``sparse_threshold`` options' rules:
+    ``top_k`` an int >= 1 or None, ``threshold`` a finite number or None.
 
     Examples
     --------
@@ -52,18 +53,11 @@ def check_pruning(top_k: object = None, threshold: object = None) -> tuple[int |
     >>> check_pruning(0)
     Traceback (most recent call last):
     ...
-    dask_surge.errors.SurgeValueError: sparse_top_k=0 must be an int >= 1 ...
+    dask_surge.errors.SurgeValueError: sparse_top_k=0 must be a positive int ...
     """
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
-        raise SurgeValueError(
-            f"sparse_top_k={top_k!r} must be an int >= 1 (the most non-zero weights a row keeps) or None (keep "
-            "all). Fix: pass e.g. sparse_top_k=128, or None.")
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.number))
-                                  or not math.isfinite(float(threshold))):
-        raise SurgeValueError(
-            f"sparse_threshold={threshold!r} must be a finite number (weights below it are dropped) or None. "
-            "Fix: pass e.g. sparse_threshold=0.01, or None.")
-    return (None if top_k is None else int(top_k)), (None if threshold is None else float(threshold))
+    k: int | None = check_argument("sparse_top_k", top_k)
+    t: float | None = check_argument("sparse_threshold", threshold)
+    return k, (None if t is None else float(t))
 
 
 def sparse_arrays(emb: Any, *, top_k: int | None = None, threshold: float | None = None,

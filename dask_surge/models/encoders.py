@@ -32,6 +32,7 @@ import numpy as np
 
 from ..config import check_argument
 from ..engine.backends import Backend, BackendClosed, choose_backend, direct_backend, free_memory  # noqa: F401
+from ..engine.family import family_of_files, family_of_object
 from ..engine.long_texts import (
     DEFAULT_CHUNK_OVERLAP,
     LongTexts,
@@ -48,6 +49,7 @@ from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
 from ..fingerprint import scrub
 from ..fingerprint import secret_values as _secret_values  # noqa: F401
 from ..io.arrow import embedding_array
+from ..io.layout import DENSE, MULTIVECTOR
 from ..io.texts import as_texts
 from ..options import Dtype, EngineName, defaults, options_of
 from . import cache
@@ -261,6 +263,8 @@ class Encoder:
             obj = self.source_object
             ident.update(object=type(obj).__module__ + "." + type(obj).__qualname__, digest=object_digest(obj))
         ident.update(prompt=self.spec.prompt, prompt_name=self.spec.prompt_name)
+        if (family := self.family) != DENSE:  # recorded only where it is not a vector per text: older runs keep theirs
+            ident["family"] = family
         kwargs = without_secrets(thaw(self.spec.model_kwargs)) if self.spec.model_kwargs else None
         if kwargs:
             ident["model_kwargs"] = json.dumps(kwargs, sort_keys=True, default=str)
@@ -407,6 +411,27 @@ class Encoder:
             if dim is not None:
                 return dim
         return self._loaded().dimension
+
+    @property
+    def family(self) -> str:
+        """What one text becomes: ``"dense"`` (a vector, the ``embedding`` column), ``"sparse"``
+        (a ``SparseEncoder``: ``indices`` and ``values``) or ``"multivector"`` (a ``MultiVectorEncoder``:
+        ``vectors`` and ``tokens``); see :mod:`dask_surge.io.layout`. Read from the model's files
+        (``config_sentence_transformers.json``) or object without loading it.
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> enc = Encoder("default")
+        >>> enc.family, enc.is_loaded
+        ('dense', False)
+        """
+        loaded = cache.cached(self.spec)
+        if loaded is not None:
+            return loaded.impl.family
+        if self.spec.kind == "path":
+            return family_of_files(self.spec.source)
+        return family_of_object(self.source_object) if self.in_memory else DENSE
 
     @property
     def engine(self):
@@ -565,6 +590,8 @@ class Encoder:
         -------
         TextEmbeddings
             ``embeddings`` (float32, C-contiguous), ``windows`` (``"chunk"``), ``truncated``, ``over``.
+            For a sparse or multi-vector model (:attr:`family`) ``embeddings`` is the model's own
+            output (see :class:`~dask_surge.engine.backends.FamilyBackend`).
 
         Raises
         ------
@@ -591,8 +618,9 @@ class Encoder:
         check_long_texts(long_texts, chunk_overlap)
         loaded = self._loaded()
         texts = as_texts(texts)
+        family = loaded.impl.family
         if not texts:
-            empty = np.zeros((0, loaded.dimension), dtype=np.float32)
+            empty: Any = np.zeros((0, loaded.dimension), dtype=np.float32) if family != MULTIVECTOR else []
             if long_texts != "truncate" and loaded.backend == "callable":
                 loaded.impl.encode_long([], normalize, long_texts, int(chunk_overlap))  # raises: no tokenizer
             return TextEmbeddings(empty, Windows.empty() if long_texts == "chunk" else None,
@@ -601,6 +629,8 @@ class Encoder:
         # every other backend, a user's callable among them, gets a list of str of its own
         loaded, out = self._call(loaded, lambda impl: impl.encode_long(
             texts if impl.name == "fast" else list(texts), normalize, long_texts, int(chunk_overlap)))
+        if family != DENSE:  # the model's own rows (see dask_surge.engine.backends.FamilyBackend)
+            return out
         emb = checked(out.embeddings, len(out.windows) if out.windows is not None else len(texts), loaded.backend)
         return out if emb is out.embeddings else replace(out, embeddings=emb)
 

@@ -3,7 +3,8 @@
 :func:`load` is the one place a model is loaded: an in-memory object is wrapped as it is;
 a model directory of a plain layout loads straight onto the fast engine without importing
 sentence-transformers (:func:`~dask_surge.engine.backends.direct_backend`), anything else
-through ``SentenceTransformer``. :func:`dimension_from_files` and :func:`stored_dtype` answer
+through the sentence-transformers class its files name (``SentenceTransformer``, ``SparseEncoder``
+or ``MultiVectorEncoder``: :mod:`dask_surge.engine.family`). :func:`dimension_from_files` and :func:`stored_dtype` answer
 from the model's files, so asking them loads nothing.
 """
 
@@ -17,10 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.backends import Backend, choose_backend, direct_backend
+from ..engine.family import MODEL_TYPES, family_of_files
 from ..engine.layout import read_layout
 from ..engine.placement import pick_device
 from ..errors import SurgeModelError
 from ..fingerprint import scrub
+from ..io.layout import DENSE
 from .hub import resolve_hub_model
 from .registry import lookup
 from .spec import EncoderSpec
@@ -28,6 +31,9 @@ from .spec import EncoderSpec
 __all__ = ["dimension_from_files", "load", "stored_dtype"]
 
 logger = logging.getLogger(__name__)
+
+#: output family -> the sentence-transformers class that loads a model of it
+_MODEL_CLASSES = {family: name for name, family in MODEL_TYPES.items()}
 
 
 def load(spec: EncoderSpec) -> tuple[Backend, str]:
@@ -47,14 +53,17 @@ def load(spec: EncoderSpec) -> tuple[Backend, str]:
         # a worker without the client's filesystem: the same commit, from (or into) its own cache
         source = resolve_hub_model(spec.repo_id, spec.commit).path
     kwargs = spec.kwargs
-    direct = _load_direct(spec, source, device) if kwargs is None and not spec.trust_remote_code else None
+    family = family_of_files(source)
+    direct = (_load_direct(spec, source, device) if kwargs is None and not spec.trust_remote_code and family == DENSE
+              else None)
     if direct is not None:
         return direct
-    from sentence_transformers import SentenceTransformer
+    import sentence_transformers
 
+    cls = getattr(sentence_transformers, _MODEL_CLASSES[family])
     try:
-        model = SentenceTransformer(source, device=device, local_files_only=True,
-                                    trust_remote_code=spec.trust_remote_code, model_kwargs=kwargs)
+        model = cls(source, device=device, local_files_only=True, trust_remote_code=spec.trust_remote_code,
+                    model_kwargs=kwargs)
     except Exception as err:
         hint = ("" if spec.trust_remote_code else " If the model ships its own code (auto_map in config.json), "
                 "pass trust_remote_code=True, for a model you trust.")

@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import config
 from ..errors import SurgeValueError
+from ..io.layout import MULTIVECTOR
 from ..models.encoders import Encoder
 from ..models.modelid import redact
 from ..options import options_of
@@ -74,7 +75,11 @@ def encoder_for(model: Any, given: Mapping[str, Any]) -> Encoder:
 def windowed_bytes(max_bytes: int | None, b_max: Requested, encoder: Encoder, long_texts: str, overlap: int, *,
                    gpu: bool) -> int | None:
     """The byte cap, lowered in chunk/mean mode so a SuperBatch holds about ``b_max`` token windows
-    (:func:`~dask_surge.planning.thresholds.window_byte_cap`): its memory counts windows, not texts."""
+    (:func:`~dask_surge.planning.thresholds.window_byte_cap`): its memory counts windows, not texts.
+    For a multi-vector model every token is a vector of the output, so a SuperBatch holds about
+    ``b_max`` token vectors (a window of one token each)."""
+    if encoder.family == MULTIVECTOR:
+        return window_byte_cap(max_bytes, b_max, 1, 0, gpu=gpu)
     if long_texts not in ("chunk", "mean") or encoder.window_capacity is None:
         return max_bytes
     return window_byte_cap(max_bytes, b_max, encoder.window_capacity, overlap, gpu=gpu)
