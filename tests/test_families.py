@@ -326,3 +326,15 @@ def test_kill_a_family_run_then_resume_to_the_same_rows(tmp_path, texts, sparse_
     manifest = current_run(str(out))
     assert sorted(p.name for p in out.glob("part-*.parquet")) == sorted(r.file for r in manifest.committed().values())
     assert verify(str(out)) == []
+
+
+@pytest.mark.parametrize("which", ["sparse", "multivector"])
+def test_the_cost_model_is_calibrated_on_the_familys_own_calls(client, sparse_model, multivector_model, which):
+    """plan()'s constants for a sparse or multi-vector model come from timing its own encode calls, framed
+    as its output columns, on the cluster (a dense model's ``encode`` would refuse them)."""
+    from dask_surge.execution.calibrate import calibrate
+
+    encoder = Encoder({"sparse": sparse_model, "multivector": multivector_model}[which], device="cpu")
+    params = calibrate(encoder, client=client, seconds=3, cache=False)
+    assert params is not None and params.per_text_s + params.per_token_s * 10 > 0
+    assert params.alpha_s > 0 and params.workers == len(client.scheduler_info()["workers"])

@@ -63,13 +63,16 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from ..errors import SurgeValueError
+from ..io.layout import DENSE
 from ..models.encoders import Encoder
 from ..planning.costmodel import CostParams, _replay, call_cost, token_quantiles
 from ..planning.policy import plan_superbatches
@@ -306,10 +309,11 @@ def _probe_curve(encoder, budget_s: float, seed: int = 7, *, clock=time.perf_cou
 
     count = token_counter(encoder)
     max_tokens, batch_rows = _batching(encoder)
+    call = _encode_call(encoder)
     texts = {"short": make_texts(4096, seed=seed), "long": make_texts(1024, seed=seed + 1, mean_words=60.0)}
     lengths = {k: count(v) for k, v in texts.items()}
     t0 = clock()
-    encoder.encode(texts["short"][:64])  # warm the model, allocator and tokenizer
+    call(texts["short"][:64])  # warm the model, allocator and tokenizer
     warm_s = max(clock() - t0, 1e-6)  # an upper bound of a 64-row call
 
     def reps_for(est_s: float, share: float) -> int:  # cheap calls: more repeats (a sturdier median)
@@ -325,7 +329,7 @@ def _probe_curve(encoder, budget_s: float, seed: int = 7, *, clock=time.perf_cou
         batch = texts[kind][start : start + b]
         x = -np.sort(-lengths[kind][start : start + b])
         padded, forwards = _replay(x, max_tokens, batch_rows)
-        t = _repeat(clock, lambda: encoder.encode(batch), reps, more=2 * reps, left=left)
+        t = _repeat(clock, lambda: call(batch), reps, more=2 * reps, left=left)
         return (len(batch), float(padded), float(forwards), t.median_s), t
 
     obs: list[tuple[int, float, float, float]] = []
@@ -508,6 +512,35 @@ def _moderate_rows(cost, overhead_s: float, afford_rows: float) -> int:
     return hi
 
 
+def _encode_call(encoder) -> Callable[[list[str]], Any]:
+    """The encode call the curve times: ``Encoder.encode`` for a dense model; for a sparse or
+    multi-vector one its own call framed as its output columns (:meth:`SuperBatchTask.rows`)."""
+    return encoder.encode if encoder.family == DENSE else SuperBatchTask("text", (), encoder).rows
+
+
+class _FamilyRows:
+    """What a PBP baseline maps over partitions for a sparse or multi-vector model: its output columns."""
+
+    def __init__(self, encoder) -> None:
+        self.task = SuperBatchTask("text", (), encoder)
+
+    def __call__(self, texts: pd.Series) -> pd.DataFrame:
+        rows = self.task.rows(texts.tolist())
+        return pd.DataFrame({k: pd.arrays.ArrowExtensionArray(v) for k, v in rows.items()}, index=texts.index)
+
+    @property
+    def meta(self) -> pd.DataFrame:
+        return pd.DataFrame({k: pd.arrays.ArrowExtensionArray(v) for k, v in self.task.rows([]).items()})
+
+
+def _partition_call(encoder) -> tuple[Callable[[pd.Series], Any], Any]:
+    """``(function, meta)`` of the encode a PBP baseline runs per partition (a dense model's ``embed``)."""
+    if encoder.family == DENSE:
+        return encoder.embed, encoder.meta
+    rows = _FamilyRows(encoder)
+    return rows, rows.meta
+
+
 def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: float) -> dict:
     """Time the five runs of :func:`solve_dask_terms` through map_partitions and ddf.surge.encode.
 
@@ -521,9 +554,10 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
 
     seeds = iter(range(1_000, 1_000_000))
 
+    embed, embed_meta = _partition_call(encoder)
+
     def pbp(sizes):
-        coll = make_partitioned_frame(sizes, seed=next(seeds))["text"].map_partitions(encoder.embed,
-                                                                                      meta=encoder.meta)
+        coll = make_partitioned_frame(sizes, seed=next(seeds))["text"].map_partitions(embed, meta=embed_meta)
         return lambda: client.compute(coll, sync=True)
 
     null = Encoder(_NullModel(encoder.dimension))  # costs nothing: its runs time the per-row I/O alone

@@ -419,8 +419,8 @@ class SuperBatchTask:
         partitions = np.repeat(np.array([s.partition for s, _ in run], dtype=np.int64), counts)
         return (partitions, rows, frame), texts
 
-    def _stored(self, out: object) -> dict[str, pa.Array]:
-        """The model's output as written, by its family (the payload of :class:`_Blocks`): embeddings
+    def payload(self, out: object) -> dict[str, pa.Array]:
+        """The model's output (``encode_long(...).embeddings``) as written, by its family: embeddings
         truncated (``truncate_dim``), normalized, in the stored precision; sparse rows pruned; token
         vectors truncated and normalized as embeddings are, in the stored precision."""
         family = self.family
@@ -451,10 +451,10 @@ class SuperBatchTask:
             raise bad from None
         truncated = None if out.truncated is None else np.asarray(out.truncated, dtype=bool)
         if out.windows is None:
-            return _Blocks(np.ones(len(texts), np.int64), self._stored(out.embeddings)), truncated
+            return _Blocks(np.ones(len(texts), np.int64), self.payload(out.embeddings)), truncated
         w = out.windows
         counts = np.bincount(w.text, minlength=len(texts)).astype(np.int64)
-        return _Blocks(counts, self._stored(out.embeddings),  # the windows' fields bear the columns' names
+        return _Blocks(counts, self.payload(out.embeddings),  # the windows' fields bear the columns' names
                        {k: np.asarray(getattr(w, k), dtype=t) for k, t in CHUNK_COLUMNS.items()}), truncated
 
     def _reused_blocks(self, hashes: np.ndarray) -> tuple[np.ndarray, _Blocks | None, np.ndarray]:
@@ -550,6 +550,20 @@ class SuperBatchTask:
     def __call__(self, parts: Sequence[pd.DataFrame], sb_index: int, spans: Sequence[tuple[Span, int]]) -> pd.DataFrame:
         return self.encode(parts, spans).frame
 
+    def rows(self, texts: Sequence[str]) -> dict[str, pa.Array]:
+        """The output columns of ``texts`` (a list of str) encoded in one call, as written: the model's
+        own call and its framing, without gathering, hashing or reuse (what calibration times).
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> rows = SuperBatchTask("text", (), Encoder("default", device="cpu")).rows(["a", "b"])
+        >>> list(rows), len(rows["embedding"])
+        (['embedding'], 2)
+        """
+        out = self.encoder.encode_long(texts, normalize=self.normalize and self.truncate_dim is None)
+        return self.payload(out.embeddings)
+
     def meta(self, frame_meta: pd.DataFrame) -> pd.DataFrame:
         """Empty frame with the output schema (pandas, also for cuDF input)."""
         frame_meta = to_host(frame_meta)
@@ -563,6 +577,6 @@ class SuperBatchTask:
         family = self.family
         empty: object = ([] if family == MULTIVECTOR else  # no token matrices; no sparse rows, of any width
                          np.zeros((0, self.dimension if family == DENSE else 1), dtype=np.float32))
-        for name, column in self._stored(empty).items():
+        for name, column in self.payload(empty).items():
             out[name] = pd.arrays.ArrowExtensionArray(column)
         return out
