@@ -164,12 +164,16 @@ def test_multivector_output_equals_the_reference(tmp_path, texts, multivector_mo
 
 
 def test_multivector_query_prompt_and_truncate_dim_follow_sentence_transformers(tmp_path, texts, multivector_model):
+    from transformers import AutoTokenizer
+
     short = texts[:40]
-    run(short, tmp_path / "q", multivector_model, prompt_name="query")
+    res = run(short, tmp_path / "q", multivector_model, prompt_name="query")
     got = to_matrices(pa.Table.from_pandas(read(tmp_path / "q")[["vectors"]], preserve_index=False))
     ref = reference_multivector(multivector_model, short, query=True)
     assert {len(r) for r in ref} == {32}  # the query expansion: padded to the query length with [MASK]s
     assert token_cosines(got, ref) >= 0.9999
+    tokenizer = AutoTokenizer.from_pretrained(multivector_model)  # queries are cut at 32 tokens, not 128
+    assert res.truncated == sum(len(tokenizer("[Q] " + t)["input_ids"]) > 32 for t in short) > 0
     run(short, tmp_path / "t", multivector_model, truncate_dim=8, normalize=True)
     got = to_matrices(pa.Table.from_pandas(read(tmp_path / "t")[["vectors"]], preserve_index=False))
     ref = reference_multivector(multivector_model, short, truncate_dim=8, normalize_embeddings=True)

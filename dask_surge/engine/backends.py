@@ -351,8 +351,15 @@ class FamilyBackend(_Released):
 
     def _window_cutter(self, long_texts: str) -> WindowCutter:
         if self._cutter is None:
-            self._cutter = _window_cutter_of(self.model, long_texts, self._marker())
+            self._cutter = _window_cutter_of(self.model, long_texts, self._marker(), self._window())
         return self._cutter
+
+    def _window(self) -> int | None:
+        """The tokens a text is cut at: a late-interaction model cuts queries and documents at lengths of
+        their own (its Transformer's ``query_length`` / ``document_length``); None: its ``max_seq_length``."""
+        first = self.model[0] if len(self.model) else None
+        length = getattr(first, "query_length" if self._prompt_name == "query" else "document_length", None)
+        return length if isinstance(length, int) and length > 0 else None
 
     def _marker(self) -> str:
         """The prompt each text gets: the explicit one, else the model's for the task it runs."""
@@ -365,11 +372,11 @@ class FamilyBackend(_Released):
         self.model = None
 
 
-def _window_cutter_of(model: Any, long_texts: str, prompt: str) -> WindowCutter:
-    """The window cutter of a sentence-transformers model (its fast tokenizer and ``max_seq_length``),
-    or the error saying why it has none."""
+def _window_cutter_of(model: Any, long_texts: str, prompt: str, length: int | None = None) -> WindowCutter:
+    """The window cutter of a sentence-transformers model (its fast tokenizer and ``length``, default its
+    ``max_seq_length``), or the error saying why it has none."""
     tokenizer = getattr(model, "tokenizer", None)
-    length = getattr(model, "max_seq_length", None)
+    length = getattr(model, "max_seq_length", None) if length is None else length
     if tokenizer is None or not getattr(tokenizer, "is_fast", False):
         raise no_tokenizer(long_texts, f"the model's tokenizer ({type(tokenizer).__name__}) is not a fast one")
     if not isinstance(length, int) or length < 1:
