@@ -281,6 +281,7 @@ with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_a
 """
 
 
+@pytest.mark.slow  # about 45 s a family: in .ci/run's sweep leg, beside the other kill sweeps
 @pytest.mark.parametrize("family", ["sparse", "multivector", "decoder"])
 def test_kill_a_family_run_then_resume_to_the_same_rows(tmp_path, texts, sparse_model, multivector_model, family):
     """SIGKILL the client and its workers once the first SuperBatches are committed, then rerun: the
