@@ -4,12 +4,15 @@ truncation and long texts; and what still falls back, with the reason."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pytest
 
 import dask_surge
+from dask_surge.engine import batching
 from dask_surge.engine.layout import layout_of_model, plain_reason, read_layout
 from dask_surge.engine.transformer import TransformerEngine
 from dask_surge.testing import make_tiny_decoder_model, min_cosine, package_documents
@@ -179,3 +182,15 @@ def test_a_decoder_with_absolute_positions_or_an_encoder_decoder_is_refused(tmp_
     assert encoder.backend == "sentence-transformers" and "'gpt2' decoder" in encoder.backend_reason
     assert plain_reason(["Transformer", "Pooling"], ["lasttoken"], is_encoder_decoder=True) == (
         "the Transformer is an encoder-decoder, not an encoder or a decoder alone")
+
+
+def test_the_token_budget_is_sized_by_the_model_not_the_narrow_test_models():
+    """One rule sizes every model's micro-batches from its activations: the 32-wide test decoder gets the
+    narrow models' large budget, a Qwen3-Embedding-0.6B-shaped one (width 1024, 32k window) the floor."""
+    qwen3_06b = SimpleNamespace(hidden_size=1024, intermediate_size=3072, num_attention_heads=16)
+    tiny = SimpleNamespace(hidden_size=32, intermediate_size=64, num_attention_heads=4)
+    wide = batching.activation_bytes_per_token(qwen3_06b, 32768)
+    narrow = batching.activation_bytes_per_token(tiny, 128)
+    assert wide > 50 * narrow
+    assert batching.cpu_max_tokens(wide) == batching.CPU_MAX_TOKENS
+    assert batching.cpu_max_tokens(narrow) == batching.CPU_MAX_TOKENS_CAP > batching.CPU_MAX_TOKENS

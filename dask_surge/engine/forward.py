@@ -368,7 +368,15 @@ class DeviceRunner:
     def auto_max_tokens(self, max_seq_length: int) -> int:
         """The token budget of one micro-batch: on a CPU, :func:`~dask_surge.engine.batching.cpu_max_tokens`
         (2,048 for MiniLM-sized and wider models, up to 8,192 for narrower ones); on CUDA, sized from
-        free memory."""
+        free memory.
+
+        Both come from one estimate, :func:`~dask_surge.engine.batching.activation_bytes_per_token`
+        of this model's config: its width, feed-forward size and heads, and one attention row a
+        head over ``max_seq_length``, so a wide decoder with a 32k window gets a budget of its own
+        size, never a narrow model's larger one. The layer count does not enter: inference frees
+        each layer's activations before the next. A single text longer than the budget still runs,
+        alone, as one row of its length.
+        """
         per_token = activation_bytes_per_token(self.config, max_seq_length)
         if self.device.type != "cuda":
             return cpu_max_tokens(per_token)
