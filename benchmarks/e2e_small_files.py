@@ -4,6 +4,7 @@ Usage::
 
     python -m benchmarks.e2e_small_files [--n 60000] [--files 2237] [--sigma 1.72]
                                          [--minilm-n 3000] [--minilm-files 112] [--repeats 2]
+                                         [--models tiny,minilm] [--decoder-n 3000] [--decoder-files 400]
                                          [--workers 2] [--out benchmarks/results/e2e_small_files.json]
 
 Issue 17's "simplest alternative" comparison, side by side in one run, per model:
@@ -12,7 +13,16 @@ Issue 17's "simplest alternative" comparison, side by side in one run, per model
   (the real MiniLM tokenizer), as cheap per text relative to overhead as MiniLM is on a GPU;
   ``--n`` real texts (docstring paragraphs of installed packages, see ``_realtext.py``) in
   ``--files`` Parquet files of log-normal sizes (sigma 1.72: a median of a few rows a file);
-- ``minilm``: the packaged all-MiniLM-L6-v2 (compute-bound here) on ``--minilm-n`` texts.
+- ``minilm``: the packaged all-MiniLM-L6-v2 (compute-bound here) on ``--minilm-n`` texts;
+- ``decoder``: the random Qwen3-shaped decoder embedder of ``dask_surge.testing.make_tiny_decoder_model``
+  (2 layers, width 32, last-token pooling, left padding) on ``--decoder-n`` texts in
+  ``--decoder-files`` files, with one more arm, ``surge_st``: the same surge run with
+  ``engine="sentence-transformers"`` (the fallback decoders took before the fast engine ran
+  them), so the fallback and the engine are measured in the same run.
+
+``--models`` picks which run (``--models decoder`` runs the decoder alone). Where ``--out``
+already holds this benchmark's figures for a model not run now, they are kept (with the
+command, commit and date of the run that made them, under ``from_run``).
 
 Each measurement runs in a fresh Python process, after its imports, and includes the model
 load on both sides:
@@ -60,7 +70,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def one(method: str, model: str, data: str, workers: int, profile: bool = False) -> dict:
-    """One measurement in this (fresh) process (``profile``: a surge run sampled by py-spy, untimed)."""
+    """One measurement in this (fresh) process (``profile``: a surge run sampled by py-spy, untimed);
+    ``surge_st`` is a surge run with ``engine="sentence-transformers"``."""
+    return _one(method, model, data, workers, profile)
+
+
+def _one(method: str, model: str, data: str, workers: int, profile: bool = False) -> dict:
     import shutil
 
     out = Path(tempfile.mkdtemp(prefix=f"e2e-{method}-"))
@@ -111,8 +126,9 @@ def one(method: str, model: str, data: str, workers: int, profile: bool = False)
         start_s = time.perf_counter() - t0
         try:
             def run():
+                engine = {"engine": "sentence-transformers"} if method == "surge_st" else {}
                 return dd.read_parquet(data).surge.encode("text", output=str(out / "emb"), model=model, device="cpu",
-                                                          keep=["doc_id"], progress=False, scheduler=client)
+                                                          keep=["doc_id"], progress=False, scheduler=client, **engine)
 
             from .host_ceiling import gil_seconds, run_cpu
 
@@ -210,12 +226,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sigma", type=float, default=1.72)
     parser.add_argument("--minilm-n", type=int, default=3000, help="texts for MiniLM (0: skip it)")
     parser.add_argument("--minilm-files", type=int, default=112)
+    parser.add_argument("--models", default="tiny,minilm",
+                        help="comma-separated: tiny, minilm, decoder (the tiny decoder embedder)")
+    parser.add_argument("--decoder-n", type=int, default=3000)
+    parser.add_argument("--decoder-files", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", default=str(_results.RESULTS / "e2e_small_files.json"))
     parser.add_argument("--profile", action="store_true",
                         help="one more surge run per model, untimed, sampled by py-spy: where the workers' CPU goes")
-    parser.add_argument("--one", choices=("st", "st1", "surge"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", choices=("st", "st1", "surge", "surge_st"), help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -225,19 +245,29 @@ def main(argv: list[str] | None = None) -> dict:
 
     from dask_surge.testing import packaged_model_dir
 
-    from ._realtext import small_files, tiny_model
+    from ._realtext import TMP, small_files, tiny_model
     from .host_ceiling import cpu_split
 
-    tiny = tiny_model()
-    suites = {"tiny": (str(tiny), args.n, args.files)}
-    if args.minilm_n:
+    chosen = {m.strip() for m in args.models.split(",") if m.strip()}
+    unknown = chosen - {"tiny", "minilm", "decoder"}
+    if unknown:
+        parser.error(f"--models {args.models!r}: {sorted(unknown)} are not among tiny, minilm, decoder")
+    suites = {}
+    if "tiny" in chosen:
+        suites["tiny"] = (str(tiny_model()), args.n, args.files)
+    if "minilm" in chosen and args.minilm_n:
         suites["minilm"] = (str(packaged_model_dir()), args.minilm_n, args.minilm_files)
+    if "decoder" in chosen:
+        from dask_surge.testing import make_tiny_decoder_model
+
+        suites["decoder"] = (make_tiny_decoder_model(TMP / "tiny-decoder"), args.decoder_n, args.decoder_files)
     report = _results.new_report(__spec__.name, argv, args)
     for name, (model, n, files) in suites.items():
         data, layout = small_files(n, files, sigma=args.sigma)
-        runs: dict[str, list[dict]] = {"st": [], "st1": [], "surge": []}
+        methods = ("st", "st1", "surge", "surge_st") if name == "decoder" else ("st", "st1", "surge")
+        runs: dict[str, list[dict]] = {method: [] for method in methods}
         for _ in range(args.repeats):
-            for method in ("st", "st1", "surge"):
+            for method in methods:
                 r = measure(method, model, data, args.workers)
                 assert r["rows"] == n, r
                 runs[method].append(r)
@@ -256,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
             "ratio_surge_over_st": st / su, "ratio_with_cluster_start": st / su_start,
             "target_ratio": 1.2, "met": st / su >= 1.2,
             # issue 27: 3x with the tiny encoder, no loss with MiniLM
-            "issue27_target_ratio": 3.0 if name == "tiny" else 1.0,
+            "issue27_target_ratio": {"tiny": 3.0, "minilm": 1.0}.get(name),
             "machine_busy": statistics.median(r["machine_busy"] for r in runs["surge"]),
             "client_cpu_s": statistics.median(r["client_cpu_s"] for r in runs["surge"]),
             "workers_cpu_s": statistics.median(r["workers_cpu_s"] for r in runs["surge"]),
@@ -269,6 +299,13 @@ def main(argv: list[str] | None = None) -> dict:
                               for r in runs["surge"]], n),
             "cluster_idle_cores": statistics.median(r["cluster_idle_cores"] for r in runs["surge"]),
         }
+        if runs.get("surge_st"):  # the fallback, measured in the same run
+            fallback = statistics.median(r["seconds"] for r in runs["surge_st"])
+            report["summary"][name].update(
+                fallback_texts_per_s=n / fallback, ratio_fallback_over_st=st / fallback,
+                ratio_surge_over_fallback=fallback / su, issue55_target_ratio=2.0, issue55_met=st / su >= 2.0,
+                engines={m: sorted({e for r in runs[m] for e in r["engine"]}) for m in ("surge", "surge_st")})
+            print(f"{name:6s} ratio fallback (engine='sentence-transformers')/st {st / fallback:.2f}")
         print(f"{name:6s} ratio surge/st {st / su:.2f} (with cluster start {st / su_start:.2f}; target >= 1.2)")
         summary = report["summary"][name]
         cpu, idle = summary["cpu"], summary["cluster_idle_cores"]
@@ -278,7 +315,30 @@ def main(argv: list[str] | None = None) -> dict:
             sampled = measure("surge", model, data, args.workers, profile=True)
             report["summary"][name]["workers_cpu_breakdown"] = sampled["breakdown"]
             print(f"{name:6s} workers' CPU: {sampled['breakdown']['share']}")
+    _keep_other_models(report, args.out, set(suites))
     return _results.save(report, args.out)
+
+
+def _keep_other_models(report: dict, out: str, ran: set[str]) -> None:
+    """Copy into ``report`` the summary and records of the models ``out`` (an earlier report of this
+    benchmark) holds and this run did not measure, each summary marked with the run that made it."""
+    path = Path(out)
+    if not path.is_file():
+        return
+    import json
+
+    try:
+        old = json.loads(path.read_text())
+    except ValueError:
+        return
+    if old.get("benchmark") != report["benchmark"]:
+        return
+    for name, summary in (old.get("summary") or {}).items():
+        if name in ran:
+            continue
+        origin = summary.get("from_run") or {k: old.get(k) for k in ("command", "git", "created")}
+        report["summary"][name] = {**summary, "from_run": origin}
+        report["results"].extend(r for r in old.get("results", []) if r.get("encoder") == name)
 
 
 if __name__ == "__main__":

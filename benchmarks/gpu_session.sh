@@ -28,9 +28,11 @@ WORK=$(mktemp -d /tmp/surge-gpu-work.XXXXXX)
 TRY=${SURGE_GPU_TRY:-}
 # stage:timeout_s, in order; with SETUP_TIMEOUT the sum must stay under 480 s (the test checks it).
 # What matters most runs first, so a session cut short still answers it: end to end through Dask
-# (MiniLM, then BERT-base), then the GPU-busy fraction; each with room left in its timeout.
+# (MiniLM, then BERT-base), then the GPU-busy fraction; each with room left in its timeout. The
+# decoder stage (a Qwen3-Embedding-0.6B-shaped model, fast engine against SentenceTransformer.encode,
+# fp16, 10,000 texts) took 5 s each from host, engine, inflight and 10 s from pytest.
 SETUP_TIMEOUT=45
-STAGES="preflight:15,data:30,surge_minilm:85,surge_bert:65,busy:30,host:45,engine:45,inflight:40,cosine:20,pytest:50"
+STAGES="preflight:15,data:30,surge_minilm:85,surge_bert:65,busy:30,host:40,engine:40,inflight:35,decoder:30,cosine:20,pytest:40"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTORCH_NVML_BASED_CUDA_CHECK=1
 
 line() {  # one JSON line from the shell itself: line STAGE STATUS [key=number ...]

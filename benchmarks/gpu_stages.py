@@ -42,6 +42,11 @@ engine     the engine alone in this process, loaded as the workers load it (leng
            SentenceTransformer.encode (fp16, batch 1024) on the same texts; BERT-base's
            engine and forward alone
 inflight   set B with 2, then 4 SuperBatches in flight per GPU (surge.superbatches-per-gpu and threads)
+decoder    a decoder embedder shaped as Qwen3-Embedding-0.6B (random weights; hidden 1024, 28 layers,
+           16 heads, 8 key/value heads, head_dim 128, intermediate 3072, last-token pooling, left
+           padding), with the carried MiniLM tokenizer, so its vocabulary is 30,522, not 151,669: the
+           fast engine (loaded as the workers load it, fp16) against SentenceTransformer.encode in
+           fp16 on the same texts, and the two's cosine; the tiny decoder in the dry run
 cosine     real MiniLM weights against CPU fp32 embeddings: the headline is fp16 loaded as the
            workers load it; bf16, and the engine built on sentence-transformers' load, beside it
 pytest     the gpu-marked tests, on the carried fp16 MiniLM copy
@@ -76,8 +81,9 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # the parent must n
 
 #: Texts per set at full scale (the H200) and in the dry run; set B is set A's first files.
 SIZES = {"full": {"rows_a": 1_000_000, "b_fraction": 0.25, "engine_texts": 200_000, "st_texts": 40_000,
-                  "bert_texts": 40_000},
-         "try": {"rows_a": 3_000, "b_fraction": 0.4, "engine_texts": 400, "st_texts": 200, "bert_texts": 200}}
+                  "bert_texts": 40_000, "decoder_texts": 10_000},
+         "try": {"rows_a": 3_000, "b_fraction": 0.4, "engine_texts": 400, "st_texts": 200, "bert_texts": 200,
+                 "decoder_texts": 200}}
 
 #: The model forward alone on pre-tokenized, length-sorted ids, one H200 in fp16, synthetic English-like
 #: texts of about 27 tokens (the design notes' measured anchors): what the ``engine`` stage's
@@ -651,6 +657,90 @@ def stage_engine(s: Session) -> None:
     bert["engine_over_forward_only"] = bert["engine_texts_per_s"] / bert["forward_only"]["texts_per_s"]
     enc.close()
     out["bert"] = bert
+    s.emit("ok", **out)
+
+
+#: Qwen3-Embedding-0.6B's shape (its config.json), less the vocabulary: the carried tokenizer's is used.
+QWEN3_06B_SHAPE = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+                   "head_dim": 128, "intermediate_size": 3072, "max_position_embeddings": 32768,
+                   "rope_theta": 1_000_000, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
+
+
+def _decoder_model(s: Session) -> str:
+    """The decoder embedder the ``decoder`` stage times: random weights in Qwen3-Embedding-0.6B's shape
+    (:data:`QWEN3_06B_SHAPE`), saved in fp16 with the MiniLM model's tokenizer padding left, last-token
+    pooling, Normalize and a query prompt; :func:`~dask_surge.testing.make_tiny_decoder_model` in the dry run."""
+    from dask_surge.testing import make_tiny_decoder_model
+
+    path = s.work / "decoder"
+    if s.trying or (path / "modules.json").is_file():
+        return make_tiny_decoder_model(path)
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
+
+    tokenizer = AutoTokenizer.from_pretrained(s.model("minilm"))
+    tokenizer.padding_side = "left"
+    config = Qwen3Config(vocab_size=tokenizer.vocab_size, **QWEN3_06B_SHAPE)
+    torch.manual_seed(0)
+    with torch.device(s.device):  # random init on the GPU, in seconds
+        model = Qwen3Model(config).to(torch.float16)
+    base = s.work / "decoder-base"
+    model.save_pretrained(str(base))
+    tokenizer.save_pretrained(str(base))
+    del model
+    modules = [Transformer(str(base), max_seq_length=512), Pooling(1024, pooling_mode="lasttoken"), Normalize()]
+    SentenceTransformer(modules=modules, device="cpu",
+                        prompts={"query": "Instruct: Given a query, retrieve relevant passages\nQuery: "}
+                        ).save(str(path))
+    return str(path)
+
+
+def stage_decoder(s: Session) -> None:
+    """A Qwen3-0.6B-shaped decoder embedder: the fast engine (as the workers load it) against
+    SentenceTransformer.encode in fp16 (batch 256) on the same texts, and their cosine."""
+    import numpy as np
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from dask_surge import Encoder
+    from dask_surge.testing import make_texts, min_cosine
+
+    t = time.perf_counter()
+    path = _decoder_model(s)
+    out: dict = {"model": "qwen3-0.6b-shaped" if not s.trying else "tiny-decoder", "build_s": time.perf_counter() - t,
+                 "shape": QWEN3_06B_SHAPE if not s.trying else "tiny", "vocab_note": "the MiniLM tokenizer's 30,522"}
+    texts = make_texts(s.sizes["decoder_texts"], seed=11)
+    enc = Encoder(path, device=s.device)
+    engine = enc.engine
+    impl = enc._loaded().impl
+    s.loaded_by = getattr(impl, "loaded_by", None)
+    out.update(backend=enc.backend, backend_reason=enc.backend_reason, texts=len(texts),
+               weights_dtype=str(next(engine._hf.parameters()).dtype) if engine is not None else None)
+    if engine is None:
+        s.emit("error", reason="the fast engine did not take the decoder", **out)
+        enc.close()
+        return
+    out.update(_engine_rate(s, engine, texts))
+    got = engine.encode(texts[:512])
+    s.emit(**out)
+    enc.close()
+    del engine, enc
+    if s.device == "cuda":
+        torch.cuda.empty_cache()
+    model = SentenceTransformer(path, device=s.device)
+    st16 = model.to(torch.float16) if s.device == "cuda" else model
+    st16.encode(texts[:256], batch_size=256)
+    _sync(s.device)
+    t = time.perf_counter()
+    st16.encode(texts, batch_size=256, convert_to_numpy=True)
+    _sync(s.device)
+    st_s = time.perf_counter() - t
+    want = np.asarray(st16.encode(texts[:512], batch_size=256, convert_to_numpy=True), dtype=np.float32)
+    out.update(st_loaded_by="sentence-transformers", st_texts_per_s=len(texts) / st_s,
+               engine_over_st=out["engine_texts_per_s"] / (len(texts) / st_s), min_cosine=min_cosine(got, want))
     s.emit("ok", **out)
 
 

@@ -249,7 +249,8 @@ def make_tiny_sparse_model(path: str | os.PathLike, *, hidden_size: int = 32, ma
     return str(out)
 
 
-def make_tiny_decoder_model(path: str | os.PathLike, *, max_seq_length: int = 128, seed: int = 0) -> str:
+def make_tiny_decoder_model(path: str | os.PathLike, *, max_seq_length: int = 128, seed: int = 0,
+                            padding_side: str = "left", pooling_mode: str = "lasttoken") -> str:
     """Build a small random Qwen3-shaped decoder embedder on disk: last-token pooling, normalized,
     left padding and a query prompt, as Qwen3 embedders ship.
 
@@ -261,9 +262,13 @@ def make_tiny_decoder_model(path: str | os.PathLike, *, max_seq_length: int = 12
     path : str or os.PathLike
         Directory to write the model to (created if missing); reused as is when it holds a model.
     max_seq_length : int
-        Truncation length in tokens.
+        Truncation length in tokens (the model's positions reach at least as far).
     seed : int
         Seed for the random weights (same seed, same model).
+    padding_side : {"left", "right"}
+        The tokenizer's padding side (Qwen3 embedders ship "left").
+    pooling_mode : str
+        The ``Pooling`` module's mode ("lasttoken", as Qwen3 embedders ship).
 
     Returns
     -------
@@ -275,6 +280,8 @@ def make_tiny_decoder_model(path: str | os.PathLike, *, max_seq_length: int = 12
     >>> import tempfile
     >>> from sentence_transformers import SentenceTransformer
     >>> model = SentenceTransformer(make_tiny_decoder_model(tempfile.mkdtemp()), device="cpu")
+    >>> model.tokenizer.padding_side, model[1].pooling_mode
+    ('left', 'lasttoken')
     >>> emb = model.encode(["a tiny test", "and a longer second one"])
     >>> emb.shape, bool(np.allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5))
     ((2, 32), True)
@@ -291,13 +298,14 @@ def make_tiny_decoder_model(path: str | os.PathLike, *, max_seq_length: int = 12
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(packaged_model_dir()))
-    tokenizer.padding_side = "left"
+    tokenizer.padding_side = padding_side
     config = Qwen3Config(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         max_position_embeddings=max(256, max_seq_length))
     base = out / "_decoder"
     Qwen3Model(config).save_pretrained(str(base))
     tokenizer.save_pretrained(str(base))
-    modules = [Transformer(str(base), max_seq_length=max_seq_length), Pooling(32, pooling_mode="lasttoken"),
+    modules = [Transformer(str(base), max_seq_length=max_seq_length), Pooling(32, pooling_mode=pooling_mode),
                Normalize()]
     SentenceTransformer(modules=modules, device="cpu",
                         prompts={"query": "Instruct: Given a query, retrieve relevant passages\nQuery: "}).save(str(out))

@@ -50,7 +50,7 @@ def test_stage_timeouts_sum_well_under_the_run_limit():
 #: What loaded the model each stage times, in the dry run: dask-surge's native BERT loader, as in the workers.
 _LOADED_BY = {"preflight": "dask-surge", "data": None, "surge_minilm": "dask-surge", "surge_bert": "dask-surge",
               "busy": "dask-surge", "host": "dask-surge", "engine": "dask-surge", "inflight": "dask-surge",
-              "cosine": "dask-surge", "pytest": None}
+              "decoder": "transformers", "cosine": "dask-surge", "pytest": None}
 
 
 def test_dry_run_writes_one_line_per_stage_into_at_most_four_files(tmp_path):

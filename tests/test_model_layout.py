@@ -35,7 +35,7 @@ def _variants(base):
 
 
 @pytest.mark.parametrize("name, plain", [("mean", True), ("cls+normalize", True), ("mean+max", True),
-                                         ("lasttoken", False), ("weightedmean", False), ("dense", False),
+                                         ("lasttoken", True), ("weightedmean", False), ("dense", False),
                                          ("no-pooling", False)])
 def test_the_files_and_the_loaded_model_are_judged_by_one_rule(base, tmp_path, name, plain):
     variants, SentenceTransformer = _variants(base)
@@ -65,7 +65,35 @@ def test_the_layout_is_read_once_and_again_when_a_file_changes(base, tmp_path):
     assert read_layout(tmp_path / "m") is first  # nothing changed: from memory
     pooling = next((tmp_path / "m").glob("*Pooling/config.json"))
     config = json.loads(pooling.read_text())
-    config.update(pooling_mode="lasttoken")
+    config.update(pooling_mode="weightedmean")
     pooling.write_text(json.dumps(config, indent=1))
     again = read_layout(tmp_path / "m")
-    assert again is not first and not again.plain and "lasttoken" in again.reason
+    assert again is not first and not again.plain and "weightedmean" in again.reason
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory):
+    from sentence_transformers import SentenceTransformer
+
+    from dask_surge.testing import make_tiny_decoder_model
+
+    return SentenceTransformer(make_tiny_decoder_model(tmp_path_factory.mktemp("layout") / "decoder"), device="cpu")
+
+
+@pytest.mark.parametrize("modes, plain", [("lasttoken", True), (["lasttoken", "mean"], True), ("weightedmean", False),
+                                          ("mean_sqrt_len_tokens", False)])
+def test_a_rotary_decoder_is_judged_by_the_same_rule_from_files_and_loaded(decoder, tmp_path, modes, plain):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+
+    model = SentenceTransformer(modules=[decoder[0], Pooling(32, pooling_mode=modes), Normalize()], device="cpu",
+                                prompts=dict(decoder.prompts))
+    model.save(str(tmp_path / "m"))
+    from_files, loaded = read_layout(tmp_path / "m"), layout_of_model(model)
+    assert from_files.plain == loaded.plain == plain, (from_files.reason, loaded.reason)
+    assert from_files.reason == loaded.reason
+    assert from_files.decoder and loaded.decoder and from_files.model_type == loaded.model_type == "qwen3"
+    assert from_files.prompts == loaded.prompts and "query" in loaded.prompts
+    assert from_files.dimension == model.encode(["x"]).shape[1]
+    if plain:
+        assert (direct_reason(from_files) is None) == isinstance(modes, str), direct_reason(from_files)

@@ -265,14 +265,13 @@ def test_prompt_with_a_plain_callable_raises():
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_decoder_embedder_runs_through_the_fallback(tmp_path, arch):
+def test_decoder_embedder_runs_on_the_fast_engine_and_through_the_fallback(tmp_path, arch):
     path = make_tiny_decoder(tmp_path / arch, arch)
-    enc = Encoder(path, device="cpu", prompt_name="query")
-    assert enc.backend == "sentence-transformers" and enc.engine is None
     reference = SentenceTransformer(path, device="cpu").encode(TEXTS, prompt_name="query")
-    assert min_cosine(enc.encode(TEXTS), reference) >= 0.9999
-    with pytest.raises(SurgeModelError, match=r"engine='fast' needs a Transformer"):
-        Encoder(path, device="cpu", engine="fast").load()
+    for engine, backend in (("auto", "fast"), ("fast", "fast"), ("sentence-transformers", "sentence-transformers")):
+        enc = Encoder(path, device="cpu", prompt_name="query", engine=engine)
+        assert enc.backend == backend, enc.backend_reason
+        assert min_cosine(enc.encode(TEXTS), reference) >= 0.9999
 
 
 def test_decoder_embedder_end_to_end_from_the_hub_cache(hub_cache, tmp_path, client):

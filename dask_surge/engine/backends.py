@@ -1,10 +1,10 @@
 """What encodes a loaded model: three backends behind one small protocol, and the function that picks one.
 
 - :class:`FastBackend`: the tokenize-sort-forward :class:`~dask_surge.engine.transformer.TransformerEngine`,
-  for a ``SentenceTransformer`` that is Transformer (an encoder) + Pooling (cls, mean or
-  max) (+ Normalize);
+  for a ``SentenceTransformer`` that is Transformer (an encoder or a rotary decoder) + Pooling
+  (cls, mean, max or lasttoken) (+ Normalize), :func:`~dask_surge.engine.layout.plain_reason`;
 - :class:`SentenceTransformersBackend`: ``SentenceTransformer.encode``, for every other
-  sentence-transformers model (decoder embedders, custom modules, CLIP...);
+  sentence-transformers model (encoder-decoders, custom modules, CLIP...);
 - :class:`CallableBackend`: any other callable ``texts -> (n, d) array``, called as is.
 
 :func:`choose_backend` builds the one that applies and says why. Every backend has a
@@ -442,8 +442,8 @@ def choose_backend(
     """The backend that encodes with ``obj``, and why it was chosen.
 
     A ``SentenceTransformer`` runs on the fast engine when ``engine`` is ``"auto"`` or
-    ``"fast"`` and its modules are Transformer (an encoder) + Pooling (cls, mean or max)
-    (+ Normalize), else through ``SentenceTransformer.encode``; an in-memory one is
+    ``"fast"`` and its modules are Transformer (an encoder or a rotary decoder) + Pooling
+    (cls, mean, max or lasttoken) (+ Normalize), else through ``SentenceTransformer.encode``; an in-memory one is
     first moved to ``device``. Any other callable is called as is.
 
     Parameters
@@ -516,12 +516,15 @@ def choose_backend(
             return FastBackend(obj, fast), _fast_reason(engine, modules)
         if engine == "fast":
             raise SurgeModelError(
-                f"engine='fast' needs a Transformer (an encoder) + Pooling (cls, mean or max) (+ Normalize) "
-                f"model, but {name!r} has modules {modules}. "
+                f"engine='fast' needs a Transformer (an encoder or a rotary decoder) + Pooling (cls, mean, max or "
+                f"lasttoken) (+ Normalize) model, but {name!r} has modules {modules} "
+                f"({layout_of_model(obj).reason or 'its tokenizer is not a fast one'}). "
                 "Fix: pass engine='auto' to fall back to SentenceTransformer.encode."
             )
         reason = (f"engine='auto' and the model ({' + '.join(modules)}) is not an encoder Transformer + Pooling "
-                  "(cls, mean or max) (+ Normalize) the fast engine runs: SentenceTransformer.encode runs")
+                  "(cls, mean, max or lasttoken) (+ Normalize), nor a rotary decoder one, that the fast engine runs "
+                  f"({layout_of_model(obj).reason or 'its tokenizer is not a fast one'}): "
+                  "SentenceTransformer.encode runs")
     return SentenceTransformersBackend(obj, prompt=resolved, batch_size=batch_size), reason
 
 

@@ -36,6 +36,7 @@ from ..errors import SurgeModelError
 from . import tuning
 from .batching import CPU_MAX_TOKENS, BatchPlan, activation_bytes_per_token, cpu_max_tokens
 from .bert import BertEncoder, pad_keys
+from .layout import is_decoder_config
 from .tokenizing import PackedBlock, StageClock
 
 __all__ = ["DTYPES", "STAGING_BYTES", "DeviceRunner"]
@@ -79,7 +80,7 @@ class DeviceRunner:
         linear layers also hold their weights packed for oneDNN; on CUDA with a half
         ``dtype``, a copy whose weights are in that dtype).
     pooling_modes : tuple of str
-        ``cls``, ``mean`` and/or ``max``, concatenated in that order.
+        Modes of :data:`~dask_surge.engine.layout.FAST_POOLING`, concatenated in that order.
     dtype : {None, "float32", "float16", "bfloat16"}
         Compute dtype of the forward pass.
     pad_id : int
@@ -97,7 +98,10 @@ class DeviceRunner:
     dimension : int
     mask4d : bool
         The encoder takes a 4D additive attention mask and gives the same output as
-        with the 2D mask: probed once, here.
+        with the 2D mask: probed once, here (never for a causal decoder: a 4D mask
+        replaces its causal mask, so it keeps the 2D one).
+    decoder : bool
+        The model is a causal decoder (:func:`~dask_surge.engine.layout.is_decoder_config`).
     """
 
     def __init__(self, hf: torch.nn.Module, pooling_modes: tuple[str, ...], *, dtype: str | None, pad_id: int,
@@ -121,7 +125,9 @@ class DeviceRunner:
         self.type_ids = type_ids
         self.prompt_length = prompt_length
         self.clock = clock
-        self.mask4d = self._takes_4d_mask()
+        to_dict = getattr(self.config, "to_dict", None)
+        self.decoder = is_decoder_config(to_dict() if callable(to_dict) else {})
+        self.mask4d = not self.decoder and self._takes_4d_mask()
         self._feeder: _Feeder | None = None
         self._feeder_lock = threading.Lock()
         self.staging: torch.Tensor | None = None  # the pinned copy-out buffer, made on first use (CUDA)
@@ -325,14 +331,18 @@ class DeviceRunner:
     def pool(self, hidden: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Pool like ``sentence_transformers`` ``Pooling`` (right padding; prompt tokens out if it says so).
 
-        ``mask`` None means every token is real.
+        ``mask`` None means every token is real. ``lasttoken`` is each row's token at its
+        length less one (the rows are right-padded): the position sentence-transformers
+        gathers whichever side its tokenizer pads; a row whose tokens are all the prompt's,
+        left out of pooling, gets zeros, as there.
         """
         if mask is None and not self.prompt_length:
             parts = [hidden[:, 0] if mode == "cls" else hidden.max(dim=1).values if mode == "max"
-                     else hidden.mean(dim=1) for mode in self.modes]
+                     else hidden[:, -1] if mode == "lasttoken" else hidden.mean(dim=1) for mode in self.modes]
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if mask is None:
             mask = torch.ones(hidden.shape[:2], dtype=torch.int32, device=hidden.device)
+        lengths = mask.sum(dim=1) if "lasttoken" in self.modes else None
         mask = mask.to(torch.int32)  # a fresh tensor: the caller's mask stays as it was
         if self.prompt_length:
             mask[:, : self.prompt_length] = 0
@@ -344,6 +354,10 @@ class DeviceRunner:
                 parts.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), first])
             elif mode == "cls":
                 parts.append(hidden[:, 0])
+            elif mode == "lasttoken" and lengths is not None:
+                rows = torch.arange(hidden.shape[0], device=hidden.device)
+                last = hidden[rows, (lengths - 1).clamp(min=0)]
+                parts.append(last * (lengths > self.prompt_length).unsqueeze(-1).to(last.dtype))
             elif mode == "max":
                 parts.append(hidden.masked_fill(weights == 0, float("-inf")).max(dim=1).values)
             else:
@@ -354,7 +368,15 @@ class DeviceRunner:
     def auto_max_tokens(self, max_seq_length: int) -> int:
         """The token budget of one micro-batch: on a CPU, :func:`~dask_surge.engine.batching.cpu_max_tokens`
         (2,048 for MiniLM-sized and wider models, up to 8,192 for narrower ones); on CUDA, sized from
-        free memory."""
+        free memory.
+
+        Both come from one estimate, :func:`~dask_surge.engine.batching.activation_bytes_per_token`
+        of this model's config: its width, feed-forward size and heads, and one attention row a
+        head over ``max_seq_length``, so a wide decoder with a 32k window gets a budget of its own
+        size, never a narrow model's larger one. The layer count does not enter: inference frees
+        each layer's activations before the next. A single text longer than the budget still runs,
+        alone, as one row of its length.
+        """
         per_token = activation_bytes_per_token(self.config, max_seq_length)
         if self.device.type != "cuda":
             return cpu_max_tokens(per_token)

@@ -1,6 +1,7 @@
 """A sentence-transformers model's layout, read once from its files, and the one rule of a plain model.
 
-The fast engine runs a *plain* model: Transformer (an encoder) + Pooling (cls, mean or max,
+The fast engine runs a *plain* model: Transformer (an encoder, or a decoder of a rotary
+family, :data:`ROTARY_DECODERS`) + Pooling (:data:`FAST_POOLING`: cls, mean, max or lasttoken,
 or several of them) (+ Normalize), with the Transformer's default text settings and no
 ``truncate_dim``. :func:`plain_reason` states that rule once; it is applied to a model's
 files (:func:`read_layout`, which decides how :mod:`dask_surge.engine.loading` loads it and
@@ -20,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAST_POOLING", "POOL_FLAGS", "ModelLayout", "layout_of_model", "plain_reason", "read_layout"]
+__all__ = ["FAST_POOLING", "POOL_FLAGS", "ROTARY_DECODERS", "ModelLayout", "is_decoder_config", "layout_of_model",
+           "plain_reason", "read_layout"]
 
 #: the ``pooling_mode_*`` flags of a ``Pooling`` config -> the mode names ``Pooling.pooling_mode`` uses
 POOL_FLAGS: dict[str, str] = {
@@ -31,8 +33,19 @@ POOL_FLAGS: dict[str, str] = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
     "pooling_mode_lasttoken": "lasttoken",
 }
-#: the pooling modes the fast engine computes
-FAST_POOLING = frozenset({"cls", "mean", "max"})
+#: the pooling modes the fast engine computes (the engine packs right-padded rows: ``lasttoken`` is a
+#: text's row at its length less one, the position sentence-transformers gathers on either padding side)
+FAST_POOLING = frozenset({"cls", "mean", "max", "lasttoken"})
+#: ``config.json`` model types of the causal decoders the fast engine runs. Their positions are rotary
+#: (relative): the engine's right-padded rows give the vectors of sentence-transformers' left-padded
+#: batches (a left pad shifts every position of a row by the same amount, which rotary attention does
+#: not see). A decoder with absolute positions (GPT-2's learned ones) would not, so it is refused.
+ROTARY_DECODERS = frozenset({"qwen2", "qwen3", "mistral", "llama", "gemma", "gemma2", "gemma3_text"})
+#: ``config.json`` model types of causal decoders with absolute positions, whose configs say nothing
+#: else that marks them as decoders once sentence-transformers saved them (``GPT2Model``): refused
+_ABSOLUTE_DECODERS = frozenset({"gpt2", "gpt_neo", "openai-gpt", "opt", "biogpt", "xglm", "ctrl"})
+#: ``architectures`` name endings of a causal language model
+_CAUSAL_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
 #: a Transformer module's text-only ``modality_config`` (the default)
 TEXT_ONLY: dict[str, Any] = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
 #: the stacks of a plain model
@@ -42,8 +55,28 @@ _SIZED_MODULES = ("Transformer", "Pooling", "Normalize", "Dense")
 _NORMALIZE_IO = ("sentence_embedding", "sentence_embedding")
 
 
+def is_decoder_config(config: Mapping[str, Any]) -> bool:
+    """Whether the Hugging Face config ``config`` (its ``config.json``, or a loaded config's ``to_dict()``)
+    is a causal decoder's: ``is_decoder`` set, a causal language model's architecture, or a known decoder
+    type (:data:`ROTARY_DECODERS` and GPT-2-like ones, whose saved configs set neither: ``Qwen3Model``
+    saves ``is_decoder: false``).
+
+    Examples
+    --------
+    >>> is_decoder_config({"model_type": "qwen3", "architectures": ["Qwen3Model"]})
+    True
+    >>> is_decoder_config({"model_type": "gpt2", "architectures": ["GPT2Model"]})
+    True
+    >>> is_decoder_config({"model_type": "bert", "architectures": ["BertModel"]})
+    False
+    """
+    architectures = config.get("architectures") or ()
+    return (bool(config.get("is_decoder")) or config.get("model_type") in ROTARY_DECODERS | _ABSOLUTE_DECODERS
+            or any(str(a).endswith(_CAUSAL_ARCHITECTURES) for a in architectures))
+
+
 def plain_reason(modules: Sequence[str], pooling: Sequence[str], *, module_types: Sequence[str] | None = None,
-                 settings: Mapping[str, Any] | None = None, is_decoder: bool = False,
+                 settings: Mapping[str, Any] | None = None, is_decoder: bool = False, model_type: str | None = None,
                  is_encoder_decoder: bool = False, truncate_dim: int | None = None, max_seq_length: Any = None,
                  normalize_io: tuple[str, str] = _NORMALIZE_IO) -> str | None:
     """None when a model of this description is plain (the fast engine runs it), else why it is not.
@@ -62,7 +95,10 @@ def plain_reason(modules: Sequence[str], pooling: Sequence[str], *, module_types
         The Transformer module's ``transformer_task``, ``modality_config``,
         ``module_output_name`` and ``processing_kwargs`` (absent: the defaults).
     is_decoder, is_encoder_decoder : bool
-        From the Hugging Face config: the fast engine runs encoders only.
+        From the Hugging Face config (:func:`is_decoder_config`): the fast engine runs encoders and
+        the decoders of :data:`ROTARY_DECODERS`, never an encoder-decoder.
+    model_type : str, optional
+        The Hugging Face config's ``model_type`` (a decoder's must be one of :data:`ROTARY_DECODERS`).
     truncate_dim : int, optional
         The model's Matryoshka truncation (none for a plain model).
     max_seq_length : int, optional
@@ -78,8 +114,12 @@ def plain_reason(modules: Sequence[str], pooling: Sequence[str], *, module_types
     --------
     >>> plain_reason(["Transformer", "Pooling", "Normalize"], ["mean"]) is None
     True
-    >>> plain_reason(["Transformer", "Pooling"], ["lasttoken"])
-    "the pooling ['lasttoken'] is not cls, mean or max"
+    >>> plain_reason(["Transformer", "Pooling"], ["lasttoken"], is_decoder=True, model_type="qwen3") is None
+    True
+    >>> plain_reason(["Transformer", "Pooling"], ["weightedmean"])
+    "the pooling ['weightedmean'] is not of cls, lasttoken, max, mean"
+    >>> plain_reason(["Transformer", "Pooling"], ["lasttoken"], is_decoder=True, model_type="gpt2")[:40]
+    "a 'gpt2' decoder: the fast engine runs d"
     """
     if list(modules) not in _PLAIN_STACKS:
         return f"modules {list(modules)} are not Transformer + Pooling (+ Normalize)"
@@ -88,7 +128,7 @@ def plain_reason(modules: Sequence[str], pooling: Sequence[str], *, module_types
     if len(modules) == 3 and tuple(normalize_io) != _NORMALIZE_IO:
         return f"the Normalize module reads and writes {tuple(normalize_io)}, not the sentence embedding"
     if not pooling or not set(pooling) <= FAST_POOLING:
-        return f"the pooling {list(pooling)} is not cls, mean or max"
+        return f"the pooling {list(pooling)} is not of {', '.join(sorted(FAST_POOLING))}"
     settings = settings or {}
     odd = [key for key, default in (("transformer_task", "feature-extraction"), ("modality_config", TEXT_ONLY),
                                     ("module_output_name", "token_embeddings"))
@@ -97,8 +137,12 @@ def plain_reason(modules: Sequence[str], pooling: Sequence[str], *, module_types
         odd.append("processing_kwargs")
     if odd:
         return f"the Transformer module sets {odd}"
-    if is_decoder or is_encoder_decoder:
-        return "the Transformer is a decoder (or an encoder-decoder), not an encoder"
+    if is_encoder_decoder:
+        return "the Transformer is an encoder-decoder, not an encoder or a decoder alone"
+    if is_decoder and model_type not in ROTARY_DECODERS:
+        return (f"a {model_type!r} decoder: the fast engine runs decoders of rotary (relative) positions only, "
+                f"{', '.join(sorted(ROTARY_DECODERS))}, whose right-padded rows give sentence-transformers' "
+                "left-padded vectors")
     if truncate_dim is not None:
         return f"truncate_dim={truncate_dim!r} is set"
     if max_seq_length is not None and (isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int)
@@ -171,6 +215,11 @@ class ModelLayout:
         """``config.json``'s ``model_type`` (``"bert"``), if any."""
         value = self.hf_config.get("model_type")
         return value if isinstance(value, str) else None
+
+    @property
+    def decoder(self) -> bool:
+        """The Transformer is a causal decoder (:func:`is_decoder_config` of :attr:`hf_config`)."""
+        return is_decoder_config(self.hf_config)
 
 
 def _read(path: Path, files: dict[str, tuple[int, int] | None]) -> Any:
@@ -261,7 +310,7 @@ def _read_layout(path: str, files: dict[str, tuple[int, int] | None]) -> ModelLa
         # null in sentence_bert_config.json is the setting left at its default
         settings = {k: v for k, v in transformer_settings.items() if v is not None}
         reason = plain_reason(short, pooling, module_types=types, settings=settings,
-                              is_decoder=bool(hf_config.get("is_decoder")),
+                              is_decoder=is_decoder_config(hf_config), model_type=hf_config.get("model_type"),
                               is_encoder_decoder=bool(hf_config.get("is_encoder_decoder")),
                               truncate_dim=model_settings.get("truncate_dim"), max_seq_length=max_seq_length)
         return ModelLayout(
@@ -342,11 +391,13 @@ def layout_of_model(model: Any) -> ModelLayout:
                 ("transformer_task", "modality_config", "module_output_name", "processing_kwargs")
                 if hasattr(transformer, key)}
     config = getattr(getattr(transformer, "auto_model", None), "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    hf_config = to_dict() if callable(to_dict) else {}
     normalize = modules[2] if len(modules) == 3 else None
     normalize_io = (getattr(normalize, "module_input_name", _NORMALIZE_IO[0]),
                     getattr(normalize, "module_output_name", _NORMALIZE_IO[1]))
     reason = plain_reason(short, pooling, module_types=types, settings=settings,
-                          is_decoder=bool(getattr(config, "is_decoder", False)),
+                          is_decoder=is_decoder_config(hf_config), model_type=hf_config.get("model_type"),
                           is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
                           truncate_dim=getattr(model, "truncate_dim", None), normalize_io=normalize_io,
                           max_seq_length=getattr(transformer, "max_seq_length", None))
@@ -356,5 +407,5 @@ def layout_of_model(model: Any) -> ModelLayout:
         max_seq_length if isinstance(max_seq_length, int) else None, reason is None, reason or "",
         include_prompt=bool(getattr(pooling_module, "include_prompt", True)),
         prompts=dict(getattr(model, "prompts", None) or {}),
-        default_prompt_name=getattr(model, "default_prompt_name", None),
+        default_prompt_name=getattr(model, "default_prompt_name", None), hf_config=dict(hf_config),
     )

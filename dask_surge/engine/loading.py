@@ -1,8 +1,8 @@
 """Load a plain Transformer + Pooling (+ Normalize) model for the fast engine without sentence-transformers.
 
 The fast engine (:class:`~dask_surge.engine.transformer.TransformerEngine`) needs three things
-of a sentence-transformers model: the Hugging Face encoder, its fast tokenizer and the
-pooling. Importing ``sentence_transformers`` to get them costs more than the rest of the
+of a sentence-transformers model: the Hugging Face encoder (or rotary decoder), its fast
+tokenizer and the pooling. Importing ``sentence_transformers`` to get them costs more than the rest of the
 load (it imports scikit-learn and SciPy), and every cold worker pays it before its first
 SuperBatch (the cold-start study in ``docs/ab_studies.md``). For a model directory whose
 :class:`~dask_surge.engine.layout.ModelLayout` (read once from its JSON files, nothing
@@ -10,7 +10,10 @@ imported) says it is exactly that stack (:func:`direct_reason`), :func:`load_dir
 the engine computes the same embeddings: the tokenizer with ``max_seq_length`` as
 ``model_max_length`` (a BERT one read by :mod:`dask_surge.engine.bert_tokenizer`, any other
 by ``AutoTokenizer``), the encoder by :mod:`dask_surge.engine.bert` for a BERT (neither needs
-``transformers``), else by ``AutoModel`` with the cache off. Anything else (other modules or
+``transformers``), else (a decoder of :data:`~dask_surge.engine.layout.ROTARY_DECODERS` included)
+by ``AutoModel`` with the cache off, SDPA attention and float32 weights (the engine casts a half
+copy on CUDA, as for any model). The tokenizer's padding side does not matter: the engine pads
+its own rows. Anything else (other modules or
 options, lower-casing, custom code, an architecture outside :data:`DIRECT_MODEL_TYPES`) is
 loaded by sentence-transformers, as before.
 """
@@ -23,15 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from .bert_tokenizer import NotNativeTokenizer, load_bert_tokenizer
-from .layout import TEXT_ONLY, ModelLayout, read_layout
+from .layout import FAST_POOLING, ROTARY_DECODERS, TEXT_ONLY, ModelLayout, read_layout
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DIRECT_MODEL_TYPES", "DirectLayout", "DirectModule", "direct_layout", "direct_reason", "load_direct"]
 
-#: ``config.json`` model types loaded directly: encoders that ``AutoModel`` loads as
-#: sentence-transformers' ``Transformer`` module does (no encoder-only special case there)
-DIRECT_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "electra"})
+#: ``config.json`` model types loaded directly: the encoders and the rotary decoders
+#: (:data:`~dask_surge.engine.layout.ROTARY_DECODERS`) that ``AutoModel`` loads as
+#: sentence-transformers' ``Transformer`` module does (no special case there for them)
+DIRECT_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "electra"}) | ROTARY_DECODERS
 
 #: ``sentence_bert_config.json`` keys and the values that change nothing the engine does
 _NEUTRAL_TRANSFORMER = {"transformer_task": ("feature-extraction",), "module_output_name": ("token_embeddings",),
@@ -65,7 +69,7 @@ def direct_reason(layout: ModelLayout) -> str | None:
     if odd:
         return f"sentence_bert_config.json sets {sorted(odd)}"
     if len(layout.pooling) != 1:
-        return f"pooling_mode={list(layout.pooling)!r} is not one of cls, mean or max"
+        return f"pooling_mode={list(layout.pooling)!r} is not one mode of {', '.join(sorted(FAST_POOLING))}"
     if set(layout.model_settings) - _NEUTRAL_MODEL:
         return f"config_sentence_transformers.json sets {sorted(set(layout.model_settings) - _NEUTRAL_MODEL)}"
     hf = layout.hf_config
@@ -96,7 +100,8 @@ def direct_layout(path: str) -> tuple[ModelLayout | None, str]:
     why = direct_reason(layout)
     if why is not None:
         return None, why
-    return layout, f"{' + '.join(layout.modules)} of a {layout.model_type} encoder"
+    kind = "decoder" if layout.decoder else "encoder"
+    return layout, f"{' + '.join(layout.modules)} of a {layout.model_type} {kind}"
 
 
 @dataclass
@@ -125,7 +130,7 @@ def load_direct(layout: ModelLayout, device: str) -> DirectModule:
     Raises
     ------
     ValueError
-        When the tokenizer is not a right-padding fast one (the caller loads with sentence-transformers).
+        When the tokenizer is not a fast one (the caller loads with sentence-transformers).
 
     Examples
     --------
@@ -148,8 +153,8 @@ def load_direct(layout: ModelLayout, device: str) -> DirectModule:
 
         kwargs = {"model_max_length": layout.max_seq_length} if layout.max_seq_length is not None else {}
         tokenizer = AutoTokenizer.from_pretrained(layout.transformer, local_files_only=True, **kwargs)
-    if not getattr(tokenizer, "is_fast", False) or tokenizer.padding_side != "right":
-        raise ValueError(f"the tokenizer of {layout.transformer} is not a right-padding fast tokenizer")
+    if not getattr(tokenizer, "is_fast", False):  # either padding side: the engine pads its own rows
+        raise ValueError(f"the tokenizer of {layout.transformer} is not a fast tokenizer")
     try:
         model, loaded_by = load_bert(layout.transformer, device), "dask-surge"
     except NotNativeBert as why:
@@ -162,13 +167,17 @@ def load_direct(layout: ModelLayout, device: str) -> DirectModule:
 
 
 def _auto_model(path: str, device: str) -> Any:
-    """``path``'s encoder loaded by ``transformers.AutoModel`` as sentence-transformers loads it, on ``device``, in eval mode."""
+    """``path``'s encoder (or decoder) loaded by ``transformers.AutoModel`` as sentence-transformers loads it,
+    on ``device``, in eval mode: the cache off, SDPA attention, float32 weights (the engine makes the half
+    copy it computes in on CUDA, :class:`~dask_surge.engine.forward.DeviceRunner`)."""
+    import torch
     from transformers import AutoConfig, AutoModel
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if hasattr(config, "use_cache"):  # sentence-transformers turns the cache off
         config.use_cache = False
-    model = AutoModel.from_pretrained(path, config=config, local_files_only=True)
+    model = AutoModel.from_pretrained(path, config=config, local_files_only=True, attn_implementation="sdpa",
+                                      dtype=torch.float32)
     model.to(device)
     model.eval()
     return model

@@ -58,7 +58,8 @@ _DTYPES = DTYPES
 
 
 class TransformerEngine:
-    """Fast ``encode`` for Transformer + Pooling (+ Normalize) sentence-transformers models.
+    """Fast ``encode`` for Transformer + Pooling (+ Normalize) sentence-transformers models, encoders and
+    rotary decoders (last-token pooling) alike.
 
     Build it with :meth:`from_sentence_transformer`; the constructor is internal.
     The engine shares the weights of the model it was built from and snapshots its
@@ -165,10 +166,14 @@ class TransformerEngine:
     ) -> TransformerEngine | None:
         """Build an engine for ``model``, or return None when its structure is not supported.
 
-        Supported: a ``Transformer`` module wrapping a Hugging Face encoder (BERT-like,
-        not a decoder), a ``Pooling`` module in ``cls``, ``mean`` or ``max`` mode (or a
-        combination of them), and optionally a ``Normalize`` module; no ``truncate_dim``.
-        Anything else returns None, and the caller should use ``model.encode``.
+        Supported: a ``Transformer`` module wrapping a Hugging Face encoder (BERT-like) or
+        a causal decoder of :data:`~dask_surge.engine.layout.ROTARY_DECODERS` (Qwen3, Mistral,
+        Llama...), a ``Pooling`` module in the modes of
+        :data:`~dask_surge.engine.layout.FAST_POOLING` (``lasttoken`` included, or a
+        combination of them), and optionally a ``Normalize`` module; no ``truncate_dim``;
+        a fast tokenizer padding either side (the engine packs right-padded rows itself).
+        Anything else returns None (:func:`~dask_surge.engine.layout.plain_reason` says
+        why), and the caller should use ``model.encode``.
 
         Prompts follow ``model.encode(prompt=..., prompt_name=...)``: the prompt text is
         put before each text, and when the ``Pooling`` module has
@@ -225,8 +230,7 @@ class TransformerEngine:
         tokenizer = transformer.tokenizer
         if (  # what only a loaded model has: its tokenizer and its truncation length
             tokenizer is None
-            or not getattr(tokenizer, "is_fast", False)
-            or tokenizer.padding_side != "right"
+            or not getattr(tokenizer, "is_fast", False)  # either padding side: the packer pads its own rows
             or not isinstance(transformer.max_seq_length, int)
         ):
             return None
