@@ -1,10 +1,12 @@
-"""What encodes a loaded model: three backends behind one small protocol, and the function that picks one.
+"""What encodes a loaded model: four backends behind one small protocol, and the function that picks one.
 
 - :class:`FastBackend`: the tokenize-sort-forward :class:`~dask_surge.engine.transformer.TransformerEngine`,
   for a ``SentenceTransformer`` that is Transformer (an encoder or a rotary decoder) + Pooling
   (cls, mean, max or lasttoken) (+ Normalize), :func:`~dask_surge.engine.layout.plain_reason`;
 - :class:`SentenceTransformersBackend`: ``SentenceTransformer.encode``, for every other
   sentence-transformers model (encoder-decoders, custom modules, CLIP...);
+- :class:`FamilyBackend`: a sparse ``SparseEncoder`` or multi-vector ``MultiVectorEncoder``, run by
+  its own ``encode_document`` (:mod:`dask_surge.engine.family`);
 - :class:`CallableBackend`: any other callable ``texts -> (n, d) array``, called as is.
 
 :func:`choose_backend` builds the one that applies and says why. Every backend has a

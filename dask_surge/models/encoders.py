@@ -739,8 +739,8 @@ _ENCODER_NOTES: dict[str, str] = {
     "device": "``\"cuda:N\"`` must name a device the loading process sees (checked where the model "
               "loads). An in-memory ``SentenceTransformer`` is moved to this device (to CUDA when "
               "available, with ``device=None``) where it encodes.",
-    "engine": "The fast engine runs a model that is Transformer (an encoder) + Pooling (cls, mean or max), "
-              "optionally + Normalize; :attr:`backend` says which ran.",
+    "engine": "The fast engine runs a model that is Transformer (an encoder, or a rotary decoder) + Pooling "
+              "(cls, mean, max or lasttoken), optionally + Normalize; :attr:`backend` says which ran.",
 }
 
 
