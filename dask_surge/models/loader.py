@@ -60,7 +60,12 @@ def load(spec: EncoderSpec) -> tuple[Backend, str]:
         return direct
     import sentence_transformers
 
-    cls = getattr(sentence_transformers, _MODEL_CLASSES[family])
+    cls = getattr(sentence_transformers, _MODEL_CLASSES[family], None)
+    if cls is None:  # SparseEncoder came with sentence-transformers 5, MultiVectorEncoder with 6
+        raise SurgeModelError(
+            f"model={spec.repo_id or spec.source!r} is a {_MODEL_CLASSES[family]} ({family} output), which "
+            f"sentence-transformers {sentence_transformers.__version__} does not have. Fix: pip install -U "
+            f"'sentence-transformers>={'6' if family == 'multivector' else '5'}'.")
     try:
         model = cls(source, device=device, local_files_only=True, trust_remote_code=spec.trust_remote_code,
                     model_kwargs=kwargs)
