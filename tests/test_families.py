@@ -343,3 +343,11 @@ def test_the_cost_model_is_calibrated_on_the_familys_own_calls(client, sparse_mo
     params = calibrate(encoder, client=client, seconds=3, cache=False)
     assert params is not None and params.per_text_s + params.per_token_s * 10 > 0
     assert params.alpha_s > 0 and params.workers == len(client.scheduler_info()["workers"])
+
+
+def test_a_sentence_transformers_without_the_familys_class_says_which_release_has_it(multivector_model, monkeypatch):
+    import sentence_transformers
+
+    monkeypatch.delattr(sentence_transformers, "MultiVectorEncoder")  # as on sentence-transformers 5
+    with pytest.raises(dask_surge.SurgeModelError, match=r"pip install -U 'sentence-transformers>=6'"):
+        Encoder(multivector_model, device="cpu").load()
