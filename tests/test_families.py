@@ -31,6 +31,7 @@ from dask_surge.testing import (
     make_tiny_decoder_model,
     make_tiny_multivector_model,
     make_tiny_sparse_model,
+    min_cosine,
     package_documents,
 )
 
@@ -351,3 +352,29 @@ def test_a_sentence_transformers_without_the_familys_class_says_which_release_ha
     monkeypatch.delattr(sentence_transformers, "MultiVectorEncoder")  # as on sentence-transformers 5
     with pytest.raises(dask_surge.SurgeModelError, match=r"pip install -U 'sentence-transformers>=6'"):
         Encoder(multivector_model, device="cpu").load()
+
+
+@pytest.mark.parametrize("family", ["multivector", "decoder"])
+def test_a_family_by_hub_name_through_the_cli(tmp_path, texts, multivector_model, family):
+    """Every family runs from the shell by its Hub name, resolved offline through the Hugging Face cache."""
+    model = multivector_model if family == "multivector" else make_tiny_decoder_model(tmp_path / "decoder")
+    add_to_hub_cache(tmp_path / "hub", f"org/{family}-tiny", model, commit="b" * 40)
+    src = tmp_path / "in"
+    src.mkdir()
+    pd.DataFrame({"text": texts[:30], "doc_id": range(30)}).to_parquet(src / "part-0.parquet")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "dask_surge.cli", "encode", str(src), "--text-column", "text", "--output",
+         str(tmp_path / "o"), "--model", f"org/{family}-tiny", "--device", "cpu", "--scheduler", "sync",
+         "--no-progress"], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    df = read(tmp_path / "o")
+    if family == "multivector":
+        assert "multivector output (vectors, tokens)" in done.stdout
+        assert df["tokens"].tolist() == [len(r) for r in reference_multivector(model, texts[:30])]
+    else:
+        from sentence_transformers import SentenceTransformer
+
+        assert "engine: fast" in done.stdout  # the decoder runs on the fast engine
+        ref = SentenceTransformer(model, device="cpu").encode(texts[:30])
+        assert min_cosine(np.stack(df["embedding"].to_numpy()), ref) >= 0.9999
