@@ -351,7 +351,7 @@ def test_a_sentence_transformers_without_the_familys_class_says_which_release_ha
 
     monkeypatch.delattr(sentence_transformers, "MultiVectorEncoder")  # as on sentence-transformers 5
     with pytest.raises(dask_surge.SurgeModelError, match=r"pip install -U 'sentence-transformers>=6'"):
-        Encoder(multivector_model, device="cpu").load()
+        Encoder(multivector_model, device="cpu", batch_size=3).load()  # a spec no earlier test loaded
 
 
 @pytest.mark.parametrize("family", ["multivector", "decoder"])
