@@ -116,6 +116,28 @@ def test_e2e_small_files_writes_its_ratio(tmp_path):
     assert 0 < summary["cluster_idle_cores"] < 2  # Dask's heartbeats tick, but an idle cluster is not busy
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_e2e_small_files_runs_the_sparse_and_multivector_arms(tmp_path, warm):
+    """Each family against its own reference encode; surge wrote the family's columns; cold and warm
+    figures go to their own files and are marked."""
+    out = tmp_path / ("w.json" if warm else "c.json")
+    report = _run("e2e_small_files", "--models", "sparse,multivector", "--sparse-n", "60", "--sparse-files", "6",
+                  "--multivector-n", "60", "--multivector-files", "6", "--repeats", "1",
+                  *(["--warm"] if warm else []), "--out", str(out))
+    assert {(r["encoder"], r["method"]) for r in report["results"]} == {
+        (m, k) for m in ("sparse", "multivector") for k in ("st", "st1", "surge")}
+    assert all(r["rows"] == 60 and r["warm"] is warm for r in report["results"])
+    columns = {"sparse": {"indices", "values"}, "multivector": {"vectors", "tokens"}}
+    for name, family_columns in columns.items():
+        summary = report["summary"][name]
+        assert summary["family"] == name and summary["warm"] is warm
+        assert summary["ratio_surge_over_st"] > 0 and summary["surge_texts_per_s"] > 0 and summary["st_texts_per_s"] > 0
+        assert family_columns <= set(summary["surge_output_columns"]) and "embedding" not in summary["surge_output_columns"]
+    surge = [r for r in report["results"] if r["method"] == "surge"]
+    assert all((r["warmup_s"] is not None) is warm for r in surge)
+
+
 def test_e2e_breakdown_sorts_py_spy_samples_into_where_the_workers_cpu_went():
     """py-spy's raw lines, summed by ``host_ceiling.gil_profile``, then shared out by ``e2e_small_files.breakdown``:
     a frame's line number does not matter, waiting leaves are left out, the event loop is ``MainThread``'s rest."""
