@@ -378,3 +378,13 @@ def test_a_family_by_hub_name_through_the_cli(tmp_path, texts, multivector_model
         assert "engine: fast" in done.stdout  # the decoder runs on the fast engine
         ref = SentenceTransformer(model, device="cpu").encode(texts[:30])
         assert min_cosine(np.stack(df["embedding"].to_numpy()), ref) >= 0.9999
+
+
+def test_the_client_reads_a_familys_dimension_from_its_files(sparse_model, multivector_model):
+    """What a run's client asks of the model (family, dimension, identity) loads nothing there."""
+    for path, dim in ((sparse_model, 30522), (multivector_model, 16)):
+        enc = Encoder(path, device="cpu", batch_size=5)  # a spec no other test loaded
+        assert (enc.family, enc.dimension, "family" in enc.identity("cpu")) == (
+            {30522: "sparse", 16: "multivector"}[dim], dim, True)
+        assert not enc.is_loaded
+        assert enc.load().dimension == dim  # what the loaded model says

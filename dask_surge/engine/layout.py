@@ -51,7 +51,8 @@ TEXT_ONLY: dict[str, Any] = {"text": {"method": "forward", "method_output_name":
 #: the stacks of a plain model
 _PLAIN_STACKS = (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"])
 #: modules whose effect on the embedding size the files say
-_SIZED_MODULES = ("Transformer", "Pooling", "Normalize", "Dense")
+_SIZED_MODULES = ("Transformer", "Pooling", "Normalize", "Dense",
+                  "SpladePooling", "MultiVectorMask")  # a sparse model's pooling; a multi-vector model's token mask
 _NORMALIZE_IO = ("sentence_embedding", "sentence_embedding")
 
 
@@ -251,6 +252,7 @@ def _pooling_modes(config: Mapping[str, Any]) -> tuple[str, ...]:
 def _dimension(modules: list[dict], root: Path, files: dict[str, tuple[int, int] | None]) -> int | None:
     """The embedding size the module configs say, or None where they do not."""
     dim: int | None = None
+    vocab: Any = None
     try:
         for module in modules:
             kind = str(module.get("type", "")).rsplit(".", 1)[-1]
@@ -263,6 +265,11 @@ def _dimension(modules: list[dict], root: Path, files: dict[str, tuple[int, int]
                 if config is None or not isinstance(config.get("hidden_size"), int):
                     return None
                 dim = config["hidden_size"]
+                vocab = config.get("vocab_size")
+            elif kind == "SpladePooling":  # a weight per vocabulary id, from the MLM head's logits
+                if not isinstance(vocab, int):
+                    return None
+                dim = vocab
             elif kind == "Pooling":
                 cfg = _read(where / "config.json", files)
                 width = cfg.get("embedding_dimension", cfg.get("word_embedding_dimension", dim))
