@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import SurgeModelError, SurgeValueError
-from ..io.layout import DENSE
+from ..io.layout import DENSE, check_family_options
 from ..io.texts import ArrowTexts
 from .family import family_of_object
 from .layout import layout_of_model
@@ -223,13 +223,8 @@ class SentenceTransformersBackend(_Released):
         ``"truncate"`` counts the texts over the window by tokenizing them (up to just past it).
         """
         with self._call():
-            try:
-                cutter = self._window_cutter(long_texts)
-            except SurgeValueError:
-                if long_texts != "truncate":
-                    raise
-                return TextEmbeddings(self._encode(texts, normalize), None, None, 0)  # what is cut: unknown
             if long_texts in ("chunk", "mean"):
+                cutter = self._window_cutter(long_texts)
                 cutter.check_overlap(chunk_overlap)
                 renormalize = normalize or any(type(m).__name__ == "Normalize" for m in self.model)
 
@@ -242,11 +237,8 @@ class SentenceTransformersBackend(_Released):
 
                 return encode_windows(texts, long_texts, chunk_overlap, cutter, encode, self.dimension,
                                       renormalize=renormalize)
-            over = cutter.over(texts)
-            if long_texts == "error" and over.any():
-                first = int(np.argmax(over))
-                raise TextTooLong(first, cutter.content_tokens(texts[first]), cutter.capacity)
-            return TextEmbeddings(self._encode(texts, normalize), None, over, int(over.sum()))
+            over = _over_window(self._window_cutter, texts, long_texts)
+            return TextEmbeddings(self._encode(texts, normalize), None, over, 0 if over is None else int(over.sum()))
 
     def _window_cutter(self, long_texts: str) -> WindowCutter:
         """The model's window cutter (built once), or the error saying why there is none."""
@@ -328,28 +320,10 @@ class FamilyBackend(_Released):
         TextTooLong
             ``"error"`` and a text is over the window.
         """
-        if long_texts not in ("truncate", "error"):
-            raise SurgeValueError(
-                f"long_texts={long_texts!r} is not for a {self.family} model: its rows are not vectors that "
-                "windows could share. Fix: pass long_texts='truncate' (texts are cut at the window, and "
-                "counted) or 'error'.")
+        check_family_options(self.family, long_texts=long_texts)
         with self._call():
-            over = self._over(texts, long_texts)
-            if long_texts == "error" and over is not None and over.any():
-                first = int(np.argmax(over))
-                cutter = self._window_cutter(long_texts)
-                raise TextTooLong(first, cutter.content_tokens(texts[first]), cutter.capacity)
+            over = _over_window(self._window_cutter, texts, long_texts)
             return TextEmbeddings(self._encode(texts, normalize), None, over, 0 if over is None else int(over.sum()))
-
-    def _over(self, texts: list[str], long_texts: str) -> np.ndarray | None:
-        """Which texts are over the window; None when the model has no fast tokenizer to count with
-        (then ``"error"`` raises: it cannot be kept)."""
-        try:
-            return self._window_cutter(long_texts).over(texts)
-        except SurgeValueError:
-            if long_texts != "truncate":
-                raise
-            return None
 
     def _window_cutter(self, long_texts: str) -> WindowCutter:
         if self._cutter is None:
@@ -372,6 +346,29 @@ class FamilyBackend(_Released):
 
     def _release(self) -> None:
         self.model = None
+
+
+def _over_window(cutter: Callable[[str], WindowCutter], texts: list[str], long_texts: str) -> np.ndarray | None:
+    """Which ``texts`` are over the window of ``cutter(long_texts)`` (a backend's window cutter), counted
+    by tokenizing them up to just past it; with ``"error"`` the first is refused. None where the model
+    has no fast tokenizer to count with and ``long_texts`` is ``"truncate"`` (else that error is raised).
+
+    Raises
+    ------
+    TextTooLong
+        ``"error"`` and a text is over the window.
+    """
+    try:
+        cut = cutter(long_texts)
+    except SurgeValueError:
+        if long_texts != "truncate":
+            raise
+        return None
+    over = cut.over(texts)
+    if long_texts == "error" and over.any():
+        first = int(np.argmax(over))
+        raise TextTooLong(first, cut.content_tokens(texts[first]), cut.capacity)
+    return over
 
 
 def _window_cutter_of(model: Any, long_texts: str, prompt: str, length: int | None = None) -> WindowCutter:
@@ -490,9 +487,9 @@ def choose_backend(
                 "Fix: pass engine='auto' (its own encode runs inside the SuperBatches).")
         if in_memory:
             move_to(obj, device)
-        resolved = resolve_prompt(dict(obj.prompts), obj.default_prompt_name, prompt, prompt_name, source=repr(name))
-        backend = FamilyBackend(obj, family=family, prompt=resolved if prompt is not None else None,
-                                prompt_name=prompt_name, batch_size=batch_size)
+        # checks that prompt_name names one of the model's prompts; the model's own call applies it
+        resolve_prompt(dict(obj.prompts), obj.default_prompt_name, prompt, prompt_name, source=repr(name))
+        backend = FamilyBackend(obj, family=family, prompt=prompt, prompt_name=prompt_name, batch_size=batch_size)
         return backend, f"the model is a {type(obj).__name__} ({family} output): its own encode runs"
     if not isinstance(obj, SentenceTransformer):
         if prompt is not None or prompt_name is not None:

@@ -530,7 +530,7 @@ class _FamilyRows:
 
     @property
     def meta(self) -> pd.DataFrame:
-        return pd.DataFrame({k: pd.arrays.ArrowExtensionArray(v) for k, v in self.task.rows([]).items()})
+        return pd.DataFrame({k: pd.arrays.ArrowExtensionArray(v) for k, v in self.task.empty_payload().items()})
 
 
 def _partition_call(encoder) -> tuple[Callable[[pd.Series], Any], Any]:

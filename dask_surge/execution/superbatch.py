@@ -432,7 +432,7 @@ class SuperBatchTask:
             mats = [truncate(np.asarray(m, dtype=np.float32), self.truncate_dim, self.normalize)
                     for m in out]  # type: ignore[attr-defined]
             vectors, tokens = multivector_arrays(mats, self.precision, dimension=self.dimension)
-            _check_finite_values(np.concatenate([m.ravel() for m in mats]) if mats else np.zeros(0), family)
+            _check_finite_values(vectors.flatten().flatten().to_numpy(zero_copy_only=False), family)
             return {VECTORS: vectors, TOKENS: tokens}
         return {EMBEDDING: embedding_array(truncate(out, self.truncate_dim, self.normalize), self.precision)}  # type: ignore[arg-type]
 
@@ -529,7 +529,7 @@ class SuperBatchTask:
         position[ids] = np.arange(len(ids))
         counts = blocks.counts
         take = expand(counts, position[inverse])  # output rows, text by text, in order
-        in_order = len(take) == len(next(iter(blocks.payload.values()))) and bool((take == np.arange(len(take))).all())
+        in_order = len(take) == int(counts.sum()) and bool((take == np.arange(len(take))).all())
         reps = counts[position[inverse]]
         data: dict = {PARTITION: np.repeat(partition, reps), ROW: np.repeat(row, reps)}
         if self.chunked:
@@ -574,9 +574,20 @@ class SuperBatchTask:
         for col in self.keep:
             out[col] = frame_meta[col].iloc[:0].reset_index(drop=True)
         out[TEXT_HASH] = pd.arrays.ArrowExtensionArray(hash_column(np.zeros((0, 2), np.uint64)))
+        for name, column in self.empty_payload().items():
+            out[name] = pd.arrays.ArrowExtensionArray(column)
+        return out
+
+    def empty_payload(self) -> dict[str, pa.Array]:
+        """The model's output columns of no rows, typed as written (the model is not loaded for it).
+
+        Examples
+        --------
+        >>> from dask_surge import Encoder
+        >>> {k: str(v.type) for k, v in SuperBatchTask("text", (), Encoder("default")).empty_payload().items()}
+        {'embedding': 'fixed_size_list<item: float>[384]'}
+        """
         family = self.family
         empty: object = ([] if family == MULTIVECTOR else  # no token matrices; no sparse rows, of any width
                          np.zeros((0, self.dimension if family == DENSE else 1), dtype=np.float32))
-        for name, column in self.payload(empty).items():
-            out[name] = pd.arrays.ArrowExtensionArray(column)
-        return out
+        return self.payload(empty)

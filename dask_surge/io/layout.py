@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import SurgeValueError
+from ..options import LongTexts, Precision, choices
 
 __all__ = ["PARTITION", "ROW", "CHUNK", "CHUNK_COLUMNS", "TEXT_HASH", "EMBEDDING", "INDICES", "VALUES", "VECTORS",
            "TOKENS", "DENSE", "SPARSE", "MULTIVECTOR", "FAMILIES", "FAMILY_COLUMNS", "PAYLOAD_COLUMNS",
@@ -64,10 +65,10 @@ PAYLOAD_COLUMNS = frozenset({EMBEDDING, INDICES, VALUES, VECTORS})
 #: family -> the stored precisions it writes (a sparse row's weights are float32; int8 and binary need a
 #: scale rule per token vector that is not defined)
 FAMILY_PRECISIONS: dict[str, tuple[str, ...]] = {
-    DENSE: ("float32", "float16", "int8", "binary"), SPARSE: ("float32",), MULTIVECTOR: ("float32", "float16")}
+    DENSE: choices(Precision), SPARSE: ("float32",), MULTIVECTOR: ("float32", "float16")}
 #: family -> the long-text modes it takes: a sparse or multi-vector row is not a vector windows could share
 FAMILY_LONG_TEXTS: dict[str, tuple[str, ...]] = {
-    DENSE: ("truncate", "error", "chunk", "mean"), SPARSE: ("truncate", "error"), MULTIVECTOR: ("truncate", "error")}
+    DENSE: choices(LongTexts), SPARSE: ("truncate", "error"), MULTIVECTOR: ("truncate", "error")}
 
 
 def family_of_run(fingerprint: object) -> str:

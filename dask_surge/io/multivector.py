@@ -30,13 +30,13 @@ import pyarrow as pa
 
 from ..errors import SurgeValueError
 from .arrow import embedding_array, embedding_type
-from .layout import VECTORS
+from .layout import FAMILY_PRECISIONS, MULTIVECTOR, VECTORS
 from .precision import PRECISIONS
 
 __all__ = ["MULTIVECTOR_PRECISIONS", "vectors_type", "multivector_arrays", "to_matrices"]
 
 #: precision -> (numpy dtype, Arrow value type) of the token vectors
-MULTIVECTOR_PRECISIONS = {p: PRECISIONS[p] for p in ("float32", "float16")}
+MULTIVECTOR_PRECISIONS = {p: PRECISIONS[p] for p in FAMILY_PRECISIONS[MULTIVECTOR]}
 
 _INT32_MAX = 2**31 - 1
 
