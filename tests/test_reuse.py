@@ -545,3 +545,30 @@ def test_open_index_reopens_an_output_replaced_in_place(tmp_path):
     finish_run(manifest, manifest.committed(), {"rows": 0, "superbatches": 0, "nulls_skipped": 0, "partitions": 0})
     second = open_index(path)
     assert second is not first and second.entries == 0 and not second.find(text_hashes(texts[:1])).found.any()
+
+
+@pytest.mark.parametrize("how", ["flip", "rewrite"])
+def test_a_file_damaged_after_it_was_checked_is_checked_again(tmp_path, how):
+    # issue 60.1: a long-lived process (a notebook, a LocalCluster kept across runs) reuses an output,
+    # which remembers each file as checked; the output is damaged afterwards: the next reuse in the
+    # same process must refuse it, not copy the damaged rows (nor rows cached from before)
+    texts = corpus(60, seed=5)
+    old = write_output(str(tmp_path / "old"), layout(texts, 15, 2))  # two files of 30 texts
+    truth = stored(old)
+    index = ReuseIndex(old)
+    check(index, texts, truth)  # both files hashed, their row groups cached
+    target = _files(old)[0]
+    if how == "flip":  # 16 bytes flipped in place: same size, same inode
+        with open(target, "r+b") as f:
+            f.seek(os.path.getsize(target) // 3)
+            raw = f.read(16)
+            f.seek(os.path.getsize(target) // 3)
+            f.write(bytes(b ^ 0xFF for b in raw))
+    else:  # a valid Parquet file written over it, every embedding wrong
+        table = pq.read_table(target)
+        pq.write_table(table.set_column(table.schema.get_field_index("embedding"), table.schema.field("embedding"),
+                                        pa.array([[9.0] * DIM] * table.num_rows,
+                                                 table.schema.field("embedding").type)), target)
+    with pytest.raises(SurgeInputError, match=re.escape(os.path.basename(target))):
+        index.lookup(text_hashes(texts[:5]))
+    check(index, texts[30:], truth)  # the untouched file is still copied from

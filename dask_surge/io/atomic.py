@@ -41,7 +41,7 @@ from typing import Any
 from ..errors import SurgeOutputError
 
 __all__ = ["LinkRefused", "is_local", "protocols", "write_atomic", "listdir", "unlink", "rename", "remove_tree",
-           "links_below"]
+           "links_below", "file_signature"]
 
 
 class LinkRefused(SurgeOutputError):
@@ -136,6 +136,36 @@ def _put(fs: Any, path: str, data: bytes, exclusive: bool) -> bool:
             return False
         raise
     return True
+
+
+#: what an object store's ``info`` says of a key that changes when the key is written again
+_STORE_SIGNATURE = ("size", "ETag", "etag", "LastModified", "last_modified", "mtime", "generation", "md5Hash",
+                    "created", "version_id", "VersionId")
+
+
+def file_signature(fs: Any, path: str) -> tuple:
+    """What changes whenever the file ``path`` is written: its size, modification and change
+    times and inode on a local or shared filesystem (one ``stat``), its ETag, size and time on an
+    object store (one HEAD, never from a cache). A memo of a file checked once is valid while
+    this stays the same (:class:`dask_surge.io.reuse.ReuseIndex`).
+
+    Examples
+    --------
+    >>> import fsspec, tempfile, os
+    >>> fs, path = fsspec.filesystem("file"), os.path.join(tempfile.mkdtemp(), "f")
+    >>> _ = write_atomic(fs, path, b"one")
+    >>> before = file_signature(fs, path)
+    >>> _ = write_atomic(fs, path, b"two")
+    >>> file_signature(fs, path) != before
+    True
+    """
+    if is_local(fs):
+        st = os.stat(path)
+        return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+    with contextlib.suppress(AttributeError, TypeError):
+        fs.invalidate_cache(path)
+    info = fs.info(path)
+    return tuple((key, str(info[key])) for key in _STORE_SIGNATURE if key in info)
 
 
 def listdir(fs: Any, path: str) -> list[str]:

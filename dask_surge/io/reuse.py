@@ -72,6 +72,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import SurgeInputError, SurgeOutputError, SurgeValueError
+from .atomic import file_signature
 from .directory import discard, index_dir, write_bytes_atomic
 from .hashing import HASH_ALGORITHM, HASH_METADATA_KEY, hashes_of
 from .layout import CHUNK, CHUNK_COLUMNS, EMBEDDING, TEXT_HASH
@@ -278,6 +279,12 @@ class _LRU(OrderedDict):
             old, _ = self.popitem(last=False)
             self.nbytes -= self._sizes.pop(old)
         return value
+
+    def discard(self, key) -> None:
+        """Drop ``key`` (if held)."""
+        if key in self:
+            del self[key]
+            self.nbytes -= self._sizes.pop(key)
 
     def clear(self) -> None:
         super().clear()
@@ -503,6 +510,10 @@ class _OutputIndex:
 
     def _layout_error(self, name: str, what: str) -> SurgeInputError:
         return self._damaged(name, f"is not of the layout dask-surge writes ({what})")
+
+    def signature(self, f: int) -> tuple:
+        """What changes when part file ``f`` changes: :func:`~dask_surge.io.atomic.file_signature`."""
+        return file_signature(self.fs, f"{self.root}/{self.files[f]}")
 
     def check_file(self, f: int) -> None:
         """Hash part file ``f`` whole and compare it with the sha256 and size its commit record holds.
@@ -753,7 +764,9 @@ class ReuseIndex:
         self.indexes = [_OutputIndex(p, rebuild=rebuild, **self._opts) for p in self.outputs]  # type: ignore[arg-type]
         self._files = _LRU(max_open)
         self._groups = _LRU(1 << 16, cache_bytes)
-        self._verified: set[tuple[int, int]] = set()  # (output, file) hashed and found as recorded
+        # (output, file) -> the file's signature (size, mtime, inode or ETag...) when it was hashed and
+        # found as recorded: a file is hashed again, and its cached row groups dropped, once it changes
+        self._verified: dict[tuple[int, int], tuple] = {}
         self._lock = threading.RLock()  # a worker's SuperBatch tasks share one index from several threads
 
     def __repr__(self) -> str:
@@ -803,7 +816,7 @@ class ReuseIndex:
         stale = [s for s, ix in enumerate(self.indexes) if ix._valid_meta() != ix.meta]
         for s in stale:
             self.indexes[s] = _OutputIndex(self.outputs[s], rebuild=False, **self._opts)  # type: ignore[arg-type]
-            self._verified = {(o, f) for o, f in self._verified if o != s}
+            self._verified = {k: v for k, v in self._verified.items() if k[0] != s}
         if stale:
             self._files.clear()
             self._groups.clear()
@@ -830,7 +843,7 @@ class ReuseIndex:
             except _Damaged:  # rebuilt as it was (its bucket count)
                 opts = {**self._opts, "bits": ix.bits}
                 self.indexes[s] = ix = _OutputIndex(self.outputs[s], rebuild=True, **opts)  # type: ignore[arg-type]
-                self._verified = {(o, f) for o, f in self._verified if o != s}
+                self._verified = {k: v for k, v in self._verified.items() if k[0] != s}
                 found, file, row, count = ix.lookup(q[todo])
             at = todo[found]
             m.found[at], m.source[at], m.file[at], m.row[at], m.count[at] = True, s, file[found], row[found], count[found]
@@ -882,9 +895,7 @@ class ReuseIndex:
             change = np.flatnonzero((np.diff(s_o) != 0) | (np.diff(f_o) != 0)) + 1
             for a, b in zip(np.concatenate([[0], change]), np.concatenate([change, [total]])):
                 s, f = int(s_o[a]), int(f_o[a])
-                if (s, f) not in self._verified:
-                    self.indexes[s].check_file(f)
-                    self._verified.add((s, f))
+                self._check_unchanged(s, f)
                 try:
                     pieces += self._rows(s, f, r_o[a:b], columns)
                 except (OSError, pa.ArrowException) as err:
@@ -897,6 +908,25 @@ class ReuseIndex:
         inverse = np.empty(total, dtype=np.int64)
         inverse[order] = np.arange(total)
         return table.take(pa.array(inverse))
+
+    def _check_unchanged(self, s: int, f: int) -> None:
+        """Hash file ``f`` of output ``s`` against its commit record unless it was hashed already and
+        has not changed since (same signature: size, mtime and inode locally, ETag on a store). A file
+        changed behind this index's back (damaged, replaced) is hashed again, and what was cached of
+        it (its open handle, its decoded row groups) is dropped first."""
+        ix = self.indexes[s]
+        try:
+            signature = ix.signature(f)
+        except OSError as err:
+            raise ix.unreadable(ix.files[f], err) from err
+        if self._verified.get((s, f)) == signature:
+            return
+        self._verified.pop((s, f), None)
+        self._files.pop((s, f), None)
+        for key in [k for k in self._groups if k[:2] == (s, f)]:
+            self._groups.discard(key)
+        ix.check_file(f)
+        self._verified[(s, f)] = signature
 
     def _rows(self, s: int, f: int, rows: np.ndarray, columns: tuple[str, ...]) -> list[pa.Table]:
         """``columns`` of rows ``rows`` (sorted) of file ``f`` of output ``s``, a table per row group."""
