@@ -149,6 +149,29 @@ def test_a_dead_or_expired_claim_is_taken_over(tmp_path, counting_encoder, monke
     assert not other.exists()
 
 
+@pytest.mark.parametrize("skew", [-3600.0, 3600.0])
+def test_a_live_claim_of_a_host_with_a_skewed_clock_is_not_taken_over(tmp_path, skew):
+    # issue 60.6: a live claim written just now by a host whose clock is an hour off; judged on this
+    # host's clock its heartbeat looked an hour old (taken over: the live run then died with a wrong
+    # diagnosis); judged on the store's clock (the files' modification times) it is fresh
+    import fsspec
+
+    fs, root = fsspec.filesystem("file"), str(tmp_path / "out")
+    fs.makedirs(f"{root}/_surge")
+    token = "a" * 32
+    claim = {"run": "0123456789abcdef", "token": token, "host": "elsewhere", "pid": 1, "started": time.time() + skew}
+    (tmp_path / "out" / "_surge" / "CLAIM").write_text(json.dumps(claim))
+    (tmp_path / "out" / "_surge" / f".heartbeat-{token}").write_text(repr(time.time() + skew))
+    with pytest.raises(SurgeOutputError, match=r"being written by another run .*last heartbeat [0-5] s ago"):
+        Claim.acquire(fs, root, "fedcba9876543210", heartbeat=False)
+    # the same claim, its heartbeat file last written two TTLs ago on the store's clock: stale
+    old = time.time() - 2 * __import__("dask_surge.io.lease", fromlist=["x"]).CLAIM_TTL_S
+    for name in ("CLAIM", f".heartbeat-{token}"):
+        os.utime(tmp_path / "out" / "_surge" / name, (old, old))
+    Claim.acquire(fs, root, "fedcba9876543210", heartbeat=False).release()
+    assert not [n for n in os.listdir(tmp_path / "out" / "_surge") if n.startswith(".clock-")]
+
+
 def _eventually(check, seconds: float = 20.0) -> bool:
     """True as soon as ``check()`` is (polled; a busy machine may delay a heartbeat thread)."""
     deadline = time.monotonic() + seconds

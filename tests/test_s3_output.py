@@ -122,15 +122,20 @@ def test_interrupted_then_resumed_on_s3_is_exact(store, reference):
     _exactly_once(url, options, fs)
 
 
-def test_two_runs_on_one_prefix_one_wins_and_a_dead_claim_is_taken_over(store):
+def test_two_runs_on_one_prefix_one_wins_and_a_dead_claim_is_taken_over(store, monkeypatch):
     _, options, _ = store
     fs, root = output_fs(_url(), options)
     claim = Claim.acquire(fs, root, "0" * 16, heartbeat=False)
     with pytest.raises(SurgeOutputError, match="being written by another run"):
         Claim.acquire(fs, root, "1" * 16, heartbeat=False)
-    # a claim from another machine whose heartbeat stopped more than the TTL ago
+    # a claim from another machine, written just now by a clock an hour behind: live (the store's
+    # clock says so: the age of its key), then stale once the store's clock passes the TTL
     fs.pipe_file(f"{root}/_surge/CLAIM", json.dumps({"run": "2" * 16, "token": "a" * 32, "host": "elsewhere",
                                                      "pid": 1, "started": time.time() - 3600}).encode())
+    with pytest.raises(SurgeOutputError, match="being written by another run"):
+        Claim.acquire(fs, root, "1" * 16, heartbeat=False)
+    monkeypatch.setattr("dask_surge.io.lease.CLAIM_TTL_S", 1.0)
+    time.sleep(2.5)  # S3 times have one-second resolution
     taken = Claim.acquire(fs, root, "1" * 16, heartbeat=False)
     assert Claim.holder(fs, root)["token"] == taken.token != claim.token
     taken.release()

@@ -57,7 +57,7 @@ _RUN = r"[0-9a-f]{16}"
 _OWNED = re.compile(
     rf"^(?:part-[0-9a-f]{{8}}-{_SB}-[0-9a-f]{{8}}\.parquet"
     rf"|{META_DIR}/(?:CURRENT|CLAIM|\.heartbeat-[0-9a-f]{{32}}|\.stale-claim-\d+|\.takeover-[0-9a-f]{{32}}-\d+"
-    rf"|\.probe-[0-9a-f]{{32}}|\.reach-[0-9a-f]{{32}}(?:-\d+)?)"
+    rf"|\.probe-[0-9a-f]{{32}}|\.clock-[0-9a-f]{{32}}|\.reach-[0-9a-f]{{32}}(?:-\d+)?)"
     rf"|{META_DIR}/(?:retired|index/{_RUN})"
     rf"|{META_DIR}/(?:runs/{_RUN}|retired/{_RUN}-\d+)"
     rf"(?:/(?:run\.json|COMPLETE|STOPPED|commits/{_SB}\.json|(?:staging|skipped)/{_SB}-[0-9a-f]{{8}}\.parquet))?"

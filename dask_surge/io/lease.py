@@ -4,7 +4,10 @@ Two things are leased: an output directory, by the run writing it (:class:`Claim
 building of a reuse index (:mod:`dask_surge.io.reuse`). Both record who holds them
 (:func:`holder_info`: host, pid, time) and both decide the same way whether the holder is
 gone (:func:`stale`): its process is dead on this host, or its heartbeat is older than the
-lease's time to live.
+lease's time to live. The age of a heartbeat is read on the store's own clock (the
+modification time the filesystem or object store gave the heartbeat file, against that of a
+file written now: :func:`store_age`), so hosts whose clocks disagree never take a live lease
+for a stale one.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from ..errors import SurgeOutputError
 from .directory import META_DIR, _ls, _read_json, create_exclusive, discard, write_bytes_atomic
 
-__all__ = ["CLAIM_TTL_S", "HEARTBEAT_S", "Claim", "holder_info", "stale"]
+__all__ = ["CLAIM_TTL_S", "HEARTBEAT_S", "Claim", "holder_info", "stale", "store_age"]
 
 
 def holder_info(**extra: Any) -> dict:
@@ -38,16 +42,70 @@ def holder_info(**extra: Any) -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), **extra}
 
 
-def stale(info: dict, ttl: float, *, beat: str = "time") -> bool:
-    """True when the holder ``info`` (see :func:`holder_info`) is gone: its heartbeat ``info[beat]``
-    is older than ``ttl`` seconds, or it ran on this host and its process no longer exists.
+def _mtime(info: dict) -> float | None:
+    """The modification time an fsspec ``info`` gives (local ``mtime``, S3 ``LastModified``, GCS
+    ``updated``, the in-memory filesystem's ``created``), as a POSIX timestamp; None if none."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, (int, float)) and value > 0:
+            return float(value)
+        if isinstance(value, datetime):
+            return value.timestamp()
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    return None
+
+
+def store_age(fs: Any, root: str, path: str) -> float | None:
+    """Seconds since ``path`` (below the output ``root``) was last written, on the clock of the
+    filesystem or store that holds it: its modification time against that of a file written now
+    in ``root``'s ``_surge/`` (then deleted). Hosts whose clocks disagree agree on this. None when
+    the store gives no times or ``path`` is gone.
+
+    Examples
+    --------
+    >>> import fsspec, tempfile
+    >>> fs, root = fsspec.filesystem("file"), tempfile.mkdtemp()
+    >>> fs.makedirs(f"{root}/_surge")
+    >>> write_bytes_atomic(fs, f"{root}/_surge/CLAIM", b"1")
+    >>> 0 <= store_age(fs, root, f"{root}/_surge/CLAIM") < 60
+    True
+    """
+    clock = f"{root}/{META_DIR}/.clock-{uuid.uuid4().hex}"
+    try:
+        with contextlib.suppress(AttributeError, TypeError):
+            fs.invalidate_cache(path)
+        then = _mtime(fs.info(path))
+        write_bytes_atomic(fs, clock, b"")
+        try:
+            now = _mtime(fs.info(clock))
+        finally:
+            with contextlib.suppress(OSError):
+                discard(fs, root, clock)
+    except (OSError, ValueError):
+        return None
+    return None if then is None or now is None else max(0.0, now - then)
+
+
+def stale(info: dict, ttl: float, *, beat: str = "time", age: float | None = None) -> bool:
+    """True when the holder ``info`` (see :func:`holder_info`) is gone: its heartbeat is older than
+    ``ttl`` seconds, or it ran on this host and its process no longer exists.
+
+    The heartbeat's ``age`` is best given as the store measures it (:func:`store_age`); without
+    it, ``info[beat]`` (the holder's clock) is compared with this host's clock, which hosts
+    whose clocks disagree get wrong.
 
     Examples
     --------
     >>> stale(holder_info(), ttl=60.0), stale({**holder_info(), "time": 0.0}, ttl=60.0)
     (False, True)
+    >>> stale({**holder_info(), "time": 0.0, "host": "elsewhere"}, ttl=60.0, age=3.0)  # a skewed clock
+    False
     """
-    if time.time() - float(info.get(beat, 0) or 0) > ttl:
+    if age is None:
+        age = time.time() - float(info.get(beat, 0) or 0)
+    if age > ttl:
         return True
     if info.get("host") == socket.gethostname():
         try:
@@ -127,8 +185,16 @@ class Claim:
         return info
 
     @staticmethod
-    def _stale(info: dict) -> bool:
-        return stale(info, CLAIM_TTL_S, beat="heartbeat")
+    def _stale(fs, root: str, info: dict, path: str | None = None) -> bool:
+        """Whether the holder ``info`` is gone, its heartbeat file's (or ``path``'s) age read on the
+        store's clock (:func:`store_age`)."""
+        token = str(info.get("token", ""))
+        if path is None:
+            path = Claim._beat_path(root, token) if re.fullmatch(r"[0-9a-f]{32}", token) else Claim.path(root)
+        age = store_age(fs, root, path)
+        if age is None and path != Claim.path(root):  # no beat yet: the claim's own time
+            age = store_age(fs, root, Claim.path(root))
+        return stale(info, CLAIM_TTL_S, beat="heartbeat", age=age)
 
     def _body(self) -> bytes:
         info = holder_info(run=self.run_id, token=self.token)
@@ -151,8 +217,9 @@ class Claim:
                 info = cls.holder(fs, root)
                 if info is None:
                     continue  # released meanwhile
-                if not cls._stale(info):
-                    age = time.time() - float(info.get("heartbeat", 0))
+                if not cls._stale(fs, root, info):
+                    age = store_age(fs, root, cls._beat_path(root, str(info.get("token", ""))))
+                    age = time.time() - float(info.get("heartbeat", 0)) if age is None else age
                     raise SurgeOutputError(
                         f"output={root!r} is being written by another run (run {info.get('run')}, pid "
                         f"{info.get('pid')} on {info.get('host')}, last heartbeat {age:.0f} s ago). Nothing "
@@ -203,7 +270,8 @@ class Claim:
                 taker = _read_json(fs, marker)
             except SurgeOutputError:
                 taker = None  # torn: its writer died while writing it
-            if taker is not None and not self._stale({**taker, "heartbeat": taker.get("started", 0.0)}):
+            if taker is not None and not self._stale(fs, root, {**taker, "heartbeat": taker.get("started", 0.0)},
+                                                     marker):
                 raise SurgeOutputError(
                     f"output={root!r} is being claimed by another run (pid {taker.get('pid')} on "
                     f"{taker.get('host')} is taking over the stale claim of run {stale.get('run')}). Nothing "

@@ -76,7 +76,7 @@ from .atomic import file_signature
 from .directory import discard, index_dir, write_bytes_atomic
 from .hashing import HASH_ALGORITHM, HASH_METADATA_KEY, hashes_of
 from .layout import CHUNK, CHUNK_COLUMNS, EMBEDDING, TEXT_HASH
-from .lease import holder_info, stale
+from .lease import holder_info, stale, store_age
 from .manifest import current_run, existing_run
 from .readers import model_name
 
@@ -343,7 +343,7 @@ class _OutputIndex:
                 info = json.loads(f.read())
             if info.get("host") == socket.gethostname() and int(info.get("pid")) == os.getpid():
                 return False  # our own (a build of ours that failed): not someone else's
-            return not stale(info, BUILD_STALE_S)
+            return not stale(info, BUILD_STALE_S, age=store_age(self.fs, self.root, self._lock_path))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return False
 
