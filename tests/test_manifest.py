@@ -307,6 +307,33 @@ def test_verify_finds_a_changed_file_and_repair_re_encodes_its_rows(tmp_path, co
     assert verify(str(out)) == [] and _parts(out) == _committed_files(out)
 
 
+def test_repair_refuses_an_output_a_live_run_is_writing(tmp_path, counting_encoder):
+    # issue 60.4: a repair during a live run took its commits in progress for damage, forgot them and
+    # deleted freshly published files; the run then failed. Now it refuses, naming the run.
+    import fsspec
+
+    from dask_surge.cli import main
+    from dask_surge.io.verify import repair
+
+    out, ddf = tmp_path / "out", make_partitioned_frame([4] * 4)
+    ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
+    manifest = current_run(str(out))
+    rec = next(iter(manifest.committed().values()))
+    # a commit in progress: the record exists, the file still in staging (as between commit and publish)
+    os.rename(out / rec.file, f"{manifest.staging_dir}/{rec.sb}-{rec.attempt}.parquet")
+    claim = Claim.acquire(fsspec.filesystem("file"), str(out), manifest.run_id, heartbeat=False)
+    files = sorted(p.name for p in out.rglob("*") if p.is_file())
+    try:
+        with pytest.raises(SurgeOutputError, match=rf"being written by a live run \(run {manifest.run_id}, pid "
+                                                   rf"{os.getpid()} on .*Nothing was changed"):
+            repair(str(out))
+        assert main(["status", str(out), "--repair"]) == 2
+        assert sorted(p.name for p in out.rglob("*") if p.is_file()) == files  # nothing touched
+    finally:
+        claim.release()
+    assert any("published committed" in line for line in repair(str(out)))  # once the run is gone
+
+
 def test_a_commit_whose_task_died_before_publishing_is_published_on_resume(tmp_path, counting_encoder):
     out, ddf = tmp_path / "out", make_partitioned_frame([4] * 4)
     ddf.surge.encode("text", str(out), model=counting_encoder, **KW)

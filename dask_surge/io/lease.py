@@ -196,6 +196,12 @@ class Claim:
             age = store_age(fs, root, Claim.path(root))
         return stale(info, CLAIM_TTL_S, beat="heartbeat", age=age)
 
+    @staticmethod
+    def alive(fs, root: str, info: dict) -> bool:
+        """True while the holder ``info`` of ``root``'s claim (:meth:`holder`) is a live process:
+        its heartbeat is fresh on the store's clock, and, on this host, its process exists."""
+        return not Claim._stale(fs, root, info)
+
     def _body(self) -> bytes:
         info = holder_info(run=self.run_id, token=self.token)
         info["started"] = info.pop("time")

@@ -21,6 +21,7 @@ from .directory import (
     discard,
     refuse_links,
 )
+from .lease import Claim
 from .manifest import CommitRecord, Manifest, _current_id, _load, _write_meta, current_run
 from .stores import output_fs
 
@@ -78,7 +79,9 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
     records are renamed aside (``.torn-*``), committed files left in staging are
     published, and a commit whose data file is gone (or fails its checksum) is
     forgotten, so a rerun encodes those rows again. A damaged ``CURRENT`` is pointed
-    at the one run left, or removed. Repair a directory no run is writing.
+    at the one run left, or removed. A directory a live run is writing (its claim's
+    heartbeat is fresh) is refused, naming that run: what looks damaged there is a commit in
+    progress.
 
     Examples
     --------
@@ -88,6 +91,14 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
     """
     fs, root = output_fs(path, storage_options)
     refuse_links(fs, root)
+    holder = Claim.holder(fs, root)
+    if holder is not None and Claim.alive(fs, root, holder):
+        raise SurgeOutputError(
+            f"{path!r} is being written by a live run (run {holder.get('run')}, pid {holder.get('pid')} on "
+            f"{holder.get('host')}): a repair now would take its commits in progress for damage and delete "
+            "freshly published files. Nothing was changed. Fix: let that run finish (or stop it), then repair; "
+            "a claim whose process died is passed over once its heartbeat is stale."
+        )
     done: list[str] = []
     meta = f"{root}/{META_DIR}"
 
