@@ -233,10 +233,36 @@ def test_a_late_task_of_a_replaced_run_can_neither_commit_nor_publish(tmp_path, 
     late = SuperBatchWriter(SuperBatchTask("text", (), dask_surge.Encoder(CountingEncoder(dim=4))), old)
     new = dask_surge.encode(ddf, "text", str(out), model=counting_encoder, overwrite=True, **KW)
     part = ddf.partitions[0].compute()
-    with pytest.raises(SurgeOutputError, match="another run replaced it"):
+    with pytest.raises(SurgeOutputError, match=f"run {old.run_id} of .* was replaced by another run "
+                                               f"\\(run {new.run_id}\\)"):
         late([part], ((Span(0, 0, 6), 6),))
     assert _parts(out) == _committed_files(out)
     assert status_rows(out) == new.rows == 12
+
+
+def test_a_worker_that_does_not_see_the_output_is_named_not_taken_for_a_replaced_run(tmp_path):
+    # issue 60.5: a worker that joins after the start without the shared path (autoscaling, a replaced
+    # node) stopped the run with "another run replaced it"; now every unit task proves first that it
+    # reads its run's run.json, and says what is wrong before any work
+    import fsspec
+
+    from dask_surge.execution.runner import UnitRunner
+    from dask_surge.execution.sink import SuperBatchWriter
+    from dask_surge.execution.superbatch import SuperBatchTask
+    from dask_surge.io.manifest import Manifest
+
+    out = tmp_path / "out"
+    run, _ = open_run(str(out), {"t": "x"})
+    # the same run as a worker without the shared mount sees it: its root is not there
+    unseen = Manifest(fsspec.filesystem("file"), str(tmp_path / "elsewhere" / "out"), run.run_id, run.fingerprint)
+    task = SuperBatchTask("text", (), dask_surge.Encoder(CountingEncoder(dim=4)))
+    runner = UnitRunner(SuperBatchWriter(task, unseen), 4, 8, None)
+    with pytest.raises(SurgeOutputError, match=r"a worker on host .* does not see the output .*run\.json.*Nothing "
+                                               r"of this task was written.*Fix: mount the output"):
+        runner(None, [], None)
+    from dask_surge.execution.reach import task_sees_run
+
+    task_sees_run(run)  # the run as the client sees it: run.json is read, no error
 
 
 def status_rows(out) -> int:

@@ -20,14 +20,24 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import uuid
 import zlib
 from typing import Any
 
 from ..errors import SurgeOutputError
-from ..io.directory import META_DIR, discard, write_bytes_atomic
+from ..io.atomic import protocols
+from ..io.directory import META_DIR, current_path, discard, write_bytes_atomic
 
-__all__ = ["check_workers_see_output", "worker_sees"]
+__all__ = ["check_workers_see_output", "worker_sees", "task_sees_run", "run_gone"]
+
+
+#: the runs whose ``run.json`` this process has read (protocol, root, run id): a SuperBatch task
+#: proves it sees its run's output once per worker process and run (:func:`task_sees_run`). What
+#: invalidates an entry: nothing needs to: a run replaced since makes the task's commit fail, which is
+#: then diagnosed afresh (:func:`run_gone`)
+_SEEN: set[tuple[str, str, str]] = set()
+_SEEN_LOCK = threading.Lock()
 
 
 def _probe(root: str, token: str) -> str:
@@ -118,3 +128,49 @@ def check_workers_see_output(client: Any, fs: Any, root: str, output: str) -> No
             "at the same place (NFS, Lustre, GPFS), or to an object-store URL (s3://bucket/prefix) with "
             "credentials every worker has (storage_options, or the same environment on every worker)."
         )
+
+
+def run_gone(manifest: Any, err: BaseException | None = None) -> SurgeOutputError:
+    """Why a task does not find its run's directory: another run replaced it (``CURRENT`` names
+    another run, or it was fenced off into ``retired/``), or this worker does not see the output the
+    client sees (a worker that joined after the start without the shared path or the credentials)."""
+    fs, root = manifest.fs, manifest.root
+    host = socket.gethostname()
+    current = None
+    with contextlib.suppress(Exception):
+        current = fs.cat_file(current_path(root)).decode(errors="replace").strip()
+    retired = False
+    with contextlib.suppress(Exception):
+        retired = any(p.rstrip("/").rsplit("/", 1)[-1].startswith(f"{manifest.run_id}-")
+                      for p in fs.ls(f"{root}/{META_DIR}/retired", detail=False))
+    if retired or (current and current != manifest.run_id):
+        by = f"run {current}" if current and current != manifest.run_id else "its directory was retired"
+        return SurgeOutputError(
+            f"run {manifest.run_id} of {root!r} was replaced by another run ({by}) while this task ran: its "
+            f"run's directory {manifest.run_dir!r} is gone. "
+            "Nothing of this task was kept. Fix: nothing to do if the other run was meant to replace it (an "
+            "overwrite); else rerun the call you want to keep."
+        )
+    why = f" ({type(err).__name__}: {err})" if err is not None else ""
+    return SurgeOutputError(
+        f"a worker on host {host!r} does not see the output {root!r} the client sees: its run's "
+        f"{manifest.run_dir}/run.json, which the client wrote, is not there for it{why}. A worker that joined "
+        "after the run started (an adaptive or replaced worker) without the shared path or the store's "
+        "credentials would commit where the client cannot read. Nothing of this task was written. Fix: mount "
+        "the output at the same path on every worker (NFS, Lustre, GPFS) or give every worker the store's "
+        "credentials, then rerun the same call to resume."
+    )
+
+
+def task_sees_run(manifest: Any) -> None:
+    """On a worker, before a SuperBatch task writes: raise :func:`run_gone`'s error unless this
+    process reads its run's ``run.json`` (checked once per worker process and run)."""
+    key = (protocols(manifest.fs)[0], manifest.root, manifest.run_id)
+    if key in _SEEN:
+        return
+    try:
+        manifest.fs.cat_file(f"{manifest.run_dir}/run.json")
+    except (OSError, ValueError) as err:
+        raise run_gone(manifest, err) from err
+    with _SEEN_LOCK:
+        _SEEN.add(key)

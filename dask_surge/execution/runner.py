@@ -67,7 +67,7 @@ from .inputs import InputGraph, Unit, UnitSource, input_files, task_arguments
 from .plugins import models_ready
 from .profiler import profiler_paused
 from .progress import RunProgress, logging_through
-from .reach import check_workers_see_output
+from .reach import check_workers_see_output, task_sees_run
 from .sink import SuperBatchWriter
 from .superbatch import SuperBatchTask, partition_digest
 
@@ -89,6 +89,7 @@ class UnitRunner:
         return ("UnitRunner", self.writer.__dask_tokenize__(), self.b_min, self.b_max, self.max_bytes)
 
     def __call__(self, source: UnitSource, values: list, unit: Unit) -> list[SuperBatchReport]:
+        task_sees_run(self.writer.manifest)  # a worker that joined late without the output: said before any work
         frames = self._checked(source.iterate(unit.partitions, values), unit)
         with profiler_paused(), _Committer(self.writer) as committer:
             if unit.plan is not None:

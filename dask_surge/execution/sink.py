@@ -21,6 +21,7 @@ from ..io.manifest import CommitRecord, Manifest
 from ..io.partfiles import parquet_bytes, row_groups, skipped_bytes, table_of
 from ..results import SuperBatchReport
 from .events import announce
+from .reach import run_gone
 from .superbatch import SuperBatchRows, SuperBatchTask, partition_digest
 
 __all__ = ["PendingCommit", "SuperBatchWriter"]
@@ -129,10 +130,7 @@ class SuperBatchWriter:
                     with contextlib.suppress(OSError):
                         discard(fs, manifest.root, leftover)
             if isinstance(err, FileNotFoundError) and not fs.exists(manifest.run_dir):
-                raise SurgeOutputError(
-                    f"SuperBatch {key} of run {manifest.run_id} was not committed: the run's directory "
-                    f"{manifest.run_dir!r} is gone, so another run replaced it. Nothing of this task was kept."
-                ) from err
+                raise run_gone(manifest, err) from err
             raise SurgeOutputError(
                 f"{step} for SuperBatch {key} ({encoded.texts} rows, {len(data):,} bytes) failed: "
                 f"{type(err).__name__}: {err}. " + (
