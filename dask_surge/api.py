@@ -60,7 +60,13 @@ def _check_columns(ddf, column: str, keep: Sequence[str], *, chunked: bool = Fal
     columns = list(ddf.columns)
     if isinstance(keep, str):
         keep = [keep]
-    keep = tuple(dict.fromkeys(keep))
+    twice = sorted({k for k in keep if isinstance(k, str) and list(keep).count(k) > 1})
+    if twice:
+        raise SurgeValueError(
+            f"keep={list(keep)} names {', '.join(repr(k) for k in twice)} more than once; an output holds each "
+            f"column once. Fix: name each column once, e.g. keep={list(dict.fromkeys(keep))}."
+        )
+    keep = tuple(keep)
     labels = [c for c in (column, *keep) if not isinstance(c, str)]
     if labels and all(c in columns for c in labels):
         raise SurgeInputError(

@@ -542,3 +542,13 @@ def test_kept_columns_of_every_dtype_come_through_whole_and_in_order():
         assert out[col].dtype == whole[col].dtype, col
         pd.testing.assert_series_equal(out[col].reset_index(drop=True), whole[col], check_names=False)
     assert out["mixed"].astype(float).tolist() == whole["mixed"].astype(float).tolist()
+
+
+def test_a_kept_column_named_twice_is_refused(tmp_path):
+    # issue 60.7: keep=["doc_id", "doc_id"] was accepted (and silently deduplicated)
+    ddf = make_partitioned_frame([3, 3])
+    with pytest.raises(SurgeValueError, match=r"keep=\['doc_id', 'doc_id'\] names 'doc_id' more than once.*"
+                                              r"Fix: name each column once, e.g. keep=\['doc_id'\]"):
+        ddf.surge.encode("text", str(tmp_path / "out"), model=lambda t: np.ones((len(t), 4)),
+                         keep=["doc_id", "doc_id"], progress=False)
+    assert not (tmp_path / "out").exists()

@@ -284,3 +284,27 @@ def test_other_thresholds_resume_with_the_recorded_ones(tmp_path, counting_encod
     again = ddf.surge.encode("text", out, b_min=4, b_max=8, max_bytes="1 MiB", **kw)
     assert again.run_id == first.run_id and again.superbatches == first.superbatches == 4
     assert "recorded when it started" in caplog.text and "b_min=4 (recorded: 2)" in caplog.text
+
+
+def _text_of(url: str):
+    import pandas as pd
+
+    return pd.DataFrame({"text": [f"about {url}"]})
+
+
+def test_from_map_over_url_like_strings_treats_an_unlistable_one_as_a_value(monkeypatch):
+    # issue 60.7: texts that look like URLs ("s3://bucket/key" as a value handed to the function) failed
+    # the run, because the identity tried to list them (no credentials); a string that cannot be listed
+    # is a value (issue 53), while a reader's path that cannot be listed stays an error
+    import dask.dataframe as dd
+
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens: listing fails at once
+    urls = ["s3://no-such-bucket/a", "s3://no-such-bucket/b"]
+    one = input_identity(dd.from_map(_text_of, urls))
+    assert one == input_identity(dd.from_map(_text_of, list(urls)))
+    assert one != input_identity(dd.from_map(_text_of, urls[::-1]))  # the values are the identity

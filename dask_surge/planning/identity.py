@@ -166,24 +166,34 @@ def _filesystem_of(text: str, leaf_fs: Any, storage_options: Mapping | None):
     return None
 
 
-def _location(value: Any, *, leaf_fs: Any, storage_options: Mapping | None, where: str) -> dict | None:
+def _location(value: Any, *, leaf_fs: Any, storage_options: Mapping | None, where: str,
+              strict: bool = True) -> dict | None:
     """The record of the files a source's operand names (a path, glob or URL string, an fsspec
-    ``OpenFile``), or None when it names none (it is then tokenized as a value)."""
+    ``OpenFile``), or None when it names none (it is then tokenized as a value).
+
+    ``strict``: a string that looks like a location but cannot be listed is an error (a reader's
+    ``path``), else a value (``from_map`` over strings such as ``"s3://bucket/key"`` as text)."""
     if _is_open_file(value):
         return _open_file_record(value, where)
     if isinstance(value, str):
-        return _files(value, leaf_fs=leaf_fs, storage_options=storage_options, where=where)
+        return _files(value, leaf_fs=leaf_fs, storage_options=storage_options, where=where, strict=strict)
     return None
 
 
-def _files(text: str, *, leaf_fs: Any, storage_options: Mapping | None, where: str) -> dict | None:
-    """The files a path, directory, glob or URL names, each with its size and version; None if it names none."""
+def _files(text: str, *, leaf_fs: Any, storage_options: Mapping | None, where: str,
+           strict: bool = True) -> dict | None:
+    """The files a path, directory, glob or URL names, each with its size and version; None if it names
+    none (or, unless ``strict``, cannot be listed)."""
     if not text or "\n" in text:
         return None
     try:
         located = _filesystem_of(text, leaf_fs, storage_options)
     except (ImportError, ValueError):  # an unknown protocol, or a string that merely contains "://"
         return None
+    except Exception as err:  # a store client that cannot even start (no credentials, no region)
+        if not strict:
+            return None
+        raise SurgeInputError(_unlisted(where, text, err)) from err
     if located is None:
         return None
     fs, path = located
@@ -208,6 +218,8 @@ def _files(text: str, *, leaf_fs: Any, storage_options: Mapping | None, where: s
                 found[name] = info
         records = [_file_record(n, i, fs) for n, i in sorted(found.items())]
     except Exception as err:  # OSError, or a store client's own (botocore's EndpointConnectionError)
+        if not strict:
+            return None  # a string the source's function is given: a value unless it lists as files
         raise SurgeInputError(_unlisted(where, text, err)) from err
     return {"files": records, "protocol": _protocol(fs)}
 
@@ -286,7 +298,8 @@ def _node(expr: Any, memo: dict[str, Any]) -> Any:
         files = None
         if leaf and not options:
             fs = _lister(leaf_fs) if name == "path" and leaf_fs is not None else None
-            files = functools.partial(_location, leaf_fs=fs, storage_options=storage_options, where=where)
+            files = functools.partial(_location, leaf_fs=fs, storage_options=storage_options, where=where,
+                                      strict=name == "path")
         try:
             operands[name] = stable_token(op, where, files)
         except NotDeterministic as err:
