@@ -35,6 +35,7 @@ import uuid
 import numpy as np
 
 from . import _results
+from dask_surge.io.store import OutputStore
 
 
 def write_old_output(path: str, rows: int, rows_per_file: int, row_group: int, seed: int = 0) -> None:
@@ -42,7 +43,7 @@ def write_old_output(path: str, rows: int, rows_per_file: int, row_group: int, s
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dask_surge.io.directory import sb_key, write_bytes_atomic
+    from dask_surge.io.directory import sb_key
     from dask_surge.io.hashing import hash_column, text_hash_field
     from dask_surge.io.manifest import CommitRecord, RunPlan, finish_run, open_run
 
@@ -50,7 +51,7 @@ def write_old_output(path: str, rows: int, rows_per_file: int, row_group: int, s
     files = -(-rows // rows_per_file)
     fp = {"input": uuid.uuid4().hex[:16], "column": "text", "model": {"kind": "object", "digest": "00"},
           "precision": "float32", "dimension": 8, "partitions": files}
-    manifest, _ = open_run(path, fp, plan=RunPlan(b_min=1, b_max=rows_per_file, mode="planned", partitions=files))
+    manifest, _ = open_run(OutputStore.open(path), fp, plan=RunPlan(b_min=1, b_max=rows_per_file, mode="planned", partitions=files))
     for i in range(files):
         n = min(rows_per_file, rows - i * rows_per_file)
         h = rng.integers(0, 2**64 - 1, size=(n, 2), dtype=np.uint64, endpoint=True)
@@ -64,7 +65,7 @@ def write_old_output(path: str, rows: int, rows_per_file: int, row_group: int, s
         data = buf.getvalue()
         key, attempt = sb_key(i, 0), f"{i:08x}"
         target = manifest.data_path(key, attempt)
-        write_bytes_atomic(manifest.fs, target, data)
+        manifest.store.write(target, data)
         manifest.commit(CommitRecord(sb=key, run=manifest.run_id, file=target.rsplit("/", 1)[-1], rows=n,
                                      bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
                                      spans=((i, 0, n, n),), attempt=attempt))
@@ -132,7 +133,7 @@ def measure(path: str, queries: int, sb: int, seed: int = 1) -> dict:
     build_anon, build_file = sampler.stop()
     # queries: hashes read back from a few files (present) plus random ones (absent)
     rng = np.random.default_rng(seed)
-    manifest = existing_run(path)
+    manifest = existing_run(OutputStore.open(path))
     files = [r.file for r in manifest.committed().values()]
     picked = [hashes_of(pq.read_table(f"{manifest.root}/{files[i]}", columns=["text_hash"]).column("text_hash"))
               for i in rng.choice(len(files), size=min(len(files), 8), replace=False)]

@@ -18,15 +18,18 @@ from .errors import SurgeInputError, SurgeValueError
 from .execution import calibrate as calibration  # called through the module: tests swap its calibrate
 from .execution.cluster import local_cluster, local_cluster_threads
 from .execution.graph import superbatch_collection
+from .execution.inputs import input_files
 from .execution.plugins import register_encoder
 from .execution.progress import RunProgress, logging_through
 from .execution.runner import RunRequest, not_utf8, write_run
 from .execution.superbatch import SuperBatchTask
+from .io.directory import check_output
 from .io.hashing import text_hashes
 from .io.layout import DENSE, check_family_options, reserved_columns
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows, status
 from .io.reuse import ReuseIndex, embedding_identity
+from .io.store import OutputStore
 from .models.encoders import Encoder
 from .options import EncodeOptions, PlanOptions, document, options_of, signature
 from .planning.costmodel import advise, predict
@@ -366,6 +369,10 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
                                      options=opts)
             _open_reuse(sbe, run_id)
         return _lazy(frame, sbe, _thresholds(requested, sbe, frame, _active_client(), gpu=on_gpu), max_bytes)
+    # the output is resolved once, and what needs no worker is checked before any starts: where it can
+    # live, that it is not inside (or around) the input, that it holds nothing dask-surge did not write
+    store = OutputStore.open(output, storage_options, writing=True)
+    check_output(store, inputs=input_files(frame))
     # the bar opens now: starting a cluster (workers importing torch) is the first thing a user waits for
     starting = scheduler is None and _active_client() is None  # _client_for starts a local cluster
     bar = RunProgress(enabled=progress, phase="starting workers" if starting else "planning")
@@ -377,9 +384,9 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
                                  options=opts)
         _open_reuse(sbe, run_id)
         return write_run(RunRequest(
-            frame, sbe, output, fingerprint=run_id, thresholds=_thresholds(requested, sbe, frame, client, gpu=on_gpu),
+            frame, sbe, store, fingerprint=run_id, thresholds=_thresholds(requested, sbe, frame, client, gpu=on_gpu),
             max_bytes=max_bytes, client=client, scheduler=scheduler, overwrite=overwrite,
-            storage_options=storage_options, progress=progress, started=started, bar=bar,
+            progress=progress, started=started, bar=bar,
         ))
 
 

@@ -12,6 +12,7 @@ import pytest
 import dask_surge
 from dask_surge import SurgeInputError, SurgeValueError
 from dask_surge.planning.sizes import partition_sizes
+from dask_surge.io.store import OutputStore
 
 
 def _huge_text_files(root, files=4, per_file=3, size=300_000, seed=0):
@@ -124,7 +125,7 @@ def test_skip_leaves_nulls_out_and_records_every_one(tmp_path, counting_encoder)
     # ids live in one small Parquet file per SuperBatch that skipped any, named by its record
     from dask_surge.io.manifest import current_run
 
-    records = current_run(out).committed().values()
+    records = current_run(OutputStore.open(out)).committed().values()
     assert sum(r.skipped for r in records) == len(nulls)
     assert len(list((tmp_path / "out").glob("_surge/runs/*/skipped/*.parquet"))) == \
         sum(1 for r in records if r.skipped)
@@ -146,7 +147,7 @@ def test_a_run_that_may_still_be_going_is_not_replaced(tmp_path, counting_encode
     kw = dict(model=counting_encoder, scheduler="sync", progress=False)
     with pytest.raises(SurgeInputError):
         ddf.surge.encode("text", out, **kw)               # stops on a null: records STOPPED
-    first = current_run(out)
+    first = current_run(OutputStore.open(out))
     assert first.stopped() and not first.committed()
     first.clear_stopped()                                  # as if its process were still running
     # another run (on_null alone does not make one: it does not change the embeddings)

@@ -11,6 +11,7 @@ import pytest
 import dask_surge
 from dask_surge import Encoder, SurgeInputError, SurgeOutputError, SurgeValueError
 from dask_surge.testing import cosines, make_partitioned_frame, make_texts
+from dask_surge.io.store import OutputStore
 
 
 def _emb(frame):
@@ -245,7 +246,7 @@ def test_distributed_cluster_end_to_end(tmp_path, tiny_model, client):
     # the (k - 1)-th commit (TTFO: the first units commit first)
     from dask_surge.io.manifest import current_run
 
-    per_unit = current_run(str(tmp_path / "emb")).plan.unit_partitions
+    per_unit = current_run(OutputStore.open(str(tmp_path / "emb"))).plan.unit_partitions
     units = [r.spans[0][0] // per_unit for r in res.records]
     assert all(k <= i + 1 for i, k in enumerate(units)), units
 
@@ -419,7 +420,7 @@ def test_a_lone_surrogate_gets_a_clear_error_and_commits_nothing(tmp_path, tiny_
         where = r"column 'text'" if convert_string else r"the text at partition 0, row 1="
         with pytest.raises(SurgeInputError, match=where + r".*lone surrogate.*Fix: replace"):
             ddf.surge.encode("text", str(out), model=tiny_model, device="cpu", scheduler="sync", progress=False)
-    assert not list(out.glob("part-*.parquet")) and not current_run(str(out)).committed()
+    assert not list(out.glob("part-*.parquet")) and not current_run(OutputStore.open(str(out))).committed()
 
 
 def test_categorical_and_large_string_columns_encode(counting_encoder):

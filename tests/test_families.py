@@ -126,7 +126,7 @@ def test_sparse_pruning_keeps_the_top_weights_above_the_threshold(tmp_path, text
     np.testing.assert_allclose(np.concatenate([np.asarray(v) for v in df["values"].tolist()]),
                                values.values.to_numpy(), atol=1e-5)
     assert max(len(i) for i in df["indices"].tolist()) == 16
-    assert current_run(str(tmp_path / "o")).fingerprint["sparse_top_k"] == 16  # another pruning: another run
+    assert current_run(OutputStore.open(str(tmp_path / "o"))).fingerprint["sparse_top_k"] == 16  # another pruning: another run
 
 
 def test_a_sparse_encoder_object_and_a_hub_name_work_as_its_directory(tmp_path, texts, sparse_model, monkeypatch):
@@ -144,7 +144,7 @@ def test_a_sparse_encoder_object_and_a_hub_name_work_as_its_directory(tmp_path, 
         assert got["indices"].tolist() == expected["indices"].tolist(), name
         np.testing.assert_allclose(np.concatenate(got["values"].tolist()), np.concatenate(expected["values"].tolist()),
                                    atol=1e-6)
-    assert current_run(str(tmp_path / "hub-out")).fingerprint["model"]["family"] == "sparse"
+    assert current_run(OutputStore.open(str(tmp_path / "hub-out"))).fingerprint["model"]["family"] == "sparse"
 
 
 # -- multi-vector ---------------------------------------------------------------------------------------
@@ -271,6 +271,7 @@ DRIVER = """
 import sys
 import dask.dataframe as dd
 import dask_surge  # noqa: F401 - the accessor
+from dask_surge.io.store import OutputStore
 from distributed import Client, LocalCluster
 src, out, model = sys.argv[1:4]
 with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \\
@@ -302,7 +303,7 @@ def test_kill_a_family_run_then_resume_to_the_same_rows(tmp_path, texts, sparse_
     clean = drive(tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr[-3000:]
     ref = read(tmp_path / "clean")
-    planned = len(current_run(str(tmp_path / "clean")).committed())
+    planned = len(current_run(OutputStore.open(str(tmp_path / "clean"))).committed())
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(src), str(out), model], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, start_new_session=True)
@@ -329,7 +330,7 @@ def test_kill_a_family_run_then_resume_to_the_same_rows(tmp_path, texts, sparse_
                                        np.asarray(y, dtype=np.float64).ravel() if column != "vectors"
                                        else np.stack(y).astype(np.float64).ravel() if len(y) else np.zeros(0),
                                        atol=1e-5)
-    manifest = current_run(str(out))
+    manifest = current_run(OutputStore.open(str(out)))
     assert sorted(p.name for p in out.glob("part-*.parquet")) == sorted(r.file for r in manifest.committed().values())
     assert verify(str(out)) == []
 

@@ -305,11 +305,9 @@ def test_duckdb_reads_the_new_columns(sparse_model, colbert, texts):
 
 
 def test_read_embeddings_partitions_feed_the_helpers(sparse_model, colbert, texts, tmp_path):
-    """Part files read as read_embeddings reads them (dask, its Arrow-to-pandas options) give partitions
+    """Part files read as read_embeddings reads them (its Arrow-to-pandas mapping) give partitions
     that to_csr and to_matrices take as they are."""
-    import dask.dataframe as dd
-
-    from dask_surge.io.readers import _ArrowToPandas, _embedding_types
+    from dask_surge.io.readers import frame_of
 
     ref = sparse_model.encode(texts, convert_to_sparse_tensor=True).to_dense().numpy()
     mats = colbert.encode_document(texts, convert_to_numpy=True)
@@ -317,8 +315,7 @@ def test_read_embeddings_partitions_feed_the_helpers(sparse_model, colbert, text
     vectors, tokens = multivector_arrays(mats, precision="float16")
     table = write_and_read({INDICES: indices, VALUES: values, VECTORS: vectors, TOKENS: tokens}, len(texts))
     pq.write_table(table, tmp_path / "part-0.parquet")
-    part = dd.read_parquet([str(tmp_path / "part-0.parquet")],
-                           arrow_to_pandas=_ArrowToPandas(types_mapper=_embedding_types)).compute()
+    part = frame_of(pq.read_table(tmp_path / "part-0.parquet"))
     assert part[TOKENS].tolist() == [len(m) for m in mats]
     np.testing.assert_allclose(to_csr(part, VOCAB).toarray(), ref, rtol=0, atol=1e-5)
     got = to_matrices(part)

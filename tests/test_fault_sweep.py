@@ -104,7 +104,7 @@ def test_kill_anything_anywhere_then_resume(tmp_path, sweep_input):
         assert len(df) == sum(SIZES) == len(df[["partition", "row"]].drop_duplicates()), (t, mode, killed)
         assert df.doc_id.tolist() == ref.doc_id.tolist()
         np.testing.assert_array_equal(np.stack(df.embedding.to_numpy()), np.stack(ref.embedding.to_numpy()))
-        manifest = current_run(str(out))
+        manifest = current_run(OutputStore.open(str(out)))
         assert sorted(p.name for p in out.glob("part-*.parquet")) == sorted(
             r.file for r in manifest.committed().values())  # exactly the committed files
         assert verify(str(out)) == []
@@ -117,6 +117,7 @@ import sys
 import dask.dataframe as dd
 from distributed import Client, LocalCluster
 import dask_surge
+from dask_surge.io.store import OutputStore
 
 src, out = sys.argv[1:3]
 with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \\
@@ -169,7 +170,7 @@ def test_kill_a_chunk_mode_run_then_resume_to_the_same_windows(tmp_path):
         assert not df.duplicated(keys).any(), (t, killed)
         pd.testing.assert_frame_equal(df[cols], ref[cols])
         assert cosines(np.stack(df.embedding.to_numpy()), np.stack(ref.embedding.to_numpy())).min() >= 0.9999
-        manifest = current_run(str(out))
+        manifest = current_run(OutputStore.open(str(out)))
         assert sorted(p.name for p in out.glob("part-*.parquet")) == sorted(
             r.file for r in manifest.committed().values())
         assert verify(str(out)) == []

@@ -20,6 +20,7 @@ import dask_surge
 from dask_surge import SurgeOutputError
 from dask_surge.io.manifest import current_run
 from dask_surge.testing import DieOnce, Hog, InterruptAfter, make_partitioned_frame, write_partitioned_parquet
+from dask_surge.io.store import OutputStore
 
 SIZES = [int(x) for x in np.random.default_rng(7).lognormal(3.5, 1.0, 40).astype(int) + 1]
 N = sum(SIZES)
@@ -43,7 +44,7 @@ def check_output(path, reference) -> None:
     assert len(df[["partition", "row"]].drop_duplicates()) == N
     assert df.doc_id.tolist() == list(range(N))
     np.testing.assert_array_equal(np.stack(df.embedding.to_numpy()), np.stack(reference.embedding.to_numpy()))
-    manifest = current_run(str(path))
+    manifest = current_run(OutputStore.open(str(path)))
     for rec in manifest.committed().values():
         data = (path / rec.file).read_bytes()
         assert hashlib.sha256(data).hexdigest() == rec.sha256
@@ -117,7 +118,7 @@ def test_same_superbatch_twice_concurrently_commits_once(tmp_path, counting_enco
     from dask_surge.io.manifest import open_run
     from dask_surge.planning.policy import Span
 
-    manifest, _ = open_run(str(tmp_path / "o"), {"t": 1})
+    manifest, _ = open_run(OutputStore.open(str(tmp_path / "o")), {"t": 1})
     writer = SuperBatchWriter(SuperBatchTask("text", (), dask_surge.Encoder(counting_encoder)), manifest)
     part = make_partitioned_frame([6]).compute()
     barrier, results = threading.Barrier(2), []
@@ -148,10 +149,10 @@ def test_disk_full_fails_cleanly_and_resumes(tmp_path, counting_encoder, monkeyp
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_fsync(fd)
 
-    monkeypatch.setattr("dask_surge.io.atomic.os.fsync", full_disk)
+    monkeypatch.setattr("dask_surge.io.store.os.fsync", full_disk)
     with pytest.raises(SurgeOutputError, match="No space left on device.*rerun the same call to resume"):
         ddf.surge.encode("text", str(out), **kw)
-    monkeypatch.setattr("dask_surge.io.atomic.os.fsync", real_fsync)
+    monkeypatch.setattr("dask_surge.io.store.os.fsync", real_fsync)
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no partial temp file
     assert not list(out.glob("_surge/runs/*/staging/*"))  # nor a staged file of the failed SuperBatch
     assert len(list(out.glob("part-*.parquet"))) == 2  # readers' globs see the committed files only

@@ -29,6 +29,7 @@ from dask_surge.io.lease import Claim
 from dask_surge.io.manifest import current_run
 from dask_surge.io.verify import repair, verify
 from dask_surge.testing import CountingEncoder, InterruptAfter
+from dask_surge.io.store import OutputStore
 
 SIZES = [3, 4, 2, 5, 3, 4, 1, 6]
 N = sum(SIZES)
@@ -79,7 +80,7 @@ def base_output(tmp_path_factory):
     run, a reuse index of a gone run and ``retired/``."""
     out = tmp_path_factory.mktemp("hostile") / "emb"
     _encode(out, CountingEncoder(), on_null="skip", nulls=((1, 2),))
-    run = current_run(str(out))
+    run = current_run(OutputStore.open(str(out)))
     records = sorted(run.committed().values(), key=lambda r: r.sb)
     last = records[-1]
     Path(run.record_path(last.sb)).unlink()
@@ -127,7 +128,8 @@ def _overwrite(out):
 
 
 def _finish(out):  # what the end of a run does, called directly (the run read before the link was made)
-    run = dataclasses.replace(current_run(str(out.parent.parent / "base" / "emb")), root=str(out))
+    run = current_run(OutputStore.open(str(out.parent.parent / "base" / "emb")))
+    run = dataclasses.replace(run, store=OutputStore.open(str(out)))
     manifest_mod.finish_run(run, {}, {"rows": 0})
 
 
@@ -163,7 +165,7 @@ def test_without_links_the_same_operations_delete_what_is_ours(tmp_path, base_ou
     shutil.copytree(base_output, out, symlinks=True)
     res = _resume(out)
     assert res.rows == N and res.nulls_skipped == 1
-    run = current_run(str(out))
+    run = current_run(OutputStore.open(str(out)))
     assert not list(Path(run.staging_dir).glob("*"))
     assert not (out / "_surge" / "runs" / ("f" * 16)).exists()
     assert not (out / "_surge" / "index" / ("e" * 16)).exists()
@@ -182,12 +184,10 @@ def test_a_link_to_the_output_root_itself_is_the_users_choice(tmp_path):
 def test_discard_refuses_names_the_layout_does_not_write(tmp_path):
     keep = tmp_path / "notes.txt"
     keep.write_text("mine")
-    import fsspec
-
     with pytest.raises(SurgeOutputError, match="not a file dask-surge writes"):
-        directory_mod.discard(fsspec.filesystem("file"), str(tmp_path), str(keep))
+        directory_mod.discard(OutputStore.open(str(tmp_path)), str(keep))
     with pytest.raises(SurgeOutputError, match="not a file dask-surge writes"):
-        directory_mod.discard(fsspec.filesystem("file"), str(tmp_path / "a"), str(tmp_path / "a/../notes.txt"))
+        directory_mod.discard(OutputStore.open(str(tmp_path / "a")), str(tmp_path / "a/../notes.txt"))
     assert keep.read_text() == "mine"
 
 
@@ -200,7 +200,7 @@ class _Killed(BaseException):
 def _kill_at(monkeypatch, k: int) -> list[int]:
     """Make the ``k``-th delete, move or manifest write (counted from 0) of the manifest raise."""
     seen = [0]
-    for name in ("discard", "relocate", "_write_meta"):
+    for name in ("discard", "relocate", "write_meta"):
         real = getattr(manifest_mod, name)
 
         def wrapped(*args, _real=real, **kw):
@@ -225,7 +225,7 @@ def test_a_glob_reads_each_key_once_while_an_overwrite_runs(tmp_path):
     _encode(out, model, overwrite=True)  # the same call again: resumes, then replaces
     keys = _glob_keys(out)
     assert len(keys) == len(set(keys)) == N
-    assert current_run(str(out)).fingerprint != {} and verify(str(out)) == []
+    assert current_run(OutputStore.open(str(out))).fingerprint != {} and verify(str(out)) == []
 
 
 def test_every_kill_point_of_an_overwrite_leaves_each_key_once(tmp_path, monkeypatch):
@@ -236,7 +236,7 @@ def test_every_kill_point_of_an_overwrite_leaves_each_key_once(tmp_path, monkeyp
     for k in range(200):
         out = tmp_path / f"k{k}" / "emb"
         _encode(out, CountingEncoder())
-        old = current_run(str(out)).run_id
+        old = current_run(OutputStore.open(str(out))).run_id
         with monkeypatch.context() as m:
             seen = _kill_at(m, k)
             try:
@@ -249,11 +249,11 @@ def test_every_kill_point_of_an_overwrite_leaves_each_key_once(tmp_path, monkeyp
         keys = _glob_keys(out)
         assert len(keys) == len(set(keys)), f"killed at operation {k}: a glob reads {len(keys) - len(set(keys))} keys twice"
         assert dask_surge.status(str(out))["state"] in ("complete", "incomplete")
-        still_old = current_run(str(out)).run_id == old
+        still_old = current_run(OutputStore.open(str(out))).run_id == old
         _encode(out, CountingEncoder(dim=4), overwrite=still_old)
         keys = _glob_keys(out)
         assert len(keys) == len(set(keys)) == N, f"after a kill at operation {k} and a rerun"
-        assert current_run(str(out)).run_id != old and verify(str(out)) == []
+        assert current_run(OutputStore.open(str(out))).run_id != old and verify(str(out)) == []
         assert not list(out.glob("_surge/runs/*/staging/*.parquet"))
     assert points >= 5  # the finish of an overwrite has at least this many steps to be killed at
 
@@ -289,26 +289,21 @@ def test_an_output_inside_the_input_directory_is_refused(tmp_path, counting_enco
 # --- claims -------------------------------------------------------------------------------------------
 
 def test_a_live_claim_is_not_reported_as_unwritable(tmp_path):
-    import fsspec
-
-    fs = fsspec.filesystem("file")
-    claim = Claim.acquire(fs, str(tmp_path), "0" * 16, heartbeat=False)
+    store = OutputStore.open(str(tmp_path))
+    claim = Claim.acquire(store, "0" * 16, heartbeat=False)
     try:
         with pytest.raises(SurgeOutputError) as info:
-            Claim.acquire(fs, str(tmp_path), "1" * 16, heartbeat=False)
+            Claim.acquire(store, "1" * 16, heartbeat=False)
         assert "being written by another run" in str(info.value) and "not writable" not in str(info.value)
     finally:
         claim.release()
 
 
 def _racer(base: str, trials: int, barrier, results, me: int) -> None:
-    import fsspec
-
-    fs = fsspec.filesystem("file")
     for t in range(trials):
         barrier.wait()
         try:
-            claim = Claim.acquire(fs, f"{base}/{t}", f"{me:016x}", heartbeat=False)
+            claim = Claim.acquire(OutputStore.open(f"{base}/{t}"), f"{me:016x}", heartbeat=False)
             results.put((t, me, claim.token))
         except SurgeOutputError:
             results.put((t, me, None))

@@ -15,6 +15,7 @@ import textwrap
 import warnings
 
 import pytest
+from dask_surge.io.store import OutputStore
 
 
 def _fresh_python(code: str, cwd=None) -> subprocess.CompletedProcess:
@@ -430,15 +431,15 @@ def test_a_committed_file_not_yet_published_is_read_from_staging(tmp_path):
     import pandas as pd
 
     import dask_surge
-    from dask_surge.io.directory import _DATA_FILE
+    from dask_surge.io.directory import DATA_FILE
     from dask_surge.io.manifest import current_run
 
     ddf = dd.from_pandas(pd.DataFrame({"text": list("abcdef")}), npartitions=3)
     out = str(tmp_path / "o")
     ddf.surge.encode("text", out, model=dask_surge.testing.checksum_model, b_min=2, b_max=2, scheduler="sync",
                      progress=False)
-    manifest = current_run(out)
+    manifest = current_run(OutputStore.open(out))
     last = list(manifest.committed().values())[-1]
-    os.replace(f"{out}/{last.file}", manifest.staging_path(last.sb, _DATA_FILE.match(last.file).group("attempt")))
+    os.replace(f"{out}/{last.file}", manifest.staging_path(last.sb, DATA_FILE.match(last.file).group("attempt")))
     back = dask_surge.read_embeddings(out).compute()
     assert sorted(zip(back.partition, back.row)) == [(p, r) for p in range(3) for r in range(2)]

@@ -151,7 +151,7 @@ def test_function_level_imports_are_for_heavy_dependencies_only():
     assert lazy == []
 
 
-#: calls that delete or move files, and where they may stand outside ``io/atomic.py`` (what they touch is
+#: calls that delete or move files, and where they may stand outside ``io/store.py`` (what they touch is
 #: not an output: shared memory, the model-digest and calibration caches, a reuse index's private spill
 #: directory under the system's temporary folder)
 _DELETES = {"rm", "rm_file", "rmdir", "mv", "unlink", "remove", "rename", "replace", "rmtree", "delete"}
@@ -178,12 +178,12 @@ def _delete_calls(source: str) -> list[tuple[int, str]]:
 
 
 def test_every_delete_and_move_of_an_output_goes_through_one_module():
-    """``io/atomic.py`` (reached through the manifest's ``discard`` / ``relocate``, which check the layout) is
+    """``io/store.py`` (reached through the manifest's ``discard`` / ``relocate``, which check the layout) is
     the only place that deletes or moves a file; nothing else calls ``fs.rm``, ``os.unlink``, ``rmtree``..."""
     found = []
     for path in PACKAGE.rglob("*.py"):
         rel = str(path.relative_to(PACKAGE))
-        if rel == "io/atomic.py":
+        if rel == "io/store.py":
             continue
         found += [f"{rel}:{line} .{attr}()" for line, attr in _delete_calls(path.read_text())
                   if (rel, attr) not in _ALLOWED_DELETES]

@@ -22,10 +22,11 @@ from dask_surge import SurgeInputError, SurgeOutputError
 from dask_surge.io.directory import sb_key
 from dask_surge.io.lease import Claim
 from dask_surge.io.manifest import CommitRecord, RunPlan, current_run, finish_run, open_run
-from dask_surge.io.stores import check_output
+from dask_surge.io.directory import check_output
 from dask_surge.io.verify import repair, verify
 from dask_surge.results import SuperBatchReport
 from dask_surge.testing import CountingEncoder, make_partitioned_frame, write_partitioned_parquet
+from dask_surge.io.store import OutputStore
 
 KW = dict(b_min=8, b_max=8, scheduler="sync", progress=False)
 
@@ -35,7 +36,7 @@ def _parts(out) -> list[str]:
 
 
 def _committed_files(out) -> list[str]:
-    return sorted(r.file for r in current_run(str(out)).committed().values())
+    return sorted(r.file for r in current_run(OutputStore.open(str(out))).committed().values())
 
 
 # -- ownership ----------------------------------------------------------------------------------
@@ -53,6 +54,8 @@ def test_a_directory_holding_foreign_files_is_refused_and_left_intact(tmp_path, 
 
 
 def test_an_input_directory_is_never_an_output(tmp_path, counting_encoder):
+    import fsspec
+
     docs = tmp_path / "docs"
     write_partitioned_parquet(docs, [5] * 12, seed=1)  # part-00000.parquet ... as Spark writes them
     before = {p.name: p.read_bytes() for p in docs.iterdir()}
@@ -62,12 +65,12 @@ def test_an_input_directory_is_never_an_output(tmp_path, counting_encoder):
     # and an output inside the input directory: refused as holding an input file? no: it is a new dir
     # of its own, but then the input (docs/) globbed again would not see it (the _ prefix is not there)
     with pytest.raises(SurgeOutputError, match="holds input file"):
-        check_output(str(tmp_path), inputs=[str(docs / "part-00000.parquet")])
+        check_output(OutputStore.open(str(tmp_path)), inputs=[(fsspec.filesystem("file"), str(docs / "part-00000.parquet"))])
 
 
 def test_finishing_never_deletes_a_file_it_did_not_write(tmp_path, counting_encoder):
     out = tmp_path / "out"
-    manifest, _ = open_run(str(out), {"t": 1})
+    manifest, _ = open_run(OutputStore.open(str(out)), {"t": 1})
     (out / "part-00000.parquet").write_bytes(b"dropped in by a user while the run went on")
     (out / "part-0123abcd-notours.parquet").write_bytes(b"looks like ours, is not")
     finish_run(manifest, {}, {"rows": 0, "superbatches": 0, "partitions": 0, "nulls_skipped": 0})
@@ -118,7 +121,7 @@ def test_a_live_claim_refuses_a_second_run(tmp_path, counting_encoder):
     import fsspec
 
     out = tmp_path / "out"
-    claim = Claim.acquire(fsspec.filesystem("file"), str(out), "0123456789abcdef", heartbeat=False)
+    claim = Claim.acquire(OutputStore.open(str(out)), "0123456789abcdef", heartbeat=False)
     with pytest.raises(SurgeOutputError, match="being written by another run .*0123456789abcdef.*Fix: wait"):
         make_partitioned_frame([4] * 2).surge.encode("text", str(out), model=counting_encoder, **KW)
     assert not list(out.glob("part-*"))
@@ -142,10 +145,10 @@ def test_a_dead_or_expired_claim_is_taken_over(tmp_path, counting_encoder, monke
     (out / "_surge" / "CLAIM").write_text(json.dumps(claim))
     other = tmp_path / "other"
     with pytest.raises(SurgeOutputError, match="being written by another run"):
-        Claim.acquire(__import__("fsspec").filesystem("file"), str(out), "fedcba9876543210", heartbeat=False)
+        Claim.acquire(OutputStore.open(str(out)), "fedcba9876543210", heartbeat=False)
     monkeypatch.setattr("dask_surge.io.lease.CLAIM_TTL_S", 0.0)
     time.sleep(0.01)
-    Claim.acquire(__import__("fsspec").filesystem("file"), str(out), "fedcba9876543210", heartbeat=False).release()
+    Claim.acquire(OutputStore.open(str(out)), "fedcba9876543210", heartbeat=False).release()
     assert not other.exists()
 
 
@@ -156,19 +159,19 @@ def test_a_live_claim_of_a_host_with_a_skewed_clock_is_not_taken_over(tmp_path, 
     # diagnosis); judged on the store's clock (the files' modification times) it is fresh
     import fsspec
 
-    fs, root = fsspec.filesystem("file"), str(tmp_path / "out")
-    fs.makedirs(f"{root}/_surge")
+    store = OutputStore.open(str(tmp_path / "out"))
+    store.makedirs(f"{store.root}/_surge")
     token = "a" * 32
     claim = {"run": "0123456789abcdef", "token": token, "host": "elsewhere", "pid": 1, "started": time.time() + skew}
     (tmp_path / "out" / "_surge" / "CLAIM").write_text(json.dumps(claim))
     (tmp_path / "out" / "_surge" / f".heartbeat-{token}").write_text(repr(time.time() + skew))
     with pytest.raises(SurgeOutputError, match=r"being written by another run .*last heartbeat [0-5] s ago"):
-        Claim.acquire(fs, root, "fedcba9876543210", heartbeat=False)
+        Claim.acquire(store, "fedcba9876543210", heartbeat=False)
     # the same claim, its heartbeat file last written two TTLs ago on the store's clock: stale
     old = time.time() - 2 * __import__("dask_surge.io.lease", fromlist=["x"]).CLAIM_TTL_S
     for name in ("CLAIM", f".heartbeat-{token}"):
         os.utime(tmp_path / "out" / "_surge" / name, (old, old))
-    Claim.acquire(fs, root, "fedcba9876543210", heartbeat=False).release()
+    Claim.acquire(store, "fedcba9876543210", heartbeat=False).release()
     assert not [n for n in os.listdir(tmp_path / "out" / "_surge") if n.startswith(".clock-")]
 
 
@@ -186,10 +189,10 @@ def test_the_heartbeat_refreshes_and_a_lost_claim_is_noticed(tmp_path, monkeypat
     import fsspec
 
     monkeypatch.setattr("dask_surge.io.lease.HEARTBEAT_S", 0.05)
-    fs = fsspec.filesystem("file")
-    claim = Claim.acquire(fs, str(tmp_path), "0123456789abcdef")
-    first = Claim.holder(fs, str(tmp_path))["heartbeat"]
-    assert _eventually(lambda: Claim.holder(fs, str(tmp_path))["heartbeat"] > first) and not claim.lost
+    store = OutputStore.open(str(tmp_path))
+    claim = Claim.acquire(store, "0123456789abcdef")
+    first = Claim.holder(store)["heartbeat"]
+    assert _eventually(lambda: Claim.holder(store)["heartbeat"] > first) and not claim.lost
     (tmp_path / "_surge" / "CLAIM").write_text(json.dumps({"token": "someone else", "heartbeat": time.time()}))
     assert _eventually(lambda: claim.lost)
     claim.release()
@@ -229,7 +232,7 @@ def test_a_late_task_of_a_replaced_run_can_neither_commit_nor_publish(tmp_path, 
 
     out = tmp_path / "out"
     ddf = make_partitioned_frame([6, 6])
-    old, _ = open_run(str(out), {"t": "old"})
+    old, _ = open_run(OutputStore.open(str(out)), {"t": "old"})
     late = SuperBatchWriter(SuperBatchTask("text", (), dask_surge.Encoder(CountingEncoder(dim=4))), old)
     new = dask_surge.encode(ddf, "text", str(out), model=counting_encoder, overwrite=True, **KW)
     part = ddf.partitions[0].compute()
@@ -252,9 +255,9 @@ def test_a_worker_that_does_not_see_the_output_is_named_not_taken_for_a_replaced
     from dask_surge.io.manifest import Manifest
 
     out = tmp_path / "out"
-    run, _ = open_run(str(out), {"t": "x"})
+    run, _ = open_run(OutputStore.open(str(out)), {"t": "x"})
     # the same run as a worker without the shared mount sees it: its root is not there
-    unseen = Manifest(fsspec.filesystem("file"), str(tmp_path / "elsewhere" / "out"), run.run_id, run.fingerprint)
+    unseen = Manifest(OutputStore.open(str(tmp_path / "elsewhere" / "out")), run.run_id, run.fingerprint)
     task = SuperBatchTask("text", (), dask_surge.Encoder(CountingEncoder(dim=4)))
     runner = UnitRunner(SuperBatchWriter(task, unseen), 4, 8, None)
     with pytest.raises(SurgeOutputError, match=r"a worker on host .* does not see the output .*run\.json.*Nothing "
@@ -284,10 +287,10 @@ def test_disk_full_while_creating_a_record_keeps_readers_clean_and_resumes(tmp_p
                 raise OSError(errno.ENOSPC, "No space left on device")
         return real_link(src, dst, *a, **k)
 
-    monkeypatch.setattr("dask_surge.io.atomic.os.link", full)
+    monkeypatch.setattr("dask_surge.io.store.os.link", full)
     with pytest.raises(SurgeOutputError, match="creating the commit record.*No space left.*rerun the same call"):
         ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
-    monkeypatch.setattr("dask_surge.io.atomic.os.link", real_link)
+    monkeypatch.setattr("dask_surge.io.store.os.link", real_link)
     assert _parts(out) == _committed_files(out) and len(_parts(out)) == 1  # no uncommitted file readers glob
     assert not list(out.glob("_surge/runs/*/staging/*"))
     res = ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
@@ -343,11 +346,11 @@ def test_repair_refuses_an_output_a_live_run_is_writing(tmp_path, counting_encod
 
     out, ddf = tmp_path / "out", make_partitioned_frame([4] * 4)
     ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
-    manifest = current_run(str(out))
+    manifest = current_run(OutputStore.open(str(out)))
     rec = next(iter(manifest.committed().values()))
     # a commit in progress: the record exists, the file still in staging (as between commit and publish)
     os.rename(out / rec.file, f"{manifest.staging_dir}/{rec.sb}-{rec.attempt}.parquet")
-    claim = Claim.acquire(fsspec.filesystem("file"), str(out), manifest.run_id, heartbeat=False)
+    claim = Claim.acquire(OutputStore.open(str(out)), manifest.run_id, heartbeat=False)
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
     try:
         with pytest.raises(SurgeOutputError, match=rf"being written by a live run \(run {manifest.run_id}, pid "
@@ -363,7 +366,7 @@ def test_repair_refuses_an_output_a_live_run_is_writing(tmp_path, counting_encod
 def test_a_commit_whose_task_died_before_publishing_is_published_on_resume(tmp_path, counting_encoder):
     out, ddf = tmp_path / "out", make_partitioned_frame([4] * 4)
     ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
-    manifest = current_run(str(out))
+    manifest = current_run(OutputStore.open(str(out)))
     rec = next(iter(manifest.committed().values()))
     # as if the task died between its commit record and the rename
     os.rename(out / rec.file, f"{manifest.staging_dir}/{rec.sb}-{rec.attempt}.parquet")
@@ -433,13 +436,13 @@ def test_commit_times_are_mapped_onto_the_clients_clock():
     RunPlan(60, 200, "streaming", 40, 1 << 20, "auto: 2 threads", unit_partitions=5),
 ])
 def test_the_recorded_plan_is_written_with_its_keys_and_read_back(tmp_path, plan):
-    manifest, resumed = open_run(str(tmp_path / "o"), {"t": 1}, plan=plan)
+    manifest, resumed = open_run(OutputStore.open(str(tmp_path / "o")), {"t": 1}, plan=plan)
     assert not resumed and manifest.plan == plan
     recorded = json.loads(next((tmp_path / "o" / "_surge" / "runs").glob("*/run.json")).read_text())["plan"]
     keys = {"b_min", "b_max", "mode", "partitions", "max_bytes", "reason"}
     assert set(recorded) == keys | ({"rows"} if plan.mode == "planned" else {"unit_partitions"})
-    assert current_run(str(tmp_path / "o")).plan == plan
-    again, resumed = open_run(str(tmp_path / "o"), {"t": 1}, plan=RunPlan(1, 2, "planned", 1))
+    assert current_run(OutputStore.open(str(tmp_path / "o"))).plan == plan
+    again, resumed = open_run(OutputStore.open(str(tmp_path / "o")), {"t": 1}, plan=RunPlan(1, 2, "planned", 1))
     assert resumed and again.plan == plan  # a resumed run keeps what it recorded
 
 
@@ -448,8 +451,8 @@ def test_a_plan_recorded_by_an_older_version_still_loads(tmp_path):
         RunPlan(5, 9, "planned", 3, None, "given")  # unknown keys ignored, missing ones defaulted
     assert RunPlan.of({"b_min": 5, "b_max": 9, "partitions": 3, "unit_partitions": 2}).mode == "streaming"
     assert RunPlan.of({}) is None and RunPlan.of(None) is None
-    manifest, _ = open_run(str(tmp_path / "o"), {"t": 2})  # a run that recorded no plan
-    assert manifest.plan is None and current_run(str(tmp_path / "o")).plan is None
+    manifest, _ = open_run(OutputStore.open(str(tmp_path / "o")), {"t": 2})  # a run that recorded no plan
+    assert manifest.plan is None and current_run(OutputStore.open(str(tmp_path / "o"))).plan is None
     assert dask_surge.status(str(tmp_path / "o"))["mode"] is None
 
 

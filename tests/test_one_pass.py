@@ -22,6 +22,7 @@ import pytest
 import dask_surge
 from dask_surge.io.manifest import current_run
 from dask_surge.testing import CallLog, checksum_model, make_partitioned_frame
+from dask_surge.io.store import OutputStore
 
 SIZES = [int(x) for x in np.random.default_rng(16).integers(0, 25, size=200)]
 FIRST_IDS = list(np.cumsum([0, *SIZES[:-1]]))  # doc_id of each partition's first row
@@ -65,7 +66,7 @@ def test_streamed_input_is_computed_once_and_a_complete_rerun_computes_nothing(t
 def test_streamed_superbatches_respect_the_thresholds(tmp_path):
     out = tmp_path / "o"
     _streamed(str(tmp_path / "calls")).surge.encode("text", str(out), scheduler="sync", **KW)
-    manifest = current_run(str(out))
+    manifest = current_run(OutputStore.open(str(out)))
     per_unit = manifest.plan.unit_partitions
     records = list(manifest.committed().values())
     assert all(r.rows <= 200 for r in records)
@@ -123,7 +124,7 @@ def test_killed_streamed_run_resumes_computing_only_what_was_not_committed(tmp_p
     thresholds = {"b_min": 60, "b_max": 200}
     _kill_midway(tmp_path, out, log, stream=True, thresholds=thresholds, seed=1)
     before = len(CallLog(log).calls())
-    manifest = current_run(str(out))
+    manifest = current_run(OutputStore.open(str(out)))
     coverage = manifest.coverage()
     assert manifest.completion() is None and coverage.missing(len(SIZES))  # really killed midway
     todo = {int(FIRST_IDS[p]) for p in coverage.missing(len(SIZES)) if SIZES[p]}
@@ -142,8 +143,8 @@ def test_resume_after_changing_the_number_of_workers_keeps_the_recorded_threshol
 
     out = tmp_path / "o"
     _kill_midway(tmp_path, out, str(tmp_path / "calls"), stream=False, thresholds={}, seed=2, sleep=1.5)
-    recorded = current_run(str(out)).plan
-    assert recorded.mode == "planned" and current_run(str(out)).completion() is None
+    recorded = current_run(OutputStore.open(str(out))).plan
+    assert recorded.mode == "planned" and current_run(OutputStore.open(str(out))).completion() is None
     ddf = dd.from_pandas(make_partitioned_frame(SIZES, seed=16).compute(scheduler="sync"), npartitions=40)
     kw = dict(model=SleepyModel(0.0), keep=["doc_id"], progress=False)
     # b_min="auto" gives each worker thread 4+ SuperBatches: 1 thread in the killed run, 2 now
@@ -207,7 +208,7 @@ def test_plan_shows_the_superbatches_a_streamed_encode_forms(tmp_path, client):
         planned = dask_surge.plan(ddf, "text", b_min=60, b_max=200, scheduler=scheduler)
         res = ddf.surge.encode("text", str(tmp_path / str(id(scheduler))), scheduler=scheduler, **KW)
         assert res.superbatches == len(planned.superbatches)
-        assert [r.rows for r in current_run(str(tmp_path / str(id(scheduler)))).committed().values()] == \
+        assert [r.rows for r in current_run(OutputStore.open(str(tmp_path / str(id(scheduler))))).committed().values()] == \
             [sb.rows for sb in planned.superbatches]
 
 
@@ -228,7 +229,7 @@ def test_input_errors_are_clear_on_a_distributed_client_and_commit_nothing(tmp_p
         with pytest.raises(SurgeInputError, match=match):
             dd.from_pandas(df, npartitions=1).surge.encode("text", str(out), model=checksum_model, progress=False)
         assert not list(out.glob("part-*.parquet"))
-        assert not current_run(str(out)).committed()
+        assert not current_run(OutputStore.open(str(out))).committed()
     assert "started LocalCluster" not in capsys.readouterr().err
 
 

@@ -17,6 +17,7 @@ from dask_surge.execution import events
 from dask_surge.execution.progress import RunProgress, logging_through
 from dask_surge.io.manifest import current_run
 from dask_surge.testing import CountingEncoder, InterruptAfter, make_partitioned_frame
+from dask_surge.io.store import OutputStore
 
 
 @pytest.fixture
@@ -69,7 +70,7 @@ def test_streamed_unit_reports_each_superbatch_as_it_commits(tmp_path, capsys, e
     ddf = make_partitioned_frame(sizes)  # sizes unknown ahead: the run streams
     out = str(tmp_path / "o")
     res = dask_surge.encode(ddf, "text", out, b_min=6, b_max=8, scheduler="sync", model=CountingEncoder())
-    plan = current_run(out).plan
+    plan = current_run(OutputStore.open(out)).plan
     assert plan.mode == "streaming" and plan.unit_partitions == len(sizes)  # all of it is one unit
     assert res.superbatches >= 4
     states = _states(capsys.readouterr().err)

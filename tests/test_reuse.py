@@ -27,11 +27,12 @@ from hypothesis import strategies as st
 
 from dask_surge.errors import SurgeInputError, SurgeValueError
 from dask_surge.io import reuse
-from dask_surge.io.directory import index_dir, sb_key, write_bytes_atomic
+from dask_surge.io.directory import index_dir, sb_key
 from dask_surge.io.hashing import hash_column, hashes_of, text_hash_field, text_hashes
 from dask_surge.io.layout import TEXT_HASH
 from dask_surge.io.manifest import CommitRecord, RunPlan, existing_run, finish_run, open_run
 from dask_surge.io.reuse import ReuseIndex, compatible, embedding_identity, open_index
+from dask_surge.io.store import OutputStore
 
 DIM = 4
 
@@ -99,8 +100,7 @@ def write_output(path: str, sbs: list[list[tuple[int, list[str]]]], *, chunked: 
     ``row_group_rows``), commit records (``truncated``: each one's count of texts cut at the
     window), ``run.json``, ``CURRENT``, ``COMPLETE``."""
     partitions = sum(len(sb) for sb in sbs)
-    manifest, _ = open_run(path, fp or fingerprint(partitions=partitions),
-                           plan=RunPlan(b_min=1, b_max=10**6, mode="planned", partitions=partitions))
+    manifest, _ = open_run(OutputStore.open(path), fp or fingerprint(partitions=partitions), plan=RunPlan(b_min=1, b_max=10**6, mode="planned", partitions=partitions))
     rows = 0
     for i, sb in enumerate(sbs):
         table = part_table(sb, chunked=chunked, with_hash=with_hash, hashes=None if hashes is None else hashes[i])
@@ -118,7 +118,7 @@ def write_output(path: str, sbs: list[list[tuple[int, list[str]]]], *, chunked: 
         key = sb_key(sb[0][0], 0)
         attempt = f"{i:08x}"
         target = manifest.data_path(key, attempt)
-        write_bytes_atomic(manifest.fs, target, data)
+        manifest.store.write(target, data)
         n_texts = sum(len(t) for _, t in sb)
         rows += n_texts
         rec = CommitRecord(sb=key, run=manifest.run_id, file=target.rsplit("/", 1)[-1], rows=n_texts,
@@ -146,7 +146,7 @@ def layout(texts: list[str], per_partition: int, partitions_per_sb: int, first_p
 
 def stored(path: str) -> dict[bytes, list]:
     """hash bytes -> the stored rows of its first occurrence (by file, row): what reuse must return."""
-    manifest = existing_run(path)
+    manifest = existing_run(OutputStore.open(path))
     out: dict[bytes, list] = {}
     for rec in manifest.committed().values():
         cols = pq.read_table(f"{manifest.root}/{rec.file}").to_pydict()
@@ -237,7 +237,7 @@ def test_hits_misses_moved_rows_and_duplicates(tmp_path):
     got = check(index, queries, truth)
     assert got.matches.hits == 200 + 2
     m = index.find(text_hashes([texts[10]]))
-    first_file = existing_run(old).committed()
+    first_file = existing_run(OutputStore.open(old)).committed()
     assert m.found[0] and m.row[0] == 10 and m.count[0] == 1 and m.source[0] == 0
     assert sorted(first_file) and index.indexes[0].files[m.file[0]] == next(iter(first_file.values())).file
     # byte for byte: the buffer of the stored values
@@ -308,7 +308,7 @@ def test_damaged_or_stale_index_is_rebuilt(tmp_path):
     old = write_output(str(tmp_path / "old"), layout(texts, 30, 2))
     truth = stored(old)
     ReuseIndex(old, bits=3)
-    where = index_dir(str(tmp_path / "old"), existing_run(old).run_id)
+    where = index_dir(str(tmp_path / "old"), existing_run(OutputStore.open(old)).run_id)
     buckets = sorted(n for n in os.listdir(where) if n.startswith("bucket-"))
     assert len(buckets) == 8
     # a torn bucket, found when the index is used
@@ -329,7 +329,7 @@ def test_damaged_or_stale_index_is_rebuilt(tmp_path):
 
 
 def _files(path: str) -> list[str]:
-    manifest = existing_run(path)
+    manifest = existing_run(OutputStore.open(path))
     return [f"{manifest.root}/{rec.file}" for rec in manifest.committed().values()]
 
 
@@ -377,7 +377,7 @@ def test_may_be_cut_follows_the_records_count_of_texts_cut_at_the_window(tmp_pat
     got = ReuseIndex(old).lookup(text_hashes([texts[45], texts[5], "new", texts[25], texts[15]]))
     assert got.found.tolist() == [True, True, False, True, True]
     assert got.may_be_cut.tolist() == [True, False, True, False]  # files 2 (unknown), 0, 1 (3 cut), 0
-    meta_path = f"{index_dir(old, existing_run(old).run_id)}/meta.json"
+    meta_path = f"{index_dir(old, existing_run(OutputStore.open(old)).run_id)}/meta.json"
     with open(meta_path) as f:
         meta = json.load(f)
     assert meta["truncated"] == [0, 3, -1] and len(meta["sha256"]) == 3
@@ -405,18 +405,18 @@ def test_compatible_names_what_differs(tmp_path):
     old = write_output(str(tmp_path / "old"), layout(corpus(20), 10, 1), fp=fp)
     ident = embedding_identity(fp)
     assert set(ident) == {"model", "normalize", "precision", "truncate_dim", "dimension"}
-    assert compatible(old, ident) is None
+    assert compatible(OutputStore.open(old), ident) is None
     # the input, column, kept columns, partitions and library version are not the embedding's identity
     other_input = embedding_identity({**fp, "input": "zz", "keep": ["id"], "partitions": 9, "library": "9"})
-    assert compatible(old, other_input) is None
+    assert compatible(OutputStore.open(old), other_input) is None
     hub = {"kind": "path", "repo_id": "org/other", "commit": "0123456789abcdef0123"}
-    why = compatible(old, {**ident, "model": hub})
+    why = compatible(OutputStore.open(old), {**ident, "model": hub})
     assert why == ("it was made with in-memory tests.Model (digest abababababab), this run uses "
                    "org/other@0123456789ab")
-    why = compatible(old, {**ident, "model": {**fp["model"], "prompt": "query: "}, "normalize": True})
+    why = compatible(OutputStore.open(old), {**ident, "model": {**fp["model"], "prompt": "query: "}, "normalize": True})
     assert "this run uses in-memory tests.Model (digest abababababab) (prompt='query: ')" in why
     assert "it was made with normalize=False, this run uses normalize=True" in why
-    assert compatible(old, {**ident, "long_texts": "chunk"}) == \
+    assert compatible(OutputStore.open(old), {**ident, "long_texts": "chunk"}) == \
         "it was made with long_texts=None, this run uses long_texts='chunk'"
     with pytest.raises(SurgeInputError, match=r"cannot be reused: it was made with precision='float32', this "
                                               r"run uses precision='int8'.*Fix:"):
@@ -435,7 +435,7 @@ def test_a_real_run(tmp_path):
     out = str(tmp_path / "real")
     dask_surge.encode(ddf, "text", output=out, model=checksum_model, keep=["text"], scheduler="sync",
                       progress=False)
-    manifest = existing_run(out)
+    manifest = existing_run(OutputStore.open(out))
     for rec in manifest.committed().values():
         path = f"{manifest.root}/{rec.file}"
         pf = pq.ParquetFile(path)
@@ -496,7 +496,7 @@ def test_memory_does_not_grow_with_the_old_output(tmp_path):
 def test_one_process_builds_while_others_wait(tmp_path, monkeypatch):
     texts = corpus(200, seed=13)
     old = write_output(str(tmp_path / "old"), layout(texts, 20, 2))
-    where = index_dir(str(tmp_path / "old"), existing_run(old).run_id)
+    where = index_dir(str(tmp_path / "old"), existing_run(OutputStore.open(old)).run_id)
     os.makedirs(where)
     builds = []
     real_build = reuse._OutputIndex.build
@@ -521,12 +521,15 @@ def test_one_process_builds_while_others_wait(tmp_path, monkeypatch):
     assert builds == ["builder"] and time.monotonic() - t0 >= 0.5
     check(index, texts, stored(old))
     assert not os.path.exists(f"{where}/BUILDING")
-    # a builder that stopped beating, or died on this host: not waited for
+    # a builder that stopped beating (its lock last written two TTLs ago on the store's clock: the
+    # file's modification time), or died on this host: not waited for
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     for info in ({"time": time.time() - 2 * reuse.BUILD_STALE_S},
                  {"host": socket.gethostname(), "pid": int(dead.stdout)}):
         os.unlink(f"{where}/meta.json")
         note(**info)
+        if "time" in info:
+            os.utime(f"{where}/BUILDING", (info["time"], info["time"]))
         builds.clear()
         t0 = time.monotonic()
         check(ReuseIndex(old), texts, stored(old))
@@ -540,8 +543,7 @@ def test_open_index_reopens_an_output_replaced_in_place(tmp_path):
     first = open_index(path)
     assert open_index(path) is first and first.find(text_hashes(texts[:1])).found.all()
     # a new run completes in the same directory (overwrite=True), replacing the old one
-    manifest, _ = open_run(path, fingerprint(partitions=3), overwrite=True,
-                           plan=RunPlan(b_min=1, b_max=10**6, mode="planned", partitions=3))
+    manifest, _ = open_run(OutputStore.open(path), fingerprint(partitions=3), overwrite=True, plan=RunPlan(b_min=1, b_max=10**6, mode="planned", partitions=3))
     finish_run(manifest, manifest.committed(), {"rows": 0, "superbatches": 0, "nulls_skipped": 0, "partitions": 0})
     second = open_index(path)
     assert second is not first and second.entries == 0 and not second.find(text_hashes(texts[:1])).found.any()

@@ -25,6 +25,7 @@ from dask_surge.io.manifest import existing_run
 from dask_surge.io.reuse import ReuseIndex
 from dask_surge.io.verify import repair, verify
 from dask_surge.testing import package_documents
+from dask_surge.io.store import OutputStore
 
 OPTS = {"device": "cpu", "keep": ["doc_id"], "b_min": 80, "b_max": 80, "progress": False}
 
@@ -54,7 +55,7 @@ def _read(path: str) -> pd.DataFrame:
 
 def _part_files(path: str) -> list[str]:
     """The old output's part files, in data order."""
-    manifest = existing_run(path)
+    manifest = existing_run(OutputStore.open(path))
     return [f"{manifest.root}/{rec.file}" for rec in manifest.committed().values()]
 
 

@@ -17,6 +17,7 @@ import dask_surge
 from dask_surge import SurgeOutputError
 from dask_surge.io.manifest import current_run
 from dask_surge.synthetic import lognormal_sizes, write_partitioned_parquet
+from dask_surge.io.store import OutputStore
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -106,7 +107,7 @@ def _cli(out, model) -> list[str]:
 
 def _committed(out) -> int:
     try:
-        return len(current_run(str(out)).committed())
+        return len(current_run(OutputStore.open(str(out))).committed())
     except Exception:  # noqa: BLE001 - no manifest yet, or one being written
         return 0
 
@@ -126,7 +127,7 @@ def test_cli_s3_input_killed_mid_run_resumes_exactly(tmp_path, s3, tiny_model):
     proc.send_signal(signal.SIGKILL)  # after its first commit, before its last (it has 20+)
     proc.wait()
     killed_at = _committed(out)
-    assert 0 < killed_at < len(current_run(str(clean)).committed())
+    assert 0 < killed_at < len(current_run(OutputStore.open(str(clean))).committed())
 
     done = subprocess.run(_cli(out, tiny_model), env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]

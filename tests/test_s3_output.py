@@ -26,10 +26,10 @@ import dask_surge
 from dask_surge import SurgeOutputError
 from dask_surge.io.lease import Claim
 from dask_surge.io.manifest import current_run
-from dask_surge.io.stores import output_fs
 from dask_surge.io.verify import verify
 from dask_surge.synthetic import lognormal_sizes, make_partitioned_frame, write_partitioned_parquet
 from dask_surge.testing import CountingEncoder, InterruptAfter, loopback_s3
+from dask_surge.io.store import OutputStore
 
 s3fs = pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
@@ -74,7 +74,7 @@ def _objects(url: str, fs) -> set[str]:
 
 
 def _committed(url: str, options) -> set[str]:
-    return {r.file for r in current_run(url, options).committed().values()}
+    return {r.file for r in current_run(OutputStore.open(url, options)).committed().values()}
 
 
 def _exactly_once(url, options, fs, reference=None) -> pd.DataFrame:
@@ -124,22 +124,23 @@ def test_interrupted_then_resumed_on_s3_is_exact(store, reference):
 
 def test_two_runs_on_one_prefix_one_wins_and_a_dead_claim_is_taken_over(store, monkeypatch):
     _, options, _ = store
-    fs, root = output_fs(_url(), options)
-    claim = Claim.acquire(fs, root, "0" * 16, heartbeat=False)
+    store = OutputStore.open(_url(), options)
+    fs, root = store.fs, store.root
+    claim = Claim.acquire(store, "0" * 16, heartbeat=False)
     with pytest.raises(SurgeOutputError, match="being written by another run"):
-        Claim.acquire(fs, root, "1" * 16, heartbeat=False)
+        Claim.acquire(store, "1" * 16, heartbeat=False)
     # a claim from another machine, written just now by a clock an hour behind: live (the store's
     # clock says so: the age of its key), then stale once the store's clock passes the TTL
     fs.pipe_file(f"{root}/_surge/CLAIM", json.dumps({"run": "2" * 16, "token": "a" * 32, "host": "elsewhere",
                                                      "pid": 1, "started": time.time() - 3600}).encode())
     with pytest.raises(SurgeOutputError, match="being written by another run"):
-        Claim.acquire(fs, root, "1" * 16, heartbeat=False)
+        Claim.acquire(store, "1" * 16, heartbeat=False)
     monkeypatch.setattr("dask_surge.io.lease.CLAIM_TTL_S", 1.0)
     time.sleep(2.5)  # S3 times have one-second resolution
-    taken = Claim.acquire(fs, root, "1" * 16, heartbeat=False)
-    assert Claim.holder(fs, root)["token"] == taken.token != claim.token
+    taken = Claim.acquire(store, "1" * 16, heartbeat=False)
+    assert Claim.holder(store)["token"] == taken.token != claim.token
     taken.release()
-    assert Claim.holder(fs, root) is None
+    assert Claim.holder(store) is None
 
 
 def test_a_late_task_of_a_replaced_run_publishes_nothing(store, counting_encoder):
@@ -150,7 +151,7 @@ def test_a_late_task_of_a_replaced_run_publishes_nothing(store, counting_encoder
     _, options, fs = store
     url = _url()
     _encode(url, options, CountingEncoder(dim=4))
-    old = current_run(url, options)
+    old = current_run(OutputStore.open(url, options))
     late = SuperBatchWriter(SuperBatchTask("text", ("doc_id",), dask_surge.Encoder(CountingEncoder(dim=4))), old)
     _encode(url, options, counting_encoder, overwrite=True)
     part = make_partitioned_frame(SIZES, seed=3).partitions[0].compute()

@@ -309,22 +309,23 @@ class InputGraph:
         return {key: task, **extra, **cull(self.graph, ext)}
 
 
-def input_files(frame) -> list[str]:
-    """Paths (as their filesystem names them) that the input's readers name: a file, a
-    directory or a glob for each path operand of the expression's leaves, and a plain
-    ``read_parquet``'s files. Nothing is listed or read (used to keep outputs out of inputs).
+def input_files(frame) -> list[tuple[Any, str]]:
+    """Paths that the input's readers name, each with its fsspec filesystem (and as that
+    filesystem names it): a file, a directory or a glob for each path operand of the
+    expression's leaves, and a plain ``read_parquet``'s files. Nothing is listed or read (used
+    to keep outputs out of inputs: :func:`dask_surge.io.directory.check_output`).
 
     Examples
     --------
     >>> import os, tempfile, pandas as pd, dask.dataframe as dd
     >>> d = tempfile.mkdtemp()
     >>> pd.DataFrame({"text": ["a"]}).to_parquet(os.path.join(d, "x.parquet"))
-    >>> any(p.endswith("x.parquet") for p in input_files(dd.read_parquet(d)))
+    >>> any(p.endswith("x.parquet") for _, p in input_files(dd.read_parquet(d)))
     True
     """
     from fsspec.core import url_to_fs
 
-    found: list[str] = []
+    found: list[tuple[Any, str]] = []
 
     def strings(value) -> list[str]:
         if isinstance(value, str):
@@ -340,10 +341,12 @@ def input_files(frame) -> list[str]:
             for s in strings(value):
                 if "/" in s or os.sep in s or "://" in s:
                     try:
-                        found.append(url_to_fs(s)[1].rstrip("/"))
+                        fs, path = url_to_fs(s)
                     except (ValueError, ImportError):  # not a path after all
                         continue
+                    found.append((fs, path.rstrip("/") or path))
         info = getattr(expr, "_dataset_info", None) if "Parquet" in type(expr).__name__ else None
-        if isinstance(info, dict):
-            found += [part["piece"][0] for part in info.get("plan", {}).get("parts", []) if "piece" in part]
+        if isinstance(info, dict) and info.get("fs") is not None:
+            found += [(info["fs"], part["piece"][0]) for part in info.get("plan", {}).get("parts", [])
+                      if "piece" in part]
     return found

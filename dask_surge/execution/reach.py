@@ -10,9 +10,8 @@ probe files are deleted whatever the outcome.
 Examples
 --------
 >>> import tempfile
->>> from dask_surge.io.manifest import output_fs
->>> fs, root = output_fs(tempfile.mkdtemp())
->>> worker_sees(fs, root, "0" * 32, "tcp://127.0.0.1:1")  # a worker, when the client wrote no probe
+>>> from dask_surge.io.store import OutputStore
+>>> worker_sees(OutputStore.open(tempfile.mkdtemp()), "0" * 32, "tcp://127.0.0.1:1")  # no probe written
 "FileNotFoundError: [Errno 2] No such file or directory: ..."
 """
 
@@ -26,17 +25,17 @@ import zlib
 from typing import Any
 
 from ..errors import SurgeOutputError
-from ..io.atomic import protocols
-from ..io.directory import META_DIR, current_path, discard, write_bytes_atomic
+from ..io.directory import META_DIR, current_path, discard
+from ..io.store import OutputStore
 
 __all__ = ["check_workers_see_output", "worker_sees", "task_sees_run", "run_gone"]
 
 
-#: the runs whose ``run.json`` this process has read (protocol, root, run id): a SuperBatch task
+#: the runs whose ``run.json`` this process has read (store, run id): a SuperBatch task
 #: proves it sees its run's output once per worker process and run (:func:`task_sees_run`). What
 #: invalidates an entry: nothing needs to: a run replaced since makes the task's commit fail, which is
 #: then diagnosed afresh (:func:`run_gone`)
-_SEEN: set[tuple[str, str, str]] = set()
+_SEEN: set[tuple[OutputStore, str]] = set()
 _SEEN_LOCK = threading.Lock()
 
 
@@ -48,52 +47,50 @@ def _answer(root: str, token: str, address: str) -> str:
     return f"{_probe(root, token)}-{zlib.crc32(address.encode())}"
 
 
-def worker_sees(fs: Any, root: str, token: str, address: str) -> str | None:
+def worker_sees(store: OutputStore, token: str, address: str) -> str | None:
     """On a worker: read the client's probe and write this worker's answer; None when both
     worked, else what failed (the probe is written by :func:`check_workers_see_output`)."""
-    probe = _probe(root, token)
+    probe = _probe(store.root, token)
     try:
-        with fs.open(probe, "rb") as f:
-            data = f.read()
-        if data != token.encode():
+        if store.read(probe) != token.encode():
             return f"{probe!r} holds other bytes than the client wrote"
-        write_bytes_atomic(fs, _answer(root, token, address), address.encode())
+        store.write(_answer(store.root, token, address), address.encode())
     except Exception as err:  # noqa: BLE001 - any failure is the answer: a missing file, no credentials, a read-only mount
         return f"{type(err).__name__}: {err}"
     return None
 
 
-def _run_on_worker(fs: Any, root: str, token: str, dask_worker: Any = None) -> tuple[str, str | None]:
+def _run_on_worker(store: OutputStore, token: str, dask_worker: Any = None) -> tuple[str, str | None]:
     address = dask_worker.address if dask_worker is not None else "?"
-    return socket.gethostname(), worker_sees(fs, root, token, address)
+    return socket.gethostname(), worker_sees(store, token, address)
 
 
-def _clean_on_worker(fs: Any, root: str, token: str, dask_worker: Any = None) -> None:
+def _clean_on_worker(store: OutputStore, token: str, dask_worker: Any = None) -> None:
     address = dask_worker.address if dask_worker is not None else "?"
     with contextlib.suppress(Exception):
-        discard(fs, root, _answer(root, token, address))
+        discard(store, _answer(store.root, token, address))
 
 
-def check_workers_see_output(client: Any, fs: Any, root: str, output: str) -> None:
+def check_workers_see_output(client: Any, store: OutputStore) -> None:
     """Raise :class:`SurgeOutputError` unless every worker of ``client`` reads what the client
-    wrote at the output ``root`` and writes what the client reads there.
+    wrote at the output and writes what the client reads there.
 
     Parameters
     ----------
     client : distributed.Client
-        The run's client; its current workers are checked.
-    fs, root
-        The output's filesystem and root (:func:`dask_surge.io.stores.output_fs`).
-    output : str
-        The output as the user named it (for the message).
+        The run's client; its current workers are checked (a worker that joins later proves it
+        in its first task: :func:`task_sees_run`).
+    store : OutputStore
+        The output.
     """
+    root, output = store.root, store.location
     token = uuid.uuid4().hex
     probe = _probe(root, token)
-    fs.makedirs(f"{root}/{META_DIR}", exist_ok=True)
-    write_bytes_atomic(fs, probe, token.encode())
+    store.makedirs(f"{root}/{META_DIR}")
+    store.write(probe, token.encode())
     failures: list[str] = []
     try:
-        answers = client.run(_run_on_worker, fs, root, token, on_error="return")
+        answers = client.run(_run_on_worker, store, token, on_error="return")
         for address, answer in sorted(answers.items()):
             if isinstance(answer, BaseException):
                 failures.append(f"worker {address}: {type(answer).__name__}: {answer}")
@@ -101,8 +98,7 @@ def check_workers_see_output(client: Any, fs: Any, root: str, output: str) -> No
             host, error = answer
             if error is None:
                 try:
-                    with fs.open(_answer(root, token, address), "rb") as f:
-                        seen = f.read() == address.encode()
+                    seen = store.read(_answer(root, token, address)) == address.encode()
                 except FileNotFoundError:
                     seen = False
                 if not seen:
@@ -114,12 +110,12 @@ def check_workers_see_output(client: Any, fs: Any, root: str, output: str) -> No
     finally:
         if failures:
             with contextlib.suppress(Exception):
-                client.run(_clean_on_worker, fs, root, token, on_error="return")
+                client.run(_clean_on_worker, store, token, on_error="return")
         for address in client.scheduler_info().get("workers", {}):
             with contextlib.suppress(OSError):
-                discard(fs, root, _answer(root, token, address))
+                discard(store, _answer(root, token, address))
         with contextlib.suppress(OSError):
-            discard(fs, root, probe)
+            discard(store, probe)
     if failures:
         raise SurgeOutputError(
             f"output={output!r}: {len(failures)} worker(s) do not see the output the client sees, so what they "
@@ -134,15 +130,14 @@ def run_gone(manifest: Any, err: BaseException | None = None) -> SurgeOutputErro
     """Why a task does not find its run's directory: another run replaced it (``CURRENT`` names
     another run, or it was fenced off into ``retired/``), or this worker does not see the output the
     client sees (a worker that joined after the start without the shared path or the credentials)."""
-    fs, root = manifest.fs, manifest.root
+    store, root = manifest.store, manifest.root
     host = socket.gethostname()
     current = None
     with contextlib.suppress(Exception):
-        current = fs.cat_file(current_path(root)).decode(errors="replace").strip()
+        current = store.read(current_path(root)).decode(errors="replace").strip()
     retired = False
     with contextlib.suppress(Exception):
-        retired = any(p.rstrip("/").rsplit("/", 1)[-1].startswith(f"{manifest.run_id}-")
-                      for p in fs.ls(f"{root}/{META_DIR}/retired", detail=False))
+        retired = any(n.startswith(f"{manifest.run_id}-") for n in store.listdir(f"{root}/{META_DIR}/retired"))
     if retired or (current and current != manifest.run_id):
         by = f"run {current}" if current and current != manifest.run_id else "its directory was retired"
         return SurgeOutputError(
@@ -165,11 +160,11 @@ def run_gone(manifest: Any, err: BaseException | None = None) -> SurgeOutputErro
 def task_sees_run(manifest: Any) -> None:
     """On a worker, before a SuperBatch task writes: raise :func:`run_gone`'s error unless this
     process reads its run's ``run.json`` (checked once per worker process and run)."""
-    key = (protocols(manifest.fs)[0], manifest.root, manifest.run_id)
+    key = (manifest.store, manifest.run_id)
     if key in _SEEN:
         return
     try:
-        manifest.fs.cat_file(f"{manifest.run_dir}/run.json")
+        manifest.store.read(f"{manifest.run_dir}/run.json")
     except (OSError, ValueError) as err:
         raise run_gone(manifest, err) from err
     with _SEEN_LOCK:

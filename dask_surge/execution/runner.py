@@ -56,14 +56,14 @@ from ..io.manifest import (
     settled,
     text_counts,
 )
-from ..io.stores import check_output, check_store, output_fs
+from ..io.store import OutputStore
 from ..planning.policy import OnlinePlanner, Span, SuperBatch, plan_superbatches
 from ..planning.sizes import PartitionSizes, known_sizes, text_bytes
 from ..planning.thresholds import Requested, Thresholds
 from ..planning.units import unit_partitions
 from ..results import EncodeResult, SuperBatchReport
 from .events import listen
-from .inputs import InputGraph, Unit, UnitSource, input_files, task_arguments
+from .inputs import InputGraph, Unit, UnitSource, task_arguments
 from .plugins import models_ready
 from .profiler import profiler_paused
 from .progress import RunProgress, logging_through
@@ -549,8 +549,9 @@ class RunRequest:
         The input as the run reads it (the text column and the kept columns).
     encoder : SuperBatchTask
         What each SuperBatch task runs.
-    output : str
-        The output directory.
+    store : OutputStore
+        The output, resolved once (:meth:`~dask_surge.io.store.OutputStore.open`) and checked by the
+        caller (:func:`~dask_surge.io.directory.check_output`) before any worker started.
     fingerprint : dict
         The run's identity (:func:`dask_surge.api.fingerprint`): a rerun of the same one resumes.
     thresholds : ThresholdResolver
@@ -565,18 +566,22 @@ class RunRequest:
 
     frame: Any
     encoder: SuperBatchTask
-    output: str
+    store: OutputStore
     fingerprint: dict
     thresholds: ThresholdResolver
     max_bytes: int | None = None
     client: Any = None
     scheduler: Any = None
     overwrite: bool = False
-    storage_options: dict | None = None
     progress: bool = True
     started: float | None = None
     #: a bar the caller opened already (from the first second: while it started a cluster); None: a new one
     bar: RunProgress | None = None
+
+    @property
+    def output(self) -> str:
+        """The output as the user named it (for messages)."""
+        return self.store.location
 
     @property
     def threads(self) -> int:
@@ -595,24 +600,22 @@ def write_run(request: RunRequest) -> EncodeResult:
             bar = stack.enter_context(RunProgress(enabled=request.progress))
             stack.enter_context(logging_through(bar))
         bar.phase("planning")
-        output, storage_options = request.output, request.storage_options
-        check_output(output, storage_options, inputs=input_files(request.frame))
-        found = find_run(output, request.fingerprint, storage_options)
+        store, output = request.store, request.output
+        found = find_run(store, request.fingerprint)
         _say_recorded_thresholds(found, request)
-        fs, root = output_fs(output, storage_options)
-        check_store(fs, root)  # an object store honours conditional creates, before the claim relies on one
+        store.prove()  # an object store honours conditional creates, before the claim relies on one
         if found is not None and found.completion() is not None and not request.overwrite \
                 and not found.coverage().missing(request.frame.npartitions):  # records, not the marker, are the truth
             committed = found.committed()
             if not settled(found, committed):  # a process killed while it finished: finish its clean-up
-                with Claim.acquire(fs, root, found.run_id, heartbeat=False):
+                with Claim.acquire(store, found.run_id, heartbeat=False):
                     settle(found, found.committed(), retire_others=False)
             result = _complete_result(found, output, t0)
             bar.finish(result.rows + result.nulls_skipped, result.superbatches)
             return result
         if request.client is not None:  # before any work: a worker that cannot see the output stops the run
-            check_workers_see_output(request.client, fs, root, str(output))
-        claim = Claim.acquire(fs, root, fingerprint_digest(request.fingerprint))
+            check_workers_see_output(request.client, store)
+        claim = Claim.acquire(store, fingerprint_digest(request.fingerprint))
         try:
             return _claimed_run(request, t0, wall0, claim, bar)
         finally:
@@ -667,12 +670,11 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
 
     frame, sbe, output, client = request.frame, request.encoder, request.output, request.client
     npartitions, threads = frame.npartitions, request.threads
-    found = find_run(output, request.fingerprint, request.storage_options)
+    found = find_run(request.store, request.fingerprint)
     recorded = found.plan if found is not None else None
     max_bytes = recorded.max_bytes if recorded is not None else request.max_bytes  # a resumed run keeps its own
     sizes = None if recorded is not None and recorded.mode == "streaming" else known_sizes(frame, sbe.column, max_bytes)
-    manifest, resumed = open_run(output, request.fingerprint, overwrite=request.overwrite,
-                                 storage_options=request.storage_options,
+    manifest, resumed = open_run(request.store, request.fingerprint, overwrite=request.overwrite,
                                  plan=_new_plan(request, sizes, max_bytes, threads) if found is None else None)
     plan = manifest.plan
     if plan is None:  # pragma: no cover - a run of write_run always records one

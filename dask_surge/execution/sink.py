@@ -15,7 +15,7 @@ import numpy as np
 from .._deprecated import renamed
 from ..errors import SurgeOutputError
 from ..io.arrow import to_host
-from ..io.directory import discard, sb_key, write_bytes_atomic
+from ..io.directory import discard, sb_key
 from ..io.layout import PARTITION
 from ..io.manifest import CommitRecord, Manifest
 from ..io.partfiles import parquet_bytes, row_groups, skipped_bytes, table_of
@@ -100,7 +100,7 @@ class SuperBatchWriter:
         groups = row_groups(np.unique(frame[PARTITION].to_numpy(), return_counts=True)[1])
         data = parquet_bytes(table_of(frame), groups, self.compression)
         attempt = uuid.uuid4().hex[:8]
-        manifest, fs = self.manifest, self.manifest.fs
+        manifest, store = self.manifest, self.manifest.store
         staged, path = manifest.staging_path(key, attempt), manifest.data_path(key, attempt)
         skip_path, skip_data = manifest.skipped_path(key, attempt), skipped_bytes(skipped)
         record = CommitRecord(
@@ -115,9 +115,9 @@ class SuperBatchWriter:
         won, step = False, f"writing {staged!r}"
         try:
             if skipped:  # the ids of skipped nulls, beside the commit record (any number of them)
-                fs.makedirs(skip_path.rsplit("/", 1)[0], exist_ok=True)
-                write_bytes_atomic(fs, skip_path, skip_data)
-            write_bytes_atomic(fs, staged, data)  # not where readers look: _surge/runs/<run>/staging/
+                store.makedirs(skip_path.rsplit("/", 1)[0])
+                store.write(skip_path, skip_data)
+            store.write(staged, data)  # not where readers look: _surge/runs/<run>/staging/
             step = f"creating the commit record {manifest.record_path(key)!r}"
             record = dataclasses.replace(record, committed_at=time.time())
             won = manifest.commit(record)
@@ -128,8 +128,8 @@ class SuperBatchWriter:
             if not won:
                 for leftover in (staged, skip_path):
                     with contextlib.suppress(OSError):
-                        discard(fs, manifest.root, leftover)
-            if isinstance(err, FileNotFoundError) and not fs.exists(manifest.run_dir):
+                        discard(store, leftover)
+            if isinstance(err, FileNotFoundError) and not store.exists(manifest.run_dir):
                 raise run_gone(manifest, err) from err
             raise SurgeOutputError(
                 f"{step} for SuperBatch {key} ({encoded.texts} rows, {len(data):,} bytes) failed: "
@@ -140,9 +140,9 @@ class SuperBatchWriter:
                 "Fix: free disk space or fix permissions, then rerun the same call to resume."
             ) from err
         if not won:  # another attempt of this SuperBatch committed first: ours is an orphan
-            discard(fs, manifest.root, staged)
+            discard(store, staged)
             if skipped:
-                discard(fs, manifest.root, skip_path)
+                discard(store, skip_path)
         else:  # the client's progress moves now, not when the whole unit ends
             announce(manifest.run_id, key, encoded.texts + len(skipped), record.file)
         return SuperBatchReport(

@@ -16,41 +16,49 @@ Layout of an output directory ``out/``::
 
 ``<sb>`` is :func:`sb_key` of the SuperBatch's first row. :data:`_OWNED` states these names
 once: a run deletes and moves nothing else (:func:`discard`, :func:`relocate`), and never
-through a symbolic link (:func:`refuse_links`, :mod:`dask_surge.io.atomic`).
+through a symbolic link (:func:`refuse_links`, :class:`~dask_surge.io.store.OutputStore`).
+:func:`check_output` refuses a location a run could not own, before anything is written.
 """
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import json
 import os
 import re
 import time
+from collections.abc import Sequence
+from typing import Any
 
 from ..errors import SurgeOutputError
-from .atomic import LinkRefused, links_below, listdir, remove_tree, rename, unlink, write_atomic
+from .store import LinkRefused, OutputStore
 
-__all__ = ["META_DIR", "owned", "discard", "relocate", "refuse_links", "write_bytes_atomic", "create_exclusive",
-           "sb_key", "index_dir", "current_path", "LinkRefused"]
+__all__ = ["META_DIR", "DATA_FILE", "SIDE_FILE", "RUN_ID", "SB_PATTERN", "owned", "discard", "relocate",
+           "discard_tree", "set_aside", "refuse_links", "read_json", "corrupt", "check_output", "sb_key",
+           "attempt_of", "index_dir", "current_path", "LinkRefused"]
 
 
 META_DIR = "_surge"
 
 
-_RUN_ID = re.compile(r"^[0-9a-f]{16}$")
+#: a run's id: 16 hex digits of its fingerprint's digest
+RUN_ID = re.compile(r"^[0-9a-f]{16}$")
 
 
-_SB = r"\d{9}-\d{12}"
+#: a SuperBatch key (:func:`sb_key`), as a pattern
+SB_PATTERN = r"\d{9}-\d{12}"
 
 
-_DATA_FILE = re.compile(rf"^part-(?P<run>[0-9a-f]{{8}})-(?P<sb>{_SB})-(?P<attempt>[0-9a-f]{{8}})\.parquet$")
+#: a published data file: ``part-<run[:8]>-<sb>-<attempt>.parquet``
+DATA_FILE = re.compile(rf"^part-(?P<run>[0-9a-f]{{8}})-(?P<sb>{SB_PATTERN})-(?P<attempt>[0-9a-f]{{8}})\.parquet$")
 
 
-_SIDE_FILE = re.compile(rf"^(?P<sb>{_SB})-(?P<attempt>[0-9a-f]{{8}})\.parquet$")
+#: a staged or skipped-null file: ``<sb>-<attempt>.parquet``
+SIDE_FILE = re.compile(rf"^(?P<sb>{SB_PATTERN})-(?P<attempt>[0-9a-f]{{8}})\.parquet$")
 
 
 _RUN = r"[0-9a-f]{16}"
+_SB = SB_PATTERN
 
 
 #: what this layout writes, relative to the output root: the only names a run deletes or moves
@@ -90,63 +98,48 @@ def owned(rel: str) -> bool:
     return m is not None and _OWNED.match(m.group("dir") + (m.group("tmp") or m.group("torn"))) is not None
 
 
-def _check_owned(root: str, path: str) -> None:
-    base = root.rstrip("/") + "/"
+def _check_owned(store: OutputStore, path: str) -> None:
+    base = store.root.rstrip("/") + "/"
     if not path.startswith(base) or not owned(path[len(base):]):
         raise SurgeOutputError(
-            f"refusing to delete or move {path!r}: it is not a file dask-surge writes in the output {root!r} "
-            "(a run deletes and moves only its own files). Nothing was changed. This is a bug: please report it."
+            f"refusing to delete or move {path!r}: it is not a file dask-surge writes in the output "
+            f"{store.root!r} (a run deletes and moves only its own files). Nothing was changed. This is a bug: "
+            "please report it."
         )
 
 
-def discard(fs, root: str, path: str) -> bool:
-    """Delete ``path``, a file of this layout below the output ``root``; False if it was not there.
+def discard(store: OutputStore, path: str) -> bool:
+    """Delete ``path``, a file of this layout below the output's root; False if it was not there.
 
     Every delete of the package goes through here: a name the layout does not write is
-    refused, and so is a path through a symbolic link below ``root``
-    (:func:`dask_surge.io.atomic.unlink`).
+    refused, and so is a path through a symbolic link below the root
+    (:meth:`~dask_surge.io.store.OutputStore.unlink`).
     """
-    _check_owned(root, path)
-    return unlink(fs, root, path)
+    _check_owned(store, path)
+    return store.unlink(path)
 
 
-def relocate(fs, root: str, src: str, dst: str) -> None:
-    """Move ``src`` to ``dst``, both of this layout below ``root`` (FileNotFoundError when
+def relocate(store: OutputStore, src: str, dst: str) -> None:
+    """Move ``src`` to ``dst``, both of this layout below the output's root (FileNotFoundError when
     ``src`` is gone). Every move of the package goes through here (see :func:`discard`)."""
-    _check_owned(root, src)
-    _check_owned(root, dst)
-    rename(fs, root, src, dst)
+    _check_owned(store, src)
+    _check_owned(store, dst)
+    store.rename(src, dst)
 
 
-def _discard_tree(fs, root: str, path: str) -> list[str]:
+def discard_tree(store: OutputStore, path: str) -> list[str]:
     """Delete the files of this layout below ``path``, then the directories left empty;
     returns what was left (anything else, links included)."""
-    _check_owned(root, path)
-    return remove_tree(fs, root, path, owned)
+    _check_owned(store, path)
+    return store.remove_tree(path, owned)
 
 
-def _aside(fs, root: str, path: str) -> str:
+def set_aside(store: OutputStore, path: str) -> str:
     """Rename a damaged manifest file to ``.torn-<name>-<ns>`` beside it; returns the new path."""
     parent, name = path.rsplit("/", 1)
     new = f"{parent}/.torn-{name}-{time.time_ns()}"
-    relocate(fs, root, path, new)
+    relocate(store, path, new)
     return new
-
-
-def write_bytes_atomic(fs, path: str, data: builtins.bytes | memoryview) -> None:
-    """Write ``data`` to ``path`` via a temporary name: fsync, then rename over (one PUT on a store)."""
-    write_atomic(fs, path, data)
-
-
-def create_exclusive(fs, path: str, data: bytes) -> bool:
-    """Create ``path`` holding ``data`` only if it does not exist; True if we created it.
-
-    A reader never sees a torn record (see :func:`dask_surge.io.atomic.write_atomic`).
-    """
-    return write_atomic(fs, path, data, exclusive=True)
-
-
-_ls = listdir
 
 
 def attempt_of(name: str) -> str:
@@ -157,7 +150,7 @@ def attempt_of(name: str) -> str:
     >>> attempt_of("part-0123abcd-000000000-000000000000-89abcdef.parquet")
     '89abcdef'
     """
-    m = _DATA_FILE.match(name)
+    m = DATA_FILE.match(name)
     return m.group("attempt") if m else ""
 
 
@@ -176,7 +169,8 @@ def sb_key(partition: int, start: int) -> str:
     return f"{int(partition):09d}-{int(start):012d}"
 
 
-def _corrupt(path: str, err: Exception) -> SurgeOutputError:
+def corrupt(path: str, err: Exception) -> SurgeOutputError:
+    """The error for a damaged manifest file ``path``: what it is, and the repair that fixes it."""
     root = path.split(f"/{META_DIR}/", 1)[0]
     return SurgeOutputError(
         f"{path!r} is damaged ({type(err).__name__}: {err}); it is part of the dask-surge manifest of "
@@ -185,10 +179,10 @@ def _corrupt(path: str, err: Exception) -> SurgeOutputError:
     )
 
 
-def _read_json(fs, path: str) -> dict | None:
+def read_json(store: OutputStore, path: str) -> dict | None:
     """The JSON object in ``path``; None when it does not exist; a clear error when it is damaged."""
     try:
-        data = fs.cat_file(path)  # one GET on a store
+        data = store.read(path)  # one GET on a store
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
@@ -196,7 +190,7 @@ def _read_json(fs, path: str) -> dict | None:
         if not isinstance(out, dict):
             raise ValueError(f"a JSON object was expected, found {type(out).__name__}")
     except ValueError as err:
-        raise _corrupt(path, err) from err
+        raise corrupt(path, err) from err
     return out
 
 
@@ -210,11 +204,12 @@ def current_path(root: str) -> str:
     return f"{root}/{META_DIR}/CURRENT"
 
 
-def refuse_links(fs, root: str) -> None:
+def refuse_links(store: OutputStore) -> None:
     """Raise :class:`LinkRefused` when anything under the output's ``_surge/`` is a symbolic
     link: a run moves and deletes files there, and never follows a link out of its output.
     One ``lstat`` walk of ``_surge/``, at the start and the end of a run (local filesystems)."""
-    found = links_below(fs, root, f"{root}/{META_DIR}")
+    root = store.root
+    found = store.links_below(f"{root}/{META_DIR}")
     if found:
         where = found[0]
         with contextlib.suppress(OSError):
@@ -226,3 +221,106 @@ def refuse_links(fs, root: str) -> None:
             "the link only, not its target), then rerun; to keep the output on another disk, point the output "
             "path itself there."
         )
+
+
+def check_output(store: OutputStore, *, inputs: Sequence[tuple[Any, str]] = ()) -> None:
+    """Refuse an output location that a run could not own (before anything is written).
+
+    The output must be a directory, not under a regular file, neither inside nor around one
+    of the input's files or directories (compared in canonical form:
+    :meth:`~dask_surge.io.store.OutputStore.contains`, so ``in//emb`` or a path through a link
+    is the same place), and either new, empty, or holding only dask-surge's own files
+    (``_surge/`` and data files named by this layout; ``.``-prefixed entries, and an object
+    store's zero-byte "folder marker", are left alone). A run never deletes, overwrites or reads
+    as output a file it did not write.
+
+    Parameters
+    ----------
+    store : OutputStore
+        The output (:meth:`~dask_surge.io.store.OutputStore.open` with ``writing=True``).
+    inputs : sequence of (filesystem, str)
+        The input's files, directories and globs, each with its fsspec filesystem
+        (:func:`dask_surge.execution.inputs.input_files`): none may be inside the output, nor
+        the output inside a directory among them.
+
+    Raises
+    ------
+    SurgeOutputError
+        Naming the location, the rule and the fix.
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> check_output(OutputStore.open(d))  # empty: fine
+    >>> open(os.path.join(d, "part-00000.parquet"), "w").close()
+    >>> check_output(OutputStore.open(d))
+    Traceback (most recent call last):
+    ...
+    dask_surge.errors.SurgeOutputError: output=... holds 1 entry that dask-surge did not write ('part-00000.parquet'); ...
+    """
+    path, root = store.location, store.root
+    try:
+        ancestor = root
+        while ancestor not in ("", "/") and not store.exists(ancestor):
+            ancestor = ancestor.rsplit("/", 1)[0] if "/" in ancestor else ""
+        is_file = ancestor not in ("", "/") and not store.isdir(ancestor)
+    except Exception as err:
+        if store.kind == "posix":
+            raise
+        raise SurgeOutputError(
+            f"output={path!r} cannot be reached ({type(err).__name__}: {err}). Nothing was written. Fix: check the "
+            "URL, the endpoint and the credentials (storage_options, the environment or the store's config)."
+        ) from err
+    if is_file:
+        what = "is a file" if ancestor == root else f"is under {ancestor!r}, which is a file"
+        raise SurgeOutputError(
+            f"output={path!r} {what}; the output must be a directory (one Parquet file per SuperBatch plus "
+            "a manifest). Nothing was written. Fix: choose a new directory path."
+        )
+    for fs, directory in _input_dirs(inputs):
+        if store.within(directory, fs):
+            where = "" if store.contains(directory, fs) else "inside "
+            raise SurgeOutputError(
+                f"output={path!r} is {where}the input directory {directory!r}: a run never writes into its input "
+                "(the rerun that resumes it would read the embedding files as input, and they would pollute the "
+                f"dataset). Nothing was written. Fix: write beside the input, e.g. "
+                f"{directory.rstrip('/') + '-embeddings'!r}."
+            )
+    inside = [p for fs, p in inputs if store.contains(p, fs)]
+    if inside:
+        raise SurgeOutputError(
+            f"output={path!r} holds input file {inside[0]!r} ({len(inside)} input file(s) in all): a run "
+            "never writes into its input. Nothing was written. Fix: choose another directory for the output, "
+            f"e.g. {store.location.rstrip('/') + '-embeddings'!r}."
+        )
+    if ancestor != root:
+        return
+    refuse_links(store)
+    names = store.listdir(root)
+    ours = META_DIR in names
+    foreign = [n for n in names if not n.startswith(".") and n != META_DIR and not (ours and DATA_FILE.match(n))]
+    if foreign:
+        shown = ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise SurgeOutputError(
+            f"output={path!r} holds {len(foreign)} entr{'y' if len(foreign) == 1 else 'ies'} that dask-surge did "
+            f"not write ({shown}); a run never deletes, overwrites or mixes in files it does not own, and "
+            "readers of the output would read those as rows. Nothing was written. Fix: write to a new or "
+            f"empty directory, e.g. {store.location.rstrip('/') + '/embeddings'!r}."
+        )
+
+
+def _input_dirs(inputs: Sequence[tuple[Any, str]]) -> list[tuple[Any, str]]:
+    """Each input path, a glob cut to its fixed directory (``in/*.parquet`` reads ``in``): an
+    output at or below one of them is inside an input directory. A path that names an existing
+    file or directory is taken as it is, glob characters and all (``in[1]`` is a name)."""
+    dirs = []
+    for fs, p in inputs:
+        exists = False
+        with contextlib.suppress(Exception):
+            exists = bool(fs.exists(p))
+        cut = -1 if exists else min((i for i, c in enumerate(p) if c in "*?["), default=-1)
+        d = p if cut < 0 else p[:cut].rsplit("/", 1)[0] if "/" in p[:cut] else ""
+        if d.strip("/"):
+            dirs.append((fs, d))
+    return dirs

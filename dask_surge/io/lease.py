@@ -21,11 +21,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from ..errors import SurgeOutputError
-from .directory import META_DIR, _ls, _read_json, create_exclusive, discard, write_bytes_atomic
+from .directory import META_DIR, discard, read_json
+from .store import OutputStore
 
 __all__ = ["CLAIM_TTL_S", "HEARTBEAT_S", "Claim", "holder_info", "stale", "store_age"]
 
@@ -42,47 +42,31 @@ def holder_info(**extra: Any) -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), **extra}
 
 
-def _mtime(info: dict) -> float | None:
-    """The modification time an fsspec ``info`` gives (local ``mtime``, S3 ``LastModified``, GCS
-    ``updated``, the in-memory filesystem's ``created``), as a POSIX timestamp; None if none."""
-    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
-        value = info.get(key)
-        if isinstance(value, (int, float)) and value > 0:
-            return float(value)
-        if isinstance(value, datetime):
-            return value.timestamp()
-        if isinstance(value, str):
-            with contextlib.suppress(ValueError):
-                return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    return None
-
-
-def store_age(fs: Any, root: str, path: str) -> float | None:
-    """Seconds since ``path`` (below the output ``root``) was last written, on the clock of the
+def store_age(store: OutputStore, path: str) -> float | None:
+    """Seconds since ``path`` (below the output's root) was last written, on the clock of the
     filesystem or store that holds it: its modification time against that of a file written now
-    in ``root``'s ``_surge/`` (then deleted). Hosts whose clocks disagree agree on this. None when
-    the store gives no times or ``path`` is gone.
+    in the output's ``_surge/`` (then deleted). Hosts whose clocks disagree agree on this. None
+    when the store gives no times or ``path`` is gone.
 
     Examples
     --------
-    >>> import fsspec, tempfile
-    >>> fs, root = fsspec.filesystem("file"), tempfile.mkdtemp()
-    >>> fs.makedirs(f"{root}/_surge")
-    >>> write_bytes_atomic(fs, f"{root}/_surge/CLAIM", b"1")
-    >>> 0 <= store_age(fs, root, f"{root}/_surge/CLAIM") < 60
+    >>> import tempfile
+    >>> store = OutputStore.open(tempfile.mkdtemp())
+    >>> store.makedirs(f"{store.root}/_surge")
+    >>> store.write(f"{store.root}/_surge/CLAIM", b"1")
+    True
+    >>> 0 <= store_age(store, f"{store.root}/_surge/CLAIM") < 60
     True
     """
-    clock = f"{root}/{META_DIR}/.clock-{uuid.uuid4().hex}"
+    clock = f"{store.root}/{META_DIR}/.clock-{uuid.uuid4().hex}"
     try:
-        with contextlib.suppress(AttributeError, TypeError):
-            fs.invalidate_cache(path)
-        then = _mtime(fs.info(path))
-        write_bytes_atomic(fs, clock, b"")
+        then = store.mtime(path)
+        store.write(clock, b"")
         try:
-            now = _mtime(fs.info(clock))
+            now = store.mtime(clock)
         finally:
             with contextlib.suppress(OSError):
-                discard(fs, root, clock)
+                discard(store, clock)
     except (OSError, ValueError):
         return None
     return None if then is None or now is None else max(0.0, now - then)
@@ -140,19 +124,18 @@ class Claim:
 
     Examples
     --------
-    >>> import tempfile, fsspec
-    >>> fs, root = fsspec.filesystem("file"), tempfile.mkdtemp()
-    >>> claim = Claim.acquire(fs, root, "0123456789abcdef", heartbeat=False)
-    >>> Claim.acquire(fs, root, "fedcba9876543210", heartbeat=False)
+    >>> import tempfile
+    >>> store = OutputStore.open(tempfile.mkdtemp())
+    >>> claim = Claim.acquire(store, "0123456789abcdef", heartbeat=False)
+    >>> Claim.acquire(store, "fedcba9876543210", heartbeat=False)
     Traceback (most recent call last):
     ...
     dask_surge.errors.SurgeOutputError: output=... is being written by another run (...
-    >>> claim.release(); Claim.holder(fs, root) is None
+    >>> claim.release(); Claim.holder(store) is None
     True
     """
 
-    fs: Any
-    root: str
+    store: OutputStore
     run_id: str
     token: str
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -168,11 +151,12 @@ class Claim:
         return f"{root}/{META_DIR}/.heartbeat-{token}"
 
     @staticmethod
-    def holder(fs, root: str) -> dict | None:
-        """What the claim of ``root`` says, with its last ``heartbeat`` (None: unclaimed; a torn
+    def holder(store: OutputStore) -> dict | None:
+        """What the claim of the output says, with its last ``heartbeat`` (None: unclaimed; a torn
         claim reads as stale)."""
+        root = store.root
         try:
-            info = _read_json(fs, Claim.path(root))
+            info = read_json(store, Claim.path(root))
         except SurgeOutputError:
             return {"heartbeat": 0.0, "host": "?", "pid": 0, "run": "?", "token": "?"}
         if info is None:
@@ -180,51 +164,57 @@ class Claim:
         token = str(info.get("token", ""))
         if re.fullmatch(r"[0-9a-f]{32}", token):
             with contextlib.suppress(FileNotFoundError, ValueError):  # no beat yet: the time the claim was made
-                info["heartbeat"] = float(fs.cat_file(Claim._beat_path(root, token)).decode())
+                info["heartbeat"] = float(store.read(Claim._beat_path(root, token)).decode())
         info.setdefault("heartbeat", info.get("started", 0.0))
         return info
 
     @staticmethod
-    def _stale(fs, root: str, info: dict, path: str | None = None) -> bool:
+    def _stale(store: OutputStore, info: dict, path: str | None = None) -> bool:
         """Whether the holder ``info`` is gone, its heartbeat file's (or ``path``'s) age read on the
         store's clock (:func:`store_age`)."""
+        root = store.root
         token = str(info.get("token", ""))
         if path is None:
             path = Claim._beat_path(root, token) if re.fullmatch(r"[0-9a-f]{32}", token) else Claim.path(root)
-        age = store_age(fs, root, path)
+        age = store_age(store, path)
         if age is None and path != Claim.path(root):  # no beat yet: the claim's own time
-            age = store_age(fs, root, Claim.path(root))
+            age = store_age(store, Claim.path(root))
         return stale(info, CLAIM_TTL_S, beat="heartbeat", age=age)
 
     @staticmethod
-    def alive(fs, root: str, info: dict) -> bool:
-        """True while the holder ``info`` of ``root``'s claim (:meth:`holder`) is a live process:
+    def alive(store: OutputStore, info: dict) -> bool:
+        """True while the holder ``info`` of the output's claim (:meth:`holder`) is a live process:
         its heartbeat is fresh on the store's clock, and, on this host, its process exists."""
-        return not Claim._stale(fs, root, info)
+        return not Claim._stale(store, info)
 
     def _body(self) -> bytes:
         info = holder_info(run=self.run_id, token=self.token)
         info["started"] = info.pop("time")
         return json.dumps(info, sort_keys=True).encode()
 
+    @property
+    def root(self) -> str:
+        return self.store.root
+
     def _beat_once(self) -> None:
-        write_bytes_atomic(self.fs, Claim._beat_path(self.root, self.token), repr(time.time()).encode())
+        self.store.write(Claim._beat_path(self.root, self.token), repr(time.time()).encode())
 
     @classmethod
-    def acquire(cls, fs, root: str, run_id: str, *, heartbeat: bool = True) -> Claim:
-        """Claim ``root`` for ``run_id`` or raise :class:`SurgeOutputError` naming the live holder."""
-        claim = cls(fs, root, run_id, uuid.uuid4().hex)
+    def acquire(cls, store: OutputStore, run_id: str, *, heartbeat: bool = True) -> Claim:
+        """Claim the output for ``run_id`` or raise :class:`SurgeOutputError` naming the live holder."""
+        claim = cls(store, run_id, uuid.uuid4().hex)
+        root = store.root
         meta = f"{root}/{META_DIR}"
         try:
-            fs.makedirs(meta, exist_ok=True)
+            store.makedirs(meta)
             for _ in range(5):
-                if create_exclusive(fs, cls.path(root), claim._body()):
+                if store.write(cls.path(root), claim._body(), exclusive=True):
                     break
-                info = cls.holder(fs, root)
+                info = cls.holder(store)
                 if info is None:
                     continue  # released meanwhile
-                if not cls._stale(fs, root, info):
-                    age = store_age(fs, root, cls._beat_path(root, str(info.get("token", ""))))
+                if not cls._stale(store, info):
+                    age = store_age(store, cls._beat_path(root, str(info.get("token", ""))))
                     age = time.time() - float(info.get("heartbeat", 0)) if age is None else age
                     raise SurgeOutputError(
                         f"output={root!r} is being written by another run (run {info.get('run')}, pid "
@@ -244,10 +234,10 @@ class Claim:
                 f"output={root!r} is not writable ({type(err).__name__}: {err}). Nothing was encoded. "
                 "Fix: choose a directory you can create and write to."
             ) from err
-        for name in _ls(fs, meta):  # what takeovers of stale claims left
+        for name in store.listdir(meta):  # what takeovers of stale claims left
             if name.startswith((".stale-claim-", ".takeover-")):
                 with contextlib.suppress(OSError):
-                    discard(fs, root, f"{meta}/{name}")
+                    discard(store, f"{meta}/{name}")
         with contextlib.suppress(OSError):
             claim._beat_once()
         if heartbeat:
@@ -265,18 +255,18 @@ class Claim:
         two winners: a process that did not remove the stale claim can only win by creating
         ``CLAIM`` exclusively, which fails once any other process has.
         """
-        fs, root = self.fs, self.root
+        store, root = self.store, self.root
         old = str(stale.get("token", ""))
         token = old if re.fullmatch(r"[0-9a-f]{32}", old) else "0" * 32
         for k in range(8):
             marker = f"{root}/{META_DIR}/.takeover-{token}-{k}"
-            if create_exclusive(fs, marker, self._body()):
+            if store.write(marker, self._body(), exclusive=True):
                 break
             try:
-                taker = _read_json(fs, marker)
+                taker = read_json(store, marker)
             except SurgeOutputError:
                 taker = None  # torn: its writer died while writing it
-            if taker is not None and not self._stale(fs, root, {**taker, "heartbeat": taker.get("started", 0.0)},
+            if taker is not None and not self._stale(store, {**taker, "heartbeat": taker.get("started", 0.0)},
                                                      marker):
                 raise SurgeOutputError(
                     f"output={root!r} is being claimed by another run (pid {taker.get('pid')} on "
@@ -286,15 +276,15 @@ class Claim:
         else:
             raise SurgeOutputError(f"output={root!r}: its stale claim could not be taken over (8 takeovers "
                                    "died). Fix: remove _surge/CLAIM and _surge/.takeover-* by hand, then rerun.")
-        info = Claim.holder(fs, root)
+        info = Claim.holder(store)
         if info is not None and str(info.get("token", "")) == old:
-            discard(fs, root, Claim.path(root))
+            discard(store, Claim.path(root))
         if token == old:
-            discard(fs, root, Claim._beat_path(root, old))
+            discard(store, Claim._beat_path(root, old))
 
     def held(self) -> bool:
         """True while the claim file still carries our token."""
-        info = Claim.holder(self.fs, self.root)
+        info = Claim.holder(self.store)
         return info is not None and info.get("token") == self.token
 
     def _beat(self) -> None:
@@ -314,9 +304,9 @@ class Claim:
             self._thread.join(timeout=5)
         with contextlib.suppress(OSError):
             if self.held():
-                discard(self.fs, self.root, Claim.path(self.root))
+                discard(self.store, Claim.path(self.root))
         with contextlib.suppress(OSError):
-            discard(self.fs, self.root, Claim._beat_path(self.root, self.token))
+            discard(self.store, Claim._beat_path(self.root, self.token))
 
     def __enter__(self) -> Claim:
         return self

@@ -4,7 +4,7 @@ A run lives in ``_surge/runs/<run>/`` of its output directory (the layout:
 :mod:`dask_surge.io.directory`), claimed by one live process (:class:`~dask_surge.io.lease.Claim`).
 
 **Ownership.** A run writes only into a directory that is new, empty, or holds
-nothing but dask-surge's own files (:func:`~dask_surge.io.stores.check_output`), claims it
+nothing but dask-surge's own files (:func:`~dask_surge.io.directory.check_output`), claims it
 exclusively before writing, and deletes only files it can prove are its own: data files
 named by the layout, staging files and the metadata of runs it replaced.
 
@@ -30,32 +30,29 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 from ..errors import SurgeInputError, SurgeOutputError
-from .atomic import is_local, protocols
 from .directory import (
-    _DATA_FILE,
-    _RUN_ID,
-    _SB,
-    _SIDE_FILE,
+    DATA_FILE,
     META_DIR,
-    _aside,
-    _corrupt,
-    _discard_tree,
-    _ls,
-    _read_json,
+    RUN_ID,
+    SB_PATTERN,
+    SIDE_FILE,
     attempt_of,
-    create_exclusive,
+    corrupt,
     current_path,
     discard,
+    discard_tree,
     index_dir,
     owned,
+    read_json,
     refuse_links,
     relocate,
-    write_bytes_atomic,
+    set_aside,
 )
-from .stores import check_writable_store, output_fs
+from .store import OutputStore
 
 __all__ = ["FORMAT_VERSION", "Manifest", "RunPlan", "CommitRecord", "Coverage", "text_counts", "fingerprint_digest",
-           "open_run", "current_run", "existing_run", "find_run", "finish_run", "settle", "settled"]
+           "open_run", "current_run", "existing_run", "find_run", "finish_run", "settle", "settled", "current_id",
+           "load_run", "write_meta"]
 
 FORMAT_VERSION = 2  # 2: SuperBatches keyed by their first row; recorded thresholds
 
@@ -193,11 +190,11 @@ class CommitRecord:
             raise ValueError("spans need (partition, start, stop, partition_rows)")
         rec = cls(**raw)
         # names read from disk become path parts: accept only what this layout writes
-        if not _DATA_FILE.match(rec.file):
+        if not DATA_FILE.match(rec.file):
             raise ValueError(f"commit record names file {rec.file!r}, not a data file of this layout")
-        if rec.skipped_file and not _SIDE_FILE.match(rec.skipped_file):
+        if rec.skipped_file and not SIDE_FILE.match(rec.skipped_file):
             raise ValueError(f"commit record names skipped file {rec.skipped_file!r}, not of this layout")
-        if not re.fullmatch(_SB, rec.sb):
+        if not re.fullmatch(SB_PATTERN, rec.sb):
             raise ValueError(f"commit record key {rec.sb!r} is not a SuperBatch key")
         return rec
 
@@ -279,8 +276,7 @@ class Coverage:
 class Manifest:
     """One run inside an output directory (see module docstring)."""
 
-    fs: Any
-    root: str
+    store: OutputStore
     run_id: str
     fingerprint: dict = field(default_factory=dict)
     plan: RunPlan | None = None  # what the run recorded: thresholds, partitions, mode
@@ -290,12 +286,21 @@ class Manifest:
     defer_publish: bool = False
 
     @property
+    def fs(self) -> Any:
+        """The output's fsspec filesystem (to read files: every write goes through :attr:`store`)."""
+        return self.store.fs
+
+    @property
+    def root(self) -> str:
+        return self.store.root
+
+    @property
     def tasks_publish(self) -> bool:
         """True when the task that commits a SuperBatch also publishes its file (a rename on a
         local or shared filesystem). On an object store a move is a copy and a delete, which
         a retired run's late task could still make, so there only the process holding the
         claim publishes (:meth:`publish`, as each commit reaches it, and at the end)."""
-        return not self.defer_publish and (is_local(self.fs) or "memory" in protocols(self.fs))
+        return not self.defer_publish and self.store.renames
 
     @property
     def run_dir(self) -> str:
@@ -324,16 +329,14 @@ class Manifest:
     def record_path(self, sb: str) -> str:
         return f"{self.commits_dir}/{sb}.json"
 
-    def data_urls(self, records) -> list[str]:
-        """Paths of ``records``' data files that any fsspec or Parquet reader opens: each one's
-        published name, or its ``staging/`` name while it is not published yet (a task that died, or
-        still runs, between its commit and its publish; an overwrite not yet complete)."""
-        proto = protocols(self.fs)[0]
+    def data_paths(self, records) -> list[str]:
+        """Paths (as :attr:`store` names them) of ``records``' data files: each one's published
+        name, or its ``staging/`` name while it is not published yet (a task that died, or still
+        runs, between its commit and its publish; an overwrite not yet complete)."""
         records = list(records)
-        published = set(_ls(self.fs, self.root)) if records else set()
-        files = [f"{self.root}/{r.file}" if r.file in published else self.staging_path(r.sb, attempt_of(r.file))
-                 for r in records]
-        return files if proto in ("file", "local") else [f"{proto}://{f}" for f in files]
+        published = set(self.store.listdir(self.root)) if records else set()
+        return [f"{self.root}/{r.file}" if r.file in published else self.staging_path(r.sb, attempt_of(r.file))
+                for r in records]
 
     def skipped_files(self, records) -> list[str]:
         """Paths of the skipped-null files that ``records`` name."""
@@ -345,7 +348,7 @@ class Manifest:
         Raises FileNotFoundError when the run's directory is gone (the run was replaced
         and retired: a late task of it must not commit).
         """
-        return create_exclusive(self.fs, self.record_path(record.sb), record.to_json())
+        return self.store.write(self.record_path(record.sb), record.to_json(), exclusive=True)
 
     def publish(self, record: CommitRecord) -> None:
         """Move a committed SuperBatch's file from ``staging/`` to its ``part-*.parquet`` name.
@@ -359,14 +362,14 @@ class Manifest:
     def publish_file(self, sb: str, file: str) -> None:
         """:meth:`publish` the committed file ``file`` of SuperBatch ``sb``."""
         final = f"{self.root}/{file}"
-        m = _DATA_FILE.match(file)
+        m = DATA_FILE.match(file)
         if m is None:
             raise SurgeOutputError(f"{file!r} is not a data file of this layout. This is a bug: please report it.")
         staged = self.staging_path(sb, m.group("attempt"))
         try:
-            relocate(self.fs, self.root, staged, final)
+            relocate(self.store, staged, final)
         except FileNotFoundError:
-            if not self.fs.exists(final):
+            if not self.store.exists(final):
                 raise
 
     def committed(self, *, repair: bool = False) -> dict[str, CommitRecord]:
@@ -377,18 +380,18 @@ class Manifest:
         be committed again.
         """
         out: dict[str, CommitRecord] = {}
-        for name in _ls(self.fs, self.commits_dir):
+        for name in self.store.listdir(self.commits_dir):
             if not name.endswith(".json") or name.startswith("."):
                 continue
             path = f"{self.commits_dir}/{name}"
             try:
-                rec = CommitRecord.from_json(self.fs.cat_file(path))
+                rec = CommitRecord.from_json(self.store.read(path))
                 if name != f"{rec.sb}.json" or rec.run != self.run_id:
                     continue
             except (ValueError, KeyError, TypeError, OSError):
                 # torn record: that SuperBatch is not committed
                 if repair:
-                    _aside(self.fs, self.root, path)
+                    set_aside(self.store, path)
                 continue
             out[rec.sb] = rec
         return out
@@ -405,7 +408,7 @@ class Manifest:
         committed file that is nowhere (deleted by hand, or lost to a crash)."""
         if self.defer_publish:
             return 0
-        present = set(_ls(self.fs, self.root))
+        present = set(self.store.listdir(self.root))
         moved = 0
         for rec in records.values():
             if rec.file in present:
@@ -422,38 +425,39 @@ class Manifest:
         return moved
 
     def mark_current(self) -> None:
-        _write_meta(self.fs, current_path(self.root), self.run_id.encode())
+        write_meta(self.store, current_path(self.root), self.run_id.encode())
 
     @property
     def _stopped_path(self) -> str:
         return f"{self.run_dir}/STOPPED"
 
-    @property
-    def _complete_path(self) -> str:
-        return f"{self.run_dir}/COMPLETE"
-
     def mark_stopped(self, why: str) -> None:
         """Record that this run's process stopped on an error (so a run that committed
         nothing may be replaced without ``overwrite``). Best effort: never raises."""
         with contextlib.suppress(OSError):
-            write_bytes_atomic(self.fs, self._stopped_path, why.encode()[:2000])
+            self.store.write(self._stopped_path, why.encode()[:2000])
 
     def stopped(self) -> bool:
         """True when the last process of this run stopped on an error (and none resumed it)."""
-        return self.fs.exists(self._stopped_path)
+        return self.store.exists(self._stopped_path)
 
     def clear_stopped(self) -> None:
-        discard(self.fs, self.root, self._stopped_path)
+        discard(self.store, self._stopped_path)
+
+    @property
+    def complete_path(self) -> str:
+        """Where the run's completion summary is written once it completes."""
+        return f"{self.run_dir}/COMPLETE"
 
     def completion(self) -> dict | None:
         """The completion summary (rows, nulls skipped, SuperBatches) of a finished run, else None."""
-        return _read_json(self.fs, self._complete_path)
+        return read_json(self.store, self.complete_path)
 
 
-def _write_meta(fs, path: str, data: bytes) -> None:
+def write_meta(store: OutputStore, path: str, data: bytes) -> None:
     """Write a manifest file; a failure (disk full, permissions) is a clear error that names it."""
     try:
-        write_bytes_atomic(fs, path, data)
+        store.write(path, data)
     except OSError as err:
         root = path.split(f"/{META_DIR}/", 1)[0]
         raise SurgeOutputError(
@@ -463,39 +467,41 @@ def _write_meta(fs, path: str, data: bytes) -> None:
         ) from err
 
 
-def _current_id(fs, root: str) -> str | None:
+def current_id(store: OutputStore) -> str | None:
     """The run id in ``CURRENT``; None when there is none; a clear error when it is damaged."""
-    path = current_path(root)
+    path = current_path(store.root)
     try:
-        run_id = fs.cat_file(path).decode(errors="replace").strip()
+        run_id = store.read(path).decode(errors="replace").strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    if not _RUN_ID.match(run_id):
-        raise _corrupt(path, ValueError(f"{run_id[:40]!r} is not a run id"))
+    if not RUN_ID.match(run_id):
+        raise corrupt(path, ValueError(f"{run_id[:40]!r} is not a run id"))
     return run_id
 
 
-def _load(fs, root: str, run_id: str) -> Manifest | None:
-    info = _read_json(fs, f"{root}/{META_DIR}/runs/{run_id}/run.json")
+def load_run(store: OutputStore, run_id: str) -> Manifest | None:
+    """The run ``run_id`` of the output as its ``run.json`` recorded it; None when it has none."""
+    root = store.root
+    info = read_json(store, f"{root}/{META_DIR}/runs/{run_id}/run.json")
     if info is None:
         return None
     _check_version(info, root)
     if not isinstance(info.get("fingerprint"), dict):
-        raise _corrupt(f"{root}/{META_DIR}/runs/{run_id}/run.json", ValueError("no fingerprint"))
-    return Manifest(fs, root, run_id, info["fingerprint"], RunPlan.of(info.get("plan")),
+        raise corrupt(f"{root}/{META_DIR}/runs/{run_id}/run.json", ValueError("no fingerprint"))
+    return Manifest(store, run_id, info["fingerprint"], RunPlan.of(info.get("plan")),
                     format_version=info["format_version"])
 
 
-def current_run(path: str, storage_options: dict | None = None) -> Manifest | None:
-    """The run whose rows are current in the output directory ``path`` (or None)."""
-    fs, root = output_fs(path, storage_options)
-    run_id = _current_id(fs, root)
-    return None if run_id is None else _load(fs, root, run_id)
+def current_run(store: OutputStore) -> Manifest | None:
+    """The run whose rows are current in the output (or None)."""
+    run_id = current_id(store)
+    return None if run_id is None else load_run(store, run_id)
 
 
-def existing_run(path: str, storage_options: dict | None = None) -> Manifest:
-    """The current run in ``path`` for a reader, or a clear error when there is none."""
-    manifest = current_run(path, storage_options)
+def existing_run(store: OutputStore) -> Manifest:
+    """The current run in the output for a reader, or a clear error when there is none."""
+    path = store.location
+    manifest = current_run(store)
     if manifest is None:
         raise SurgeInputError(
             f"{path!r} holds no dask-surge run (no {current_path(path.rstrip('/'))}). Fix: pass the output "
@@ -525,28 +531,25 @@ def _differences(old: dict, new: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
-def find_run(path: str, fingerprint: dict, storage_options: dict | None = None) -> Manifest | None:
-    """The run of ``fingerprint`` in ``path`` if it was ever created there (current or
+def find_run(store: OutputStore, fingerprint: dict) -> Manifest | None:
+    """The run of ``fingerprint`` in the output if it was ever created there (current or
     not), with what it recorded; None otherwise. Reads only the run's ``run.json``."""
-    check_writable_store(path)  # it is asked by a run about to write there
-    fs, root = output_fs(path, storage_options)
     run_id = fingerprint_digest(fingerprint)
-    manifest = Manifest(fs, root, run_id, fingerprint)
-    info = _read_json(fs, f"{manifest.run_dir}/run.json")
+    manifest = Manifest(store, run_id, fingerprint)
+    info = read_json(store, f"{manifest.run_dir}/run.json")
     if info is None or info.get("format_version") != FORMAT_VERSION:
         return None
     manifest.plan = RunPlan.of(info.get("plan"))
-    current = _current_id(fs, root)
+    current = current_id(store)
     if manifest.completion() is not None and current != run_id:
         return None  # a complete run that another run replaced since: not ours to trust
     return manifest
 
 
 def open_run(
-    path: str, fingerprint: dict, *, overwrite: bool = False, storage_options: dict | None = None,
-    plan: RunPlan | None = None,
+    store: OutputStore, fingerprint: dict, *, overwrite: bool = False, plan: RunPlan | None = None,
 ) -> tuple[Manifest, bool]:
-    """Open (resume) or create the run for ``fingerprint`` in output directory ``path``.
+    """Open (resume) or create the run for ``fingerprint`` in the output ``store``.
 
     The caller holds the directory's :class:`Claim`. Returns ``(manifest, resumed)``.
     ``manifest.plan`` is what the run recorded when it was created (``plan``:
@@ -564,11 +567,10 @@ def open_run(
         If ``path`` is not writable, holds another run (without ``overwrite``), a
         damaged manifest, or was written by a newer manifest format.
     """
-    check_writable_store(path)
-    fs, root = output_fs(path, storage_options)
+    path = store.location
     run_id = fingerprint_digest(fingerprint)
-    manifest = Manifest(fs, root, run_id, fingerprint)
-    current = current_run(path, storage_options)
+    manifest = Manifest(store, run_id, fingerprint)
+    current = current_run(store)
     other = current if current is not None and current.run_id != run_id else None
     empty_other = other is not None and other.stopped() and not other.committed()
     if other is not None and not overwrite and not empty_other:
@@ -578,23 +580,22 @@ def open_run(
             "Fix: write to a new path, or pass overwrite=True (the old output is replaced "
             "only once the new run has completed)."
         )
-    refuse_links(fs, root)
+    refuse_links(store)
     # while another run is current, this one's files wait in staging/ until it completes (settle)
     manifest.defer_publish = other is not None and not empty_other
-    info = _read_json(fs, f"{manifest.run_dir}/run.json")
+    info = read_json(store, f"{manifest.run_dir}/run.json")
     try:
         if info is None:
-            fs.makedirs(manifest.commits_dir, exist_ok=True)
-            fs.makedirs(manifest.staging_dir, exist_ok=True)
+            store.makedirs(manifest.commits_dir)
+            store.makedirs(manifest.staging_dir)
             manifest.plan = plan
             body = {"format_version": FORMAT_VERSION, "run": run_id, "fingerprint": fingerprint,
                     "plan": plan.as_dict() if plan is not None else {}, "created": time.time()}
-            write_bytes_atomic(fs, f"{manifest.run_dir}/run.json",
-                               json.dumps(body, sort_keys=True, default=str).encode())
+            store.write(f"{manifest.run_dir}/run.json", json.dumps(body, sort_keys=True, default=str).encode())
         else:
-            _check_version(info, root)
+            _check_version(info, store.root)
             manifest.plan = RunPlan.of(info.get("plan"))
-            fs.makedirs(manifest.staging_dir, exist_ok=True)
+            store.makedirs(manifest.staging_dir)
             manifest.clear_stopped()  # resumed
         if current is None or empty_other:
             manifest.mark_current()
@@ -606,22 +607,24 @@ def open_run(
     return manifest, info is not None
 
 
-def _retire(fs, root: str, run: str) -> None:
-    """Fence off and delete another run: on a filesystem its directory is moved to ``retired/``
-    first (a late task of it can then neither commit nor publish), then its data files go."""
+def _retire(store: OutputStore, run: str) -> None:
+    """Fence off and delete another run: where renames are atomic its directory is moved to
+    ``retired/`` first (a late task of it can then neither commit nor publish), then its data
+    files go."""
+    root = store.root
     runs = f"{root}/{META_DIR}/runs"
     retired_dir = f"{root}/{META_DIR}/retired"
-    if is_local(fs) or "memory" in protocols(fs):
-        fs.makedirs(retired_dir, exist_ok=True)
+    if store.renames:
+        store.makedirs(retired_dir)
         with contextlib.suppress(FileNotFoundError):
-            relocate(fs, root, f"{runs}/{run}", f"{retired_dir}/{run}-{time.time_ns()}")
+            relocate(store, f"{runs}/{run}", f"{retired_dir}/{run}-{time.time_ns()}")
     prefix = run[:8]
-    for name in _ls(fs, root):
-        m = _DATA_FILE.match(name)
+    for name in store.listdir(root):
+        m = DATA_FILE.match(name)
         if m and m.group("run") == prefix:
-            discard(fs, root, f"{root}/{name}")
-    if not is_local(fs):  # a store has no directory to move: the run's tasks never publish there, so
-        _discard_tree(fs, root, f"{runs}/{run}")  # its metadata goes now (a late record is harmless garbage)
+            discard(store, f"{root}/{name}")
+    if not store.renames:  # a store has no directory to move: the run's tasks never publish there, so
+        discard_tree(store, f"{runs}/{run}")  # its metadata goes now (a late record is harmless garbage)
 
 
 def finish_run(manifest: Manifest, committed: dict[str, CommitRecord], summary: dict) -> None:
@@ -631,11 +634,10 @@ def finish_run(manifest: Manifest, committed: dict[str, CommitRecord], summary: 
     (rows, SuperBatches, nulls skipped) is kept in the run's ``COMPLETE`` marker, so a
     rerun of a complete run does nothing and :func:`dask_surge.status` reads it.
     """
-    fs, root = manifest.fs, manifest.root
-    refuse_links(fs, root)
+    refuse_links(manifest.store)
     if not manifest.defer_publish:
         manifest.publish_pending(committed)  # a run that publishes as it commits: readers see it whole first
-    _write_meta(fs, manifest._complete_path, json.dumps(summary, sort_keys=True).encode())
+    write_meta(manifest.store, manifest.complete_path, json.dumps(summary, sort_keys=True).encode())
     manifest.mark_current()
     settle(manifest, committed)
 
@@ -643,8 +645,7 @@ def finish_run(manifest: Manifest, committed: dict[str, CommitRecord], summary: 
 def settled(manifest: Manifest, committed: dict[str, CommitRecord]) -> bool:
     """True when the data files of the directory are exactly the committed ones of this
     complete, current run (none unpublished, none another run's or an uncommitted attempt's)."""
-    fs, root = manifest.fs, manifest.root
-    data = {n for n in _ls(fs, root) if _DATA_FILE.match(n)}
+    data = {n for n in manifest.store.listdir(manifest.root) if DATA_FILE.match(n)}
     return data == {rec.file for rec in committed.values()}
 
 
@@ -664,26 +665,26 @@ def settle(manifest: Manifest, committed: dict[str, CommitRecord], *, retire_oth
     With ``retire_others=False`` (a rerun or a repair of a complete run) only the runs whose
     data files are published are retired: an overwrite in progress (its files in staging) stays.
     """
-    fs, root = manifest.fs, manifest.root
-    published = {m.group("run") for m in map(_DATA_FILE.match, _ls(fs, root)) if m}
-    for run in _ls(fs, f"{root}/{META_DIR}/runs"):
-        if run != manifest.run_id and _RUN_ID.match(run) and (retire_others or run[:8] in published):
-            _retire(fs, root, run)
+    store, root = manifest.store, manifest.root
+    published = {m.group("run") for m in map(DATA_FILE.match, store.listdir(root)) if m}
+    for run in store.listdir(f"{root}/{META_DIR}/runs"):
+        if run != manifest.run_id and RUN_ID.match(run) and (retire_others or run[:8] in published):
+            _retire(store, run)
     manifest.defer_publish = False  # complete and current: its files are the output now
     manifest.publish_pending(committed)
     keep = {rec.file for rec in committed.values()}
-    for name in _ls(fs, root):
-        if _DATA_FILE.match(name) and name not in keep:  # a data file of this layout: ours, not committed
-            discard(fs, root, f"{root}/{name}")
+    for name in store.listdir(root):
+        if DATA_FILE.match(name) and name not in keep:  # a data file of this layout: ours, not committed
+            discard(store, f"{root}/{name}")
     keep_skipped = {rec.skipped_file for rec in committed.values()}
     for side in ("staging", "skipped"):
-        for name in _ls(fs, f"{manifest.run_dir}/{side}"):
+        for name in store.listdir(f"{manifest.run_dir}/{side}"):
             path = f"{manifest.run_dir}/{side}/{name}"
             if (side == "staging" or name not in keep_skipped) and owned(path[len(root) + 1:]):
-                discard(fs, root, path)  # staging leftovers; skipped files of attempts that lost the commit
-    for run in _ls(fs, index_dir(root, "").rstrip("/")):  # reuse indexes of runs now gone
-        if run != manifest.run_id and _RUN_ID.match(run):
-            _discard_tree(fs, root, index_dir(root, run))
-    _discard_tree(fs, root, f"{root}/{META_DIR}/retired")
+                discard(store, path)  # staging leftovers; skipped files of attempts that lost the commit
+    for run in store.listdir(index_dir(root, "").rstrip("/")):  # reuse indexes of runs now gone
+        if run != manifest.run_id and RUN_ID.match(run):
+            discard_tree(store, index_dir(root, run))
+    discard_tree(store, f"{root}/{META_DIR}/retired")
 
 

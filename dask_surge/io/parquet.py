@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from .. import _compat
 from ..errors import SurgeInputError
 from .frames import FrameRows
+from .store import arrow_local_fs
 
-__all__ = ["parquet_pieces", "ParquetPartitions", "arrow_local_fs", "arrow_fragments", "scan_files",
+__all__ = ["parquet_pieces", "ParquetPartitions", "arrow_fragments", "scan_files",
            "string_types", "dataset_schema", "read_footers", "column_targets", "check_footers", "check_sources", "type_family"]
 
 
@@ -357,26 +358,6 @@ def _conflict(path: str, column: str, have, origin: str, target, what: str) -> s
             f"it (the run reads it as {target}){what}. The files of one input must agree on each column's kind "
             "of values where they hold any (an empty or all-null column may be of any type). Fix: rewrite "
             f"{path!r} with {column!r} as {target}, or leave the file out of the input.")
-
-
-def arrow_local_fs(fs):
-    """A ``pyarrow.fs.LocalFileSystem`` for fsspec's local filesystem, else None.
-
-    Examples
-    --------
-    >>> import fsspec
-    >>> type(arrow_local_fs(fsspec.filesystem("file"))).__name__
-    'LocalFileSystem'
-    >>> arrow_local_fs(fsspec.filesystem("memory")) is None
-    True
-    """
-    from fsspec.implementations.local import LocalFileSystem
-
-    if not isinstance(fs, LocalFileSystem):
-        return None
-    import pyarrow.fs as pafs
-
-    return pafs.LocalFileSystem()
 
 
 def arrow_fragments(filesystem, paths: Sequence[str]) -> list:

@@ -6,15 +6,16 @@ Only commit records are trusted: a directory listing never is (see :mod:`dask_su
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import pandas as pd
 
 from ..errors import SurgeInputError, SurgeValueError
 from .layout import PARTITION, PAYLOAD_COLUMNS, ROW, TEXT_HASH, family_of_run
 from .manifest import current_run, existing_run, text_counts
+from .store import OutputStore
 
-__all__ = ["read_embeddings", "skipped_rows", "status", "model_name"]
+__all__ = ["read_embeddings", "skipped_rows", "status", "model_name", "frame_of"]
 
 
 def status(output: str, storage_options: dict | None = None) -> dict:
@@ -34,7 +35,7 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     >>> status("/nonexistent/path")["state"]
     'empty'
     """
-    manifest = current_run(output, storage_options)
+    manifest = current_run(OutputStore.open(output, storage_options))
     if manifest is None:
         return {"output": output, "state": "empty"}
     planned, done = manifest.plan, manifest.completion()
@@ -103,13 +104,12 @@ def skipped_rows(output: str, storage_options: dict | None = None) -> pd.DataFra
     >>> skipped_rows(out).values.tolist()
     [[0, 1]]
     """
-    manifest = existing_run(output, storage_options)
+    manifest = existing_run(OutputStore.open(output, storage_options))
     import pyarrow.parquet as pq
 
     frames = []
     for path in manifest.skipped_files(manifest.committed().values()):
-        with manifest.fs.open(path, "rb") as f:
-            frames.append(pq.read_table(f).to_pandas())
+        frames.append(pq.read_table(manifest.store.source(path)).to_pandas())
     empty = pd.DataFrame({PARTITION: pd.Series([], dtype="int64"), ROW: pd.Series([], dtype="int64")})
     out = pd.concat(frames, ignore_index=True) if frames else empty
     return out.sort_values([PARTITION, ROW], ignore_index=True)
@@ -142,36 +142,79 @@ def read_embeddings(path: str, *, partition: int | None = None, columns: Sequenc
     """
     import dask.dataframe as dd
 
-    manifest = existing_run(path, storage_options)
+    if backend not in ("pandas", "cudf"):
+        raise SurgeValueError(f"backend={backend!r} is not supported. Fix: use backend='pandas' or 'cudf'.")
+    store = OutputStore.open(path, storage_options)
+    manifest = existing_run(store)
     records = list(manifest.committed().values())  # in data order
     if partition is not None:
         records = [r for r in records if any(s[0] == partition and s[2] > s[1] for s in r.spans)]
-    files = manifest.data_urls(records)
+    files = manifest.data_paths(records)
     if not files:
         raise SurgeInputError(f"{path!r} has no committed rows" + (
             f" for partition {partition}" if partition is not None else "") + ". Fix: run (or resume) "
             "the encode into it first, or check the partition id against dask_surge.status(path).")
-    filters = [(PARTITION, "==", partition)] if partition is not None else None
-    if backend not in ("pandas", "cudf"):
-        raise SurgeValueError(f"backend={backend!r} is not supported. Fix: use backend='pandas' or 'cudf'.")
+    names = list(columns) if columns else None
+    if backend == "cudf" and names is None:
+        names = [n for n in _PartReader(store).schema(files[0]).names if n != TEXT_HASH]
+    reader = _PartReader(store, partition, names)
+    meta = reader.meta(files[0], names)
+    import dask
+
+    # the frame's dtypes are Arrow's mapping (frame_of): text columns already str, text_hash bytes; Dask's
+    # convert-string would cast those bytes to str (and fail on them)
+    with dask.config.set({"dataframe.convert-string": False}):
+        frame = dd.from_map(reader, files, meta=meta, enforce_metadata=False, label="read-embeddings")
     if backend == "cudf":
-        names = list(columns) if columns else [n for n in _schema_names(files[0], storage_options) if n != TEXT_HASH]
-        frame = dd.read_parquet(files, columns=names, filters=filters, storage_options=storage_options)
-        if TEXT_HASH in names:
+        if names is not None and TEXT_HASH in names:
             frame = frame.map_partitions(_split_hash)
         return frame.to_backend("cudf")
-    return dd.read_parquet(files, columns=list(columns) if columns else None, filters=filters,
-                           storage_options=storage_options,
-                           arrow_to_pandas=_ArrowToPandas(types_mapper=_embedding_types))
+    return frame
 
 
-def _schema_names(path: str, storage_options: dict | None) -> list[str]:
-    import pyarrow.parquet as pq
-    from fsspec.core import url_to_fs
+class _PartReader:
+    """Reads one committed part file as pandas (``dd.from_map``'s function): each file is opened
+    by its path through the output's store, never matched as a pattern (a directory named
+    ``emb[1]`` reads as itself), its ``partition`` filter applied to row groups, and the model's
+    output columns mapped zero-copy to pandas ArrowDtype columns. A column selection on the frame
+    reads only those columns (``columns=``, as Dask projects them)."""
 
-    fs, p = url_to_fs(path, **(storage_options or {}))
-    with fs.open(p, "rb") as f:
-        return list(pq.read_schema(f).names)
+    def __init__(self, store: OutputStore, partition: int | None = None,
+                 columns: Sequence[str] | None = None) -> None:
+        self.store, self.partition, self.columns = store, partition, None if columns is None else list(columns)
+
+    def __dask_tokenize__(self) -> tuple:
+        return ("read-embeddings", self.store.__dask_tokenize__(), self.partition, self.columns)
+
+    def schema(self, path: str):
+        import pyarrow.parquet as pq
+
+        return pq.read_schema(self.store.source(path))
+
+    def meta(self, path: str, columns: Sequence[str] | None) -> pd.DataFrame:
+        table = self.schema(path).empty_table()
+        return frame_of(table.select(list(columns)) if columns else table)
+
+    def __call__(self, path: str, columns: Sequence[str] | None = None) -> pd.DataFrame:
+        import pyarrow.parquet as pq
+
+        filters = [(PARTITION, "==", self.partition)] if self.partition is not None else None
+        wanted = list(columns) if columns is not None else self.columns
+        return frame_of(pq.read_table(self.store.source(path), columns=wanted, filters=filters))
+
+
+def frame_of(table) -> pd.DataFrame:
+    """A part file's Arrow ``table`` as :func:`read_embeddings` gives its partitions: the model's
+    output columns (fixed-size lists, lists) as pandas ArrowDtype columns, zero-copy.
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> emb = pa.FixedSizeListArray.from_arrays(pa.array([1.0, 2.0], pa.float32()), 2)
+    >>> frame_of(pa.table({"row": [0], "embedding": emb})).dtypes["embedding"]
+    fixed_size_list<item: float>[2][pyarrow]
+    """
+    return table.to_pandas(types_mapper=_embedding_types)
 
 
 def _split_hash(part):
@@ -192,25 +235,3 @@ def _embedding_types(pa_type):
     import pyarrow as pa
 
     return pd.ArrowDtype(pa_type) if pa.types.is_fixed_size_list(pa_type) or pa.types.is_list(pa_type) else None
-
-
-class _ArrowToPandas(dict[str, Any]):
-    """``read_parquet``'s ``arrow_to_pandas`` options, whose ``types_mapper`` Dask cannot nest.
-
-    Dask's pyarrow engine builds its own types mapper around the one given, then stores it back
-    into this dict, which its plan cache shares with every later ``read_parquet`` of the same
-    files: each partition read in this process wrapped the mapper once more, until tokenizing
-    the chain of wrappers failed (``TokenizationError``, after about 110). Dask asks for the
-    given mapper with ``get``: here it gets :func:`_embedding_types` every time, so the mapper
-    it builds (and stores) stays one wrapper deep.
-
-    Examples
-    --------
-    >>> opts = _ArrowToPandas(types_mapper=_embedding_types)
-    >>> opts["types_mapper"] = len  # as Dask stores its wrapper
-    >>> opts.get("types_mapper") is _embedding_types, opts["types_mapper"] is len
-    (True, True)
-    """
-
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
-        return _embedding_types if key == "types_mapper" else super().get(key, default)

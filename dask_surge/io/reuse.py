@@ -38,7 +38,7 @@ on their contiguous ``hi`` row, so its memory does not grow with the old output.
 index is built once, lazily, when first opened: a streaming pass over the ``text_hash``
 (and ``chunk``) columns of the committed files into per-bucket spill files in a local
 temporary directory (memory bounded by ``spill_bytes``), then each bucket is sorted,
-de-duplicated and written with :func:`dask_surge.io.directory.write_bytes_atomic`. Its
+de-duplicated and written with :meth:`dask_surge.io.store.OutputStore.write`. Its
 content is a function of the output alone, so two processes building it at once write
 the same bytes; still, one that finds another's fresh ``BUILDING`` note waits for it
 (the builder refreshes it every :data:`BUILD_BEAT_S`; a note older than
@@ -72,13 +72,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import SurgeInputError, SurgeOutputError, SurgeValueError
-from .atomic import file_signature
-from .directory import discard, index_dir, write_bytes_atomic
+from .directory import discard, index_dir
 from .hashing import HASH_ALGORITHM, HASH_METADATA_KEY, hashes_of
 from .layout import CHUNK, CHUNK_COLUMNS, EMBEDDING, TEXT_HASH
 from .lease import holder_info, stale, store_age
 from .manifest import current_run, existing_run
 from .readers import model_name
+from .store import OutputStore
 
 __all__ = ["embedding_identity", "compatible", "Matches", "Reused", "ReuseIndex", "open_index"]
 
@@ -128,13 +128,13 @@ def _show(key: str, value: Any) -> str:
     return f"{key}={value!r}"
 
 
-def compatible(old_output: str, identity: dict, storage_options: dict | None = None) -> str | None:
+def compatible(old_output: OutputStore, identity: dict) -> str | None:
     """None when ``old_output``'s current run embedded texts as ``identity`` says, else a one-line reason.
 
     Parameters
     ----------
-    old_output : str
-        An earlier output directory.
+    old_output : OutputStore
+        An earlier output.
     identity : dict
         The new run's :func:`embedding_identity` (of its fingerprint).
 
@@ -151,13 +151,14 @@ def compatible(old_output: str, identity: dict, storage_options: dict | None = N
     >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
     >>> _ = dask_surge.encode(ddf, "text", output=out, model=checksum_model, scheduler="sync", progress=False)
     >>> from dask_surge.io.manifest import existing_run
-    >>> ident = embedding_identity(existing_run(out).fingerprint)
-    >>> compatible(out, ident) is None
+    >>> old = OutputStore.open(out)
+    >>> ident = embedding_identity(existing_run(old).fingerprint)
+    >>> compatible(old, ident) is None
     True
-    >>> compatible(out, {**ident, "precision": "float16"})
+    >>> compatible(old, {**ident, "precision": "float16"})
     "it was made with precision='float32', this run uses precision='float16'"
     """
-    old = embedding_identity(existing_run(old_output, storage_options).fingerprint)
+    old = embedding_identity(existing_run(old_output).fingerprint)
     keys = sorted(set(old) | set(identity), key=lambda k: (k != "model", k))
     diffs = [k for k in keys if old.get(k) != identity.get(k)]
     if not diffs:
@@ -295,10 +296,11 @@ class _LRU(OrderedDict):
 class _OutputIndex:
     """The index of one earlier output (see the module docstring)."""
 
-    def __init__(self, path: str, storage_options: dict | None, *, bits: int | None, spill_bytes: int,
+    def __init__(self, store: OutputStore, *, bits: int | None, spill_bytes: int,
                  max_buckets: int, rebuild: bool, bucket_entries: int = BUCKET_ENTRIES) -> None:
         self.bucket_entries = bucket_entries
-        manifest = existing_run(path, storage_options)
+        path = store.location
+        manifest = existing_run(store)
         done = manifest.completion()
         if done is None:
             raise SurgeInputError(
@@ -306,10 +308,9 @@ class _OutputIndex:
                 "Only a complete output is reused. Fix: finish it first (rerun the call that wrote it), "
                 "or leave it out of reuse=."
             )
-        self.path, self.manifest, self.fs, self.root = path, manifest, manifest.fs, manifest.root
+        self.path, self.manifest, self.store = path, manifest, store
+        self.fs, self.root = store.fs, store.root
         self.dir = index_dir(self.root, manifest.run_id)
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        self.local = "file" in protocols or "local" in protocols
         self.complete = done
         self._buckets = _LRU(max_buckets)
         self._old_bits: int | None = None  # of an index found invalid: rebuilt with them
@@ -334,7 +335,7 @@ class _OutputIndex:
     def _beat(self) -> None:
         """Claim (or refresh the claim of) building this index: the time, host and pid."""
         with contextlib.suppress(OSError):
-            write_bytes_atomic(self.fs, self._lock_path, json.dumps(holder_info()).encode())
+            self.store.write(self._lock_path, json.dumps(holder_info()).encode())
 
     def _builder_alive(self) -> bool:
         """True while another process builds this index and beat within :data:`BUILD_STALE_S`."""
@@ -343,7 +344,7 @@ class _OutputIndex:
                 info = json.loads(f.read())
             if info.get("host") == socket.gethostname() and int(info.get("pid")) == os.getpid():
                 return False  # our own (a build of ours that failed): not someone else's
-            return not stale(info, BUILD_STALE_S, age=store_age(self.fs, self.root, self._lock_path))
+            return not stale(info, BUILD_STALE_S, age=store_age(self.store, self._lock_path))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return False
 
@@ -387,12 +388,7 @@ class _OutputIndex:
         return meta
 
     def _ls(self, path: str) -> list[str]:
-        with contextlib.suppress(AttributeError, TypeError):
-            self.fs.invalidate_cache(path)
-        try:
-            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        return self.store.listdir(path)
 
     # -- build
     def _records(self) -> list:
@@ -411,7 +407,7 @@ class _OutputIndex:
         spill = tempfile.mkdtemp(prefix="surge-reuse-spill-")
         counts = np.zeros(nb, dtype=np.int64)
         with contextlib.suppress(OSError):
-            self.fs.makedirs(self.dir, exist_ok=True)
+            self.store.makedirs(self.dir)
         self._beat()
         last_beat = time.monotonic()
         try:
@@ -453,7 +449,7 @@ class _OutputIndex:
                         flush()
             flush()
             try:
-                self.fs.makedirs(self.dir, exist_ok=True)
+                self.store.makedirs(self.dir)
                 bucket_entries = []
                 for b in range(nb):
                     if time.monotonic() - last_beat > BUILD_BEAT_S:
@@ -467,17 +463,17 @@ class _OutputIndex:
                     block = np.ascontiguousarray(_dedupe(block).T)
                     buf = io.BytesIO()
                     np.save(buf, block, allow_pickle=False)
-                    write_bytes_atomic(self.fs, f"{self.dir}/{_bucket_name(b)}", buf.getbuffer())
+                    self.store.write(f"{self.dir}/{_bucket_name(b)}", buf.getbuffer())
                     bucket_entries.append(int(block.shape[1]))
                     del block, buf
                 meta = {"format": INDEX_FORMAT, "algorithm": HASH_ALGORITHM, "run": self.manifest.run_id,
                         "complete": self.complete, "bits": bits, "rows": rows, "files": files, **checks,
                         "chunked": bool(chunked), "bucket_entries": bucket_entries, "built": time.time()}
-                write_bytes_atomic(self.fs, f"{self.dir}/meta.json", json.dumps(meta, sort_keys=True).encode())
+                self.store.write(f"{self.dir}/meta.json", json.dumps(meta, sort_keys=True).encode())
                 keep = {_bucket_name(b) for b in range(nb) if bucket_entries[b]}
                 for name in self._ls(self.dir):  # buckets of an index built before with other bits
                     if name.startswith("bucket-") and name.endswith(".npy") and name not in keep:
-                        discard(self.fs, self.root, f"{self.dir}/{name}")
+                        discard(self.store, f"{self.dir}/{name}")
             except OSError as err:
                 raise SurgeOutputError(
                     f"reuse={self.path!r}: writing its reuse index to {self.dir!r} failed "
@@ -488,7 +484,7 @@ class _OutputIndex:
         finally:
             shutil.rmtree(spill, ignore_errors=True)
             with contextlib.suppress(OSError):
-                discard(self.fs, self.root, self._lock_path)
+                discard(self.store, self._lock_path)
         self._buckets.clear()
         return meta
 
@@ -512,8 +508,8 @@ class _OutputIndex:
         return self._damaged(name, f"is not of the layout dask-surge writes ({what})")
 
     def signature(self, f: int) -> tuple:
-        """What changes when part file ``f`` changes: :func:`~dask_surge.io.atomic.file_signature`."""
-        return file_signature(self.fs, f"{self.root}/{self.files[f]}")
+        """What changes when part file ``f`` changes (:meth:`~dask_surge.io.store.OutputStore.signature`)."""
+        return self.store.signature(f"{self.root}/{self.files[f]}")
 
     def check_file(self, f: int) -> None:
         """Hash part file ``f`` whole and compare it with the sha256 and size its commit record holds.
@@ -607,10 +603,12 @@ class _OutputIndex:
         def load() -> np.ndarray:
             path = f"{self.dir}/{_bucket_name(b)}"
             try:
-                if self.local:
-                    arr = np.load(path, mmap_mode="r", allow_pickle=False)
+                source = self.store.source(path)  # a local path (memory-mapped), else an open file
+                if isinstance(source, str):
+                    arr = np.load(source, mmap_mode="r", allow_pickle=False)
                 else:
-                    arr = np.load(io.BytesIO(self.fs.cat_file(path)), allow_pickle=False)
+                    with source:
+                        arr = np.load(io.BytesIO(source.read()), allow_pickle=False)
             except (OSError, ValueError, EOFError) as err:
                 raise _Damaged(f"{path}: {type(err).__name__}: {err}") from err
             if arr.dtype != np.uint64 or arr.shape != (4, int(self.entries[b])):
@@ -750,18 +748,20 @@ class ReuseIndex:
         if not paths:
             raise SurgeValueError("reuse=[] names no output. Fix: pass one or more earlier output paths, or "
                                   "leave reuse= out.")
+        stores = [OutputStore.open(p, storage_options) for p in paths]
         if identity is not None:
-            for p in paths:
-                why = compatible(str(p), identity, storage_options)
+            for p, store in zip(paths, stores):
+                why = compatible(store, identity)
                 if why is not None:
                     raise SurgeInputError(
                         f"reuse={str(p)!r} cannot be reused: {why}. Its embeddings would differ from this "
                         "run's. Fix: leave it out of reuse=, or run with the options it was made with."
                     )
         self.outputs = [str(p) for p in paths]
-        self._opts = {"storage_options": storage_options, "bits": bits, "spill_bytes": spill_bytes,
-                      "max_buckets": max_open, "bucket_entries": bucket_entries}
-        self.indexes = [_OutputIndex(p, rebuild=rebuild, **self._opts) for p in self.outputs]  # type: ignore[arg-type]
+        self.stores = stores
+        self._opts = {"bits": bits, "spill_bytes": spill_bytes, "max_buckets": max_open,
+                      "bucket_entries": bucket_entries}
+        self.indexes = [_OutputIndex(store, rebuild=rebuild, **self._opts) for store in stores]  # type: ignore[arg-type]
         self._files = _LRU(max_open)
         self._groups = _LRU(1 << 16, cache_bytes)
         # (output, file) -> the file's signature (size, mtime, inode or ETag...) when it was hashed and
@@ -815,7 +815,7 @@ class ReuseIndex:
         since: the output was repaired and rerun); True when there was one."""
         stale = [s for s, ix in enumerate(self.indexes) if ix._valid_meta() != ix.meta]
         for s in stale:
-            self.indexes[s] = _OutputIndex(self.outputs[s], rebuild=False, **self._opts)  # type: ignore[arg-type]
+            self.indexes[s] = _OutputIndex(self.stores[s], rebuild=False, **self._opts)  # type: ignore[arg-type]
             self._verified = {k: v for k, v in self._verified.items() if k[0] != s}
         if stale:
             self._files.clear()
@@ -842,7 +842,7 @@ class ReuseIndex:
                 found, file, row, count = ix.lookup(q[todo])
             except _Damaged:  # rebuilt as it was (its bucket count)
                 opts = {**self._opts, "bits": ix.bits}
-                self.indexes[s] = ix = _OutputIndex(self.outputs[s], rebuild=True, **opts)  # type: ignore[arg-type]
+                self.indexes[s] = ix = _OutputIndex(self.stores[s], rebuild=True, **opts)  # type: ignore[arg-type]
                 self._verified = {k: v for k, v in self._verified.items() if k[0] != s}
                 found, file, row, count = ix.lookup(q[todo])
             at = todo[found]
@@ -942,7 +942,7 @@ class ReuseIndex:
     def _open(self, s: int, f: int):
         ix = self.indexes[s]
         path = f"{ix.root}/{ix.files[f]}"
-        pf = pq.ParquetFile(path if ix.local else ix.fs.open(path, "rb"))
+        pf = pq.ParquetFile(ix.store.source(path))
         starts = np.concatenate([[0], np.cumsum([pf.metadata.row_group(i).num_rows
                                                  for i in range(pf.num_row_groups)])]).astype(np.int64)
         return pf, starts
@@ -1001,7 +1001,7 @@ def open_index(outputs: str | Sequence[str], storage_options: dict | None = None
     with _OPEN_LOCK:
         if key in _OPEN:
             cached = _OPEN[key]
-            current = [current_run(p, storage_options) for p in paths]
+            current = [current_run(store) for store in cached.stores]
             if all(m is not None and m.run_id == ix.manifest.run_id for m, ix in zip(current, cached.indexes)):
                 _OPEN.move_to_end(key)
                 return cached

@@ -10,20 +10,10 @@ from __future__ import annotations
 import hashlib
 
 from ..errors import SurgeOutputError
-from .directory import (
-    _DATA_FILE,
-    _RUN_ID,
-    META_DIR,
-    _aside,
-    _ls,
-    attempt_of,
-    current_path,
-    discard,
-    refuse_links,
-)
+from .directory import DATA_FILE, META_DIR, RUN_ID, attempt_of, current_path, discard, refuse_links, set_aside
 from .lease import Claim
-from .manifest import CommitRecord, Manifest, _current_id, _load, _write_meta, current_run
-from .stores import output_fs
+from .manifest import CommitRecord, Manifest, current_id, current_run, load_run, write_meta
+from .store import OutputStore
 
 __all__ = ["verify", "repair"]
 
@@ -51,9 +41,12 @@ def _problems(manifest: Manifest) -> list[tuple[CommitRecord, str]]:
     return problems
 
 
-def verify(path: str, storage_options: dict | None = None) -> list[str]:
+def verify(path: str | OutputStore, storage_options: dict | None = None) -> list[str]:
     """Check every committed file of the current run in ``path`` against its recorded
-    ``sha256``; returns one line per problem (empty: all good).
+    ``sha256``; returns one line per problem (empty: all good). Files that are not committed but
+    that readers of the directory would read as rows (``part-*`` globs, or the directory as a
+    dataset) are named too: a data file of a replaced or killed run (``--repair`` deletes it), or
+    a file dask-surge did not write (left as it is: not dask-surge's to delete).
 
     Examples
     --------
@@ -61,18 +54,22 @@ def verify(path: str, storage_options: dict | None = None) -> list[str]:
     >>> verify(tempfile.mkdtemp())
     []
     """
-    fs, root = output_fs(path, storage_options)
-    refuse_links(fs, root)
-    manifest = current_run(path, storage_options)
+    store = path if isinstance(path, OutputStore) else OutputStore.open(path, storage_options)
+    refuse_links(store)
+    manifest = current_run(store)
     if manifest is None:
         return []
     strays = [f"{manifest.root}/{n}: a data file that no commit record of the current run names (left by a "
               "replaced or killed run; `part-*` readers would read its rows); --repair deletes it"
               for n in _strays(manifest)]
-    return [line for _, line in _problems(manifest)] + strays
+    foreign = [f"{manifest.root}/{n}: a file dask-surge did not write, which readers of the output "
+               f"({'`part-*` globs and ' if n.startswith('part-') else ''}the directory as a dataset) would read "
+               "as rows; move it out of the output (--repair leaves it: it is not dask-surge's)"
+               for n in _foreign(manifest)]
+    return [line for _, line in _problems(manifest)] + strays + foreign
 
 
-def repair(path: str, storage_options: dict | None = None) -> list[str]:
+def repair(path: str | OutputStore, storage_options: dict | None = None) -> list[str]:
     """Bring a damaged manifest back to a state a rerun can resume from; returns what was done.
 
     Never deletes a file that is not dask-surge's: damaged manifest files and commit
@@ -89,12 +86,13 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
     >>> repair(tempfile.mkdtemp())
     []
     """
-    fs, root = output_fs(path, storage_options)
-    refuse_links(fs, root)
-    holder = Claim.holder(fs, root)
-    if holder is not None and Claim.alive(fs, root, holder):
+    store = path if isinstance(path, OutputStore) else OutputStore.open(path, storage_options)
+    root = store.root
+    refuse_links(store)
+    holder = Claim.holder(store)
+    if holder is not None and Claim.alive(store, holder):
         raise SurgeOutputError(
-            f"{path!r} is being written by a live run (run {holder.get('run')}, pid {holder.get('pid')} on "
+            f"{store.location!r} is being written by a live run (run {holder.get('run')}, pid {holder.get('pid')} on "
             f"{holder.get('host')}): a repair now would take its commits in progress for damage and delete "
             "freshly published files. Nothing was changed. Fix: let that run finish (or stop it), then repair; "
             "a claim whose process died is passed over once its heartbeat is stale."
@@ -103,46 +101,46 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
     meta = f"{root}/{META_DIR}"
 
     def aside(p: str) -> None:
-        _aside(fs, root, p)
+        set_aside(store, p)
         done.append(f"moved damaged {p} aside")
 
     def forget(manifest: Manifest, rec: CommitRecord, why: str) -> None:
         aside(manifest.record_path(rec.sb))
-        discard(fs, root, manifest._complete_path)
+        discard(store, manifest.complete_path)
         done.append(f"forgot SuperBatch {rec.sb} of run {manifest.run_id}: {why}; a rerun encodes those rows again")
 
     valid: dict[str, Manifest] = {}
-    for run in [r for r in _ls(fs, f"{meta}/runs") if _RUN_ID.match(r)]:
+    for run in [r for r in store.listdir(f"{meta}/runs") if RUN_ID.match(r)]:
         try:
-            loaded = _load(fs, root, run)
+            loaded = load_run(store, run)
         except SurgeOutputError:
             aside(f"{meta}/runs/{run}/run.json")
             continue
         if loaded is not None:
             valid[run] = loaded
     try:
-        current = _current_id(fs, root)
+        current = current_id(store)
     except SurgeOutputError:
         aside(current_path(root))
         current = None
     if current is not None and current not in valid:
-        discard(fs, root, current_path(root))
+        discard(store, current_path(root))
         done.append(f"removed {current_path(root)} (it named run {current}, which has no valid run.json)")
         current = None
     if current is None and len(valid) == 1:
         current = next(iter(valid))
-        _write_meta(fs, current_path(root), current.encode())
+        write_meta(store, current_path(root), current.encode())
         done.append(f"pointed {current_path(root)} at run {current}")
     for manifest in valid.values():
-        before = {n for n in _ls(fs, manifest.commits_dir) if n.startswith(".torn-")}
+        before = {n for n in store.listdir(manifest.commits_dir) if n.startswith(".torn-")}
         records = manifest.committed(repair=True)
         done += [f"moved damaged commit record {n} aside" for n in
-                 {n for n in _ls(fs, manifest.commits_dir) if n.startswith(".torn-")} - before]
+                 {n for n in store.listdir(manifest.commits_dir) if n.startswith(".torn-")} - before]
         try:
             manifest.completion()
         except SurgeOutputError:
-            aside(manifest._complete_path)
-        present, staged = set(_ls(fs, root)), set(_ls(fs, manifest.staging_dir))
+            aside(manifest.complete_path)
+        present, staged = set(store.listdir(root)), set(store.listdir(manifest.staging_dir))
         for rec in records.values():
             if rec.file in present:
                 continue
@@ -155,10 +153,10 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
     if current is not None:
         manifest = valid[current]
         for rec, line in _problems(manifest):
-            if fs.exists(manifest.record_path(rec.sb)):  # a record with two bad files is forgotten once
+            if store.exists(manifest.record_path(rec.sb)):  # a record with two bad files is forgotten once
                 forget(manifest, rec, line)
         for name in _strays(manifest):
-            discard(fs, root, f"{root}/{name}")
+            discard(store, f"{root}/{name}")
             done.append(f"deleted {name}: a data file of this layout that no commit record of the current run "
                         "names (left by a replaced or killed run)")
     return done
@@ -167,6 +165,13 @@ def repair(path: str, storage_options: dict | None = None) -> list[str]:
 def _strays(manifest: Manifest) -> list[str]:
     """Data files of this layout in the output that no commit record of ``manifest`` names
     (listed before the records are read, so a file published meanwhile is named)."""
-    names = [n for n in _ls(manifest.fs, manifest.root) if _DATA_FILE.match(n)]
+    names = [n for n in manifest.store.listdir(manifest.root) if DATA_FILE.match(n)]
     named = {rec.file for rec in manifest.committed().values()}
     return [n for n in names if n not in named]
+
+
+def _foreign(manifest: Manifest) -> list[str]:
+    """Entries of the output that dask-surge did not write and that readers would take for data:
+    anything but ``_``- or ``.``-prefixed names (which Parquet readers skip) and data files of this layout."""
+    return [n for n in manifest.store.listdir(manifest.root)
+            if not n.startswith(("_", ".")) and not DATA_FILE.match(n)]

@@ -57,6 +57,7 @@ from .._version import __version__
 from ..config import get as config_get
 from ..errors import SurgeInputError
 from ..fingerprint import NotDeterministic, without_secrets
+from ..io.store import is_posix, protocol_of
 from ..models.modelid import stable_token  # the fingerprint's token, with a torch module's weights digest
 from ..options import identity_options, option
 
@@ -114,7 +115,7 @@ def _open_file_record(value: Any, where: str) -> Any:
         record = _file_record(value.path, fs.info(value.path), fs)
     except OSError as err:
         raise SurgeInputError(_unlisted(where, value.path, err)) from err
-    return {"files": [record], "protocol": _protocol(fs)}
+    return {"files": [record], "protocol": protocol_of(fs)}
 
 
 
@@ -131,19 +132,10 @@ def _file_record(name: str, info: Mapping, fs: Any) -> list:
     version = next((info[k] for k in _VERSION_FIELDS if info.get(k) is not None), None)
     mtime = next((info[k] for k in _TIME_FIELDS if info.get(k) is not None), None)
     record = [name, info.get("size"), None if version is None else str(version), None if mtime is None else str(mtime)]
-    if _is_local(fs):
+    if is_posix(fs):
         st = os.stat(name)
         record += [st.st_ino, st.st_ctime_ns]
     return record
-
-
-def _is_local(fs: Any) -> bool:
-    """Whether ``fs`` (fsspec's, or pyarrow's wrapped in fsspec's ``ArrowFSWrapper``) is this machine's
-    filesystem: a local disk or a shared POSIX one (NFS, Lustre, GPFS) mounted here."""
-    local = sys.modules.get("fsspec.implementations.local")
-    if local is not None and isinstance(fs, local.LocalFileSystem):
-        return True
-    return _is_arrow_filesystem(getattr(fs, "fs", None)) and fs.fs.type_name == "local"
 
 
 def _looks_like_url(text: str) -> bool:
@@ -221,13 +213,7 @@ def _files(text: str, *, leaf_fs: Any, storage_options: Mapping | None, where: s
         if not strict:
             return None  # a string the source's function is given: a value unless it lists as files
         raise SurgeInputError(_unlisted(where, text, err)) from err
-    return {"files": records, "protocol": _protocol(fs)}
-
-
-def _protocol(fs: Any) -> str:
-    if _is_arrow_filesystem(fs):
-        return fs.type_name
-    return fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    return {"files": records, "protocol": protocol_of(fs)}
 
 
 def _unlisted(where: str, location: str, err: Exception) -> str:
@@ -289,7 +275,7 @@ def _node(expr: Any, memo: dict[str, Any]) -> Any:
             operands[name] = _node(op, memo)
             continue
         if _is_filesystem(op):  # its options may hold credentials; the files it lists are what count
-            operands[name] = {"filesystem": _protocol(op)}
+            operands[name] = {"filesystem": protocol_of(op)}
             continue
         options = name == "storage_options" and isinstance(op, Mapping)
         if options:  # how to reach the files (an endpoint URL among them), not files the input reads
