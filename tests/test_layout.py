@@ -226,3 +226,26 @@ def test_a_renamed_name_still_imports_with_a_warning(module, old, new):
         assert getattr(mod, old) is getattr(mod, new)
     with pytest.raises(AttributeError, match="no attribute 'Nonexistent'"):
         mod.Nonexistent  # noqa: B018
+
+
+#: what asks which kind of filesystem it holds: only the store object (``io/store.py``) may
+_KIND_QUESTIONS = re.compile(r"LocalFileSystem|isinstance\(fs\b|\.protocol\b|\bis_local\(|\bprotocols\("
+                             r"|store\.kind\s*[!=]=|\"(?:memory|file|s3)\" in ")
+
+
+def test_only_the_store_object_asks_what_kind_of_filesystem_it_holds():
+    """issue 61: whether an output is local, in memory or an object store was decided in four places;
+    now io/store.py alone decides (a new kind of store is one subclass there)."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = str(path.relative_to(PACKAGE))
+        if rel == "io/store.py":
+            continue
+        found += [f"{rel}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
+                  if _KIND_QUESTIONS.search(line)]
+    assert found == []
+
+
+def test_the_kind_check_can_fail():
+    assert _KIND_QUESTIONS.search("if isinstance(fs, LocalFileSystem):")
+    assert _KIND_QUESTIONS.search('proto = fs.protocol[0]') and _KIND_QUESTIONS.search('if store.kind == "posix":')

@@ -399,3 +399,24 @@ def test_reuse_of_an_output_on_the_store_copies_every_row(store, reference):
     assert (res.reused, res.encoded) == (N, 0)
     assert fs.glob(f"{old.removeprefix('s3://')}/_surge/index/*/meta.json")
     _exactly_once(new, options, fs, reference=reference)
+
+
+def test_a_prefix_holding_only_a_folder_marker_is_empty(store, counting_encoder):
+    # issue 60.7: the zero-byte "folder/" object the S3 console creates was refused as a foreign entry
+    _, options, fs = store
+    url = _url()
+    fs.pipe_file(f"{url.removeprefix('s3://')}/", b"")
+    assert OutputStore.open(url, options).listdir(url.removeprefix("s3://")) == []
+    res = _encode(url, options, counting_encoder)
+    assert res.rows == N and sorted(_glob(url, fs)) == sorted(_exactly_once(url, options, fs)[["partition", "row"]]
+                                                             .itertuples(index=False, name=None))
+
+
+def test_an_object_store_location_is_normalised_and_a_glob_name_refused(store, counting_encoder):
+    _, options, fs = store
+    url = _url()
+    res = _encode(url.replace("s3://emb/", "s3://emb//") + "/", options, counting_encoder)
+    assert res.rows == N and len(_glob(url, fs)) == N  # written under the normalised prefix
+    with pytest.raises(SurgeOutputError, match="take for a pattern"):
+        _encode(url + "[1]", options, counting_encoder)
+    assert not fs.exists(url.removeprefix("s3://") + "[1]")

@@ -265,9 +265,7 @@ def check_output(store: OutputStore, *, inputs: Sequence[tuple[Any, str]] = ()) 
         while ancestor not in ("", "/") and not store.exists(ancestor):
             ancestor = ancestor.rsplit("/", 1)[0] if "/" in ancestor else ""
         is_file = ancestor not in ("", "/") and not store.isdir(ancestor)
-    except Exception as err:
-        if store.kind == "posix":
-            raise
+    except Exception as err:  # a permission error, or a store client's own (botocore's, no endpoint)
         raise SurgeOutputError(
             f"output={path!r} cannot be reached ({type(err).__name__}: {err}). Nothing was written. Fix: check the "
             "URL, the endpoint and the credentials (storage_options, the environment or the store's config)."

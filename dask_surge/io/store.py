@@ -130,6 +130,15 @@ def arrow_local_fs(fs: Any) -> Any:
     return pafs.LocalFileSystem()
 
 
+def _spellings(path: str, fs: Any) -> set[str]:
+    """``path`` as it is spelled (absolute, ``..``, ``.`` and repeated slashes collapsed) and, on a POSIX
+    filesystem, with its links resolved: a path through a link is in both places at once."""
+    if not is_posix(fs):
+        return {canonical_path(path, fs)}
+    spelled = os.path.abspath(os.path.expanduser(path))
+    return {spelled, os.path.realpath(spelled)}
+
+
 def canonical_path(path: str, fs: Any) -> str:
     """``path`` on ``fs`` in the form two spellings of one place share: on a POSIX filesystem
     absolute, with ``..``, ``.``, repeated slashes and links resolved (:func:`os.path.realpath`);
@@ -192,9 +201,12 @@ class OutputStore:
     #: a rename is atomic here, so the task that commits a SuperBatch also publishes its file
     renames: ClassVar[bool] = True
 
-    def __init__(self, fs: Any, root: str, location: str, storage_options: dict | None = None) -> None:
+    def __init__(self, fs: Any, root: str, location: str, storage_options: dict | None = None,
+                 spelled: str | None = None) -> None:
         self.fs, self.root, self.location = fs, root.rstrip("/") or "/", str(location)
         self.storage_options = dict(storage_options or {})
+        #: the root as spelled (normalised, links not resolved): the same place where no link is on the way
+        self.spelled = spelled or self.root
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url(self.root)!r})"
@@ -241,7 +253,8 @@ class OutputStore:
             cls = MemoryStore
         else:
             cls = ObjectStore
-        return cls(fs, canonical_path(root, fs), text, storage_options)
+        spelled = os.path.abspath(os.path.expanduser(root)) if cls is PosixStore else None
+        return cls(fs, canonical_path(root, fs), text, storage_options, spelled)
 
     def url(self, path: str) -> str:
         """``path`` (as :attr:`fs` names it) as any fsspec or Parquet reader opens it."""
@@ -250,22 +263,23 @@ class OutputStore:
         return f"{protocol_of(self.fs)}://{path.lstrip('/') if self.kind == 'object' else path}"
 
     def contains(self, path: str, fs: Any = None) -> bool:
-        """True when ``path`` (on ``fs``, by default this store's) is the root or below it, compared
-        in canonical form on the same kind of filesystem (:func:`canonical_path`)."""
+        """True when ``path`` (on ``fs``, by default this store's) is the root or below it, on the
+        same kind of filesystem, compared as spelled and with links resolved (:func:`canonical_path`)."""
         fs = self.fs if fs is None else fs
         if not self._same_kind(fs):
             return False
-        other = canonical_path(path, fs)
-        return other == self.root or other.startswith(self.root.rstrip("/") + "/")
+        roots = {self.root, self.spelled}
+        return any(o == r or o.startswith(r.rstrip("/") + "/") for o in _spellings(path, fs) for r in roots)
 
     def within(self, path: str, fs: Any = None) -> bool:
         """True when the root is ``path`` (on ``fs``, by default this store's) or below it: the
-        output would be inside that directory."""
+        output would be inside that directory (compared as :meth:`contains` does)."""
         fs = self.fs if fs is None else fs
         if not self._same_kind(fs):
             return False
-        other = canonical_path(path, fs).rstrip("/")
-        return self.root == other or self.root.startswith(other + "/")
+        roots = {self.root, self.spelled}
+        return any(r == o.rstrip("/") or r.startswith(o.rstrip("/") + "/") for o in _spellings(path, fs)
+                   for r in roots)
 
     def _same_kind(self, fs: Any) -> bool:
         if is_posix(fs):
