@@ -299,10 +299,9 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     column : str
         The text column.
     output : str, optional
-        Directory to write to: a local or shared-filesystem path (or ``memory://`` in one
-        process), new, empty, or holding only dask-surge's own files; object-store URLs are
-        refused for writing (see README "Output and recovery"). ``None`` returns a lazy
-        Dask DataFrame instead.
+        Where to write: a directory path or an fsspec URL, new, empty, or holding only
+        dask-surge's own files; where it can live is ``docs/output.md`` ("Where output can
+        go"). ``None`` returns a lazy Dask DataFrame instead.
     {options}
 
     Notes

@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     enc = sub.add_parser("encode", help="embed a text column of Parquet/CSV/JSON-lines files")
     enc.add_argument("inputs", nargs="+", help="input files, directories or globs")
     enc.add_argument("--text-column", required=True)
-    enc.add_argument("--output", required=True, help="output directory: a new or empty local/shared-filesystem path (or one a "
-                     "dask-surge run wrote); object stores are refused for writing")
+    enc.add_argument("--output", required=True, help="where to write: a new or empty directory path or URL (or one a "
+                     "dask-surge run wrote); where it can live: docs/output.md, 'Where output can go'")
     enc.add_argument("--keep", nargs="*", default=[], help=option("keep").summary)  # its help from the option table
     enc.add_argument("--format", choices=["parquet", "csv", "json"], default=None,
                      help="input format (default: from the file extension)")

@@ -22,6 +22,7 @@ import pyarrow.dataset as pads
 import pytest
 
 import dask_surge
+import dask_surge.cli
 import dask_surge.io.directory as directory_mod
 import dask_surge.io.manifest as manifest_mod
 from dask_surge import SurgeOutputError
@@ -270,6 +271,20 @@ def test_verify_names_a_stray_data_file_and_repair_deletes_it(tmp_path):
     done = repair(str(out))
     assert any(stray.name in line for line in done) and not stray.exists()
     assert verify(str(out)) == [] and len(_glob_keys(out)) == N
+
+
+def test_verify_names_a_foreign_file_readers_would_read_and_repair_leaves_it(tmp_path):
+    # issue 63.5: a part-extra.parquet copied in by hand made DuckDB's part-* read 50 rows too many while
+    # verify said every committed file matched; now it is named (and, not being dask-surge's, left)
+    out = tmp_path / "emb"
+    _encode(out, CountingEncoder())
+    extra = out / "part-extra.parquet"
+    shutil.copy(sorted(out.glob("part-*.parquet"))[0], extra)
+    problems = verify(str(out))
+    assert len(problems) == 1 and "part-extra.parquet" in problems[0] and "did not write" in problems[0]
+    assert dask_surge.cli.main(["status", str(out), "--verify"]) == 1
+    repair(str(out))
+    assert extra.exists() and verify(str(out)) == problems
 
 
 # --- the output is never inside an input --------------------------------------------------------------

@@ -365,6 +365,22 @@ def test_identity_is_hashed_once_then_cached(tmp_path, monkeypatch):
     assert Encoder(path).identity() == first and len(calls) > hashed  # touched: hashed again, same content
 
 
+def test_a_loaded_model_whose_directory_changed_is_loaded_again(tmp_path):
+    # a long-lived process (a notebook) keeps models loaded by spec; a model directory rewritten behind its
+    # back (new weights at the same path) must not be encoded with the old weights, which the run's
+    # identity (the directory's digest) would no longer describe
+    path = make_tiny_model(tmp_path / "m", seed=5)
+    texts = make_texts(6, seed=1)
+    encoder = Encoder(path, device="cpu")
+    first = np.asarray(encoder.encode(texts))
+    shutil.rmtree(path)
+    make_tiny_model(tmp_path / "m", seed=6)  # other weights, same path
+    again = np.asarray(Encoder(path, device="cpu").encode(texts))
+    fresh = np.asarray(SentenceTransformer(path, device="cpu").encode(texts))
+    assert not np.allclose(first, again)
+    assert min_cosine(again, fresh) > 0.9999
+
+
 # -- option vocabularies -----------------------------------------------------------------------
 
 

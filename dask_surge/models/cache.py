@@ -3,6 +3,9 @@
 Every equal :class:`~dask_surge.Encoder` in a process shares one loaded model (keyed by its
 :class:`~dask_surge.models.spec.EncoderSpec`). Beyond the bound the least recently used model
 is closed; closing happens outside the lock, so a close never holds up another model's load.
+A model loaded from a directory is loaded again once that directory's files change (their
+names, sizes and mtimes: :func:`~dask_surge.models.modelid.files_signature`), so a long-lived
+process never encodes with weights that are no longer the ones its runs record.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 from .. import config
 from ..engine.backends import Backend, free_memory
 from .loader import load
+from .modelid import files_signature
 from .spec import EncoderSpec
 
 __all__ = ["cached", "forget", "get", "release"]
@@ -37,6 +41,7 @@ class _Loaded:
     impl: Backend
     reason: str
     used: int = 0  # a tick of ``_uses``: the least recently used model is closed first
+    files: tuple = ()  # a directory model's files when it was loaded (:func:`files_signature`)
 
     @property
     def backend(self) -> str:
@@ -58,9 +63,20 @@ class _Loaded:
         self.impl.close()
 
 
+def _files(spec: EncoderSpec) -> tuple:
+    """The files of a directory model as they are now (nothing for an in-memory one)."""
+    if spec.kind != "path":
+        return ()
+    try:
+        return files_signature(spec.source)
+    except OSError:
+        return ()
+
+
 def _load(spec: EncoderSpec) -> _Loaded:
     """Load ``spec`` (see :func:`dask_surge.models.loader.load`); the caller caches it."""
-    return _Loaded(*load(spec))
+    files = _files(spec)
+    return _Loaded(*load(spec), files=files)
 
 
 def cached(spec: EncoderSpec) -> _Loaded | None:
@@ -74,6 +90,13 @@ def get(spec: EncoderSpec) -> _Loaded:
     Loading one beyond ``surge.max-loaded-models`` closes the least recently used others.
     """
     loaded = _LOADED.get(spec)
+    if loaded is not None and loaded.files and _files(spec) != loaded.files:  # the directory changed since
+        logger.info("dask-surge: the files of model %r changed since it was loaded: loading it again", spec.source)
+        with _LOAD_LOCK:
+            if _LOADED.get(spec) is loaded:
+                del _LOADED[spec]
+        loaded.close()
+        loaded = None
     if loaded is None:
         with _LOAD_LOCK:
             loaded = _LOADED.get(spec)

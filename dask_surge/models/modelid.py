@@ -44,8 +44,8 @@ from ..errors import SurgeModelError
 from ..fingerprint import SECRET_KEY, NotDeterministic, code_digest, is_secret_key, redact, without_secrets
 from ..fingerprint import stable_token as _generic_token
 
-__all__ = ["SECRET_KEY", "NotDeterministic", "code_digest", "directory_digest", "is_secret_key", "object_digest",
-           "redact", "stable_token", "without_secrets"]
+__all__ = ["SECRET_KEY", "NotDeterministic", "code_digest", "directory_digest", "files_signature", "is_secret_key",
+           "object_digest", "redact", "stable_token", "without_secrets"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,22 @@ def directory_digest(path: str | os.PathLike) -> str:
     with _LOCK:
         _DIR_CACHE[key] = digest
     return digest
+
+
+def files_signature(path: str | os.PathLike) -> tuple:
+    """What changes when a model directory's files change: each file's name, size and mtime (the
+    key :func:`directory_digest` is cached by), without reading any file.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text("{}")
+    >>> before = files_signature(d); _ = (d / "config.json").write_text('{"a": 1}')
+    >>> files_signature(d) != before
+    True
+    """
+    root = Path(os.fspath(path)).resolve()
+    return tuple((str(p.relative_to(root)) if p != root else p.name, *_stat(p)) for p in _model_files(root))
 
 
 def _stat(path: Path) -> tuple[int, int]:
