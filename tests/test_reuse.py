@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dask_surge.errors import SurgeInputError, SurgeValueError
-from dask_surge.io import reuse
+from dask_surge.io import hashindex, reuse
 from dask_surge.io.directory import index_dir, sb_key
 from dask_surge.io.hashing import hash_column, hashes_of, text_hash_field, text_hashes
 from dask_surge.io.layout import TEXT_HASH
@@ -499,13 +499,13 @@ def test_one_process_builds_while_others_wait(tmp_path, monkeypatch):
     where = index_dir(str(tmp_path / "old"), existing_run(OutputStore.open(old)).run_id)
     os.makedirs(where)
     builds = []
-    real_build = reuse._OutputIndex.build
+    real_build = hashindex.OutputIndex.build
 
     def counting_build(self, **kw):
         builds.append(threading.current_thread().name)
         return real_build(self, **kw)
 
-    monkeypatch.setattr(reuse._OutputIndex, "build", counting_build)
+    monkeypatch.setattr(hashindex.OutputIndex, "build", counting_build)
 
     def note(**info):
         with open(f"{where}/BUILDING", "w") as f:
@@ -524,7 +524,7 @@ def test_one_process_builds_while_others_wait(tmp_path, monkeypatch):
     # a builder that stopped beating (its lock last written two TTLs ago on the store's clock: the
     # file's modification time), or died on this host: not waited for
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    for info in ({"time": time.time() - 2 * reuse.BUILD_STALE_S},
+    for info in ({"time": time.time() - 2 * hashindex.BUILD_STALE_S},
                  {"host": socket.gethostname(), "pid": int(dead.stdout)}):
         os.unlink(f"{where}/meta.json")
         note(**info)
@@ -533,7 +533,7 @@ def test_one_process_builds_while_others_wait(tmp_path, monkeypatch):
         builds.clear()
         t0 = time.monotonic()
         check(ReuseIndex(old), texts, stored(old))
-        assert builds == ["MainThread"] and time.monotonic() - t0 < reuse.BUILD_STALE_S / 2
+        assert builds == ["MainThread"] and time.monotonic() - t0 < hashindex.BUILD_STALE_S / 2
 
 
 def test_open_index_reopens_an_output_replaced_in_place(tmp_path):

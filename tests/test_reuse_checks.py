@@ -19,7 +19,7 @@ import pytest
 
 import dask_surge
 from dask_surge.errors import SurgeInputError
-from dask_surge.io import reuse
+from dask_surge.io import hashindex, reuse
 from dask_surge.io.hashing import text_hashes
 from dask_surge.io.manifest import existing_run
 from dask_surge.io.reuse import ReuseIndex
@@ -138,13 +138,13 @@ def test_a_deleted_reused_file_is_a_clear_error(tmp_path, tiny_model, old):
 def test_each_reused_file_is_hashed_once_per_index(tmp_path, old, monkeypatch):
     a, texts = old
     checked: list[str] = []
-    real = reuse._OutputIndex.check_file
+    real = hashindex.OutputIndex.check_file
 
     def counting(self, f):
         checked.append(self.files[f])
         return real(self, f)
 
-    monkeypatch.setattr(reuse._OutputIndex, "check_file", counting)
+    monkeypatch.setattr(hashindex.OutputIndex, "check_file", counting)
     with ReuseIndex(a, cache_bytes=0, max_open=1) as index:  # nothing cached but what was verified
         for lo in range(0, 240, 20):
             got = index.lookup(text_hashes(texts[lo: lo + 20] + texts[::-37]))
