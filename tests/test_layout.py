@@ -192,37 +192,3 @@ def test_every_delete_and_move_of_an_output_goes_through_one_module():
 
 def test_the_delete_check_can_fail():
     assert _delete_calls("import os\nos.unlink(p)\nself.fs.rm(p)\nx.replace('a', 'b')\n") == [(2, "unlink"), (3, "rm")]
-
-
-def test_the_old_paths_of_the_engine_modules_warn_and_give_the_moved_module():
-    code = ("import importlib, warnings; from dask_surge.models import MOVED\n"
-            "for old, new in sorted(MOVED.items()):\n"
-            "    with warnings.catch_warnings(record=True) as w:\n"
-            "        warnings.simplefilter('always')\n"
-            "        module = importlib.import_module('dask_surge.models.' + old)\n"
-            "    assert module is importlib.import_module(new) and module.__spec__.name == new, old\n"
-            "    assert [str(x.message).split(' moved to ')[1].split(';')[0] for x in w "
-            "if x.category is DeprecationWarning] == [new], (old, [str(x.message) for x in w])\n"
-            "print(len(MOVED))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "14", done.stdout + done.stderr
-
-
-@pytest.mark.parametrize("module, old, new", [
-    ("dask_surge.execution.superbatch", "SuperBatchEncoder", "SuperBatchTask"),
-    ("dask_surge.execution.superbatch", "Encoded", "SuperBatchRows"),
-    ("dask_surge.execution.sink", "EncodedBatch", "PendingCommit"),
-    ("dask_surge.engine.long_texts", "LongEncoded", "TextEmbeddings"),
-    ("dask_surge.engine.batching", "WINDOW_TEXTS", "BLOCK_TEXTS"),
-    ("dask_surge.engine.batching", "windows", "blocks"),
-    ("dask_surge.engine.tokenizing", "PackedWindow", "PackedBlock"),
-    ("dask_surge.engine.tokenpool", "TokenizedWindow", "TokenizedBlock"),
-])
-def test_a_renamed_name_still_imports_with_a_warning(module, old, new):
-    import importlib
-
-    mod = importlib.import_module(module)
-    with pytest.warns(DeprecationWarning, match=f"{module}.{old} was renamed {module}.{new}"):
-        assert getattr(mod, old) is getattr(mod, new)
-    with pytest.raises(AttributeError, match="no attribute 'Nonexistent'"):
-        mod.Nonexistent  # noqa: B018

@@ -104,16 +104,14 @@ def test_worker_threads_are_set_and_teardown_releases_the_model(tiny_model):
         assert next(iter(client.run(facts).values()))["loaded"] == 0
 
 
-def test_release_encoder_closes_the_engine(tiny_model):
-    from dask_surge.execution.plugins import release_encoder
-
+def test_closing_an_encoder_closes_the_engine(tiny_model):
     encoder = Encoder(tiny_model, device="cpu").load()
     engine = encoder.engine
     engine.use_feeder = True
     encoder.encode(["a"])
     thread = engine._feeder.thread
-    assert release_encoder(encoder) is True and not encoder.is_loaded
-    assert not thread.is_alive() and release_encoder(encoder) is False
+    assert encoder.close() is True and not encoder.is_loaded
+    assert not thread.is_alive() and encoder.close() is False
     assert encoder.encode(["b"]).shape == (1, 32)  # loads again on use
 
 

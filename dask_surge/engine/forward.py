@@ -43,8 +43,6 @@ __all__ = ["DTYPES", "STAGING_BYTES", "DeviceRunner"]
 
 #: Compute dtypes by name (None: the weights' own, float32).
 DTYPES = {None: None, "float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
-#: Token budget per micro-batch on CPU (rows x padded length); the rule lives in :mod:`dask_surge.engine.batching`.
-_CPU_MAX_TOKENS = CPU_MAX_TOKENS
 #: Bytes of the one pinned host buffer per CUDA engine through which every result is copied out
 #: (reused, never grown): results are ordinary numpy memory, and the pinned memory stays bounded.
 STAGING_BYTES = 8 << 20
@@ -641,7 +639,7 @@ def _with_onednn_linear(hf: torch.nn.Module) -> torch.nn.Module:
             module.__class__ = _OneDNNLinear
             if pack is not None and module.weight.dtype == torch.float32:
                 with contextlib.suppress(RuntimeError), torch.no_grad():
-                    module._packed = pack(module.weight.detach(), _CPU_MAX_TOKENS)
+                    module._packed = pack(module.weight.detach(), CPU_MAX_TOKENS)
                     module._packed_version = module.weight._version  # type: ignore[assignment]
     for module in list(clone.modules()):
         _fuse_gelu(module)

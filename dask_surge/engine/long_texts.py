@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from .._deprecated import renamed
 from ..config import check_argument
 from ..errors import SurgeInputError, SurgeValueError
 from ..options import DEFAULT_CHUNK_OVERLAP, LONG_TEXTS, LongTexts
@@ -49,8 +48,6 @@ __all__ = [
     "collect",
 ]
 
-#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
-__getattr__ = renamed(__name__, {'LongEncoded': 'TextEmbeddings'})
 
 # LongTexts (the modes), LONG_TEXTS and DEFAULT_CHUNK_OVERLAP (32 tokens) are declared with the options
 # (dask_surge.options) and re-exported from here.

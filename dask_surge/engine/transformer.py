@@ -54,9 +54,6 @@ from .tokenizing import StageClock, TextPacker, prepared
 
 __all__ = ["STAGING_BYTES", "TransformerEngine"]
 
-_DTYPES = DTYPES
-
-
 class TransformerEngine:
     """Fast ``encode`` for Transformer + Pooling (+ Normalize) sentence-transformers models, encoders and
     rotary decoders (last-token pooling) alike.
@@ -218,7 +215,7 @@ class TransformerEngine:
         'query: '
         """
         max_tokens = check_argument("max_tokens", max_tokens)
-        if dtype not in _DTYPES:
+        if dtype not in DTYPES:
             raise SurgeValueError(
                 f"dtype={dtype!r} is not supported: the compute dtype must be one of None, 'float32', "
                 "'float16' or 'bfloat16'. Fix: pass one of those."
@@ -236,7 +233,7 @@ class TransformerEngine:
             return None
         prompt = resolve_prompt(dict(model.prompts), model.default_prompt_name, prompt, prompt_name)
         device = next(transformer.auto_model.parameters()).device
-        if _DTYPES[dtype] is not None and device.type != "cuda":
+        if DTYPES[dtype] is not None and device.type != "cuda":
             raise SurgeValueError(
                 f"dtype={dtype!r} needs a CUDA device but the model is on {device}: half precision only runs "
                 "on CUDA. Fix: pass dtype=None (or 'float32') on CPU, or load the model with device='cuda'."
