@@ -135,7 +135,7 @@ def test_the_collector_stays_on_while_a_users_process_tokenizes(tiny_model, monk
     monkeypatch.setattr(tuning, "_applied", {})
     engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(str(tiny_model), device="cpu"))
     try:
-        packer = engine._packer
+        packer = engine.packer
         packer._joined = None  # text by text: the path that paused the collector
         seen: list[bool] = []
         encode_batch = packer._encode_batch
@@ -160,12 +160,12 @@ def test_the_engine_takes_its_settings_for_its_device(tiny_model):
         engine = TransformerEngine.from_sentence_transformer(st)
         try:
             engine.encode(["a text"])
-            assert not any(isinstance(m, forward._OneDNNLinear) for m in engine._hf.modules())
-            assert engine._hf is st[0].auto_model  # no copy: the user's model runs as it is
-            assert engine._packer._joined is None
+            assert not any(isinstance(m, forward._OneDNNLinear) for m in engine.runner.hf.modules())
+            assert engine.runner.hf is st[0].auto_model  # no copy: the user's model runs as it is
+            assert engine.packer._joined is None
         finally:
             engine.close()
-    packer = engine._packer
+    packer = engine.packer
     packer.tune("cuda:0")
     assert (packer.joined_tokenizing, packer.processes) == (False, 0)
     packer.tune("cpu")

@@ -100,6 +100,16 @@ class Backend(Protocol):
         """
         ...
 
+    def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
+        """The model's window cutter (its fast tokenizer and window), built once.
+
+        Raises
+        ------
+        SurgeValueError
+            Where the model has none (no fast tokenizer), saying why ``long_texts`` cannot run.
+        """
+        ...
+
     def close(self) -> None:
         """Release what the backend holds, once the calls running now end; idempotent."""
         ...
@@ -181,6 +191,9 @@ class FastBackend(_Released):
             return self.engine.encode_long(texts, normalize=normalize, long_texts=long_texts,  # type: ignore[arg-type]
                                            chunk_overlap=chunk_overlap)
 
+    def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
+        return self.engine.cutter()
+
     def _release(self) -> None:
         engine, self.engine, self.model = self.engine, None, None
         if engine is not None:
@@ -224,7 +237,7 @@ class SentenceTransformersBackend(_Released):
         """
         with self._call():
             if long_texts in ("chunk", "mean"):
-                cutter = self._window_cutter(long_texts)
+                cutter = self.window_cutter(long_texts)
                 cutter.check_overlap(chunk_overlap)
                 renormalize = normalize or any(type(m).__name__ == "Normalize" for m in self.model)
 
@@ -237,10 +250,10 @@ class SentenceTransformersBackend(_Released):
 
                 return encode_windows(texts, long_texts, chunk_overlap, cutter, encode, self.dimension,
                                       renormalize=renormalize)
-            over = _over_window(self._window_cutter, texts, long_texts)
+            over = _over_window(self.window_cutter, texts, long_texts)
             return TextEmbeddings(self._encode(texts, normalize), None, over, 0 if over is None else int(over.sum()))
 
-    def _window_cutter(self, long_texts: str) -> WindowCutter:
+    def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
         """The model's window cutter (built once), or the error saying why there is none."""
         if self._cutter is None:
             self._cutter = _window_cutter_of(self.model, long_texts, self._prompt)
@@ -322,10 +335,10 @@ class FamilyBackend(_Released):
         """
         check_family_options(self.family, long_texts=long_texts)
         with self._call():
-            over = _over_window(self._window_cutter, texts, long_texts)
+            over = _over_window(self.window_cutter, texts, long_texts)
             return TextEmbeddings(self._encode(texts, normalize), None, over, 0 if over is None else int(over.sum()))
 
-    def _window_cutter(self, long_texts: str) -> WindowCutter:
+    def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
         if self._cutter is None:
             self._cutter = _window_cutter_of(self.model, long_texts, self._marker(), self._window())
         return self._cutter
@@ -426,9 +439,12 @@ class CallableBackend(_Released):
             For ``"error"``, ``"chunk"`` and ``"mean"``.
         """
         if long_texts != "truncate":
-            raise no_tokenizer(long_texts, "a plain callable model has no tokenizer")
+            self.window_cutter(long_texts)  # raises: no tokenizer
         with self._call():
             return TextEmbeddings(self._encode(texts, normalize), None, None, 0)
+
+    def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
+        raise no_tokenizer(long_texts, "a plain callable model has no tokenizer")
 
     def _release(self) -> None:
         self.fn = None

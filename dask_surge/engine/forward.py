@@ -39,7 +39,7 @@ from .bert import BertEncoder, pad_keys
 from .layout import is_decoder_config
 from .tokenizing import PackedBlock, StageClock
 
-__all__ = ["DTYPES", "STAGING_BYTES", "DeviceRunner"]
+__all__ = ["DTYPES", "STAGING_BYTES", "DeviceBlock", "DeviceRunner"]
 
 #: Compute dtypes by name (None: the weights' own, float32).
 DTYPES = {None: None, "float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -56,7 +56,7 @@ Forward = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class _DeviceBlock:
+class DeviceBlock:
     """One prepared window: its micro-batch plan and its host tensors (ids in run order, int32)."""
 
     plan: BatchPlan
@@ -137,17 +137,17 @@ class DeviceRunner:
         self._staging_lock = threading.Lock()
 
     # -- host tensors and the micro-batches ---------------------------------------------------
-    def stage(self, packed: PackedBlock) -> _DeviceBlock:
+    def stage(self, packed: PackedBlock) -> DeviceBlock:
         """``packed`` as host tensors, pinned on CUDA (they travel to the device asynchronously)."""
         t0 = time.perf_counter()
         pin = self.device.type == "cuda"
-        window = _DeviceBlock(plan=packed.plan, size=packed.size, ids=_host(packed.ids, pin),
+        window = DeviceBlock(plan=packed.plan, size=packed.size, ids=_host(packed.ids, pin),
                          lengths=_host(packed.lengths, pin), starts=_host(packed.starts, pin),
                          where=_host(packed.where, pin))
         self.clock.count("pack", t0)
         return window
 
-    def run_block(self, window: _DeviceBlock, out: torch.Tensor, normalize: bool, *, split_runs: bool = True,
+    def run_block(self, window: DeviceBlock, out: torch.Tensor, normalize: bool, *, split_runs: bool = True,
                    forward: Forward | None = None) -> None:
         """Device side of one window: every micro-batch, written into ``out`` at its rows.
 

@@ -32,7 +32,7 @@ from .batching import blocks as block_starts
 from .joined import JoinedTokenizer, flat_ids
 from .tokenpool import Pending, TokenizedBlock, TokenizerProcessError, TokenPool, auto_processes
 
-__all__ = ["STAGES", "PackedBlock", "StageClock", "TextPacker", "flat_ids", "gc_paused", "prepared",
+__all__ = ["STAGES", "PackedBlock", "StageClock", "TextPacker", "gc_paused", "prepared",
            "unreadable_text"]
 
 

@@ -17,7 +17,8 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..engine import tuning
 from ..engine.placement import default_device
-from ..models.encoders import Encoder, install_object, uninstall_object
+from ..models.encoders import Encoder
+from ..models.registry import install_object, uninstall_object
 
 __all__ = ["EncoderPlugin", "configure_worker_threads", "register_encoder", "plugin_name",
            "models_ready", "share_tokenizer_cores", "tokenizer_threads", "workers_by_host"]

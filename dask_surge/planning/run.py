@@ -31,9 +31,9 @@ import numpy as np
 
 from .. import config
 from ..errors import SurgeValueError
+from ..fingerprint import redact
 from ..io.layout import MULTIVECTOR
 from ..models.encoders import Encoder
-from ..models.modelid import redact
 from ..options import options_of
 from .costmodel import CostParams
 from .policy import SuperBatch, plan_superbatches
