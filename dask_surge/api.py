@@ -22,8 +22,9 @@ from .execution.plugins import register_encoder
 from .execution.progress import RunProgress, logging_through
 from .execution.runner import RunRequest, not_utf8, write_run
 from .execution.superbatch import SuperBatchTask
+from .families import DENSE, check_family_options
 from .io.hashing import text_hashes
-from .io.layout import DENSE, check_family_options, reserved_columns
+from .io.layout import reserved_columns
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows, status
 from .io.reuse import ReuseIndex, embedding_identity

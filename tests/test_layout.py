@@ -192,3 +192,107 @@ def test_every_delete_and_move_of_an_output_goes_through_one_module():
 
 def test_the_delete_check_can_fail():
     assert _delete_calls("import os\nos.unlink(p)\nself.fs.rm(p)\nx.replace('a', 'b')\n") == [(2, "unlink"), (3, "rm")]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Every private name one module of ``sources`` (module name -> its source and whether it is a package's
+    ``__init__``) takes from another: ``from X import _name`` and ``X._name``, X a module of ``sources``.
+
+    A private *module* (``_compat``, ``_version``, ``engine/_tokenhelper``) may be imported; the names it
+    gives others must be public. Dunders (``__version__``) are public.
+    """
+    modules = set(sources)
+    found = []
+    for name, (source, package) in sorted(sources.items()):
+        here = name.split(".") if package else name.split(".")[:-1]
+        bound: dict[str, str] = {}  # a local name -> the module of ``sources`` it stands for
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                src = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+                for alias in node.names:
+                    if f"{src}.{alias.name}" in modules:  # a module: ``from . import cache``
+                        bound[alias.asname or alias.name] = f"{src}.{alias.name}"
+                    elif src in modules and src != name and _is_private(alias.name):
+                        found.append(f"{name}:{node.lineno} from {src} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules or alias.name.split(".")[0] in {m.split(".")[0] for m in modules}:
+                        local = alias.asname or alias.name.split(".")[0]
+                        bound[local] = alias.name if alias.asname else local
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+                continue
+            chain, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if not isinstance(value, ast.Name) or value.id not in bound:
+                continue
+            target = ".".join([bound[value.id], *reversed(chain)])
+            if target in modules and target != name and f"{target}.{node.attr}" not in modules:
+                found.append(f"{name}:{node.lineno} {target}.{node.attr}")
+    return found
+
+
+#: TEMPORARY: the private names that io/ still takes across modules while the lead rebuilds it around one
+#: store object (issue 61, item 1). The lead empties this list; nothing may be added to it.
+_IO_PRIVATE_IMPORTS_BEING_REMOVED = {
+    "dask_surge.io.lease from dask_surge.io.directory import _ls",
+    "dask_surge.io.lease from dask_surge.io.directory import _read_json",
+    "dask_surge.io.manifest from dask_surge.io.directory import _DATA_FILE",
+    "dask_surge.io.manifest from dask_surge.io.directory import _RUN_ID",
+    "dask_surge.io.manifest from dask_surge.io.directory import _SB",
+    "dask_surge.io.manifest from dask_surge.io.directory import _SIDE_FILE",
+    "dask_surge.io.manifest from dask_surge.io.directory import _aside",
+    "dask_surge.io.manifest from dask_surge.io.directory import _corrupt",
+    "dask_surge.io.manifest from dask_surge.io.directory import _discard_tree",
+    "dask_surge.io.manifest from dask_surge.io.directory import _ls",
+    "dask_surge.io.manifest from dask_surge.io.directory import _read_json",
+    "dask_surge.io.stores from dask_surge.io.directory import _DATA_FILE",
+    "dask_surge.io.stores from dask_surge.io.directory import _ls",
+    "dask_surge.io.verify from dask_surge.io.directory import _DATA_FILE",
+    "dask_surge.io.verify from dask_surge.io.directory import _RUN_ID",
+    "dask_surge.io.verify from dask_surge.io.directory import _aside",
+    "dask_surge.io.verify from dask_surge.io.directory import _ls",
+    "dask_surge.io.verify from dask_surge.io.manifest import _current_id",
+    "dask_surge.io.verify from dask_surge.io.manifest import _load",
+    "dask_surge.io.verify from dask_surge.io.manifest import _write_meta",
+}
+
+
+def test_no_private_name_is_used_across_modules():
+    """A name another module uses is public where it lives (or the code moves to where it is used): no
+    ``from X import _name``, no ``X._name``, X another module of the package."""
+    sources = {_module_name(p): (p.read_text(), p.name == "__init__.py") for p in PACKAGE.rglob("*.py")}
+    found = [f.split(":", 1)[0] + " " + f.split(" ", 1)[1] for f in _private_imports(sources)]
+    assert sorted(set(found) - _IO_PRIVATE_IMPORTS_BEING_REMOVED) == []
+    assert sorted(_IO_PRIVATE_IMPORTS_BEING_REMOVED - set(found)) == [], "fixed: take it off the allowance list"
+
+
+def test_the_private_import_check_can_fail():
+    sources = {
+        "pkg": ("", True),
+        "pkg._compat": ("Public = 1\n_hidden = 2\n", False),
+        "pkg.a": ("_helper = 1\nx = _helper\n", False),
+        "pkg.sub": ("", True),
+        "pkg.sub.b": ("from ..a import _helper\nfrom .. import a\nfrom .._compat import Public\n"
+                      "from .. import _compat\nimport pkg.a as alias\n"
+                      "y = a._helper + alias._helper + _compat._hidden + a.__name__\n", False),
+    }
+    assert sorted(_private_imports(sources)) == [
+        "pkg.sub.b:1 from pkg.a import _helper",
+        "pkg.sub.b:6 pkg._compat._hidden",
+        "pkg.sub.b:6 pkg.a._helper",
+        "pkg.sub.b:6 pkg.a._helper",
+    ]

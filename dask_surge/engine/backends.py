@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import SurgeModelError, SurgeValueError
-from ..io.layout import DENSE, check_family_options
+from ..families import DENSE, check_family_options
 from ..io.texts import ArrowTexts
 from .family import family_of_object
 from .layout import layout_of_model
@@ -119,7 +119,7 @@ class _Released:
     """Calls in flight and the release that waits for the last of them (shared by the backends)."""
 
     name = "?"
-    #: what one text becomes (:data:`dask_surge.io.layout.FAMILIES`): a vector, but for :class:`FamilyBackend`
+    #: what one text becomes (:data:`dask_surge.families.FAMILIES`): a vector, but for :class:`FamilyBackend`
     family = "dense"
 
     def __init__(self) -> None:

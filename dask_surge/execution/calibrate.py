@@ -73,7 +73,7 @@ import pandas as pd
 
 from ..engine.batching import replay
 from ..errors import SurgeValueError
-from ..io.layout import DENSE
+from ..families import DENSE
 from ..models.encoders import Encoder
 from ..planning.costmodel import CostParams, call_cost, token_quantiles
 from ..planning.policy import plan_superbatches

@@ -12,19 +12,17 @@ import pyarrow as pa
 from ..engine.long_texts import TextTooLong, no_tokenizer
 from ..engine.tokenizing import unreadable_text
 from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
+from ..families import DENSE, MULTIVECTOR, SPARSE
 from ..io.arrow import embedding_array, to_host
 from ..io.frames import FrameRows
 from ..io.hashing import arrow_strings, hash_column, text_hashes
 from ..io.layout import (
     CHUNK_COLUMNS,
-    DENSE,
     EMBEDDING,
     FAMILY_COLUMNS,
     INDICES,
-    MULTIVECTOR,
     PARTITION,
     ROW,
-    SPARSE,
     TEXT_HASH,
     TOKENS,
     VALUES,

@@ -38,9 +38,9 @@ from ..engine.long_texts import (
 from ..engine.placement import auto_dtype, checkpoint_dtype, gpu_count
 from ..engine.prompts import resolve_prompt
 from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
+from ..families import DENSE, MULTIVECTOR
 from ..fingerprint import redact, without_secrets
 from ..io.arrow import embedding_array
-from ..io.layout import DENSE, MULTIVECTOR
 from ..io.texts import as_texts
 from ..options import DEFAULT_CHUNK_OVERLAP, Dtype, EngineName, LongTexts, defaults, document, options_of
 from . import cache

@@ -22,8 +22,8 @@ from ..engine.family import MODEL_TYPES, family_of_files
 from ..engine.layout import read_layout
 from ..engine.placement import pick_device
 from ..errors import SurgeModelError
+from ..families import DENSE
 from ..fingerprint import scrub
-from ..io.layout import DENSE
 from .hub import resolve_hub_model
 from .registry import installed, lookup
 from .spec import EncoderSpec

@@ -31,8 +31,8 @@ import numpy as np
 
 from .. import config
 from ..errors import SurgeValueError
+from ..families import MULTIVECTOR
 from ..fingerprint import redact
-from ..io.layout import MULTIVECTOR
 from ..models.encoders import Encoder
 from ..options import options_of
 from .costmodel import CostParams
