@@ -98,30 +98,6 @@ def test_process_settings_are_off_in_a_users_process_unless_forced(monkeypatch):
         assert tuning.active("gc-pause") is False
 
 
-@pytest.mark.parametrize("old, new, value", [("surge.tokenize-processes", "tokenize-processes", 2),
-                                             ("surge.pause-worker-profiler", "pause-profiler", False)])
-def test_the_old_keys_warn_and_still_take_effect(old, new, value):
-    with pytest.warns(FutureWarning, match=f"{old}.*surge.tuning.{new}"):
-        ctx = dask.config.set({old: value})
-    with ctx:
-        assert dask.config.get(f"surge.tuning.{new}") == value
-        assert tuning.setting(new, "cpu") == value
-    assert dask.config.get(f"surge.tuning.{new}") == "auto"
-
-
-def test_an_old_key_from_the_environment_is_moved_with_a_warning():
-    script = ("import warnings; warnings.simplefilter('always')\n"
-              "from dask_surge.engine import tuning\n"
-              "print(tuning.setting('tokenize-processes', 'cpu'), tuning.active('pause-profiler'))\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-           "DASK_SURGE__TOKENIZE_PROCESSES": "3", "DASK_SURGE__PAUSE_WORKER_PROFILER": "True"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["3", "True"]
-    assert "'surge.tokenize-processes' has been deprecated" in proc.stderr
-    assert "'surge.pause-worker-profiler' has been deprecated" in proc.stderr
-
-
 # -- the settings where they apply ---------------------------------------------------------------------
 
 
