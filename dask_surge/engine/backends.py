@@ -107,6 +107,8 @@ class Backend(Protocol):
         ------
         SurgeValueError
             Where the model has none (no fast tokenizer), saying why ``long_texts`` cannot run.
+        BackendClosed
+            If the backend was closed.
         """
         ...
 
@@ -192,7 +194,8 @@ class FastBackend(_Released):
                                            chunk_overlap=chunk_overlap)
 
     def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
-        return self.engine.cutter()
+        with self._call():
+            return self.engine.cutter()
 
     def _release(self) -> None:
         engine, self.engine, self.model = self.engine, None, None
@@ -255,9 +258,10 @@ class SentenceTransformersBackend(_Released):
 
     def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
         """The model's window cutter (built once), or the error saying why there is none."""
-        if self._cutter is None:
-            self._cutter = _window_cutter_of(self.model, long_texts, self._prompt)
-        return self._cutter
+        with self._call():
+            if self._cutter is None:
+                self._cutter = _window_cutter_of(self.model, long_texts, self._prompt)
+            return self._cutter
 
     def _release(self) -> None:
         self.model = None
@@ -339,9 +343,10 @@ class FamilyBackend(_Released):
             return TextEmbeddings(self._encode(texts, normalize), None, over, 0 if over is None else int(over.sum()))
 
     def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
-        if self._cutter is None:
-            self._cutter = _window_cutter_of(self.model, long_texts, self._marker(), self._window())
-        return self._cutter
+        with self._call():
+            if self._cutter is None:
+                self._cutter = _window_cutter_of(self.model, long_texts, self._marker(), self._window())
+            return self._cutter
 
     def _window(self) -> int | None:
         """The tokens a text is cut at: a late-interaction model cuts queries and documents at lengths of

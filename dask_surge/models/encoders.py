@@ -261,10 +261,7 @@ class Encoder:
             return None
         if self.spec.dtype != "auto":
             return self.spec.dtype
-        if device is None:
-            device = self.spec.device
-        if device is None:
-            device = "cuda" if gpu_count() else "cpu"
+        device = device or self.spec.device or ("cuda" if gpu_count() else "cpu")
         stored = checkpoint_dtype(obj) if self.in_memory else stored_dtype(self.spec)
         return auto_dtype(device, stored)
 
@@ -463,7 +460,7 @@ class Encoder:
         >>> w.text.tolist()
         [0, 1, 1, 1]
         """
-        cutter = self._loaded().impl.window_cutter("chunk")
+        cutter = self._cutter()
         overlap = DEFAULT_CHUNK_OVERLAP if chunk_overlap is None else chunk_overlap
         cutter.check_overlap(overlap)
         return cutter.cut(list(texts), overlap)
@@ -480,7 +477,7 @@ class Encoder:
         254
         """
         try:
-            return self._loaded().impl.window_cutter("chunk").capacity
+            return self._cutter().capacity
         except SurgeValueError:
             return None
 
@@ -495,10 +492,14 @@ class Encoder:
         2
         """
         try:
-            cutter = self._loaded().impl.window_cutter("chunk")
+            cutter = self._cutter()
         except SurgeValueError:
             return 0
         return len(cutter.head) + len(cutter.tail)
+
+    def _cutter(self) -> Any:
+        """The model's window cutter (:meth:`~dask_surge.engine.backends.Backend.window_cutter`)."""
+        return self._call(self._loaded(), lambda impl: impl.window_cutter("chunk"))[1]
 
     def encode_long(self, texts: Sequence[str], *, normalize: bool = False, long_texts: LongTexts = "truncate",
                     chunk_overlap: int | None = DEFAULT_CHUNK_OVERLAP) -> TextEmbeddings:
