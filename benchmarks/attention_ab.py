@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name, (path, n) in suites.items():
         texts = docstring_paragraphs(n)
         engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(str(path), device="cpu"))
-        config = engine._hf.config
+        config = engine.runner.hf.config
         if config._attn_implementation != device._PADDED_SDPA:
             raise SystemExit(f"{name}: the engine did not take the padded attention "
                              f"({config._attn_implementation!r}); nothing to compare")

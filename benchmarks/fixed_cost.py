@@ -22,7 +22,7 @@ Measured per call, each call into a new output directory (a new run, not a resum
   (:func:`dask_surge.api.fingerprint`: input and model identity), ``thresholds``
   (:func:`dask_surge.planning.run.thresholds_for`), ``register`` (shipping the encoder to the workers),
   ``open_run`` (manifest) and ``graph`` (:class:`dask_surge.execution.runner.InputGraph`);
-- whether the client process loaded the model (``dask_surge.models.encoders._LOADED`` and
+- whether the client process loaded the model (``dask_surge.models.cache.loaded()`` and
   ``sentence_transformers`` in ``sys.modules`` after the calls): the target is that it never does.
 
 The first call on the fresh cluster (``cold``: the workers load the model inside it, the
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
         client.close()
         cluster.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    from dask_surge.models.encoders import _LOADED
+    from dask_surge.models import cache
 
     median = statistics.median(w["first_superbatch_s"] for w in warm)
     phases = {k: statistics.median(w["client_phases_s"].get(k, 0.0) for w in warm) for k in PHASES.values()}
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cold_first_superbatch_s": cold["first_superbatch_s"], "cold_ttfo_s": cold["ttfo_s"],
         "warm_first_superbatch_s_median": median, "warm_client_phases_s_median": phases,
         "target_s": 2.0, "met": median < 2.0 and cold["first_superbatch_s"] < 2.0,
-        "client_loaded_model": bool(_LOADED), "client_imported_sentence_transformers": "sentence_transformers" in sys.modules,
+        "client_loaded_model": bool(cache.loaded()), "client_imported_sentence_transformers": "sentence_transformers" in sys.modules,
     }
     out = _results.save(report, args.out)
     print(f"call -> first SuperBatch task, {args.files:,} files: cold {cold['first_superbatch_s']:.2f} s, "

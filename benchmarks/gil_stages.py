@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     encoder = Encoder("default", device="cpu").load()
     engine = encoder.engine
     assert engine is not None, "the packaged model should run on the fast engine"
-    packer = engine._packer
+    packer = engine.packer
     rows: dict[str, list[tuple[float, float]]] = {}
 
     def note(name: str, wall: float, cpu: float) -> None:

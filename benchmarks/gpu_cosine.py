@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     for dtype in dtypes:
         engine = TransformerEngine.from_sentence_transformer(model, dtype=dtype)
         report["dtypes"][dtype] = {**cosines(engine.encode(texts)), "loaded_by": "sentence-transformers",
-                                   "weights_dtype": str(next(engine._hf.parameters()).dtype)}
+                                   "weights_dtype": str(next(engine.runner.hf.parameters()).dtype)}
         engine.close()
         Path(args.out).write_text(json.dumps(report, indent=2))
         with Encoder(args.model, device=args.device, dtype=dtype) as enc:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
             impl = enc._loaded().impl
             report["dtypes"][f"{dtype} via Encoder"] = {
                 **cosines(got), "loaded_by": getattr(impl, "loaded_by", None),
-                "weights_dtype": str(next(impl.engine._hf.parameters()).dtype) if getattr(impl, "engine", None)
+                "weights_dtype": str(next(impl.engine.runner.hf.parameters()).dtype) if getattr(impl, "engine", None)
                 else None}
         Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=1))

@@ -138,15 +138,15 @@ def bench_surge(path: str, data: str, rows: int, device: str, work: Path, warm: 
         def facts():
             import os as _os
 
-            from dask_surge.models.encoders import _LOADED
+            from dask_surge.models import cache
 
-            engines = [v.engine for v in _LOADED.values() if v.engine is not None]
+            engines = [v.engine for v in cache.loaded() if v.engine is not None]
             return {"cpu_affinity": sorted(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity") else None,
-                    "backends": sorted({v.backend for v in _LOADED.values()}),
-                    "loaded_by": sorted({str(getattr(v.impl, "loaded_by", None)) for v in _LOADED.values()}),
+                    "backends": sorted({v.backend for v in cache.loaded()}),
+                    "loaded_by": sorted({str(getattr(v.impl, "loaded_by", None)) for v in cache.loaded()}),
                     "max_tokens": [e.max_tokens for e in engines], "devices": [str(e.device) for e in engines],
-                    "weights_dtype": [str(next(e._hf.parameters()).dtype) for e in engines],
-                    "mask4d": [e._mask4d for e in engines],
+                    "weights_dtype": [str(next(e.runner.hf.parameters()).dtype) for e in engines],
+                    "mask4d": [e.runner.mask4d for e in engines],
                     "engine_stage_seconds": [dict(e.stats) for e in engines]}
 
         client.run(reset)

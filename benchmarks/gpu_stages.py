@@ -229,15 +229,15 @@ def stage_preflight(s: Session) -> None:
         out = engine.encode(["a preflight text", "", "two words"] * 50)
         if not (out.shape == (150, engine.dimension) and bool((out == out).all())):
             problems.append(f"{which}: bad output {out.shape}")
-        engines[which] = {**loaded, "mask4d": engine._mask4d, "max_tokens": engine.max_tokens, "feeder": engine.use_feeder,
-                          "weights_dtype": str(next(engine._hf.parameters()).dtype),
-                          "staging_pinned": bool(engine._staging is not None and engine._staging.is_pinned()),
-                          "async_finish": engine._device.side_stream is not None,
+        engines[which] = {**loaded, "mask4d": engine.runner.mask4d, "max_tokens": engine.max_tokens, "feeder": engine.use_feeder,
+                          "weights_dtype": str(next(engine.runner.hf.parameters()).dtype),
+                          "staging_pinned": bool(engine.runner.staging is not None and engine.runner.staging.is_pinned()),
+                          "async_finish": engine.runner.side_stream is not None,
                           "noop": _noop_forward.is_patched(),
                           # the tokenizing helpers (surge.tuning.tokenize-processes; 0 by default): started, or why not
-                          "tokenize_processes": engine._packer.processes,
-                          "tokenize_pool_started": engine._packer._pool is not None,
-                          "tokenize_pool_failure": engine._packer._pool_failure}
+                          "tokenize_processes": engine.packer.processes,
+                          "tokenize_pool_started": engine.packer._pool is not None,
+                          "tokenize_pool_failure": engine.packer._pool_failure}
         if _noop_forward.is_patched():
             problems.append("the forward pass is the benchmark's no-op (benchmarks/_noop_forward.py): "
                             "every embedding would be zero")
@@ -316,15 +316,15 @@ def _surge(s: Session, client, model: str, files: list[str], name: str) -> dict:
 def _worker_facts() -> dict:
     import pyarrow as pa
 
-    from dask_surge.models.encoders import _LOADED
+    from dask_surge.models import cache
 
-    engines = [v.engine for v in _LOADED.values() if v.engine is not None]
-    out = {"backends": sorted({v.backend for v in _LOADED.values()}),
-           "loaded_by": sorted({str(getattr(v.impl, "loaded_by", None)) for v in _LOADED.values()}),
-           "backend_reasons": sorted({v.reason for v in _LOADED.values()}),
-           "weights_dtype": sorted({str(next(e._hf.parameters()).dtype) for e in engines}), "max_tokens": [e.max_tokens for e in engines],
-           "tokenize_processes": [e._packer.processes for e in engines],
-           "mask4d": [e._mask4d for e in engines], "stage_seconds": [dict(e.stats) for e in engines],
+    engines = [v.engine for v in cache.loaded() if v.engine is not None]
+    out = {"backends": sorted({v.backend for v in cache.loaded()}),
+           "loaded_by": sorted({str(getattr(v.impl, "loaded_by", None)) for v in cache.loaded()}),
+           "backend_reasons": sorted({v.reason for v in cache.loaded()}),
+           "weights_dtype": sorted({str(next(e.runner.hf.parameters()).dtype) for e in engines}), "max_tokens": [e.max_tokens for e in engines],
+           "tokenize_processes": [e.packer.processes for e in engines],
+           "mask4d": [e.runner.mask4d for e in engines], "stage_seconds": [dict(e.stats) for e in engines],
            "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM"), "arrow_cpu_count": pa.cpu_count(),
            "omp": os.environ.get("OMP_NUM_THREADS"),
            "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
@@ -352,9 +352,9 @@ def _warm(s: Session, client, model: str) -> float:
 
 def _worker_loaders() -> list[str]:
     """In a worker: what loaded each of its models (see :func:`_encoder`)."""
-    from dask_surge.models.encoders import _LOADED
+    from dask_surge.models import cache
 
-    return sorted({str(getattr(v.impl, "loaded_by", None)) for v in _LOADED.values()})
+    return sorted({str(getattr(v.impl, "loaded_by", None)) for v in cache.loaded()})
 
 
 def stage_host(s: Session) -> None:
@@ -530,7 +530,7 @@ def _encoder(s: Session, which: str = "minilm"):
     engine = enc.engine
     loaded = {"backend": enc.backend, "backend_reason": enc.backend_reason,
               "loaded_by": getattr(impl, "loaded_by", None),
-              "weights_dtype": str(next(engine._hf.parameters()).dtype) if engine is not None else None}
+              "weights_dtype": str(next(engine.runner.hf.parameters()).dtype) if engine is not None else None}
     s.loaded_by = loaded["loaded_by"]
     return enc, engine, loaded
 
@@ -564,7 +564,7 @@ def _forward_only(s: Session, engine, texts: list[str], which: str) -> dict:
         else:
             engine._forward = own
     _sync(s.device)
-    run = engine._device.forward
+    run = engine.runner.forward
     rows = sum(int(ids.shape[0]) for ids, _ in batches)
     padded = sum(int(ids.numel()) for ids, _ in batches)
     real = sum(int(ids.numel()) if valid is None else int(valid.sum()) for ids, valid in batches)
@@ -597,7 +597,7 @@ def _engine_rate(s: Session, engine, texts: list[str]) -> dict:
     _sync(s.device)
     seconds = time.perf_counter() - t
     return {"engine_s": seconds, "engine_texts_per_s": len(texts) / seconds, "max_tokens": engine.max_tokens,
-            "mask4d": engine._mask4d}
+            "mask4d": engine.runner.mask4d}
 
 
 def stage_engine(s: Session) -> None:
@@ -718,7 +718,7 @@ def stage_decoder(s: Session) -> None:
     impl = enc._loaded().impl
     s.loaded_by = getattr(impl, "loaded_by", None)
     out.update(backend=enc.backend, backend_reason=enc.backend_reason, texts=len(texts),
-               weights_dtype=str(next(engine._hf.parameters()).dtype) if engine is not None else None)
+               weights_dtype=str(next(engine.runner.hf.parameters()).dtype) if engine is not None else None)
     if engine is None:
         s.emit("error", reason="the fast engine did not take the decoder", **out)
         enc.close()
@@ -831,7 +831,7 @@ def stage_busy(s: Session) -> None:
     texts = make_texts(s.sizes["engine_texts"], seed=8)
     enc, engine, loaded = _encoder(s)
     engine.use_feeder = True  # the CUDA default; on the CPU dry run too, so the same path runs
-    runner = engine._device
+    runner = engine.runner
     engine.encode(texts[:1024])
     _sync(s.device)
     cuda = s.device == "cuda"

@@ -119,9 +119,9 @@ def surge_run(data: Path, client, scratch: Path, model: str = "default") -> tupl
 
 def _engine_stats() -> list[dict]:
     """Seconds per engine stage in this worker (all runs, the warm-up included)."""
-    from dask_surge.models.encoders import _LOADED
+    from dask_surge.models import cache
 
-    return [dict(v.engine.stats) for v in _LOADED.values() if v.engine is not None]
+    return [dict(v.engine.stats) for v in cache.loaded() if v.engine is not None]
 
 
 def _thread_name(root: str) -> str:
@@ -288,10 +288,10 @@ def _per_text_by_thread(runs: list[dict[str, dict[str, float]]], texts: int) -> 
 
 def _helper_pids() -> list[int]:
     """Pids of the tokenizer helper processes of the engines loaded in this worker."""
-    from dask_surge.models.encoders import _LOADED
+    from dask_surge.models import cache
 
     pids: list[int] = []
-    for loaded in list(_LOADED.values()):
+    for loaded in list(cache.loaded()):
         pool = getattr(getattr(loaded.engine, "_packer", None), "_pool", None)
         pids.extend(pool.pids if pool is not None else ())
     return pids

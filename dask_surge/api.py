@@ -23,9 +23,10 @@ from .execution.plugins import register_encoder
 from .execution.progress import RunProgress, logging_through
 from .execution.runner import RunRequest, not_utf8, write_run
 from .execution.superbatch import SuperBatchTask
+from .families import DENSE, check_family_options
 from .io.directory import check_output
 from .io.hashing import text_hashes
-from .io.layout import DENSE, check_family_options, reserved_columns
+from .io.layout import reserved_columns
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows, status
 from .io.reuse import ReuseIndex, embedding_identity
@@ -345,7 +346,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
                                                          "sparse_top_k", "sparse_threshold")})
     keep = _check_columns(ddf, column, opts["keep"], chunked=long_texts == "chunk", family=family)
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
-    sbe = SuperBatchTask(
+    task = SuperBatchTask(
         column, keep, encoder, normalize=opts["normalize"],
         precision=check_precision(opts["precision"], opts["normalize"]), on_null=opts["on_null"],
         truncate_dim=check_truncate_dim(opts["truncate_dim"], encoder.dimension),
@@ -356,18 +357,18 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     max_bytes = windowed_bytes(opts["max_bytes"], requested[1], encoder, long_texts, overlap, gpu=on_gpu)
     frame = ddf[[column, *[k for k in keep if k != column]]]
     if output is None:
-        if sbe.on_null == "skip":
+        if task.on_null == "skip":
             raise SurgeValueError(
                 "on_null='skip' leaves null rows out and records their (partition, row) in the output's "
                 "commit records, so it needs output=...; a lazy frame has nowhere to record them. Fix: "
                 "pass output='dir/', or use on_null='error' (default) or 'empty'."
             )
-        if sbe.reuse:
+        if task.reuse:
             with _planning_texts(column):
-                run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
+                run_id = fingerprint(frame, task, device="cuda" if on_gpu else "cpu", input_token=input_token,
                                      options=opts)
-            _open_reuse(sbe, run_id)
-        return _lazy(frame, sbe, _thresholds(requested, sbe, frame, _active_client(), gpu=on_gpu), max_bytes)
+            _open_reuse(task, run_id)
+        return _lazy(frame, task, _thresholds(requested, task, frame, _active_client(), gpu=on_gpu), max_bytes)
     # the output is resolved once, and what needs no worker is checked before any starts: where it can
     # live, that it is not inside (or around) the input, that it holds nothing dask-surge did not write
     store = OutputStore.open(output, storage_options, writing=True)
@@ -377,13 +378,13 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     bar = RunProgress(enabled=progress, phase="starting workers" if starting else "planning")
     with bar, logging_through(bar), _client_for(scheduler) as client:
         if client is not None:
-            _register(sbe.encoder, client)
+            _register(task.encoder, client)
         with _planning_texts(column):
-            run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
+            run_id = fingerprint(frame, task, device="cuda" if on_gpu else "cpu", input_token=input_token,
                                  options=opts)
-        _open_reuse(sbe, run_id)
+        _open_reuse(task, run_id)
         return write_run(RunRequest(
-            frame, sbe, store, fingerprint=run_id, thresholds=_thresholds(requested, sbe, frame, client, gpu=on_gpu),
+            frame, task, store, fingerprint=run_id, thresholds=_thresholds(requested, task, frame, client, gpu=on_gpu),
             max_bytes=max_bytes, client=client, scheduler=scheduler, overwrite=overwrite,
             progress=progress, started=started, bar=bar,
         ))
@@ -405,40 +406,40 @@ def _absolute(paths: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(p if "://" in p else os.path.abspath(p) for p in paths)
 
 
-def _open_reuse(sbe: SuperBatchTask, run_fingerprint: dict) -> None:
+def _open_reuse(task: SuperBatchTask, run_fingerprint: dict) -> None:
     """Check that every ``reuse`` output embedded texts as this run will (else a clear error,
     before anything is written), and build its index here once, so workers only open it."""
-    if sbe.reuse:
-        ReuseIndex(sbe.reuse, identity=embedding_identity(run_fingerprint),
-                   storage_options=sbe.reuse_storage_options).close()
+    if task.reuse:
+        ReuseIndex(task.reuse, identity=embedding_identity(run_fingerprint),
+                   storage_options=task.reuse_storage_options).close()
 
 
-def _thresholds(requested, sbe: SuperBatchTask, frame, client, *, gpu: bool) -> RunThresholds:
+def _thresholds(requested, task: SuperBatchTask, frame, client, *, gpu: bool) -> RunThresholds:
     """What resolves a new run's thresholds once its sizes are known: ``"auto"`` uses a cached
     calibration of this encoder and cluster when there is one (see :func:`plan` with
     ``calibrate=True``), re-based on a token sample of the data as :func:`plan` does."""
 
     def cached() -> Any:
         try:
-            return calibration.calibrate(sbe.encoder, client=client, probe=False)
+            return calibration.calibrate(task.encoder, client=client, probe=False)
         except Exception as err:  # noqa: BLE001 - a broken cache must not stop a run: fall back to defaults
             logger.warning("dask-surge: calibration cache not usable (%s); using default thresholds", err)
             return None
 
-    return RunThresholds(requested, sbe.encoder, frame, sbe.column, lambda: _threads(client, "sync"), gpu,
-                         long_texts=sbe.long_texts, overlap=sbe.chunk_overlap, calibration=cached,
+    return RunThresholds(requested, task.encoder, frame, task.column, lambda: _threads(client, "sync"), gpu,
+                         long_texts=task.long_texts, overlap=task.chunk_overlap, calibration=cached,
                          token_sample=config.get("token-sample"))
 
 
-def _lazy(frame, sbe: SuperBatchTask, thresholds: RunThresholds, max_bytes: int | None):
+def _lazy(frame, task: SuperBatchTask, thresholds: RunThresholds, max_bytes: int | None):
     """A lazy frame of one partition per SuperBatch. It needs the SuperBatch boundaries
     up front, so an input whose sizes are not known from metadata is sized with one pass."""
-    _register(sbe.encoder)
-    known = known_sizes(frame, sbe.column, max_bytes)
-    sizes = known if known is not None else partition_sizes(frame, sbe.column if max_bytes else None)
+    _register(task.encoder)
+    known = known_sizes(frame, task.column, max_bytes)
+    sizes = known if known is not None else partition_sizes(frame, task.column if max_bytes else None)
     th = thresholds(sizes, max_bytes)
     superbatches = superbatches_for(sizes, th.b_min, th.b_max, max_bytes)
-    return superbatch_collection(frame, superbatches, sizes.sizes, sbe, sbe.meta(frame._meta))
+    return superbatch_collection(frame, superbatches, sizes.sizes, task, task.meta(frame._meta))
 
 
 def _register(encoder: Encoder, client=None) -> None:

@@ -16,7 +16,8 @@ from .api import encode, plan, read_embeddings, status
 from .engine.placement import gpu_count
 from .errors import SurgeError, SurgeInputError
 from .execution.cluster import local_cluster
-from .io.layout import DENSE, FAMILY_COLUMNS, PARTITION, ROW
+from .families import DENSE
+from .io.layout import FAMILY_COLUMNS, PARTITION, ROW
 from .io.verify import repair, verify
 from .options import add_arguments, from_arguments, option
 from .synthetic import lognormal_sizes, write_partitioned_parquet

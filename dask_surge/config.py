@@ -10,7 +10,6 @@ generated) are declared once, in :data:`dask_surge.options.OPTIONS`.
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +20,7 @@ from .errors import SurgeValueError
 from .options import Invalid, Option, config_options, option, options_of
 from .options import bind as bind_given
 
-__all__ = ["DEFAULTS_PATH", "OPTIONS", "RENAMED", "get", "bind", "check_argument"]
+__all__ = ["DEFAULTS_PATH", "OPTIONS", "get", "bind", "check_argument"]
 
 DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "surge.yaml")
 
@@ -29,16 +28,6 @@ with open(DEFAULTS_PATH) as _f:
     _defaults = yaml.safe_load(_f)
 
 dask.config.update_defaults(_defaults)
-
-#: Old config keys -> their new keys: ``dask.config.set`` of an old key warns (FutureWarning) and sets
-#: the new one (dask's own ``dask.config.deprecations``), and a value of an old key already loaded
-#: from YAML or a ``DASK_SURGE__...`` variable is moved to its new key now.
-RENAMED: dict[str, str] = {"surge.tokenize-processes": "surge.tuning.tokenize-processes",
-                           "surge.pause-worker-profiler": "surge.tuning.pause-profiler"}
-dask.config.deprecations.update(RENAMED)
-for _old, _new in dask.config.rename(RENAMED).items():
-    warnings.warn(f"dask-surge configuration key {_old!r} has been deprecated; please use {_new!r} instead",
-                  FutureWarning, stacklevel=2)
 
 #: option name (as in the YAML) -> its :class:`~dask_surge.options.Option` (validator, vocabulary,
 #: default): the one declaration the API, the CLI and the schema also use. :func:`get` reads the

@@ -904,19 +904,29 @@ def bind(taker: str, given: Mapping[str, Any]) -> dict[str, Any]:
     return {name: given.get(name, opt.api_default) for name, opt in taken.items()}
 
 
-def _doc_entry(opt: Option, indent: str) -> list[str]:
+def _doc_entry(opt: Option, indent: str, taker: str, note: str) -> list[str]:
     import textwrap
 
-    doc = opt.doc
-    if opt.config:
-        doc += f" Default: ``surge.{opt.config}`` (shipped as ``{opt.default!r}``)."
+    if taker == "Encoder":  # the Encoder reads no ``surge.*`` config: its default is the option's own
+        default = f"Default: ``{opt.default!r}``."
+    else:
+        default = f"Default: ``surge.{opt.config}`` (shipped as ``{opt.default!r}``)." if opt.config else ""
+    doc = " ".join(filter(None, [opt.doc, note, default]))
     body = textwrap.wrap(doc, width=88, initial_indent=indent + "    ", subsequent_indent=indent + "    ",
                          break_long_words=False, break_on_hyphens=False)
     return [f"{indent}{opt.name} : {opt.doc_type}", *body]
 
 
-def document(doc: str | None, taker: str, marker: str = "{options}") -> str:
-    """``doc`` with the line holding ``marker`` replaced by the numpydoc entries of ``taker``'s options."""
+def document(doc: str | None, taker: str, marker: str = "{options}", notes: Mapping[str, str] | None = None) -> str:
+    r"""``doc`` with the line holding ``marker`` replaced by the numpydoc entries of ``taker``'s options.
+
+    ``notes`` (option name -> text) adds what ``taker`` says of an option after its declared text.
+
+    Examples
+    --------
+    >>> print(document("Parameters\n----------\n{options}", "Encoder").splitlines()[2])
+    device : str, optional
+    """
     if not doc or marker not in doc:
         raise ValueError(f"the docstring has no {marker!r} line to put the options of {taker}() in")
     lines = doc.split("\n")
@@ -925,7 +935,7 @@ def document(doc: str | None, taker: str, marker: str = "{options}") -> str:
         if marker in line:
             indent = line[: len(line) - len(line.lstrip())]
             for opt in options_of(taker):
-                out += _doc_entry(opt, indent)
+                out += _doc_entry(opt, indent, taker, (notes or {}).get(opt.name, ""))
         else:
             out.append(line)
     return "\n".join(out)

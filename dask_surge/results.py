@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 
 from .errors import SurgeValueError
-from .io.layout import DENSE, FAMILY_COLUMNS
+from .families import DENSE
+from .io.layout import FAMILY_COLUMNS
 from .planning.costmodel import predict
 from .planning.policy import SuperBatch
 from .planning.sizes import PartitionSizes
@@ -306,7 +307,7 @@ class EncodeResult:
     encoded: int = 0
     #: texts whose embeddings were copied from a ``reuse`` output, over the run
     reused: int = 0
-    #: what one text became (:data:`dask_surge.io.layout.FAMILIES`): "dense" (``embedding``), "sparse"
+    #: what one text became (:data:`dask_surge.families.FAMILIES`): "dense" (``embedding``), "sparse"
     #: (``indices``, ``values``) or "multivector" (``vectors``, ``tokens``)
     family: str = "dense"
     #: what writing each SuperBatch encoded in this call did, in the order they were received

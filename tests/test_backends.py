@@ -121,10 +121,10 @@ def test_the_mask_probe_runs_once_when_the_engine_is_built(tiny, monkeypatch):
     real = DeviceRunner._takes_4d_mask
     monkeypatch.setattr(DeviceRunner, "_takes_4d_mask", lambda self: probes.append(1) or real(self))
     engine = TransformerEngine.from_sentence_transformer(tiny, max_tokens=64)
-    form = engine._mask4d
+    form = engine.runner.mask4d
     engine.encode(TEXTS * 5)
     engine.encode(TEXTS)
-    assert probes == [1] and engine._mask4d == form  # probed once, never flipped by a call
+    assert probes == [1] and engine.runner.mask4d == form  # probed once, never flipped by a call
 
 
 def test_the_host_side_packs_what_the_device_side_runs(tiny):
@@ -132,13 +132,13 @@ def test_the_host_side_packs_what_the_device_side_runs(tiny):
     from dask_surge.engine.transformer import TransformerEngine
 
     engine = TransformerEngine.from_sentence_transformer(tiny, max_tokens=64)
-    packer = engine._packer
+    packer = engine.packer
     encodings = packer.tokenize(TEXTS)
     packed = packer.pack(encodings, 10, max_tokens=64)
     lengths = packer.count_tokens(TEXTS)
     assert packed.ids.dtype == np.int32 and packed.size == int(lengths.sum())
     assert packed.where.tolist() == (plan_batches(lengths, 64).order + 10).tolist()
-    window = engine._device.stage(packed)
+    window = engine.runner.stage(packed)
     assert window.ids.numpy().tolist() == packed.ids.tolist() and not window.ids.is_pinned()  # CPU: not pinned
 
 
@@ -151,7 +151,7 @@ def test_the_host_side_and_the_backends_import_no_torch():
 
 def test_loaded_records_keep_the_names_benchmarks_read(tiny_dir):
     enc = Encoder(tiny_dir, device="cpu").load()
-    loaded = cache._LOADED[enc.spec]
+    loaded = cache.cached(enc.spec)
     assert loaded.backend == "fast" and loaded.engine is enc.engine and loaded.dimension == 32
     assert {"tokenize", "pack", "device", "finish"} <= set(loaded.engine.stats)
     enc.close()

@@ -56,7 +56,7 @@ def test_copy_out_refuses_a_buffer_with_no_two_halves():
 
 # -- the CPU path: unchanged, and no CUDA state made -----------------------------------------------------
 def test_cpu_finish_is_the_check_and_a_numpy_view(cpu_engine):
-    runner = cpu_engine._device
+    runner = cpu_engine.runner
     out = torch.randn(6, runner.dimension)
     host = runner.finish(out)
     np.testing.assert_array_equal(host, out.numpy())
@@ -68,8 +68,8 @@ def test_cpu_finish_is_the_check_and_a_numpy_view(cpu_engine):
 
 def _one_window(engine, texts):
     """``texts`` as one staged window of ``engine`` and an output tensor for it, on its device."""
-    packer = engine._packer
-    window = engine._device.stage(packer.pack(packer.tokenize(texts), 0, max_tokens=engine.max_tokens))
+    packer = engine.packer
+    window = engine.runner.stage(packer.pack(packer.tokenize(texts), 0, max_tokens=engine.max_tokens))
     return window, torch.empty((len(texts), engine.dimension), device=engine.device)
 
 
@@ -79,11 +79,11 @@ def test_cpu_window_records_no_event(cpu_engine):
     with torch.inference_mode():
         cpu_engine._run_block(window, out, False)
     assert getattr(out, _ENDED, None) is None  # events are CUDA's only
-    np.testing.assert_allclose(cpu_engine._device.finish(out), cpu_engine.encode(texts), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cpu_engine.runner.finish(out), cpu_engine.encode(texts), rtol=1e-5, atol=1e-6)
 
 
 def test_cpu_finish_fed_runs_the_finish_on_the_feeder_thread(cpu_engine):
-    runner = cpu_engine._device
+    runner = cpu_engine.runner
     feeder = runner.feeder_thread()
     out = torch.randn(5, runner.dimension)
     np.testing.assert_array_equal(runner.finish_fed(feeder, out), out.numpy())
@@ -97,7 +97,7 @@ def test_cpu_finish_fed_runs_the_finish_on_the_feeder_thread(cpu_engine):
 @needs_cuda
 @pytest.mark.gpu
 def test_cuda_finish_syncs_neither_the_device_nor_a_stream(cuda_engine):
-    runner = cuda_engine._device
+    runner = cuda_engine.runner
     runner.finish(torch.randn(2, 3, device=runner.device))  # makes the staging buffer and the side stream
     out = torch.randn(STAGING_BYTES // 4 + 1000, 3, device=runner.device)  # more than two chunks
     torch.cuda.set_sync_debug_mode("error")  # a stream/device sync or a blocking copy raises
@@ -112,7 +112,7 @@ def test_cuda_finish_syncs_neither_the_device_nor_a_stream(cuda_engine):
 @needs_cuda
 @pytest.mark.gpu
 def test_cuda_finish_returns_while_the_compute_stream_is_still_busy(cuda_engine):
-    runner = cuda_engine._device
+    runner = cuda_engine.runner
     runner.finish(torch.randn(2, 3, device=runner.device))  # first use: buffer and stream made
     out = torch.randn(50_000, 8, device=runner.device) * 2
     ready = runner.mark()  # the end of this call's work on the compute stream
@@ -130,7 +130,7 @@ def test_cuda_finish_returns_while_the_compute_stream_is_still_busy(cuda_engine)
 @pytest.mark.gpu
 def test_cuda_finish_fed_waits_for_its_last_window_not_for_work_queued_after_it(cuda_engine):
     engine = cuda_engine
-    runner = engine._device
+    runner = engine.runner
     texts = make_texts(2000, seed=5)
     expected = engine.encode(texts)
     feeder = runner.feeder_thread()
@@ -150,7 +150,7 @@ def test_cuda_finish_fed_waits_for_its_last_window_not_for_work_queued_after_it(
 @pytest.mark.gpu
 @pytest.mark.parametrize("value, row", [(float("nan"), 3), (float("-inf"), 0)])
 def test_cuda_async_check_finds_a_bad_value(cuda_engine, value, row):
-    runner = cuda_engine._device
+    runner = cuda_engine.runner
     out = torch.randn(STAGING_BYTES // 4, 2, device=runner.device)
     out[row, 1] = value
     with pytest.raises(SurgeModelError, match=rf"rows \[{row}\]"):
@@ -167,7 +167,7 @@ def test_cuda_concurrent_calls_share_one_bounded_staging_buffer(cuda_engine):
     assert engine.use_feeder
     inputs = [make_texts(3000 + 500 * i, seed=i) for i in range(4)]
     expected = [engine.encode(t) for t in inputs]
-    staging = engine._staging
+    staging = engine.runner.staging
     assert staging is not None and staging.numel() * 4 == STAGING_BYTES
     results: dict[int, np.ndarray] = {}
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.encode(inputs[i])))
@@ -178,6 +178,6 @@ def test_cuda_concurrent_calls_share_one_bounded_staging_buffer(cuda_engine):
         t.join()
     for i in range(4):
         np.testing.assert_allclose(results[i], expected[i], rtol=1e-5, atol=1e-6)
-    assert engine._staging.data_ptr() == staging.data_ptr()  # the same buffer, reused, never grown
+    assert engine.runner.staging.data_ptr() == staging.data_ptr()  # the same buffer, reused, never grown
     engine.use_feeder = False  # the inline path takes the same finish
     np.testing.assert_allclose(engine.encode(inputs[0]), expected[0], rtol=1e-5, atol=1e-6)

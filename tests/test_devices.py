@@ -16,17 +16,12 @@ import pytest
 import torch
 
 from dask_surge import Encoder
-from dask_surge.engine.transformer import TransformerEngine, _cast_copy
+from dask_surge.engine.forward import _cast_copy
+from dask_surge.engine.placement import auto_dtype, checkpoint_dtype, move_to, pick_device
+from dask_surge.engine.transformer import TransformerEngine
 from dask_surge.errors import SurgeModelError, SurgeValueError
-from dask_surge.models.encoders import (
-    _check_device,
-    _move_to,
-    _pick_device,
-    auto_dtype,
-    check_finite,
-    checkpoint_dtype,
-    dimension_from_files,
-)
+from dask_surge.models.loader import dimension_from_files
+from dask_surge.models.output import check_finite
 from dask_surge.testing import make_tiny_model, packaged_model_dir
 
 gpu = pytest.mark.gpu
@@ -43,23 +38,21 @@ def one_gpu(monkeypatch):
 # -- device= is validated against the devices this process sees -------------------------------------
 def test_cuda_index_the_process_does_not_see_is_refused(one_gpu):
     with pytest.raises(SurgeValueError, match=r"device='cuda:1' does not exist.*sees 1 GPU.*cuda:0.*Fix: pass device='cuda'"):
-        _pick_device("cuda:1")
-    assert _pick_device("cuda:0") == "cuda:0"
-    assert _pick_device("cuda") == "cuda"
+        pick_device("cuda:1")
+    assert pick_device("cuda:0") == "cuda:0"
+    assert pick_device("cuda") == "cuda"
 
 
 def test_cuda_without_gpu_is_refused():
     if torch.cuda.is_available():
         pytest.skip("this process has a GPU")
     with pytest.raises(SurgeValueError, match=r"device='cuda:0' asks for a GPU.*Fix"):
-        _pick_device("cuda:0")
+        pick_device("cuda:0")
 
 
 @pytest.mark.parametrize("bad", ["cuda:x", "cuda1", "gpu", "cuda:-1"])
 def test_malformed_device_is_refused_at_construction(bad):
     with pytest.raises(SurgeValueError, match=rf"device='{bad}' is not a torch device.*Fix"):
-        _check_device(bad)
-    with pytest.raises(SurgeValueError, match="is not a torch device"):
         Encoder("default", device=bad)
 
 
@@ -78,17 +71,17 @@ class _Recorder:
 
 def test_in_memory_cpu_model_is_moved_to_the_gpu_it_encodes_on(one_gpu):
     model = _Recorder("cpu")
-    assert _move_to(model, None) == "cuda" and model.moves == ["cuda"]  # device=None: CUDA when available
+    assert move_to(model, None) == "cuda" and model.moves == ["cuda"]  # device=None: CUDA when available
     model = _Recorder("cpu")
-    assert _move_to(model, "cuda:0") == "cuda:0" and model.moves == ["cuda:0"]
+    assert move_to(model, "cuda:0") == "cuda:0" and model.moves == ["cuda:0"]
 
 
 def test_in_memory_model_already_there_is_not_moved(one_gpu):
     model = _Recorder("cuda:0")
-    _move_to(model, "cuda")
+    move_to(model, "cuda")
     assert model.moves == []
     model = _Recorder("cpu")
-    _move_to(model, "cpu")
+    move_to(model, "cpu")
     assert model.moves == []
 
 
@@ -183,7 +176,7 @@ def test_half_weights_are_a_native_copy_and_the_model_is_untouched(tmp_path):
 def test_cuda_half_weights_are_native_and_accurate(dtype, gpu_minilm):
     model = gpu_minilm
     engine = TransformerEngine.from_sentence_transformer(model, dtype=dtype)
-    assert {p.dtype for p in engine._hf.parameters()} == {getattr(torch, dtype)}  # no autocast
+    assert {p.dtype for p in engine.runner.hf.parameters()} == {getattr(torch, dtype)}  # no autocast
     assert next(model.parameters()).dtype == torch.float32  # the user's model keeps its weights
     texts = ["a dog", "a cat on a mat", ""] * 100
     ref = model.encode(texts, convert_to_numpy=True)
@@ -206,7 +199,7 @@ def test_nan_from_the_fast_engine_names_the_rows(tmp_path):
 
 @pytest.mark.parametrize("value, row", [(float("nan"), 2), (float("inf"), 0), (float("-inf"), 4)])
 def test_the_engine_finiteness_check_finds_any_bad_value(value, row):
-    from dask_surge.engine.transformer import _check_finite
+    from dask_surge.engine.forward import _check_finite
 
     out = torch.ones((5, 8))
     out[row, 3] = value

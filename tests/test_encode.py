@@ -44,7 +44,9 @@ def test_packaged_minilm_matches_on_unseen_texts():
     texts = make_texts(60, seed=1234) + ["", "x " * 600]  # empty and truncated texts too
     ddf = dd.from_pandas(pd.DataFrame({"text": texts}), npartitions=7)
     df = ddf.surge.encode("text", b_min=16, b_max=32, device="cpu").compute(scheduler="sync")
-    ref = _reference(dask_surge.models.encoders.resolve_model_path("default"), texts)
+    from dask_surge.models.resolve import resolve_model_path
+
+    ref = _reference(resolve_model_path("default"), texts)
     assert df.shape[0] == len(texts)
     assert cosines(_emb(df), ref).min() >= 0.9999
 

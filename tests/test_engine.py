@@ -64,19 +64,19 @@ def test_user_model_is_left_untouched(models):
     engine = TransformerEngine.from_sentence_transformer(model)
     layer = model[0].auto_model.encoder.layer[0].intermediate.dense
     assert type(layer) is torch.nn.Linear
-    assert engine._hf.encoder.layer[0].intermediate.dense.weight is layer.weight  # weights shared, not copied
+    assert engine.runner.hf.encoder.layer[0].intermediate.dense.weight is layer.weight  # weights shared, not copied
 
 
 def test_cpu_fast_path_is_packed_and_fused_and_leaves_the_model_alone(models):
-    from dask_surge.engine.transformer import _OneDNNLinear
+    from dask_surge.engine.forward import _OneDNNLinear
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN")
     model = models["packaged"]
     engine = TransformerEngine.from_sentence_transformer(model)
-    linears = [m for m in engine._hf.modules() if isinstance(m, _OneDNNLinear)]
+    linears = [m for m in engine.runner.hf.modules() if isinstance(m, _OneDNNLinear)]
     assert linears and all(m._packed is not None for m in linears)
-    assert sum(m._gelu for m in linears) == len(engine._hf.encoder.layer) == 6  # one per feed-forward
+    assert sum(m._gelu for m in linears) == len(engine.runner.hf.encoder.layer) == 6  # one per feed-forward
     act = model[0].auto_model.encoder.layer[0].intermediate.intermediate_act_fn
     assert type(act).__name__ == "GELUActivation"  # the user's model keeps its activation
 
@@ -85,17 +85,17 @@ def test_narrow_linears_stay_stock_in_a_copy(tmp_path):
     """Below ONEDNN_MIN_WEIGHT a linear keeps torch's own (MKL) path: oneDNN would build a primitive
     per input shape for no gain; the engine still works on a copy of the tree."""
     from dask_surge.engine.forward import ONEDNN_MIN_WEIGHT
-    from dask_surge.engine.transformer import _OneDNNLinear
+    from dask_surge.engine.forward import _OneDNNLinear
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("this torch has no oneDNN: the engine keeps the model's own tree")
     model = SentenceTransformer(make_tiny_model(tmp_path / "tiny"), device="cpu")
     engine = TransformerEngine.from_sentence_transformer(model)
-    linears = [m for m in engine._hf.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in engine.runner.hf.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(m.in_features * m.out_features < ONEDNN_MIN_WEIGHT for m in linears)
     assert not any(isinstance(m, _OneDNNLinear) for m in linears)
-    assert engine._hf is not model[0].auto_model  # a copy, sharing the weights
-    assert engine._hf.encoder.layer[0].intermediate.dense.weight is model[0].auto_model.encoder.layer[0].intermediate.dense.weight
+    assert engine.runner.hf is not model[0].auto_model  # a copy, sharing the weights
+    assert engine.runner.hf.encoder.layer[0].intermediate.dense.weight is model[0].auto_model.encoder.layer[0].intermediate.dense.weight
     texts = mixed_texts(20, seed=4)
     assert min_cosine(engine.encode(texts), model.encode(texts, convert_to_numpy=True)) >= 0.9999
 
@@ -110,7 +110,7 @@ def test_packed_weights_follow_an_in_place_update(tmp_path, monkeypatch):
     monkeypatch.setattr(device, "ONEDNN_MIN_WEIGHT", 0)  # pack the tiny model's narrow linears too
     model = SentenceTransformer(make_tiny_model(tmp_path / "tuned"), device="cpu")
     engine = TransformerEngine.from_sentence_transformer(model)
-    assert any(m._packed is not None for m in engine._hf.modules() if isinstance(m, device._OneDNNLinear))
+    assert any(m._packed is not None for m in engine.runner.hf.modules() if isinstance(m, device._OneDNNLinear))
     texts = mixed_texts(20, seed=9)
     before = engine.encode(texts)
     gen = torch.Generator().manual_seed(0)
@@ -124,7 +124,7 @@ def test_packed_weights_follow_an_in_place_update(tmp_path, monkeypatch):
 
 
 def test_gelu_is_not_fused_into_a_module_that_does_more():
-    from dask_surge.engine.transformer import _fuse_gelu, _OneDNNLinear
+    from dask_surge.engine.forward import _fuse_gelu, _OneDNNLinear
 
     class Shifted(torch.nn.Module):  # dense, +1, GELU: fusing would drop the shift
         def __init__(self):
@@ -362,7 +362,7 @@ def test_stage_seconds_are_counted(tmp_path):
 def test_feeder_drops_each_job_once_it_ran():
     import weakref
 
-    from dask_surge.engine.transformer import _Feeder
+    from dask_surge.engine.forward import _Feeder
 
     class Job:
         def __call__(self):
@@ -389,7 +389,7 @@ def test_close_stops_the_feeder_and_a_dropped_engine_frees_it(tiny):
     engine = TransformerEngine.from_sentence_transformer(tiny)
     engine.use_feeder = True
     assert engine.encode(["a b", "c"]).shape == (2, engine.dimension)
-    thread = engine._feeder.thread
+    thread = engine.runner.feeder.thread
     engine.close()
     engine.close()  # idempotent
     assert not thread.is_alive()
@@ -399,7 +399,7 @@ def test_close_stops_the_feeder_and_a_dropped_engine_frees_it(tiny):
     engine = TransformerEngine.from_sentence_transformer(tiny)
     engine.use_feeder = True
     engine.encode(mixed_texts(30))
-    thread, ref = engine._feeder.thread, weakref.ref(engine)
+    thread, ref = engine.runner.feeder.thread, weakref.ref(engine)
     del engine
     gc.collect()
     assert ref() is None  # no job closure kept the engine (its weights, its last output) alive
@@ -408,7 +408,7 @@ def test_close_stops_the_feeder_and_a_dropped_engine_frees_it(tiny):
 
 
 def test_results_are_copied_out_through_a_small_reused_buffer():
-    from dask_surge.engine.transformer import _copy_out
+    from dask_surge.engine.forward import _copy_out
 
     out = torch.randn(37, 5)
     staging = torch.empty(16)  # smaller than the output: many chunks through one buffer
@@ -456,10 +456,10 @@ def test_a_large_call_starts_with_a_small_window_and_the_windows_concatenate(tin
     monkeypatch.setattr(tokenize, "BLOCK_TEXTS", 16)
     engine = TransformerEngine.from_sentence_transformer(tiny)
     texts = mixed_texts(60, seed=5)  # 67 texts: at least 16 first windows, so the call starts small
-    spans = [(offset, len(e)) for offset, e in engine._packer.blocks(texts, background=True)]
+    spans = [(offset, len(e)) for offset, e in engine.packer.blocks(texts, background=True)]
     assert spans == [(0, 4), (4, 16), (20, 16), (36, 16), (52, 15)]
-    assert [offset for offset, _ in engine._packer.blocks(texts)] == [0, 16, 32, 48, 64]
-    monkeypatch.setattr(engine, "_blocks", lambda t: engine._packer.blocks(t, background=True))
+    assert [offset for offset, _ in engine.packer.blocks(texts)] == [0, 16, 32, 48, 64]
+    monkeypatch.setattr(engine, "_blocks", lambda t: engine.packer.blocks(t, background=True))
     whole = engine.encode(texts)
     pieces = np.concatenate([engine.encode(texts[a : a + n]) for a, n in spans])
     assert np.array_equal(whole, pieces)
@@ -477,7 +477,7 @@ def test_the_collector_is_paused_while_encodings_are_made_and_packed(tiny, monke
     monkeypatch.setitem(dask.config.config["surge"]["tuning"], "gc-pause", True)
 
     engine = TransformerEngine.from_sentence_transformer(tiny)
-    packer = engine._packer
+    packer = engine.packer
     packer._joined = None  # text by text, as for a tokenizer JoinedTokenizer does not take (one object per text)
     seen: list[bool] = []
     encode_batch, pack = packer._encode_batch, packer.pack
@@ -498,7 +498,7 @@ def test_cpu_attention_runs_with_padded_keys_and_leaves_the_model_alone(models):
         pytest.skip("this torch has no oneDNN: the engine shares the user's module tree")
     model = models["packaged"]
     engine = TransformerEngine.from_sentence_transformer(model)
-    assert engine._hf.config._attn_implementation == device._PADDED_SDPA
+    assert engine.runner.hf.config._attn_implementation == device._PADDED_SDPA
     assert model[0].auto_model.config._attn_implementation == "sdpa"  # the user's model keeps its own
     texts = mixed_texts(120, seed=5)  # lengths off and on the multiple, padded and one-length micro-batches
     assert min_cosine(engine.encode(texts), model.encode(texts, convert_to_numpy=True)) >= 0.9999
@@ -516,7 +516,7 @@ def test_padded_attention_is_kept_only_where_the_probe_gives_the_same_output(tin
 
     monkeypatch.setattr(device, "_padded_sdpa", wrong)
     engine = TransformerEngine.from_sentence_transformer(tiny)
-    assert engine._hf.config._attn_implementation == "sdpa"
+    assert engine.runner.hf.config._attn_implementation == "sdpa"
     texts = mixed_texts(40, seed=6)
     assert min_cosine(engine.encode(texts), tiny.encode(texts, convert_to_numpy=True)) >= 0.9999
 

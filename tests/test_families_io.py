@@ -18,13 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from dask_surge.errors import SurgeValueError
+from dask_surge.families import DENSE, MULTIVECTOR, SPARSE
 from dask_surge.io.layout import (
-    DENSE,
     INDICES,
-    MULTIVECTOR,
     PARTITION,
     ROW,
-    SPARSE,
     TEXT_HASH,
     TOKENS,
     VALUES,

@@ -49,14 +49,11 @@ def test_local_cluster_keeps_dask_config_in_a_fresh_process():
     assert "KeyError" not in done.stderr, done.stderr[-3000:]
 
 
-def test_local_cluster_is_public_and_the_old_path_warns():
+def test_local_cluster_is_public():
     import dask_surge
     from dask_surge.execution.cluster import local_cluster
 
     assert dask_surge.local_cluster is local_cluster and "local_cluster" in dask_surge.__all__
-    with pytest.warns(DeprecationWarning, match="from dask_surge import local_cluster"):
-        from dask_surge.cluster import local_cluster as old
-    assert old is local_cluster
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         from dask_surge import local_cluster as new  # the public path: no warning

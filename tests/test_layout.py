@@ -159,8 +159,8 @@ _ALLOWED_DELETES = {
     ("engine/tokenpool.py", "unlink"),  # a shared-memory block, not a file of an output
     ("models/modelid.py", "replace"),  # the model digest cache (~/.cache/dask-surge)
     ("execution/calibrate.py", "replace"),  # the calibration cache
-    ("io/reuse.py", "unlink"),  # the index builder's spill files in its own temporary directory
-    ("io/reuse.py", "rmtree"),  # that temporary directory
+    ("io/hashindex.py", "unlink"),  # the index builder's spill files in its own temporary directory
+    ("io/hashindex.py", "rmtree"),  # that temporary directory
 }
 
 
@@ -194,39 +194,13 @@ def test_the_delete_check_can_fail():
     assert _delete_calls("import os\nos.unlink(p)\nself.fs.rm(p)\nx.replace('a', 'b')\n") == [(2, "unlink"), (3, "rm")]
 
 
-def test_the_old_paths_of_the_engine_modules_warn_and_give_the_moved_module():
-    code = ("import importlib, warnings; from dask_surge.models import MOVED\n"
-            "for old, new in sorted(MOVED.items()):\n"
-            "    with warnings.catch_warnings(record=True) as w:\n"
-            "        warnings.simplefilter('always')\n"
-            "        module = importlib.import_module('dask_surge.models.' + old)\n"
-            "    assert module is importlib.import_module(new) and module.__spec__.name == new, old\n"
-            "    assert [str(x.message).split(' moved to ')[1].split(';')[0] for x in w "
-            "if x.category is DeprecationWarning] == [new], (old, [str(x.message) for x in w])\n"
-            "print(len(MOVED))")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip() == "14", done.stdout + done.stderr
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@pytest.mark.parametrize("module, old, new", [
-    ("dask_surge.execution.superbatch", "SuperBatchEncoder", "SuperBatchTask"),
-    ("dask_surge.execution.superbatch", "Encoded", "SuperBatchRows"),
-    ("dask_surge.execution.sink", "EncodedBatch", "PendingCommit"),
-    ("dask_surge.engine.long_texts", "LongEncoded", "TextEmbeddings"),
-    ("dask_surge.engine.batching", "WINDOW_TEXTS", "BLOCK_TEXTS"),
-    ("dask_surge.engine.batching", "windows", "blocks"),
-    ("dask_surge.engine.tokenizing", "PackedWindow", "PackedBlock"),
-    ("dask_surge.engine.tokenpool", "TokenizedWindow", "TokenizedBlock"),
-])
-def test_a_renamed_name_still_imports_with_a_warning(module, old, new):
-    import importlib
-
-    mod = importlib.import_module(module)
-    with pytest.warns(DeprecationWarning, match=f"{module}.{old} was renamed {module}.{new}"):
-        assert getattr(mod, old) is getattr(mod, new)
-    with pytest.raises(AttributeError, match="no attribute 'Nonexistent'"):
-        mod.Nonexistent  # noqa: B018
-
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 #: what asks which kind of filesystem it holds: only the store object (``io/store.py``) may
 _KIND_QUESTIONS = re.compile(r"LocalFileSystem|isinstance\(fs\b|\.protocol\b|\bis_local\(|\bprotocols\("
@@ -249,3 +223,71 @@ def test_only_the_store_object_asks_what_kind_of_filesystem_it_holds():
 def test_the_kind_check_can_fail():
     assert _KIND_QUESTIONS.search("if isinstance(fs, LocalFileSystem):")
     assert _KIND_QUESTIONS.search('proto = fs.protocol[0]') and _KIND_QUESTIONS.search('if store.kind == "posix":')
+
+
+def _private_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Every private name one module of ``sources`` (module name -> its source and whether it is a package's
+    ``__init__``) takes from another: ``from X import _name`` and ``X._name``, X a module of ``sources``.
+
+    A private *module* (``_compat``, ``_version``, ``engine/_tokenhelper``) may be imported; the names it
+    gives others must be public. Dunders (``__version__``) are public.
+    """
+    modules = set(sources)
+    found = []
+    for name, (source, package) in sorted(sources.items()):
+        here = name.split(".") if package else name.split(".")[:-1]
+        bound: dict[str, str] = {}  # a local name -> the module of ``sources`` it stands for
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = here[: len(here) - node.level + 1] if node.level else []
+                src = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+                for alias in node.names:
+                    if f"{src}.{alias.name}" in modules:  # a module: ``from . import cache``
+                        bound[alias.asname or alias.name] = f"{src}.{alias.name}"
+                    elif src in modules and src != name and _is_private(alias.name):
+                        found.append(f"{name}:{node.lineno} from {src} import {alias.name}")
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in modules or alias.name.split(".")[0] in {m.split(".")[0] for m in modules}:
+                        local = alias.asname or alias.name.split(".")[0]
+                        bound[local] = alias.name if alias.asname else local
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+                continue
+            chain, value = [], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if not isinstance(value, ast.Name) or value.id not in bound:
+                continue
+            target = ".".join([bound[value.id], *reversed(chain)])
+            if target in modules and target != name and f"{target}.{node.attr}" not in modules:
+                found.append(f"{name}:{node.lineno} {target}.{node.attr}")
+    return found
+
+
+def test_no_private_name_is_used_across_modules():
+    """A name another module uses is public where it lives (or the code moves to where it is used): no
+    ``from X import _name``, no ``X._name``, X another module of the package."""
+    sources = {_module_name(p): (p.read_text(), p.name == "__init__.py") for p in PACKAGE.rglob("*.py")}
+    found = [f.split(":", 1)[0] + " " + f.split(" ", 1)[1] for f in _private_imports(sources)]
+    assert sorted(set(found)) == []
+
+
+def test_the_private_import_check_can_fail():
+    sources = {
+        "pkg": ("", True),
+        "pkg._compat": ("Public = 1\n_hidden = 2\n", False),
+        "pkg.a": ("_helper = 1\nx = _helper\n", False),
+        "pkg.sub": ("", True),
+        "pkg.sub.b": ("from ..a import _helper\nfrom .. import a\nfrom .._compat import Public\n"
+                      "from .. import _compat\nimport pkg.a as alias\n"
+                      "y = a._helper + alias._helper + _compat._hidden + a.__name__\n", False),
+    }
+    assert sorted(_private_imports(sources)) == [
+        "pkg.sub.b:1 from pkg.a import _helper",
+        "pkg.sub.b:6 pkg._compat._hidden",
+        "pkg.sub.b:6 pkg.a._helper",
+        "pkg.sub.b:6 pkg.a._helper",
+    ]

@@ -40,8 +40,8 @@ def _rss_mib() -> float:
 
 def _refs(enc: Encoder) -> list[weakref.ref]:
     """Weak references to what a loaded encoder holds: the model, the engine and its encoder copy."""
-    loaded = cache._LOADED[enc.spec]
-    return [weakref.ref(loaded.impl.model), weakref.ref(loaded.engine), weakref.ref(loaded.engine._hf)]
+    loaded = cache.cached(enc.spec)
+    return [weakref.ref(loaded.impl.model), weakref.ref(loaded.engine), weakref.ref(loaded.engine.runner.hf)]
 
 
 def test_three_models_in_turn_give_their_memory_back(three_models):
@@ -86,7 +86,7 @@ def test_the_context_manager_releases_the_feeder_thread_and_the_model(three_mode
     with Encoder(three_models[0], device="cpu") as enc:
         enc.engine.use_feeder = True  # CPU default is inline; the feeder thread is what must stop
         enc.encode(TEXTS[:20])
-        thread = enc.engine._feeder.thread
+        thread = enc.engine.runner.feeder.thread
         refs = _refs(enc)
     thread.join(30)
     gc.collect()
@@ -109,7 +109,7 @@ def test_loaded_models_are_bounded_least_recently_used_first(three_models, monke
     assert a.is_loaded and c.is_loaded and not b.is_loaded
     assert all(r() is None for r in b_refs)  # evicting closed it
     assert b.encode(["b loads again"]).shape == (1, SHAPE["hidden_size"])
-    assert len(cache._LOADED) == 2 and not a.is_loaded  # a was the least recently used this time
+    assert len(cache.loaded()) == 2 and not a.is_loaded  # a was the least recently used this time
     for enc in (a, b, c):
         enc.close()
 
@@ -119,13 +119,13 @@ def test_plugin_teardown_forgets_a_shipped_object_but_not_the_callers():
     here = Encoder(fn)
     shipped_token = "obj-0-feed-1"  # made by another process (pid 0): shipped to this one by the plugin
     registry.install_object(shipped_token, fn)
-    shipped = encoders._from_spec(replace(here.spec, source=shipped_token))
+    shipped = encoders.from_spec(replace(here.spec, source=shipped_token))
     for enc in (here, shipped):
         enc.load()
         EncoderPlugin(enc).teardown(worker=None)  # outside an event loop: released at once
         assert not enc.is_loaded
     assert here.source_object is fn  # the caller's own object stays
-    assert shipped_token not in registry._OBJECTS
+    assert registry.installed(shipped_token) is None
 
 
 def test_plugin_teardown_keeps_an_object_another_plugin_still_uses():
@@ -134,13 +134,13 @@ def test_plugin_teardown_keeps_an_object_another_plugin_still_uses():
     fn = lambda texts: np.ones((len(texts), 2))  # noqa: E731
     token = "obj-0-feed-2"
     registry.install_object(token, fn)
-    one = encoders._from_spec(replace(Encoder(fn).spec, source=token))
+    one = encoders.from_spec(replace(Encoder(fn).spec, source=token))
     other = one.with_options(batch_size=7)
     plugins = {p.name: p for p in (EncoderPlugin(one), EncoderPlugin(other))}
     worker = types.SimpleNamespace(plugins=plugins)
     first = plugins.pop(EncoderPlugin(one).name)
     first.teardown(worker)
-    assert token in registry._OBJECTS  # the other option set still needs it
+    assert registry.installed(token) is not None  # the other option set still needs it
     last = plugins.pop(EncoderPlugin(other).name)
     last.teardown(worker)
-    assert token not in registry._OBJECTS
+    assert registry.installed(token) is None

@@ -22,7 +22,7 @@ import dask_surge
 from dask_surge import Encoder
 from dask_surge.errors import SurgeModelError, SurgeValueError
 from dask_surge.models import modelid
-from dask_surge.models.encoders import PACKAGED_HUB_ID
+from dask_surge.models.resolve import PACKAGED_HUB_ID
 from dask_surge.models.hub import hub_cache_dir, looks_like_repo_id
 from dask_surge.testing import add_to_hub_cache, make_texts, make_tiny_model, min_cosine, packaged_model_dir
 
@@ -515,13 +515,13 @@ def test_identity_of_an_in_memory_model_follows_its_prompts(tiny_model):
 def test_a_worker_without_the_clients_path_loads_the_same_commit_from_its_cache(hub_cache, tiny_model):
     import dataclasses
 
-    from dask_surge.models.encoders import _from_spec
+    from dask_surge.models.encoders import from_spec
 
     commit = commit_of("worker")
     add_to_hub_cache(hub_cache, "org/tiny", tiny_model, commit=commit)
     client_side = Encoder("org/tiny", device="cpu")
     # as unpickled on a machine where the client's snapshot path does not exist
-    worker_side = _from_spec(dataclasses.replace(client_side.spec, source="/client/only/snapshot"))
+    worker_side = from_spec(dataclasses.replace(client_side.spec, source="/client/only/snapshot"))
     reference = SentenceTransformer(tiny_model, device="cpu").encode(TEXTS)
     assert min_cosine(worker_side.encode(TEXTS), reference) >= 0.9999
     assert worker_side.identity() == client_side.identity()

@@ -20,7 +20,8 @@ import dask_surge
 from dask_surge import api, cli, config, options
 from dask_surge.errors import SurgeOutputError, SurgeValueError
 from dask_surge.execution.superbatch import SuperBatchTask
-from dask_surge.models.encoders import Encoder, EncoderSpec
+from dask_surge.models.encoders import Encoder
+from dask_surge.models.spec import EncoderSpec
 from dask_surge.options import Cli, Option, options_of
 from dask_surge.planning.identity import IDENTITY_OPTIONS
 from dask_surge.synthetic import make_partitioned_frame

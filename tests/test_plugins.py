@@ -82,7 +82,7 @@ def test_worker_threads_are_set_and_teardown_releases_the_model(tiny_model):
         from dask_surge.models import cache
 
         return {"omp": os.environ.get("OMP_NUM_THREADS"), "tok": os.environ.get("TOKENIZERS_PARALLELISM"),
-                "arrow": pa.cpu_count(), "io": pa.io_thread_count(), "loaded": len(cache._LOADED),
+                "arrow": pa.cpu_count(), "io": pa.io_thread_count(), "loaded": len(cache.loaded()),
                 "affinity": len(os.sched_getaffinity(0))}
 
     encoder = Encoder(tiny_model, device="cpu")
@@ -104,16 +104,14 @@ def test_worker_threads_are_set_and_teardown_releases_the_model(tiny_model):
         assert next(iter(client.run(facts).values()))["loaded"] == 0
 
 
-def test_release_encoder_closes_the_engine(tiny_model):
-    from dask_surge.execution.plugins import release_encoder
-
+def test_closing_an_encoder_closes_the_engine(tiny_model):
     encoder = Encoder(tiny_model, device="cpu").load()
     engine = encoder.engine
     engine.use_feeder = True
     encoder.encode(["a"])
-    thread = engine._feeder.thread
-    assert release_encoder(encoder) is True and not encoder.is_loaded
-    assert not thread.is_alive() and release_encoder(encoder) is False
+    thread = engine.runner.feeder.thread
+    assert encoder.close() is True and not encoder.is_loaded
+    assert not thread.is_alive() and encoder.close() is False
     assert encoder.encode(["b"]).shape == (1, 32)  # loads again on use
 
 

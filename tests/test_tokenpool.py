@@ -18,7 +18,8 @@ from sentence_transformers import SentenceTransformer
 from transformers import AutoTokenizer
 
 from dask_surge.engine import tokenizing as tokenize_module
-from dask_surge.engine.tokenizing import StageClock, TextPacker, flat_ids
+from dask_surge.engine.joined import flat_ids
+from dask_surge.engine.tokenizing import StageClock, TextPacker
 from dask_surge.engine.tokenpool import TokenizedBlock, TokenizerProcessError, TokenPool, auto_processes
 from dask_surge.engine.transformer import TransformerEngine
 from dask_surge.errors import SurgeInputError, SurgeValueError
@@ -141,7 +142,7 @@ def test_embeddings_are_identical_with_the_pool_on_and_off(models, name):
             got = engine.encode(texts)
             got_long = engine.encode_long(texts, long_texts="truncate")
             got_counts = engine.count_tokens(texts)
-            assert engine._packer.token_pool() is not None  # the helper really ran
+            assert engine.packer.token_pool() is not None  # the helper really ran
         finally:
             engine.close()
         np.testing.assert_array_equal(got, ref)
@@ -219,7 +220,7 @@ def test_engine_close_closes_the_pool(models):
     engine = TransformerEngine.from_sentence_transformer(models["tiny"])
     engine.tokenize_processes = 1
     engine.encode(["a", "b"])
-    pool = engine._packer.token_pool()
+    pool = engine.packer.token_pool()
     assert pool is not None
     segments = pool.segments
     assert segments and all(map(_segment_exists, segments))
@@ -277,7 +278,7 @@ def test_a_helper_dying_mid_call_loses_no_row(models, monkeypatch):
     def kill_after_the_first(encodings, offset):  # the helper is at work on the next window now
         calls["n"] += 1
         if calls["n"] == 1:
-            pool = engine._packer._pool
+            pool = engine.packer._pool
             assert pool is not None
             os.kill(pool.pids[0], signal.SIGKILL)
         return original(encodings, offset)
@@ -287,7 +288,7 @@ def test_a_helper_dying_mid_call_loses_no_row(models, monkeypatch):
         with pytest.warns(RuntimeWarning, match=r"tokenizer helper process \d+ killed by signal 9"):
             got = engine.encode(texts)
         np.testing.assert_array_equal(got, ref)
-        assert engine._packer.token_pool() is None  # in process from now on
+        assert engine.packer.token_pool() is None  # in process from now on
         np.testing.assert_array_equal(engine.encode(texts), ref)
     finally:
         engine.close()
@@ -344,10 +345,10 @@ def test_config_picks_the_helpers(models):
     try:
         with dask.config.set({"surge.tuning.tokenize-processes": 1}):
             engine.encode(["a"])
-            assert engine._packer.processes == 1 and engine._packer._pool is not None
+            assert engine.packer.processes == 1 and engine.packer._pool is not None
         engine.encode(["a"])  # the default (None): auto, 0 on a CPU
-        assert engine._packer.processes == auto_processes("cpu") == 0
-        assert engine._packer.token_pool() is None
+        assert engine.packer.processes == auto_processes("cpu") == 0
+        assert engine.packer.token_pool() is None
     finally:
         engine.close()
 
@@ -409,7 +410,7 @@ def test_a_superbatch_of_arrow_texts_with_repeats_is_the_same_with_the_helpers(m
         off = sbe.encode([frame], spans)
     with dask.config.set({"surge.tuning.tokenize-processes": 1}):
         on = sbe.encode([frame], spans)
-    packer = sbe.encoder._loaded().impl.engine._packer
+    packer = sbe.encoder._loaded().impl.engine.packer
     assert packer._pool is not None and packer._pool_failure is None  # a helper tokenized them
     assert on.encoded == off.encoded < len(texts)
     pd.testing.assert_frame_equal(on.frame, off.frame)

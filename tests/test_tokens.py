@@ -30,7 +30,7 @@ def test_counter_matches_the_loaded_engine_without_loading_weights(monkeypatch):
     monkeypatch.setattr(cache, "_LOADED", {})  # nothing loaded here: the tokenizer.json path answers
     texts = ["", "hello world", " ".join(make_texts(400, seed=2))]  # the last is far over 256 tokens
     counted = token_counter(Encoder("default", device="cpu"))(texts)
-    assert cache._LOADED == {}  # and it loaded nothing
+    assert cache.loaded() == []  # and it loaded nothing
     engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(str(packaged_model_dir()), device="cpu"))
     assert counted.tolist() == engine.count_tokens(texts).astype(float).tolist()
     assert counted[-1] == engine.max_seq_length == 256  # truncated at the model's max_seq_length
@@ -50,7 +50,7 @@ def test_counter_of_an_in_memory_model_builds_no_engine(monkeypatch, tmp_path):
     texts = ["a b", " ".join(make_texts(50, seed=4))]
     settings = model.tokenizer.backend_tokenizer.truncation
     counted = token_counter(Encoder(model, device="cpu"))(texts)
-    assert cache._LOADED == {}
+    assert cache.loaded() == []
     assert model.tokenizer.backend_tokenizer.truncation == settings  # the user's tokenizer is untouched
     assert counted[-1] == 16 and counted.tolist() == [float(len(model.tokenizer(t, truncation=True,
                                                                            max_length=16)["input_ids"]))
@@ -60,7 +60,7 @@ def test_counter_of_an_in_memory_model_builds_no_engine(monkeypatch, tmp_path):
     (nested / "0_Transformer").mkdir(parents=True)
     shutil.copy(tmp_path / "tiny" / "tokenizer.json", nested / "0_Transformer" / "tokenizer.json")
     (nested / "0_Transformer" / "sentence_bert_config.json").write_text('{"max_seq_length": 8}')
-    from dask_surge.models.encoders import EncoderSpec
+    from dask_surge.models.spec import EncoderSpec
 
     class _PathOnly:  # what token_counter reads of an Encoder
         spec = EncoderSpec(kind="path", source=str(nested))

@@ -98,30 +98,6 @@ def test_process_settings_are_off_in_a_users_process_unless_forced(monkeypatch):
         assert tuning.active("gc-pause") is False
 
 
-@pytest.mark.parametrize("old, new, value", [("surge.tokenize-processes", "tokenize-processes", 2),
-                                             ("surge.pause-worker-profiler", "pause-profiler", False)])
-def test_the_old_keys_warn_and_still_take_effect(old, new, value):
-    with pytest.warns(FutureWarning, match=f"{old}.*surge.tuning.{new}"):
-        ctx = dask.config.set({old: value})
-    with ctx:
-        assert dask.config.get(f"surge.tuning.{new}") == value
-        assert tuning.setting(new, "cpu") == value
-    assert dask.config.get(f"surge.tuning.{new}") == "auto"
-
-
-def test_an_old_key_from_the_environment_is_moved_with_a_warning():
-    script = ("import warnings; warnings.simplefilter('always')\n"
-              "from dask_surge.engine import tuning\n"
-              "print(tuning.setting('tokenize-processes', 'cpu'), tuning.active('pause-profiler'))\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-           "DASK_SURGE__TOKENIZE_PROCESSES": "3", "DASK_SURGE__PAUSE_WORKER_PROFILER": "True"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["3", "True"]
-    assert "'surge.tokenize-processes' has been deprecated" in proc.stderr
-    assert "'surge.pause-worker-profiler' has been deprecated" in proc.stderr
-
-
 # -- the settings where they apply ---------------------------------------------------------------------
 
 
@@ -135,7 +111,7 @@ def test_the_collector_stays_on_while_a_users_process_tokenizes(tiny_model, monk
     monkeypatch.setattr(tuning, "_applied", {})
     engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(str(tiny_model), device="cpu"))
     try:
-        packer = engine._packer
+        packer = engine.packer
         packer._joined = None  # text by text: the path that paused the collector
         seen: list[bool] = []
         encode_batch = packer._encode_batch
@@ -160,12 +136,12 @@ def test_the_engine_takes_its_settings_for_its_device(tiny_model):
         engine = TransformerEngine.from_sentence_transformer(st)
         try:
             engine.encode(["a text"])
-            assert not any(isinstance(m, forward._OneDNNLinear) for m in engine._hf.modules())
-            assert engine._hf is st[0].auto_model  # no copy: the user's model runs as it is
-            assert engine._packer._joined is None
+            assert not any(isinstance(m, forward._OneDNNLinear) for m in engine.runner.hf.modules())
+            assert engine.runner.hf is st[0].auto_model  # no copy: the user's model runs as it is
+            assert engine.packer._joined is None
         finally:
             engine.close()
-    packer = engine._packer
+    packer = engine.packer
     packer.tune("cuda:0")
     assert (packer.joined_tokenizing, packer.processes) == (False, 0)
     packer.tune("cpu")

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from sentence_transformers import SentenceTransformer
 
 from dask_surge.engine import long_texts as windows_mod
-from dask_surge.engine.long_texts import DEFAULT_CHUNK_OVERLAP, TextTooLong, WindowCutter
+from dask_surge.engine.long_texts import TextTooLong, WindowCutter
+from dask_surge.options import DEFAULT_CHUNK_OVERLAP
 from dask_surge.engine.tokenizing import StageClock, TextPacker
 from dask_surge.engine.transformer import TransformerEngine
 from dask_surge.errors import SurgeInputError, SurgeValueError

@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..errors import SurgeModelError, SurgeValueError
-from ..io.layout import DENSE, check_family_options
+from ..families import DENSE, check_family_options
 from ..io.texts import ArrowTexts
 from .family import family_of_object
 from .layout import layout_of_model
@@ -100,6 +100,18 @@ class Backend(Protocol):
         """
         ...
 
+    def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
+        """The model's window cutter (its fast tokenizer and window), built once.
+
+        Raises
+        ------
+        SurgeValueError
+            Where the model has none (no fast tokenizer), saying why ``long_texts`` cannot run.
+        BackendClosed
+            If the backend was closed.
+        """
+        ...
+
     def close(self) -> None:
         """Release what the backend holds, once the calls running now end; idempotent."""
         ...
@@ -109,7 +121,7 @@ class _Released:
     """Calls in flight and the release that waits for the last of them (shared by the backends)."""
 
     name = "?"
-    #: what one text becomes (:data:`dask_surge.io.layout.FAMILIES`): a vector, but for :class:`FamilyBackend`
+    #: what one text becomes (:data:`dask_surge.families.FAMILIES`): a vector, but for :class:`FamilyBackend`
     family = "dense"
 
     def __init__(self) -> None:
@@ -181,6 +193,10 @@ class FastBackend(_Released):
             return self.engine.encode_long(texts, normalize=normalize, long_texts=long_texts,  # type: ignore[arg-type]
                                            chunk_overlap=chunk_overlap)
 
+    def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
+        with self._call():
+            return self.engine.cutter()
+
     def _release(self) -> None:
         engine, self.engine, self.model = self.engine, None, None
         if engine is not None:
@@ -224,7 +240,7 @@ class SentenceTransformersBackend(_Released):
         """
         with self._call():
             if long_texts in ("chunk", "mean"):
-                cutter = self._window_cutter(long_texts)
+                cutter = self.window_cutter(long_texts)
                 cutter.check_overlap(chunk_overlap)
                 renormalize = normalize or any(type(m).__name__ == "Normalize" for m in self.model)
 
@@ -237,14 +253,15 @@ class SentenceTransformersBackend(_Released):
 
                 return encode_windows(texts, long_texts, chunk_overlap, cutter, encode, self.dimension,
                                       renormalize=renormalize)
-            over = _over_window(self._window_cutter, texts, long_texts)
+            over = _over_window(self.window_cutter, texts, long_texts)
             return TextEmbeddings(self._encode(texts, normalize), None, over, 0 if over is None else int(over.sum()))
 
-    def _window_cutter(self, long_texts: str) -> WindowCutter:
+    def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
         """The model's window cutter (built once), or the error saying why there is none."""
-        if self._cutter is None:
-            self._cutter = _window_cutter_of(self.model, long_texts, self._prompt)
-        return self._cutter
+        with self._call():
+            if self._cutter is None:
+                self._cutter = _window_cutter_of(self.model, long_texts, self._prompt)
+            return self._cutter
 
     def _release(self) -> None:
         self.model = None
@@ -322,13 +339,14 @@ class FamilyBackend(_Released):
         """
         check_family_options(self.family, long_texts=long_texts)
         with self._call():
-            over = _over_window(self._window_cutter, texts, long_texts)
+            over = _over_window(self.window_cutter, texts, long_texts)
             return TextEmbeddings(self._encode(texts, normalize), None, over, 0 if over is None else int(over.sum()))
 
-    def _window_cutter(self, long_texts: str) -> WindowCutter:
-        if self._cutter is None:
-            self._cutter = _window_cutter_of(self.model, long_texts, self._marker(), self._window())
-        return self._cutter
+    def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
+        with self._call():
+            if self._cutter is None:
+                self._cutter = _window_cutter_of(self.model, long_texts, self._marker(), self._window())
+            return self._cutter
 
     def _window(self) -> int | None:
         """The tokens a text is cut at: a late-interaction model cuts queries and documents at lengths of
@@ -426,9 +444,12 @@ class CallableBackend(_Released):
             For ``"error"``, ``"chunk"`` and ``"mean"``.
         """
         if long_texts != "truncate":
-            raise no_tokenizer(long_texts, "a plain callable model has no tokenizer")
+            self.window_cutter(long_texts)  # raises: no tokenizer
         with self._call():
             return TextEmbeddings(self._encode(texts, normalize), None, None, 0)
+
+    def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
+        raise no_tokenizer(long_texts, "a plain callable model has no tokenizer")
 
     def _release(self) -> None:
         self.fn = None

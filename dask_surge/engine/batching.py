@@ -55,12 +55,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .._deprecated import renamed
-
 __all__ = ["CPU_MAX_TOKENS", "CPU_MAX_TOKENS_CAP", "activation_bytes_per_token", "cpu_max_tokens", "FIRST_BLOCK_TEXTS", "BLOCK_TEXTS", "BatchPlan", "cut", "plan_batches", "replay", "sort_order", "blocks"]
 
-#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
-__getattr__ = renamed(__name__, {'WINDOW_TEXTS': 'BLOCK_TEXTS', 'FIRST_WINDOW_TEXTS': 'FIRST_BLOCK_TEXTS', 'windows': 'blocks'})
 
 #: Token budget of one micro-batch on a CPU (rows x padded length): the budget that measured
 #: fastest on 2 cores (``python -m benchmarks.engine_cpu --max-tokens``).

@@ -4,8 +4,8 @@ sentence-transformers saves the class a model is meant for in ``config_sentence_
 (``"model_type"``): ``SparseEncoder`` (SPLADE: vocabulary weights, written as ``indices`` and
 ``values``), ``MultiVectorEncoder`` (late interaction, ColBERT: a vector per token, written as
 ``vectors`` and ``tokens``), else a dense model (a vector per text, ``embedding``). See
-:mod:`dask_surge.io.layout` for the columns of each family. Nothing here imports torch or
-sentence-transformers: a loaded object is recognised by the classes of the module it was made with.
+:mod:`dask_surge.families` for the families and :mod:`dask_surge.io.layout` for their columns.
+Nothing here imports torch or sentence-transformers: a loaded object is recognised by the classes of the module it was made with.
 
 Examples
 --------
@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Any
 
-from ..io.layout import DENSE, MULTIVECTOR, SPARSE
+from ..families import DENSE, MULTIVECTOR, SPARSE
 from .layout import read_layout
 
 __all__ = ["MODEL_TYPES", "family_of_files", "family_of_object"]

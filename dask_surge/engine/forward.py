@@ -39,12 +39,10 @@ from .bert import BertEncoder, pad_keys
 from .layout import is_decoder_config
 from .tokenizing import PackedBlock, StageClock
 
-__all__ = ["DTYPES", "STAGING_BYTES", "DeviceRunner"]
+__all__ = ["DTYPES", "STAGING_BYTES", "DeviceBlock", "DeviceRunner"]
 
 #: Compute dtypes by name (None: the weights' own, float32).
 DTYPES = {None: None, "float32": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
-#: Token budget per micro-batch on CPU (rows x padded length); the rule lives in :mod:`dask_surge.engine.batching`.
-_CPU_MAX_TOKENS = CPU_MAX_TOKENS
 #: Bytes of the one pinned host buffer per CUDA engine through which every result is copied out
 #: (reused, never grown): results are ordinary numpy memory, and the pinned memory stays bounded.
 STAGING_BYTES = 8 << 20
@@ -58,7 +56,7 @@ Forward = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class _DeviceBlock:
+class DeviceBlock:
     """One prepared window: its micro-batch plan and its host tensors (ids in run order, int32)."""
 
     plan: BatchPlan
@@ -139,17 +137,17 @@ class DeviceRunner:
         self._staging_lock = threading.Lock()
 
     # -- host tensors and the micro-batches ---------------------------------------------------
-    def stage(self, packed: PackedBlock) -> _DeviceBlock:
+    def stage(self, packed: PackedBlock) -> DeviceBlock:
         """``packed`` as host tensors, pinned on CUDA (they travel to the device asynchronously)."""
         t0 = time.perf_counter()
         pin = self.device.type == "cuda"
-        window = _DeviceBlock(plan=packed.plan, size=packed.size, ids=_host(packed.ids, pin),
+        window = DeviceBlock(plan=packed.plan, size=packed.size, ids=_host(packed.ids, pin),
                          lengths=_host(packed.lengths, pin), starts=_host(packed.starts, pin),
                          where=_host(packed.where, pin))
         self.clock.count("pack", t0)
         return window
 
-    def run_block(self, window: _DeviceBlock, out: torch.Tensor, normalize: bool, *, split_runs: bool = True,
+    def run_block(self, window: DeviceBlock, out: torch.Tensor, normalize: bool, *, split_runs: bool = True,
                    forward: Forward | None = None) -> None:
         """Device side of one window: every micro-batch, written into ``out`` at its rows.
 
@@ -641,7 +639,7 @@ def _with_onednn_linear(hf: torch.nn.Module) -> torch.nn.Module:
             module.__class__ = _OneDNNLinear
             if pack is not None and module.weight.dtype == torch.float32:
                 with contextlib.suppress(RuntimeError), torch.no_grad():
-                    module._packed = pack(module.weight.detach(), _CPU_MAX_TOKENS)
+                    module._packed = pack(module.weight.detach(), CPU_MAX_TOKENS)
                     module._packed_version = module.weight._version  # type: ignore[assignment]
     for module in list(clone.modules()):
         _fuse_gelu(module)

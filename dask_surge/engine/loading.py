@@ -30,7 +30,7 @@ from .layout import FAST_POOLING, ROTARY_DECODERS, TEXT_ONLY, ModelLayout, read_
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DIRECT_MODEL_TYPES", "DirectLayout", "DirectModule", "direct_layout", "direct_reason", "load_direct"]
+__all__ = ["DIRECT_MODEL_TYPES", "DirectModule", "direct_layout", "direct_reason", "load_direct"]
 
 #: ``config.json`` model types loaded directly: the encoders and the rotary decoders
 #: (:data:`~dask_surge.engine.layout.ROTARY_DECODERS`) that ``AutoModel`` loads as
@@ -44,10 +44,6 @@ _NEUTRAL_TRANSFORMER = {"transformer_task": ("feature-extraction",), "module_out
                         "modality_config": (None, TEXT_ONLY), "query_length": (None,), "document_length": (None,),
                         "query_expansion": (None,)}
 _NEUTRAL_MODEL = {"__version__", "prompts", "default_prompt_name", "similarity_fn_name", "model_type"}
-
-#: The layout of a model loaded directly (the name this module gave it before there was one layout).
-DirectLayout = ModelLayout
-
 
 def direct_reason(layout: ModelLayout) -> str | None:
     """None when the model of ``layout`` loads directly (without sentence-transformers), else why not.

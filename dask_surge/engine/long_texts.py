@@ -27,20 +27,16 @@ from typing import Any
 
 import numpy as np
 
-from .._deprecated import renamed
 from ..config import check_argument
 from ..errors import SurgeInputError, SurgeValueError
-from ..options import DEFAULT_CHUNK_OVERLAP, LONG_TEXTS, LongTexts
+from ..options import DEFAULT_CHUNK_OVERLAP
 from .batching import BLOCK_TEXTS
 from .joined import flat_ids, special_ends
 from .tokenizing import unreadable_text
 
 __all__ = [
-    "DEFAULT_CHUNK_OVERLAP",
-    "LONG_TEXTS",
     "SLICE_CHARS",
     "TextEmbeddings",
-    "LongTexts",
     "TextTooLong",
     "WindowCutter",
     "WindowGroup",
@@ -49,11 +45,9 @@ __all__ = [
     "collect",
 ]
 
-#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
-__getattr__ = renamed(__name__, {'LongEncoded': 'TextEmbeddings'})
 
 # LongTexts (the modes), LONG_TEXTS and DEFAULT_CHUNK_OVERLAP (32 tokens) are declared with the options
-# (dask_surge.options) and re-exported from here.
+# (dask_surge.options).
 #: Characters of one text tokenized at once: a longer text is tokenized in slices cut at whitespace
 #: (a slice with no whitespace in its second half is cut where it is), so the tokenizer's
 #: per-token state stays bounded whatever the text's length.

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from .._deprecated import renamed
 from ..errors import SurgeInputError
 from ..io.texts import ArrowTexts, as_list, as_texts
 from . import tuning
@@ -33,11 +32,9 @@ from .batching import blocks as block_starts
 from .joined import JoinedTokenizer, flat_ids
 from .tokenpool import Pending, TokenizedBlock, TokenizerProcessError, TokenPool, auto_processes
 
-__all__ = ["STAGES", "PackedBlock", "StageClock", "TextPacker", "flat_ids", "gc_paused", "prepared",
+__all__ = ["STAGES", "PackedBlock", "StageClock", "TextPacker", "gc_paused", "prepared",
            "unreadable_text"]
 
-#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
-__getattr__ = renamed(__name__, {'PackedWindow': 'PackedBlock'})
 
 logger = logging.getLogger(__name__)
 

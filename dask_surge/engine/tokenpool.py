@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from .._deprecated import renamed
 from ..errors import SurgeError
 from ..io.texts import ArrowTexts
 from . import tuning
@@ -44,8 +43,6 @@ from ._tokenhelper import out_layout, read_message, write_message
 
 __all__ = ["TokenPool", "TokenizedBlock", "TokenizerProcessError", "auto_processes"]
 
-#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
-__getattr__ = renamed(__name__, {'TokenizedWindow': 'TokenizedBlock'})
 
 logger = logging.getLogger(__name__)
 

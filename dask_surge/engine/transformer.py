@@ -26,22 +26,10 @@ import torch
 from ..config import check_argument
 from ..errors import SurgeValueError
 from ..io.texts import ArrowTexts, as_list, as_texts
-from .forward import (  # the private helpers are re-exported: tests and benchmarks import them from here
-    DTYPES,
-    STAGING_BYTES,
-    DeviceRunner,
-    _DeviceBlock,
-)
-from .forward import _cast_copy as _cast_copy
-from .forward import _check_finite as _check_finite
-from .forward import _copy_out as _copy_out
-from .forward import _Feeder as _Feeder
-from .forward import _fuse_gelu as _fuse_gelu
-from .forward import _OneDNNLinear as _OneDNNLinear
+from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
+from .forward import DTYPES, DeviceBlock, DeviceRunner
 from .layout import layout_of_model
 from .long_texts import (
-    DEFAULT_CHUNK_OVERLAP,
-    LongTexts,
     TextEmbeddings,
     TextTooLong,
     WindowCutter,
@@ -52,10 +40,7 @@ from .long_texts import (
 from .prompts import resolve_prompt
 from .tokenizing import StageClock, TextPacker, prepared
 
-__all__ = ["STAGING_BYTES", "TransformerEngine"]
-
-_DTYPES = DTYPES
-
+__all__ = ["TransformerEngine"]
 
 class TransformerEngine:
     """Fast ``encode`` for Transformer + Pooling (+ Normalize) sentence-transformers models, encoders and
@@ -83,6 +68,11 @@ class TransformerEngine:
     prompt_length : int
         Leading tokens left out of pooling: the prompt's, when the ``Pooling`` module
         has ``include_prompt=False``; else 0.
+    packer : TextPacker
+        The host side: tokenize, length sort, pack (:mod:`dask_surge.engine.tokenizing`).
+    runner : DeviceRunner
+        The device side: the model, its forward and pooling, the feeder thread and the
+        staging buffer (:mod:`dask_surge.engine.forward`).
 
     Examples
     --------
@@ -100,16 +90,16 @@ class TransformerEngine:
         self._clock = StageClock()
         self._hf_tokenizer = transformer.tokenizer  # for the long-text window cutter, built on first use
         self._cutter = None
-        self._packer = TextPacker(transformer.tokenizer, int(transformer.max_seq_length), prompt=prompt or "",
+        self.packer = TextPacker(transformer.tokenizer, int(transformer.max_seq_length), prompt=prompt or "",
                                   include_prompt=include_prompt, clock=self._clock)
-        self._device = DeviceRunner(transformer.auto_model, tuple(pooling_modes), dtype=dtype,
-                                    pad_id=self._packer.pad_id, type_ids=self._packer.type_ids,
-                                    prompt_length=self._packer.prompt_length, clock=self._clock)
-        self.device = self._device.device
+        self.runner = DeviceRunner(transformer.auto_model, tuple(pooling_modes), dtype=dtype,
+                                    pad_id=self.packer.pad_id, type_ids=self.packer.type_ids,
+                                    prompt_length=self.packer.prompt_length, clock=self._clock)
+        self.device = self.runner.device
         self._normalize = normalize
-        self.max_seq_length = self._packer.max_seq_length
-        self.dimension = self._device.dimension
-        self.max_tokens = self._device.auto_max_tokens(self.max_seq_length) if max_tokens is None else max_tokens
+        self.max_seq_length = self.packer.max_seq_length
+        self.dimension = self.runner.dimension
+        self.max_tokens = self.runner.auto_max_tokens(self.max_seq_length) if max_tokens is None else max_tokens
         self._lock = threading.Lock()
         #: Launch all device work from one dedicated thread (the device side's feeder); on by default on
         #: CUDA, where the calling threads then only tokenize and pack. Settable (tests set it on CPU).
@@ -120,9 +110,9 @@ class TransformerEngine:
         #: (benchmarks compare both); the embeddings are the same either way.
         self.split_runs = True
         #: The prompt put before every text ("" for none), resolved as ``SentenceTransformer.encode`` does.
-        self.prompt = self._packer.prompt
+        self.prompt = self.packer.prompt
         #: Tokens of the prompt left out of pooling (0 when the Pooling module includes the prompt).
-        self.prompt_length = self._packer.prompt_length
+        self.prompt_length = self.packer.prompt_length
         #: Helper processes that tokenize (:mod:`~dask_surge.engine.tokenpool`): None reads
         #: ``surge.tuning.tokenize-processes`` at each call (:mod:`~dask_surge.engine.tuning`, for the
         #: device). Settable; the embeddings are the same either way.
@@ -130,7 +120,7 @@ class TransformerEngine:
 
     def _use_processes(self) -> None:
         """Set the packer's tuning settings for this call (see :attr:`tokenize_processes`)."""
-        self._packer.tune(self.device.type, self.tokenize_processes)
+        self.packer.tune(self.device.type, self.tokenize_processes)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -141,23 +131,6 @@ class TransformerEngine:
         back); with ``calls`` and ``texts``. For benchmarks and diagnosis; read, don't rely on it.
         """
         return self._clock.stats
-
-    # the device side's state, by the names benchmarks and tests read
-    @property
-    def _hf(self):
-        return self._device.hf
-
-    @property
-    def _mask4d(self) -> bool:
-        return self._device.mask4d
-
-    @property
-    def _staging(self):
-        return self._device.staging
-
-    @property
-    def _feeder(self):
-        return self._device.feeder
 
     @classmethod
     def from_sentence_transformer(
@@ -218,7 +191,7 @@ class TransformerEngine:
         'query: '
         """
         max_tokens = check_argument("max_tokens", max_tokens)
-        if dtype not in _DTYPES:
+        if dtype not in DTYPES:
             raise SurgeValueError(
                 f"dtype={dtype!r} is not supported: the compute dtype must be one of None, 'float32', "
                 "'float16' or 'bfloat16'. Fix: pass one of those."
@@ -236,7 +209,7 @@ class TransformerEngine:
             return None
         prompt = resolve_prompt(dict(model.prompts), model.default_prompt_name, prompt, prompt_name)
         device = next(transformer.auto_model.parameters()).device
-        if _DTYPES[dtype] is not None and device.type != "cuda":
+        if DTYPES[dtype] is not None and device.type != "cuda":
             raise SurgeValueError(
                 f"dtype={dtype!r} needs a CUDA device but the model is on {device}: half precision only runs "
                 "on CUDA. Fix: pass dtype=None (or 'float32') on CPU, or load the model with device='cuda'."
@@ -287,7 +260,7 @@ class TransformerEngine:
                 "cannot encode. Fix: build a new engine with TransformerEngine.from_sentence_transformer(model)."
             )
 
-    def _encode_with(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], _DeviceBlock],
+    def _encode_with(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], DeviceBlock],
                      normalize: bool) -> np.ndarray:
         """``(count, dimension)`` embeddings: ``prepare(item, offset)`` of each ``(offset, item)`` of ``windows``, run."""
         if self.use_feeder:
@@ -296,13 +269,13 @@ class TransformerEngine:
             out = torch.empty((count, self.dimension), dtype=torch.float32, device=self.device)
             for window in prepared(iter(windows), prepare):
                 self._run_block(window, out, normalize)
-            return self._device.finish(out)
+            return self.runner.finish(out)
 
-    def _encode_fed(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], _DeviceBlock],
+    def _encode_fed(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], DeviceBlock],
                     normalize: bool) -> np.ndarray:
         """Prepare windows in the calling thread; the feeder thread launches all device work."""
         with self._lock:
-            feeder = self._device.feeder_thread()
+            feeder = self.runner.feeder_thread()
         state: dict = {}
 
         def start() -> None:
@@ -317,23 +290,23 @@ class TransformerEngine:
                 job.exception()
         for job in jobs:
             job.result()  # the first device error, if any
-        return self._device.finish_fed(feeder, state["out"])  # CUDA: waits here, not on the feeder thread
+        return self.runner.finish_fed(feeder, state["out"])  # CUDA: waits here, not on the feeder thread
 
     def _blocks(self, texts: list[str] | ArrowTexts):
         """``(offset, encodings)`` per window; on CUDA the next window tokenizes during compute."""
-        return self._packer.blocks(texts, background=self.device.type == "cuda")
+        return self.packer.blocks(texts, background=self.device.type == "cuda")
 
-    def _prepare_block(self, encodings: Any, offset: int) -> _DeviceBlock:
+    def _prepare_block(self, encodings: Any, offset: int) -> DeviceBlock:
         """Host side of one window: the plan and the token ids in run order, as int32 (pinned on CUDA)."""
-        packed = self._packer.pack(encodings, offset, max_tokens=self.max_tokens, split_runs=self.split_runs)
-        return self._device.stage(packed)
+        packed = self.packer.pack(encodings, offset, max_tokens=self.max_tokens, split_runs=self.split_runs)
+        return self.runner.stage(packed)
 
-    def _run_block(self, window: _DeviceBlock, out: torch.Tensor, normalize: bool) -> None:
-        self._device.run_block(window, out, normalize, split_runs=self.split_runs, forward=self._forward)
+    def _run_block(self, window: DeviceBlock, out: torch.Tensor, normalize: bool) -> None:
+        self.runner.run_block(window, out, normalize, split_runs=self.split_runs, forward=self._forward)
 
     def _forward(self, ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """Pooled float32 embeddings of one micro-batch (see :meth:`DeviceRunner.forward`); tests wrap it."""
-        return self._device.forward(ids, valid)
+        return self.runner.forward(ids, valid)
 
     def cutter(self) -> WindowCutter:
         """The :class:`~dask_surge.engine.long_texts.WindowCutter` of this model and prompt (built on first use)."""
@@ -372,8 +345,8 @@ class TransformerEngine:
                                   self.dimension, renormalize=normalize, clock=self._clock)
         truncated = np.zeros(len(texts), dtype=bool)
 
-        def prepare(encodings: Any, offset: int) -> _DeviceBlock:
-            over = self._packer.overflowed(encodings)
+        def prepare(encodings: Any, offset: int) -> DeviceBlock:
+            over = self.packer.overflowed(encodings)
             if long_texts == "error" and over.any():
                 first = offset + int(np.argmax(over))
                 cutter = self.cutter()
@@ -389,13 +362,13 @@ class TransformerEngine:
         for group in _prefetch(groups, background=self.device.type == "cuda"):
             yield self._encode_with(len(group), [(0, group)], self._prepare_group, normalize)
 
-    def _prepare_group(self, group: WindowGroup, offset: int) -> _DeviceBlock:
+    def _prepare_group(self, group: WindowGroup, offset: int) -> DeviceBlock:
         """Host side of one group of windows: packed from their ids (no tokenizing), staged."""
         cutter = self.cutter()
-        packed = self._packer.pack_windows(group.content, group.starts, group.windows.tokens, offset,
+        packed = self.packer.pack_windows(group.content, group.starts, group.windows.tokens, offset,
                                            head=cutter.head, tail=cutter.tail, max_tokens=self.max_tokens,
                                            split_runs=self.split_runs)
-        return self._device.stage(packed)
+        return self.runner.stage(packed)
 
     def close(self) -> None:
         """Stop the feeder thread and the tokenizer helper processes, release the pinned staging buffer and the
@@ -415,8 +388,8 @@ class TransformerEngine:
         """
         with self._lock:
             self._closed = True
-        self._packer.close()
-        self._device.close()
+        self.packer.close()
+        self.runner.close()
 
     @property
     def closed(self) -> bool:
@@ -445,7 +418,7 @@ class TransformerEngine:
         [2, 4]
         """
         self._use_processes()
-        return self._packer.count_tokens(texts)
+        return self.packer.count_tokens(texts)
 
 
 def _prefetch(items: Iterable[Any], *, background: bool) -> Iterator[Any]:

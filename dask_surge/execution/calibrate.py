@@ -71,10 +71,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..engine.batching import replay
 from ..errors import SurgeValueError
-from ..io.layout import DENSE
+from ..families import DENSE
 from ..models.encoders import Encoder
-from ..planning.costmodel import CostParams, _replay, call_cost, token_quantiles
+from ..planning.costmodel import CostParams, call_cost, token_quantiles
 from ..planning.policy import plan_superbatches
 from ..planning.tokens import token_counter
 from ..synthetic import make_partitioned_frame, make_texts
@@ -328,7 +329,7 @@ def _probe_curve(encoder, budget_s: float, seed: int = 7, *, clock=time.perf_cou
         """((rows, padded tokens, forwards, median seconds), Timing) of ``reps``+ calls."""
         batch = texts[kind][start : start + b]
         x = -np.sort(-lengths[kind][start : start + b])
-        padded, forwards = _replay(x, max_tokens, batch_rows)
+        padded, forwards = replay(x, max_tokens, batch_rows)
         t = _repeat(clock, lambda: call(batch), reps, more=2 * reps, left=left)
         return (len(batch), float(padded), float(forwards), t.median_s), t
 

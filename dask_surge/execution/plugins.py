@@ -17,9 +17,10 @@ from distributed.diagnostics.plugin import WorkerPlugin
 
 from ..engine import tuning
 from ..engine.placement import default_device
-from ..models.encoders import Encoder, install_object, uninstall_object
+from ..models.encoders import Encoder
+from ..models.registry import install_object, uninstall_object
 
-__all__ = ["EncoderPlugin", "configure_worker_threads", "register_encoder", "release_encoder", "plugin_name",
+__all__ = ["EncoderPlugin", "configure_worker_threads", "register_encoder", "plugin_name",
            "models_ready", "share_tokenizer_cores", "tokenizer_threads", "workers_by_host"]
 
 logger = logging.getLogger(__name__)
@@ -229,23 +230,6 @@ def configure_worker_threads(*, cpus: int | None = None) -> dict:
     pa.set_io_thread_count(max(8, cpus))
     return {"tokenizers_parallelism": os.environ["TOKENIZERS_PARALLELISM"], "arrow_cpu_count": pa.cpu_count(),
             "arrow_io_thread_count": pa.io_thread_count()}
-
-
-def release_encoder(encoder: Encoder) -> bool:
-    """Drop ``encoder``'s loaded model from this process: the same as ``encoder.close()``.
-
-    Kept for callers of earlier versions; :meth:`Encoder.close` (or ``with Encoder(...) as enc:``)
-    is the public way. The model is loaded again on its next use. Returns True when a model
-    was loaded. An in-memory model stays installed (it is the caller's object, and a worker
-    in the client's process shares it).
-
-    Examples
-    --------
-    >>> from dask_surge import Encoder
-    >>> release_encoder(Encoder("default", device="cpu", batch_size=7))  # never loaded: nothing to do
-    False
-    """
-    return encoder.close()
 
 
 def tokenizer_threads(cores: int, workers: int) -> int:

@@ -39,10 +39,10 @@ from typing import Any, Protocol
 from .. import config
 from ..engine.tokenizing import LONE_SURROGATE
 from ..errors import SurgeError, SurgeInputError, SurgeOutputError
+from ..families import family_of_run
 from ..io.arrow import to_host
 from ..io.directory import sb_key
 from ..io.frames import FrameRows
-from ..io.layout import family_of_run
 from ..io.lease import Claim
 from ..io.manifest import (
     Coverage,

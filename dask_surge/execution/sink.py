@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._deprecated import renamed
 from ..errors import SurgeOutputError
 from ..io.arrow import to_host
 from ..io.directory import discard, sb_key
@@ -25,9 +24,6 @@ from .reach import run_gone
 from .superbatch import SuperBatchRows, SuperBatchTask, partition_digest
 
 __all__ = ["PendingCommit", "SuperBatchWriter"]
-
-#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
-__getattr__ = renamed(__name__, {'EncodedBatch': 'PendingCommit'})
 
 
 @dataclass(frozen=True)

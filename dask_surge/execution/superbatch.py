@@ -9,23 +9,20 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from .._deprecated import renamed
 from ..engine.long_texts import TextTooLong, no_tokenizer
 from ..engine.tokenizing import unreadable_text
 from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
+from ..families import DENSE, MULTIVECTOR, SPARSE
 from ..io.arrow import embedding_array, to_host
 from ..io.frames import FrameRows
 from ..io.hashing import arrow_strings, hash_column, text_hashes
 from ..io.layout import (
     CHUNK_COLUMNS,
-    DENSE,
     EMBEDDING,
     FAMILY_COLUMNS,
     INDICES,
-    MULTIVECTOR,
     PARTITION,
     ROW,
-    SPARSE,
     TEXT_HASH,
     TOKENS,
     VALUES,
@@ -44,8 +41,6 @@ __all__ = ["SuperBatchRows", "SuperBatchTask", "distinct", "expand", "texts_of",
            "arrow_texts",
            "partition_digest", "concat_column"]
 
-#: names of 0.1.0's development kept for a release (see ``CHANGELOG.md``)
-__getattr__ = renamed(__name__, {'SuperBatchEncoder': 'SuperBatchTask', 'Encoded': 'SuperBatchRows'})
 
 def distinct(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The first occurrence of each distinct row of ``hashes`` (``(n, 2)`` uint64), in order of

@@ -29,8 +29,9 @@ import numpy as np
 import pyarrow as pa
 
 from ..errors import SurgeValueError
+from ..families import FAMILY_PRECISIONS, MULTIVECTOR
 from .arrow import embedding_array, embedding_type
-from .layout import FAMILY_PRECISIONS, MULTIVECTOR, VECTORS
+from .layout import VECTORS
 from .precision import PRECISIONS
 
 __all__ = ["MULTIVECTOR_PRECISIONS", "vectors_type", "multivector_arrays", "to_matrices"]

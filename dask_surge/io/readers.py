@@ -11,7 +11,8 @@ from typing import Literal
 import pandas as pd
 
 from ..errors import SurgeInputError, SurgeValueError
-from .layout import PARTITION, PAYLOAD_COLUMNS, ROW, TEXT_HASH, family_of_run
+from ..families import family_of_run
+from .layout import PARTITION, PAYLOAD_COLUMNS, ROW, TEXT_HASH
 from .manifest import current_run, existing_run, text_counts
 from .store import OutputStore
 

@@ -24,18 +24,18 @@ from .loader import load
 from .modelid import files_signature
 from .spec import EncoderSpec
 
-__all__ = ["cached", "forget", "get", "release"]
+__all__ = ["Loaded", "cached", "forget", "get", "loaded", "release"]
 
 logger = logging.getLogger(__name__)
 
 # process-wide state: loaded models by spec (at most surge.max-loaded-models)
-_LOADED: dict[EncoderSpec, _Loaded] = {}
+_LOADED: dict[EncoderSpec, Loaded] = {}
 _LOAD_LOCK = threading.Lock()
 _uses = itertools.count()
 
 
 @dataclass
-class _Loaded:
+class Loaded:
     """A loaded model: the backend that encodes with it, why that one, and when it was last used."""
 
     impl: Backend
@@ -73,18 +73,24 @@ def _files(spec: EncoderSpec) -> tuple:
         return ()
 
 
-def _load(spec: EncoderSpec) -> _Loaded:
+def _load(spec: EncoderSpec) -> Loaded:
     """Load ``spec`` (see :func:`dask_surge.models.loader.load`); the caller caches it."""
     files = _files(spec)
-    return _Loaded(*load(spec), files=files)
+    return Loaded(*load(spec), files=files)
 
 
-def cached(spec: EncoderSpec) -> _Loaded | None:
+def cached(spec: EncoderSpec) -> Loaded | None:
     """The model loaded for ``spec`` in this process, or None (nothing is loaded to answer)."""
     return _LOADED.get(spec)
 
 
-def get(spec: EncoderSpec) -> _Loaded:
+def loaded() -> list[Loaded]:
+    """Every model loaded in this process, least recently used first (for diagnosis: nothing is loaded to answer)."""
+    with _LOAD_LOCK:
+        return sorted(_LOADED.values(), key=lambda m: m.used)
+
+
+def get(spec: EncoderSpec) -> Loaded:
     """The model loaded for ``spec``, loading it (once, whichever thread asks first) if need be.
 
     Loading one beyond ``surge.max-loaded-models`` closes the least recently used others.
@@ -114,7 +120,7 @@ def get(spec: EncoderSpec) -> _Loaded:
     return loaded
 
 
-def forget(spec: EncoderSpec, loaded: _Loaded) -> None:
+def forget(spec: EncoderSpec, loaded: Loaded) -> None:
     """Drop ``loaded`` from the cache if it is still the model cached for ``spec`` (it was closed directly)."""
     with _LOAD_LOCK:
         if _LOADED.get(spec) is loaded:
@@ -133,7 +139,7 @@ def release(spec: EncoderSpec) -> bool:
     return True
 
 
-def _over_the_bound(keep: EncoderSpec) -> list[_Loaded]:
+def _over_the_bound(keep: EncoderSpec) -> list[Loaded]:
     """Take the least recently used models out of ``_LOADED`` beyond ``surge.max-loaded-models`` (``keep`` stays).
 
     The caller holds ``_LOAD_LOCK`` and closes what this returns.

@@ -7,8 +7,7 @@ ships as its path and options and is loaded lazily, once per process, into a
 process-wide cache; an in-memory model ships as a registry token and reaches
 Dask workers once each through :class:`dask_surge.execution.plugins.EncoderPlugin`.
 
-The handle is built from one module per concept, and this module re-exports their names
-(``# noqa: F401`` below) so code that imports them from here keeps working:
+The handle is built from one module per concept; import a name from its own module:
 :mod:`~dask_surge.models.resolve` (model names to directories), :mod:`~dask_surge.models.spec`
 (the picklable spec), :mod:`~dask_surge.models.registry` (in-memory models by token),
 :mod:`~dask_surge.models.loader` (a spec to a backend; what the files say),
@@ -22,72 +21,38 @@ import json
 import math
 import os
 import sys
-import textwrap
 from collections.abc import Sequence
 from dataclasses import fields, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..config import check_argument
-from ..engine.backends import Backend, BackendClosed, choose_backend, direct_backend, free_memory  # noqa: F401
+from ..engine.backends import BackendClosed
 from ..engine.family import family_of_files, family_of_object
 from ..engine.long_texts import (
-    DEFAULT_CHUNK_OVERLAP,
-    LongTexts,
     TextEmbeddings,
     Windows,
     check_long_texts,
-    no_tokenizer,
 )
 from ..engine.placement import auto_dtype, checkpoint_dtype, gpu_count
-from ..engine.placement import move_to as _move_to  # noqa: F401
-from ..engine.placement import pick_device as _pick_device  # noqa: F401
 from ..engine.prompts import resolve_prompt
 from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
-from ..fingerprint import scrub
-from ..fingerprint import secret_values as _secret_values  # noqa: F401
+from ..families import DENSE, MULTIVECTOR
+from ..fingerprint import redact, without_secrets
 from ..io.arrow import embedding_array
-from ..io.layout import DENSE, MULTIVECTOR
 from ..io.texts import as_texts
-from ..options import Dtype, EngineName, defaults, options_of
+from ..options import DEFAULT_CHUNK_OVERLAP, Dtype, EngineName, LongTexts, defaults, document, options_of
 from . import cache
-from .cache import _LOAD_LOCK, _LOADED, _load, _Loaded, _over_the_bound, _uses  # noqa: F401
-from .loader import _load_direct, _wrap_object, dimension_from_files, stored_dtype  # noqa: F401
-from .loader import stored_dtype as _stored_dtype  # noqa: F401
-from .modelid import directory_digest, object_digest, redact, without_secrets
-from .output import check_finite, checked
-from .output import checked as _checked  # noqa: F401
-from .registry import _OBJECTS, install_object, installed, token_for, uninstall_object  # noqa: F401
-from .registry import token_for as _token_for  # noqa: F401
-from .resolve import (  # noqa: F401
-    DEFAULT_MODEL_ALIASES,
-    PACKAGED_HUB_ID,
-    ResolvedModel,
-    _check_model_dir,
-    _packaged_dir,
-    resolve_model,
-    resolve_model_path,
-)
+from .cache import Loaded
+from .loader import configured_prompts, dimension_from_files, stored_dtype
+from .modelid import directory_digest, object_digest
+from .output import checked
+from .registry import installed, token_for
+from .resolve import resolve_model
 from .spec import EncoderSpec, freeze, thaw
-from .spec import freeze as _freeze  # noqa: F401
-from .spec import thaw as _thaw  # noqa: F401
 
-__all__ = [
-    "DEFAULT_MODEL_ALIASES",
-    "PACKAGED_HUB_ID",
-    "Encoder",
-    "EncoderSpec",
-    "ResolvedModel",
-    "check_finite",
-    "dimension_from_files",
-    "install_object",
-    "resolve_model",
-    "resolve_model_path",
-    "scrub",
-    "uninstall_object",
-]
+__all__ = ["Encoder", "from_spec"]
 
 
 #: the Encoder's options and their defaults, as declared in :data:`dask_surge.options.OPTIONS`
@@ -178,7 +143,7 @@ class Encoder:
             repo_id=resolved.repo_id if resolved else None, commit=resolved.commit if resolved else None,
         )
         if prompt_name is not None and prompt is None:
-            prompts = self._configured_prompts()
+            prompts = configured_prompts(self.spec)
             if prompts is not None and prompt_name not in prompts[0]:
                 raise SurgeValueError(
                     f"prompt_name={prompt_name!r} is not one of this model's prompts {sorted(prompts[0])} "
@@ -187,7 +152,7 @@ class Encoder:
 
     # -- identity ---------------------------------------------------------------------
     def __reduce__(self):
-        return (_from_spec, (self.spec,))
+        return (from_spec, (self.spec,))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Encoder) and other.spec == self.spec
@@ -296,28 +261,9 @@ class Encoder:
             return None
         if self.spec.dtype != "auto":
             return self.spec.dtype
-        if device is None:
-            device = self.spec.device
-        if device is None:
-
-            device = "cuda" if gpu_count() else "cpu"
+        device = device or self.spec.device or ("cuda" if gpu_count() else "cpu")
         stored = checkpoint_dtype(obj) if self.in_memory else stored_dtype(self.spec)
         return auto_dtype(device, stored)
-
-    def _configured_prompts(self) -> tuple[dict[str, str], str | None] | None:
-        """The model's ``(prompts, default_prompt_name)`` without loading it; None if unknown (a callable)."""
-        if self.spec.kind == "path":
-            try:
-                config = json.loads((Path(self.spec.source) / "config_sentence_transformers.json").read_text())
-            except (OSError, ValueError):
-                config = {}
-            prompts = config.get("prompts") if isinstance(config, dict) else None
-            default = config.get("default_prompt_name") if isinstance(config, dict) else None
-            return (dict(prompts) if isinstance(prompts, dict) else {}), default
-        obj = self.source_object
-        if isinstance(getattr(obj, "prompts", None), dict):
-            return dict(obj.prompts), getattr(obj, "default_prompt_name", None)
-        return None
 
     def resolved_prompt(self) -> str | None:
         """The prompt text put before each input, resolved as sentence-transformers does; None if none.
@@ -333,12 +279,12 @@ class Encoder:
         >>> Encoder("default").resolved_prompt() is None
         True
         """
-        configured = self._configured_prompts()
+        configured = configured_prompts(self.spec)
         prompts, default = configured if configured is not None else ({}, None)
         return resolve_prompt(prompts, default, self.spec.prompt, self.spec.prompt_name, source=self._name())
 
     # -- loading and encoding -----------------------------------------------------------
-    def _loaded(self) -> _Loaded:
+    def _loaded(self) -> Loaded:
         return cache.get(self.spec)
 
     def load(self) -> Encoder:
@@ -487,7 +433,7 @@ class Encoder:
         loaded, raw = self._call(loaded, lambda impl: impl.encode(texts, normalize))
         return checked(raw, len(texts), loaded.backend)
 
-    def _call(self, loaded: _Loaded, run: Any) -> tuple[_Loaded, Any]:
+    def _call(self, loaded: Loaded, run: Any) -> tuple[Loaded, Any]:
         """``run(backend)``, with the model loaded again if another thread closed it meanwhile."""
         for _ in range(3):  # closed (evicted, unloaded) by another thread meanwhile: load it again
             try:
@@ -551,15 +497,9 @@ class Encoder:
             return 0
         return len(cutter.head) + len(cutter.tail)
 
-    def _cutter(self):
-        """The loaded backend's window cutter (see :class:`~dask_surge.engine.long_texts.WindowCutter`)."""
-        impl = self._loaded().impl
-        engine = getattr(impl, "engine", None)
-        if engine is not None:
-            return engine.cutter()
-        if hasattr(impl, "_window_cutter"):
-            return impl._window_cutter("chunk")
-        raise no_tokenizer("chunk", "a plain callable model has no tokenizer")
+    def _cutter(self) -> Any:
+        """The model's window cutter (:meth:`~dask_surge.engine.backends.Backend.window_cutter`)."""
+        return self._call(self._loaded(), lambda impl: impl.window_cutter("chunk"))[1]
 
     def encode_long(self, texts: Sequence[str], *, normalize: bool = False, long_texts: LongTexts = "truncate",
                     chunk_overlap: int | None = DEFAULT_CHUNK_OVERLAP) -> TextEmbeddings:
@@ -672,7 +612,6 @@ class Encoder:
         import pandas as pd
         import pyarrow as pa
 
-
         if hasattr(texts, "to_pandas") and not isinstance(texts, pd.Series):  # cuDF
             texts = texts.to_pandas()
         values = texts.tolist() if hasattr(texts, "tolist") else list(texts)
@@ -680,7 +619,6 @@ class Encoder:
         nulls = ~valid & np.fromiter((v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))
                                       for v in values), dtype=bool, count=len(values))
         if (bad := np.flatnonzero(~valid & ~nulls)).size:
-
             raise SurgeInputError(
                 f"texts[{bad[0]}]={values[bad[0]]!r} is a {type(values[bad[0]]).__name__}, but every text must "
                 "be a str (or null). Fix: convert the column first, e.g. series.astype('string')."
@@ -700,7 +638,6 @@ class Encoder:
     def meta(self):
         """Empty Series with the dtype :meth:`embed` returns (for Dask ``meta=``)."""
         import pandas as pd
-
 
         empty = embedding_array(np.zeros((0, self.dimension), dtype=np.float32))
         return pd.Series(pd.arrays.ArrowExtensionArray(empty), name="embedding")
@@ -744,35 +681,7 @@ _ENCODER_NOTES: dict[str, str] = {
 }
 
 
-def _document(doc: str | None) -> str:
-    r"""``doc`` with its ``{options}`` line replaced by the numpydoc entries of the Encoder's options.
-
-    The text is each option's declaration in :data:`dask_surge.options.OPTIONS` (the one ``encode``
-    shows), with the Encoder's own default (it reads no ``surge.*`` config) and its notes.
-
-    Examples
-    --------
-    >>> print(_document("Parameters\n----------\n{options}").splitlines()[2])
-    device : str, optional
-    """
-    if not doc or "{options}" not in doc:
-        raise ValueError("the Encoder's docstring has no '{options}' line to put its options in")
-    out: list[str] = []
-    for line in doc.split("\n"):
-        if "{options}" not in line:
-            out.append(line)
-            continue
-        indent = line[: len(line) - len(line.lstrip())]
-        for opt in options_of("Encoder"):
-            text = " ".join(filter(None, [opt.doc, _ENCODER_NOTES.get(opt.name, ""),
-                                          f"Default: ``{opt.default!r}``."]))
-            out.append(f"{indent}{opt.name} : {opt.doc_type}")
-            out += textwrap.wrap(text, width=88, initial_indent=indent + "    ", subsequent_indent=indent + "    ",
-                                 break_long_words=False, break_on_hyphens=False)
-    return "\n".join(out)
-
-
-Encoder.__doc__ = _document(Encoder.__doc__)
+Encoder.__doc__ = document(Encoder.__doc__, "Encoder", notes=_ENCODER_NOTES)
 
 
 def _check_options(opts: dict[str, Any]) -> None:
@@ -782,17 +691,8 @@ def _check_options(opts: dict[str, Any]) -> None:
             check_argument(opt.name, opts[opt.name], shown=redact(opts[opt.name]))
 
 
-def _from_spec(spec: EncoderSpec) -> Encoder:
+def from_spec(spec: EncoderSpec) -> Encoder:
+    """The :class:`Encoder` of ``spec``, unchecked: how a pickled Encoder comes back in another process."""
     enc = object.__new__(Encoder)
     enc.spec = spec
     return enc
-
-
-
-def _check_device(device: str) -> None:
-    ok = isinstance(device, str) and (
-        device in ("cpu", "cuda", "mps") or (device.startswith("cuda:") and device[5:].isdigit())
-    )
-    if not ok:
-        raise SurgeValueError(f"device={device!r} is not a torch device: it must be 'cpu', 'cuda', 'cuda:N' "
-                              "(N a device index) or 'mps'. Fix: use 'cpu', 'cuda' or 'cuda:N'.")

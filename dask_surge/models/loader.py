@@ -4,7 +4,7 @@
 a model directory of a plain layout loads straight onto the fast engine without importing
 sentence-transformers (:func:`~dask_surge.engine.backends.direct_backend`), anything else
 through the sentence-transformers class its files name (``SentenceTransformer``, ``SparseEncoder``
-or ``MultiVectorEncoder``: :mod:`dask_surge.engine.family`). :func:`dimension_from_files` and :func:`stored_dtype` answer
+or ``MultiVectorEncoder``: :mod:`dask_surge.engine.family`). :func:`dimension_from_files`, :func:`stored_dtype` and :func:`configured_prompts` answer
 from the model's files, so asking them loads nothing.
 """
 
@@ -22,13 +22,13 @@ from ..engine.family import MODEL_TYPES, family_of_files
 from ..engine.layout import read_layout
 from ..engine.placement import pick_device
 from ..errors import SurgeModelError
+from ..families import DENSE
 from ..fingerprint import scrub
-from ..io.layout import DENSE
 from .hub import resolve_hub_model
-from .registry import lookup
+from .registry import installed, lookup
 from .spec import EncoderSpec
 
-__all__ = ["dimension_from_files", "load", "stored_dtype"]
+__all__ = ["configured_prompts", "dimension_from_files", "load", "stored_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +143,32 @@ def stored_dtype(spec: EncoderSpec) -> str | None:
         stored = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
         if stored is not None:
             return str(stored).removeprefix("torch.")
+    return None
+
+
+def configured_prompts(spec: EncoderSpec) -> tuple[dict[str, str], str | None] | None:
+    """The model's ``(prompts, default_prompt_name)`` without loading it; None if unknown (a plain callable).
+
+    A path model's from its ``config_sentence_transformers.json`` (none: no prompts), an in-memory
+    model's from its ``prompts`` and ``default_prompt_name`` attributes.
+
+    Examples
+    --------
+    >>> from dask_surge.testing import packaged_model_dir
+    >>> configured_prompts(EncoderSpec("path", str(packaged_model_dir())))
+    ({}, None)
+    """
+    if spec.kind == "path":
+        try:
+            config = json.loads((Path(spec.source) / "config_sentence_transformers.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        prompts = config.get("prompts") if isinstance(config, dict) else None
+        default = config.get("default_prompt_name") if isinstance(config, dict) else None
+        return (dict(prompts) if isinstance(prompts, dict) else {}), default
+    obj = installed(spec.source)
+    if isinstance(getattr(obj, "prompts", None), dict):
+        return dict(obj.prompts), getattr(obj, "default_prompt_name", None)
     return None
 
 

@@ -41,11 +41,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SurgeModelError
-from ..fingerprint import SECRET_KEY, NotDeterministic, code_digest, is_secret_key, redact, without_secrets
+from ..fingerprint import NotDeterministic
 from ..fingerprint import stable_token as _generic_token
 
-__all__ = ["SECRET_KEY", "NotDeterministic", "code_digest", "directory_digest", "files_signature", "is_secret_key",
-           "object_digest", "redact", "stable_token", "without_secrets"]
+__all__ = ["directory_digest", "files_signature", "object_digest", "stable_token"]
 
 logger = logging.getLogger(__name__)
 

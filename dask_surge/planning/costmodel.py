@@ -327,14 +327,6 @@ _CHUNK = BLOCK_TEXTS  # the fast engine tokenizes and sorts at most this many te
 _GRID = np.unique(np.concatenate([np.arange(1, 129), np.round(np.geomspace(128, _CHUNK, 40))]).astype(np.int64))
 
 
-def _replay(lengths: np.ndarray, max_tokens: int, batch_rows: int) -> tuple[float, int]:
-    """(padded tokens, forward passes) of one call whose token lengths are sorted descending.
-
-    The engine's rule, from :func:`dask_surge.engine.batching.replay` (kept under this name for callers).
-    """
-    return replay(lengths, max_tokens, batch_rows)
-
-
 @functools.lru_cache(maxsize=64)
 def _shape_table(lengths: tuple, max_tokens: int, batch_rows: int) -> tuple[np.ndarray, np.ndarray]:
     """Padding ratio and forward passes of a call of ``_GRID[i]`` rows (expected values)."""
@@ -346,7 +338,7 @@ def _shape_table(lengths: tuple, max_tokens: int, batch_rows: int) -> tuple[np.n
         pad = tok = fwd = 0.0
         for _ in range(reps):
             x = -np.sort(-rng.choice(sample, size=b))
-            p, f = _replay(x, max_tokens, batch_rows)
+            p, f = replay(x, max_tokens, batch_rows)
             pad, tok, fwd = pad + p, tok + x.sum(), fwd + f
         ratio[i], forwards[i] = pad / max(tok, 1e-9), fwd / reps
     return ratio, forwards

@@ -349,7 +349,7 @@ _RECORDED_WITH = {"model": "model", "revision": "model", "prompt": "model", "pro
                   "long_texts": "long_texts", "chunk_overlap": "long_texts"}
 
 
-def fingerprint(frame: Any, sbe: Any, *, device: str | None = None,
+def fingerprint(frame: Any, task: Any, *, device: str | None = None,
                 input_token: str | None = None, options: dict | None = None) -> dict:
     """What makes two runs the same run (and lets a rerun resume): what it encodes.
 
@@ -366,7 +366,7 @@ def fingerprint(frame: Any, sbe: Any, *, device: str | None = None,
     ----------
     frame : dask.dataframe.DataFrame
         The input as the run reads it (the text column and kept columns).
-    sbe : dask_surge.execution.superbatch.SuperBatchTask
+    task : dask_surge.execution.superbatch.SuperBatchTask
         What each SuperBatch runs: its column, kept columns, encoder and output options.
     device : str, optional
         Where the run encodes (``"cuda"`` or ``"cpu"``): ``dtype="auto"`` resolves for it.
@@ -392,12 +392,12 @@ def fingerprint(frame: Any, sbe: Any, *, device: str | None = None,
     """
 
     values = {
-        "ddf": input_identity(frame, token=input_token), "column": sbe.column, "keep": list(sbe.keep),
-        "model": sbe.encoder.identity(device), "normalize": sbe.normalize, "precision": sbe.precision,
-        "truncate_dim": sbe.truncate_dim, "on_null": sbe.on_null,
+        "ddf": input_identity(frame, token=input_token), "column": task.column, "keep": list(task.keep),
+        "model": task.encoder.identity(device), "normalize": task.normalize, "precision": task.precision,
+        "truncate_dim": task.truncate_dim, "on_null": task.on_null,
     }
-    if sbe.long_texts in ("chunk", "mean"):  # "truncate" and "error" write the same rows: one run
-        values["long_texts"] = {"mode": sbe.long_texts, "chunk_overlap": sbe.chunk_overlap}
+    if task.long_texts in ("chunk", "mean"):  # "truncate" and "error" write the same rows: one run
+        values["long_texts"] = {"mode": task.long_texts, "chunk_overlap": task.chunk_overlap}
     for name, changes in IDENTITY_OPTIONS.items():  # options declared later record their value by name
         if changes and name not in values and name not in _RECORDED_WITH and options and name in options:
             opt = option(name)
@@ -407,5 +407,5 @@ def fingerprint(frame: Any, sbe: Any, *, device: str | None = None,
     names = {"ddf": "input"}  # the fingerprint's own key names (kept from earlier runs)
     found = {names.get(k, k): v for k, v in values.items() if IDENTITY_OPTIONS[k]}
     # what the input and the model imply: the partitions read and the vectors' size
-    found.update(partitions=frame.npartitions, dimension=sbe.dimension, library=__version__)
+    found.update(partitions=frame.npartitions, dimension=task.dimension, library=__version__)
     return found

@@ -31,9 +31,9 @@ import numpy as np
 
 from .. import config
 from ..errors import SurgeValueError
-from ..io.layout import MULTIVECTOR
+from ..families import MULTIVECTOR
+from ..fingerprint import redact
 from ..models.encoders import Encoder
-from ..models.modelid import redact
 from ..options import options_of
 from .costmodel import CostParams
 from .policy import SuperBatch, plan_superbatches
