@@ -23,6 +23,7 @@ import pytest
 import dask_surge
 from dask_surge import Encoder, SurgeValueError
 from dask_surge.io.manifest import current_run
+from dask_surge.io.store import OutputStore
 from dask_surge.io.multivector import to_matrices
 from dask_surge.io.sparse import sparse_arrays, to_csr
 from dask_surge.io.verify import verify
@@ -271,7 +272,6 @@ DRIVER = """
 import sys
 import dask.dataframe as dd
 import dask_surge  # noqa: F401 - the accessor
-from dask_surge.io.store import OutputStore
 from distributed import Client, LocalCluster
 src, out, model = sys.argv[1:4]
 with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \\

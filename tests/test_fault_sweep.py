@@ -20,6 +20,7 @@ import pytest
 
 import dask_surge
 from dask_surge.io.manifest import current_run
+from dask_surge.io.store import OutputStore
 from dask_surge.io.verify import verify
 from dask_surge.testing import write_partitioned_parquet
 
@@ -117,7 +118,6 @@ import sys
 import dask.dataframe as dd
 from distributed import Client, LocalCluster
 import dask_surge
-from dask_surge.io.store import OutputStore
 
 src, out = sys.argv[1:3]
 with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, \\
