@@ -79,7 +79,7 @@ WORKER_STEPS = {
     ("dask_surge.models.loader", "direct_backend"): "direct load (transformers, model, engine)",
     ("dask_surge.models.encoders", "Encoder._loaded"): "get model",
     ("dask_surge.models.encoders", "Encoder.encode_long"): "encode",
-    ("dask_surge.execution.runner", "UnitRunner.__call__"): "unit task",
+    ("dask_surge.execution.unit", "UnitRunner.__call__"): "unit task",
     ("dask_surge.io.parquet", "ParquetPartitions._tables"): "read files",
     ("dask_surge.execution.superbatch", "SuperBatchTask.gather"): "gather texts",
     ("dask_surge.execution.superbatch", "text_hashes"): "hash texts",

@@ -484,7 +484,7 @@ def _stage_surge(s: Session, which: str, files_set: str, threads: int | None = N
                 torch.cuda.reset_peak_memory_stats()
 
         client.run(reset)
-        from dask_surge.execution.runner import task_resources
+        from dask_surge.execution.scheduling import task_resources
 
         resources = task_resources(client)  # what each SuperBatch task claims, as encode computes it
         run = _surge(s, client, model, s.files(files_set), which + tag)

@@ -21,7 +21,8 @@ from .execution.graph import superbatch_collection
 from .execution.inputs import input_files
 from .execution.plugins import register_encoder
 from .execution.progress import RunProgress, logging_through
-from .execution.runner import RunRequest, not_utf8, write_run
+from .execution.runner import RunRequest, write_run
+from .execution.stops import not_utf8
 from .execution.superbatch import SuperBatchTask
 from .families import DENSE, check_family_options
 from .io.directory import check_output

@@ -286,7 +286,7 @@ def test_a_run_whose_workers_all_close_stops_clearly_and_resumes(tmp_path, monke
 
 
 class _Cluster:
-    """What :class:`~dask_surge.execution.runner.WorkerWatch` asks a client: its workers."""
+    """What :class:`~dask_surge.execution.scheduling.WorkerWatch` asks a client: its workers."""
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
@@ -296,7 +296,7 @@ class _Cluster:
 
 
 def test_the_worker_watch_stops_a_run_only_once_its_workers_have_all_been_gone_for_the_timeout():
-    from dask_surge.execution.runner import NoWorkersLeft, WorkerWatch
+    from dask_surge.execution.scheduling import NoWorkersLeft, WorkerWatch
     from dask_surge.testing import FakeClock
 
     clock, cluster = FakeClock(), _Cluster(0)

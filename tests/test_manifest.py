@@ -249,7 +249,7 @@ def test_a_worker_that_does_not_see_the_output_is_named_not_taken_for_a_replaced
     # reads its run's run.json, and says what is wrong before any work
     import fsspec
 
-    from dask_surge.execution.runner import UnitRunner
+    from dask_surge.execution.unit import UnitRunner
     from dask_surge.execution.sink import SuperBatchWriter
     from dask_surge.execution.superbatch import SuperBatchTask
     from dask_surge.io.manifest import Manifest
@@ -420,7 +420,7 @@ def test_a_streamed_partition_recomputed_differently_is_refused(tmp_path, monkey
 
 
 def test_commit_times_are_mapped_onto_the_clients_clock():
-    from dask_surge.execution.runner import _received
+    from dask_surge.execution.scheduling import received as _received
 
     now = time.time()
     report = SuperBatchReport(sb="000000000-000000000000", rows=1, skipped=0, file="f", bytes=1, spans=((0, 0, 1, 1),),

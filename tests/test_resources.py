@@ -11,7 +11,7 @@ import dask
 from distributed import Client, LocalCluster
 
 import dask_surge
-from dask_surge.execution.runner import task_resources as _task_resources
+from dask_surge.execution.scheduling import task_resources as _task_resources
 from dask_surge.testing import make_partitioned_frame
 
 

@@ -23,7 +23,7 @@ def local_cluster(**kwargs):
     ``surge.superbatches-per-gpu`` threads per worker (default 4), so while one
     SuperBatch is on the GPU the others read, tokenize and write, and a ``GPU=1``
     worker resource, of which each SuperBatch task claims ``1/n`` (see
-    :func:`dask_surge.execution.runner.task_resources`). Otherwise a ``LocalCluster`` with one
+    :func:`dask_surge.execution.scheduling.task_resources`). Otherwise a ``LocalCluster`` with one
     single-threaded worker per core (torch uses one thread per worker, and so does the
     Rust tokenizer, see :func:`~dask_surge.execution.plugins.share_tokenizer_cores`, so the
     cores are not oversubscribed).

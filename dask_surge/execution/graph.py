@@ -31,7 +31,7 @@ class SuperBatchFrame:
     """The task function of one SuperBatch of the lazy frame: the unit of that SuperBatch
     (:class:`~dask_surge.execution.inputs.Unit`), computed and handed to ``func(partitions,
     sb_index, spans)``, whose frame it returns (where a written run's
-    :class:`~dask_surge.execution.runner.UnitRunner` writes and commits it)."""
+    :class:`~dask_surge.execution.unit.UnitRunner` writes and commits it)."""
 
     func: Callable
 

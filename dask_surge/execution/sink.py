@@ -20,7 +20,7 @@ from ..io.manifest import CommitRecord, Manifest
 from ..io.partfiles import parquet_bytes, row_groups, skipped_bytes, table_of
 from ..results import SuperBatchReport
 from .events import announce
-from .reach import run_gone
+from .reach import run_gone, task_sees_run
 from .superbatch import SuperBatchRows, SuperBatchTask, partition_digest
 
 __all__ = ["PendingCommit", "SuperBatchWriter"]
@@ -71,6 +71,11 @@ class SuperBatchWriter:
         return tuple((span.partition, partition_digest(to_host(part)[self.encoder.column]))
                      for part, (span, n) in zip(parts, spans) if span.start > 0 or span.stop < n)
 
+    def sees_output(self) -> None:
+        """Raise unless this worker process reads the run's output as the client wrote it (once per
+        process and run: :func:`~dask_surge.execution.reach.task_sees_run`)."""
+        task_sees_run(self.manifest)
+
     def __call__(self, parts, spans) -> SuperBatchReport:
         """Encode ``spans`` (``(Span, partition rows)`` pairs) of ``parts`` (their input
         partitions, in order) and commit them as the SuperBatch keyed by the first span."""
@@ -86,7 +91,7 @@ class SuperBatchWriter:
     def commit(self, batch: PendingCommit) -> SuperBatchReport:
         """The second half of :meth:`__call__`: write the encoded SuperBatch's Parquet file, commit it
         (exclusive, fsynced record) and publish it. Needs nothing of the input, so a unit runs it on its
-        writer thread while it encodes its next SuperBatch (see :class:`dask_surge.execution.runner.UnitRunner`)."""
+        writer thread while it encodes its next SuperBatch (see :class:`dask_surge.execution.unit.UnitRunner`)."""
         t1 = time.perf_counter()
         encoded, spans = batch.encoded, batch.spans
         first = spans[0][0]

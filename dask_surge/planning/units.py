@@ -1,6 +1,6 @@
 """The fixed grid of streaming units: contiguous ranges of partitions, each one Dask task that
 applies the two-threshold policy to its partitions as they are computed (see
-:mod:`dask_surge.execution.runner`). A run records its unit size, so a resumed run cuts the
+:mod:`dask_surge.execution.unit`). A run records its unit size, so a resumed run cuts the
 same units whatever its cluster; :func:`streamed_plan` is what such a run forms over known sizes.
 """
 
