@@ -347,6 +347,15 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     )
     max_bytes = windowed_bytes(opts["max_bytes"], requested[1], encoder, long_texts, overlap, gpu=on_gpu)
     frame = ddf[[column, *[k for k in keep if k != column]]]
+    out_format, mode = opts["format"], opts["mode"]
+    if out_format != "parquet" and (output is None or overwrite):
+        raise SurgeValueError(
+            f"format={out_format!r} writes a table at output=..., which it never replaces" + (
+                "; output=None returns a lazy frame" if output is None else ": overwrite=True is for Parquet") +
+            ". Fix: pass output='path/table' and no overwrite (a new path, or mode='append' to add to a table).")
+    if mode == "append" and out_format == "parquet":
+        raise SurgeValueError("mode='append' adds rows to a table output; a Parquet output holds one run. "
+                              "Fix: pass format='lance', or leave mode='create'.")
     if output is None:
         if sbe.on_null == "skip":
             raise SurgeValueError(
@@ -374,6 +383,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
             frame, sbe, output, fingerprint=run_id, thresholds=_thresholds(requested, sbe, frame, client, gpu=on_gpu),
             max_bytes=max_bytes, client=client, scheduler=scheduler, overwrite=overwrite,
             storage_options=storage_options, progress=progress, started=started, bar=bar,
+            format=out_format, mode=mode,
         ))
 
 

@@ -135,7 +135,9 @@ class CommitRecord:
     ``truncated`` counts texts cut at the model's window (-1: the model cannot tell),
     ``encoded`` the distinct texts that went through the model (-1: not recorded, an
     older record) and ``reused`` the texts whose embeddings were copied from a ``reuse``
-    output.
+    output. ``table`` is what a table output's commit needs (a JSON string: the data files the
+    task wrote into the table, uncommitted; :mod:`dask_surge.io.tables`); empty for Parquet,
+    whose ``file`` is then never published (the table commit is the publish).
     """
 
     sb: str
@@ -156,6 +158,7 @@ class CommitRecord:
     truncated: int = 0
     encoded: int = -1
     reused: int = 0
+    table: str = ""
 
     @property
     def accounted(self) -> int:
@@ -288,6 +291,9 @@ class Manifest:
     #: True while another run is current (an overwrite): committed files stay in ``staging/``
     #: until this run completes, so a ``part-*`` reader never sees two runs' rows at once
     defer_publish: bool = False
+    #: True for a table output (``format="lance"``): no file is ever published under the root; the
+    #: claim holder commits to the table instead (:mod:`dask_surge.execution.tables`)
+    table: bool = False
 
     @property
     def tasks_publish(self) -> bool:
@@ -295,7 +301,7 @@ class Manifest:
         local or shared filesystem). On an object store a move is a copy and a delete, which
         a retired run's late task could still make, so there only the process holding the
         claim publishes (:meth:`publish`, as each commit reaches it, and at the end)."""
-        return not self.defer_publish and (is_local(self.fs) or "memory" in protocols(self.fs))
+        return not self.defer_publish and not self.table and (is_local(self.fs) or "memory" in protocols(self.fs))
 
     @property
     def run_dir(self) -> str:
@@ -403,7 +409,7 @@ class Manifest:
         publish, or the run defers publishing, see :attr:`defer_publish`); returns how many.
         Does nothing while the run defers publishing. Raises :class:`SurgeOutputError` for a
         committed file that is nowhere (deleted by hand, or lost to a crash)."""
-        if self.defer_publish:
+        if self.defer_publish or self.table:
             return 0
         present = set(_ls(self.fs, self.root))
         moved = 0
@@ -645,6 +651,8 @@ def settled(manifest: Manifest, committed: dict[str, CommitRecord]) -> bool:
     complete, current run (none unpublished, none another run's or an uncommitted attempt's)."""
     fs, root = manifest.fs, manifest.root
     data = {n for n in _ls(fs, root) if _DATA_FILE.match(n)}
+    if manifest.table:  # no part file is ever published: the table holds the rows
+        return not data
     return data == {rec.file for rec in committed.values()}
 
 
