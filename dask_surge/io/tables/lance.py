@@ -78,8 +78,19 @@ class LanceTable:
         from lance.fragment import write_fragments
 
         require("lance")
-        fragments = write_fragments(data, self.location.uri, schema=data.schema,
-                                    storage_options=self.location.options, max_rows_per_file=1 << 30)
+        try:
+            fragments = write_fragments(data, self.location.uri, schema=data.schema,
+                                        storage_options=self.location.options, max_rows_per_file=1 << 30)
+        except OSError as err:
+            if "schema" not in str(err).lower():
+                raise
+            ds = self._open()
+            table = [(f.name, str(f.type)) for f in ds.schema] if ds is not None else "other columns"
+            raise SurgeOutputError(
+                f"the Lance table {self.location.url!r} has columns {table}, but this run writes "
+                f"{[(f.name, str(f.type)) for f in data.schema]}. Nothing was committed to it. Fix: append "
+                "only runs with the same columns (keep=, model, precision), or write to a new table."
+            ) from err
         return json.dumps({"fragments": [f.to_json() for f in fragments], "schema": _schema_bytes(data.schema)},
                           sort_keys=True)
 
