@@ -651,7 +651,8 @@ OPTIONS: tuple[Option, ...] = (
          ``pip install "dask-surge[lance]"`` for Lance.""",
          "output format: parquet (part files) or lance (a Lance table)",
          default="parquet", config="format", vocabulary=OutputFormat,
-         validator=one_of(OutputFormat, "is not an output format"), identity=False, takers="encode", cli=Cli()),
+         validator=one_of(OutputFormat, "is not an output format"), identity=False, takers="encode",
+         cli=Cli(flag="--output-format")),
     _opt("mode", TableMode, '{"create", "append"}', """
          For a table output: ``"create"`` writes only a new table (or resumes this run's own);
          ``"append"`` also adds this run's rows to an existing table with the same columns that it

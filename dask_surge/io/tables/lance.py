@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from ...errors import SurgeOutputError
-from . import RUN_PROPERTY, SUPERBATCHES_PROPERTY, History, require
+from .base import RUN_PROPERTY, SUPERBATCHES_PROPERTY, History, require
 from .locations import TableLocation
 
 __all__ = ["LanceTable", "KEEPS_ROWS"]
