@@ -290,3 +290,28 @@ def test_two_runs_racing_on_one_table(tmp_path, reference):
         _resume_and_check(out, reference)
     df = _check_once(out)
     assert np.array_equal(np.stack(df.embedding), np.stack(reference.embedding))
+
+
+def test_the_format_reaches_encode_from_the_config_and_the_cli(tmp_path, tiny_model):
+    import dask
+
+    with dask.config.set({"surge.format": "lance"}):
+        res = _frame(200, 2).surge.encode("text", output=str(tmp_path / "c.lance"), model=checksum_model,
+                                          scheduler="threads", progress=False)
+    assert lance.dataset(str(tmp_path / "c.lance")).count_rows() == res.rows == 200
+    from dask_surge.cli import main
+
+    src = tmp_path / "in.parquet"
+    _frame(50, 1).compute().to_parquet(src)
+    code = main(["encode", str(src), "--output", str(tmp_path / "cli.lance"), "--output-format", "lance", "--format", "parquet",
+                 "--text-column", "text", "--model", str(tiny_model), "--scheduler", "threads",
+                 "--no-progress"])
+    assert code == 0
+    assert lance.dataset(str(tmp_path / "cli.lance")).count_rows() == 50
+
+
+def test_read_embeddings_points_a_table_output_to_its_reader(tmp_path):
+    _encode(tmp_path / "t.lance", ddf=_frame(100, 1))
+    with pytest.raises(dask_surge.SurgeInputError, match=r"lance\.dataset"):
+        dask_surge.read_embeddings(str(tmp_path / "t.lance"))
+    assert dask_surge.status(str(tmp_path / "t.lance"))["state"] == "complete"
