@@ -140,8 +140,8 @@ class SurgeIndex:
         out, dists = [], []
         for i, v in enumerate(q):
             t = self._index.to_table(columns=["partition", "row"], nearest={"column": "embedding", "q": v, "k": k,
-                                                                           "metric": self.metric, "nprobes": 16,
-                                                                           "refine_factor": 4}).to_pandas()
+                                                                           "metric": self.metric, "nprobes": 20,
+                                                                           "refine_factor": 10}).to_pandas()
             dists.append(t.pop("_distance").to_numpy())
             t.insert(0, "rank", np.arange(len(t)))
             t.insert(0, "query", i)
