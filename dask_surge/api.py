@@ -355,7 +355,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
             ". Fix: pass output='path/table' and no overwrite (a new path, or mode='append' to add to a table).")
     if mode == "append" and out_format == "parquet":
         raise SurgeValueError("mode='append' adds rows to a table output; a Parquet output holds one run. "
-                              "Fix: pass format='lance', or leave mode='create'.")
+                              "Fix: pass format='lance' or 'delta', or leave mode='create'.")
     if output is None:
         if sbe.on_null == "skip":
             raise SurgeValueError(

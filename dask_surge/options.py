@@ -77,7 +77,7 @@ Compression = Literal["none", "snappy", "lz4", "zstd"]
 #: per overlapping token window, or one row of the windows' token-weighted mean.
 LongTexts = Literal["truncate", "error", "chunk", "mean"]
 #: What a written encode writes: Parquet part files, or a table (:mod:`dask_surge.io.tables`).
-OutputFormat = Literal["parquet", "lance"]
+OutputFormat = Literal["parquet", "lance", "delta"]
 #: Whether a table output must be new (or this run's), or may be a table the run did not create.
 TableMode = Literal["create", "append"]
 #: Where a written encode runs: a ``distributed.Client``, a local scheduler, or None (the
@@ -643,13 +643,14 @@ OPTIONS: tuple[Option, ...] = (
          ``reuse`` outputs given as URLs (``s3://...``), or None to use the filesystem's defaults.""",
          "fsspec options for the output",
          validator=mapping("pass e.g. storage_options={'auto_mkdir': True}"), identity=False, takers="encode"),
-    _opt("format", OutputFormat | None, '{"parquet", "lance"}, optional', """
+    _opt("format", OutputFormat | None, '{"parquet", "lance", "delta"}, optional', """
          What ``output`` is: ``"parquet"`` (a directory of part files and the manifest) or
          ``"lance"`` (a Lance table: workers write its data files, the calling process commits
          them in batches, each table version naming the run and its SuperBatches, so a resume
-         never commits one twice; see the output formats in ``docs/output.md``). Needs
-         ``pip install "dask-surge[lance]"`` for Lance.""",
-         "output format: parquet (part files) or lance (a Lance table)",
+         never commits one twice; see the output formats in ``docs/output.md``), or ``"delta"``
+         (a Delta Lake table, committed the same way). Needs ``pip install "dask-surge[lance]"``
+         or ``"dask-surge[delta]"``.""",
+         "output format: parquet (part files), lance (a Lance table) or delta (a Delta Lake table)",
          default="parquet", config="format", vocabulary=OutputFormat,
          validator=one_of(OutputFormat, "is not an output format"), identity=False, takers="encode",
          cli=Cli(flag="--output-format")),

@@ -1,4 +1,4 @@
-"""Committing a run's SuperBatches to a table output (``format="lance"``), exactly once.
+"""Committing a run's SuperBatches to a table output (``format="lance"`` or ``"delta"``), exactly once.
 
 The SuperBatch tasks write their rows as the table's uncommitted data files and create
 their commit records in the manifest (``<output>/_surge/``) as for Parquet; the record
@@ -38,14 +38,14 @@ from typing import Any
 
 from ..errors import SurgeOutputError
 from ..io.manifest import CommitRecord, Manifest
-from ..io.tables.lance import KEEPS_ROWS
 
 logger = logging.getLogger("dask_surge")
 
 __all__ = ["TableCommitter", "check_table_dir", "TABLE_ENTRIES"]
 
 #: what a directory may hold before a run makes it a Lance table: the table's own entries and ``_surge/``
-TABLE_ENTRIES = frozenset({"_surge", "data", "_versions", "_transactions", "_indices", "_deletions", "_refs"})
+TABLE_ENTRIES = frozenset({"_surge", "data", "_versions", "_transactions", "_indices", "_deletions", "_refs",
+                           "_delta_log", "surge-data"})
 
 
 def check_table_dir(fs: Any, root: str, exists: bool) -> None:
@@ -131,7 +131,7 @@ class TableCommitter:
         if h.ops and self._ours_first is None:
             self._ours_first = min(h.ops)
         for version, op, run in h.foreign:
-            if self._ours_first is not None and version > self._ours_first and op not in KEEPS_ROWS:
+            if self._ours_first is not None and version > self._ours_first and not self.table.keeps_rows(op):
                 who = f"dask-surge run {run}" if run else "another writer"
                 raise SurgeOutputError(
                     f"the table {self.table.location.url!r} was changed by {who} while this run wrote it "

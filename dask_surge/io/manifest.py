@@ -651,7 +651,7 @@ def settled(manifest: Manifest, committed: dict[str, CommitRecord]) -> bool:
     complete, current run (none unpublished, none another run's or an uncommitted attempt's)."""
     fs, root = manifest.fs, manifest.root
     data = {n for n in _ls(fs, root) if _DATA_FILE.match(n)}
-    if manifest.table:  # no part file is ever published: the table holds the rows
+    if manifest.table:  # no part file is ever published under the root: the table holds the rows
         return not data
     return data == {rec.file for rec in committed.values()}
 

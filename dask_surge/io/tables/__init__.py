@@ -1,6 +1,6 @@
-"""Table outputs: the rows of a run committed to a Lance table instead of part files.
+"""Table outputs: the rows of a run committed to a Lance or Delta table instead of part files.
 
-What a table format offers dask-surge (:class:`~dask_surge.io.tables.lance.LanceTable`):
+What a table format offers dask-surge (:class:`~dask_surge.io.tables.lance.LanceTable`, :class:`~dask_surge.io.tables.delta.DeltaOutput`):
 
 * ``write(arrow_table) -> payload``: on a worker, the SuperBatch's rows as the table's data
   files, not committed (no reader sees them); the payload (a JSON string) goes into the
@@ -21,6 +21,7 @@ from typing import Any
 
 from ...errors import SurgeValueError
 from .base import FORMATS, RUN_PROPERTY, SUPERBATCHES_PROPERTY, TABLE_FORMATS, History, require
+from .delta import DeltaOutput
 from .lance import LanceTable
 
 __all__ = ["FORMATS", "TABLE_FORMATS", "RUN_PROPERTY", "SUPERBATCHES_PROPERTY", "History", "require", "open_table"]
@@ -34,4 +35,7 @@ def open_table(fmt: str, location: Any) -> Any:
     if fmt == "lance":
         require("lance")
         return LanceTable(location)
+    if fmt == "delta":
+        require("deltalake")
+        return DeltaOutput(location)
     raise SurgeValueError(f"format={fmt!r} is not a table format. Fix: choose one of {TABLE_FORMATS}.")

@@ -57,6 +57,10 @@ class LanceTable:
     def __dask_tokenize__(self) -> tuple:
         return ("LanceTable", self.location.url)
 
+    def keeps_rows(self, op: str) -> bool:
+        """True when another writer's operation ``op`` leaves every committed row in place."""
+        return op in KEEPS_ROWS
+
     def _open(self, version: int | None = None) -> Any:
         lance = require("lance")
         try:
