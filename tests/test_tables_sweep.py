@@ -1,4 +1,4 @@
-"""Kill sweep of Lance table outputs: kill -9 the client, a worker, or both, at random points of runs on a
+"""Kill sweep of table outputs (Lance and Delta): kill -9 the client, a worker, or both, at random points of runs on a
 real 2-process cluster, on a local disk and on a loopback S3 endpoint, then resume: every row exactly
 once, embeddings equal to an undisturbed run, no SuperBatch twice in the table's history.
 
@@ -22,11 +22,11 @@ import numpy as np
 import psutil
 import pytest
 
-from dask_surge.io.tables import RUN_PROPERTY, SUPERBATCHES_PROPERTY
 from dask_surge.io.tables.locations import object_store_options
 from dask_surge.synthetic import write_partitioned_parquet
 
 lance = pytest.importorskip("lance")
+pytest.importorskip("deltalake")
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
@@ -38,18 +38,20 @@ import dask_surge
 from dask_surge.testing import SleepyModel
 
 src, out, cluster, options, kill_after = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
+fmt = sys.argv[6]
 if kill_after:  # test hook: SIGKILL this process right after its k-th table commit
-    from dask_surge.io.tables.lance import LanceTable
-    real, calls = LanceTable.commit, []
+    from dask_surge.io.tables import DeltaOutput, LanceTable
+    Table = LanceTable if fmt == "lance" else DeltaOutput
+    real, calls = Table.commit, []
     def commit(self, *a, **k):
         v = real(self, *a, **k)
         calls.append(v)
         if len(calls) == kill_after:
             os.kill(os.getpid(), signal.SIGKILL)
         return v
-    LanceTable.commit = commit
+    Table.commit = commit
 ddf = dd.read_parquet(src)
-kw = dict(model=SleepyModel(0.04), b_min=30, b_max=90, keep=["doc_id"], progress=False, format="lance",
+kw = dict(model=SleepyModel(0.04), b_min=30, b_max=90, keep=["doc_id"], progress=False, format=fmt,
           storage_options=options or None)
 if cluster == "processes":
     from distributed import Client, LocalCluster
@@ -63,8 +65,9 @@ print("rows", res.rows, flush=True)
 """
 
 
-def _driver(src, out, cluster: str, options: dict | None, kill_after: int = 0) -> list[str]:
-    return [sys.executable, "-c", DRIVER, str(src), str(out), cluster, json.dumps(options or {}), str(kill_after)]
+def _driver(src, out, cluster: str, options: dict | None, kill_after: int = 0, fmt: str = "lance") -> list[str]:
+    return [sys.executable, "-c", DRIVER, str(src), str(out), cluster, json.dumps(options or {}), str(kill_after),
+            fmt]
 
 
 def _env() -> dict:
@@ -75,16 +78,33 @@ def _table(out: str, options: dict | None):
     return lance.dataset(out, storage_options=object_store_options(out, options))
 
 
-def _check(out: str, options: dict | None, reference) -> None:
-    ds = _table(out, options)
-    df = ds.to_table().to_pandas().sort_values(["partition", "row"]).reset_index(drop=True)
-    assert df.doc_id.tolist() == reference.doc_id.tolist()  # every row exactly once
-    np.testing.assert_array_equal(np.stack(df.embedding.to_numpy()), np.stack(reference.embedding.to_numpy()))
-    sbs = []
-    for v in ds.versions():
-        props = ds.read_transaction(v["version"]).transaction_properties or {}
-        if RUN_PROPERTY in props:
-            sbs += json.loads(props[SUPERBATCHES_PROPERTY])
+CHECK = """
+import json, sys
+import numpy as np
+fmt, out, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+if fmt == "lance":
+    import lance
+    ds = lance.dataset(out, storage_options=options)
+    df = ds.to_table().to_pandas()
+    props = [ds.read_transaction(v["version"]).transaction_properties or {} for v in ds.versions()]
+else:
+    import deltalake
+    dt = deltalake.DeltaTable(out, storage_options=options)
+    df, props = dt.to_pandas(), dt.history()
+sbs = [sb for p in props if "dask-surge.run" in p for sb in json.loads(p.get("dask-surge.superbatches") or "[]")]
+df = df.sort_values(["partition", "row"])
+print(json.dumps([df.doc_id.tolist(), np.stack(df.embedding.to_numpy()).tolist(), sbs]))
+"""
+
+
+def _check(out: str, options: dict | None, reference, fmt: str = "lance") -> None:
+    """Read the table in another process (deltalake holds the GIL while it waits on this process's server)."""
+    check = subprocess.run([sys.executable, "-c", CHECK, fmt, out, json.dumps(object_store_options(out, options))],
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-3000:]
+    ids, embeddings, sbs = json.loads(check.stdout)
+    assert ids == reference.doc_id.tolist()  # every row exactly once
+    np.testing.assert_array_equal(np.array(embeddings, dtype=np.float32), np.stack(reference.embedding.to_numpy()))
     assert len(sbs) == len(set(sbs))  # no SuperBatch twice in the table's history
 
 
@@ -134,28 +154,29 @@ def _kill(proc: subprocess.Popen, target: str, rng: random.Random) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["lance", "delta"])
 @pytest.mark.parametrize("place", ["local", "s3"])
-def test_kill_anything_anywhere_then_resume_a_lance_output(places, place):
+def test_kill_anything_anywhere_then_resume_a_table_output(places, place, fmt):
     src, where, reference = places
     prefix, options = where[place]
     trials = 3 if os.environ.get("SURGE_SWEEP") == "reduced" else 12
     rng = random.Random(7)
     t0 = time.perf_counter()
-    clean = subprocess.run(_driver(src, f"{prefix}/timing-{place}.lance", "processes", options), env=_env(),
+    clean = subprocess.run(_driver(src, f"{prefix}/timing-{place}.{fmt}", "processes", options, fmt=fmt), env=_env(),
                            capture_output=True, text=True, timeout=300)
     assert clean.returncode == 0, clean.stderr[-3000:]
     seconds = time.perf_counter() - t0
-    _check(f"{prefix}/timing-{place}.lance", options, reference)
+    _check(f"{prefix}/timing-{place}.{fmt}", options, reference, fmt)
     for t in range(trials):
         target = ("client", "worker", "both")[t % 3]
-        out = f"{prefix}/out{t}.lance"
-        proc = subprocess.Popen(_driver(src, out, "processes", options), env=_env(), stdout=subprocess.PIPE,
+        out = f"{prefix}/out{t}.{fmt}"
+        proc = subprocess.Popen(_driver(src, out, "processes", options, fmt=fmt), env=_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL, text=True)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
         time.sleep(rng.uniform(0.1, 0.9) * seconds)
         killed = _kill(proc, target, rng)
         proc.wait(timeout=120)
-        resumed = subprocess.run(_driver(src, out, "processes", options), env=_env(), capture_output=True, text=True,
-                                 timeout=300)
+        resumed = subprocess.run(_driver(src, out, "processes", options, fmt=fmt), env=_env(), capture_output=True,
+                                 text=True, timeout=300)
         assert resumed.returncode == 0, (t, killed, resumed.stderr[-3000:])
-        _check(out, options, reference)
+        _check(out, options, reference, fmt)
