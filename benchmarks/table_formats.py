@@ -1,4 +1,4 @@
-"""Parquet against a Lance table output on the same run, side by side; then each one's index.
+"""Parquet against Lance and Delta table outputs on the same run, side by side; then the indexes.
 
 Usage::
 
@@ -8,10 +8,10 @@ Usage::
 Input: ``--n`` synthetic texts in ``--files`` local Parquet files of log-normal sizes. Encoder: the
 random 2-layer BERT of ``make_tiny_model`` (compute-light, so the output path weighs most). On one
 warm ``LocalCluster`` of ``--workers`` single-threaded workers, each round runs
-``dd.read_parquet(src).surge.encode("text", output=...)`` once with ``format="parquet"`` and once
-with ``format="lance"`` into new local paths, alternating which goes first. Reported per run: wall
+``dd.read_parquet(src).surge.encode("text", output=...)`` once with each of ``format="parquet"``,
+``"lance"`` and ``"delta"`` into new local paths, rotating which goes first. Reported per run: wall
 seconds from the call to the end, texts/s, time to the first readable row (``ttfo_s``: a part file
-published, or the first table commit), SuperBatches, and table versions created (Lance). Then the
+published, or the first table commit), SuperBatches, and table versions created. Then the
 index of the last round's outputs: ``build_index`` (FAISS HNSW32 beside Parquet; Lance IVF) build
 seconds and recall@10 of ``--queries`` stored vectors against exact (brute-force) search.
 """
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = _results.new_report(__spec__.name if __spec__ else "benchmarks.table_formats", argv, args)
 
     import dask.dataframe as dd
+    import deltalake
     import lance
     import numpy as np
     from distributed import Client, LocalCluster
@@ -59,17 +60,21 @@ def main(argv: list[str] | None = None) -> dict:
             Client(cluster):
         dd.read_parquet(str(src)).surge.encode("text", str(work / "warm"), **kw)  # models loaded, caches warm
         for i in range(args.rounds):
-            for fmt in (("lance", "parquet") if i % 2 else ("parquet", "lance")):
+            formats = ("parquet", "lance", "delta")
+            for fmt in formats[i % 3:] + formats[:i % 3]:
                 out = str(work / f"out{i}.{fmt}")
                 t0 = time.perf_counter()
                 res = dd.read_parquet(str(src)).surge.encode("text", out, format=fmt, **kw)
                 seconds = time.perf_counter() - t0
-                versions = len(lance.dataset(out).versions()) if fmt == "lance" else 0
+                versions = (len(lance.dataset(out).versions()) if fmt == "lance" else
+                            deltalake.DeltaTable(out).version() + 1 if fmt == "delta" else 0)
                 report["results"].append({"method": fmt, "round": i, "rows": res.rows, "superbatches": res.superbatches,
                                           "seconds": seconds, "texts_per_s": res.rows / seconds,
                                           "ttfo_s": res.ttfo_s, "table_versions": versions})
                 outputs[fmt] = out
     for fmt, out in outputs.items():
+        if fmt == "delta":  # no index for Delta
+            continue
         t0 = time.perf_counter()
         info = build_index(out)
         build_s = time.perf_counter() - t0
@@ -83,14 +88,14 @@ def main(argv: list[str] | None = None) -> dict:
         recall = recall_at_k(found, exact_neighbours(x, x[queries], 10))
         report["results"].append({"method": f"index-{info['kind']}", "rows": len(x), "build_s": build_s,
                                   "recall_at_10": recall, "params": {k: v for k, v in info.items() if k != "path"}})
-    by = {f: [r for r in report["results"] if r["method"] == f] for f in ("parquet", "lance")}
+    by = {f: [r for r in report["results"] if r["method"] == f] for f in ("parquet", "lance", "delta")}
     report["summary"] = {
-        "ratio_lance_over_parquet_seconds": statistics.median(
-            lo["seconds"] / pq["seconds"] for lo, pq in zip(by["lance"], by["parquet"])),
+        **{f"ratio_{f}_over_parquet_seconds": statistics.median(
+            t["seconds"] / pq["seconds"] for t, pq in zip(by[f], by["parquet"])) for f in ("lance", "delta")},
         "median_texts_per_s": {f: statistics.median(r["texts_per_s"] for r in rs) for f, rs in by.items()},
         "median_ttfo_s": {f: statistics.median(r["ttfo_s"] for r in rs) for f, rs in by.items()},
         "superbatches": by["lance"][0]["superbatches"],
-        "table_versions": [r["table_versions"] for r in by["lance"]],
+        "table_versions": {f: [r["table_versions"] for r in by[f]] for f in ("lance", "delta")},
         "index": {r["method"]: {"build_s": r["build_s"], "recall_at_10": r["recall_at_10"]}
                   for r in report["results"] if r["method"].startswith("index-")},
     }

@@ -29,7 +29,6 @@ and a rerun refuses the table.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -242,5 +241,7 @@ class TableCommitter:
 
     def abandon(self) -> None:
         """On an error: commit what can be committed, never raise (a rerun commits the rest)."""
-        with contextlib.suppress(BaseException):
+        try:
             self.close(final=True)
+        except Exception as err:  # noqa: BLE001 - the run's own error is the one to raise
+            logger.warning("dask-surge: committing to the table waits for a rerun: %s", err)
