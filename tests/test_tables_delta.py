@@ -164,8 +164,8 @@ def test_delta_on_loopback_s3_killed_right_after_a_commit(tmp_path):
     from dask_surge.io.tables.locations import object_store_options
     from dask_surge.testing import loopback_s3
 
-    with loopback_s3("surge") as (_, options, _fs):
-        out = "s3://surge/t.delta"
+    with loopback_s3("surge-delta") as (_, options, _fs):
+        out = "s3://surge-delta/t.delta"
         killed = _run(out, 1, options)
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
         done = _run(out, 0, options)

@@ -116,14 +116,14 @@ def places(tmp_path_factory):
     root = tmp_path_factory.mktemp("tables-sweep")
     src = root / "in"
     write_partitioned_parquet(src, SIZES, seed=3)
-    with loopback_s3("surge") as (_, options, _fs):
+    with loopback_s3("surge-tables") as (_, options, _fs):
         ref_out = str(root / "clean.lance")
         done = subprocess.run(_driver(src, ref_out, "threads", None), env=_env(), capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         reference = _table(ref_out, None).to_table().to_pandas().sort_values(["partition", "row"]).reset_index(
             drop=True)
-        yield src, {"local": (str(root), None), "s3": ("s3://surge", options)}, reference
+        yield src, {"local": (str(root), None), "s3": ("s3://surge-tables", options)}, reference
 
 
 def test_lance_on_s3_killed_right_after_a_table_commit_resumes_exactly_once(places):

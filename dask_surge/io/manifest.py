@@ -136,8 +136,8 @@ class CommitRecord:
     ``encoded`` the distinct texts that went through the model (-1: not recorded, an
     older record) and ``reused`` the texts whose embeddings were copied from a ``reuse``
     output. ``table`` is what a table output's commit needs (a JSON string: the data files the
-    task wrote into the table, uncommitted; :mod:`dask_surge.io.tables`); empty for Parquet,
-    whose ``file`` is then never published (the table commit is the publish).
+    task wrote into the table, uncommitted; :mod:`dask_surge.io.tables`), empty for Parquet;
+    with it, ``file`` names no file (nothing is published: the table commit is the publish).
     """
 
     sb: str
