@@ -146,17 +146,24 @@ def _run(out, kill_after: int = 0, options=None):
                           env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The rows of an undisturbed run of the driver."""
+    out = tmp_path_factory.mktemp("delta-clean") / "clean.delta"
+    done = _run(out)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return _rows(out)
+
+
 @pytest.mark.parametrize("k", [1, 2])
-def test_killed_right_after_a_delta_commit_a_rerun_never_commits_twice(tmp_path, k):
+def test_killed_right_after_a_delta_commit_a_rerun_never_commits_twice(tmp_path, k, clean):
     out = tmp_path / "t.delta"
-    clean = _run(tmp_path / "clean.delta")
-    assert clean.returncode == 0, clean.stderr[-3000:]
     killed = _run(out, k)
     assert killed.returncode == -signal.SIGKILL
     done = _run(out)
     assert done.returncode == 0, done.stderr[-3000:]
     df = _check_once(out)
-    assert np.array_equal(np.stack(df.embedding), np.stack(_rows(tmp_path / "clean.delta").embedding))
+    assert np.array_equal(np.stack(df.embedding), np.stack(clean.embedding))
 
 
 def test_delta_on_loopback_s3_killed_right_after_a_commit(tmp_path):
