@@ -357,6 +357,15 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     )
     max_bytes = windowed_bytes(opts["max_bytes"], requested[1], encoder, long_texts, overlap, gpu=on_gpu)
     frame = ddf[[column, *[k for k in keep if k != column]]]
+    out_format, mode = opts["format"], opts["mode"]
+    if out_format != "parquet" and (output is None or overwrite):
+        raise SurgeValueError(
+            f"format={out_format!r} writes a table at output=..., which it never replaces" + (
+                "; output=None returns a lazy frame" if output is None else ": overwrite=True is for Parquet") +
+            ". Fix: pass output='path/table' and no overwrite (a new path, or mode='append' to add to a table).")
+    if mode == "append" and out_format == "parquet":
+        raise SurgeValueError("mode='append' adds rows to a table output; a Parquet output holds one run. "
+                              "Fix: pass format='lance' or 'delta', or leave mode='create'.")
     if output is None:
         if task.on_null == "skip":
             raise SurgeValueError(
@@ -373,7 +382,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     # the output is resolved once, and what needs no worker is checked before any starts: where it can
     # live, that it is not inside (or around) the input, that it holds nothing dask-surge did not write
     store = OutputStore.open(output, storage_options, writing=True)
-    check_output(store, inputs=input_files(frame))
+    check_output(store, inputs=input_files(frame), contents=out_format == "parquet")  # a table: its history decides
     # the bar opens now: starting a cluster (workers importing torch) is the first thing a user waits for
     starting = scheduler is None and _active_client() is None  # _client_for starts a local cluster
     bar = RunProgress(enabled=progress, phase="starting workers" if starting else "planning")
@@ -387,7 +396,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
         return write_run(RunRequest(
             frame, task, store, fingerprint=run_id, thresholds=_thresholds(requested, task, frame, client, gpu=on_gpu),
             max_bytes=max_bytes, client=client, scheduler=scheduler, overwrite=overwrite,
-            progress=progress, started=started, bar=bar,
+            progress=progress, started=started, bar=bar, format=out_format, mode=mode,
         ))
 
 

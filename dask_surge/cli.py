@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--output", required=True, help="where to write: a new or empty directory path or URL (or one a "
                      "dask-surge run wrote); where it can live: docs/output.md, 'Where output can go'")
     enc.add_argument("--keep", nargs="*", default=[], help=option("keep").summary)  # its help from the option table
-    enc.add_argument("--format", choices=["parquet", "csv", "json"], default=None,
+    enc.add_argument("--format", dest="input_format", choices=["parquet", "csv", "json"], default=None,
                      help="input format (default: from the file extension)")
     _add_encode_options(enc)
 
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="SuperBatch plan and (with --calibrate) predicted cost of each policy")
     pl.add_argument("inputs", nargs="+")
     pl.add_argument("--text-column", required=True)
-    pl.add_argument("--format", choices=["parquet", "csv", "json"], default=None)
+    pl.add_argument("--format", dest="input_format", choices=["parquet", "csv", "json"], default=None)
     add_arguments(pl, "plan")  # the flags of plan()'s options, from dask_surge.options.OPTIONS
 
     st = sub.add_parser("status", help="progress of an output directory")
@@ -213,7 +213,7 @@ def _print_result(result, as_json: bool) -> None:
 
 def cmd_encode(args) -> int:
 
-    ddf = read_input(args.inputs, args.format)
+    ddf = read_input(args.inputs, args.input_format)
     result = encode(ddf, args.text_column, args.output, keep=args.keep, **_options(args))
     _print_result(result, args.json)
     return 0
@@ -250,7 +250,7 @@ def cmd_demo(args) -> int:
 
 def cmd_plan(args) -> int:
 
-    ddf = read_input(args.inputs, args.format)
+    ddf = read_input(args.inputs, args.input_format)
     opts = _options(args, "plan")
     if opts["calibrate"]:
         from distributed import Client

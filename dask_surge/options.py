@@ -56,7 +56,7 @@ from typing import Any, Literal, TypedDict, get_args
 
 __all__ = [
     "COMPRESSIONS", "DTYPES", "ENGINES", "ON_NULLS", "OPTIONS", "PRECISIONS", "Cli", "Compression", "Dtype",
-    "EncodeOptions", "EngineName", "Invalid", "LONG_TEXTS", "DEFAULT_CHUNK_OVERLAP", "LongTexts", "OnNull", "Option", "PlanOptions", "Precision", "add_arguments",
+    "EncodeOptions", "EngineName", "OUTPUT_FORMATS", "OutputFormat", "TableMode", "Invalid", "LONG_TEXTS", "DEFAULT_CHUNK_OVERLAP", "LongTexts", "OnNull", "Option", "PlanOptions", "Precision", "add_arguments",
     "bind", "choices", "config_options", "defaults", "document", "from_arguments", "identity_options", "option",
     "options_of", "schema", "schema_yaml", "signature", "TUNING", "tuning_values",
 ]
@@ -76,6 +76,10 @@ Compression = Literal["none", "snappy", "lz4", "zstd"]
 #: What a text longer than the model's window does: cut (and counted), stop the run, one output row
 #: per overlapping token window, or one row of the windows' token-weighted mean.
 LongTexts = Literal["truncate", "error", "chunk", "mean"]
+#: What a written encode writes: Parquet part files, or a table (:mod:`dask_surge.io.tables`).
+OutputFormat = Literal["parquet", "lance", "delta"]
+#: Whether a table output must be new (or this run's), or may be a table the run did not create.
+TableMode = Literal["create", "append"]
 #: Where a written encode runs: a ``distributed.Client``, a local scheduler, or None (the
 #: active Client, else a local cluster started for the call).
 Scheduler = Any | Literal["sync", "synchronous", "threads"] | None
@@ -110,6 +114,7 @@ DTYPES: tuple[str, ...] = choices(Dtype)
 ENGINES: tuple[str, ...] = choices(EngineName)
 COMPRESSIONS: tuple[str, ...] = choices(Compression)
 LONG_TEXTS: tuple[str, ...] = choices(LongTexts)
+OUTPUT_FORMATS: tuple[str, ...] = choices(OutputFormat)
 #: Tokens two consecutive windows share in ``long_texts="chunk"``/``"mean"`` (the option's default).
 DEFAULT_CHUNK_OVERLAP = 32
 
@@ -638,6 +643,25 @@ OPTIONS: tuple[Option, ...] = (
          ``reuse`` outputs given as URLs (``s3://...``), or None to use the filesystem's defaults.""",
          "fsspec options for the output",
          validator=mapping("pass e.g. storage_options={'auto_mkdir': True}"), identity=False, takers="encode"),
+    _opt("format", OutputFormat | None, '{"parquet", "lance", "delta"}, optional', """
+         What ``output`` is: ``"parquet"`` (a directory of part files and the manifest) or
+         ``"lance"`` (a Lance table: workers write its data files, the calling process commits
+         them in batches, each table version naming the run and its SuperBatches, so a resume
+         never commits one twice; see the output formats in ``docs/output.md``), or ``"delta"``
+         (a Delta Lake table, committed the same way). Needs ``pip install "dask-surge[lance]"``
+         or ``"dask-surge[delta]"``.""",
+         "output format: parquet (part files), lance (a Lance table) or delta (a Delta Lake table)",
+         default="parquet", config="format", vocabulary=OutputFormat,
+         validator=one_of(OutputFormat, "is not an output format"), identity=False, takers="encode",
+         cli=Cli(flag="--output-format")),
+    _opt("mode", TableMode, '{"create", "append"}', """
+         For a table output: ``"create"`` writes only a new table (or resumes this run's own);
+         ``"append"`` also adds this run's rows to an existing table with the same columns that it
+         did not create (its other rows are left as they are; each of this run's SuperBatches is
+         still committed exactly once).""",
+         "table outputs: create (a new table) or append (to an existing one with the same columns)",
+         default="create", vocabulary=TableMode, validator=one_of(TableMode, "is not a table mode"),
+         identity=False, takers="encode", cli=Cli()),
     _opt("scheduler", Scheduler, 'None, distributed.Client, "threads" or "sync"', """
          Where a written encode runs: None uses the active distributed Client, else starts a local
          cluster for the call; ``"threads"``/``"sync"`` run in this process. :func:`plan` plans for
@@ -707,6 +731,16 @@ OPTIONS: tuple[Option, ...] = (
          "rows of a new run's first SuperBatch (thresholds double up to b-min); null starts at b-min",
          default=32, config="first-superbatch", validator=positive_int(none=True),
          schema={"oneOf": [_INT_MIN_1, _NULL]}),
+    _opt("table_commit_every", int, "int", """
+         SuperBatches a table commit holds at most (a table output makes one version per commit).""",
+         "table outputs: SuperBatches per table commit at most",
+         default=16, config="table-commit-every", validator=positive_int(fix="pass e.g. 16"), schema=_INT_MIN_1),
+    _opt("table_commit_seconds", float, "float", """
+         Seconds a committed SuperBatch waits for others before its table commit (the run's first
+         is committed at once).""",
+         "table outputs: seconds a SuperBatch waits for others before its table commit",
+         default=5.0, config="table-commit-seconds", validator=positive_number,
+         schema={"type": "number", "exclusiveMinimum": 0}),
     _opt("superbatches_per_gpu", int, "int", """
          SuperBatch tasks a GPU worker runs at once: one encodes on the GPU (the engine serializes
          forward passes through one feeder thread) while the others read, tokenize, pack, write and
@@ -785,6 +819,8 @@ class EncodeOptions(_ModelOptions, total=False):
     max_tokens: int | None
     overwrite: bool
     storage_options: dict | None
+    format: OutputFormat | None
+    mode: TableMode
     scheduler: Scheduler
     progress: bool | None
     input_token: str | None

@@ -183,7 +183,8 @@ def test_identity_options_are_unchanged_by_the_table():
         "max_bytes": False, "keep": True, "normalize": True, "precision": True, "truncate_dim": True, "sparse_top_k": True, "sparse_threshold": True,
         "on_null": False, "long_texts": True, "chunk_overlap": True, "reuse": False, "device": False, "dtype": True, "engine": False, "batch_size": False,
         "max_tokens": False, "prompt": True, "prompt_name": True, "revision": True, "trust_remote_code": False,
-        "model_kwargs": True, "overwrite": False, "storage_options": False, "scheduler": False,
+        "model_kwargs": True, "overwrite": False, "storage_options": False, "format": False, "mode": False,
+        "scheduler": False,
         "progress": False, "input_token": True,
     }
 

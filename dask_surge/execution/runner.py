@@ -22,6 +22,7 @@ from ..io.manifest import (
     Coverage,
     Manifest,
     RunPlan,
+    current_run,
     find_run,
     fingerprint_digest,
     finish_run,
@@ -31,6 +32,8 @@ from ..io.manifest import (
     text_counts,
 )
 from ..io.store import OutputStore
+from ..io.tables import open_table
+from ..io.tables.locations import TableLocation
 from ..planning.policy import plan_superbatches
 from ..planning.sizes import PartitionSizes, known_sizes
 from ..planning.thresholds import Requested, Thresholds
@@ -46,6 +49,7 @@ from .scheduling import run_units, task_resources
 from .sink import SuperBatchWriter
 from .stops import interrupted, stopped_error
 from .superbatch import SuperBatchTask
+from .tables import TableCommitter, check_table_dir
 from .unit import UnitRunner, planned_units, streaming_units
 
 __all__ = ["RunRequest", "ThresholdResolver", "write_run"]
@@ -104,6 +108,16 @@ class RunRequest:
     started: float | None = None
     #: a bar the caller opened already (from the first second: while it started a cluster); None: a new one
     bar: RunProgress | None = None
+    #: ``"parquet"`` (part files), or a table format (:mod:`dask_surge.execution.tables`)
+    format: str = "parquet"
+    #: ``"append"``: a table output may be one this run did not create
+    mode: str = "create"
+
+    def table(self) -> Any:
+        """The table of a table output (None for Parquet)."""
+        if self.format == "parquet":
+            return None
+        return open_table(self.format, TableLocation.of(self.store))
 
     @property
     def output(self) -> str:
@@ -128,8 +142,13 @@ def write_run(request: RunRequest) -> EncodeResult:
             stack.enter_context(logging_through(bar))
         bar.phase("planning")
         store, output = request.store, request.output
+        table = request.table()
         found = find_run(store, request.fingerprint)
         _say_recorded_thresholds(found, request)
+        if table is not None:  # a new or empty directory, or a table (whose history decides)
+            check_table_dir(store, table.exists())
+            if found is not None:
+                found.table = True
         store.prove()  # an object store honours conditional creates, before the claim relies on one
         if found is not None and found.completion() is not None and not request.overwrite \
                 and not found.coverage().missing(request.frame.npartitions):  # records, not the marker, are the truth
@@ -144,7 +163,7 @@ def write_run(request: RunRequest) -> EncodeResult:
             check_workers_see_output(request.client, store)
         claim = Claim.acquire(store, fingerprint_digest(request.fingerprint))
         try:
-            return _claimed_run(request, t0, wall0, claim, bar)
+            return _claimed_run(request, t0, wall0, claim, bar, table)
         finally:
             claim.release()
 
@@ -192,7 +211,24 @@ def _follow_model(bar: RunProgress, request: RunRequest) -> None:
         bar.follow_model(lambda: (int(encoder.is_loaded), 1), workers=False)
 
 
-def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar: RunProgress) -> EncodeResult:
+def _table_overwrite(request: RunRequest) -> bool:
+    """``overwrite`` for :func:`open_run` of a table output: ``mode="append"`` replaces the manifest of
+    another dask-surge run that completed (its rows stay in the table: they are committed there)."""
+    other = current_run(request.store)
+    if other is None or other.run_id == fingerprint_digest(request.fingerprint):
+        return False
+    if request.mode != "append":
+        return False  # open_run refuses, naming what differs
+    if other.completion() is None:
+        raise SurgeOutputError(
+            f"output={request.output!r} holds run {other.run_id} of dask-surge, not finished: appending another "
+            "run now would leave its SuperBatches out of the table. Nothing was written. Fix: rerun that run "
+            "to finish it, then append; or write to a new path.")
+    return True
+
+
+def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar: RunProgress,
+                 table: Any = None) -> EncodeResult:
     """:func:`write_run` once the output directory is claimed."""
 
     frame, sbe, output, client = request.frame, request.encoder, request.output, request.client
@@ -201,8 +237,10 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
     recorded = found.plan if found is not None else None
     max_bytes = recorded.max_bytes if recorded is not None else request.max_bytes  # a resumed run keeps its own
     sizes = None if recorded is not None and recorded.mode == "streaming" else known_sizes(frame, sbe.column, max_bytes)
-    manifest, resumed = open_run(request.store, request.fingerprint, overwrite=request.overwrite,
+    overwrite = request.overwrite if table is None else _table_overwrite(request)
+    manifest, resumed = open_run(request.store, request.fingerprint, overwrite=overwrite,
                                  plan=_new_plan(request, sizes, max_bytes, threads) if found is None else None)
+    manifest.table = table is not None  # a table output publishes nothing: its claim holder commits to the table
     plan = manifest.plan
     if plan is None:  # pragma: no cover - a run of write_run always records one
         raise SurgeError(f"the run in {output!r} recorded no plan. Fix: rerun with overwrite=True.")
@@ -227,16 +265,23 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
         units = streaming_units(npartitions, int(plan.unit_partitions or 1), coverage)
         bar.planned(rows=None, superbatches=None, done_rows=done_rows, done_superbatches=len(committed))
     # the codec as the caller configured it (dask.config.set on the client), not as each worker's config says
-    runner = UnitRunner(SuperBatchWriter(sbe, manifest, config.get("compression")), b_min, b_max, max_bytes)
+    runner = UnitRunner(SuperBatchWriter(sbe, manifest, config.get("compression"), table), b_min, b_max, max_bytes)
     reports: list[SuperBatchReport] = []
     ttfo = None
     # on an object store this process publishes each commit as it hears of it (Manifest.tasks_publish)
-    publisher = None if manifest.tasks_publish or manifest.defer_publish else Publisher(manifest)
+    publisher = None if manifest.tasks_publish or manifest.defer_publish or table else Publisher(manifest)
+    committer = None
+    if table is not None:  # commits what a killed process left first, then batches as commits arrive
+        committer = TableCommitter(table, manifest, mode=request.mode, every=config.get("table-commit-every"),
+                                   seconds=config.get("table-commit-seconds"), claim=claim)
+        committer.start()
 
     def heard(sb: str, rows: int, file: str) -> None:
         bar.commit(sb, rows)
         if publisher is not None and file:
             publisher.submit(sb, file)
+        if committer is not None and file:
+            committer.submit(sb)
 
     if units:
         window = config.get("in-flight") or 2 * max(1, threads)
@@ -246,7 +291,9 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
             with listen(manifest.run_id, heard, client):  # each commit as it happens (events.py)
                 for report in run_units(iter(units), lambda key, unit: graph.task(key, runner, unit), client,
                                         request.scheduler, window, task_resources(client)):
-                    if report.committed and publisher is not None:
+                    if report.committed and committer is not None:
+                        committer.submit(report.sb)  # one whose commit was not announced
+                    elif report.committed and publisher is not None:
                         publisher.submit(report.sb, report.file)  # one whose commit was not announced
                     elif report.committed:  # when its file became readable, not when the client heard
                         first = report.committed_at - wall0
@@ -260,6 +307,8 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
                             "run stopped; what it committed is kept. Fix: let the other run finish, or rerun."
                         )
         except BaseException as err:
+            if committer is not None:  # what committed is readable in the table (a rerun commits the rest)
+                committer.abandon()
             if publisher is not None:  # what committed is readable by part-* globs, as on a filesystem
                 publisher.close()
                 with contextlib.suppress(Exception):
@@ -276,6 +325,9 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
         publisher.close()
         if publisher.first is not None:
             ttfo = publisher.first - wall0
+    if committer is not None:  # every committed SuperBatch into the table before the run counts as complete
+        committer.close()
+        ttfo = committer.first - wall0 if committer.first is not None else None
     committed = manifest.committed()
     coverage = manifest.coverage(committed)
     _check_complete(coverage, committed, npartitions, sizes, output)

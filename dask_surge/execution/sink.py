@@ -9,6 +9,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -59,10 +60,12 @@ class SuperBatchWriter:
     manifest: Manifest
     #: codec of the embedding column, resolved where the run starts (None: the worker's surge.compression)
     compression: str | None = None
+    #: a table output (:mod:`dask_surge.io.tables`): the rows go into its uncommitted data files, not a part file
+    table: Any = None
 
     def __dask_tokenize__(self):
         return ("SuperBatchWriter", self.encoder.__dask_tokenize__(), self.manifest.root, self.manifest.run_id,
-                self.compression)
+                self.compression, repr(self.table))
 
     def _digests(self, parts, spans) -> tuple[tuple[int, str], ...]:
         """``(partition, digest of its whole text column)`` of the partitions that this SuperBatch
@@ -99,7 +102,10 @@ class SuperBatchWriter:
         frame, skipped = encoded.frame, encoded.skipped
         # rows of each source partition (one span each); skipped nulls are not among them
         groups = row_groups(np.unique(frame[PARTITION].to_numpy(), return_counts=True)[1])
-        data = parquet_bytes(table_of(frame), groups, self.compression)
+        # a table output: the table's own data files now (uncommitted, no reader sees them); the record
+        # carries what the claim holder's table commit needs (dask_surge.execution.tables)
+        payload = self.table.write(table_of(frame)) if self.table is not None else ""
+        data = payload.encode() if self.table is not None else parquet_bytes(table_of(frame), groups, self.compression)
         attempt = uuid.uuid4().hex[:8]
         manifest, store = self.manifest, self.manifest.store
         staged, path = manifest.staging_path(key, attempt), manifest.data_path(key, attempt)
@@ -112,13 +118,15 @@ class SuperBatchWriter:
             skipped_sha256=hashlib.sha256(skip_data).hexdigest() if skipped else "",
             attempt=attempt, pid=os.getpid(), committed_at=0.0, digests=batch.digests,
             output_rows=len(frame), truncated=encoded.truncated, encoded=encoded.encoded, reused=encoded.reused,
+            table=payload,
         )
         won, step = False, f"writing {staged!r}"
         try:
             if skipped:  # the ids of skipped nulls, beside the commit record (any number of them)
                 store.makedirs(skip_path.rsplit("/", 1)[0])
                 store.write(skip_path, skip_data)
-            store.write(staged, data)  # not where readers look: _surge/runs/<run>/staging/
+            if self.table is None:
+                store.write(staged, data)  # not where readers look: _surge/runs/<run>/staging/
             step = f"creating the commit record {manifest.record_path(key)!r}"
             record = dataclasses.replace(record, committed_at=time.time())
             won = manifest.commit(record)
@@ -141,7 +149,8 @@ class SuperBatchWriter:
                 "Fix: free disk space or fix permissions, then rerun the same call to resume."
             ) from err
         if not won:  # another attempt of this SuperBatch committed first: ours is an orphan
-            discard(store, staged)
+            if self.table is None:  # (a table's orphan data files are named by no version: no reader sees them)
+                discard(store, staged)
             if skipped:
                 discard(store, skip_path)
         else:  # the client's progress moves now, not when the whole unit ends

@@ -223,7 +223,7 @@ def refuse_links(store: OutputStore) -> None:
         )
 
 
-def check_output(store: OutputStore, *, inputs: Sequence[tuple[Any, str]] = ()) -> None:
+def check_output(store: OutputStore, *, inputs: Sequence[tuple[Any, str]] = (), contents: bool = True) -> None:
     """Refuse an output location that a run could not own (before anything is written).
 
     The output must be a directory, not under a regular file, neither inside nor around one
@@ -242,6 +242,10 @@ def check_output(store: OutputStore, *, inputs: Sequence[tuple[Any, str]] = ()) 
         The input's files, directories and globs, each with its fsspec filesystem
         (:func:`dask_surge.execution.inputs.input_files`): none may be inside the output, nor
         the output inside a directory among them.
+    contents : bool
+        Also refuse a directory holding entries dask-surge did not write (a Parquet output); a
+        table output's own entries are the table's to judge
+        (:func:`dask_surge.execution.tables.check_table_dir`).
 
     Raises
     ------
@@ -292,7 +296,7 @@ def check_output(store: OutputStore, *, inputs: Sequence[tuple[Any, str]] = ()) 
             "never writes into its input. Nothing was written. Fix: choose another directory for the output, "
             f"e.g. {store.location.rstrip('/') + '-embeddings'!r}."
         )
-    if ancestor != root:
+    if ancestor != root or not contents:
         return
     refuse_links(store)
     names = store.listdir(root)

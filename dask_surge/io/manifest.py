@@ -132,7 +132,9 @@ class CommitRecord:
     ``truncated`` counts texts cut at the model's window (-1: the model cannot tell),
     ``encoded`` the distinct texts that went through the model (-1: not recorded, an
     older record) and ``reused`` the texts whose embeddings were copied from a ``reuse``
-    output.
+    output. ``table`` is what a table output's commit needs (a JSON string: the data files the
+    task wrote into the table, uncommitted; :mod:`dask_surge.io.tables`), empty for Parquet;
+    with it, ``file`` names no file (nothing is published: the table commit is the publish).
     """
 
     sb: str
@@ -153,6 +155,7 @@ class CommitRecord:
     truncated: int = 0
     encoded: int = -1
     reused: int = 0
+    table: str = ""
 
     @property
     def accounted(self) -> int:
@@ -284,6 +287,9 @@ class Manifest:
     #: True while another run is current (an overwrite): committed files stay in ``staging/``
     #: until this run completes, so a ``part-*`` reader never sees two runs' rows at once
     defer_publish: bool = False
+    #: True for a table output (``format="lance"``): no file is ever published under the root; the
+    #: claim holder commits to the table instead (:mod:`dask_surge.execution.tables`)
+    table: bool = False
 
     @property
     def fs(self) -> Any:
@@ -300,7 +306,7 @@ class Manifest:
         local or shared filesystem). On an object store a move is a copy and a delete, which
         a retired run's late task could still make, so there only the process holding the
         claim publishes (:meth:`publish`, as each commit reaches it, and at the end)."""
-        return not self.defer_publish and self.store.renames
+        return not self.defer_publish and not self.table and self.store.renames
 
     @property
     def run_dir(self) -> str:
@@ -406,7 +412,7 @@ class Manifest:
         publish, or the run defers publishing, see :attr:`defer_publish`); returns how many.
         Does nothing while the run defers publishing. Raises :class:`SurgeOutputError` for a
         committed file that is nowhere (deleted by hand, or lost to a crash)."""
-        if self.defer_publish:
+        if self.defer_publish or self.table:
             return 0
         present = set(self.store.listdir(self.root))
         moved = 0
@@ -646,6 +652,8 @@ def settled(manifest: Manifest, committed: dict[str, CommitRecord]) -> bool:
     """True when the data files of the directory are exactly the committed ones of this
     complete, current run (none unpublished, none another run's or an uncommitted attempt's)."""
     data = {n for n in manifest.store.listdir(manifest.root) if DATA_FILE.match(n)}
+    if manifest.table:  # no part file is ever published under the root: the table holds the rows
+        return not data
     return data == {rec.file for rec in committed.values()}
 
 

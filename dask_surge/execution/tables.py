@@ -1,0 +1,245 @@
+"""Committing a run's SuperBatches to a table output (``format="lance"`` or ``"delta"``), exactly once.
+
+The SuperBatch tasks write their rows as the table's uncommitted data files and create
+their commit records in the manifest (``<output>/_surge/``) as for Parquet; the record
+carries what the table commit needs (:class:`~dask_surge.io.manifest.CommitRecord.table`).
+This process, which holds the run's claim, then commits them to the table in batches
+(:class:`TableCommitter`): a table version holds several SuperBatches, and its commit
+metadata names the run and every SuperBatch in it.
+
+**Exactly once.** The table's history is the truth of what it holds. Before its first
+commit, and before each later one, the committer reads the versions it has not seen: a
+SuperBatch a version of this run already holds is never committed again, also when the
+process that committed it died before anything else recorded it; a resume (a rerun of the
+same call) commits the SuperBatches whose records exist but which no version holds. Of
+two processes of one run only the claim holder commits (:class:`~dask_surge.io.lease.Claim`:
+a lost claim stops the committer before its next commit).
+
+**Batching.** A batch is committed once it holds ``surge.table-commit-every``
+SuperBatches, or ``surge.table-commit-seconds`` after its first one arrived, whichever
+comes first; the run's first SuperBatch is committed on its own at once (its rows are
+readable within seconds); the end of the run commits the rest.
+
+**Other writers.** A table that this run did not create is written only with
+``mode="append"`` (same columns). Versions other writers make while the run goes on are
+merged when they keep every row (appends, compaction, index builds); any other change
+(delete, update, overwrite, restore, schema change) stops the run, naming the version,
+and a rerun refuses the table.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import SurgeOutputError
+from ..io.manifest import CommitRecord, Manifest
+from ..io.store import OutputStore
+
+logger = logging.getLogger("dask_surge")
+
+__all__ = ["TableCommitter", "check_table_dir", "TABLE_ENTRIES"]
+
+#: what a directory may hold before a run makes it a Lance table: the table's own entries and ``_surge/``
+TABLE_ENTRIES = frozenset({"_surge", "data", "_versions", "_transactions", "_indices", "_deletions", "_refs",
+                           "_delta_log", "surge-data"})
+
+
+def check_table_dir(store: OutputStore, exists: bool) -> None:
+    """Refuse to make the output a table when it holds anything but a table's own entries.
+
+    ``exists``: a table is already there (then the table's history decides, not the listing).
+    """
+    if exists:
+        return
+    root = store.root
+    names = set(store.listdir(root))
+    foreign = sorted(n for n in names if n not in TABLE_ENTRIES and not n.startswith("."))
+    if foreign:
+        raise SurgeOutputError(
+            f"output={root!r} holds {foreign[:5]}, which is neither a table nor dask-surge's own; a table "
+            "output is written only into a new directory, an empty one, or a table. Nothing was written. "
+            "Fix: choose a new path for the table."
+        )
+
+
+class TableCommitter:
+    """Commits the SuperBatches of one run to its table, in batches, on one thread.
+
+    Parameters
+    ----------
+    table : LanceTable
+        The table (see :mod:`dask_surge.io.tables`).
+    manifest : Manifest
+        The run's manifest: commit records carry the table payloads.
+    mode : {"create", "append"}
+        ``"append"`` lets the run add its rows to a table it did not create.
+    every : int
+        SuperBatches per table commit at most.
+    seconds : float
+        Seconds a SuperBatch waits for others before its batch is committed.
+    claim : Claim, optional
+        The run's claim: once it is lost, nothing more is committed.
+    """
+
+    def __init__(self, table: Any, manifest: Manifest, *, mode: str = "create", every: int = 16,
+                 seconds: float = 5.0, claim: Any = None) -> None:
+        self.table, self.manifest, self.mode = table, manifest, mode
+        self.every, self.seconds, self.claim = max(1, int(every)), float(seconds), claim
+        self.run_id = manifest.run_id
+        self.done: set[str] = set()
+        self.seen = 0  # the table version whose history this process has read up to
+        self.exists = False
+        self.first: float | None = None  # wall clock of the first commit of this process
+        self.versions = 0  # table versions this process made
+        self._ours_first: int | None = None
+        self._schema_checked = False
+        self._pending: list[str] = []
+        self._since: float | None = None
+        self._cond = threading.Condition()
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- the table's history -------------------------------------------------------------------
+
+    def _read(self) -> None:
+        """Read the versions after :attr:`seen`: ours into :attr:`done`; refuse what others did."""
+        h = self.table.history(self.run_id, since=self.seen)
+        if not h.exists:
+            if self.exists:
+                raise SurgeOutputError(
+                    f"the table {self.table.location.url!r} is gone (deleted while the run wrote it). What the "
+                    "run committed to its manifest is kept. Fix: write to a new path.")
+            return
+        if self.seen == 0 and h.first_ours is False and self.mode != "append":
+            raise SurgeOutputError(
+                f"output={self.table.location.url!r} is a {self.table.name} table that this run did not "
+                f"create (version {h.foreign[0][0]}: {h.foreign[0][1]}"
+                f"{' by dask-surge run ' + h.foreign[0][2] if h.foreign[0][2] else ''}). Nothing was written. "
+                "Fix: write to a new path, or pass mode='append' to add this run's rows to it (same columns)."
+            )
+        if h.duplicates:  # pragma: no cover - only two claim holders at once could do it
+            raise SurgeOutputError(
+                f"the table {self.table.location.url!r} holds SuperBatch(es) {h.duplicates[:5]} of run "
+                f"{self.run_id} twice. Please report this with the table's history.")
+        if h.ops and self._ours_first is None:
+            self._ours_first = min(h.ops)
+        for version, op, run in h.foreign:
+            if self._ours_first is not None and version > self._ours_first and not self.table.keeps_rows(op):
+                who = f"dask-surge run {run}" if run else "another writer"
+                raise SurgeOutputError(
+                    f"the table {self.table.location.url!r} was changed by {who} while this run wrote it "
+                    f"(version {version}: {op}), which may have removed or changed rows this run committed. "
+                    "The run stops rather than guess which rows are still there; what it committed to its "
+                    "manifest is kept. Fix: write to a new path (appends, compaction and index builds by "
+                    "others are merged; other changes are not)."
+                )
+        self.done.update(h.ours)
+        self.exists, self.seen = True, max(self.seen, h.version)
+
+    def start(self) -> None:
+        """Read the table's history, commit what a killed process left (records no version
+        holds), then commit in the background as :meth:`submit` hands SuperBatches over."""
+        self._read()
+        left = [sb for sb in self.manifest.committed() if sb not in self.done]
+        for i in range(0, len(left), self.every):
+            self._commit(left[i:i + self.every])
+        self._thread = threading.Thread(target=self._loop, name="dask-surge-table-commit", daemon=True)
+        self._thread.start()
+
+    # -- committing ------------------------------------------------------------------------------
+
+    def _payloads(self, sbs: Iterable[str]) -> list[tuple[str, str]]:
+        out = []
+        for sb in sbs:
+            record = CommitRecord.from_json(self.manifest.store.read(self.manifest.record_path(sb)))
+            if not record.table:
+                raise SurgeOutputError(
+                    f"SuperBatch {sb} of {self.manifest.root!r} was committed without table data files (a "
+                    "Parquet run's record?). Fix: write the table to a new path.")
+            out.append((sb, record.table))
+        return out
+
+    def _commit(self, sbs: list[str]) -> None:
+        if self.claim is not None and self.claim.lost:
+            raise SurgeOutputError(
+                f"the claim on {self.manifest.root!r} was lost (another process took it over); this process "
+                "commits nothing more to the table. Fix: let the other run finish, or rerun.")
+        self._read()  # versions made since: ours (another process of this run) and others'
+        batch = [sb for sb in dict.fromkeys(sbs) if sb not in self.done]
+        if not batch:
+            return
+        payloads = self._payloads(batch)
+        if self.mode == "append" and self.exists and not self._schema_checked:
+            self.table.check_schema(payloads[0][1])
+            self._schema_checked = True
+        version = self.table.commit(self.run_id, payloads, self.seen if self.exists else 0)
+        self.done.update(batch)
+        self.versions += 1
+        self.exists = True
+        if self._ours_first is None:
+            self._ours_first = version
+        if self.first is None:
+            self.first = time.time()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while True:
+                        due = self._since is not None and time.monotonic() - self._since >= self.seconds
+                        if self._closing or len(self._pending) >= self.every or due or (
+                                self._pending and self.first is None):
+                            break
+                        self._cond.wait(None if self._since is None else
+                                        max(0.0, self.seconds - (time.monotonic() - self._since)))
+                    batch, self._pending = self._pending[:self.every], self._pending[self.every:]
+                    self._since = time.monotonic() if self._pending else None
+                    closing = self._closing and not self._pending
+                if batch:
+                    self._commit(batch)
+                if closing:
+                    return
+        except BaseException as err:  # noqa: BLE001 - handed to the run's thread (submit, close)
+            with self._cond:
+                self._error = err
+
+    def submit(self, sb: str) -> None:
+        """Commit SuperBatch ``sb`` (its commit record exists) with the next batch."""
+        self._raise()
+        with self._cond:
+            if sb in self.done or sb in self._pending:
+                return
+            self._pending.append(sb)
+            if self._since is None:
+                self._since = time.monotonic()
+            self._cond.notify()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def close(self, *, final: bool = True) -> None:
+        """Commit what was handed over, then (``final``) every committed record no version holds
+        (SuperBatches whose commit never reached this process: a task of a killed process)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join()
+        self._raise()
+        if final:
+            left = [sb for sb in self.manifest.committed() if sb not in self.done]
+            for i in range(0, len(left), self.every):
+                self._commit(left[i:i + self.every])
+
+    def abandon(self) -> None:
+        """On an error: commit what can be committed, never raise (a rerun commits the rest)."""
+        try:
+            self.close(final=True)
+        except Exception as err:  # noqa: BLE001 - the run's own error is the one to raise
+            logger.warning("dask-surge: committing to the table waits for a rerun: %s", err)

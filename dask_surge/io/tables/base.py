@@ -1,0 +1,85 @@
+"""What every table format shares: the commit-metadata keys, :class:`History`, :func:`require`."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import SurgeError
+
+__all__ = ["FORMATS", "TABLE_FORMATS", "RUN_PROPERTY", "SUPERBATCHES_PROPERTY", "History", "require"]
+
+#: every value of ``format=``; all but ``"parquet"`` are table formats
+FORMATS = ("parquet", "lance", "delta")
+TABLE_FORMATS = FORMATS[1:]
+#: commit-metadata key holding the run id of a table commit
+RUN_PROPERTY = "dask-surge.run"
+#: commit-metadata key holding the JSON list of SuperBatch keys of a table commit
+SUPERBATCHES_PROPERTY = "dask-surge.superbatches"
+
+#: module -> (pip extra, the distribution that provides it)
+_EXTRAS = {"lance": ("lance", "pylance"), "deltalake": ("delta", "deltalake"),
+           "pyiceberg": ("iceberg", "pyiceberg"), "faiss": ("faiss", "faiss-cpu")}
+
+
+def require(module: str) -> Any:
+    """Import ``module`` (an optional dependency), or raise an error naming the extra to install.
+
+    Examples
+    --------
+    >>> require("json").__name__
+    'json'
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        extra, dist = _EXTRAS.get(module, (None, module))
+        how = f'pip install "dask-surge[{extra}]"' if extra else f"pip install {dist}"
+        raise SurgeError(f"this needs the {dist!r} package, which is not installed ({err}). Fix: {how}.") from err
+
+
+@dataclass
+class History:
+    """What a table's history says to a run (see :meth:`LanceTable.history`).
+
+    Attributes
+    ----------
+    exists : bool
+        False: there is no table yet.
+    version : int
+        The table's latest version when it was read.
+    ours : dict of str to int
+        SuperBatch key -> the version of the run that committed it.
+    duplicates : list of str
+        SuperBatches that two versions of the run both hold (never, unless the claim failed).
+    foreign : list of (int, str, str)
+        ``(version, operation, run)`` of every version another writer made (run: its
+        dask-surge run id, or ``""``), in order.
+    first_ours : bool or None
+        Whether the first version read was this run's (None: none read).
+    """
+
+    exists: bool
+    version: int = 0
+    ours: dict[str, int] = field(default_factory=dict)
+    duplicates: list[str] = field(default_factory=list)
+    foreign: list[tuple[int, str, str]] = field(default_factory=list)
+    first_ours: bool | None = None
+    #: version -> operation, of this run's versions
+    ops: dict[int, str] = field(default_factory=dict)
+
+    def add_ours(self, version: int, superbatches: list, op: str) -> None:
+        """A version of this run was read: it holds ``superbatches``."""
+        if self.first_ours is None:
+            self.first_ours = True
+        self.ops[version] = op
+        for sb in superbatches:
+            if sb in self.ours:
+                self.duplicates.append(str(sb))
+            self.ours[str(sb)] = version
+
+    def note_foreign(self) -> None:
+        """A version of another writer was read."""
+        if self.first_ours is None:
+            self.first_ours = False

@@ -1,0 +1,164 @@
+"""Delta Lake table output: workers write Parquet data files, the claim holder commits them.
+
+A SuperBatch task writes its rows as one Parquet file under the table's ``surge-data/``
+(not referenced by the Delta log: no reader sees it) and its commit record carries the
+file's add-action facts (:meth:`DeltaOutput.write`). The process holding the run's claim
+commits batches of them (:meth:`DeltaOutput.commit`: one ``create_write_transaction`` of
+``AddAction`` s in append mode per batch, a new ``_delta_log/N.json``, written only if absent),
+with the run id and the SuperBatch keys in the commit's ``commitInfo`` (custom metadata) and an
+idempotent-transaction action (``txn``: app id ``dask-surge-<run>``), so the table's own
+history says which SuperBatches it holds (:meth:`DeltaOutput.history`).
+
+Delta has no fixed-size list type: ``embedding`` is an ``array<float>`` of constant length in
+the Delta schema (the Parquet files keep the fixed-size list), and ``text_hash`` is ``binary``.
+Table versions are reported shifted by one (Delta's version 0 is this module's 1), so 0 means
+"no table" as for Lance.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ...errors import SurgeOutputError
+from .base import RUN_PROPERTY, SUPERBATCHES_PROPERTY, History, require
+from .locations import TableLocation
+
+__all__ = ["DeltaOutput", "DATA_DIR"]
+
+#: where the workers' data files go, under the table's root (not the Parquet layout's part-* names)
+DATA_DIR = "surge-data"
+#: operations of another writer that leave every committed row in place
+_KEEPS_ROWS = frozenset({"WRITE (Append)", "OPTIMIZE", "VACUUM START", "VACUUM END", "SET TBLPROPERTIES",
+                         "ADD CONSTRAINT", "CREATE CHECKPOINT"})
+
+
+def _schema_text(schema: pa.Schema) -> str:
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def _schema_of(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
+class DeltaOutput:
+    """One Delta table as a dask-surge output (picklable: workers write through it).
+
+    Parameters
+    ----------
+    location : TableLocation
+        Where the table is (its manifest is ``<output>/_surge/``).
+    """
+
+    name = "delta"
+
+    def __init__(self, location: TableLocation) -> None:
+        self.location = location
+
+    def __repr__(self) -> str:
+        return f"DeltaOutput({self.location.url!r})"
+
+    def __dask_tokenize__(self) -> tuple:
+        return ("DeltaOutput", self.location.url)
+
+    def keeps_rows(self, op: str) -> bool:
+        """True when another writer's operation ``op`` leaves every committed row in place."""
+        return op in _KEEPS_ROWS
+
+    def _open(self) -> Any:
+        deltalake = require("deltalake")
+        if not deltalake.DeltaTable.is_deltatable(self.location.uri, storage_options=self.location.options):
+            return None
+        return deltalake.DeltaTable(self.location.uri, storage_options=self.location.options)
+
+    def exists(self) -> bool:
+        """True when a Delta table is at the location."""
+        return self._open() is not None
+
+    # -- the worker's side -----------------------------------------------------------------------
+
+    def write(self, data: pa.Table) -> str:
+        """Write ``data`` as one Parquet file under ``surge-data/``, not committed; returns the payload
+        (JSON: its path relative to the table, size, rows and the Arrow schema)."""
+        require("deltalake")
+        buf = io.BytesIO()
+        pq.write_table(data, buf, compression="zstd")
+        blob = buf.getvalue()
+        rel = f"{DATA_DIR}/{uuid.uuid4().hex}.parquet"
+        store = self.location.store()
+        store.makedirs(f"{store.root}/{DATA_DIR}")
+        store.write(f"{store.root}/{rel}", blob)  # atomic (one PUT on a store); unreferenced until a commit names it
+        return json.dumps({"path": rel, "size": len(blob), "rows": data.num_rows, "schema": _schema_text(data.schema)},
+                          sort_keys=True)
+
+    # -- the claim holder's side -------------------------------------------------------------------
+
+    def history(self, run_id: str, since: int = 0) -> History:
+        """What the table's versions after ``since`` say (see :class:`~.base.History`)."""
+        dt = self._open()
+        if dt is None:
+            return History(exists=False)
+        out = History(exists=True, version=dt.version() + 1)
+        for entry in sorted(dt.history(), key=lambda e: e["version"]):
+            version = int(entry["version"]) + 1
+            if version <= since:
+                continue
+            mode = (entry.get("operationParameters") or {}).get("mode")
+            op = f"{entry.get('operation')} ({mode})" if entry.get("operation") == "WRITE" and mode else \
+                str(entry.get("operation"))
+            if entry.get(RUN_PROPERTY) == run_id:
+                out.add_ours(version, json.loads(entry.get(SUPERBATCHES_PROPERTY) or "[]"), op)
+            else:
+                out.note_foreign()
+                out.foreign.append((version, op, str(entry.get(RUN_PROPERTY) or "")))
+        return out
+
+    def check_schema(self, payload: str) -> None:
+        """Refuse ``payload``'s rows when their column names differ from the table's."""
+        dt = self._open()
+        if dt is None:
+            return
+        mine = [f.name for f in _schema_of(json.loads(payload)["schema"])]
+        table = [f.name for f in dt.schema().fields]
+        if mine != table:
+            raise SurgeOutputError(
+                f"the Delta table {self.location.url!r} has columns {table}, but this run writes {mine}. Nothing "
+                "was committed to it. Fix: append only runs with the same columns, or write to a new table.")
+
+    def commit(self, run_id: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
+        """Commit the files of ``batch`` (``(sb, payload)`` pairs) as one append whose commit info names
+        ``run_id`` and the SuperBatches; creates the table first when ``read_version`` is 0."""
+        deltalake = require("deltalake")
+        from deltalake.transaction import AddAction, CommitProperties, Transaction
+
+        payloads = [json.loads(p) for _, p in batch]
+        schema = _schema_of(payloads[0]["schema"])
+        if read_version == 0:  # mode="error": a table someone else created meanwhile is not ours to write
+            deltalake.DeltaTable.create(self.location.uri, schema, mode="error",
+                                        storage_options=self.location.options,
+                                        commit_properties=CommitProperties(custom_metadata={RUN_PROPERTY: run_id}))
+        dt = deltalake.DeltaTable(self.location.uri, storage_options=self.location.options)
+        now = int(time.time() * 1000)
+        adds = [AddAction(p["path"], int(p["size"]), {}, now, True, json.dumps({"numRecords": int(p["rows"])}))
+                for p in payloads]
+        props = CommitProperties(
+            custom_metadata={RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: json.dumps(sorted(sb for sb, _ in batch))},
+            app_transactions=[Transaction(f"dask-surge-{run_id}", dt.version() + 1)])
+        dt.create_write_transaction(adds, mode="append", schema=schema, commit_properties=props)
+        dt = deltalake.DeltaTable(self.location.uri, storage_options=self.location.options)
+        return int(dt.version()) + 1
+
+    def read(self) -> pa.Table:
+        """Every committed row (the latest version)."""
+        dt = self._open()
+        if dt is None:
+            raise SurgeOutputError(f"no Delta table at {self.location.url!r}. Fix: pass the output of a run.")
+        return dt.to_pyarrow_table()

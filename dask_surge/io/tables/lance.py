@@ -1,0 +1,165 @@
+"""Lance table output: workers write fragments, the claim holder commits them.
+
+A SuperBatch task writes its rows as Lance data files under the table's ``data/``
+(:func:`lance.fragment.write_fragments`, no commit): invisible to every reader until a
+manifest version names them. Its commit record (``_surge/`` inside the table) carries the
+fragments' metadata (:meth:`LanceTable.write`'s payload). The process holding the run's
+claim appends batches of them (:meth:`LanceTable.commit`: one
+``LanceOperation.Append`` per batch, a new table version) with the run id and the
+SuperBatch keys in the transaction's properties, so the table's own history says which
+SuperBatches it holds (:meth:`LanceTable.history`).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from ...errors import SurgeOutputError
+from .base import RUN_PROPERTY, SUPERBATCHES_PROPERTY, History, require
+from .locations import TableLocation
+
+__all__ = ["LanceTable", "KEEPS_ROWS"]
+
+#: operations of another writer that leave every committed row in place (a run goes on after them)
+KEEPS_ROWS = frozenset({"Append", "CreateIndex", "Rewrite", "UpdateConfig", "UpdateMap"})
+
+
+def _schema_bytes(schema: pa.Schema) -> str:
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def _schema_of(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
+class LanceTable:
+    """One Lance dataset as a dask-surge output (picklable: workers write through it).
+
+    Parameters
+    ----------
+    location : TableLocation
+        Where the dataset is (``<output>``; its manifest is ``<output>/_surge/``).
+    """
+
+    name = "lance"
+
+    def __init__(self, location: TableLocation) -> None:
+        self.location = location
+
+    def __repr__(self) -> str:
+        return f"LanceTable({self.location.url!r})"
+
+    def __dask_tokenize__(self) -> tuple:
+        return ("LanceTable", self.location.url)
+
+    def keeps_rows(self, op: str) -> bool:
+        """True when another writer's operation ``op`` leaves every committed row in place."""
+        return op in KEEPS_ROWS
+
+    def _open(self, version: int | None = None) -> Any:
+        lance = require("lance")
+        try:
+            return lance.dataset(self.location.uri, version=version, storage_options=self.location.options)
+        except (ValueError, OSError) as err:
+            if "not found" in str(err).lower() or "does not exist" in str(err).lower():
+                return None
+            raise
+
+    def exists(self) -> bool:
+        """True when a Lance dataset is at the location."""
+        return self._open() is not None
+
+    # -- the worker's side -----------------------------------------------------------------------
+
+    def write(self, data: pa.Table) -> str:
+        """Write ``data`` as fragment(s) of the table, not committed; returns the payload
+        (JSON: the fragments' metadata and the Arrow schema) the commit record carries."""
+        from lance.fragment import write_fragments
+
+        require("lance")
+        try:
+            fragments = write_fragments(data, self.location.uri, schema=data.schema,
+                                        storage_options=self.location.options, max_rows_per_file=1 << 30)
+        except OSError as err:
+            if "schema" not in str(err).lower():
+                raise
+            ds = self._open()
+            table = [(f.name, str(f.type)) for f in ds.schema] if ds is not None else "other columns"
+            raise SurgeOutputError(
+                f"the Lance table {self.location.url!r} has columns {table}, but this run writes "
+                f"{[(f.name, str(f.type)) for f in data.schema]}. Nothing was committed to it. Fix: append "
+                "only runs with the same columns (keep=, model, precision), or write to a new table."
+            ) from err
+        return json.dumps({"fragments": [f.to_json() for f in fragments], "schema": _schema_bytes(data.schema)},
+                          sort_keys=True)
+
+    # -- the claim holder's side -------------------------------------------------------------------
+
+    def history(self, run_id: str, since: int = 0) -> History:
+        """What the table's versions after ``since`` say: the SuperBatches each version of run
+        ``run_id`` committed, and the versions other writers made (with their operation)."""
+        ds = self._open()
+        if ds is None:
+            return History(exists=False)
+        out = History(exists=True, version=ds.version)
+        for v in ds.versions():
+            version = int(v["version"])
+            if version <= since:
+                continue
+            txn = ds.read_transaction(version)
+            props = (txn.transaction_properties or {}) if txn is not None else {}
+            op = type(txn.operation).__name__ if txn is not None else "unknown"
+            if props.get(RUN_PROPERTY) == run_id:
+                out.add_ours(version, json.loads(props.get(SUPERBATCHES_PROPERTY, "[]")), op)
+            else:
+                out.note_foreign()
+                out.foreign.append((version, op, props.get(RUN_PROPERTY, "")))
+        return out
+
+    def check_schema(self, payload: str) -> None:
+        """Refuse ``payload``'s rows when their columns differ from the table's."""
+        ds = self._open()
+        if ds is None:
+            return
+        ours = _schema_of(json.loads(payload)["schema"])
+        theirs = ds.schema
+        mine = [(f.name, f.type) for f in ours]
+        table = [(f.name, f.type) for f in theirs]
+        if mine != table:
+            raise SurgeOutputError(
+                f"the Lance table {self.location.url!r} has columns {table}, but this run writes {mine}. "
+                "Nothing was committed to it. Fix: append only runs with the same columns (keep=, model, "
+                "precision), or write to a new table."
+            )
+
+    def commit(self, run_id: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
+        """Append the fragments of ``batch`` (``(sb, payload)`` pairs) as one table version whose
+        transaction properties name ``run_id`` and the SuperBatches; creates the table when
+        ``read_version`` is 0. Returns the new version."""
+        lance = require("lance")
+        from lance.fragment import FragmentMetadata
+
+        fragments = [FragmentMetadata.from_json(json.dumps(f)) for _, p in batch
+                     for f in json.loads(p)["fragments"]]
+        props = {RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: json.dumps(sorted(sb for sb, _ in batch))}
+        if read_version == 0:
+            schema = _schema_of(json.loads(batch[0][1])["schema"])
+            op = lance.LanceOperation.Overwrite(schema, fragments)
+        else:
+            op = lance.LanceOperation.Append(fragments)
+        ds = lance.LanceDataset.commit(self.location.uri, lance.Transaction(read_version, op,
+                                                                            transaction_properties=props),
+                                       storage_options=self.location.options)
+        return int(ds.version)
+
+    def read(self) -> pa.Table:
+        """Every committed row (the latest version)."""
+        ds = self._open()
+        if ds is None:
+            raise SurgeOutputError(f"no Lance table at {self.location.url!r}. Fix: pass the output of a run.")
+        return ds.to_table()

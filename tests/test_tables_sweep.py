@@ -1,0 +1,182 @@
+"""Kill sweep of table outputs (Lance and Delta): kill -9 the client, a worker, or both, at random points of runs on a
+real 2-process cluster, on a local disk and on a loopback S3 endpoint, then resume: every row exactly
+once, embeddings equal to an undisturbed run, no SuperBatch twice in the table's history.
+
+Also, in the default suite: a Lance output on loopback S3, killed right after a table commit, resumed.
+
+The sweep is behind the ``slow`` marker; ``SURGE_SWEEP=reduced`` runs 3 trials per place (each kill
+target once), else 12.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from dask_surge.io.tables.locations import object_store_options
+from dask_surge.synthetic import write_partitioned_parquet
+
+lance = pytest.importorskip("lance")
+pytest.importorskip("deltalake")
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+SIZES = [int(x) for x in np.random.default_rng(11).lognormal(3.0, 1.0, 40).astype(int) + 1]
+DRIVER = """
+import json, os, signal, sys
+import dask.dataframe as dd
+import dask_surge
+from dask_surge.testing import SleepyModel
+
+src, out, cluster, options, kill_after = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
+fmt = sys.argv[6]
+if kill_after:  # test hook: SIGKILL this process right after its k-th table commit
+    from dask_surge.io.tables import DeltaOutput, LanceTable
+    Table = LanceTable if fmt == "lance" else DeltaOutput
+    real, calls = Table.commit, []
+    def commit(self, *a, **k):
+        v = real(self, *a, **k)
+        calls.append(v)
+        if len(calls) == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return v
+    Table.commit = commit
+ddf = dd.read_parquet(src)
+kw = dict(model=SleepyModel(0.04), b_min=30, b_max=90, keep=["doc_id"], progress=False, format=fmt,
+          storage_options=options or None)
+if cluster == "processes":
+    from distributed import Client, LocalCluster
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as lc, Client(lc):
+        print("started", flush=True)
+        res = ddf.surge.encode("text", out, **kw)
+else:
+    print("started", flush=True)
+    res = ddf.surge.encode("text", out, scheduler="threads", **kw)
+print("rows", res.rows, flush=True)
+"""
+
+
+def _driver(src, out, cluster: str, options: dict | None, kill_after: int = 0, fmt: str = "lance") -> list[str]:
+    return [sys.executable, "-c", DRIVER, str(src), str(out), cluster, json.dumps(options or {}), str(kill_after),
+            fmt]
+
+
+def _env() -> dict:
+    return {**os.environ, "DASK_SURGE__TABLE_COMMIT_EVERY": "3", "DASK_SURGE__TABLE_COMMIT_SECONDS": "0.5"}
+
+
+def _table(out: str, options: dict | None):
+    return lance.dataset(out, storage_options=object_store_options(out, options))
+
+
+CHECK = """
+import json, sys
+import numpy as np
+fmt, out, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+if fmt == "lance":
+    import lance
+    ds = lance.dataset(out, storage_options=options)
+    df = ds.to_table().to_pandas()
+    props = [ds.read_transaction(v["version"]).transaction_properties or {} for v in ds.versions()]
+else:
+    import deltalake
+    dt = deltalake.DeltaTable(out, storage_options=options)
+    df, props = dt.to_pandas(), dt.history()
+sbs = [sb for p in props if "dask-surge.run" in p for sb in json.loads(p.get("dask-surge.superbatches") or "[]")]
+df = df.sort_values(["partition", "row"])
+print(json.dumps([df.doc_id.tolist(), np.stack(df.embedding.to_numpy()).tolist(), sbs]))
+"""
+
+
+def _check(out: str, options: dict | None, reference, fmt: str = "lance") -> None:
+    """Read the table in another process (deltalake holds the GIL while it waits on this process's server)."""
+    check = subprocess.run([sys.executable, "-c", CHECK, fmt, out, json.dumps(object_store_options(out, options))],
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-3000:]
+    ids, embeddings, sbs = json.loads(check.stdout)
+    assert ids == reference.doc_id.tolist()  # every row exactly once
+    np.testing.assert_array_equal(np.array(embeddings, dtype=np.float32), np.stack(reference.embedding.to_numpy()))
+    assert len(sbs) == len(set(sbs))  # no SuperBatch twice in the table's history
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory):
+    """``{"local": (prefix, None), "s3": (prefix, storage_options)}``, the input, and a reference."""
+    from dask_surge.testing import loopback_s3
+
+    root = tmp_path_factory.mktemp("tables-sweep")
+    src = root / "in"
+    write_partitioned_parquet(src, SIZES, seed=3)
+    with loopback_s3("surge-tables") as (_, options, _fs):
+        ref_out = str(root / "clean.lance")
+        done = subprocess.run(_driver(src, ref_out, "threads", None), env=_env(), capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        reference = _table(ref_out, None).to_table().to_pandas().sort_values(["partition", "row"]).reset_index(
+            drop=True)
+        yield src, {"local": (str(root), None), "s3": ("s3://surge-tables", options)}, reference
+
+
+def test_lance_on_s3_killed_right_after_a_table_commit_resumes_exactly_once(places):
+    src, where, reference = places
+    prefix, options = where["s3"]
+    out = f"{prefix}/after-commit.lance"
+    killed = subprocess.run(_driver(src, out, "threads", options, kill_after=1), env=_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert len(_table(out, options).versions()) == 1
+    done = subprocess.run(_driver(src, out, "threads", options), env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _check(out, options, reference)
+
+
+def _kill(proc: subprocess.Popen, target: str, rng: random.Random) -> str:
+    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "nanny" not in " ".join(
+        p.cmdline()).lower() and p.ppid() != proc.pid] if target != "client" else []
+    if not workers:
+        proc.send_signal(signal.SIGKILL)
+        return "client"
+    rng.choice(workers).send_signal(signal.SIGKILL)
+    if target == "both":
+        time.sleep(rng.uniform(0.0, 0.5))
+        proc.send_signal(signal.SIGKILL)
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["lance", "delta"])
+@pytest.mark.parametrize("place", ["local", "s3"])
+def test_kill_anything_anywhere_then_resume_a_table_output(places, place, fmt):
+    src, where, reference = places
+    prefix, options = where[place]
+    trials = 3 if os.environ.get("SURGE_SWEEP") == "reduced" else 12
+    rng = random.Random(7)
+    t0 = time.perf_counter()
+    clean = subprocess.run(_driver(src, f"{prefix}/timing-{place}.{fmt}", "processes", options, fmt=fmt), env=_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    seconds = time.perf_counter() - t0
+    _check(f"{prefix}/timing-{place}.{fmt}", options, reference, fmt)
+    for t in range(trials):
+        target = ("client", "worker", "both")[t % 3]
+        out = f"{prefix}/out{t}.{fmt}"
+        proc = subprocess.Popen(_driver(src, out, "processes", options, fmt=fmt), env=_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+        time.sleep(rng.uniform(0.1, 0.9) * seconds)
+        killed = _kill(proc, target, rng)
+        proc.wait(timeout=120)
+        resumed = subprocess.run(_driver(src, out, "processes", options, fmt=fmt), env=_env(), capture_output=True,
+                                 text=True, timeout=300)
+        assert resumed.returncode == 0, (t, killed, resumed.stderr[-3000:])
+        _check(out, options, reference, fmt)
