@@ -7,6 +7,7 @@ import glob
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path, PurePosixPath
@@ -14,7 +15,7 @@ from pathlib import Path, PurePosixPath
 from ._version import __version__
 from .api import encode, plan, read_embeddings, status
 from .engine.placement import gpu_count
-from .errors import SurgeError, SurgeInputError
+from .errors import SurgeError, SurgeInputError, SurgeValueError
 from .execution.cluster import local_cluster
 from .io.layout import DENSE, FAMILY_COLUMNS, PARTITION, ROW
 from .io.verify import repair, verify
@@ -188,11 +189,30 @@ def _read_jsonl(path: str):
 
 
 def _scheduler(value):
+    """``--scheduler``: ``threads``/``sync`` as they are, else a Client connected to the address
+    (one line naming the address, the rule and the fix when it is not one or nothing answers)."""
     if value in (None, "threads", "sync"):
         return value
+    import dask
     from distributed import Client
+    from distributed.comm import parse_address
 
-    return Client(value)
+    rule = ("a Dask scheduler's address (tcp://host:port, as `dask scheduler` prints it), 'threads' or 'sync'")
+    fix = ("Fix: start a scheduler (`dask scheduler`) and pass the address it prints, e.g. "
+           "--scheduler tcp://10.0.0.5:8786, or leave --scheduler out to start a local cluster.")
+    try:
+        parse_address(value)
+        from distributed.comm.addressing import parse_host_port
+
+        parse_host_port(value.split("://", 1)[-1])
+    except (ValueError, TypeError) as err:
+        raise SurgeValueError(f"--scheduler {value}: not {rule} ({err}). {fix}") from None
+    timeout = dask.config.get("distributed.comm.timeouts.connect")
+    try:
+        return Client(value, timeout=timeout)
+    except (OSError, TimeoutError) as err:
+        raise SurgeValueError(f"--scheduler {value}: no Dask scheduler answered there within {timeout} "
+                              f"({type(err).__name__}). {fix}") from None
 
 
 def _options(args, taker: str = "encode") -> dict:
@@ -222,8 +242,9 @@ def cmd_demo(args) -> int:
     import numpy as np
 
 
-    args.rows = args.rows or (200_000 if gpu_count() else 6_000)
-    args.partitions = args.partitions or max(20, args.rows // 100)
+    _check_demo(args)
+    args.rows = args.rows if args.rows is not None else (200_000 if gpu_count() else 6_000)
+    args.partitions = args.partitions if args.partitions is not None else max(20, args.rows // 100)
     if args.b_min is None:  # show streaming: about 20 SuperBatches
         args.b_min = max(100, args.rows // 20)
     root = Path(args.dir)
@@ -247,6 +268,20 @@ def cmd_demo(args) -> int:
     return 0 if unique == len(back) == args.rows else 1
 
 
+def _check_demo(args) -> None:
+    """Refuse a ``demo`` size that is not a positive count, in one line."""
+    for flag, value in (("--rows", args.rows), ("--partitions", args.partitions)):
+        if value is not None and value < 1:
+            what = "texts to generate" if flag == "--rows" else "Parquet files to write"
+            raise SurgeValueError(
+                f"{flag} {value}: must be a positive number of {what}. Fix: pass {flag} 1 or more, or leave "
+                f"{flag} out for the default ({'200,000 with a GPU, 6,000 on a CPU' if flag == '--rows' else 'rows / 100, at least 20'})."
+            )
+    if args.sigma is not None and not args.sigma >= 0:
+        raise SurgeValueError(f"--sigma {args.sigma}: must be 0 or more (the log-normal spread of partition sizes). "
+                              "Fix: pass e.g. --sigma 1.72 (the default).")
+
+
 def cmd_plan(args) -> int:
 
     ddf = read_input(args.inputs, args.format)
@@ -264,17 +299,43 @@ def cmd_plan(args) -> int:
 
 
 def cmd_status(args) -> int:
-
+    if "://" not in args.output and not os.path.exists(args.output):
+        raise SurgeValueError(f"{args.output!r} does not exist, so it holds no dask-surge run. Fix: pass the "
+                              "directory given as --output (or output=) to the encode.")
     if args.repair:
         for line in repair(args.output) or ["nothing to repair"]:
             print(f"repair: {line}", file=sys.stderr)
     info = status(args.output)
     if args.verify:
-        problems = verify(args.output)
+        problems = verify(args.output) + foreign_part_files(args.output)
         info["verified"] = not problems
         info["problems"] = problems
     print(json.dumps(info, indent=2, default=str) if args.json else format_status(info))
     return 0 if info["state"] == "complete" and not info.get("problems") else 1
+
+
+def foreign_part_files(output: str) -> list[str]:
+    """One line per file directly in ``output`` that a ``part-*`` glob picks up (DuckDB's
+    ``read_parquet('emb/part-*.parquet')``, Spark, Arrow datasets...) but that no commit record of
+    the current run names and that is not dask-surge's own data file (those :func:`verify`
+    names): such a file's rows would be read with the run's."""
+    import fnmatch
+
+    from .io.directory import _DATA_FILE
+    from .io.manifest import current_run
+
+    manifest = current_run(output)
+    if manifest is None:
+        return []
+    named = {rec.file for rec in manifest.committed().values()}
+    try:
+        names = sorted(PurePosixPath(n).name for n in manifest.fs.ls(manifest.root, detail=False))
+    except FileNotFoundError:
+        return []
+    return [f"{manifest.root}/{n}: not a dask-surge file, but `part-*` readers (e.g. DuckDB's "
+            f"read_parquet('{output.rstrip('/')}/part-*.parquet')) would read its rows with the run's; "
+            "--repair leaves it (it deletes only dask-surge's files). Fix: move it out of the output directory"
+            for n in names if fnmatch.fnmatch(n, "part-*") and n not in named and not _DATA_FILE.match(n)]
 
 
 def _ago(seconds: float) -> str:
@@ -371,6 +432,67 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+#: ``name=value`` in a message: an option in Python spelling (a quoted word, a number, True/False/None)
+_PYTHON_OPTION = re.compile(r"""(?<![\w.])([a-z][a-z0-9_]*)=('[^']*'|"[^"]*"|True|False|None|-?\d[\d_]*(?:\.\d+)?)""")
+
+
+def cli_spelling(message: str) -> str:
+    """``message`` with the options it names in Python spelling written as their flags.
+
+    Errors are raised by the library, which speaks Python (``pass overwrite=True``); from the
+    command line the same advice reads as the flag to pass. Only options that have a flag are
+    rewritten.
+
+    Examples
+    --------
+    >>> cli_spelling("Fix: pass on_null='empty', or overwrite=True; device=None; b_min=10.")
+    'Fix: pass --on-null empty, or --overwrite; leave --device out; --b-min 10.'
+    >>> cli_spelling("ddf.rename(columns=str)")
+    'ddf.rename(columns=str)'
+    """
+    from .options import OPTIONS
+
+    flags = {o.name: o.cli for o in OPTIONS if o.cli is not None}
+
+    def spelled(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2)
+        cli = flags.get(name)
+        if cli is None:
+            return m.group(0)
+        flag = cli.flag or "--" + name.replace("_", "-")
+        if cli.action == "store_true":
+            return flag if value == "True" else f"no {flag}"
+        if cli.action == "store_false":
+            return flag if value == "False" else f"no {flag}"
+        if value == "None":
+            return f"leave {flag} out"
+        if value in ("True", "False"):
+            return f"{flag} {value.lower()}"
+        return f"{flag} {value.strip(chr(39) + chr(34))}"
+
+    return _PYTHON_OPTION.sub(spelled, message)
+
+
+class _CommandLineWords(logging.Filter):
+    """On the package's log records while a command runs: the run's own Ctrl-C line (which says
+    what is committed) is the one message of an interrupt, in CLI words; the advice of other
+    records in CLI spelling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupt_said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("dask-surge: interrupted"):
+            self.interrupt_said = True
+            message = message.replace("Rerun the same call", "Rerun the same command")
+        spelled = cli_spelling(message)
+        if spelled != record.getMessage():
+            record.msg, record.args = spelled, None
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     package = logging.getLogger("dask_surge")
     if not any(isinstance(h, _StderrHandler) for h in package.handlers):  # once per process, not per call
@@ -382,16 +504,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
+    words = _CommandLineWords()
+    package.addFilter(words)
     try:
         commands = {"encode": cmd_encode, "demo": cmd_demo, "plan": cmd_plan, "status": cmd_status}
         return commands[args.command](args)
     except SurgeError as err:
-        print(f"dask-surge: error: {err}", file=sys.stderr)
+        print(f"dask-surge: error: {cli_spelling(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("dask-surge: interrupted; committed SuperBatches are kept. Rerun the same command to resume.",
-              file=sys.stderr)
+        if not words.interrupt_said:  # the run said what it kept: one message, not two
+            print("dask-surge: interrupted before anything was committed. Rerun the same command to start again.",
+                  file=sys.stderr)
         return 130
+    finally:
+        package.removeFilter(words)
 
 
 if __name__ == "__main__":  # pragma: no cover
