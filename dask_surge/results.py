@@ -351,14 +351,24 @@ class EncodeResult:
         d["texts_per_s"] = self.texts_per_s
         return d
 
+    @property
+    def nothing_to_do(self) -> bool:
+        """Whether this call found the run complete and encoded nothing (a rerun of a complete run)."""
+        return self.resumed and not self.records and self.superbatches == self.skipped_superbatches
+
     def __str__(self) -> str:
+        if self.nothing_to_do:
+            return (f"complete: {self.rows:,} rows in {self.superbatches:,} SuperBatches already in {self.output}, "
+                    f"nothing to do (checked in {self.seconds:.1f} s)")
         ttfo = f"{self.ttfo_s:.2f} s" if self.ttfo_s is not None else "n/a"
         return (f"{self.rows:,} rows from {self.partitions:,} partitions in {self.superbatches:,} "
                 f"SuperBatches ({self.skipped_superbatches:,} already committed) -> {self.output}\n"
                 f"{self.seconds:.1f} s, {self.texts_per_s:,.0f} texts/s, first output after {ttfo}\n"
-                f"b_min={self.b_min:,}, b_max={self.b_max:,} ({self.thresholds_reason})"
-                + (f"; engine: {self.engine}" if self.engine else "")
-                + (f"; {self.family} output ({', '.join(FAMILY_COLUMNS[self.family])})" if self.family != DENSE else "")
+                f"b_min={self.b_min:,}, b_max={self.b_max:,}"
+                + (f": {self.thresholds_reason.rstrip('.')}." if self.thresholds_reason else "")
+                + (f"\nengine: {self.engine}" if self.engine else "")
+                + (("; " if self.engine else "\n") + f"{self.family} output ({', '.join(FAMILY_COLUMNS[self.family])})"
+                   if self.family != DENSE else "")
                 + (f"\n{self.output_rows:,} rows written: one per token window (long_texts='chunk')"
                    if self.output_rows and self.output_rows != self.rows else "")
                 + (f"\n{self.truncated:,} texts were over the model's window and cut (long_texts='truncate'); "

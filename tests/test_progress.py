@@ -228,3 +228,29 @@ def test_the_bar_opens_before_encode_starts_its_own_cluster(tmp_path, capsys, ev
     assert phases[0] == "starting workers"
     assert phases.index("starting workers") < phases.index("planning") < len(phases) - 1
     assert phases[-1] == "done" and res.rows == 16 and f"{res.rows}/{res.rows}" in states[-1]
+
+
+def test_the_bar_is_readable_at_80_columns(monkeypatch):
+    """At 80 columns the bar shrank to one character and its end was cut: the line (phase, rows,
+    rate, SuperBatches) was 100-114 characters before the bar. A narrow terminal now gets a
+    shorter line that leaves the bar room and keeps its end."""
+    import io
+    import re
+
+    from dask_surge.execution.progress import RunProgress
+
+    monkeypatch.setenv("TQDM_NCOLS", "80")
+    buf = io.StringIO()
+    with RunProgress(file=buf, phase="starting workers") as bar:
+        bar.planned(rows=200_000, superbatches=20)
+        bar.phase("loading model 1/2 workers")
+        bar.phase("encoding, model on 1/2 workers")
+        bar.commit("a", 3000)
+        bar.finish(200_000, 20)
+    lines = [line.rstrip() for line in buf.getvalue().replace("\r", "\n").splitlines() if line.strip()]
+    for line in lines:
+        bar_width = len(m.group(1)) if (m := re.search(r"\|(.*)\|", line)) else 80
+        assert len(line) - bar_width + 10 <= 80, line  # the line with a bar of 10 fits: tqdm widens it to 80
+        assert line.endswith("]"), line
+    assert any("[loading model 1/2]" in line for line in lines)
+    assert lines[-1].startswith("dask-surge [done]: 100%") and "200000/200000 rows" in lines[-1]

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 import sys
 import threading
 import warnings
@@ -29,6 +31,13 @@ __all__ = ["RunProgress", "logging_through", "tqdm_class", "TICK_S", "ENV_OPTION
 
 #: the terminal bar once its total is known (tqdm's default, with the unit after the total)
 KNOWN_TOTAL = "{l_bar}{bar}| {n_fmt}/{total_fmt}{unit} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
+#: the same in a terminal narrower than :data:`NARROW_COLUMNS` (80 columns): no rate, no SuperBatch count,
+#: and short phase names, so the bar keeps a dozen characters and the line its end
+NARROW_TOTAL = "{l_bar}{bar}| {n_fmt}/{total_fmt} rows [{elapsed}<{remaining}]"
+
+#: terminals narrower than this get :data:`NARROW_TOTAL`
+NARROW_COLUMNS = 100
 
 #: seconds between two refreshes of an open bar (and two questions about the model)
 TICK_S = 0.5
@@ -109,8 +118,11 @@ class RunProgress:
         self.superbatches = 0
         self.total_superbatches: int | None = None
         self.phase_name = phase
+        env = _env_options()
+        self.narrow = _columns(file, env.get("ncols")) < NARROW_COLUMNS
+        self._format = NARROW_TOTAL if self.narrow else KNOWN_TOTAL
         options: dict[str, Any] = {"total": None, "unit": " rows", "desc": self._desc(), "file": file,
-                                   "dynamic_ncols": True, "smoothing": 0.1, **_env_options()}
+                                   "dynamic_ncols": True, "smoothing": 0.1, **env}
         if not enabled:
             options["disable"] = True
         self.bar = tqdm_class()(**options)
@@ -128,9 +140,15 @@ class RunProgress:
         return int(self.bar.n)
 
     def _desc(self) -> str:
-        return f"dask-surge [{self.phase_name}]"
+        name = self.phase_name
+        if self.narrow:  # "encoding, model on 1/2 workers" -> "encoding"; "loading model 1/2 workers" -> "loading model 1/2"
+            name = re.sub(r" (\d+/\d+) workers$", r" \1", name.split(",")[0])
+        return f"dask-surge [{name}]"
 
     def _postfix(self) -> None:
+        if self.narrow and self.bar.total is not None:  # the narrow line has no room for the count
+            self.bar.set_postfix_str("", refresh=False)
+            return
         of = f"/{self.total_superbatches:,}" if self.total_superbatches is not None else ""
         self.bar.set_postfix_str(f"{self.superbatches:,}{of} SuperBatches", refresh=False)
 
@@ -149,8 +167,8 @@ class RunProgress:
             self.total_superbatches, self.superbatches = superbatches, done_superbatches
             if rows is not None and rows != bar.total:
                 started = getattr(bar, "start_t", None)
+                bar.bar_format = self._format
                 bar.reset(total=rows)  # (the notebook widget learns its new maximum here)
-                bar.bar_format = KNOWN_TOTAL
                 if started is not None:  # elapsed time counts from the run's start, planning included
                     bar.start_t = started
             bar.n = bar.last_print_n = bar.initial = done_rows  # a resumed run's rate counts its own rows
@@ -227,7 +245,7 @@ class RunProgress:
             self.total_superbatches = superbatches
             if self.bar.total is None or self.bar.total != rows:
                 self.bar.total = rows
-                self.bar.bar_format = KNOWN_TOTAL
+                self.bar.bar_format = self._format
                 container = getattr(self.bar, "container", None)  # the notebook widget's bar
                 if container is not None:
                     with contextlib.suppress(Exception):
@@ -253,6 +271,21 @@ class RunProgress:
 
     def __exit__(self, kind, *exc) -> None:
         self.close(stopped=kind is not None)
+
+
+def _columns(file, ncols: int | None) -> int:
+    """The width the bar has: ``TQDM_NCOLS``, else the terminal's that ``file`` (default: standard
+    error) writes to; 120 when it is not a terminal (a file, a notebook, a test's buffer)."""
+    if ncols:
+        return int(ncols)
+    stream = sys.stderr if file is None else file
+    try:
+        if stream.isatty():
+            return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        pass
+    return shutil.get_terminal_size((120, 24)).columns if stream in (sys.stderr, sys.__stderr__) and \
+        os.environ.get("COLUMNS") else 120
 
 
 class _BarHandler(logging.Handler):
