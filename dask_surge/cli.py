@@ -310,8 +310,41 @@ def cmd_status(args) -> int:
         problems = verify(args.output) + foreign_part_files(args.output)
         info["verified"] = not problems
         info["problems"] = problems
+    if info.get("model"):
+        info["model"] = _model_words(info["model"])
+    if args.json and isinstance(info.get("last_commit"), (int, float)):  # an ISO 8601 time, not an epoch number
+        info["last_commit"] = _iso(info["last_commit"])
     print(json.dumps(info, indent=2, default=str) if args.json else format_status(info))
     return 0 if info["state"] == "complete" and not info.get("problems") else 1
+
+
+def _iso(epoch: float) -> str:
+    """An epoch time as ISO 8601 in local time with its offset.
+
+    Examples
+    --------
+    >>> _iso(0.0).startswith(("1970-01-01T", "1969-12-31T"))
+    True
+    """
+    from datetime import datetime
+
+    return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
+
+
+def _model_words(name: str) -> str:
+    """The model as the user named it: the packaged all-MiniLM-L6-v2 (``--model default``) by
+    its name rather than as a local directory's digest."""
+    m = re.fullmatch(r"local model directory \(sha256 ([0-9a-f]+)\)", name)
+    if m is None:
+        return name
+    try:
+        from .models.modelid import directory_digest
+        from .models.resolve import _packaged_dir
+
+        packaged = directory_digest(_packaged_dir("default"))
+    except (SurgeError, OSError):
+        return name
+    return f"all-MiniLM-L6-v2 (packaged, the default; sha256 {m.group(1)})" if packaged.startswith(m.group(1)) else name
 
 
 def foreign_part_files(output: str) -> list[str]:

@@ -253,3 +253,20 @@ def test_verify_names_a_foreign_part_file_that_globs_would_read(tmp_path, tiny_m
     assert main(["status", str(out), "--verify", "--json"]) == 1
     problems = json.loads(capsys.readouterr().out)["problems"]
     assert len(problems) == 1 and "part-extra.parquet" in problems[0]
+
+
+def test_status_names_the_default_model_and_an_iso_time(tmp_path, capsys):
+    """status said "local model directory (sha256 ecabb2c97cd3)" for --model default and gave
+    last_commit in --json as an epoch number."""
+    from datetime import datetime
+
+    write_partitioned_parquet(tmp_path / "in", [3, 2])
+    out = tmp_path / "o"
+    assert _encode_cli([str(tmp_path / "in")], out) == 0
+    capsys.readouterr()
+    assert main(["status", str(out)]) == 0
+    assert "all-MiniLM-L6-v2 (packaged, the default" in capsys.readouterr().out
+    assert main(["status", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["model"].startswith("all-MiniLM-L6-v2") and isinstance(info["last_commit"], str)
+    assert abs(datetime.fromisoformat(info["last_commit"]).timestamp() - __import__("time").time()) < 3600
