@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["RunProgress", "logging_through", "tqdm_class", "TICK_S", "ENV_OPTIONS"]
+__all__ = ["RunProgress", "logging_through", "quiet_dask_shutdown", "tqdm_class", "TICK_S", "ENV_OPTIONS"]
 
 #: the terminal bar once its total is known (tqdm's default, with the unit after the total)
 KNOWN_TOTAL = "{l_bar}{bar}| {n_fmt}/{total_fmt}{unit} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
@@ -126,6 +126,8 @@ class RunProgress:
         if not enabled:
             options["disable"] = True
         self.bar = tqdm_class()(**options)
+        self._quiet = quiet_dask_shutdown()
+        self._quiet.__enter__()  # for the run's whole life, its cluster's start and close included
         self._postfix()
         if not self.disabled:
             self._ticker = threading.Thread(target=self._tick, name="surge-progress", daemon=True)
@@ -265,12 +267,67 @@ class RunProgress:
             if stopped and self.phase_name != "done":
                 self.phase("stopped")
             self.bar.close()
+        self._quiet.__exit__(None, None, None)
 
     def __enter__(self) -> RunProgress:
         return self
 
     def __exit__(self, kind, *exc) -> None:
         self.close(stopped=kind is not None)
+
+
+#: what Dask logs when a run's cluster closes or its futures are cancelled on purpose: ``(logger
+#: prefix, text in the message, exception type name or None)``. A real failure says something else
+#: (a worker killed by a signal, a task's error), and the run raises it.
+SHUTDOWN_NOISE: tuple[tuple[str, str, str | None], ...] = (
+    ("distributed.nanny", "still alive after", None),  # close: a worker busy importing torch is killed
+    ("distributed", "during heartbeat", "CommClosedError"),  # a worker's last heartbeat after the scheduler left
+    ("distributed", "", "CancelledError"),  # futures of a stopped run, cancelled by its end
+    ("distributed", "CancelledError", None),
+)
+
+
+class _ShutdownNoise(logging.Filter):
+    """Drops the records of :data:`SHUTDOWN_NOISE`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[0].__name__ if record.exc_info and record.exc_info[0] else None
+        message = record.getMessage()
+        for prefix, text, kind in SHUTDOWN_NOISE:
+            if record.name.startswith(prefix) and text in message and (kind is None or kind == exc):
+                return False
+        return True
+
+
+@contextlib.contextmanager
+def quiet_dask_shutdown() -> Iterator[None]:
+    """While inside, Dask's expected noise of a closing or interrupted run (:data:`SHUTDOWN_NOISE`)
+    is left out of the console: the filter sits on the handlers of the ``distributed`` logger and
+    of the root logger (records of distributed's modules propagate there), and on the loggers
+    that emit the noise, for as long as the run lasts; everything else is shown as before.
+
+    Examples
+    --------
+    >>> import io, logging
+    >>> out = io.StringIO(); handler = logging.StreamHandler(out)
+    >>> log = logging.getLogger("distributed.nanny"); log.addHandler(handler)
+    >>> with quiet_dask_shutdown():
+    ...     log.warning("Worker process still alive after 4.0 seconds, killing")
+    ...     log.warning("Worker process 7 was killed by signal 9")
+    >>> log.removeHandler(handler); out.getvalue()
+    'Worker process 7 was killed by signal 9\\n'
+    """
+    noise = _ShutdownNoise()
+    loggers = [logging.getLogger(n) for n in ("distributed", "distributed.nanny", "distributed.worker",
+                                              "distributed.client", "distributed.core")]
+    handlers = {h for lg in (*loggers, logging.getLogger()) for h in lg.handlers}
+    for target in (*loggers, *handlers):
+        target.addFilter(noise)
+    try:
+        yield
+    finally:
+        for target in (*loggers, *handlers):
+            target.removeFilter(noise)
 
 
 def _columns(file, ncols: int | None) -> int:
