@@ -190,7 +190,7 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
         client, scheduler = scheduler, None
     active = client if client is not None else (_active_client() if scheduler is None else None)
     if opts["calibrate"] and params is None:
-        params = calibration.calibrate(encoder_for(model, {}), client=active)
+        params = _calibrated(encoder_for(model, {}), active, scheduler)
     # one sample serves the predictions (with a token sample configured) and the estimates (asked for)
     sample = TextSample(ddf, column, sizes, model, n or 2048, overlap) if sizes.total else None
     threads = _threads(active, scheduler)
@@ -203,7 +203,8 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
     if params is not None and sample is not None:  # predictions use this data's tokens
         params, tokens_source = params_for_data(params, sample if n is not None else None, long_texts)
     result = SurgePlan(sizes, run.superbatches, th.b_min, th.b_max, params=params, max_bytes=max_bytes,
-                       tokens_source=tokens_source, unit_partitions=run.unit_partitions)
+                       tokens_source=tokens_source, unit_partitions=run.unit_partitions,
+                       calibration_failed=bool(opts["calibrate"]) and params is None)
     if sample is not None and sample.texts and (options.get("long_texts") is not None or opts["reuse"]):
         texts, total = sample.texts, sizes.total
         if options.get("long_texts") is not None:
@@ -223,6 +224,17 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
         result.advice = advise(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, nbytes=sizes.nbytes,
                                max_bytes=max_bytes, superbatches=run.superbatches)
     return result
+
+
+def _calibrated(encoder: Encoder, active, scheduler: Any):
+    """``plan(calibrate=True)`` measures where :func:`encode` would run, so that both resolve
+    thresholds from the same calibration (cached per cluster shape): the active Client's
+    cluster, this process for ``"threads"``/``"sync"``, else the local cluster ``encode()``
+    starts, started here for the probe."""
+    if active is not None or scheduler is not None:
+        return calibration.calibrate(encoder, client=active)
+    with _client_for(None) as client:
+        return calibration.calibrate(encoder, client=client)
 
 
 def _threads(client, scheduler: Any = None) -> int:

@@ -57,6 +57,20 @@ class SurgePlan:
     unit_partitions: int | None = None  # a streamed input: SuperBatches form unit by unit
     long_texts: dict | None = None
     reuse: dict | None = None
+    #: ``calibrate=True`` was asked for but the probe could not measure this machine (timing noise)
+    calibration_failed: bool = False
+
+    def _no_params(self, what: str) -> SurgeValueError:
+        """The error of a method that needs cost-model parameters this plan lacks, saying why."""
+        if self.calibration_failed:
+            return SurgeValueError(
+                f"this plan has no cost-model parameters, so {what}: plan(..., calibrate=True) could not "
+                "separate this machine's encode costs from its timing noise, even with a second, longer "
+                "probe (the CalibrationWarning says by how much). Fix: calibrate again when the machine is "
+                "quieter, or pass params= from dask_surge.execution.calibrate.calibrate(model, seconds=30)."
+            )
+        return SurgeValueError(f"this plan has no cost-model parameters, so {what}. "
+                               "Fix: call plan(..., calibrate=True) or pass params=.")
 
     @property
     def rows(self) -> int:
@@ -129,7 +143,7 @@ class SurgePlan:
         (``b_max = max(b_max, 4 b_min)``), as a DataFrame indexed by ``b_min``."""
 
         if self.params is None:
-            raise SurgeValueError("this plan has no cost-model parameters. Fix: call plan(..., calibrate=True) or pass params=.")
+            raise self._no_params("nothing to predict")
         if b_mins is None:
             top = max(self.rows, 2)
             b_mins = sorted({int(x) for x in np.geomspace(max(1, top // 1000), top, 12)})
@@ -181,8 +195,7 @@ class SurgePlan:
         backend is chosen (a notebook shows it inline, a script saves it).
         """
         if self.params is None or self.advice is None:
-            raise SurgeValueError("this plan has no cost-model parameters, so no advice to draw. "
-                                  "Fix: call plan(..., calibrate=True) or pass params=.")
+            raise self._no_params("no advice to draw")
         return plot_advice(self)
 
 

@@ -359,9 +359,15 @@ def test_plan_without_a_usable_calibration_uses_the_defaults(monkeypatch):
     monkeypatch.setattr(cal, "calibrate", noisy)
     ddf = make_partitioned_frame([50] * 20)
     with pytest.warns(cal.CalibrationWarning):
-        p = ddf.surge.plan("text", calibrate=True, model=lambda t: np.ones((len(t), 2)))
+        p = ddf.surge.plan("text", calibrate=True, model=lambda t: np.ones((len(t), 2)), scheduler="threads")
     assert p.params is None and p.predictions is None
-    assert (p.b_min, p.b_max) == (ddf.surge.plan("text").b_min, ddf.surge.plan("text").b_max)
+    default = ddf.surge.plan("text", scheduler="threads")
+    assert (p.b_min, p.b_max) == (default.b_min, default.b_max)
+    # plot() does not ask for what the user did ("Fix: call plan(..., calibrate=True)")
+    for draw in (p.plot, p.plot_advice):
+        with pytest.raises(SurgeValueError, match="could not separate") as err:
+            draw()
+        assert "Fix: call plan(..., calibrate=True)" not in str(err.value)
 
 
 def test_calibrate_bad_seconds():
