@@ -19,6 +19,7 @@ from .execution import calibrate as calibration  # called through the module: te
 from .execution.cluster import local_cluster, local_cluster_threads
 from .execution.graph import superbatch_collection
 from .execution.plugins import register_encoder
+from .execution.preflight import preflight, runs_in_process, say_in_process
 from .execution.progress import RunProgress, logging_through
 from .execution.runner import RunRequest, not_utf8, write_run
 from .execution.superbatch import SuperBatchTask
@@ -372,15 +373,23 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
                                      options=opts)
             _open_reuse(sbe, run_id)
         return _lazy(frame, sbe, _thresholds(requested, sbe, frame, _active_client(), gpu=on_gpu), max_bytes)
-    # the bar opens now: starting a cluster (workers importing torch) is the first thing a user waits for
     starting = scheduler is None and _active_client() is None  # _client_for starts a local cluster
+    with _planning_texts(column):
+        run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
+                             options=opts)
+    # what needs no worker is checked, and a complete run answered, before any worker starts
+    done = preflight(output, frame, run_id, storage_options=storage_options, overwrite=overwrite, started=started)
+    if done is not None:
+        return done
+    small = runs_in_process(frame, column) if starting else None
+    if small is not None:  # starting workers would take longer than encoding this input
+        say_in_process(small)
+        scheduler, starting = "threads", False
+    # the bar opens now: starting a cluster (workers importing torch) is the first thing a user waits for
     bar = RunProgress(enabled=progress, phase="starting workers" if starting else "planning")
     with bar, logging_through(bar), _client_for(scheduler) as client:
         if client is not None:
             _register(sbe.encoder, client)
-        with _planning_texts(column):
-            run_id = fingerprint(frame, sbe, device="cuda" if on_gpu else "cpu", input_token=input_token,
-                                 options=opts)
         _open_reuse(sbe, run_id)
         return write_run(RunRequest(
             frame, sbe, output, fingerprint=run_id, thresholds=_thresholds(requested, sbe, frame, client, gpu=on_gpu),

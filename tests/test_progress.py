@@ -221,6 +221,7 @@ def test_the_bar_opens_before_encode_starts_its_own_cluster(tmp_path, capsys, ev
 
     monkeypatch.setattr(api, "local_cluster", small_cluster)
     monkeypatch.setattr(api, "_active_client", lambda: None)
+    monkeypatch.setattr(api, "runs_in_process", lambda frame, column: None)  # this test is about a cluster
     ddf = make_partitioned_frame([4] * 4)
     res = dask_surge.encode(ddf, "text", str(tmp_path / "o"), b_min=8, b_max=8, model=CountingEncoder())
     states = _states(capsys.readouterr().err)

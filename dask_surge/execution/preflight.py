@@ -1,0 +1,107 @@
+"""What a written run can tell before any worker starts.
+
+Starting a local cluster costs seconds (each worker imports torch), so :func:`dask_surge.encode`
+asks here first:
+
+- :func:`preflight`: the checks that need no worker (an output inside the input, other
+  files in the output, a different run already there) fail at once, and a run that is
+  already complete answers without starting anything ("complete: N rows, nothing to do").
+- :func:`runs_in_process`: an input small enough that starting workers would cost more
+  than encoding it runs in this process instead (``scheduler="threads"``), unless the
+  caller chose where it runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..errors import SurgeOutputError
+from ..io.manifest import _differences, current_run, find_run, fingerprint_digest, settled
+from ..io.stores import check_output
+from ..planning.sizes import known_sizes
+from ..results import EncodeResult
+from .inputs import input_files
+from .runner import _complete_result
+
+__all__ = ["preflight", "runs_in_process", "say_in_process", "IN_PROCESS_ROWS", "IN_PROCESS_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+#: an input of at most this many rows (known from metadata) runs in this process when no
+#: cluster is given: on 2 cores a local cluster takes 6-10 s to start, more than such an
+#: input takes to encode (``python -m benchmarks.small_run``)
+IN_PROCESS_ROWS = 20_000
+
+#: the same for an input whose rows are not known ahead (CSV, JSON lines): its files' total size
+IN_PROCESS_BYTES = 2 * 1024**2
+
+
+def preflight(output: str, frame: Any, fingerprint: dict, *, storage_options: dict | None, overwrite: bool,
+              started: float) -> EncodeResult | None:
+    """Check ``output`` for the run of ``fingerprint`` before workers start.
+
+    Returns
+    -------
+    EncodeResult or None
+        The result of a run that is already complete there (nothing is computed, no worker
+        starts); None when there is work to do.
+
+    Raises
+    ------
+    SurgeOutputError
+        As the run itself would, but at once: the output is inside the input, holds files that
+        are not dask-surge's, or holds a different run (without ``overwrite``).
+    """
+    check_output(output, storage_options, inputs=input_files(frame))
+    found = find_run(output, fingerprint, storage_options)
+    # a complete run answers here unless a killed process left its clean-up (the run's own path finishes it)
+    if found is not None and found.completion() is not None and not overwrite \
+            and not found.coverage().missing(frame.npartitions) and settled(found, found.committed()):
+        return _complete_result(found, output, started)
+    current = current_run(output, storage_options)
+    if current is not None and current.run_id != fingerprint_digest(fingerprint) and not overwrite \
+            and not (current.stopped() and not current.committed()):
+        diff = "; ".join(_differences(current.fingerprint, fingerprint)) or "(format)"
+        raise SurgeOutputError(
+            f"output={output!r} already holds a different run ({diff}). Nothing was written. "
+            "Fix: write to a new path, or pass overwrite=True (the old output is replaced "
+            "only once the new run has completed)."
+        )
+    return None
+
+
+def runs_in_process(frame: Any, column: str) -> int | None:
+    """Rows (or, for an input whose rows are not known ahead, -1) when ``frame`` is small
+    enough to encode in this process rather than on a new local cluster; None otherwise.
+
+    Small: at most :data:`IN_PROCESS_ROWS` rows known from metadata, or input files of at most
+    :data:`IN_PROCESS_BYTES` in all.
+    """
+    sizes = known_sizes(frame[[column]], column, None)
+    if sizes is not None:
+        return sizes.total if sizes.total <= IN_PROCESS_ROWS else None
+    files = input_files(frame)
+    if not files:
+        return None
+    from fsspec.core import url_to_fs
+
+    total = 0
+    try:
+        for name in files:
+            fs, path = url_to_fs(name)
+            for found in (fs.find(path) if fs.isdir(path) else fs.glob(path) or [path]):
+                total += int(fs.size(found) or 0)
+                if total > IN_PROCESS_BYTES:
+                    return None
+    except (OSError, ValueError):
+        return None
+    return -1
+
+
+def say_in_process(rows: int) -> None:
+    """Tell the user where a small run goes (and how to send it to a cluster)."""
+    what = f"{rows:,} rows" if rows >= 0 else "a small input"
+    logger.warning("dask-surge: %s: encoding in this process (starting workers would take longer); pass a "
+                   "distributed Client or scheduler= to run elsewhere", what)
+
