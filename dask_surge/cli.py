@@ -17,6 +17,7 @@ from .api import encode, plan, read_embeddings, status
 from .engine.placement import gpu_count
 from .errors import SurgeError, SurgeInputError, SurgeValueError
 from .execution.cluster import local_cluster
+from .execution.preflight import say_in_process, small_files
 from .io.layout import DENSE, FAMILY_COLUMNS, PARTITION, ROW
 from .io.verify import repair, verify
 from .options import add_arguments, from_arguments, option
@@ -231,11 +232,26 @@ def _print_result(result, as_json: bool) -> None:
 
 
 def cmd_encode(args) -> int:
-
     ddf = read_input(args.inputs, args.format)
-    result = encode(ddf, args.text_column, args.output, keep=args.keep, **_options(args))
+    opts = _options(args)
+    if opts.get("scheduler") is None and _rows_unknown(args) and small_files(_input_paths(args.inputs)):
+        say_in_process(-1)  # a few small CSV/JSON files: encoding them takes less than starting workers
+        opts["scheduler"] = "threads"
+    result = encode(ddf, args.text_column, args.output, keep=args.keep, **opts)
     _print_result(result, args.json)
     return 0
+
+
+def _rows_unknown(args) -> bool:
+    """Whether the input's rows are not known ahead (CSV, JSON lines: read_input's own readers);
+    Parquet's come from its footers, and encode() judges those itself."""
+    fmt = args.format or _detect_format(args.inputs)
+    return fmt != "parquet"
+
+
+def _input_paths(inputs: list[str]) -> list[str]:
+    """The files the inputs name (directories and globs expanded)."""
+    return [name for item in inputs for name in (_files_of(item) or [item])]
 
 
 def cmd_demo(args) -> int:

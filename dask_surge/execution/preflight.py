@@ -6,7 +6,8 @@ asks here first:
 - :func:`preflight`: the checks that need no worker (an output inside the input, other
   files in the output, a different run already there) fail at once, and a run that is
   already complete answers without starting anything ("complete: N rows, nothing to do").
-- :func:`runs_in_process`: an input small enough that starting workers would cost more
+- :func:`runs_in_process` (and, for inputs whose rows are not known ahead, the command
+  line's :func:`small_files`): an input small enough that starting workers would cost more
   than encoding it runs in this process instead (``scheduler="threads"``), unless the
   caller chose where it runs.
 """
@@ -14,6 +15,7 @@ asks here first:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import SurgeOutputError
@@ -24,7 +26,7 @@ from ..results import EncodeResult
 from .inputs import input_files
 from .runner import _complete_result
 
-__all__ = ["preflight", "runs_in_process", "say_in_process", "IN_PROCESS_ROWS", "IN_PROCESS_BYTES"]
+__all__ = ["preflight", "runs_in_process", "say_in_process", "small_files", "IN_PROCESS_ROWS", "IN_PROCESS_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,31 +74,30 @@ def preflight(output: str, frame: Any, fingerprint: dict, *, storage_options: di
 
 
 def runs_in_process(frame: Any, column: str) -> int | None:
-    """Rows (or, for an input whose rows are not known ahead, -1) when ``frame`` is small
-    enough to encode in this process rather than on a new local cluster; None otherwise.
-
-    Small: at most :data:`IN_PROCESS_ROWS` rows known from metadata, or input files of at most
-    :data:`IN_PROCESS_BYTES` in all.
-    """
+    """Rows of ``frame`` when they are known from metadata (Parquet footers, in-memory data)
+    and at most :data:`IN_PROCESS_ROWS`, so that encoding them in this process takes less
+    than starting a local cluster would; None otherwise (an input whose rows are not known
+    ahead: see :func:`small_files`)."""
     sizes = known_sizes(frame[[column]], column, None)
-    if sizes is not None:
-        return sizes.total if sizes.total <= IN_PROCESS_ROWS else None
-    files = input_files(frame)
-    if not files:
-        return None
+    return sizes.total if sizes is not None and sizes.total <= IN_PROCESS_ROWS else None
+
+
+def small_files(paths: Sequence[str]) -> bool:
+    """Whether the input files ``paths`` (local paths or fsspec URLs) hold at most
+    :data:`IN_PROCESS_BYTES` in all: how the command line judges an input whose rows are not
+    known ahead (CSV, JSON lines). A path that cannot be sized counts as large."""
     from fsspec.core import url_to_fs
 
     total = 0
     try:
-        for name in files:
+        for name in paths:
             fs, path = url_to_fs(name)
-            for found in (fs.find(path) if fs.isdir(path) else fs.glob(path) or [path]):
-                total += int(fs.size(found) or 0)
-                if total > IN_PROCESS_BYTES:
-                    return None
-    except (OSError, ValueError):
-        return None
-    return -1
+            total += int(fs.size(path) or 0)
+            if total > IN_PROCESS_BYTES:
+                return False
+    except (OSError, ValueError, TypeError):
+        return False
+    return bool(paths)
 
 
 def say_in_process(rows: int) -> None:
