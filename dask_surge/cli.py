@@ -329,6 +329,7 @@ def cmd_status(args) -> int:
     if info.get("model"):
         info["model"] = _model_words(info["model"])
     if args.json and isinstance(info.get("last_commit"), (int, float)):  # an ISO 8601 time, not an epoch number
+        info["last_commit_epoch"] = info["last_commit"]  # (and the number, for scripts that compute with it)
         info["last_commit"] = _iso(info["last_commit"])
     print(json.dumps(info, indent=2, default=str) if args.json else format_status(info))
     return 0 if info["state"] == "complete" and not info.get("problems") else 1
