@@ -34,7 +34,8 @@ def run_timeline(records: Sequence[Any], ttfo_s: float | None, already_rows: int
     """One row per SuperBatch report, in commit order, on one clock: seconds since the call started.
 
     ``commit_s`` is when its commit record was created (the client's clock); ``start_s`` is
-    ``commit_s`` less its encode and write time, so both come from one clock. The call's start
+    when its encode started (``started_at``, moved onto the client's clock with the commit),
+    at the latest ``commit_s`` less its encode and write time. The call's start
     is recovered from time to first output (``ttfo_s``), else it is the earliest start.
     ``lane`` numbers SuperBatches that encoded at the same time (the reports do not name their
     worker: one lane is one task slot in use; a SuperBatch's write and commit run on a writer
@@ -45,7 +46,11 @@ def run_timeline(records: Sequence[Any], ttfo_s: float | None, already_rows: int
     if not records:
         return pd.DataFrame(columns=_TIMELINE_COLUMNS)
     commit = np.array([r.committed_at for r in records], dtype=float)
-    start = commit - np.array([r.encode_s + r.write_s for r in records], dtype=float)
+    # when its encode started (the task's clock, moved onto the client's with the commit time); a
+    # SuperBatch may wait between its encode and its write for the one before it to commit, so
+    # ``commit - write - encode`` would place its encode too late, over the next one's
+    started = np.array([r.started_at for r in records], dtype=float)
+    start = np.minimum(started, commit - np.array([r.encode_s + r.write_s for r in records], dtype=float))
     won = np.array([bool(r.committed) for r in records])
     t0 = float(commit[won].min() - ttfo_s) if ttfo_s is not None and won.any() else float(start.min())
     t0 = min(t0, float(start.min()))

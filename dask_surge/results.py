@@ -270,12 +270,13 @@ class SuperBatchReport:
         return replace(self, task_end=task_end)
 
     def on_client_clock(self, now: float) -> SuperBatchReport:
-        """This report with ``committed_at`` shifted onto the clock of a client that received it at
+        """This report with ``committed_at`` (and ``started_at``) shifted onto the clock of a client that received it at
         ``now``: by the difference between ``now`` and when its task ended (an upper bound: it
         counts the transfer), so time to first output never mixes two machines' clocks."""
         if self.task_end is None:
             return self
-        return replace(self, committed_at=self.committed_at + (now - self.task_end))
+        shift = now - self.task_end
+        return replace(self, committed_at=self.committed_at + shift, started_at=self.started_at + shift)
 
     def __getitem__(self, name: str):
         """``report["rows"]``: read access by field name, for scripts written against the report

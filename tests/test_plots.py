@@ -172,3 +172,21 @@ def test_throughput_is_a_rolling_rate_that_does_not_drop_between_commits():
     steady = rate[(grid > commits[0] + window) & (grid <= commits[-1])]
     assert steady.size and np.allclose(steady, 50.0)
     assert (rate[grid < commits[0]] == 0).all()  # nothing readable before the first commit
+
+
+def test_lanes_follow_when_each_encode_started():
+    """A SuperBatch that waits between its encode and its write (for the one before it to commit)
+    was placed by ``commit - write - encode``: too late, over the next encode of its own slot."""
+    from dask_surge.plots import run_timeline
+    from dask_surge.results import SuperBatchReport
+
+    def report(sb, start, encode, commit):
+        return SuperBatchReport(sb=sb, rows=100, skipped=0, file=f"part-{sb}.parquet", bytes=1, spans=(),
+                                started_at=start, encode_s=encode, write_s=0.5, committed=True,
+                                committed_at=commit, engine="fast")
+
+    slot_a = [report("a1", 100.0, 1.0, 103.5), report("a2", 101.0, 1.0, 104.0), report("a3", 102.0, 1.0, 104.5)]
+    slot_b = [report("b1", 100.0, 5.0, 105.5)]
+    df = run_timeline(slot_a + slot_b, ttfo_s=3.5)
+    assert sorted(set(df["lane"])) == [0, 1]
+    assert df.set_index("sb").loc["a2", "start_s"] == pytest.approx(1.0)

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 #: an input of at most this many rows (known from metadata) runs in this process when no
 #: cluster is given: on 2 cores a local cluster takes 6-10 s to start, more than such an
 #: input takes to encode (``python -m benchmarks.small_run``)
-IN_PROCESS_ROWS = 20_000
+IN_PROCESS_ROWS = 5_000
 
 #: the same for an input whose rows are not known ahead (CSV, JSON lines): its files' total size
 IN_PROCESS_BYTES = 2 * 1024**2
