@@ -545,7 +545,8 @@ class _CommandLineWords(logging.Filter):
 
 def main(argv: list[str] | None = None) -> int:
     package = logging.getLogger("dask_surge")
-    if not any(isinstance(h, _StderrHandler) for h in package.handlers):  # once per process, not per call
+    handler = next((h for h in package.handlers if isinstance(h, _StderrHandler)), None)
+    if handler is None:  # once per process, not per call
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         package.addHandler(handler)
@@ -555,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
     words = _CommandLineWords()
-    package.addFilter(words)
+    handler.addFilter(words)  # on the handler: the package's modules log on child loggers
     try:
         commands = {"encode": cmd_encode, "demo": cmd_demo, "plan": cmd_plan, "status": cmd_status}
         return commands[args.command](args)
@@ -568,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
         return 130
     finally:
-        package.removeFilter(words)
+        handler.removeFilter(words)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -270,3 +270,31 @@ def test_status_names_the_default_model_and_an_iso_time(tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["model"].startswith("all-MiniLM-L6-v2") and isinstance(info["last_commit"], str)
     assert abs(datetime.fromisoformat(info["last_commit"]).timestamp() - __import__("time").time()) < 3600
+
+
+def test_ctrl_c_prints_one_message(tmp_path, tiny_model):
+    """Ctrl-C printed two different messages (the run's, then the CLI's own): now the run's alone,
+    which says what is kept, in CLI words."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    write_partitioned_parquet(tmp_path / "in", [40] * 400)
+    out = tmp_path / "o"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), TQDM_DISABLE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "dask_surge.cli", "encode", str(tmp_path / "in"),
+                             "--text-column", "text", "--output", str(out), "--model", tiny_model, "--device", "cpu",
+                             "--scheduler", "sync", "--b-min", "40", "--b-max", "40"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.is_dir() and any(out.glob("part-*.parquet"))) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    said = [line for line in err.splitlines() if "interrupted" in line]
+    assert len(said) == 1, err
+    assert "committed" in said[0] and "Rerun the same command" in said[0] and "same call" not in said[0]

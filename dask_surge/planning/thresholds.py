@@ -156,7 +156,7 @@ def resolve_thresholds(b_min: Any = None, b_max: Any = None, *, gpu: bool, worke
     Examples
     --------
     >>> resolve_thresholds(None, 5, gpu=False, total_rows=12)
-    Thresholds(b_min=3, b_max=5, reason='b_min: the CPU default (no calibration of this model on a cluster of this shape); b_min lowered to 3 to spread 12 rows over 1 worker thread (aiming at 4 SuperBatches each)')
+    Thresholds(b_min=3, b_max=5, reason='the CPU default for b_min (no calibration of this model on a cluster of this shape); b_min lowered to 3 to spread 12 rows over 1 worker thread (aiming at 4 SuperBatches each)')
     >>> resolve_thresholds(100, "auto", gpu=True).b_max
     400000
     """
@@ -180,8 +180,8 @@ def resolve_thresholds(b_min: Any = None, b_max: Any = None, *, gpu: bool, worke
         auto_min, auto_max = DEFAULTS["gpu" if gpu else "cpu"]
         lo = given_min if given_min is not None else min(auto_min, given_max or auto_min)
         hi = given_max if given_max is not None else max(auto_max, lo)
-        why = (f"{' and '.join(autos)}: the {'GPU' if gpu else 'CPU'} default (no calibration of this model on "
-               "a cluster of this shape)")
+        why = (f"the {'GPU' if gpu else 'CPU'} default for {' and '.join(autos)} (no calibration of this model "
+               "on a cluster of this shape)")
     if raw_min == "auto" and total_rows:
         spread = max(1, math.ceil(total_rows / (MIN_SUPERBATCHES_PER_WORKER * max(1, workers))))
         if spread < lo:
