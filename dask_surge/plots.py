@@ -18,6 +18,10 @@ from .synthetic import lognormal_sizes
 
 __all__ = ["run_timeline", "rolling_rate", "plot_run", "plot_advice", "advice_grid"]
 
+#: how far apart two encodes of one task slot may seem to overlap: a task's times move onto the
+#: client's clock by when the client heard of its end, which counts the transfer (tens of ms)
+CLOCK_SLACK_S = 0.1
+
 _TIMELINE_COLUMNS = ["sb", "rows", "skipped", "start_s", "commit_s", "encode_s", "write_s", "committed", "lane",
                      "rows_committed"]
 
@@ -65,7 +69,7 @@ def run_timeline(records: Sequence[Any], ttfo_s: float | None, already_rows: int
         # a task slot is held while the SuperBatch encodes; its write and commit run on the unit's writer
         # thread beside the next encode, so they do not hold the slot (counting them drew 3 lanes for 2 slots)
         s, e = df.at[i, "start_s"], df.at[i, "start_s"] + df.at[i, "encode_s"]
-        free = [k for k, end in enumerate(lanes) if end <= s + 1e-9]
+        free = [k for k, end in enumerate(lanes) if end <= s + CLOCK_SLACK_S]
         k = free[0] if free else len(lanes)
         if k == len(lanes):
             lanes.append(e)
@@ -83,7 +87,7 @@ def rolling_rate(commit_s: np.ndarray, rows: np.ndarray, end: float, points: int
     Rows count as arriving steadily between one commit and the next (the cumulative count is
     interpolated linearly from the first commit on), so the rate does not drop to 0 between
     commits, which read as stalls; before the first commit it is 0 (nothing was readable).
-    The window is three typical gaps between commits, at least a twentieth of the run.
+    The window is three typical gaps between commits, at least a tenth of the run.
 
     Examples
     --------
@@ -99,7 +103,7 @@ def rolling_rate(commit_s: np.ndarray, rows: np.ndarray, end: float, points: int
     order = np.argsort(commit_s, kind="stable")
     times, total = commit_s[order], np.cumsum(rows[order])
     gaps = np.diff(times)
-    window = max(3 * float(np.median(gaps)) if gaps.size else end, end / 20, 1e-6)
+    window = max(3 * float(np.median(gaps)) if gaps.size else end, end / 10, 1e-6)
 
     def committed(t: np.ndarray) -> np.ndarray:  # rows committed by t, linear between commits
         return np.where(t < times[0], 0.0, np.interp(t, times, total))

@@ -295,3 +295,21 @@ def test_dask_shutdown_noise_is_quiet_during_a_run_only():
         distributed_log.removeHandler(handler)
     assert during == "Worker process 4242 was killed by signal 9\n", during
     assert "still alive" in after and "during heartbeat" in after and "killed by signal 9" in after
+
+
+def test_workers_of_a_cluster_surge_starts_filter_their_shutdown_noise():
+    """A worker's heartbeat CommClosedError after the scheduler left is logged in the worker process,
+    out of the client's reach: the clusters dask-surge starts carry the filter into their workers."""
+    from distributed import Client
+
+    from dask_surge.execution.cluster import local_cluster
+
+    def filtered() -> bool:
+        import logging
+
+        from dask_surge.execution.progress import _ShutdownNoise
+
+        return any(isinstance(f, _ShutdownNoise) for f in logging.getLogger("distributed.worker").filters)
+
+    with local_cluster(n_workers=1, threads_per_worker=1) as cluster, Client(cluster) as client:
+        assert list(client.run(filtered).values()) == [True]

@@ -36,6 +36,10 @@ def local_cluster(**kwargs):
     workers and the dashboard bind to ``127.0.0.1`` (the dashboard on a free port), so on a
     shared login node nobody else can reach the cluster or read its dashboard.
 
+    Its worker processes leave a closing cluster's expected noise out of the terminal (a
+    worker's last heartbeat after the scheduler left:
+    :class:`~dask_surge.execution.quiet.QuietWorkerShutdown`).
+
     Its workers run without distributed's statistical profiler
     (``distributed.worker.profile.enabled: False``): sampling every thread's stack costs
     the workers' event loops CPU that the host path needs (``docs/ab_studies.md``). Start
@@ -59,9 +63,13 @@ def local_cluster(**kwargs):
     import dask
     from distributed import LocalCluster
 
+    from .quiet import QuietWorkerShutdown
+
     check_main_guard(kwargs.get("processes", True))
     cuda, opts = _defaults()
     opts.update(kwargs)
+    # a worker's last heartbeat after the scheduler left is noise of this cluster's close, not news
+    opts["plugins"] = (*opts.get("plugins", ()), QuietWorkerShutdown())
     # distributed (and dask-cuda) are imported before this config.set: importing distributed registers
     # its defaults (distributed.*), which a set entered before the import would erase on exit
     cls = LocalCluster
