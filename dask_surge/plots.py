@@ -49,11 +49,15 @@ def run_timeline(records: Sequence[Any], ttfo_s: float | None, already_rows: int
     """
     if not records:
         return pd.DataFrame(columns=_TIMELINE_COLUMNS)
-    commit = np.array([r.committed_at for r in records], dtype=float)
+    # every report was moved onto the client's clock by its own shift, which counts its transfer (up to
+    # seconds on a busy client): all move by the run's smallest instead, so tasks keep their order
+    shift = np.array([getattr(r, "clock_shift", 0.0) for r in records], dtype=float)
+    shift -= shift.min()
+    commit = np.array([r.committed_at for r in records], dtype=float) - shift
     # when its encode started (the task's clock, moved onto the client's with the commit time); a
     # SuperBatch may wait between its encode and its write for the one before it to commit, so
     # ``commit - write - encode`` would place its encode too late, over the next one's
-    started = np.array([r.started_at for r in records], dtype=float)
+    started = np.array([r.started_at for r in records], dtype=float) - shift
     start = np.minimum(started, commit - np.array([r.encode_s + r.write_s for r in records], dtype=float))
     won = np.array([bool(r.committed) for r in records])
     t0 = float(commit[won].min() - ttfo_s) if ttfo_s is not None and won.any() else float(start.min())

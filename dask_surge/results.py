@@ -242,6 +242,9 @@ class SuperBatchReport:
     truncated, encoded, reused : int
         Texts cut at the model's window (-1: the model cannot tell), distinct texts that went
         through the model, texts whose embeddings were copied from a ``reuse`` output.
+    clock_shift : float
+        Seconds :meth:`on_client_clock` added to its times (0: none): the clocks' difference plus
+        the transfer, which varies from task to task; a timeline takes the run's smallest.
     """
 
     sb: str
@@ -261,6 +264,7 @@ class SuperBatchReport:
     truncated: int = 0
     encoded: int = 0
     reused: int = 0
+    clock_shift: float = 0.0
 
     def as_dict(self) -> dict:
         """The report as a plain dict (JSON-serializable)."""
@@ -276,7 +280,8 @@ class SuperBatchReport:
         if self.task_end is None:
             return self
         shift = now - self.task_end
-        return replace(self, committed_at=self.committed_at + shift, started_at=self.started_at + shift)
+        return replace(self, committed_at=self.committed_at + shift, started_at=self.started_at + shift,
+                       clock_shift=shift)
 
     def __getitem__(self, name: str):
         """``report["rows"]``: read access by field name, for scripts written against the report

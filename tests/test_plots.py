@@ -190,3 +190,22 @@ def test_lanes_follow_when_each_encode_started():
     df = run_timeline(slot_a + slot_b, ttfo_s=3.5)
     assert sorted(set(df["lane"])) == [0, 1]
     assert df.set_index("sb").loc["a2", "start_s"] == pytest.approx(1.0)
+
+
+def test_a_late_heard_task_keeps_its_place():
+    """Each report moved onto the client's clock by when the client heard of its task's end: one
+    heard a second late drew its encode over the next ones (a third lane for two slots)."""
+    from dask_surge.plots import run_timeline
+    from dask_surge.results import SuperBatchReport
+
+    def report(sb, start, encode, heard_late):
+        worker = SuperBatchReport(sb=sb, rows=100, skipped=0, file="f", bytes=1, spans=(), started_at=start,
+                                  encode_s=encode, write_s=0.1, committed=True, committed_at=start + encode + 0.1,
+                                  engine="fast", task_end=start + encode + 0.1)
+        return worker.on_client_clock(start + encode + 0.1 + 0.01 + heard_late)
+
+    records = [report("a1", 100.0, 1.0, 0.0), report("a2", 101.1, 1.0, 1.5), report("a3", 102.2, 1.0, 0.0),
+               report("b1", 100.0, 3.3, 0.0)]
+    df = run_timeline(records, ttfo_s=1.11)
+    assert sorted(set(df["lane"])) == [0, 1]
+    assert df.set_index("sb").loc["a2", "start_s"] == pytest.approx(1.11)  # its place, +0.01 s of transfer
