@@ -45,12 +45,12 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _demo_layout(where: Path) -> None:
+def _demo_layout(where: Path, rows: int = 240) -> None:
     """``surge-demo/input/`` as ``dask-surge demo`` writes it (log-normal partition sizes, columns
     ``text`` and ``doc_id``), smaller."""
     from dask_surge.synthetic import lognormal_sizes, write_partitioned_parquet
 
-    write_partitioned_parquet(where / "surge-demo" / "input", lognormal_sizes(240, 12, sigma=1.0, seed=0), seed=0)
+    write_partitioned_parquet(where / "surge-demo" / "input", lognormal_sizes(rows, 12, sigma=1.0, seed=0), seed=0)
 
 
 def test_every_page_has_python_snippets():
@@ -77,9 +77,11 @@ def test_an_unguarded_script_is_refused_in_one_line(tmp_path):
     """Without the guard, distributed's spawned workers re-ran the script: "An attempt has been made
     to start a new process before the current process has finished its bootstrapping phase",
     "Nanny failed to start" and 100+ lines of traceback. Now: one line, before any process starts."""
+    from dask_surge.execution.preflight import IN_PROCESS_ROWS
+
     work = tmp_path / "work"
     work.mkdir()
-    _demo_layout(work)
+    _demo_layout(work, rows=IN_PROCESS_ROWS + 100)  # too large to run in this process: a cluster starts
     script = work / "unguarded.py"
     script.write_text(textwrap.dedent("""\
         import dask.dataframe as dd
