@@ -20,6 +20,7 @@ from .execution.cluster import local_cluster, local_cluster_threads
 from .execution.graph import superbatch_collection
 from .execution.inputs import input_files
 from .execution.plugins import register_encoder
+from .execution.preflight import preflight, runs_in_process, say_in_process
 from .execution.progress import RunProgress, logging_through
 from .execution.runner import RunRequest, write_run
 from .execution.stops import not_utf8
@@ -201,7 +202,7 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
         client, scheduler = scheduler, None
     active = client if client is not None else (_active_client() if scheduler is None else None)
     if opts["calibrate"] and params is None:
-        params = calibration.calibrate(encoder_for(model, {}), client=active)
+        params = _calibrated(encoder_for(model, {}), active, scheduler)
     # one sample serves the predictions (with a token sample configured) and the estimates (asked for)
     sample = TextSample(ddf, column, sizes, model, n or 2048, overlap) if sizes.total else None
     threads = _threads(active, scheduler)
@@ -214,7 +215,8 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
     if params is not None and sample is not None:  # predictions use this data's tokens
         params, tokens_source = params_for_data(params, sample if n is not None else None, long_texts)
     result = SurgePlan(sizes, run.superbatches, th.b_min, th.b_max, params=params, max_bytes=max_bytes,
-                       tokens_source=tokens_source, unit_partitions=run.unit_partitions)
+                       tokens_source=tokens_source, unit_partitions=run.unit_partitions,
+                       calibration_failed=bool(opts["calibrate"]) and params is None)
     if sample is not None and sample.texts and (options.get("long_texts") is not None or opts["reuse"]):
         texts, total = sample.texts, sizes.total
         if options.get("long_texts") is not None:
@@ -234,6 +236,17 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
         result.advice = advise(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, nbytes=sizes.nbytes,
                                max_bytes=max_bytes, superbatches=run.superbatches)
     return result
+
+
+def _calibrated(encoder: Encoder, active, scheduler: Any):
+    """``plan(calibrate=True)`` measures where :func:`encode` would run, so that both resolve
+    thresholds from the same calibration (cached per cluster shape): the active Client's
+    cluster, this process for ``"threads"``/``"sync"``, else the local cluster ``encode()``
+    starts, started here for the probe."""
+    if active is not None or scheduler is not None:
+        return calibration.calibrate(encoder, client=active)
+    with _client_for(None) as client:
+        return calibration.calibrate(encoder, client=client)
 
 
 def _threads(client, scheduler: Any = None) -> int:
@@ -383,15 +396,23 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     # live, that it is not inside (or around) the input, that it holds nothing dask-surge did not write
     store = OutputStore.open(output, storage_options, writing=True)
     check_output(store, inputs=input_files(frame), contents=out_format == "parquet")  # a table: its history decides
-    # the bar opens now: starting a cluster (workers importing torch) is the first thing a user waits for
     starting = scheduler is None and _active_client() is None  # _client_for starts a local cluster
+    with _planning_texts(column):
+        run_id = fingerprint(frame, task, device="cuda" if on_gpu else "cpu", input_token=input_token,
+                             options=opts)
+    # a different run already there is refused, and a complete run answered, before any worker starts
+    done = preflight(store, frame, run_id, overwrite=overwrite, started=started)
+    if done is not None:
+        return done
+    small = runs_in_process(frame, column) if starting else None
+    if small is not None:  # starting workers would take longer than encoding this input
+        say_in_process(small)
+        scheduler, starting = "threads", False
+    # the bar opens now: starting a cluster (workers importing torch) is the first thing a user waits for
     bar = RunProgress(enabled=progress, phase="starting workers" if starting else "planning")
     with bar, logging_through(bar), _client_for(scheduler) as client:
         if client is not None:
             _register(task.encoder, client)
-        with _planning_texts(column):
-            run_id = fingerprint(frame, task, device="cuda" if on_gpu else "cpu", input_token=input_token,
-                                 options=opts)
         _open_reuse(task, run_id)
         return write_run(RunRequest(
             frame, task, store, fingerprint=run_id, thresholds=_thresholds(requested, task, frame, client, gpu=on_gpu),

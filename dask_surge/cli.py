@@ -7,6 +7,7 @@ import glob
 import json
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path, PurePosixPath
@@ -14,12 +15,15 @@ from pathlib import Path, PurePosixPath
 from ._version import __version__
 from .api import encode, plan, read_embeddings, status
 from .engine.placement import gpu_count
-from .errors import SurgeError, SurgeInputError
+from .errors import SurgeError, SurgeInputError, SurgeValueError
 from .execution.cluster import local_cluster
+from .execution.preflight import say_in_process, small_files
 from .families import DENSE
 from .io.layout import FAMILY_COLUMNS, PARTITION, ROW
 from .io.verify import repair, verify
-from .options import add_arguments, from_arguments, option
+from .models.modelid import directory_digest
+from .models.resolve import packaged_dir
+from .options import OPTIONS, add_arguments, from_arguments, option
 from .synthetic import lognormal_sizes, write_partitioned_parquet
 
 __all__ = ["main", "build_parser", "format_status"]
@@ -189,11 +193,30 @@ def _read_jsonl(path: str):
 
 
 def _scheduler(value):
+    """``--scheduler``: ``threads``/``sync`` as they are, else a Client connected to the address
+    (one line naming the address, the rule and the fix when it is not one or nothing answers)."""
     if value in (None, "threads", "sync"):
         return value
+    import dask
     from distributed import Client
+    from distributed.comm import parse_address
 
-    return Client(value)
+    rule = ("a Dask scheduler's address (tcp://host:port, as `dask scheduler` prints it), 'threads' or 'sync'")
+    fix = ("Fix: start a scheduler (`dask scheduler`) and pass the address it prints, e.g. "
+           "--scheduler tcp://10.0.0.5:8786, or leave --scheduler out to start a local cluster.")
+    try:
+        parse_address(value)
+        from distributed.comm.addressing import parse_host_port
+
+        parse_host_port(value.split("://", 1)[-1])
+    except (ValueError, TypeError) as err:
+        raise SurgeValueError(f"--scheduler {value}: not {rule} ({err}). {fix}") from None
+    timeout = dask.config.get("distributed.comm.timeouts.connect")
+    try:
+        return Client(value, timeout=timeout)
+    except (OSError, TimeoutError) as err:
+        raise SurgeValueError(f"--scheduler {value}: no Dask scheduler answered there within {timeout} "
+                              f"({type(err).__name__}). {fix}") from None
 
 
 def _options(args, taker: str = "encode") -> dict:
@@ -212,19 +235,35 @@ def _print_result(result, as_json: bool) -> None:
 
 
 def cmd_encode(args) -> int:
-
     ddf = read_input(args.inputs, args.input_format)
-    result = encode(ddf, args.text_column, args.output, keep=args.keep, **_options(args))
+    opts = _options(args)
+    if opts.get("scheduler") is None and _rows_unknown(args) and small_files(_input_paths(args.inputs)):
+        say_in_process(-1)  # a few small CSV/JSON files: encoding them takes less than starting workers
+        opts["scheduler"] = "threads"
+    result = encode(ddf, args.text_column, args.output, keep=args.keep, **opts)
     _print_result(result, args.json)
     return 0
+
+
+def _rows_unknown(args) -> bool:
+    """Whether the input's rows are not known ahead (CSV, JSON lines: read_input's own readers);
+    Parquet's come from its footers, and encode() judges those itself."""
+    fmt = args.format or _detect_format(args.inputs)
+    return fmt != "parquet"
+
+
+def _input_paths(inputs: list[str]) -> list[str]:
+    """The files the inputs name (directories and globs expanded)."""
+    return [name for item in inputs for name in (_files_of(item) or [item])]
 
 
 def cmd_demo(args) -> int:
     import numpy as np
 
 
-    args.rows = args.rows or (200_000 if gpu_count() else 6_000)
-    args.partitions = args.partitions or max(20, args.rows // 100)
+    _check_demo(args)
+    args.rows = args.rows if args.rows is not None else (200_000 if gpu_count() else 6_000)
+    args.partitions = args.partitions if args.partitions is not None else max(20, args.rows // 100)
     if args.b_min is None:  # show streaming: about 20 SuperBatches
         args.b_min = max(100, args.rows // 20)
     root = Path(args.dir)
@@ -248,6 +287,20 @@ def cmd_demo(args) -> int:
     return 0 if unique == len(back) == args.rows else 1
 
 
+def _check_demo(args) -> None:
+    """Refuse a ``demo`` size that is not a positive count, in one line."""
+    for flag, value in (("--rows", args.rows), ("--partitions", args.partitions)):
+        if value is not None and value < 1:
+            what = "texts to generate" if flag == "--rows" else "Parquet files to write"
+            raise SurgeValueError(
+                f"{flag} {value}: must be a positive number of {what}. Fix: pass {flag} 1 or more, or leave "
+                f"{flag} out for the default ({'200,000 with a GPU, 6,000 on a CPU' if flag == '--rows' else 'rows / 100, at least 20'})."
+            )
+    if args.sigma is not None and not args.sigma >= 0:
+        raise SurgeValueError(f"--sigma {args.sigma}: must be 0 or more (the log-normal spread of partition sizes). "
+                              "Fix: pass e.g. --sigma 1.72 (the default).")
+
+
 def cmd_plan(args) -> int:
 
     ddf = read_input(args.inputs, args.input_format)
@@ -265,7 +318,9 @@ def cmd_plan(args) -> int:
 
 
 def cmd_status(args) -> int:
-
+    if "://" not in args.output and not os.path.exists(args.output):
+        raise SurgeValueError(f"{args.output!r} does not exist, so it holds no dask-surge run. Fix: pass the "
+                              "directory given as --output (or output=) to the encode.")
     if args.repair:
         for line in repair(args.output) or ["nothing to repair"]:
             print(f"repair: {line}", file=sys.stderr)
@@ -274,8 +329,39 @@ def cmd_status(args) -> int:
         problems = verify(args.output)
         info["verified"] = not problems
         info["problems"] = problems
+    if info.get("model"):
+        info["model"] = _model_words(info["model"])
+    if args.json and isinstance(info.get("last_commit"), (int, float)):  # an ISO 8601 time, not an epoch number
+        info["last_commit_epoch"] = info["last_commit"]  # (and the number, for scripts that compute with it)
+        info["last_commit"] = _iso(info["last_commit"])
     print(json.dumps(info, indent=2, default=str) if args.json else format_status(info))
     return 0 if info["state"] == "complete" and not info.get("problems") else 1
+
+
+def _iso(epoch: float) -> str:
+    """An epoch time as ISO 8601 in local time with its offset.
+
+    Examples
+    --------
+    >>> _iso(0.0).startswith(("1970-01-01T", "1969-12-31T"))
+    True
+    """
+    from datetime import datetime
+
+    return datetime.fromtimestamp(epoch).astimezone().isoformat(timespec="seconds")
+
+
+def _model_words(name: str) -> str:
+    """The model as the user named it: the packaged all-MiniLM-L6-v2 (``--model default``) by
+    its name rather than as a local directory's digest."""
+    m = re.fullmatch(r"local model directory \(sha256 ([0-9a-f]+)\)", name)
+    if m is None:
+        return name
+    try:
+        packaged = directory_digest(packaged_dir("default"))
+    except (SurgeError, OSError):
+        return name
+    return f"all-MiniLM-L6-v2 (packaged, the default; sha256 {m.group(1)})" if packaged.startswith(m.group(1)) else name
 
 
 def _ago(seconds: float) -> str:
@@ -372,9 +458,69 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+#: ``name=value`` in a message: an option in Python spelling (a quoted word, a number, True/False/None)
+_PYTHON_OPTION = re.compile(r"""(?<![\w.])([a-z][a-z0-9_]*)=('[^']*'|"[^"]*"|True|False|None|-?\d[\d_]*(?:\.\d+)?)""")
+
+
+def cli_spelling(message: str) -> str:
+    """``message`` with the options it names in Python spelling written as their flags.
+
+    Errors are raised by the library, which speaks Python (``pass overwrite=True``); from the
+    command line the same advice reads as the flag to pass. Only options that have a flag are
+    rewritten.
+
+    Examples
+    --------
+    >>> cli_spelling("Fix: pass on_null='empty', or overwrite=True; device=None; b_min=10.")
+    'Fix: pass --on-null empty, or --overwrite; leave --device out; --b-min 10.'
+    >>> cli_spelling("ddf.rename(columns=str)")
+    'ddf.rename(columns=str)'
+    """
+    flags = {o.name: o.cli for o in OPTIONS if o.cli is not None}
+
+    def spelled(m: re.Match) -> str:
+        name, value = m.group(1), m.group(2)
+        cli = flags.get(name)
+        if cli is None:
+            return m.group(0)
+        flag = cli.flag or "--" + name.replace("_", "-")
+        if cli.action == "store_true":
+            return flag if value == "True" else f"no {flag}"
+        if cli.action == "store_false":
+            return flag if value == "False" else f"no {flag}"
+        if value == "None":
+            return f"leave {flag} out"
+        if value in ("True", "False"):
+            return f"{flag} {value.lower()}"
+        return f"{flag} {value.strip(chr(39) + chr(34))}"
+
+    return _PYTHON_OPTION.sub(spelled, message)
+
+
+class _CommandLineWords(logging.Filter):
+    """On the package's log records while a command runs: the run's own Ctrl-C line (which says
+    what is committed) is the one message of an interrupt, in CLI words; the advice of other
+    records in CLI spelling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.interrupt_said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith("dask-surge: interrupted"):
+            self.interrupt_said = True
+            message = message.replace("Rerun the same call", "Rerun the same command")
+        spelled = cli_spelling(message)
+        if spelled != record.getMessage():
+            record.msg, record.args = spelled, None
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     package = logging.getLogger("dask_surge")
-    if not any(isinstance(h, _StderrHandler) for h in package.handlers):  # once per process, not per call
+    handler = next((h for h in package.handlers if isinstance(h, _StderrHandler)), None)
+    if handler is None:  # once per process, not per call
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         package.addHandler(handler)
@@ -383,16 +529,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
+    words = _CommandLineWords()
+    handler.addFilter(words)  # on the handler: the package's modules log on child loggers
     try:
         commands = {"encode": cmd_encode, "demo": cmd_demo, "plan": cmd_plan, "status": cmd_status}
         return commands[args.command](args)
     except SurgeError as err:
-        print(f"dask-surge: error: {err}", file=sys.stderr)
+        print(f"dask-surge: error: {cli_spelling(str(err))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("dask-surge: interrupted; committed SuperBatches are kept. Rerun the same command to resume.",
-              file=sys.stderr)
+        if not words.interrupt_said:  # the run said what it kept: one message, not two
+            print("dask-surge: interrupted before anything was committed. Rerun the same command to start again.",
+                  file=sys.stderr)
         return 130
+    finally:
+        handler.removeFilter(words)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -690,7 +690,8 @@ OPTIONS: tuple[Option, ...] = (
          "measure the cost model on a local cluster (~10-20 s, cached) and predict every policy",
          default=False, takers="plan", cli=Cli(action="store_true")),
     _opt("client", Any, "distributed.Client, optional", """
-         Cluster to calibrate on and plan for (default: the active one, else this process).""",
+         Cluster to calibrate on and plan for (default: the active one, else the local cluster
+         :func:`encode` would start, started for the probe; this process with ``scheduler="threads"``).""",
          "cluster to calibrate on and plan for", takers="plan"),
     _opt("token_sample", int | None, "int, optional", """
          With parameters, texts sampled (row-weighted, from partitions spread over the frame) and

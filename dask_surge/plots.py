@@ -16,7 +16,11 @@ import pandas as pd
 from .planning.costmodel import CostParams, predict
 from .synthetic import lognormal_sizes
 
-__all__ = ["run_timeline", "plot_run", "plot_advice", "advice_grid"]
+__all__ = ["run_timeline", "rolling_rate", "plot_run", "plot_advice", "advice_grid"]
+
+#: how far apart two encodes of one task slot may seem to overlap: a task's times move onto the
+#: client's clock by when the client heard of its end, which counts the transfer (tens of ms)
+CLOCK_SLACK_S = 0.1
 
 _TIMELINE_COLUMNS = ["sb", "rows", "skipped", "start_s", "commit_s", "encode_s", "write_s", "committed", "lane",
                      "rows_committed"]
@@ -34,17 +38,27 @@ def run_timeline(records: Sequence[Any], ttfo_s: float | None, already_rows: int
     """One row per SuperBatch report, in commit order, on one clock: seconds since the call started.
 
     ``commit_s`` is when its commit record was created (the client's clock); ``start_s`` is
-    ``commit_s`` less its encode and write time, so both come from one clock. The call's start
+    when its encode started (``started_at``, moved onto the client's clock with the commit),
+    at the latest ``commit_s`` less its encode and write time. The call's start
     is recovered from time to first output (``ttfo_s``), else it is the earliest start.
-    ``lane`` numbers SuperBatches that ran at the same time (the reports do not name their
-    worker: one lane is one task slot in use). ``rows_committed`` is the cumulative count of
+    ``lane`` numbers SuperBatches that encoded at the same time (the reports do not name their
+    worker: one lane is one task slot in use; a SuperBatch's write and commit run on a writer
+    thread beside the next encode, so only its encode holds the slot). ``rows_committed`` is the cumulative count of
     rows (written and skipped nulls) committed once it committed, starting from
     ``already_rows`` (a resumed run's rows committed before this call).
     """
     if not records:
         return pd.DataFrame(columns=_TIMELINE_COLUMNS)
-    commit = np.array([r.committed_at for r in records], dtype=float)
-    start = commit - np.array([r.encode_s + r.write_s for r in records], dtype=float)
+    # every report was moved onto the client's clock by its own shift, which counts its transfer (up to
+    # seconds on a busy client): all move by the run's smallest instead, so tasks keep their order
+    shift = np.array([getattr(r, "clock_shift", 0.0) for r in records], dtype=float)
+    shift -= shift.min()
+    commit = np.array([r.committed_at for r in records], dtype=float) - shift
+    # when its encode started (the task's clock, moved onto the client's with the commit time); a
+    # SuperBatch may wait between its encode and its write for the one before it to commit, so
+    # ``commit - write - encode`` would place its encode too late, over the next one's
+    started = np.array([r.started_at for r in records], dtype=float) - shift
+    start = np.minimum(started, commit - np.array([r.encode_s + r.write_s for r in records], dtype=float))
     won = np.array([bool(r.committed) for r in records])
     t0 = float(commit[won].min() - ttfo_s) if ttfo_s is not None and won.any() else float(start.min())
     t0 = min(t0, float(start.min()))
@@ -56,8 +70,10 @@ def run_timeline(records: Sequence[Any], ttfo_s: float | None, already_rows: int
     lanes: list[float] = []  # when each lane frees up
     lane_of = np.zeros(len(df), dtype=int)
     for i in np.argsort(df["start_s"].to_numpy(), kind="stable"):
-        s, e = df.at[i, "start_s"], df.at[i, "commit_s"]
-        free = [k for k, end in enumerate(lanes) if end <= s + 1e-9]
+        # a task slot is held while the SuperBatch encodes; its write and commit run on the unit's writer
+        # thread beside the next encode, so they do not hold the slot (counting them drew 3 lanes for 2 slots)
+        s, e = df.at[i, "start_s"], df.at[i, "start_s"] + df.at[i, "encode_s"]
+        free = [k for k, end in enumerate(lanes) if end <= s + CLOCK_SLACK_S]
         k = free[0] if free else len(lanes)
         if k == len(lanes):
             lanes.append(e)
@@ -66,6 +82,38 @@ def run_timeline(records: Sequence[Any], ttfo_s: float | None, already_rows: int
     df["lane"] = lane_of
     df["rows_committed"] = already_rows + ((df["rows"] + df["skipped"]) * df["committed"]).cumsum()
     return df
+
+
+def rolling_rate(commit_s: np.ndarray, rows: np.ndarray, end: float, points: int = 200
+                 ) -> tuple[np.ndarray, np.ndarray, float]:
+    """Rows committed per second over a rolling window: ``(times, rates, window)``.
+
+    Rows count as arriving steadily between one commit and the next (the cumulative count is
+    interpolated linearly from the first commit on), so the rate does not drop to 0 between
+    commits, which read as stalls; before the first commit it is 0 (nothing was readable).
+    The window is three typical gaps between commits, at least a tenth of the run.
+
+    Examples
+    --------
+    >>> t, r, w = rolling_rate(np.array([1.0, 2.0, 3.0, 4.0]), np.array([10, 10, 10, 10]), 4.0)
+    >>> round(float(r[-1]), 1), round(w, 1)
+    (10.0, 3.0)
+    """
+    commit_s = np.asarray(commit_s, dtype=float)
+    rows = np.asarray(rows, dtype=float)
+    grid = np.linspace(0.0, max(end, 1e-9), points)
+    if commit_s.size == 0:
+        return grid, np.zeros_like(grid), end
+    order = np.argsort(commit_s, kind="stable")
+    times, total = commit_s[order], np.cumsum(rows[order])
+    gaps = np.diff(times)
+    window = max(3 * float(np.median(gaps)) if gaps.size else end, end / 10, 1e-6)
+
+    def committed(t: np.ndarray) -> np.ndarray:  # rows committed by t, linear between commits
+        return np.where(t < times[0], 0.0, np.interp(t, times, total))
+
+    rate = (committed(grid) - committed(grid - window)) / window
+    return grid, rate, window
 
 
 def plot_run(result: Any):
@@ -100,24 +148,23 @@ def plot_run(result: Any):
     ax_rows.set_xlabel("seconds since the call started")
     ax_rows.set_ylabel("rows")
 
-    # SuperBatches in flight: encode then write+commit, one lane per concurrent task
+    # SuperBatches in flight: a lane per task slot holds the encodes; write + commit (on the writer thread,
+    # beside the next encode) is the thin bar under it
     for row in df.itertuples():
-        ax_lanes.barh(row.lane, row.encode_s, left=row.start_s, color="C0", height=0.8)
-        ax_lanes.barh(row.lane, row.write_s, left=row.start_s + row.encode_s, color="C1", height=0.8)
-    ax_lanes.legend(handles=[Patch(color="C0", label="encode"), Patch(color="C1", label="write + commit")],
+        ax_lanes.barh(row.lane, row.encode_s, left=row.start_s, color="C0", height=0.6)
+        ax_lanes.barh(row.lane - 0.38, row.write_s, left=row.start_s + row.encode_s, color="C1", height=0.14)
+    ax_lanes.legend(handles=[Patch(color="C0", label="encode (holds a task slot)"),
+                             Patch(color="C1", label="write + commit (writer thread)")],
                     loc="lower right", fontsize="small")
-    ax_lanes.set_title("SuperBatches in flight (a lane: one task slot; reports do not name the worker)")
+    ax_lanes.set_title("SuperBatches in flight (a lane: one task slot)")
     ax_lanes.title.set_fontsize("small")
     ax_lanes.set_xlabel("seconds since the call started")
     ax_lanes.set_ylabel("lane")
     ax_lanes.set_yticks(range(int(df["lane"].max()) + 1))
 
-    # throughput: rows committed per time bin, and the call's mean
-    nbins = int(np.clip(len(won), 4, 30))
-    edges = np.linspace(0.0, end, nbins + 1)
-    counts, _ = np.histogram(won["commit_s"], bins=edges, weights=won["rows"] + won["skipped"])
-    rate = counts / np.diff(edges)
-    ax_rate.stairs(rate, edges, color="C2", label="rows/s")
+    # throughput: a rolling rate of rows committed, and the call's mean
+    grid, rate, window = rolling_rate(won["commit_s"].to_numpy(), (won["rows"] + won["skipped"]).to_numpy(), end)
+    ax_rate.plot(grid, rate, color="C2", label=f"rows/s (over {window:.1f} s)")
     ax_rate.axhline(result.texts_per_s, color="grey", linestyle="--", label=f"mean {result.texts_per_s:,.0f} rows/s")
     ax_rate.set_title("Throughput over the run")
     ax_rate.set_xlabel("seconds since the call started")

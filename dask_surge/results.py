@@ -58,6 +58,20 @@ class SurgePlan:
     unit_partitions: int | None = None  # a streamed input: SuperBatches form unit by unit
     long_texts: dict | None = None
     reuse: dict | None = None
+    #: ``calibrate=True`` was asked for but the probe could not measure this machine (timing noise)
+    calibration_failed: bool = False
+
+    def _no_params(self, what: str) -> SurgeValueError:
+        """The error of a method that needs cost-model parameters this plan lacks, saying why."""
+        if self.calibration_failed:
+            return SurgeValueError(
+                f"this plan has no cost-model parameters, so {what}: plan(..., calibrate=True) could not "
+                "separate this machine's encode costs from its timing noise, even with a second, longer "
+                "probe (the CalibrationWarning says by how much). Fix: calibrate again when the machine is "
+                "quieter, or pass params= from dask_surge.execution.calibrate.calibrate(model, seconds=30)."
+            )
+        return SurgeValueError(f"this plan has no cost-model parameters, so {what}. "
+                               "Fix: call plan(..., calibrate=True) or pass params=.")
 
     @property
     def rows(self) -> int:
@@ -130,7 +144,7 @@ class SurgePlan:
         (``b_max = max(b_max, 4 b_min)``), as a DataFrame indexed by ``b_min``."""
 
         if self.params is None:
-            raise SurgeValueError("this plan has no cost-model parameters. Fix: call plan(..., calibrate=True) or pass params=.")
+            raise self._no_params("nothing to predict")
         if b_mins is None:
             top = max(self.rows, 2)
             b_mins = sorted({int(x) for x in np.geomspace(max(1, top // 1000), top, 12)})
@@ -182,8 +196,7 @@ class SurgePlan:
         backend is chosen (a notebook shows it inline, a script saves it).
         """
         if self.params is None or self.advice is None:
-            raise SurgeValueError("this plan has no cost-model parameters, so no advice to draw. "
-                                  "Fix: call plan(..., calibrate=True) or pass params=.")
+            raise self._no_params("no advice to draw")
         return plot_advice(self)
 
 
@@ -230,6 +243,9 @@ class SuperBatchReport:
     truncated, encoded, reused : int
         Texts cut at the model's window (-1: the model cannot tell), distinct texts that went
         through the model, texts whose embeddings were copied from a ``reuse`` output.
+    clock_shift : float
+        Seconds :meth:`on_client_clock` added to its times (0: none): the clocks' difference plus
+        the transfer, which varies from task to task; a timeline takes the run's smallest.
     """
 
     sb: str
@@ -249,6 +265,7 @@ class SuperBatchReport:
     truncated: int = 0
     encoded: int = 0
     reused: int = 0
+    clock_shift: float = 0.0
 
     def as_dict(self) -> dict:
         """The report as a plain dict (JSON-serializable)."""
@@ -258,12 +275,14 @@ class SuperBatchReport:
         return replace(self, task_end=task_end)
 
     def on_client_clock(self, now: float) -> SuperBatchReport:
-        """This report with ``committed_at`` shifted onto the clock of a client that received it at
+        """This report with ``committed_at`` (and ``started_at``) shifted onto the clock of a client that received it at
         ``now``: by the difference between ``now`` and when its task ended (an upper bound: it
         counts the transfer), so time to first output never mixes two machines' clocks."""
         if self.task_end is None:
             return self
-        return replace(self, committed_at=self.committed_at + (now - self.task_end))
+        shift = now - self.task_end
+        return replace(self, committed_at=self.committed_at + shift, started_at=self.started_at + shift,
+                       clock_shift=shift)
 
     def __getitem__(self, name: str):
         """``report["rows"]``: read access by field name, for scripts written against the report
@@ -352,14 +371,24 @@ class EncodeResult:
         d["texts_per_s"] = self.texts_per_s
         return d
 
+    @property
+    def nothing_to_do(self) -> bool:
+        """Whether this call found the run complete and encoded nothing (a rerun of a complete run)."""
+        return self.resumed and not self.records and self.superbatches == self.skipped_superbatches
+
     def __str__(self) -> str:
+        if self.nothing_to_do:
+            return (f"complete: {self.rows:,} rows in {self.superbatches:,} SuperBatches already in {self.output}, "
+                    f"nothing to do (checked in {self.seconds:.1f} s)")
         ttfo = f"{self.ttfo_s:.2f} s" if self.ttfo_s is not None else "n/a"
         return (f"{self.rows:,} rows from {self.partitions:,} partitions in {self.superbatches:,} "
                 f"SuperBatches ({self.skipped_superbatches:,} already committed) -> {self.output}\n"
                 f"{self.seconds:.1f} s, {self.texts_per_s:,.0f} texts/s, first output after {ttfo}\n"
-                f"b_min={self.b_min:,}, b_max={self.b_max:,} ({self.thresholds_reason})"
-                + (f"; engine: {self.engine}" if self.engine else "")
-                + (f"; {self.family} output ({', '.join(FAMILY_COLUMNS[self.family])})" if self.family != DENSE else "")
+                f"b_min={self.b_min:,}, b_max={self.b_max:,}"
+                + (f": {self.thresholds_reason.rstrip('.')}." if self.thresholds_reason else "")
+                + (f"\nengine: {self.engine}" if self.engine else "")
+                + (("; " if self.engine else "\n") + f"{self.family} output ({', '.join(FAMILY_COLUMNS[self.family])})"
+                   if self.family != DENSE else "")
                 + (f"\n{self.output_rows:,} rows written: one per token window (long_texts='chunk')"
                    if self.output_rows and self.output_rows != self.rows else "")
                 + (f"\n{self.truncated:,} texts were over the model's window and cut (long_texts='truncate'); "

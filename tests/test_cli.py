@@ -72,13 +72,13 @@ def _junk_model(tmp_path):
 
 
 @pytest.mark.parametrize("extra,data,match", [
-    (["--b-min", "10", "--b-max", "5"], None, "b_min=10 is larger than b_max=5"),
-    (["--b-min", "0"], None, "b_min=0 must be a positive int"),
-    (["--max-bytes", "lots"], None, "max_bytes='lots' must be a positive int of bytes"),
+    (["--b-min", "10", "--b-max", "5"], None, "--b-min 10 is larger than --b-max 5"),
+    (["--b-min", "0"], None, "--b-min 0 must be a positive int"),
+    (["--max-bytes", "lots"], None, "--max-bytes lots must be a positive int of bytes"),
     (["--model", "/does/not/exist"], None, "does not exist"),
     (["--model", "JUNK"], None, "not a sentence-transformers or Hugging Face text encoder"),
     ([], {"text": [1, 2, 3]}, "holds (a int|int64 values) .* only strings can be encoded"),
-    ([], {"text": ["a", None]}, "1 null value.*partition 0, first at row 1.*on_null='skip'"),
+    ([], {"text": ["a", None]}, "1 null value.*partition 0, first at row 1.*--on-null skip"),
     ([], {"body": ["a"]}, "text column 'text' is not in the DataFrame"),
 ] + ([] if __import__("torch").cuda.is_available() else
      [(["--device", "cuda"], None, "asks for a GPU")]))
@@ -172,3 +172,129 @@ def test_a_json_text_column_of_mixed_values_stops_the_run(tmp_path, capsys):
     pd.DataFrame({"text": ["a", "b"], "doc_id": [1, 2]}).to_csv(csv, index=False)
     assert _encode_cli([str(csv)], tmp_path / "ok", "--json") == 0  # strings still encode
     assert json.loads(capsys.readouterr().out)["rows"] == 2
+
+
+def _one_error_line(capsys) -> str:
+    """The whole of stderr, which must be one ``dask-surge: error:`` line with a Fix (no traceback)."""
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("dask-surge: error: ") and "Fix: " in err, err
+    assert "Traceback" not in err
+    return err
+
+
+def test_a_bad_scheduler_address_is_one_line(tmp_path, capsys):
+    write_partitioned_parquet(tmp_path / "in", [2])
+    assert main(["encode", str(tmp_path / "in"), "--text-column", "text", "--output", str(tmp_path / "o"),
+                 "--scheduler", "bogus", "--no-progress"]) == 2
+    err = _one_error_line(capsys)
+    assert "--scheduler bogus" in err and "tcp://host:port" in err
+    assert main(["plan", str(tmp_path / "in"), "--text-column", "text", "--scheduler", "bogus"]) == 2
+    assert "--scheduler bogus" in _one_error_line(capsys)
+
+
+def test_an_unreachable_scheduler_is_one_line(tmp_path, capsys):
+    import socket
+
+    import dask
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    write_partitioned_parquet(tmp_path / "in", [2])
+    with dask.config.set({"distributed.comm.timeouts.connect": "1s"}):
+        assert main(["encode", str(tmp_path / "in"), "--text-column", "text", "--output", str(tmp_path / "o"),
+                     "--scheduler", f"tcp://127.0.0.1:{port}", "--no-progress"]) == 2
+    err = _one_error_line(capsys)
+    assert f"--scheduler tcp://127.0.0.1:{port}: no Dask scheduler answered there within 1s" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("flags,named", [(["--rows", "-1"], "--rows -1"), (["--rows", "0"], "--rows 0"),
+                                         (["--partitions", "0"], "--partitions 0")])
+def test_demo_refuses_a_size_that_is_not_positive(tmp_path, capsys, flags, named):
+    """--rows 0 once ran the 6,000-row default, and --rows -1 was numpy's traceback."""
+    assert main(["demo", *flags, "--dir", str(tmp_path / "d"), "--scheduler", "sync", "--no-progress"]) == 2
+    err = _one_error_line(capsys)
+    assert f"{named}: must be a positive number" in err
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_different_run_is_refused_in_cli_spelling(tmp_path, tiny_model, capsys):
+    """The library's advice (``pass overwrite=True``) reads as the flag to pass from the CLI."""
+    write_partitioned_parquet(tmp_path / "a", [3, 2])
+    write_partitioned_parquet(tmp_path / "b", [4], seed=5)
+    out = tmp_path / "o"
+    assert _encode_cli([str(tmp_path / "a")], out, "--model", tiny_model) == 0
+    capsys.readouterr()
+    assert _encode_cli([str(tmp_path / "b")], out, "--model", tiny_model) == 2
+    err = _last_error(capsys)
+    assert "--overwrite" in err and "overwrite=True" not in err, err
+
+
+def test_status_of_a_missing_path_says_it_does_not_exist(tmp_path, capsys):
+    assert main(["status", str(tmp_path / "nosuch")]) == 2
+    err = _one_error_line(capsys)
+    assert f"{str(tmp_path / 'nosuch')!r} does not exist" in err
+    (tmp_path / "empty").mkdir()
+    assert main(["status", str(tmp_path / "empty")]) == 1
+    assert "no dask-surge run here yet" in capsys.readouterr().out
+
+
+def test_verify_names_a_foreign_part_file_that_globs_would_read(tmp_path, tiny_model, capsys):
+    write_partitioned_parquet(tmp_path / "in", [3, 2])
+    out = tmp_path / "o"
+    assert _encode_cli([str(tmp_path / "in")], out, "--model", tiny_model) == 0
+    assert main(["status", str(out), "--verify"]) == 0
+    capsys.readouterr()
+    pd.DataFrame({"x": [1]}).to_parquet(out / "part-extra.parquet")
+    assert main(["status", str(out), "--verify"]) == 1
+    text = capsys.readouterr().out
+    assert "part-extra.parquet: a file dask-surge did not write" in text and "move it out" in text, text
+    assert main(["status", str(out), "--verify", "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert len(problems) == 1 and "part-extra.parquet" in problems[0]
+
+
+def test_status_names_the_default_model_and_an_iso_time(tmp_path, capsys):
+    """status said "local model directory (sha256 ecabb2c97cd3)" for --model default and gave
+    last_commit in --json as an epoch number."""
+    from datetime import datetime
+
+    write_partitioned_parquet(tmp_path / "in", [3, 2])
+    out = tmp_path / "o"
+    assert _encode_cli([str(tmp_path / "in")], out) == 0
+    capsys.readouterr()
+    assert main(["status", str(out)]) == 0
+    assert "all-MiniLM-L6-v2 (packaged, the default" in capsys.readouterr().out
+    assert main(["status", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["model"].startswith("all-MiniLM-L6-v2") and isinstance(info["last_commit"], str)
+    assert abs(datetime.fromisoformat(info["last_commit"]).timestamp() - __import__("time").time()) < 3600
+
+
+def test_ctrl_c_prints_one_message(tmp_path, tiny_model):
+    """Ctrl-C printed two different messages (the run's, then the CLI's own): now the run's alone,
+    which says what is kept, in CLI words."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from pathlib import Path
+
+    write_partitioned_parquet(tmp_path / "in", [40] * 400)
+    out = tmp_path / "o"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), TQDM_DISABLE="1")
+    proc = subprocess.Popen([sys.executable, "-m", "dask_surge.cli", "encode", str(tmp_path / "in"),
+                             "--text-column", "text", "--output", str(out), "--model", tiny_model, "--device", "cpu",
+                             "--scheduler", "sync", "--b-min", "40", "--b-max", "40"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.is_dir() and any(out.glob("part-*.parquet"))) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    said = [line for line in err.splitlines() if "interrupted" in line]
+    assert len(said) == 1, err
+    assert "committed" in said[0] and "Rerun the same command" in said[0] and "same call" not in said[0]

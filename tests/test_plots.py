@@ -138,3 +138,74 @@ def test_plots_import_matplotlib_only_when_called():
     code = "import sys, dask_surge.results, dask_surge.plots; print('matplotlib' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def _slot_reports():
+    """Two task slots, each encoding two SuperBatches back to back while the writer thread writes
+    and commits the previous one beside the next encode."""
+    from dask_surge.results import SuperBatchReport
+
+    def report(sb, start, encode, write):
+        return SuperBatchReport(sb=sb, rows=100, skipped=0, file=f"part-{sb}.parquet", bytes=1, spans=(),
+                                started_at=start, encode_s=encode, write_s=write, committed=True,
+                                committed_at=start + encode + write, engine="fast")
+
+    return [report("a1", 100.0, 1.0, 1.0), report("a2", 101.0, 1.0, 1.0),
+            report("b1", 100.0, 1.5, 0.5), report("b2", 101.5, 1.0, 1.0)]
+
+
+def test_lanes_are_task_slots():
+    """3 lanes were drawn for 2 task slots: a SuperBatch's write + commit (on the writer thread,
+    beside the next encode) was counted as holding its slot."""
+    from dask_surge.plots import run_timeline
+
+    df = run_timeline(_slot_reports(), ttfo_s=2.0)
+    assert sorted(set(df["lane"])) == [0, 1]
+
+
+def test_throughput_is_a_rolling_rate_that_does_not_drop_between_commits():
+    """The rate was a histogram of commits: 0 in every bin without one, which read as stalls."""
+    from dask_surge.plots import rolling_rate
+
+    commits = np.arange(1.0, 21.0)  # a commit of 50 rows every second
+    grid, rate, window = rolling_rate(commits, np.full(20, 50), 20.0)
+    steady = rate[(grid > commits[0] + window) & (grid <= commits[-1])]
+    assert steady.size and np.allclose(steady, 50.0)
+    assert (rate[grid < commits[0]] == 0).all()  # nothing readable before the first commit
+
+
+def test_lanes_follow_when_each_encode_started():
+    """A SuperBatch that waits between its encode and its write (for the one before it to commit)
+    was placed by ``commit - write - encode``: too late, over the next encode of its own slot."""
+    from dask_surge.plots import run_timeline
+    from dask_surge.results import SuperBatchReport
+
+    def report(sb, start, encode, commit):
+        return SuperBatchReport(sb=sb, rows=100, skipped=0, file=f"part-{sb}.parquet", bytes=1, spans=(),
+                                started_at=start, encode_s=encode, write_s=0.5, committed=True,
+                                committed_at=commit, engine="fast")
+
+    slot_a = [report("a1", 100.0, 1.0, 103.5), report("a2", 101.0, 1.0, 104.0), report("a3", 102.0, 1.0, 104.5)]
+    slot_b = [report("b1", 100.0, 5.0, 105.5)]
+    df = run_timeline(slot_a + slot_b, ttfo_s=3.5)
+    assert sorted(set(df["lane"])) == [0, 1]
+    assert df.set_index("sb").loc["a2", "start_s"] == pytest.approx(1.0)
+
+
+def test_a_late_heard_task_keeps_its_place():
+    """Each report moved onto the client's clock by when the client heard of its task's end: one
+    heard a second late drew its encode over the next ones (a third lane for two slots)."""
+    from dask_surge.plots import run_timeline
+    from dask_surge.results import SuperBatchReport
+
+    def report(sb, start, encode, heard_late):
+        worker = SuperBatchReport(sb=sb, rows=100, skipped=0, file="f", bytes=1, spans=(), started_at=start,
+                                  encode_s=encode, write_s=0.1, committed=True, committed_at=start + encode + 0.1,
+                                  engine="fast", task_end=start + encode + 0.1)
+        return worker.on_client_clock(start + encode + 0.1 + 0.01 + heard_late)
+
+    records = [report("a1", 100.0, 1.0, 0.0), report("a2", 101.1, 1.0, 1.5), report("a3", 102.2, 1.0, 0.0),
+               report("b1", 100.0, 3.3, 0.0)]
+    df = run_timeline(records, ttfo_s=1.11)
+    assert sorted(set(df["lane"])) == [0, 1]
+    assert df.set_index("sb").loc["a2", "start_s"] == pytest.approx(1.11)  # its place, +0.01 s of transfer

@@ -222,6 +222,7 @@ def test_the_bar_opens_before_encode_starts_its_own_cluster(tmp_path, capsys, ev
 
     monkeypatch.setattr(api, "local_cluster", small_cluster)
     monkeypatch.setattr(api, "_active_client", lambda: None)
+    monkeypatch.setattr(api, "runs_in_process", lambda frame, column: None)  # this test is about a cluster
     ddf = make_partitioned_frame([4] * 4)
     res = dask_surge.encode(ddf, "text", str(tmp_path / "o"), b_min=8, b_max=8, model=CountingEncoder())
     states = _states(capsys.readouterr().err)
@@ -229,3 +230,87 @@ def test_the_bar_opens_before_encode_starts_its_own_cluster(tmp_path, capsys, ev
     assert phases[0] == "starting workers"
     assert phases.index("starting workers") < phases.index("planning") < len(phases) - 1
     assert phases[-1] == "done" and res.rows == 16 and f"{res.rows}/{res.rows}" in states[-1]
+
+
+def test_the_bar_is_readable_at_80_columns(monkeypatch):
+    """At 80 columns the bar shrank to one character and its end was cut: the line (phase, rows,
+    rate, SuperBatches) was 100-114 characters before the bar. A narrow terminal now gets a
+    shorter line that leaves the bar room and keeps its end."""
+    import io
+    import re
+
+    from dask_surge.execution.progress import RunProgress
+
+    monkeypatch.setenv("TQDM_NCOLS", "80")
+    buf = io.StringIO()
+    with RunProgress(file=buf, phase="starting workers") as bar:
+        bar.planned(rows=200_000, superbatches=20)
+        bar.phase("loading model 1/2 workers")
+        bar.phase("encoding, model on 1/2 workers")
+        bar.commit("a", 3000)
+        bar.finish(200_000, 20)
+    lines = [line.rstrip() for line in buf.getvalue().replace("\r", "\n").splitlines() if line.strip()]
+    for line in lines:
+        bar_width = len(m.group(1)) if (m := re.search(r"\|(.*)\|", line)) else 80
+        assert len(line) - bar_width + 10 <= 80, line  # the line with a bar of 10 fits: tqdm widens it to 80
+        assert line.endswith("]"), line
+    assert any("[loading model 1/2]" in line for line in lines)
+    assert lines[-1].startswith("dask-surge [done]: 100%") and "200000/200000 rows" in lines[-1]
+
+
+def test_dask_shutdown_noise_is_quiet_during_a_run_only():
+    """"Worker process still alive after 4.0 seconds, killing" followed every successful run on a
+    local cluster (its workers busy importing torch at close), and heartbeat CommClosedError and
+    CancelledError records came with Ctrl-C. During a run they are left out; a real failure is
+    still shown, and outside a run nothing is filtered."""
+    import io
+    import logging
+
+    from distributed.comm.core import CommClosedError
+
+    from dask_surge.execution.progress import RunProgress
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    distributed_log = logging.getLogger("distributed")
+    distributed_log.addHandler(handler)
+    nanny, worker = logging.getLogger("distributed.nanny"), logging.getLogger("distributed.worker")
+
+    def noise() -> None:
+        nanny.warning("Worker process still alive after 4.0 seconds, killing")
+        try:
+            raise CommClosedError("in <TCP (closed) ConnectionPool.heartbeat_worker>")
+        except CommClosedError:
+            worker.exception("Failed to communicate with scheduler during heartbeat.")
+        nanny.warning("Worker process 4242 was killed by signal 9")  # a real failure
+
+    try:
+        with RunProgress(enabled=False):
+            noise()
+        during = out.getvalue()
+        out.seek(0)
+        out.truncate()
+        noise()
+        after = out.getvalue()
+    finally:
+        distributed_log.removeHandler(handler)
+    assert during == "Worker process 4242 was killed by signal 9\n", during
+    assert "still alive" in after and "during heartbeat" in after and "killed by signal 9" in after
+
+
+def test_workers_of_a_cluster_surge_starts_filter_their_shutdown_noise():
+    """A worker's heartbeat CommClosedError after the scheduler left is logged in the worker process,
+    out of the client's reach: the clusters dask-surge starts carry the filter into their workers."""
+    from distributed import Client
+
+    from dask_surge.execution.cluster import local_cluster
+
+    def filtered() -> bool:
+        import logging
+
+        from dask_surge.execution.progress import ShutdownNoise
+
+        return any(isinstance(f, ShutdownNoise) for f in logging.getLogger("distributed.worker").filters)
+
+    with local_cluster(n_workers=1, threads_per_worker=1) as cluster, Client(cluster) as client:
+        assert list(client.run(filtered).values()) == [True]

@@ -31,7 +31,7 @@ def test_a_report_is_frozen_and_reads_as_its_fields():
     report = _report()
     with pytest.raises(dataclasses.FrozenInstanceError):
         report.rows = 3  # type: ignore[misc]
-    assert report.as_dict()["spans"] == ((0, 0, 11, 11),) and len(report.as_dict()) == 17
+    assert report.as_dict()["spans"] == ((0, 0, 11, 11),) and len(report.as_dict()) == 18
     assert report["rows"] == report.rows == 10 and report["committed"] is True
     with pytest.raises(KeyError):
         report["as_dict"]
@@ -88,3 +88,21 @@ def test_a_plan_summarizes_its_superbatches():
     assert "28 rows in 4 partitions" in repr(plan) and str(plan) == repr(plan)  # no predictions: one line
     with pytest.raises(Exception, match="no cost-model parameters"):
         plan.sweep()
+
+
+def test_the_summary_reads_as_plain_words():
+    """The thresholds' reason once ended "...95,077,948 bytes).); engine: fast": a sentence inside
+    brackets with its own full stop, and the engine glued to it."""
+    text = str(_result([_report()], thresholds_reason="b_min=5 keeps a worker under the budget (a, 9 bytes).",
+                       engine="fast"))
+    assert "b_min=5, b_max=10: b_min=5 keeps a worker under the budget (a, 9 bytes).\nengine: fast" in text
+    assert ".)" not in text and ".." not in text
+
+
+def test_a_rerun_of_a_complete_run_says_there_is_nothing_to_do():
+    """It said "0 texts/s, first output after n/a"."""
+    done = _result(resumed=True, skipped_superbatches=2, ttfo_s=None, seconds=0.4)
+    assert done.nothing_to_do
+    assert str(done) == "complete: 20 rows in 2 SuperBatches already in o, nothing to do (checked in 0.4 s)"
+    assert "texts/s" not in str(done) and "n/a" not in str(done)
+    assert not _result([_report()], resumed=True, skipped_superbatches=1).nothing_to_do

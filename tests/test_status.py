@@ -59,7 +59,8 @@ def test_status_json_keeps_the_fields_scripts_read(complete_run, capsys):
     assert main(["status", complete_run, "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert set(info) >= JSON_FIELDS
-    assert info["state"] == "complete" and info["rows_committed"] == 15 and isinstance(info["last_commit"], float)
+    assert info["state"] == "complete" and info["rows_committed"] == 15 and isinstance(info["last_commit_epoch"], float)
+    assert isinstance(info["last_commit"], str) and info["last_commit"][:2] == "20"  # ISO 8601
     assert main(["status", complete_run, "--json", "--verify"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["verified"] is True and info["problems"] == []
@@ -83,10 +84,13 @@ def test_incomplete_status_says_how_to_resume_and_exits_1(tmp_path, capsys):
 
 
 def test_empty_output(tmp_path, capsys):
+    (tmp_path / "none").mkdir()
     assert main(["status", str(tmp_path / "none")]) == 1
     assert "no dask-surge run here yet" in capsys.readouterr().out
     assert main(["status", str(tmp_path / "none"), "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["state"] == "empty"
+    assert main(["status", str(tmp_path / "missing")]) == 2  # a path that does not exist says so
+    assert "does not exist" in capsys.readouterr().err
 
 
 def test_last_commit_in_words():

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
+import sys
+import types
 
 from .. import config
 from ..engine.placement import gpu_count
+from ..errors import SurgeError
+from .quiet import QuietWorkerShutdown
 
-__all__ = ["local_cluster", "local_cluster_threads"]
+__all__ = ["local_cluster", "local_cluster_threads", "check_main_guard", "MAIN_GUARD"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +36,10 @@ def local_cluster(**kwargs):
     Everything it starts listens on the loopback interface only: the scheduler, the
     workers and the dashboard bind to ``127.0.0.1`` (the dashboard on a free port), so on a
     shared login node nobody else can reach the cluster or read its dashboard.
+
+    Its worker processes leave a closing cluster's expected noise out of the terminal (a
+    worker's last heartbeat after the scheduler left:
+    :class:`~dask_surge.execution.quiet.QuietWorkerShutdown`).
 
     Its workers run without distributed's statistical profiler
     (``distributed.worker.profile.enabled: False``): sampling every thread's stack costs
@@ -55,8 +64,12 @@ def local_cluster(**kwargs):
     import dask
     from distributed import LocalCluster
 
+
+    check_main_guard(kwargs.get("processes", True))
     cuda, opts = _defaults()
     opts.update(kwargs)
+    # a worker's last heartbeat after the scheduler left is noise of this cluster's close, not news
+    opts["plugins"] = (*opts.get("plugins", ()), QuietWorkerShutdown())
     # distributed (and dask-cuda) are imported before this config.set: importing distributed registers
     # its defaults (distributed.*), which a set entered before the import would erase on exit
     cls = LocalCluster
@@ -111,3 +124,92 @@ def _loopback(opts: dict) -> dict:
         host = opts["host"]
         opts["dashboard_address"] = f"[{host}]:0" if ":" in host else f"{host}:0"
     return opts
+
+
+MAIN_GUARD = 'if __name__ == "__main__":'
+
+
+def check_main_guard(processes: bool = True) -> None:
+    """Refuse, in one line, to start process workers from a script's top level without the
+    ``if __name__ == "__main__":`` guard.
+
+    Dask's process workers are started with ``spawn``: each new process imports the script
+    again, so an unguarded script starts its cluster again in every worker, which Python
+    stops with "An attempt has been made to start a new process before the current process
+    has finished its bootstrapping phase" and distributed with "Nanny failed to start" (a
+    hundred lines of traceback, the workers re-running the script). Two cases are caught:
+
+    - this process is such a worker, re-importing the script (multiprocessing's
+      bootstrapping phase): the script started a cluster at import time;
+    - the call comes from the top level of the script run as ``__main__``, on a line that is
+      not inside the guard (checked in the script's source, before any process starts).
+
+    Notebooks, ``python -c`` and interactive sessions have no script to re-import and pass.
+
+    Raises
+    ------
+    SurgeError
+        Naming the script and the line, and the fix.
+    """
+    if not processes:
+        return
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise SurgeError(_guard_message(getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the script",
+                                        None))
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or not str(path).endswith(".py") or not os.path.isfile(path):
+        return
+    frame: types.FrameType | None = sys._getframe(1)
+    line = None
+    while frame is not None:  # the outermost frame of the script's own top-level code
+        if frame.f_globals is main.__dict__ and frame.f_code.co_name == "<module>":
+            line = frame.f_lineno
+        frame = frame.f_back
+    if line is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=str(path))
+    except (OSError, SyntaxError, ValueError):
+        return
+    if not _guarded(tree, line):
+        raise SurgeError(_guard_message(str(path), line))
+
+
+def _guard_message(path: str, line: int | None) -> str:
+    where = f"{path}, line {line}," if line is not None else f"{path}"
+    return (f"{where} starts a local Dask cluster at the script's top level, outside the "
+            f"`{MAIN_GUARD}` guard: its worker processes would run the script again and fail. Fix: put the "
+            f"script's code under `{MAIN_GUARD}` (see the quick start), or pass scheduler='threads'.")
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    if not isinstance(test, ast.Compare) or len(test.ops) != 1 or not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+    consts = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+    return len(names) == 1 and len(consts) == 1
+
+
+def _guarded(tree: ast.Module, line: int) -> bool:
+    """Whether ``line`` of the module lies inside the body of an ``if __name__ == "__main__":``
+    block (or of a function or class, which the top level only defines).
+
+    Examples
+    --------
+    >>> src = "import x\\nx.go()\\nif __name__ == '__main__':\\n    x.go()\\n"
+    >>> tree = ast.parse(src)
+    >>> _guarded(tree, 2), _guarded(tree, 4)
+    (False, True)
+    """
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test):
+            body = node.body
+            if body and body[0].lineno <= line <= (body[-1].end_lineno or body[-1].lineno):
+                return True
+    return False

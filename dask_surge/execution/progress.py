@@ -19,16 +19,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["RunProgress", "logging_through", "tqdm_class", "TICK_S", "ENV_OPTIONS"]
+__all__ = ["RunProgress", "logging_through", "quiet_dask_shutdown", "tqdm_class", "TICK_S", "ENV_OPTIONS"]
 
 #: the terminal bar once its total is known (tqdm's default, with the unit after the total)
 KNOWN_TOTAL = "{l_bar}{bar}| {n_fmt}/{total_fmt}{unit} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
+#: the same in a terminal narrower than :data:`NARROW_COLUMNS` (80 columns): no rate, no SuperBatch count,
+#: and short phase names, so the bar keeps a dozen characters and the line its end
+NARROW_TOTAL = "{l_bar}{bar}| {n_fmt}/{total_fmt} rows [{elapsed}<{remaining}]"
+
+#: terminals narrower than this get :data:`NARROW_TOTAL`
+NARROW_COLUMNS = 100
 
 #: seconds between two refreshes of an open bar (and two questions about the model)
 TICK_S = 0.5
@@ -109,11 +118,16 @@ class RunProgress:
         self.superbatches = 0
         self.total_superbatches: int | None = None
         self.phase_name = phase
+        env = _env_options()
+        self.narrow = _columns(file, env.get("ncols")) < NARROW_COLUMNS
+        self._format = NARROW_TOTAL if self.narrow else KNOWN_TOTAL
         options: dict[str, Any] = {"total": None, "unit": " rows", "desc": self._desc(), "file": file,
-                                   "dynamic_ncols": True, "smoothing": 0.1, **_env_options()}
+                                   "dynamic_ncols": True, "smoothing": 0.1, **env}
         if not enabled:
             options["disable"] = True
         self.bar = tqdm_class()(**options)
+        self._quiet = quiet_dask_shutdown()
+        self._quiet.__enter__()  # for the run's whole life, its cluster's start and close included
         self._postfix()
         if not self.disabled:
             self._ticker = threading.Thread(target=self._tick, name="surge-progress", daemon=True)
@@ -128,9 +142,15 @@ class RunProgress:
         return int(self.bar.n)
 
     def _desc(self) -> str:
-        return f"dask-surge [{self.phase_name}]"
+        name = self.phase_name
+        if self.narrow:  # "encoding, model on 1/2 workers" -> "encoding"; "loading model 1/2 workers" -> "loading model 1/2"
+            name = re.sub(r" (\d+/\d+) workers$", r" \1", name.split(",")[0])
+        return f"dask-surge [{name}]"
 
     def _postfix(self) -> None:
+        if self.narrow and self.bar.total is not None:  # the narrow line has no room for the count
+            self.bar.set_postfix_str("", refresh=False)
+            return
         of = f"/{self.total_superbatches:,}" if self.total_superbatches is not None else ""
         self.bar.set_postfix_str(f"{self.superbatches:,}{of} SuperBatches", refresh=False)
 
@@ -149,8 +169,8 @@ class RunProgress:
             self.total_superbatches, self.superbatches = superbatches, done_superbatches
             if rows is not None and rows != bar.total:
                 started = getattr(bar, "start_t", None)
+                bar.bar_format = self._format
                 bar.reset(total=rows)  # (the notebook widget learns its new maximum here)
-                bar.bar_format = KNOWN_TOTAL
                 if started is not None:  # elapsed time counts from the run's start, planning included
                     bar.start_t = started
             bar.n = bar.last_print_n = bar.initial = done_rows  # a resumed run's rate counts its own rows
@@ -227,7 +247,7 @@ class RunProgress:
             self.total_superbatches = superbatches
             if self.bar.total is None or self.bar.total != rows:
                 self.bar.total = rows
-                self.bar.bar_format = KNOWN_TOTAL
+                self.bar.bar_format = self._format
                 container = getattr(self.bar, "container", None)  # the notebook widget's bar
                 if container is not None:
                     with contextlib.suppress(Exception):
@@ -247,12 +267,82 @@ class RunProgress:
             if stopped and self.phase_name != "done":
                 self.phase("stopped")
             self.bar.close()
+        self._quiet.__exit__(None, None, None)
 
     def __enter__(self) -> RunProgress:
         return self
 
     def __exit__(self, kind, *exc) -> None:
         self.close(stopped=kind is not None)
+
+
+#: what Dask logs when a run's cluster closes or its futures are cancelled on purpose: ``(logger
+#: prefix, text in the message, exception type name or None)``. A real failure says something else
+#: (a worker killed by a signal, a task's error), and the run raises it.
+SHUTDOWN_NOISE: tuple[tuple[str, str, str | None], ...] = (
+    ("distributed.nanny", "still alive after", None),  # close: a worker busy importing torch is killed
+    ("distributed", "during heartbeat", "CommClosedError"),  # a worker's last heartbeat after the scheduler left
+    ("distributed", "", "CancelledError"),  # futures of a stopped run, cancelled by its end
+    ("distributed", "CancelledError", None),
+)
+
+
+class ShutdownNoise(logging.Filter):
+    """Drops the records of :data:`SHUTDOWN_NOISE`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[0].__name__ if record.exc_info and record.exc_info[0] else None
+        message = record.getMessage()
+        for prefix, text, kind in SHUTDOWN_NOISE:
+            if record.name.startswith(prefix) and text in message and (kind is None or kind == exc):
+                return False
+        return True
+
+
+@contextlib.contextmanager
+def quiet_dask_shutdown() -> Iterator[None]:
+    """While inside, Dask's expected noise of a closing or interrupted run (:data:`SHUTDOWN_NOISE`)
+    is left out of the console: the filter sits on the handlers of the ``distributed`` logger and
+    of the root logger (records of distributed's modules propagate there), and on the loggers
+    that emit the noise, for as long as the run lasts; everything else is shown as before.
+
+    Examples
+    --------
+    >>> import io, logging
+    >>> out = io.StringIO(); handler = logging.StreamHandler(out)
+    >>> log = logging.getLogger("distributed.nanny"); log.addHandler(handler)
+    >>> with quiet_dask_shutdown():
+    ...     log.warning("Worker process still alive after 4.0 seconds, killing")
+    ...     log.warning("Worker process 7 was killed by signal 9")
+    >>> log.removeHandler(handler); out.getvalue()
+    'Worker process 7 was killed by signal 9\\n'
+    """
+    noise = ShutdownNoise()
+    loggers = [logging.getLogger(n) for n in ("distributed", "distributed.nanny", "distributed.worker",
+                                              "distributed.client", "distributed.core")]
+    handlers = {h for lg in (*loggers, logging.getLogger()) for h in lg.handlers}
+    for target in (*loggers, *handlers):
+        target.addFilter(noise)
+    try:
+        yield
+    finally:
+        for target in (*loggers, *handlers):
+            target.removeFilter(noise)
+
+
+def _columns(file, ncols: int | None) -> int:
+    """The width the bar has: ``TQDM_NCOLS``, else the terminal's that ``file`` (default: standard
+    error) writes to; 120 when it is not a terminal (a file, a notebook, a test's buffer)."""
+    if ncols:
+        return int(ncols)
+    stream = sys.stderr if file is None else file
+    try:
+        if stream.isatty():
+            return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        pass
+    return shutil.get_terminal_size((120, 24)).columns if stream in (sys.stderr, sys.__stderr__) and \
+        os.environ.get("COLUMNS") else 120
 
 
 class _BarHandler(logging.Handler):

@@ -52,7 +52,7 @@ from .superbatch import SuperBatchTask
 from .tables import TableCommitter, check_table_dir
 from .unit import UnitRunner, planned_units, streaming_units
 
-__all__ = ["RunRequest", "ThresholdResolver", "write_run"]
+__all__ = ["RunRequest", "ThresholdResolver", "write_run", "complete_result"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def write_run(request: RunRequest) -> EncodeResult:
             if not settled(found, committed):  # a process killed while it finished: finish its clean-up
                 with Claim.acquire(store, found.run_id, heartbeat=False):
                     settle(found, found.committed(), retire_others=False)
-            result = _complete_result(found, output, t0)
+            result = complete_result(found, output, t0)
             bar.finish(result.rows + result.nulls_skipped, result.superbatches)
             return result
         if request.client is not None:  # before any work: a worker that cannot see the output stops the run
@@ -367,8 +367,9 @@ def _check_complete(coverage: Coverage, committed: dict, npartitions: int, sizes
         )
 
 
-def _complete_result(manifest: Manifest, output: str, t0: float) -> EncodeResult:
-    """The result of rerunning a complete run: nothing is computed or read."""
+def complete_result(manifest: Manifest, output: str, t0: float) -> EncodeResult:
+    """The result of rerunning a complete run (``output`` as the user named it): nothing is computed
+    or read."""
 
     done = manifest.completion() or {}
     plan = manifest.plan

@@ -52,7 +52,7 @@ from .store import OutputStore
 
 __all__ = ["FORMAT_VERSION", "Manifest", "RunPlan", "CommitRecord", "Coverage", "text_counts", "fingerprint_digest",
            "open_run", "current_run", "existing_run", "find_run", "finish_run", "settle", "settled", "current_id",
-           "load_run", "write_meta"]
+           "load_run", "write_meta", "other_run_error"]
 
 FORMAT_VERSION = 2  # 2: SuperBatches keyed by their first row; recorded thresholds
 
@@ -537,6 +537,16 @@ def _differences(old: dict, new: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
+def other_run_error(location: str, other: Manifest, fingerprint: dict) -> SurgeOutputError:
+    """The refusal of a run of ``fingerprint`` in an output that holds the different run ``other``."""
+    diff = "; ".join(_differences(other.fingerprint, fingerprint)) or "(format)"
+    return SurgeOutputError(
+        f"output={location!r} already holds a different run ({diff}). Nothing was written. "
+        "Fix: write to a new path, or pass overwrite=True (the old output is replaced "
+        "only once the new run has completed)."
+    )
+
+
 def find_run(store: OutputStore, fingerprint: dict) -> Manifest | None:
     """The run of ``fingerprint`` in the output if it was ever created there (current or
     not), with what it recorded; None otherwise. Reads only the run's ``run.json``."""
@@ -580,12 +590,7 @@ def open_run(
     other = current if current is not None and current.run_id != run_id else None
     empty_other = other is not None and other.stopped() and not other.committed()
     if other is not None and not overwrite and not empty_other:
-        diff = "; ".join(_differences(other.fingerprint, fingerprint)) or "(format)"
-        raise SurgeOutputError(
-            f"output={path!r} already holds a different run ({diff}). Nothing was written. "
-            "Fix: write to a new path, or pass overwrite=True (the old output is replaced "
-            "only once the new run has completed)."
-        )
+        raise other_run_error(path, other, fingerprint)
     refuse_links(store)
     # while another run is current, this one's files wait in staging/ until it completes (settle)
     manifest.defer_publish = other is not None and not empty_other

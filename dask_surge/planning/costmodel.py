@@ -687,9 +687,13 @@ def advise(sizes: Sequence[int], params: CostParams, *, b_min: int, b_max: int,
     pays = speedup >= 1.05
     mean, n_max = float(n.mean()), int(n.max())
     if pays:
-        text = (f"Fusing pays: the fixed per-call cost is {phi:.0%} of a mean partition's call "
-                f"(phi={phi:.2f}, mean {mean:,.0f} rows), so SuperBatches of b_min={b_min:,} rows should "
-                f"run {speedup:.1f}x faster than one call per partition.")
+        # the share of a one-call-per-partition run's time that fusing removes: the fixed cost of each call
+        # (phi) and what small calls waste besides (partly filled micro-batches); phi alone can round to 0%
+        saved = 1.0 - 1.0 / speedup
+        text = (f"Fusing pays: with one call per partition (mean {mean:,.0f} rows), about {saved:.0%} of the "
+                f"time would go to costs that SuperBatches amortize (the fixed cost of each call, phi={phi:.2f}, "
+                f"and small calls' partly filled micro-batches), so SuperBatches of b_min={b_min:,} rows should "
+                f"run {speedup:.1f}x faster.")
     elif phi < 0.05:
         text = (f"Partitions are already large (mean {mean:,.0f} rows, phi={phi:.3f}): the per-call "
                 f"overhead is under 5% of each call, so expect under 5% gain "
@@ -701,7 +705,7 @@ def advise(sizes: Sequence[int], params: CostParams, *, b_min: int, b_max: int,
     if cv > 1.0:
         mem = min(b_max, b_min - 1 + n_max)
         text += (f" CV={cv:.2f}: the largest partition (n_max={n_max:,}) sets peak memory, so b_max "
-                 f"matters; SuperBatches hold at most {mem:,} rows (Lemma 3).")
+                 f"matters; a SuperBatch holds at most {mem:,} rows (b_min - 1 + n_max, capped at b_max).")
     return Advice(phi=phi, cv=cv, predicted_speedup=speedup, pays=pays, text=text)
 
 
@@ -793,12 +797,12 @@ def auto_thresholds(
                             f"SuperBatch")
     if b_ttfo < b_min:
         b_min = b_ttfo
-        reason = (f"b_min={b_ttfo:,} is set by ttfo_target_s={ttfo_target_s:g} s (a larger first "
-                  f"SuperBatch would finish later; {b_eff:,} rows would cut fixed cost to {overhead_share:.0%})")
+        reason = (f"b_min={b_ttfo:,} so the first output comes within {ttfo_target_s:g} s (the first-output "
+                  f"target, surge.ttfo-target; {b_eff:,} rows would cut fixed cost to {overhead_share:.0%})")
     if fit < b_min:
         b_min = fit
-        reason = (f"b_min={fit:,} is set by memory_budget_bytes={memory_budget_bytes:,.0f} (model "
-                  f"{params.model_bytes:,.0f} bytes + {row_bytes:,.0f} bytes a row)")
+        reason = (f"b_min={fit:,} so a worker stays within the memory budget of {memory_budget_bytes:,.0f} bytes "
+                  f"(surge.memory-budget: the model's {params.model_bytes:,.0f} bytes + {row_bytes:,.0f} bytes a row)")
     return _auto_b_max(params, b_min, b_max, fit, n_max, row_bytes, reason)
 
 

@@ -156,7 +156,7 @@ def resolve_thresholds(b_min: Any = None, b_max: Any = None, *, gpu: bool, worke
     Examples
     --------
     >>> resolve_thresholds(None, 5, gpu=False, total_rows=12)
-    Thresholds(b_min=3, b_max=5, reason='b_min auto without a calibration: the CPU default; b_min lowered to 3 so each of 1 worker thread(s) gets 4+ SuperBatches')
+    Thresholds(b_min=3, b_max=5, reason='the CPU default for b_min (no calibration of this model on a cluster of this shape); b_min lowered to 3 to spread 12 rows over 1 worker thread (aiming at 4 SuperBatches each)')
     >>> resolve_thresholds(100, "auto", gpu=True).b_max
     400000
     """
@@ -173,20 +173,22 @@ def resolve_thresholds(b_min: Any = None, b_max: Any = None, *, gpu: bool, worke
     if params is not None:
 
         budget = config.get("memory-budget") or 2 * 1024**3
-        # n_max unknown (streaming): the resident rows are bounded by b_max alone (Lemma 3)
+        # n_max unknown (streaming): the resident rows are bounded by b_max alone
         lo, hi, why = auto_thresholds(params, memory_budget_bytes=budget, ttfo_target_s=config.get("ttfo-target"),
                                       n_max=n_max or 2**62, b_min=given_min, b_max=given_max)
     else:
         auto_min, auto_max = DEFAULTS["gpu" if gpu else "cpu"]
         lo = given_min if given_min is not None else min(auto_min, given_max or auto_min)
         hi = given_max if given_max is not None else max(auto_max, lo)
-        why = f"{' and '.join(autos)} auto without a calibration: the {'GPU' if gpu else 'CPU'} default"
+        why = (f"the {'GPU' if gpu else 'CPU'} default for {' and '.join(autos)} (no calibration of this model "
+               "on a cluster of this shape)")
     if raw_min == "auto" and total_rows:
         spread = max(1, math.ceil(total_rows / (MIN_SUPERBATCHES_PER_WORKER * max(1, workers))))
         if spread < lo:
             lo = spread
-            why += (f"; b_min lowered to {lo:,} so each of {workers} worker thread(s) gets "
-                    f"{MIN_SUPERBATCHES_PER_WORKER}+ SuperBatches")
+            threads = f"{workers} worker thread{'s' if workers != 1 else ''}"
+            why += (f"; b_min lowered to {lo:,} to spread {total_rows:,} rows over {threads} (aiming at "
+                    f"{MIN_SUPERBATCHES_PER_WORKER} SuperBatches each)")
     lo, hi = validate_thresholds(lo, hi)
     if raw_min == "auto" and superbatch_work is not None and workers > 1 and total_rows \
             and total_rows <= BALANCE_MAX_SUPERBATCHES_PER_WORKER * workers * hi:
