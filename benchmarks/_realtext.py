@@ -71,13 +71,25 @@ def small_files(n: int, files: int, *, sigma: float = 1.0, seed: int = 0) -> tup
     start = 0
     for i, size in enumerate(sizes.tolist()):
         chunk = texts[start : start + size]
-        pq.write_table(pa.table({"text": pa.array(chunk, pa.string()),
-                                 "doc_id": pa.array(np.arange(start, start + size), pa.int64())}),
-                       data / f"part-{i:05d}.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "text": pa.array(chunk, pa.string()),
+                    "doc_id": pa.array(np.arange(start, start + size), pa.int64()),
+                }
+            ),
+            data / f"part-{i:05d}.parquet",
+        )
         start += size
-    layout = {"texts": n, "files": files, "sigma": sigma, "median_rows_per_file": float(np.median(sizes)),
-              "mean_chars": float(np.mean([len(t) for t in texts])), "source": "docstring paragraphs of "
-              f"{sysconfig.get_paths()['purelib']} (ast, sorted files)", "python": sys.version.split()[0]}
+    layout = {
+        "texts": n,
+        "files": files,
+        "sigma": sigma,
+        "median_rows_per_file": float(np.median(sizes)),
+        "mean_chars": float(np.mean([len(t) for t in texts])),
+        "source": f"docstring paragraphs of {sysconfig.get_paths()['purelib']} (ast, sorted files)",
+        "python": sys.version.split()[0],
+    }
     meta_path.write_text(json.dumps(layout, indent=2))  # outside data/: readers never see it
     return data, layout
 

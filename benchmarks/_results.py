@@ -33,14 +33,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SCHEMA = ("benchmark", "command", "machine", "git", "created", "args", "results", "summary")
-_VERSIONS = ("dask-surge", "dask", "distributed", "torch", "transformers", "tokenizers", "pyarrow", "pandas", "numpy")
+_VERSIONS = (
+    "dask-surge",
+    "dask",
+    "distributed",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "pyarrow",
+    "pandas",
+    "numpy",
+)
 
 
 def git_revision() -> str:
     """``HEAD``'s short hash, with ``+uncommitted`` when ``dask_surge/`` or ``benchmarks/``
     differ from it (``unknown`` outside a git checkout)."""
+
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
 
     try:
         dirty = git("status", "--porcelain", "--untracked-files=no", "dask_surge", "benchmarks")
@@ -61,8 +74,14 @@ def machine() -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             pass
-    return {"platform": platform.platform(), "cpus": os.cpu_count(), "memory_bytes": memory,
-            "python": platform.python_version(), "versions": versions, "loadavg_start": list(os.getloadavg())}
+    return {
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "memory_bytes": memory,
+        "python": platform.python_version(),
+        "versions": versions,
+        "loadavg_start": list(os.getloadavg()),
+    }
 
 
 def command(module: str, argv: list[str] | None = None) -> str:
@@ -77,8 +96,16 @@ def new_report(module: str, argv: list[str] | None = None, args: object = None) 
     dotted name under ``python -m`` too); ``args`` an ``argparse.Namespace`` or a dict."""
     name = module.rsplit(".", 1)[-1]
     options = vars(args) if args is not None and not isinstance(args, dict) else dict(args or {})
-    return {"benchmark": name, "command": command(module, argv), "machine": machine(), "git": git_revision(),
-            "created": None, "args": options, "results": [], "summary": {}}
+    return {
+        "benchmark": name,
+        "command": command(module, argv),
+        "machine": machine(),
+        "git": git_revision(),
+        "created": None,
+        "args": options,
+        "results": [],
+        "summary": {},
+    }
 
 
 def save(report: dict, out: str | os.PathLike) -> dict:
@@ -87,8 +114,10 @@ def save(report: dict, out: str | os.PathLike) -> dict:
     missing = [k for k in SCHEMA if k not in report]
     extra = [k for k in report if k not in SCHEMA]
     if missing or extra or not isinstance(report["results"], list):
-        raise ValueError(f"report does not follow benchmarks/_results.py: missing {missing}, extra {extra}, "
-                         f"results is {type(report.get('results')).__name__}")
+        raise ValueError(
+            f"report does not follow benchmarks/_results.py: missing {missing}, extra {extra}, "
+            f"results is {type(report.get('results')).__name__}"
+        )
     report["machine"]["loadavg_end"] = list(os.getloadavg())
     report["created"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     ordered = {k: report[k] for k in SCHEMA}
@@ -113,5 +142,5 @@ def run_one(cmd: list[str], *, what: str, env: dict[str, str] | None = None, cwd
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd or str(ROOT), check=False)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
+            return json.loads(line[len(RESULT_PREFIX) :])
     raise RuntimeError(f"{what} run failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -31,8 +31,10 @@ import time
 
 from . import _results
 
-_ARMS = {"deferred": ("dask_surge.execution.plugins",),
-         "plain": ("dask_surge.execution.plugins", "dask_surge.accessor")}
+_ARMS = {
+    "deferred": ("dask_surge.execution.plugins",),
+    "plain": ("dask_surge.execution.plugins", "dask_surge.accessor"),
+}
 
 
 def _one(arm: str) -> None:
@@ -61,20 +63,27 @@ def main(argv: list[str] | None = None) -> dict:
     for i in range(args.repeats):
         order = ("deferred", "plain") if i % 2 == 0 else ("plain", "deferred")
         for arm in order:
-            record = _results.run_one([sys.executable, "-m", "benchmarks.accessor_import", "--one", arm], what=arm)
+            record = _results.run_one(
+                [sys.executable, "-m", "benchmarks.accessor_import", "--one", arm], what=arm
+            )
             report["results"].append({"round": i, **record})
             print(f"round {i} {arm:8s} {record['seconds']:.3f} s", flush=True)
     by_arm = {arm: [r["seconds"] for r in report["results"] if r["arm"] == arm] for arm in _ARMS}
     rounds = range(args.repeats)
-    pairs = [(next(r["seconds"] for r in report["results"] if r["round"] == i and r["arm"] == "plain"),
-              next(r["seconds"] for r in report["results"] if r["round"] == i and r["arm"] == "deferred"))
-             for i in rounds]
+    pairs = [
+        (
+            next(r["seconds"] for r in report["results"] if r["round"] == i and r["arm"] == "plain"),
+            next(r["seconds"] for r in report["results"] if r["round"] == i and r["arm"] == "deferred"),
+        )
+        for i in rounds
+    ]
     report["summary"] = {
         "median_s": {arm: round(statistics.median(v), 3) for arm, v in by_arm.items()},
         "median_extra_s": round(statistics.median(p - d for p, d in pairs), 3),
         "median_ratio_plain_over_deferred": round(statistics.median(p / d for p, d in pairs), 2),
-        "imports_dask_dataframe": {arm: any(r["dask_dataframe"] for r in report["results"] if r["arm"] == arm)
-                                   for arm in _ARMS},
+        "imports_dask_dataframe": {
+            arm: any(r["dask_dataframe"] for r in report["results"] if r["arm"] == arm) for arm in _ARMS
+        },
     }
     print(report["summary"])
     return _results.save(report, args.out)

@@ -67,11 +67,14 @@ def one(arm: str, model: str, data: str) -> dict:
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     for i in range(0, n, CALL_TEXTS):
-        encoder.encode(texts[i:i + CALL_TEXTS])
+        encoder.encode(texts[i : i + CALL_TEXTS])
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "device_s": engine.stats["device"] if engine is not None else None,
-            "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
-            "engine": type(engine).__name__ if engine is not None else None}
+    return {
+        "seconds": seconds,
+        "device_s": engine.stats["device"] if engine is not None else None,
+        "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults,
+        "engine": type(engine).__name__ if engine is not None else None,
+    }
 
 
 def measure(arm: str, model: str, data: Path) -> dict:
@@ -84,7 +87,9 @@ def measure(arm: str, model: str, data: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=20_000, help="texts for the tiny encoder")
     parser.add_argument("--minilm-n", type=int, default=1500, help="texts for MiniLM (0: skip it)")
     parser.add_argument("--rounds", type=int, default=3)
@@ -110,19 +115,25 @@ def main(argv: list[str] | None = None) -> dict:
         data, _ = small_files(n, max(1, n // 64))
         runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
         for r in range(args.rounds):
-            order = ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]  # each arm takes each place in turn
+            order = ARMS[r % len(ARMS) :] + ARMS[: r % len(ARMS)]  # each arm takes each place in turn
             for arm in order:
                 res = measure(arm, model, data)
                 runs[arm].append(res)
                 report["results"].append({"encoder": name, "arm": arm, "round": r, "n": n, **res})
-                print(f"{name:6s} {arm:5s} {n / res['seconds']:8,.0f} texts/s  device {res['device_s']:.2f} s  "
-                      f"faults {res['minor_faults']:,}", flush=True)
+                print(
+                    f"{name:6s} {arm:5s} {n / res['seconds']:8,.0f} texts/s  device {res['device_s']:.2f} s  "
+                    f"faults {res['minor_faults']:,}",
+                    flush=True,
+                )
         med = {arm: statistics.median(x["seconds"] for x in runs[arm]) for arm in ARMS}
         report["summary"][name] = {
-            "model": model, "n": n,
+            "model": model,
+            "n": n,
             "median_s": med,
             "median_device_s": {arm: statistics.median(x["device_s"] for x in runs[arm]) for arm in ARMS},
-            "median_minor_faults": {arm: statistics.median(x["minor_faults"] for x in runs[arm]) for arm in ARMS},
+            "median_minor_faults": {
+                arm: statistics.median(x["minor_faults"] for x in runs[arm]) for arm in ARMS
+            },
             "speed_over_dask": {arm: med["dask"] / med[arm] for arm in ARMS},
         }
         print(f"{name:6s} speed over dask: " + ", ".join(f"{a} {med['dask'] / med[a]:.2f}x" for a in ARMS))

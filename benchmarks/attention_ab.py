@@ -38,7 +38,9 @@ CALL_TEXTS = 2857
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=20_000, help="texts for the tiny encoder")
     parser.add_argument("--minilm-n", type=int, default=1500, help="texts for MiniLM (0: skip it)")
     parser.add_argument("--rounds", type=int, default=6)
@@ -66,34 +68,43 @@ def main(argv: list[str] | None = None) -> dict:
         engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(str(path), device="cpu"))
         config = engine.runner.hf.config
         if config._attn_implementation != device._PADDED_SDPA:
-            raise SystemExit(f"{name}: the engine did not take the padded attention "
-                             f"({config._attn_implementation!r}); nothing to compare")
+            raise SystemExit(
+                f"{name}: the engine did not take the padded attention "
+                f"({config._attn_implementation!r}); nothing to compare"
+            )
         implementation = {"stock": "sdpa", "padded": device._PADDED_SDPA}
 
         def encode(arm: str) -> tuple[np.ndarray, float, float]:
             config._attn_implementation = implementation[arm]
             forward = engine.stats["device"]
             t0 = time.perf_counter()
-            out = np.concatenate([engine.encode(texts[i:i + CALL_TEXTS]) for i in range(0, n, CALL_TEXTS)])
+            out = np.concatenate([engine.encode(texts[i : i + CALL_TEXTS]) for i in range(0, n, CALL_TEXTS)])
             return out, time.perf_counter() - t0, engine.stats["device"] - forward
 
         outputs = {arm: encode(arm)[0] for arm in ARMS}  # warm-up, and the outputs compared
         seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
         for r in range(args.rounds):
-            for arm in ARMS[r % 2:] + ARMS[:r % 2]:
+            for arm in ARMS[r % 2 :] + ARMS[: r % 2]:
                 _, s, forward_s = encode(arm)
                 seconds[arm].append(s)
-                report["results"].append({"encoder": name, "arm": arm, "round": r, "n": n, "seconds": s,
-                                          "device_s": forward_s})
-                print(f"{name:6s} {arm:6s} {n / s:9,.0f} texts/s  ({s:.2f} s; forward {forward_s:.2f} s)", flush=True)
+                report["results"].append(
+                    {"encoder": name, "arm": arm, "round": r, "n": n, "seconds": s, "device_s": forward_s}
+                )
+                print(
+                    f"{name:6s} {arm:6s} {n / s:9,.0f} texts/s  ({s:.2f} s; forward {forward_s:.2f} s)",
+                    flush=True,
+                )
         paired = [a / b for a, b in zip(seconds["stock"], seconds["padded"])]
         report["summary"][name] = {
-            "n": n, "median_seconds": {arm: statistics.median(v) for arm, v in seconds.items()},
+            "n": n,
+            "median_seconds": {arm: statistics.median(v) for arm, v in seconds.items()},
             "paired_ratios_stock_over_padded": [round(x, 3) for x in paired],
             "speedup_padded": statistics.median(paired),
             "max_abs_difference": float(np.abs(outputs["stock"] - outputs["padded"]).max()),
         }
-        print(f"{name:6s} padded keys: {statistics.median(paired):.2f}x stock SDPA (paired median)", flush=True)
+        print(
+            f"{name:6s} padded keys: {statistics.median(paired):.2f}x stock SDPA (paired median)", flush=True
+        )
     return _results.save(report, args.out)
 
 

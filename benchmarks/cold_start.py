@@ -129,8 +129,11 @@ def _patch(module: Any, attribute: str, step: str) -> None:
     real = getattr(owner, name, None)
     if real is None:
         return
-    after = _instrument_engine if step in ("build engine", WORKER_STEPS[("dask_surge.models.loader", "direct_backend")]) \
+    after = (
+        _instrument_engine
+        if step in ("build engine", WORKER_STEPS[("dask_surge.models.loader", "direct_backend")])
         else None
+    )
     setattr(owner, name, _wrapped(real, step, after))
 
 
@@ -189,8 +192,12 @@ def ramp_plan(real: Any, first: int) -> Any:
                 break
             out.append(SuperBatch(len(out), tuple(spans)))
             target *= 2
-        rest = real(sizes[p:], b_min, b_max, **{k: (list(v)[p:] if k == "nbytes" and v is not None else v)
-                                                 for k, v in kwargs.items()})
+        rest = real(
+            sizes[p:],
+            b_min,
+            b_max,
+            **{k: (list(v)[p:] if k == "nbytes" and v is not None else v) for k, v in kwargs.items()},
+        )
         for sb in rest:
             out.append(SuperBatch(len(out), tuple(Span(s.partition + p, s.start, s.stop) for s in sb.spans)))
         return out
@@ -204,7 +211,11 @@ def prepare_worker() -> dict:
 
     already = sorted(m for m in {m for m, _ in WORKER_STEPS} if m in sys.modules)
     sys.meta_path.insert(0, _PatchOnImport(WORKER_STEPS))
-    return {"pid": os.getpid(), "preimported": already, "sentence_transformers": "sentence_transformers" in sys.modules}
+    return {
+        "pid": os.getpid(),
+        "preimported": already,
+        "sentence_transformers": "sentence_transformers" in sys.modules,
+    }
 
 
 def worker_events() -> dict:
@@ -226,21 +237,26 @@ def one(data: str, workers: int, ramp: int = 0) -> dict:
         real = getattr(home, attribute.partition(".")[0])
         _patch(home, attribute, step)
         if "." not in attribute:  # and in every module that imported the function by name
-            for mod in [m for n, m in list(sys.modules.items()) if n.startswith("dask_surge") and m is not None]:
+            for mod in [
+                m for n, m in list(sys.modules.items()) if n.startswith("dask_surge") and m is not None
+            ]:
                 if getattr(mod, attribute, None) is real:
                     setattr(mod, attribute, getattr(home, attribute))
     if ramp:
         runner = importlib.import_module("dask_surge.execution.runner")
         runner.plan_superbatches = ramp_plan(runner.plan_superbatches, ramp)  # type: ignore[attr-defined]
     out = Path(tempfile.mkdtemp(prefix="cold-start-"))
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0")
+    cluster = LocalCluster(
+        n_workers=workers, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0"
+    )
     client = Client(cluster)
     try:
         prepared = client.run(prepare_worker)
         load0 = os.getloadavg()
         wall0 = time.time()
-        res = dd.read_parquet(data).surge.encode("text", output=str(out / "emb"), model="default", device="cpu",
-                                                 progress=False, scheduler=client)
+        res = dd.read_parquet(data).surge.encode(
+            "text", output=str(out / "emb"), model="default", device="cpu", progress=False, scheduler=client
+        )
         total = time.time() - wall0
         got = client.run(worker_events)
     finally:
@@ -249,16 +265,29 @@ def one(data: str, workers: int, ramp: int = 0) -> dict:
         shutil.rmtree(out, ignore_errors=True)
     events = [["client", "client", step, t0 - wall0, t1 - wall0] for step, _, t0, t1 in EVENTS]
     for i, (address, w) in enumerate(sorted(got.items())):
-        events += [["worker", f"w{i}:{thread}", step, t0 - wall0, t1 - wall0] for step, thread, t0, t1 in w["events"]]
+        events += [
+            ["worker", f"w{i}:{thread}", step, t0 - wall0, t1 - wall0] for step, thread, t0, t1 in w["events"]
+        ]
     events.sort(key=lambda e: e[3])
     first = min(res.records, key=lambda r: r.committed_at)
     import dask_surge as ds
 
-    return {"ttfo_s": res.ttfo_s, "seconds": total, "rows": res.rows, "superbatches": res.superbatches,
-            "b_min": res.b_min, "b_max": res.b_max, "first_sb_rows": first.rows,
-            "first_sb_encode_s": first.encode_s, "first_sb_write_s": first.write_s, "loadavg_at_call": load0,
-            "dask_surge": ds.__file__, "worker_dask_surge": sorted({w["dask_surge"] for w in got.values()}),
-            "worker_preimported": [p["preimported"] for p in prepared.values()], "events": events}
+    return {
+        "ttfo_s": res.ttfo_s,
+        "seconds": total,
+        "rows": res.rows,
+        "superbatches": res.superbatches,
+        "b_min": res.b_min,
+        "b_max": res.b_max,
+        "first_sb_rows": first.rows,
+        "first_sb_encode_s": first.encode_s,
+        "first_sb_write_s": first.write_s,
+        "loadavg_at_call": load0,
+        "dask_surge": ds.__file__,
+        "worker_dask_surge": sorted({w["dask_surge"] for w in got.values()}),
+        "worker_preimported": [p["preimported"] for p in prepared.values()],
+        "events": events,
+    }
 
 
 def summarize(events: list) -> dict[str, float]:
@@ -279,13 +308,21 @@ FIRST_ENV = "DASK_SURGE__FIRST_SUPERBATCH"
 
 def _run_child(tree: Path | None, data: str, workers: int, ramp: int = 0, first: str | None = None) -> dict:
     paths = ([str(tree)] if tree is not None else []) + [str(ROOT)]
-    code = (f"import sys, json; sys.path[:0] = {paths!r}; from benchmarks import cold_start as m; "
-            f"print('@@' + json.dumps(m.one({data!r}, {workers}, {ramp})))")
+    code = (
+        f"import sys, json; sys.path[:0] = {paths!r}; from benchmarks import cold_start as m; "
+        f"print('@@' + json.dumps(m.one({data!r}, {workers}, {ramp})))"
+    )
     env = dict(os.environ)
     if first is not None:
         env[FIRST_ENV] = first
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tempfile.gettempdir(), capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tempfile.gettempdir(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("@@")), None)
     if proc.returncode != 0 or line is None:
         raise RuntimeError(f"the cold-start child failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -293,16 +330,23 @@ def _run_child(tree: Path | None, data: str, workers: int, ramp: int = 0, first:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--files", type=int, default=2000)
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH[:ramp=ROWS][:first=ROWS]",
-                        help="a dask_surge tree to run ('.': this checkout), with ':ramp=ROWS' the first "
-                             "SuperBatches ramped up from ROWS rows (a prototype of the planner's ramp), with "
-                             "':first=ROWS' surge.first-superbatch set to ROWS ('None': no ramp) in the run's "
-                             "process; repeat to compare, alternating")
+    parser.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH[:ramp=ROWS][:first=ROWS]",
+        help="a dask_surge tree to run ('.': this checkout), with ':ramp=ROWS' the first "
+        "SuperBatches ramped up from ROWS rows (a prototype of the planner's ramp), with "
+        "':first=ROWS' surge.first-superbatch set to ROWS ('None': no ramp) in the run's "
+        "process; repeat to compare, alternating",
+    )
     parser.add_argument("--out", default=str(_results.RESULTS / "cold_start.json"))
     args = parser.parse_args(argv)
     from ._realtext import small_files
@@ -315,8 +359,14 @@ def main(argv: list[str] | None = None) -> dict:
         unknown = set(options) - {"ramp", "first"}
         if unknown:
             parser.error(f"--tree {spec!r}: unknown suffix {sorted(unknown)} (ramp=ROWS, first=ROWS)")
-        trees.append((label, None if path in ("", ".") else Path(path).resolve(), int(options.get("ramp") or 0),
-                      options.get("first")))
+        trees.append(
+            (
+                label,
+                None if path in ("", ".") else Path(path).resolve(),
+                int(options.get("ramp") or 0),
+                options.get("first"),
+            )
+        )
     data, layout = small_files(args.n, args.files)
     records = []
     for repeat in range(args.repeats):
@@ -324,15 +374,25 @@ def main(argv: list[str] | None = None) -> dict:
             r = _run_child(tree, str(data), args.workers, ramp, first)
             r.update(tree=label, repeat=repeat, first_superbatch=first, steps=summarize(r["events"]))
             records.append(r)
-            print(f"[{label} #{repeat}] ttfo {r['ttfo_s']:.2f} s, total {r['seconds']:.2f} s, first SB "
-                  f"{r['first_sb_rows']} rows (encode {r['first_sb_encode_s']:.2f} s), load "
-                  f"{r['loadavg_at_call'][0]:.2f}", flush=True)
+            print(
+                f"[{label} #{repeat}] ttfo {r['ttfo_s']:.2f} s, total {r['seconds']:.2f} s, first SB "
+                f"{r['first_sb_rows']} rows (encode {r['first_sb_encode_s']:.2f} s), load "
+                f"{r['loadavg_at_call'][0]:.2f}",
+                flush=True,
+            )
     report = _results.new_report(__spec__.name, argv, args)
     report["results"] = records
-    medians = {label: statistics.median(r["ttfo_s"] for r in records if r["tree"] == label) for label, *_ in trees}
-    summary: dict[str, Any] = {"layout": layout, "workers": args.workers, "forward": "real",
-                               "ttfo_s_median": medians, "target_s": 5.0,
-                               "met": {k: v <= 5.0 for k, v in medians.items()}}
+    medians = {
+        label: statistics.median(r["ttfo_s"] for r in records if r["tree"] == label) for label, *_ in trees
+    }
+    summary: dict[str, Any] = {
+        "layout": layout,
+        "workers": args.workers,
+        "forward": "real",
+        "ttfo_s_median": medians,
+        "target_s": 5.0,
+        "met": {k: v <= 5.0 for k, v in medians.items()},
+    }
     if len(trees) > 1:
         base = trees[0][0]
         summary["ttfo_ratio_vs_" + base] = {k: v / medians[base] for k, v in medians.items()}

@@ -30,7 +30,9 @@ from . import _ab, _results
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base", required=True, help="git revision to compare with (e.g. HEAD~1)")
     parser.add_argument("--n", type=int, default=60_000)
     parser.add_argument("--files", type=int, default=2237)
@@ -61,15 +63,29 @@ def main(argv: list[str] | None = None) -> dict:
         (harness / "benchmarks").symlink_to(_ab.ROOT / "benchmarks")
         for r, order in enumerate(_ab.alternating(args.rounds, base_src)):
             for name, src in order:
-                cmd = [sys.executable, "-m", "benchmarks.e2e_small_files", "--one", "surge", "--model-path",
-                       str(model), "--data", str(data), "--workers", str(args.workers)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.e2e_small_files",
+                    "--one",
+                    "surge",
+                    "--model-path",
+                    str(model),
+                    "--data",
+                    str(data),
+                    "--workers",
+                    str(args.workers),
+                ]
                 env = dict(os.environ, PYTHONPATH=src)
                 rec = _results.run_one(cmd, what=name, env=env, cwd=str(harness))
                 assert rec["rows"] == args.n, rec
                 runs[name].append(rec)
                 report["results"].append({"variant": name, "round": r, **rec})
-                print(f"{name:4s} {args.n / rec['seconds']:9,.0f} texts/s  ({rec['seconds']:.2f} s; workers' CPU "
-                      f"{rec['workers_cpu_s']:.2f} s)", flush=True)
+                print(
+                    f"{name:4s} {args.n / rec['seconds']:9,.0f} texts/s  ({rec['seconds']:.2f} s; workers' CPU "
+                    f"{rec['workers_cpu_s']:.2f} s)",
+                    flush=True,
+                )
 
     def medians(key: str) -> dict[str, float]:
         return {name: statistics.median(r[key] for r in rs) for name, rs in runs.items()}
@@ -77,16 +93,23 @@ def main(argv: list[str] | None = None) -> dict:
     def paired(key: str) -> list[float]:
         return [b[key] / t[key] for b, t in zip(runs["base"], runs["this"])]
 
-    report["summary"].update({
-        "model": str(model), "base": args.base,
-        "median_seconds": medians("seconds"), "median_workers_cpu_s": medians("workers_cpu_s"),
-        "median_workers_minflt": medians("workers_minflt"),
-        "paired_speedup": [round(x, 3) for x in paired("seconds")],
-        "speedup": statistics.median(paired("seconds")),
-        "workers_cpu_ratio": statistics.median(paired("workers_cpu_s")),
-    })
-    print(f"this / base: {report['summary']['speedup']:.2f}x faster (paired median); workers' CPU "
-          f"base/this {report['summary']['workers_cpu_ratio']:.2f}", flush=True)
+    report["summary"].update(
+        {
+            "model": str(model),
+            "base": args.base,
+            "median_seconds": medians("seconds"),
+            "median_workers_cpu_s": medians("workers_cpu_s"),
+            "median_workers_minflt": medians("workers_minflt"),
+            "paired_speedup": [round(x, 3) for x in paired("seconds")],
+            "speedup": statistics.median(paired("seconds")),
+            "workers_cpu_ratio": statistics.median(paired("workers_cpu_s")),
+        }
+    )
+    print(
+        f"this / base: {report['summary']['speedup']:.2f}x faster (paired median); workers' CPU "
+        f"base/this {report['summary']['workers_cpu_ratio']:.2f}",
+        flush=True,
+    )
     return _results.save(report, args.out)
 
 

@@ -121,8 +121,13 @@ def _reference(one_thread: bool, model: str, data: str, out: Path, warm: bool) -
         encoder = _load_reference(family, model)
     columns = _reference_columns(family, encoder, table.column("text").to_pylist())
     pq.write_table(pa.table({"doc_id": table.column("doc_id"), **columns}), out / "embeddings.parquet")
-    return {"seconds": time.perf_counter() - t0, "rows": table.num_rows, "family": family,
-            "torch_threads": torch.get_num_threads(), "cpu_s": round(time.process_time() - c0, 3)}
+    return {
+        "seconds": time.perf_counter() - t0,
+        "rows": table.num_rows,
+        "family": family,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_s": round(time.process_time() - c0, 3),
+    }
 
 
 def _load_reference(family: str, model: str):
@@ -130,7 +135,9 @@ def _load_reference(family: str, model: str):
     else ``SentenceTransformer``) loaded from ``model`` on the CPU."""
     import sentence_transformers as st
 
-    cls = {"sparse": st.SparseEncoder, "multivector": st.MultiVectorEncoder}.get(family, st.SentenceTransformer)
+    cls = {"sparse": st.SparseEncoder, "multivector": st.MultiVectorEncoder}.get(
+        family, st.SentenceTransformer
+    )
     return cls(model, device="cpu")
 
 
@@ -143,7 +150,9 @@ def _reference_columns(family: str, encoder, texts: list[str]) -> dict:
     if family == "sparse":
         from dask_surge.io.sparse import sparse_arrays
 
-        emb = encoder.encode_document(texts, batch_size=32, convert_to_sparse_tensor=True, show_progress_bar=False)
+        emb = encoder.encode_document(
+            texts, batch_size=32, convert_to_sparse_tensor=True, show_progress_bar=False
+        )
         indices, values = sparse_arrays(emb)
         return {"indices": indices, "values": values}
     if family == "multivector":
@@ -172,11 +181,15 @@ def _one(method: str, model: str, data: str, workers: int, profile: bool = False
         import dask_surge.api  # noqa: F401 - what the accessor imports on first use, before the clock as ST's import
 
         t0 = time.perf_counter()
-        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                               dashboard_address="127.0.0.1:0")
+        cluster = LocalCluster(
+            n_workers=workers, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0"
+        )
         client = Client(cluster)
+
         # the imports, as on the ST side (whose clock starts after them); the model loads inside the clock
-        def engine_imports() -> None:  # the engine's module, here or (before engine/ existed) in an older tree
+        def engine_imports() -> (
+            None
+        ):  # the engine's module, here or (before engine/ existed) in an older tree
             import importlib
             import os
 
@@ -189,10 +202,19 @@ def _one(method: str, model: str, data: str, workers: int, profile: bool = False
         client.run(engine_imports)
         start_s = time.perf_counter() - t0
         try:
+
             def run(output: str = "emb"):
                 engine = {"engine": "sentence-transformers"} if method == "surge_st" else {}
-                return dd.read_parquet(data).surge.encode("text", output=str(out / output), model=model, device="cpu",
-                                                          keep=["doc_id"], progress=False, scheduler=client, **engine)
+                return dd.read_parquet(data).surge.encode(
+                    "text",
+                    output=str(out / output),
+                    model=model,
+                    device="cpu",
+                    keep=["doc_id"],
+                    progress=False,
+                    scheduler=client,
+                    **engine,
+                )
 
             from .host_ceiling import gil_seconds, run_cpu
 
@@ -215,13 +237,21 @@ def _one(method: str, model: str, data: str, workers: int, profile: bool = False
             (res, seconds), spent = run_cpu(client, timed)
             faults = sum(n - faults.get(w, n) for w, n in client.run(minor_faults).items())
             client_cpu, workers_cpu = spent["client"], spent["workers"]
-            return {"seconds": seconds, "rows": int(sum(r.rows for r in res.records)),
-                    "output_columns": output_columns(out / "emb"), "warmup_s": warmup_s,
-                    "cluster_start_s": start_s, "ttfo_s": res.ttfo_s, "superbatches": res.superbatches,
-                    "engine": sorted({r.engine for r in res.records}), "client_cpu_s": client_cpu,
-                    "workers_cpu_s": workers_cpu, "workers_minflt": faults,
-                    "cluster_idle_cores": round(sum(idle.values()) / IDLE_S, 3),
-                    "machine_busy": (client_cpu + workers_cpu) / (seconds * (os.cpu_count() or 1))}
+            return {
+                "seconds": seconds,
+                "rows": int(sum(r.rows for r in res.records)),
+                "output_columns": output_columns(out / "emb"),
+                "warmup_s": warmup_s,
+                "cluster_start_s": start_s,
+                "ttfo_s": res.ttfo_s,
+                "superbatches": res.superbatches,
+                "engine": sorted({r.engine for r in res.records}),
+                "client_cpu_s": client_cpu,
+                "workers_cpu_s": workers_cpu,
+                "workers_minflt": faults,
+                "cluster_idle_cores": round(sum(idle.values()) / IDLE_S, 3),
+                "machine_busy": (client_cpu + workers_cpu) / (seconds * (os.cpu_count() or 1)),
+            }
         finally:
             client.close()
             cluster.close()
@@ -254,9 +284,13 @@ def minor_faults() -> int:
 
 #: Where a worker's CPU goes, by the first of these frames (py-spy's qualified names) under a sample;
 #: a sample under none of them is the event loop's when its thread is ``MainThread``, else ``other``.
-CATEGORIES = (("forward", ("DeviceRunner.forward",)), ("model load", ("Encoder.load",)),
-              ("tokenize and pack", ("prepared",)), ("read", ("UnitSource.iterate",)),
-              ("commit", ("SuperBatchWriter.commit",)))
+CATEGORIES = (
+    ("forward", ("DeviceRunner.forward",)),
+    ("model load", ("Encoder.load",)),
+    ("tokenize and pack", ("prepared",)),
+    ("read", ("UnitSource.iterate",)),
+    ("commit", ("SuperBatchWriter.commit",)),
+)
 #: Leaf frames of a thread that waits (py-spy can sample one on its way in or out).
 WAITS = ("EpollSelector.select", "Condition.wait", "Event.wait", "_worker", "sleep", "poll")
 
@@ -278,8 +312,10 @@ def breakdown(profiles: dict[str, dict]) -> dict:
         for frame, n in profile["inclusive"]:  # py-spy's frame: "Qualified.name (path:line)"
             key = frame.split(" (")[0]
             inclusive[key] = inclusive.get(key, 0) + n
-        waits = {name: sum(n for leaf, n in leaves if leaf.split(" (")[0].endswith(WAITS))
-                 for name, leaves in profile["self_by_thread"].items()}
+        waits = {
+            name: sum(n for leaf, n in leaves if leaf.split(" (")[0].endswith(WAITS))
+            for name, leaves in profile["self_by_thread"].items()
+        }
         loop = dict(profile["threads"]).get("MainThread", 0) - waits.get("MainThread", 0)
         mine = profile["samples"] - sum(waits.values())
         busy += mine
@@ -295,21 +331,41 @@ def breakdown(profiles: dict[str, dict]) -> dict:
     return {"busy_samples": busy, "share": share}
 
 
-def measure(method: str, model: str, data: Path, workers: int, profile: bool = False, warm: bool = False) -> dict:
-    cmd = [sys.executable, "-m", __spec__.name, "--one", method, "--model-path", model, "--data", str(data),
-           "--workers", str(workers), *(["--profile"] if profile else []), *(["--warm"] if warm else [])]
+def measure(
+    method: str, model: str, data: Path, workers: int, profile: bool = False, warm: bool = False
+) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        __spec__.name,
+        "--one",
+        method,
+        "--model-path",
+        model,
+        "--data",
+        str(data),
+        "--workers",
+        str(workers),
+        *(["--profile"] if profile else []),
+        *(["--warm"] if warm else []),
+    ]
     return _results.run_one(cmd, what=method)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=60_000)
     parser.add_argument("--files", type=int, default=2237)
     parser.add_argument("--sigma", type=float, default=1.72)
     parser.add_argument("--minilm-n", type=int, default=3000, help="texts for MiniLM (0: skip it)")
     parser.add_argument("--minilm-files", type=int, default=112)
-    parser.add_argument("--models", default="tiny,minilm",
-                        help="comma-separated: " + ", ".join(MODELS) + " (decoder, sparse, multivector: the tiny ones)")
+    parser.add_argument(
+        "--models",
+        default="tiny,minilm",
+        help="comma-separated: " + ", ".join(MODELS) + " (decoder, sparse, multivector: the tiny ones)",
+    )
     parser.add_argument("--decoder-n", type=int, default=3000)
     parser.add_argument("--decoder-files", type=int, default=400)
     parser.add_argument("--sparse-n", type=int, default=3000)
@@ -318,12 +374,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--multivector-files", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--warm", action="store_true",
-                        help="model loaded before the clock on both sides (see the docstring); default --out: "
-                             "e2e_small_files_warm.json")
-    parser.add_argument("--out", help="default: benchmarks/results/e2e_small_files.json (_warm.json with --warm)")
-    parser.add_argument("--profile", action="store_true",
-                        help="one more surge run per model, untimed, sampled by py-spy: where the workers' CPU goes")
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="model loaded before the clock on both sides (see the docstring); default --out: "
+        "e2e_small_files_warm.json",
+    )
+    parser.add_argument(
+        "--out", help="default: benchmarks/results/e2e_small_files.json (_warm.json with --warm)"
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more surge run per model, untimed, sampled by py-spy: where the workers' CPU goes",
+    )
     parser.add_argument("--one", choices=("st", "st1", "surge", "surge_st"), help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
@@ -332,7 +396,9 @@ def main(argv: list[str] | None = None) -> dict:
         _results.emit(one(args.one, args.model_path, args.data, args.workers, args.profile, args.warm))
         return {}
     if args.out is None:
-        args.out = str(_results.RESULTS / ("e2e_small_files_warm.json" if args.warm else "e2e_small_files.json"))
+        args.out = str(
+            _results.RESULTS / ("e2e_small_files_warm.json" if args.warm else "e2e_small_files.json")
+        )
 
     from dask_surge.testing import packaged_model_dir
 
@@ -351,7 +417,11 @@ def main(argv: list[str] | None = None) -> dict:
     if "decoder" in chosen:
         from dask_surge.testing import make_tiny_decoder_model
 
-        suites["decoder"] = (make_tiny_decoder_model(TMP / "tiny-decoder"), args.decoder_n, args.decoder_files)
+        suites["decoder"] = (
+            make_tiny_decoder_model(TMP / "tiny-decoder"),
+            args.decoder_n,
+            args.decoder_files,
+        )
     if "sparse" in chosen:
         from dask_surge.testing import make_tiny_sparse_model
 
@@ -359,8 +429,11 @@ def main(argv: list[str] | None = None) -> dict:
     if "multivector" in chosen:
         from dask_surge.testing import make_tiny_multivector_model
 
-        suites["multivector"] = (make_tiny_multivector_model(TMP / "tiny-multivector"), args.multivector_n,
-                                 args.multivector_files)
+        suites["multivector"] = (
+            make_tiny_multivector_model(TMP / "tiny-multivector"),
+            args.multivector_n,
+            args.multivector_files,
+        )
     report = _results.new_report(__spec__.name, argv, args)
     for name, (model, n, files) in suites.items():
         data, layout = small_files(n, files, sigma=args.sigma)
@@ -371,9 +444,13 @@ def main(argv: list[str] | None = None) -> dict:
                 r = measure(method, model, data, args.workers, warm=args.warm)
                 assert r["rows"] == n, r
                 runs[method].append(r)
-                report["results"].append({"encoder": name, "method": method, "n": n, "files": files,
-                                          "warm": args.warm, **r})
-                print(f"{name:6s} {method:5s} {n / r['seconds']:9,.0f} texts/s  ({r['seconds']:.2f} s)", flush=True)
+                report["results"].append(
+                    {"encoder": name, "method": method, "n": n, "files": files, "warm": args.warm, **r}
+                )
+                print(
+                    f"{name:6s} {method:5s} {n / r['seconds']:9,.0f} texts/s  ({r['seconds']:.2f} s)",
+                    flush=True,
+                )
         st_default = statistics.median(r["seconds"] for r in runs["st"])
         st_one = statistics.median(r["seconds"] for r in runs["st1"])
         st = min(st_default, st_one)  # the baseline at its best thread setting
@@ -381,11 +458,17 @@ def main(argv: list[str] | None = None) -> dict:
         su = statistics.median(r["seconds"] for r in runs["surge"])
         su_start = statistics.median(r["seconds"] + r["cluster_start_s"] for r in runs["surge"])
         report["summary"][name] = {
-            "layout": layout, "model": model, "warm": args.warm,
-            "family": runs["st"][0]["family"], "surge_output_columns": runs["surge"][0]["output_columns"],
-            "st_texts_per_s": n / st, "st_default_threads_texts_per_s": n / st_default,
-            "st_one_thread_texts_per_s": n / st_one, "surge_texts_per_s": n / su,
-            "ratio_surge_over_st": st / su, "ratio_with_cluster_start": st / su_start,
+            "layout": layout,
+            "model": model,
+            "warm": args.warm,
+            "family": runs["st"][0]["family"],
+            "surge_output_columns": runs["surge"][0]["output_columns"],
+            "st_texts_per_s": n / st,
+            "st_default_threads_texts_per_s": n / st_default,
+            "st_one_thread_texts_per_s": n / st_one,
+            "surge_texts_per_s": n / su,
+            "ratio_surge_over_st": st / su,
+            "ratio_with_cluster_start": st / su_start,
             # issue 17's target, for the models it named (the families came later, with no target of their own)
             "target_ratio": 1.2 if name in ("tiny", "minilm", "decoder") else None,
             "met": st / su >= 1.2 if name in ("tiny", "minilm", "decoder") else None,
@@ -397,25 +480,36 @@ def main(argv: list[str] | None = None) -> dict:
             # CPU per text (a: the faster ST arm, every thread; b: surge's client and workers) and the
             # share of the machine each kept busy, then the cores the surge cluster keeps busy doing
             # nothing (see the module docstring)
-            "cpu": cpu_split([r["seconds"] for r in best], [r["cpu_s"] for r in best],
-                             [r["seconds"] for r in runs["surge"]],
-                             [{"workers": r["workers_cpu_s"], "client": r["client_cpu_s"]}
-                              for r in runs["surge"]], n),
+            "cpu": cpu_split(
+                [r["seconds"] for r in best],
+                [r["cpu_s"] for r in best],
+                [r["seconds"] for r in runs["surge"]],
+                [{"workers": r["workers_cpu_s"], "client": r["client_cpu_s"]} for r in runs["surge"]],
+                n,
+            ),
             "cluster_idle_cores": statistics.median(r["cluster_idle_cores"] for r in runs["surge"]),
         }
         if runs.get("surge_st"):  # the fallback, measured in the same run
             fallback = statistics.median(r["seconds"] for r in runs["surge_st"])
             report["summary"][name].update(
-                fallback_texts_per_s=n / fallback, ratio_fallback_over_st=st / fallback,
-                ratio_surge_over_fallback=fallback / su, issue55_target_ratio=2.0, issue55_met=st / su >= 2.0,
-                engines={m: sorted({e for r in runs[m] for e in r["engine"]}) for m in ("surge", "surge_st")})
+                fallback_texts_per_s=n / fallback,
+                ratio_fallback_over_st=st / fallback,
+                ratio_surge_over_fallback=fallback / su,
+                issue55_target_ratio=2.0,
+                issue55_met=st / su >= 2.0,
+                engines={m: sorted({e for r in runs[m] for e in r["engine"]}) for m in ("surge", "surge_st")},
+            )
             print(f"{name:6s} ratio fallback (engine='sentence-transformers')/st {st / fallback:.2f}")
-        print(f"{name:6s} ratio surge/st {st / su:.2f} (with cluster start {st / su_start:.2f})"
-              f"{' warm' if args.warm else ''}")
+        print(
+            f"{name:6s} ratio surge/st {st / su:.2f} (with cluster start {st / su_start:.2f})"
+            f"{' warm' if args.warm else ''}"
+        )
         summary = report["summary"][name]
         cpu, idle = summary["cpu"], summary["cluster_idle_cores"]
-        print(f"{name:6s} CPU per text: st {cpu['a_cpu_us_per_text']:.0f} us, "
-              f"surge {cpu['b_cpu_us_per_text']:.0f} us; idle cluster {idle:.2f} cores")
+        print(
+            f"{name:6s} CPU per text: st {cpu['a_cpu_us_per_text']:.0f} us, "
+            f"surge {cpu['b_cpu_us_per_text']:.0f} us; idle cluster {idle:.2f} cores"
+        )
         if args.profile:
             sampled = measure("surge", model, data, args.workers, profile=True, warm=args.warm)
             report["summary"][name]["workers_cpu_breakdown"] = sampled["breakdown"]
@@ -436,7 +530,10 @@ def _keep_other_models(report: dict, out: str, ran: set[str]) -> None:
         old = json.loads(path.read_text())
     except ValueError:
         return
-    if old.get("benchmark") != report["benchmark"] or bool((old.get("args") or {}).get("warm")) != report["args"]["warm"]:
+    if (
+        old.get("benchmark") != report["benchmark"]
+        or bool((old.get("args") or {}).get("warm")) != report["args"]["warm"]
+    ):
         return  # another benchmark's, or the other mode's (cold and warm figures are never mixed)
     for name, summary in (old.get("summary") or {}).items():
         if name in ran:

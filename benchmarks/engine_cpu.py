@@ -31,14 +31,20 @@ from . import _results
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=3000, help="number of texts (default 3000)")
     parser.add_argument("--model", choices=("packaged", "tiny"), default="packaged")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32, help="SentenceTransformer.encode batch_size")
-    parser.add_argument("--max-tokens", default="auto", help="engine token budget(s), comma-separated, or 'auto'")
+    parser.add_argument(
+        "--max-tokens", default="auto", help="engine token budget(s), comma-separated, or 'auto'"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--real", action="store_true", help="real text (docstring paragraphs) instead of make_texts")
+    parser.add_argument(
+        "--real", action="store_true", help="real text (docstring paragraphs) instead of make_texts"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--out", default="benchmarks/results/engine_cpu.json")
     args = parser.parse_args(argv)
@@ -48,7 +54,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    path = packaged_model_dir() if args.model == "packaged" else make_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    path = (
+        packaged_model_dir()
+        if args.model == "packaged"
+        else make_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    )
     model = SentenceTransformer(str(path), device="cpu")
     budgets = [None if b == "auto" else int(b) for b in args.max_tokens.split(",")]
     engines = {}
@@ -78,21 +88,26 @@ def main(argv: list[str] | None = None) -> dict:
     ref = outputs["st"]
     report = _results.new_report(__spec__.name, argv, args)
     report["machine"].update(torch_threads=torch.get_num_threads(), loadavg_start=list(load_before))
-    report["summary"] = {"model": args.model, "n_texts": len(texts),
-                         "n_tokens": int(next(iter(engines.values())).count_tokens(texts).sum())}
+    report["summary"] = {
+        "model": args.model,
+        "n_texts": len(texts),
+        "n_tokens": int(next(iter(engines.values())).count_tokens(texts).sum()),
+    }
     st_rate = len(texts) / statistics.median(seconds["st"])
     for name, secs in seconds.items():
         rate = len(texts) / statistics.median(secs)
         emb = outputs[name]
         cos = (ref * emb).sum(1) / (np.linalg.norm(ref, axis=1) * np.linalg.norm(emb, axis=1))
-        report["results"].append({
-            "runner": name,
-            "seconds": secs,
-            "texts_per_s": rate,
-            "speedup_vs_st": rate / st_rate,
-            "paired_speedups": [st / s for st, s in zip(seconds["st"], secs)],
-            "min_cosine_vs_st": float(cos.min()),
-        })
+        report["results"].append(
+            {
+                "runner": name,
+                "seconds": secs,
+                "texts_per_s": rate,
+                "speedup_vs_st": rate / st_rate,
+                "paired_speedups": [st / s for st, s in zip(seconds["st"], secs)],
+                "min_cosine_vs_st": float(cos.min()),
+            }
+        )
         print(f"{name:28s} {rate:9.1f} texts/s  x{rate / st_rate:5.2f}  min cos {cos.min():.7f}")
     print(f"wrote {args.out}")
     return _results.save(report, args.out)

@@ -28,7 +28,9 @@ ENV = "DASK_SURGE__FIRST_SUPERBATCH"
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=60_000)
     parser.add_argument("--files", type=int, default=2237)
     parser.add_argument("--sigma", type=float, default=1.72)
@@ -48,29 +50,40 @@ def main(argv: list[str] | None = None) -> dict:
     before = os.environ.get(ENV)
     try:
         for k in range(args.rounds):
-            for arm in (("ramp", "none", "none", "ramp") if k % 2 == 0 else ("none", "ramp", "ramp", "none")):
+            for arm in ("ramp", "none", "none", "ramp") if k % 2 == 0 else ("none", "ramp", "ramp", "none"):
                 os.environ[ENV] = arms[arm]  # the run's process reads it (dask config from the environment)
                 r = e2e.measure("surge", str(tiny), data, args.workers)
                 assert r["rows"] == args.n, r
                 r = {"arm": arm, "first_superbatch": arms[arm], "loadavg": list(os.getloadavg()), **r}
                 runs[arm].append(r)
                 report["results"].append(r)
-                print(f"{arm:5s} {args.n / r['seconds']:8,.0f} texts/s ({r['seconds']:.2f} s), first output "
-                      f"{r['ttfo_s']:.2f} s, {r['superbatches']} SuperBatches", flush=True)
+                print(
+                    f"{arm:5s} {args.n / r['seconds']:8,.0f} texts/s ({r['seconds']:.2f} s), first output "
+                    f"{r['ttfo_s']:.2f} s, {r['superbatches']} SuperBatches",
+                    flush=True,
+                )
     finally:
         if before is None:
             os.environ.pop(ENV, None)
         else:
             os.environ[ENV] = before
-    med = {arm: {"seconds": statistics.median(r["seconds"] for r in rs),
-                 "ttfo_s": statistics.median(r["ttfo_s"] for r in rs)} for arm, rs in runs.items()}
+    med = {
+        arm: {
+            "seconds": statistics.median(r["seconds"] for r in rs),
+            "ttfo_s": statistics.median(r["ttfo_s"] for r in rs),
+        }
+        for arm, rs in runs.items()
+    }
     report["summary"] = {
-        "layout": layout, "medians": med,
+        "layout": layout,
+        "medians": med,
         "throughput_ratio_ramp_over_none": med["none"]["seconds"] / med["ramp"]["seconds"],
         "ttfo_ratio_ramp_over_none": med["ramp"]["ttfo_s"] / med["none"]["ttfo_s"],
     }
-    print(f"throughput ramp/none {report['summary']['throughput_ratio_ramp_over_none']:.2f}, "
-          f"first output ramp/none {report['summary']['ttfo_ratio_ramp_over_none']:.2f}")
+    print(
+        f"throughput ramp/none {report['summary']['throughput_ratio_ramp_over_none']:.2f}, "
+        f"first output ramp/none {report['summary']['ttfo_ratio_ramp_over_none']:.2f}"
+    )
     return _results.save(report, args.out)
 
 

@@ -43,7 +43,9 @@ def geometric(n: int, first: int, growth: int, window: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=100_000)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=str(_results.RESULTS / "first_window.json"))
@@ -65,7 +67,10 @@ def main(argv: list[str] | None = None) -> dict:
     plans = {
         "full": lambda n: blocks(n),
         "first_then_full": lambda n: blocks(n, first=FIRST_BLOCK_TEXTS),
-        **{f"geometric_x{g}": (lambda n, g=g: geometric(n, FIRST_BLOCK_TEXTS, g, BLOCK_TEXTS)) for g in (2, 4, 8)},
+        **{
+            f"geometric_x{g}": (lambda n, g=g: geometric(n, FIRST_BLOCK_TEXTS, g, BLOCK_TEXTS))
+            for g in (2, 4, 8)
+        },
     }
     padding: dict[str, dict[str, dict[str, float]]] = {}
     for call in [c for c in (3500, 16_384, 65_536) if c <= len(lengths)]:  # a call size needs that many texts
@@ -84,25 +89,39 @@ def main(argv: list[str] | None = None) -> dict:
     call = texts[:BLOCK_TEXTS]
     seconds: dict[str, list[float]] = {"first_window": [], "full_window": []}
     for r in range(args.rounds):
-        for name in (("first_window", "full_window") if r % 2 == 0 else ("full_window", "first_window")):
+        for name in ("first_window", "full_window") if r % 2 == 0 else ("full_window", "first_window"):
             size = FIRST_BLOCK_TEXTS if name == "first_window" else BLOCK_TEXTS
             t0 = time.perf_counter()
             packer.tokenize(call[:size])
             seconds[name].append(time.perf_counter() - t0)
     start = {k: statistics.median(v) for k, v in seconds.items()}
     report = _results.new_report(__spec__.name, argv, args)
-    report["results"] = [{"call_texts": int(call_n), "budget_tokens": int(budget), "plan": name, "padding_ratio": ratio}
-                         for call_n, by_budget in padding.items() for budget, row in by_budget.items()
-                         for name, ratio in row.items()]
-    report["summary"] = {"layout": layout, "first_window_texts": FIRST_BLOCK_TEXTS, "window_texts": BLOCK_TEXTS,
-                         "device_start_s": {"median": start, "runs": seconds,
-                                            "ratio_first_over_full": start["first_window"] / start["full_window"]}}
+    report["results"] = [
+        {"call_texts": int(call_n), "budget_tokens": int(budget), "plan": name, "padding_ratio": ratio}
+        for call_n, by_budget in padding.items()
+        for budget, row in by_budget.items()
+        for name, ratio in row.items()
+    ]
+    report["summary"] = {
+        "layout": layout,
+        "first_window_texts": FIRST_BLOCK_TEXTS,
+        "window_texts": BLOCK_TEXTS,
+        "device_start_s": {
+            "median": start,
+            "runs": seconds,
+            "ratio_first_over_full": start["first_window"] / start["full_window"],
+        },
+    }
     out = _results.save(report, args.out)
     for call_n, by_budget in padding.items():
         for budget, row in by_budget.items():
-            print(f"call {call_n:>6} budget {budget:>6}: " + "  ".join(f"{k} {v:.4f}" for k, v in row.items()))
-    print(f"device can start after {start['first_window']:.3f} s (first window) vs {start['full_window']:.3f} s "
-          f"(full window): ratio {out['summary']['device_start_s']['ratio_first_over_full']:.3f}")
+            print(
+                f"call {call_n:>6} budget {budget:>6}: " + "  ".join(f"{k} {v:.4f}" for k, v in row.items())
+            )
+    print(
+        f"device can start after {start['first_window']:.3f} s (first window) vs {start['full_window']:.3f} s "
+        f"(full window): ratio {out['summary']['device_start_s']['ratio_first_over_full']:.3f}"
+    )
     return out
 
 

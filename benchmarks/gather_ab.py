@@ -33,7 +33,9 @@ from . import _results
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=60_000)
     parser.add_argument("--files", type=int, default=2237)
     parser.add_argument("--sigma", type=float, default=1.72)
@@ -79,24 +81,36 @@ def main(argv: list[str] | None = None) -> dict:
         run(arm)
     seen: dict[str, list[tuple[float, float]]] = {a: [] for a in arms}
     for r in range(args.rounds):
-        for arm in (arms if r % 2 == 0 else arms[::-1]):
+        for arm in arms if r % 2 == 0 else arms[::-1]:
             wall, cpu, rows = run(arm)
             assert rows == args.n, (arm, rows)
             seen[arm].append((wall, cpu))
-            report["results"].append({"round": r, "arm": arm, "wall_s": wall, "thread_cpu_s": cpu, "rows": rows})
-    per_text = {a: {"wall_us_per_text": statistics.median(w for w, _ in v) / args.n * 1e6,
-                    "thread_cpu_us_per_text": statistics.median(c for _, c in v) / args.n * 1e6}
-                for a, v in seen.items()}
+            report["results"].append(
+                {"round": r, "arm": arm, "wall_s": wall, "thread_cpu_s": cpu, "rows": rows}
+            )
+    per_text = {
+        a: {
+            "wall_us_per_text": statistics.median(w for w, _ in v) / args.n * 1e6,
+            "thread_cpu_us_per_text": statistics.median(c for _, c in v) / args.n * 1e6,
+        }
+        for a, v in seen.items()
+    }
     report["summary"] = {
-        "layout": layout, "superbatches": len(plan), **per_text,
+        "layout": layout,
+        "superbatches": len(plan),
+        **per_text,
         "ratio_sliced_over_rows_cpu": per_text["sliced"]["thread_cpu_us_per_text"]
         / per_text["rows"]["thread_cpu_us_per_text"],
     }
     for a in arms:
-        print(f"{a:7s} thread CPU {per_text[a]['thread_cpu_us_per_text']:6.2f} us/text   "
-              f"wall {per_text[a]['wall_us_per_text']:6.2f} us/text")
-    print(f"sliced / rows (thread CPU): {report['summary']['ratio_sliced_over_rows_cpu']:.2f}x "
-          f"over {len(plan)} SuperBatches of {args.n:,} texts in {args.files:,} files")
+        print(
+            f"{a:7s} thread CPU {per_text[a]['thread_cpu_us_per_text']:6.2f} us/text   "
+            f"wall {per_text[a]['wall_us_per_text']:6.2f} us/text"
+        )
+    print(
+        f"sliced / rows (thread CPU): {report['summary']['ratio_sliced_over_rows_cpu']:.2f}x "
+        f"over {len(plan)} SuperBatches of {args.n:,} texts in {args.files:,} files"
+    )
     return _results.save(report, args.out)
 
 

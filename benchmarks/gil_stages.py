@@ -39,7 +39,9 @@ def timed(fn: Callable[[], object]) -> tuple[float, float, object]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=65_536)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=str(_results.RESULTS / "gil_stages.json"))
@@ -105,9 +107,11 @@ def main(argv: list[str] | None = None) -> dict:
         texts = got[0]  # type: ignore[index]
         w, c, hashes = timed(lambda: text_hashes(texts))
         note("text_hashes", w, c)
-        for paused in ((False, True) if r % 2 == 0 else (True, False)):  # ABBA
+        for paused in (False, True) if r % 2 == 0 else (True, False):  # ABBA
             host_path(paused)
-        w, c, window = timed(lambda: packer.tokenize(texts))  # texts joined (JoinedTokenizer), as the engine does
+        w, c, window = timed(
+            lambda: packer.tokenize(texts)
+        )  # texts joined (JoinedTokenizer), as the engine does
         note("tokenize_joined", w, c)
         w, c, _ = timed(lambda: packer.pack(window, 0, max_tokens=engine.max_tokens))
         note("pack_joined", w, c)
@@ -137,23 +141,37 @@ def main(argv: list[str] | None = None) -> dict:
     import gc
 
     report = _results.new_report(__spec__.name, argv, args)
-    report["results"] = [{"stage": name, "texts": n,
-                          "wall_us_per_text": statistics.median(x[0] for x in v) * 1e6 / n,
-                          "thread_cpu_us_per_text": statistics.median(x[1] for x in v) * 1e6 / n}
-                         for name, v in rows.items()]
+    report["results"] = [
+        {
+            "stage": name,
+            "texts": n,
+            "wall_us_per_text": statistics.median(x[0] for x in v) * 1e6 / n,
+            "thread_cpu_us_per_text": statistics.median(x[1] for x in v) * 1e6 / n,
+        }
+        for name, v in rows.items()
+    ]
     by = {r["stage"]: r["thread_cpu_us_per_text"] for r in report["results"]}
-    paths = {k: sum(by[f"{s}[{k}]"] for s in ("tokenize_encode_batch", "pack", "free_encodings"))
-             for k in ("gc_on", "gc_paused")}
-    report["summary"] = {"layout": layout, "gc_tracked_objects": len(gc.get_objects()),
-                         "torch_threads": torch.get_num_threads(),
-                         "host_path_thread_cpu_us_per_text": paths,
-                         "host_path_paused_over_on": paths["gc_paused"] / paths["gc_on"]}
+    paths = {
+        k: sum(by[f"{s}[{k}]"] for s in ("tokenize_encode_batch", "pack", "free_encodings"))
+        for k in ("gc_on", "gc_paused")
+    }
+    report["summary"] = {
+        "layout": layout,
+        "gc_tracked_objects": len(gc.get_objects()),
+        "torch_threads": torch.get_num_threads(),
+        "host_path_thread_cpu_us_per_text": paths,
+        "host_path_paused_over_on": paths["gc_paused"] / paths["gc_on"],
+    }
     out = _results.save(report, args.out)
     for r in report["results"]:
-        print(f"{r['stage']:42s} wall {r['wall_us_per_text']:7.2f} us/text   thread cpu "
-              f"{r['thread_cpu_us_per_text']:7.2f} us/text")
-    print(f"host path (tokenize + pack + free), thread CPU: {paths['gc_on']:.2f} us/text with the collector on, "
-          f"{paths['gc_paused']:.2f} paused")
+        print(
+            f"{r['stage']:42s} wall {r['wall_us_per_text']:7.2f} us/text   thread cpu "
+            f"{r['thread_cpu_us_per_text']:7.2f} us/text"
+        )
+    print(
+        f"host path (tokenize + pack + free), thread CPU: {paths['gc_on']:.2f} us/text with the collector on, "
+        f"{paths['gc_paused']:.2f} paused"
+    )
     return out
 
 

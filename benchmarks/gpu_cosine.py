@@ -27,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--ref", required=True)
     parser.add_argument("--device", default="cuda")
@@ -46,24 +48,34 @@ def main(argv: list[str] | None = None) -> dict:
     model.to(torch.float32)  # stored in fp16 to fit the transfer; the engine casts what it needs
     report: dict = {"texts": len(texts), "device": args.device, "dtypes": {}}
     dtypes = ["float16", "bfloat16"] if args.device.startswith("cuda") else ["float32"]
+
     def cosines(got: np.ndarray) -> dict:
         cos = (got * expected).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
-        return {"min_cosine": float(cos.min()), "median_cosine": float(np.median(cos)),
-                "met_0.9999": bool(cos.min() >= 0.9999)}
+        return {
+            "min_cosine": float(cos.min()),
+            "median_cosine": float(np.median(cos)),
+            "met_0.9999": bool(cos.min() >= 0.9999),
+        }
 
     for dtype in dtypes:
         engine = TransformerEngine.from_sentence_transformer(model, dtype=dtype)
-        report["dtypes"][dtype] = {**cosines(engine.encode(texts)), "loaded_by": "sentence-transformers",
-                                   "weights_dtype": str(next(engine.runner.hf.parameters()).dtype)}
+        report["dtypes"][dtype] = {
+            **cosines(engine.encode(texts)),
+            "loaded_by": "sentence-transformers",
+            "weights_dtype": str(next(engine.runner.hf.parameters()).dtype),
+        }
         engine.close()
         Path(args.out).write_text(json.dumps(report, indent=2))
         with Encoder(args.model, device=args.device, dtype=dtype) as enc:
             got = enc.encode(texts)
             impl = enc._loaded().impl
             report["dtypes"][f"{dtype} via Encoder"] = {
-                **cosines(got), "loaded_by": getattr(impl, "loaded_by", None),
-                "weights_dtype": str(next(impl.engine.runner.hf.parameters()).dtype) if getattr(impl, "engine", None)
-                else None}
+                **cosines(got),
+                "loaded_by": getattr(impl, "loaded_by", None),
+                "weights_dtype": str(next(impl.engine.runner.hf.parameters()).dtype)
+                if getattr(impl, "engine", None)
+                else None,
+            }
         Path(args.out).write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=1))
     return report

@@ -97,14 +97,16 @@ def bench_in_process(path: str, texts: list[str], device: str, st_batch_size: in
     st = SentenceTransformer(path, device=device)
     st.encode(texts[:256], batch_size=st_batch_size)  # warm-up
     _sync(device)
-    out["st_fp32_s"] = _timed(lambda: (st.encode(texts, batch_size=st_batch_size, convert_to_numpy=True),
-                                       _sync(device)))
+    out["st_fp32_s"] = _timed(
+        lambda: (st.encode(texts, batch_size=st_batch_size, convert_to_numpy=True), _sync(device))
+    )
     if device.startswith("cuda"):
         st16 = SentenceTransformer(path, device=device, model_kwargs={"torch_dtype": torch.float16})
         st16.encode(texts[:256], batch_size=st_batch_size)
         _sync(device)
-        out["st_fp16_s"] = _timed(lambda: (st16.encode(texts, batch_size=st_batch_size, convert_to_numpy=True),
-                                           _sync(device)))
+        out["st_fp16_s"] = _timed(
+            lambda: (st16.encode(texts, batch_size=st_batch_size, convert_to_numpy=True), _sync(device))
+        )
         del st16
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -141,27 +143,44 @@ def bench_surge(path: str, data: str, rows: int, device: str, work: Path, warm: 
             from dask_surge.models import cache
 
             engines = [v.engine for v in cache.loaded() if v.engine is not None]
-            return {"cpu_affinity": sorted(_os.sched_getaffinity(0)) if hasattr(_os, "sched_getaffinity") else None,
-                    "backends": sorted({v.backend for v in cache.loaded()}),
-                    "loaded_by": sorted({str(getattr(v.impl, "loaded_by", None)) for v in cache.loaded()}),
-                    "max_tokens": [e.max_tokens for e in engines], "devices": [str(e.device) for e in engines],
-                    "weights_dtype": [str(next(e.runner.hf.parameters()).dtype) for e in engines],
-                    "mask4d": [e.runner.mask4d for e in engines],
-                    "engine_stage_seconds": [dict(e.stats) for e in engines]}
+            return {
+                "cpu_affinity": sorted(_os.sched_getaffinity(0))
+                if hasattr(_os, "sched_getaffinity")
+                else None,
+                "backends": sorted({v.backend for v in cache.loaded()}),
+                "loaded_by": sorted({str(getattr(v.impl, "loaded_by", None)) for v in cache.loaded()}),
+                "max_tokens": [e.max_tokens for e in engines],
+                "devices": [str(e.device) for e in engines],
+                "weights_dtype": [str(next(e.runner.hf.parameters()).dtype) for e in engines],
+                "mask4d": [e.runner.mask4d for e in engines],
+                "engine_stage_seconds": [dict(e.stats) for e in engines],
+            }
 
         client.run(reset)
         res = dd.read_parquet(data).surge.encode("text", str(work / "out"), **kw)
         peaks = client.run(peak)
         worker_facts = client.run(facts)
     assert res.rows == rows, (res.rows, rows)
-    return {"workers": workers, "cluster": type(cluster).__name__, "surge_s": res.seconds, "ttfo_s": res.ttfo_s,
-            "superbatches": res.superbatches, "b_min": res.b_min, "b_max": res.b_max,
-            "gpu_peak_bytes_per_worker": sorted(peaks.values()), "worker_facts": worker_facts,
-            "per_superbatch": [{k: getattr(r, k) for k in ("sb", "rows", "encode_s", "write_s", "bytes", "engine")}
-                               for r in res.records]}
+    return {
+        "workers": workers,
+        "cluster": type(cluster).__name__,
+        "surge_s": res.seconds,
+        "ttfo_s": res.ttfo_s,
+        "superbatches": res.superbatches,
+        "b_min": res.b_min,
+        "b_max": res.b_max,
+        "gpu_peak_bytes_per_worker": sorted(peaks.values()),
+        "worker_facts": worker_facts,
+        "per_superbatch": [
+            {k: getattr(r, k) for k in ("sb", "rows", "encode_s", "write_s", "bytes", "engine")}
+            for r in res.records
+        ],
+    }
 
 
-def check_cosine(path: str, out_dir: Path, texts_by_doc: dict[int, str], device: str, sample: int = 2000) -> float:
+def check_cosine(
+    path: str, out_dir: Path, texts_by_doc: dict[int, str], device: str, sample: int = 2000
+) -> float:
     """Min cosine of dask-surge's output against ST fp32 on CPU for a sample of rows."""
     from sentence_transformers import SentenceTransformer
 
@@ -178,13 +197,23 @@ def check_cosine(path: str, out_dir: Path, texts_by_doc: dict[int, str], device:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="", help="name=path,... (random-weight models built by arch_model.py)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models", default="", help="name=path,... (random-weight models built by arch_model.py)"
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu to try the script")
     parser.add_argument("--rows", type=int, default=2_000_000, help="texts dask-surge encodes")
-    parser.add_argument("--st-rows", type=int, default=200_000, help="texts for the in-process ST/engine runs")
-    parser.add_argument("--st-batch-size", type=int, default=1024,
-                        help="SentenceTransformer.encode batch_size (1024: its best on the H200)")
+    parser.add_argument(
+        "--st-rows", type=int, default=200_000, help="texts for the in-process ST/engine runs"
+    )
+    parser.add_argument(
+        "--st-batch-size",
+        type=int,
+        default=1024,
+        help="SentenceTransformer.encode batch_size (1024: its best on the H200)",
+    )
     parser.add_argument("--partitions", type=int, default=None, help="default rows / 200")
     parser.add_argument("--sigma", type=float, default=1.72)
     parser.add_argument("--seed", type=int, default=0)
@@ -207,8 +236,12 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "device": args.device},
-        "rows": args.rows, "partitions": partitions, "sigma": args.sigma, "st_rows": args.st_rows,
-        "data_seconds": time.perf_counter() - t0, "models": {},
+        "rows": args.rows,
+        "partitions": partitions,
+        "sigma": args.sigma,
+        "st_rows": args.st_rows,
+        "data_seconds": time.perf_counter() - t0,
+        "models": {},
     }
     try:
         import torch
@@ -225,14 +258,19 @@ def main(argv: list[str] | None = None) -> dict:
     for name, path in _parse_models(args.models, args.device).items():
         entry = report["models"].setdefault(name, {"path": path})
         try:
-            entry["tokens_per_text_data"] = _tokens(path, table["text"].tolist()[:20_000]) / min(20_000, len(table))
+            entry["tokens_per_text_data"] = _tokens(path, table["text"].tolist()[:20_000]) / min(
+                20_000, len(table)
+            )
             entry["tokens_per_text_st"] = _tokens(path, st_texts[:20_000]) / min(20_000, len(st_texts))
-            entry.update(bench_surge(path, str(work / "data"), args.rows, args.device, work / name,
-                                     str(work / "warm")))
+            entry.update(
+                bench_surge(path, str(work / "data"), args.rows, args.device, work / name, str(work / "warm"))
+            )
             save()
             entry.update(bench_in_process(path, st_texts, args.device, args.st_batch_size))
             save()
-            entry["min_cosine_vs_st_fp32"] = check_cosine(path, work / name / "out", texts_by_doc, args.device)
+            entry["min_cosine_vs_st_fp32"] = check_cosine(
+                path, work / name / "out", texts_by_doc, args.device
+            )
         except Exception:  # noqa: BLE001 - keep what was measured, say what failed
             entry["error"] = traceback.format_exc()
         for key in ("st_fp32_s", "st_fp16_s", "engine_s"):

@@ -24,7 +24,9 @@ sys.path.insert(0, str(HERE))
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--dir", default=".gpu")
     args = parser.parse_args(argv)
@@ -46,7 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     model.to(torch.float16)
     model.save(str(out / "minilm-real-fp16"), safe_serialization=True)
     size = sum(p.stat().st_size for p in (out / "minilm-real-fp16").rglob("*") if p.is_file())
-    print(f"wrote {out / 'minilm-real-fp16'} ({size / 2**20:.1f} MiB) and {out / 'minilm-ref.json'} ({len(texts)} texts)")
+    print(
+        f"wrote {out / 'minilm-real-fp16'} ({size / 2**20:.1f} MiB) and {out / 'minilm-ref.json'} ({len(texts)} texts)"
+    )
 
 
 if __name__ == "__main__":

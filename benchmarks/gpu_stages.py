@@ -77,13 +77,29 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # the parent must not initialise CUDA before forking
+os.environ.setdefault(
+    "PYTORCH_NVML_BASED_CUDA_CHECK", "1"
+)  # the parent must not initialise CUDA before forking
 
 #: Texts per set at full scale (the H200) and in the dry run; set B is set A's first files.
-SIZES = {"full": {"rows_a": 1_000_000, "b_fraction": 0.25, "engine_texts": 200_000, "st_texts": 40_000,
-                  "bert_texts": 40_000, "decoder_texts": 10_000},
-         "try": {"rows_a": 3_000, "b_fraction": 0.4, "engine_texts": 400, "st_texts": 200, "bert_texts": 200,
-                 "decoder_texts": 200}}
+SIZES = {
+    "full": {
+        "rows_a": 1_000_000,
+        "b_fraction": 0.25,
+        "engine_texts": 200_000,
+        "st_texts": 40_000,
+        "bert_texts": 40_000,
+        "decoder_texts": 10_000,
+    },
+    "try": {
+        "rows_a": 3_000,
+        "b_fraction": 0.4,
+        "engine_texts": 400,
+        "st_texts": 200,
+        "bert_texts": 200,
+        "decoder_texts": 200,
+    },
+}
 
 #: The model forward alone on pre-tokenized, length-sorted ids, one H200 in fp16, synthetic English-like
 #: texts of about 27 tokens (the design notes' measured anchors): what the ``engine`` stage's
@@ -110,9 +126,12 @@ class Session:
     def emit(self, status: str = "partial", **fields) -> None:
         """Append one JSON line for the current stage (one write: lines of stages never interleave)."""
         if status not in ("partial", "timeout", "crashed"):
-            fields.setdefault("loaded_by", self.loaded_by)  # every stage's final line says what loaded its model
-        line = json.dumps({"stage": self.stage, "status": status, "t": round(time.time(), 3), **fields},
-                          default=str)
+            fields.setdefault(
+                "loaded_by", self.loaded_by
+            )  # every stage's final line says what loaded its model
+        line = json.dumps(
+            {"stage": self.stage, "status": status, "t": round(time.time(), 3), **fields}, default=str
+        )
         fd = os.open(self.results, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, (line + "\n").encode())
@@ -132,7 +151,9 @@ class Session:
 
             path = self.work / f"tiny-{which}"
             if not (path / "modules.json").is_file():
-                make_tiny_model(path, hidden_size=32 if which == "minilm" else 48, seed=1 if which == "bert" else 0)
+                make_tiny_model(
+                    path, hidden_size=32 if which == "minilm" else 48, seed=1 if which == "bert" else 0
+                )
             return str(path)
         return self.args.minilm if which == "minilm" else self.args.bert
 
@@ -147,7 +168,9 @@ class Session:
         if env:
             os.environ.update(env)  # spawned workers inherit it; this child's own environment only
         if self.trying and not self.args.processes:
-            return local_cluster(n_workers=1, threads_per_worker=threads or 2, processes=False, protocol="tcp")
+            return local_cluster(
+                n_workers=1, threads_per_worker=threads or 2, processes=False, protocol="tcp"
+            )
         if self.trying:
             return local_cluster(n_workers=1, threads_per_worker=threads or 2)
         return local_cluster(**({"threads_per_worker": threads} if threads else {}))
@@ -157,8 +180,19 @@ def _versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "sentence-transformers", "tokenizers", "pyarrow", "numpy", "pandas",
-                 "dask", "distributed", "dask-cuda", "nvidia-ml-py"):
+    for name in (
+        "torch",
+        "transformers",
+        "sentence-transformers",
+        "tokenizers",
+        "pyarrow",
+        "numpy",
+        "pandas",
+        "dask",
+        "distributed",
+        "dask-cuda",
+        "nvidia-ml-py",
+    ):
         try:
             out[name] = version(name)
         except PackageNotFoundError:
@@ -181,8 +215,16 @@ def _host_pinned() -> dict:
     if stats is None or not torch.cuda.is_available():
         return {}
     s = stats()
-    return {k: s.get(k) for k in ("allocated_bytes.current", "reserved_bytes.current", "allocated_bytes.peak",
-                                   "reserved_bytes.peak") if k in s}
+    return {
+        k: s.get(k)
+        for k in (
+            "allocated_bytes.current",
+            "reserved_bytes.current",
+            "allocated_bytes.peak",
+            "reserved_bytes.peak",
+        )
+        if k in s
+    }
 
 
 # -- stages -------------------------------------------------------------------------------------------
@@ -191,9 +233,14 @@ def stage_preflight(s: Session) -> None:
     import _noop_forward  # benchmarks/, on the path as this script's folder
     import torch
 
-    facts: dict = {"versions": _versions(), "cpus": os.cpu_count(),
-                   "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
-    if Path("/dev/shm").is_dir():  # the tokenizing helpers hand ids back through it (a small one: they fall back)
+    facts: dict = {
+        "versions": _versions(),
+        "cpus": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+    if Path(
+        "/dev/shm"
+    ).is_dir():  # the tokenizing helpers hand ids back through it (a small one: they fall back)
         facts["dev_shm_free_bytes"] = shutil.disk_usage("/dev/shm").free
     problems = []
     facts["cuda_available"] = torch.cuda.is_available()
@@ -222,25 +269,34 @@ def stage_preflight(s: Session) -> None:
             continue
         enc, engine, loaded = _encoder(s, which)
         if engine is None:
-            problems.append(f"the fast engine refused {which} ({loaded['backend_reason']}): "
-                            "the run would measure sentence-transformers")
+            problems.append(
+                f"the fast engine refused {which} ({loaded['backend_reason']}): "
+                "the run would measure sentence-transformers"
+            )
             enc.close()
             continue
         out = engine.encode(["a preflight text", "", "two words"] * 50)
         if not (out.shape == (150, engine.dimension) and bool((out == out).all())):
             problems.append(f"{which}: bad output {out.shape}")
-        engines[which] = {**loaded, "mask4d": engine.runner.mask4d, "max_tokens": engine.max_tokens, "feeder": engine.use_feeder,
-                          "weights_dtype": str(next(engine.runner.hf.parameters()).dtype),
-                          "staging_pinned": bool(engine.runner.staging is not None and engine.runner.staging.is_pinned()),
-                          "async_finish": engine.runner.side_stream is not None,
-                          "noop": _noop_forward.is_patched(),
-                          # the tokenizing helpers (surge.tuning.tokenize-processes; 0 by default): started, or why not
-                          "tokenize_processes": engine.packer.processes,
-                          "tokenize_pool_started": engine.packer._pool is not None,
-                          "tokenize_pool_failure": engine.packer._pool_failure}
+        engines[which] = {
+            **loaded,
+            "mask4d": engine.runner.mask4d,
+            "max_tokens": engine.max_tokens,
+            "feeder": engine.use_feeder,
+            "weights_dtype": str(next(engine.runner.hf.parameters()).dtype),
+            "staging_pinned": bool(engine.runner.staging is not None and engine.runner.staging.is_pinned()),
+            "async_finish": engine.runner.side_stream is not None,
+            "noop": _noop_forward.is_patched(),
+            # the tokenizing helpers (surge.tuning.tokenize-processes; 0 by default): started, or why not
+            "tokenize_processes": engine.packer.processes,
+            "tokenize_pool_started": engine.packer._pool is not None,
+            "tokenize_pool_failure": engine.packer._pool_failure,
+        }
         if _noop_forward.is_patched():
-            problems.append("the forward pass is the benchmark's no-op (benchmarks/_noop_forward.py): "
-                            "every embedding would be zero")
+            problems.append(
+                "the forward pass is the benchmark's no-op (benchmarks/_noop_forward.py): "
+                "every embedding would be zero"
+            )
         if s.device == "cuda" and not engines[which]["staging_pinned"]:
             problems.append("results did not go through the pinned staging buffer")
         enc.close()
@@ -264,8 +320,9 @@ def stage_data(s: Session) -> None:
     warm = [str(f) for f in write_partitioned_parquet(s.work / "warm", sizes[:20], seed=1)]
     k = max(1, int(len(files) * s.sizes["b_fraction"]))
     b_rows = int(sum(sizes[:k]))
-    (s.work / "data.json").write_text(json.dumps({"a": files, "b": files[:k], "warm": warm, "rows_a": rows,
-                                                  "rows_b": b_rows}))
+    (s.work / "data.json").write_text(
+        json.dumps({"a": files, "b": files[:k], "warm": warm, "rows_a": rows, "rows_b": b_rows})
+    )
     s.emit("ok", rows_a=rows, files_a=len(files), rows_b=b_rows, files_b=k, seconds=time.perf_counter() - t0)
 
 
@@ -287,8 +344,11 @@ def _watch(s: Session, out: Path, stop, every: float) -> None:
                 except Exception:  # noqa: BLE001 - a file being written: next time
                     continue
         rows = sum(seen.values())
-        s.emit(progress_rows=rows, progress_s=time.perf_counter() - t0,
-               progress_texts_per_s=rows / (time.perf_counter() - t0))
+        s.emit(
+            progress_rows=rows,
+            progress_s=time.perf_counter() - t0,
+            progress_texts_per_s=rows / (time.perf_counter() - t0),
+        )
 
 
 def _surge(s: Session, client, model: str, files: list[str], name: str) -> dict:
@@ -302,15 +362,23 @@ def _surge(s: Session, client, model: str, files: list[str], name: str) -> dict:
     if name != "warm":
         watcher.start()
     try:
-        res = dd.read_parquet(files).surge.encode("text", str(out), model=model, device=s.device, progress=False,
-                                                  keep=["doc_id"])
+        res = dd.read_parquet(files).surge.encode(
+            "text", str(out), model=model, device=s.device, progress=False, keep=["doc_id"]
+        )
     finally:
         stop.set()
     recs = res.records
-    return {"rows": res.rows, "seconds": res.seconds, "texts_per_s": res.rows / res.seconds, "ttfo_s": res.ttfo_s,
-            "superbatches": res.superbatches, "encode_s_sum": float(sum(r.encode_s for r in recs)),
-            "write_s_sum": float(sum(r.write_s for r in recs)),
-            "engine": sorted({r.engine for r in recs}), "_records": [r.as_dict() for r in recs]}
+    return {
+        "rows": res.rows,
+        "seconds": res.seconds,
+        "texts_per_s": res.rows / res.seconds,
+        "ttfo_s": res.ttfo_s,
+        "superbatches": res.superbatches,
+        "encode_s_sum": float(sum(r.encode_s for r in recs)),
+        "write_s_sum": float(sum(r.write_s for r in recs)),
+        "engine": sorted({r.engine for r in recs}),
+        "_records": [r.as_dict() for r in recs],
+    }
 
 
 def _worker_facts() -> dict:
@@ -319,15 +387,20 @@ def _worker_facts() -> dict:
     from dask_surge.models import cache
 
     engines = [v.engine for v in cache.loaded() if v.engine is not None]
-    out = {"backends": sorted({v.backend for v in cache.loaded()}),
-           "loaded_by": sorted({str(getattr(v.impl, "loaded_by", None)) for v in cache.loaded()}),
-           "backend_reasons": sorted({v.reason for v in cache.loaded()}),
-           "weights_dtype": sorted({str(next(e.runner.hf.parameters()).dtype) for e in engines}), "max_tokens": [e.max_tokens for e in engines],
-           "tokenize_processes": [e.packer.processes for e in engines],
-           "mask4d": [e.runner.mask4d for e in engines], "stage_seconds": [dict(e.stats) for e in engines],
-           "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM"), "arrow_cpu_count": pa.cpu_count(),
-           "omp": os.environ.get("OMP_NUM_THREADS"),
-           "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None}
+    out = {
+        "backends": sorted({v.backend for v in cache.loaded()}),
+        "loaded_by": sorted({str(getattr(v.impl, "loaded_by", None)) for v in cache.loaded()}),
+        "backend_reasons": sorted({v.reason for v in cache.loaded()}),
+        "weights_dtype": sorted({str(next(e.runner.hf.parameters()).dtype) for e in engines}),
+        "max_tokens": [e.max_tokens for e in engines],
+        "tokenize_processes": [e.packer.processes for e in engines],
+        "mask4d": [e.runner.mask4d for e in engines],
+        "stage_seconds": [dict(e.stats) for e in engines],
+        "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM"),
+        "arrow_cpu_count": pa.cpu_count(),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
     try:
         import torch
 
@@ -379,8 +452,11 @@ def stage_host(s: Session) -> None:
             tok.encode_batch(texts[:1000])
             t = time.perf_counter()
             enc = tok.encode_batch(texts)
-            return {"texts": len(texts), "seconds": time.perf_counter() - t,
-                    "tokens": int(sum(len(e.ids) for e in enc))}
+            return {
+                "texts": len(texts),
+                "seconds": time.perf_counter() - t,
+                "tokens": int(sum(len(e.ids) for e in enc)),
+            }
 
         (tok,) = client.run(tokenize_in_worker, files, model).values()
         tok["texts_per_s"] = tok["texts"] / tok["seconds"]
@@ -406,12 +482,20 @@ def stage_host(s: Session) -> None:
         cpu_tuned.pop("_records")
         client.run(_set_tuning, "auto")
         unregister(client)  # a dry run's worker shares this process: the real forward again
-    s.emit("ok", tokenizer_in_worker=tok, warm_s=warm_s, surge_noop=noop, worker=facts, gil=gil,
-           ratio_noop_over_tokenizer=noop["texts_per_s"] / tok["texts_per_s"],
-           surge_noop_tokenize_in_worker=in_worker,
-           ratio_helpers_over_in_worker=noop["texts_per_s"] / in_worker["texts_per_s"],
-           surge_noop_cpu_tuning=cpu_tuned, cpu_tuning=list(CPU_TUNING),
-           ratio_cpu_tuning_over_auto=cpu_tuned["texts_per_s"] / in_worker["texts_per_s"])
+    s.emit(
+        "ok",
+        tokenizer_in_worker=tok,
+        warm_s=warm_s,
+        surge_noop=noop,
+        worker=facts,
+        gil=gil,
+        ratio_noop_over_tokenizer=noop["texts_per_s"] / tok["texts_per_s"],
+        surge_noop_tokenize_in_worker=in_worker,
+        ratio_helpers_over_in_worker=noop["texts_per_s"] / in_worker["texts_per_s"],
+        surge_noop_cpu_tuning=cpu_tuned,
+        cpu_tuning=list(CPU_TUNING),
+        ratio_cpu_tuning_over_auto=cpu_tuned["texts_per_s"] / in_worker["texts_per_s"],
+    )
 
 
 #: Issue 27's bound on the GIL a worker holds per text, with the forward a no-op.
@@ -440,11 +524,18 @@ def _gil_sampled(s: Session, client, run) -> tuple[dict, dict]:
         return result, {"error": "py-spy took no sample of the workers (ptrace refused here?)"}
     by_thread = host_ceiling.gil_by_thread(sampled)  # seconds
     us = held * 1e6 / rows
-    return result, {"gil_us_per_text": round(us, 3), "target_us_per_text": GIL_TARGET_US, "met": us <= GIL_TARGET_US,
-                    "by_thread_us_per_text": {k: round(v * 1e6 / rows, 3)
-                                              for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1])},
-                    "event_loop_ms_per_s": round(by_thread.get("MainThread", 0.0) * 1e3 / seconds, 2),
-                    "workers": len(profiles), "rate_hz": sampled["rate_hz"], "texts_per_s": round(rows / seconds, 1)}
+    return result, {
+        "gil_us_per_text": round(us, 3),
+        "target_us_per_text": GIL_TARGET_US,
+        "met": us <= GIL_TARGET_US,
+        "by_thread_us_per_text": {
+            k: round(v * 1e6 / rows, 3) for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1])
+        },
+        "event_loop_ms_per_s": round(by_thread.get("MainThread", 0.0) * 1e3 / seconds, 2),
+        "workers": len(profiles),
+        "rate_hz": sampled["rate_hz"],
+        "texts_per_s": round(rows / seconds, 1),
+    }
 
 
 #: The host-side settings measured only on a CPU, off on a GPU under "auto" (dask_surge/engine/tuning.py);
@@ -490,8 +581,16 @@ def _stage_surge(s: Session, which: str, files_set: str, threads: int | None = N
         run = _surge(s, client, model, s.files(files_set), which + tag)
         (facts,) = client.run(_worker_facts).values()
     s.save_detail(f"{s.stage}{tag}_superbatches.json", run.pop("_records"))
-    return {"model": which, "set": files_set, "threads": threads, "cluster_start_s": start, "warm_s": warm_s, **run,
-            "task_resources": resources, "worker": facts}
+    return {
+        "model": which,
+        "set": files_set,
+        "threads": threads,
+        "cluster_start_s": start,
+        "warm_s": warm_s,
+        **run,
+        "task_resources": resources,
+        "worker": facts,
+    }
 
 
 def stage_surge_minilm(s: Session) -> None:
@@ -511,11 +610,18 @@ def stage_inflight(s: Session) -> None:
     for n in (2, 4):
         with dask.config.set({"surge.superbatches-per-gpu": n}):
             runs[n] = _stage_surge(s, "minilm", "b", threads=n, tag=f"_n{n}")
-        s.emit(superbatches_per_gpu=n, texts_per_s=runs[n]["texts_per_s"], seconds=runs[n]["seconds"],
-               task_resources=runs[n]["task_resources"])
-    s.emit("ok", texts_per_s={n: r["texts_per_s"] for n, r in runs.items()},
-           task_resources={n: r["task_resources"] for n, r in runs.items()},
-           ratio_4_over_2=runs[4]["texts_per_s"] / runs[2]["texts_per_s"])
+        s.emit(
+            superbatches_per_gpu=n,
+            texts_per_s=runs[n]["texts_per_s"],
+            seconds=runs[n]["seconds"],
+            task_resources=runs[n]["task_resources"],
+        )
+    s.emit(
+        "ok",
+        texts_per_s={n: r["texts_per_s"] for n, r in runs.items()},
+        task_resources={n: r["task_resources"] for n, r in runs.items()},
+        ratio_4_over_2=runs[4]["texts_per_s"] / runs[2]["texts_per_s"],
+    )
 
 
 def _encoder(s: Session, which: str = "minilm"):
@@ -528,9 +634,12 @@ def _encoder(s: Session, which: str = "minilm"):
     enc = Encoder(s.model(which), device=s.device)
     impl = enc._loaded().impl
     engine = enc.engine
-    loaded = {"backend": enc.backend, "backend_reason": enc.backend_reason,
-              "loaded_by": getattr(impl, "loaded_by", None),
-              "weights_dtype": str(next(engine.runner.hf.parameters()).dtype) if engine is not None else None}
+    loaded = {
+        "backend": enc.backend,
+        "backend_reason": enc.backend_reason,
+        "loaded_by": getattr(impl, "loaded_by", None),
+        "weights_dtype": str(next(engine.runner.hf.parameters()).dtype) if engine is not None else None,
+    }
     s.loaded_by = loaded["loaded_by"]
     return enc, engine, loaded
 
@@ -582,10 +691,19 @@ def _forward_only(s: Session, engine, texts: list[str], which: str) -> dict:
     seconds = min(runs)
     rate = rows / seconds
     ceiling = None if s.trying else FORWARD_CEILING_TEXTS_PER_S.get(which)
-    return {"texts": rows, "micro_batches": len(batches), "seconds": seconds, "seconds_each": runs, "texts_per_s": rate,
-            "tokens_per_s": real / seconds, "tokens_per_text": real / max(rows, 1),
-            "padding_share": 1 - real / max(padded, 1), "masked_batches": sum(v is not None for _, v in batches),
-            "ceiling_texts_per_s": ceiling, "over_ceiling": rate / ceiling if ceiling else None}
+    return {
+        "texts": rows,
+        "micro_batches": len(batches),
+        "seconds": seconds,
+        "seconds_each": runs,
+        "texts_per_s": rate,
+        "tokens_per_s": real / seconds,
+        "tokens_per_text": real / max(rows, 1),
+        "padding_share": 1 - real / max(padded, 1),
+        "masked_batches": sum(v is not None for _, v in batches),
+        "ceiling_texts_per_s": ceiling,
+        "over_ceiling": rate / ceiling if ceiling else None,
+    }
 
 
 def _engine_rate(s: Session, engine, texts: list[str]) -> dict:
@@ -596,8 +714,12 @@ def _engine_rate(s: Session, engine, texts: list[str]) -> dict:
     engine.encode(texts)
     _sync(s.device)
     seconds = time.perf_counter() - t
-    return {"engine_s": seconds, "engine_texts_per_s": len(texts) / seconds, "max_tokens": engine.max_tokens,
-            "mask4d": engine.runner.mask4d}
+    return {
+        "engine_s": seconds,
+        "engine_texts_per_s": len(texts) / seconds,
+        "max_tokens": engine.max_tokens,
+        "mask4d": engine.runner.mask4d,
+    }
 
 
 def stage_engine(s: Session) -> None:
@@ -614,8 +736,11 @@ def stage_engine(s: Session) -> None:
     out = {"model": "minilm", **loaded, "texts": len(texts), **_engine_rate(s, engine, texts)}
     s.emit(**out)
     forward = _forward_only(s, engine, texts, "minilm")
-    out.update(forward_only=forward, forward_only_texts_per_s=forward["texts_per_s"],
-               engine_over_forward_only=out["engine_texts_per_s"] / forward["texts_per_s"])
+    out.update(
+        forward_only=forward,
+        forward_only_texts_per_s=forward["texts_per_s"],
+        engine_over_forward_only=out["engine_texts_per_s"] / forward["texts_per_s"],
+    )
     s.emit(**out)
     engine.split_runs = False  # issue 27 item 5 on the GPU: the greedy cut, every micro-batch masked
     t = time.perf_counter()
@@ -626,7 +751,11 @@ def stage_engine(s: Session) -> None:
     engine.split_runs = True
     for _ in range(3):  # more calls must not grow the pinned memory
         engine.encode(texts[: len(texts) // 4])
-    out.update(stage_seconds=dict(engine.stats), host_pinned_before=before, host_pinned_after_more_calls=_host_pinned())
+    out.update(
+        stage_seconds=dict(engine.stats),
+        host_pinned_before=before,
+        host_pinned_after_more_calls=_host_pinned(),
+    )
     s.emit(**out)
     enc.close()
     del engine, enc
@@ -641,8 +770,12 @@ def stage_engine(s: Session) -> None:
     st16.encode(st_texts, batch_size=1024, convert_to_numpy=True)
     _sync(s.device)
     st_s = time.perf_counter() - t
-    out.update(st_loaded_by="sentence-transformers", st_texts=len(st_texts), st_texts_per_s=len(st_texts) / st_s,
-               engine_over_st=out["engine_texts_per_s"] / (len(st_texts) / st_s))
+    out.update(
+        st_loaded_by="sentence-transformers",
+        st_texts=len(st_texts),
+        st_texts_per_s=len(st_texts) / st_s,
+        engine_over_st=out["engine_texts_per_s"] / (len(st_texts) / st_s),
+    )
     s.emit(**out)
     del model, st16
     if s.device == "cuda":
@@ -661,9 +794,18 @@ def stage_engine(s: Session) -> None:
 
 
 #: Qwen3-Embedding-0.6B's shape (its config.json), less the vocabulary: the carried tokenizer's is used.
-QWEN3_06B_SHAPE = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-                   "head_dim": 128, "intermediate_size": 3072, "max_position_embeddings": 32768,
-                   "rope_theta": 1_000_000, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
+QWEN3_06B_SHAPE = {
+    "hidden_size": 1024,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 3072,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1_000_000,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
 
 
 def _decoder_model(s: Session) -> str:
@@ -691,10 +833,16 @@ def _decoder_model(s: Session) -> str:
     model.save_pretrained(str(base))
     tokenizer.save_pretrained(str(base))
     del model
-    modules = [Transformer(str(base), max_seq_length=512), Pooling(1024, pooling_mode="lasttoken"), Normalize()]
-    SentenceTransformer(modules=modules, device="cpu",
-                        prompts={"query": "Instruct: Given a query, retrieve relevant passages\nQuery: "}
-                        ).save(str(path))
+    modules = [
+        Transformer(str(base), max_seq_length=512),
+        Pooling(1024, pooling_mode="lasttoken"),
+        Normalize(),
+    ]
+    SentenceTransformer(
+        modules=modules,
+        device="cpu",
+        prompts={"query": "Instruct: Given a query, retrieve relevant passages\nQuery: "},
+    ).save(str(path))
     return str(path)
 
 
@@ -710,15 +858,23 @@ def stage_decoder(s: Session) -> None:
 
     t = time.perf_counter()
     path = _decoder_model(s)
-    out: dict = {"model": "qwen3-0.6b-shaped" if not s.trying else "tiny-decoder", "build_s": time.perf_counter() - t,
-                 "shape": QWEN3_06B_SHAPE if not s.trying else "tiny", "vocab_note": "the MiniLM tokenizer's 30,522"}
+    out: dict = {
+        "model": "qwen3-0.6b-shaped" if not s.trying else "tiny-decoder",
+        "build_s": time.perf_counter() - t,
+        "shape": QWEN3_06B_SHAPE if not s.trying else "tiny",
+        "vocab_note": "the MiniLM tokenizer's 30,522",
+    }
     texts = make_texts(s.sizes["decoder_texts"], seed=11)
     enc = Encoder(path, device=s.device)
     engine = enc.engine
     impl = enc._loaded().impl
     s.loaded_by = getattr(impl, "loaded_by", None)
-    out.update(backend=enc.backend, backend_reason=enc.backend_reason, texts=len(texts),
-               weights_dtype=str(next(engine.runner.hf.parameters()).dtype) if engine is not None else None)
+    out.update(
+        backend=enc.backend,
+        backend_reason=enc.backend_reason,
+        texts=len(texts),
+        weights_dtype=str(next(engine.runner.hf.parameters()).dtype) if engine is not None else None,
+    )
     if engine is None:
         s.emit("error", reason="the fast engine did not take the decoder", **out)
         enc.close()
@@ -739,8 +895,12 @@ def stage_decoder(s: Session) -> None:
     _sync(s.device)
     st_s = time.perf_counter() - t
     want = np.asarray(st16.encode(texts[:512], batch_size=256, convert_to_numpy=True), dtype=np.float32)
-    out.update(st_loaded_by="sentence-transformers", st_texts_per_s=len(texts) / st_s,
-               engine_over_st=out["engine_texts_per_s"] / (len(texts) / st_s), min_cosine=min_cosine(got, want))
+    out.update(
+        st_loaded_by="sentence-transformers",
+        st_texts_per_s=len(texts) / st_s,
+        engine_over_st=out["engine_texts_per_s"] / (len(texts) / st_s),
+        min_cosine=min_cosine(got, want),
+    )
     s.emit("ok", **out)
 
 
@@ -759,7 +919,9 @@ class _ForwardTimeline:
 
         self.cuda, self.engine = cuda, engine
         self.spans: list = []  # (call, start, end): events or seconds
-        self.calls: dict[int, tuple[int, object]] = {}  # id(out) -> (call number, out kept alive: no id reuse)
+        self.calls: dict[
+            int, tuple[int, object]
+        ] = {}  # id(out) -> (call number, out kept alive: no id reuse)
         self.current = -1
         forward, run_block = engine._forward, engine._run_block
 
@@ -811,13 +973,29 @@ class _ForwardTimeline:
         busy_ms = float(sum(b - a for _, a, b in rows))
 
         def stats(x) -> dict:
-            return ({"n": len(x), "median_ms": float(np.median(x)), "mean_ms": float(x.mean()),
-                     "max_ms": float(x.max()), "sum_ms": float(x.sum())} if len(x) else {"n": 0})
+            return (
+                {
+                    "n": len(x),
+                    "median_ms": float(np.median(x)),
+                    "mean_ms": float(x.mean()),
+                    "max_ms": float(x.max()),
+                    "sum_ms": float(x.sum()),
+                }
+                if len(x)
+                else {"n": 0}
+            )
 
-        return {"forwards": len(rows), "calls": len(last), "call_switches": switches, "span_ms": span_ms,
-                "forward_ms": busy_ms, "busy_fraction_of_span": busy_ms / span_ms if span_ms > 0 else None,
-                "gap_after_call_end": stats(after_end), "gap_within_call": stats(within),
-                "idle_ms": float(gaps.sum()) if len(gaps) else 0.0}
+        return {
+            "forwards": len(rows),
+            "calls": len(last),
+            "call_switches": switches,
+            "span_ms": span_ms,
+            "forward_ms": busy_ms,
+            "busy_fraction_of_span": busy_ms / span_ms if span_ms > 0 else None,
+            "gap_after_call_end": stats(after_end),
+            "gap_within_call": stats(within),
+            "idle_ms": float(gaps.sum()) if len(gaps) else 0.0,
+        }
 
 
 def stage_busy(s: Session) -> None:
@@ -842,8 +1020,16 @@ def stage_busy(s: Session) -> None:
     wall = time.perf_counter() - t
     one = timeline.summary()
     busy = one.get("forward_ms", 0.0) / 1e3
-    out = {**loaded, "texts": len(texts), "forwards": one["forwards"], "wall_s": wall, "forward_s": busy,
-           "busy_fraction": busy / wall, "one_call": one, "clock": "cuda events" if cuda else "perf_counter (CPU dry run)"}
+    out = {
+        **loaded,
+        "texts": len(texts),
+        "forwards": one["forwards"],
+        "wall_s": wall,
+        "forward_s": busy,
+        "busy_fraction": busy / wall,
+        "one_call": one,
+        "clock": "cuda events" if cuda else "perf_counter (CPU dry run)",
+    }
     s.emit(**out)
 
     # two threads, each encoding its calls one after another (as two SuperBatches in flight per GPU do)
@@ -877,8 +1063,12 @@ def stage_busy(s: Session) -> None:
             th.join()
         _sync(s.device)
         wall = time.perf_counter() - t
-        two[mode] = {"wall_s": wall, "texts_per_s": sum(map(len, calls)) / wall, "errors": errors,
-                     **timeline.summary()}
+        two[mode] = {
+            "wall_s": wall,
+            "texts_per_s": sum(map(len, calls)) / wall,
+            "errors": errors,
+            **timeline.summary(),
+        }
         s.emit(two_threads_mode=mode, **two[mode])
     out["two_threads"] = two
     out["two_threads_texts_per_call"] = per_call
@@ -894,8 +1084,11 @@ def stage_cosine(s: Session) -> None:
     real, ref = Path(s.args.real), Path(s.args.ref)
     if s.trying or not (real / "modules.json").is_file() or not ref.is_file():
         if not s.trying:
-            s.emit("skipped", reason=f"no real MiniLM weights at {real} or no reference {ref}: run "
-                                     "benchmarks/gpu_prepare.py on the CPU machine before the session")
+            s.emit(
+                "skipped",
+                reason=f"no real MiniLM weights at {real} or no reference {ref}: run "
+                "benchmarks/gpu_prepare.py on the CPU machine before the session",
+            )
             return
         # dry run: the tiny model, its own CPU fp32 output as the reference (exercises the code path), even
         # where .gpu/ holds the real weights: MiniLM in fp16 and bf16 on a CPU outlasts the halved timeout
@@ -910,8 +1103,18 @@ def stage_cosine(s: Session) -> None:
     sys.path.insert(0, str(HERE))
     import gpu_cosine
 
-    report = gpu_cosine.main(["--model", str(real), "--ref", str(ref), "--device", s.device,
-                              "--out", str(s.detail / "cosine.json")])
+    report = gpu_cosine.main(
+        [
+            "--model",
+            str(real),
+            "--ref",
+            str(ref),
+            "--device",
+            s.device,
+            "--out",
+            str(s.detail / "cosine.json"),
+        ]
+    )
     # the headline: fp16 (what the workers compute in on CUDA; float32 in the dry run), loaded as the
     # workers load the model ("via Encoder"); bf16 and the engine on sentence-transformers' load beside it
     dtypes = report["dtypes"]
@@ -919,11 +1122,18 @@ def stage_cosine(s: Session) -> None:
     main = dtypes.get(f"{head} via Encoder") or dtypes[head]
     bf16 = dtypes.get("bfloat16 via Encoder") or dtypes.get("bfloat16") or {}
     s.loaded_by = main.get("loaded_by")
-    s.emit("ok", headline_dtype=head, min_cosine=main["min_cosine"], median_cosine=main["median_cosine"],
-           met_0_9999=main["min_cosine"] >= 0.9999, min_cosine_bf16=bf16.get("min_cosine"),
-           median_cosine_bf16=bf16.get("median_cosine"),
-           met_0_9999_bf16=None if not bf16 else bf16["min_cosine"] >= 0.9999,
-           min_cosine_any=min(d["min_cosine"] for d in dtypes.values()), **report)
+    s.emit(
+        "ok",
+        headline_dtype=head,
+        min_cosine=main["min_cosine"],
+        median_cosine=main["median_cosine"],
+        met_0_9999=main["min_cosine"] >= 0.9999,
+        min_cosine_bf16=bf16.get("min_cosine"),
+        median_cosine_bf16=bf16.get("median_cosine"),
+        met_0_9999_bf16=None if not bf16 else bf16["min_cosine"] >= 0.9999,
+        min_cosine_any=min(d["min_cosine"] for d in dtypes.values()),
+        **report,
+    )
 
 
 def stage_pytest(s: Session) -> None:
@@ -941,18 +1151,34 @@ def stage_pytest(s: Session) -> None:
                 counts[key] = counts.get(key, 0) + 1
                 if report.outcome != "passed":
                     counts.setdefault("not_passed", []).append(
-                        [report.nodeid, report.when, str(report.longrepr)[-300:]])
+                        [report.nodeid, report.when, str(report.longrepr)[-300:]]
+                    )
 
     os.chdir(ROOT)
     # the parent imported pytest's plugins' modules already (anyio): their rewrite warning is no failure
-    rc = pytest.main(["-q", "-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning",
-                      "-m", "gpu", "--junitxml", str(s.detail / "pytest_gpu.xml"),
-                      "tests/test_devices.py", "tests/test_engine.py", "tests/test_device_finish.py"],
-                     plugins=[Count()])
-    s.emit("ok" if int(rc) in (0, 5) else "error", rc=int(rc), model=os.environ.get("SURGE_GPU_MODEL"), **counts)
+    rc = pytest.main(
+        [
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-W",
+            "ignore::pytest.PytestAssertRewriteWarning",
+            "-m",
+            "gpu",
+            "--junitxml",
+            str(s.detail / "pytest_gpu.xml"),
+            "tests/test_devices.py",
+            "tests/test_engine.py",
+            "tests/test_device_finish.py",
+        ],
+        plugins=[Count()],
+    )
+    s.emit(
+        "ok" if int(rc) in (0, 5) else "error", rc=int(rc), model=os.environ.get("SURGE_GPU_MODEL"), **counts
+    )
 
 
-STAGES = {name[len("stage_"):]: fn for name, fn in globals().items() if name.startswith("stage_")}
+STAGES = {name[len("stage_") :]: fn for name, fn in globals().items() if name.startswith("stage_")}
 
 
 def _child(s: Session, name: str) -> None:
@@ -996,7 +1222,10 @@ def run(s: Session, plan: list[tuple[str, float]]) -> int:
         else:
             code = os.waitstatus_to_exitcode(status)
             if name == "preflight" and code != 0:
-                print(f"PREFLIGHT FAILED: stopping the session; see the preflight lines of {s.results}", flush=True)
+                print(
+                    f"PREFLIGHT FAILED: stopping the session; see the preflight lines of {s.results}",
+                    flush=True,
+                )
                 return 3
             if code != 0 and not _has_final(s, name):
                 s.emit("crashed", exit_code=code, seconds=seconds)
@@ -1006,8 +1235,10 @@ def run(s: Session, plan: list[tuple[str, float]]) -> int:
             with_kill = 1
         except ProcessLookupError:
             pass
-        print(f"== stage {name}: {seconds:.1f} s (limit {limit:.0f} s){' (group cleaned)' if with_kill else ''}",
-              flush=True)
+        print(
+            f"== stage {name}: {seconds:.1f} s (limit {limit:.0f} s){' (group cleaned)' if with_kill else ''}",
+            flush=True,
+        )
     return 0
 
 
@@ -1022,7 +1253,9 @@ def _has_final(s: Session, name: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--stages", required=True, help="name:timeout_s,... in order")
     parser.add_argument("--results", required=True, help="the JSON lines file every stage appends to")
     parser.add_argument("--work", default=tempfile.mkdtemp(prefix="surge-gpu-"))
@@ -1030,10 +1263,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bert", default="/tmp/bert")
     parser.add_argument("--real", default=".gpu/minilm-real-fp16")
     parser.add_argument("--ref", default=".gpu/minilm-ref.json")
-    parser.add_argument("--try", dest="try_run", action="store_true", help="CPU dry run: tiny models and sizes")
+    parser.add_argument(
+        "--try", dest="try_run", action="store_true", help="CPU dry run: tiny models and sizes"
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every timeout by this")
-    parser.add_argument("--processes", action="store_true",
-                        help="with --try: Dask workers in processes of their own, as on the GPU (slower to start)")
+    parser.add_argument(
+        "--processes",
+        action="store_true",
+        help="with --try: Dask workers in processes of their own, as on the GPU (slower to start)",
+    )
     args = parser.parse_args(argv)
     plan = []
     for item in args.stages.split(","):

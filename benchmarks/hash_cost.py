@@ -78,14 +78,26 @@ def unique_files(n: int, files: int, *, sigma: float = 1.0, seed: int = 0) -> tu
     data.mkdir(parents=True, exist_ok=True)
     start = 0
     for k, size in enumerate(sizes.tolist()):
-        pq.write_table(pa.table({"text": pa.array(texts[start:start + size], pa.string()),
-                                 "doc_id": pa.array(np.arange(start, start + size), pa.int64())}),
-                       data / f"part-{k:05d}.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "text": pa.array(texts[start : start + size], pa.string()),
+                    "doc_id": pa.array(np.arange(start, start + size), pa.int64()),
+                }
+            ),
+            data / f"part-{k:05d}.parquet",
+        )
         start += size
-    layout = {"texts": n, "distinct": n, "files": files, "sigma": sigma,
-              "median_rows_per_file": float(np.median(sizes)), "mean_chars": float(np.mean([len(t) for t in texts])),
-              "repeats_in_plain_paragraphs": len(pool[:n]) - len(set(pool[:n])),
-              "source": "docstring paragraphs of site-packages, repeats removed"}
+    layout = {
+        "texts": n,
+        "distinct": n,
+        "files": files,
+        "sigma": sigma,
+        "median_rows_per_file": float(np.median(sizes)),
+        "mean_chars": float(np.mean([len(t) for t in texts])),
+        "repeats_in_plain_paragraphs": len(pool[:n]) - len(set(pool[:n])),
+        "source": "docstring paragraphs of site-packages, repeats removed",
+    }
     meta_path.write_text(json.dumps(layout, indent=2))
     return data, layout
 
@@ -113,9 +125,13 @@ def set_variant(name: str) -> str:
                 finally:
                     spent[key][0] += time.thread_time() - c0
                     spent[key][1] += time.perf_counter() - w0
+
             return wrapper
 
-        superbatch.text_hashes, superbatch.distinct = timed("text_hashes", text_hashes), timed("distinct", distinct)
+        superbatch.text_hashes, superbatch.distinct = (
+            timed("text_hashes", text_hashes),
+            timed("distinct", distinct),
+        )
         sink.table_of = table_of
         return name
 
@@ -147,25 +163,34 @@ def surge_run(data: Path, model: str, client, scratch: Path) -> dict:
     out = scratch / f"out-{time.time_ns()}"
     cpu0 = sum(client.run(_cpu_seconds).values())
     t0 = time.perf_counter()
-    res = dd.read_parquet(str(data)).surge.encode("text", output=str(out), model=model, device="cpu",
-                                                  keep=["doc_id"], progress=False, scheduler=client)
+    res = dd.read_parquet(str(data)).surge.encode(
+        "text", output=str(out), model=model, device="cpu", keep=["doc_id"], progress=False, scheduler=client
+    )
     seconds = time.perf_counter() - t0
     cpu = sum(client.run(_cpu_seconds).values()) - cpu0
     shutil.rmtree(out, ignore_errors=True)
-    return {"seconds": seconds, "worker_cpu_s": cpu, "superbatches": res.superbatches, "rows": int(sum(r.rows for r in res.records)),
-            "encoded": int(sum(r.encoded for r in res.records)),
-            "encode_s_sum": float(sum(r.encode_s for r in res.records)),
-            "write_s_sum": float(sum(r.write_s for r in res.records))}
+    return {
+        "seconds": seconds,
+        "worker_cpu_s": cpu,
+        "superbatches": res.superbatches,
+        "rows": int(sum(r.rows for r in res.records)),
+        "encoded": int(sum(r.encoded for r in res.records)),
+        "encode_s_sum": float(sum(r.encode_s for r in res.records)),
+        "write_s_sum": float(sum(r.write_s for r in res.records)),
+    }
 
 
-def stage(name: str, model: str, data: Path, warm: Path, n: int, rounds: int, workers: int, noop: bool,
-          report: dict) -> dict:
+def stage(
+    name: str, model: str, data: Path, warm: Path, n: int, rounds: int, workers: int, noop: bool, report: dict
+) -> dict:
     from distributed import Client, LocalCluster
 
     from ._noop_forward import register
 
     scratch = Path(tempfile.mkdtemp(prefix="hash-cost-"))
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0")
+    cluster = LocalCluster(
+        n_workers=workers, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0"
+    )
     client = Client(cluster)
     ratios, cpu_ratios, seconds = [], [], {"hashed": [], "bypassed": []}
     try:
@@ -181,38 +206,64 @@ def stage(name: str, model: str, data: Path, warm: Path, n: int, rounds: int, wo
                 client.run(set_variant, variant)
                 got[variant] = surge_run(data, model, client, scratch)
                 if variant == "hashed":  # the seconds spent in text_hashes and distinct, summed over workers
-                    spent = client.run(lambda: __import__("dask_surge.execution.superbatch",
-                                                          fromlist=["x"])._bench_spent)
-                    got[variant]["spent_cpu_s"] = {k: sum(w[k][0] for w in spent.values()) for k in
-                                                   ("text_hashes", "distinct")}
+                    spent = client.run(
+                        lambda: __import__("dask_surge.execution.superbatch", fromlist=["x"])._bench_spent
+                    )
+                    got[variant]["spent_cpu_s"] = {
+                        k: sum(w[k][0] for w in spent.values()) for k in ("text_hashes", "distinct")
+                    }
                 assert got[variant]["rows"] == n, got[variant]
                 seconds[variant].append(got[variant]["seconds"])
-                report["results"].append({"stage": name, "round": r, "variant": variant, "n": n, **got[variant]})
+                report["results"].append(
+                    {"stage": name, "round": r, "variant": variant, "n": n, **got[variant]}
+                )
             ratios.append(got["bypassed"]["seconds"] / got["hashed"]["seconds"])
             cpu_ratios.append(got["bypassed"]["worker_cpu_s"] / got["hashed"]["worker_cpu_s"])
-            print(f"{name:5s} round {r}: hashed {got['hashed']['seconds']:.2f} s  bypassed "
-                  f"{got['bypassed']['seconds']:.2f} s  bypassed/hashed {ratios[-1]:.3f}  worker CPU "
-                  f"{got['hashed']['worker_cpu_s']:.2f} / {got['bypassed']['worker_cpu_s']:.2f} s, "
-                  f"bypassed/hashed {cpu_ratios[-1]:.3f}", flush=True)
+            print(
+                f"{name:5s} round {r}: hashed {got['hashed']['seconds']:.2f} s  bypassed "
+                f"{got['bypassed']['seconds']:.2f} s  bypassed/hashed {ratios[-1]:.3f}  worker CPU "
+                f"{got['hashed']['worker_cpu_s']:.2f} / {got['bypassed']['worker_cpu_s']:.2f} s, "
+                f"bypassed/hashed {cpu_ratios[-1]:.3f}",
+                flush=True,
+            )
     finally:
         client.close()
         cluster.close()
         shutil.rmtree(scratch, ignore_errors=True)
     med = statistics.median(ratios)
     cpu_med = statistics.median(cpu_ratios)
-    return {"model": model, "n": n, "rounds": rounds, "ratios_bypassed_over_hashed": ratios,
-            "median_ratio": med, "cost_pct": (1 / med - 1) * 100,
-            "cpu_ratios_bypassed_over_hashed": cpu_ratios, "cpu_median_ratio": cpu_med,
-            "cpu_cost_pct": (1 / cpu_med - 1) * 100,
-            "hashed_us_per_text_in_workers": {k: statistics.median(
-                r["spent_cpu_s"][k] for r in report["results"] if r["stage"] == name and r["variant"] == "hashed")
-                * 1e6 / n for k in ("text_hashes", "distinct")},
-            "hashed_worker_cpu_us_per_text": statistics.median(
-                r["worker_cpu_s"] for r in report["results"] if r["stage"] == name and r["variant"] == "hashed") * 1e6 / n,
-            "hashed_median_s": statistics.median(seconds["hashed"]),
-            "bypassed_median_s": statistics.median(seconds["bypassed"]),
-            "hashed_texts_per_s": n / statistics.median(seconds["hashed"]),
-            "target_cost_pct": 3.0, "met": (1 / med - 1) * 100 < 3.0, "cpu_met": (1 / cpu_med - 1) * 100 < 3.0}
+    return {
+        "model": model,
+        "n": n,
+        "rounds": rounds,
+        "ratios_bypassed_over_hashed": ratios,
+        "median_ratio": med,
+        "cost_pct": (1 / med - 1) * 100,
+        "cpu_ratios_bypassed_over_hashed": cpu_ratios,
+        "cpu_median_ratio": cpu_med,
+        "cpu_cost_pct": (1 / cpu_med - 1) * 100,
+        "hashed_us_per_text_in_workers": {
+            k: statistics.median(
+                r["spent_cpu_s"][k]
+                for r in report["results"]
+                if r["stage"] == name and r["variant"] == "hashed"
+            )
+            * 1e6
+            / n
+            for k in ("text_hashes", "distinct")
+        },
+        "hashed_worker_cpu_us_per_text": statistics.median(
+            r["worker_cpu_s"] for r in report["results"] if r["stage"] == name and r["variant"] == "hashed"
+        )
+        * 1e6
+        / n,
+        "hashed_median_s": statistics.median(seconds["hashed"]),
+        "bypassed_median_s": statistics.median(seconds["bypassed"]),
+        "hashed_texts_per_s": n / statistics.median(seconds["hashed"]),
+        "target_cost_pct": 3.0,
+        "met": (1 / med - 1) * 100 < 3.0,
+        "cpu_met": (1 / cpu_med - 1) * 100 < 3.0,
+    }
 
 
 def micro(data: Path, sb_rows: int = 65_536, repeats: int = 7) -> dict:
@@ -254,13 +305,15 @@ def inprocess(data: Path, model: str, rounds: int, sb_rows: int = 20_000) -> dic
     sbe = sbm.SuperBatchTask("text", (), Encoder(model, device="cpu"))
     part, spans = pd.DataFrame({"text": texts}), [(Span(0, 0, len(texts)), len(texts))]
     real = (sbm.text_hashes, sbm.distinct)
-    stand_in = (lambda v: np.stack([np.arange(len(v), dtype=np.uint64)] * 2, 1),
-                lambda h: (np.arange(len(h)), np.arange(len(h))))
+    stand_in = (
+        lambda v: np.stack([np.arange(len(v), dtype=np.uint64)] * 2, 1),
+        lambda h: (np.arange(len(h)), np.arange(len(h))),
+    )
     sbe.encode([part], spans)  # warm-up
     cpu: dict[str, list[float]] = {"hashed": [], "bypassed": []}
     try:
         for r in range(rounds):
-            for mode in (("hashed", "bypassed") if r % 2 == 0 else ("bypassed", "hashed")):
+            for mode in ("hashed", "bypassed") if r % 2 == 0 else ("bypassed", "hashed"):
                 sbm.text_hashes, sbm.distinct = real if mode == "hashed" else stand_in
                 t0 = time.process_time()
                 sbe.encode([part], spans)
@@ -268,19 +321,33 @@ def inprocess(data: Path, model: str, rounds: int, sb_rows: int = 20_000) -> dic
     finally:
         sbm.text_hashes, sbm.distinct = real
     ratio = statistics.median(cpu["bypassed"]) / statistics.median(cpu["hashed"])
-    return {"texts": len(texts), "rounds": rounds, "cpu_s": cpu, "cpu_median_ratio": ratio,
-            "cpu_cost_pct": (1 / ratio - 1) * 100, "target_cost_pct": 3.0, "met": (1 / ratio - 1) * 100 < 3.0}
+    return {
+        "texts": len(texts),
+        "rounds": rounds,
+        "cpu_s": cpu,
+        "cpu_median_ratio": ratio,
+        "cpu_cost_pct": (1 / ratio - 1) * 100,
+        "target_cost_pct": 3.0,
+        "met": (1 / ratio - 1) * 100 < 3.0,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=100_000)
     parser.add_argument("--files", type=int, default=1000)
-    parser.add_argument("--tiny-n", type=int, default=40_000, help="texts for the tiny model stage (0: skip it)")
+    parser.add_argument(
+        "--tiny-n", type=int, default=40_000, help="texts for the tiny model stage (0: skip it)"
+    )
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--inprocess-only", action="store_true",
-                        help="only the in-process stage (one SuperBatch, tiny model, hashed vs bypassed)")
+    parser.add_argument(
+        "--inprocess-only",
+        action="store_true",
+        help="only the in-process stage (one SuperBatch, tiny model, hashed vs bypassed)",
+    )
     parser.add_argument("--out", default=str(_results.RESULTS / "hash_cost.json"))
     args = parser.parse_args(argv)
 
@@ -297,16 +364,25 @@ def main(argv: list[str] | None = None) -> dict:
         return _results.save(report, args.out)
     report["summary"]["micro"] = micro(data)
     print(f"micro: {report['summary']['micro']}", flush=True)
-    report["summary"]["noop"] = stage("noop", str(tiny), data, warm, args.n, args.rounds, args.workers, True, report)
-    print(f"noop: wall cost {report['summary']['noop']['cost_pct']:+.1f}%, worker CPU cost "
-          f"{report['summary']['noop']['cpu_cost_pct']:+.1f}%", flush=True)
+    report["summary"]["noop"] = stage(
+        "noop", str(tiny), data, warm, args.n, args.rounds, args.workers, True, report
+    )
+    print(
+        f"noop: wall cost {report['summary']['noop']['cost_pct']:+.1f}%, worker CPU cost "
+        f"{report['summary']['noop']['cpu_cost_pct']:+.1f}%",
+        flush=True,
+    )
     if args.tiny_n:
         tdata, tlayout = unique_files(args.tiny_n, max(1, args.files * args.tiny_n // args.n))
         report["summary"]["tiny_layout"] = tlayout
-        report["summary"]["tiny"] = stage("tiny", str(tiny), tdata, warm, args.tiny_n, args.rounds, args.workers,
-                                          False, report)
-        print(f"tiny: wall cost {report['summary']['tiny']['cost_pct']:+.1f}%, worker CPU cost "
-              f"{report['summary']['tiny']['cpu_cost_pct']:+.1f}%", flush=True)
+        report["summary"]["tiny"] = stage(
+            "tiny", str(tiny), tdata, warm, args.tiny_n, args.rounds, args.workers, False, report
+        )
+        print(
+            f"tiny: wall cost {report['summary']['tiny']['cost_pct']:+.1f}%, worker CPU cost "
+            f"{report['summary']['tiny']['cpu_cost_pct']:+.1f}%",
+            flush=True,
+        )
     return _results.save(report, args.out)
 
 

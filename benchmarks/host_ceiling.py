@@ -103,11 +103,13 @@ def surge_run(data: Path, client, scratch: Path, model: str = "default") -> tupl
 
     out = scratch / f"out-{time.time_ns()}"
     t0 = time.perf_counter()
-    res = dd.read_parquet(str(data)).surge.encode("text", output=str(out), model=model, device="cpu",
-                                                  progress=False, scheduler=client)
+    res = dd.read_parquet(str(data)).surge.encode(
+        "text", output=str(out), model=model, device="cpu", progress=False, scheduler=client
+    )
     seconds = time.perf_counter() - t0
     facts = {
-        "superbatches": res.superbatches, "ttfo_s": res.ttfo_s,
+        "superbatches": res.superbatches,
+        "ttfo_s": res.ttfo_s,
         "encode_s_sum": float(sum(r.encode_s for r in res.records)),
         "write_s_sum": float(sum(r.write_s for r in res.records)),
         "engine": sorted({r.engine for r in res.records}),
@@ -165,8 +167,13 @@ def gil_profile(raw: str, top: int | None = 40) -> dict:
     def ranked(d: dict[str, int]) -> list[tuple[str, int]]:
         return sorted(d.items(), key=lambda kv: -kv[1])[:top]
 
-    return {"samples": total, "threads": ranked(threads), "self": ranked(own), "inclusive": ranked(under),
-            "self_by_thread": {name: ranked(d)[:12] for name, d in own_by_thread.items()}}
+    return {
+        "samples": total,
+        "threads": ranked(threads),
+        "self": ranked(own),
+        "inclusive": ranked(under),
+        "self_by_thread": {name: ranked(d)[:12] for name, d in own_by_thread.items()},
+    }
 
 
 def thread_cpu() -> dict[str, float]:
@@ -207,8 +214,14 @@ def thread_cpu_during(client, run) -> tuple[object, dict[str, dict[str, float]]]
     before = client.run(thread_cpu)
     result = run()
     after = client.run(thread_cpu)
-    return result, {w: {k: round(v - before[w].get(k, 0.0), 3) for k, v in after[w].items()
-                        if v - before[w].get(k, 0.0) > 0} for w in after}
+    return result, {
+        w: {
+            k: round(v - before[w].get(k, 0.0), 3)
+            for k, v in after[w].items()
+            if v - before[w].get(k, 0.0) > 0
+        }
+        for w in after
+    }
 
 
 def run_cpu(client, run) -> tuple[object, dict[str, float]]:
@@ -222,8 +235,14 @@ def run_cpu(client, run) -> tuple[object, dict[str, float]]:
     return result, {"workers": round(workers, 3), "client": round(client_s, 3)}
 
 
-def cpu_split(a_s: list[float], a_cpu: list[float], b_s: list[float], b_cpu: list[dict[str, float]], texts: int,
-              cores: int | None = None) -> dict[str, float]:
+def cpu_split(
+    a_s: list[float],
+    a_cpu: list[float],
+    b_s: list[float],
+    b_cpu: list[dict[str, float]],
+    texts: int,
+    cores: int | None = None,
+) -> dict[str, float]:
     """The ratio (b)/(a) in texts/s split into two factors, each a median over the runs (their product
     is the ratio up to taking medians): the CPU each arm spends per text (``cpu_ratio``: (a)'s CPU per
     text over (b)'s, workers and client) and the share of the machine each keeps busy (``busy_ratio``:
@@ -242,14 +261,20 @@ def cpu_split(a_s: list[float], a_cpu: list[float], b_s: list[float], b_cpu: lis
     a_busy = statistics.median(c / (s * cores) for c, s in zip(a_cpu, a_s))
     b_busy = statistics.median(c / (s * cores) for c, s in zip(b_total, b_s))
     a_us, b_us = statistics.median(a_cpu) * 1e6 / texts, statistics.median(b_total) * 1e6 / texts
-    return {"a_cpu_us_per_text": round(a_us, 2), "b_cpu_us_per_text": round(b_us, 2),
-            "b_client_cpu_us_per_text": round(statistics.median(c["client"] for c in b_cpu) * 1e6 / texts, 2),
-            "a_busy": round(a_busy, 4), "b_busy": round(b_busy, 4),
-            "cpu_ratio": round(a_us / b_us, 4), "busy_ratio": round(b_busy / a_busy, 4)}
+    return {
+        "a_cpu_us_per_text": round(a_us, 2),
+        "b_cpu_us_per_text": round(b_us, 2),
+        "b_client_cpu_us_per_text": round(statistics.median(c["client"] for c in b_cpu) * 1e6 / texts, 2),
+        "a_busy": round(a_busy, 4),
+        "b_busy": round(b_busy, 4),
+        "cpu_ratio": round(a_us / b_us, 4),
+        "busy_ratio": round(b_busy / a_busy, 4),
+    }
 
 
-def gil_seconds(client, run, *, native: bool = False, threads: bool = False, gil: bool = True,
-                top: int | None = 40) -> dict:
+def gil_seconds(
+    client, run, *, native: bool = False, threads: bool = False, gil: bool = True, top: int | None = 40
+) -> dict:
     """Run ``run()`` while py-spy samples every worker's GIL-holding thread; GIL seconds per worker,
     and where the samples fell (:func:`gil_profile`, per worker, its ``top`` frames, None: all;
     ``native`` adds C/Rust frames). ``gil=False`` samples every running thread instead: CPU
@@ -260,11 +285,31 @@ def gil_seconds(client, run, *, native: bool = False, threads: bool = False, gil
     spies = []
     for pid in pids:
         out = tmp / f"{pid}.txt"
-        spies.append((pid, out, subprocess.Popen(
-            ["py-spy", "record", "--pid", str(pid), *(["--gil"] if gil else []), "--rate", str(rate), "--format", "raw",
-             "--output", str(out), *(["--threads"] if threads else []),
-             *(["--native"] if native else ["--nonblocking"])],  # native needs pauses
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+        spies.append(
+            (
+                pid,
+                out,
+                subprocess.Popen(
+                    [
+                        "py-spy",
+                        "record",
+                        "--pid",
+                        str(pid),
+                        *(["--gil"] if gil else []),
+                        "--rate",
+                        str(rate),
+                        "--format",
+                        "raw",
+                        "--output",
+                        str(out),
+                        *(["--threads"] if threads else []),
+                        *(["--native"] if native else ["--nonblocking"]),
+                    ],  # native needs pauses
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                ),
+            )
+        )
     time.sleep(1.0)  # let py-spy attach
     result, cpu = thread_cpu_during(client, run)
     per_worker, profiles = {}, {}
@@ -275,15 +320,24 @@ def gil_seconds(client, run, *, native: bool = False, threads: bool = False, gil
         profiles[str(pid)] = gil_profile(raw, top)
         per_worker[str(pid)] = profiles[str(pid)]["samples"] / rate
     shutil.rmtree(tmp, ignore_errors=True)
-    return {"result": result, "gil_s_by_worker": per_worker, "rate_hz": rate, "profile_by_worker": profiles,
-            "thread_cpu_s_by_worker": cpu}
+    return {
+        "result": result,
+        "gil_s_by_worker": per_worker,
+        "rate_hz": rate,
+        "profile_by_worker": profiles,
+        "thread_cpu_s_by_worker": cpu,
+    }
 
 
 def _per_text_by_thread(runs: list[dict[str, dict[str, float]]], texts: int) -> dict[str, float]:
     """Median over runs of the workers' CPU microseconds per text, per thread name (workers summed)."""
     names = sorted({name for run in runs for worker in run.values() for name in worker})
-    return {name: round(statistics.median(sum(w.get(name, 0.0) for w in run.values()) for run in runs) * 1e6 / texts, 2)
-            for name in names}
+    return {
+        name: round(
+            statistics.median(sum(w.get(name, 0.0) for w in run.values()) for run in runs) * 1e6 / texts, 2
+        )
+        for name in names
+    }
 
 
 def _helper_pids() -> list[int]:
@@ -358,8 +412,10 @@ def pin_all(clusters: dict[str, tuple], workers: int) -> set[int]:
     client, the schedulers, py-spy) on the other cores; those other cores."""
     cores = os.cpu_count() or 1
     if cores <= workers:
-        raise SystemExit(f"--pin needs more cores than --workers ({workers}); this machine has {cores}. "
-                         "Fix: run with fewer --workers, or without --pin.")
+        raise SystemExit(
+            f"--pin needs more cores than --workers ({workers}); this machine has {cores}. "
+            "Fix: run with fewer --workers, or without --pin."
+        )
     others = list(range(workers, cores))
     for _cluster, client in clusters.values():
         for i, address in enumerate(sorted(client.scheduler_info()["workers"])):
@@ -392,8 +448,9 @@ def tokenpool_ab(args) -> dict:
     header = script_header(None)
     try:
         for arm, value in arms.items():
-            cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                                   dashboard_address="127.0.0.1:0")
+            cluster = LocalCluster(
+                n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0"
+            )
             client = Client(cluster)
             clusters[arm] = (cluster, client)
             register(client)  # the forward pass replaced by zeros in each worker: benchmark only
@@ -408,7 +465,10 @@ def tokenpool_ab(args) -> dict:
         every = set(range(os.cpu_count() or 1))
         if args.pin:
             pinned = pin_all(clusters, args.workers)
-            print(f"--pin: worker i on core i (both arms), helpers and this process on cores {sorted(pinned)}", flush=True)
+            print(
+                f"--pin: worker i on core i (both arms), helpers and this process on cores {sorted(pinned)}",
+                flush=True,
+            )
         for size in args.sizes:
             data, layouts[str(size)] = small_files(size, max(1, size // 100))
             texts = read_texts(data)
@@ -418,7 +478,7 @@ def tokenpool_ab(args) -> dict:
                 a_s = tokenizer_run(texts)
                 if args.pin:
                     pin_process(every - set(range(args.workers)))
-                for arm in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                for arm in ("off", "on") if r % 2 == 0 else ("on", "off"):
                     client = clusters[arm][1]
                     h0, p0 = client.run(helper_cpu), client.run(process_cpu)
                     gil = gil_seconds(client, lambda c=client: surge_run(data, c, scratch), threads=True)
@@ -427,32 +487,57 @@ def tokenpool_ab(args) -> dict:
                     cpu = gil["thread_cpu_s_by_worker"]
                     helpers = sum(h1[w] - h0.get(w, 0.0) for w in h1)
                     workers_cpu = sum(sum(v.values()) for v in cpu.values())
-                    runs.append({
-                        "size": size, "round": r, "arm": arm, "tokenize_processes": arms[arm],
-                        "loadavg": os.getloadavg(), "a_seconds": a_s, "b_seconds": seconds,
-                        "ratio_b_over_a": a_s / seconds, "rows": facts["rows"], "superbatches": facts["superbatches"],
-                        "gil_s_by_thread": gil_by_thread(gil), "gil_s": sum(gil["gil_s_by_worker"].values()),
-                        "thread_cpu_s": {k: sum(w.get(k, 0.0) for w in cpu.values())
-                                         for k in sorted({k for w in cpu.values() for k in w})},
-                        "workers_cpu_s": workers_cpu, "helpers_cpu_s": helpers,
-                        "workers_process_cpu_s": sum(p1[w] - p0[w] for w in p1),
-                        "gil_self_top": {w: p["self"][:8] for w, p in gil["profile_by_worker"].items()},
-                        "gil_self_top_by_thread": {w: p["self_by_thread"] for w, p in gil["profile_by_worker"].items()},
-                    })
+                    runs.append(
+                        {
+                            "size": size,
+                            "round": r,
+                            "arm": arm,
+                            "tokenize_processes": arms[arm],
+                            "loadavg": os.getloadavg(),
+                            "a_seconds": a_s,
+                            "b_seconds": seconds,
+                            "ratio_b_over_a": a_s / seconds,
+                            "rows": facts["rows"],
+                            "superbatches": facts["superbatches"],
+                            "gil_s_by_thread": gil_by_thread(gil),
+                            "gil_s": sum(gil["gil_s_by_worker"].values()),
+                            "thread_cpu_s": {
+                                k: sum(w.get(k, 0.0) for w in cpu.values())
+                                for k in sorted({k for w in cpu.values() for k in w})
+                            },
+                            "workers_cpu_s": workers_cpu,
+                            "helpers_cpu_s": helpers,
+                            "workers_process_cpu_s": sum(p1[w] - p0[w] for w in p1),
+                            "gil_self_top": {w: p["self"][:8] for w, p in gil["profile_by_worker"].items()},
+                            "gil_self_top_by_thread": {
+                                w: p["self_by_thread"] for w, p in gil["profile_by_worker"].items()
+                            },
+                        }
+                    )
                     last = runs[-1]
-                    print(f"n={size:>7,} r{r} {arm:3s} b/a {last['ratio_b_over_a']:.3f}  "
-                          f"GIL {last['gil_s'] * 1e6 / size:5.2f} us/text "
-                          f"(task {last['gil_s_by_thread'].get('Dask-Default-Threads', 0) * 1e6 / size:4.2f}, "
-                          f"loop {last['gil_s_by_thread'].get('MainThread', 0) * 1e6 / size:4.2f})  "
-                          f"cpu {(workers_cpu + helpers) * 1e6 / size:5.1f} us/text  load {last['loadavg'][0]:.1f}",
-                          flush=True)
+                    print(
+                        f"n={size:>7,} r{r} {arm:3s} b/a {last['ratio_b_over_a']:.3f}  "
+                        f"GIL {last['gil_s'] * 1e6 / size:5.2f} us/text "
+                        f"(task {last['gil_s_by_thread'].get('Dask-Default-Threads', 0) * 1e6 / size:4.2f}, "
+                        f"loop {last['gil_s_by_thread'].get('MainThread', 0) * 1e6 / size:4.2f})  "
+                        f"cpu {(workers_cpu + helpers) * 1e6 / size:5.1f} us/text  load {last['loadavg'][0]:.1f}",
+                        flush=True,
+                    )
     finally:
         for cluster, client in clusters.values():
             client.close()
             cluster.close()
         shutil.rmtree(scratch, ignore_errors=True)
-    return {**header, "layouts": layouts, "pinned": args.pin, "worker_config": dict(args.set),
-            "workers": args.workers, "arms": arms, "runs": runs, "summary": tokenpool_summary(runs, args.sizes, args.workers, args.pin)}
+    return {
+        **header,
+        "layouts": layouts,
+        "pinned": args.pin,
+        "worker_config": dict(args.set),
+        "workers": args.workers,
+        "arms": arms,
+        "runs": runs,
+        "summary": tokenpool_summary(runs, args.sizes, args.workers, args.pin),
+    }
 
 
 def tokenpool_summary(runs: list[dict], sizes: list[int], workers: int = 1, pinned: bool = False) -> dict:
@@ -462,6 +547,7 @@ def tokenpool_summary(runs: list[dict], sizes: list[int], workers: int = 1, pinn
     (``gil_ms_per_s_event_loop_per_worker``): heartbeats and the system monitor cost time, not
     texts, so its per-text figure shrinks as a worker's texts/s grow (on a GPU, say); the task
     thread's per-text figure does not."""
+
     def med(arm: str, size: int, key) -> float:
         return statistics.median(key(r) for r in runs if r["arm"] == arm and r["size"] == size)
 
@@ -479,60 +565,109 @@ def tokenpool_summary(runs: list[dict], sizes: list[int], workers: int = 1, pinn
                 "gil_us_per_text_task_thread": med(arm, size, thread("Dask-Default-Threads")) * 1e6 / size,
                 "gil_us_per_text_event_loop": med(arm, size, thread("MainThread")) * 1e6 / size,
                 "gil_ms_per_s_event_loop_per_worker": med(
-                    arm, size, lambda r: thread("MainThread")(r) / r["b_seconds"]) * 1e3 / workers,
+                    arm, size, lambda r: thread("MainThread")(r) / r["b_seconds"]
+                )
+                * 1e3
+                / workers,
                 "cpu_us_per_text_workers": med(arm, size, lambda r: r["workers_cpu_s"]) * 1e6 / size,
                 "cpu_us_per_text_helpers": med(arm, size, lambda r: r["helpers_cpu_s"]) * 1e6 / size,
-                "process_cpu_us_per_text_workers": med(arm, size, lambda r: r.get("workers_process_cpu_s", 0.0)) * 1e6 / size,
+                "process_cpu_us_per_text_workers": med(
+                    arm, size, lambda r: r.get("workers_process_cpu_s", 0.0)
+                )
+                * 1e6
+                / size,
             }
-        per["on_over_off_b_seconds"] = (med("on", size, lambda r: r["b_seconds"])
-                                        / med("off", size, lambda r: r["b_seconds"]))
+        per["on_over_off_b_seconds"] = med("on", size, lambda r: r["b_seconds"]) / med(
+            "off", size, lambda r: r["b_seconds"]
+        )
     lo, hi = min(sizes), max(sizes)
     if hi > lo:
         for arm in ("off", "on"):
             out["slope_us_per_text"][arm] = {
-                "gil_all_threads": _slope(med(arm, lo, lambda r: r["gil_s"]), med(arm, hi, lambda r: r["gil_s"]), lo, hi),
-                "gil_task_thread": _slope(med(arm, lo, thread("Dask-Default-Threads")),
-                                          med(arm, hi, thread("Dask-Default-Threads")), lo, hi),
-                "gil_event_loop": _slope(med(arm, lo, thread("MainThread")), med(arm, hi, thread("MainThread")), lo, hi),
-                "process_cpu_workers": _slope(med(arm, lo, lambda r: r.get("workers_process_cpu_s", 0.0)),
-                                              med(arm, hi, lambda r: r.get("workers_process_cpu_s", 0.0)), lo, hi),
+                "gil_all_threads": _slope(
+                    med(arm, lo, lambda r: r["gil_s"]), med(arm, hi, lambda r: r["gil_s"]), lo, hi
+                ),
+                "gil_task_thread": _slope(
+                    med(arm, lo, thread("Dask-Default-Threads")),
+                    med(arm, hi, thread("Dask-Default-Threads")),
+                    lo,
+                    hi,
+                ),
+                "gil_event_loop": _slope(
+                    med(arm, lo, thread("MainThread")), med(arm, hi, thread("MainThread")), lo, hi
+                ),
+                "process_cpu_workers": _slope(
+                    med(arm, lo, lambda r: r.get("workers_process_cpu_s", 0.0)),
+                    med(arm, hi, lambda r: r.get("workers_process_cpu_s", 0.0)),
+                    lo,
+                    hi,
+                ),
                 "cpu_workers_plus_helpers": _slope(
                     med(arm, lo, lambda r: r["workers_cpu_s"] + r["helpers_cpu_s"]),
-                    med(arm, hi, lambda r: r["workers_cpu_s"] + r["helpers_cpu_s"]), lo, hi),
+                    med(arm, hi, lambda r: r["workers_cpu_s"] + r["helpers_cpu_s"]),
+                    lo,
+                    hi,
+                ),
             }
         # throughput past the per-run costs (planning, the first SuperBatches, the tail): the extra
         # texts over the extra seconds, (b) against (a) on the same texts
         a_extra = med("off", hi, lambda r: r["a_seconds"]) - med("off", lo, lambda r: r["a_seconds"])
         out["marginal_ratio_b_over_a"] = {
             arm: a_extra / (med(arm, hi, lambda r: r["b_seconds"]) - med(arm, lo, lambda r: r["b_seconds"]))
-            for arm in ("off", "on")}
+            for arm in ("off", "on")
+        }
     out["target_gil_us_per_text"] = 4.0
-    out["note"] = ("GIL figures are py-spy --gil samples (250 Hz) of the workers, summed over workers; a thread "
-                   "preempted while it holds the GIL still counts. "
-                   + ("Pinned (--pin): each worker ran on a core of its own, so only its own threads could "
-                      "preempt it. " if pinned else "The machine is shared: other processes preempt it too. ")
-                   + "process_cpu: the workers' whole CPU (threads that ended included). Slopes: marginal "
-                   "seconds per text between the smallest and largest size, medians of the runs.")
+    out["note"] = (
+        "GIL figures are py-spy --gil samples (250 Hz) of the workers, summed over workers; a thread "
+        "preempted while it holds the GIL still counts. "
+        + (
+            "Pinned (--pin): each worker ran on a core of its own, so only its own threads could preempt it. "
+            if pinned
+            else "The machine is shared: other processes preempt it too. "
+        )
+        + "process_cpu: the workers' whole CPU (threads that ended included). Slopes: marginal "
+        "seconds per text between the smallest and largest size, medians of the runs."
+    )
     return out
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=100_000)
     parser.add_argument("--files", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--gil", action="store_true", help="also sample the workers' GIL with py-spy")
-    parser.add_argument("--native", action="store_true", help="with --gil: C and Rust frames too (py-spy then pauses the workers to sample)")
-    parser.add_argument("--tokenpool", action="store_true",
-                        help="(b) with surge.tuning.tokenize-processes 0 and --processes side by side, at --sizes")
+    parser.add_argument(
+        "--native",
+        action="store_true",
+        help="with --gil: C and Rust frames too (py-spy then pauses the workers to sample)",
+    )
+    parser.add_argument(
+        "--tokenpool",
+        action="store_true",
+        help="(b) with surge.tuning.tokenize-processes 0 and --processes side by side, at --sizes",
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[50_000, 150_000])
-    parser.add_argument("--processes", type=int, default=1, help="with --tokenpool: helper processes per worker")
-    parser.add_argument("--set", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
-                        help="with --tokenpool: surge.KEY in the workers, e.g. --set max-tokens=65536 (repeatable)")
-    parser.add_argument("--pin", action="store_true",
-                        help="with --tokenpool: each worker on a core of its own, everything else on the other "
-                             "cores, so no other process preempts a worker thread that holds the GIL")
+    parser.add_argument(
+        "--processes", type=int, default=1, help="with --tokenpool: helper processes per worker"
+    )
+    parser.add_argument(
+        "--set",
+        type=_key_value,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --tokenpool: surge.KEY in the workers, e.g. --set max-tokens=65536 (repeatable)",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="with --tokenpool: each worker on a core of its own, everything else on the other "
+        "cores, so no other process preempts a worker thread that holds the GIL",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.tokenpool:
@@ -551,8 +686,9 @@ def main(argv: list[str] | None = None) -> dict:
     data, layout = small_files(args.n, args.files)
     texts = read_texts(data)
     scratch = Path(tempfile.mkdtemp(prefix="host-ceiling-"))
-    cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                           dashboard_address="127.0.0.1:0")
+    cluster = LocalCluster(
+        n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0"
+    )
     client = Client(cluster)
     try:
         register(client)  # the forward pass replaced by zeros in each worker: benchmark only
@@ -564,11 +700,17 @@ def main(argv: list[str] | None = None) -> dict:
             tok_s.append(tokenizer_run(texts))
             tok_cpu.append(time.process_time() - c0)
             joined_s.append(tokenizer_run(texts, joined=True))
-            ((s, f), cpu), spent = run_cpu(client, lambda: thread_cpu_during(client, lambda: surge_run(data, client, scratch)))
+            ((s, f), cpu), spent = run_cpu(
+                client, lambda: thread_cpu_during(client, lambda: surge_run(data, client, scratch))
+            )
             surge_s.append(s)
             surge_cpu.append(spent)
             facts.append({**f, "thread_cpu_s_by_worker": cpu, "cpu_s": spent})
-        gil = gil_seconds(client, lambda: surge_run(data, client, scratch), native=args.native) if args.gil else None
+        gil = (
+            gil_seconds(client, lambda: surge_run(data, client, scratch), native=args.native)
+            if args.gil
+            else None
+        )
         stages = client.run(_engine_stats)
     finally:
         client.close()
@@ -580,10 +722,16 @@ def main(argv: list[str] | None = None) -> dict:
         **script_header(argv),
         "layout": layout,
         "workers": args.workers,
-        "a_tokenizer_texts_per_s": a, "a_seconds": tok_s,
-        "b_surge_noop_texts_per_s": b, "b_seconds": surge_s, "b_runs": facts,
-        "ratio_b_over_a": b / a, "target_ratio": TARGET, "met": b / a >= TARGET,
-        "a_joined_texts_per_s": args.n / statistics.median(joined_s), "a_joined_seconds": joined_s,
+        "a_tokenizer_texts_per_s": a,
+        "a_seconds": tok_s,
+        "b_surge_noop_texts_per_s": b,
+        "b_seconds": surge_s,
+        "b_runs": facts,
+        "ratio_b_over_a": b / a,
+        "target_ratio": TARGET,
+        "met": b / a >= TARGET,
+        "a_joined_texts_per_s": args.n / statistics.median(joined_s),
+        "a_joined_seconds": joined_s,
         "ratio_b_over_a_joined": b / (args.n / statistics.median(joined_s)),
         "b_thread_cpu_us_per_text": _per_text_by_thread([f["thread_cpu_s_by_worker"] for f in facts], args.n),
         "cpu": cpu_split(tok_s, tok_cpu, surge_s, surge_cpu, args.n),
@@ -591,21 +739,34 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if gil is not None:
         gil_total = sum(gil["gil_s_by_worker"].values())
-        out["gil"] = {**gil, "gil_us_per_text": gil_total * 1e6 / args.n,
-                      "note": "py-spy --gil samples of the workers during one extra (b) run (run seconds: "
-                              f"{gil['result'][0]:.2f}); samples / rate = seconds a worker thread held the GIL"}
+        out["gil"] = {
+            **gil,
+            "gil_us_per_text": gil_total * 1e6 / args.n,
+            "note": "py-spy --gil samples of the workers during one extra (b) run (run seconds: "
+            f"{gil['result'][0]:.2f}); samples / rate = seconds a worker thread held the GIL",
+        }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
-    print(f"(a) tokenizer {a:,.0f} texts/s   (b) SURGE no-op forward {b:,.0f} texts/s   "
-          f"ratio {b / a:.3f} (target >= {TARGET})")
-    print(f"(a') tokenizer, texts joined (JoinedTokenizer, as the pipeline tokenizes) {out['a_joined_texts_per_s']:,.0f} "
-          f"texts/s   ratio (b) / (a') {out['ratio_b_over_a_joined']:.3f}")
+    print(
+        f"(a) tokenizer {a:,.0f} texts/s   (b) SURGE no-op forward {b:,.0f} texts/s   "
+        f"ratio {b / a:.3f} (target >= {TARGET})"
+    )
+    print(
+        f"(a') tokenizer, texts joined (JoinedTokenizer, as the pipeline tokenizes) {out['a_joined_texts_per_s']:,.0f} "
+        f"texts/s   ratio (b) / (a') {out['ratio_b_over_a_joined']:.3f}"
+    )
     split = out["cpu"]
-    print(f"CPU us per text: (a) {split['a_cpu_us_per_text']:.1f}, (b) {split['b_cpu_us_per_text']:.1f} "
-          f"(workers and client); machine busy: (a) {split['a_busy']:.0%}, (b) {split['b_busy']:.0%}; "
-          f"ratio = CPU {split['cpu_ratio']:.3f} x busy {split['busy_ratio']:.3f}")
-    print("worker CPU us per text by thread (median of the (b) runs, workers summed): "
-          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(out["b_thread_cpu_us_per_text"].items(), key=lambda kv: -kv[1])))
+    print(
+        f"CPU us per text: (a) {split['a_cpu_us_per_text']:.1f}, (b) {split['b_cpu_us_per_text']:.1f} "
+        f"(workers and client); machine busy: (a) {split['a_busy']:.0%}, (b) {split['b_busy']:.0%}; "
+        f"ratio = CPU {split['cpu_ratio']:.3f} x busy {split['busy_ratio']:.3f}"
+    )
+    print(
+        "worker CPU us per text by thread (median of the (b) runs, workers summed): "
+        + ", ".join(
+            f"{k} {v:.1f}" for k, v in sorted(out["b_thread_cpu_us_per_text"].items(), key=lambda kv: -kv[1])
+        )
+    )
     if gil is not None:
         print(f"GIL-holding us per text (workers, summed): {out['gil']['gil_us_per_text']:.1f}")
     return out

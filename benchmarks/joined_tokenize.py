@@ -44,11 +44,17 @@ def measure(fn: Callable[[], object]) -> tuple[tuple[float, float, float], objec
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=16_384)
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--group", nargs="*", default=["16", "64", "256", "auto"],
-                        help="texts joined at most per group, per joined arm ('auto': the engine's choice)")
+    parser.add_argument(
+        "--group",
+        nargs="*",
+        default=["16", "64", "256", "auto"],
+        help="texts joined at most per group, per joined arm ('auto': the engine's choice)",
+    )
     parser.add_argument("--out", default=str(_results.RESULTS / "joined_tokenize.json"))
     args = parser.parse_args(argv)
 
@@ -82,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
             found = joined._tokenize(*joined.groups(texts, size=size))
             assert found is not None
             return packer.pack(TokenizedBlock(*joined._cut(*found)), 0, max_tokens=max_tokens).ids
+
         return run
 
     arms: dict[str, Callable[[], np.ndarray]] = {"per_text": per_text}
@@ -97,26 +104,38 @@ def main(argv: list[str] | None = None) -> dict:
             rows[name].append(times)
     n = len(texts)
     report = _results.new_report(__spec__.name, argv, args)
-    report["results"] = [{"arm": name, "texts": n, "rounds": len(v),
-                          "wall_us_per_text": statistics.median(x[0] for x in v) * 1e6 / n,
-                          "thread_cpu_us_per_text": statistics.median(x[1] for x in v) * 1e6 / n,
-                          "process_cpu_us_per_text": statistics.median(x[2] for x in v) * 1e6 / n}
-                         for name, v in rows.items()]
+    report["results"] = [
+        {
+            "arm": name,
+            "texts": n,
+            "rounds": len(v),
+            "wall_us_per_text": statistics.median(x[0] for x in v) * 1e6 / n,
+            "thread_cpu_us_per_text": statistics.median(x[1] for x in v) * 1e6 / n,
+            "process_cpu_us_per_text": statistics.median(x[2] for x in v) * 1e6 / n,
+        }
+        for name, v in rows.items()
+    ]
     by = {r["arm"]: r for r in report["results"]}
     base = by["per_text"]
     report["summary"] = {
-        "texts": n, "mean_chars": sum(map(len, texts)) / n, "threads": joined_module._threads(),
+        "texts": n,
+        "mean_chars": sum(map(len, texts)) / n,
+        "threads": joined_module._threads(),
         "auto_group_texts": joined.groups(texts)[0][0][1],
-        "thread_cpu_over_per_text": {k: v["thread_cpu_us_per_text"] / base["thread_cpu_us_per_text"]
-                                     for k, v in by.items()},
-        "process_cpu_over_per_text": {k: v["process_cpu_us_per_text"] / base["process_cpu_us_per_text"]
-                                      for k, v in by.items()},
+        "thread_cpu_over_per_text": {
+            k: v["thread_cpu_us_per_text"] / base["thread_cpu_us_per_text"] for k, v in by.items()
+        },
+        "process_cpu_over_per_text": {
+            k: v["process_cpu_us_per_text"] / base["process_cpu_us_per_text"] for k, v in by.items()
+        },
         "wall_over_per_text": {k: v["wall_us_per_text"] / base["wall_us_per_text"] for k, v in by.items()},
     }
     out = _results.save(report, args.out)
     for row in report["results"]:
-        print(f"{row['arm']:>12}  thread {row['thread_cpu_us_per_text']:6.2f}  process "
-              f"{row['process_cpu_us_per_text']:6.2f}  wall {row['wall_us_per_text']:6.2f} us/text")
+        print(
+            f"{row['arm']:>12}  thread {row['thread_cpu_us_per_text']:6.2f}  process "
+            f"{row['process_cpu_us_per_text']:6.2f}  wall {row['wall_us_per_text']:6.2f} us/text"
+        )
     print(f"saved {args.out}")
     return report
 

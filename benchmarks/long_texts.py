@@ -43,7 +43,9 @@ def _documents(n: int) -> list[str]:
     return package_documents(n, min_chars=2000)
 
 
-def chunk_throughput(engine: Any, docs: Sequence[str], *, chunk_overlap: int = 32) -> dict[str, float]:  # 32: the default
+def chunk_throughput(
+    engine: Any, docs: Sequence[str], *, chunk_overlap: int = 32
+) -> dict[str, float]:  # 32: the default
     """Chunk mode's tokens/s against truncate mode's on the same tokens, in this process.
 
     Runs ``engine.encode_long(docs, long_texts="chunk")``, then ``engine.encode`` on the
@@ -87,9 +89,15 @@ def chunk_throughput(engine: Any, docs: Sequence[str], *, chunk_overlap: int = 3
     engine.encode(spans)
     truncate_s, truncate_host = time.perf_counter() - t0, host() - h0
     return {
-        "windows": len(w), "tokens": tokens, "chunk_s": chunk_s, "truncate_s": truncate_s,
-        "chunk_tokens_per_s": tokens / chunk_s, "truncate_tokens_per_s": tokens / truncate_s,
-        "ratio": truncate_s / chunk_s, "chunk_host_s": chunk_host, "truncate_host_s": truncate_host,
+        "windows": len(w),
+        "tokens": tokens,
+        "chunk_s": chunk_s,
+        "truncate_s": truncate_s,
+        "chunk_tokens_per_s": tokens / chunk_s,
+        "truncate_tokens_per_s": tokens / truncate_s,
+        "ratio": truncate_s / chunk_s,
+        "chunk_host_s": chunk_host,
+        "truncate_host_s": truncate_host,
     }
 
 
@@ -104,7 +112,9 @@ def speed(docs: list[str], repeats: int, *, noop: bool) -> dict:
 
     from ._noop_forward import patch, unpatch
 
-    engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(str(packaged_model_dir()), device="cpu"))
+    engine = TransformerEngine.from_sentence_transformer(
+        SentenceTransformer(str(packaged_model_dir()), device="cpu")
+    )
     if noop:
         patch()
     try:
@@ -113,13 +123,22 @@ def speed(docs: list[str], repeats: int, *, noop: bool) -> dict:
     finally:
         if noop:
             unpatch()
-    med = {k: float(np.median([r[k] for r in runs])) for k in ("chunk_s", "truncate_s", "chunk_host_s",
-                                                                 "truncate_host_s")}
+    med = {
+        k: float(np.median([r[k] for r in runs]))
+        for k in ("chunk_s", "truncate_s", "chunk_host_s", "truncate_host_s")
+    }
     tokens = runs[0]["tokens"]
-    return {"forward": "no-op" if noop else "MiniLM", "documents": len(docs), "windows": runs[0]["windows"],
-            "tokens": tokens, **med, "chunk_tokens_per_s": tokens / med["chunk_s"],
-            "truncate_tokens_per_s": tokens / med["truncate_s"], "chunk_over_truncate": med["truncate_s"] / med["chunk_s"],
-            "runs": runs}
+    return {
+        "forward": "no-op" if noop else "MiniLM",
+        "documents": len(docs),
+        "windows": runs[0]["windows"],
+        "tokens": tokens,
+        **med,
+        "chunk_tokens_per_s": tokens / med["chunk_s"],
+        "truncate_tokens_per_s": tokens / med["truncate_s"],
+        "chunk_over_truncate": med["truncate_s"] / med["chunk_s"],
+        "runs": runs,
+    }
 
 
 _CHILD = r"""
@@ -168,15 +187,22 @@ print(json.dumps({"kind": kind, "size_mb": size_mb, "chars": sum(map(len, texts)
 
 def memory(size_mb: float, kind: str) -> dict:
     """Run one memory case in a fresh process and return its record."""
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(size_mb), kind], capture_output=True, text=True,
-                          check=False, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(size_mb), kind],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"memory case {kind} {size_mb} MB failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--docs", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 10, 50])
@@ -188,23 +214,34 @@ def main(argv: list[str] | None = None) -> dict:
     for noop in (False, True):
         s = speeds[noop] = speed(docs, args.repeats, noop=noop)
         report["results"].append({"measure": "speed", **s})
-        print(f"{s['forward']} forward: chunk {s['chunk_tokens_per_s']:,.0f} tokens/s, truncate on the same windows "
-              f"{s['truncate_tokens_per_s']:,.0f} tokens/s: ratio {s['chunk_over_truncate']:.3f} "
-              f"({s['windows']:,} windows of {s['documents']} documents)", flush=True)
+        print(
+            f"{s['forward']} forward: chunk {s['chunk_tokens_per_s']:,.0f} tokens/s, truncate on the same windows "
+            f"{s['truncate_tokens_per_s']:,.0f} tokens/s: ratio {s['chunk_over_truncate']:.3f} "
+            f"({s['windows']:,} windows of {s['documents']} documents)",
+            flush=True,
+        )
     short = memory(0, "short")
     report["results"].append({"measure": "memory", **short})
-    print(f"short texts: {short['texts']:,} texts, peak +{short['peak_above_warmup'] / 2**20:.0f} MiB", flush=True)
+    print(
+        f"short texts: {short['texts']:,} texts, peak +{short['peak_above_warmup'] / 2**20:.0f} MiB",
+        flush=True,
+    )
     for size in args.sizes_mb:
         r = memory(size, "document")
         report["results"].append({"measure": "memory", **r})
-        print(f"one {size:g} MB document: {r['windows']:,} windows in {r['seconds']:.1f} s, "
-              f"peak +{r['peak_above_warmup'] / 2**20:.0f} MiB", flush=True)
+        print(
+            f"one {size:g} MB document: {r['windows']:,} windows in {r['seconds']:.1f} s, "
+            f"peak +{r['peak_above_warmup'] / 2**20:.0f} MiB",
+            flush=True,
+        )
     docs = [r for r in report["results"] if r.get("kind") == "document"]
     report["summary"] = {
         "chunk_over_truncate_tokens_per_s": speeds[False]["chunk_over_truncate"],
         "chunk_over_truncate_host_only": speeds[True]["chunk_over_truncate"],
         "target_within_10_percent": speeds[False]["chunk_over_truncate"] >= 0.9,
-        "peak_above_warmup_mib": {f"{r['size_mb']:g} MB": round(r["peak_above_warmup"] / 2**20, 1) for r in docs},
+        "peak_above_warmup_mib": {
+            f"{r['size_mb']:g} MB": round(r["peak_above_warmup"] / 2**20, 1) for r in docs
+        },
         "short_texts_peak_above_warmup_mib": round(short["peak_above_warmup"] / 2**20, 1),
     }
     return _results.save(report, args.out)

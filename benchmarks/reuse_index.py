@@ -49,28 +49,57 @@ def write_old_output(path: str, rows: int, rows_per_file: int, row_group: int, s
 
     rng = np.random.default_rng(seed)
     files = -(-rows // rows_per_file)
-    fp = {"input": uuid.uuid4().hex[:16], "column": "text", "model": {"kind": "object", "digest": "00"},
-          "precision": "float32", "dimension": 8, "partitions": files}
-    manifest, _ = open_run(OutputStore.open(path), fp, plan=RunPlan(b_min=1, b_max=rows_per_file, mode="planned", partitions=files))
+    fp = {
+        "input": uuid.uuid4().hex[:16],
+        "column": "text",
+        "model": {"kind": "object", "digest": "00"},
+        "precision": "float32",
+        "dimension": 8,
+        "partitions": files,
+    }
+    manifest, _ = open_run(
+        OutputStore.open(path),
+        fp,
+        plan=RunPlan(b_min=1, b_max=rows_per_file, mode="planned", partitions=files),
+    )
     for i in range(files):
         n = min(rows_per_file, rows - i * rows_per_file)
         h = rng.integers(0, 2**64 - 1, size=(n, 2), dtype=np.uint64, endpoint=True)
         emb = pa.FixedSizeListArray.from_arrays(pa.array(rng.random(n * 8, dtype=np.float32)), 8)
         table = pa.Table.from_arrays(
             [pa.array(np.full(n, i, np.int64)), pa.array(np.arange(n, dtype=np.int64)), hash_column(h), emb],
-            schema=pa.schema([pa.field("partition", pa.int64()), pa.field("row", pa.int64()), text_hash_field(),
-                              pa.field("embedding", emb.type)]))
+            schema=pa.schema(
+                [
+                    pa.field("partition", pa.int64()),
+                    pa.field("row", pa.int64()),
+                    text_hash_field(),
+                    pa.field("embedding", emb.type),
+                ]
+            ),
+        )
         buf = io.BytesIO()
         pq.write_table(table, buf, row_group_size=row_group)
         data = buf.getvalue()
         key, attempt = sb_key(i, 0), f"{i:08x}"
         target = manifest.data_path(key, attempt)
         manifest.store.write(target, data)
-        manifest.commit(CommitRecord(sb=key, run=manifest.run_id, file=target.rsplit("/", 1)[-1], rows=n,
-                                     bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                                     spans=((i, 0, n, n),), attempt=attempt))
-    finish_run(manifest, manifest.committed(), {"rows": rows, "superbatches": files, "nulls_skipped": 0,
-                                                "partitions": files})
+        manifest.commit(
+            CommitRecord(
+                sb=key,
+                run=manifest.run_id,
+                file=target.rsplit("/", 1)[-1],
+                rows=n,
+                bytes=len(data),
+                sha256=hashlib.sha256(data).hexdigest(),
+                spans=((i, 0, n, n),),
+                attempt=attempt,
+            )
+        )
+    finish_run(
+        manifest,
+        manifest.committed(),
+        {"rows": rows, "superbatches": files, "nulls_skipped": 0, "partitions": files},
+    )
 
 
 def _rss() -> int:
@@ -135,8 +164,10 @@ def measure(path: str, queries: int, sb: int, seed: int = 1) -> dict:
     rng = np.random.default_rng(seed)
     manifest = existing_run(OutputStore.open(path))
     files = [r.file for r in manifest.committed().values()]
-    picked = [hashes_of(pq.read_table(f"{manifest.root}/{files[i]}", columns=["text_hash"]).column("text_hash"))
-              for i in rng.choice(len(files), size=min(len(files), 8), replace=False)]
+    picked = [
+        hashes_of(pq.read_table(f"{manifest.root}/{files[i]}", columns=["text_hash"]).column("text_hash"))
+        for i in rng.choice(len(files), size=min(len(files), 8), replace=False)
+    ]
     present = np.concatenate(picked)
     present = present[rng.choice(len(present), size=int(queries * 0.9))]
     absent = rng.integers(0, 2**64 - 1, size=(queries - len(present), 2), dtype=np.uint64, endpoint=True)
@@ -148,8 +179,9 @@ def measure(path: str, queries: int, sb: int, seed: int = 1) -> dict:
     m = index.find(q)
     find_s = time.perf_counter() - t0
     # a SuperBatch-like lookup: a stretch of the old output, shuffled, 10% edited
-    stretch = hashes_of(pq.read_table(f"{manifest.root}/{files[len(files) // 2]}",
-                                      columns=["text_hash"]).column("text_hash"))[:sb]
+    stretch = hashes_of(
+        pq.read_table(f"{manifest.root}/{files[len(files) // 2]}", columns=["text_hash"]).column("text_hash")
+    )[:sb]
     stretch = stretch[rng.permutation(len(stretch))]
     stretch[: len(stretch) // 10, 1] ^= np.uint64(1)
     t0 = time.perf_counter()
@@ -159,15 +191,24 @@ def measure(path: str, queries: int, sb: int, seed: int = 1) -> dict:
     tracemalloc.stop()
     lookup_anon, lookup_file = sampler.stop()
     return {
-        "rows": int(index.indexes[0].meta["rows"]), "buckets": 1 << index.indexes[0].bits,
-        "build_s": build_s, "build_rows_per_s": index.indexes[0].meta["rows"] / build_s,
-        "find_queries": queries, "find_hits": m.hits, "find_s": find_s, "find_rows_per_s": queries / find_s,
-        "lookup_queries": len(stretch), "lookup_hits": int(got.found.sum()), "lookup_s": lookup_s,
+        "rows": int(index.indexes[0].meta["rows"]),
+        "buckets": 1 << index.indexes[0].bits,
+        "build_s": build_s,
+        "build_rows_per_s": index.indexes[0].meta["rows"] / build_s,
+        "find_queries": queries,
+        "find_hits": m.hits,
+        "find_s": find_s,
+        "find_rows_per_s": queries / find_s,
+        "lookup_queries": len(stretch),
+        "lookup_hits": int(got.found.sum()),
+        "lookup_s": lookup_s,
         "lookup_rows_per_s": len(stretch) / lookup_s,
-        "build_tracemalloc_peak_bytes": build_peak, "lookup_tracemalloc_peak_bytes": lookup_peak,
+        "build_tracemalloc_peak_bytes": build_peak,
+        "lookup_tracemalloc_peak_bytes": lookup_peak,
         "build_peak_rss_anon_above_start_bytes": build_anon - anon0,
         "lookup_peak_rss_anon_above_start_bytes": lookup_anon - anon0,
-        "build_peak_rss_file_bytes": build_file - file0, "lookup_peak_rss_file_bytes": lookup_file - file0,
+        "build_peak_rss_file_bytes": build_file - file0,
+        "lookup_peak_rss_file_bytes": lookup_file - file0,
         "peak_rss_above_start_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base,
     }
 
@@ -181,8 +222,11 @@ def hash_rates(n: int) -> dict:
     from dask_surge.testing import make_texts
 
     texts = make_texts(n)
-    inputs = {"list of str": texts, "pandas Series (Arrow strings)": pd.Series(texts, dtype="string[pyarrow]"),
-              "pyarrow string array": pa.array(texts)}
+    inputs = {
+        "list of str": texts,
+        "pandas Series (Arrow strings)": pd.Series(texts, dtype="string[pyarrow]"),
+        "pyarrow string array": pa.array(texts),
+    }
     out: dict = {"texts": n, "mean_chars": float(np.mean([len(t) for t in texts]))}
 
     def best(f) -> float:
@@ -197,8 +241,11 @@ def hash_rates(n: int) -> dict:
         out[f"text_hashes us/text, {name}"] = best(lambda v=values: text_hashes(v))
     obj = np.array(texts, dtype=object)
     out["pandas hash_array x2 (SipHash, 128 bits) us/text, object array"] = best(
-        lambda: (hash_array(obj, hash_key="0123456789abcdef", categorize=False),
-                 hash_array(obj, hash_key="fedcba9876543210", categorize=False)))
+        lambda: (
+            hash_array(obj, hash_key="0123456789abcdef", categorize=False),
+            hash_array(obj, hash_key="fedcba9876543210", categorize=False),
+        )
+    )
     return out
 
 
@@ -220,8 +267,10 @@ def main(argv: list[str] | None = None) -> dict:
             t0 = time.perf_counter()
             write_old_output(f"{tmp}/old", rows, args.rows_per_file, args.row_group)
             written_s = time.perf_counter() - t0
-            code = ("import json, sys; from benchmarks.reuse_index import measure; "
-                    f"print(json.dumps(measure({tmp + '/old'!r}, {args.queries}, {args.sb})))")
+            code = (
+                "import json, sys; from benchmarks.reuse_index import measure; "
+                f"print(json.dumps(measure({tmp + '/old'!r}, {args.queries}, {args.sb})))"
+            )
             proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
             result = {**json.loads(proc.stdout.strip().splitlines()[-1]), "write_old_output_s": written_s}
         report["results"].append(result)

@@ -98,9 +98,15 @@ def _write_files(where: Path, texts_: list[str], ids: np.ndarray, sizes: list[in
     where.mkdir(parents=True, exist_ok=True)
     start = 0
     for i, size in enumerate(sizes):
-        pq.write_table(pa.table({"doc_id": pa.array(ids[start:start + size], pa.int64()),
-                                 "text": pa.array(texts_[start:start + size], pa.string())}),
-                       where / f"part-{first + i:06d}.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "doc_id": pa.array(ids[start : start + size], pa.int64()),
+                    "text": pa.array(texts_[start : start + size], pa.string()),
+                }
+            ),
+            where / f"part-{first + i:06d}.parquet",
+        )
         start += size
 
 
@@ -111,8 +117,15 @@ def _sizes(n: int, rows_per_file: int, seed: int) -> list[int]:
     return [int(s) for s in lognormal_sizes(n, files, sigma=1.0, seed=seed) if s > 0]
 
 
-def make_corpus(where: Path, pool: list[str], n_old: int, n_new_from: int, rows_per_file: int,
-                seed: int = 0, old_files: list[int] | None = None) -> dict:
+def make_corpus(
+    where: Path,
+    pool: list[str],
+    n_old: int,
+    n_new_from: int,
+    rows_per_file: int,
+    seed: int = 0,
+    old_files: list[int] | None = None,
+) -> dict:
     """Write ``old/`` (``pool[:n_old]`` in log-normal files; not written when their sizes
     ``old_files`` are given: they exist) and ``new/`` (an update of the old files holding the
     first ``n_new_from`` rows: edits, deletions, new files of texts ``pool[n_old:]`` and
@@ -135,23 +148,36 @@ def make_corpus(where: Path, pool: list[str], n_old: int, n_new_from: int, rows_
     new_sizes = []
     start = 0
     for s in base_sizes:
-        new_sizes.append(int((~deleted[start:start + s]).sum()))
+        new_sizes.append(int((~deleted[start : start + s]).sum()))
         start += s
     kept = [t for t, d in zip(new, deleted) if not d]
     kept_ids = np.arange(m)[~deleted]
     n_fresh, n_copies = int(NEW * m), int(COPIES * m)
     if n_old + n_fresh > len(pool):
         raise ValueError("text pool too small")
-    added = pool[n_old:n_old + n_fresh] + [old[i] for i in rng.choice(m, n_copies, replace=False)]
+    added = pool[n_old : n_old + n_fresh] + [old[i] for i in rng.choice(m, n_copies, replace=False)]
     added = [added[i] for i in rng.permutation(len(added))]
-    _write_files(where / "new", kept + added, np.concatenate([kept_ids, np.arange(n_old, n_old + len(added))]),
-                 [s for s in new_sizes if s > 0] + _sizes(len(added), rows_per_file, seed + 1))
+    _write_files(
+        where / "new",
+        kept + added,
+        np.concatenate([kept_ids, np.arange(n_old, n_old + len(added))]),
+        [s for s in new_sizes if s > 0] + _sizes(len(added), rows_per_file, seed + 1),
+    )
     rows = len(kept) + len(added)
     changed = len(edited) + n_fresh
-    return {"old_rows": n_old, "old_files": len(sizes), "new_rows": rows,
-            "new_files": len(list((where / "new").glob("*.parquet"))), "edited": len(edited),
-            "deleted": int(deleted.sum()), "added_new": n_fresh, "added_copies": n_copies, "changed": changed,
-            "changed_fraction": changed / rows, "sizes": sizes}
+    return {
+        "old_rows": n_old,
+        "old_files": len(sizes),
+        "new_rows": rows,
+        "new_files": len(list((where / "new").glob("*.parquet"))),
+        "edited": len(edited),
+        "deleted": int(deleted.sum()),
+        "added_new": n_fresh,
+        "added_copies": n_copies,
+        "changed": changed,
+        "changed_fraction": changed / rows,
+        "sizes": sizes,
+    }
 
 
 # -- measuring ---------------------------------------------------------------------------
@@ -187,16 +213,21 @@ class PeakRSS:
 
     def record(self) -> dict:
         workers = [k for k in self.peaks if k != "client"]
-        return {"peak_rss_bytes": dict(self.peaks), "rss_before_bytes": dict(self.before),
-                "peak_above_before_bytes": {k: self.peaks[k] - self.before[k] for k in self.peaks},
-                "max_worker_peak_rss_bytes": max(self.peaks[k] for k in workers),
-                "max_worker_peak_above_before_bytes": max(self.peaks[k] - self.before[k] for k in workers)}
+        return {
+            "peak_rss_bytes": dict(self.peaks),
+            "rss_before_bytes": dict(self.before),
+            "peak_above_before_bytes": {k: self.peaks[k] - self.before[k] for k in self.peaks},
+            "max_worker_peak_rss_bytes": max(self.peaks[k] for k in workers),
+            "max_worker_peak_above_before_bytes": max(self.peaks[k] - self.before[k] for k in workers),
+        }
 
 
 def _cluster(workers: int):
     from distributed import Client, LocalCluster
 
-    cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0")
+    cluster = LocalCluster(
+        n_workers=workers, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0"
+    )
     client = Client(cluster)
     pids = {"client": os.getpid()}
     pids.update({f"worker-{i}": pid for i, pid in enumerate(sorted(client.run(os.getpid).values()))})
@@ -214,10 +245,24 @@ def _encode(data: Path, output: str, model: str, client, reuse: str | None = Non
 
     opts = {"reuse": reuse} if reuse else {}
     t0 = time.perf_counter()
-    res = dask_surge.encode(dd.read_parquet(str(data)), "text", output=output, model=model, device="cpu",
-                            keep=["doc_id"], progress=False, scheduler=client, **opts)
-    return {"seconds": time.perf_counter() - t0, "rows": int(res.rows), "encoded": int(res.encoded),
-            "reused": int(res.reused), "superbatches": int(res.superbatches)}
+    res = dask_surge.encode(
+        dd.read_parquet(str(data)),
+        "text",
+        output=output,
+        model=model,
+        device="cpu",
+        keep=["doc_id"],
+        progress=False,
+        scheduler=client,
+        **opts,
+    )
+    return {
+        "seconds": time.perf_counter() - t0,
+        "rows": int(res.rows),
+        "encoded": int(res.encoded),
+        "reused": int(res.reused),
+        "superbatches": int(res.superbatches),
+    }
 
 
 def _warm_up(client, model: str, work: Path) -> None:
@@ -228,14 +273,26 @@ def _warm_up(client, model: str, work: Path) -> None:
     import dask_surge
 
     n = 64 * len(client.scheduler_info()["workers"])
-    frame = dd.from_pandas(pd.DataFrame({"text": [f"warm-up text number {i}" for i in range(n)]}),
-                           npartitions=2 * len(client.scheduler_info()["workers"]))
-    dask_surge.encode(frame, "text", output=str(work / f"warm-{time.monotonic_ns()}"), model=model, device="cpu",
-                      progress=False, scheduler=client, b_min=32, b_max=64)
+    frame = dd.from_pandas(
+        pd.DataFrame({"text": [f"warm-up text number {i}" for i in range(n)]}),
+        npartitions=2 * len(client.scheduler_info()["workers"]),
+    )
+    dask_surge.encode(
+        frame,
+        "text",
+        output=str(work / f"warm-{time.monotonic_ns()}"),
+        model=model,
+        device="cpu",
+        progress=False,
+        scheduler=client,
+        b_min=32,
+        b_max=64,
+    )
 
 
-def speed(name: str, model: str, n: int, pool: list[str], args, work: Path, cluster,
-          keep: bool = False) -> tuple[list[dict], dict, dict | None]:
+def speed(
+    name: str, model: str, n: int, pool: list[str], args, work: Path, cluster, keep: bool = False
+) -> tuple[list[dict], dict, dict | None]:
     """(a) for one model on ``cluster`` (client, pids): the old output (setup), then full and
     update runs of the new corpus. With ``keep`` the old corpus and output stay (for the
     memory part) and are returned: ``{"dir", "output", "sizes", "rows"}``."""
@@ -262,11 +319,23 @@ def speed(name: str, model: str, n: int, pool: list[str], args, work: Path, clus
                 with PeakRSS(pids) as rss:
                     r = _encode(here / "new", out, model, client, reuse=old if method == "update" else None)
                 assert r["rows"] == layout["new_rows"], (r, layout)
-                records.append({"part": "speed", "encoder": name, "method": method, "repeat": rep,
-                                **layout, **r, **rss.record(),
-                                "texts_per_s": r["rows"] / r["seconds"]})
-                print(f"[{name}] {method:6s} {r['rows']:,} rows in {r['seconds']:.1f} s "
-                      f"(encoded {r['encoded']:,}, reused {r['reused']:,})", flush=True)
+                records.append(
+                    {
+                        "part": "speed",
+                        "encoder": name,
+                        "method": method,
+                        "repeat": rep,
+                        **layout,
+                        **r,
+                        **rss.record(),
+                        "texts_per_s": r["rows"] / r["seconds"],
+                    }
+                )
+                print(
+                    f"[{name}] {method:6s} {r['rows']:,} rows in {r['seconds']:.1f} s "
+                    f"(encoded {r['encoded']:,}, reused {r['reused']:,})",
+                    flush=True,
+                )
                 shutil.rmtree(out, ignore_errors=True)
     finally:
         if not keep:
@@ -274,14 +343,29 @@ def speed(name: str, model: str, n: int, pool: list[str], args, work: Path, clus
     full = float(np.median([r["seconds"] for r in records if r["method"] == "full"]))
     upd = float(np.median([r["seconds"] for r in records if r["method"] == "update"]))
     upd_r = [r for r in records if r["method"] == "update"][-1]
-    summary = {"model": model, "n_old": n, "n_new": layout["new_rows"],
-               "changed_fraction": layout["changed_fraction"], "full_s": full, "update_s": upd,
-               "old_output_s": setup["seconds"], "speedup_update_over_full": full / upd,
-               "encoded": upd_r["encoded"], "reused": upd_r["reused"],
-               "full_encoded": [r for r in records if r["method"] == "full"][-1]["encoded"],
-               # the issue's target is MiniLM's; the tiny model shows the update path's own cost
-               **({"target_speedup": TARGET_SPEEDUP, "met": full / upd >= TARGET_SPEEDUP} if name == "minilm" else {})}
-    print(f"[{name}] speedup update over full: {full / upd:.2f}x (full {full:.1f} s, update {upd:.1f} s)", flush=True)
+    summary = {
+        "model": model,
+        "n_old": n,
+        "n_new": layout["new_rows"],
+        "changed_fraction": layout["changed_fraction"],
+        "full_s": full,
+        "update_s": upd,
+        "old_output_s": setup["seconds"],
+        "speedup_update_over_full": full / upd,
+        "encoded": upd_r["encoded"],
+        "reused": upd_r["reused"],
+        "full_encoded": [r for r in records if r["method"] == "full"][-1]["encoded"],
+        # the issue's target is MiniLM's; the tiny model shows the update path's own cost
+        **(
+            {"target_speedup": TARGET_SPEEDUP, "met": full / upd >= TARGET_SPEEDUP}
+            if name == "minilm"
+            else {}
+        ),
+    }
+    print(
+        f"[{name}] speedup update over full: {full / upd:.2f}x (full {full:.1f} s, update {upd:.1f} s)",
+        flush=True,
+    )
     kept = {"dir": here / "old", "output": old, "sizes": sizes, "rows": n} if keep else None
     return records, summary, kept
 
@@ -316,7 +400,9 @@ def memory_setup(model: str, pool: list[str], args, work: Path, client, base: di
         layout = make_corpus(here, pool, big, args.mem_new, args.rows_per_file)
         base = {"dir": here / "old", "output": None, "sizes": layout["sizes"], "rows": big}
     else:
-        layout = make_corpus(here, pool, base["rows"], args.mem_new, args.rows_per_file, old_files=base["sizes"])
+        layout = make_corpus(
+            here, pool, base["rows"], args.mem_new, args.rows_per_file, old_files=base["sizes"]
+        )
     layout.pop("sizes")
     olds = {}
     _warm_up(client, model, here)
@@ -335,7 +421,9 @@ def memory_setup(model: str, pool: list[str], args, work: Path, client, base: di
         r = _encode(data, out, model, client)
         print(f"[memory] old output of {r['rows']:,} rows in {r['seconds']:.1f} s", flush=True)
         olds[rows] = (out, r["rows"])
-    print(f"[memory] setup {time.perf_counter() - t0:.1f} s; new corpus {layout['new_rows']:,} rows", flush=True)
+    print(
+        f"[memory] setup {time.perf_counter() - t0:.1f} s; new corpus {layout['new_rows']:,} rows", flush=True
+    )
     return {"here": str(here), "olds": olds, "layout": layout, "model": model}
 
 
@@ -346,26 +434,52 @@ def memory(setup: dict, args) -> tuple[list[dict], dict]:
     try:
         for rows in sorted(args.mem_old):
             old, old_rows = olds[rows]
-            spec = {"work": str(here), "workers": args.workers, "model": model, "old": old, "old_rows": old_rows,
-                    "new": str(here / "new")}
+            spec = {
+                "work": str(here),
+                "workers": args.workers,
+                "model": model,
+                "old": old,
+                "old_rows": old_rows,
+                "new": str(here / "new"),
+            }
             cmd = [sys.executable, "-m", __spec__.name, "--one-memory", json.dumps(spec)]
             r = _results.run_one(cmd, what="memory")
             assert r["rows"] == layout["new_rows"], (r, layout)
-            records.append({"part": "memory", "encoder": "tiny", "method": "update", "old_output_rows": old_rows,
-                            "new_rows": layout["new_rows"], **r})
-            print(f"[memory] old {old_rows:>9,} rows: update {r['seconds']:.1f} s, worker peaks "
-                  + ", ".join(f"{r['peak_rss_bytes'][k] / 2**20:.0f} MiB (+{r['peak_above_before_bytes'][k] / 2**20:.0f})"
-                              for k in sorted(r["peak_rss_bytes"]) if k != "client")
-                  + f"; client +{r['peak_above_before_bytes']['client'] / 2**20:.0f} MiB", flush=True)
+            records.append(
+                {
+                    "part": "memory",
+                    "encoder": "tiny",
+                    "method": "update",
+                    "old_output_rows": old_rows,
+                    "new_rows": layout["new_rows"],
+                    **r,
+                }
+            )
+            print(
+                f"[memory] old {old_rows:>9,} rows: update {r['seconds']:.1f} s, worker peaks "
+                + ", ".join(
+                    f"{r['peak_rss_bytes'][k] / 2**20:.0f} MiB (+{r['peak_above_before_bytes'][k] / 2**20:.0f})"
+                    for k in sorted(r["peak_rss_bytes"])
+                    if k != "client"
+                )
+                + f"; client +{r['peak_above_before_bytes']['client'] / 2**20:.0f} MiB",
+                flush=True,
+            )
     finally:
         shutil.rmtree(here, ignore_errors=True)
     first, last = records[0], records[-1]
-    summary = {"new_rows": layout["new_rows"], "old_output_rows": [r["old_output_rows"] for r in records],
-               "max_worker_peak_rss_mib": [r["max_worker_peak_rss_bytes"] / 2**20 for r in records],
-               "max_worker_peak_above_before_mib": [r["max_worker_peak_above_before_bytes"] / 2**20 for r in records],
-               "client_peak_above_before_mib": [r["peak_above_before_bytes"]["client"] / 2**20 for r in records],
-               "worker_peak_ratio_last_over_first": last["max_worker_peak_rss_bytes"] / first["max_worker_peak_rss_bytes"],
-               "old_rows_ratio_last_over_first": last["old_output_rows"] / first["old_output_rows"]}
+    summary = {
+        "new_rows": layout["new_rows"],
+        "old_output_rows": [r["old_output_rows"] for r in records],
+        "max_worker_peak_rss_mib": [r["max_worker_peak_rss_bytes"] / 2**20 for r in records],
+        "max_worker_peak_above_before_mib": [
+            r["max_worker_peak_above_before_bytes"] / 2**20 for r in records
+        ],
+        "client_peak_above_before_mib": [r["peak_above_before_bytes"]["client"] / 2**20 for r in records],
+        "worker_peak_ratio_last_over_first": last["max_worker_peak_rss_bytes"]
+        / first["max_worker_peak_rss_bytes"],
+        "old_rows_ratio_last_over_first": last["old_output_rows"] / first["old_output_rows"],
+    }
     return records, summary
 
 
@@ -381,21 +495,36 @@ def projection(summary: dict) -> None:
     full = per_text * t["full_encoded"]
     update = t["update_s"] - tiny_per_text * t["encoded"] + per_text * t["encoded"]
     summary["minilm_projected_at_tiny_n"] = {
-        "n_new": t["n_new"], "full_s": full, "update_s": update, "speedup_update_over_full": full / update,
+        "n_new": t["n_new"],
+        "full_s": full,
+        "update_s": update,
+        "speedup_update_over_full": full / update,
         "how": "projected, not measured: MiniLM's full-run seconds per encoded text x texts encoded; the update "
-               "adds the tiny update run's time less its own encoding at the tiny full run's rate"}
+        "adds the tiny update run's time less its own encoding at the tiny full run's rate",
+    }
     print(f"MiniLM projected at {t['n_new']:,} rows: {full / update:.2f}x", flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=1_000_000, help="old corpus rows for the tiny model (0: skip)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--n", type=int, default=1_000_000, help="old corpus rows for the tiny model (0: skip)"
+    )
     parser.add_argument("--minilm-n", type=int, default=8_000, help="old corpus rows for MiniLM (0: skip)")
-    parser.add_argument("--mem-old", type=int, nargs="+", default=[100_000, 1_000_000],
-                        help="old output sizes for the memory part (0: skip)")
+    parser.add_argument(
+        "--mem-old",
+        type=int,
+        nargs="+",
+        default=[100_000, 1_000_000],
+        help="old output sizes for the memory part (0: skip)",
+    )
     parser.add_argument("--mem-new", type=int, default=100_000, help="new corpus size of the memory part")
     parser.add_argument("--rows-per-file", type=int, default=500)
-    parser.add_argument("--distinct", type=int, default=250_000, help="distinct real paragraphs (cycled beyond)")
+    parser.add_argument(
+        "--distinct", type=int, default=250_000, help="distinct real paragraphs (cycled beyond)"
+    )
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test)")
@@ -421,9 +550,12 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     need = max([args.n, args.minilm_n, *args.mem_old])
     pool = texts(int(need * (1 + NEW)) + 10, args.distinct)
-    report["summary"]["texts"] = {"rows": len(pool), "distinct_real_paragraphs": min(args.distinct, len(pool)),
-                                  "mean_chars": float(np.mean([len(t) for t in pool])),
-                                  "seconds": time.perf_counter() - t0}
+    report["summary"]["texts"] = {
+        "rows": len(pool),
+        "distinct_real_paragraphs": min(args.distinct, len(pool)),
+        "mean_chars": float(np.mean([len(t) for t in pool])),
+        "seconds": time.perf_counter() - t0,
+    }
     print(f"texts: {len(pool):,} ({time.perf_counter() - t0:.1f} s)", flush=True)
     tmp = tempfile.mkdtemp(prefix="reuse-update-", dir=args.workdir)
     try:
@@ -433,12 +565,14 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             base, mem = None, None
             if args.minilm_n:
-                rec, report["summary"]["minilm"], _ = speed("minilm", str(packaged_model_dir()), args.minilm_n,
-                                                            pool, args, work, (client, pids))
+                rec, report["summary"]["minilm"], _ = speed(
+                    "minilm", str(packaged_model_dir()), args.minilm_n, pool, args, work, (client, pids)
+                )
                 report["results"] += rec
             if args.n:
-                rec, report["summary"]["tiny"], base = speed("tiny", str(tiny), args.n, pool, args, work,
-                                                             (client, pids), keep=bool(args.mem_old))
+                rec, report["summary"]["tiny"], base = speed(
+                    "tiny", str(tiny), args.n, pool, args, work, (client, pids), keep=bool(args.mem_old)
+                )
                 report["results"] += rec
             if args.mem_old:
                 mem = memory_setup(str(tiny), pool, args, work, client, base)

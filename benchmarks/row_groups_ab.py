@@ -32,10 +32,16 @@ from . import _results
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, default=4100, help="rows of the SuperBatch (default 4100)")
-    parser.add_argument("--partitions", type=int, default=153,
-                        help="source partitions in it (default 153: e2e_small_files' 2,237 files per 60,000 rows)")
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=153,
+        help="source partitions in it (default 153: e2e_small_files' 2,237 files per 60,000 rows)",
+    )
     parser.add_argument("--sigma", type=float, default=1.72)
     parser.add_argument("--dims", default="32,384")
     parser.add_argument("--rounds", type=int, default=7)
@@ -55,11 +61,15 @@ def main(argv: list[str] | None = None) -> dict:
     row = np.concatenate([np.arange(s) for s in sizes])
     layouts = {"per_partition": sizes.tolist(), "row_groups": row_groups(sizes), "one": [n]}
     for dim in (int(d) for d in args.dims.split(",")):
-        table = pa.table({
-            "partition": partition.astype(np.int64), "row": row.astype(np.int64), "doc_id": np.arange(n),
-            "text_hash": pa.array([rng.bytes(16) for _ in range(n)], pa.binary(16)),
-            "embedding": embedding_array(rng.standard_normal((n, dim)).astype(np.float32)),
-        })
+        table = pa.table(
+            {
+                "partition": partition.astype(np.int64),
+                "row": row.astype(np.int64),
+                "doc_id": np.arange(n),
+                "text_hash": pa.array([rng.bytes(16) for _ in range(n)], pa.binary(16)),
+                "embedding": embedding_array(rng.standard_normal((n, dim)).astype(np.float32)),
+            }
+        )
         seconds: dict[str, list[float]] = {k: [] for k in layouts}
         size: dict[str, int] = {}
         for name, groups in layouts.items():  # warm-up
@@ -72,12 +82,23 @@ def main(argv: list[str] | None = None) -> dict:
                 seconds[name].append(time.perf_counter() - t0)
         per_row = {k: statistics.median(v) / n * 1e6 for k, v in seconds.items()}
         for name in layouts:
-            report["results"].append({"dim": dim, "layout": name, "row_groups": len(layouts[name]),
-                                      "us_per_row": per_row[name], "bytes": size[name]})
-            print(f"dim {dim:4d} {name:14s} {len(layouts[name]):5d} groups {per_row[name]:7.2f} us/row "
-                  f"{size[name]:10,d} bytes", flush=True)
+            report["results"].append(
+                {
+                    "dim": dim,
+                    "layout": name,
+                    "row_groups": len(layouts[name]),
+                    "us_per_row": per_row[name],
+                    "bytes": size[name],
+                }
+            )
+            print(
+                f"dim {dim:4d} {name:14s} {len(layouts[name]):5d} groups {per_row[name]:7.2f} us/row "
+                f"{size[name]:10,d} bytes",
+                flush=True,
+            )
         report["summary"][f"dim{dim}"] = {
-            "partitions": len(sizes), "floor": ROW_GROUP_ROWS,
+            "partitions": len(sizes),
+            "floor": ROW_GROUP_ROWS,
             "ratio_per_partition_over_row_groups": per_row["per_partition"] / per_row["row_groups"],
             "bytes_ratio_per_partition_over_row_groups": size["per_partition"] / size["row_groups"],
         }

@@ -60,21 +60,38 @@ def write_input(where: Path, texts: list[str], files: int) -> Path:
     data.mkdir(parents=True)
     per = -(-len(texts) // files)
     for i in range(files):
-        chunk = texts[i * per:(i + 1) * per]
+        chunk = texts[i * per : (i + 1) * per]
         pd.DataFrame({"doc_id": range(i * per, i * per + len(chunk)), "text": chunk}).to_parquet(
-            data / f"part-{i:05d}.parquet", index=False)
+            data / f"part-{i:05d}.parquet", index=False
+        )
     return data
 
 
 def one(tree: Path, data: Path, out: Path) -> dict[str, Any]:
     """One cold CLI encode of ``data`` into ``out`` with the package under ``tree``, then a rerun."""
-    env = dict(os.environ, PYTHONPATH=str(tree), TQDM_DISABLE="1", HF_HUB_OFFLINE="1",
-               DASK_SURGE_CACHE_DIR=str(out.parent / f"cache-{out.name}"))
-    cmd = [sys.executable, "-m", "dask_surge.cli", "encode", str(data), "--text-column", "text",
-           "--output", str(out), "--json"]
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(tree),
+        TQDM_DISABLE="1",
+        HF_HUB_OFFLINE="1",
+        DASK_SURGE_CACHE_DIR=str(out.parent / f"cache-{out.name}"),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "dask_surge.cli",
+        "encode",
+        str(data),
+        "--text-column",
+        "text",
+        "--output",
+        str(out),
+        "--json",
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=str(out.parent), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=str(out.parent), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     first = None
     while proc.poll() is None:
         if first is None and out.is_dir() and any(out.glob("part-*.parquet")):
@@ -86,14 +103,20 @@ def one(tree: Path, data: Path, out: Path) -> dict[str, Any]:
         raise RuntimeError(f"{cmd} failed ({proc.returncode}): {stderr[-2000:]}")
     if first is None:
         first = wall
-    result = json.loads(stdout[stdout.index("{"):])
+    result = json.loads(stdout[stdout.index("{") :])
     t1 = time.perf_counter()
     again = subprocess.run(cmd, env=env, cwd=str(out.parent), capture_output=True, text=True, check=True)
     rerun = time.perf_counter() - t1
-    return {"first_file_s": round(first, 3), "wall_s": round(wall, 3), "ttfo_s": result.get("ttfo_s"),
-            "seconds": result.get("seconds"), "rows": result.get("rows"), "rerun_wall_s": round(rerun, 3),
-            "rerun_said": (again.stdout.strip().splitlines() or [""])[0][:120],
-            "stderr_lines": [line for line in stderr.splitlines() if line.strip()][:5]}
+    return {
+        "first_file_s": round(first, 3),
+        "wall_s": round(wall, 3),
+        "ttfo_s": result.get("ttfo_s"),
+        "seconds": result.get("seconds"),
+        "rows": result.get("rows"),
+        "rerun_wall_s": round(rerun, 3),
+        "rerun_said": (again.stdout.strip().splitlines() or [""])[0][:120],
+        "stderr_lines": [line for line in stderr.splitlines() if line.strip()][:5],
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -102,7 +125,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--files", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--before", default="188e679", help="commit whose dask_surge is 'before' (default trees)")
-    ap.add_argument("--tree", action="append", default=[], help="LABEL=PATH (repeatable); default before, after")
+    ap.add_argument(
+        "--tree", action="append", default=[], help="LABEL=PATH (repeatable); default before, after"
+    )
     ap.add_argument("--out", default=str(_results.RESULTS / "small_run.json"))
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="surge-small-run-"))
@@ -113,8 +138,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not trees:
         before = work / "before"
         before.mkdir()
-        archive = subprocess.run(["git", "archive", args.before, "dask_surge"], cwd=ROOT, capture_output=True,
-                                 check=True).stdout
+        archive = subprocess.run(
+            ["git", "archive", args.before, "dask_surge"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
         trees = [("before", before), ("after", ROOT)]
     data = write_input(work, short_texts(args.texts), args.files)
@@ -124,20 +150,30 @@ def main(argv: list[str] | None = None) -> dict:
             r = one(tree, data, work / f"out-{label}-{repeat}")
             r.update(tree=label, repeat=repeat, loadavg=list(os.getloadavg()))
             records.append(r)
-            print(f"[{label} #{repeat}] first file {r['first_file_s']:.2f} s after the process start "
-                  f"(ttfo {r['ttfo_s']}), done {r['wall_s']:.2f} s; rerun {r['rerun_wall_s']:.2f} s; "
-                  f"load {r['loadavg'][0]:.2f}", flush=True)
+            print(
+                f"[{label} #{repeat}] first file {r['first_file_s']:.2f} s after the process start "
+                f"(ttfo {r['ttfo_s']}), done {r['wall_s']:.2f} s; rerun {r['rerun_wall_s']:.2f} s; "
+                f"load {r['loadavg'][0]:.2f}",
+                flush=True,
+            )
     report = _results.new_report(__spec__.name, argv, args)
     report["results"] = records
     keys = ("first_file_s", "wall_s", "rerun_wall_s")
-    medians = {k: {label: statistics.median(r[k] for r in records if r["tree"] == label) for label, _ in trees}
-               for k in keys}
-    summary: dict[str, Any] = {"medians": medians, "texts": args.texts, "files": args.files,
-                               "target_first_file_s": 3.0}
+    medians = {
+        k: {label: statistics.median(r[k] for r in records if r["tree"] == label) for label, _ in trees}
+        for k in keys
+    }
+    summary: dict[str, Any] = {
+        "medians": medians,
+        "texts": args.texts,
+        "files": args.files,
+        "target_first_file_s": 3.0,
+    }
     if len(trees) > 1:
         base = trees[0][0]
-        summary["ratio_vs_" + base] = {k: {label: round(v / medians[k][base], 3) for label, v in m.items()}
-                                       for k, m in medians.items()}
+        summary["ratio_vs_" + base] = {
+            k: {label: round(v / medians[k][base], 3) for label, v in m.items()} for k, m in medians.items()
+        }
     report["summary"] = summary
     saved = _results.save(report, args.out)
     for k in keys:

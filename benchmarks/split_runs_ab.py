@@ -41,19 +41,27 @@ def plan_facts(lengths, max_tokens: int, split_runs: bool) -> dict:
 
     forwards = padded = real = uniform_batches = uniform_texts = 0
     for start in range(0, len(lengths), BLOCK_TEXTS):
-        plan = plan_batches(lengths[start:start + BLOCK_TEXTS], max_tokens, split_runs=split_runs)
+        plan = plan_batches(lengths[start : start + BLOCK_TEXTS], max_tokens, split_runs=split_runs)
         same = plan.uniform if split_runs else np.zeros(plan.forwards, dtype=bool)
         forwards += plan.forwards
         padded += plan.padded_tokens
         real += plan.real_tokens
         uniform_batches += int(same.sum())
         uniform_texts += int(np.diff(plan.bounds)[same].sum())
-    return {"forwards": forwards, "padded_tokens": padded, "real_tokens": real, "padding_ratio": padded / real,
-            "unmasked_batch_share": uniform_batches / max(forwards, 1), "unmasked_text_share": uniform_texts / len(lengths)}
+    return {
+        "forwards": forwards,
+        "padded_tokens": padded,
+        "real_tokens": real,
+        "padding_ratio": padded / real,
+        "unmasked_batch_share": uniform_batches / max(forwards, 1),
+        "unmasked_text_share": uniform_texts / len(lengths),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=4000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
@@ -90,9 +98,14 @@ def main(argv: list[str] | None = None) -> dict:
     med = {k: statistics.median(v) for k, v in seconds.items()}
     report = {
         **script_header(argv),
-        "texts": len(texts), "tokens_per_text": float(lengths.mean()), "max_tokens": engine.max_tokens,
-        "torch_threads": args.threads, "rounds": args.rounds,
-        "seconds": seconds, "median_s": med, "texts_per_s": {k: len(texts) / v for k, v in med.items()},
+        "texts": len(texts),
+        "tokens_per_text": float(lengths.mean()),
+        "max_tokens": engine.max_tokens,
+        "torch_threads": args.threads,
+        "rounds": args.rounds,
+        "seconds": seconds,
+        "median_s": med,
+        "texts_per_s": {k: len(texts) / v for k, v in med.items()},
         "ratio_split_over_greedy": med["greedy"] / med["split"],
         "paired_ratios": [g / s for g, s in zip(seconds["greedy"], seconds["split"])],
         "plans": {k: plan_facts(lengths, engine.max_tokens, split) for k, split in arms.items()},
@@ -100,8 +113,21 @@ def main(argv: list[str] | None = None) -> dict:
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(json.dumps({k: report[k] for k in ("texts_per_s", "ratio_split_over_greedy", "paired_ratios", "plans",
-                                            "min_cosine_split_vs_greedy")}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: report[k]
+                for k in (
+                    "texts_per_s",
+                    "ratio_split_over_greedy",
+                    "paired_ratios",
+                    "plans",
+                    "min_cosine_split_vs_greedy",
+                )
+            },
+            indent=1,
+        )
+    )
     return report
 
 

@@ -30,7 +30,11 @@ from pathlib import Path
 
 from . import _results
 
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 _COUNTS: collections.Counter = collections.Counter()
 
 
@@ -79,36 +83,59 @@ def main(argv: list[str] | None = None) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="store-output-"))
     src = work / "in"
-    write_partitioned_parquet(src, [int(s) for s in lognormal_sizes(args.n, args.files, sigma=1.0, seed=1)], seed=2)
+    write_partitioned_parquet(
+        src, [int(s) for s in lognormal_sizes(args.n, args.files, sigma=1.0, seed=1)], seed=2
+    )
     model = make_tiny_model(work / "model")
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
+    options = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": f"http://{host}:{port}"},
+    }
     s3fs.S3FileSystem(**options).mkdir("bench")
     kw = {"model": model, "b_min": args.b, "b_max": args.b, "progress": False, "device": "cpu"}
     try:
-        with LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster, \
-                Client(cluster) as client:
+        with (
+            LocalCluster(
+                n_workers=args.workers, threads_per_worker=1, dashboard_address="127.0.0.1:0"
+            ) as cluster,
+            Client(cluster) as client,
+        ):
             this._count_requests()
             client.run(this._count_requests)
-            dd.read_parquet(str(src)).surge.encode("text", str(work / "warm"), **kw)  # models loaded, caches warm
+            dd.read_parquet(str(src)).surge.encode(
+                "text", str(work / "warm"), **kw
+            )  # models loaded, caches warm
 
             def run(where: str, i: int, b: int) -> dict:
                 output = f"s3://bench/out{i}-{b}" if where == "s3" else str(work / f"out{i}")
                 this._take_counts()
                 client.run(this._take_counts)
                 t0 = time.perf_counter()
-                res = dd.read_parquet(str(src)).surge.encode("text", output, storage_options=options
-                                                             if where == "s3" else None,
-                                                             **{**kw, "b_min": b, "b_max": b})
+                res = dd.read_parquet(str(src)).surge.encode(
+                    "text",
+                    output,
+                    storage_options=options if where == "s3" else None,
+                    **{**kw, "b_min": b, "b_max": b},
+                )
                 seconds = time.perf_counter() - t0
                 requests = collections.Counter(this._take_counts())
                 for counts in client.run(this._take_counts).values():
                     requests.update(counts)
-                return {"method": where, "round": i, "b": b, "rows": res.rows, "superbatches": res.superbatches,
-                        "seconds": seconds, "texts_per_s": res.rows / seconds, "ttfo_s": res.ttfo_s,
-                        "requests": dict(requests) if where == "s3" else {}}
+                return {
+                    "method": where,
+                    "round": i,
+                    "b": b,
+                    "rows": res.rows,
+                    "superbatches": res.superbatches,
+                    "seconds": seconds,
+                    "texts_per_s": res.rows / seconds,
+                    "ttfo_s": res.ttfo_s,
+                    "requests": dict(requests) if where == "s3" else {},
+                }
 
             for i in range(args.rounds):
                 order = ("s3", "local") if i % 2 else ("local", "s3")
@@ -135,8 +162,10 @@ def main(argv: list[str] | None = None) -> dict:
         "requests_per_run_besides": fixed,
     }
     _results.save(report, args.out)
-    print(f"S3 / local wall time: {report['summary']['ratio_s3_over_local_seconds']:.2f} (median of {len(ratios)}); "
-          f"requests per SuperBatch {per_sb}; per run besides {fixed}")
+    print(
+        f"S3 / local wall time: {report['summary']['ratio_s3_over_local_seconds']:.2f} (median of {len(ratios)}); "
+        f"requests per SuperBatch {per_sb}; per run besides {fixed}"
+    )
     return report
 
 

@@ -33,8 +33,12 @@ def make_partition(i: int, rows: int):
 
     from dask_surge.testing import make_texts
 
-    return pd.DataFrame({"text": pd.array(make_texts(rows, seed=i), dtype="string[pyarrow]"),
-                         "doc_id": range(i * rows, (i + 1) * rows)})
+    return pd.DataFrame(
+        {
+            "text": pd.array(make_texts(rows, seed=i), dtype="string[pyarrow]"),
+            "doc_id": range(i * rows, (i + 1) * rows),
+        }
+    )
 
 
 def _rss() -> int:
@@ -44,7 +48,9 @@ def _rss() -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[25_000, 100_000, 400_000, 1_600_000])
     parser.add_argument("--rows-per-partition", type=int, default=100)
     parser.add_argument("--b-min", type=int, default=2_000)
@@ -61,17 +67,30 @@ def main(argv: list[str] | None = None) -> dict:
     from dask_surge.testing import checksum_model
 
     report = _results.new_report(__spec__.name, argv, args)
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster, \
-            Client(cluster) as client, tempfile.TemporaryDirectory() as tmp:
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster,
+        Client(cluster) as client,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         # warm-up, not recorded: the first run imports the model stack on the workers (~480 MiB)
-        warm = dd.from_map(functools.partial(make_partition, rows=args.rows_per_partition), range(20),
-                           enforce_metadata=False)
-        warm.surge.encode("text", str(Path(tmp) / "warm-up"), model=checksum_model, b_min=args.b_min,
-                          b_max=args.b_max, progress=False)
+        warm = dd.from_map(
+            functools.partial(make_partition, rows=args.rows_per_partition), range(20), enforce_metadata=False
+        )
+        warm.surge.encode(
+            "text",
+            str(Path(tmp) / "warm-up"),
+            model=checksum_model,
+            b_min=args.b_min,
+            b_max=args.b_max,
+            progress=False,
+        )
         for rows in sorted(args.rows):
             parts = rows // args.rows_per_partition
-            ddf = dd.from_map(functools.partial(make_partition, rows=args.rows_per_partition), range(parts),
-                              enforce_metadata=False)
+            ddf = dd.from_map(
+                functools.partial(make_partition, rows=args.rows_per_partition),
+                range(parts),
+                enforce_metadata=False,
+            )
             client.run(__import__("gc").collect)
             before = client.run(_rss)
             peaks = dict(before)
@@ -86,23 +105,42 @@ def main(argv: list[str] | None = None) -> dict:
             sampler = threading.Thread(target=sample, daemon=True)
             sampler.start()
             t0 = time.perf_counter()
-            res = ddf.surge.encode("text", str(Path(tmp) / f"out-{rows}"), model=checksum_model, b_min=args.b_min,
-                                   b_max=args.b_max, progress=False)
+            res = ddf.surge.encode(
+                "text",
+                str(Path(tmp) / f"out-{rows}"),
+                model=checksum_model,
+                b_min=args.b_min,
+                b_max=args.b_max,
+                progress=False,
+            )
             seconds = time.perf_counter() - t0
             stop.set()
             sampler.join()
             assert res.rows == parts * args.rows_per_partition and res.sizes_source == "streamed"
             growth = {addr: peaks[addr] - before[addr] for addr in before}
-            run = {"rows": res.rows, "partitions": parts, "superbatches": res.superbatches, "seconds": seconds,
-                   "peak_rss_growth_bytes": growth, "max_peak_rss_growth_bytes": max(growth.values())}
+            run = {
+                "rows": res.rows,
+                "partitions": parts,
+                "superbatches": res.superbatches,
+                "seconds": seconds,
+                "peak_rss_growth_bytes": growth,
+                "max_peak_rss_growth_bytes": max(growth.values()),
+            }
             report["results"].append(run)
-            print(f"{res.rows:>9,} rows in {parts:,} partitions, {res.superbatches} SuperBatches, {seconds:.1f} s: "
-                  f"peak worker RSS +{max(growth.values()) / 2**20:.1f} MiB", flush=True)
+            print(
+                f"{res.rows:>9,} rows in {parts:,} partitions, {res.superbatches} SuperBatches, {seconds:.1f} s: "
+                f"peak worker RSS +{max(growth.values()) / 2**20:.1f} MiB",
+                flush=True,
+            )
     first, last = report["results"][0], report["results"][-1]
-    report["summary"] = {"growth_ratio_last_over_first": (last["max_peak_rss_growth_bytes"]
-                                                          / max(1, first["max_peak_rss_growth_bytes"])),
-                         "rows_ratio_last_over_first": last["rows"] / first["rows"]}
+    report["summary"] = {
+        "growth_ratio_last_over_first": (
+            last["max_peak_rss_growth_bytes"] / max(1, first["max_peak_rss_growth_bytes"])
+        ),
+        "rows_ratio_last_over_first": last["rows"] / first["rows"],
+    }
     return _results.save(report, args.out)
+
 
 if __name__ == "__main__":
     main()

@@ -52,25 +52,45 @@ def main(argv: list[str] | None = None) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="table-formats-"))
     src = work / "in"
-    write_partitioned_parquet(src, [int(s) for s in lognormal_sizes(args.n, args.files, sigma=1.0, seed=1)], seed=2)
+    write_partitioned_parquet(
+        src, [int(s) for s in lognormal_sizes(args.n, args.files, sigma=1.0, seed=1)], seed=2
+    )
     model = make_tiny_model(work / "model")
     kw = {"model": model, "b_min": args.b, "b_max": args.b, "progress": False, "device": "cpu"}
     outputs: dict[str, str] = {}
-    with LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster, \
-            Client(cluster):
+    with (
+        LocalCluster(
+            n_workers=args.workers, threads_per_worker=1, dashboard_address="127.0.0.1:0"
+        ) as cluster,
+        Client(cluster),
+    ):
         dd.read_parquet(str(src)).surge.encode("text", str(work / "warm"), **kw)  # models loaded, caches warm
         for i in range(args.rounds):
             formats = ("parquet", "lance", "delta")
-            for fmt in formats[i % 3:] + formats[:i % 3]:
+            for fmt in formats[i % 3 :] + formats[: i % 3]:
                 out = str(work / f"out{i}.{fmt}")
                 t0 = time.perf_counter()
                 res = dd.read_parquet(str(src)).surge.encode("text", out, format=fmt, **kw)
                 seconds = time.perf_counter() - t0
-                versions = (len(lance.dataset(out).versions()) if fmt == "lance" else
-                            deltalake.DeltaTable(out).version() + 1 if fmt == "delta" else 0)
-                report["results"].append({"method": fmt, "round": i, "rows": res.rows, "superbatches": res.superbatches,
-                                          "seconds": seconds, "texts_per_s": res.rows / seconds,
-                                          "ttfo_s": res.ttfo_s, "table_versions": versions})
+                versions = (
+                    len(lance.dataset(out).versions())
+                    if fmt == "lance"
+                    else deltalake.DeltaTable(out).version() + 1
+                    if fmt == "delta"
+                    else 0
+                )
+                report["results"].append(
+                    {
+                        "method": fmt,
+                        "round": i,
+                        "rows": res.rows,
+                        "superbatches": res.superbatches,
+                        "seconds": seconds,
+                        "texts_per_s": res.rows / seconds,
+                        "ttfo_s": res.ttfo_s,
+                        "table_versions": versions,
+                    }
+                )
                 outputs[fmt] = out
     for fmt, out in outputs.items():
         if fmt == "delta":  # no index for Delta
@@ -78,26 +98,45 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         info = build_index(out)
         build_s = time.perf_counter() - t0
-        df = (lance.dataset(out).to_table().to_pandas() if fmt == "lance"
-              else dask_surge.read_embeddings(out).compute().reset_index(drop=True))
+        df = (
+            lance.dataset(out).to_table().to_pandas()
+            if fmt == "lance"
+            else dask_surge.read_embeddings(out).compute().reset_index(drop=True)
+        )
         x = np.stack(df.embedding.to_numpy()).astype(np.float32)
         queries = np.random.default_rng(0).choice(len(x), size=min(args.queries, len(x)), replace=False)
         _, keys = open_index(out).search(x[queries], k=10)
         pos = {(p, r): j for j, (p, r) in enumerate(zip(df.partition, df.row))}
-        found = np.array([[pos[(p, r)] for p, r in zip(g.partition, g.row)] for _, g in keys.groupby("query")])
+        found = np.array(
+            [[pos[(p, r)] for p, r in zip(g.partition, g.row)] for _, g in keys.groupby("query")]
+        )
         recall = recall_at_k(found, exact_neighbours(x, x[queries], 10))
-        report["results"].append({"method": f"index-{info['kind']}", "rows": len(x), "build_s": build_s,
-                                  "recall_at_10": recall, "params": {k: v for k, v in info.items() if k != "path"}})
+        report["results"].append(
+            {
+                "method": f"index-{info['kind']}",
+                "rows": len(x),
+                "build_s": build_s,
+                "recall_at_10": recall,
+                "params": {k: v for k, v in info.items() if k != "path"},
+            }
+        )
     by = {f: [r for r in report["results"] if r["method"] == f] for f in ("parquet", "lance", "delta")}
     report["summary"] = {
-        **{f"ratio_{f}_over_parquet_seconds": statistics.median(
-            t["seconds"] / pq["seconds"] for t, pq in zip(by[f], by["parquet"])) for f in ("lance", "delta")},
+        **{
+            f"ratio_{f}_over_parquet_seconds": statistics.median(
+                t["seconds"] / pq["seconds"] for t, pq in zip(by[f], by["parquet"])
+            )
+            for f in ("lance", "delta")
+        },
         "median_texts_per_s": {f: statistics.median(r["texts_per_s"] for r in rs) for f, rs in by.items()},
         "median_ttfo_s": {f: statistics.median(r["ttfo_s"] for r in rs) for f, rs in by.items()},
         "superbatches": by["lance"][0]["superbatches"],
         "table_versions": {f: [r["table_versions"] for r in by[f]] for f in ("lance", "delta")},
-        "index": {r["method"]: {"build_s": r["build_s"], "recall_at_10": r["recall_at_10"]}
-                  for r in report["results"] if r["method"].startswith("index-")},
+        "index": {
+            r["method"]: {"build_s": r["build_s"], "recall_at_10": r["recall_at_10"]}
+            for r in report["results"]
+            if r["method"].startswith("index-")
+        },
     }
     _results.save(report, args.out)
     print(report["summary"])

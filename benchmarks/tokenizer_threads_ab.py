@@ -38,7 +38,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=150_000)
     parser.add_argument("--files", type=int, default=1500)
     parser.add_argument("--workers", type=int, default=2)
@@ -66,27 +68,46 @@ def main(argv: list[str] | None = None) -> dict:
     report = _results.new_report(__spec__.name, argv, args)
     try:
         for name, env in (("every_core", {"RAYON_NUM_THREADS": str(cores)}), ("share", {})):
-            cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                                   dashboard_address="127.0.0.1:0", env=env)
+            cluster = LocalCluster(
+                n_workers=args.workers,
+                threads_per_worker=1,
+                processes=True,
+                dashboard_address="127.0.0.1:0",
+                env=env,
+            )
             client = Client(cluster, set_as_default=False)
             if args.forward == "noop":
                 register(client)  # the forward pass replaced by zeros in each worker: benchmark only
             surge_run(warm, client, scratch, model)  # the model loaded and the pool made before the clock
             arms[name] = (cluster, client)
-        pools = {name: sorted(set(c.run(lambda: os.environ.get("RAYON_NUM_THREADS")).values()), key=str)
-                 for name, (_, c) in arms.items()}
+        pools = {
+            name: sorted(set(c.run(lambda: os.environ.get("RAYON_NUM_THREADS")).values()), key=str)
+            for name, (_, c) in arms.items()
+        }
         for r in range(args.rounds):
             if args.forward == "noop":
-                report["results"].append({"round": r, "arm": "raw_tokenizer", "seconds": tokenizer_run(texts),
-                                          "loadavg": os.getloadavg()[0]})
-            for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+                report["results"].append(
+                    {
+                        "round": r,
+                        "arm": "raw_tokenizer",
+                        "seconds": tokenizer_run(texts),
+                        "loadavg": os.getloadavg()[0],
+                    }
+                )
+            for name in list(arms) if r % 2 == 0 else list(arms)[::-1]:
                 client = arms[name][1]
                 (seconds, facts), cpu = run_cpu(client, lambda: surge_run(data, client, scratch, model))
                 assert facts["rows"] == args.n, facts
-                report["results"].append({"round": r, "arm": name, "seconds": seconds,
-                                          "cpu_us_per_text": (cpu["workers"] + cpu["client"]) * 1e6 / args.n,
-                                          "worker_cpu_us_per_text": cpu["workers"] * 1e6 / args.n,
-                                          "loadavg": os.getloadavg()[0]})
+                report["results"].append(
+                    {
+                        "round": r,
+                        "arm": name,
+                        "seconds": seconds,
+                        "cpu_us_per_text": (cpu["workers"] + cpu["client"]) * 1e6 / args.n,
+                        "worker_cpu_us_per_text": cpu["workers"] * 1e6 / args.n,
+                        "loadavg": os.getloadavg()[0],
+                    }
+                )
                 print(report["results"][-1], flush=True)
     finally:
         for cluster, client in arms.values():
@@ -97,27 +118,46 @@ def main(argv: list[str] | None = None) -> dict:
     def of(arm: str, key: str) -> list[float]:
         return [x[key] for x in report["results"] if x["arm"] == arm]
 
-    rate = {arm: args.n / statistics.median(of(arm, "seconds"))
-            for arm in ("every_core", "share", *(("raw_tokenizer",) if args.forward == "noop" else ()))}
+    rate = {
+        arm: args.n / statistics.median(of(arm, "seconds"))
+        for arm in ("every_core", "share", *(("raw_tokenizer",) if args.forward == "noop" else ()))
+    }
     paired = [b / a for a, b in zip(of("share", "seconds"), of("every_core", "seconds"))]
     report["summary"] = {
-        "layout": layout, "cores": cores, "workers": args.workers,
-        "share_threads_expected": tokenizer_threads(cores, args.workers), "rayon_num_threads_seen": pools,
-        "texts_per_s": rate, "share_over_every_core": rate["share"] / rate["every_core"],
+        "layout": layout,
+        "cores": cores,
+        "workers": args.workers,
+        "share_threads_expected": tokenizer_threads(cores, args.workers),
+        "rayon_num_threads_seen": pools,
+        "texts_per_s": rate,
+        "share_over_every_core": rate["share"] / rate["every_core"],
         "paired_share_over_every_core": paired,
         "share_faster_rounds": sum(p > 1 for p in paired),
-        "cpu_us_per_text": {arm: statistics.median(of(arm, "cpu_us_per_text")) for arm in ("every_core", "share")},
-        **({"over_raw_tokenizer": {arm: rate[arm] / rate["raw_tokenizer"] for arm in ("every_core", "share")}}
-           if args.forward == "noop" else {}),
+        "cpu_us_per_text": {
+            arm: statistics.median(of(arm, "cpu_us_per_text")) for arm in ("every_core", "share")
+        },
+        **(
+            {
+                "over_raw_tokenizer": {
+                    arm: rate[arm] / rate["raw_tokenizer"] for arm in ("every_core", "share")
+                }
+            }
+            if args.forward == "noop"
+            else {}
+        ),
     }
     out = _results.save(report, args.out)
     s = report["summary"]
-    print(f"texts/s: every core {rate['every_core']:,.0f}, share {rate['share']:,.0f} "
-          f"(x{s['share_over_every_core']:.3f}; paired {', '.join(f'{p:.3f}' for p in paired)}); CPU us/text "
-          f"{s['cpu_us_per_text']['every_core']:.1f} -> {s['cpu_us_per_text']['share']:.1f}")
+    print(
+        f"texts/s: every core {rate['every_core']:,.0f}, share {rate['share']:,.0f} "
+        f"(x{s['share_over_every_core']:.3f}; paired {', '.join(f'{p:.3f}' for p in paired)}); CPU us/text "
+        f"{s['cpu_us_per_text']['every_core']:.1f} -> {s['cpu_us_per_text']['share']:.1f}"
+    )
     if args.forward == "noop":
-        print(f"over the raw tokenizer: every core {s['over_raw_tokenizer']['every_core']:.3f}, "
-              f"share {s['over_raw_tokenizer']['share']:.3f}")
+        print(
+            f"over the raw tokenizer: every core {s['over_raw_tokenizer']['every_core']:.3f}, "
+            f"share {s['over_raw_tokenizer']['share']:.3f}"
+        )
     return out
 
 

@@ -50,8 +50,9 @@ def _helper_init(tokenizer_json: str, max_length: int) -> None:
     _TOKENIZER.enable_truncation(max_length)
 
 
-def _helper_tokenize(texts_shm: str, n: int, offsets_bytes: int, data_bytes: int, out_shm: str,
-                     out_capacity: int) -> tuple[int, float]:
+def _helper_tokenize(
+    texts_shm: str, n: int, offsets_bytes: int, data_bytes: int, out_shm: str, out_capacity: int
+) -> tuple[int, float]:
     """In the helper: texts from shared memory, their lengths then ids into ``out_shm``; (tokens, CPU s)."""
     import numpy as np
     import pyarrow as pa
@@ -87,7 +88,9 @@ def _helper_tokenize(texts_shm: str, n: int, offsets_bytes: int, data_bytes: int
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--n", type=int, default=65_536)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", default=str(_results.RESULTS / "tokenpool_handoff.json"))
@@ -119,11 +122,17 @@ def main(argv: list[str] | None = None) -> dict:
             del encodings
         return lengths, ids, 0.0
 
-    pool = ProcessPoolExecutor(1, mp_context=get_context("spawn"), initializer=_helper_init,
-                               initargs=(packer._tokenizer.to_str(), 256))
+    pool = ProcessPoolExecutor(
+        1,
+        mp_context=get_context("spawn"),
+        initializer=_helper_init,
+        initargs=(packer._tokenizer.to_str(), 256),
+    )
     capacity = 4 * (n + n * 256)
     out_shm = shared_memory.SharedMemory(create=True, size=capacity)
-    in_shm = shared_memory.SharedMemory(create=True, size=16 * 1024 * 1024 + 8 * (n + 1) + sum(map(len, texts)) * 4)
+    in_shm = shared_memory.SharedMemory(
+        create=True, size=16 * 1024 * 1024 + 8 * (n + 1) + sum(map(len, texts)) * 4
+    )
 
     def helper() -> tuple[np.ndarray, np.ndarray, float]:
         array = pa.array(texts, pa.large_string())
@@ -135,8 +144,9 @@ def main(argv: list[str] | None = None) -> dict:
         if data_bytes:
             dst[offsets_bytes : offsets_bytes + data_bytes] = np.frombuffer(body, dtype=np.uint8)
         del dst
-        total, cpu = pool.submit(_helper_tokenize, in_shm.name, n, offsets_bytes, data_bytes, out_shm.name,
-                                 capacity).result()
+        total, cpu = pool.submit(
+            _helper_tokenize, in_shm.name, n, offsets_bytes, data_bytes, out_shm.name, capacity
+        ).result()
         view = np.ndarray((n + total,), dtype=np.int32, buffer=out_shm.buf)
         return view[:n], view[n:], cpu
 
@@ -144,17 +154,23 @@ def main(argv: list[str] | None = None) -> dict:
         pool.submit(int).result()  # the helper is up before the clock
         ref_lengths, ref_ids, _ = inprocess()
         lengths, ids, _ = helper()
-        assert np.array_equal(lengths, ref_lengths) and np.array_equal(ids, ref_ids), "the helper's ids differ"
+        assert np.array_equal(lengths, ref_lengths) and np.array_equal(ids, ref_ids), (
+            "the helper's ids differ"
+        )
         del lengths, ids
         runs: dict[str, list[dict[str, float]]] = {"inprocess": [], "helper": []}
         for r in range(args.rounds):
-            for name in (("inprocess", "helper") if r % 2 == 0 else ("helper", "inprocess")):
+            for name in ("inprocess", "helper") if r % 2 == 0 else ("helper", "inprocess"):
                 fn = inprocess if name == "inprocess" else helper
                 c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
                 _, _, helper_cpu = fn()
-                runs[name].append({"thread_cpu_us": (time.thread_time() - c0) * 1e6 / n,
-                                   "wall_us": (time.perf_counter() - t0) * 1e6 / n,
-                                   "total_cpu_us": (time.process_time() - p0 + helper_cpu) * 1e6 / n})
+                runs[name].append(
+                    {
+                        "thread_cpu_us": (time.thread_time() - c0) * 1e6 / n,
+                        "wall_us": (time.perf_counter() - t0) * 1e6 / n,
+                        "total_cpu_us": (time.process_time() - p0 + helper_cpu) * 1e6 / n,
+                    }
+                )
     finally:
         pool.shutdown()
         for shm in (in_shm, out_shm):
@@ -162,16 +178,23 @@ def main(argv: list[str] | None = None) -> dict:
             shm.unlink()
     medians = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
     report = _results.new_report(__spec__.name, argv, args)
-    report["results"] = [{"path": k, "round": i, "texts": n, **r} for k, v in runs.items() for i, r in enumerate(v)]
-    report["summary"] = {"layout": layout, "per_text_median": medians,
-                         "caller_thread_helper_over_inprocess":
-                             medians["helper"]["thread_cpu_us"] / medians["inprocess"]["thread_cpu_us"],
-                         "note": "thread_cpu_us: the caller's thread (its GIL time); total_cpu_us: this process plus "
-                                 "the helper's CPU; the Rust tokenizer's threads count in both"}
+    report["results"] = [
+        {"path": k, "round": i, "texts": n, **r} for k, v in runs.items() for i, r in enumerate(v)
+    ]
+    report["summary"] = {
+        "layout": layout,
+        "per_text_median": medians,
+        "caller_thread_helper_over_inprocess": medians["helper"]["thread_cpu_us"]
+        / medians["inprocess"]["thread_cpu_us"],
+        "note": "thread_cpu_us: the caller's thread (its GIL time); total_cpu_us: this process plus "
+        "the helper's CPU; the Rust tokenizer's threads count in both",
+    }
     _results.save(report, args.out)
     for k, m in medians.items():
-        print(f"{k:10s} caller thread {m['thread_cpu_us']:6.2f} us/text   wall {m['wall_us']:6.2f}   "
-              f"total cpu {m['total_cpu_us']:6.2f}")
+        print(
+            f"{k:10s} caller thread {m['thread_cpu_us']:6.2f} us/text   wall {m['wall_us']:6.2f}   "
+            f"total cpu {m['total_cpu_us']:6.2f}"
+        )
     return report
 
 

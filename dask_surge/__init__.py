@@ -33,16 +33,32 @@ if TYPE_CHECKING:
     from .planning.policy import OnlinePlanner, SuperBatch, plan_superbatches
 
 __all__ = [
-    "__version__", "encode", "plan", "read_embeddings", "skipped_rows", "status", "Encoder", "EncodeResult", "SurgePlan",
+    "__version__",
+    "encode",
+    "plan",
+    "read_embeddings",
+    "skipped_rows",
+    "status",
+    "Encoder",
+    "EncodeResult",
+    "SurgePlan",
     "local_cluster",
-    "OnlinePlanner", "SuperBatch", "plan_superbatches",
-    "SurgeError", "SurgeInputError", "SurgeModelError", "SurgeOutputError", "SurgeValueError",
+    "OnlinePlanner",
+    "SuperBatch",
+    "plan_superbatches",
+    "SurgeError",
+    "SurgeInputError",
+    "SurgeModelError",
+    "SurgeOutputError",
+    "SurgeValueError",
 ]
 
 #: the public names imported on first use, and the module each is taken from
 _LAZY = {
-    **dict.fromkeys(("encode", "plan", "read_embeddings", "skipped_rows", "status", "EncodeResult", "SurgePlan"),
-                    "dask_surge.api"),
+    **dict.fromkeys(
+        ("encode", "plan", "read_embeddings", "skipped_rows", "status", "EncodeResult", "SurgePlan"),
+        "dask_surge.api",
+    ),
     "Encoder": "dask_surge.models.encoders",
     "local_cluster": "dask_surge.execution.cluster",
     **dict.fromkeys(("OnlinePlanner", "SuperBatch", "plan_superbatches"), "dask_surge.planning.policy"),
@@ -116,8 +132,11 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 def _remove_hooks() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != _AfterImport.__name__
-                        or getattr(f, "module", None) != _AfterImport.module]
+    sys.meta_path[:] = [
+        f
+        for f in sys.meta_path
+        if type(f).__name__ != _AfterImport.__name__ or getattr(f, "module", None) != _AfterImport.module
+    ]
 
 
 if "dask.dataframe" in sys.modules:

@@ -22,17 +22,36 @@ if TYPE_CHECKING:
     from dask.dataframe.dask_expr.io.io import FromPandas
     from dask.dataframe.dask_expr.io.parquet import ReadParquetFSSpec
 
-__all__ = ["Alias", "BaseExpr", "DataNode", "Expr", "FromPandas", "GraphNode", "Lengths", "List", "Literal",
-           "Projection", "ReadParquetFSSpec", "Task", "TaskRef", "convert_legacy_graph", "is_dask_future",
-           "new_collection", "simplified", "untuned"]
+__all__ = [
+    "Alias",
+    "BaseExpr",
+    "DataNode",
+    "Expr",
+    "FromPandas",
+    "GraphNode",
+    "Lengths",
+    "List",
+    "Literal",
+    "Projection",
+    "ReadParquetFSSpec",
+    "Task",
+    "TaskRef",
+    "convert_legacy_graph",
+    "is_dask_future",
+    "new_collection",
+    "simplified",
+    "untuned",
+]
 
 #: dask.dataframe's names, imported on first use (PEP 562): a worker running SuperBatch tasks
 #: needs the task spec above but not dask.dataframe, whose import (pandas, dask.array, dask-expr,
 #: with the GIL held) would otherwise run beside its model load on a cold start
 _DATAFRAME = {
     "new_collection": "dask.dataframe.dask_expr",
-    "Expr": "dask.dataframe.dask_expr._expr", "Lengths": "dask.dataframe.dask_expr._expr",
-    "Literal": "dask.dataframe.dask_expr._expr", "Projection": "dask.dataframe.dask_expr._expr",
+    "Expr": "dask.dataframe.dask_expr._expr",
+    "Lengths": "dask.dataframe.dask_expr._expr",
+    "Literal": "dask.dataframe.dask_expr._expr",
+    "Projection": "dask.dataframe.dask_expr._expr",
     "FromPandas": "dask.dataframe.dask_expr.io.io",
     "ReadParquetFSSpec": "dask.dataframe.dask_expr.io.parquet",
 }

@@ -44,7 +44,8 @@ class _BoundToFrame:
 
         signature = inspect.signature(func)
         bound.__signature__ = signature.replace(  # type: ignore[attr-defined]
-            parameters=list(signature.parameters.values())[1:])
+            parameters=list(signature.parameters.values())[1:]
+        )
         bound.__name__ = func.__name__
         bound.__qualname__ = f"SurgeAccessor.{func.__name__}"
         bound.__doc__ = func.__doc__

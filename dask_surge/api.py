@@ -54,15 +54,24 @@ from .results import EncodeResult, SurgePlan
 if TYPE_CHECKING:
     from typing import Unpack
 
-__all__ = ["encode", "plan", "fingerprint", "status", "read_embeddings", "skipped_rows", "EncodeResult",
-           "SurgePlan"]
+__all__ = [
+    "encode",
+    "plan",
+    "fingerprint",
+    "status",
+    "read_embeddings",
+    "skipped_rows",
+    "EncodeResult",
+    "SurgePlan",
+]
 
 logger = logging.getLogger(__name__)
 SCHEDULERS = (None, "sync", "synchronous", "threads")
 
 
-def _check_columns(ddf, column: str, keep: Sequence[str], *, chunked: bool = False, family: str = DENSE
-                   ) -> tuple[str, ...]:
+def _check_columns(
+    ddf, column: str, keep: Sequence[str], *, chunked: bool = False, family: str = DENSE
+) -> tuple[str, ...]:
     columns = list(ddf.columns)
     if isinstance(keep, str):
         keep = [keep]
@@ -102,8 +111,10 @@ def _check_columns(ddf, column: str, keep: Sequence[str], *, chunked: bool = Fal
         )
     missing = [k for k in keep if k not in columns]
     if missing:
-        raise SurgeInputError(f"keep={list(keep)} names missing column(s) {missing}; columns are {columns}"
-                              f"{_index_hint(ddf, missing)}. Fix: keep only existing columns.")
+        raise SurgeInputError(
+            f"keep={list(keep)} names missing column(s) {missing}; columns are {columns}"
+            f"{_index_hint(ddf, missing)}. Fix: keep only existing columns."
+        )
     _check_source_texts(ddf, column)
     return keep
 
@@ -135,8 +146,9 @@ def _check_source_texts(ddf, column: str) -> None:
     values = frame[column]
     if pd.api.types.infer_dtype(values, skipna=True) in ("string", "bytes", "empty"):
         return
-    label, value = next(((k, v) for k, v in values.items() if not isinstance(v, str) and not _is_null(v)),
-                        (None, None))
+    label, value = next(
+        ((k, v) for k, v in values.items() if not isinstance(v, str) and not _is_null(v)), (None, None)
+    )
     if label is None:
         return
     raise SurgeInputError(
@@ -159,8 +171,10 @@ def _index_hint(ddf, names: Sequence[str]) -> str:
     index = getattr(getattr(ddf, "index", None), "name", None)
     if index is None or index not in names:
         return ""
-    return (f" ({index!r} is the index, which the output does not keep: make it a column first, "
-            f"ddf = ddf.reset_index())")
+    return (
+        f" ({index!r} is the index, which the output does not keep: make it a column first, "
+        f"ddf = ddf.reset_index())"
+    )
 
 
 def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
@@ -187,13 +201,16 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
     opts = config.bind("plan", options)
     requested = requested_thresholds(opts["b_min"], opts["b_max"])
     model, params, client, scheduler = (opts[k] for k in ("model", "params", "client", "scheduler"))
-    long_texts, overlap, max_bytes, n = (opts[k] for k in ("long_texts", "chunk_overlap", "max_bytes", "token_sample"))
+    long_texts, overlap, max_bytes, n = (
+        opts[k] for k in ("long_texts", "chunk_overlap", "max_bytes", "token_sample")
+    )
     _check_columns(ddf, column, ())
     model_opts = {o.name: opts[o.name] for o in options_of("plan") if "Encoder" in o.takers}
     if any(v is not None and v is not False for v in model_opts.values()):
         model = encoder_for(model, model_opts)  # the probe and the token sample use this model
-    max_bytes = windowed_bytes(max_bytes, requested[1], encoder_for(model, {}), long_texts, overlap,
-                               gpu=gpu_count() > 0)  # as encode() caps it
+    max_bytes = windowed_bytes(
+        max_bytes, requested[1], encoder_for(model, {}), long_texts, overlap, gpu=gpu_count() > 0
+    )  # as encode() caps it
     frame = ddf[[column]]
     known = known_sizes(frame, column, max_bytes)
     # an input that encode() streams is sized here with one pass, to show its SuperBatches
@@ -206,35 +223,78 @@ def plan(ddf, column: str, **options: Unpack[PlanOptions]) -> SurgePlan:
     # one sample serves the predictions (with a token sample configured) and the estimates (asked for)
     sample = TextSample(ddf, column, sizes, model, n or 2048, overlap) if sizes.total else None
     threads = _threads(active, scheduler)
-    run = planned_run(sizes, known, thresholds_for(requested, known, params, gpu=gpu_count() > 0, threads=threads,
-                                                   max_bytes=max_bytes, sample=sample if n is not None else None,
-                                                   long_texts=long_texts),
-                      threads=threads, max_bytes=max_bytes)
+    run = planned_run(
+        sizes,
+        known,
+        thresholds_for(
+            requested,
+            known,
+            params,
+            gpu=gpu_count() > 0,
+            threads=threads,
+            max_bytes=max_bytes,
+            sample=sample if n is not None else None,
+            long_texts=long_texts,
+        ),
+        threads=threads,
+        max_bytes=max_bytes,
+    )
     th = run.thresholds
     tokens_source = None
     if params is not None and sample is not None:  # predictions use this data's tokens
         params, tokens_source = params_for_data(params, sample if n is not None else None, long_texts)
-    result = SurgePlan(sizes, run.superbatches, th.b_min, th.b_max, params=params, max_bytes=max_bytes,
-                       tokens_source=tokens_source, unit_partitions=run.unit_partitions,
-                       calibration_failed=bool(opts["calibrate"]) and params is None)
+    result = SurgePlan(
+        sizes,
+        run.superbatches,
+        th.b_min,
+        th.b_max,
+        params=params,
+        max_bytes=max_bytes,
+        tokens_source=tokens_source,
+        unit_partitions=run.unit_partitions,
+        calibration_failed=bool(opts["calibrate"]) and params is None,
+    )
     if sample is not None and sample.texts and (options.get("long_texts") is not None or opts["reuse"]):
         texts, total = sample.texts, sizes.total
         if options.get("long_texts") is not None:
             counts = sample.windows_per_text()
             over = float(np.mean(counts > 1))
-            result.long_texts = {"mode": long_texts, "sampled": len(texts), "over_window": over,
-                                 "texts_over": round(over * total), "windows": round(float(np.mean(counts)) * total)}
+            result.long_texts = {
+                "mode": long_texts,
+                "sampled": len(texts),
+                "over_window": over,
+                "texts_over": round(over * total),
+                "windows": round(float(np.mean(counts)) * total),
+            }
         if opts["reuse"]:
             with ReuseIndex(_absolute(opts["reuse"])) as index:
                 found = index.find(text_hashes(texts)).found.mean()
-            result.reuse = {"sampled": len(texts), "found": float(found), "reused": round(found * total),
-                            "encoded": total - round(found * total)}
+            result.reuse = {
+                "sampled": len(texts),
+                "found": float(found),
+                "reused": round(found * total),
+                "encoded": total - round(found * total),
+            }
     if params is not None and sizes.total:
         # predict the plan shown, under the byte cap it was made with
-        result.predictions = predict(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, nbytes=sizes.nbytes,
-                                     max_bytes=max_bytes, superbatches=run.superbatches)
-        result.advice = advise(sizes.sizes, params, b_min=th.b_min, b_max=th.b_max, nbytes=sizes.nbytes,
-                               max_bytes=max_bytes, superbatches=run.superbatches)
+        result.predictions = predict(
+            sizes.sizes,
+            params,
+            b_min=th.b_min,
+            b_max=th.b_max,
+            nbytes=sizes.nbytes,
+            max_bytes=max_bytes,
+            superbatches=run.superbatches,
+        )
+        result.advice = advise(
+            sizes.sizes,
+            params,
+            b_min=th.b_min,
+            b_max=th.b_max,
+            nbytes=sizes.nbytes,
+            max_bytes=max_bytes,
+            superbatches=run.superbatches,
+        )
     return result
 
 
@@ -289,7 +349,6 @@ def _client_for(scheduler):
         yield active
         return
     from distributed import Client
-
 
     with local_cluster() as cluster, Client(cluster) as client:
         logger.warning("dask-surge: started %s; dashboard: %s", type(cluster).__name__, client.dashboard_link)
@@ -352,33 +411,56 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     opts = config.bind("encode", options)
     long_texts, overlap = opts["long_texts"], opts["chunk_overlap"]
     overwrite, storage_options, scheduler, progress, input_token = (
-        opts[k] for k in ("overwrite", "storage_options", "scheduler", "progress", "input_token"))
+        opts[k] for k in ("overwrite", "storage_options", "scheduler", "progress", "input_token")
+    )
     requested = requested_thresholds(opts["b_min"], opts["b_max"])  # fail before any work
     encoder = encoder_for(opts["model"], opts)
     family = encoder.family  # what one text becomes: the output's columns and the options that apply
-    check_family_options(family, **{k: opts[k] for k in ("precision", "normalize", "truncate_dim", "long_texts",
-                                                         "sparse_top_k", "sparse_threshold")})
+    check_family_options(
+        family,
+        **{
+            k: opts[k]
+            for k in (
+                "precision",
+                "normalize",
+                "truncate_dim",
+                "long_texts",
+                "sparse_top_k",
+                "sparse_threshold",
+            )
+        },
+    )
     keep = _check_columns(ddf, column, opts["keep"], chunked=long_texts == "chunk", family=family)
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
     task = SuperBatchTask(
-        column, keep, encoder, normalize=opts["normalize"],
-        precision=check_precision(opts["precision"], opts["normalize"]), on_null=opts["on_null"],
+        column,
+        keep,
+        encoder,
+        normalize=opts["normalize"],
+        precision=check_precision(opts["precision"], opts["normalize"]),
+        on_null=opts["on_null"],
         truncate_dim=check_truncate_dim(opts["truncate_dim"], encoder.dimension),
-        long_texts=long_texts, chunk_overlap=overlap, reuse=_absolute(opts["reuse"]),
+        long_texts=long_texts,
+        chunk_overlap=overlap,
+        reuse=_absolute(opts["reuse"]),
         reuse_storage_options=storage_options if any("://" in r for r in opts["reuse"]) else None,
-        sparse_top_k=opts["sparse_top_k"], sparse_threshold=opts["sparse_threshold"],
+        sparse_top_k=opts["sparse_top_k"],
+        sparse_threshold=opts["sparse_threshold"],
     )
     max_bytes = windowed_bytes(opts["max_bytes"], requested[1], encoder, long_texts, overlap, gpu=on_gpu)
     frame = ddf[[column, *[k for k in keep if k != column]]]
     out_format, mode = opts["format"], opts["mode"]
     if out_format != "parquet" and (output is None or overwrite):
         raise SurgeValueError(
-            f"format={out_format!r} writes a table at output=..., which it never replaces" + (
-                "; output=None returns a lazy frame" if output is None else ": overwrite=True is for Parquet") +
-            ". Fix: pass output='path/table' and no overwrite (a new path, or mode='append' to add to a table).")
+            f"format={out_format!r} writes a table at output=..., which it never replaces"
+            + ("; output=None returns a lazy frame" if output is None else ": overwrite=True is for Parquet")
+            + ". Fix: pass output='path/table' and no overwrite (a new path, or mode='append' to add to a table)."
+        )
     if mode == "append" and out_format == "parquet":
-        raise SurgeValueError("mode='append' adds rows to a table output; a Parquet output holds one run. "
-                              "Fix: pass format='lance' or 'delta', or leave mode='create'.")
+        raise SurgeValueError(
+            "mode='append' adds rows to a table output; a Parquet output holds one run. "
+            "Fix: pass format='lance' or 'delta', or leave mode='create'."
+        )
     if output is None:
         if task.on_null == "skip":
             raise SurgeValueError(
@@ -388,18 +470,24 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
             )
         if task.reuse:
             with _planning_texts(column):
-                run_id = fingerprint(frame, task, device="cuda" if on_gpu else "cpu", input_token=input_token,
-                                     options=opts)
+                run_id = fingerprint(
+                    frame, task, device="cuda" if on_gpu else "cpu", input_token=input_token, options=opts
+                )
             _open_reuse(task, run_id)
-        return _lazy(frame, task, _thresholds(requested, task, frame, _active_client(), gpu=on_gpu), max_bytes)
+        return _lazy(
+            frame, task, _thresholds(requested, task, frame, _active_client(), gpu=on_gpu), max_bytes
+        )
     # the output is resolved once, and what needs no worker is checked before any starts: where it can
     # live, that it is not inside (or around) the input, that it holds nothing dask-surge did not write
     store = OutputStore.open(output, storage_options, writing=True)
-    check_output(store, inputs=input_files(frame), contents=out_format == "parquet")  # a table: its history decides
+    check_output(
+        store, inputs=input_files(frame), contents=out_format == "parquet"
+    )  # a table: its history decides
     starting = scheduler is None and _active_client() is None  # _client_for starts a local cluster
     with _planning_texts(column):
-        run_id = fingerprint(frame, task, device="cuda" if on_gpu else "cpu", input_token=input_token,
-                             options=opts)
+        run_id = fingerprint(
+            frame, task, device="cuda" if on_gpu else "cpu", input_token=input_token, options=opts
+        )
     # a different run already there is refused, and a complete run answered, before any worker starts
     done = preflight(store, frame, run_id, overwrite=overwrite, started=started)
     if done is not None:
@@ -414,11 +502,24 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
         if client is not None:
             _register(task.encoder, client)
         _open_reuse(task, run_id)
-        return write_run(RunRequest(
-            frame, task, store, fingerprint=run_id, thresholds=_thresholds(requested, task, frame, client, gpu=on_gpu),
-            max_bytes=max_bytes, client=client, scheduler=scheduler, overwrite=overwrite,
-            progress=progress, started=started, bar=bar, format=out_format, mode=mode,
-        ))
+        return write_run(
+            RunRequest(
+                frame,
+                task,
+                store,
+                fingerprint=run_id,
+                thresholds=_thresholds(requested, task, frame, client, gpu=on_gpu),
+                max_bytes=max_bytes,
+                client=client,
+                scheduler=scheduler,
+                overwrite=overwrite,
+                progress=progress,
+                started=started,
+                bar=bar,
+                format=out_format,
+                mode=mode,
+            )
+        )
 
 
 @contextlib.contextmanager
@@ -441,8 +542,11 @@ def _open_reuse(task: SuperBatchTask, run_fingerprint: dict) -> None:
     """Check that every ``reuse`` output embedded texts as this run will (else a clear error,
     before anything is written), and build its index here once, so workers only open it."""
     if task.reuse:
-        ReuseIndex(task.reuse, identity=embedding_identity(run_fingerprint),
-                   storage_options=task.reuse_storage_options).close()
+        ReuseIndex(
+            task.reuse,
+            identity=embedding_identity(run_fingerprint),
+            storage_options=task.reuse_storage_options,
+        ).close()
 
 
 def _thresholds(requested, task: SuperBatchTask, frame, client, *, gpu: bool) -> RunThresholds:
@@ -457,9 +561,18 @@ def _thresholds(requested, task: SuperBatchTask, frame, client, *, gpu: bool) ->
             logger.warning("dask-surge: calibration cache not usable (%s); using default thresholds", err)
             return None
 
-    return RunThresholds(requested, task.encoder, frame, task.column, lambda: _threads(client, "sync"), gpu,
-                         long_texts=task.long_texts, overlap=task.chunk_overlap, calibration=cached,
-                         token_sample=config.get("token-sample"))
+    return RunThresholds(
+        requested,
+        task.encoder,
+        frame,
+        task.column,
+        lambda: _threads(client, "sync"),
+        gpu,
+        long_texts=task.long_texts,
+        overlap=task.chunk_overlap,
+        calibration=cached,
+        token_sample=config.get("token-sample"),
+    )
 
 
 def _lazy(frame, task: SuperBatchTask, thresholds: RunThresholds, max_bytes: int | None):

@@ -44,8 +44,16 @@ class BackfillResult:
     column: str
 
 
-def backfill(table: str | os.PathLike, text: str, *, key: str, column: str = "embedding",
-             chunk_rows: int = 10_000, storage_options: dict | None = None, **options: Any) -> BackfillResult:
+def backfill(
+    table: str | os.PathLike,
+    text: str,
+    *,
+    key: str,
+    column: str = "embedding",
+    chunk_rows: int = 10_000,
+    storage_options: dict | None = None,
+    **options: Any,
+) -> BackfillResult:
     """Embed ``table[text]`` into ``table[column]`` where it is missing or stale, in place.
 
     Parameters
@@ -76,23 +84,30 @@ def backfill(table: str | os.PathLike, text: str, *, key: str, column: str = "em
     try:
         ds = lance.dataset(where.uri, storage_options=where.options)
     except (ValueError, OSError) as err:
-        raise SurgeInputError(f"no Lance table at {where.url!r} ({err}). Fix: pass a Lance table's path.") from err
+        raise SurgeInputError(
+            f"no Lance table at {where.url!r} ({err}). Fix: pass a Lance table's path."
+        ) from err
     names = ds.schema.names
     for name, what in ((text, "text"), (key, "key")):
         if name not in names:
-            raise SurgeInputError(f"the table {where.url!r} has no {what} column {name!r} (it has {names}). "
-                                  f"Fix: pass {what}= one of its columns.")
+            raise SurgeInputError(
+                f"the table {where.url!r} has no {what} column {name!r} (it has {names}). "
+                f"Fix: pass {what}= one of its columns."
+            )
     have = column in names and hash_col in names
     scan = ds.to_table(columns=[key, text, *([hash_col] if have else [])]).to_pandas()
     current = text_hashes(scan[text].fillna("").astype(object).to_numpy())
     current_bytes = hash_column(current).to_pylist()
-    stale = np.ones(len(scan), dtype=bool) if not have else np.array(
-        [h is None or h != c for h, c in zip(scan[hash_col], current_bytes)], dtype=bool)
+    stale = (
+        np.ones(len(scan), dtype=bool)
+        if not have
+        else np.array([h is None or h != c for h, c in zip(scan[hash_col], current_bytes)], dtype=bool)
+    )
     stale &= scan[text].notna().to_numpy()
     todo = np.flatnonzero(stale)
     versions = 0
     for start in range(0, len(todo), chunk_rows):
-        rows = todo[start:start + chunk_rows]
+        rows = todo[start : start + chunk_rows]
         part = pd.DataFrame({"text": scan[text].to_numpy()[rows]})
         got = encode(dd.from_pandas(part, npartitions=1), "text", **options).compute()
         got = got.sort_values("row")

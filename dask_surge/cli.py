@@ -28,8 +28,14 @@ from .synthetic import lognormal_sizes, write_partitioned_parquet
 
 __all__ = ["main", "build_parser", "format_status"]
 
-FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "json", ".json": "json",
-           ".ndjson": "json"}
+FORMATS = {
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".csv": "csv",
+    ".jsonl": "json",
+    ".json": "json",
+    ".ndjson": "json",
+}
 #: the extensions of the files Dask reads as Parquet from a directory or glob (read_parquet's default)
 PARQUET_EXTENSIONS = (".parq", ".parquet", ".pq")
 #: a Parquet file's first and last four bytes (PARE: encrypted footer)
@@ -43,23 +49,40 @@ def _add_encode_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dask-surge", description="SuperBatch embedding for Dask DataFrames.")
+    parser = argparse.ArgumentParser(
+        prog="dask-surge", description="SuperBatch embedding for Dask DataFrames."
+    )
     parser.add_argument("--version", action="version", version=f"dask-surge {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     enc = sub.add_parser("encode", help="embed a text column of Parquet/CSV/JSON-lines files")
     enc.add_argument("inputs", nargs="+", help="input files, directories or globs")
     enc.add_argument("--text-column", required=True)
-    enc.add_argument("--output", required=True, help="where to write: a new or empty directory path or URL (or one a "
-                     "dask-surge run wrote); where it can live: docs/output.md, 'Where output can go'")
-    enc.add_argument("--keep", nargs="*", default=[], help=option("keep").summary)  # its help from the option table
-    enc.add_argument("--format", dest="input_format", choices=["parquet", "csv", "json"], default=None,
-                     help="input format (default: from the file extension)")
+    enc.add_argument(
+        "--output",
+        required=True,
+        help="where to write: a new or empty directory path or URL (or one a "
+        "dask-surge run wrote); where it can live: docs/output.md, 'Where output can go'",
+    )
+    enc.add_argument(
+        "--keep", nargs="*", default=[], help=option("keep").summary
+    )  # its help from the option table
+    enc.add_argument(
+        "--format",
+        dest="input_format",
+        choices=["parquet", "csv", "json"],
+        default=None,
+        help="input format (default: from the file extension)",
+    )
     _add_encode_options(enc)
 
     demo = sub.add_parser("demo", help="generate a log-normal partitioned dataset and encode it")
-    demo.add_argument("--rows", type=int, default=None,
-                      help="texts to generate (default: 200,000 with a GPU, 6,000 on a CPU)")
+    demo.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="texts to generate (default: 200,000 with a GPU, 6,000 on a CPU)",
+    )
     demo.add_argument("--partitions", type=int, default=None, help="default: rows / 100 (min 20)")
     demo.add_argument("--sigma", type=float, default=1.72, help="log-normal sigma of partition sizes")
     demo.add_argument("--dir", default="surge-demo", help="where to write the dataset and embeddings")
@@ -74,11 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     st = sub.add_parser("status", help="progress of an output directory")
     st.add_argument("output")
-    st.add_argument("--verify", action="store_true",
-                    help="also check every committed file against its recorded sha256 (reads every file)")
-    st.add_argument("--repair", action="store_true",
-                    help="bring a damaged manifest back to a state a rerun resumes from (run it when no "
-                         "encode is writing there), then show the status")
+    st.add_argument(
+        "--verify",
+        action="store_true",
+        help="also check every committed file against its recorded sha256 (reads every file)",
+    )
+    st.add_argument(
+        "--repair",
+        action="store_true",
+        help="bring a damaged manifest back to a state a rerun resumes from (run it when no "
+        "encode is writing there), then show the status",
+    )
     st.add_argument("--json", action="store_true", help="print the status as JSON (for scripts)")
     return parser
 
@@ -135,12 +164,24 @@ def read_input(inputs: list[str], fmt: str | None):
     local = [i for i in inputs if "://" not in i]
     missing = [i for i in local if not _is_glob(i) and not os.path.exists(i)]
     if missing:
-        raise SurgeInputError((f"input {missing[0]!r} does not exist" if len(missing) == 1 else
-                               f"inputs {missing} do not exist") + ". Fix: check the paths.")
+        raise SurgeInputError(
+            (
+                f"input {missing[0]!r} does not exist"
+                if len(missing) == 1
+                else f"inputs {missing} do not exist"
+            )
+            + ". Fix: check the paths."
+        )
     empty = [i for i in local if _is_glob(i) and not glob.glob(i)]
     if empty:
-        raise SurgeInputError((f"input pattern {empty[0]!r} matches no file" if len(empty) == 1 else
-                               f"input patterns {empty} match no file") + ". Fix: check the paths and the pattern.")
+        raise SurgeInputError(
+            (
+                f"input pattern {empty[0]!r} matches no file"
+                if len(empty) == 1
+                else f"input patterns {empty} match no file"
+            )
+            + ". Fix: check the paths and the pattern."
+        )
     fmt = fmt or _detect_format(inputs)
     if fmt == "parquet":
         for item in local:
@@ -201,9 +242,11 @@ def _scheduler(value):
     from distributed import Client
     from distributed.comm import parse_address
 
-    rule = ("a Dask scheduler's address (tcp://host:port, as `dask scheduler` prints it), 'threads' or 'sync'")
-    fix = ("Fix: start a scheduler (`dask scheduler`) and pass the address it prints, e.g. "
-           "--scheduler tcp://10.0.0.5:8786, or leave --scheduler out to start a local cluster.")
+    rule = "a Dask scheduler's address (tcp://host:port, as `dask scheduler` prints it), 'threads' or 'sync'"
+    fix = (
+        "Fix: start a scheduler (`dask scheduler`) and pass the address it prints, e.g. "
+        "--scheduler tcp://10.0.0.5:8786, or leave --scheduler out to start a local cluster."
+    )
     try:
         parse_address(value)
         from distributed.comm.addressing import parse_host_port
@@ -215,8 +258,10 @@ def _scheduler(value):
     try:
         return Client(value, timeout=timeout)
     except (OSError, TimeoutError) as err:
-        raise SurgeValueError(f"--scheduler {value}: no Dask scheduler answered there within {timeout} "
-                              f"({type(err).__name__}). {fix}") from None
+        raise SurgeValueError(
+            f"--scheduler {value}: no Dask scheduler answered there within {timeout} "
+            f"({type(err).__name__}). {fix}"
+        ) from None
 
 
 def _options(args, taker: str = "encode") -> dict:
@@ -260,7 +305,6 @@ def _input_paths(inputs: list[str]) -> list[str]:
 def cmd_demo(args) -> int:
     import numpy as np
 
-
     _check_demo(args)
     args.rows = args.rows if args.rows is not None else (200_000 if gpu_count() else 6_000)
     args.partitions = args.partitions if args.partitions is not None else max(20, args.rows // 100)
@@ -271,9 +315,11 @@ def cmd_demo(args) -> int:
     sizes = lognormal_sizes(args.rows, args.partitions, sigma=args.sigma, seed=args.seed)
     t0 = time.perf_counter()
     write_partitioned_parquet(data, sizes, seed=args.seed)
-    print(f"[dask-surge demo] wrote {args.rows:,} texts in {args.partitions:,} Parquet files to {data} "
-          f"(log-normal sizes, sigma={args.sigma}: min {sizes.min()}, median {int(np.median(sizes))}, "
-          f"max {sizes.max()}) in {time.perf_counter() - t0:.1f} s")
+    print(
+        f"[dask-surge demo] wrote {args.rows:,} texts in {args.partitions:,} Parquet files to {data} "
+        f"(log-normal sizes, sigma={args.sigma}: min {sizes.min()}, median {int(np.median(sizes))}, "
+        f"max {sizes.max()}) in {time.perf_counter() - t0:.1f} s"
+    )
     import dask.dataframe as dd
 
     ddf = dd.read_parquet(str(data))
@@ -282,8 +328,10 @@ def cmd_demo(args) -> int:
     _print_result(result, args.json)
     back = read_embeddings(str(root / "embeddings"), columns=[PARTITION, ROW]).compute()
     unique = len(back.drop_duplicates())
-    print(f"[dask-surge demo] read back {len(back):,} rows, {unique:,} distinct (partition, row) of "
-          f"{args.rows:,} input rows: {'OK' if unique == len(back) == args.rows else 'MISMATCH'}")
+    print(
+        f"[dask-surge demo] read back {len(back):,} rows, {unique:,} distinct (partition, row) of "
+        f"{args.rows:,} input rows: {'OK' if unique == len(back) == args.rows else 'MISMATCH'}"
+    )
     return 0 if unique == len(back) == args.rows else 1
 
 
@@ -297,8 +345,10 @@ def _check_demo(args) -> None:
                 f"{flag} out for the default ({'200,000 with a GPU, 6,000 on a CPU' if flag == '--rows' else 'rows / 100, at least 20'})."
             )
     if args.sigma is not None and not args.sigma >= 0:
-        raise SurgeValueError(f"--sigma {args.sigma}: must be 0 or more (the log-normal spread of partition sizes). "
-                              "Fix: pass e.g. --sigma 1.72 (the default).")
+        raise SurgeValueError(
+            f"--sigma {args.sigma}: must be 0 or more (the log-normal spread of partition sizes). "
+            "Fix: pass e.g. --sigma 1.72 (the default)."
+        )
 
 
 def cmd_plan(args) -> int:
@@ -307,7 +357,6 @@ def cmd_plan(args) -> int:
     opts = _options(args, "plan")
     if opts["calibrate"]:
         from distributed import Client
-
 
         with local_cluster() as cluster, Client(cluster) as client:
             result = plan(ddf, args.text_column, **{**opts, "client": client})
@@ -319,8 +368,10 @@ def cmd_plan(args) -> int:
 
 def cmd_status(args) -> int:
     if "://" not in args.output and not os.path.exists(args.output):
-        raise SurgeValueError(f"{args.output!r} does not exist, so it holds no dask-surge run. Fix: pass the "
-                              "directory given as --output (or output=) to the encode.")
+        raise SurgeValueError(
+            f"{args.output!r} does not exist, so it holds no dask-surge run. Fix: pass the "
+            "directory given as --output (or output=) to the encode."
+        )
     if args.repair:
         for line in repair(args.output) or ["nothing to repair"]:
             print(f"repair: {line}", file=sys.stderr)
@@ -331,7 +382,9 @@ def cmd_status(args) -> int:
         info["problems"] = problems
     if info.get("model"):
         info["model"] = _model_words(info["model"])
-    if args.json and isinstance(info.get("last_commit"), (int, float)):  # an ISO 8601 time, not an epoch number
+    if args.json and isinstance(
+        info.get("last_commit"), (int, float)
+    ):  # an ISO 8601 time, not an epoch number
         info["last_commit_epoch"] = info["last_commit"]  # (and the number, for scripts that compute with it)
         info["last_commit"] = _iso(info["last_commit"])
     print(json.dumps(info, indent=2, default=str) if args.json else format_status(info))
@@ -361,7 +414,11 @@ def _model_words(name: str) -> str:
         packaged = directory_digest(packaged_dir("default"))
     except (SurgeError, OSError):
         return name
-    return f"all-MiniLM-L6-v2 (packaged, the default; sha256 {m.group(1)})" if packaged.startswith(m.group(1)) else name
+    return (
+        f"all-MiniLM-L6-v2 (packaged, the default; sha256 {m.group(1)})"
+        if packaged.startswith(m.group(1))
+        else name
+    )
 
 
 def _ago(seconds: float) -> str:
@@ -402,12 +459,20 @@ def format_status(info: dict, now: float | None = None) -> str:
     if info.get("family", DENSE) != DENSE:
         rows.append(("output", f"{info['family']}: columns {', '.join(FAMILY_COLUMNS[info['family']])}"))
     rows += [
-        ("thresholds", f"b_min={info['b_min']:,}, b_max={info['b_max']:,}" if info.get("b_min") is not None
-         else "not recorded"),
+        (
+            "thresholds",
+            f"b_min={info['b_min']:,}, b_max={info['b_max']:,}"
+            if info.get("b_min") is not None
+            else "not recorded",
+        ),
         ("partitions", _of(info["partitions_committed"], info["partitions_planned"]) + " committed"),
         ("SuperBatches", _of(info["superbatches_committed"], info["superbatches_planned"]) + " committed"),
-        ("rows", _of(info["rows_committed"] + info["nulls_skipped"], info["rows_planned"]) + " committed"
-         + (" (skipped nulls included)" if info["nulls_skipped"] else "")),
+        (
+            "rows",
+            _of(info["rows_committed"] + info["nulls_skipped"], info["rows_planned"])
+            + " committed"
+            + (" (skipped nulls included)" if info["nulls_skipped"] else ""),
+        ),
         ("nulls skipped", f"{info['nulls_skipped']:,}"),
     ]
     mode = info.get("long_texts", "truncate")
@@ -418,12 +483,25 @@ def format_status(info: dict, now: float | None = None) -> str:
     elif info.get("truncated", 0) < 0:
         rows.append(("truncated", "not known (the model has no tokenizer)"))
     elif "truncated" in info:
-        rows.append(("truncated", f"{info['truncated']:,} texts over the model's window were cut"
-                     + (" (long_texts='chunk' or 'mean' encode every token)"
-                        if info["truncated"] and info.get("family", DENSE) == DENSE else "")))
+        rows.append(
+            (
+                "truncated",
+                f"{info['truncated']:,} texts over the model's window were cut"
+                + (
+                    " (long_texts='chunk' or 'mean' encode every token)"
+                    if info["truncated"] and info.get("family", DENSE) == DENSE
+                    else ""
+                ),
+            )
+        )
     if info.get("reused"):
-        rows.append(("reused", f"{info['reused']:,} texts copied from earlier outputs; "
-                               f"{info.get('encoded', 0):,} distinct texts encoded"))
+        rows.append(
+            (
+                "reused",
+                f"{info['reused']:,} texts copied from earlier outputs; "
+                f"{info.get('encoded', 0):,} distinct texts encoded",
+            )
+        )
     last = info.get("last_commit")
     if last is not None:
         ago = _ago(max(0.0, (time.time() if now is None else now) - last))
@@ -433,13 +511,23 @@ def format_status(info: dict, now: float | None = None) -> str:
     if info["state"] == "complete":
         rows.append(("state", "complete"))
     else:
-        rows.append(("state", "incomplete: committed work is kept; rerun the same encode call or command "
-                              "to resume from it"))
+        rows.append(
+            (
+                "state",
+                "incomplete: committed work is kept; rerun the same encode call or command to resume from it",
+            )
+        )
     if "verified" in info:
         problems = info.get("problems") or []
-        rows.append(("verified", "every committed file matches its sha256" if not problems
-                     else f"{len(problems)} problem(s); `dask-surge status --repair` brings the manifest back "
-                          "to a state a rerun resumes from"))
+        rows.append(
+            (
+                "verified",
+                "every committed file matches its sha256"
+                if not problems
+                else f"{len(problems)} problem(s); `dask-surge status --repair` brings the manifest back "
+                "to a state a rerun resumes from",
+            )
+        )
         rows += [("", f"- {p}") for p in problems]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
@@ -459,7 +547,9 @@ class _StderrHandler(logging.StreamHandler):
 
 
 #: ``name=value`` in a message: an option in Python spelling (a quoted word, a number, True/False/None)
-_PYTHON_OPTION = re.compile(r"""(?<![\w.])([a-z][a-z0-9_]*)=('[^']*'|"[^"]*"|True|False|None|-?\d[\d_]*(?:\.\d+)?)""")
+_PYTHON_OPTION = re.compile(
+    r"""(?<![\w.])([a-z][a-z0-9_]*)=('[^']*'|"[^"]*"|True|False|None|-?\d[\d_]*(?:\.\d+)?)"""
+)
 
 
 def cli_spelling(message: str) -> str:
@@ -539,8 +629,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         if not words.interrupt_said:  # the run said what it kept: one message, not two
-            print("dask-surge: interrupted before anything was committed. Rerun the same command to start again.",
-                  file=sys.stderr)
+            print(
+                "dask-surge: interrupted before anything was committed. Rerun the same command to start again.",
+                file=sys.stderr,
+            )
         return 130
     finally:
         handler.removeFilter(words)

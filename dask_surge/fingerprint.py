@@ -27,18 +27,28 @@ import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["SECRET_KEY", "NotDeterministic", "code_digest", "is_secret_key", "redact", "scrub", "stable_token",
-           "without_secrets"]
+__all__ = [
+    "SECRET_KEY",
+    "NotDeterministic",
+    "code_digest",
+    "is_secret_key",
+    "redact",
+    "scrub",
+    "stable_token",
+    "without_secrets",
+]
 
 #: the digest of a torch module for the :func:`stable_token` call in progress (its ``module_digest``)
 _MODULE_DIGEST: contextvars.ContextVar[Callable[[Any], str] | None] = contextvars.ContextVar(
-    "surge_module_digest", default=None)
+    "surge_module_digest", default=None
+)
 
 #: Keys of ``model_kwargs`` (and ``storage_options``) that hold credentials: left out of
 #: identities and shown as ``"***"``.
 SECRET_KEY = re.compile(r"token|secret|password|passwd|key|auth|credential", re.IGNORECASE)
 
 _PLAIN = (str, int, float, bool, type(None))
+
 
 class NotDeterministic(Exception):
     """An object has no deterministic token; ``args[0]`` says which and why."""
@@ -66,7 +76,11 @@ def redact(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: "***" if is_secret_key(k) else redact(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(redact(v) for v in value) if isinstance(value, list) else tuple(redact(v) for v in value)
+        return (
+            type(value)(redact(v) for v in value)
+            if isinstance(value, list)
+            else tuple(redact(v) for v in value)
+        )
     return value
 
 
@@ -191,12 +205,19 @@ def _function_token(func: types.FunctionType, active: set[int]) -> Any:
             except ValueError:  # an empty cell (a name assigned after the function was made)
                 closure.append("<empty cell>")
         globs = func.__globals__
-        used = {n: _global_token(globs[n], active, f"{name}: its global {n!r}")
-                for n in sorted(_global_names(func.__code__)) if n in globs and n != "__builtins__"}
-        return {"function": name, "code": code_digest(func.__code__),
-                "defaults": _token(func.__defaults__, active, f"{name}: its defaults"),
-                "kwdefaults": _token(func.__kwdefaults__, active, f"{name}: its keyword defaults"),
-                "closure": closure, "globals": used}
+        used = {
+            n: _global_token(globs[n], active, f"{name}: its global {n!r}")
+            for n in sorted(_global_names(func.__code__))
+            if n in globs and n != "__builtins__"
+        }
+        return {
+            "function": name,
+            "code": code_digest(func.__code__),
+            "defaults": _token(func.__defaults__, active, f"{name}: its defaults"),
+            "kwdefaults": _token(func.__kwdefaults__, active, f"{name}: its keyword defaults"),
+            "closure": closure,
+            "globals": used,
+        }
     finally:
         active.discard(id(func))
 
@@ -246,11 +267,19 @@ def _token(value: Any, active: set[int], where: str, files: Any = None) -> Any:
         items = [[_token(k, active, where), _token(v, active, where, files)] for k, v in value.items()]
         return {"dict": sorted(items, key=lambda kv: json.dumps(kv, sort_keys=True))}
     if isinstance(value, (set, frozenset)):
-        return {"set": sorted((_token(v, active, where, files) for v in value),
-                              key=lambda v: json.dumps(v, sort_keys=True))}
+        return {
+            "set": sorted(
+                (_token(v, active, where, files) for v in value), key=lambda v: json.dumps(v, sort_keys=True)
+            )
+        }
     if isinstance(value, functools.partial):
-        return {"partial": [_token(value.func, active, where), _token(value.args, active, where, files),
-                            _token(value.keywords, active, where, files)]}
+        return {
+            "partial": [
+                _token(value.func, active, where),
+                _token(value.args, active, where, files),
+                _token(value.keywords, active, where, files),
+            ]
+        }
     if isinstance(value, types.MethodType):
         return {"method": [_token(value.__func__, active, where), _token(value.__self__, active, where)]}
     if isinstance(value, types.FunctionType):
@@ -266,8 +295,10 @@ def _token(value: Any, active: set[int], where: str, files: Any = None) -> Any:
     if torch is not None and isinstance(value, torch.nn.Module):
         module_digest = _MODULE_DIGEST.get()
         if module_digest is None:
-            raise NotDeterministic(f"{where}: {_short(value)} (a torch module; tokenize it with "
-                                   "dask_surge.models.modelid.stable_token, which digests its weights)")
+            raise NotDeterministic(
+                f"{where}: {_short(value)} (a torch module; tokenize it with "
+                "dask_surge.models.modelid.stable_token, which digests its weights)"
+            )
         return {"torch_module": module_digest(value)}
     token: dict[str, Any] = {"object": f"{type(value).__module__}.{type(value).__qualname__}"}
     call = getattr(type(value), "__call__", None)
@@ -286,15 +317,21 @@ def _task_token(value: Any, active: set[int], where: str, files: Any) -> Any:
     if isinstance(value, spec.DataNode):
         return _token(value.value, active, where, files)
     if isinstance(value, spec.Task):
-        return {"task": [_token(value.func, active, where), _token(value.args, active, where, files),
-                         _token(value.kwargs, active, where, files)]}
+        return {
+            "task": [
+                _token(value.func, active, where),
+                _token(value.args, active, where, files),
+                _token(value.kwargs, active, where, files),
+            ]
+        }
     if isinstance(value, spec.Alias):
         return {"alias": str(value.target)}
     return {"ref": str(value.key)}
 
 
-def stable_token(value: Any, where: str = "value", files: Any = None, *,
-                 module_digest: Callable[[Any], str] | None = None) -> Any:
+def stable_token(
+    value: Any, where: str = "value", files: Any = None, *, module_digest: Callable[[Any], str] | None = None
+) -> Any:
     """A JSON-able token of ``value`` that is the same in every process for the same content.
 
     Plain values are themselves; functions their qualified name, code digest,

@@ -55,10 +55,43 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, get_args
 
 __all__ = [
-    "COMPRESSIONS", "DTYPES", "ENGINES", "ON_NULLS", "OPTIONS", "PRECISIONS", "Cli", "Compression", "Dtype",
-    "EncodeOptions", "EngineName", "OUTPUT_FORMATS", "OutputFormat", "TableMode", "Invalid", "LONG_TEXTS", "DEFAULT_CHUNK_OVERLAP", "LongTexts", "OnNull", "Option", "PlanOptions", "Precision", "add_arguments",
-    "bind", "choices", "config_options", "defaults", "document", "from_arguments", "identity_options", "option",
-    "options_of", "schema", "schema_yaml", "signature", "TUNING", "tuning_values",
+    "COMPRESSIONS",
+    "DTYPES",
+    "ENGINES",
+    "ON_NULLS",
+    "OPTIONS",
+    "PRECISIONS",
+    "Cli",
+    "Compression",
+    "Dtype",
+    "EncodeOptions",
+    "EngineName",
+    "OUTPUT_FORMATS",
+    "OutputFormat",
+    "TableMode",
+    "Invalid",
+    "LONG_TEXTS",
+    "DEFAULT_CHUNK_OVERLAP",
+    "LongTexts",
+    "OnNull",
+    "Option",
+    "PlanOptions",
+    "Precision",
+    "add_arguments",
+    "bind",
+    "choices",
+    "config_options",
+    "defaults",
+    "document",
+    "from_arguments",
+    "identity_options",
+    "option",
+    "options_of",
+    "schema",
+    "schema_yaml",
+    "signature",
+    "TUNING",
+    "tuning_values",
 ]
 
 #: Storage type of the embedding values (see :mod:`dask_surge.io.precision`).
@@ -147,8 +180,9 @@ def _is_int(value: Any) -> bool:
     return True
 
 
-def positive_int(*, none: bool = False, auto: bool = False, what: str = "", fix: str = "pass a positive int"
-                 ) -> Validator:
+def positive_int(
+    *, none: bool = False, auto: bool = False, what: str = "", fix: str = "pass a positive int"
+) -> Validator:
     """A positive int (not a bool), or also None / ``"auto"`` where allowed."""
     also = [*(["'auto'"] if auto else []), *(["None"] if none else [])]
     problem = f"must be a positive int{f' ({what})' if what else ''}{''.join(f' or {a}' for a in also)}"
@@ -184,7 +218,9 @@ def finite_number(*, none: bool = False, fix: str = "pass a finite number") -> V
             return value
         if _is_int(value):
             return int(value)
-        is_float = isinstance(value, float) or getattr(getattr(value, "dtype", None), "kind", "") == "f"  # NumPy's too
+        is_float = (
+            isinstance(value, float) or getattr(getattr(value, "dtype", None), "kind", "") == "f"
+        )  # NumPy's too
         if is_float and math.isfinite(float(value)):
             return float(value)
         raise Invalid(f"must be a finite number{' or None' if none else ''}", fix)
@@ -297,17 +333,23 @@ def duration(value: Any) -> float | None:
             seconds = None
     if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and seconds > 0:
         return float(seconds)
-    raise Invalid("must be a positive number of seconds, a duration such as '5 minutes', or None",
-                  "pass e.g. '5 minutes', or None to wait for workers as long as it takes")
+    raise Invalid(
+        "must be a positive number of seconds, a duration such as '5 minutes', or None",
+        "pass e.g. '5 minutes', or None to wait for workers as long as it takes",
+    )
 
 
 def torch_device(value: Any) -> Any:
     """None, ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"mps"``."""
-    if value is None or (isinstance(value, str) and (
-            value in ("cpu", "cuda", "mps") or (value.startswith("cuda:") and value[5:].isdigit()))):
+    if value is None or (
+        isinstance(value, str)
+        and (value in ("cpu", "cuda", "mps") or (value.startswith("cuda:") and value[5:].isdigit()))
+    ):
         return value
-    raise Invalid("is not a torch device: it must be 'cpu', 'cuda', 'cuda:N' (N a device index) or 'mps'",
-                  "use 'cpu', 'cuda' or 'cuda:N'")
+    raise Invalid(
+        "is not a torch device: it must be 'cpu', 'cuda', 'cuda:N' (N a device index) or 'mps'",
+        "use 'cpu', 'cuda' or 'cuda:N'",
+    )
 
 
 def threshold(value: str) -> int | str:
@@ -419,20 +461,31 @@ class Option:
         """The message for a bad ``surge.<key>`` value."""
         key = self.config
         env = f"DASK_SURGE__{str(key).upper().replace('-', '_')}"
-        return (f"surge.{key}={value!r} is not allowed: {err.problem}. Fix: dask.config.set({{'surge.{key}': ...}}) "
-                f"or the {env} environment variable ({err.fix}).")
+        return (
+            f"surge.{key}={value!r} is not allowed: {err.problem}. Fix: dask.config.set({{'surge.{key}': ...}}) "
+            f"or the {env} environment variable ({err.fix})."
+        )
 
 
-def _opt(name: str, annotation: Any, doc_type: str, doc: str, summary: str, *, takers: str = "",
-         **kw: Any) -> Option:
-    return Option(name, annotation, doc_type, " ".join(doc.split()), summary,
-                  takers=frozenset(takers.split()), **kw)
+def _opt(
+    name: str, annotation: Any, doc_type: str, doc: str, summary: str, *, takers: str = "", **kw: Any
+) -> Option:
+    return Option(
+        name, annotation, doc_type, " ".join(doc.split()), summary, takers=frozenset(takers.split()), **kw
+    )
 
 
 #: The names under ``surge.tuning.``; each is declared (what it does, where it was measured, its value
 #: per device) in :mod:`dask_surge.engine.tuning` (tests/test_tuning.py keeps the two equal).
-TUNING: tuple[str, ...] = ("allocator", "gc-pause", "rayon-threads", "pause-profiler", "cpu-kernels",
-                           "tokenize-processes", "joined-tokenizing")
+TUNING: tuple[str, ...] = (
+    "allocator",
+    "gc-pause",
+    "rayon-threads",
+    "pause-profiler",
+    "cpu-kernels",
+    "tokenize-processes",
+    "joined-tokenizing",
+)
 
 
 def tuning_values(value: Any) -> Any:
@@ -453,90 +506,205 @@ def tuning_values(value: Any) -> Any:
         if name not in TUNING:
             raise Invalid(f"has an unknown name {name!r}", f"use names among {list(TUNING)}")
         count = name == "tokenize-processes"
-        if not ((v == "auto" and isinstance(v, str))
-                or (v is None or (_is_int(v) and v >= 0) if count else isinstance(v, bool))):
-            raise Invalid(f"has {name}={v!r}", "use 'auto', or " + ("an int >= 0" if count else "True or False"))
+        if not (
+            (v == "auto" and isinstance(v, str))
+            or (v is None or (_is_int(v) and v >= 0) if count else isinstance(v, bool))
+        ):
+            raise Invalid(
+                f"has {name}={v!r}", "use 'auto', or " + ("an int >= 0" if count else "True or False")
+            )
     return value
 
 
 #: The options, in the order ``encode`` and ``plan`` show them.
 OPTIONS: tuple[Option, ...] = (
-    _opt("model", Any, "str, path, SentenceTransformer, callable or Encoder, optional", """
+    _opt(
+        "model",
+        Any,
+        "str, path, SentenceTransformer, callable or Encoder, optional",
+        """
          Can be a Hugging Face Hub name such as ``"BAAI/bge-small-en-v1.5"`` (resolved through the HF
          cache, ``HF_HOME``/``HF_HUB_CACHE``, honouring ``HF_HUB_OFFLINE``), a local
          sentence-transformers model directory, ``"default"`` (the packaged all-MiniLM-L6-v2), a
          loaded model or callable ``texts -> (n, d) array``, or a ready :class:`dask_surge.Encoder`
          (then give no encoder options beside it).""",
-         "a Hugging Face Hub name (org/name, from the HF cache), a local model dir, or 'default' "
-         "(packaged all-MiniLM-L6-v2)",
-         default="default", config="model", validator=text(), schema={"type": "string"}, identity=True,
-         takers="encode plan", cli=Cli()),
-    _opt("b_min", int | Literal["auto"] | None, 'int or "auto", optional', """
+        "a Hugging Face Hub name (org/name, from the HF cache), a local model dir, or 'default' "
+        "(packaged all-MiniLM-L6-v2)",
+        default="default",
+        config="model",
+        validator=text(),
+        schema={"type": "string"},
+        identity=True,
+        takers="encode plan",
+        cli=Cli(),
+    ),
+    _opt(
+        "b_min",
+        int | Literal["auto"] | None,
+        'int or "auto", optional',
+        """
          SuperBatch flush threshold in rows: a SuperBatch is flushed once it holds at least this
          many. Can be a number of rows, or ``"auto"`` to pick it (100,000 on a GPU, 8,192 on a CPU,
          or from a cached calibration). A run keeps the thresholds it recorded when it started.""",
-         "SuperBatch flush threshold, rows, or auto",
-         default="auto", config="b-min", validator=positive_int(auto=True), identity=False,
-         schema={"oneOf": [_INT_MIN_1, {"enum": ["auto"]}]}, takers="encode plan", cli=Cli(type=threshold)),
-    _opt("b_max", int | Literal["auto"] | None, 'int or "auto", optional', """
+        "SuperBatch flush threshold, rows, or auto",
+        default="auto",
+        config="b-min",
+        validator=positive_int(auto=True),
+        identity=False,
+        schema={"oneOf": [_INT_MIN_1, {"enum": ["auto"]}]},
+        takers="encode plan",
+        cli=Cli(type=threshold),
+    ),
+    _opt(
+        "b_max",
+        int | Literal["auto"] | None,
+        'int or "auto", optional',
+        """
          SuperBatch hard cap in rows; larger partitions are sliced. Can be a number of rows, or
          ``"auto"`` (400,000 on a GPU, 32,768 on a CPU).""",
-         "SuperBatch hard cap, rows, or auto",
-         default="auto", config="b-max", validator=positive_int(auto=True), identity=False,
-         schema={"oneOf": [_INT_MIN_1, {"enum": ["auto"]}]}, takers="encode plan", cli=Cli(type=threshold)),
-    _opt("max_bytes", int | str | None, "int or str, optional", """
+        "SuperBatch hard cap, rows, or auto",
+        default="auto",
+        config="b-max",
+        validator=positive_int(auto=True),
+        identity=False,
+        schema={"oneOf": [_INT_MIN_1, {"enum": ["auto"]}]},
+        takers="encode plan",
+        cli=Cli(type=threshold),
+    ),
+    _opt(
+        "max_bytes",
+        int | str | None,
+        "int or str, optional",
+        """
          Cap on the text bytes of one SuperBatch, so partitions of a few huge texts are not fused
          past what a worker holds and a partition over it is sliced. Can be a number of bytes or a
          size such as ``"1 GiB"``; set the config option to None to plan by rows only. Bytes come
          from Parquet footers or the size pass; a frame whose lengths Dask knows in memory is
          planned by rows.""",
-         "cap on a SuperBatch's text bytes, e.g. '512 MiB'",
-         default="512 MiB", config="max-bytes", validator=byte_size, identity=False,
-         schema={"oneOf": [_INT_MIN_1, {"type": "string"}, _NULL]}, takers="encode plan", cli=Cli()),
-    _opt("keep", Sequence[str], "sequence of str", """
+        "cap on a SuperBatch's text bytes, e.g. '512 MiB'",
+        default="512 MiB",
+        config="max-bytes",
+        validator=byte_size,
+        identity=False,
+        schema={"oneOf": [_INT_MIN_1, {"type": "string"}, _NULL]},
+        takers="encode plan",
+        cli=Cli(),
+    ),
+    _opt(
+        "keep",
+        Sequence[str],
+        "sequence of str",
+        """
          Input columns (str names) to carry into the output beside ``partition``/``row``: not the
          index (``ddf.reset_index()`` makes it a column), nor a name the output writes itself.""",
-         "input columns to carry into the output",
-         default=(), identity=True, takers="encode"),
-    _opt("normalize", bool | None, "bool, optional", """
+        "input columns to carry into the output",
+        default=(),
+        identity=True,
+        takers="encode",
+    ),
+    _opt(
+        "normalize",
+        bool | None,
+        "bool, optional",
+        """
          L2-normalize embeddings (models with a Normalize module always are).""",
-         "L2-normalize embeddings",
-         default=False, config="normalize", validator=boolean(), schema={"type": "boolean"}, identity=True,
-         takers="encode", cli=Cli(action="store_true")),
-    _opt("precision", Precision | None, '{"float32", "float16", "int8", "binary"}, optional', """
+        "L2-normalize embeddings",
+        default=False,
+        config="normalize",
+        validator=boolean(),
+        schema={"type": "boolean"},
+        identity=True,
+        takers="encode",
+        cli=Cli(action="store_true"),
+    ),
+    _opt(
+        "precision",
+        Precision | None,
+        '{"float32", "float16", "int8", "binary"}, optional',
+        """
          Storage type of the embedding values: ``int8`` is ``round(127 x)`` of unit vectors (needs
          ``normalize=True``), ``binary`` packs the sign bits into ``ceil(d / 8)`` bytes; see
          :mod:`dask_surge.io.precision`.""",
-         "stored type: float32, float16, int8 (round(127 x), needs normalize) or binary (sign bits)",
-         default="float32", config="precision", vocabulary=Precision, identity=True, takers="encode", cli=Cli()),
-    _opt("truncate_dim", int | None, "int, optional", """
+        "stored type: float32, float16, int8 (round(127 x), needs normalize) or binary (sign bits)",
+        default="float32",
+        config="precision",
+        vocabulary=Precision,
+        identity=True,
+        takers="encode",
+        cli=Cli(),
+    ),
+    _opt(
+        "truncate_dim",
+        int | None,
+        "int, optional",
+        """
          Keep the first ``k`` dimensions (Matryoshka models), re-normalized when ``normalize``. Can be
          an int from 1 to the model's dimension, or None to keep all.""",
-         "keep the first k dimensions (Matryoshka)",
-         config="truncate-dim", validator=positive_int(none=True), schema={"oneOf": [_INT_MIN_1, _NULL]},
-         identity=True, takers="encode", cli=Cli(type=int)),
-    _opt("sparse_top_k", int | None, "int, optional", """
+        "keep the first k dimensions (Matryoshka)",
+        config="truncate-dim",
+        validator=positive_int(none=True),
+        schema={"oneOf": [_INT_MIN_1, _NULL]},
+        identity=True,
+        takers="encode",
+        cli=Cli(type=int),
+    ),
+    _opt(
+        "sparse_top_k",
+        int | None,
+        "int, optional",
+        """
          For a sparse (SPLADE) model: the most non-zero weights a row keeps, its largest (ties: the
          smaller vocabulary id), after ``sparse_threshold``. Can be an int >= 1, or None to keep
          every non-zero. Other models refuse it.""",
-         "sparse models: the most non-zero weights a row keeps",
-         config="sparse-top-k", validator=positive_int(none=True, what="non-zero weights a row keeps",
-                                                       fix="pass e.g. sparse_top_k=128, or None to keep all"),
-         schema={"oneOf": [_INT_MIN_1, _NULL]}, identity=True, takers="encode", cli=Cli(type=int)),
-    _opt("sparse_threshold", float | None, "float, optional", """
+        "sparse models: the most non-zero weights a row keeps",
+        config="sparse-top-k",
+        validator=positive_int(
+            none=True,
+            what="non-zero weights a row keeps",
+            fix="pass e.g. sparse_top_k=128, or None to keep all",
+        ),
+        schema={"oneOf": [_INT_MIN_1, _NULL]},
+        identity=True,
+        takers="encode",
+        cli=Cli(type=int),
+    ),
+    _opt(
+        "sparse_threshold",
+        float | None,
+        "float, optional",
+        """
          For a sparse (SPLADE) model: weights below it are dropped. Can be a finite number, or None
          to keep every non-zero. Other models refuse it.""",
-         "sparse models: weights below it are dropped",
-         config="sparse-threshold", validator=finite_number(none=True, fix="pass e.g. sparse_threshold=0.01, or None"),
-         schema={"oneOf": [{"type": "number"}, _NULL]}, identity=True, takers="encode", cli=Cli(type=float)),
-    _opt("on_null", OnNull | None, '{"error", "empty", "skip"}, optional', """
+        "sparse models: weights below it are dropped",
+        config="sparse-threshold",
+        validator=finite_number(none=True, fix="pass e.g. sparse_threshold=0.01, or None"),
+        schema={"oneOf": [{"type": "number"}, _NULL]},
+        identity=True,
+        takers="encode",
+        cli=Cli(type=float),
+    ),
+    _opt(
+        "on_null",
+        OnNull | None,
+        '{"error", "empty", "skip"}, optional',
+        """
          What a null text does: ``"error"`` raises, naming its partition and row; ``"empty"``
          encodes it as ``""``; ``"skip"`` leaves it out of the output and records its
          ``(partition, row)`` with the run's commit records (needs ``output``; see
          :func:`skipped_rows`).""",
-         "what a null text does: error, encode as empty, or skip and record it",
-         default="error", config="on-null", vocabulary=OnNull, identity=False, takers="encode", cli=Cli()),
-    _opt("long_texts", LongTexts | None, '{"truncate", "error", "chunk", "mean"}, optional', """
+        "what a null text does: error, encode as empty, or skip and record it",
+        default="error",
+        config="on-null",
+        vocabulary=OnNull,
+        identity=False,
+        takers="encode",
+        cli=Cli(),
+    ),
+    _opt(
+        "long_texts",
+        LongTexts | None,
+        '{"truncate", "error", "chunk", "mean"}, optional',
+        """
          What a text longer than the model's window (its ``max_seq_length`` tokens) does. Can be
          ``"truncate"`` (cut at the window, as sentence-transformers does, and counted:
          :attr:`EncodeResult.truncated`, ``dask-surge status``); ``"error"`` (the first such text
@@ -547,210 +715,465 @@ OPTIONS: tuple[Option, ...] = (
          or ``"mean"`` (one row per text: its windows' embeddings averaged, weighted by their
          tokens). ``"truncate"`` and ``"error"`` write the same rows, so switching between them
          resumes a run.""",
-         "what a text over the model's window does: truncate (counted), error, chunk (a row per "
-         "window) or mean (of the windows)",
-         default="truncate", config="long-texts", vocabulary=LongTexts,
-         validator=one_of(LongTexts, "is not a long-text mode"), identity=True, takers="encode plan", cli=Cli()),
-    _opt("chunk_overlap", int | None, "int, optional", f"""
+        "what a text over the model's window does: truncate (counted), error, chunk (a row per "
+        "window) or mean (of the windows)",
+        default="truncate",
+        config="long-texts",
+        vocabulary=LongTexts,
+        validator=one_of(LongTexts, "is not a long-text mode"),
+        identity=True,
+        takers="encode plan",
+        cli=Cli(),
+    ),
+    _opt(
+        "chunk_overlap",
+        int | None,
+        "int, optional",
+        f"""
          Tokens two consecutive windows share at most with ``long_texts="chunk"`` or ``"mean"``
          (fewer where the word before the join is longer: windows start at word starts). Can be an
          int from 0 to less than half the window, or None for the default ({DEFAULT_CHUNK_OVERLAP}).""",
-         "tokens consecutive windows share (long-texts chunk or mean)",
-         default=DEFAULT_CHUNK_OVERLAP, config="chunk-overlap",
-         validator=non_negative_int(f"pass e.g. chunk_overlap={DEFAULT_CHUNK_OVERLAP}"),
-         schema={"type": "integer", "minimum": 0}, identity=True, takers="encode plan", cli=Cli(type=int)),
-    _opt("reuse", str | Sequence[str] | None, "str or sequence of str, optional", """
+        "tokens consecutive windows share (long-texts chunk or mean)",
+        default=DEFAULT_CHUNK_OVERLAP,
+        config="chunk-overlap",
+        validator=non_negative_int(f"pass e.g. chunk_overlap={DEFAULT_CHUNK_OVERLAP}"),
+        schema={"type": "integer", "minimum": 0},
+        identity=True,
+        takers="encode plan",
+        cli=Cli(type=int),
+    ),
+    _opt(
+        "reuse",
+        str | Sequence[str] | None,
+        "str or sequence of str, optional",
+        """
          Earlier outputs whose embeddings are copied, not encoded, for rows whose text (by its
          ``text_hash``) they already hold; everything else is encoded as usual. Only outputs made
          with the same embedding options (model, prompt, normalization, precision, dtype,
          ``truncate_dim``, long-text mode) are used; another is refused with an error that says
          what differs. Can be one path, a list of paths, or None. ``output`` itself may be among
          them (with ``overwrite=True``): the old output stays readable until the new run completes.""",
-         "earlier outputs whose embeddings are copied for texts they already hold",
-         validator=paths, identity=False, takers="encode plan", cli=Cli(action="append")),
-    _opt("device", str | None, "str, optional", """
+        "earlier outputs whose embeddings are copied for texts they already hold",
+        validator=paths,
+        identity=False,
+        takers="encode plan",
+        cli=Cli(action="append"),
+    ),
+    _opt(
+        "device",
+        str | None,
+        "str, optional",
+        """
          Where the model runs. Can be ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"mps"``, or None to use
          CUDA when available. In a dask-cuda worker each worker sees its own GPU as ``cuda:0``.""",
-         "cpu, cuda, cuda:N (default: CUDA when available)",
-         config="device", validator=torch_device,
-         schema={"type": ["string", "null"], "pattern": "^(cpu|cuda|cuda:[0-9]+|mps)$"}, identity=False,
-         takers="encode Encoder", cli=Cli()),
-    _opt("dtype", Dtype | None, '{"auto", "float32", "float16", "bfloat16"}, optional', """
+        "cpu, cuda, cuda:N (default: CUDA when available)",
+        config="device",
+        validator=torch_device,
+        schema={"type": ["string", "null"], "pattern": "^(cpu|cuda|cuda:[0-9]+|mps)$"},
+        identity=False,
+        takers="encode Encoder",
+        cli=Cli(),
+    ),
+    _opt(
+        "dtype",
+        Dtype | None,
+        '{"auto", "float32", "float16", "bfloat16"}, optional',
+        """
          Compute dtype of the forward pass; ``"auto"`` is float32 on a CPU and, on CUDA, bfloat16 for
          a bfloat16 checkpoint, else float16. Recorded resolved for the run's device.""",
-         "forward-pass dtype",
-         default="auto", config="dtype", vocabulary=Dtype,
-         validator=one_of(Dtype, "is not a known compute dtype"), identity=True, takers="encode Encoder", cli=Cli()),
-    _opt("engine", EngineName | None, '{"auto", "fast", "sentence-transformers"}, optional', """
+        "forward-pass dtype",
+        default="auto",
+        config="dtype",
+        vocabulary=Dtype,
+        validator=one_of(Dtype, "is not a known compute dtype"),
+        identity=True,
+        takers="encode Encoder",
+        cli=Cli(),
+    ),
+    _opt(
+        "engine",
+        EngineName | None,
+        '{"auto", "fast", "sentence-transformers"}, optional',
+        """
          ``"fast"`` tokenizes with Rust ``tokenizers``, sorts by length and cuts micro-batches by a
          token budget; ``"sentence-transformers"`` uses ``SentenceTransformer.encode``; ``"auto"``
          uses the fast engine where the model's structure allows, else sentence-transformers.""",
-         "fast engine, sentence-transformers' encode, or auto (fast where the model allows)",
-         default="auto", config="engine", vocabulary=EngineName, validator=one_of(EngineName, "is not known"),
-         identity=False, takers="encode Encoder", cli=Cli()),
-    _opt("batch_size", int | None, "int, optional", """
+        "fast engine, sentence-transformers' encode, or auto (fast where the model allows)",
+        default="auto",
+        config="engine",
+        vocabulary=EngineName,
+        validator=one_of(EngineName, "is not known"),
+        identity=False,
+        takers="encode Encoder",
+        cli=Cli(),
+    ),
+    _opt(
+        "batch_size",
+        int | None,
+        "int, optional",
+        """
          Batch size of the ``SentenceTransformer.encode`` fallback.""",
-         "batch size of the sentence-transformers fallback",
-         default=32, config="batch-size", validator=positive_int(fix="pass e.g. batch_size=32"),
-         schema=_INT_MIN_1, identity=False, takers="encode Encoder", cli=Cli(type=int)),
-    _opt("max_tokens", int | None, "int, optional", """
+        "batch size of the sentence-transformers fallback",
+        default=32,
+        config="batch-size",
+        validator=positive_int(fix="pass e.g. batch_size=32"),
+        schema=_INT_MIN_1,
+        identity=False,
+        takers="encode Encoder",
+        cli=Cli(type=int),
+    ),
+    _opt(
+        "max_tokens",
+        int | None,
+        "int, optional",
+        """
          Token budget per micro-batch of the fast engine. Can be a positive int, or None to size it
          from the model's activation bytes per token: on a CPU, what 2,048 MiniLM tokens take
          (2,048 tokens for MiniLM and wider models, up to 8,192 for narrower ones), on CUDA a
          quarter of the free GPU memory (4,096 to 65,536 tokens).""",
-         "tokens per micro-batch of the fast engine; default automatic",
-         config="max-tokens", validator=positive_int(none=True, what="tokens per micro-batch",
-                                                 fix="pass e.g. max_tokens=8192, or None for automatic"),
-         schema={"oneOf": [_INT_MIN_1, _NULL]}, identity=False, takers="encode Encoder", cli=Cli(type=int)),
-    _opt("prompt", str | None, "str, optional", """
+        "tokens per micro-batch of the fast engine; default automatic",
+        config="max-tokens",
+        validator=positive_int(
+            none=True, what="tokens per micro-batch", fix="pass e.g. max_tokens=8192, or None for automatic"
+        ),
+        schema={"oneOf": [_INT_MIN_1, _NULL]},
+        identity=False,
+        takers="encode Encoder",
+        cli=Cli(type=int),
+    ),
+    _opt(
+        "prompt",
+        str | None,
+        "str, optional",
+        """
          Text put before every input, as ``SentenceTransformer.encode(prompt=...)``; wins over
          ``prompt_name``. Can be a str, ``""`` to turn the model's default prompt off, or None.""",
-         "text put before every input (as SentenceTransformer.encode)",
-         validator=text(none=True, fix="pass e.g. prompt='query: '"), identity=True, takers="encode plan Encoder",
-         cli=Cli()),
-    _opt("prompt_name", str | None, "str, optional", """
+        "text put before every input (as SentenceTransformer.encode)",
+        validator=text(none=True, fix="pass e.g. prompt='query: '"),
+        identity=True,
+        takers="encode plan Encoder",
+        cli=Cli(),
+    ),
+    _opt(
+        "prompt_name",
+        str | None,
+        "str, optional",
+        """
          Key of the model's prompts (``config_sentence_transformers.json``), e.g. ``"query"``. With
          neither ``prompt`` nor ``prompt_name`` the model's default prompt applies, if any.""",
-         "one of the model's prompts, e.g. query",
-         validator=text(none=True, fix="pass e.g. prompt_name='query'"), identity=True,
-         takers="encode plan Encoder", cli=Cli()),
-    _opt("revision", str | None, "str, optional", """
+        "one of the model's prompts, e.g. query",
+        validator=text(none=True, fix="pass e.g. prompt_name='query'"),
+        identity=True,
+        takers="encode plan Encoder",
+        cli=Cli(),
+    ),
+    _opt(
+        "revision",
+        str | None,
+        "str, optional",
+        """
          Branch, tag or commit of a Hub model (default ``main``); the commit it resolves to is what
          every worker loads and what the run's fingerprint records.""",
-         "branch, tag or commit of a Hub model (default main)",
-         validator=text(none=True, fix="pass a branch, tag or commit such as 'main'"), identity=True,
-         takers="encode plan Encoder", cli=Cli()),
-    _opt("trust_remote_code", bool, "bool", """
+        "branch, tag or commit of a Hub model (default main)",
+        validator=text(none=True, fix="pass a branch, tag or commit such as 'main'"),
+        identity=True,
+        takers="encode plan Encoder",
+        cli=Cli(),
+    ),
+    _opt(
+        "trust_remote_code",
+        bool,
+        "bool",
+        """
          Let a Hub model run its own modelling code (``SentenceTransformer(...,
          trust_remote_code=True)``); only for models you trust. Its code is part of the model's
          content, so this flag itself does not change a run.""",
-         "let a Hub model run its own code (only for models you trust)",
-         default=False, validator=boolean("pass trust_remote_code=True only for models whose code you trust"),
-         identity=False, takers="encode plan Encoder", cli=Cli(action="store_true")),
-    _opt("model_kwargs", dict | None, "dict, optional", """
+        "let a Hub model run its own code (only for models you trust)",
+        default=False,
+        validator=boolean("pass trust_remote_code=True only for models whose code you trust"),
+        identity=False,
+        takers="encode plan Encoder",
+        cli=Cli(action="store_true"),
+    ),
+    _opt(
+        "model_kwargs",
+        dict | None,
+        "dict, optional",
+        """
          Passed to ``SentenceTransformer(model_kwargs=...)`` (e.g. ``{"attn_implementation":
          "sdpa"}``); credentials such as ``token`` are left out of the run's identity.""",
-         "keyword arguments of SentenceTransformer(model_kwargs=...)",
-         validator=mapping("pass e.g. model_kwargs={'attn_implementation': 'sdpa'}"), identity=True,
-         takers="encode plan Encoder"),
-    _opt("overwrite", bool, "bool", """
+        "keyword arguments of SentenceTransformer(model_kwargs=...)",
+        validator=mapping("pass e.g. model_kwargs={'attn_implementation': 'sdpa'}"),
+        identity=True,
+        takers="encode plan Encoder",
+    ),
+    _opt(
+        "overwrite",
+        bool,
+        "bool",
+        """
          Replace a different run found at ``output`` (only once this run completes).""",
-         "replace a different run at --output once done",
-         default=False, validator=boolean("pass overwrite=True to replace a different run"), identity=False,
-         takers="encode", cli=Cli(action="store_true")),
-    _opt("storage_options", dict | None, "dict, optional", """
+        "replace a different run at --output once done",
+        default=False,
+        validator=boolean("pass overwrite=True to replace a different run"),
+        identity=False,
+        takers="encode",
+        cli=Cli(action="store_true"),
+    ),
+    _opt(
+        "storage_options",
+        dict | None,
+        "dict, optional",
+        """
          Can be the fsspec options (credentials, endpoint) of ``output``, which also apply to the
          ``reuse`` outputs given as URLs (``s3://...``), or None to use the filesystem's defaults.""",
-         "fsspec options for the output",
-         validator=mapping("pass e.g. storage_options={'auto_mkdir': True}"), identity=False, takers="encode"),
-    _opt("format", OutputFormat | None, '{"parquet", "lance", "delta"}, optional', """
+        "fsspec options for the output",
+        validator=mapping("pass e.g. storage_options={'auto_mkdir': True}"),
+        identity=False,
+        takers="encode",
+    ),
+    _opt(
+        "format",
+        OutputFormat | None,
+        '{"parquet", "lance", "delta"}, optional',
+        """
          What ``output`` is: ``"parquet"`` (a directory of part files and the manifest) or
          ``"lance"`` (a Lance table: workers write its data files, the calling process commits
          them in batches, each table version naming the run and its SuperBatches, so a resume
          never commits one twice; see the output formats in ``docs/output.md``), or ``"delta"``
          (a Delta Lake table, committed the same way). Needs ``pip install "dask-surge[lance]"``
          or ``"dask-surge[delta]"``.""",
-         "output format: parquet (part files), lance (a Lance table) or delta (a Delta Lake table)",
-         default="parquet", config="format", vocabulary=OutputFormat,
-         validator=one_of(OutputFormat, "is not an output format"), identity=False, takers="encode",
-         cli=Cli(flag="--output-format")),
-    _opt("mode", TableMode, '{"create", "append"}', """
+        "output format: parquet (part files), lance (a Lance table) or delta (a Delta Lake table)",
+        default="parquet",
+        config="format",
+        vocabulary=OutputFormat,
+        validator=one_of(OutputFormat, "is not an output format"),
+        identity=False,
+        takers="encode",
+        cli=Cli(flag="--output-format"),
+    ),
+    _opt(
+        "mode",
+        TableMode,
+        '{"create", "append"}',
+        """
          For a table output: ``"create"`` writes only a new table (or resumes this run's own);
          ``"append"`` also adds this run's rows to an existing table with the same columns that it
          did not create (its other rows are left as they are; each of this run's SuperBatches is
          still committed exactly once).""",
-         "table outputs: create (a new table) or append (to an existing one with the same columns)",
-         default="create", vocabulary=TableMode, validator=one_of(TableMode, "is not a table mode"),
-         identity=False, takers="encode", cli=Cli()),
-    _opt("scheduler", Scheduler, 'None, distributed.Client, "threads" or "sync"', """
+        "table outputs: create (a new table) or append (to an existing one with the same columns)",
+        default="create",
+        vocabulary=TableMode,
+        validator=one_of(TableMode, "is not a table mode"),
+        identity=False,
+        takers="encode",
+        cli=Cli(),
+    ),
+    _opt(
+        "scheduler",
+        Scheduler,
+        'None, distributed.Client, "threads" or "sync"',
+        """
          Where a written encode runs: None uses the active distributed Client, else starts a local
          cluster for the call; ``"threads"``/``"sync"`` run in this process. :func:`plan` plans for
          the worker threads of the same choice.""",
-         "address of a running Dask scheduler, or 'threads'/'sync' (default: a local cluster)",
-         identity=False, takers="encode plan", cli=Cli()),
-    _opt("progress", bool | None, "bool, optional", """
+        "address of a running Dask scheduler, or 'threads'/'sync' (default: a local cluster)",
+        identity=False,
+        takers="encode plan",
+        cli=Cli(),
+    ),
+    _opt(
+        "progress",
+        bool | None,
+        "bool, optional",
+        """
          Print progress while writing.""",
-         "print progress while writing output",
-         default=True, config="progress", validator=boolean(), schema={"type": "boolean"}, identity=False,
-         takers="encode", cli=Cli(flag="--no-progress", action="store_false", help="do not print progress")),
-    _opt("input_token", str | None, "str, optional", """
+        "print progress while writing output",
+        default=True,
+        config="progress",
+        validator=boolean(),
+        schema={"type": "boolean"},
+        identity=False,
+        takers="encode",
+        cli=Cli(flag="--no-progress", action="store_false", help="do not print progress"),
+    ),
+    _opt(
+        "input_token",
+        str | None,
+        "str, optional",
+        """
          A name you choose for the input, used as its identity instead of the input's files and
          graph. Needed only when a step of the graph cannot be identified deterministically (the
          error says which); you then vouch for the input: a rerun with the same name resumes,
          whatever the data now is.""",
-         "a name for the input, used as its identity instead of its files and graph",
-         validator=text(none=True, fix="pass a name such as 'corpus-2024-06'"), identity=True, takers="encode",
-         cli=Cli()),
-    _opt("params", Any, "dask_surge.planning.costmodel.CostParams, optional", """
+        "a name for the input, used as its identity instead of its files and graph",
+        validator=text(none=True, fix="pass a name such as 'corpus-2024-06'"),
+        identity=True,
+        takers="encode",
+        cli=Cli(),
+    ),
+    _opt(
+        "params",
+        Any,
+        "dask_surge.planning.costmodel.CostParams, optional",
+        """
          Cost-model parameters; with them the plan predicts every policy.""",
-         "cost-model parameters", takers="plan"),
-    _opt("calibrate", bool, "bool", """
+        "cost-model parameters",
+        takers="plan",
+    ),
+    _opt(
+        "calibrate",
+        bool,
+        "bool",
+        """
          Measure the parameters on the live cluster first (a probe of 10-20 s, cached per model,
          device and cluster shape; see :mod:`dask_surge.execution.calibrate`).""",
-         "measure the cost model on a local cluster (~10-20 s, cached) and predict every policy",
-         default=False, takers="plan", cli=Cli(action="store_true")),
-    _opt("client", Any, "distributed.Client, optional", """
+        "measure the cost model on a local cluster (~10-20 s, cached) and predict every policy",
+        default=False,
+        takers="plan",
+        cli=Cli(action="store_true"),
+    ),
+    _opt(
+        "client",
+        Any,
+        "distributed.Client, optional",
+        """
          Cluster to calibrate on and plan for (default: the active one, else the local cluster
          :func:`encode` would start, started for the probe; this process with ``scheduler="threads"``).""",
-         "cluster to calibrate on and plan for", takers="plan"),
-    _opt("token_sample", int | None, "int, optional", """
+        "cluster to calibrate on and plan for",
+        takers="plan",
+    ),
+    _opt(
+        "token_sample",
+        int | None,
+        "int, optional",
+        """
          With parameters, texts sampled (row-weighted, from partitions spread over the frame) and
          tokenized with ``model``'s tokenizer (pass the model the parameters were calibrated for),
          so automatic thresholds and predictions use the token lengths of this data rather than of
          the calibration texts. Can be a positive int, or None (as the config value) to skip.""",
-         "texts plan() samples and tokenizes so predictions use the data's token lengths; "
-         "null uses the calibration texts'",
-         default=2048, config="token-sample", validator=positive_int(none=True), schema={"oneOf": [_INT_MIN_1, _NULL]},
-         takers="plan", cli=Cli(type=int)),
+        "texts plan() samples and tokenizes so predictions use the data's token lengths; "
+        "null uses the calibration texts'",
+        default=2048,
+        config="token-sample",
+        validator=positive_int(none=True),
+        schema={"oneOf": [_INT_MIN_1, _NULL]},
+        takers="plan",
+        cli=Cli(type=int),
+    ),
     # configuration only (no keyword): resolved where they are used
-    _opt("compression", Compression, '{"none", "snappy", "lz4", "zstd"}', """
+    _opt(
+        "compression",
+        Compression,
+        '{"none", "snappy", "lz4", "zstd"}',
+        """
          Parquet codec of the embedding column (other columns are always zstd); ``"none"`` writes
          fastest, float vectors barely compress.""",
-         "Parquet codec of the embedding column (other columns are always zstd); none writes fastest, "
-         "float vectors barely compress",
-         default="none", config="compression", vocabulary=Compression),
-    _opt("ttfo_target", float, "float", """
+        "Parquet codec of the embedding column (other columns are always zstd); none writes fastest, "
+        "float vectors barely compress",
+        default="none",
+        config="compression",
+        vocabulary=Compression,
+    ),
+    _opt(
+        "ttfo_target",
+        float,
+        "float",
+        """
          Seconds to the first SuperBatch that ``b_min="auto"`` aims for (with a calibration).""",
-         "seconds to the first SuperBatch that b-min auto aims for",
-         default=10.0, config="ttfo-target", validator=positive_number, schema={"type": "number", "exclusiveMinimum": 0}),
-    _opt("memory_budget", int | None, "int, optional", """
+        "seconds to the first SuperBatch that b-min auto aims for",
+        default=10.0,
+        config="ttfo-target",
+        validator=positive_number,
+        schema={"type": "number", "exclusiveMinimum": 0},
+    ),
+    _opt(
+        "memory_budget",
+        int | None,
+        "int, optional",
+        """
          Bytes per worker that ``b_min``/``b_max`` ``"auto"`` may use; None is 2 GiB.""",
-         "bytes per worker that b-min/b-max auto may use; null is 2 GiB",
-         config="memory-budget", validator=positive_int(none=True), schema={"oneOf": [_INT_MIN_1, _NULL]}),
-    _opt("max_loaded_models", int, "int", """
+        "bytes per worker that b-min/b-max auto may use; null is 2 GiB",
+        config="memory-budget",
+        validator=positive_int(none=True),
+        schema={"oneOf": [_INT_MIN_1, _NULL]},
+    ),
+    _opt(
+        "max_loaded_models",
+        int,
+        "int",
+        """
          Models a process (a worker, or the client) keeps loaded at most: loading one more closes
          the least recently used (its engine thread, pinned buffer and weights are released; it
          loads again on its next use).""",
-         "models a process keeps loaded at most; one more closes the least recently used",
-         default=4, config="max-loaded-models", validator=positive_int(fix="pass e.g. 4"), schema=_INT_MIN_1),
-    _opt("first_superbatch", int | None, "int, optional", """
+        "models a process keeps loaded at most; one more closes the least recently used",
+        default=4,
+        config="max-loaded-models",
+        validator=positive_int(fix="pass e.g. 4"),
+        schema=_INT_MIN_1,
+    ),
+    _opt(
+        "first_superbatch",
+        int | None,
+        "int, optional",
+        """
          Rows of a new run's first SuperBatch when partition sizes are known (Parquet, in-memory
          frames): the thresholds of the next ones double from there up to ``b_min``, so the first
          output comes after one small SuperBatch, not ``b_min`` rows (a cold worker's first forward
          passes are the slowest part of its start). Recorded with the run, so a resumed run plans
          the same SuperBatches. Can be a positive int, or None to start at ``b_min``.""",
-         "rows of a new run's first SuperBatch (thresholds double up to b-min); null starts at b-min",
-         default=32, config="first-superbatch", validator=positive_int(none=True),
-         schema={"oneOf": [_INT_MIN_1, _NULL]}),
-    _opt("table_commit_every", int, "int", """
+        "rows of a new run's first SuperBatch (thresholds double up to b-min); null starts at b-min",
+        default=32,
+        config="first-superbatch",
+        validator=positive_int(none=True),
+        schema={"oneOf": [_INT_MIN_1, _NULL]},
+    ),
+    _opt(
+        "table_commit_every",
+        int,
+        "int",
+        """
          SuperBatches a table commit holds at most (a table output makes one version per commit).""",
-         "table outputs: SuperBatches per table commit at most",
-         default=16, config="table-commit-every", validator=positive_int(fix="pass e.g. 16"), schema=_INT_MIN_1),
-    _opt("table_commit_seconds", float, "float", """
+        "table outputs: SuperBatches per table commit at most",
+        default=16,
+        config="table-commit-every",
+        validator=positive_int(fix="pass e.g. 16"),
+        schema=_INT_MIN_1,
+    ),
+    _opt(
+        "table_commit_seconds",
+        float,
+        "float",
+        """
          Seconds a committed SuperBatch waits for others before its table commit (the run's first
          is committed at once).""",
-         "table outputs: seconds a SuperBatch waits for others before its table commit",
-         default=5.0, config="table-commit-seconds", validator=positive_number,
-         schema={"type": "number", "exclusiveMinimum": 0}),
-    _opt("superbatches_per_gpu", int, "int", """
+        "table outputs: seconds a SuperBatch waits for others before its table commit",
+        default=5.0,
+        config="table-commit-seconds",
+        validator=positive_number,
+        schema={"type": "number", "exclusiveMinimum": 0},
+    ),
+    _opt(
+        "superbatches_per_gpu",
+        int,
+        "int",
+        """
          SuperBatch tasks a GPU worker runs at once: one encodes on the GPU (the engine serializes
          forward passes through one feeder thread) while the others read, tokenize, pack, write and
          commit, so the GPU does not wait for the host between SuperBatches. Each task claims
          ``1/n`` of the ``GPU`` resource a GPU worker advertises, and each holds its SuperBatch in
          memory; dask-surge's own GPU clusters start this many threads per GPU worker.""",
-         "SuperBatch tasks a GPU worker runs at once (one on the GPU, the others reading, tokenizing or writing)",
-         default=4, config="superbatches-per-gpu", validator=positive_int(fix="pass e.g. 4"), schema=_INT_MIN_1),
-    _opt("tuning", dict, "dict", """
+        "SuperBatch tasks a GPU worker runs at once (one on the GPU, the others reading, tokenizing or writing)",
+        default=4,
+        config="superbatches-per-gpu",
+        validator=positive_int(fix="pass e.g. 4"),
+        schema=_INT_MIN_1,
+    ),
+    _opt(
+        "tuning",
+        dict,
+        "dict",
+        """
          The process-wide settings of a worker (the allocator, the garbage collector pause, the
          tokenizer's threads, the profiler pause, the CPU kernels, the tokenizing helper processes,
          joined tokenizing), under ``surge.tuning.<name>``: each ``"auto"`` (on where it was
@@ -758,18 +1181,38 @@ OPTIONS: tuple[Option, ...] = (
          it, or for ``tokenize-processes`` a number of helper processes. Declared, with what each does
          and where it was measured, in :mod:`dask_surge.engine.tuning` (``docs/tuning.md``); the worker
          plugin applies them, never a user's own process unless forced.""",
-         "process-wide settings of a worker (docs/tuning.md): each auto (on where measured), true/false, "
-         "or a count for tokenize-processes",
-         default=dict.fromkeys(TUNING, "auto"), config="tuning", validator=tuning_values,
-         schema={"type": "object", "additionalProperties": False,
-                 "properties": {name: {"oneOf": [{"enum": ["auto"]}, {"type": "integer", "minimum": 0}, _NULL]}
-                                if name == "tokenize-processes" else {"enum": ["auto", True, False]}
-                                for name in TUNING}}),
-    _opt("in_flight", int | None, "int, optional", """
+        "process-wide settings of a worker (docs/tuning.md): each auto (on where measured), true/false, "
+        "or a count for tokenize-processes",
+        default=dict.fromkeys(TUNING, "auto"),
+        config="tuning",
+        validator=tuning_values,
+        schema={
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {
+                name: {"oneOf": [{"enum": ["auto"]}, {"type": "integer", "minimum": 0}, _NULL]}
+                if name == "tokenize-processes"
+                else {"enum": ["auto", True, False]}
+                for name in TUNING
+            },
+        },
+    ),
+    _opt(
+        "in_flight",
+        int | None,
+        "int, optional",
+        """
          SuperBatches submitted at once when writing; None is 2 x worker threads.""",
-         "SuperBatches submitted at once when writing; null is 2 x worker threads",
-         config="in-flight", validator=positive_int(none=True), schema={"oneOf": [_INT_MIN_1, _NULL]}),
-    _opt("no_workers_timeout", float | str | None, "float or str, optional", """
+        "SuperBatches submitted at once when writing; null is 2 x worker threads",
+        config="in-flight",
+        validator=positive_int(none=True),
+        schema={"oneOf": [_INT_MIN_1, _NULL]},
+    ),
+    _opt(
+        "no_workers_timeout",
+        float | str | None,
+        "float or str, optional",
+        """
          How long a written run waits once every worker has left the cluster (jobs preempted or
          cancelled, workers that crashed, or that closed because they could not unpickle a task)
          before it stops with an error that says so; its commits are kept, and a rerun resumes.
@@ -777,11 +1220,19 @@ OPTIONS: tuple[Option, ...] = (
          takes. Can be seconds, a duration such as ``"5 minutes"``, or None to wait for workers
          in every case (e.g. an adaptive cluster whose replacement jobs queue for long).
          ``distributed.scheduler.no-workers-timeout``, when set, stops the run too.""",
-         "seconds (or e.g. '5 minutes') a run waits once every worker has left before it stops; "
-         "null waits as long as it takes",
-         default=300, config="no-workers-timeout", validator=duration,
-         schema={"oneOf": [{"type": "number", "exclusiveMinimum": 0},
-                           {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+\s*[a-zA-Z]*\s*$"}, _NULL]}),
+        "seconds (or e.g. '5 minutes') a run waits once every worker has left before it stops; "
+        "null waits as long as it takes",
+        default=300,
+        config="no-workers-timeout",
+        validator=duration,
+        schema={
+            "oneOf": [
+                {"type": "number", "exclusiveMinimum": 0},
+                {"type": "string", "pattern": r"^\s*[0-9]*\.?[0-9]+\s*[a-zA-Z]*\s*$"},
+                _NULL,
+            ]
+        },
+    ),
 )
 
 
@@ -908,10 +1359,17 @@ def signature(func: Callable[..., Any], taker: str) -> inspect.Signature:
     ['ddf', 'column', 'model', 'b_min']
     """
     sig = inspect.signature(func)
-    head = [p for p in sig.parameters.values()
-            if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
-    tail = [inspect.Parameter(opt.name, inspect.Parameter.KEYWORD_ONLY, default=opt.api_default,
-                              annotation=opt.annotation) for opt in options_of(taker)]
+    head = [
+        p
+        for p in sig.parameters.values()
+        if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    tail = [
+        inspect.Parameter(
+            opt.name, inspect.Parameter.KEYWORD_ONLY, default=opt.api_default, annotation=opt.annotation
+        )
+        for opt in options_of(taker)
+    ]
     return sig.replace(parameters=[*head, *tail])
 
 
@@ -949,12 +1407,20 @@ def _doc_entry(opt: Option, indent: str, taker: str, note: str) -> list[str]:
     else:
         default = f"Default: ``surge.{opt.config}`` (shipped as ``{opt.default!r}``)." if opt.config else ""
     doc = " ".join(filter(None, [opt.doc, note, default]))
-    body = textwrap.wrap(doc, width=88, initial_indent=indent + "    ", subsequent_indent=indent + "    ",
-                         break_long_words=False, break_on_hyphens=False)
+    body = textwrap.wrap(
+        doc,
+        width=88,
+        initial_indent=indent + "    ",
+        subsequent_indent=indent + "    ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
     return [f"{indent}{opt.name} : {opt.doc_type}", *body]
 
 
-def document(doc: str | None, taker: str, marker: str = "{options}", notes: Mapping[str, str] | None = None) -> str:
+def document(
+    doc: str | None, taker: str, marker: str = "{options}", notes: Mapping[str, str] | None = None
+) -> str:
     r"""``doc`` with the line holding ``marker`` replaced by the numpydoc entries of ``taker``'s options.
 
     ``notes`` (option name -> text) adds what ``taker`` says of an option after its declared text.
@@ -984,7 +1450,11 @@ def add_arguments(parser: Any, taker: str) -> None:
         if opt.cli is None:
             continue
         # None: the function resolves a config option when it runs
-        kwargs: dict[str, Any] = {"dest": opt.name, "help": opt.cli.help or opt.summary, "default": opt.api_default}
+        kwargs: dict[str, Any] = {
+            "dest": opt.name,
+            "help": opt.cli.help or opt.summary,
+            "default": opt.api_default,
+        }
         if opt.cli.action:
             kwargs["action"] = opt.cli.action
         else:
@@ -997,8 +1467,11 @@ def add_arguments(parser: Any, taker: str) -> None:
 
 def from_arguments(args: Any, taker: str) -> dict[str, Any]:
     """The keyword options ``taker`` takes from parsed command-line ``args`` (those with a flag)."""
-    return {opt.name: getattr(args, opt.name) for opt in options_of(taker)
-            if opt.cli is not None and hasattr(args, opt.name)}
+    return {
+        opt.name: getattr(args, opt.name)
+        for opt in options_of(taker)
+        if opt.cli is not None and hasattr(args, opt.name)
+    }
 
 
 def schema() -> dict[str, Any]:
@@ -1007,20 +1480,22 @@ def schema() -> dict[str, Any]:
     for key, opt in config_options().items():
         rule = dict(opt.schema) if opt.schema is not None else {"enum": list(opt.choices or ())}
         properties[key] = {**rule, "description": opt.summary}
-    return {"properties": {"surge": {"type": "object", "additionalProperties": False, "properties": properties}}}
+    return {
+        "properties": {"surge": {"type": "object", "additionalProperties": False, "properties": properties}}
+    }
 
 
 def schema_yaml() -> str:
     """The text of the shipped ``surge-schema.yaml``: :func:`schema` with a header."""
     import yaml
 
-    header = ("# JSON Schema of the surge.* configuration (dask.config), like dask's own dask-schema.yaml.\n"
-              "# Generated from dask_surge/options.py (schema_yaml()); tests/test_options.py fails when they drift.\n")
+    header = (
+        "# JSON Schema of the surge.* configuration (dask.config), like dask's own dask-schema.yaml.\n"
+        "# Generated from dask_surge/options.py (schema_yaml()); tests/test_options.py fails when they drift.\n"
+    )
 
     class _Dumper(yaml.SafeDumper):
         def ignore_aliases(self, data: Any) -> bool:  # the shared rules written out in full
             return True
 
     return header + yaml.dump(schema(), Dumper=_Dumper, sort_keys=False, width=200, default_flow_style=None)
-
-

@@ -22,8 +22,18 @@ __all__ = ["run_timeline", "rolling_rate", "plot_run", "plot_advice", "advice_gr
 #: client's clock by when the client heard of its end, which counts the transfer (tens of ms)
 CLOCK_SLACK_S = 0.1
 
-_TIMELINE_COLUMNS = ["sb", "rows", "skipped", "start_s", "commit_s", "encode_s", "write_s", "committed", "lane",
-                     "rows_committed"]
+_TIMELINE_COLUMNS = [
+    "sb",
+    "rows",
+    "skipped",
+    "start_s",
+    "commit_s",
+    "encode_s",
+    "write_s",
+    "committed",
+    "lane",
+    "rows_committed",
+]
 
 
 def _pyplot():
@@ -62,11 +72,22 @@ def run_timeline(records: Sequence[Any], ttfo_s: float | None, already_rows: int
     won = np.array([bool(r.committed) for r in records])
     t0 = float(commit[won].min() - ttfo_s) if ttfo_s is not None and won.any() else float(start.min())
     t0 = min(t0, float(start.min()))
-    df = pd.DataFrame({
-        "sb": [r.sb for r in records], "rows": [r.rows for r in records], "skipped": [r.skipped for r in records],
-        "start_s": start - t0, "commit_s": commit - t0, "encode_s": [r.encode_s for r in records],
-        "write_s": [r.write_s for r in records], "committed": won,
-    }).sort_values("commit_s", kind="stable").reset_index(drop=True)
+    df = (
+        pd.DataFrame(
+            {
+                "sb": [r.sb for r in records],
+                "rows": [r.rows for r in records],
+                "skipped": [r.skipped for r in records],
+                "start_s": start - t0,
+                "commit_s": commit - t0,
+                "encode_s": [r.encode_s for r in records],
+                "write_s": [r.write_s for r in records],
+                "committed": won,
+            }
+        )
+        .sort_values("commit_s", kind="stable")
+        .reset_index(drop=True)
+    )
     lanes: list[float] = []  # when each lane frees up
     lane_of = np.zeros(len(df), dtype=int)
     for i in np.argsort(df["start_s"].to_numpy(), kind="stable"):
@@ -84,8 +105,9 @@ def run_timeline(records: Sequence[Any], ttfo_s: float | None, already_rows: int
     return df
 
 
-def rolling_rate(commit_s: np.ndarray, rows: np.ndarray, end: float, points: int = 200
-                 ) -> tuple[np.ndarray, np.ndarray, float]:
+def rolling_rate(
+    commit_s: np.ndarray, rows: np.ndarray, end: float, points: int = 200
+) -> tuple[np.ndarray, np.ndarray, float]:
     """Rows committed per second over a rolling window: ``(times, rates, window)``.
 
     Rows count as arriving steadily between one commit and the next (the cumulative count is
@@ -126,9 +148,15 @@ def plot_run(result: Any):
         fig, ax = plt.subplots(figsize=(7, 2.2))
         ax.set_axis_off()
         ax.set_title("Nothing was encoded in this call")
-        ax.text(0.5, 0.5, f"all {result.superbatches:,} SuperBatches ({result.rows:,} rows) of run {result.run_id}\n"
-                "were already committed: this call resumed a complete run",
-                ha="center", va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            f"all {result.superbatches:,} SuperBatches ({result.rows:,} rows) of run {result.run_id}\n"
+            "were already committed: this call resumed a complete run",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
         return fig
     done = sum(r.rows + r.skipped for r in records if r.committed)
     df = run_timeline(records, result.ttfo_s, already_rows=max(0, result.rows - done))
@@ -136,12 +164,17 @@ def plot_run(result: Any):
     (ax_rows, ax_lanes), (ax_rate, ax_sizes) = axes
     won = df[df["committed"]]
     end = max(float(df["commit_s"].max()), result.seconds)
-    first = df["rows_committed"].iloc[0] - (won["rows"].iloc[0] + won["skipped"].iloc[0]) if len(won) else result.rows
+    first = (
+        df["rows_committed"].iloc[0] - (won["rows"].iloc[0] + won["skipped"].iloc[0])
+        if len(won)
+        else result.rows
+    )
 
     # rows committed over time, from what was there before this call to result.rows
     xs = np.concatenate([[0.0], won["commit_s"].to_numpy(), [end]])
-    ys = np.concatenate([[first], won["rows_committed"].to_numpy(), [won["rows_committed"].iloc[-1] if len(won)
-                                                                     else first]])
+    ys = np.concatenate(
+        [[first], won["rows_committed"].to_numpy(), [won["rows_committed"].iloc[-1] if len(won) else first]]
+    )
     ax_rows.step(xs, ys, where="post", color="C0", label="rows committed")
     ax_rows.axhline(result.rows, color="grey", linestyle=":", label=f"{result.rows:,} rows")
     ax_rows.set_title("Rows committed over time")
@@ -153,9 +186,14 @@ def plot_run(result: Any):
     for row in df.itertuples():
         ax_lanes.barh(row.lane, row.encode_s, left=row.start_s, color="C0", height=0.6)
         ax_lanes.barh(row.lane - 0.38, row.write_s, left=row.start_s + row.encode_s, color="C1", height=0.14)
-    ax_lanes.legend(handles=[Patch(color="C0", label="encode (holds a task slot)"),
-                             Patch(color="C1", label="write + commit (writer thread)")],
-                    loc="lower right", fontsize="small")
+    ax_lanes.legend(
+        handles=[
+            Patch(color="C0", label="encode (holds a task slot)"),
+            Patch(color="C1", label="write + commit (writer thread)"),
+        ],
+        loc="lower right",
+        fontsize="small",
+    )
     ax_lanes.set_title("SuperBatches in flight (a lane: one task slot)")
     ax_lanes.title.set_fontsize("small")
     ax_lanes.set_xlabel("seconds since the call started")
@@ -163,9 +201,13 @@ def plot_run(result: Any):
     ax_lanes.set_yticks(range(int(df["lane"].max()) + 1))
 
     # throughput: a rolling rate of rows committed, and the call's mean
-    grid, rate, window = rolling_rate(won["commit_s"].to_numpy(), (won["rows"] + won["skipped"]).to_numpy(), end)
+    grid, rate, window = rolling_rate(
+        won["commit_s"].to_numpy(), (won["rows"] + won["skipped"]).to_numpy(), end
+    )
     ax_rate.plot(grid, rate, color="C2", label=f"rows/s (over {window:.1f} s)")
-    ax_rate.axhline(result.texts_per_s, color="grey", linestyle="--", label=f"mean {result.texts_per_s:,.0f} rows/s")
+    ax_rate.axhline(
+        result.texts_per_s, color="grey", linestyle="--", label=f"mean {result.texts_per_s:,.0f} rows/s"
+    )
     ax_rate.set_title("Throughput over the run")
     ax_rate.set_xlabel("seconds since the call started")
     ax_rate.set_ylabel("rows committed per second")
@@ -175,7 +217,9 @@ def plot_run(result: Any):
         ax.legend(loc="best", fontsize="small")
 
     # SuperBatch sizes against the thresholds
-    ax_sizes.bar(np.arange(len(df)), df["rows"] + df["skipped"], color=np.where(df["committed"], "C0", "lightgrey"))
+    ax_sizes.bar(
+        np.arange(len(df)), df["rows"] + df["skipped"], color=np.where(df["committed"], "C0", "lightgrey")
+    )
     if result.b_min:
         ax_sizes.axhline(result.b_min, color="C2", linestyle="--", label=f"b_min {result.b_min:,}")
     if result.b_max:
@@ -186,8 +230,10 @@ def plot_run(result: Any):
     ax_sizes.set_ylabel("rows")
     ax_sizes.legend(loc="best", fontsize="small")
 
-    fig.suptitle(f"run {result.run_id}: {result.rows:,} rows, {len(won):,} SuperBatches encoded in "
-                 f"{result.seconds:.1f} s ({result.skipped_superbatches:,} already committed)")
+    fig.suptitle(
+        f"run {result.run_id}: {result.rows:,} rows, {len(won):,} SuperBatches encoded in "
+        f"{result.seconds:.1f} s ({result.skipped_superbatches:,} already committed)"
+    )
     fig.tight_layout()
     return fig
 
@@ -197,8 +243,15 @@ def _speedup(sizes: Sequence[int], params: CostParams, b_min: int, b_max: int) -
     return float(df.loc["pbp", "seconds"] / df.loc["surge", "seconds"])
 
 
-def advice_grid(params: CostParams, partitions: int, b_min: int, b_max: int, *, phis: Sequence[float],
-                cvs: Sequence[float]) -> np.ndarray:
+def advice_grid(
+    params: CostParams,
+    partitions: int,
+    b_min: int,
+    b_max: int,
+    *,
+    phis: Sequence[float],
+    cvs: Sequence[float],
+) -> np.ndarray:
     """Predicted SURGE speed-up over one call per partition on a (CV, phi) grid: log-normal
     partition sizes (``partitions`` of them) whose mean gives each phi and whose spread gives
     each CV."""
@@ -211,8 +264,11 @@ def advice_grid(params: CostParams, partitions: int, b_min: int, b_max: int, *, 
         for i, cv in enumerate(cvs):
             sigma = float(np.sqrt(np.log1p(cv * cv)))
             total = max(partitions, round(mean * partitions))
-            sizes = lognormal_sizes(total, partitions, sigma=sigma, seed=0) if sigma > 0 else \
-                np.full(partitions, total // partitions)
+            sizes = (
+                lognormal_sizes(total, partitions, sigma=sigma, seed=0)
+                if sigma > 0
+                else np.full(partitions, total // partitions)
+            )
             out[i, j] = _speedup(np.maximum(1, sizes).tolist(), params, b_min, b_max)
     return out
 
@@ -234,9 +290,12 @@ def plot_advice(plan: Any):
     known = np.isfinite(grid).any()
     vmin = min(0.8, float(np.nanmin(grid))) if known else 0.8
     vmax = min(4.0, max(1.5, float(np.nanmax(grid)))) if known else 1.5
-    mesh = ax.pcolormesh(phis, cvs, grid, shading="nearest", cmap="RdBu",
-                         norm=TwoSlopeNorm(vcenter=1.0, vmin=vmin, vmax=vmax))
-    fig.colorbar(mesh, ax=ax, extend="max", label="predicted speed-up\n(SuperBatches / one call per partition)")
+    mesh = ax.pcolormesh(
+        phis, cvs, grid, shading="nearest", cmap="RdBu", norm=TwoSlopeNorm(vcenter=1.0, vmin=vmin, vmax=vmax)
+    )
+    fig.colorbar(
+        mesh, ax=ax, extend="max", label="predicted speed-up\n(SuperBatches / one call per partition)"
+    )
     if known and np.nanmin(grid) < 1.05 < np.nanmax(grid):
         ax.contour(phis, cvs, grid, levels=[1.05], colors="k", linewidths=1)
         ax.plot([], [], color="k", linewidth=1, label="predicted gain 5% (log-normal sizes)")
@@ -245,9 +304,16 @@ def plot_advice(plan: Any):
     ax.text(0.052, cvs[-1] * 0.97, "phi > 5%:\nfusing can pay", va="top", fontsize="small")
     ax.text(phis[0] * 1.05, cvs[-1] * 0.97, "partitions\nalready large", va="top", fontsize="small")
     ax.text(phis[0] * 1.05, 1.03, "CV > 1: b_max bounds memory", fontsize="small")
-    ax.plot([advice.phi], [advice.cv], marker="*", markersize=16, color="gold", markeredgecolor="k",
-            linestyle="none", label=f"this workload: phi={advice.phi:.3f}, CV={advice.cv:.2f}, "
-            f"{advice.predicted_speedup:.2f}x")
+    ax.plot(
+        [advice.phi],
+        [advice.cv],
+        marker="*",
+        markersize=16,
+        color="gold",
+        markeredgecolor="k",
+        linestyle="none",
+        label=f"this workload: phi={advice.phi:.3f}, CV={advice.cv:.2f}, {advice.predicted_speedup:.2f}x",
+    )
     ax.set_xscale("log")
     ax.set_xlabel("phi: share of a mean partition's call spent in fixed per-call cost")
     ax.set_ylabel("CV of partition sizes")

@@ -70,8 +70,10 @@ class SurgePlan:
                 "probe (the CalibrationWarning says by how much). Fix: calibrate again when the machine is "
                 "quieter, or pass params= from dask_surge.execution.calibrate.calibrate(model, seconds=30)."
             )
-        return SurgeValueError(f"this plan has no cost-model parameters, so {what}. "
-                               "Fix: call plan(..., calibrate=True) or pass params=.")
+        return SurgeValueError(
+            f"this plan has no cost-model parameters, so {what}. "
+            "Fix: call plan(..., calibrate=True) or pass params=."
+        )
 
     @property
     def rows(self) -> int:
@@ -81,9 +83,14 @@ class SurgePlan:
         rows = [sb.rows for sb in self.superbatches]
         sizes = np.asarray(self.sizes.sizes, dtype=float)
         return {
-            "partitions": len(self.sizes.sizes), "rows": self.rows, "superbatches": len(rows),
-            "b_min": self.b_min, "b_max": self.b_max, "sizes_source": self.sizes.source,
-            "largest_superbatch": max(rows, default=0), "smallest_superbatch": min(rows, default=0),
+            "partitions": len(self.sizes.sizes),
+            "rows": self.rows,
+            "superbatches": len(rows),
+            "b_min": self.b_min,
+            "b_max": self.b_max,
+            "sizes_source": self.sizes.source,
+            "largest_superbatch": max(rows, default=0),
+            "smallest_superbatch": min(rows, default=0),
             "n_max": int(sizes.max()) if sizes.size else 0,
             "cv": float(sizes.std() / sizes.mean()) if sizes.size and sizes.mean() else 0.0,
             "max_bytes": self.max_bytes,
@@ -92,10 +99,12 @@ class SurgePlan:
 
     def __repr__(self) -> str:
         s = self.summary()
-        return (f"SurgePlan({s['rows']:,} rows in {s['partitions']:,} partitions -> "
-                f"{s['superbatches']:,} SuperBatches of {s['smallest_superbatch']:,}-"
-                f"{s['largest_superbatch']:,} rows; b_min={s['b_min']:,}, b_max={s['b_max']:,}, "
-                f"sizes from {s['sizes_source']})")
+        return (
+            f"SurgePlan({s['rows']:,} rows in {s['partitions']:,} partitions -> "
+            f"{s['superbatches']:,} SuperBatches of {s['smallest_superbatch']:,}-"
+            f"{s['largest_superbatch']:,} rows; b_min={s['b_min']:,}, b_max={s['b_max']:,}, "
+            f"sizes from {s['sizes_source']})"
+        )
 
     def _basis(self) -> str:
         basis = "cost model, calibrated on this cluster"
@@ -110,15 +119,19 @@ class SurgePlan:
         lines = []
         if self.long_texts:
             lt = self.long_texts
-            line = (f"long texts: {lt['over_window']:.1%} of a sample of {lt['sampled']:,} texts are over the "
-                    f"model's window (~{lt['texts_over']:,} texts)")
+            line = (
+                f"long texts: {lt['over_window']:.1%} of a sample of {lt['sampled']:,} texts are over the "
+                f"model's window (~{lt['texts_over']:,} texts)"
+            )
             if lt["mode"] in ("chunk", "mean"):
                 line += f"; long_texts={lt['mode']!r} encodes ~{lt['windows']:,} windows"
             lines.append(line)
         if self.reuse:
             ru = self.reuse
-            lines.append(f"reuse: {ru['found']:.1%} of a sample of {ru['sampled']:,} texts are in the reused "
-                         f"outputs: ~{ru['reused']:,} texts copied, ~{ru['encoded']:,} encoded")
+            lines.append(
+                f"reuse: {ru['found']:.1%} of a sample of {ru['sampled']:,} texts are in the reused "
+                f"outputs: ~{ru['reused']:,} texts copied, ~{ru['encoded']:,} encoded"
+            )
         return lines
 
     def __str__(self) -> str:
@@ -132,11 +145,15 @@ class SurgePlan:
     def _repr_html_(self) -> str:
         import html
 
-        out = f"<p><b>{html.escape(repr(self))}</b></p>" + "".join(f"<p>{html.escape(t)}</p>" for t in self._texts())
+        out = f"<p><b>{html.escape(repr(self))}</b></p>" + "".join(
+            f"<p>{html.escape(t)}</p>" for t in self._texts()
+        )
         if self.predictions is not None:
             out += f"<p>predicted ({html.escape(self._basis())}):</p>" + self._table().to_html()
         if self.advice is not None:
-            out += f"<p>phi={self.advice.phi:.3f}, CV={self.advice.cv:.2f}: {html.escape(self.advice.text)}</p>"
+            out += (
+                f"<p>phi={self.advice.phi:.3f}, CV={self.advice.cv:.2f}: {html.escape(self.advice.text)}</p>"
+            )
         return out
 
     def sweep(self, b_mins: Sequence[int] | None = None):
@@ -153,13 +170,31 @@ class SurgePlan:
             b_max = max(self.b_max, 4 * b)
             plan = None
             if self.unit_partitions is not None:
-
-                plan = streamed_plan(self.sizes.sizes, b, b_max, self.unit_partitions, nbytes=self.sizes.nbytes,
-                                     max_bytes=self.max_bytes)
-            pred = predict(self.sizes.sizes, self.params, b_min=b, b_max=b_max, nbytes=self.sizes.nbytes,
-                           max_bytes=self.max_bytes, superbatches=plan).loc["surge"]
-            rows.append({"b_min": b, "texts_per_s": pred["texts_per_s"],
-                         "peak_memory_bytes": pred["peak_memory_bytes"], "ttfo_s": pred["ttfo_s"]})
+                plan = streamed_plan(
+                    self.sizes.sizes,
+                    b,
+                    b_max,
+                    self.unit_partitions,
+                    nbytes=self.sizes.nbytes,
+                    max_bytes=self.max_bytes,
+                )
+            pred = predict(
+                self.sizes.sizes,
+                self.params,
+                b_min=b,
+                b_max=b_max,
+                nbytes=self.sizes.nbytes,
+                max_bytes=self.max_bytes,
+                superbatches=plan,
+            ).loc["surge"]
+            rows.append(
+                {
+                    "b_min": b,
+                    "texts_per_s": pred["texts_per_s"],
+                    "peak_memory_bytes": pred["peak_memory_bytes"],
+                    "ttfo_s": pred["ttfo_s"],
+                }
+            )
         return pd.DataFrame(rows).set_index("b_min")
 
     def plot(self, b_mins: Sequence[int] | None = None):
@@ -171,8 +206,11 @@ class SurgePlan:
 
         table = self.sweep(b_mins)
         fig, axes = plt.subplots(1, 3, figsize=(12, 3.2))
-        for ax, col, label in zip(axes, ["texts_per_s", "peak_memory_bytes", "ttfo_s"],
-                                  ["texts/s", "peak memory per worker (bytes)", "TTFO (s)"]):
+        for ax, col, label in zip(
+            axes,
+            ["texts_per_s", "peak_memory_bytes", "ttfo_s"],
+            ["texts/s", "peak memory per worker (bytes)", "TTFO (s)"],
+        ):
             ax.plot(table.index, table[col], marker="o")
             ax.axvline(self.b_min, color="grey", linestyle="--")
             ax.set_xscale("log")
@@ -204,8 +242,15 @@ def _largest_bytes(superbatches: Sequence[SuperBatch], sizes: PartitionSizes) ->
     """Text bytes of the largest SuperBatch (slices pro rata), or None when bytes are unknown."""
     if sizes.nbytes is None:
         return None
-    return max((round(sum(sizes.nbytes[s.partition] * s.rows / max(1, sizes.sizes[s.partition])
-                          for s in sb.spans)) for sb in superbatches), default=0)
+    return max(
+        (
+            round(
+                sum(sizes.nbytes[s.partition] * s.rows / max(1, sizes.sizes[s.partition]) for s in sb.spans)
+            )
+            for sb in superbatches
+        ),
+        default=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -281,8 +326,12 @@ class SuperBatchReport:
         if self.task_end is None:
             return self
         shift = now - self.task_end
-        return replace(self, committed_at=self.committed_at + shift, started_at=self.started_at + shift,
-                       clock_shift=shift)
+        return replace(
+            self,
+            committed_at=self.committed_at + shift,
+            started_at=self.started_at + shift,
+            clock_shift=shift,
+        )
 
     def __getitem__(self, name: str):
         """``report["rows"]``: read access by field name, for scripts written against the report
@@ -378,25 +427,44 @@ class EncodeResult:
 
     def __str__(self) -> str:
         if self.nothing_to_do:
-            return (f"complete: {self.rows:,} rows in {self.superbatches:,} SuperBatches already in {self.output}, "
-                    f"nothing to do (checked in {self.seconds:.1f} s)")
+            return (
+                f"complete: {self.rows:,} rows in {self.superbatches:,} SuperBatches already in {self.output}, "
+                f"nothing to do (checked in {self.seconds:.1f} s)"
+            )
         ttfo = f"{self.ttfo_s:.2f} s" if self.ttfo_s is not None else "n/a"
-        return (f"{self.rows:,} rows from {self.partitions:,} partitions in {self.superbatches:,} "
-                f"SuperBatches ({self.skipped_superbatches:,} already committed) -> {self.output}\n"
-                f"{self.seconds:.1f} s, {self.texts_per_s:,.0f} texts/s, first output after {ttfo}\n"
-                f"b_min={self.b_min:,}, b_max={self.b_max:,}"
-                + (f": {self.thresholds_reason.rstrip('.')}." if self.thresholds_reason else "")
-                + (f"\nengine: {self.engine}" if self.engine else "")
-                + (("; " if self.engine else "\n") + f"{self.family} output ({', '.join(FAMILY_COLUMNS[self.family])})"
-                   if self.family != DENSE else "")
-                + (f"\n{self.output_rows:,} rows written: one per token window (long_texts='chunk')"
-                   if self.output_rows and self.output_rows != self.rows else "")
-                + (f"\n{self.truncated:,} texts were over the model's window and cut (long_texts='truncate'); "
-                   + (_EVERY_TOKEN if self.family == DENSE else "long_texts='error' refuses them instead")
-                   if self.truncated > 0 else "")
-                + (f"\n{self.reused:,} texts reused from earlier outputs, {self.encoded:,} distinct texts encoded"
-                   if self.reused else "")
-                + (f"\n{self.nulls_skipped:,} null texts left out (on_null='skip'); their (partition, row) "
-                   f"are in dask_surge.skipped_rows({self.output!r})" if self.nulls_skipped else ""))
-
-
+        return (
+            f"{self.rows:,} rows from {self.partitions:,} partitions in {self.superbatches:,} "
+            f"SuperBatches ({self.skipped_superbatches:,} already committed) -> {self.output}\n"
+            f"{self.seconds:.1f} s, {self.texts_per_s:,.0f} texts/s, first output after {ttfo}\n"
+            f"b_min={self.b_min:,}, b_max={self.b_max:,}"
+            + (f": {self.thresholds_reason.rstrip('.')}." if self.thresholds_reason else "")
+            + (f"\nengine: {self.engine}" if self.engine else "")
+            + (
+                ("; " if self.engine else "\n")
+                + f"{self.family} output ({', '.join(FAMILY_COLUMNS[self.family])})"
+                if self.family != DENSE
+                else ""
+            )
+            + (
+                f"\n{self.output_rows:,} rows written: one per token window (long_texts='chunk')"
+                if self.output_rows and self.output_rows != self.rows
+                else ""
+            )
+            + (
+                f"\n{self.truncated:,} texts were over the model's window and cut (long_texts='truncate'); "
+                + (_EVERY_TOKEN if self.family == DENSE else "long_texts='error' refuses them instead")
+                if self.truncated > 0
+                else ""
+            )
+            + (
+                f"\n{self.reused:,} texts reused from earlier outputs, {self.encoded:,} distinct texts encoded"
+                if self.reused
+                else ""
+            )
+            + (
+                f"\n{self.nulls_skipped:,} null texts left out (on_null='skip'); their (partition, row) "
+                f"are in dask_surge.skipped_rows({self.output!r})"
+                if self.nulls_skipped
+                else ""
+            )
+        )

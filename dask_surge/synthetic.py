@@ -90,8 +90,10 @@ def lognormal_sizes(total: int, partitions: int, *, sigma: float = 1.72, seed: i
     1000
     """
     if partitions <= 0:
-        raise SurgeValueError(f"partitions={partitions!r} must be positive (sizes are drawn per partition). "
-                              "Fix: pass partitions >= 1.")
+        raise SurgeValueError(
+            f"partitions={partitions!r} must be positive (sizes are drawn per partition). "
+            "Fix: pass partitions >= 1."
+        )
     rng = np.random.default_rng(seed)
     w = rng.lognormal(0.0, sigma, size=partitions)
     sizes = np.floor(w / w.sum() * total).astype(np.int64)
@@ -138,8 +140,10 @@ def make_partitioned_frame(sizes, *, seed: int = 0, text_column: str = "text", m
     for s in sizes:
         frames.append(
             pd.DataFrame(
-                {text_column: pd.array(texts[start : start + s], dtype="string[pyarrow]"),
-                 "doc_id": np.arange(start, start + s, dtype=np.int64)},
+                {
+                    text_column: pd.array(texts[start : start + s], dtype="string[pyarrow]"),
+                    "doc_id": np.arange(start, start + s, dtype=np.int64),
+                },
                 index=pd.RangeIndex(start, start + s),
             )
         )
@@ -187,8 +191,12 @@ def write_partitioned_parquet(path, sizes, *, seed: int = 0, text_column: str = 
     texts = make_texts(sum(sizes), seed=seed)
     files, start = [], 0
     for i, s in enumerate(sizes):
-        table = pa.table({text_column: pa.array(texts[start : start + s], type=pa.string()),
-                          "doc_id": pa.array(np.arange(start, start + s, dtype=np.int64))})
+        table = pa.table(
+            {
+                text_column: pa.array(texts[start : start + s], type=pa.string()),
+                "doc_id": pa.array(np.arange(start, start + s, dtype=np.int64)),
+            }
+        )
         name = out / f"part-{i:05d}.parquet"
         pq.write_table(table, name)
         files.append(str(name))

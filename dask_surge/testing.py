@@ -29,13 +29,35 @@ from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, writ
 
 __all__ = [
     "loopback_s3",
-    "CountingEncoder", "DieOnce", "FailOnce", "FakeClock", "FakeTimedEncoder", "GatedEncoder", "Hog", "InterruptAfter",
-    "checksum_model", "input_partition", "input_partition_from_dict", "input_partition_from_json",
-    "input_partition_from_tuple", "lognormal_sizes", "mark_texts", "make_partitioned_frame", "make_texts",
-    "make_tiny_model", "make_tiny_sparse_model", "make_tiny_decoder_model", "make_tiny_multivector_model",
+    "CountingEncoder",
+    "DieOnce",
+    "FailOnce",
+    "FakeClock",
+    "FakeTimedEncoder",
+    "GatedEncoder",
+    "Hog",
+    "InterruptAfter",
+    "checksum_model",
+    "input_partition",
+    "input_partition_from_dict",
+    "input_partition_from_json",
+    "input_partition_from_tuple",
+    "lognormal_sizes",
+    "mark_texts",
+    "make_partitioned_frame",
+    "make_texts",
+    "make_tiny_model",
+    "make_tiny_sparse_model",
+    "make_tiny_decoder_model",
+    "make_tiny_multivector_model",
     "add_to_hub_cache",
-    "packaged_model_dir", "write_partitioned_parquet", "cosines", "min_cosine", "package_documents",
+    "packaged_model_dir",
+    "write_partitioned_parquet",
+    "cosines",
+    "min_cosine",
+    "package_documents",
 ]
+
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Cosine similarity of each row of ``a`` with the same row of ``b``.
@@ -184,7 +206,9 @@ def make_tiny_model(
 # from ``seed`` and the packaged MiniLM WordPiece tokenizer.
 
 
-def _tiny_bert(out: Path, *, hidden_size: int, seed: int, mlm: bool = False, markers: tuple[str, ...] = ()) -> Path:
+def _tiny_bert(
+    out: Path, *, hidden_size: int, seed: int, mlm: bool = False, markers: tuple[str, ...] = ()
+) -> Path:
     """A random BERT (with an MLM head when ``mlm``) and the MiniLM tokenizer saved in ``out/_bert``;
     ``markers`` are added to the tokenizer as special tokens (the embeddings grow to hold them)."""
     import torch
@@ -194,8 +218,14 @@ def _tiny_bert(out: Path, *, hidden_size: int, seed: int, mlm: bool = False, mar
     tokenizer = BertTokenizerFast.from_pretrained(str(packaged_model_dir()))
     if markers:
         tokenizer.add_special_tokens({"additional_special_tokens": list(markers)})
-    config = BertConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=hidden_size * 2, max_position_embeddings=512)
+    config = BertConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=hidden_size * 2,
+        max_position_embeddings=512,
+    )
     model = BertForMaskedLM(config) if mlm else BertModel(config)
     base = out / "_bert"
     model.save_pretrained(str(base))
@@ -203,8 +233,9 @@ def _tiny_bert(out: Path, *, hidden_size: int, seed: int, mlm: bool = False, mar
     return base
 
 
-def make_tiny_sparse_model(path: str | os.PathLike, *, hidden_size: int = 32, max_seq_length: int = 128,
-                           seed: int = 0) -> str:
+def make_tiny_sparse_model(
+    path: str | os.PathLike, *, hidden_size: int = 32, max_seq_length: int = 128, seed: int = 0
+) -> str:
     """Build a small random SPLADE model on disk: a BERT with its MLM head and ``SpladePooling``
     (max over tokens of ``log1p(relu(logits))``), saved by sentence-transformers' ``SparseEncoder``.
 
@@ -249,8 +280,14 @@ def make_tiny_sparse_model(path: str | os.PathLike, *, hidden_size: int = 32, ma
     return str(out)
 
 
-def make_tiny_decoder_model(path: str | os.PathLike, *, max_seq_length: int = 128, seed: int = 0,
-                            padding_side: str = "left", pooling_mode: str = "lasttoken") -> str:
+def make_tiny_decoder_model(
+    path: str | os.PathLike,
+    *,
+    max_seq_length: int = 128,
+    seed: int = 0,
+    padding_side: str = "left",
+    pooling_mode: str = "lasttoken",
+) -> str:
     """Build a small random Qwen3-shaped decoder embedder on disk: last-token pooling, normalized,
     left padding and a query prompt, as Qwen3 embedders ship.
 
@@ -299,16 +336,29 @@ def make_tiny_decoder_model(path: str | os.PathLike, *, max_seq_length: int = 12
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(packaged_model_dir()))
     tokenizer.padding_side = padding_side
-    config = Qwen3Config(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         max_position_embeddings=max(256, max_seq_length))
+    config = Qwen3Config(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=max(256, max_seq_length),
+    )
     base = out / "_decoder"
     Qwen3Model(config).save_pretrained(str(base))
     tokenizer.save_pretrained(str(base))
-    modules = [Transformer(str(base), max_seq_length=max_seq_length), Pooling(32, pooling_mode=pooling_mode),
-               Normalize()]
-    SentenceTransformer(modules=modules, device="cpu",
-                        prompts={"query": "Instruct: Given a query, retrieve relevant passages\nQuery: "}).save(str(out))
+    modules = [
+        Transformer(str(base), max_seq_length=max_seq_length),
+        Pooling(32, pooling_mode=pooling_mode),
+        Normalize(),
+    ]
+    SentenceTransformer(
+        modules=modules,
+        device="cpu",
+        prompts={"query": "Instruct: Given a query, retrieve relevant passages\nQuery: "},
+    ).save(str(out))
     return str(out)
 
 
@@ -316,8 +366,15 @@ def make_tiny_decoder_model(path: str | os.PathLike, *, max_seq_length: int = 12
 MULTIVECTOR_MARKERS = {"query": "[Q] ", "document": "[D] "}
 
 
-def make_tiny_multivector_model(path: str | os.PathLike, *, hidden_size: int = 32, dimension: int = 16,
-                                query_length: int = 32, document_length: int = 128, seed: int = 0) -> str:
+def make_tiny_multivector_model(
+    path: str | os.PathLike,
+    *,
+    hidden_size: int = 32,
+    dimension: int = 16,
+    query_length: int = 32,
+    document_length: int = 128,
+    seed: int = 0,
+) -> str:
     """Build a small random ColBERT-style late-interaction model on disk, saved by
     sentence-transformers' ``MultiVectorEncoder``.
 
@@ -367,22 +424,45 @@ def make_tiny_multivector_model(path: str | os.PathLike, *, hidden_size: int = 3
     if (out / "modules.json").exists():
         return str(out)
     out.mkdir(parents=True, exist_ok=True)
-    base = _tiny_bert(out, hidden_size=hidden_size, seed=seed,
-                      markers=tuple(m.strip() for m in MULTIVECTOR_MARKERS.values()))
-    transformer = Transformer(str(base), max_seq_length=document_length, query_length=query_length,
-                              document_length=document_length,
-                              query_expansion={"strategy": "fixed", "length": query_length})
+    base = _tiny_bert(
+        out,
+        hidden_size=hidden_size,
+        seed=seed,
+        markers=tuple(m.strip() for m in MULTIVECTOR_MARKERS.values()),
+    )
+    transformer = Transformer(
+        str(base),
+        max_seq_length=document_length,
+        query_length=query_length,
+        document_length=document_length,
+        query_expansion={"strategy": "fixed", "length": query_length},
+    )
     torch.manual_seed(seed + 1)
-    projection = Dense(in_features=hidden_size, out_features=dimension, bias=False,
-                       activation_function=torch.nn.Identity(), module_input_name="token_embeddings")
-    modules = [transformer, projection, MultiVectorMask(skiplist_words=list(string.punctuation)),
-               Normalize(module_input_name="token_embeddings")]
+    projection = Dense(
+        in_features=hidden_size,
+        out_features=dimension,
+        bias=False,
+        activation_function=torch.nn.Identity(),
+        module_input_name="token_embeddings",
+    )
+    modules = [
+        transformer,
+        projection,
+        MultiVectorMask(skiplist_words=list(string.punctuation)),
+        Normalize(module_input_name="token_embeddings"),
+    ]
     MultiVectorEncoder(modules=modules, device="cpu", prompts=dict(MULTIVECTOR_MARKERS)).save(str(out))
     return str(out)
 
 
-def add_to_hub_cache(cache: str | os.PathLike, repo_id: str, src: str | os.PathLike, *, commit: str,
-                     refs: tuple[str, ...] = ("main",)) -> Path:
+def add_to_hub_cache(
+    cache: str | os.PathLike,
+    repo_id: str,
+    src: str | os.PathLike,
+    *,
+    commit: str,
+    refs: tuple[str, ...] = ("main",),
+) -> Path:
     """Lay the model directory ``src`` out in the Hub cache ``cache`` as huggingface_hub does:
     blobs named by content hash, a snapshot of symlinks at ``commit``, and ``refs``.
 
@@ -533,8 +613,10 @@ class GatedEncoder:
 
     def __call__(self, texts) -> np.ndarray:
         if not self.gate.wait(self.timeout):
-            raise TimeoutError(f"GatedEncoder {self.name!r}: the gate was not set within {self.timeout} s. "
-                               "Fix: call .gate.set() in the test once the state to observe is reached.")
+            raise TimeoutError(
+                f"GatedEncoder {self.name!r}: the gate was not set within {self.timeout} s. "
+                "Fix: call .gate.set() in the test once the state to observe is reached."
+            )
         return np.zeros((len(texts), self.dim), dtype=np.float32)
 
 
@@ -805,8 +887,18 @@ class FakeTimedEncoder:
     ((2, 4), 0.012, [2])
     """
 
-    def __init__(self, clock: FakeClock, *, setup_s: float, per_row_s: float, jitter_s: float = 0.0,
-                 spike_p: float = 0.0, spike_s: float = 0.0, dim: int = 4, seed: int = 0):
+    def __init__(
+        self,
+        clock: FakeClock,
+        *,
+        setup_s: float,
+        per_row_s: float,
+        jitter_s: float = 0.0,
+        spike_p: float = 0.0,
+        spike_s: float = 0.0,
+        dim: int = 4,
+        seed: int = 0,
+    ):
         self.clock, self.setup_s, self.per_row_s = clock, float(setup_s), float(per_row_s)
         self.jitter_s, self.spike_p, self.spike_s = float(jitter_s), float(spike_p), float(spike_s)
         self.dim = int(dim)
@@ -850,7 +942,11 @@ class SleepyModel:
 
 
 #: the credentials a loopback S3 server of :func:`loopback_s3` accepts
-S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 
 
 @contextlib.contextmanager

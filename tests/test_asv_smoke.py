@@ -18,8 +18,9 @@ def _asv(*args: str, timeout: int) -> str:
     subprocess.run(["asv", "machine", "--yes"], cwd=BENCH, capture_output=True, text=True, timeout=60)
     # asv elides benchmark names to the terminal's width ("...ng.PlanParquetFooters..."): make it wide
     env = {**os.environ, "COLUMNS": "250"}
-    proc = subprocess.run(["asv", *args, "--python=same"], cwd=BENCH, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        ["asv", *args, "--python=same"], cwd=BENCH, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 
@@ -32,8 +33,13 @@ def test_asv_check_finds_no_problem():
 @pytest.mark.slow
 def test_asv_quick_run_runs_every_benchmark():
     out = _asv("run", "--quick", "--show-stderr", timeout=400)
-    for name in ("engine.TinyEncoder.track_texts_per_s", "planning.PlanParquetFooters.track_plan_ms_per_file",
-                 "policy.Policy.time_plan_superbatches", "write.ParquetWrite.time_parquet_bytes",
-                 "run.LocalRun.track_ttfo_s", "run.LocalRunMemory.peakmem_encode"):
+    for name in (
+        "engine.TinyEncoder.track_texts_per_s",
+        "planning.PlanParquetFooters.track_plan_ms_per_file",
+        "policy.Policy.time_plan_superbatches",
+        "write.ParquetWrite.time_parquet_bytes",
+        "run.LocalRun.track_ttfo_s",
+        "run.LocalRunMemory.peakmem_encode",
+    ):
         assert name in out, name
     assert "failed" not in out.lower(), out[-4000:]

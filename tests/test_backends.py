@@ -50,15 +50,18 @@ def test_sentence_transformers_when_asked_or_when_the_fast_engine_cannot_run_it(
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Dense
 
-    backend, why = choose_backend(tiny, name="tiny", in_memory=True, device="cpu", engine="sentence-transformers")
+    backend, why = choose_backend(
+        tiny, name="tiny", in_memory=True, device="cpu", engine="sentence-transformers"
+    )
     assert isinstance(backend, SentenceTransformersBackend) and backend.engine is None
     assert why.startswith("engine='sentence-transformers' was asked for")
     dense = SentenceTransformer(modules=[*tiny, Dense(32, 8)], device="cpu")
     backend, why = choose_backend(dense, name="dense", in_memory=True, device="cpu")
     assert backend.name == "sentence-transformers" and backend.dimension == 8
     assert "(Transformer + Pooling + Dense) is not an encoder Transformer + Pooling" in why
-    np.testing.assert_allclose(backend.encode(TEXTS, True), dense.encode(TEXTS, normalize_embeddings=True),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        backend.encode(TEXTS, True), dense.encode(TEXTS, normalize_embeddings=True), rtol=1e-5, atol=1e-6
+    )
     with pytest.raises(SurgeModelError, match=r"engine='fast' needs a Transformer.*Fix"):
         choose_backend(dense, name="dense", in_memory=True, device="cpu", engine="fast")
 
@@ -139,12 +142,16 @@ def test_the_host_side_packs_what_the_device_side_runs(tiny):
     assert packed.ids.dtype == np.int32 and packed.size == int(lengths.sum())
     assert packed.where.tolist() == (plan_batches(lengths, 64).order + 10).tolist()
     window = engine.runner.stage(packed)
-    assert window.ids.numpy().tolist() == packed.ids.tolist() and not window.ids.is_pinned()  # CPU: not pinned
+    assert (
+        window.ids.numpy().tolist() == packed.ids.tolist() and not window.ids.is_pinned()
+    )  # CPU: not pinned
 
 
 def test_the_host_side_and_the_backends_import_no_torch():
-    code = ("import sys, dask_surge.engine.tokenizing, dask_surge.engine.backends, dask_surge.models.encoders; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, dask_surge.engine.tokenizing, dask_surge.engine.backends, dask_surge.models.encoders; "
+        "print('torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
 
@@ -181,9 +188,11 @@ def test_a_plain_transformer_pooling_normalize_directory_is_loaded_without_sente
     assert layout is not None and layout.modules[:2] == ["Transformer", "Pooling"], why
     # in a fresh process: the encoder loads, encodes, and imports neither sentence-transformers nor
     # transformers' modeling stack (the BERT is dask-surge's own)
-    code = ("import sys; from dask_surge import Encoder; e = Encoder(sys.argv[1], device='cpu'); "
-            "e.encode(['a dog']); print(e._loaded().impl.loaded_by, 'sentence_transformers' in sys.modules, "
-            "'transformers.modeling_utils' in sys.modules)")
+    code = (
+        "import sys; from dask_surge import Encoder; e = Encoder(sys.argv[1], device='cpu'); "
+        "e.encode(['a dog']); print(e._loaded().impl.loaded_by, 'sentence_transformers' in sys.modules, "
+        "'transformers.modeling_utils' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code, tiny_dir], capture_output=True, text=True, check=True)
     assert done.stdout.split()[-3:] == ["dask-surge", "False", "False"]
 
@@ -198,19 +207,25 @@ def test_the_direct_load_computes_what_the_sentence_transformers_load_computes(t
         with Encoder(tiny_dir, device="cpu", prompt=prompt) as enc:
             direct = enc.encode(texts)
             assert enc._loaded().impl.loaded_by == "dask-surge"
-        engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(tiny_dir, device="cpu"),
-                                                             prompt=prompt)
-        assert np.array_equal(direct, engine.encode(texts))  # the same weights, tokenizer and pooling: bitwise
+        engine = TransformerEngine.from_sentence_transformer(
+            SentenceTransformer(tiny_dir, device="cpu"), prompt=prompt
+        )
+        assert np.array_equal(
+            direct, engine.encode(texts)
+        )  # the same weights, tokenizer and pooling: bitwise
         engine.close()
 
 
-@pytest.mark.parametrize("edit, why", [
-    (lambda d: _edit_json(d / "sentence_bert_config.json", do_lower_case=True), "do_lower_case"),
-    (lambda d: _edit_json(d / "config_sentence_transformers.json", truncate_dim=8), "truncate_dim"),
-    (lambda d: _edit_json(d / "config.json", auto_map={"AutoModel": "x.Y"}), "custom code"),
-    (lambda d: _edit_json(d / "1_Pooling" / "config.json", pooling_mode="weightedmean"), "pooling"),
-    (lambda d: (d / "tokenizer.json").unlink(), "no tokenizer.json"),
-])
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (lambda d: _edit_json(d / "sentence_bert_config.json", do_lower_case=True), "do_lower_case"),
+        (lambda d: _edit_json(d / "config_sentence_transformers.json", truncate_dim=8), "truncate_dim"),
+        (lambda d: _edit_json(d / "config.json", auto_map={"AutoModel": "x.Y"}), "custom code"),
+        (lambda d: _edit_json(d / "1_Pooling" / "config.json", pooling_mode="weightedmean"), "pooling"),
+        (lambda d: (d / "tokenizer.json").unlink(), "no tokenizer.json"),
+    ],
+)
 def test_anything_but_the_plain_stack_is_left_to_sentence_transformers(tiny_dir, tmp_path, edit, why):
     from dask_surge.engine.backends import direct_backend
     from dask_surge.engine.loading import direct_layout
@@ -222,11 +237,17 @@ def test_anything_but_the_plain_stack_is_left_to_sentence_transformers(tiny_dir,
         return
     if why in ("do_lower_case", "pooling"):
         with Encoder(path, device="cpu") as enc:
-            assert getattr(enc._loaded().impl, "loaded_by", "sentence-transformers") == "sentence-transformers"
+            assert (
+                getattr(enc._loaded().impl, "loaded_by", "sentence-transformers") == "sentence-transformers"
+            )
 
 
 def test_engine_sentence_transformers_and_model_kwargs_keep_the_sentence_transformers_load(tiny_dir):
-    for enc in (Encoder(tiny_dir, device="cpu", engine="sentence-transformers"),
-                Encoder(tiny_dir, device="cpu", model_kwargs={"attn_implementation": "eager"})):
+    for enc in (
+        Encoder(tiny_dir, device="cpu", engine="sentence-transformers"),
+        Encoder(tiny_dir, device="cpu", model_kwargs={"attn_implementation": "eager"}),
+    ):
         with enc:
-            assert getattr(enc._loaded().impl, "loaded_by", "sentence-transformers") == "sentence-transformers"
+            assert (
+                getattr(enc._loaded().impl, "loaded_by", "sentence-transformers") == "sentence-transformers"
+            )

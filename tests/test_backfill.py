@@ -23,8 +23,11 @@ N = 1000
 
 def _table(path, n: int = N, start: int = 0):
     texts = [f"row {i} " + "word " * (i % 9) for i in range(start, start + n)]
-    lance.write_dataset(pa.table({"id": pa.array(range(start, start + n), pa.int64()), "text": texts}), str(path),
-                        max_rows_per_file=300)
+    lance.write_dataset(
+        pa.table({"id": pa.array(range(start, start + n), pa.int64()), "text": texts}),
+        str(path),
+        max_rows_per_file=300,
+    )
 
 
 def _check(path) -> None:
@@ -45,9 +48,14 @@ def test_backfill_then_only_new_and_changed_rows(tmp_path):
     assert again.encoded == 0 and again.versions == 0 and lance.dataset(str(path)).version == version
     # 100 new rows (their embedding null), and one row's text changed
     ds = lance.dataset(str(path))
-    new = pa.table({"id": pa.array(range(N, N + 100), pa.int64()), "text": [f"new {i}" for i in range(100)],
-                    "embedding": pa.nulls(100, ds.schema.field("embedding").type),
-                    "embedding_text_hash": pa.nulls(100, pa.binary(16))})
+    new = pa.table(
+        {
+            "id": pa.array(range(N, N + 100), pa.int64()),
+            "text": [f"new {i}" for i in range(100)],
+            "embedding": pa.nulls(100, ds.schema.field("embedding").type),
+            "embedding_text_hash": pa.nulls(100, pa.binary(16)),
+        }
+    )
     lance.write_dataset(new, str(path), mode="append")
     lance.dataset(str(path)).update({"text": "'a changed text'"}, where="id = 7")
     later = backfill(path, "text", key="id", model=checksum_model, scheduler="threads")
@@ -79,8 +87,13 @@ bf.backfill(sys.argv[1], "text", key="id", model=checksum_model, scheduler="thre
 def test_a_killed_backfill_keeps_its_chunks_and_a_rerun_encodes_the_rest(tmp_path):
     path = tmp_path / "t.lance"
     _table(path)
-    killed = subprocess.run([sys.executable, "-c", DRIVER, str(path)], capture_output=True, text=True, timeout=300,
-                            env=dict(os.environ))
+    killed = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     df = lance.dataset(str(path)).to_table().to_pandas()  # readable: the first chunk in, the rest null
     assert df.embedding.notna().sum() == 300 and len(df) == N

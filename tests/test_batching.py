@@ -64,8 +64,11 @@ def test_micro_batches_are_cut_where_the_length_changes(lengths, max_tokens):
             assert run < half  # mixed only when its first run is short
         elif run >= half:
             assert stop <= start + run  # a long run is never mixed with the next length
-    padding = sum((stop - start) * width - int(np.maximum(x[start:stop], 1).sum())
-                  for (start, stop, width), same in zip(plan.batches(), uniform) if not same)
+    padding = sum(
+        (stop - start) * width - int(np.maximum(x[start:stop], 1).sum())
+        for (start, stop, width), same in zip(plan.batches(), uniform)
+        if not same
+    )
     assert plan.padded_tokens - int(np.maximum(x, 1).sum()) == padding  # all padding is in mixed batches
 
 
@@ -160,7 +163,9 @@ def test_engine_runs_the_planned_micro_batches(monkeypatch, tmp_path):
     texts = ["a", "a b c d e f g h", "", "x y z", "a b c d e f g h i j k l m n o p"] * 7
     shapes = []
     forward = engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda ids, valid: shapes.append(tuple(ids.shape)) or forward(ids, valid))
+    monkeypatch.setattr(
+        engine, "_forward", lambda ids, valid: shapes.append(tuple(ids.shape)) or forward(ids, valid)
+    )
     engine.encode(texts)
     plan = plan_batches(engine.count_tokens(texts), 40)
     assert shapes == [(stop - start, width) for start, stop, width in plan.batches()]

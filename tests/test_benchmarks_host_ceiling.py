@@ -18,9 +18,24 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_host_ceiling_writes_its_ratio(tmp_path):
     out = tmp_path / "h.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_ceiling.py"), "--n", "2000", "--files",
-                           "20", "--repeats", "1", "--out", str(out)], capture_output=True, text=True, timeout=400,
-                          cwd=str(ROOT))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "host_ceiling.py"),
+            "--n",
+            "2000",
+            "--files",
+            "20",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=str(ROOT),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["b_runs"][0]["rows"] == 2000 and report["ratio_b_over_a"] > 0 and "met" in report
@@ -32,8 +47,14 @@ def test_host_ceiling_writes_its_ratio(tmp_path):
 def test_cpu_split_factors_the_ratio_into_cpu_per_text_and_the_busy_share():
     module = _host_ceiling_module()
     # (a): 10 s and 11 s of wall, 19 and 21 CPU-s; (b): 12 s and 13 s, with 18 + 2 and 19 + 2 CPU-s, 2 cores
-    split = module.cpu_split([10.0, 11.0], [19.0, 21.0], [12.0, 13.0],
-                             [{"workers": 18.0, "client": 2.0}, {"workers": 19.0, "client": 2.0}], 1000, cores=2)
+    split = module.cpu_split(
+        [10.0, 11.0],
+        [19.0, 21.0],
+        [12.0, 13.0],
+        [{"workers": 18.0, "client": 2.0}, {"workers": 19.0, "client": 2.0}],
+        1000,
+        cores=2,
+    )
     assert split["a_cpu_us_per_text"] == 20000.0 and split["b_cpu_us_per_text"] == 20500.0
     assert split["b_client_cpu_us_per_text"] == 2000.0
     assert split["cpu_ratio"] == round(20000 / 20500, 4)
@@ -57,21 +78,27 @@ def test_gil_profile_says_where_the_samples_fall():
     """py-spy's raw lines (``frame;frame count``, the root a thread with ``--threads``) summed per thread,
     leaf frame and frame."""
     module = _host_ceiling_module()
-    raw = "\n".join([
-        "thread (0x1);run (a.py:1);pack (t.py:9) 3",
-        "thread (0x1);run (a.py:1);free (t.py:12) 2",
-        "<module> (<string>:1);loop (b.py:4) 1",
-        "not a sample line",
-    ])
+    raw = "\n".join(
+        [
+            "thread (0x1);run (a.py:1);pack (t.py:9) 3",
+            "thread (0x1);run (a.py:1);free (t.py:12) 2",
+            "<module> (<string>:1);loop (b.py:4) 1",
+            "not a sample line",
+        ]
+    )
     profile = module.gil_profile(raw)
     assert profile["samples"] == 6
     assert profile["threads"] == [("thread (0x1)", 5), ("<module> (<string>:1)", 1)]
     assert profile["self"][0] == ("pack (t.py:9)", 3)
     assert dict(profile["inclusive"])["run (a.py:1)"] == 5
-    assert profile["self_by_thread"] == {"thread (0x1)": [("pack (t.py:9)", 3), ("free (t.py:12)", 2)],
-                                         "<module> (<string>:1)": [("loop (b.py:4)", 1)]}
-    named = module.gil_profile("thread (9574): MainThread;<module> (<string>:7) 4\n"
-                               "thread (9616): Dask-Default-Threads-9616-0;run (a.py:1) 2")
+    assert profile["self_by_thread"] == {
+        "thread (0x1)": [("pack (t.py:9)", 3), ("free (t.py:12)", 2)],
+        "<module> (<string>:1)": [("loop (b.py:4)", 1)],
+    }
+    named = module.gil_profile(
+        "thread (9574): MainThread;<module> (<string>:7) 4\n"
+        "thread (9616): Dask-Default-Threads-9616-0;run (a.py:1) 2"
+    )
     assert named["threads"] == [("MainThread", 4), ("Dask-Default-Threads", 2)]
 
 
@@ -109,22 +136,39 @@ def test_tokenpool_summary_gives_the_event_loop_per_second_and_the_task_thread_p
     runs = []
     for size, seconds in ((1000, 2.0), (3000, 4.0)):
         for arm in ("off", "on"):
-            runs.append({"size": size, "arm": arm, "a_seconds": seconds / 2, "b_seconds": seconds,
-                         "ratio_b_over_a": 0.5, "gil_s": 0.0, "workers_cpu_s": 1.0, "helpers_cpu_s": 0.0,
-                         # 2 workers: 30 ms of loop GIL per second each; 4 us of task GIL per text
-                         "gil_s_by_thread": {"MainThread": 2 * 0.030 * seconds, "Dask-Default-Threads": 4e-6 * size}})
+            runs.append(
+                {
+                    "size": size,
+                    "arm": arm,
+                    "a_seconds": seconds / 2,
+                    "b_seconds": seconds,
+                    "ratio_b_over_a": 0.5,
+                    "gil_s": 0.0,
+                    "workers_cpu_s": 1.0,
+                    "helpers_cpu_s": 0.0,
+                    # 2 workers: 30 ms of loop GIL per second each; 4 us of task GIL per text
+                    "gil_s_by_thread": {
+                        "MainThread": 2 * 0.030 * seconds,
+                        "Dask-Default-Threads": 4e-6 * size,
+                    },
+                }
+            )
     out = module.tokenpool_summary(runs, [1000, 3000], workers=2)
     for size in ("1000", "3000"):
         per = out["per_size"][size]["on"]
         assert per["gil_ms_per_s_event_loop_per_worker"] == pytest.approx(30.0)
         assert per["gil_us_per_text_task_thread"] == pytest.approx(4.0)
     # per text, the loop's figure falls as the texts per second grow
-    assert (out["per_size"]["3000"]["on"]["gil_us_per_text_event_loop"]
-            < out["per_size"]["1000"]["on"]["gil_us_per_text_event_loop"])
+    assert (
+        out["per_size"]["3000"]["on"]["gil_us_per_text_event_loop"]
+        < out["per_size"]["1000"]["on"]["gil_us_per_text_event_loop"]
+    )
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or not Path("/proc/self/task").is_dir(),
-                    reason="sets Linux CPU affinity")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or not Path("/proc/self/task").is_dir(),
+    reason="sets Linux CPU affinity",
+)
 def test_pin_process_pins_every_thread_and_new_threads_inherit_it():
     """``--pin``'s mechanism: every live thread of the process gets the cores, and a thread started
     afterwards inherits them (so a worker's later task threads stay on its core)."""

@@ -22,7 +22,8 @@ def _huge_text_files(root, files=4, per_file=3, size=300_000, seed=0):
     for f in range(files):
         texts = ["".join(rng.choice(list("abcdefgh "), size)) for _ in range(per_file)]
         pd.DataFrame({"text": texts, "doc_id": np.arange(per_file) + f * per_file}).to_parquet(
-            root / f"part-{f:03d}.parquet", use_dictionary=False)
+            root / f"part-{f:03d}.parquet", use_dictionary=False
+        )
     return str(root)
 
 
@@ -51,14 +52,22 @@ def test_few_huge_texts_are_not_fused_past_max_bytes(tmp_path, counting_encoder)
     ddf = dd.read_parquet(_huge_text_files(tmp_path / "in"))
     rows_only = ddf.surge.plan("text", b_min=100, b_max=1000, max_bytes=None)
     capped = ddf.surge.plan("text", b_min=100, b_max=1000, max_bytes="1 MiB")
-    assert [sb.rows for sb in rows_only.superbatches] == [12]          # ~3.6 MB in one call
-    assert [sb.rows for sb in capped.superbatches] == [3, 3, 3, 3]     # ~0.9 MB each
+    assert [sb.rows for sb in rows_only.superbatches] == [12]  # ~3.6 MB in one call
+    assert [sb.rows for sb in capped.superbatches] == [3, 3, 3, 3]  # ~0.9 MB each
     assert capped.summary()["largest_superbatch_bytes"] <= 2**20
     half = ddf.surge.plan("text", b_min=100, b_max=1000, max_bytes=400_000)
-    assert [sb.rows for sb in half.superbatches] == [1] * 12           # one 300 kB text fits, two do not
+    assert [sb.rows for sb in half.superbatches] == [1] * 12  # one 300 kB text fits, two do not
     out = tmp_path / "out"
-    res = ddf.surge.encode("text", str(out), model=counting_encoder, b_min=100, b_max=1000,
-                           max_bytes="1 MiB", scheduler="sync", progress=False)
+    res = ddf.surge.encode(
+        "text",
+        str(out),
+        model=counting_encoder,
+        b_min=100,
+        b_max=1000,
+        max_bytes="1 MiB",
+        scheduler="sync",
+        progress=False,
+    )
     # four encode calls of 3 texts (besides the one-text probe that learns the dimension)
     assert res.superbatches == 4 and [c for c in counting_encoder.calls if c > 1] == [3, 3, 3, 3]
     back = dask_surge.read_embeddings(str(out), columns=["partition", "row"]).compute()
@@ -110,14 +119,23 @@ def _nully_frame():
 
 def test_skip_leaves_nulls_out_and_records_every_one(tmp_path, counting_encoder):
     out = str(tmp_path / "out")
-    res = _nully_frame().surge.encode("text", out, model=counting_encoder, on_null="skip", keep=["doc_id"],
-                                      b_min=3, b_max=4, scheduler="sync", progress=False)
+    res = _nully_frame().surge.encode(
+        "text",
+        out,
+        model=counting_encoder,
+        on_null="skip",
+        keep=["doc_id"],
+        b_min=3,
+        b_max=4,
+        scheduler="sync",
+        progress=False,
+    )
     nulls = [(p, r) for p, texts in enumerate(NULLY) for r, t in enumerate(texts) if t is None]
     kept = [(p, r) for p, texts in enumerate(NULLY) for r, t in enumerate(texts) if t is not None]
     back = dask_surge.read_embeddings(out).compute().sort_values(["partition", "row"])
     assert list(zip(back.partition, back.row)) == kept
-    assert back.doc_id.tolist() == [r for _, r in kept]                     # kept columns stay aligned
-    assert [e[0] for e in back.embedding] == [1.0] * len(kept)               # encoded the right texts
+    assert back.doc_id.tolist() == [r for _, r in kept]  # kept columns stay aligned
+    assert [e[0] for e in back.embedding] == [1.0] * len(kept)  # encoded the right texts
     assert sorted(map(tuple, dask_surge.skipped_rows(out).values.tolist())) == nulls
     assert res.nulls_skipped == len(nulls) and "null texts left out" in str(res)
     info = dask_surge.status(out)
@@ -127,8 +145,9 @@ def test_skip_leaves_nulls_out_and_records_every_one(tmp_path, counting_encoder)
 
     records = current_run(OutputStore.open(out)).committed().values()
     assert sum(r.skipped for r in records) == len(nulls)
-    assert len(list((tmp_path / "out").glob("_surge/runs/*/skipped/*.parquet"))) == \
-        sum(1 for r in records if r.skipped)
+    assert len(list((tmp_path / "out").glob("_surge/runs/*/skipped/*.parquet"))) == sum(
+        1 for r in records if r.skipped
+    )
     assert info["rows_committed"] + info["nulls_skipped"] == info["rows_planned"]
 
 
@@ -146,10 +165,10 @@ def test_a_run_that_may_still_be_going_is_not_replaced(tmp_path, counting_encode
     ddf = _nully_frame()
     kw = dict(model=counting_encoder, scheduler="sync", progress=False)
     with pytest.raises(SurgeInputError):
-        ddf.surge.encode("text", out, **kw)               # stops on a null: records STOPPED
+        ddf.surge.encode("text", out, **kw)  # stops on a null: records STOPPED
     first = current_run(OutputStore.open(out))
     assert first.stopped() and not first.committed()
-    first.clear_stopped()                                  # as if its process were still running
+    first.clear_stopped()  # as if its process were still running
     # another run (on_null alone does not make one: it does not change the embeddings)
     with pytest.raises(dask_surge.SurgeOutputError, match="different run"):
         ddf.surge.encode("text", out, on_null="skip", normalize=True, **kw)
@@ -168,8 +187,23 @@ def test_cli_skip_records_nulls(tmp_path):
     pd.DataFrame({"text": ["a", None, "b"]}).to_parquet(src / "a.parquet")
     pd.DataFrame({"text": [None, "c"]}).to_parquet(src / "b.parquet")
     out = tmp_path / "out"
-    base = [sys.executable, "-m", "dask_surge.cli", "encode", str(src), "--text-column", "text",
-            "--output", str(out), "--scheduler", "sync", "--no-progress", "--device", "cpu", "--json"]
+    base = [
+        sys.executable,
+        "-m",
+        "dask_surge.cli",
+        "encode",
+        str(src),
+        "--text-column",
+        "text",
+        "--output",
+        str(out),
+        "--scheduler",
+        "sync",
+        "--no-progress",
+        "--device",
+        "cpu",
+        "--json",
+    ]
     refused = subprocess.run(base, capture_output=True, text=True)
     assert refused.returncode == 2 and "partition 0, first at row 1" in refused.stderr
     # the refused run committed nothing, so a rerun with another null policy may replace it

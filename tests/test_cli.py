@@ -20,17 +20,37 @@ def test_encode_each_format(tmp_path, tiny_model, fmt, capsys):
     else:
         texts, start = make_texts(sum(sizes), seed=2), 0
         for i, n in enumerate(sizes):
-            df = pd.DataFrame({"text": texts[start:start + n], "doc_id": range(start, start + n)})
+            df = pd.DataFrame({"text": texts[start : start + n], "doc_id": range(start, start + n)})
             start += n
             if fmt.startswith("csv"):
                 df.to_csv(src / f"p{i}.csv", index=False)
             else:
                 df.to_json(src / f"p{i}.jsonl", orient="records", lines=True)
     out = tmp_path / "emb"
-    code = main(["encode", str(src / "p*.csv") if fmt == "csv glob" else str(src), "--text-column", "text",
-                 "--output", str(out), "--keep", "doc_id",
-                 "--model", tiny_model, "--b-min", "5", "--b-max", "10", "--device", "cpu",
-                 "--scheduler", "sync", "--no-progress", "--json"])
+    code = main(
+        [
+            "encode",
+            str(src / "p*.csv") if fmt == "csv glob" else str(src),
+            "--text-column",
+            "text",
+            "--output",
+            str(out),
+            "--keep",
+            "doc_id",
+            "--model",
+            tiny_model,
+            "--b-min",
+            "5",
+            "--b-max",
+            "10",
+            "--device",
+            "cpu",
+            "--scheduler",
+            "sync",
+            "--no-progress",
+            "--json",
+        ]
+    )
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["rows"] == sum(sizes)
@@ -42,16 +62,42 @@ def test_encode_each_format(tmp_path, tiny_model, fmt, capsys):
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     write_partitioned_parquet(tmp_path / "in", [2])
-    code = main(["encode", str(tmp_path / "in"), "--text-column", "nope", "--output", str(tmp_path / "o"),
-                 "--scheduler", "sync"])
+    code = main(
+        [
+            "encode",
+            str(tmp_path / "in"),
+            "--text-column",
+            "nope",
+            "--output",
+            str(tmp_path / "o"),
+            "--scheduler",
+            "sync",
+        ]
+    )
     assert code == 2
     assert "text column 'nope' is not in the DataFrame" in capsys.readouterr().err
     assert main(["encode", str(tmp_path / "missing.parquet"), "--text-column", "t", "--output", "x"]) == 2
 
 
 def test_demo_small(tmp_path, tiny_model, capsys):
-    code = main(["demo", "--rows", "300", "--partitions", "30", "--dir", str(tmp_path / "demo"),
-                 "--model", tiny_model, "--device", "cpu", "--scheduler", "sync", "--no-progress"])
+    code = main(
+        [
+            "demo",
+            "--rows",
+            "300",
+            "--partitions",
+            "30",
+            "--dir",
+            str(tmp_path / "demo"),
+            "--model",
+            tiny_model,
+            "--device",
+            "cpu",
+            "--scheduler",
+            "sync",
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "read back 300 rows, 300 distinct (partition, row) of 300 input rows: OK" in out
@@ -71,17 +117,20 @@ def _junk_model(tmp_path):
     return str(d)
 
 
-@pytest.mark.parametrize("extra,data,match", [
-    (["--b-min", "10", "--b-max", "5"], None, "--b-min 10 is larger than --b-max 5"),
-    (["--b-min", "0"], None, "--b-min 0 must be a positive int"),
-    (["--max-bytes", "lots"], None, "--max-bytes lots must be a positive int of bytes"),
-    (["--model", "/does/not/exist"], None, "does not exist"),
-    (["--model", "JUNK"], None, "not a sentence-transformers or Hugging Face text encoder"),
-    ([], {"text": [1, 2, 3]}, "holds (a int|int64 values) .* only strings can be encoded"),
-    ([], {"text": ["a", None]}, "1 null value.*partition 0, first at row 1.*--on-null skip"),
-    ([], {"body": ["a"]}, "text column 'text' is not in the DataFrame"),
-] + ([] if __import__("torch").cuda.is_available() else
-     [(["--device", "cuda"], None, "asks for a GPU")]))
+@pytest.mark.parametrize(
+    "extra,data,match",
+    [
+        (["--b-min", "10", "--b-max", "5"], None, "--b-min 10 is larger than --b-max 5"),
+        (["--b-min", "0"], None, "--b-min 0 must be a positive int"),
+        (["--max-bytes", "lots"], None, "--max-bytes lots must be a positive int of bytes"),
+        (["--model", "/does/not/exist"], None, "does not exist"),
+        (["--model", "JUNK"], None, "not a sentence-transformers or Hugging Face text encoder"),
+        ([], {"text": [1, 2, 3]}, "holds (a int|int64 values) .* only strings can be encoded"),
+        ([], {"text": ["a", None]}, "1 null value.*partition 0, first at row 1.*--on-null skip"),
+        ([], {"body": ["a"]}, "text column 'text' is not in the DataFrame"),
+    ]
+    + ([] if __import__("torch").cuda.is_available() else [(["--device", "cuda"], None, "asks for a GPU")]),
+)
 def test_bad_input_from_the_cli_is_one_clear_line_and_writes_nothing(tmp_path, capsys, extra, data, match):
     src = tmp_path / "in"
     if data is None:
@@ -91,8 +140,22 @@ def test_bad_input_from_the_cli_is_one_clear_line_and_writes_nothing(tmp_path, c
         pd.DataFrame(data).to_parquet(src / "p0.parquet")
     extra = [_junk_model(tmp_path) if x == "JUNK" else x for x in extra]
     out = tmp_path / "o"
-    code = main(["encode", str(src), "--text-column", "text", "--output", str(out), "--scheduler", "sync",
-                 "--no-progress", "--device", "cpu", *extra])
+    code = main(
+        [
+            "encode",
+            str(src),
+            "--text-column",
+            "text",
+            "--output",
+            str(out),
+            "--scheduler",
+            "sync",
+            "--no-progress",
+            "--device",
+            "cpu",
+            *extra,
+        ]
+    )
     # the error is the last line of stderr (earlier tests may have left model-loading bars on)
     err = capsys.readouterr().err.rsplit("\r", 1)[-1].strip().splitlines()[-1]
     assert code == 2 and err.startswith("dask-surge: error: "), err
@@ -119,8 +182,24 @@ def test_the_cli_adds_one_console_handler_that_follows_stderr(tmp_path, capsys):
 
 
 def _encode_cli(inputs, out, *extra):
-    return main(["encode", *inputs, "--text-column", "text", "--output", str(out), "--scheduler", "sync",
-                 "--no-progress", "--device", "cpu", "--model", "default", *extra])
+    return main(
+        [
+            "encode",
+            *inputs,
+            "--text-column",
+            "text",
+            "--output",
+            str(out),
+            "--scheduler",
+            "sync",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--model",
+            "default",
+            *extra,
+        ]
+    )
 
 
 def _last_error(capsys) -> str:
@@ -136,8 +215,11 @@ def test_a_file_that_is_not_parquet_is_one_clear_line(tmp_path, capsys):
     mixed = tmp_path / "mixed"
     write_partitioned_parquet(mixed, [3, 4])
     (mixed / "part-00009.parquet").write_bytes(b"PAR1 and then no footer")
-    for given, bad in ([str(alone / "fake.parquet")], alone / "fake.parquet"), ([str(mixed)], mixed / "part-00009.parquet"), \
-            ([str(mixed / "*.parquet")], mixed / "part-00009.parquet"):
+    for given, bad in (
+        ([str(alone / "fake.parquet")], alone / "fake.parquet"),
+        ([str(mixed)], mixed / "part-00009.parquet"),
+        ([str(mixed / "*.parquet")], mixed / "part-00009.parquet"),
+    ):
         out = tmp_path / f"o{len(list(tmp_path.iterdir()))}"
         assert _encode_cli(given, out) == 2
         err = _last_error(capsys)
@@ -148,7 +230,11 @@ def test_a_file_that_is_not_parquet_is_one_clear_line(tmp_path, capsys):
 
 
 def test_a_missing_input_says_it_does_not_exist(tmp_path, capsys):
-    for given in ([str(tmp_path / "nope")], [str(tmp_path / "nope.parquet")], [str(tmp_path / "nope" / "*.csv")]):
+    for given in (
+        [str(tmp_path / "nope")],
+        [str(tmp_path / "nope.parquet")],
+        [str(tmp_path / "nope" / "*.csv")],
+    ):
         assert _encode_cli(given, tmp_path / "o") == 2
         err = _last_error(capsys)
         assert "does not exist" in err or "matches no file" in err, err
@@ -184,8 +270,22 @@ def _one_error_line(capsys) -> str:
 
 def test_a_bad_scheduler_address_is_one_line(tmp_path, capsys):
     write_partitioned_parquet(tmp_path / "in", [2])
-    assert main(["encode", str(tmp_path / "in"), "--text-column", "text", "--output", str(tmp_path / "o"),
-                 "--scheduler", "bogus", "--no-progress"]) == 2
+    assert (
+        main(
+            [
+                "encode",
+                str(tmp_path / "in"),
+                "--text-column",
+                "text",
+                "--output",
+                str(tmp_path / "o"),
+                "--scheduler",
+                "bogus",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     err = _one_error_line(capsys)
     assert "--scheduler bogus" in err and "tcp://host:port" in err
     assert main(["plan", str(tmp_path / "in"), "--text-column", "text", "--scheduler", "bogus"]) == 2
@@ -202,15 +302,35 @@ def test_an_unreachable_scheduler_is_one_line(tmp_path, capsys):
         port = s.getsockname()[1]
     write_partitioned_parquet(tmp_path / "in", [2])
     with dask.config.set({"distributed.comm.timeouts.connect": "1s"}):
-        assert main(["encode", str(tmp_path / "in"), "--text-column", "text", "--output", str(tmp_path / "o"),
-                     "--scheduler", f"tcp://127.0.0.1:{port}", "--no-progress"]) == 2
+        assert (
+            main(
+                [
+                    "encode",
+                    str(tmp_path / "in"),
+                    "--text-column",
+                    "text",
+                    "--output",
+                    str(tmp_path / "o"),
+                    "--scheduler",
+                    f"tcp://127.0.0.1:{port}",
+                    "--no-progress",
+                ]
+            )
+            == 2
+        )
     err = _one_error_line(capsys)
     assert f"--scheduler tcp://127.0.0.1:{port}: no Dask scheduler answered there within 1s" in err
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("flags,named", [(["--rows", "-1"], "--rows -1"), (["--rows", "0"], "--rows 0"),
-                                         (["--partitions", "0"], "--partitions 0")])
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--rows", "-1"], "--rows -1"),
+        (["--rows", "0"], "--rows 0"),
+        (["--partitions", "0"], "--partitions 0"),
+    ],
+)
 def test_demo_refuses_a_size_that_is_not_positive(tmp_path, capsys, flags, named):
     """--rows 0 once ran the 6,000-row default, and --rows -1 was numpy's traceback."""
     assert main(["demo", *flags, "--dir", str(tmp_path / "d"), "--scheduler", "sync", "--no-progress"]) == 2
@@ -284,10 +404,33 @@ def test_ctrl_c_prints_one_message(tmp_path, tiny_model):
     write_partitioned_parquet(tmp_path / "in", [40] * 400)
     out = tmp_path / "o"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), TQDM_DISABLE="1")
-    proc = subprocess.Popen([sys.executable, "-m", "dask_surge.cli", "encode", str(tmp_path / "in"),
-                             "--text-column", "text", "--output", str(out), "--model", tiny_model, "--device", "cpu",
-                             "--scheduler", "sync", "--b-min", "40", "--b-max", "40"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dask_surge.cli",
+            "encode",
+            str(tmp_path / "in"),
+            "--text-column",
+            "text",
+            "--output",
+            str(out),
+            "--model",
+            tiny_model,
+            "--device",
+            "cpu",
+            "--scheduler",
+            "sync",
+            "--b-min",
+            "40",
+            "--b-max",
+            "40",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not (out.is_dir() and any(out.glob("part-*.parquet"))) and time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()

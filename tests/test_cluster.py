@@ -28,7 +28,9 @@ def test_a_started_cluster_listens_on_loopback_only():
     with local_cluster(n_workers=2, threads_per_worker=1) as cluster:
         opened = [s for s in _listening(me) if (s[1], s[2]) not in before]
         dashboard = cluster.dashboard_link
-        with Client(cluster) as client:  # its workers run without the statistical profiler (its CPU is the host's)
+        with Client(
+            cluster
+        ) as client:  # its workers run without the statistical profiler (its CPU is the host's)
             profiling = client.run(lambda: dask.config.get("distributed.worker.profile.enabled"))
             assert list(profiling.values()) == [False, False]
     assert dask.config.get("distributed.worker.profile.enabled") is True  # this process's config is as it was
@@ -43,9 +45,9 @@ def test_a_started_cluster_listens_on_loopback_only():
     ("given", "host", "dashboard"),
     [
         ({}, "127.0.0.1", "127.0.0.1:0"),
-        ({"host": "0.0.0.0"}, "0.0.0.0", "0.0.0.0:0"),            # asked for: every interface
+        ({"host": "0.0.0.0"}, "0.0.0.0", "0.0.0.0:0"),  # asked for: every interface
         ({"host": "::1"}, "::1", "[::1]:0"),
-        ({"dashboard_address": ":8787"}, "127.0.0.1", ":8787"),     # an explicit dashboard wins
+        ({"dashboard_address": ":8787"}, "127.0.0.1", ":8787"),  # an explicit dashboard wins
     ],
 )
 def test_the_user_can_ask_for_other_addresses(given, host, dashboard):

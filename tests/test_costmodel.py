@@ -25,10 +25,23 @@ LENGTHS = tuple(float(x) for x in np.linspace(8, 60, 64))
 
 
 def params(**changes) -> CostParams:
-    base = dict(alpha_s=0.005, per_text_s=2e-5, per_token_s=4e-6, b0=8.0, workers=2, setup_s=0.001,
-                partition_s=0.002, overhead_s=0.05, io_per_row_s=1e-5, tokens_per_text=30.0,
-                max_tokens=2048, token_lengths=LENGTHS, bytes_per_row=2_000.0,
-                embedding_bytes_per_row=1_536.0, model_bytes=90e6)
+    base = dict(
+        alpha_s=0.005,
+        per_text_s=2e-5,
+        per_token_s=4e-6,
+        b0=8.0,
+        workers=2,
+        setup_s=0.001,
+        partition_s=0.002,
+        overhead_s=0.05,
+        io_per_row_s=1e-5,
+        tokens_per_text=30.0,
+        max_tokens=2048,
+        token_lengths=LENGTHS,
+        bytes_per_row=2_000.0,
+        embedding_bytes_per_row=1_536.0,
+        model_bytes=90e6,
+    )
     base.update(changes)
     return CostParams(**base)
 
@@ -46,8 +59,10 @@ def test_predict_frame_shape():
 
 
 def test_more_alpha_makes_pbp_slower():
-    times = [predict(SIZES, params(alpha_s=a), b_min=1024, b_max=4096).loc["pbp", "seconds"]
-             for a in (0.001, 0.005, 0.02, 0.1)]
+    times = [
+        predict(SIZES, params(alpha_s=a), b_min=1024, b_max=4096).loc["pbp", "seconds"]
+        for a in (0.001, 0.005, 0.02, 0.1)
+    ]
     assert times == sorted(times) and times[0] < times[-1]
 
 
@@ -55,7 +70,8 @@ def test_more_alpha_hurts_pbp_more_than_surge():
     lo = predict(SIZES, params(alpha_s=0.001), b_min=1024, b_max=4096)
     hi = predict(SIZES, params(alpha_s=0.05), b_min=1024, b_max=4096)
     assert hi.loc["pbp", "seconds"] - lo.loc["pbp", "seconds"] > 10 * (
-        hi.loc["surge", "seconds"] - lo.loc["surge", "seconds"])
+        hi.loc["surge", "seconds"] - lo.loc["surge", "seconds"]
+    )
 
 
 def test_surge_calls_equal_superbatches():
@@ -87,7 +103,9 @@ def test_ttfo_surge_before_fb_and_lb():
 def test_more_workers_faster():
     one = predict(SIZES, params(workers=1), b_min=1024, b_max=4096)
     four = predict(SIZES, params(workers=4), b_min=1024, b_max=4096)
-    assert (four.loc[["surge", "pbp", "pb-pbp-lb"], "seconds"] < one.loc[["surge", "pbp", "pb-pbp-lb"], "seconds"]).all()
+    assert (
+        four.loc[["surge", "pbp", "pb-pbp-lb"], "seconds"] < one.loc[["surge", "pbp", "pb-pbp-lb"], "seconds"]
+    ).all()
 
 
 def test_call_cost_small_batch_penalty():
@@ -168,10 +186,18 @@ def test_auto_b_min_is_finite_under_a_token_budget():
 
 def test_auto_thresholds_keep_a_given_threshold():
     p = params()
-    b_min, b_max, reason = auto_thresholds(p, memory_budget_bytes=2e9, ttfo_target_s=60, n_max=1000, b_min=300)
+    b_min, b_max, reason = auto_thresholds(
+        p, memory_budget_bytes=2e9, ttfo_target_s=60, n_max=1000, b_min=300
+    )
     assert (b_min, b_max) == (300, 1200) and reason.startswith("b_min=300 as given; b_max=1,200 keeps")
-    b_min, b_max, reason = auto_thresholds(p, memory_budget_bytes=2e9, ttfo_target_s=60, n_max=1000, b_max=5000)
-    assert b_max == 5000 and reason.endswith("; b_max=5,000 as given.") and "as given" not in reason.split(";")[0]
+    b_min, b_max, reason = auto_thresholds(
+        p, memory_budget_bytes=2e9, ttfo_target_s=60, n_max=1000, b_max=5000
+    )
+    assert (
+        b_max == 5000
+        and reason.endswith("; b_max=5,000 as given.")
+        and "as given" not in reason.split(";")[0]
+    )
     b_min, b_max, reason = auto_thresholds(p, memory_budget_bytes=2e9, ttfo_target_s=60, n_max=1000, b_max=3)
     assert (b_min, b_max) == (3, 3) and "lowered to the given b_max=3" in reason
 
@@ -243,6 +269,7 @@ def test_calibrate_in_process_smoke(tiny_model, tmp_path, monkeypatch):
 
 # -- the encode-curve probe, driven by a fake clock (no real timing) -------------------------
 
+
 def _fake_probe(budget_s=4.0, **model_kw):
     from dask_surge import Encoder
     from dask_surge.execution.calibrate import _probe_curve
@@ -270,7 +297,9 @@ def test_probe_repeats_every_call_and_recovers_a_clean_curve():
     fit, rows, predict_s = _fitted(probe)
     np.testing.assert_allclose(predict_s, [model.cost(b) for b in rows], rtol=1e-6)
     sizes = [n for n in model.calls if n > 1]
-    assert all(sizes.count(b) >= 3 for b in set(rows.astype(int).tolist()) if b > 1)  # every size timed 3+ times
+    assert all(
+        sizes.count(b) >= 3 for b in set(rows.astype(int).tolist()) if b > 1
+    )  # every size timed 3+ times
 
 
 def test_probe_medians_shrug_off_preempted_calls():
@@ -379,6 +408,7 @@ def test_calibrate_bad_seconds():
 
 # -- plan() integration -----------------------------------------------------------------
 
+
 def test_plan_with_params_predicts_every_policy_and_advises():
     from dask_surge.testing import make_partitioned_frame
 
@@ -417,8 +447,9 @@ def test_auto_thresholds_use_a_cached_calibration(monkeypatch):
     assert (p.b_min, p.b_max) == expected[:2]
     # and encode(b_min="auto") picks the same thresholds from the cached calibration
     with dask.config.set(ramp_off):
-        res = ddf.surge.encode("text", str(__import__("tempfile").mkdtemp()), model=model,
-                               scheduler="sync", progress=False)
+        res = ddf.surge.encode(
+            "text", str(__import__("tempfile").mkdtemp()), model=model, scheduler="sync", progress=False
+        )
     assert (res.b_min, res.b_max, res.thresholds_reason) == expected
 
 
@@ -436,15 +467,22 @@ def test_auto_b_min_leaves_every_worker_several_superbatches():
     p = ddf.surge.plan("text", b_min="auto", b_max="auto", scheduler=get_client() if threads > 1 else "sync")
     assert p.b_min == -(-1000 // (4 * threads)) and len(p.superbatches) >= 4
     # encode(scheduler="sync") runs in this one thread: 4 SuperBatches of 250 rows
-    res = ddf.surge.encode("text", str(__import__("tempfile").mkdtemp()), model=lambda t: np.ones((len(t), 2)),
-                           scheduler="sync", progress=False)
+    res = ddf.surge.encode(
+        "text",
+        str(__import__("tempfile").mkdtemp()),
+        model=lambda t: np.ones((len(t), 2)),
+        scheduler="sync",
+        progress=False,
+    )
     assert res.b_min == 250 and "aiming at 4 SuperBatches each" in res.thresholds_reason
 
 
 # -- the Dask-path probe's solver (pure) ---------------------------------------------------
 
-def _probe_runs(c, W, T0, alpha, rho, pi, *, idle=None, m=16, n_small=1, n_large=30, n_mod=10, big=(2, 600),
-                sb=(16, 8)):
+
+def _probe_runs(
+    c, W, T0, alpha, rho, pi, *, idle=None, m=16, n_small=1, n_large=30, n_mod=10, big=(2, 600), sb=(16, 8)
+):
     """Wall times of the five probe runs as Theorem 1 models them (call_overhead with busy_call_s = c(m))."""
     idle = alpha if idle is None else idle
     a = lambda b: idle + (alpha - idle) * min(c(b) / c(m), 1.0)
@@ -452,11 +490,13 @@ def _probe_runs(c, W, T0, alpha, rho, pi, *, idle=None, m=16, n_small=1, n_large
     job = lambda b: a(b) + c(b) + rho * b
     p_b, M = big[0] * W, big[1]
     p_u, k = sb[0] * sb[1] * W, sb[1]
-    return dict(small=(n_small * W, T0 + waves(n_small * W) * job(1)),
-                large=(n_large * W, T0 + waves(n_large * W) * job(1)),
-                moderate=(n_mod * W, m, T0 + waves(n_mod * W) * job(m)),
-                big=(p_b, M, T0 + waves(p_b) * job(M)),
-                surge=(p_u, k, T0 + waves(p_u // k) * (job(k) + pi * k)))
+    return dict(
+        small=(n_small * W, T0 + waves(n_small * W) * job(1)),
+        large=(n_large * W, T0 + waves(n_large * W) * job(1)),
+        moderate=(n_mod * W, m, T0 + waves(n_mod * W) * job(m)),
+        big=(p_b, M, T0 + waves(p_b) * job(M)),
+        surge=(p_u, k, T0 + waves(p_u // k) * (job(k) + pi * k)),
+    )
 
 
 @pytest.mark.parametrize("W", [1, 2, 3])
@@ -468,8 +508,17 @@ def test_solve_dask_terms_recovers_the_terms(W):
     for m, idle in ((16, 0.012), (40, 0.018), (3, 0.02)):
         runs = _probe_runs(c, W, T0=0.08, alpha=0.018, idle=idle, rho=2e-5, pi=0.012, m=m)
         got = solve_dask_terms(c, workers=W, **runs)
-        assert got == pytest.approx({"overhead_s": 0.08, "alpha_s": 0.018, "alpha_idle_s": idle,
-                                     "busy_call_s": c(m), "io_per_row_s": 2e-5, "partition_s": 0.012}, rel=1e-6)
+        assert got == pytest.approx(
+            {
+                "overhead_s": 0.08,
+                "alpha_s": 0.018,
+                "alpha_idle_s": idle,
+                "busy_call_s": c(m),
+                "io_per_row_s": 2e-5,
+                "partition_s": 0.012,
+            },
+            rel=1e-6,
+        )
 
 
 def test_solve_dask_terms_one_row_moderate_run_means_one_alpha():
@@ -480,8 +529,17 @@ def test_solve_dask_terms_one_row_moderate_run_means_one_alpha():
     runs = _probe_runs(c, 2, T0=0.05, alpha=0.015, rho=1e-4, pi=0.003, m=1)
     runs["moderate"] = (runs["large"][0], 1, runs["large"][1])
     got = solve_dask_terms(c, workers=2, **runs)
-    assert got == pytest.approx({"overhead_s": 0.05, "alpha_s": 0.015, "alpha_idle_s": 0.015, "busy_call_s": 0.0,
-                                 "io_per_row_s": 1e-4, "partition_s": 0.003}, rel=1e-6)
+    assert got == pytest.approx(
+        {
+            "overhead_s": 0.05,
+            "alpha_s": 0.015,
+            "alpha_idle_s": 0.015,
+            "busy_call_s": 0.0,
+            "io_per_row_s": 1e-4,
+            "partition_s": 0.003,
+        },
+        rel=1e-6,
+    )
 
 
 def test_solve_dask_terms_clips_noise_and_respects_setup():
@@ -490,12 +548,12 @@ def test_solve_dask_terms_clips_noise_and_respects_setup():
     c = lambda b: 1e-3 + 1e-4 * b
     runs = _probe_runs(c, 2, T0=0.05, alpha=0.0, rho=0.0, pi=0.0)
     big = runs["big"]
-    runs["big"] = (big[0], big[1], big[2] * 0.9)      # faster than the curve: rho would be negative
+    runs["big"] = (big[0], big[1], big[2] * 0.9)  # faster than the curve: rho would be negative
     got = solve_dask_terms(c, workers=2, setup_s=0.002, **runs)
     assert got["io_per_row_s"] == 0.0 and got["alpha_s"] == 0.002 and got["partition_s"] >= 0.0
     assert got["alpha_idle_s"] >= 0.002
     runs = _probe_runs(c, 2, T0=0.05, alpha=0.01, rho=0.0, pi=0.0)
-    runs["small"] = (runs["small"][0], 0.001)         # faster than one wave: T0 would be negative
+    runs["small"] = (runs["small"][0], 0.001)  # faster than one wave: T0 would be negative
     assert solve_dask_terms(c, workers=2, **runs)["overhead_s"] == 0.0
 
 
@@ -560,8 +618,8 @@ def test_moderate_rows_is_where_encoding_covers_the_overhead():
     c = lambda b: 1e-3 + 5e-4 * b
     m = _moderate_rows(c, 0.0165, 10_000)
     assert c(m) >= 0.0165 > c(m - 1) and m == 31
-    assert _moderate_rows(c, 0.0165, 12) == 12          # the budget caps it
-    assert _moderate_rows(c, 0.0, 10_000) == 1          # no overhead: one-row partitions
+    assert _moderate_rows(c, 0.0165, 12) == 12  # the budget caps it
+    assert _moderate_rows(c, 0.0, 10_000) == 1  # no overhead: one-row partitions
 
 
 def test_call_overhead_interpolates_between_idle_and_busy_calls():
@@ -599,10 +657,22 @@ def test_plan_and_encode_resolve_the_same_auto_thresholds_in_chunk_mode(monkeypa
     sizes = known_sizes(ddf, "text", None)
     try:
         with dask.config.set({"surge.ttfo-target": 0.5, "surge.token-sample": 256}):
-            shown = {m: ddf.surge.plan("text", b_min="auto", b_max="auto", params=params(), model=enc, long_texts=m)
-                     for m in ("truncate", "chunk")}
-            resolved = {m: _thresholds(("auto", "auto"), SuperBatchTask("text", (), enc, long_texts=m, chunk_overlap=32),
-                                       ddf, None, gpu=False)(sizes, None) for m in ("truncate", "chunk")}
+            shown = {
+                m: ddf.surge.plan(
+                    "text", b_min="auto", b_max="auto", params=params(), model=enc, long_texts=m
+                )
+                for m in ("truncate", "chunk")
+            }
+            resolved = {
+                m: _thresholds(
+                    ("auto", "auto"),
+                    SuperBatchTask("text", (), enc, long_texts=m, chunk_overlap=32),
+                    ddf,
+                    None,
+                    gpu=False,
+                )(sizes, None)
+                for m in ("truncate", "chunk")
+            }
     finally:
         enc.close()  # not left loaded in this process's model cache for the tests after this one
     assert shown["chunk"].params.tokens_per_text > 2 * shown["truncate"].params.tokens_per_text

@@ -50,7 +50,9 @@ def _truncated(path: str, texts: list[str]) -> int:
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
-@pytest.mark.parametrize("ask", [{}, {"prompt_name": "query"}, {"prompt": PROMPT}], ids=["plain", "query", "prompt"])
+@pytest.mark.parametrize(
+    "ask", [{}, {"prompt_name": "query"}, {"prompt": PROMPT}], ids=["plain", "query", "prompt"]
+)
 def test_the_fast_engine_gives_sentence_transformers_vectors(models, texts, side, ask):
     path = models[side]
     st = _st(path)
@@ -98,8 +100,9 @@ def test_lasttoken_on_an_encoder_is_sentence_transformers_too(tmp_path, texts):
 
 def test_truncate_dim_through_encode_matches_sentence_transformers(models, texts):
     ddf = dd.from_pandas(pd.DataFrame({"text": texts}), npartitions=4)
-    df = dask_surge.encode(ddf, "text", model=models["left"], truncate_dim=16, device="cpu",
-                           b_min=8, b_max=16).compute(scheduler="sync")
+    df = dask_surge.encode(
+        ddf, "text", model=models["left"], truncate_dim=16, device="cpu", b_min=8, b_max=16
+    ).compute(scheduler="sync")
     got = np.stack(df["embedding"].to_numpy()).astype(np.float32)
     want = _st(models["left"]).encode(texts, truncate_dim=16)
     assert got.shape == want.shape == (len(texts), 16)
@@ -146,7 +149,7 @@ def test_a_long_context_text_runs_alone_within_the_token_budget(tmp_path, texts)
     engine._forward = recording  # type: ignore[method-assign]
     got = engine.encode(batch)
     assert engine.count_tokens([long_text])[0] == 4096
-    assert (4096, ) in {(w,) for r, w in shapes if r == 1}  # the long text ran as one row of its own
+    assert (4096,) in {(w,) for r, w in shapes if r == 1}  # the long text ran as one row of its own
     assert all(rows * width <= max(engine.max_tokens, width) for rows, width in shapes), shapes
     assert min_cosine(got, st.encode(batch)) >= COSINE
 
@@ -172,8 +175,13 @@ def test_a_decoder_with_absolute_positions_or_an_encoder_decoder_is_refused(tmp_
     config = GPT2Config(vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=1, n_head=2, n_positions=256)
     GPT2LMHeadModel(config).save_pretrained(str(tmp_path / "gpt2"))
     tokenizer.save_pretrained(str(tmp_path / "gpt2"))
-    st = SentenceTransformer(modules=[Transformer(str(tmp_path / "gpt2"), max_seq_length=64),
-                                      Pooling(32, pooling_mode="lasttoken")], device="cpu")
+    st = SentenceTransformer(
+        modules=[
+            Transformer(str(tmp_path / "gpt2"), max_seq_length=64),
+            Pooling(32, pooling_mode="lasttoken"),
+        ],
+        device="cpu",
+    )
     st.save(str(tmp_path / "m"))
     from_files, loaded = read_layout(tmp_path / "m"), layout_of_model(st)
     assert not from_files.plain and not loaded.plain
@@ -181,7 +189,8 @@ def test_a_decoder_with_absolute_positions_or_an_encoder_decoder_is_refused(tmp_
     encoder = dask_surge.Encoder(str(tmp_path / "m"), device="cpu")
     assert encoder.backend == "sentence-transformers" and "'gpt2' decoder" in encoder.backend_reason
     assert plain_reason(["Transformer", "Pooling"], ["lasttoken"], is_encoder_decoder=True) == (
-        "the Transformer is an encoder-decoder, not an encoder or a decoder alone")
+        "the Transformer is an encoder-decoder, not an encoder or a decoder alone"
+    )
 
 
 def test_the_token_budget_is_sized_by_the_model_not_the_narrow_test_models():

@@ -170,8 +170,10 @@ def test_cuda_concurrent_calls_share_one_bounded_staging_buffer(cuda_engine):
     staging = engine.runner.staging
     assert staging is not None and staging.numel() * 4 == STAGING_BYTES
     results: dict[int, np.ndarray] = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.encode(inputs[i])))
-               for i in range(4)]
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, engine.encode(inputs[i])))
+        for i in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:

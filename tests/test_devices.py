@@ -37,7 +37,9 @@ def one_gpu(monkeypatch):
 
 # -- device= is validated against the devices this process sees -------------------------------------
 def test_cuda_index_the_process_does_not_see_is_refused(one_gpu):
-    with pytest.raises(SurgeValueError, match=r"device='cuda:1' does not exist.*sees 1 GPU.*cuda:0.*Fix: pass device='cuda'"):
+    with pytest.raises(
+        SurgeValueError, match=r"device='cuda:1' does not exist.*sees 1 GPU.*cuda:0.*Fix: pass device='cuda'"
+    ):
         pick_device("cuda:1")
     assert pick_device("cuda:0") == "cuda:0"
     assert pick_device("cuda") == "cuda"
@@ -193,7 +195,9 @@ def test_nan_from_the_fast_engine_names_the_rows(tmp_path):
     with torch.no_grad():
         model[0].auto_model.embeddings.LayerNorm.weight.fill_(float("nan"))
     engine = TransformerEngine.from_sentence_transformer(model)
-    with pytest.raises(SurgeModelError, match=r"NaN or inf embeddings for 3 of 3 texts.*rows \[0, 1, 2\].*Fix"):
+    with pytest.raises(
+        SurgeModelError, match=r"NaN or inf embeddings for 3 of 3 texts.*rows \[0, 1, 2\].*Fix"
+    ):
         engine.encode(["a", "b c", ""])
 
 

@@ -13,8 +13,18 @@ def test_duckdb_reads_a_completed_run_and_ranks_by_cosine(tmp_path, tiny_model):
     sizes = [5, 0, 9, 3, 11]
     ddf = make_partitioned_frame(sizes, seed=2)
     out = str(tmp_path / "emb")
-    ddf.surge.encode("text", out, model=tiny_model, device="cpu", keep=["doc_id"], normalize=True,
-                     b_min=8, b_max=16, scheduler="sync", progress=False)
+    ddf.surge.encode(
+        "text",
+        out,
+        model=tiny_model,
+        device="cpu",
+        keep=["doc_id"],
+        normalize=True,
+        b_min=8,
+        b_max=16,
+        scheduler="sync",
+        progress=False,
+    )
     files = f"read_parquet('{out}/part-*.parquet')"
     con = duckdb.connect()
     # a completed run leaves exactly its committed files: every row once, none twice
@@ -23,6 +33,9 @@ def test_duckdb_reads_a_completed_run_and_ranks_by_cosine(tmp_path, tiny_model):
     emb = dask_surge.read_embeddings(out).compute().sort_values("doc_id")
     dim = len(emb.embedding.iloc[0])
     query = np.asarray(emb.embedding.iloc[4], dtype=np.float32).tolist()
-    top = con.sql(f"select doc_id, array_cosine_similarity(embedding::FLOAT[{dim}], ?::FLOAT[{dim}]) as s "
-                  f"from {files} order by s desc limit 1", params=[query]).fetchall()[0]
+    top = con.sql(
+        f"select doc_id, array_cosine_similarity(embedding::FLOAT[{dim}], ?::FLOAT[{dim}]) as s "
+        f"from {files} order by s desc limit 1",
+        params=[query],
+    ).fetchall()[0]
     assert top[0] == emb.doc_id.iloc[4] and top[1] == pytest.approx(1.0, abs=1e-5)

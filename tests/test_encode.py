@@ -111,7 +111,9 @@ def test_upstream_tasks_run_once_when_superbatches_share_a_partition():
 
 def test_encode_fuses_over_a_persisted_frame(client):
     ddf = make_partitioned_frame([4, 1, 6, 2], seed=5).persist()
-    out = ddf.surge.encode("text", model=lambda t: np.ones((len(t), 4)), b_min=5, b_max=8, keep=["doc_id"]).compute()
+    out = ddf.surge.encode(
+        "text", model=lambda t: np.ones((len(t), 4)), b_min=5, b_max=8, keep=["doc_id"]
+    ).compute()
     assert out["doc_id"].tolist() == list(range(13))
 
 
@@ -142,17 +144,22 @@ def test_projected_parquet_keeps_its_partition_ids(tmp_path):
     files = write_partitioned_parquet(tmp_path / "in", sizes)
     wide = pd.read_parquet(files[0]).assign(**{f"pad{i}": 1.0 for i in range(30)})
     for f, n in zip(files, sizes):  # add many columns so the text column is a small fraction
-        pd.concat([pd.read_parquet(f)] + [wide[[f"pad{i}" for i in range(30)]].iloc[:0]], axis=1).fillna(1.0) \
-            .to_parquet(f, index=False) if n else None
+        pd.concat([pd.read_parquet(f)] + [wide[[f"pad{i}" for i in range(30)]].iloc[:0]], axis=1).fillna(
+            1.0
+        ).to_parquet(f, index=False) if n else None
     ddf = dd.read_parquet(str(tmp_path / "in"))
-    df = ddf.surge.encode("text", model=lambda t: np.ones((len(t), 2)), b_min=4, b_max=8).compute(scheduler="sync")
+    df = ddf.surge.encode("text", model=lambda t: np.ones((len(t), 2)), b_min=4, b_max=8).compute(
+        scheduler="sync"
+    )
     assert list(zip(df.partition, df.row)) == [(p, r) for p, n in enumerate(sizes) for r in range(n)]
 
 
 def test_write_read_back_and_resume(tmp_path, tiny_model):
     ddf = make_partitioned_frame(EDGE_SIZES, seed=3)
     out = str(tmp_path / "emb")
-    kw = dict(model=tiny_model, b_min=5, b_max=20, keep=["doc_id"], device="cpu", scheduler="sync", progress=False)
+    kw = dict(
+        model=tiny_model, b_min=5, b_max=20, keep=["doc_id"], device="cpu", scheduler="sync", progress=False
+    )
     res = ddf.surge.encode("text", out, **kw)
     plan = dask_surge.plan_superbatches(EDGE_SIZES, 5, 20)
     assert (res.rows, res.superbatches, res.skipped_superbatches) == (sum(EDGE_SIZES), len(plan), 0)
@@ -225,8 +232,15 @@ def test_output_that_is_a_file_is_refused(tmp_path, counting_encoder):
 
 def test_memory_filesystem(counting_encoder):
     ddf = make_partitioned_frame([2, 5, 1])
-    res = ddf.surge.encode("text", "memory://surge-test/emb", model=counting_encoder, b_min=3, b_max=4,
-                           scheduler="sync", progress=False)
+    res = ddf.surge.encode(
+        "text",
+        "memory://surge-test/emb",
+        model=counting_encoder,
+        b_min=3,
+        b_max=4,
+        scheduler="sync",
+        progress=False,
+    )
     assert res.rows == 8
     back = dask_surge.read_embeddings("memory://surge-test/emb").compute(scheduler="sync")  # per-process fs
     assert sorted(zip(back.partition, back.row)) == [(0, 0), (0, 1)] + [(1, r) for r in range(5)] + [(2, 0)]
@@ -236,8 +250,16 @@ def test_distributed_cluster_end_to_end(tmp_path, tiny_model, client):
     sizes = [30, 1, 0, 12, 7, 80, 2]
     ddf = make_partitioned_frame(sizes, seed=5)
     with dask.config.set({"surge.in-flight": 2}):
-        res = ddf.surge.encode("text", str(tmp_path / "emb"), model=tiny_model, b_min=20, b_max=40,
-                               keep=["doc_id"], device="cpu", progress=False)
+        res = ddf.surge.encode(
+            "text",
+            str(tmp_path / "emb"),
+            model=tiny_model,
+            b_min=20,
+            b_max=40,
+            keep=["doc_id"],
+            device="cpu",
+            progress=False,
+        )
     assert res.rows == sum(sizes)
     back = dask_surge.read_embeddings(str(tmp_path / "emb")).compute().sort_values("doc_id")
     assert back.doc_id.tolist() == list(range(sum(sizes)))
@@ -263,8 +285,17 @@ def test_a_client_passed_as_scheduler_need_not_be_the_current_one(tmp_path, tiny
         default_client()  # no client is current here: the run may only use the one it is given
     sizes = [30, 1, 0, 12, 7]
     ddf = make_partitioned_frame(sizes, seed=6)
-    res = ddf.surge.encode("text", str(tmp_path / "emb"), model=tiny_model, b_min=20, b_max=40, keep=["doc_id"],
-                           device="cpu", progress=False, scheduler=_session_client)
+    res = ddf.surge.encode(
+        "text",
+        str(tmp_path / "emb"),
+        model=tiny_model,
+        b_min=20,
+        b_max=40,
+        keep=["doc_id"],
+        device="cpu",
+        progress=False,
+        scheduler=_session_client,
+    )
     assert res.rows == sum(sizes) and res.superbatches >= 2
     back = dask_surge.read_embeddings(str(tmp_path / "emb")).compute().sort_values("doc_id")
     assert back.doc_id.tolist() == list(range(sum(sizes)))
@@ -284,15 +315,20 @@ def test_lazy_compute_gives_the_scheduler_superbatch_priorities():
     sizes = [int(x) for x in np.random.default_rng(3).integers(1, 60, size=40)]
     ddf = make_partitioned_frame(sizes, seed=3)
     plan = dask_surge.plan_superbatches(sizes, 50, 120)
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster, \
-            Client(cluster) as c:
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as c,
+    ):
         lazy = ddf.surge.encode("text", model=model, b_min=50, b_max=120)
         gate.clear()  # hold the SuperBatches while the scheduler is asked
         fut = c.compute(lazy)
 
         def superbatch_priorities(dask_scheduler):
-            return {ts.key[1]: ts.priority[0] for ts in dask_scheduler.tasks.values()
-                    if isinstance(ts.key, tuple) and str(ts.key[0]).startswith("surge-superbatch")}
+            return {
+                ts.key[1]: ts.priority[0]
+                for ts in dask_scheduler.tasks.values()
+                if isinstance(ts.key, tuple) and str(ts.key[0]).startswith("surge-superbatch")
+            }
 
         deadline = __import__("time").monotonic() + 30
         while len(got := c.run_on_scheduler(superbatch_priorities)) < len(plan):
@@ -319,17 +355,23 @@ def test_encoder_usable_with_map_partitions(tiny_model):
     assert len(pickle.dumps(enc)) < 2000
 
 
-@pytest.mark.parametrize("kwargs,err,match", [
-    (dict(column="nope"), SurgeInputError, "text column 'nope' is not in the DataFrame"),
-    (dict(keep=["missing"]), SurgeInputError, "missing column"),
-    (dict(keep=["partition"]), SurgeInputError, "reserves"),
-    (dict(b_min=10, b_max=5), SurgeValueError, "larger than b_max"),
-    (dict(b_min=0), SurgeValueError, "b_min=0 must be a positive int"),
-    (dict(precision="int3"), SurgeValueError, "precision"),
-    (dict(model="/does/not/exist"), dask_surge.SurgeModelError, "does not exist"),
-    (dict(device="cuda:0"), SurgeValueError if not __import__("torch").cuda.is_available() else type(None),
-     "asks for a GPU"),
-])
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        (dict(column="nope"), SurgeInputError, "text column 'nope' is not in the DataFrame"),
+        (dict(keep=["missing"]), SurgeInputError, "missing column"),
+        (dict(keep=["partition"]), SurgeInputError, "reserves"),
+        (dict(b_min=10, b_max=5), SurgeValueError, "larger than b_max"),
+        (dict(b_min=0), SurgeValueError, "b_min=0 must be a positive int"),
+        (dict(precision="int3"), SurgeValueError, "precision"),
+        (dict(model="/does/not/exist"), dask_surge.SurgeModelError, "does not exist"),
+        (
+            dict(device="cuda:0"),
+            SurgeValueError if not __import__("torch").cuda.is_available() else type(None),
+            "asks for a GPU",
+        ),
+    ],
+)
 def test_bad_arguments_fail_before_any_work(kwargs, err, match, tmp_path):
     ddf = make_partitioned_frame([2, 2])
     column = kwargs.pop("column", "text")
@@ -345,46 +387,68 @@ def test_column_labels_that_are_not_str_or_are_the_index_say_so(tmp_path):
     frame = pd.DataFrame({0: ["a b", "c"], 1: [1, 2]})
     ddf = dd.from_pandas(frame, npartitions=1)
     for column, keep, label in ((0, (), 0), ("0", (1,), 1)):
-        with pytest.raises(SurgeInputError, match=rf"column label\(s\) \[{label}\] of types \['int'\].*Parquet.*"
-                                                  rf"ddf\.rename\(columns=str\).*'{label}'"):
+        with pytest.raises(
+            SurgeInputError,
+            match=rf"column label\(s\) \[{label}\] of types \['int'\].*Parquet.*"
+            rf"ddf\.rename\(columns=str\).*'{label}'",
+        ):
             ddf.surge.encode(column, str(tmp_path / "o"), keep=list(keep), scheduler="sync", progress=False)
     # a label that is not a str and not a column either: no rename advice, the columns
     for column in (5, ["0"]):
-        with pytest.raises(SurgeInputError, match=r"take column names \(str\), but \[.*\] is not; the DataFrame's "
-                                                  r"columns are \[0, 1\]"):
+        with pytest.raises(
+            SurgeInputError,
+            match=r"take column names \(str\), but \[.*\] is not; the DataFrame's "
+            r"columns are \[0, 1\]",
+        ):
             ddf.surge.encode(column, str(tmp_path / "o"), scheduler="sync", progress=False)
     # the fix the message gives works
     renamed = ddf.rename(columns=str)
     plan = renamed.surge.plan("0")
     assert plan.rows == 2
     indexed = dd.from_pandas(pd.DataFrame({"id": [7, 8], "text": ["a", "b"]}).set_index("id"), npartitions=1)
-    with pytest.raises(SurgeInputError, match=r"keep=\['id'\].*'id' is the index.*ddf = ddf\.reset_index\(\)"):
+    with pytest.raises(
+        SurgeInputError, match=r"keep=\['id'\].*'id' is the index.*ddf = ddf\.reset_index\(\)"
+    ):
         indexed.surge.encode("text", str(tmp_path / "o"), keep=["id"], scheduler="sync", progress=False)
     with pytest.raises(SurgeInputError, match=r"text column 'id'.*'id' is the index"):
         indexed.surge.encode("id", str(tmp_path / "o"), scheduler="sync", progress=False)
-    with pytest.raises(SurgeInputError, match=r"missing column\(s\) \['nope'\]; columns are \['text'\]\. Fix"):
+    with pytest.raises(
+        SurgeInputError, match=r"missing column\(s\) \['nope'\]; columns are \['text'\]\. Fix"
+    ):
         indexed.surge.encode("text", str(tmp_path / "o"), keep=["nope"], scheduler="sync", progress=False)
     assert not (tmp_path / "o").exists()
 
 
 def test_a_kept_column_may_not_take_an_output_column_name(tmp_path, counting_encoder):
     # a kept "text_hash" was silently replaced by the output's own; "tokens" only clashes in chunk mode
-    ddf = dd.from_pandas(pd.DataFrame({"text": ["a b", "c"], "text_hash": [1, 2], "tokens": [3, 4]}), npartitions=1)
+    ddf = dd.from_pandas(
+        pd.DataFrame({"text": ["a b", "c"], "text_hash": [1, 2], "tokens": [3, 4]}), npartitions=1
+    )
     kw = {"model": counting_encoder, "scheduler": "sync", "progress": False}
-    with pytest.raises(SurgeInputError, match=r"keep=\['text_hash'\] includes \['text_hash'\], which the output "
-                                              r"reserves.*rename\(columns=\{'text_hash': 'my_text_hash'\}\)"):
+    with pytest.raises(
+        SurgeInputError,
+        match=r"keep=\['text_hash'\] includes \['text_hash'\], which the output "
+        r"reserves.*rename\(columns=\{'text_hash': 'my_text_hash'\}\)",
+    ):
         ddf.surge.encode("text", str(tmp_path / "a"), keep=["text_hash"], **kw)
-    with pytest.raises(SurgeInputError, match=r"\['tokens'\].*chunk, char_start, char_end, tokens.*long_texts=chunk"):
+    with pytest.raises(
+        SurgeInputError, match=r"\['tokens'\].*chunk, char_start, char_end, tokens.*long_texts=chunk"
+    ):
         ddf.surge.encode("text", str(tmp_path / "b"), keep=["tokens"], long_texts="chunk", **kw)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     res = ddf.surge.encode("text", str(tmp_path / "c"), keep=["tokens"], **kw)
-    assert res.rows == 2 and dask_surge.read_embeddings(str(tmp_path / "c")).compute()["tokens"].tolist() == [3, 4]
+    assert res.rows == 2 and dask_surge.read_embeddings(str(tmp_path / "c")).compute()["tokens"].tolist() == [
+        3,
+        4,
+    ]
 
 
 def test_null_text_is_refused_by_default_or_encoded_empty(counting_encoder, tmp_path):
     ddf = dd.from_pandas(pd.DataFrame({"text": ["a", None, "c"]}), npartitions=1)
     with pytest.raises(SurgeInputError, match=r"partition 0, first at row 1"):
-        ddf.surge.encode("text", str(tmp_path / "o"), model=counting_encoder, scheduler="sync", progress=False)
+        ddf.surge.encode(
+            "text", str(tmp_path / "o"), model=counting_encoder, scheduler="sync", progress=False
+        )
     assert dask_surge.status(str(tmp_path / "o"))["superbatches_committed"] == 0
     df = ddf.surge.encode("text", model=counting_encoder, on_null="empty").compute(scheduler="sync")
     assert len(df) == 3
@@ -406,7 +470,9 @@ def test_plan_accessor():
 def test_invalid_utf8_bytes_get_a_clear_error(tmp_path, counting_encoder):
     ddf = dd.from_pandas(pd.DataFrame({"text": [b"ok", b"\xff\xfe"]}, dtype=object), npartitions=1)
     with pytest.raises(SurgeInputError, match="not valid UTF-8.*errors='replace'"):
-        ddf.surge.encode("text", str(tmp_path / "o"), model=counting_encoder, scheduler="sync", progress=False)
+        ddf.surge.encode(
+            "text", str(tmp_path / "o"), model=counting_encoder, scheduler="sync", progress=False
+        )
 
 
 @pytest.mark.parametrize("convert_string", [True, False])
@@ -421,14 +487,19 @@ def test_a_lone_surrogate_gets_a_clear_error_and_commits_nothing(tmp_path, tiny_
         # converted to Arrow strings, the column fails as a whole; kept as str objects, the text is named
         where = r"column 'text'" if convert_string else r"the text at partition 0, row 1="
         with pytest.raises(SurgeInputError, match=where + r".*lone surrogate.*Fix: replace"):
-            ddf.surge.encode("text", str(out), model=tiny_model, device="cpu", scheduler="sync", progress=False)
+            ddf.surge.encode(
+                "text", str(out), model=tiny_model, device="cpu", scheduler="sync", progress=False
+            )
     assert not list(out.glob("part-*.parquet")) and not current_run(OutputStore.open(str(out))).committed()
 
 
 def test_categorical_and_large_string_columns_encode(counting_encoder):
     import pyarrow as pa
 
-    for values in (pd.Categorical(["a", "b", "a"]), pd.array(["a", "b", "c"], dtype=pd.ArrowDtype(pa.large_string()))):
+    for values in (
+        pd.Categorical(["a", "b", "a"]),
+        pd.array(["a", "b", "c"], dtype=pd.ArrowDtype(pa.large_string())),
+    ):
         ddf = dd.from_pandas(pd.DataFrame({"text": values}), npartitions=1)
         assert len(ddf.surge.encode("text", model=counting_encoder).compute(scheduler="sync")) == 3
 
@@ -444,14 +515,17 @@ def test_parquet_input_needs_one_task_per_superbatch_and_nothing_else(tmp_path, 
     # one task per SuperBatch, plus one read of the partition sliced over three of them
     assert len(out.optimize().__dask_graph__()) == len(plan) + 1 and len(plan) == out.npartitions
     whole = dd.read_parquet(str(tmp_path / "in")).surge.encode(
-        "text", model=tiny_model, b_min=8, b_max=100, keep=["doc_id"], device="cpu")
+        "text", model=tiny_model, b_min=8, b_max=100, keep=["doc_id"], device="cpu"
+    )
     assert len(whole.optimize().__dask_graph__()) == whole.npartitions  # no slice: nothing else
     fast = out.compute(scheduler="sync")
     # same rows and embeddings as the generic path over the same data in memory
     mem = make_partitioned_frame(sizes, seed=8)
     slow = mem.surge.encode("text", model=tiny_model, b_min=8, b_max=16, keep=["doc_id"], device="cpu")
     slow = slow.compute(scheduler="sync")
-    assert list(zip(fast.partition, fast.row, fast.doc_id)) == list(zip(slow.partition, slow.row, slow.doc_id))
+    assert list(zip(fast.partition, fast.row, fast.doc_id)) == list(
+        zip(slow.partition, slow.row, slow.doc_id)
+    )
     np.testing.assert_allclose(_emb(fast), _emb(slow), rtol=1e-5, atol=1e-6)
 
 
@@ -500,7 +574,7 @@ def test_first_superbatch_is_small_and_a_resume_keeps_the_recorded_ramp(tmp_path
     with dask.config.set({"surge.first-superbatch": 4}):
         res = ddf.surge.encode("text", str(out), **kw)
     assert [r.rows for r in res.records][:5] == [4, 8, 16, 32, 32]  # thresholds 4, 8, 16, then b_min
-    assert counting_encoder.calls[-len(res.records):] == [r.rows for r in res.records]  # a model call each
+    assert counting_encoder.calls[-len(res.records) :] == [r.rows for r in res.records]  # a model call each
     run = json.loads(next(out.glob("_surge/runs/*/run.json")).read_text())
     assert run["plan"]["first"] == 4
     records = sorted((out / "_surge" / "runs").glob("*/commits/*.json"))
@@ -526,19 +600,29 @@ def test_kept_columns_of_every_dtype_come_through_whole_and_in_order():
     frames = []
     for i, n in enumerate(sizes):
         start = sum(sizes[:i])
-        frames.append(pd.DataFrame({
-            "text": pd.array([f"text {start + j}" for j in range(n)], dtype="string[pyarrow]"),
-            "doc_id": np.arange(start, start + n),
-            "label": pd.Categorical([["a", "b"][j % 2] for j in range(n)], categories=["a", "b"]),
-            "when": pd.date_range("2026-01-01", periods=n, freq="h", tz="UTC") + pd.Timedelta(days=start),
-            "score": pd.array([None if j == 0 else j for j in range(n)], dtype="Int64"),
-            "mixed": np.arange(n, dtype=np.int64) if i != 2 else np.arange(n, dtype=np.float64) + 0.5,
-        }))
-    ddf = dd.from_map(lambda i: frames[i], list(range(len(sizes))), meta=frames[0].iloc[:0].astype({"mixed": "float64"}),
-                      divisions=[None] * (len(sizes) + 1))
+        frames.append(
+            pd.DataFrame(
+                {
+                    "text": pd.array([f"text {start + j}" for j in range(n)], dtype="string[pyarrow]"),
+                    "doc_id": np.arange(start, start + n),
+                    "label": pd.Categorical([["a", "b"][j % 2] for j in range(n)], categories=["a", "b"]),
+                    "when": pd.date_range("2026-01-01", periods=n, freq="h", tz="UTC")
+                    + pd.Timedelta(days=start),
+                    "score": pd.array([None if j == 0 else j for j in range(n)], dtype="Int64"),
+                    "mixed": np.arange(n, dtype=np.int64) if i != 2 else np.arange(n, dtype=np.float64) + 0.5,
+                }
+            )
+        )
+    ddf = dd.from_map(
+        lambda i: frames[i],
+        list(range(len(sizes))),
+        meta=frames[0].iloc[:0].astype({"mixed": "float64"}),
+        divisions=[None] * (len(sizes) + 1),
+    )
     keep = ["doc_id", "label", "when", "score", "mixed"]
     out = ddf.surge.encode("text", model=lambda t: np.ones((len(t), 4)), b_min=6, b_max=9, keep=keep).compute(
-        scheduler="sync")
+        scheduler="sync"
+    )
     whole = pd.concat(frames, ignore_index=True)
     assert out["doc_id"].tolist() == whole["doc_id"].tolist()
     for col in ("label", "when", "score"):
@@ -550,8 +634,16 @@ def test_kept_columns_of_every_dtype_come_through_whole_and_in_order():
 def test_a_kept_column_named_twice_is_refused(tmp_path):
     # issue 60.7: keep=["doc_id", "doc_id"] was accepted (and silently deduplicated)
     ddf = make_partitioned_frame([3, 3])
-    with pytest.raises(SurgeValueError, match=r"keep=\['doc_id', 'doc_id'\] names 'doc_id' more than once.*"
-                                              r"Fix: name each column once, e.g. keep=\['doc_id'\]"):
-        ddf.surge.encode("text", str(tmp_path / "out"), model=lambda t: np.ones((len(t), 4)),
-                         keep=["doc_id", "doc_id"], progress=False)
+    with pytest.raises(
+        SurgeValueError,
+        match=r"keep=\['doc_id', 'doc_id'\] names 'doc_id' more than once.*"
+        r"Fix: name each column once, e.g. keep=\['doc_id'\]",
+    ):
+        ddf.surge.encode(
+            "text",
+            str(tmp_path / "out"),
+            model=lambda t: np.ones((len(t), 4)),
+            keep=["doc_id", "doc_id"],
+            progress=False,
+        )
     assert not (tmp_path / "out").exists()

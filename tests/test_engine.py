@@ -35,7 +35,9 @@ def models(tmp_path_factory) -> dict[str, SentenceTransformer]:
     root = tmp_path_factory.mktemp("engine-models")
     out = {"packaged": SentenceTransformer(str(packaged_model_dir()), device="cpu")}
     for pooling in ("mean", "cls", "max"):
-        out[f"tiny-{pooling}"] = SentenceTransformer(make_tiny_model(root / pooling, pooling=pooling), device="cpu")
+        out[f"tiny-{pooling}"] = SentenceTransformer(
+            make_tiny_model(root / pooling, pooling=pooling), device="cpu"
+        )
     return out
 
 
@@ -50,7 +52,10 @@ def test_matches_sentence_transformers(models, name):
     texts = mixed_texts(60 if name == "packaged" else 200, seed=len(name))
     engine = TransformerEngine.from_sentence_transformer(model)
     assert engine is not None
-    assert (engine.dimension, engine.max_seq_length) == (model.get_embedding_dimension(), model.max_seq_length)
+    assert (engine.dimension, engine.max_seq_length) == (
+        model.get_embedding_dimension(),
+        model.max_seq_length,
+    )
     for normalize in (False, True):
         expected = model.encode(texts, convert_to_numpy=True, normalize_embeddings=normalize)
         got = engine.encode(texts, normalize=normalize)
@@ -64,7 +69,9 @@ def test_user_model_is_left_untouched(models):
     engine = TransformerEngine.from_sentence_transformer(model)
     layer = model[0].auto_model.encoder.layer[0].intermediate.dense
     assert type(layer) is torch.nn.Linear
-    assert engine.runner.hf.encoder.layer[0].intermediate.dense.weight is layer.weight  # weights shared, not copied
+    assert (
+        engine.runner.hf.encoder.layer[0].intermediate.dense.weight is layer.weight
+    )  # weights shared, not copied
 
 
 def test_cpu_fast_path_is_packed_and_fused_and_leaves_the_model_alone(models):
@@ -95,7 +102,10 @@ def test_narrow_linears_stay_stock_in_a_copy(tmp_path):
     assert linears and all(m.in_features * m.out_features < ONEDNN_MIN_WEIGHT for m in linears)
     assert not any(isinstance(m, _OneDNNLinear) for m in linears)
     assert engine.runner.hf is not model[0].auto_model  # a copy, sharing the weights
-    assert engine.runner.hf.encoder.layer[0].intermediate.dense.weight is model[0].auto_model.encoder.layer[0].intermediate.dense.weight
+    assert (
+        engine.runner.hf.encoder.layer[0].intermediate.dense.weight
+        is model[0].auto_model.encoder.layer[0].intermediate.dense.weight
+    )
     texts = mixed_texts(20, seed=4)
     assert min_cosine(engine.encode(texts), model.encode(texts, convert_to_numpy=True)) >= 0.9999
 
@@ -110,7 +120,9 @@ def test_packed_weights_follow_an_in_place_update(tmp_path, monkeypatch):
     monkeypatch.setattr(device, "ONEDNN_MIN_WEIGHT", 0)  # pack the tiny model's narrow linears too
     model = SentenceTransformer(make_tiny_model(tmp_path / "tuned"), device="cpu")
     engine = TransformerEngine.from_sentence_transformer(model)
-    assert any(m._packed is not None for m in engine.runner.hf.modules() if isinstance(m, device._OneDNNLinear))
+    assert any(
+        m._packed is not None for m in engine.runner.hf.modules() if isinstance(m, device._OneDNNLinear)
+    )
     texts = mixed_texts(20, seed=9)
     before = engine.encode(texts)
     gen = torch.Generator().manual_seed(0)
@@ -154,7 +166,9 @@ def test_gelu_is_not_fused_into_a_module_that_does_more():
 
 
 def test_combined_pooling_modes(tiny):
-    model = SentenceTransformer(modules=[tiny[0], Pooling(32, pooling_mode=("cls", "max", "mean"))], device="cpu")
+    model = SentenceTransformer(
+        modules=[tiny[0], Pooling(32, pooling_mode=("cls", "max", "mean"))], device="cpu"
+    )
     texts = mixed_texts(50)
     engine = TransformerEngine.from_sentence_transformer(model)
     assert engine.dimension == 96
@@ -170,9 +184,13 @@ def test_tiny_budget_still_fits_every_text(tiny):
 @pytest.mark.parametrize(
     "build",
     [
-        pytest.param(lambda m: SentenceTransformer(modules=[*m, Dense(32, 8)], device="cpu"), id="extra-dense"),
         pytest.param(
-            lambda m: SentenceTransformer(modules=[m[0], Pooling(32, pooling_mode="weightedmean")], device="cpu"),
+            lambda m: SentenceTransformer(modules=[*m, Dense(32, 8)], device="cpu"), id="extra-dense"
+        ),
+        pytest.param(
+            lambda m: SentenceTransformer(
+                modules=[m[0], Pooling(32, pooling_mode="weightedmean")], device="cpu"
+            ),
             id="weightedmean-pooling",
         ),
         pytest.param(lambda m: SentenceTransformer(modules=[m[0]], device="cpu"), id="no-pooling"),
@@ -188,13 +206,17 @@ def test_unsupported_structure_returns_none(tiny, build):
 @pytest.mark.parametrize("include_prompt", [True, False])
 def test_prompts_match_sentence_transformers(tiny, include_prompt):
     prompts = {"query": "query: ", "instruct": "Represent this sentence for searching relevant passages: "}
-    model = SentenceTransformer(modules=list(tiny), device="cpu", prompts=prompts, default_prompt_name="query")
+    model = SentenceTransformer(
+        modules=list(tiny), device="cpu", prompts=prompts, default_prompt_name="query"
+    )
     model[1].include_prompt = include_prompt
     texts = mixed_texts(80, seed=7)
     try:
         for kwargs in ({}, {"prompt_name": "instruct"}, {"prompt": "passage: "}, {"prompt": ""}):
             engine = TransformerEngine.from_sentence_transformer(model, **kwargs)
-            assert engine.prompt == (prompts["query"] if not kwargs else kwargs.get("prompt", prompts["instruct"]))
+            assert engine.prompt == (
+                prompts["query"] if not kwargs else kwargs.get("prompt", prompts["instruct"])
+            )
             assert (engine.prompt_length > 0) == (bool(engine.prompt) and not include_prompt)
             assert min_cosine(engine.encode(texts), model.encode(texts, **kwargs)) >= 0.9999
     finally:
@@ -204,7 +226,10 @@ def test_prompts_match_sentence_transformers(tiny, include_prompt):
 def test_prompt_counts_in_the_tokens(tiny):
     plain = TransformerEngine.from_sentence_transformer(tiny)
     prompted = TransformerEngine.from_sentence_transformer(tiny, prompt="query: ")
-    assert (prompted.count_tokens(["a b", ""]) - plain.count_tokens(["a b", ""])).tolist() == [2, 2]  # "query", ":"
+    assert (prompted.count_tokens(["a b", ""]) - plain.count_tokens(["a b", ""])).tolist() == [
+        2,
+        2,
+    ]  # "query", ":"
 
 
 def test_empty_input(tiny):
@@ -250,7 +275,10 @@ def test_half_precision_on_cpu_raises(tiny, dtype):
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
-    [({"dtype": "int8"}, "dtype='int8' is not supported"), ({"max_tokens": 0}, "max_tokens=0 must be a positive int")],
+    [
+        ({"dtype": "int8"}, "dtype='int8' is not supported"),
+        ({"max_tokens": 0}, "max_tokens=0 must be a positive int"),
+    ],
 )
 def test_bad_options_raise(tiny, kwargs, match):
     with pytest.raises(SurgeValueError, match=match):
@@ -270,7 +298,10 @@ def test_concurrent_calls_from_threads(tiny):
     inputs = [mixed_texts(80, seed=s) for s in range(4)]
     expected = [engine.encode(t) for t in inputs]
     results: dict[int, np.ndarray] = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.encode(inputs[i]))) for i in range(4)]
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, engine.encode(inputs[i])))
+        for i in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -300,8 +331,11 @@ def test_feeder_runs_every_forward_on_its_thread_with_the_same_output(monkeypatc
     inline = engine.encode(texts)
     threads = set()
     forward = engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda ids, valid: threads.add(threading.current_thread().name)
-                        or forward(ids, valid))
+    monkeypatch.setattr(
+        engine,
+        "_forward",
+        lambda ids, valid: threads.add(threading.current_thread().name) or forward(ids, valid),
+    )
     engine.use_feeder = True
     fed = engine.encode(texts)
     assert threads == {"surge-feeder-cpu"}
@@ -425,7 +459,9 @@ def test_one_length_micro_batches_run_unmasked_with_the_same_output(models, monk
     engine = TransformerEngine.from_sentence_transformer(model, max_tokens=512)
     calls = []
     forward = engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda ids, valid: calls.append(valid is None) or forward(ids, valid))
+    monkeypatch.setattr(
+        engine, "_forward", lambda ids, valid: calls.append(valid is None) or forward(ids, valid)
+    )
     split = engine.encode(texts)
     assert any(calls) and not all(calls)  # some micro-batches unmasked, some padded
     calls.clear()
@@ -438,8 +474,10 @@ def test_one_length_micro_batches_run_unmasked_with_the_same_output(models, monk
 
 @pytest.mark.parametrize("include_prompt", [True, False])
 def test_unmasked_pooling_honours_every_mode_and_the_prompt(tiny, include_prompt):
-    model = SentenceTransformer(modules=[tiny[0], Pooling(32, pooling_mode=("cls", "max", "mean"),
-                                                          include_prompt=include_prompt)], device="cpu")
+    model = SentenceTransformer(
+        modules=[tiny[0], Pooling(32, pooling_mode=("cls", "max", "mean"), include_prompt=include_prompt)],
+        device="cpu",
+    )
     texts = ["one two three"] * 30 + ["four five"] * 30
     engine = TransformerEngine.from_sentence_transformer(model, prompt="query: ")
     assert engine.encode(texts).shape == (60, 96)
@@ -478,10 +516,14 @@ def test_the_collector_is_paused_while_encodings_are_made_and_packed(tiny, monke
 
     engine = TransformerEngine.from_sentence_transformer(tiny)
     packer = engine.packer
-    packer._joined = None  # text by text, as for a tokenizer JoinedTokenizer does not take (one object per text)
+    packer._joined = (
+        None  # text by text, as for a tokenizer JoinedTokenizer does not take (one object per text)
+    )
     seen: list[bool] = []
     encode_batch, pack = packer._encode_batch, packer.pack
-    monkeypatch.setattr(packer, "_encode_batch", lambda texts: seen.append(gc.isenabled()) or encode_batch(texts))
+    monkeypatch.setattr(
+        packer, "_encode_batch", lambda texts: seen.append(gc.isenabled()) or encode_batch(texts)
+    )
     monkeypatch.setattr(packer, "pack", lambda *a, **k: seen.append(gc.isenabled()) or pack(*a, **k))
     assert gc.isenabled()
     engine.encode(mixed_texts(30))
@@ -529,12 +571,15 @@ def test_padded_sdpa_equals_sdpa(length, mask):
     gen = torch.Generator().manual_seed(length)
     q, k, v = (torch.randn(4, 2, length, 16, generator=gen) for _ in range(3))
     valid = torch.ones(4, length, dtype=torch.bool)
-    valid[1:, length // 2 + 1:] = False
+    valid[1:, length // 2 + 1 :] = False
     neg = torch.finfo(torch.float32).min
-    masks = {"none": None, "bool2d": valid[:, None, None, :],
-             "float4d": torch.zeros(4, 1, 1, length).masked_fill(~valid[:, None, None, :], neg),
-             "float4d-full": torch.zeros(4, 1, length, length).masked_fill(~valid[:, None, None, :], neg),
-             "broadcast": torch.zeros(1, 1, 1, 1)}
+    masks = {
+        "none": None,
+        "bool2d": valid[:, None, None, :],
+        "float4d": torch.zeros(4, 1, 1, length).masked_fill(~valid[:, None, None, :], neg),
+        "float4d-full": torch.zeros(4, 1, length, length).masked_fill(~valid[:, None, None, :], neg),
+        "broadcast": torch.zeros(1, 1, 1, 1),
+    }
     module = torch.nn.Module()
     want, _ = device._sdpa_forward(module, q, k, v, masks[mask], is_causal=False, scaling=0.25)
     got, _ = device._padded_sdpa(module, q, k, v, masks[mask], is_causal=False, scaling=0.25)

@@ -60,7 +60,9 @@ def multivector_model(tmp_path_factory) -> str:
 
 
 def frame(texts: list[str], npartitions: int = 6) -> dd.DataFrame:
-    return dd.from_pandas(pd.DataFrame({"text": texts, "doc_id": np.arange(len(texts))}), npartitions=npartitions)
+    return dd.from_pandas(
+        pd.DataFrame({"text": texts, "doc_id": np.arange(len(texts))}), npartitions=npartitions
+    )
 
 
 def run(texts, out, model, **kw):
@@ -91,8 +93,9 @@ def token_cosines(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
     """The smallest cosine of a token vector with its reference (shapes must be equal)."""
     assert [g.shape for g in got] == [r.shape for r in ref]
     both = [(g.astype(np.float64), r.astype(np.float64)) for g, r in zip(got, ref) if len(r)]
-    return min(float(((g * r).sum(1) / np.linalg.norm(g, axis=1) / np.linalg.norm(r, axis=1)).min())
-               for g, r in both)
+    return min(
+        float(((g * r).sum(1) / np.linalg.norm(g, axis=1) / np.linalg.norm(r, axis=1)).min()) for g, r in both
+    )
 
 
 # -- sparse -------------------------------------------------------------------------------------------
@@ -113,7 +116,9 @@ def test_sparse_output_equals_the_sparse_encoder(tmp_path, texts, sparse_model):
     got = to_csr(table, ref.shape[1]).toarray()
     np.testing.assert_array_equal(got != 0, ref != 0)  # the same non-zeros
     np.testing.assert_allclose(got, ref, rtol=0, atol=1e-5)
-    assert res.truncated == int(sum(Encoder(sparse_model).windows([t], chunk_overlap=0).text.size > 1 for t in texts))
+    assert res.truncated == int(
+        sum(Encoder(sparse_model).windows([t], chunk_overlap=0).text.size > 1 for t in texts)
+    )
     assert verify(str(tmp_path / "o")) == []
 
 
@@ -124,13 +129,18 @@ def test_sparse_pruning_keeps_the_top_weights_above_the_threshold(tmp_path, text
     df = read(tmp_path / "o")
     indices, values = sparse_arrays(ref, top_k=16, threshold=threshold)
     assert df["indices"].tolist() == [np.asarray(i).tolist() for i in indices.to_pylist()]
-    np.testing.assert_allclose(np.concatenate([np.asarray(v) for v in df["values"].tolist()]),
-                               values.values.to_numpy(), atol=1e-5)
+    np.testing.assert_allclose(
+        np.concatenate([np.asarray(v) for v in df["values"].tolist()]), values.values.to_numpy(), atol=1e-5
+    )
     assert max(len(i) for i in df["indices"].tolist()) == 16
-    assert current_run(OutputStore.open(str(tmp_path / "o"))).fingerprint["sparse_top_k"] == 16  # another pruning: another run
+    assert (
+        current_run(OutputStore.open(str(tmp_path / "o"))).fingerprint["sparse_top_k"] == 16
+    )  # another pruning: another run
 
 
-def test_a_sparse_encoder_object_and_a_hub_name_work_as_its_directory(tmp_path, texts, sparse_model, monkeypatch):
+def test_a_sparse_encoder_object_and_a_hub_name_work_as_its_directory(
+    tmp_path, texts, sparse_model, monkeypatch
+):
     from sentence_transformers import SparseEncoder
 
     run(texts, tmp_path / "dir", sparse_model)
@@ -143,8 +153,9 @@ def test_a_sparse_encoder_object_and_a_hub_name_work_as_its_directory(tmp_path, 
     for name in ("obj", "hub-out"):
         got = read(tmp_path / name)
         assert got["indices"].tolist() == expected["indices"].tolist(), name
-        np.testing.assert_allclose(np.concatenate(got["values"].tolist()), np.concatenate(expected["values"].tolist()),
-                                   atol=1e-6)
+        np.testing.assert_allclose(
+            np.concatenate(got["values"].tolist()), np.concatenate(expected["values"].tolist()), atol=1e-6
+        )
     assert current_run(OutputStore.open(str(tmp_path / "hub-out"))).fingerprint["model"]["family"] == "sparse"
 
 
@@ -157,15 +168,21 @@ def test_multivector_output_equals_the_reference(tmp_path, texts, multivector_mo
     assert (res.rows, res.family) == (len(texts), "multivector")
     df = read(tmp_path / "o")
     assert list(df.columns) == ["partition", "row", "doc_id", "text_hash", "vectors", "tokens"]
-    inner = pa.Table.from_pandas(df[["vectors"]], preserve_index=False).schema.field("vectors").type.value_type
+    inner = (
+        pa.Table.from_pandas(df[["vectors"]], preserve_index=False).schema.field("vectors").type.value_type
+    )
     assert inner == pa.list_(pa.float32() if precision == "float32" else pa.float16(), 16)
     ref = reference_multivector(multivector_model, texts)
     got = to_matrices(pa.Table.from_pandas(df[["vectors"]], preserve_index=False))
-    assert df["tokens"].tolist() == [len(r) for r in ref]  # markers and skiplist applied as the reference does
+    assert df["tokens"].tolist() == [
+        len(r) for r in ref
+    ]  # markers and skiplist applied as the reference does
     assert token_cosines(got, ref) >= floor
 
 
-def test_multivector_query_prompt_and_truncate_dim_follow_sentence_transformers(tmp_path, texts, multivector_model):
+def test_multivector_query_prompt_and_truncate_dim_follow_sentence_transformers(
+    tmp_path, texts, multivector_model
+):
     from transformers import AutoTokenizer
 
     short = texts[:40]
@@ -191,16 +208,22 @@ def test_a_multivector_superbatch_is_capped_by_its_token_vectors(multivector_mod
     mv = Encoder(multivector_model)
     assert windowed_bytes(None, 1000, mv, "truncate", 0, gpu=False) == 1000 * CHARS_PER_TOKEN
     assert windowed_bytes(10**9, 1000, mv, "truncate", 0, gpu=False) == 1000 * CHARS_PER_TOKEN
-    assert windowed_bytes(None, 1000, Encoder(sparse_model), "truncate", 0, gpu=False) is None  # a row per text
+    assert (
+        windowed_bytes(None, 1000, Encoder(sparse_model), "truncate", 0, gpu=False) is None
+    )  # a row per text
 
 
 def test_a_lazy_frame_has_the_family_columns(texts, multivector_model, sparse_model):
-    lazy = dask_surge.encode(frame(texts[:30], 3), "text", model=multivector_model, device="cpu", b_min=8, b_max=16)
+    lazy = dask_surge.encode(
+        frame(texts[:30], 3), "text", model=multivector_model, device="cpu", b_min=8, b_max=16
+    )
     assert list(lazy._meta.columns) == ["partition", "row", "text_hash", "vectors", "tokens"]
     got = lazy.compute(scheduler="sync")
     assert list(got.dtypes.astype(str)) == list(lazy._meta.dtypes.astype(str))
     assert got["tokens"].tolist() == [len(r) for r in reference_multivector(multivector_model, texts[:30])]
-    lazy = dask_surge.encode(frame(texts[:30], 3), "text", model=sparse_model, device="cpu", b_min=8, b_max=16)
+    lazy = dask_surge.encode(
+        frame(texts[:30], 3), "text", model=sparse_model, device="cpu", b_min=8, b_max=16
+    )
     assert list(lazy._meta.columns)[-2:] == ["indices", "values"]
     assert len(lazy.compute(scheduler="sync")) == 30
 
@@ -212,7 +235,9 @@ def test_the_identity_records_the_family_and_a_dense_one_is_unchanged(sparse_mod
     assert Encoder(sparse_model).identity("cpu")["family"] == "sparse"
     assert Encoder(multivector_model).identity("cpu")["family"] == "multivector"
     assert "family" not in Encoder("default").identity("cpu")  # runs made before families keep their identity
-    assert Encoder(sparse_model).family == "sparse" and not Encoder(sparse_model).is_loaded  # read from the files
+    assert (
+        Encoder(sparse_model).family == "sparse" and not Encoder(sparse_model).is_loaded
+    )  # read from the files
 
 
 def test_reuse_copies_a_sparse_outputs_rows(tmp_path, texts, sparse_model):
@@ -222,7 +247,9 @@ def test_reuse_copies_a_sparse_outputs_rows(tmp_path, texts, sparse_model):
     a, b = read(tmp_path / "a"), read(tmp_path / "b")
     assert b["indices"].tolist()[: len(texts)] == a["indices"].tolist()
     run(texts[:10], tmp_path / "d", "default")
-    with pytest.raises(dask_surge.SurgeInputError, match="cannot be reused"):  # a dense output is another model
+    with pytest.raises(
+        dask_surge.SurgeInputError, match="cannot be reused"
+    ):  # a dense output is another model
         run(texts[:10], tmp_path / "c", sparse_model, reuse=str(tmp_path / "d"))
 
 
@@ -231,38 +258,79 @@ def test_status_and_the_cli_say_the_family(tmp_path, texts, sparse_model):
     src.mkdir()
     pd.DataFrame({"text": texts[:40], "doc_id": range(40)}).to_parquet(src / "part-0.parquet")
     done = subprocess.run(
-        [sys.executable, "-m", "dask_surge.cli", "encode", str(src), "--text-column", "text", "--output",
-         str(tmp_path / "o"), "--model", sparse_model, "--device", "cpu", "--scheduler", "sync", "--no-progress",
-         "--sparse-top-k", "8"], capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "dask_surge.cli",
+            "encode",
+            str(src),
+            "--text-column",
+            "text",
+            "--output",
+            str(tmp_path / "o"),
+            "--model",
+            sparse_model,
+            "--device",
+            "cpu",
+            "--scheduler",
+            "sync",
+            "--no-progress",
+            "--sparse-top-k",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "sparse output (indices, values)" in done.stdout
     assert max(len(i) for i in read(tmp_path / "o")["indices"].tolist()) <= 8
     assert dask_surge.status(str(tmp_path / "o"))["family"] == "sparse"
-    shown = subprocess.run([sys.executable, "-m", "dask_surge.cli", "status", str(tmp_path / "o")],
-                           capture_output=True, text=True, timeout=120)
+    shown = subprocess.run(
+        [sys.executable, "-m", "dask_surge.cli", "status", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "sparse: columns indices, values" in shown.stdout, shown.stdout
 
 
-@pytest.mark.parametrize("family,options,match", [
-    ("sparse", {"precision": "int8", "normalize": True}, "precision='int8' is not for a sparse model"),
-    ("sparse", {"precision": "binary"}, "precision='binary' is not for a sparse model"),
-    ("sparse", {"normalize": True}, "normalize=True is not for a sparse"),
-    ("sparse", {"truncate_dim": 8}, "truncate_dim=8 is not for a sparse"),
-    ("sparse", {"long_texts": "mean"}, "long_texts='mean' is not for a sparse"),
-    ("multivector", {"long_texts": "chunk"}, "long_texts='chunk' is not for a multi-vector model"),
-    ("multivector", {"precision": "int8", "normalize": True}, "precision='int8' is not for a multivector model"),
-    ("multivector", {"sparse_top_k": 8}, "sparse_top_k=8 prunes the rows of a sparse"),
-    ("dense", {"sparse_threshold": 0.1}, "sparse_threshold=0.1 prunes the rows of a sparse"),
-    ("sparse", {"sparse_top_k": 0}, "sparse_top_k=0 must be a positive int"),
-    ("sparse", {"keep": ["indices"]}, "reserves for its own columns"),
-])
-def test_options_a_family_cannot_honour_are_refused_before_any_work(tmp_path, texts, sparse_model, multivector_model,
-                                                                     family, options, match):
+@pytest.mark.parametrize(
+    "family,options,match",
+    [
+        ("sparse", {"precision": "int8", "normalize": True}, "precision='int8' is not for a sparse model"),
+        ("sparse", {"precision": "binary"}, "precision='binary' is not for a sparse model"),
+        ("sparse", {"normalize": True}, "normalize=True is not for a sparse"),
+        ("sparse", {"truncate_dim": 8}, "truncate_dim=8 is not for a sparse"),
+        ("sparse", {"long_texts": "mean"}, "long_texts='mean' is not for a sparse"),
+        ("multivector", {"long_texts": "chunk"}, "long_texts='chunk' is not for a multi-vector model"),
+        (
+            "multivector",
+            {"precision": "int8", "normalize": True},
+            "precision='int8' is not for a multivector model",
+        ),
+        ("multivector", {"sparse_top_k": 8}, "sparse_top_k=8 prunes the rows of a sparse"),
+        ("dense", {"sparse_threshold": 0.1}, "sparse_threshold=0.1 prunes the rows of a sparse"),
+        ("sparse", {"sparse_top_k": 0}, "sparse_top_k=0 must be a positive int"),
+        ("sparse", {"keep": ["indices"]}, "reserves for its own columns"),
+    ],
+)
+def test_options_a_family_cannot_honour_are_refused_before_any_work(
+    tmp_path, texts, sparse_model, multivector_model, family, options, match
+):
     model = {"sparse": sparse_model, "multivector": multivector_model, "dense": "default"}[family]
     ddf = dd.from_pandas(pd.DataFrame({"text": texts[:10], "indices": range(10)}), npartitions=2)
     with pytest.raises((SurgeValueError, dask_surge.SurgeInputError), match=match):
-        dask_surge.encode(ddf, "text", str(tmp_path / "o"), model=model, device="cpu", scheduler="sync",
-                          progress=False, **options)
+        dask_surge.encode(
+            ddf,
+            "text",
+            str(tmp_path / "o"),
+            model=model,
+            device="cpu",
+            scheduler="sync",
+            progress=False,
+            **options,
+        )
     assert not (tmp_path / "o").exists()
 
 
@@ -285,28 +353,43 @@ with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_a
 
 @pytest.mark.slow  # about 45 s a family: in .ci/run's sweep leg, beside the other kill sweeps
 @pytest.mark.parametrize("family", ["sparse", "multivector", "decoder"])
-def test_kill_a_family_run_then_resume_to_the_same_rows(tmp_path, texts, sparse_model, multivector_model, family):
+def test_kill_a_family_run_then_resume_to_the_same_rows(
+    tmp_path, texts, sparse_model, multivector_model, family
+):
     """SIGKILL the client and its workers once the first SuperBatches are committed, then rerun: the
     output is the undisturbed run's, each row once, every committed file as recorded."""
-    model = {"sparse": sparse_model, "multivector": multivector_model,
-             "decoder": make_tiny_decoder_model(tmp_path / "decoder")}[family]
+    model = {
+        "sparse": sparse_model,
+        "multivector": multivector_model,
+        "decoder": make_tiny_decoder_model(tmp_path / "decoder"),
+    }[family]
     src = tmp_path / "in"
     src.mkdir()
     for i in range(10):
-        pd.DataFrame({"doc_id": range(15 * i, 15 * i + 15), "text": texts[15 * i: 15 * i + 15]}).to_parquet(
-            src / f"part-{i:02d}.parquet")
+        pd.DataFrame({"doc_id": range(15 * i, 15 * i + 15), "text": texts[15 * i : 15 * i + 15]}).to_parquet(
+            src / f"part-{i:02d}.parquet"
+        )
 
     def drive(out: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", DRIVER, str(src), str(out), model], capture_output=True,
-                              text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-c", DRIVER, str(src), str(out), model],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
 
     clean = drive(tmp_path / "clean")
     assert clean.returncode == 0, clean.stderr[-3000:]
     ref = read(tmp_path / "clean")
     planned = len(current_run(OutputStore.open(str(tmp_path / "clean"))).committed())
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(src), str(out), model], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(src), str(out), model],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
     deadline = time.monotonic() + 300
     while not list(out.glob("part-*.parquet")) and time.monotonic() < deadline and proc.poll() is None:
@@ -320,23 +403,39 @@ def test_kill_a_family_run_then_resume_to_the_same_rows(tmp_path, texts, sparse_
     got = read(out)
     assert not got.duplicated(KEYS).any() and len(got) == 150
     pd.testing.assert_frame_equal(got[[*KEYS, "doc_id", "text_hash"]], ref[[*KEYS, "doc_id", "text_hash"]])
-    payload = {"sparse": ["indices", "values"], "multivector": ["vectors", "tokens"], "decoder": ["embedding"]}[family]
+    payload = {
+        "sparse": ["indices", "values"],
+        "multivector": ["vectors", "tokens"],
+        "decoder": ["embedding"],
+    }[family]
     for column in payload:
         a, b = got[column].tolist(), ref[column].tolist()
         assert len(a) == len(b)
         for x, y in zip(a, b):
-            np.testing.assert_allclose(np.asarray(x, dtype=np.float64).ravel() if column != "vectors"
-                                       else np.stack(x).astype(np.float64).ravel() if len(x) else np.zeros(0),
-                                       np.asarray(y, dtype=np.float64).ravel() if column != "vectors"
-                                       else np.stack(y).astype(np.float64).ravel() if len(y) else np.zeros(0),
-                                       atol=1e-5)
+            np.testing.assert_allclose(
+                np.asarray(x, dtype=np.float64).ravel()
+                if column != "vectors"
+                else np.stack(x).astype(np.float64).ravel()
+                if len(x)
+                else np.zeros(0),
+                np.asarray(y, dtype=np.float64).ravel()
+                if column != "vectors"
+                else np.stack(y).astype(np.float64).ravel()
+                if len(y)
+                else np.zeros(0),
+                atol=1e-5,
+            )
     manifest = current_run(OutputStore.open(str(out)))
-    assert sorted(p.name for p in out.glob("part-*.parquet")) == sorted(r.file for r in manifest.committed().values())
+    assert sorted(p.name for p in out.glob("part-*.parquet")) == sorted(
+        r.file for r in manifest.committed().values()
+    )
     assert verify(str(out)) == []
 
 
 @pytest.mark.parametrize("which", ["sparse", "multivector"])
-def test_the_cost_model_is_calibrated_on_the_familys_own_calls(client, sparse_model, multivector_model, which):
+def test_the_cost_model_is_calibrated_on_the_familys_own_calls(
+    client, sparse_model, multivector_model, which
+):
     """plan()'s constants for a sparse or multi-vector model come from timing its own encode calls, framed
     as its output columns, on the cluster (a dense model's ``encode`` would refuse them)."""
     from dask_surge.execution.calibrate import calibrate
@@ -347,7 +446,9 @@ def test_the_cost_model_is_calibrated_on_the_familys_own_calls(client, sparse_mo
     assert params.alpha_s > 0 and params.workers == len(client.scheduler_info()["workers"])
 
 
-def test_a_sentence_transformers_without_the_familys_class_says_which_release_has_it(multivector_model, monkeypatch):
+def test_a_sentence_transformers_without_the_familys_class_says_which_release_has_it(
+    multivector_model, monkeypatch
+):
     import sentence_transformers
 
     monkeypatch.delattr(sentence_transformers, "MultiVectorEncoder")  # as on sentence-transformers 5
@@ -365,9 +466,29 @@ def test_a_family_by_hub_name_through_the_cli(tmp_path, texts, multivector_model
     pd.DataFrame({"text": texts[:30], "doc_id": range(30)}).to_parquet(src / "part-0.parquet")
     env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "dask_surge.cli", "encode", str(src), "--text-column", "text", "--output",
-         str(tmp_path / "o"), "--model", f"org/{family}-tiny", "--device", "cpu", "--scheduler", "sync",
-         "--no-progress"], capture_output=True, text=True, timeout=300, env=env)
+        [
+            sys.executable,
+            "-m",
+            "dask_surge.cli",
+            "encode",
+            str(src),
+            "--text-column",
+            "text",
+            "--output",
+            str(tmp_path / "o"),
+            "--model",
+            f"org/{family}-tiny",
+            "--device",
+            "cpu",
+            "--scheduler",
+            "sync",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     df = read(tmp_path / "o")
     if family == "multivector":
@@ -386,6 +507,9 @@ def test_the_client_reads_a_familys_dimension_from_its_files(sparse_model, multi
     for path, dim in ((sparse_model, 30522), (multivector_model, 16)):
         enc = Encoder(path, device="cpu", batch_size=5)  # a spec no other test loaded
         assert (enc.family, enc.dimension, "family" in enc.identity("cpu")) == (
-            {30522: "sparse", 16: "multivector"}[dim], dim, True)
+            {30522: "sparse", 16: "multivector"}[dim],
+            dim,
+            True,
+        )
         assert not enc.is_loaded
         assert enc.load().dimension == dim  # what the loaded model says

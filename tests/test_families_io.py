@@ -64,8 +64,11 @@ def hub(tmp_path_factory):
     """An offline Hub cache holding one tiny checkpoint of each family."""
     root = tmp_path_factory.mktemp("families")
     cache = root / "hub"
-    builders = {"sparse": make_tiny_sparse_model, "decoder": make_tiny_decoder_model,
-                "colbert": make_tiny_multivector_model}
+    builders = {
+        "sparse": make_tiny_sparse_model,
+        "decoder": make_tiny_decoder_model,
+        "colbert": make_tiny_multivector_model,
+    }
     for name, build in builders.items():
         add_to_hub_cache(cache, f"tiny/{name}", build(root / name), commit=commit_of(name))
     return cache
@@ -98,9 +101,14 @@ def colbert(offline):
 
 def write_and_read(columns: dict, n: int) -> pa.Table:
     """A part file's bytes of ``columns`` (as the SuperBatch frame holds them), read back with pyarrow."""
-    frame = pd.DataFrame({PARTITION: np.zeros(n, np.int64), ROW: np.arange(n, dtype=np.int64),
-                          TEXT_HASH: pd.arrays.ArrowExtensionArray(pa.array([bytes(16)] * n, pa.binary(16))),
-                          **{k: pd.arrays.ArrowExtensionArray(v) for k, v in columns.items()}})
+    frame = pd.DataFrame(
+        {
+            PARTITION: np.zeros(n, np.int64),
+            ROW: np.arange(n, dtype=np.int64),
+            TEXT_HASH: pd.arrays.ArrowExtensionArray(pa.array([bytes(16)] * n, pa.binary(16))),
+            **{k: pd.arrays.ArrowExtensionArray(v) for k, v in columns.items()},
+        }
+    )
     table = table_of(frame)
     return pq.read_table(pa.BufferReader(parquet_bytes(table, row_groups([n], floor=4), compression="zstd")))
 
@@ -181,7 +189,10 @@ def test_sparse_columns_equal_the_reference_non_zeros(sparse_model, texts):
         assert ids == sorted(ids) and np.array_equal(ids, expect), i
         np.testing.assert_allclose(vals, dense_ref[i, expect], rtol=0, atol=1e-5)
     # the same columns from the dense array and from per-row pairs
-    for other in (sparse_arrays(dense_ref), sparse_arrays([(np.flatnonzero(r), r[r != 0]) for r in dense_ref])):
+    for other in (
+        sparse_arrays(dense_ref),
+        sparse_arrays([(np.flatnonzero(r), r[r != 0]) for r in dense_ref]),
+    ):
         assert other[0].equals(indices) and other[1].equals(values)
 
 
@@ -229,11 +240,19 @@ def test_sparse_columns_round_trip_the_part_file_and_to_csr(sparse_model, texts)
 def test_sparse_part_file_writes_no_dictionary_for_the_weights():
     indices, values = sparse_arrays(np.eye(6, 50, dtype=np.float32))
     n = 6
-    frame = pd.DataFrame({PARTITION: np.zeros(n, np.int64), ROW: np.arange(n, dtype=np.int64),
-                          INDICES: pd.arrays.ArrowExtensionArray(indices),
-                          VALUES: pd.arrays.ArrowExtensionArray(values)})
+    frame = pd.DataFrame(
+        {
+            PARTITION: np.zeros(n, np.int64),
+            ROW: np.arange(n, dtype=np.int64),
+            INDICES: pd.arrays.ArrowExtensionArray(indices),
+            VALUES: pd.arrays.ArrowExtensionArray(values),
+        }
+    )
     meta = pq.ParquetFile(pa.BufferReader(parquet_bytes(table_of(frame), [n], compression="none"))).metadata
-    chunks = {meta.row_group(0).column(i).path_in_schema: meta.row_group(0).column(i) for i in range(meta.num_columns)}
+    chunks = {
+        meta.row_group(0).column(i).path_in_schema: meta.row_group(0).column(i)
+        for i in range(meta.num_columns)
+    }
     for leaf in ("indices.list.element", "values.list.element"):
         assert chunks[leaf].compression == "UNCOMPRESSED" and not chunks[leaf].is_stats_set, leaf
     assert chunks["partition"].compression == "ZSTD" and chunks["partition"].is_stats_set
@@ -290,10 +309,13 @@ def test_duckdb_reads_the_new_columns(sparse_model, colbert, texts):
     path = f"{tempfile.mkdtemp()}/part.parquet"
     with open(path, "wb") as f:
         f.write(buf.getvalue())
-    rows = con.execute(f"SELECT indices, \"values\", len(vectors), tokens, vectors[1] FROM '{path}' ORDER BY row"
-                       ).fetchall()
+    rows = con.execute(
+        f"SELECT indices, \"values\", len(vectors), tokens, vectors[1] FROM '{path}' ORDER BY row"
+    ).fetchall()
     assert [r[0] for r in rows] == indices.to_pylist()
-    np.testing.assert_allclose(np.concatenate([r[1] for r in rows]), np.concatenate(values.to_pylist()), atol=1e-7)
+    np.testing.assert_allclose(
+        np.concatenate([r[1] for r in rows]), np.concatenate(values.to_pylist()), atol=1e-7
+    )
     assert [r[2] for r in rows] == [r[3] for r in rows] == tokens.to_pylist()
     np.testing.assert_allclose([r[4] for r in rows], [m[0] for m in to_matrices(vectors)], atol=1e-7)
     half, _ = multivector_arrays(colbert.encode_document(texts, convert_to_numpy=True), precision="float16")

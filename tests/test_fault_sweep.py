@@ -72,8 +72,15 @@ def sweep_input(tmp_path_factory):
 
 def _kill(proc: subprocess.Popen, target: str, rng: random.Random) -> str:
     """Kill the client, one worker process, or a worker then the client; returns what was killed."""
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "nanny" not in " ".join(
-        p.cmdline()).lower() and p.ppid() != proc.pid] if target != "client" else []
+    workers = (
+        [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "nanny" not in " ".join(p.cmdline()).lower() and p.ppid() != proc.pid
+        ]
+        if target != "client"
+        else []
+    )
     if not workers:  # no worker yet (or asked for the client): kill the client
         proc.send_signal(signal.SIGKILL)
         return "client"
@@ -93,8 +100,9 @@ def test_kill_anything_anywhere_then_resume(tmp_path, sweep_input):
         mode = ("planned", "streamed")[t % 2]
         target = ("client", "worker", "both")[t % 3]
         out = tmp_path / f"out{t}"
-        proc = subprocess.Popen(_driver(src, out, mode), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                text=True)
+        proc = subprocess.Popen(
+            _driver(src, out, mode), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
         time.sleep(rng.uniform(0.1, 0.9) * seconds[mode])
         killed = _kill(proc, target, rng)
@@ -107,7 +115,8 @@ def test_kill_anything_anywhere_then_resume(tmp_path, sweep_input):
         np.testing.assert_array_equal(np.stack(df.embedding.to_numpy()), np.stack(ref.embedding.to_numpy()))
         manifest = current_run(OutputStore.open(str(out)))
         assert sorted(p.name for p in out.glob("part-*.parquet")) == sorted(
-            r.file for r in manifest.committed().values())  # exactly the committed files
+            r.file for r in manifest.committed().values()
+        )  # exactly the committed files
         assert verify(str(out)) == []
         done.append((mode, killed))
     assert len(done) == trials
@@ -140,16 +149,20 @@ def test_kill_a_chunk_mode_run_then_resume_to_the_same_windows(tmp_path):
     src = tmp_path / "docs"
     src.mkdir()
     for i in range(9):
-        pd.DataFrame({"doc_id": range(4 * i, 4 * i + 4), "text": docs[4 * i: 4 * i + 4]}).to_parquet(
-            src / f"part-{i:02d}.parquet")
+        pd.DataFrame({"doc_id": range(4 * i, 4 * i + 4), "text": docs[4 * i : 4 * i + 4]}).to_parquet(
+            src / f"part-{i:02d}.parquet"
+        )
     keys = ["partition", "row", "chunk"]
 
     def windows(out):
         return dask_surge.read_embeddings(str(out)).compute().sort_values(keys).reset_index(drop=True)
 
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", CHUNK_DRIVER, str(src), str(tmp_path / "clean")], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", CHUNK_DRIVER, str(src), str(tmp_path / "clean")],
+        check=True,
+        capture_output=True,
+    )
     seconds = time.perf_counter() - t0
     ref = windows(tmp_path / "clean")
     cols = [*keys, "char_start", "char_end", "tokens", "doc_id", "text_hash"]
@@ -157,14 +170,22 @@ def test_kill_a_chunk_mode_run_then_resume_to_the_same_windows(tmp_path):
     trials = 2 if os.environ.get("SURGE_SWEEP") == "reduced" else 6
     for t in range(trials):
         out = tmp_path / f"out{t}"
-        proc = subprocess.Popen([sys.executable, "-c", CHUNK_DRIVER, str(src), str(out)], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CHUNK_DRIVER, str(src), str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
         time.sleep(rng.uniform(0.3, 0.9) * seconds)
         killed = _kill(proc, ("worker", "client", "both")[t % 3], rng)
         proc.wait(timeout=120)
-        resumed = subprocess.run([sys.executable, "-c", CHUNK_DRIVER, str(src), str(out)], capture_output=True,
-                                 text=True, timeout=600)
+        resumed = subprocess.run(
+            [sys.executable, "-c", CHUNK_DRIVER, str(src), str(out)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert resumed.returncode == 0, (t, killed, resumed.stderr[-3000:])
         df = windows(out)
         assert not df.duplicated(keys).any(), (t, killed)
@@ -172,5 +193,6 @@ def test_kill_a_chunk_mode_run_then_resume_to_the_same_windows(tmp_path):
         assert cosines(np.stack(df.embedding.to_numpy()), np.stack(ref.embedding.to_numpy())).min() >= 0.9999
         manifest = current_run(OutputStore.open(str(out)))
         assert sorted(p.name for p in out.glob("part-*.parquet")) == sorted(
-            r.file for r in manifest.committed().values())
+            r.file for r in manifest.committed().values()
+        )
         assert verify(str(out)) == []

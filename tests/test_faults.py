@@ -27,9 +27,30 @@ N = sum(SIZES)
 
 
 def _cli(src, out, model):
-    return [sys.executable, "-m", "dask_surge.cli", "encode", str(src), "--text-column", "text",
-            "--output", str(out), "--model", model, "--b-min", "40", "--b-max", "120",
-            "--device", "cpu", "--scheduler", "threads", "--no-progress", "--keep", "doc_id"]
+    return [
+        sys.executable,
+        "-m",
+        "dask_surge.cli",
+        "encode",
+        str(src),
+        "--text-column",
+        "text",
+        "--output",
+        str(out),
+        "--model",
+        model,
+        "--b-min",
+        "40",
+        "--b-max",
+        "120",
+        "--device",
+        "cpu",
+        "--scheduler",
+        "threads",
+        "--no-progress",
+        "--keep",
+        "doc_id",
+    ]
 
 
 def _sorted(path):
@@ -68,7 +89,9 @@ def _kill_trials(tmp_path, clean_run, tiny_model, trials: int, seed: int) -> lis
     delays = []
     for t in range(trials):
         out = tmp_path / f"out{t}"
-        proc = subprocess.Popen(_cli(src, out, tiny_model), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            _cli(src, out, tiny_model), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         delay = rng.uniform(0.2, 1.0) * clean_s
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
@@ -76,8 +99,9 @@ def _kill_trials(tmp_path, clean_run, tiny_model, trials: int, seed: int) -> lis
         delays.append(delay)
         # resume to completion (a second kill point inside the resume for odd trials)
         if t % 2:
-            proc = subprocess.Popen(_cli(src, out, tiny_model), stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                _cli(src, out, tiny_model), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            )
             time.sleep(rng.uniform(0.3, 1.0) * clean_s)
             proc.send_signal(signal.SIGKILL)
             proc.wait()
@@ -103,8 +127,14 @@ def test_worker_dying_mid_encode_is_retried(tmp_path):
 
     ddf = make_partitioned_frame([5, 7, 3, 9], seed=4)
     with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster, Client(cluster):
-        res = ddf.surge.encode("text", str(tmp_path / "o"), model=DieOnce(str(tmp_path / "died")),
-                               b_min=6, b_max=12, progress=False)
+        res = ddf.surge.encode(
+            "text",
+            str(tmp_path / "o"),
+            model=DieOnce(str(tmp_path / "died")),
+            b_min=6,
+            b_max=12,
+            progress=False,
+        )
     assert (tmp_path / "died").exists()  # a worker really died
     assert res.rows == 24
     df = dask_surge.read_embeddings(str(tmp_path / "o")).compute()
@@ -215,10 +245,16 @@ def test_worker_out_of_memory_fails_clearly_keeps_work_and_resumes(tmp_path):
     # a 1.5 GB worker (about 0.55 GB of it is the idle process with torch): the nanny kills it
     # past 95% (Dask's default), the task is retried on the restarted worker, and after two
     # deaths Dask gives up on it (KilledWorker)
-    with dask.config.set({"distributed.scheduler.allowed-failures": 1}), \
-            LocalCluster(n_workers=1, threads_per_worker=1, memory_limit="1500MB", dashboard_address=":0") as cluster, \
-            Client(cluster):
-        with pytest.raises(dask_surge.SurgeError, match=r"killed its worker repeatedly.*out of memory.*resume"):
+    with (
+        dask.config.set({"distributed.scheduler.allowed-failures": 1}),
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, memory_limit="1500MB", dashboard_address=":0"
+        ) as cluster,
+        Client(cluster),
+    ):
+        with pytest.raises(
+            dask_surge.SurgeError, match=r"killed its worker repeatedly.*out of memory.*resume"
+        ):
             ddf.surge.encode("text", out, **kw)
     info = dask_surge.status(out)
     assert info["state"] == "incomplete" and info["superbatches_committed"] >= 2  # SBs 0 and 1 kept
@@ -233,13 +269,13 @@ def test_worker_out_of_memory_fails_clearly_keeps_work_and_resumes(tmp_path):
     assert sorted(zip(df.partition, df.row)) == [(p, r) for p, n in enumerate(sizes) for r in range(n)]
 
 
-_CLIENT_ONLY = '''
+_CLIENT_ONLY = """
 import pandas as pd
 
 
 def part(i):
     return pd.DataFrame({"text": [f"only the client can import this {i} {j}" for j in range(3)]})
-'''
+"""
 
 
 @pytest.mark.timeout(240)  # before the fix the run waited for ever: this is what ends it then
@@ -258,28 +294,47 @@ def test_a_run_whose_workers_all_close_stops_clearly_and_resumes(tmp_path, monke
     from dask_surge.testing import checksum_model
 
     out = str(tmp_path / "o")
-    importable = dd.from_pandas(pd.DataFrame({"text": [f"anyone can import this {i}" for i in range(12)]}),
-                                npartitions=4, sort=False)
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster, Client(cluster) as c:
+    importable = dd.from_pandas(
+        pd.DataFrame({"text": [f"anyone can import this {i}" for i in range(12)]}), npartitions=4, sort=False
+    )
+    with (
+        LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as c,
+    ):
         (tmp_path / "client_only").mkdir()  # after the workers started: not on their sys.path
         (tmp_path / "client_only" / "surge_client_only_input.py").write_text(_CLIENT_ONLY)
         monkeypatch.syspath_prepend(str(tmp_path / "client_only"))
         monkeypatch.delitem(sys.modules, "surge_client_only_input", raising=False)
         import surge_client_only_input
 
-        ddf = dd.concat([importable, dd.from_map(surge_client_only_input.part, range(4),
-                                                 meta=pd.DataFrame({"text": pd.Series([], dtype=str)}))])
+        ddf = dd.concat(
+            [
+                importable,
+                dd.from_map(
+                    surge_client_only_input.part,
+                    range(4),
+                    meta=pd.DataFrame({"text": pd.Series([], dtype=str)}),
+                ),
+            ]
+        )
         t0 = time.monotonic()
-        with dask.config.set({"surge.no-workers-timeout": 3, "surge.in-flight": 1}), \
-                pytest.raises(dask_surge.SurgeError, match=r"(?s)every worker left the cluster.*no-workers-timeout=3s"
-                                                           r".*Failed to deserialize.*rerun the same call"):
+        with (
+            dask.config.set({"surge.no-workers-timeout": 3, "surge.in-flight": 1}),
+            pytest.raises(
+                dask_surge.SurgeError,
+                match=r"(?s)every worker left the cluster.*no-workers-timeout=3s"
+                r".*Failed to deserialize.*rerun the same call",
+            ),
+        ):
             ddf.surge.encode("text", out, model=checksum_model, b_min=3, b_max=3, progress=False)
         assert time.monotonic() - t0 < 120
         assert not c.nthreads()  # every worker really closed
         monkeypatch.delitem(sys.modules, "surge_client_only_input")
     info = dask_surge.status(out)
     assert info["state"] == "incomplete" and info["superbatches_committed"] >= 1
-    res = ddf.surge.encode("text", out, model=checksum_model, b_min=3, b_max=3, progress=False, scheduler="threads")
+    res = ddf.surge.encode(
+        "text", out, model=checksum_model, b_min=3, b_max=3, progress=False, scheduler="threads"
+    )
     assert res.resumed and res.skipped_superbatches == info["superbatches_committed"] and res.rows == 24
     df = dask_surge.read_embeddings(out).compute()
     assert len(df[["partition", "row"]].drop_duplicates()) == len(df) == 24

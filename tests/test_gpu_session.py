@@ -48,15 +48,31 @@ def test_stage_timeouts_sum_well_under_the_run_limit():
 
 
 #: What loaded the model each stage times, in the dry run: dask-surge's native BERT loader, as in the workers.
-_LOADED_BY = {"preflight": "dask-surge", "data": None, "surge_minilm": "dask-surge", "surge_bert": "dask-surge",
-              "busy": "dask-surge", "host": "dask-surge", "engine": "dask-surge", "inflight": "dask-surge",
-              "decoder": "transformers", "cosine": "dask-surge", "pytest": None}
+_LOADED_BY = {
+    "preflight": "dask-surge",
+    "data": None,
+    "surge_minilm": "dask-surge",
+    "surge_bert": "dask-surge",
+    "busy": "dask-surge",
+    "host": "dask-surge",
+    "engine": "dask-surge",
+    "inflight": "dask-surge",
+    "decoder": "transformers",
+    "cosine": "dask-surge",
+    "pytest": None,
+}
 
 
 def test_dry_run_writes_one_line_per_stage_into_at_most_four_files(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run(["bash", str(SCRIPT)], cwd=str(ROOT), capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "SURGE_GPU_TRY": "1", "OUT": str(out)})
+    proc = subprocess.run(
+        ["bash", str(SCRIPT)],
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "SURGE_GPU_TRY": "1", "OUT": str(out)},
+    )
     log = (out / "session.log").read_text() if (out / "session.log").is_file() else ""
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:] + log[-3000:]
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
@@ -74,7 +90,9 @@ def test_dry_run_writes_one_line_per_stage_into_at_most_four_files(tmp_path):
     if shutil.which("py-spy") is None:
         assert "not on PATH" in gil["skipped"]
     assert final["inflight"]["ratio_4_over_2"] > 0 and 0 < final["busy"]["busy_fraction"] <= 1.0
-    assert final["surge_minilm"]["engine"] == ["fast"] and final["surge_minilm"]["worker"]["backends"] == ["fast"]
+    assert final["surge_minilm"]["engine"] == ["fast"] and final["surge_minilm"]["worker"]["backends"] == [
+        "fast"
+    ]
     assert final["cosine"]["min_cosine"] >= 0.9999
     # the headline cosine is the workers' dtype (fp16 on CUDA, float32 here), loaded as they load it
     assert final["cosine"]["headline_dtype"] == "float32" and "min_cosine_bf16" in final["cosine"]
@@ -113,11 +131,19 @@ sys.exit(gpu_stages.run(gpu_stages.Session(args), [("hang", 1.0), ("fine", 60.0)
 def test_a_stage_past_its_timeout_is_killed_and_the_next_one_runs(tmp_path):
     # in a process of its own: the stages are forked, and this test process may hold threads
     results = tmp_path / "r.jsonl"
-    proc = subprocess.run([sys.executable, "-c", _TIMEOUT_PROBE, str(ROOT / "benchmarks"), str(tmp_path / "w"),
-                           str(results)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _TIMEOUT_PROBE, str(ROOT / "benchmarks"), str(tmp_path / "w"), str(results)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [(r["stage"], r["status"]) for r in lines] == [("hang", "partial"), ("hang", "timeout"), ("fine", "ok")]
+    assert [(r["stage"], r["status"]) for r in lines] == [
+        ("hang", "partial"),
+        ("hang", "timeout"),
+        ("fine", "ok"),
+    ]
 
 
 @pytest.mark.slow
@@ -127,12 +153,21 @@ def test_dry_run_in_a_venv_pinned_to_the_gpu_image(tmp_path):
     a minute, from the package index), then about 45 s a run; skips when the venv cannot be built."""
     script = ROOT / "benchmarks" / "gpu_image_venv.sh"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    proc = subprocess.run(["bash", str(script)], cwd=str(ROOT), capture_output=True, text=True, timeout=900,
-                          env={**env, "OUT": str(tmp_path / "out")})
+    proc = subprocess.run(
+        ["bash", str(script)],
+        cwd=str(ROOT),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**env, "OUT": str(tmp_path / "out")},
+    )
     if proc.returncode == 4:
         pytest.skip("the pinned venv could not be built here: " + (proc.stderr.strip() or proc.stdout)[-500:])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "!=" not in proc.stdout.split("== dry run")[0]  # every pin matched
-    final = {rec["stage"]: rec for rec in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())
-             if rec["status"] != "partial"}
+    final = {
+        rec["stage"]: rec
+        for rec in map(json.loads, (tmp_path / "out" / "results.jsonl").read_text().splitlines())
+        if rec["status"] != "partial"
+    }
     assert final["session"]["status"] == "done" and final["cosine"]["min_cosine"] >= 0.9999

@@ -120,13 +120,21 @@ def test_a_written_run_and_the_lazy_frame_encode_the_same_rows(tmp_path):
     sizes = [3, 30, 2, 5, 1]
     write_partitioned_parquet(tmp_path / "in", sizes, seed=5)
     ddf = dd.read_parquet(tmp_path / "in")
-    kw = {"model": lambda t: np.asarray([[len(x), 1.0] for x in t]), "b_min": 6, "b_max": 12, "keep": ["doc_id"]}
+    kw = {
+        "model": lambda t: np.asarray([[len(x), 1.0] for x in t]),
+        "b_min": 6,
+        "b_max": 12,
+        "keep": ["doc_id"],
+    }
     lazy = ddf.surge.encode("text", **kw).compute(scheduler="sync")
     res = ddf.surge.encode("text", str(tmp_path / "o"), scheduler="sync", progress=False, **kw)
     back = dask_surge.read_embeddings(str(tmp_path / "o")).compute().sort_values(["partition", "row"])
     assert res.rows == len(lazy) == len(back) == sum(sizes)
-    pd.testing.assert_frame_equal(lazy[["partition", "row", "doc_id"]].reset_index(drop=True),
-                                  back[["partition", "row", "doc_id"]].reset_index(drop=True), check_dtype=False)
+    pd.testing.assert_frame_equal(
+        lazy[["partition", "row", "doc_id"]].reset_index(drop=True),
+        back[["partition", "row", "doc_id"]].reset_index(drop=True),
+        check_dtype=False,
+    )
     assert np.allclose(np.stack(lazy["embedding"].tolist()), np.stack(back["embedding"].tolist()))
 
 
@@ -134,10 +142,17 @@ def _legacy_inputs(ddf):
     """Pipelines whose Dask layers build legacy tuple tasks (a repartition to fewer partitions;
     a merge, a shuffle and a groupby-apply through the disk shuffle, a local scheduler's
     default), not task specs."""
-    other = dd.from_pandas(pd.DataFrame({"doc_id": np.arange(40), "weight": np.arange(40) * 0.5}), npartitions=3)
+    other = dd.from_pandas(
+        pd.DataFrame({"doc_id": np.arange(40), "weight": np.arange(40) * 0.5}), npartitions=3
+    )
     with dask.config.set({"dataframe.shuffle.method": "disk"}):
-        grouped = ddf.assign(key=ddf.doc_id % 3).groupby("key").apply(
-            lambda g: g[list(ddf.columns)].assign(n=len(g)), meta=ddf._meta.assign(n=np.int64(0)).iloc[:0])
+        grouped = (
+            ddf.assign(key=ddf.doc_id % 3)
+            .groupby("key")
+            .apply(
+                lambda g: g[list(ddf.columns)].assign(n=len(g)), meta=ddf._meta.assign(n=np.int64(0)).iloc[:0]
+            )
+        )
     parts = [dask.delayed(ddf.get_partition(i).compute(scheduler="sync")) for i in range(ddf.npartitions)]
     return {
         # not legacy tasks, but keyed apart from the node Dask files under the key (below)
@@ -182,7 +197,12 @@ def test_units_over_nodes_filed_under_another_key_compute_their_partitions(name)
 @pytest.mark.parametrize("name", LEGACY + REKEYED)
 def test_a_pipeline_of_legacy_tasks_is_encoded_whole_by_both_paths(tmp_path, name):
     frame = _legacy_inputs(make_partitioned_frame([3, 5, 2, 4, 6]))[name]
-    kw = {"model": lambda t: np.asarray([[len(x), 1.0] for x in t]), "b_min": 4, "b_max": 8, "keep": ["doc_id"]}
+    kw = {
+        "model": lambda t: np.asarray([[len(x), 1.0] for x in t]),
+        "b_min": 4,
+        "b_max": 8,
+        "keep": ["doc_id"],
+    }
     lazy = frame.surge.encode("text", **kw).compute(scheduler="sync")
     res = frame.surge.encode("text", str(tmp_path / "o"), scheduler="sync", progress=False, **kw)
     back = dask_surge.read_embeddings(str(tmp_path / "o")).compute()
@@ -196,7 +216,12 @@ def test_a_persisted_input_repartitioned_on_a_client_is_encoded_whole(tmp_path, 
     frame = persisted.repartition(npartitions=2)
     inputs = InputGraph(frame)
     assert any(type(v).__name__ == "Future" for v in inputs.graph.values())
-    kw = {"model": lambda t: np.asarray([[len(x), 1.0] for x in t]), "b_min": 4, "b_max": 8, "keep": ["doc_id"]}
+    kw = {
+        "model": lambda t: np.asarray([[len(x), 1.0] for x in t]),
+        "b_min": 4,
+        "b_max": 8,
+        "keep": ["doc_id"],
+    }
     res = frame.surge.encode("text", str(tmp_path / "o"), scheduler=client, progress=False, **kw)
     lazy = frame.surge.encode("text", **kw).compute()
     back = dask_surge.read_embeddings(str(tmp_path / "o")).compute()
@@ -214,8 +239,11 @@ def test_a_parquet_read_dask_would_tune_is_encoded_on_its_own_partitions(tmp_pat
     (tmp_path / "in").mkdir()
     for f in range(6):
         ids = np.arange(f * 30, f * 30 + 30)
-        pq.write_table(pa.table({"doc_id": ids, "text": [f"doc {i}" for i in ids], "grp": [f"g{i % 3}" for i in ids]}),
-                       tmp_path / "in" / f"part{f}.parquet", row_group_size=7)
+        pq.write_table(
+            pa.table({"doc_id": ids, "text": [f"doc {i}" for i in ids], "grp": [f"g{i % 3}" for i in ids]}),
+            tmp_path / "in" / f"part{f}.parquet",
+            row_group_size=7,
+        )
     if read == "filters":
         frame = dd.read_parquet(tmp_path / "in", filters=[("doc_id", ">", 100)])
     elif read == "index":

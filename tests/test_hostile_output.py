@@ -48,8 +48,9 @@ def _part(i: int, null_at: tuple) -> pd.DataFrame:
 def _encode(out, model, **kw):
     null_at = tuple(kw.pop("nulls", ()))
     frame = dd.from_map(_part, range(len(SIZES)), null_at=null_at, meta=_part(0, ())[:0])
-    return frame.surge.encode("text", str(out), model=model, b_min=6, b_max=6, scheduler="sync", progress=False,
-                              **kw)
+    return frame.surge.encode(
+        "text", str(out), model=model, b_min=6, b_max=6, scheduler="sync", progress=False, **kw
+    )
 
 
 def _tree(d: Path) -> dict[str, bytes | str]:
@@ -59,7 +60,9 @@ def _tree(d: Path) -> dict[str, bytes | str]:
         for name in dirs + files:
             p = Path(top) / name
             rel = str(p.relative_to(d))
-            out[rel] = f"-> {os.readlink(p)}" if p.is_symlink() else (p.read_bytes() if p.is_file() else "dir")
+            out[rel] = (
+                f"-> {os.readlink(p)}" if p.is_symlink() else (p.read_bytes() if p.is_file() else "dir")
+            )
     return out
 
 
@@ -73,6 +76,7 @@ def _glob_keys(out: Path) -> list[tuple[int, int]]:
 
 
 # --- links under _surge/ are never followed ---------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def base_output(tmp_path_factory):
@@ -102,9 +106,17 @@ def _linked_dirs(base: Path) -> list[str]:
     return ["_surge", *sorted(rels)]
 
 
-DECOYS = ("precious.txt", "run.json", "CLAIM", "COMPLETE", "000000000-000000000000-deadbeef.parquet",
-          "part-deadbeef-000000000-000000000000-deadbeef.parquet", "000000000-000000000000.json",
-          "bucket-000000.npy", "meta.json")
+DECOYS = (
+    "precious.txt",
+    "run.json",
+    "CLAIM",
+    "COMPLETE",
+    "000000000-000000000000-deadbeef.parquet",
+    "part-deadbeef-000000000-000000000000-deadbeef.parquet",
+    "000000000-000000000000.json",
+    "bucket-000000.npy",
+    "meta.json",
+)
 
 
 def _with_link(base: Path, tmp: Path, rel: str) -> tuple[Path, Path]:
@@ -134,8 +146,13 @@ def _finish(out):  # what the end of a run does, called directly (the run read b
     manifest_mod.finish_run(run, {}, {"rows": 0})
 
 
-OPERATIONS = {"resume": _resume, "overwrite": _overwrite, "repair": lambda out: repair(str(out)),
-              "verify": lambda out: verify(str(out)), "finish": _finish}
+OPERATIONS = {
+    "resume": _resume,
+    "overwrite": _overwrite,
+    "repair": lambda out: repair(str(out)),
+    "verify": lambda out: verify(str(out)),
+    "finish": _finish,
+}
 
 
 def test_every_deleting_path_leaves_a_linked_directory_alone(tmp_path, base_output):
@@ -194,6 +211,7 @@ def test_discard_refuses_names_the_layout_does_not_write(tmp_path):
 
 # --- an overwrite never shows two runs' rows ----------------------------------------------------------
 
+
 class _Killed(BaseException):
     """Stands for a kill -9 at one file operation of the finishing process."""
 
@@ -248,7 +266,9 @@ def test_every_kill_point_of_an_overwrite_leaves_each_key_once(tmp_path, monkeyp
                 assert seen[0] <= k
                 break
         keys = _glob_keys(out)
-        assert len(keys) == len(set(keys)), f"killed at operation {k}: a glob reads {len(keys) - len(set(keys))} keys twice"
+        assert len(keys) == len(set(keys)), (
+            f"killed at operation {k}: a glob reads {len(keys) - len(set(keys))} keys twice"
+        )
         assert dask_surge.status(str(out))["state"] in ("complete", "incomplete")
         still_old = current_run(OutputStore.open(str(out))).run_id == old
         _encode(out, CountingEncoder(dim=4), overwrite=still_old)
@@ -289,6 +309,7 @@ def test_verify_names_a_foreign_file_readers_would_read_and_repair_leaves_it(tmp
 
 # --- the output is never inside an input --------------------------------------------------------------
 
+
 def test_an_output_inside_the_input_directory_is_refused(tmp_path, counting_encoder):
     src = tmp_path / "in"
     src.mkdir()
@@ -297,11 +318,14 @@ def test_an_output_inside_the_input_directory_is_refused(tmp_path, counting_enco
     before = _tree(src)
     for reader in (dd.read_parquet(str(src)), dd.read_parquet(str(src / "*.parquet"))):
         with pytest.raises(SurgeOutputError, match="inside the input directory"):
-            reader.surge.encode("text", str(src / "emb"), model=counting_encoder, scheduler="sync", progress=False)
+            reader.surge.encode(
+                "text", str(src / "emb"), model=counting_encoder, scheduler="sync", progress=False
+            )
     assert _tree(src) == before
 
 
 # --- claims -------------------------------------------------------------------------------------------
+
 
 def test_a_live_claim_is_not_reported_as_unwritable(tmp_path):
     store = OutputStore.open(str(tmp_path))
@@ -340,11 +364,22 @@ def _race(tmp_path, trials: int, racers: int = 4) -> None:
     for t in range(trials):
         meta = tmp_path / str(t) / "_surge"
         meta.mkdir(parents=True)
-        (meta / "CLAIM").write_text(json.dumps({"run": "f" * 16, "token": uuid.uuid4().hex, "pid": dead.pid,
-                                                "host": socket.gethostname(), "started": time.time()}))
+        (meta / "CLAIM").write_text(
+            json.dumps(
+                {
+                    "run": "f" * 16,
+                    "token": uuid.uuid4().hex,
+                    "pid": dead.pid,
+                    "host": socket.gethostname(),
+                    "started": time.time(),
+                }
+            )
+        )
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(racers), ctx.Queue()
-    procs = [ctx.Process(target=_racer, args=(str(tmp_path), trials, barrier, results, i)) for i in range(racers)]
+    procs = [
+        ctx.Process(target=_racer, args=(str(tmp_path), trials, barrier, results, i)) for i in range(racers)
+    ]
     # a spawned racer imports this module by its name (tests.test_hostile_output under pytest's importlib
     # mode): from the repository root, which a plain `pytest` does not put on sys.path (spawn copies it)
     root = str(Path(__file__).resolve().parents[1])

@@ -35,7 +35,7 @@ def test_slurm_cpu_job_script_asks_for_no_gpu_and_runs_one_worker_per_core():
         script = cluster.job_script()
     assert "gres" not in script and "GPU=1" not in script and "dask_cuda" not in script
     assert "#SBATCH -p cpu" in script and "#SBATCH --cpus-per-task=4" in script
-    assert "#SBATCH --mem=15G" in script      # 4 GB a core by default (dask-jobqueue writes GiB)
+    assert "#SBATCH --mem=15G" in script  # 4 GB a core by default (dask-jobqueue writes GiB)
     assert "-m distributed.cli.dask_worker" in script
     assert "--nworkers 4" in script and "--nthreads 1" in script
 
@@ -56,8 +56,10 @@ def test_worker_logs_go_to_log_directory(tmp_path):
 
 
 def test_the_gpu_helper_is_jobqueue_cluster_with_one_gpu():
-    with gpu_jobqueue_cluster("slurm", cores=4, **LOCAL) as a, \
-            jobqueue_cluster("slurm", gpus=1, cores=4, memory="64GB", **LOCAL) as b:
+    with (
+        gpu_jobqueue_cluster("slurm", cores=4, **LOCAL) as a,
+        jobqueue_cluster("slurm", gpus=1, cores=4, memory="64GB", **LOCAL) as b,
+    ):
         scripts = [c.job_script().replace(c.scheduler.address, "SCHEDULER") for c in (a, b)]
     assert scripts[0] == scripts[1] and "--gres=gpu:1" in scripts[0]
 

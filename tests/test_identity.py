@@ -44,7 +44,7 @@ def _write_inputs(root) -> None:
     pd.DataFrame({"text": ["x", "y"]}).to_csv(root / "c.csv", index=False)
 
 
-_SCRIPT = textwrap.dedent('''
+_SCRIPT = textwrap.dedent("""
     import json, sys
     import numpy as np, pandas as pd, dask.dataframe as dd
     from dask_surge import Encoder
@@ -70,13 +70,19 @@ _SCRIPT = textwrap.dedent('''
     out = {name: input_identity(f[["text"]]) for name, f in frames.items()}
     out["closure_model"] = Encoder(linear(np.arange(9.0).reshape(3, 3))).identity()["digest"]
     print(json.dumps(out))
-''')
+""")
 
 
 def _identities_in_a_new_process(root, seed: str) -> dict:
     env = {**os.environ, "PYTHONHASHSEED": seed}  # set and frozenset orders differ between the two
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, str(root)], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(root)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -130,7 +136,9 @@ def test_every_step_of_the_graph_counts_functions_included():
 
     assert input_identity(ddf.map_partitions(suffix("!"))) != input_identity(ddf.map_partitions(suffix("?")))
     assert input_identity(ddf.map_partitions(suffix("!"))) == input_identity(ddf.map_partitions(suffix("!")))
-    assert input_identity(ddf.map_partitions(upper, meta=ddf._meta)) != input_identity(ddf.map_partitions(upper))
+    assert input_identity(ddf.map_partitions(upper, meta=ddf._meta)) != input_identity(
+        ddf.map_partitions(upper)
+    )
 
 
 class _Opaque:
@@ -158,8 +166,11 @@ def _uses_a_global_lock(df):
 def test_a_step_without_a_deterministic_token_is_refused_with_the_fix(tmp_path, counting_encoder):
     # Dask names a module-level function by reference; its default (a lock) has no token
     ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1).map_partitions(_guarded)
-    with pytest.raises(SurgeInputError, match=r"MapPartitions \(operand 'func'\).*_guarded.*defaults.*lock"
-                                              r".*__dask_tokenize__.*input_token="):
+    with pytest.raises(
+        SurgeInputError,
+        match=r"MapPartitions \(operand 'func'\).*_guarded.*defaults.*lock"
+        r".*__dask_tokenize__.*input_token=",
+    ):
         input_identity(ddf)
     out = str(tmp_path / "o")
     kw = dict(model=counting_encoder, scheduler="sync", progress=False, input_token="opaque-v1")
@@ -171,7 +182,8 @@ def test_a_step_without_a_deterministic_token_is_refused_with_the_fix(tmp_path, 
     # a global lock is state, not data: the step is identified (by the lock's type)
     plain = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
     assert input_identity(plain.map_partitions(_uses_a_global_lock)) == input_identity(
-        plain.map_partitions(_uses_a_global_lock))
+        plain.map_partitions(_uses_a_global_lock)
+    )
 
 
 def test_closures_over_different_weights_are_different_models():
@@ -199,9 +211,13 @@ def test_only_options_that_change_embeddings_make_a_different_run(tiny_model):
     ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
     enc = Encoder(tiny_model)
     base = _fingerprint(ddf, enc, on_null="error")
-    same = [_fingerprint(ddf, enc, on_null="skip"), _fingerprint(ddf, enc, on_null="empty"),
-            _fingerprint(ddf, enc.with_options(batch_size=4, max_tokens=512, engine="sentence-transformers",
-                                               device="cpu"))]
+    same = [
+        _fingerprint(ddf, enc, on_null="skip"),
+        _fingerprint(ddf, enc, on_null="empty"),
+        _fingerprint(
+            ddf, enc.with_options(batch_size=4, max_tokens=512, engine="sentence-transformers", device="cpu")
+        ),
+    ]
     assert all(fp == base for fp in same)
     assert not {"on_null", "b_min", "b_max", "max_bytes"} & set(base)
     assert _fingerprint(ddf, enc, normalize=True) != base
@@ -221,7 +237,9 @@ def test_dtype_auto_is_recorded_resolved_for_the_runs_device(tiny_model, tmp_pat
     enc = Encoder(tiny_model)
     assert _fingerprint(ddf, enc, device="cpu")["model"]["dtype"] == "float32"
     assert _fingerprint(ddf, enc, device="cuda")["model"]["dtype"] == "float16"
-    assert _fingerprint(ddf, enc, device="cpu") == _fingerprint(ddf, enc.with_options(dtype="float32"), device="cpu")
+    assert _fingerprint(ddf, enc, device="cpu") == _fingerprint(
+        ddf, enc.with_options(dtype="float32"), device="cpu"
+    )
     assert _fingerprint(ddf, enc, device="cuda") != _fingerprint(ddf, enc, device="cpu")
     # a bfloat16 checkpoint computes in bfloat16 on a GPU, as the engine does
     import shutil

@@ -37,30 +37,56 @@ def _check(index, df: pd.DataFrame, min_recall: float) -> float:
     exact = exact_neighbours(x, x[queries], 10)
     recall = recall_at_k(found, exact)
     unit = x / np.linalg.norm(x, axis=1, keepdims=True)
-    best = np.einsum("ij,ij->i", unit[found[:, 0]], unit[queries])  # the first hit: the query itself, or a tie
+    best = np.einsum(
+        "ij,ij->i", unit[found[:, 0]], unit[queries]
+    )  # the first hit: the query itself, or a tie
     assert np.mean(best >= 1 - 1e-4) >= 0.95
     assert recall >= min_recall, recall
     return recall
 
 
 def test_faiss_index_beside_a_parquet_output(tmp_path, tiny_model):
-    res = _frame().surge.encode("text", output=str(tmp_path / "emb"), model=tiny_model, scheduler="threads",
-                                progress=False, b_min=500, b_max=1000)
+    res = _frame().surge.encode(
+        "text",
+        output=str(tmp_path / "emb"),
+        model=tiny_model,
+        scheduler="threads",
+        progress=False,
+        b_min=500,
+        b_max=1000,
+    )
     info = build_index(res.output)
-    assert info["kind"] == "faiss" and info["rows"] == 2000 and (tmp_path / "emb.faiss" / "index.faiss").exists()
+    assert (
+        info["kind"] == "faiss" and info["rows"] == 2000 and (tmp_path / "emb.faiss" / "index.faiss").exists()
+    )
     df = dask_surge.read_embeddings(res.output).compute().reset_index(drop=True)
     _check(open_index(res.output), df, 0.9)
     # the output itself stays a valid output: a rerun resumes (nothing foreign inside it)
-    again = _frame().surge.encode("text", output=str(tmp_path / "emb"), model=tiny_model, scheduler="threads",
-                                  progress=False, b_min=500, b_max=1000)
+    again = _frame().surge.encode(
+        "text",
+        output=str(tmp_path / "emb"),
+        model=tiny_model,
+        scheduler="threads",
+        progress=False,
+        b_min=500,
+        b_max=1000,
+    )
     assert again.resumed
 
 
 def test_lance_index_on_a_lance_output(tmp_path, tiny_model):
     lance = pytest.importorskip("lance")
     out = tmp_path / "emb.lance"
-    _frame().surge.encode("text", output=str(out), format="lance", model=tiny_model, scheduler="threads",
-                          progress=False, b_min=500, b_max=1000)
+    _frame().surge.encode(
+        "text",
+        output=str(out),
+        format="lance",
+        model=tiny_model,
+        scheduler="threads",
+        progress=False,
+        b_min=500,
+        b_max=1000,
+    )
     with pytest.raises(dask_surge.SurgeInputError, match="no vector index"):
         open_index(out)
     info = build_index(out)

@@ -19,8 +19,9 @@ from dask_surge.io.store import OutputStore
 
 
 def _fresh_python(code: str, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 # -- local_cluster ------------------------------------------------------------------------------
@@ -69,7 +70,8 @@ def _write_fixed_width(root, tag: str) -> None:
 
     for i in range(4):
         pd.DataFrame({"text": [f"{tag}{i}{j}x" for j in range(3)]}).to_parquet(
-            root / f"p{i}.parquet", compression=None)
+            root / f"p{i}.parquet", compression=None
+        )
 
 
 def test_an_input_rewritten_with_its_size_and_mtime_kept_is_refused(tmp_path):
@@ -102,16 +104,22 @@ def test_an_input_rewritten_with_its_size_and_mtime_kept_is_refused(tmp_path):
 
 # -- from_map over strings -----------------------------------------------------------------------
 
-DOCSTRINGS = [["register(func, *args, **kwargs) -> func", "SELECT * FROM t WHERE a LIKE '[x]%'"],
-              ["see https://example.invalid/a?b=1 or std::vector", ""], ["what? ** and *"]]
+DOCSTRINGS = [
+    ["register(func, *args, **kwargs) -> func", "SELECT * FROM t WHERE a LIKE '[x]%'"],
+    ["see https://example.invalid/a?b=1 or std::vector", ""],
+    ["what? ** and *"],
+]
 
 
 def _texts_frame(texts_per_partition):
     import dask.dataframe as dd
     import pandas as pd
 
-    return dd.from_map(lambda texts: pd.DataFrame({"text": pd.array(texts, dtype="str")}), texts_per_partition,
-                       meta=pd.DataFrame({"text": pd.Series([], dtype="str")}))
+    return dd.from_map(
+        lambda texts: pd.DataFrame({"text": pd.array(texts, dtype="str")}),
+        texts_per_partition,
+        meta=pd.DataFrame({"text": pd.Series([], dtype="str")}),
+    )
 
 
 def test_from_map_over_texts_is_encoded(tmp_path, client):
@@ -124,7 +132,9 @@ def test_from_map_over_texts_is_encoded(tmp_path, client):
     ddf = _texts_frame(DOCSTRINGS)
     changed = _texts_frame([DOCSTRINGS[0], DOCSTRINGS[1], ["what? ** and +"]])
     assert input_identity(ddf) != input_identity(changed)
-    res = ddf.surge.encode("text", str(tmp_path / "o"), model=dask_surge.testing.checksum_model, progress=False)
+    res = ddf.surge.encode(
+        "text", str(tmp_path / "o"), model=dask_surge.testing.checksum_model, progress=False
+    )
     assert res.rows == 5
     back = dask_surge.read_embeddings(str(tmp_path / "o")).compute().sort_values(["partition", "row"])
     expected = [t for texts in DOCSTRINGS for t in texts]
@@ -151,8 +161,10 @@ def test_a_from_map_string_naming_files_is_still_a_location(tmp_path):
     import dask.dataframe as dd
 
     meta = pd.DataFrame({"text": pd.Series([], dtype="str")})
-    frames = {"file": lambda: dd.from_map(pd.read_parquet, [str(tmp_path / "p0.parquet")]),
-              "glob": lambda: dd.from_map(_read_glob, [str(tmp_path / "p*.parquet")], meta=meta)}
+    frames = {
+        "file": lambda: dd.from_map(pd.read_parquet, [str(tmp_path / "p0.parquet")]),
+        "glob": lambda: dd.from_map(_read_glob, [str(tmp_path / "p*.parquet")], meta=meta),
+    }
     before = {name: input_identity(make()) for name, make in frames.items()}
     pd.DataFrame({"text": ["changed"]}).to_parquet(tmp_path / "p0.parquet")
     assert all(input_identity(make()) != before[name] for name, make in frames.items())
@@ -184,8 +196,9 @@ def test_the_null_text_error_says_what_is_kept_and_how_to_resume(tmp_path):
     res = ddf.surge.encode("text", out, on_null="skip", **kw)
     assert res.resumed and res.skipped_superbatches == 3 and res.nulls_skipped == 1
     back = dask_surge.read_embeddings(out).compute()
-    assert sorted(zip(back.partition, back.row)) == [(p, r) for p, texts in enumerate(parts)
-                                                     for r, t in enumerate(texts) if t is not None]
+    assert sorted(zip(back.partition, back.row)) == [
+        (p, r) for p, texts in enumerate(parts) for r, t in enumerate(texts) if t is not None
+    ]
 
 
 # -- Parquet files whose types drift ------------------------------------------------------------
@@ -199,7 +212,10 @@ def _expect_rows(out: str, texts_by_partition) -> None:
     back = dask_surge.read_embeddings(out).compute().sort_values(["partition", "row"])
     want = [(p, r) for p, texts in enumerate(texts_by_partition) for r in range(len(texts))]
     assert list(zip(back.partition, back.row)) == want
-    assert back.text_hash.tolist() == hash_column(text_hashes([t for ts in texts_by_partition for t in ts])).to_pylist()
+    assert (
+        back.text_hash.tolist()
+        == hash_column(text_hashes([t for ts in texts_by_partition for t in ts])).to_pylist()
+    )
 
 
 def _write(path, texts, **kwargs) -> None:
@@ -225,7 +241,8 @@ def test_an_empty_parquet_file_is_read_with_the_others(tmp_path, client, empty_a
     assert str(pq.read_schema(tmp_path / "in" / f"p{empty_at}.parquet").field("text").type) == "double"
     out = str(tmp_path / "o")
     res = dd.read_parquet(str(tmp_path / "in" / "p*.parquet")).surge.encode(
-        "text", out, model=dask_surge.testing.checksum_model, keep=["n"], b_min=4, b_max=8, progress=False)
+        "text", out, model=dask_surge.testing.checksum_model, keep=["n"], b_min=4, b_max=8, progress=False
+    )
     assert res.rows == 7
     _expect_rows(out, texts)
 
@@ -242,13 +259,22 @@ def test_an_all_null_text_file_takes_the_text_type(tmp_path, null_type):
     import dask_surge
 
     _write(tmp_path / "in" / "p0.parquet", ["a", "b"])
-    pq.write_table(pa.table({"text": pa.nulls(2, getattr(pa, null_type)()), "n": pa.array([0, 1])}),
-                   tmp_path / "in" / "p1.parquet")
+    pq.write_table(
+        pa.table({"text": pa.nulls(2, getattr(pa, null_type)()), "n": pa.array([0, 1])}),
+        tmp_path / "in" / "p1.parquet",
+    )
     _write(tmp_path / "in" / "p2.parquet", ["c"])
     out = str(tmp_path / "o")
     res = dd.read_parquet(str(tmp_path / "in")).surge.encode(
-        "text", out, model=dask_surge.testing.checksum_model, on_null="skip", b_min=5, b_max=5,
-        scheduler="sync", progress=False)
+        "text",
+        out,
+        model=dask_surge.testing.checksum_model,
+        on_null="skip",
+        b_min=5,
+        b_max=5,
+        scheduler="sync",
+        progress=False,
+    )
     assert res.nulls_skipped == 2
     assert sorted(map(tuple, dask_surge.skipped_rows(out).values.tolist())) == [(1, 0), (1, 1)]
     back = dask_surge.read_embeddings(out).compute()
@@ -267,15 +293,24 @@ def test_a_first_file_of_null_texts_does_not_type_the_column(tmp_path):
     _write(tmp_path / "in" / "p1.parquet", [""])
     out = str(tmp_path / "o")
     res = dd.read_parquet(str(tmp_path / "in")).surge.encode(
-        "text", out, model=dask_surge.testing.checksum_model, on_null="skip", b_min=1, b_max=1,
-        scheduler="sync", progress=False)
+        "text",
+        out,
+        model=dask_surge.testing.checksum_model,
+        on_null="skip",
+        b_min=1,
+        b_max=1,
+        scheduler="sync",
+        progress=False,
+    )
     assert res.nulls_skipped == 1
     back = dask_surge.read_embeddings(out).compute()
     assert list(zip(back.partition, back.row)) == [(1, 0)]
 
 
-@pytest.mark.skipif(int(__import__("pyarrow").__version__.split(".")[0]) < 21,
-                    reason="pyarrow writes string_view columns to Parquet from 21 on")
+@pytest.mark.skipif(
+    int(__import__("pyarrow").__version__.split(".")[0]) < 21,
+    reason="pyarrow writes string_view columns to Parquet from 21 on",
+)
 @pytest.mark.parametrize("first", ["dictionary", "string_view"])
 def test_string_view_and_dictionary_files_are_read_together(tmp_path, first):
     """Shrunk from the property: Arrow has no cast between ``string_view`` and dictionary text; the
@@ -294,8 +329,15 @@ def test_string_view_and_dictionary_files_are_read_together(tmp_path, first):
         pq.write_table(pa.table({"text": arr}), tmp_path / "in" / f"p{i}.parquet")
     out = str(tmp_path / "o")
     dd.read_parquet(str(tmp_path / "in")).surge.encode(
-        "text", out, model=dask_surge.testing.checksum_model, on_null="skip", b_min=5, b_max=5, scheduler="sync",
-        progress=False)
+        "text",
+        out,
+        model=dask_surge.testing.checksum_model,
+        on_null="skip",
+        b_min=5,
+        b_max=5,
+        scheduler="sync",
+        progress=False,
+    )
     back = dask_surge.read_embeddings(out).compute()
     assert sorted(zip(back.partition, back.row)) == [(0, 0), (0, 2), (1, 0), (1, 1)]
 
@@ -309,10 +351,14 @@ def test_a_text_column_of_numbers_names_the_files_own_type(tmp_path, counting_en
 
     _write(tmp_path / "in" / "p0.parquet", [])
     _write(tmp_path / "in" / "p1.parquet", [5, 6])
-    with pytest.raises(SurgeInputError, match=r"the text column 'text' holds int64 values \('.*p1\.parquet'\): "
-                                              r"only strings can be encoded\. Nothing was encoded"):
-        dd.read_parquet(str(tmp_path / "in")).surge.encode("text", str(tmp_path / "o"), model=counting_encoder,
-                                                          scheduler="sync", progress=False)
+    with pytest.raises(
+        SurgeInputError,
+        match=r"the text column 'text' holds int64 values \('.*p1\.parquet'\): "
+        r"only strings can be encoded\. Nothing was encoded",
+    ):
+        dd.read_parquet(str(tmp_path / "in")).surge.encode(
+            "text", str(tmp_path / "o"), model=counting_encoder, scheduler="sync", progress=False
+        )
 
 
 def test_a_real_type_conflict_is_refused_from_the_footers_before_any_encoding(tmp_path, counting_encoder):
@@ -323,11 +369,17 @@ def test_a_real_type_conflict_is_refused_from_the_footers_before_any_encoding(tm
     _write(tmp_path / "in" / "p0.parquet", ["a", "b"])
     _write(tmp_path / "in" / "p1.parquet", [1, 2])  # ints where the other file holds strings
     out = tmp_path / "o"
-    with pytest.raises(SurgeInputError, match=r"p1\.parquet' holds column 'text' as int64, but '.*p0\.parquet' "
-                                              r"holds string values.*nothing was encoded"):
+    with pytest.raises(
+        SurgeInputError,
+        match=r"p1\.parquet' holds column 'text' as int64, but '.*p0\.parquet' "
+        r"holds string values.*nothing was encoded",
+    ):
         dd.read_parquet(str(tmp_path / "in" / "p*.parquet")).surge.encode(
-            "text", str(out), model=counting_encoder, scheduler="sync", progress=False)
-    assert [c for c in counting_encoder.calls if c > 1] == [] and not list(out.glob("_surge/runs/*/commits/*"))
+            "text", str(out), model=counting_encoder, scheduler="sync", progress=False
+        )
+    assert [c for c in counting_encoder.calls if c > 1] == [] and not list(
+        out.glob("_surge/runs/*/commits/*")
+    )
 
 
 def test_a_conflict_the_footers_cannot_show_is_refused_when_read(tmp_path, counting_encoder):
@@ -339,10 +391,14 @@ def test_a_conflict_the_footers_cannot_show_is_refused_when_read(tmp_path, count
 
     _write(tmp_path / "in" / "p0.parquet", ["a", "b"])
     _write(tmp_path / "in" / "p1.parquet", [1, 2], write_statistics=False)
-    with pytest.raises(SurgeInputError, match=r"p1\.parquet' holds column 'text' as int64, but '.*p0\.parquet' "
-                                              r"holds string values.*nothing of its SuperBatch was written"):
+    with pytest.raises(
+        SurgeInputError,
+        match=r"p1\.parquet' holds column 'text' as int64, but '.*p0\.parquet' "
+        r"holds string values.*nothing of its SuperBatch was written",
+    ):
         dd.read_parquet(str(tmp_path / "in" / "p*.parquet")).surge.encode(
-            "text", str(tmp_path / "o"), model=counting_encoder, b_min=4, scheduler="sync", progress=False)
+            "text", str(tmp_path / "o"), model=counting_encoder, b_min=4, scheduler="sync", progress=False
+        )
     assert [c for c in counting_encoder.calls if c > 1] == []
 
 
@@ -358,10 +414,15 @@ def test_a_conflict_under_later_steps_is_refused_before_any_encoding(tmp_path, c
     _write(tmp_path / "in" / "p2.parquet", [1, 2])
     ddf = dd.read_parquet(str(tmp_path / "in"))
     out = tmp_path / "o"
-    with pytest.raises(SurgeInputError, match=r"p2\.parquet' holds column 'text' as int64.*nothing was encoded"):
-        ddf[ddf.n >= 0].surge.encode("text", str(out), model=counting_encoder, b_min=2, b_max=2,
-                                      scheduler="sync", progress=False)
-    assert [c for c in counting_encoder.calls if c > 1] == [] and not list(out.glob("_surge/runs/*/commits/*"))
+    with pytest.raises(
+        SurgeInputError, match=r"p2\.parquet' holds column 'text' as int64.*nothing was encoded"
+    ):
+        ddf[ddf.n >= 0].surge.encode(
+            "text", str(out), model=counting_encoder, b_min=2, b_max=2, scheduler="sync", progress=False
+        )
+    assert [c for c in counting_encoder.calls if c > 1] == [] and not list(
+        out.glob("_surge/runs/*/commits/*")
+    )
 
 
 def test_a_file_missing_a_kept_column_is_refused_before_any_encoding(tmp_path, counting_encoder):
@@ -374,7 +435,8 @@ def test_a_file_missing_a_kept_column_is_refused_before_any_encoding(tmp_path, c
     pd.DataFrame({"text": ["c"]}).to_parquet(tmp_path / "in" / "p1.parquet")  # no column n
     with pytest.raises(SurgeInputError, match=r"p1\.parquet' has no column 'n'.*Nothing was encoded"):
         dd.read_parquet(str(tmp_path / "in" / "p*.parquet")).surge.encode(
-            "text", str(tmp_path / "o"), model=counting_encoder, keep=["n"], scheduler="sync", progress=False)
+            "text", str(tmp_path / "o"), model=counting_encoder, keep=["n"], scheduler="sync", progress=False
+        )
     assert [c for c in counting_encoder.calls if c > 1] == []  # the one-text probe of the dimension only
 
 
@@ -399,8 +461,14 @@ def test_a_categorical_text_column_with_nulls_encodes_them_as_empty(tmp_path, so
     else:
         ddf = dd.from_pandas(frame, npartitions=1)
     out = str(tmp_path / "o")
-    ddf.surge.encode("text", out, model=dask_surge.testing.checksum_model, on_null="empty", scheduler="sync",
-                     progress=False)
+    ddf.surge.encode(
+        "text",
+        out,
+        model=dask_surge.testing.checksum_model,
+        on_null="empty",
+        scheduler="sync",
+        progress=False,
+    )
     _expect_rows(out, [[" ", "", "b"]])
 
 
@@ -416,8 +484,13 @@ def test_a_lone_surrogate_met_while_planning_is_a_clear_error(tmp_path):
     frame = pd.DataFrame({"text": pd.Series(["", "a\ud800b"], dtype=object), "n": [0, 1]})
     ddf = dd.from_pandas(frame, npartitions=2, sort=False).set_index("n")
     with pytest.raises(SurgeInputError, match=r"lone surrogate.*Fix"):
-        ddf.surge.encode("text", str(tmp_path / "o"), model=dask_surge.testing.checksum_model, scheduler="sync",
-                         progress=False)
+        ddf.surge.encode(
+            "text",
+            str(tmp_path / "o"),
+            model=dask_surge.testing.checksum_model,
+            scheduler="sync",
+            progress=False,
+        )
 
 
 def test_a_committed_file_not_yet_published_is_read_from_staging(tmp_path):
@@ -433,10 +506,19 @@ def test_a_committed_file_not_yet_published_is_read_from_staging(tmp_path):
 
     ddf = dd.from_pandas(pd.DataFrame({"text": list("abcdef")}), npartitions=3)
     out = str(tmp_path / "o")
-    ddf.surge.encode("text", out, model=dask_surge.testing.checksum_model, b_min=2, b_max=2, scheduler="sync",
-                     progress=False)
+    ddf.surge.encode(
+        "text",
+        out,
+        model=dask_surge.testing.checksum_model,
+        b_min=2,
+        b_max=2,
+        scheduler="sync",
+        progress=False,
+    )
     manifest = current_run(OutputStore.open(out))
     last = list(manifest.committed().values())[-1]
-    os.replace(f"{out}/{last.file}", manifest.staging_path(last.sb, DATA_FILE.match(last.file).group("attempt")))
+    os.replace(
+        f"{out}/{last.file}", manifest.staging_path(last.sb, DATA_FILE.match(last.file).group("attempt"))
+    )
     back = dask_surge.read_embeddings(out).compute()
     assert sorted(zip(back.partition, back.row)) == [(p, r) for p in range(3) for r in range(2)]

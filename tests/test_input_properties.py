@@ -57,9 +57,25 @@ from dask_surge.testing import (
 # -- texts -------------------------------------------------------------------------------------------
 
 _PLAIN = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
-_SPECIAL = st.sampled_from(["", " ", "\t\n ", "\u3000", "\U0001f600 emoji", "\U00010348\U0001d11e", "a" * 3000,
-                            "long " * 400, "nan", "NA", "None", '"quoted, comma"', "line\nbreak", "**/*.parquet",
-                            "register(func, *args, **kwargs)"])
+_SPECIAL = st.sampled_from(
+    [
+        "",
+        " ",
+        "\t\n ",
+        "\u3000",
+        "\U0001f600 emoji",
+        "\U00010348\U0001d11e",
+        "a" * 3000,
+        "long " * 400,
+        "nan",
+        "NA",
+        "None",
+        '"quoted, comma"',
+        "line\nbreak",
+        "**/*.parquet",
+        "register(func, *args, **kwargs)",
+    ]
+)
 TEXT = st.one_of(_PLAIN, _PLAIN, _SPECIAL)
 NULLABLE = st.one_of(TEXT, TEXT, TEXT, st.none())
 SURROGATE = st.sampled_from(["a\ud800b", "\udfff", "x\udc80"])
@@ -96,15 +112,20 @@ class Source:
 
     name: str
     options: dict = field(default_factory=dict)
-    refuse: str | None = None  # an error the run may stop with (the input's files disagree): before any commit
+    refuse: str | None = (
+        None  # an error the run may stop with (the input's files disagree): before any commit
+    )
 
     def __repr__(self) -> str:
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in self.options.items())})"
 
 
 # pyarrow writes string_view columns to Parquet from 21 on (the lowest supported pyarrow, 18, refuses)
-_TEXT_TYPES = [kind for kind in ["large_string", "string", "dictionary", "string_view", "pandas"]
-               if kind != "string_view" or int(pa.__version__.split(".")[0]) >= 21]
+_TEXT_TYPES = [
+    kind
+    for kind in ["large_string", "string", "dictionary", "string_view", "pandas"]
+    if kind != "string_view" or int(pa.__version__.split(".")[0]) >= 21
+]
 
 
 @st.composite
@@ -115,8 +136,11 @@ def parquet_sources(draw, parts: list) -> Source:
         if not texts or all(t is None for t in texts):  # pandas writes these as double: or typed, or null
             kind = draw(st.sampled_from(["pandas", "null", kind]))
         files.append({"type": kind, "row_group": draw(st.integers(1, 4)), "extra": draw(st.booleans())})
-    options: dict[str, Any] = {"files": files, "how": draw(st.sampled_from(["plain", "plain", "filters", "hive"])),
-                               "split_row_groups": draw(st.booleans())}  # a partition per row group
+    options: dict[str, Any] = {
+        "files": files,
+        "how": draw(st.sampled_from(["plain", "plain", "filters", "hive"])),
+        "split_row_groups": draw(st.booleans()),
+    }  # a partition per row group
     refuse = None
     if len(parts) > 1 and draw(st.integers(0, 3)) == 0:
         bad = draw(st.integers(1, len(parts) - 1))
@@ -134,7 +158,9 @@ def _arrow_text(texts: list, kind: str) -> pa.Array:
         return pa.nulls(len(texts))
     if kind == "dictionary":
         return pa.array(texts, pa.large_string()).dictionary_encode()
-    return pa.array(texts, {"string": pa.string(), "string_view": pa.string_view()}.get(kind, pa.large_string()))
+    return pa.array(
+        texts, {"string": pa.string(), "string_view": pa.string_view()}.get(kind, pa.large_string())
+    )
 
 
 def _write_parquet(parts: list, root: Path, options: dict) -> dd.DataFrame:
@@ -142,14 +168,20 @@ def _write_parquet(parts: list, root: Path, options: dict) -> dd.DataFrame:
     data.mkdir()
     for i, (texts, start, spec) in enumerate(zip(parts, _starts(parts), options["files"])):
         if spec["type"] == "pandas":  # what pandas 3 writes: an empty text column as double
-            table = pa.Table.from_pandas(pd.DataFrame({"text": texts, "n": range(start, start + len(texts))}),
-                                         preserve_index=False)
+            table = pa.Table.from_pandas(
+                pd.DataFrame({"text": texts, "n": range(start, start + len(texts))}), preserve_index=False
+            )
         else:
-            table = pa.table({"text": _arrow_text(texts, spec["type"]),
-                              "n": pa.array(range(start, start + len(texts)), pa.int64())})
+            table = pa.table(
+                {
+                    "text": _arrow_text(texts, spec["type"]),
+                    "n": pa.array(range(start, start + len(texts)), pa.int64()),
+                }
+            )
         if options.get("ints_in") == i:
-            table = table.set_column(0, "text", pa.array([None if t is None else k for k, t in enumerate(texts)],
-                                                         pa.int64()))
+            table = table.set_column(
+                0, "text", pa.array([None if t is None else k for k, t in enumerate(texts)], pa.int64())
+            )
         if options.get("no_n_in") == i:
             table = table.drop_columns(["n"])
         if spec["extra"]:
@@ -158,8 +190,13 @@ def _write_parquet(parts: list, root: Path, options: dict) -> dd.DataFrame:
             if pa.types.is_string_view(table.schema.field("text").type):
                 table = table.set_column(0, "text", table.column("text").cast(pa.large_string()))
             table = table.append_column("h", pa.array([f"k{i % 2}"] * len(texts)))
-            pq.write_to_dataset(table, data, partition_cols=["h"], basename_template=f"p{i:03d}-{{i}}.parquet",
-                                row_group_size=spec["row_group"])
+            pq.write_to_dataset(
+                table,
+                data,
+                partition_cols=["h"],
+                basename_template=f"p{i:03d}-{{i}}.parquet",
+                row_group_size=spec["row_group"],
+            )
         else:
             pq.write_table(table, data / f"p{i:03d}.parquet", row_group_size=spec["row_group"])
     kw = {"split_row_groups": True} if options.get("split_row_groups") else {}
@@ -180,10 +217,16 @@ def _write_json(parts: list, root: Path, options: dict) -> dd.DataFrame:
     (root / "in").mkdir()
     for i, (texts, start) in enumerate(zip(parts, _starts(parts))):
         if texts:  # an empty JSON lines file has no columns
-            input_partition(texts, start, "object").to_json(root / "in" / f"p{i:03d}.json", orient="records",
-                                                            lines=True, force_ascii=options["ascii"])
-    return dd.read_json(str(root / "in" / "*.json"), lines=True, blocksize=None,
-                        dtype={"text": "str", "n": "int64"}, meta=_meta("str"))
+            input_partition(texts, start, "object").to_json(
+                root / "in" / f"p{i:03d}.json", orient="records", lines=True, force_ascii=options["ascii"]
+            )
+    return dd.read_json(
+        str(root / "in" / "*.json"),
+        lines=True,
+        blocksize=None,
+        dtype={"text": "str", "n": "int64"},
+        meta=_meta("str"),
+    )
 
 
 def _concat(parts: list, dtype: str) -> pd.DataFrame:
@@ -205,24 +248,37 @@ def build(source: Source, parts: list, root: Path) -> dd.DataFrame:
         return dd.from_pandas(frame, npartitions=o["npartitions"], sort=o["sort"])
     if source.name == "from_dict":
         frame = _concat(parts, "object")
-        return dd.from_dict({"text": frame["text"].tolist(), "n": frame["n"].to_numpy()}, npartitions=o["npartitions"])
+        return dd.from_dict(
+            {"text": frame["text"].tolist(), "n": frame["n"].to_numpy()}, npartitions=o["npartitions"]
+        )
     if source.name == "from_delayed":
-        frames = [dask.delayed(input_partition)(texts, start, "object")
-                  for texts, start in zip(parts, _starts(parts))]
+        frames = [
+            dask.delayed(input_partition)(texts, start, "object")
+            for texts, start in zip(parts, _starts(parts))
+        ]
         return dd.from_delayed(frames, meta=_meta(), verify_meta=o["verify"])
     over = o["over"]
     if over == "strings":
-        return dd.from_map(input_partition_from_json, [json.dumps([t, s]) for t, s in zip(parts, _starts(parts))],
-                           meta=_meta())
+        return dd.from_map(
+            input_partition_from_json,
+            [json.dumps([t, s]) for t, s in zip(parts, _starts(parts))],
+            meta=_meta(),
+        )
     if over == "ints":
         frames = [input_partition(t, s, "object") for t, s in zip(parts, _starts(parts))]
-        return dd.from_map(functools.partial(operator.getitem, frames), list(range(len(frames))), meta=_meta())
+        return dd.from_map(
+            functools.partial(operator.getitem, frames), list(range(len(frames))), meta=_meta()
+        )
     if over == "tuples":
-        return dd.from_map(input_partition_from_tuple, [(s, *t) for t, s in zip(parts, _starts(parts))],
-                           meta=_meta())
+        return dd.from_map(
+            input_partition_from_tuple, [(s, *t) for t, s in zip(parts, _starts(parts))], meta=_meta()
+        )
     if over == "dicts":
-        return dd.from_map(input_partition_from_dict,
-                           [{"texts": t, "start": s} for t, s in zip(parts, _starts(parts))], meta=_meta())
+        return dd.from_map(
+            input_partition_from_dict,
+            [{"texts": t, "start": s} for t, s in zip(parts, _starts(parts))],
+            meta=_meta(),
+        )
     (root / "in").mkdir()  # paths: a Parquet file per partition, read by the function
     paths = []
     for i, (texts, start) in enumerate(zip(parts, _starts(parts))):
@@ -233,13 +289,29 @@ def build(source: Source, parts: list, root: Path) -> dd.DataFrame:
 
 @st.composite
 def sources(draw) -> tuple[Source, list]:
-    name = draw(st.sampled_from(["read_parquet", "read_parquet", "read_csv", "read_json", "from_pandas",
-                                 "from_dict", "from_delayed", "from_map", "from_map"]))
+    name = draw(
+        st.sampled_from(
+            [
+                "read_parquet",
+                "read_parquet",
+                "read_csv",
+                "read_json",
+                "from_pandas",
+                "from_dict",
+                "from_delayed",
+                "from_map",
+                "from_map",
+            ]
+        )
+    )
     options: dict[str, Any] = {}
     surrogates = False
     if name == "from_pandas":
-        options = {"dtype": draw(st.sampled_from(["object", "string[pyarrow]", "str", "category"])),
-                   "npartitions": draw(st.integers(1, 5)), "sort": draw(st.booleans())}
+        options = {
+            "dtype": draw(st.sampled_from(["object", "string[pyarrow]", "str", "category"])),
+            "npartitions": draw(st.integers(1, 5)),
+            "sort": draw(st.booleans()),
+        }
         surrogates = options["dtype"] == "object"
     elif name == "from_dict":
         options = {"npartitions": draw(st.integers(1, 5))}
@@ -264,8 +336,18 @@ def sources(draw) -> tuple[Source, list]:
 # -- steps after the read ---------------------------------------------------------------------------
 
 
-STEPS = ["map_partitions", "filter_some", "filter_most", "repartition_more", "repartition_fewer", "merge",
-         "set_index", "dropna", "astype_str", "rename"]
+STEPS = [
+    "map_partitions",
+    "filter_some",
+    "filter_most",
+    "repartition_more",
+    "repartition_fewer",
+    "merge",
+    "set_index",
+    "dropna",
+    "astype_str",
+    "rename",
+]
 
 
 def apply_steps(ddf: dd.DataFrame, steps: list[str]) -> tuple[dd.DataFrame, str, bool]:
@@ -283,8 +365,9 @@ def apply_steps(ddf: dd.DataFrame, steps: list[str]) -> tuple[dd.DataFrame, str,
         elif step == "repartition_fewer":
             ddf = ddf.repartition(npartitions=max(1, ddf.npartitions - 2))
         elif step == "merge" and has_n:
-            other = dd.from_pandas(pd.DataFrame({"n": np.arange(0, 60, dtype="int64"), "m": np.arange(60) % 5}),
-                                   npartitions=2)
+            other = dd.from_pandas(
+                pd.DataFrame({"n": np.arange(0, 60, dtype="int64"), "m": np.arange(60) % 5}), npartitions=2
+            )
             ddf = ddf.merge(other, on="n", how="left")
         elif step == "set_index" and has_n:
             ddf, has_n = ddf.set_index("n"), False
@@ -308,12 +391,16 @@ class Case:
     b_max: int
     keep: bool
     convert_string: bool = True  # dask.config "dataframe.convert-string": False keeps Python str objects
-    tokenizer: bool = False  # the tiny BERT model (a tokenizer reads the texts), else checksum_model (a callable)
+    tokenizer: bool = (
+        False  # the tiny BERT model (a tokenizer reads the texts), else checksum_model (a callable)
+    )
 
     def __repr__(self) -> str:
-        return (f"Case({self.source!r}, parts={self.parts!r}, steps={self.steps}, on_null={self.on_null!r}, "
-                f"b_min={self.b_min}, b_max={self.b_max}, keep={self.keep}, convert_string={self.convert_string}, "
-                f"tokenizer={self.tokenizer})")
+        return (
+            f"Case({self.source!r}, parts={self.parts!r}, steps={self.steps}, on_null={self.on_null!r}, "
+            f"b_min={self.b_min}, b_max={self.b_max}, keep={self.keep}, convert_string={self.convert_string}, "
+            f"tokenizer={self.tokenizer})"
+        )
 
 
 @st.composite
@@ -321,9 +408,17 @@ def cases(draw) -> Case:
     source, parts = draw(sources())
     steps = draw(st.lists(st.sampled_from(STEPS), max_size=2))
     b_min = draw(st.integers(1, 8))
-    return Case(source, parts, steps, draw(st.sampled_from(["error", "empty", "skip"])), b_min,
-                draw(st.integers(b_min, 12)), draw(st.booleans()), draw(st.sampled_from([True, True, False])),
-                draw(st.integers(0, 4)) == 0)
+    return Case(
+        source,
+        parts,
+        steps,
+        draw(st.sampled_from(["error", "empty", "skip"])),
+        b_min,
+        draw(st.integers(b_min, 12)),
+        draw(st.booleans()),
+        draw(st.sampled_from([True, True, False])),
+        draw(st.integers(0, 4)) == 0,
+    )
 
 
 # -- the property -----------------------------------------------------------------------------------
@@ -379,8 +474,15 @@ def _missing_as_none(value: Any) -> Any:
     return None if pd.api.types.is_scalar(value) and pd.isna(value) else value
 
 
-def _check_rows(back: pd.DataFrame, expected: pd.DataFrame, keep: list[str], *, whole: bool,
-                ordered: bool | None = True, model: Any = checksum_model) -> None:
+def _check_rows(
+    back: pd.DataFrame,
+    expected: pd.DataFrame,
+    keep: list[str],
+    *,
+    whole: bool,
+    ordered: bool | None = True,
+    model: Any = checksum_model,
+) -> None:
     """``back`` (committed rows) holds expected rows only, each once, with its own text; all of them if
     ``whole``. ``ordered`` False: the rows of a partition may come in any order (after a merge, Dask's
     order within an output partition is not defined), so each partition is compared as a multiset; None:
@@ -389,15 +491,20 @@ def _check_rows(back: pd.DataFrame, expected: pd.DataFrame, keep: list[str], *, 
     assert len(got) == len(set(got)), "a (partition, row) written twice"
     texts = back.text_hash.tolist()
     assert len(back.embedding) == 0 or len({len(e) for e in back.embedding}) == 1
-    if not ordered:  # after a merge: rows of a partition in any order; after a repartition too, in any partition
+    if (
+        not ordered
+    ):  # after a merge: rows of a partition in any order; after a repartition too, in any partition
         assert whole, "a partial run after a merge is not compared"
         key = ["text_hash", *keep] if ordered is None else ["partition", "text_hash", *keep]
         have = back.assign(text_hash=texts)
-        want = expected.assign(text_hash=hash_column(text_hashes(expected.text.tolist())).to_pylist() if len(expected)
-                               else [])
+        want = expected.assign(
+            text_hash=hash_column(text_hashes(expected.text.tolist())).to_pylist() if len(expected) else []
+        )
         assert sorted(map(tuple, have[key].values.tolist())) == sorted(map(tuple, want[key].values.tolist()))
         if ordered is False:
-            assert sorted(p for p, _ in got) == sorted(expected.partition)  # which rows were null: not defined
+            assert sorted(p for p, _ in got) == sorted(
+                expected.partition
+            )  # which rows were null: not defined
         return
     want = expected.set_index(["partition", "row"])
     if whole:
@@ -409,18 +516,31 @@ def _check_rows(back: pd.DataFrame, expected: pd.DataFrame, keep: list[str], *, 
     if wanted and model is checksum_model:
         np.testing.assert_array_equal(np.stack(back.embedding.to_numpy()), checksum_model(wanted))
     for k in keep:
-        assert list(map(_missing_as_none, back[k])) == [_missing_as_none(want.loc[key, k]) for key in got], \
+        assert list(map(_missing_as_none, back[k])) == [_missing_as_none(want.loc[key, k]) for key in got], (
             f"kept column {k} misaligned"
+        )
 
 
-def _surrogate_stops(ddf, column: str, keep: list[str], root: Path, case: Case, scheduler: str | None,
-                     model: Any) -> str:
+def _surrogate_stops(
+    ddf, column: str, keep: list[str], root: Path, case: Case, scheduler: str | None, model: Any
+) -> str:
     kw: dict[str, Any] = {"scheduler": scheduler} if scheduler else {}
     try:
         with pytest.raises(SurgeInputError, match=r"lone surrogate|null value") as stopped:
-            ddf.surge.encode(column, str(root / "out"), model=model, on_null=case.on_null, b_min=case.b_min,
-                             b_max=case.b_max, keep=keep, progress=False, **kw)
-    except UnicodeEncodeError:  # known: see test_input_defects.py::test_a_lone_surrogate_met_while_planning_...
+            ddf.surge.encode(
+                column,
+                str(root / "out"),
+                model=model,
+                on_null=case.on_null,
+                b_min=case.b_min,
+                b_max=case.b_max,
+                keep=keep,
+                progress=False,
+                **kw,
+            )
+    except (
+        UnicodeEncodeError
+    ):  # known: see test_input_defects.py::test_a_lone_surrogate_met_while_planning_...
         return "known-surrogate-while-planning"
     assert "Fix" in str(stopped.value)
     back = _committed(str(root / "out"))
@@ -440,23 +560,42 @@ def _check_case(case: Case, root: Path, scheduler: str | None, model: Any) -> st
         ddf, column, has_n = apply_steps(build(case.source, case.parts, root), case.steps)
         keep = ["n"] if case.keep and has_n else []
         parts = _oracle(ddf, [column, *keep])
-    except UnicodeEncodeError:  # Dask's own conversion to Arrow strings meets a lone surrogate: so must the run
+    except (
+        UnicodeEncodeError
+    ):  # Dask's own conversion to Arrow strings meets a lone surrogate: so must the run
         if ddf is None:
             return "dask-fails"
         return _surrogate_stops(ddf, column, keep, root, case, scheduler, model)
     except Exception as err:  # noqa: BLE001 - Dask cannot build or compute this frame itself: nothing to hold encode to
         if os.environ.get("SURGE_PROPERTY_DEBUG"):
-            print("dask-fails:", case.source.name, case.steps, type(err).__name__, str(err)[:150].replace("\n", " "))
+            print(
+                "dask-fails:",
+                case.source.name,
+                case.steps,
+                type(err).__name__,
+                str(err)[:150].replace("\n", " "),
+            )
         return "dask-fails"
     ordered: bool | None = "merge" not in case.steps
-    if not ordered and any(s.startswith("repartition") for s in case.steps[case.steps.index("merge"):]):
+    if not ordered and any(s.startswith("repartition") for s in case.steps[case.steps.index("merge") :]):
         ordered = None
     out = str(root / "out")
     kw: dict[str, Any] = {"scheduler": scheduler} if scheduler else {}
     try:
-        ddf.surge.encode(column, out, model=model, on_null=case.on_null, b_min=case.b_min,
-                         b_max=case.b_max, keep=keep, progress=False, **kw)
-    except TypeError as err:  # known: see test_input_defects.py::test_a_categorical_text_column_with_nulls_...
+        ddf.surge.encode(
+            column,
+            out,
+            model=model,
+            on_null=case.on_null,
+            b_min=case.b_min,
+            b_max=case.b_max,
+            keep=keep,
+            progress=False,
+            **kw,
+        )
+    except (
+        TypeError
+    ) as err:  # known: see test_input_defects.py::test_a_categorical_text_column_with_nulls_...
         if "Categorical with a new category" not in str(err) or case.on_null != "empty":
             raise
         return "known-categorical-null"
@@ -481,15 +620,20 @@ def _check_case(case: Case, root: Path, scheduler: str | None, model: Any) -> st
         # what is kept: said for a null; not yet for a lone surrogate the tokenizer finds (see the report)
         assert what != "stopped-null" or "committed and kept" in message, message
         if back is not None and ordered:  # (on_null="error": the committed SuperBatches hold no null)
-            expected = _expected_rows(parts, column, "skip" if case.on_null == "error" else case.on_null, keep)
+            expected = _expected_rows(
+                parts, column, "skip" if case.on_null == "error" else case.on_null, keep
+            )
             _check_rows(back, expected, keep, whole=False, model=model)
         return what
     values = [v for p in parts for v in p[column]]
     assert not (case.on_null == "error" and any(not isinstance(v, str) for v in values)), "a null was encoded"
     if model is not checksum_model:  # a callable model takes any str; no tokenizer can read a lone surrogate
-        assert not any(isinstance(v, str) and _SURROGATE.search(v) for v in values), "a lone surrogate was tokenized"
-    assert all(isinstance(v, str) or v is None or v is pd.NA or isinstance(v, float) for v in values), \
+        assert not any(isinstance(v, str) and _SURROGATE.search(v) for v in values), (
+            "a lone surrogate was tokenized"
+        )
+    assert all(isinstance(v, str) or v is None or v is pd.NA or isinstance(v, float) for v in values), (
         "a value that is not a string was encoded"
+    )
     expected = _expected_rows(parts, column, case.on_null, keep)
     back = _committed(out)
     if back is None:
@@ -497,7 +641,12 @@ def _check_case(case: Case, root: Path, scheduler: str | None, model: Any) -> st
         return "empty"
     _check_rows(back, expected, keep, whole=True, ordered=ordered, model=model)
     if case.on_null == "skip":
-        nulls = [(p, r) for p, part in enumerate(parts) for r, v in enumerate(part[column]) if not isinstance(v, str)]
+        nulls = [
+            (p, r)
+            for p, part in enumerate(parts)
+            for r, v in enumerate(part[column])
+            if not isinstance(v, str)
+        ]
         skipped = sorted(map(tuple, dask_surge.skipped_rows(out).values.tolist()))
         if ordered is None:  # which partition: not defined either
             nulls, skipped = [len(nulls)], [len(skipped)]
@@ -507,10 +656,20 @@ def _check_case(case: Case, root: Path, scheduler: str | None, model: Any) -> st
     return "written"
 
 
-SLOW = int(os.environ.get("SURGE_PROPERTY_EXAMPLES") or (60 if os.environ.get("SURGE_SWEEP") == "reduced" else 300))
-_COMMON = dict(deadline=None, database=None, print_blob=True,
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                      HealthCheck.data_too_large, HealthCheck.filter_too_much])
+SLOW = int(
+    os.environ.get("SURGE_PROPERTY_EXAMPLES") or (60 if os.environ.get("SURGE_SWEEP") == "reduced" else 300)
+)
+_COMMON = dict(
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
+)
 
 
 def _scheduler(where: str, request) -> str | None:
@@ -520,8 +679,12 @@ def _scheduler(where: str, request) -> str | None:
     return "threads"
 
 
-_LOST: list[str] = []  # why the shared cluster was found without its workers (then every example fails at once)
-_LAST: list[Case] = []  # the example run last (on the cluster: the one that was running when the workers went)
+_LOST: list[
+    str
+] = []  # why the shared cluster was found without its workers (then every example fails at once)
+_LAST: list[
+    Case
+] = []  # the example run last (on the cluster: the one that was running when the workers went)
 
 
 def _workers_left(request, where: str) -> None:
@@ -536,9 +699,11 @@ def _workers_left(request, where: str) -> None:
         client.wait_for_workers(2, timeout=60)  # a nanny restarts a worker that died in a few seconds
     except TimeoutError:
         last = f"; the example run before: {_LAST[-1]!r}" if _LAST else ""
-        _LOST.append(f"the suite's shared cluster has {len(client.nthreads())} of its 2 workers (an earlier "
-                     "example or test killed or closed them: see the workers' log, e.g. 'Failed to "
-                     f"deserialize'); this example was not run{last}")
+        _LOST.append(
+            f"the suite's shared cluster has {len(client.nthreads())} of its 2 workers (an earlier "
+            "example or test killed or closed them: see the workers' log, e.g. 'Failed to "
+            f"deserialize'); this example was not run{last}"
+        )
         pytest.fail(_LOST[0])
 
 

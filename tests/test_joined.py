@@ -20,8 +20,13 @@ def minilm(max_length: int | None = 16, direction: str = "right", family: str = 
     tok = Tokenizer.from_file(str(packaged_model_dir() / "tokenizer.json"))
     if family == "mpnet":
         spec = json.loads(tok.to_str())
-        spec["post_processor"] = {"type": "RobertaProcessing", "sep": ["[SEP]", 102], "cls": ["[CLS]", 101],
-                                  "trim_offsets": True, "add_prefix_space": False}
+        spec["post_processor"] = {
+            "type": "RobertaProcessing",
+            "sep": ["[SEP]", 102],
+            "cls": ["[CLS]", 101],
+            "trim_offsets": True,
+            "add_prefix_space": False,
+        }
         for added in spec["added_tokens"]:
             added["lstrip"] = added["content"] == "[MASK]"
         tok = Tokenizer.from_str(json.dumps(spec))
@@ -42,21 +47,64 @@ def joined_ids(joined: JoinedTokenizer, texts: list[str]) -> tuple[list[list[int
     lengths, overflow, ids = joined.encode(texts)
     assert lengths.dtype == np.int32 and ids.dtype == np.int32 and overflow.dtype == bool
     assert int(lengths.sum()) == len(ids)
-    return [a.tolist() for a in np.split(ids, np.cumsum(lengths)[:-1])] if len(texts) else [], overflow.tolist()
+    return [a.tolist() for a in np.split(ids, np.cumsum(lengths)[:-1])] if len(
+        texts
+    ) else [], overflow.tolist()
 
 
 # pieces that stress what joining could change: the separator and other specials written out, whitespace
 # and control characters at the edges, accents and combining marks, CJK, punctuation, words over WordPiece's
 # 100 characters, text that looks like a half separator
-PIECES = ["[SEP]", "[CLS]", "[MASK]", "[SEP", "SEP]", "[", "]", "[sep]", " ", "\n", "\t", "\r\n", "\x00", "\u200b",
-          "\ufffd", "\u0301", "é", "e\u0301", "Ünïcödé", "日本語", "中", "한국어", "💥", "don't", "U.S.A.", "##ing",
-          "a" * 120, "hello", "world", ",", "...", "0.5", "\u3000", "\x85", "\u2028", "Ⅻ", "ﬁ"]
+PIECES = [
+    "[SEP]",
+    "[CLS]",
+    "[MASK]",
+    "[SEP",
+    "SEP]",
+    "[",
+    "]",
+    "[sep]",
+    " ",
+    "\n",
+    "\t",
+    "\r\n",
+    "\x00",
+    "\u200b",
+    "\ufffd",
+    "\u0301",
+    "é",
+    "e\u0301",
+    "Ünïcödé",
+    "日本語",
+    "中",
+    "한국어",
+    "💥",
+    "don't",
+    "U.S.A.",
+    "##ing",
+    "a" * 120,
+    "hello",
+    "world",
+    ",",
+    "...",
+    "0.5",
+    "\u3000",
+    "\x85",
+    "\u2028",
+    "Ⅻ",
+    "ﬁ",
+]
 text = st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=12)), max_size=12).map("".join)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(texts=st.lists(text, max_size=40), size=st.integers(1, 9), max_length=st.sampled_from([3, 8, 32, None]),
-       direction=st.sampled_from(["right", "left"]), family=st.sampled_from(["bert", "mpnet"]))
+@given(
+    texts=st.lists(text, max_size=40),
+    size=st.integers(1, 9),
+    max_length=st.sampled_from([3, 8, 32, None]),
+    direction=st.sampled_from(["right", "left"]),
+    family=st.sampled_from(["bert", "mpnet"]),
+)
 def test_same_ids_as_one_text_at_a_time(texts, size, max_length, direction, family):
     tok = minilm(max_length, direction, family)
     joined = JoinedTokenizer.of(tok)
@@ -122,7 +170,9 @@ def bpe_byte_level() -> Tokenizer:
     tok = Tokenizer(models.BPE({"a": 0, "b": 1, "Ġ": 2, "<s>": 3, "</s>": 4}, [], unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.add_special_tokens(["<s>", "</s>"])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 3), ("</s>", 4)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", 3), ("</s>", 4)]
+    )
     return tok
 
 
@@ -132,33 +182,94 @@ def wordpiece(**changes) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(spec))
 
 
-@pytest.mark.parametrize("make, why", [
-    (bpe_byte_level, "a byte-level BPE marks where a word starts"),
-    (lambda: wordpiece(pre_tokenizer={"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always",
-                                      "split": True}), "a SentencePiece-style pre-tokenizer"),
-    (lambda: wordpiece(normalizer={"type": "Replace", "pattern": {"String": " "}, "content": ""}),
-     "a normalizer that joins words"),
-    (lambda: wordpiece(truncation={"max_length": 16, "strategy": "LongestFirst", "stride": 4,
-                                   "direction": "Right"}), "a stride"),
-    (lambda: wordpiece(padding={"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
-                                "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"}), "padding"),
-    (lambda: wordpiece(added_tokens=[{**t, "normalized": True} for t in json.loads(minilm(16).to_str())["added_tokens"]]),
-     "special tokens matched after normalizing"),
-    (lambda: wordpiece(added_tokens=[*json.loads(minilm(16).to_str())["added_tokens"],
-                                     {"id": 7, "special": False, "content": " x", "single_word": False, "lstrip": False,
-                                      "rstrip": False, "normalized": True}]),
-     "an added token with whitespace could match at a joined text's edge"),
-    (lambda: wordpiece(truncation={"max_length": 2, "strategy": "LongestFirst", "stride": 0, "direction": "Right"}),
-     "no room for a text's tokens"),
-])
+@pytest.mark.parametrize(
+    "make, why",
+    [
+        (bpe_byte_level, "a byte-level BPE marks where a word starts"),
+        (
+            lambda: wordpiece(
+                pre_tokenizer={
+                    "type": "Metaspace",
+                    "replacement": "▁",
+                    "prepend_scheme": "always",
+                    "split": True,
+                }
+            ),
+            "a SentencePiece-style pre-tokenizer",
+        ),
+        (
+            lambda: wordpiece(normalizer={"type": "Replace", "pattern": {"String": " "}, "content": ""}),
+            "a normalizer that joins words",
+        ),
+        (
+            lambda: wordpiece(
+                truncation={"max_length": 16, "strategy": "LongestFirst", "stride": 4, "direction": "Right"}
+            ),
+            "a stride",
+        ),
+        (
+            lambda: wordpiece(
+                padding={
+                    "strategy": "BatchLongest",
+                    "direction": "Right",
+                    "pad_to_multiple_of": None,
+                    "pad_id": 0,
+                    "pad_type_id": 0,
+                    "pad_token": "[PAD]",
+                }
+            ),
+            "padding",
+        ),
+        (
+            lambda: wordpiece(
+                added_tokens=[
+                    {**t, "normalized": True} for t in json.loads(minilm(16).to_str())["added_tokens"]
+                ]
+            ),
+            "special tokens matched after normalizing",
+        ),
+        (
+            lambda: wordpiece(
+                added_tokens=[
+                    *json.loads(minilm(16).to_str())["added_tokens"],
+                    {
+                        "id": 7,
+                        "special": False,
+                        "content": " x",
+                        "single_word": False,
+                        "lstrip": False,
+                        "rstrip": False,
+                        "normalized": True,
+                    },
+                ]
+            ),
+            "an added token with whitespace could match at a joined text's edge",
+        ),
+        (
+            lambda: wordpiece(
+                truncation={"max_length": 2, "strategy": "LongestFirst", "stride": 0, "direction": "Right"}
+            ),
+            "no room for a text's tokens",
+        ),
+    ],
+)
 def test_not_used_where_joining_could_change_an_id(make, why):
     assert JoinedTokenizer.of(make()) is None, why
 
 
 def test_the_separator_is_one_no_other_token_overlaps():
     spec = json.loads(minilm(16).to_str())
-    spec["added_tokens"].append({"id": 5, "special": True, "content": "[SEP]x", "single_word": False,
-                                 "lstrip": False, "rstrip": False, "normalized": False})
+    spec["added_tokens"].append(
+        {
+            "id": 5,
+            "special": True,
+            "content": "[SEP]x",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+        }
+    )
     joined = JoinedTokenizer.of(Tokenizer.from_str(json.dumps(spec)))
     assert joined is not None and joined.separator == "[CLS]"
 
@@ -174,8 +285,17 @@ def test_special_ends_ignores_padding_and_truncation():
 
 def test_why_an_added_token_with_whitespace_refuses_joining():
     spec = json.loads(minilm(16).to_str())
-    spec["added_tokens"].append({"id": 30522, "special": False, "content": " x", "single_word": False,
-                                 "lstrip": False, "rstrip": False, "normalized": True})
+    spec["added_tokens"].append(
+        {
+            "id": 30522,
+            "special": False,
+            "content": " x",
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": True,
+        }
+    )
     tok = Tokenizer.from_str(json.dumps(spec))
     assert JoinedTokenizer.of(tok) is None
     forced = JoinedTokenizer(tok, "[SEP]")  # joined anyway: the space before a text lets " x" match

@@ -66,8 +66,12 @@ def test_the_cycle_check_can_fail():
 def test_layers_contract_is_kept():
     pytest.importorskip("importlinter")
     root = PACKAGE.parent
-    done = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; "
-                           "lint_imports_command()"], cwd=root, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     contracts = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
     assert f"{len(contracts)} kept, 0 broken" in done.stdout
@@ -83,32 +87,41 @@ def _lint_with(tmp_path: Path, plant: dict[str, str]) -> str:
     for module, line in plant.items():
         with open(tmp_path / "dask_surge" / module, "a") as f:
             f.write(f"\n{line}\n")
-    done = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; "
-                           "lint_imports_command()"], cwd=tmp_path, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     return done.stdout
 
 
-@pytest.mark.parametrize("module, line, broken", [
-    # the host side of the engine imports torch (even inside a function)
-    ("engine/tokenizing.py", "def f():\n    import torch", "engine, the host side"),
-    ("engine/long_texts.py", "import transformers", "engine, the host side"),
-    # a rule the engine is built on imports the machinery above it
-    ("engine/batching.py", "from . import forward", "engine: backends > transformer"),
-    # the engine reaches up into the models a user holds
-    ("engine/transformer.py", "from ..models import encoders", "Layers: public API"),
-])
+@pytest.mark.parametrize(
+    "module, line, broken",
+    [
+        # the host side of the engine imports torch (even inside a function)
+        ("engine/tokenizing.py", "def f():\n    import torch", "engine, the host side"),
+        ("engine/long_texts.py", "import transformers", "engine, the host side"),
+        # a rule the engine is built on imports the machinery above it
+        ("engine/batching.py", "from . import forward", "engine: backends > transformer"),
+        # the engine reaches up into the models a user holds
+        ("engine/transformer.py", "from ..models import encoders", "Layers: public API"),
+    ],
+)
 def test_a_planted_violation_breaks_its_contract(tmp_path, module, line, broken):
     pytest.importorskip("importlinter")
     out = " ".join(_lint_with(tmp_path, {module: line}).split())
-    summary = out[out.index("Contracts ---"):out.index("Contracts:")]  # "<name> KEPT|BROKEN" per contract
+    summary = out[out.index("Contracts ---") : out.index("Contracts:")]  # "<name> KEPT|BROKEN" per contract
     status = re.search(re.escape(broken) + r".*?(KEPT|BROKEN)", summary)
     assert status is not None and status.group(1) == "BROKEN", out[-2000:]
 
 
 def test_importing_the_package_loads_no_model_library():
-    code = ("import sys, dask_surge, dask_surge.cli; "
-            "print(sorted(m for m in ('torch', 'sentence_transformers', 'transformers', 'tokenizers', "
-            "'matplotlib') if m in sys.modules))")
+    code = (
+        "import sys, dask_surge, dask_surge.cli; "
+        "print(sorted(m for m in ('torch', 'sentence_transformers', 'transformers', 'tokenizers', "
+        "'matplotlib') if m in sys.modules))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 
@@ -120,8 +133,13 @@ def test_private_dask_names_are_imported_in_compat_only():
         if path.name == "_compat.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
-                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
             offenders += [f"{path.relative_to(PACKAGE)}: {n}" for n in names if n.startswith(private)]
     assert offenders == []
 
@@ -146,8 +164,14 @@ def test_function_level_imports_are_for_heavy_dependencies_only():
         for fn in ast.walk(tree):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for node in ast.walk(fn):
-                    if isinstance(node, ast.ImportFrom) and node.level > 0 and node.module not in torch_modules:
-                        lazy.append(f"{path.relative_to(PACKAGE)}:{node.lineno} from {'.' * node.level}{node.module}")
+                    if (
+                        isinstance(node, ast.ImportFrom)
+                        and node.level > 0
+                        and node.module not in torch_modules
+                    ):
+                        lazy.append(
+                            f"{path.relative_to(PACKAGE)}:{node.lineno} from {'.' * node.level}{node.module}"
+                        )
     assert lazy == []
 
 
@@ -169,7 +193,13 @@ def _delete_calls(source: str) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _DELETES:
             owner = node.func.value
-            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            name = (
+                owner.id
+                if isinstance(owner, ast.Name)
+                else owner.attr
+                if isinstance(owner, ast.Attribute)
+                else ""
+            )
             if node.func.attr == "replace" and name != "os":  # str.replace, dataclasses' replace
                 continue
             if name in ("os", "shutil", "fs", "self", "manifest") or name.endswith("fs"):
@@ -185,13 +215,19 @@ def test_every_delete_and_move_of_an_output_goes_through_one_module():
         rel = str(path.relative_to(PACKAGE))
         if rel == "io/store.py":
             continue
-        found += [f"{rel}:{line} .{attr}()" for line, attr in _delete_calls(path.read_text())
-                  if (rel, attr) not in _ALLOWED_DELETES]
+        found += [
+            f"{rel}:{line} .{attr}()"
+            for line, attr in _delete_calls(path.read_text())
+            if (rel, attr) not in _ALLOWED_DELETES
+        ]
     assert found == []
 
 
 def test_the_delete_check_can_fail():
-    assert _delete_calls("import os\nos.unlink(p)\nself.fs.rm(p)\nx.replace('a', 'b')\n") == [(2, "unlink"), (3, "rm")]
+    assert _delete_calls("import os\nos.unlink(p)\nself.fs.rm(p)\nx.replace('a', 'b')\n") == [
+        (2, "unlink"),
+        (3, "rm"),
+    ]
 
 
 def _module_name(path: Path) -> str:
@@ -202,9 +238,12 @@ def _module_name(path: Path) -> str:
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
+
 #: what asks which kind of filesystem it holds: only the store object (``io/store.py``) may
-_KIND_QUESTIONS = re.compile(r"LocalFileSystem|isinstance\(fs\b|\.protocol\b|\bis_local\(|\bprotocols\("
-                             r"|store\.kind\s*[!=]=|\"(?:memory|file|s3)\" in ")
+_KIND_QUESTIONS = re.compile(
+    r"LocalFileSystem|isinstance\(fs\b|\.protocol\b|\bis_local\(|\bprotocols\("
+    r"|store\.kind\s*[!=]=|\"(?:memory|file|s3)\" in "
+)
 
 
 def test_only_the_store_object_asks_what_kind_of_filesystem_it_holds():
@@ -215,14 +254,19 @@ def test_only_the_store_object_asks_what_kind_of_filesystem_it_holds():
         rel = str(path.relative_to(PACKAGE))
         if rel == "io/store.py":
             continue
-        found += [f"{rel}:{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1)
-                  if _KIND_QUESTIONS.search(line)]
+        found += [
+            f"{rel}:{i}: {line.strip()}"
+            for i, line in enumerate(path.read_text().splitlines(), 1)
+            if _KIND_QUESTIONS.search(line)
+        ]
     assert found == []
 
 
 def test_the_kind_check_can_fail():
     assert _KIND_QUESTIONS.search("if isinstance(fs, LocalFileSystem):")
-    assert _KIND_QUESTIONS.search('proto = fs.protocol[0]') and _KIND_QUESTIONS.search('if store.kind == "posix":')
+    assert _KIND_QUESTIONS.search("proto = fs.protocol[0]") and _KIND_QUESTIONS.search(
+        'if store.kind == "posix":'
+    )
 
 
 def _private_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
@@ -241,7 +285,11 @@ def _private_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 base = here[: len(here) - node.level + 1] if node.level else []
-                src = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module or ""
+                src = (
+                    ".".join(base + ([node.module] if node.module else []))
+                    if node.level
+                    else node.module or ""
+                )
                 for alias in node.names:
                     if f"{src}.{alias.name}" in modules:  # a module: ``from . import cache``
                         bound[alias.asname or alias.name] = f"{src}.{alias.name}"
@@ -249,7 +297,9 @@ def _private_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
                         found.append(f"{name}:{node.lineno} from {src} import {alias.name}")
             elif isinstance(node, ast.Import):
                 for alias in node.names:
-                    if alias.name in modules or alias.name.split(".")[0] in {m.split(".")[0] for m in modules}:
+                    if alias.name in modules or alias.name.split(".")[0] in {
+                        m.split(".")[0] for m in modules
+                    }:
                         local = alias.asname or alias.name.split(".")[0]
                         bound[local] = alias.name if alias.asname else local
         for node in ast.walk(tree):
@@ -281,9 +331,12 @@ def test_the_private_import_check_can_fail():
         "pkg._compat": ("Public = 1\n_hidden = 2\n", False),
         "pkg.a": ("_helper = 1\nx = _helper\n", False),
         "pkg.sub": ("", True),
-        "pkg.sub.b": ("from ..a import _helper\nfrom .. import a\nfrom .._compat import Public\n"
-                      "from .. import _compat\nimport pkg.a as alias\n"
-                      "y = a._helper + alias._helper + _compat._hidden + a.__name__\n", False),
+        "pkg.sub.b": (
+            "from ..a import _helper\nfrom .. import a\nfrom .._compat import Public\n"
+            "from .. import _compat\nimport pkg.a as alias\n"
+            "y = a._helper + alias._helper + _compat._hidden + a.__name__\n",
+            False,
+        ),
     }
     assert sorted(_private_imports(sources)) == [
         "pkg.sub.b:1 from pkg.a import _helper",

@@ -43,13 +43,19 @@ def test_the_worker_side_plugin_module_does_not_import_dask_dataframe():
 
 @pytest.mark.parametrize("order", ["dask_surge first", "dask.dataframe first"])
 def test_the_accessor_is_registered_in_either_import_order(order):
-    imports = ("import dask_surge\nimport dask.dataframe as dd" if order == "dask_surge first"
-               else "import dask.dataframe as dd\nimport dask_surge")
-    out = _run(imports + f"""
+    imports = (
+        "import dask_surge\nimport dask.dataframe as dd"
+        if order == "dask_surge first"
+        else "import dask.dataframe as dd\nimport dask_surge"
+    )
+    out = _run(
+        imports
+        + f"""
 import sys, pandas as pd
 ddf = dd.from_pandas(pd.DataFrame({{"text": ["a", "b", "c"]}}), npartitions=2)
 print(ddf.surge.plan("text", b_min=1, b_max=2).summary()["superbatches"], {_hooks()})
-""")
+"""
+    )
     assert out == "2 0"  # the plan works through the accessor; no import hook is left behind
 
 

@@ -30,8 +30,9 @@ def st_model():
 
 
 def _frame(docs: list[str], npartitions: int = 4) -> dd.DataFrame:
-    return dd.from_pandas(pd.DataFrame({"doc_id": range(len(docs)), "text": docs}), npartitions=npartitions,
-                          sort=False)
+    return dd.from_pandas(
+        pd.DataFrame({"doc_id": range(len(docs)), "text": docs}), npartitions=npartitions, sort=False
+    )
 
 
 def _read(path: str, keys=("partition", "row")) -> pd.DataFrame:
@@ -41,7 +42,9 @@ def _read(path: str, keys=("partition", "row")) -> pd.DataFrame:
 OPTS = {"device": "cpu", "keep": ["doc_id"], "b_min": 6, "b_max": 12, "progress": False}
 
 
-def test_chunk_mode_writes_a_row_per_window_equal_to_the_model_on_its_span(tmp_path, documents, st_model, client):
+def test_chunk_mode_writes_a_row_per_window_equal_to_the_model_on_its_span(
+    tmp_path, documents, st_model, client
+):
     out = str(tmp_path / "chunks")
     result = dask_surge.encode(_frame(documents), "text", output=out, long_texts="chunk", **OPTS)
     df = _read(out, ("partition", "row", "chunk"))
@@ -51,8 +54,12 @@ def test_chunk_mode_writes_a_row_per_window_equal_to_the_model_on_its_span(tmp_p
     for doc_id, g in df.groupby("doc_id"):  # windows tile the document in order, overlapping
         text = documents[doc_id]
         assert g["chunk"].tolist() == list(range(len(g)))
-        assert g["char_start"].iloc[0] <= len(text) - len(text.lstrip()) and g["char_end"].iloc[-1] == len(text.rstrip())
-        assert (np.diff(g["char_start"]) > 0).all() and (g["char_start"].iloc[1:].values < g["char_end"].iloc[:-1].values).all()
+        assert g["char_start"].iloc[0] <= len(text) - len(text.lstrip()) and g["char_end"].iloc[-1] == len(
+            text.rstrip()
+        )
+        assert (np.diff(g["char_start"]) > 0).all() and (
+            g["char_start"].iloc[1:].values < g["char_end"].iloc[:-1].values
+        ).all()
         assert (g["tokens"] <= 254).all()  # MiniLM's 256 less [CLS] and [SEP]
     sample = df.iloc[:: max(1, len(df) // 40)]
     spans = [documents[d][s:e] for d, s, e in zip(sample["doc_id"], sample["char_start"], sample["char_end"])]
@@ -89,11 +96,17 @@ def test_truncate_counts_what_it_cuts_and_error_stops_naming_the_row(tmp_path, d
     short = ["a short sentence", "another short one"] * 6
     frame = _frame(short + documents[:4], npartitions=4)
     err_out = str(tmp_path / "e")
-    with pytest.raises(SurgeInputError, match=r"partition \d+, row \d+ is [\d,]+ tokens long.*long_texts='truncate'"):
-        dask_surge.encode(frame, "text", output=err_out, long_texts="error", **{**opts, "b_min": 4, "b_max": 4})
+    with pytest.raises(
+        SurgeInputError, match=r"partition \d+, row \d+ is [\d,]+ tokens long.*long_texts='truncate'"
+    ):
+        dask_surge.encode(
+            frame, "text", output=err_out, long_texts="error", **{**opts, "b_min": 4, "b_max": 4}
+        )
     committed = dask_surge.status(err_out)["superbatches_committed"]
     assert committed >= 1
-    resumed = dask_surge.encode(frame, "text", output=err_out, long_texts="truncate", **{**opts, "b_min": 4, "b_max": 4})
+    resumed = dask_surge.encode(
+        frame, "text", output=err_out, long_texts="truncate", **{**opts, "b_min": 4, "b_max": 4}
+    )
     assert resumed.resumed and resumed.skipped_superbatches == committed and resumed.truncated == 4
 
 

@@ -47,7 +47,9 @@ def test_a_directory_holding_foreign_files_is_refused_and_left_intact(tmp_path, 
     out.mkdir()
     (out / "part-00000.parquet").write_bytes(b"the user's own data")
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(SurgeOutputError, match="did not write.*part-00000.parquet.*Fix: write to a new or empty"):
+    with pytest.raises(
+        SurgeOutputError, match="did not write.*part-00000.parquet.*Fix: write to a new or empty"
+    ):
         make_partitioned_frame([4] * 4).surge.encode("text", str(out), model=counting_encoder, **KW)
     assert (out / "part-00000.parquet").read_bytes() == b"the user's own data"
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "part-00000.parquet"]  # nothing written
@@ -65,7 +67,10 @@ def test_an_input_directory_is_never_an_output(tmp_path, counting_encoder):
     # and an output inside the input directory: refused as holding an input file? no: it is a new dir
     # of its own, but then the input (docs/) globbed again would not see it (the _ prefix is not there)
     with pytest.raises(SurgeOutputError, match="holds input file"):
-        check_output(OutputStore.open(str(tmp_path)), inputs=[(fsspec.filesystem("file"), str(docs / "part-00000.parquet"))])
+        check_output(
+            OutputStore.open(str(tmp_path)),
+            inputs=[(fsspec.filesystem("file"), str(docs / "part-00000.parquet"))],
+        )
 
 
 def test_finishing_never_deletes_a_file_it_did_not_write(tmp_path, counting_encoder):
@@ -90,7 +95,9 @@ def test_after_complete_the_parquet_files_are_exactly_the_committed_ones(tmp_pat
 
 def test_filesystems_without_an_exclusive_create_are_refused(counting_encoder):
     for url in ("ftp://host/emb", "simplecache::s3://bucket/emb", "http://host/emb"):
-        with pytest.raises(SurgeOutputError, match="needs an atomic write and an exclusive create.*Nothing was"):
+        with pytest.raises(
+            SurgeOutputError, match="needs an atomic write and an exclusive create.*Nothing was"
+        ):
             make_partitioned_frame([2]).surge.encode("text", url, model=counting_encoder, **KW)
 
 
@@ -102,16 +109,22 @@ def test_a_store_that_cannot_be_reached_is_a_clear_error(counting_encoder, monke
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     options = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
-    with pytest.raises(SurgeOutputError, match="s3://bucket/emb.*cannot be reached.*Nothing was written.*credentials"):
-        make_partitioned_frame([2]).surge.encode("text", "s3://bucket/emb", model=counting_encoder,
-                                                 storage_options=options, **KW)
+    with pytest.raises(
+        SurgeOutputError, match="s3://bucket/emb.*cannot be reached.*Nothing was written.*credentials"
+    ):
+        make_partitioned_frame([2]).surge.encode(
+            "text", "s3://bucket/emb", model=counting_encoder, storage_options=options, **KW
+        )
 
 
 def test_an_output_under_a_regular_file_is_a_clear_error(tmp_path, counting_encoder):
     (tmp_path / "file.txt").write_text("x")
-    with pytest.raises(SurgeOutputError, match="is under .*file.txt.*which is a file.*Fix: choose a new directory"):
-        make_partitioned_frame([2]).surge.encode("text", str(tmp_path / "file.txt" / "emb"),
-                                                 model=counting_encoder, **KW)
+    with pytest.raises(
+        SurgeOutputError, match="is under .*file.txt.*which is a file.*Fix: choose a new directory"
+    ):
+        make_partitioned_frame([2]).surge.encode(
+            "text", str(tmp_path / "file.txt" / "emb"), model=counting_encoder, **KW
+        )
 
 
 # -- the claim ----------------------------------------------------------------------------------
@@ -126,7 +139,9 @@ def test_a_live_claim_refuses_a_second_run(tmp_path, counting_encoder):
         make_partitioned_frame([4] * 2).surge.encode("text", str(out), model=counting_encoder, **KW)
     assert not list(out.glob("part-*"))
     claim.release()
-    assert make_partitioned_frame([4] * 2).surge.encode("text", str(out), model=counting_encoder, **KW).rows == 8
+    assert (
+        make_partitioned_frame([4] * 2).surge.encode("text", str(out), model=counting_encoder, **KW).rows == 8
+    )
     assert not (out / "_surge" / "CLAIM").exists()  # released at the end
 
 
@@ -135,11 +150,20 @@ def test_a_dead_or_expired_claim_is_taken_over(tmp_path, counting_encoder, monke
 
     out = tmp_path / "out"
     (out / "_surge").mkdir(parents=True)
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    claim = {"run": "0123456789abcdef", "token": "t", "host": socket.gethostname(), "pid": int(dead.stdout),
-             "heartbeat": time.time()}
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    claim = {
+        "run": "0123456789abcdef",
+        "token": "t",
+        "host": socket.gethostname(),
+        "pid": int(dead.stdout),
+        "heartbeat": time.time(),
+    }
     (out / "_surge" / "CLAIM").write_text(json.dumps(claim))
-    assert make_partitioned_frame([4] * 2).surge.encode("text", str(out), model=counting_encoder, **KW).rows == 8
+    assert (
+        make_partitioned_frame([4] * 2).surge.encode("text", str(out), model=counting_encoder, **KW).rows == 8
+    )
     # another host's claim: live until its heartbeat is older than the TTL
     claim.update(host="elsewhere", pid=1)
     (out / "_surge" / "CLAIM").write_text(json.dumps(claim))
@@ -162,7 +186,13 @@ def test_a_live_claim_of_a_host_with_a_skewed_clock_is_not_taken_over(tmp_path, 
     store = OutputStore.open(str(tmp_path / "out"))
     store.makedirs(f"{store.root}/_surge")
     token = "a" * 32
-    claim = {"run": "0123456789abcdef", "token": token, "host": "elsewhere", "pid": 1, "started": time.time() + skew}
+    claim = {
+        "run": "0123456789abcdef",
+        "token": token,
+        "host": "elsewhere",
+        "pid": 1,
+        "started": time.time() + skew,
+    }
     (tmp_path / "out" / "_surge" / "CLAIM").write_text(json.dumps(claim))
     (tmp_path / "out" / "_surge" / f".heartbeat-{token}").write_text(repr(time.time() + skew))
     with pytest.raises(SurgeOutputError, match=r"being written by another run .*last heartbeat [0-5] s ago"):
@@ -193,7 +223,9 @@ def test_the_heartbeat_refreshes_and_a_lost_claim_is_noticed(tmp_path, monkeypat
     claim = Claim.acquire(store, "0123456789abcdef")
     first = Claim.holder(store)["heartbeat"]
     assert _eventually(lambda: Claim.holder(store)["heartbeat"] > first) and not claim.lost
-    (tmp_path / "_surge" / "CLAIM").write_text(json.dumps({"token": "someone else", "heartbeat": time.time()}))
+    (tmp_path / "_surge" / "CLAIM").write_text(
+        json.dumps({"token": "someone else", "heartbeat": time.time()})
+    )
     assert _eventually(lambda: claim.lost)
     claim.release()
     assert (tmp_path / "_surge" / "CLAIM").exists()  # not ours any more: left alone
@@ -208,8 +240,14 @@ def test_two_runs_started_at_once_one_wins_cleanly(tmp_path):
     def run(normalize):  # two different runs: normalize changes the embeddings
         barrier.wait()
         try:
-            outcomes.append(("ok", dask_surge.encode(ddf, "text", str(out), model=SleepyModel(0.05),
-                                                     normalize=normalize, **KW)))
+            outcomes.append(
+                (
+                    "ok",
+                    dask_surge.encode(
+                        ddf, "text", str(out), model=SleepyModel(0.05), normalize=normalize, **KW
+                    ),
+                )
+            )
         except SurgeOutputError as err:
             outcomes.append(("refused", str(err)))
 
@@ -236,8 +274,9 @@ def test_a_late_task_of_a_replaced_run_can_neither_commit_nor_publish(tmp_path, 
     late = SuperBatchWriter(SuperBatchTask("text", (), dask_surge.Encoder(CountingEncoder(dim=4))), old)
     new = dask_surge.encode(ddf, "text", str(out), model=counting_encoder, overwrite=True, **KW)
     part = ddf.partitions[0].compute()
-    with pytest.raises(SurgeOutputError, match=f"run {old.run_id} of .* was replaced by another run "
-                                               f"\\(run {new.run_id}\\)"):
+    with pytest.raises(
+        SurgeOutputError, match=f"run {old.run_id} of .* was replaced by another run \\(run {new.run_id}\\)"
+    ):
         late([part], ((Span(0, 0, 6), 6),))
     assert _parts(out) == _committed_files(out)
     assert status_rows(out) == new.rows == 12
@@ -260,8 +299,11 @@ def test_a_worker_that_does_not_see_the_output_is_named_not_taken_for_a_replaced
     unseen = Manifest(OutputStore.open(str(tmp_path / "elsewhere" / "out")), run.run_id, run.fingerprint)
     task = SuperBatchTask("text", (), dask_surge.Encoder(CountingEncoder(dim=4)))
     runner = UnitRunner(SuperBatchWriter(task, unseen), 4, 8, None)
-    with pytest.raises(SurgeOutputError, match=r"a worker on host .* does not see the output .*run\.json.*Nothing "
-                                               r"of this task was written.*Fix: mount the output"):
+    with pytest.raises(
+        SurgeOutputError,
+        match=r"a worker on host .* does not see the output .*run\.json.*Nothing "
+        r"of this task was written.*Fix: mount the output",
+    ):
         runner(None, [], None)
     from dask_surge.execution.reach import task_sees_run
 
@@ -275,8 +317,9 @@ def status_rows(out) -> int:
 # -- the commit path's failures ----------------------------------------------------------------
 
 
-def test_disk_full_while_creating_a_record_keeps_readers_clean_and_resumes(tmp_path, counting_encoder,
-                                                                           monkeypatch):
+def test_disk_full_while_creating_a_record_keeps_readers_clean_and_resumes(
+    tmp_path, counting_encoder, monkeypatch
+):
     out, ddf = tmp_path / "out", make_partitioned_frame([4] * 6)
     real_link, links = os.link, []
 
@@ -288,7 +331,9 @@ def test_disk_full_while_creating_a_record_keeps_readers_clean_and_resumes(tmp_p
         return real_link(src, dst, *a, **k)
 
     monkeypatch.setattr("dask_surge.io.store.os.link", full)
-    with pytest.raises(SurgeOutputError, match="creating the commit record.*No space left.*rerun the same call"):
+    with pytest.raises(
+        SurgeOutputError, match="creating the commit record.*No space left.*rerun the same call"
+    ):
         ddf.surge.encode("text", str(out), model=counting_encoder, **KW)
     monkeypatch.setattr("dask_surge.io.store.os.link", real_link)
     assert _parts(out) == _committed_files(out) and len(_parts(out)) == 1  # no uncommitted file readers glob
@@ -305,8 +350,10 @@ def test_a_damaged_manifest_file_is_named_with_its_repair(tmp_path, counting_enc
     run_dir = out / "_surge" / "runs" / res.run_id
     path = out / "_surge" / "CURRENT" if damaged == "CURRENT" else run_dir / damaged
     path.write_bytes(content)
-    calls = [lambda: dask_surge.status(str(out)), lambda: ddf.surge.encode("text", str(out), model=counting_encoder,
-                                                                        **KW)]
+    calls = [
+        lambda: dask_surge.status(str(out)),
+        lambda: ddf.surge.encode("text", str(out), model=counting_encoder, **KW),
+    ]
     if damaged != "COMPLETE":  # readers trust the commit records alone, never the marker
         calls.append(lambda: dask_surge.read_embeddings(str(out)))
     for call in calls:
@@ -353,8 +400,11 @@ def test_repair_refuses_an_output_a_live_run_is_writing(tmp_path, counting_encod
     claim = Claim.acquire(OutputStore.open(str(out)), manifest.run_id, heartbeat=False)
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
     try:
-        with pytest.raises(SurgeOutputError, match=rf"being written by a live run \(run {manifest.run_id}, pid "
-                                                   rf"{os.getpid()} on .*Nothing was changed"):
+        with pytest.raises(
+            SurgeOutputError,
+            match=rf"being written by a live run \(run {manifest.run_id}, pid "
+            rf"{os.getpid()} on .*Nothing was changed",
+        ):
             repair(str(out))
         assert main(["status", str(out), "--repair"]) == 2
         assert sorted(p.name for p in out.rglob("*") if p.is_file()) == files  # nothing touched
@@ -378,8 +428,9 @@ def test_a_commit_whose_task_died_before_publishing_is_published_on_resume(tmp_p
 
 
 def test_commit_records_are_checked_before_their_names_become_paths():
-    good = CommitRecord(sb_key(0, 0), "0" * 16, f"part-00000000-{sb_key(0, 0)}-0123abcd.parquet", 1, 1, "x",
-                        ((0, 0, 1, 1),))
+    good = CommitRecord(
+        sb_key(0, 0), "0" * 16, f"part-00000000-{sb_key(0, 0)}-0123abcd.parquet", 1, 1, "x", ((0, 0, 1, 1),)
+    )
     for field, bad in (("file", "../../etc/passwd"), ("skipped_file", "/abs.parquet"), ("sb", "../x")):
         raw = json.loads(good.to_json())
         raw[field] = bad
@@ -402,7 +453,9 @@ def _grow_or_shout(df: pd.DataFrame) -> pd.DataFrame:
     return df.assign(text=df.text.fillna("x")) if mode else df
 
 
-@pytest.mark.parametrize("change, message", [("grow", "has 12 rows now but 10"), ("shout", "holds other texts")])
+@pytest.mark.parametrize(
+    "change, message", [("grow", "has 12 rows now but 10"), ("shout", "holds other texts")]
+)
 def test_a_streamed_partition_recomputed_differently_is_refused(tmp_path, monkeypatch, change, message):
     base = pd.DataFrame({"text": [f"text {i}" for i in range(10)] + ["tail"]})
     base.loc[9, "text"] = None  # the third slice of partition 0 stops the first run
@@ -423,18 +476,32 @@ def test_commit_times_are_mapped_onto_the_clients_clock():
     from dask_surge.execution.scheduling import received as _received
 
     now = time.time()
-    report = SuperBatchReport(sb="000000000-000000000000", rows=1, skipped=0, file="f", bytes=1, spans=((0, 0, 1, 1),),
-                              started_at=999.0, encode_s=0.1, write_s=0.1, committed=True, committed_at=1000.0,
-                              engine="callable")
+    report = SuperBatchReport(
+        sb="000000000-000000000000",
+        rows=1,
+        skipped=0,
+        file="f",
+        bytes=1,
+        spans=((0, 0, 1, 1),),
+        started_at=999.0,
+        encode_s=0.1,
+        write_s=0.1,
+        committed=True,
+        committed_at=1000.0,
+        engine="callable",
+    )
     (shifted,) = _received([report.with_task_end(1005.0)])  # a worker 1e9 s behind
     assert now - 5.5 < shifted.committed_at < time.time() - 4.9
     assert _received([report]) == [report]  # no task end: nothing to map
 
 
-@pytest.mark.parametrize("plan", [
-    RunPlan(40, 120, "planned", 7, None, "given", rows=300),
-    RunPlan(60, 200, "streaming", 40, 1 << 20, "auto: 2 threads", unit_partitions=5),
-])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        RunPlan(40, 120, "planned", 7, None, "given", rows=300),
+        RunPlan(60, 200, "streaming", 40, 1 << 20, "auto: 2 threads", unit_partitions=5),
+    ],
+)
 def test_the_recorded_plan_is_written_with_its_keys_and_read_back(tmp_path, plan):
     manifest, resumed = open_run(OutputStore.open(str(tmp_path / "o")), {"t": 1}, plan=plan)
     assert not resumed and manifest.plan == plan
@@ -442,13 +509,16 @@ def test_the_recorded_plan_is_written_with_its_keys_and_read_back(tmp_path, plan
     keys = {"b_min", "b_max", "mode", "partitions", "max_bytes", "reason"}
     assert set(recorded) == keys | ({"rows"} if plan.mode == "planned" else {"unit_partitions"})
     assert current_run(OutputStore.open(str(tmp_path / "o"))).plan == plan
-    again, resumed = open_run(OutputStore.open(str(tmp_path / "o")), {"t": 1}, plan=RunPlan(1, 2, "planned", 1))
+    again, resumed = open_run(
+        OutputStore.open(str(tmp_path / "o")), {"t": 1}, plan=RunPlan(1, 2, "planned", 1)
+    )
     assert resumed and again.plan == plan  # a resumed run keeps what it recorded
 
 
 def test_a_plan_recorded_by_an_older_version_still_loads(tmp_path):
-    assert RunPlan.of({"b_min": 5, "b_max": 9, "partitions": 3, "reason": "given", "superbatches": 2}) == \
-        RunPlan(5, 9, "planned", 3, None, "given")  # unknown keys ignored, missing ones defaulted
+    assert RunPlan.of(
+        {"b_min": 5, "b_max": 9, "partitions": 3, "reason": "given", "superbatches": 2}
+    ) == RunPlan(5, 9, "planned", 3, None, "given")  # unknown keys ignored, missing ones defaulted
     assert RunPlan.of({"b_min": 5, "b_max": 9, "partitions": 3, "unit_partitions": 2}).mode == "streaming"
     assert RunPlan.of({}) is None and RunPlan.of(None) is None
     manifest, _ = open_run(OutputStore.open(str(tmp_path / "o")), {"t": 2})  # a run that recorded no plan
@@ -460,8 +530,19 @@ def test_commit_record_json_is_the_records_fields_as_written_before():
     """to_json writes the fields as they are (no deep copy): the same bytes asdict gave, and it reads back."""
     from dataclasses import asdict
 
-    rec = CommitRecord("000000000-000000000000", "0" * 16, "part-00000000-000000000-000000000000-0123abcd.parquet", 7, 10, "ab",
-                       tuple((p, 0, 3, 3) for p in range(5)), skipped=1, digests=tuple((p, f"{p:016x}") for p in range(5)),
-                       truncated=-1, encoded=6, reused=1)
+    rec = CommitRecord(
+        "000000000-000000000000",
+        "0" * 16,
+        "part-00000000-000000000-000000000000-0123abcd.parquet",
+        7,
+        10,
+        "ab",
+        tuple((p, 0, 3, 3) for p in range(5)),
+        skipped=1,
+        digests=tuple((p, f"{p:016x}") for p in range(5)),
+        truncated=-1,
+        encoded=6,
+        reused=1,
+    )
     assert rec.to_json() == json.dumps(asdict(rec), sort_keys=True).encode()
     assert CommitRecord.from_json(rec.to_json()) == rec

@@ -34,9 +34,18 @@ def _variants(base):
     }, SentenceTransformer
 
 
-@pytest.mark.parametrize("name, plain", [("mean", True), ("cls+normalize", True), ("mean+max", True),
-                                         ("lasttoken", True), ("weightedmean", False), ("dense", False),
-                                         ("no-pooling", False)])
+@pytest.mark.parametrize(
+    "name, plain",
+    [
+        ("mean", True),
+        ("cls+normalize", True),
+        ("mean+max", True),
+        ("lasttoken", True),
+        ("weightedmean", False),
+        ("dense", False),
+        ("no-pooling", False),
+    ],
+)
 def test_the_files_and_the_loaded_model_are_judged_by_one_rule(base, tmp_path, name, plain):
     variants, SentenceTransformer = _variants(base)
     model = SentenceTransformer(modules=variants[name], device="cpu")
@@ -47,7 +56,9 @@ def test_the_files_and_the_loaded_model_are_judged_by_one_rule(base, tmp_path, n
     if name != "no-pooling":  # a Transformer alone gives token embeddings, not one per text
         assert from_files.dimension == model.encode(["x"]).shape[1]
     if plain:  # several pooling modes run on the fast engine once loaded, but are not loaded directly
-        assert (direct_reason(from_files) is None) == (len(from_files.pooling) == 1), direct_reason(from_files)
+        assert (direct_reason(from_files) is None) == (len(from_files.pooling) == 1), direct_reason(
+            from_files
+        )
 
 
 def test_truncate_dim_is_not_plain_in_the_files_or_the_model(base, tmp_path):
@@ -77,17 +88,29 @@ def decoder(tmp_path_factory):
 
     from dask_surge.testing import make_tiny_decoder_model
 
-    return SentenceTransformer(make_tiny_decoder_model(tmp_path_factory.mktemp("layout") / "decoder"), device="cpu")
+    return SentenceTransformer(
+        make_tiny_decoder_model(tmp_path_factory.mktemp("layout") / "decoder"), device="cpu"
+    )
 
 
-@pytest.mark.parametrize("modes, plain", [("lasttoken", True), (["lasttoken", "mean"], True), ("weightedmean", False),
-                                          ("mean_sqrt_len_tokens", False)])
+@pytest.mark.parametrize(
+    "modes, plain",
+    [
+        ("lasttoken", True),
+        (["lasttoken", "mean"], True),
+        ("weightedmean", False),
+        ("mean_sqrt_len_tokens", False),
+    ],
+)
 def test_a_rotary_decoder_is_judged_by_the_same_rule_from_files_and_loaded(decoder, tmp_path, modes, plain):
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
 
-    model = SentenceTransformer(modules=[decoder[0], Pooling(32, pooling_mode=modes), Normalize()], device="cpu",
-                                prompts=dict(decoder.prompts))
+    model = SentenceTransformer(
+        modules=[decoder[0], Pooling(32, pooling_mode=modes), Normalize()],
+        device="cpu",
+        prompts=dict(decoder.prompts),
+    )
     model.save(str(tmp_path / "m"))
     from_files, loaded = read_layout(tmp_path / "m"), layout_of_model(model)
     assert from_files.plain == loaded.plain == plain, (from_files.reason, loaded.reason)

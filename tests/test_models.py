@@ -36,11 +36,20 @@ def commit_of(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
-def model_with_prompts(dst: Path, src: str | os.PathLike, prompts: dict, *, default: str | None = None,
-                       include_prompt: bool = True) -> str:
+def model_with_prompts(
+    dst: Path,
+    src: str | os.PathLike,
+    prompts: dict,
+    *,
+    default: str | None = None,
+    include_prompt: bool = True,
+) -> str:
     """A copy of a model directory (weights linked) with prompts in its config and a Pooling setting."""
-    shutil.copytree(src, dst, copy_function=os.link if Path(src).stat().st_dev == dst.parent.stat().st_dev
-                    else shutil.copy2)
+    shutil.copytree(
+        src,
+        dst,
+        copy_function=os.link if Path(src).stat().st_dev == dst.parent.stat().st_dev else shutil.copy2,
+    )
     config_file = dst / "config_sentence_transformers.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
     config.update(prompts=prompts, default_prompt_name=default)
@@ -61,18 +70,28 @@ def make_tiny_decoder(path: Path, arch: str = "qwen2", seed: int = 0) -> str:
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(str(packaged_model_dir()))
     tokenizer.padding_side = "left"  # as Qwen embedders ship
-    shape = {"vocab_size": tokenizer.vocab_size, "hidden_size": 32, "intermediate_size": 64,
-             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "max_position_embeddings": 256}
-    config, model_cls = (Qwen2Config(**shape), Qwen2Model) if arch == "qwen2" else (
-        Qwen3Config(head_dim=8, **shape), Qwen3Model)
+    shape = {
+        "vocab_size": tokenizer.vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    }
+    config, model_cls = (
+        (Qwen2Config(**shape), Qwen2Model)
+        if arch == "qwen2"
+        else (Qwen3Config(head_dim=8, **shape), Qwen3Model)
+    )
     base = path / "_decoder"
     model_cls(config).save_pretrained(str(base))
     tokenizer.save_pretrained(str(base))
     transformer = Transformer(str(base), max_seq_length=128)
     modules = [transformer, Pooling(32, pooling_mode="lasttoken"), Normalize()]
     SentenceTransformer(modules=modules, device="cpu", prompts={"query": "Instruct: retrieve\nQuery: "}).save(
-        str(path))
+        str(path)
+    )
     return str(path)
 
 
@@ -149,7 +168,9 @@ def test_absent_revision_offline_raises(hub_cache, tiny_model):
 
 
 def test_not_a_path_nor_a_hub_name(hub_cache):
-    with pytest.raises(SurgeModelError, match=r"does not exist as a local path, and is not a Hugging Face Hub name"):
+    with pytest.raises(
+        SurgeModelError, match=r"does not exist as a local path, and is not a Hugging Face Hub name"
+    ):
         Encoder("/no/such/model/dir")
 
 
@@ -164,15 +185,25 @@ def test_packaged_name_prefers_a_populated_cache(hub_cache, tmp_path):
     snapshot = add_to_hub_cache(hub_cache, PACKAGED_HUB_ID, packaged_model_dir(), commit=commit)
     enc = Encoder(PACKAGED_HUB_ID, device="cpu")
     assert (enc.spec.source, enc.spec.commit) == (str(snapshot), commit)
-    assert Encoder("default").spec.source == str(packaged_model_dir())  # "default" is always the packaged copy
+    assert Encoder("default").spec.source == str(
+        packaged_model_dir()
+    )  # "default" is always the packaged copy
 
 
 def test_hub_model_end_to_end_on_workers(hub_cache, tiny_model, client, tmp_path):
     commit = commit_of("e2e")
     add_to_hub_cache(hub_cache, "org/tiny", tiny_model, commit=commit)
     ddf = dd.from_pandas(pd.DataFrame({"text": TEXTS}), npartitions=4)
-    result = ddf.surge.encode("text", str(tmp_path / "out"), model="org/tiny", device="cpu", b_min=10, b_max=30,
-                              scheduler=client, progress=False)
+    result = ddf.surge.encode(
+        "text",
+        str(tmp_path / "out"),
+        model="org/tiny",
+        device="cpu",
+        b_min=10,
+        b_max=30,
+        scheduler=client,
+        progress=False,
+    )
     assert result.rows == len(TEXTS)
     back = dask_surge.read_embeddings(str(tmp_path / "out")).compute().sort_values(["partition", "row"])
     got = np.stack(back["embedding"].to_numpy())
@@ -189,7 +220,9 @@ def test_trust_remote_code_and_model_kwargs_reach_sentence_transformers(tiny_mod
         real(self, *args, **kwargs)
 
     monkeypatch.setattr(SentenceTransformer, "__init__", spy)
-    enc = Encoder(tiny_model, device="cpu", trust_remote_code=True, model_kwargs={"attn_implementation": "eager"})
+    enc = Encoder(
+        tiny_model, device="cpu", trust_remote_code=True, model_kwargs={"attn_implementation": "eager"}
+    )
     assert enc.load().dimension == 32  # dimension alone reads the files, so load to reach the constructor
     assert seen["trust_remote_code"] is True and seen["model_kwargs"] == {"attn_implementation": "eager"}
     assert Encoder(tiny_model).spec.trust_remote_code is False  # off by default
@@ -219,10 +252,16 @@ def test_prompt_name_matches_sentence_transformers(tmp_path, include_prompt, pro
 
 
 def test_include_prompt_false_leaves_prompt_tokens_out_of_pooling(tmp_path):
-    pooled = Encoder(model_with_prompts(tmp_path / "a", packaged_model_dir(), PROMPTS), device="cpu",
-                     prompt_name="instruct")
-    excluded = Encoder(model_with_prompts(tmp_path / "b", packaged_model_dir(), PROMPTS, include_prompt=False),
-                       device="cpu", prompt_name="instruct")
+    pooled = Encoder(
+        model_with_prompts(tmp_path / "a", packaged_model_dir(), PROMPTS),
+        device="cpu",
+        prompt_name="instruct",
+    )
+    excluded = Encoder(
+        model_with_prompts(tmp_path / "b", packaged_model_dir(), PROMPTS, include_prompt=False),
+        device="cpu",
+        prompt_name="instruct",
+    )
     assert excluded.engine.prompt_length == 7 and pooled.engine.prompt_length == 0  # [CLS] + 6 prompt tokens
     assert min_cosine(pooled.encode(TEXTS), excluded.encode(TEXTS)) < 0.999
 
@@ -250,8 +289,10 @@ def test_unknown_prompt_name_raises_before_loading(tmp_path):
 
 def test_prompts_are_part_of_the_identity(tmp_path):
     path = model_with_prompts(tmp_path / "m", packaged_model_dir(), PROMPTS)
-    ids = {json.dumps(Encoder(path, **kw).identity(), sort_keys=True)
-           for kw in ({}, {"prompt_name": "query"}, {"prompt_name": "passage"}, {"prompt": "query: "})}
+    ids = {
+        json.dumps(Encoder(path, **kw).identity(), sort_keys=True)
+        for kw in ({}, {"prompt_name": "query"}, {"prompt_name": "passage"}, {"prompt": "query: "})
+    }
     assert len(ids) == 4
 
 
@@ -268,7 +309,11 @@ def test_prompt_with_a_plain_callable_raises():
 def test_decoder_embedder_runs_on_the_fast_engine_and_through_the_fallback(tmp_path, arch):
     path = make_tiny_decoder(tmp_path / arch, arch)
     reference = SentenceTransformer(path, device="cpu").encode(TEXTS, prompt_name="query")
-    for engine, backend in (("auto", "fast"), ("fast", "fast"), ("sentence-transformers", "sentence-transformers")):
+    for engine, backend in (
+        ("auto", "fast"),
+        ("fast", "fast"),
+        ("sentence-transformers", "sentence-transformers"),
+    ):
         enc = Encoder(path, device="cpu", prompt_name="query", engine=engine)
         assert enc.backend == backend, enc.backend_reason
         assert min_cosine(enc.encode(TEXTS), reference) >= 0.9999
@@ -278,7 +323,9 @@ def test_decoder_embedder_end_to_end_from_the_hub_cache(hub_cache, tmp_path, cli
     path = make_tiny_decoder(tmp_path / "qwen2", "qwen2")
     add_to_hub_cache(hub_cache, "org/tiny-qwen", path, commit=commit_of("qwen"))
     ddf = dd.from_pandas(pd.DataFrame({"text": TEXTS}), npartitions=3)
-    out = ddf.surge.encode("text", model="org/tiny-qwen", prompt_name="query", device="cpu", b_min=8, b_max=20)
+    out = ddf.surge.encode(
+        "text", model="org/tiny-qwen", prompt_name="query", device="cpu", b_min=8, b_max=20
+    )
     got = out.compute(scheduler=client).sort_values(["partition", "row"])
     reference = SentenceTransformer(path, device="cpu").encode(TEXTS, prompt_name="query")
     assert min_cosine(np.stack(got["embedding"].to_numpy()), reference) >= 0.9999
@@ -393,12 +440,19 @@ def test_vocabularies_are_defined_once():
     assert set(options.PRECISIONS) == set(precision.PRECISIONS)
     with open(Path(config.DEFAULTS_PATH).with_name("surge-schema.yaml")) as f:
         schema = yaml.safe_load(f)["properties"]["surge"]["properties"]
-    for name, values in {"precision": options.PRECISIONS, "on-null": options.ON_NULLS, "dtype": options.DTYPES,
-                         "engine": options.ENGINES}.items():
+    for name, values in {
+        "precision": options.PRECISIONS,
+        "on-null": options.ON_NULLS,
+        "dtype": options.DTYPES,
+        "engine": options.ENGINES,
+    }.items():
         assert config.OPTIONS[name].choices == values
         assert tuple(schema[name]["enum"]) == values
-    encode = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["encode"]._actions
-                  if a.dest == "precision")
+    encode = next(
+        a
+        for a in cli.build_parser()._subparsers._group_actions[0].choices["encode"]._actions
+        if a.dest == "precision"
+    )
     assert tuple(encode.choices) == options.PRECISIONS
 
 
@@ -410,18 +464,58 @@ def test_cli_takes_hub_names_and_prompts(hub_cache, tmp_path, capsys):
     commit = commit_of("cli")
     add_to_hub_cache(hub_cache, "org/prompted", path, commit=commit)
     write_partitioned_parquet(tmp_path / "in", [4, 5])
-    code = main(["encode", str(tmp_path / "in"), "--text-column", "text", "--output", str(tmp_path / "out"),
-                 "--model", "org/prompted", "--revision", "main", "--prompt-name", "query", "--b-min", "4",
-                 "--b-max", "9", "--device", "cpu", "--engine", "fast", "--scheduler", "sync", "--no-progress",
-                 "--json"])
+    code = main(
+        [
+            "encode",
+            str(tmp_path / "in"),
+            "--text-column",
+            "text",
+            "--output",
+            str(tmp_path / "out"),
+            "--model",
+            "org/prompted",
+            "--revision",
+            "main",
+            "--prompt-name",
+            "query",
+            "--b-min",
+            "4",
+            "--b-max",
+            "9",
+            "--device",
+            "cpu",
+            "--engine",
+            "fast",
+            "--scheduler",
+            "sync",
+            "--no-progress",
+            "--json",
+        ]
+    )
     assert code == 0
     assert json.loads(capsys.readouterr().out)["rows"] == 9
     texts = pd.read_parquet(tmp_path / "in").text.tolist()
     back = dask_surge.read_embeddings(str(tmp_path / "out")).compute().sort_values(["partition", "row"])
     reference = SentenceTransformer(path, device="cpu").encode(texts, prompt_name="query")
     assert min_cosine(np.stack(back["embedding"].to_numpy()), reference) >= 0.9999
-    assert main(["encode", str(tmp_path / "in"), "--text-column", "text", "--output", str(tmp_path / "o2"),
-                 "--model", "org/absent", "--scheduler", "sync", "--no-progress"]) == 2
+    assert (
+        main(
+            [
+                "encode",
+                str(tmp_path / "in"),
+                "--text-column",
+                "text",
+                "--output",
+                str(tmp_path / "o2"),
+                "--model",
+                "org/absent",
+                "--scheduler",
+                "sync",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "is not in the Hugging Face cache" in capsys.readouterr().err
 
 
@@ -436,7 +530,8 @@ def test_accessor_shows_the_real_signature_and_docstring():
         assert bound.__doc__ == func.__doc__
         assert list(inspect.signature(bound).parameters) == list(inspect.signature(func).parameters)[1:]
     assert {"prompt", "prompt_name", "revision", "trust_remote_code", "model_kwargs"} <= set(
-        inspect.signature(ddf.surge.encode).parameters)
+        inspect.signature(ddf.surge.encode).parameters
+    )
 
 
 def test_a_callable_is_identified_by_its_code_not_its_call_log():
@@ -446,7 +541,10 @@ def test_a_callable_is_identified_by_its_code_not_its_call_log():
     before = Encoder(counting).identity()
     Encoder(counting).encode(["a", "b"])  # its call log grows; it is still the same model
     assert Encoder(counting).identity() == before
-    assert Encoder(lambda t: np.ones((len(t), 2))).identity() != Encoder(lambda t: np.zeros((len(t), 2))).identity()
+    assert (
+        Encoder(lambda t: np.ones((len(t), 2))).identity()
+        != Encoder(lambda t: np.zeros((len(t), 2))).identity()
+    )
 
 
 def test_plan_takes_the_model_options_and_counts_the_prompt(tmp_path):
@@ -495,8 +593,14 @@ def test_done_when_the_notebook_cell_runs_against_a_populated_cache(hub_cache, t
     add_to_hub_cache(hub_cache, PACKAGED_HUB_ID, packaged_model_dir(), commit=commit)
     texts = make_texts(12, seed=9)
     ddf = dd.from_pandas(pd.DataFrame({"text": texts}), npartitions=3)
-    result = ddf.surge.encode("text", model=PACKAGED_HUB_ID, output=str(tmp_path / "emb"), device="cpu",
-                              scheduler="sync", progress=False)
+    result = ddf.surge.encode(
+        "text",
+        model=PACKAGED_HUB_ID,
+        output=str(tmp_path / "emb"),
+        device="cpu",
+        scheduler="sync",
+        progress=False,
+    )
     assert result.rows == 12
     back = dask_surge.read_embeddings(str(tmp_path / "emb")).compute().sort_values(["partition", "row"])
     reference = SentenceTransformer(str(packaged_model_dir()), device="cpu").encode(texts)

@@ -22,8 +22,17 @@ from dask_surge.engine.bert_tokenizer import BertTokenizerFiles, NotNativeTokeni
 from dask_surge.engine.loading import direct_layout, load_direct
 from dask_surge.testing import make_tiny_model, packaged_model_dir
 
-TEXTS = ["Hello world", "", "Ünïcödé café naïve façade", "漢字 かな カナ 한국어", "tabs\tand\nnew lines  ",
-         "a " * 300, "[CLS] [SEP] [MASK] literal", "e-mail: someone@example.com, $4.50 (approx.)", "😀 🚀"]
+TEXTS = [
+    "Hello world",
+    "",
+    "Ünïcödé café naïve façade",
+    "漢字 かな カナ 한국어",
+    "tabs\tand\nnew lines  ",
+    "a " * 300,
+    "[CLS] [SEP] [MASK] literal",
+    "e-mail: someone@example.com, $4.50 (approx.)",
+    "😀 🚀",
+]
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +80,9 @@ def test_it_computes_what_transformers_bert_model_computes(which, tiny_dir):
         runs = {
             "2D mask": native(input_ids=ids, attention_mask=valid.long()).last_hidden_state,
             "4D additive mask": native(input_ids=ids, attention_mask=additive).last_hidden_state,
-            "int32 ids and type ids": native(input_ids=ids.int(), attention_mask=valid.long(),
-                                             token_type_ids=torch.zeros_like(ids)).last_hidden_state,
+            "int32 ids and type ids": native(
+                input_ids=ids.int(), attention_mask=valid.long(), token_type_ids=torch.zeros_like(ids)
+            ).last_hidden_state,
         }
         alone = native(input_ids=ids[:1]).last_hidden_state
         native.pad_attention_keys(16)  # the engine's CPU copy: keys padded to 32, the padding masked out
@@ -88,8 +98,14 @@ def test_a_checkpoint_saved_from_a_task_model_loads_under_its_bert_prefix(tmp_pa
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(1)
-    config = BertConfig(vocab_size=300, hidden_size=24, num_hidden_layers=2, num_attention_heads=3,
-                        intermediate_size=40, max_position_embeddings=64)
+    config = BertConfig(
+        vocab_size=300,
+        hidden_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        intermediate_size=40,
+        max_position_embeddings=64,
+    )
     BertForMaskedLM(config).save_pretrained(tmp_path)  # keys "bert.*" and the "cls.*" head
     native, hf = load_bert(str(tmp_path), "cpu"), _hf_bert(str(tmp_path))
     ids, valid = _batch(300, seed=2)
@@ -107,11 +123,15 @@ def test_half_checkpoints_load_as_float32_and_say_what_they_store(tmp_path, tiny
     src = _transformer_dir(tiny_dir)
     shutil.copytree(src, tmp_path / "m")
     weights = load_file(str(tmp_path / "m" / "model.safetensors"))
-    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()},
-              str(tmp_path / "m" / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()},
+        str(tmp_path / "m" / "model.safetensors"),
+    )
     model = load_bert(str(tmp_path / "m"), "cpu")
     assert next(model.parameters()).dtype == torch.float32
-    assert checkpoint_dtype(model) == "bfloat16"  # so dtype="auto" picks bfloat16 on CUDA, as for transformers' load
+    assert (
+        checkpoint_dtype(model) == "bfloat16"
+    )  # so dtype="auto" picks bfloat16 on CUDA, as for transformers' load
 
 
 def _drop_weight(directory):
@@ -130,14 +150,20 @@ def _as_bin(directory):
     (directory / "model.safetensors").unlink()
 
 
-@pytest.mark.parametrize("edit, says", [
-    (lambda d: _edit_json(d / "config.json", hidden_act="gelu_new"), "hidden_act='gelu_new'"),
-    (lambda d: _edit_json(d / "config.json", position_embedding_type="relative_key"), "position_embedding_type"),
-    (lambda d: _edit_json(d / "config.json", is_decoder=True), "is_decoder"),
-    (lambda d: _edit_json(d / "config.json", intermediate_size=48), "do not fit config.json"),
-    (_drop_weight, "missing ['encoder.layer.1.output.dense.weight']"),
-    (_as_bin, "one model.safetensors"),
-])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda d: _edit_json(d / "config.json", hidden_act="gelu_new"), "hidden_act='gelu_new'"),
+        (
+            lambda d: _edit_json(d / "config.json", position_embedding_type="relative_key"),
+            "position_embedding_type",
+        ),
+        (lambda d: _edit_json(d / "config.json", is_decoder=True), "is_decoder"),
+        (lambda d: _edit_json(d / "config.json", intermediate_size=48), "do not fit config.json"),
+        (_drop_weight, "missing ['encoder.layer.1.output.dense.weight']"),
+        (_as_bin, "one model.safetensors"),
+    ],
+)
 def test_what_it_does_not_compute_is_refused_and_loaded_by_transformers(tiny_dir, tmp_path, edit, says):
     from sentence_transformers import SentenceTransformer
 
@@ -170,8 +196,14 @@ def test_the_tokenizer_files_read_as_auto_tokenizer_reads_them(which, tiny_dir):
         native = load_bert_tokenizer(path, model_max_length=length)
         kwargs = {} if length is None else {"model_max_length": length}
         hf = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
-        for name in ("model_max_length", "pad_token_id", "model_input_names", "truncation_side", "padding_side",
-                     "is_fast"):
+        for name in (
+            "model_max_length",
+            "pad_token_id",
+            "model_input_names",
+            "truncation_side",
+            "padding_side",
+            "is_fast",
+        ):
             assert getattr(native, name) == getattr(hf, name), name
         assert sorted(native.all_special_ids) == sorted(hf.all_special_ids)
         assert native.backend_tokenizer.to_str() == hf.backend_tokenizer.to_str()
@@ -191,15 +223,29 @@ def _other_post_processor(directory):
     (directory / "tokenizer.json").write_text(json.dumps(data))
 
 
-@pytest.mark.parametrize("edit, says", [
-    (lambda d: _edit_json(d / "tokenizer_config.json", do_lower_case=False), "normalizer"),
-    (lambda d: _edit_json(d / "tokenizer_config.json", tokenizer_class="RobertaTokenizer"), "tokenizer_class"),
-    (lambda d: _edit_json(d / "tokenizer_config.json", added_tokens_decoder={
-        "30522": {"content": "<new>", "special": True}}), "adds tokens"),
-    (lambda d: _edit_json(d / "tokenizer_config.json", additional_special_tokens=["<absent>"]), "additional"),
-    (_other_post_processor, "post-processor"),
-    (lambda d: (d / "tokenizer_config.json").unlink(), "no tokenizer_config.json"),
-])
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda d: _edit_json(d / "tokenizer_config.json", do_lower_case=False), "normalizer"),
+        (
+            lambda d: _edit_json(d / "tokenizer_config.json", tokenizer_class="RobertaTokenizer"),
+            "tokenizer_class",
+        ),
+        (
+            lambda d: _edit_json(
+                d / "tokenizer_config.json",
+                added_tokens_decoder={"30522": {"content": "<new>", "special": True}},
+            ),
+            "adds tokens",
+        ),
+        (
+            lambda d: _edit_json(d / "tokenizer_config.json", additional_special_tokens=["<absent>"]),
+            "additional",
+        ),
+        (_other_post_processor, "post-processor"),
+        (lambda d: (d / "tokenizer_config.json").unlink(), "no tokenizer_config.json"),
+    ],
+)
 def test_tokenizer_files_transformers_would_change_are_refused(tmp_path, tiny_dir, edit, says):
     directory = _tokenizer_copy(tmp_path, tiny_dir)
     edit(directory)
@@ -208,7 +254,9 @@ def test_tokenizer_files_transformers_would_change_are_refused(tmp_path, tiny_di
     assert says in str(info.value)
 
 
-def test_a_refused_tokenizer_is_loaded_by_auto_tokenizer_and_encodes_as_sentence_transformers(tmp_path, tiny_dir):
+def test_a_refused_tokenizer_is_loaded_by_auto_tokenizer_and_encodes_as_sentence_transformers(
+    tmp_path, tiny_dir
+):
     from sentence_transformers import SentenceTransformer
 
     from dask_surge import Encoder
@@ -225,9 +273,11 @@ def test_a_refused_tokenizer_is_loaded_by_auto_tokenizer_and_encodes_as_sentence
 
 
 def test_a_cold_bert_load_imports_no_transformers():
-    code = ("import sys, torch; from dask_surge import Encoder; e = Encoder('default', device='cpu'); "
-            "v = e.encode(['a dog', 'a cat']); "
-            "print(e._loaded().impl.loaded_by, v.shape, sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('transformers', 'sentence_transformers', 'scipy', 'sympy')))")
+    code = (
+        "import sys, torch; from dask_surge import Encoder; e = Encoder('default', device='cpu'); "
+        "v = e.encode(['a dog', 'a cat']); "
+        "print(e._loaded().impl.loaded_by, v.shape, sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('transformers', 'sentence_transformers', 'scipy', 'sympy')))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split("\n")[-2] == "dask-surge (2, 384) []", done.stdout

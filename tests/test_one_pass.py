@@ -52,14 +52,14 @@ def test_streamed_input_is_computed_once_and_a_complete_rerun_computes_nothing(t
     log = str(tmp_path / "calls")
     res = _streamed(log).surge.encode("text", str(tmp_path / "o"), **KW)
     assert res.sizes_source == "streamed" and res.rows == sum(SIZES) and res.engine == "callable"
-    assert sorted(CallLog(log).calls()) == NONEMPTY          # every partition exactly once
+    assert sorted(CallLog(log).calls()) == NONEMPTY  # every partition exactly once
     back = _sorted(tmp_path / "o")
     assert back.doc_id.tolist() == list(range(sum(SIZES)))
     # only a unit's last SuperBatch may be under b_min
     info = dask_surge.status(str(tmp_path / "o"))
     assert info["state"] == "complete" and info["mode"] == "streaming"
     again = _streamed(log).surge.encode("text", str(tmp_path / "o"), **KW)
-    assert sorted(CallLog(log).calls()) == NONEMPTY          # the complete rerun computed nothing
+    assert sorted(CallLog(log).calls()) == NONEMPTY  # the complete rerun computed nothing
     assert again.rows == res.rows and again.superbatches == res.superbatches
 
 
@@ -97,11 +97,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _kill_midway(tmp_path, out, log, *, stream: bool, thresholds: dict, seed: int, sleep: float = 0.03) -> None:
+def _kill_midway(
+    tmp_path, out, log, *, stream: bool, thresholds: dict, seed: int, sleep: float = 0.03
+) -> None:
     """Run the encode in a process on a 1-worker cluster and SIGKILL it after its first commits."""
     args = [json.dumps([SIZES, str(out), log, stream, sleep]), json.dumps(thresholds)]
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     deadline = time.monotonic() + 120
     commits = None
     while time.monotonic() < deadline and proc.poll() is None:
@@ -159,8 +162,9 @@ def test_a_partition_sliced_k_ways_is_computed_once(tmp_path, client):
     log = str(tmp_path / "calls")
     ddf = make_partitioned_frame([5, 100, 3], seed=1)
     ddf = ddf.map_partitions(CallLog(log), meta=ddf._meta)
-    res = ddf.surge.encode("text", str(tmp_path / "o"), model=checksum_model, b_min=10, b_max=20,
-                           progress=False)
+    res = ddf.surge.encode(
+        "text", str(tmp_path / "o"), model=checksum_model, b_min=10, b_max=20, progress=False
+    )
     assert res.rows == 108 and res.superbatches >= 6
     assert Counter(CallLog(log).calls()) == Counter({0: 1, 5: 1, 105: 1})
 
@@ -173,8 +177,15 @@ def test_a_parquet_partition_sliced_k_ways_is_read_once(tmp_path, parquet_reads)
     write_partitioned_parquet(tmp_path / "in", [5, 100, 3], seed=1)
     reads = parquet_reads
 
-    res = dd.read_parquet(tmp_path / "in").surge.encode("text", str(tmp_path / "o"), model=checksum_model,
-                                                        b_min=10, b_max=20, scheduler="sync", progress=False)
+    res = dd.read_parquet(tmp_path / "in").surge.encode(
+        "text",
+        str(tmp_path / "o"),
+        model=checksum_model,
+        b_min=10,
+        b_max=20,
+        scheduler="sync",
+        progress=False,
+    )
     assert res.sizes_source == "metadata" and res.superbatches >= 6
     assert reads == Counter({5: 1, 100: 1, 3: 1})  # every file read once, the sliced one too
 
@@ -185,9 +196,16 @@ def test_keep_on_parquet_still_plans_from_footers(tmp_path):
     from dask_surge.testing import write_partitioned_parquet
 
     write_partitioned_parquet(tmp_path / "in", [5, 7, 3], seed=1)
-    res = dd.read_parquet(tmp_path / "in").surge.encode("text", str(tmp_path / "o"), model=checksum_model,
-                                                        keep=["doc_id"], b_min=6, b_max=20,
-                                                        scheduler="sync", progress=False)
+    res = dd.read_parquet(tmp_path / "in").surge.encode(
+        "text",
+        str(tmp_path / "o"),
+        model=checksum_model,
+        keep=["doc_id"],
+        b_min=6,
+        b_max=20,
+        scheduler="sync",
+        progress=False,
+    )
     assert res.sizes_source == "metadata"
     assert _sorted(tmp_path / "o").doc_id.tolist() == list(range(15))
 
@@ -196,8 +214,15 @@ def test_keep_on_parquet_still_plans_from_footers(tmp_path):
 def test_plan_and_encode_pick_the_same_thresholds(tmp_path, b_min, b_max):
     ddf = make_partitioned_frame([3, 3, 3, 3], seed=0)
     planned = dask_surge.plan(ddf, "text", b_min=b_min, b_max=b_max, scheduler="sync")
-    res = ddf.surge.encode("text", str(tmp_path / "o"), model=checksum_model, b_min=b_min, b_max=b_max,
-                           scheduler="sync", progress=False)
+    res = ddf.surge.encode(
+        "text",
+        str(tmp_path / "o"),
+        model=checksum_model,
+        b_min=b_min,
+        b_max=b_max,
+        scheduler="sync",
+        progress=False,
+    )
     assert (res.b_min, res.b_max) == (planned.b_min, planned.b_max)
     assert res.superbatches == len(planned.superbatches)
 
@@ -208,8 +233,10 @@ def test_plan_shows_the_superbatches_a_streamed_encode_forms(tmp_path, client):
         planned = dask_surge.plan(ddf, "text", b_min=60, b_max=200, scheduler=scheduler)
         res = ddf.surge.encode("text", str(tmp_path / str(id(scheduler))), scheduler=scheduler, **KW)
         assert res.superbatches == len(planned.superbatches)
-        assert [r.rows for r in current_run(OutputStore.open(str(tmp_path / str(id(scheduler))))).committed().values()] == \
-            [sb.rows for sb in planned.superbatches]
+        assert [
+            r.rows
+            for r in current_run(OutputStore.open(str(tmp_path / str(id(scheduler))))).committed().values()
+        ] == [sb.rows for sb in planned.superbatches]
 
 
 def test_input_errors_are_clear_on_a_distributed_client_and_commit_nothing(tmp_path, client, capsys):
@@ -222,12 +249,17 @@ def test_input_errors_are_clear_on_a_distributed_client_and_commit_nothing(tmp_p
         "null": (pd.DataFrame({"text": ["a", None, "c"] * 4}), "null"),
         "int": (pd.DataFrame({"text": [1, 2, 3] * 4}), "not a string|non-string|str"),
         "utf8": (pd.DataFrame({"text": [b"ok", b"\xff\xfe"] * 4}, dtype=object), "not valid UTF-8"),
-        "surrogate": (pd.DataFrame({"text": ["ok", "half an emoji \ud83d"] * 4}, dtype=object), "lone surrogate"),
+        "surrogate": (
+            pd.DataFrame({"text": ["ok", "half an emoji \ud83d"] * 4}, dtype=object),
+            "lone surrogate",
+        ),
     }
     for name, (df, match) in bad.items():
         out = tmp_path / name
         with pytest.raises(SurgeInputError, match=match):
-            dd.from_pandas(df, npartitions=1).surge.encode("text", str(out), model=checksum_model, progress=False)
+            dd.from_pandas(df, npartitions=1).surge.encode(
+                "text", str(out), model=checksum_model, progress=False
+            )
         assert not list(out.glob("part-*.parquet"))
         assert not current_run(OutputStore.open(str(out))).committed()
     assert "started LocalCluster" not in capsys.readouterr().err

@@ -55,7 +55,7 @@ def test_typeddict_signature_and_table_agree(taker):
     params = list(inspect.signature(func).parameters.values())
     head = ["ddf", "column", "output"] if taker == "encode" else ["ddf", "column"]
     assert [p.name for p in params] == head + [o.name for o in table]
-    for param, opt in zip(params[len(head):], table):
+    for param, opt in zip(params[len(head) :], table):
         assert param.kind is inspect.Parameter.KEYWORD_ONLY
         assert param.default == opt.api_default and param.annotation == opt.annotation, opt.name
         assert param.default is None or not opt.config  # a config option resolves when the function runs
@@ -68,8 +68,9 @@ def test_overloads_differ_on_output_only():
     for ov in overloads:
         sig = inspect.signature(ov)
         assert list(sig.parameters) == list(full.parameters)
-        assert [p for p in sig.parameters.values() if p.name != "output"] == \
-            [p for p in full.parameters.values() if p.name != "output"]
+        assert [p for p in sig.parameters.values() if p.name != "output"] == [
+            p for p in full.parameters.values() if p.name != "output"
+        ]
     assert {inspect.signature(ov).parameters["output"].annotation for ov in overloads} == {"None", "str"}
 
 
@@ -83,7 +84,9 @@ def test_accessor_shows_every_option_with_its_default():
 
 def test_an_unknown_keyword_is_a_type_error_with_the_nearest_name():
     ddf = dd.from_pandas(pd.DataFrame({"text": ["a"]}), npartitions=1)
-    with pytest.raises(TypeError, match=r"encode\(\) got an unexpected keyword argument 'normalise'.*'normalize'"):
+    with pytest.raises(
+        TypeError, match=r"encode\(\) got an unexpected keyword argument 'normalise'.*'normalize'"
+    ):
         ddf.surge.encode("text", normalise=True)
     with pytest.raises(TypeError, match=r"plan\(\) got an unexpected keyword argument 'overwrite'"):
         ddf.surge.plan("text", overwrite=True)  # an encode option plan does not take
@@ -103,8 +106,11 @@ def test_every_option_is_documented_once_in_the_docstring(taker):
 
 
 def test_encoder_takes_the_declared_options_with_their_defaults():
-    params = {p.name: p for p in inspect.signature(Encoder).parameters.values()
-              if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    params = {
+        p.name: p
+        for p in inspect.signature(Encoder).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
     table = {o.name: o for o in options_of("Encoder")}
     assert list(params) == list(table)
     for name, param in params.items():
@@ -115,23 +121,35 @@ def test_encoder_takes_the_declared_options_with_their_defaults():
 
 
 def test_one_validator_checks_the_argument_and_the_config_value():
-    with pytest.raises(SurgeValueError, match=r"^batch_size=0 must be a positive int\. Fix: pass e\.g\. batch_size=32"):
+    with pytest.raises(
+        SurgeValueError, match=r"^batch_size=0 must be a positive int\. Fix: pass e\.g\. batch_size=32"
+    ):
         Encoder("default", batch_size=0)
-    with pytest.raises(SurgeValueError, match=r"^surge\.batch-size=0 is not allowed: must be a positive int\. Fix: "
-                                               r"dask\.config\.set.*DASK_SURGE__BATCH_SIZE"):
+    with pytest.raises(
+        SurgeValueError,
+        match=r"^surge\.batch-size=0 is not allowed: must be a positive int\. Fix: "
+        r"dask\.config\.set.*DASK_SURGE__BATCH_SIZE",
+    ):
         config.get("batch-size", 0)
     with pytest.raises(SurgeValueError, match=r"device='gpu' is not a torch device.*Fix"):
         Encoder("default", device="gpu")
-    with dask.config.set({"surge.device": "gpu"}), pytest.raises(SurgeValueError, match=r"surge\.device='gpu'"):
+    with (
+        dask.config.set({"surge.device": "gpu"}),
+        pytest.raises(SurgeValueError, match=r"surge\.device='gpu'"),
+    ):
         config.get("device")
-    with pytest.raises(SurgeValueError, match=r"model_kwargs=\[\{'token': '\*\*\*'\}\] must be a dict or None") as err:
+    with pytest.raises(
+        SurgeValueError, match=r"model_kwargs=\[\{'token': '\*\*\*'\}\] must be a dict or None"
+    ) as err:
         Encoder("default", model_kwargs=[{"token": "hf_secret"}])
     assert "hf_secret" not in str(err.value)  # credentials redacted
 
 
 def test_an_argument_only_option_is_checked_by_its_declaration(tmp_path):
     ddf = dd.from_pandas(pd.DataFrame({"text": ["a"]}), npartitions=1)
-    with pytest.raises(SurgeValueError, match=r"overwrite='yes' must be True or False\. Fix: pass overwrite=True"):
+    with pytest.raises(
+        SurgeValueError, match=r"overwrite='yes' must be True or False\. Fix: pass overwrite=True"
+    ):
         ddf.surge.encode("text", str(tmp_path / "o"), overwrite="yes")
     assert not (tmp_path / "o").exists()
 
@@ -152,10 +170,28 @@ def test_shipped_schema_is_the_generated_one():
     assert _schema_drift() == set()
     assert SCHEMA_PATH.read_text() == options.schema_yaml(), (
         "regenerate: python -c \"from dask_surge.options import schema_yaml; print(schema_yaml(), end='')\" "
-        "> dask_surge/surge-schema.yaml")
+        "> dask_surge/surge-schema.yaml"
+    )
 
 
-SAMPLES = [None, True, False, 0, -1, 1, 7, 1.5, "auto", "x", "cpu", "cuda:1", "float16", "error", "zstd", "fast"]
+SAMPLES = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    7,
+    1.5,
+    "auto",
+    "x",
+    "cpu",
+    "cuda:1",
+    "float16",
+    "error",
+    "zstd",
+    "fast",
+]
 
 
 def test_schema_and_validators_agree():
@@ -179,13 +215,40 @@ def test_schema_and_validators_agree():
 
 def test_identity_options_are_unchanged_by_the_table():
     assert dict(IDENTITY_OPTIONS) == {
-        "ddf": True, "column": True, "output": False, "model": True, "b_min": False, "b_max": False,
-        "max_bytes": False, "keep": True, "normalize": True, "precision": True, "truncate_dim": True, "sparse_top_k": True, "sparse_threshold": True,
-        "on_null": False, "long_texts": True, "chunk_overlap": True, "reuse": False, "device": False, "dtype": True, "engine": False, "batch_size": False,
-        "max_tokens": False, "prompt": True, "prompt_name": True, "revision": True, "trust_remote_code": False,
-        "model_kwargs": True, "overwrite": False, "storage_options": False, "format": False, "mode": False,
+        "ddf": True,
+        "column": True,
+        "output": False,
+        "model": True,
+        "b_min": False,
+        "b_max": False,
+        "max_bytes": False,
+        "keep": True,
+        "normalize": True,
+        "precision": True,
+        "truncate_dim": True,
+        "sparse_top_k": True,
+        "sparse_threshold": True,
+        "on_null": False,
+        "long_texts": True,
+        "chunk_overlap": True,
+        "reuse": False,
+        "device": False,
+        "dtype": True,
+        "engine": False,
+        "batch_size": False,
+        "max_tokens": False,
+        "prompt": True,
+        "prompt_name": True,
+        "revision": True,
+        "trust_remote_code": False,
+        "model_kwargs": True,
+        "overwrite": False,
+        "storage_options": False,
+        "format": False,
+        "mode": False,
         "scheduler": False,
-        "progress": False, "input_token": True,
+        "progress": False,
+        "input_token": True,
     }
 
 
@@ -215,10 +278,18 @@ Flavour = Literal["plain", "salted"]
 def flavour(monkeypatch):
     """A test-only option, declared once: it changes the embeddings, lives in the config and on the CLI."""
     declared = Option(
-        "flavour", Flavour | None, '{"plain", "salted"}, optional',
-        'Can be "plain", or "salted" to season every vector.', "how the vectors are seasoned",
-        default="plain", config="flavour", vocabulary=Flavour, identity=True, takers=frozenset({"encode", "plan"}),
-        cli=Cli())
+        "flavour",
+        Flavour | None,
+        '{"plain", "salted"}, optional',
+        'Can be "plain", or "salted" to season every vector.',
+        "how the vectors are seasoned",
+        default="plain",
+        config="flavour",
+        vocabulary=Flavour,
+        identity=True,
+        takers=frozenset({"encode", "plan"}),
+        cli=Cli(),
+    )
     monkeypatch.setattr(options, "OPTIONS", (*options.OPTIONS, declared))
     api._derive_from_options()
     with dask.config.set({"surge.flavour": "plain"}):
@@ -231,11 +302,15 @@ def test_a_new_option_is_one_declaration(flavour, tmp_path, counting_encoder):
     # the signature (the accessor's too) and the docstring
     for func in (api.encode, api.plan):
         assert inspect.signature(func).parameters["flavour"].default is None
-        assert '    flavour : {"plain", "salted"}, optional\n        Can be "plain", or "salted"' in func.__doc__
+        assert (
+            '    flavour : {"plain", "salted"}, optional\n        Can be "plain", or "salted"' in func.__doc__
+        )
     ddf = make_partitioned_frame([2, 2])
     assert "flavour" in inspect.signature(ddf.surge.encode).parameters
     # the CLI parser
-    args = cli.build_parser().parse_args(["encode", "in", "--text-column", "t", "--output", "o", "--flavour", "salted"])
+    args = cli.build_parser().parse_args(
+        ["encode", "in", "--text-column", "t", "--output", "o", "--flavour", "salted"]
+    )
     assert cli._options(args)["flavour"] == "salted"
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["plan", "in", "--text-column", "t", "--flavour", "sour"])
@@ -252,8 +327,13 @@ def test_a_new_option_is_one_declaration(flavour, tmp_path, counting_encoder):
     sbe = SuperBatchTask("text", (), Encoder(counting_encoder), on_null="error")
     frame = ddf[["text"]]
     base = api.fingerprint(frame, sbe, device="cpu")
-    assert api.fingerprint(frame, sbe, device="cpu", options={"flavour": None}) == base  # the default: unchanged
-    assert api.fingerprint(frame, sbe, device="cpu", options={"flavour": "salted"}) == {**base, "flavour": "salted"}
+    assert (
+        api.fingerprint(frame, sbe, device="cpu", options={"flavour": None}) == base
+    )  # the default: unchanged
+    assert api.fingerprint(frame, sbe, device="cpu", options={"flavour": "salted"}) == {
+        **base,
+        "flavour": "salted",
+    }
     assert ddf.surge.encode("text", out, **kw).rows == 4
     assert ddf.surge.encode("text", out, flavour="plain", **kw).resumed  # the same run
     with pytest.raises(SurgeOutputError, match=r"different run"):
@@ -273,8 +353,9 @@ def test_a_type_checker_sees_the_typed_options(tmp_path):
         "from typing import Any\n\nimport dask_surge\n\nddf: Any = None\n"
         "reveal_type(dask_surge.encode(ddf, 'text', 'out', precision='float16', b_min=5))\n"
         "dask_surge.encode(ddf, 'text', precision='float64')\n"
-        "dask_surge.plan(ddf, 'text', token_sample='many')\n")
+        "dask_surge.plan(ddf, 'text', token_sample='many')\n"
+    )
     out, _, _ = mypy_api.run([str(user), "--ignore-missing-imports", "--hide-error-context", "--no-pretty"])
     assert 'Revealed type is "dask_surge.results.EncodeResult"' in out
     assert f"{user}:7: error: " in out, out  # precision='float64' is not a Precision
-    assert f"{user}:8: error: Argument \"token_sample\" to \"plan\" has incompatible type \"str\"" in out
+    assert f'{user}:8: error: Argument "token_sample" to "plan" has incompatible type "str"' in out

@@ -25,8 +25,13 @@ def files(tmp_path):
     paths, start = [], 0
     for i, n in enumerate(sizes):
         rows = list(range(start, start + n))
-        paths.append(_write(tmp_path / f"part.{i}.parquet", text=pa.array([f"t{r}" for r in rows], pa.string()),
-                            doc_id=pa.array(rows, pa.int64())))
+        paths.append(
+            _write(
+                tmp_path / f"part.{i}.parquet",
+                text=pa.array([f"t{r}" for r in rows], pa.string()),
+                doc_id=pa.array(rows, pa.int64()),
+            )
+        )
         start += n
     return paths, sizes
 
@@ -46,8 +51,9 @@ def test_files_that_do_not_fit_one_scan_are_left_to_the_file_by_file_read(tmp_pa
     no_text = _write(tmp_path / "notext.parquet", doc_id=[100])
     assert scan_files(local, [paths[0], other_type], ["text"]) is None  # a scan would cast
     assert scan_files(local, [paths[0], no_text], ["text"]) is None  # a scan would fill nulls
-    reader = ParquetPartitions(fsspec.filesystem("file"), {0: (paths[0], None), 1: (no_text, None)},
-                               ("text",), (("text", "string"),))
+    reader = ParquetPartitions(
+        fsspec.filesystem("file"), {0: (paths[0], None), 1: (no_text, None)}, ("text",), (("text", "string"),)
+    )
     with pytest.raises(SurgeInputError, match="has no column 'text'"):  # not a partition of nulls
         list(reader.iterate([0, 1], []))
 
@@ -58,10 +64,12 @@ def test_local_scan_and_fsspec_reads_give_the_same_partitions(files, tmp_path):
     for i, path in enumerate(paths):
         memory.pipe(f"/surge-test/{i}.parquet", open(path, "rb").read())
     dtypes = (("text", "string"), ("doc_id", "int64"))
-    local = ParquetPartitions(fsspec.filesystem("file"), {i: (p, None) for i, p in enumerate(paths)},
-                              ("text", "doc_id"), dtypes)
-    remote = ParquetPartitions(memory, {i: (f"/surge-test/{i}.parquet", None) for i in range(len(paths))},
-                               ("text", "doc_id"), dtypes)
+    local = ParquetPartitions(
+        fsspec.filesystem("file"), {i: (p, None) for i, p in enumerate(paths)}, ("text", "doc_id"), dtypes
+    )
+    remote = ParquetPartitions(
+        memory, {i: (f"/surge-test/{i}.parquet", None) for i in range(len(paths))}, ("text", "doc_id"), dtypes
+    )
     order = [4, 0, 1, 3]
     got = list(local.iterate(order, []))
     want = list(remote.iterate(order, []))
@@ -69,9 +77,16 @@ def test_local_scan_and_fsspec_reads_give_the_same_partitions(files, tmp_path):
     for (_, a), (_, b) in zip(got, want):
         pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
     # row-group pieces take the file-by-file read and slice the same rows
-    pieces = ParquetPartitions(fsspec.filesystem("file"), {0: (paths[4], (1, 2)), 1: (paths[4], (0,))},
-                               ("doc_id",), (("doc_id", "int64"),))
-    assert [f["doc_id"].tolist() for _, f in pieces.iterate([0, 1], [])] == [[16, 17, 18, 19, 20, 21], [13, 14, 15]]
+    pieces = ParquetPartitions(
+        fsspec.filesystem("file"),
+        {0: (paths[4], (1, 2)), 1: (paths[4], (0,))},
+        ("doc_id",),
+        (("doc_id", "int64"),),
+    )
+    assert [f["doc_id"].tolist() for _, f in pieces.iterate([0, 1], [])] == [
+        [16, 17, 18, 19, 20, 21],
+        [13, 14, 15],
+    ]
     memory.rm("/surge-test", recursive=True)
 
 
@@ -95,10 +110,17 @@ def test_a_file_without_the_text_column_stops_the_run_instead_of_skipping_its_ro
     _write(data / "0.parquet", text=["a", "b"], doc_id=[1, 2])
     _write(data / "1.parquet", doc_id=[3])
     with pytest.raises(SurgeInputError, match="1.parquet' has no column 'text'"):
-        dd.read_parquet(str(data)).surge.encode("text", output=str(tmp_path / "out"), on_null="skip",
-                                                model=lambda t: np.ones((len(t), 3)), scheduler="sync",
-                                                progress=False)
-    with pytest.raises(SurgeInputError, match="holds no dask-surge run|has no committed rows"):  # nothing that looks complete
+        dd.read_parquet(str(data)).surge.encode(
+            "text",
+            output=str(tmp_path / "out"),
+            on_null="skip",
+            model=lambda t: np.ones((len(t), 3)),
+            scheduler="sync",
+            progress=False,
+        )
+    with pytest.raises(
+        SurgeInputError, match="holds no dask-surge run|has no committed rows"
+    ):  # nothing that looks complete
         dask_surge.read_embeddings(str(tmp_path / "out"))
 
 
@@ -109,7 +131,9 @@ def test_footer_sizes_of_a_projection_of_several_columns(tmp_path):
     import dask.dataframe as dd
 
     for i, n in enumerate([4, 2]):
-        _write(tmp_path / f"p{i}.parquet", doc_id=pa.array(range(n)), text=pa.array([f"t{r}" for r in range(n)]))
+        _write(
+            tmp_path / f"p{i}.parquet", doc_id=pa.array(range(n)), text=pa.array([f"t{r}" for r in range(n)])
+        )
     frame = dd.read_parquet(str(tmp_path))[["text", "doc_id"]]
     found = parquet_footer_sizes(frame, "text")
     assert found is not None and list(found[0]) == [4, 2]

@@ -90,7 +90,9 @@ def test_an_output_whose_path_holds_a_glob_character_is_refused_before_any_write
     _write_input(fs, f"{base}/in")
     for name in ("emb[x]", "emb*", "e?b", "emb{a,b}"):
         out = f"{base}/{name}"
-        with pytest.raises(SurgeOutputError, match=r"Parquet readers .* take for a pattern.*Nothing was written"):
+        with pytest.raises(
+            SurgeOutputError, match=r"Parquet readers .* take for a pattern.*Nothing was written"
+        ):
             dd.read_parquet(f"{base}/in").surge.encode("text", out, model=_model, **KW)
         assert not fs.exists(out)
 
@@ -109,9 +111,13 @@ def test_an_input_named_with_a_bracket_is_a_name_not_a_pattern(tmp_path):
     # issue 60.2: an input directory in[1] made a sibling output be refused as inside the input
     fs = fsspec.filesystem("file")
     _write_input(fs, str(tmp_path / "in[1]"))
-    check_output(OutputStore.open(str(tmp_path / "out"), writing=True), inputs=[(fs, str(tmp_path / "in[1]"))])
+    check_output(
+        OutputStore.open(str(tmp_path / "out"), writing=True), inputs=[(fs, str(tmp_path / "in[1]"))]
+    )
     with pytest.raises(SurgeOutputError, match="is inside the input directory"):
-        check_output(OutputStore.open(str(tmp_path / "in[1]" / "out")), inputs=[(fs, str(tmp_path / "in[1]"))])
+        check_output(
+            OutputStore.open(str(tmp_path / "in[1]" / "out")), inputs=[(fs, str(tmp_path / "in[1]"))]
+        )
 
 
 @pytest.mark.parametrize("spelling", ["double-slash", "dot-dot", "link-to-input", "input-through-link"])
@@ -138,14 +144,21 @@ def test_an_output_that_holds_the_input_is_refused(tmp_path):
     fs = fsspec.filesystem("file")
     _write_input(fs, str(tmp_path / "data" / "in"))
     with pytest.raises(SurgeOutputError, match="holds input file"):
-        dd.read_parquet(str(tmp_path / "data" / "in")).surge.encode("text", f"{tmp_path}//data/", model=_model, **KW)
+        dd.read_parquet(str(tmp_path / "data" / "in")).surge.encode(
+            "text", f"{tmp_path}//data/", model=_model, **KW
+        )
 
 
 # -- the property ------------------------------------------------------------------------------------
 
 _PLAIN = st.text(alphabet="ab é漢%#", min_size=1, max_size=5).filter(lambda s: s.strip() == s)
-_NAME = st.one_of(_PLAIN, _PLAIN, st.text(alphabet="ab é%# " + GLOB_CHARACTERS, min_size=1, max_size=5).filter(
-    lambda s: s.strip() == s and s not in (".", "..")))
+_NAME = st.one_of(
+    _PLAIN,
+    _PLAIN,
+    st.text(alphabet="ab é%# " + GLOB_CHARACTERS, min_size=1, max_size=5).filter(
+        lambda s: s.strip() == s and s not in (".", "..")
+    ),
+)
 
 
 @st.composite
@@ -154,8 +167,13 @@ def _layout(draw):
     relation = draw(st.sampled_from(["sibling", "output-in-input", "input-in-output", "same", "nested-deep"]))
     inp = draw(st.lists(_PLAIN, min_size=1, max_size=2))
     name = draw(st.lists(_NAME, min_size=1, max_size=2))
-    out = {"sibling": [*inp[:-1], *name], "output-in-input": [*inp, *name], "input-in-output": inp[:-1] or name,
-           "same": inp, "nested-deep": [*inp, *name, *name]}[relation]
+    out = {
+        "sibling": [*inp[:-1], *name],
+        "output-in-input": [*inp, *name],
+        "input-in-output": inp[:-1] or name,
+        "same": inp,
+        "nested-deep": [*inp, *name, *name],
+    }[relation]
     if out == inp[: len(out)] and relation == "sibling":
         out = [*out[:-1], out[-1] + "x"]
     spelling = draw(st.sampled_from(["plain", "double-slash", "trailing-slash", "dot-dot", "dot"]))
@@ -195,8 +213,9 @@ def _run(base: str, protocol: str, layout) -> None:
             assert not fs.exists(canonical_out)
         return
     assert result.rows == N
-    assert _tree(fs, in_dir) == before_in or not canonical_out.startswith(in_dir.rstrip("/") + "/"), \
+    assert _tree(fs, in_dir) == before_in or not canonical_out.startswith(in_dir.rstrip("/") + "/"), (
         "a run wrote under its input"
+    )
     assert not (canonical_out + "/").startswith(in_dir.rstrip("/") + "/") or canonical_out == in_dir
     assert not any(c in "/".join(out_parts) for c in GLOB_CHARACTERS)
     _check_written(out, None, local=protocol == "file")
@@ -209,8 +228,12 @@ def _examples(default: int) -> int:
 
 
 def _property(protocol: str, examples: int, tmp_factory) -> None:
-    @settings(max_examples=examples, deadline=None, derandomize=examples <= 8,
-              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=examples <= 8,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
     @given(layout=_layout())
     def check(layout):
         base = str(tmp_factory.mktemp("p")) if protocol == "file" else f"memory://{uuid.uuid4().hex}"
@@ -238,8 +261,9 @@ def test_an_output_spelled_through_a_link_inside_the_input_is_refused(tmp_path):
     (tmp_path / "outs").mkdir()
     os.symlink(tmp_path / "outs", tmp_path / "in" / "outs-link")
     with pytest.raises(SurgeOutputError, match="inside the input directory"):
-        dd.read_parquet(str(tmp_path / "in")).surge.encode("text", str(tmp_path / "in" / "outs-link" / "e"),
-                                                           model=_model, **KW)
+        dd.read_parquet(str(tmp_path / "in")).surge.encode(
+            "text", str(tmp_path / "in" / "outs-link" / "e"), model=_model, **KW
+        )
     assert not list((tmp_path / "outs").iterdir())
 
 
@@ -258,5 +282,7 @@ def test_a_run_resolves_its_output_once(tmp_path, monkeypatch):
     assert dd.read_parquet(str(tmp_path / "in")).surge.encode("text", out, model=_model, **KW).rows == N
     assert opened == [out]
     opened.clear()
-    assert dd.read_parquet(str(tmp_path / "in")).surge.encode("text", out, model=_model, **KW).rows == N  # complete
+    assert (
+        dd.read_parquet(str(tmp_path / "in")).surge.encode("text", out, model=_model, **KW).rows == N
+    )  # complete
     assert opened == [out]

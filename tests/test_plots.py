@@ -47,7 +47,9 @@ def _check_run_figure(result):
         rate = axes["Throughput over the run"]
         assert any(t.get_text().startswith("mean ") for t in rate.get_legend().get_texts())
         sizes = axes["SuperBatch sizes against b_min / b_max"]
-        assert sorted(p.get_height() for p in sizes.patches) == sorted(r.rows + r.skipped for r in result.records)
+        assert sorted(p.get_height() for p in sizes.patches) == sorted(
+            r.rows + r.skipped for r in result.records
+        )
         hlines = {line.get_label() for line in sizes.get_lines()}
         assert f"b_min {result.b_min:,}" in hlines and f"b_max {result.b_max:,}" in hlines
     finally:
@@ -58,8 +60,9 @@ def _check_run_figure(result):
 
 
 def test_planned_run_plot(frame, tmp_path):
-    result = frame.surge.encode("text", str(tmp_path / "emb"), model=_model, b_min=100, b_max=400,
-                                progress=False, scheduler="sync")
+    result = frame.surge.encode(
+        "text", str(tmp_path / "emb"), model=_model, b_min=100, b_max=400, progress=False, scheduler="sync"
+    )
     assert result.records and result.ttfo_s is not None
     _check_run_figure(result)
 
@@ -67,8 +70,9 @@ def test_planned_run_plot(frame, tmp_path):
 def test_streamed_run_plot(frame, tmp_path):
     # a map_partitions step: Dask does not know the partition sizes, so encode() streams
     ddf = frame.map_partitions(lambda df: df, meta=frame._meta)
-    result = ddf.surge.encode("text", str(tmp_path / "emb"), model=_model, b_min=50, b_max=200, progress=False,
-                              scheduler="sync")
+    result = ddf.surge.encode(
+        "text", str(tmp_path / "emb"), model=_model, b_min=50, b_max=200, progress=False, scheduler="sync"
+    )
     assert result.sizes_source == "streamed" and result.rows == 700
     _check_run_figure(result)
 
@@ -146,12 +150,27 @@ def _slot_reports():
     from dask_surge.results import SuperBatchReport
 
     def report(sb, start, encode, write):
-        return SuperBatchReport(sb=sb, rows=100, skipped=0, file=f"part-{sb}.parquet", bytes=1, spans=(),
-                                started_at=start, encode_s=encode, write_s=write, committed=True,
-                                committed_at=start + encode + write, engine="fast")
+        return SuperBatchReport(
+            sb=sb,
+            rows=100,
+            skipped=0,
+            file=f"part-{sb}.parquet",
+            bytes=1,
+            spans=(),
+            started_at=start,
+            encode_s=encode,
+            write_s=write,
+            committed=True,
+            committed_at=start + encode + write,
+            engine="fast",
+        )
 
-    return [report("a1", 100.0, 1.0, 1.0), report("a2", 101.0, 1.0, 1.0),
-            report("b1", 100.0, 1.5, 0.5), report("b2", 101.5, 1.0, 1.0)]
+    return [
+        report("a1", 100.0, 1.0, 1.0),
+        report("a2", 101.0, 1.0, 1.0),
+        report("b1", 100.0, 1.5, 0.5),
+        report("b2", 101.5, 1.0, 1.0),
+    ]
 
 
 def test_lanes_are_task_slots():
@@ -181,11 +200,26 @@ def test_lanes_follow_when_each_encode_started():
     from dask_surge.results import SuperBatchReport
 
     def report(sb, start, encode, commit):
-        return SuperBatchReport(sb=sb, rows=100, skipped=0, file=f"part-{sb}.parquet", bytes=1, spans=(),
-                                started_at=start, encode_s=encode, write_s=0.5, committed=True,
-                                committed_at=commit, engine="fast")
+        return SuperBatchReport(
+            sb=sb,
+            rows=100,
+            skipped=0,
+            file=f"part-{sb}.parquet",
+            bytes=1,
+            spans=(),
+            started_at=start,
+            encode_s=encode,
+            write_s=0.5,
+            committed=True,
+            committed_at=commit,
+            engine="fast",
+        )
 
-    slot_a = [report("a1", 100.0, 1.0, 103.5), report("a2", 101.0, 1.0, 104.0), report("a3", 102.0, 1.0, 104.5)]
+    slot_a = [
+        report("a1", 100.0, 1.0, 103.5),
+        report("a2", 101.0, 1.0, 104.0),
+        report("a3", 102.0, 1.0, 104.5),
+    ]
     slot_b = [report("b1", 100.0, 5.0, 105.5)]
     df = run_timeline(slot_a + slot_b, ttfo_s=3.5)
     assert sorted(set(df["lane"])) == [0, 1]
@@ -199,13 +233,29 @@ def test_a_late_heard_task_keeps_its_place():
     from dask_surge.results import SuperBatchReport
 
     def report(sb, start, encode, heard_late):
-        worker = SuperBatchReport(sb=sb, rows=100, skipped=0, file="f", bytes=1, spans=(), started_at=start,
-                                  encode_s=encode, write_s=0.1, committed=True, committed_at=start + encode + 0.1,
-                                  engine="fast", task_end=start + encode + 0.1)
+        worker = SuperBatchReport(
+            sb=sb,
+            rows=100,
+            skipped=0,
+            file="f",
+            bytes=1,
+            spans=(),
+            started_at=start,
+            encode_s=encode,
+            write_s=0.1,
+            committed=True,
+            committed_at=start + encode + 0.1,
+            engine="fast",
+            task_end=start + encode + 0.1,
+        )
         return worker.on_client_clock(start + encode + 0.1 + 0.01 + heard_late)
 
-    records = [report("a1", 100.0, 1.0, 0.0), report("a2", 101.1, 1.0, 1.5), report("a3", 102.2, 1.0, 0.0),
-               report("b1", 100.0, 3.3, 0.0)]
+    records = [
+        report("a1", 100.0, 1.0, 0.0),
+        report("a2", 101.1, 1.0, 1.5),
+        report("a3", 102.2, 1.0, 0.0),
+        report("b1", 100.0, 3.3, 0.0),
+    ]
     df = run_timeline(records, ttfo_s=1.11)
     assert sorted(set(df["lane"])) == [0, 1]
     assert df.set_index("sb").loc["a2", "start_s"] == pytest.approx(1.11)  # its place, +0.01 s of transfer

@@ -81,14 +81,23 @@ def test_worker_threads_are_set_and_teardown_releases_the_model(tiny_model):
     def facts():
         from dask_surge.models import cache
 
-        return {"omp": os.environ.get("OMP_NUM_THREADS"), "tok": os.environ.get("TOKENIZERS_PARALLELISM"),
-                "arrow": pa.cpu_count(), "io": pa.io_thread_count(), "loaded": len(cache.loaded()),
-                "affinity": len(os.sched_getaffinity(0))}
+        return {
+            "omp": os.environ.get("OMP_NUM_THREADS"),
+            "tok": os.environ.get("TOKENIZERS_PARALLELISM"),
+            "arrow": pa.cpu_count(),
+            "io": pa.io_thread_count(),
+            "loaded": len(cache.loaded()),
+            "affinity": len(os.sched_getaffinity(0)),
+        }
 
     encoder = Encoder(tiny_model, device="cpu")
     name = EncoderPlugin(encoder).name
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0") as cluster, \
-            Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         register_encoder(client, encoder)
         (got,) = client.run(facts).values()
         assert got["omp"] == "1"  # the nanny's setting, which Arrow would read as one thread
@@ -135,8 +144,12 @@ def test_two_cpu_workers_on_one_host_share_its_cores_in_the_tokenizer_pool(tiny_
 
     cores = len(os.sched_getaffinity(0))
     share = tokenizer_threads(cores, 2)
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0") as cluster, \
-            Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         register_encoder(client, Encoder(tiny_model, device="cpu"))
         got = list(client.run(rayon).values())
     assert len(got) == 2
@@ -148,7 +161,9 @@ def test_two_cpu_workers_on_one_host_share_its_cores_in_the_tokenizer_pool(tiny_
             assert env is None
 
 
-def test_a_user_setting_a_gpu_worker_and_a_worker_in_the_client_keep_the_tokenizer_pool(tiny_model, monkeypatch):
+def test_a_user_setting_a_gpu_worker_and_a_worker_in_the_client_keep_the_tokenizer_pool(
+    tiny_model, monkeypatch
+):
     import os
 
     from dask_surge.execution.plugins import share_tokenizer_cores

@@ -49,8 +49,9 @@ def test_thresholds_and_lemma3_bound(layout):
         if is_slice:
             n = sizes[sb.spans[0].partition]
             assert sb.spans[0].start % b_max == 0
-            assert len([x for x in plan if x.spans[0].partition == sb.spans[0].partition
-                        and len(x.spans) == 1]) >= math.ceil(n / b_max)
+            assert len(
+                [x for x in plan if x.spans[0].partition == sb.spans[0].partition and len(x.spans) == 1]
+            ) >= math.ceil(n / b_max)
 
 
 @settings(max_examples=200, deadline=None)
@@ -69,24 +70,38 @@ def test_multi_partition_superbatches_hold_whole_partitions(layout):
     for sb in plan_superbatches(sizes, b_min, b_max):
         if len(sb.spans) > 1:
             assert all(s.start == 0 and s.stop == sizes[s.partition] for s in sb.spans)
-            assert [s.partition for s in sb.spans] == list(range(sb.spans[0].partition, sb.spans[-1].partition + 1))
+            assert [s.partition for s in sb.spans] == list(
+                range(sb.spans[0].partition, sb.spans[-1].partition + 1)
+            )
 
 
 def test_worked_example():
     plan = plan_superbatches([3, 4, 20, 1], b_min=5, b_max=8)
     assert [sb.rows for sb in plan] == [7, 8, 8, 4, 1]
     assert [tuple((s.partition, s.start, s.stop) for s in sb.spans) for sb in plan] == [
-        ((0, 0, 3), (1, 0, 4)), ((2, 0, 8),), ((2, 8, 16),), ((2, 16, 20),), ((3, 0, 1),)]
+        ((0, 0, 3), (1, 0, 4)),
+        ((2, 0, 8),),
+        ((2, 8, 16),),
+        ((2, 16, 20),),
+        ((3, 0, 1),),
+    ]
 
 
 def test_no_partitions_no_superbatches():
     assert plan_superbatches([], 10, 20) == []
 
 
-@pytest.mark.parametrize("b_min,b_max,match", [
-    (0, 10, "must be positive"), (-1, 10, "must be positive"), (10, 5, "larger than b_max"),
-    (1.5, 10, "not an integer"), ("10", 20, "not an integer"), (True, 10, "not an integer"),
-])
+@pytest.mark.parametrize(
+    "b_min,b_max,match",
+    [
+        (0, 10, "must be positive"),
+        (-1, 10, "must be positive"),
+        (10, 5, "larger than b_max"),
+        (1.5, 10, "not an integer"),
+        ("10", 20, "not an integer"),
+        (True, 10, "not an integer"),
+    ],
+)
 def test_bad_thresholds_are_named(b_min, b_max, match):
     with pytest.raises(SurgeValueError, match=match):
         validate_thresholds(b_min, b_max)
@@ -105,7 +120,9 @@ def test_bad_size_and_push_after_finish():
 def byte_layouts(draw):
     sizes, b_min, b_max = draw(layouts())
     # bytes per row from 0 to 1 MB; a partition's bytes are its rows times its mean row size
-    per_row = draw(st.lists(st.integers(min_value=0, max_value=10**6), min_size=len(sizes), max_size=len(sizes)))
+    per_row = draw(
+        st.lists(st.integers(min_value=0, max_value=10**6), min_size=len(sizes), max_size=len(sizes))
+    )
     # plus a per-partition overhead: Parquet footers give even an empty partition some bytes
     overhead = draw(st.integers(min_value=0, max_value=100))
     nbytes = [n * r + overhead for n, r in zip(sizes, per_row)]
@@ -142,10 +159,12 @@ def test_byte_cap_bounds_every_superbatch_and_loses_no_row(layout):
 def test_byte_cap_that_never_binds_gives_the_rows_only_plan(layout):
     sizes, b_min, b_max = layout
     nbytes = [100 * n for n in sizes]
-    assert plan_superbatches(sizes, b_min, b_max, nbytes=nbytes, max_bytes=10**9) == \
-        plan_superbatches(sizes, b_min, b_max)
-    assert plan_superbatches(sizes, b_min, b_max, nbytes=None, max_bytes=1) == \
-        plan_superbatches(sizes, b_min, b_max)
+    assert plan_superbatches(sizes, b_min, b_max, nbytes=nbytes, max_bytes=10**9) == plan_superbatches(
+        sizes, b_min, b_max
+    )
+    assert plan_superbatches(sizes, b_min, b_max, nbytes=None, max_bytes=1) == plan_superbatches(
+        sizes, b_min, b_max
+    )
 
 
 def test_a_few_huge_texts_are_not_fused_past_the_byte_cap():
@@ -251,12 +270,20 @@ def test_dask_tokens_of_plans_and_units_are_cheap_and_tell_them_apart():
 
     sb = SuperBatch(0, (Span(0, 0, 5), Span(1, 0, 3)))
     assert tokenize(sb) == tokenize(SuperBatch(0, (Span(0, 0, 5), Span(1, 0, 3))))
-    others = [SuperBatch(1, sb.spans), SuperBatch(0, (Span(0, 0, 5), Span(1, 0, 4))),
-              SuperBatch(0, (Span(0, 1, 5), Span(1, 0, 3))), SuperBatch(0, (Span(2, 0, 5), Span(1, 0, 3)))]
+    others = [
+        SuperBatch(1, sb.spans),
+        SuperBatch(0, (Span(0, 0, 5), Span(1, 0, 4))),
+        SuperBatch(0, (Span(0, 1, 5), Span(1, 0, 3))),
+        SuperBatch(0, (Span(2, 0, 5), Span(1, 0, 3))),
+    ]
     assert len({tokenize(x) for x in [sb, *others]}) == 5
     unit = Unit((0, 1), (sb,), sizes=(5, 3))
-    changed = [Unit((0, 1), (others[1],), sizes=(5, 3)), Unit((0, 1), (sb,), sizes=(5, 4)),
-               Unit((0, 1), (sb,), frozenset({"000000000-000000000000"}), sizes=(5, 3)),
-               Unit((0, 1), (sb,), sizes=(5, 3), expect=((1, 3, None),)), Unit((0, 1), None)]
+    changed = [
+        Unit((0, 1), (others[1],), sizes=(5, 3)),
+        Unit((0, 1), (sb,), sizes=(5, 4)),
+        Unit((0, 1), (sb,), frozenset({"000000000-000000000000"}), sizes=(5, 3)),
+        Unit((0, 1), (sb,), sizes=(5, 3), expect=((1, 3, None),)),
+        Unit((0, 1), None),
+    ]
     assert tokenize(unit) == tokenize(Unit((0, 1), (sb,), sizes=(5, 3)))
     assert len({tokenize(x) for x in [unit, *changed]}) == 6

@@ -22,14 +22,26 @@ def reference(tiny_model):
     return ddf, _stored(ref.compute(scheduler="sync")).astype(np.float32)
 
 
-@pytest.mark.parametrize("precision,dtype,width", [("float16", np.float16, 1), ("int8", np.int8, 1),
-                                                   ("binary", np.uint8, 8)])
-def test_stored_precision_is_the_fixed_rule_applied_to_float32(tmp_path, tiny_model, reference, precision,
-                                                              dtype, width):
+@pytest.mark.parametrize(
+    "precision,dtype,width", [("float16", np.float16, 1), ("int8", np.int8, 1), ("binary", np.uint8, 8)]
+)
+def test_stored_precision_is_the_fixed_rule_applied_to_float32(
+    tmp_path, tiny_model, reference, precision, dtype, width
+):
     ddf, ref = reference
     out = str(tmp_path / precision)
-    ddf.surge.encode("text", out, model=tiny_model, normalize=True, precision=precision, device="cpu",
-                     b_min=8, b_max=16, scheduler="sync", progress=False)
+    ddf.surge.encode(
+        "text",
+        out,
+        model=tiny_model,
+        normalize=True,
+        precision=precision,
+        device="cpu",
+        b_min=8,
+        b_max=16,
+        scheduler="sync",
+        progress=False,
+    )
     back = dask_surge.read_embeddings(out).compute().sort_values(["partition", "row"])
     stored = _stored(back)
     assert stored.dtype == dtype and stored.shape == (len(ref), -(-ref.shape[1] // width))
@@ -63,7 +75,8 @@ def test_truncate_dim_matches_sentence_transformers(tiny_model):
     st = SentenceTransformer(tiny_model, device="cpu")
     k = (getattr(st, "get_embedding_dimension", None) or st.get_sentence_embedding_dimension)() // 2
     df = ddf.surge.encode("text", model=tiny_model, truncate_dim=k, normalize=True, device="cpu").compute(
-        scheduler="sync")
+        scheduler="sync"
+    )
     got = _stored(df).astype(np.float32)
     want = st.encode(texts, truncate_dim=k, normalize_embeddings=True)
     assert got.shape == want.shape == (len(texts), k)
@@ -74,8 +87,9 @@ def test_truncate_dim_matches_sentence_transformers(tiny_model):
 
 def test_truncate_dim_equal_to_the_dimension_still_normalizes():
     ddf = make_partitioned_frame([3])
-    df = ddf.surge.encode("text", model=lambda texts: [[3.0, 4.0]] * len(texts), truncate_dim=2,
-                          normalize=True).compute(scheduler="sync")
+    df = ddf.surge.encode(
+        "text", model=lambda texts: [[3.0, 4.0]] * len(texts), truncate_dim=2, normalize=True
+    ).compute(scheduler="sync")
     np.testing.assert_allclose(_stored(df), [[0.6, 0.8]] * 3, rtol=1e-6)
 
 
@@ -91,8 +105,30 @@ def test_cli_binary_truncated(tmp_path, tiny_model, capsys):
 
     write_partitioned_parquet(tmp_path / "in", [4, 6])
     out = str(tmp_path / "o")
-    assert main(["encode", str(tmp_path / "in"), "--text-column", "text", "--output", out, "--model", tiny_model,
-                 "--device", "cpu", "--precision", "binary", "--truncate-dim", "16", "--normalize",
-                 "--scheduler", "sync", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "encode",
+                str(tmp_path / "in"),
+                "--text-column",
+                "text",
+                "--output",
+                out,
+                "--model",
+                tiny_model,
+                "--device",
+                "cpu",
+                "--precision",
+                "binary",
+                "--truncate-dim",
+                "16",
+                "--normalize",
+                "--scheduler",
+                "sync",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     stored = _stored(dask_surge.read_embeddings(out).compute())
     assert stored.shape == (10, 2) and stored.dtype == np.uint8

@@ -50,8 +50,9 @@ def test_a_different_run_is_refused_before_workers_start(tmp_path, caplog, no_cl
     write_partitioned_parquet(small, [3, 2])
     write_partitioned_parquet(large, [IN_PROCESS_ROWS // 2 + 1] * 2, seed=4)
     out = str(tmp_path / "emb")
-    dask_surge.encode(dd.read_parquet(str(small)), "text", out, model=CountingEncoder(), scheduler="sync",
-                      progress=False)
+    dask_surge.encode(
+        dd.read_parquet(str(small)), "text", out, model=CountingEncoder(), scheduler="sync", progress=False
+    )
     caplog.set_level(logging.WARNING, logger="dask_surge")
     with pytest.raises(SurgeOutputError, match="already holds a different run.*overwrite=True"):
         dask_surge.encode(dd.read_parquet(str(large)), "text", out, model=CountingEncoder(), progress=False)
@@ -104,8 +105,27 @@ def test_the_cli_runs_a_few_small_csv_files_in_this_process(tmp_path, capsys, no
     src.mkdir()
     for i in range(3):
         pd.DataFrame({"text": [f"text {i} {j}" for j in range(4)]}).to_csv(src / f"p{i}.csv", index=False)
-    assert main(["encode", str(src), "--text-column", "text", "--output", str(tmp_path / "o"), "--model",
-                 "default", "--device", "cpu", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "encode",
+                str(src),
+                "--text-column",
+                "text",
+                "--output",
+                str(tmp_path / "o"),
+                "--model",
+                "default",
+                "--device",
+                "cpu",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
-    assert "a small input: encoding in this process" in captured.err and "started LocalCluster" not in captured.err
+    assert (
+        "a small input: encoding in this process" in captured.err
+        and "started LocalCluster" not in captured.err
+    )
     assert "12 rows" in captured.out

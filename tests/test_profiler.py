@@ -104,7 +104,8 @@ def test_an_encode_leaves_every_profiler_running(client, tiny_model, tmp_path):
     import dask.dataframe as dd
 
     ddf = dd.from_pandas(pd.DataFrame({"text": [f"text {i}" for i in range(60)]}), npartitions=3)
-    result = ddf.surge.encode("text", output=str(tmp_path / "out"), model=str(tiny_model), device="cpu",
-                              progress=False)
+    result = ddf.surge.encode(
+        "text", output=str(tmp_path / "out"), model=str(tiny_model), device="cpu", progress=False
+    )
     assert result.rows == 60
     assert _all_profiling(client)

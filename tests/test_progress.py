@@ -44,14 +44,15 @@ def _counts(states: list[str]) -> list[int]:
 
 
 def _phases(states: list[str]) -> list[str]:
-    return list(dict.fromkeys(s[len("dask-surge ["):s.index("]")] for s in states))
+    return list(dict.fromkeys(s[len("dask-surge [") : s.index("]")] for s in states))
 
 
 def test_planned_run_bar_names_phases_and_reaches_the_total(tmp_path, capsys, every_update):
     frame = pd.DataFrame({"text": [f"text {i}" for i in range(30)]})
     ddf = dd.from_pandas(frame, npartitions=5)  # in memory: sizes known, the run is planned
-    res = dask_surge.encode(ddf, "text", str(tmp_path / "o"), b_min=6, b_max=12, scheduler="sync",
-                            model=CountingEncoder())
+    res = dask_surge.encode(
+        ddf, "text", str(tmp_path / "o"), b_min=6, b_max=12, scheduler="sync", model=CountingEncoder()
+    )
     states = _states(capsys.readouterr().err)
     assert res.sizes_source != "streamed"
     phases = _phases(states)
@@ -107,12 +108,21 @@ def test_resumed_run_bar_starts_at_the_committed_rows(tmp_path, capsys, every_up
 
 def test_no_progress_shows_nothing(tmp_path, capsys, monkeypatch):
     ddf = make_partitioned_frame([3, 4])
-    dask_surge.encode(ddf, "text", str(tmp_path / "a"), b_min=4, b_max=8, scheduler="sync",
-                      model=CountingEncoder(), progress=False)
+    dask_surge.encode(
+        ddf,
+        "text",
+        str(tmp_path / "a"),
+        b_min=4,
+        b_max=8,
+        scheduler="sync",
+        model=CountingEncoder(),
+        progress=False,
+    )
     assert "dask-surge" not in capsys.readouterr().err
     monkeypatch.setenv("TQDM_DISABLE", "1")
-    dask_surge.encode(ddf, "text", str(tmp_path / "b"), b_min=4, b_max=8, scheduler="sync",
-                      model=CountingEncoder())
+    dask_surge.encode(
+        ddf, "text", str(tmp_path / "b"), b_min=4, b_max=8, scheduler="sync", model=CountingEncoder()
+    )
     assert "dask-surge" not in capsys.readouterr().err
 
 
@@ -179,8 +189,9 @@ def test_a_disabled_bar_never_asks_whether_the_model_is_loaded():
 def test_distributed_run_bar_hears_commits_from_workers(client, tmp_path, capsys, every_update):
     sizes = [20, 30, 10, 25, 15, 30]
     ddf = make_partitioned_frame(sizes)
-    res = dask_surge.encode(ddf, "text", str(tmp_path / "o"), b_min=15, b_max=20, scheduler=client,
-                            model=CountingEncoder())
+    res = dask_surge.encode(
+        ddf, "text", str(tmp_path / "o"), b_min=15, b_max=20, scheduler=client, model=CountingEncoder()
+    )
     states = _states(capsys.readouterr().err)
     phases = _phases(states)
     assert phases[0] == "planning" and phases[-1] == "done"
@@ -259,7 +270,7 @@ def test_the_bar_is_readable_at_80_columns(monkeypatch):
 
 
 def test_dask_shutdown_noise_is_quiet_during_a_run_only():
-    """"Worker process still alive after 4.0 seconds, killing" followed every successful run on a
+    """ "Worker process still alive after 4.0 seconds, killing" followed every successful run on a
     local cluster (its workers busy importing torch at close), and heartbeat CommClosedError and
     CancelledError records came with Ctrl-C. During a run they are left out; a real failure is
     still shown, and outside a run nothing is filtered."""

@@ -27,8 +27,14 @@ def layouts(draw):
 def _frame(sizes, texts):
     parts, start = [], 0
     for n in sizes:
-        parts.append(pd.DataFrame({"text": pd.array(texts[start:start + n], dtype="string[pyarrow]"),
-                                   "i": np.arange(start, start + n)}))
+        parts.append(
+            pd.DataFrame(
+                {
+                    "text": pd.array(texts[start : start + n], dtype="string[pyarrow]"),
+                    "i": np.arange(start, start + n),
+                }
+            )
+        )
         start += n
     return dd.from_map(lambda p: p, parts, enforce_metadata=False)
 
@@ -39,8 +45,9 @@ def test_committed_rows_equal_input_rows(layout):
     sizes, texts, b_min, b_max = layout
     ddf = _frame(sizes, texts)
     with tempfile.TemporaryDirectory() as out:
-        res = ddf.surge.encode("text", out, model=_model, b_min=b_min, b_max=b_max, keep=["i"],
-                               scheduler="sync", progress=False)
+        res = ddf.surge.encode(
+            "text", out, model=_model, b_min=b_min, b_max=b_max, keep=["i"], scheduler="sync", progress=False
+        )
         assert res.rows == sum(sizes)
         if not sum(sizes):
             return

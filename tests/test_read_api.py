@@ -14,8 +14,9 @@ def test_read_embeddings_computes_many_times_in_one_process(tmp_path):
     wraps tokenizing the chain failed (TokenizationError), here by the 15th call (8 files a call).
     """
     out = str(tmp_path / "o")
-    make_partitioned_frame(SIZES, seed=3).surge.encode("text", out, model=checksum_model, keep=["doc_id"],
-                                                         b_min=2, b_max=9, scheduler="sync", progress=False)
+    make_partitioned_frame(SIZES, seed=3).surge.encode(
+        "text", out, model=checksum_model, keep=["doc_id"], b_min=2, b_max=9, scheduler="sync", progress=False
+    )
     files = dask_surge.status(out)["superbatches_committed"]
     assert files >= 8  # reads of 8+ files a call: the old code failed before call 15
     calls = 40
@@ -31,8 +32,9 @@ def test_read_embeddings_computes_many_times_in_one_process(tmp_path):
 def test_read_embeddings_on_a_distributed_client(tmp_path, client):
     """The read options (a dict subclass of this package) travel to the workers pickled, and read there."""
     out = str(tmp_path / "o")
-    make_partitioned_frame(SIZES[:4], seed=4).surge.encode("text", out, model=checksum_model, b_min=2, b_max=9,
-                                                             scheduler="sync", progress=False)
+    make_partitioned_frame(SIZES[:4], seed=4).surge.encode(
+        "text", out, model=checksum_model, b_min=2, b_max=9, scheduler="sync", progress=False
+    )
     for _ in range(3):
         back = dask_surge.read_embeddings(out, columns=["partition", "row", "embedding"]).compute()
         assert len(back) == sum(SIZES[:4]) and str(back.embedding.dtype).startswith("fixed_size_list")

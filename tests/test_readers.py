@@ -40,7 +40,10 @@ def test_status_counts_what_an_interrupted_run_committed(tmp_path):
     dd.read_parquet(tmp_path / "in").surge.encode("text", out, model=model, **KW)  # its 3rd call is past
     done = dask_surge.status(out)
     assert done["state"] == "complete" and done["rows_committed"] == done["rows_planned"] == sum(SIZES)
-    assert done["partitions_committed"] == len(SIZES) and done["superbatches_planned"] == done["superbatches_committed"]
+    assert (
+        done["partitions_committed"] == len(SIZES)
+        and done["superbatches_planned"] == done["superbatches_committed"]
+    )
 
 
 def test_status_of_a_streamed_run(tmp_path):
@@ -56,8 +59,9 @@ def test_skipped_rows_are_read_from_the_commit_records_sorted(tmp_path):
     frame = pd.DataFrame({"text": ["a", None, "b", None, "c", "d", None]})
     import dask.dataframe as dd
 
-    dd.from_pandas(frame, npartitions=3).surge.encode("text", out, model=checksum_model, on_null="skip",
-                                                      b_min=2, b_max=3, scheduler="sync", progress=False)
+    dd.from_pandas(frame, npartitions=3).surge.encode(
+        "text", out, model=checksum_model, on_null="skip", b_min=2, b_max=3, scheduler="sync", progress=False
+    )
     skipped = dask_surge.skipped_rows(out)
     assert list(skipped.dtypes) == ["int64", "int64"]
     positions = frame.index[frame.text.isna()].tolist()
@@ -67,12 +71,16 @@ def test_skipped_rows_are_read_from_the_commit_records_sorted(tmp_path):
     clean = str(tmp_path / "clean")
     make_partitioned_frame([3]).surge.encode("text", clean, model=checksum_model, **KW)
     none = dask_surge.skipped_rows(clean)
-    assert none.empty and list(none.columns) == ["partition", "row"] and list(none.dtypes) == ["int64", "int64"]
+    assert (
+        none.empty and list(none.columns) == ["partition", "row"] and list(none.dtypes) == ["int64", "int64"]
+    )
 
 
 def test_read_embeddings_reads_committed_rows_a_partition_or_columns(tmp_path):
     out = str(tmp_path / "o")
-    make_partitioned_frame(SIZES, seed=2).surge.encode("text", out, model=checksum_model, keep=["doc_id"], **KW)
+    make_partitioned_frame(SIZES, seed=2).surge.encode(
+        "text", out, model=checksum_model, keep=["doc_id"], **KW
+    )
     back = dask_surge.read_embeddings(out).compute()
     assert sorted(back.doc_id) == list(range(sum(SIZES)))
     assert str(back.embedding.dtype).startswith("fixed_size_list")

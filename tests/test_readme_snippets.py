@@ -31,7 +31,7 @@ def snippets() -> list[tuple[str, str]]:
     for page in PAGES:
         text = (ROOT / page).read_text()
         for m in FENCE.finditer(text):
-            line = text[:m.start()].count("\n") + 1
+            line = text[: m.start()].count("\n") + 1
             found.setdefault(m.group(1), f"{page}:{line}")
     return [(where, code) for code, where in found.items()]
 
@@ -50,7 +50,9 @@ def _demo_layout(where: Path, rows: int = 240) -> None:
     ``text`` and ``doc_id``), smaller."""
     from dask_surge.synthetic import lognormal_sizes, write_partitioned_parquet
 
-    write_partitioned_parquet(where / "surge-demo" / "input", lognormal_sizes(rows, 12, sigma=1.0, seed=0), seed=0)
+    write_partitioned_parquet(
+        where / "surge-demo" / "input", lognormal_sizes(rows, 12, sigma=1.0, seed=0), seed=0
+    )
 
 
 def test_every_page_has_python_snippets():
@@ -59,16 +61,23 @@ def test_every_page_has_python_snippets():
 
 
 @pytest.mark.slow  # 40-80 s each on 2 cores: a calibration probe and a local cluster per snippet
-@pytest.mark.parametrize("where,code", snippets(),
-                         ids=[f"{w}-{hashlib.sha256(c.encode()).hexdigest()[:6]}" for w, c in snippets()])
+@pytest.mark.parametrize(
+    "where,code", snippets(), ids=[f"{w}-{hashlib.sha256(c.encode()).hexdigest()[:6]}" for w, c in snippets()]
+)
 def test_snippet_runs_as_pasted(tmp_path, where, code):
     work = tmp_path / "work"
     work.mkdir()
     _demo_layout(work)
     script = work / "snippet.py"
     script.write_text(code)
-    done = subprocess.run([sys.executable, str(script)], cwd=work, env=_env(tmp_path), capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=work,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, f"{where} failed as pasted:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
     assert "Traceback" not in done.stderr, done.stderr[-5000:]
 
@@ -83,7 +92,8 @@ def test_an_unguarded_script_is_refused_in_one_line(tmp_path):
     work.mkdir()
     _demo_layout(work, rows=IN_PROCESS_ROWS + 100)  # too large to run in this process: a cluster starts
     script = work / "unguarded.py"
-    script.write_text(textwrap.dedent("""\
+    script.write_text(
+        textwrap.dedent("""\
         import dask.dataframe as dd
         import dask_surge
 
@@ -93,9 +103,16 @@ def test_an_unguarded_script_is_refused_in_one_line(tmp_path):
         except dask_surge.errors.SurgeError as err:
             print(err)
             raise SystemExit(3)
-        """))
-    done = subprocess.run([sys.executable, str(script)], cwd=work, env=_env(tmp_path), capture_output=True,
-                          text=True, timeout=300)
+        """)
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=work,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 3, done.stdout + done.stderr
     line = done.stdout.strip()
     assert len(line.splitlines()) == 1, line

@@ -18,13 +18,28 @@ from dask_surge.testing import make_partitioned_frame
 def test_superbatches_run_only_on_workers_that_advertise_a_gpu(tmp_path, tiny_model):
     # a plain worker (as a CPU node of a mixed cluster), plus a worker started the way the HPC
     # job script starts one, with --resources GPU=1 (its "GPU" is this CPU: device="cpu")
-    with LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         assert _task_resources(client) is None  # no GPU worker: no restriction at all
         gpu_worker = subprocess.Popen(
-            [sys.executable, "-m", "distributed.cli.dask_worker", cluster.scheduler_address,
-             "--nthreads", "2", "--resources", "GPU=1", "--no-dashboard", "--name", "gpu-0"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                sys.executable,
+                "-m",
+                "distributed.cli.dask_worker",
+                cluster.scheduler_address,
+                "--nthreads",
+                "2",
+                "--resources",
+                "GPU=1",
+                "--no-dashboard",
+                "--name",
+                "gpu-0",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             client.wait_for_workers(2, timeout=60)
             assert _task_resources(client) == {"GPU": 1 / 4}  # surge.superbatches-per-gpu's default
@@ -34,8 +49,9 @@ def test_superbatches_run_only_on_workers_that_advertise_a_gpu(tmp_path, tiny_mo
             plain_pid = next(pids[a] for a, w in info.items() if not w.get("resources", {}).get("GPU"))
             ddf = make_partitioned_frame([7, 3, 12, 5, 9, 4], seed=9)
             out = tmp_path / "o"
-            res = ddf.surge.encode("text", str(out), model=tiny_model, device="cpu", b_min=8, b_max=16,
-                                   progress=False)
+            res = ddf.surge.encode(
+                "text", str(out), model=tiny_model, device="cpu", b_min=8, b_max=16, progress=False
+            )
             assert res.rows == 40 and res.superbatches >= 3
             records = [json.loads(p.read_text()) for p in Path(out).glob("_surge/runs/*/commits/*.json")]
             assert {r["pid"] for r in records} == {gpu_pid} != {plain_pid}
@@ -76,7 +92,9 @@ def test_tasks_claim_half_a_gpu_once_a_worker_advertises_one():
         stack, c, (plain, gpu) = await _in_process({"nthreads": 1}, {"nthreads": 2, "resources": {"GPU": 1}})
         async with stack:
             assert _task_resources(c) == {"GPU": 1 / 4}  # surge.superbatches-per-gpu's default
-            with dask.config.set({"surge.superbatches-per-gpu": 2}):  # read on the client, when the run starts
+            with dask.config.set(
+                {"surge.superbatches-per-gpu": 2}
+            ):  # read on the client, when the run starts
                 assert _task_resources(c) == {"GPU": 1 / 2}
             # a claim of half a GPU runs only where one is advertised
             futures = [c.submit(_where, i, resources=_task_resources(c), pure=False) for i in range(6)]

@@ -14,16 +14,40 @@ from dask_surge.testing import checksum_model, make_partitioned_frame
 
 
 def _report(**changes) -> SuperBatchReport:
-    base = SuperBatchReport(sb="000000000-000000000000", rows=10, skipped=1, file="part-x.parquet", bytes=123,
-                            spans=((0, 0, 11, 11),), started_at=100.0, encode_s=0.5, write_s=0.25, committed=True,
-                            committed_at=101.0, engine="callable")
+    base = SuperBatchReport(
+        sb="000000000-000000000000",
+        rows=10,
+        skipped=1,
+        file="part-x.parquet",
+        bytes=123,
+        spans=((0, 0, 11, 11),),
+        started_at=100.0,
+        encode_s=0.5,
+        write_s=0.25,
+        committed=True,
+        committed_at=101.0,
+        engine="callable",
+    )
     return dataclasses.replace(base, **changes)
 
 
 def _result(records=(), **changes) -> EncodeResult:
-    base = EncodeResult(output="o", run_id="r", rows=20, partitions=2, superbatches=2, skipped_superbatches=0,
-                        seconds=2.0, ttfo_s=0.5, sizes_source="metadata", resumed=False, b_min=5, b_max=10,
-                        thresholds_reason="given", records=tuple(records))
+    base = EncodeResult(
+        output="o",
+        run_id="r",
+        rows=20,
+        partitions=2,
+        superbatches=2,
+        skipped_superbatches=0,
+        seconds=2.0,
+        ttfo_s=0.5,
+        sizes_source="metadata",
+        resumed=False,
+        b_min=5,
+        b_max=10,
+        thresholds_reason="given",
+        records=tuple(records),
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -45,7 +69,9 @@ def test_commit_times_move_onto_the_clients_clock_by_the_task_end():
 
 
 def test_texts_per_s_counts_the_rows_encoded_in_this_call_only():
-    result = _result([_report(rows=10), _report(rows=30, sb="000000001-000000000000")], skipped_superbatches=1)
+    result = _result(
+        [_report(rows=10), _report(rows=30, sb="000000001-000000000000")], skipped_superbatches=1
+    )
     assert result.texts_per_s == 20.0
     assert _result().texts_per_s == 0.0 and _result(seconds=0.0).texts_per_s == 0.0
     summary = result.as_dict()
@@ -63,17 +89,21 @@ def test_a_written_run_reports_each_superbatch_it_wrote(tmp_path):
     sizes = [4, 9, 2, 6]
     ddf = make_partitioned_frame(sizes, seed=1)
     out = tmp_path / "o"
-    res = ddf.surge.encode("text", str(out), model=checksum_model, b_min=5, b_max=8, scheduler="sync",
-                           progress=False)
+    res = ddf.surge.encode(
+        "text", str(out), model=checksum_model, b_min=5, b_max=8, scheduler="sync", progress=False
+    )
     plan = plan_superbatches(sizes, 5, 8)
     assert len(res.records) == res.superbatches == len(plan) and res.engine == "callable"
-    assert all(isinstance(r, SuperBatchReport) and r.committed and r.task_end is not None for r in res.records)
+    assert all(
+        isinstance(r, SuperBatchReport) and r.committed and r.task_end is not None for r in res.records
+    )
     assert {r.file for r in res.records} == {p.name for p in out.glob("part-*.parquet")}
     rows = sorted((p, i) for r in res.records for p, a, b, _ in r.spans for i in range(a, b))
     assert rows == [(p, i) for p, n in enumerate(sizes) for i in range(n)]
     assert sum(r.rows for r in res.records) == res.rows == sum(sizes)
-    again = ddf.surge.encode("text", str(out), model=checksum_model, b_min=5, b_max=8, scheduler="sync",
-                             progress=False)
+    again = ddf.surge.encode(
+        "text", str(out), model=checksum_model, b_min=5, b_max=8, scheduler="sync", progress=False
+    )
     assert again.records == () and again.resumed and again.skipped_superbatches == len(plan)
 
 
@@ -93,8 +123,13 @@ def test_a_plan_summarizes_its_superbatches():
 def test_the_summary_reads_as_plain_words():
     """The thresholds' reason once ended "...95,077,948 bytes).); engine: fast": a sentence inside
     brackets with its own full stop, and the engine glued to it."""
-    text = str(_result([_report()], thresholds_reason="b_min=5 keeps a worker under the budget (a, 9 bytes).",
-                       engine="fast"))
+    text = str(
+        _result(
+            [_report()],
+            thresholds_reason="b_min=5 keeps a worker under the budget (a, 9 bytes).",
+            engine="fast",
+        )
+    )
     assert "b_min=5, b_max=10: b_min=5 keeps a worker under the budget (a, 9 bytes).\nengine: fast" in text
     assert ".)" not in text and ".." not in text
 

@@ -48,16 +48,35 @@ def n_chunks(text: str) -> int:
 
 
 def fingerprint(**changes) -> dict:
-    fp = {"input": uuid.uuid4().hex[:16], "column": "text", "keep": [], "partitions": 0, "library": "0.1.0",
-          "model": {"kind": "object", "object": "tests.Model", "digest": "ab" * 32, "prompt": None,
-                    "prompt_name": None},
-          "normalize": False, "precision": "float32", "truncate_dim": None, "dimension": DIM}
+    fp = {
+        "input": uuid.uuid4().hex[:16],
+        "column": "text",
+        "keep": [],
+        "partitions": 0,
+        "library": "0.1.0",
+        "model": {
+            "kind": "object",
+            "object": "tests.Model",
+            "digest": "ab" * 32,
+            "prompt": None,
+            "prompt_name": None,
+        },
+        "normalize": False,
+        "precision": "float32",
+        "truncate_dim": None,
+        "dimension": DIM,
+    }
     fp.update(changes)
     return fp
 
 
-def part_table(partitions: list[tuple[int, list[str]]], *, chunked: bool, with_hash: bool,
-               hashes: np.ndarray | None = None) -> pa.Table:
+def part_table(
+    partitions: list[tuple[int, list[str]]],
+    *,
+    chunked: bool,
+    with_hash: bool,
+    hashes: np.ndarray | None = None,
+) -> pa.Table:
     """The rows a SuperBatch of ``partitions`` (``(partition, texts)``) writes."""
     cols: dict[str, list] = {"partition": [], "row": [], "embedding": [], "hash": []}
     if chunked:
@@ -79,8 +98,12 @@ def part_table(partitions: list[tuple[int, list[str]]], *, chunked: bool, with_h
                     cols["tokens"].append(c + 2)
     arrays = {"partition": pa.array(cols["partition"], pa.int64()), "row": pa.array(cols["row"], pa.int64())}
     if chunked:
-        arrays.update(chunk=pa.array(cols["chunk"], pa.int32()), char_start=pa.array(cols["char_start"], pa.int64()),
-                      char_end=pa.array(cols["char_end"], pa.int64()), tokens=pa.array(cols["tokens"], pa.int32()))
+        arrays.update(
+            chunk=pa.array(cols["chunk"], pa.int32()),
+            char_start=pa.array(cols["char_start"], pa.int64()),
+            char_end=pa.array(cols["char_end"], pa.int64()),
+            tokens=pa.array(cols["tokens"], pa.int32()),
+        )
     fields = [pa.field(n, a.type) for n, a in arrays.items()]
     if with_hash:
         h = np.array(cols["hash"], dtype=np.uint64).reshape(-1, 2)
@@ -92,18 +115,32 @@ def part_table(partitions: list[tuple[int, list[str]]], *, chunked: bool, with_h
     return pa.Table.from_arrays(list(arrays.values()), schema=pa.schema(fields))
 
 
-def write_output(path: str, sbs: list[list[tuple[int, list[str]]]], *, chunked: bool = False,
-                 with_hash: bool = True, row_group_rows: int | None = None, fp: dict | None = None,
-                 hashes: list[np.ndarray] | None = None, complete: bool = True,
-                 truncated: list[int] | None = None) -> str:
+def write_output(
+    path: str,
+    sbs: list[list[tuple[int, list[str]]]],
+    *,
+    chunked: bool = False,
+    with_hash: bool = True,
+    row_group_rows: int | None = None,
+    fp: dict | None = None,
+    hashes: list[np.ndarray] | None = None,
+    complete: bool = True,
+    truncated: list[int] | None = None,
+) -> str:
     """An output as a run writes it: part files (a row group per partition, or of
     ``row_group_rows``), commit records (``truncated``: each one's count of texts cut at the
     window), ``run.json``, ``CURRENT``, ``COMPLETE``."""
     partitions = sum(len(sb) for sb in sbs)
-    manifest, _ = open_run(OutputStore.open(path), fp or fingerprint(partitions=partitions), plan=RunPlan(b_min=1, b_max=10**6, mode="planned", partitions=partitions))
+    manifest, _ = open_run(
+        OutputStore.open(path),
+        fp or fingerprint(partitions=partitions),
+        plan=RunPlan(b_min=1, b_max=10**6, mode="planned", partitions=partitions),
+    )
     rows = 0
     for i, sb in enumerate(sbs):
-        table = part_table(sb, chunked=chunked, with_hash=with_hash, hashes=None if hashes is None else hashes[i])
+        table = part_table(
+            sb, chunked=chunked, with_hash=with_hash, hashes=None if hashes is None else hashes[i]
+        )
         buf = io.BytesIO()
         with pq.ParquetWriter(buf, table.schema) as w:
             if row_group_rows:
@@ -121,14 +158,24 @@ def write_output(path: str, sbs: list[list[tuple[int, list[str]]]], *, chunked: 
         manifest.store.write(target, data)
         n_texts = sum(len(t) for _, t in sb)
         rows += n_texts
-        rec = CommitRecord(sb=key, run=manifest.run_id, file=target.rsplit("/", 1)[-1], rows=n_texts,
-                           bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
-                           spans=tuple((p, 0, len(t), len(t)) for p, t in sb), attempt=attempt,
-                           truncated=0 if truncated is None else truncated[i])
+        rec = CommitRecord(
+            sb=key,
+            run=manifest.run_id,
+            file=target.rsplit("/", 1)[-1],
+            rows=n_texts,
+            bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+            spans=tuple((p, 0, len(t), len(t)) for p, t in sb),
+            attempt=attempt,
+            truncated=0 if truncated is None else truncated[i],
+        )
         assert manifest.commit(rec)
     if complete:
-        finish_run(manifest, manifest.committed(),
-                   {"rows": rows, "superbatches": len(sbs), "nulls_skipped": 0, "partitions": partitions})
+        finish_run(
+            manifest,
+            manifest.committed(),
+            {"rows": rows, "superbatches": len(sbs), "nulls_skipped": 0, "partitions": partitions},
+        )
     return path
 
 
@@ -139,9 +186,11 @@ def corpus(n: int, seed: int = 0) -> list[str]:
 
 
 def layout(texts: list[str], per_partition: int, partitions_per_sb: int, first_partition: int = 0):
-    parts = [(first_partition + i, texts[a: a + per_partition])
-             for i, a in enumerate(range(0, len(texts), per_partition))]
-    return [parts[a: a + partitions_per_sb] for a in range(0, len(parts), partitions_per_sb)]
+    parts = [
+        (first_partition + i, texts[a : a + per_partition])
+        for i, a in enumerate(range(0, len(texts), per_partition))
+    ]
+    return [parts[a : a + partitions_per_sb] for a in range(0, len(parts), partitions_per_sb)]
 
 
 def stored(path: str) -> dict[bytes, list]:
@@ -155,7 +204,9 @@ def stored(path: str) -> dict[bytes, list]:
             if cols.get("chunk", [0] * (i + 1))[i] == 0:  # a text's first row
                 collecting = None if h in out else out.setdefault(h, [])
             if collecting is not None:
-                collecting.append({k: v[i] for k, v in cols.items() if k not in ("partition", "row", TEXT_HASH)})
+                collecting.append(
+                    {k: v[i] for k, v in cols.items() if k not in ("partition", "row", TEXT_HASH)}
+                )
     return out
 
 
@@ -164,11 +215,20 @@ def stored(path: str) -> dict[bytes, list]:
 
 def test_text_hashes_are_xxh3_128_of_utf8_whatever_the_container():
     texts = ["", "a", "héllo wörld", "日本語のテキスト", "emoji 😀", "x" * 10_000, "a"]
-    expected = np.frombuffer(b"".join(xxhash.xxh3_128_digest(t.encode()) for t in texts), ">u8").reshape(-1, 2)
+    expected = np.frombuffer(b"".join(xxhash.xxh3_128_digest(t.encode()) for t in texts), ">u8").reshape(
+        -1, 2
+    )
     containers = [
-        texts, np.array(texts, dtype=object), pd.Series(texts, dtype=object), pd.Series(texts, dtype="str"),
-        pd.Series(texts, dtype="string[pyarrow]"), pa.array(texts), pa.array(texts, pa.large_string()),
-        pa.array(texts, pa.string_view()), pa.chunked_array([texts[:3], texts[3:]]), pa.array(texts).slice(0),
+        texts,
+        np.array(texts, dtype=object),
+        pd.Series(texts, dtype=object),
+        pd.Series(texts, dtype="str"),
+        pd.Series(texts, dtype="string[pyarrow]"),
+        pa.array(texts),
+        pa.array(texts, pa.large_string()),
+        pa.array(texts, pa.string_view()),
+        pa.chunked_array([texts[:3], texts[3:]]),
+        pa.array(texts).slice(0),
     ]
     for c in containers:
         h = text_hashes(c)
@@ -181,10 +241,17 @@ def test_text_hashes_are_xxh3_128_of_utf8_whatever_the_container():
 
 def test_text_hashes_lone_surrogate_and_refusals():
     bad = "a\udc80b"
-    assert (text_hashes([bad, "a"])[0] == np.frombuffer(
-        xxhash.xxh3_128_digest(bad.encode("utf-8", "surrogatepass")), ">u8")).all()
-    for values in (["a", None], ["a", float("nan")], pd.Series(["a", None], dtype="string[pyarrow]"),
-                   pa.array(["a", None]), ["a", pd.NA]):
+    assert (
+        text_hashes([bad, "a"])[0]
+        == np.frombuffer(xxhash.xxh3_128_digest(bad.encode("utf-8", "surrogatepass")), ">u8")
+    ).all()
+    for values in (
+        ["a", None],
+        ["a", float("nan")],
+        pd.Series(["a", None], dtype="string[pyarrow]"),
+        pa.array(["a", None]),
+        ["a", pd.NA],
+    ):
         with pytest.raises(SurgeValueError, match=r"null value\(s\) \(first at position 1\).*Fix:"):
             text_hashes(values)
     with pytest.raises(SurgeValueError, match="int value 3 at position 1; only str texts"):
@@ -249,7 +316,9 @@ def test_hits_misses_moved_rows_and_duplicates(tmp_path):
 @pytest.mark.parametrize("row_group_rows", [None, 4, 1])
 def test_chunk_runs_in_chunk_order_across_row_groups(tmp_path, row_group_rows):
     texts = corpus(120, seed=3)
-    old = write_output(str(tmp_path / "old"), layout(texts, 10, 4), chunked=True, row_group_rows=row_group_rows)
+    old = write_output(
+        str(tmp_path / "old"), layout(texts, 10, 4), chunked=True, row_group_rows=row_group_rows
+    )
     index = ReuseIndex(old)
     assert index.chunked
     truth = stored(old)
@@ -267,15 +336,15 @@ def test_bucket_boundaries_and_shared_64_bit_prefixes(tmp_path):
     n = 400
     h = rng.integers(0, 2**63, size=(n, 2), dtype=np.int64).astype(np.uint64) * np.uint64(2)
     bits = 4
-    edges = (np.arange(1, 16, dtype=np.uint64) << np.uint64(60))
-    h[:15, 0] = edges          # first hash of each bucket
+    edges = np.arange(1, 16, dtype=np.uint64) << np.uint64(60)
+    h[:15, 0] = edges  # first hash of each bucket
     h[15:30, 0] = edges - np.uint64(1)  # last hash of the bucket before
     h[30, 0], h[31, 0] = 0, np.uint64(2**64 - 1)  # the extremes
-    h[40:44, 0] = h[39, 0]     # five entries sharing their high 64 bits
+    h[40:44, 0] = h[39, 0]  # five entries sharing their high 64 bits
     h[40:44, 1] = h[39, 1] + np.arange(1, 5, dtype=np.uint64) * np.uint64(2)
     texts = [f"t{i}" for i in range(n)]  # the hashes are given, not computed
     sbs = layout(texts, 50, 2)
-    hashes = [h[i * 100: (i + 1) * 100] for i in range(4)]
+    hashes = [h[i * 100 : (i + 1) * 100] for i in range(4)]
     old = write_output(str(tmp_path / "old"), sbs, hashes=hashes)
     index = ReuseIndex(old, bits=bits)
     assert index.indexes[0].bits == 4 and index.entries == n
@@ -339,24 +408,35 @@ def test_a_file_changed_after_its_run_is_never_copied(tmp_path):
     truth = stored(old)
     files = _files(old)
     table = pq.read_table(files[1])
-    changed = table.set_column(table.schema.get_field_index("embedding"), table.schema.field("embedding"),
-                               pa.array([[9.0] * DIM] * table.num_rows, table.schema.field("embedding").type))
+    changed = table.set_column(
+        table.schema.get_field_index("embedding"),
+        table.schema.field("embedding"),
+        pa.array([[9.0] * DIM] * table.num_rows, table.schema.field("embedding").type),
+    )
     pq.write_table(changed, files[1])  # a valid Parquet file, every value wrong
     with open(files[2], "r+b") as f:  # the same size: only the sha256 differs
         f.seek(os.path.getsize(files[2]) // 2)
         f.write(b"\xff" * 8)
     index = ReuseIndex(old)
     check(index, texts[:30], truth)  # the file left as written is copied from
-    with pytest.raises(SurgeInputError, match=re.escape(os.path.basename(files[1])) + r" is [\d,]+ bytes, its "
-                       r"commit record says [\d,]+.*dask-surge status --verify " + re.escape(old)):
+    with pytest.raises(
+        SurgeInputError,
+        match=re.escape(os.path.basename(files[1])) + r" is [\d,]+ bytes, its "
+        r"commit record says [\d,]+.*dask-surge status --verify " + re.escape(old),
+    ):
         index.lookup(text_hashes(texts[25:35]))
-    with pytest.raises(SurgeInputError, match=re.escape(os.path.basename(files[2])) + r" has sha256 [0-9a-f]{16}"
-                       r"\.\.\., its commit record says [0-9a-f]{16}\.\.\..*dask-surge status --verify"):
+    with pytest.raises(
+        SurgeInputError,
+        match=re.escape(os.path.basename(files[2])) + r" has sha256 [0-9a-f]{16}"
+        r"\.\.\., its commit record says [0-9a-f]{16}\.\.\..*dask-surge status --verify",
+    ):
         index.lookup(text_hashes(texts[60:]))
     opened = ReuseIndex(old)
     os.unlink(files[0])  # gone after the index was opened: rebuilding it finds the file missing
-    with pytest.raises(SurgeInputError, match=re.escape(f"reuse={old!r}: its data file "
-                                                        f"{os.path.basename(files[0])} is missing")):
+    with pytest.raises(
+        SurgeInputError,
+        match=re.escape(f"reuse={old!r}: its data file {os.path.basename(files[0])} is missing"),
+    ):
         opened.lookup(text_hashes(texts[:1]))
 
 
@@ -366,8 +446,11 @@ def test_a_file_of_another_layout_is_a_clear_input_error(tmp_path):
     path = _files(old)[1]
     table = pq.read_table(path)
     pq.write_table(table.slice(1), path)  # its first text's first chunk row gone
-    with pytest.raises(SurgeInputError, match=r"is not of the layout dask-surge writes \(rows at 0 continue no "
-                                              r"text's chunks\).*dask-surge status --verify"):
+    with pytest.raises(
+        SurgeInputError,
+        match=r"is not of the layout dask-surge writes \(rows at 0 continue no "
+        r"text's chunks\).*dask-surge status --verify",
+    ):
         ReuseIndex(old)
 
 
@@ -411,15 +494,23 @@ def test_compatible_names_what_differs(tmp_path):
     assert compatible(OutputStore.open(old), other_input) is None
     hub = {"kind": "path", "repo_id": "org/other", "commit": "0123456789abcdef0123"}
     why = compatible(OutputStore.open(old), {**ident, "model": hub})
-    assert why == ("it was made with in-memory tests.Model (digest abababababab), this run uses "
-                   "org/other@0123456789ab")
-    why = compatible(OutputStore.open(old), {**ident, "model": {**fp["model"], "prompt": "query: "}, "normalize": True})
+    assert why == (
+        "it was made with in-memory tests.Model (digest abababababab), this run uses org/other@0123456789ab"
+    )
+    why = compatible(
+        OutputStore.open(old), {**ident, "model": {**fp["model"], "prompt": "query: "}, "normalize": True}
+    )
     assert "this run uses in-memory tests.Model (digest abababababab) (prompt='query: ')" in why
     assert "it was made with normalize=False, this run uses normalize=True" in why
-    assert compatible(OutputStore.open(old), {**ident, "long_texts": "chunk"}) == \
-        "it was made with long_texts=None, this run uses long_texts='chunk'"
-    with pytest.raises(SurgeInputError, match=r"cannot be reused: it was made with precision='float32', this "
-                                              r"run uses precision='int8'.*Fix:"):
+    assert (
+        compatible(OutputStore.open(old), {**ident, "long_texts": "chunk"})
+        == "it was made with long_texts=None, this run uses long_texts='chunk'"
+    )
+    with pytest.raises(
+        SurgeInputError,
+        match=r"cannot be reused: it was made with precision='float32', this "
+        r"run uses precision='int8'.*Fix:",
+    ):
         ReuseIndex(old, identity={**ident, "precision": "int8"})
 
 
@@ -433,8 +524,9 @@ def test_a_real_run(tmp_path):
     texts = corpus(90, seed=11)
     ddf = dd.from_pandas(pd.DataFrame({"text": texts}), npartitions=6)
     out = str(tmp_path / "real")
-    dask_surge.encode(ddf, "text", output=out, model=checksum_model, keep=["text"], scheduler="sync",
-                      progress=False)
+    dask_surge.encode(
+        ddf, "text", output=out, model=checksum_model, keep=["text"], scheduler="sync", progress=False
+    )
     manifest = existing_run(OutputStore.open(out))
     for rec in manifest.committed().values():
         path = f"{manifest.root}/{rec.file}"
@@ -458,9 +550,13 @@ def test_a_real_run(tmp_path):
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(old=st.lists(st.text(alphabet="abc", max_size=3), min_size=1, max_size=60),
-       new=st.lists(st.text(alphabet="abcd", max_size=3), max_size=60),
-       per=st.integers(1, 7), bits=st.integers(0, 3), chunked=st.booleans())
+@given(
+    old=st.lists(st.text(alphabet="abc", max_size=3), min_size=1, max_size=60),
+    new=st.lists(st.text(alphabet="abcd", max_size=3), max_size=60),
+    per=st.integers(1, 7),
+    bits=st.integers(0, 3),
+    chunked=st.booleans(),
+)
 def test_lookup_agrees_with_a_dict(tmp_path_factory, old, new, per, bits, chunked):
     path = str(tmp_path_factory.mktemp("prop") / "old")
     write_output(path, layout(old, per, 2), chunked=chunked)
@@ -513,7 +609,9 @@ def test_one_process_builds_while_others_wait(tmp_path, monkeypatch):
 
     # a live builder elsewhere: wait for its index, build nothing
     note()
-    builder = threading.Thread(target=lambda: (time.sleep(0.5), ReuseIndex(old, rebuild=True)), name="builder")
+    builder = threading.Thread(
+        target=lambda: (time.sleep(0.5), ReuseIndex(old, rebuild=True)), name="builder"
+    )
     builder.start()
     t0 = time.monotonic()
     index = ReuseIndex(old)
@@ -523,9 +621,13 @@ def test_one_process_builds_while_others_wait(tmp_path, monkeypatch):
     assert not os.path.exists(f"{where}/BUILDING")
     # a builder that stopped beating (its lock last written two TTLs ago on the store's clock: the
     # file's modification time), or died on this host: not waited for
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    for info in ({"time": time.time() - 2 * hashindex.BUILD_STALE_S},
-                 {"host": socket.gethostname(), "pid": int(dead.stdout)}):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    for info in (
+        {"time": time.time() - 2 * hashindex.BUILD_STALE_S},
+        {"host": socket.gethostname(), "pid": int(dead.stdout)},
+    ):
         os.unlink(f"{where}/meta.json")
         note(**info)
         if "time" in info:
@@ -543,8 +645,15 @@ def test_open_index_reopens_an_output_replaced_in_place(tmp_path):
     first = open_index(path)
     assert open_index(path) is first and first.find(text_hashes(texts[:1])).found.all()
     # a new run completes in the same directory (overwrite=True), replacing the old one
-    manifest, _ = open_run(OutputStore.open(path), fingerprint(partitions=3), overwrite=True, plan=RunPlan(b_min=1, b_max=10**6, mode="planned", partitions=3))
-    finish_run(manifest, manifest.committed(), {"rows": 0, "superbatches": 0, "nulls_skipped": 0, "partitions": 0})
+    manifest, _ = open_run(
+        OutputStore.open(path),
+        fingerprint(partitions=3),
+        overwrite=True,
+        plan=RunPlan(b_min=1, b_max=10**6, mode="planned", partitions=3),
+    )
+    finish_run(
+        manifest, manifest.committed(), {"rows": 0, "superbatches": 0, "nulls_skipped": 0, "partitions": 0}
+    )
     second = open_index(path)
     assert second is not first and second.entries == 0 and not second.find(text_hashes(texts[:1])).found.any()
 
@@ -568,9 +677,14 @@ def test_a_file_damaged_after_it_was_checked_is_checked_again(tmp_path, how):
             f.write(bytes(b ^ 0xFF for b in raw))
     else:  # a valid Parquet file written over it, every embedding wrong
         table = pq.read_table(target)
-        pq.write_table(table.set_column(table.schema.get_field_index("embedding"), table.schema.field("embedding"),
-                                        pa.array([[9.0] * DIM] * table.num_rows,
-                                                 table.schema.field("embedding").type)), target)
+        pq.write_table(
+            table.set_column(
+                table.schema.get_field_index("embedding"),
+                table.schema.field("embedding"),
+                pa.array([[9.0] * DIM] * table.num_rows, table.schema.field("embedding").type),
+            ),
+            target,
+        )
     with pytest.raises(SurgeInputError, match=re.escape(os.path.basename(target))):
         index.lookup(text_hashes(texts[:5]))
     check(index, texts[30:], truth)  # the untouched file is still copied from

@@ -45,8 +45,9 @@ def _texts(n: int) -> list[str]:
 
 
 def _frame(texts: list[str], npartitions: int) -> dd.DataFrame:
-    return dd.from_pandas(pd.DataFrame({"doc_id": range(len(texts)), "text": texts}), npartitions=npartitions,
-                          sort=False)
+    return dd.from_pandas(
+        pd.DataFrame({"doc_id": range(len(texts)), "text": texts}), npartitions=npartitions, sort=False
+    )
 
 
 def _read(path: str) -> pd.DataFrame:
@@ -63,7 +64,9 @@ def _flip_embedding_bytes(path: str, n: int = 16) -> None:
     """Flip ``n`` bytes inside the stored float values of the first row group's embedding column
     (uncompressed by default): the file still reads, two rows' values are wrong."""
     rg = pq.ParquetFile(path).metadata.row_group(0)
-    col = next(rg.column(i) for i in range(rg.num_columns) if rg.column(i).path_in_schema.startswith("embedding"))
+    col = next(
+        rg.column(i) for i in range(rg.num_columns) if rg.column(i).path_in_schema.startswith("embedding")
+    )
     at = col.data_page_offset + col.total_compressed_size - 200  # the page's last values
     with open(path, "r+b") as f:
         f.seek(at)
@@ -89,8 +92,14 @@ def test_flipped_bytes_in_a_reused_file_stop_the_run_and_are_never_copied(tmp_pa
     assert pq.read_table(damaged).num_rows == 80  # it still reads: only its sha256 tells
     b = str(tmp_path / "new")
     new = _frame(texts[::-1], 6)  # every text moved: each SuperBatch copies from every old file
-    with pytest.raises(SurgeInputError, match=re.escape(f"reuse={a!r}") + r".*" + re.escape(
-            os.path.basename(damaged)) + r".*sha256.*dask-surge status --verify " + re.escape(a)):
+    with pytest.raises(
+        SurgeInputError,
+        match=re.escape(f"reuse={a!r}")
+        + r".*"
+        + re.escape(os.path.basename(damaged))
+        + r".*sha256.*dask-surge status --verify "
+        + re.escape(a),
+    ):
         dask_surge.encode(new, "text", output=b, model=tiny_model, reuse=a, **OPTS)
     assert dask_surge.status(b)["state"] != "complete" and verify(b) == []
 
@@ -116,10 +125,17 @@ def test_a_truncated_reused_file_is_a_clear_error(tmp_path, tiny_model, old, cli
     damaged = _part_files(a)[2]
     with open(damaged, "r+b") as f:
         f.truncate(os.path.getsize(damaged) // 2)
-    with pytest.raises(SurgeInputError, match=re.escape(f"reuse={a!r}") + r".*" + re.escape(
-            os.path.basename(damaged)) + r".*dask-surge status --verify " + re.escape(a)):
-        dask_surge.encode(_frame(texts, 6), "text", output=str(tmp_path / "new"), model=tiny_model, reuse=a,
-                          **OPTS)
+    with pytest.raises(
+        SurgeInputError,
+        match=re.escape(f"reuse={a!r}")
+        + r".*"
+        + re.escape(os.path.basename(damaged))
+        + r".*dask-surge status --verify "
+        + re.escape(a),
+    ):
+        dask_surge.encode(
+            _frame(texts, 6), "text", output=str(tmp_path / "new"), model=tiny_model, reuse=a, **OPTS
+        )
 
 
 def test_a_deleted_reused_file_is_a_clear_error(tmp_path, tiny_model, old):
@@ -127,10 +143,23 @@ def test_a_deleted_reused_file_is_a_clear_error(tmp_path, tiny_model, old):
     ReuseIndex(a).close()
     gone = _part_files(a)[0]
     os.unlink(gone)
-    with pytest.raises(SurgeInputError, match=re.escape(f"reuse={a!r}") + r".*" + re.escape(
-            os.path.basename(gone)) + r".*missing.*dask-surge status --verify " + re.escape(a)):
-        dask_surge.encode(_frame(texts, 6), "text", output=str(tmp_path / "new"), model=tiny_model, reuse=a,
-                          scheduler="sync", **OPTS)
+    with pytest.raises(
+        SurgeInputError,
+        match=re.escape(f"reuse={a!r}")
+        + r".*"
+        + re.escape(os.path.basename(gone))
+        + r".*missing.*dask-surge status --verify "
+        + re.escape(a),
+    ):
+        dask_surge.encode(
+            _frame(texts, 6),
+            "text",
+            output=str(tmp_path / "new"),
+            model=tiny_model,
+            reuse=a,
+            scheduler="sync",
+            **OPTS,
+        )
     with pytest.raises(SurgeInputError, match="dask-surge status --verify"):  # plan's estimate reads it too
         dask_surge.plan(_frame(texts, 6), "text", reuse=a)
 
@@ -147,7 +176,7 @@ def test_each_reused_file_is_hashed_once_per_index(tmp_path, old, monkeypatch):
     monkeypatch.setattr(hashindex.OutputIndex, "check_file", counting)
     with ReuseIndex(a, cache_bytes=0, max_open=1) as index:  # nothing cached but what was verified
         for lo in range(0, 240, 20):
-            got = index.lookup(text_hashes(texts[lo: lo + 20] + texts[::-37]))
+            got = index.lookup(text_hashes(texts[lo : lo + 20] + texts[::-37]))
             assert got.found.all()
     assert sorted(checked) == sorted(os.path.basename(p) for p in _part_files(a))
 
@@ -164,8 +193,14 @@ def with_long(tmp_path, tiny_model):
     texts[10:10] = [docs[0]]
     texts[40:40] = [docs[1]]
     path = str(tmp_path / "old")
-    result = dask_surge.encode(_frame(texts, 3), "text", output=path, model=tiny_model, scheduler="sync",
-                               **{**OPTS, "b_min": 20, "b_max": 20})
+    result = dask_surge.encode(
+        _frame(texts, 3),
+        "text",
+        output=path,
+        model=tiny_model,
+        scheduler="sync",
+        **{**OPTS, "b_min": 20, "b_max": 20},
+    )
     assert result.truncated == 2
     return path, texts
 
@@ -181,13 +216,32 @@ def test_a_reused_text_over_the_window_is_counted_as_truncated(tmp_path, tiny_mo
     assert fresh.truncated == result.truncated
 
 
-def test_a_reused_text_over_the_window_is_refused_with_long_texts_error(tmp_path, tiny_model, with_long, client):
+def test_a_reused_text_over_the_window_is_refused_with_long_texts_error(
+    tmp_path, tiny_model, with_long, client
+):
     a, texts = with_long
-    with pytest.raises(SurgeInputError, match=r"the text at partition \d+, row \d+ is [\d,]+ tokens long, over "
-                                              r"the model's window of 126 tokens, and long_texts='error'"):
-        dask_surge.encode(_frame(texts, 3), "text", output=str(tmp_path / "new"), model=tiny_model, reuse=a,
-                          long_texts="error", **OPTS)
+    with pytest.raises(
+        SurgeInputError,
+        match=r"the text at partition \d+, row \d+ is [\d,]+ tokens long, over "
+        r"the model's window of 126 tokens, and long_texts='error'",
+    ):
+        dask_surge.encode(
+            _frame(texts, 3),
+            "text",
+            output=str(tmp_path / "new"),
+            model=tiny_model,
+            reuse=a,
+            long_texts="error",
+            **OPTS,
+        )
     short = [t for t in texts if len(t) < 1000]  # no text over the window: nothing refused
-    result = dask_surge.encode(_frame(short, 3), "text", output=str(tmp_path / "short"), model=tiny_model,
-                               reuse=a, long_texts="error", **OPTS)
+    result = dask_surge.encode(
+        _frame(short, 3),
+        "text",
+        output=str(tmp_path / "short"),
+        model=tiny_model,
+        reuse=a,
+        long_texts="error",
+        **OPTS,
+    )
     assert result.reused == len(short) and result.truncated == 0

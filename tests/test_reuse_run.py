@@ -61,7 +61,14 @@ def _read(path: str) -> pd.DataFrame:
 def test_a_reuse_run_encodes_only_what_changed_and_equals_a_fresh_run(tmp_path, tiny_model, corpus, client):
     old, new, _n_kept = corpus
     a, b, c = (str(tmp_path / x) for x in "abc")
-    opts = {"model": tiny_model, "device": "cpu", "keep": ["doc_id"], "b_min": 200, "b_max": 400, "progress": False}
+    opts = {
+        "model": tiny_model,
+        "device": "cpu",
+        "keep": ["doc_id"],
+        "b_min": 200,
+        "b_max": 400,
+        "progress": False,
+    }
     first = dask_surge.encode(_frame(old, list(range(len(old))), 5), "text", output=a, **opts)
     assert first.encoded == len(old) and first.reused == 0
 
@@ -87,17 +94,35 @@ def test_an_output_of_other_embedding_options_is_refused_naming_the_difference(t
     old, _, _ = corpus
     a = str(tmp_path / "a")
     frame = _frame(old[:50], list(range(50)), 2)
-    dask_surge.encode(frame, "text", output=a, model=tiny_model, device="cpu", scheduler="sync", progress=False)
+    dask_surge.encode(
+        frame, "text", output=a, model=tiny_model, device="cpu", scheduler="sync", progress=False
+    )
     with pytest.raises(SurgeInputError, match="precision='float32', this run uses precision='float16'"):
-        dask_surge.encode(frame, "text", output=str(tmp_path / "b"), model=tiny_model, device="cpu",
-                          precision="float16", reuse=a, scheduler="sync", progress=False)
+        dask_surge.encode(
+            frame,
+            "text",
+            output=str(tmp_path / "b"),
+            model=tiny_model,
+            device="cpu",
+            precision="float16",
+            reuse=a,
+            scheduler="sync",
+            progress=False,
+        )
     assert not os.path.exists(tmp_path / "b" / "_surge" / "CURRENT")  # refused before anything was written
 
 
 def test_an_in_place_update_replaces_the_old_output_only_when_complete(tmp_path, tiny_model, corpus):
     old, new, _ = corpus
     a, c = str(tmp_path / "a"), str(tmp_path / "c")
-    opts = {"model": tiny_model, "device": "cpu", "b_min": 300, "b_max": 600, "scheduler": "sync", "progress": False}
+    opts = {
+        "model": tiny_model,
+        "device": "cpu",
+        "b_min": 300,
+        "b_max": 600,
+        "scheduler": "sync",
+        "progress": False,
+    }
     dask_surge.encode(_frame(old, list(range(len(old))), 4), "text", output=a, **opts)
     old_run = dask_surge.status(a)["run"]
     new_frame = _frame(new, list(range(len(new))), 6)
@@ -105,7 +130,10 @@ def test_an_in_place_update_replaces_the_old_output_only_when_complete(tmp_path,
     assert update.reused > 0.8 * len(new)
     info = dask_surge.status(a)
     assert info["run"] != old_run and info["state"] == "complete"
-    assert sorted(os.listdir(os.path.join(a, "_surge", "index"))) in ([], [info["run"]])  # the old index is gone
+    assert sorted(os.listdir(os.path.join(a, "_surge", "index"))) in (
+        [],
+        [info["run"]],
+    )  # the old index is gone
     dask_surge.encode(new_frame, "text", output=c, **opts)
     got, want = _read(a), _read(c)
     assert got["text_hash"].tolist() == want["text_hash"].tolist()
@@ -116,9 +144,16 @@ def test_repeated_texts_go_through_the_model_once_per_superbatch(tmp_path):
     texts = _paragraphs(40)
     column = [texts[i % 10] for i in range(40)]  # each of 10 texts four times
     enc = CountingEncoder(dim=4)
-    out = dask_surge.encode(dd.from_pandas(pd.DataFrame({"text": column}), npartitions=2), "text",
-                            output=str(tmp_path / "o"), model=enc, b_min=40, b_max=40, scheduler="sync",
-                            progress=False)
+    out = dask_surge.encode(
+        dd.from_pandas(pd.DataFrame({"text": column}), npartitions=2),
+        "text",
+        output=str(tmp_path / "o"),
+        model=enc,
+        b_min=40,
+        b_max=40,
+        scheduler="sync",
+        progress=False,
+    )
     assert out.encoded == 10 and out.rows == 40
     assert sum(enc.calls) == 10 + 1  # the distinct texts, and the dimension probe
     df = _read(str(tmp_path / "o"))
@@ -128,8 +163,15 @@ def test_repeated_texts_go_through_the_model_once_per_superbatch(tmp_path):
 def test_a_stopped_reuse_run_resumes_exactly(tmp_path, tiny_model, corpus):
     old, new, _ = corpus
     a, b, c = (str(tmp_path / x) for x in "abc")
-    opts = {"model": tiny_model, "device": "cpu", "keep": ["doc_id"], "b_min": 150, "b_max": 300,
-            "scheduler": "sync", "progress": False}
+    opts = {
+        "model": tiny_model,
+        "device": "cpu",
+        "keep": ["doc_id"],
+        "b_min": 150,
+        "b_max": 300,
+        "scheduler": "sync",
+        "progress": False,
+    }
     dask_surge.encode(_frame(old, list(range(len(old))), 5), "text", output=a, **opts)
     base = _frame(new, list(range(len(new))), 7)
     starts = base.map_partitions(lambda p: p["doc_id"].iloc[:1]).compute().tolist()
@@ -149,8 +191,14 @@ def test_a_stopped_reuse_run_resumes_exactly(tmp_path, tiny_model, corpus):
 def test_plan_estimates_what_a_reuse_run_copies(tmp_path, corpus):
     old, new, _ = corpus
     a = str(tmp_path / "a")
-    dask_surge.encode(_frame(old, list(range(len(old))), 4), "text", output=a, model=CountingEncoder(dim=4),
-                      scheduler="sync", progress=False)
+    dask_surge.encode(
+        _frame(old, list(range(len(old))), 4),
+        "text",
+        output=a,
+        model=CountingEncoder(dim=4),
+        scheduler="sync",
+        progress=False,
+    )
     p = dask_surge.plan(_frame(new, list(range(len(new))), 6), "text", reuse=a, token_sample=len(new))
     in_old = sum(t in set(old) for t in new)
     assert p.reuse["sampled"] == len(new) and p.reuse["reused"] == in_old
@@ -165,6 +213,8 @@ def test_the_cudf_reader_gets_the_hash_as_two_int64_halves(tmp_path):
     part = pd.DataFrame({"row": [0, 1, 2], "text_hash": hash_column(h).to_pylist(), "embedding": [1, 2, 3]})
     out = _split_hash(part.copy())
     assert list(out.columns) == ["row", "text_hash_hi", "text_hash_lo", "embedding"]
-    back = np.stack([out["text_hash_hi"].to_numpy().view(np.uint64), out["text_hash_lo"].to_numpy().view(np.uint64)], 1)
+    back = np.stack(
+        [out["text_hash_hi"].to_numpy().view(np.uint64), out["text_hash_lo"].to_numpy().view(np.uint64)], 1
+    )
     np.testing.assert_array_equal(back, h)
     np.testing.assert_array_equal(hashes_of(hash_column(h)), h)

@@ -73,9 +73,20 @@ class Writer:
         key = sb_key(first.partition, first.start)
         spans = tuple((s.partition, s.start, s.stop, n) for s, n in spans)
         won = self.store.commit(key, spans)
-        return SuperBatchReport(sb=key, rows=sum(b - a for _, a, b, _ in spans), skipped=0, file="f" if won else "",
-                                bytes=0, spans=spans, started_at=0.0, encode_s=0.0, write_s=0.0, committed=won,
-                                committed_at=0.0, engine="callable")
+        return SuperBatchReport(
+            sb=key,
+            rows=sum(b - a for _, a, b, _ in spans),
+            skipped=0,
+            file="f" if won else "",
+            bytes=0,
+            spans=spans,
+            started_at=0.0,
+            encode_s=0.0,
+            write_s=0.0,
+            committed=won,
+            committed_at=0.0,
+            engine="callable",
+        )
 
 
 class Source:
@@ -105,11 +116,17 @@ def _run(units, runner: UnitRunner, source: Source, rng: random.Random) -> None:
 @settings(max_examples=150, deadline=None)
 @given(
     sizes=st.lists(st.integers(0, 40), min_size=1, max_size=30),
-    b_min=st.integers(1, 30), extra=st.integers(0, 30), mode=st.sampled_from(["planned", "streaming"]),
-    threads=st.integers(1, 8), budget=st.integers(0, 40), kills=st.integers(0, 3), seed=st.integers(0, 2**16),
+    b_min=st.integers(1, 30),
+    extra=st.integers(0, 30),
+    mode=st.sampled_from(["planned", "streaming"]),
+    threads=st.integers(1, 8),
+    budget=st.integers(0, 40),
+    kills=st.integers(0, 3),
+    seed=st.integers(0, 2**16),
 )
 def test_resume_after_kills_accounts_for_every_row_once_and_equals_the_undisturbed_run(
-        sizes, b_min, extra, mode, threads, budget, kills, seed):
+    sizes, b_min, extra, mode, threads, budget, kills, seed
+):
     b_max = b_min + extra
     rng = random.Random(seed)
     per_unit = unit_partitions(len(sizes), threads)  # recorded with the run: a resume cuts the same units
@@ -217,7 +234,10 @@ def test_an_encode_error_waits_for_the_pending_commit_and_wins():
     threads_before = threading.active_count()
     with pytest.raises(ValueError, match="encode 2 failed"):
         UnitRunner(writer, 4, 4, None)(Source(sizes), [], _streaming_unit(sizes))  # type: ignore[arg-type]
-    assert list(store.records) == [sb_key(0, 0), sb_key(1, 0)]  # the pending commit ended before the error left
+    assert list(store.records) == [
+        sb_key(0, 0),
+        sb_key(1, 0),
+    ]  # the pending commit ended before the error left
     assert threading.active_count() == threads_before  # no writer thread outlives the task
 
 
@@ -253,8 +273,12 @@ def test_a_worker_runs_its_next_unit_while_the_last_commit_of_a_unit_is_written(
     assert len(units) == 2
     store = Store()
     runners = [UnitRunner(CrossUnitWriter(store, name), 4, 4, None) for name in "ab"]  # type: ignore[arg-type]
-    with distributed.Client(processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0") as client:
-        futures = [client.submit(runner, Source(sizes), [], unit, pure=False) for runner, unit in zip(runners, units)]
+    with distributed.Client(
+        processes=False, n_workers=1, threads_per_worker=1, dashboard_address=":0"
+    ) as client:
+        futures = [
+            client.submit(runner, Source(sizes), [], unit, pure=False) for runner, unit in zip(runners, units)
+        ]
         reports = [r for f in futures for r in f.result(timeout=60)]
     assert [r.sb for r in reports] == [sb_key(0, 0), sb_key(1, 0)]
     assert all(r.committed for r in reports)  # (the worker's writers commit to copies of ``store``)

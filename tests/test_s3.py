@@ -22,7 +22,11 @@ from dask_surge.io.store import OutputStore
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 SIZES = [int(s) for s in lognormal_sizes(1500, 30, seed=3)]
 N = sum(SIZES)
 
@@ -63,8 +67,13 @@ def _doc_ids(path) -> list[int]:
 def _arrow_s3(endpoint: str):
     import pyarrow.fs as pafs
 
-    return pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", access_key="testing", secret_key="testing",
-                             region="us-east-1")
+    return pafs.S3FileSystem(
+        endpoint_override=endpoint,
+        scheme="http",
+        access_key="testing",
+        secret_key="testing",
+        region="us-east-1",
+    )
 
 
 @pytest.mark.parametrize("how", ["storage_options", "pyarrow filesystem"])
@@ -78,8 +87,9 @@ def test_s3_input_with_its_endpoint_given_to_read_parquet(tmp_path, s3, tiny_mod
 
     def run():
         ddf = dd.read_parquet("s3://surge/in/", **reader)
-        return ddf.surge.encode("text", output=str(out), model=tiny_model, keep=["doc_id"], b_max=200,
-                                progress=False)
+        return ddf.surge.encode(
+            "text", output=str(out), model=tiny_model, keep=["doc_id"], b_max=200, progress=False
+        )
 
     first = run()
     assert first.rows == N
@@ -100,9 +110,31 @@ def test_s3_input_with_its_endpoint_given_to_read_parquet(tmp_path, s3, tiny_mod
 
 
 def _cli(out, model) -> list[str]:
-    return [sys.executable, "-m", "dask_surge.cli", "encode", "s3://surge/in/", "--text-column", "text",
-            "--output", str(out), "--model", model, "--b-min", "40", "--b-max", "120", "--device", "cpu",
-            "--scheduler", "threads", "--no-progress", "--keep", "doc_id", "--json"]
+    return [
+        sys.executable,
+        "-m",
+        "dask_surge.cli",
+        "encode",
+        "s3://surge/in/",
+        "--text-column",
+        "text",
+        "--output",
+        str(out),
+        "--model",
+        model,
+        "--b-min",
+        "40",
+        "--b-max",
+        "120",
+        "--device",
+        "cpu",
+        "--scheduler",
+        "threads",
+        "--no-progress",
+        "--keep",
+        "doc_id",
+        "--json",
+    ]
 
 
 def _committed(out) -> int:
@@ -120,7 +152,9 @@ def test_cli_s3_input_killed_mid_run_resumes_exactly(tmp_path, s3, tiny_model):
     reference = dask_surge.read_embeddings(str(clean)).compute().sort_values("doc_id")
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_cli(out, tiny_model), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cli(out, tiny_model), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 120
     while proc.poll() is None and _committed(out) == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -135,4 +169,6 @@ def test_cli_s3_input_killed_mid_run_resumes_exactly(tmp_path, s3, tiny_model):
     assert summary["rows"] == N and summary["skipped_superbatches"] == killed_at
     resumed = dask_surge.read_embeddings(str(out)).compute().sort_values("doc_id")
     assert resumed.doc_id.tolist() == list(range(N))
-    np.testing.assert_array_equal(np.stack(resumed.embedding.to_numpy()), np.stack(reference.embedding.to_numpy()))
+    np.testing.assert_array_equal(
+        np.stack(resumed.embedding.to_numpy()), np.stack(reference.embedding.to_numpy())
+    )

@@ -85,7 +85,9 @@ def _exactly_once(url, options, fs, reference=None) -> pd.DataFrame:
     back = back.sort_values("doc_id").reset_index(drop=True)
     assert back.doc_id.tolist() == list(range(N))
     if reference is not None:
-        np.testing.assert_array_equal(np.stack(back.embedding.to_numpy()), np.stack(reference.embedding.to_numpy()))
+        np.testing.assert_array_equal(
+            np.stack(back.embedding.to_numpy()), np.stack(reference.embedding.to_numpy())
+        )
     assert verify(url, options) == []
     return back
 
@@ -131,8 +133,12 @@ def test_two_runs_on_one_prefix_one_wins_and_a_dead_claim_is_taken_over(store, m
         Claim.acquire(store, "1" * 16, heartbeat=False)
     # a claim from another machine, written just now by a clock an hour behind: live (the store's
     # clock says so: the age of its key), then stale once the store's clock passes the TTL
-    fs.pipe_file(f"{root}/_surge/CLAIM", json.dumps({"run": "2" * 16, "token": "a" * 32, "host": "elsewhere",
-                                                     "pid": 1, "started": time.time() - 3600}).encode())
+    fs.pipe_file(
+        f"{root}/_surge/CLAIM",
+        json.dumps(
+            {"run": "2" * 16, "token": "a" * 32, "host": "elsewhere", "pid": 1, "started": time.time() - 3600}
+        ).encode(),
+    )
     with pytest.raises(SurgeOutputError, match="being written by another run"):
         Claim.acquire(store, "1" * 16, heartbeat=False)
     monkeypatch.setattr("dask_surge.io.lease.CLAIM_TTL_S", 1.0)
@@ -152,7 +158,9 @@ def test_a_late_task_of_a_replaced_run_publishes_nothing(store, counting_encoder
     url = _url()
     _encode(url, options, CountingEncoder(dim=4))
     old = current_run(OutputStore.open(url, options))
-    late = SuperBatchWriter(SuperBatchTask("text", ("doc_id",), dask_surge.Encoder(CountingEncoder(dim=4))), old)
+    late = SuperBatchWriter(
+        SuperBatchTask("text", ("doc_id",), dask_surge.Encoder(CountingEncoder(dim=4))), old
+    )
     _encode(url, options, counting_encoder, overwrite=True)
     part = make_partitioned_frame(SIZES, seed=3).partitions[0].compute()
     late([part], ((Span(0, 0, len(part)), len(part)),))  # its commit lands in the retired run's prefix
@@ -251,16 +259,31 @@ def test_a_superbatch_costs_a_constant_number_of_requests_and_no_list(store, cou
     (few, a), (many, b) = sorted(counts.items())
     per_sb = {op: (b.get(op, 0) - a.get(op, 0)) / (many - few) for op in set(a) | set(b)}
     assert per_sb.get("list_objects_v2", 0) == 0, per_sb  # listing at start and finish only
-    assert all(v == int(v) and v >= 0 for v in per_sb.values()), per_sb  # a whole number of each, per SuperBatch
+    assert all(v == int(v) and v >= 0 for v in per_sb.values()), (
+        per_sb
+    )  # a whole number of each, per SuperBatch
     assert 3 <= sum(per_sb.values()) <= 8, per_sb
 
 
 # --- clusters whose workers do not see the output -------------------------------------------------------
 
+
 def _worker(scheduler: str, env: dict, prefix: list[str] = ()) -> subprocess.Popen:
-    return subprocess.Popen([*prefix, sys.executable, "-m", "distributed.cli.dask_worker", scheduler,
-                             "--nthreads", "1", "--no-dashboard"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            *prefix,
+            sys.executable,
+            "-m",
+            "distributed.cli.dask_worker",
+            scheduler,
+            "--nthreads",
+            "1",
+            "--no-dashboard",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _cluster_with(worker_env: dict, prefix: list[str] = ()):
@@ -277,14 +300,23 @@ def test_a_worker_without_the_stores_credentials_is_refused_before_any_work(stor
     endpoint, _, fs = store
     options = {"client_kwargs": {"endpoint_url": endpoint}}  # credentials from the client's environment
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(AWS_CONFIG_FILE="/nonexistent", AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
-               AWS_EC2_METADATA_DISABLED="true")
+    env.update(
+        AWS_CONFIG_FILE="/nonexistent",
+        AWS_SHARED_CREDENTIALS_FILE="/nonexistent",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     cluster, client, proc = _cluster_with(env)
     try:
         url = _url()
         t0 = time.perf_counter()
-        with client.as_current(), pytest.raises(SurgeOutputError, match=r"1 worker\(s\) do not see the output.*"
-                                                                      r"Credentials.*Nothing was encoded"):
+        with (
+            client.as_current(),
+            pytest.raises(
+                SurgeOutputError,
+                match=r"1 worker\(s\) do not see the output.*"
+                r"Credentials.*Nothing was encoded",
+            ),
+        ):
             _encode(url, options, counting_encoder, scheduler=None)
         assert time.perf_counter() - t0 < 20
         assert sum(counting_encoder.calls) <= 1  # at most the model's one-text probe of its dimension
@@ -297,8 +329,11 @@ def test_a_worker_without_the_stores_credentials_is_refused_before_any_work(stor
 
 
 def _can_unshare() -> bool:
-    return (os.geteuid() == 0 and shutil.which("unshare") is not None
-            and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0)
+    return (
+        os.geteuid() == 0
+        and shutil.which("unshare") is not None
+        and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0
+    )
 
 
 @pytest.mark.skipif(not _can_unshare(), reason="needs root and unshare to give a worker its own mounts")
@@ -307,15 +342,30 @@ def test_a_worker_that_sees_another_disk_is_refused_within_seconds(tmp_path, cou
     empty tmpfs (its own local disk at the same path)."""
     shared = tmp_path / "data"
     shared.mkdir()
-    prefix = ["unshare", "-m", "--propagation", "private", "sh", "-c",
-              f"mount -t tmpfs tmpfs {shared} && exec \"$0\" \"$@\""]
+    prefix = [
+        "unshare",
+        "-m",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'mount -t tmpfs tmpfs {shared} && exec "$0" "$@"',
+    ]
     cluster, client, proc = _cluster_with(dict(os.environ), prefix)
     try:
         out = shared / "emb"
         t0 = time.perf_counter()
-        with client.as_current(), pytest.raises(SurgeOutputError, match=r"worker tcp://.* on host .*cannot read "
-                                                                      r".*Nothing was encoded. Fix: write to a path"):
-            make_partitioned_frame([5, 5]).surge.encode("text", str(out), model=counting_encoder, progress=False)
+        with (
+            client.as_current(),
+            pytest.raises(
+                SurgeOutputError,
+                match=r"worker tcp://.* on host .*cannot read "
+                r".*Nothing was encoded. Fix: write to a path",
+            ),
+        ):
+            make_partitioned_frame([5, 5]).surge.encode(
+                "text", str(out), model=counting_encoder, progress=False
+            )
         assert time.perf_counter() - t0 < 20
         assert sum(counting_encoder.calls) <= 1  # at most the model's one-text probe of its dimension
         assert not out.exists() or not [p for p in out.rglob("*") if p.is_file()]  # nothing left behind
@@ -328,10 +378,32 @@ def test_a_worker_that_sees_another_disk_is_refused_within_seconds(tmp_path, cou
 
 # --- kill -9 of the CLI and its local cluster, then resume ---------------------------------------------
 
+
 def _cli(src: str, url: str, model: str, fmt: str) -> list[str]:
-    return [sys.executable, "-m", "dask_surge.cli", "encode", src, "--text-column", "text", "--output", url,
-            "--model", model, "--b-min", "40", "--b-max", "80", "--device", "cpu", "--no-progress",
-            "--keep", "doc_id", "--format", fmt]
+    return [
+        sys.executable,
+        "-m",
+        "dask_surge.cli",
+        "encode",
+        src,
+        "--text-column",
+        "text",
+        "--output",
+        url,
+        "--model",
+        model,
+        "--b-min",
+        "40",
+        "--b-max",
+        "80",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--keep",
+        "doc_id",
+        "--format",
+        fmt,
+    ]
 
 
 @pytest.mark.slow
@@ -355,8 +427,13 @@ def test_kill_the_cli_and_its_cluster_then_resume_on_s3(store, tmp_path, tiny_mo
     for _ in range(trials):
         url = _url()
         for _kill in range(rng.choice([1, 2])):
-            proc = subprocess.Popen(_cli(src_glob, url, tiny_model, fmt), env=env, start_new_session=True,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                _cli(src_glob, url, tiny_model, fmt),
+                env=env,
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             time.sleep(rng.uniform(4.0, 12.0))
             os.killpg(proc.pid, signal.SIGKILL)  # the CLI and its cluster's processes at once
             proc.wait()
@@ -382,8 +459,14 @@ def test_a_prefix_with_foreign_objects_or_the_inputs_prefix_is_refused(store, co
     before = sorted(fs.find(src.removeprefix("s3://")))
     frame = dd.read_parquet(src, storage_options=options)
     with pytest.raises(SurgeOutputError, match="inside the input directory"):
-        frame.surge.encode("text", f"{src}/emb", model=counting_encoder, storage_options=options, scheduler="sync",
-                           progress=False)
+        frame.surge.encode(
+            "text",
+            f"{src}/emb",
+            model=counting_encoder,
+            storage_options=options,
+            scheduler="sync",
+            progress=False,
+        )
     assert sorted(fs.find(src.removeprefix("s3://"))) == before
 
 
@@ -408,8 +491,9 @@ def test_a_prefix_holding_only_a_folder_marker_is_empty(store, counting_encoder)
     fs.pipe_file(f"{url.removeprefix('s3://')}/", b"")
     assert OutputStore.open(url, options).listdir(url.removeprefix("s3://")) == []
     res = _encode(url, options, counting_encoder)
-    assert res.rows == N and sorted(_glob(url, fs)) == sorted(_exactly_once(url, options, fs)[["partition", "row"]]
-                                                             .itertuples(index=False, name=None))
+    assert res.rows == N and sorted(_glob(url, fs)) == sorted(
+        _exactly_once(url, options, fs)[["partition", "row"]].itertuples(index=False, name=None)
+    )
 
 
 def test_an_object_store_location_is_normalised_and_a_glob_name_refused(store, counting_encoder):

@@ -16,8 +16,14 @@ from dask_surge.options import COMPRESSIONS
 
 def _table(n: int = 50, d: int = 8) -> pa.Table:
     emb = np.random.default_rng(0).standard_normal((n, d)).astype(np.float32)
-    return pa.table({"partition": np.repeat([0, 1], [20, n - 20]), "row": np.r_[np.arange(20), np.arange(n - 20)],
-                     "text": ["t"] * n, "embedding": embedding_array(emb)})
+    return pa.table(
+        {
+            "partition": np.repeat([0, 1], [20, n - 20]),
+            "row": np.r_[np.arange(20), np.arange(n - 20)],
+            "text": ["t"] * n,
+            "embedding": embedding_array(emb),
+        }
+    )
 
 
 def _codecs(data) -> dict[str, str]:
@@ -28,7 +34,12 @@ def _codecs(data) -> dict[str, str]:
 def test_embedding_is_uncompressed_by_default_other_columns_zstd():
     table = _table()
     codecs = _codecs(parquet_bytes(table, [20, 30]))
-    assert codecs == {"partition": "ZSTD", "row": "ZSTD", "text": "ZSTD", "embedding.list.element": "UNCOMPRESSED"}
+    assert codecs == {
+        "partition": "ZSTD",
+        "row": "ZSTD",
+        "text": "ZSTD",
+        "embedding.list.element": "UNCOMPRESSED",
+    }
 
 
 @pytest.mark.parametrize("codec", COMPRESSIONS)
@@ -61,12 +72,15 @@ def test_the_clients_codec_reaches_the_workers(tmp_path, client):
 
     out = tmp_path / "o"
     with dask.config.set({"surge.compression": "zstd"}):
-        make_partitioned_frame([5, 7], seed=2).surge.encode("text", str(out), model=checksum_model,
-                                                           progress=False)
+        make_partitioned_frame([5, 7], seed=2).surge.encode(
+            "text", str(out), model=checksum_model, progress=False
+        )
     files = sorted(out.glob("part-*.parquet"))
     assert files
     for path in files:
         group = pq.read_metadata(path).row_group(0)
-        codecs = {group.column(i).path_in_schema.split(".")[0]: group.column(i).compression
-                  for i in range(group.num_columns)}
+        codecs = {
+            group.column(i).path_in_schema.split(".")[0]: group.column(i).compression
+            for i in range(group.num_columns)
+        }
         assert codecs["embedding"] == "ZSTD"

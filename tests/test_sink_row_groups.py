@@ -27,7 +27,9 @@ def test_row_groups_hold_whole_partitions_and_reach_the_floor(sizes, floor):
         assert all(b < floor for b in inner), (g, inner)
 
 
-def test_a_run_of_tiny_partitions_writes_few_row_groups_and_a_partition_is_found_from_the_footer(tmp_path, client):
+def test_a_run_of_tiny_partitions_writes_few_row_groups_and_a_partition_is_found_from_the_footer(
+    tmp_path, client
+):
     sizes = [7] * 300 + [1500, 3]
     out = tmp_path / "o"
     ddf = make_partitioned_frame(sizes, seed=4)

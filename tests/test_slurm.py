@@ -79,7 +79,8 @@ class Slurm:
         import psutil
 
         mem_mb = int(psutil.virtual_memory().total / 2**20 * 0.9)
-        self.conf.write_text(textwrap.dedent(f"""\
+        self.conf.write_text(
+            textwrap.dedent(f"""\
             ClusterName=surgetest
             SlurmctldHost={self.node}(127.0.0.1)
             SlurmctldPort={_free_port()}
@@ -111,15 +112,24 @@ class Slurm:
             GresTypes=gpu
             NodeName={self.node} NodeAddr=127.0.0.1 CPUs=2 RealMemory={mem_mb} Gres=gpu:1 State=UNKNOWN
             PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
-            """))
+            """)
+        )
         # A GPU GRES with no GPU behind it. Slurm 22.05 drops a GPU GRES without File=
         # ("Removing file-less GPU"), so /dev/null stands in for the device.
-        (r / "gres.conf").write_text(f"AutoDetect=off\nNodeName={self.node} Name=gpu Count=1 File=/dev/null\n")
+        (r / "gres.conf").write_text(
+            f"AutoDetect=off\nNodeName={self.node} Name=gpu Count=1 File=/dev/null\n"
+        )
 
     def _start(self, name: str, *args: str) -> subprocess.Popen:
         with open(self.root / "log" / f"{name}.out", "wb") as out:
-            proc = subprocess.Popen([_which(name), *args], stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, env=self.env, cwd=self.root)
+            proc = subprocess.Popen(
+                [_which(name), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=self.root,
+            )
         self.procs.append(proc)
         return proc
 
@@ -127,16 +137,24 @@ class Slurm:
         """Start munged, slurmctld, slurmd (in the foreground, so their PIDs are ours).
         Returns None once the node is idle, else why not."""
         r = self.root
-        self._start("munged", "-F", "--force", f"--socket={r}/munge/sock", f"--key-file={r}/munge/munge.key",
-                    f"--log-file={r}/log/munged.log", f"--pid-file={r}/run/munged.pid",
-                    f"--seed-file={r}/munge/seed")
+        self._start(
+            "munged",
+            "-F",
+            "--force",
+            f"--socket={r}/munge/sock",
+            f"--key-file={r}/munge/munge.key",
+            f"--log-file={r}/log/munged.log",
+            f"--pid-file={r}/run/munged.pid",
+            f"--seed-file={r}/munge/seed",
+        )
         if not self._wait(lambda: (r / "munge" / "sock").exists(), 20):
             return self.exited() or "munged did not create its socket within 20 s"
         self._start("slurmctld", "-D", "-i")
         self._start("slurmd", "-D", "-N", self.node)
         if not self._wait(lambda: self.node_state() == "idle", UP_WITHIN_S):
-            return self.exited() or (f"the node is {self.node_state()!r}, not idle, {UP_WITHIN_S} s after "
-                                     "starting the daemons")
+            return self.exited() or (
+                f"the node is {self.node_state()!r}, not idle, {UP_WITHIN_S} s after starting the daemons"
+            )
         return None
 
     def exited(self) -> str | None:
@@ -158,8 +176,15 @@ class Slurm:
 
     # -- queries --------------------------------------------------------------------------------
     def run(self, *cmd: str, check: bool = True, input: str | None = None) -> str:
-        res = subprocess.run([_which(cmd[0]), *cmd[1:]], env=self.env, capture_output=True, text=True,
-                             input=input, timeout=60, check=False)
+        res = subprocess.run(
+            [_which(cmd[0]), *cmd[1:]],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            input=input,
+            timeout=60,
+            check=False,
+        )
         if check and res.returncode:
             raise RuntimeError(f"{' '.join(cmd)} exited {res.returncode}: {res.stderr.strip()}")
         return res.stdout.strip()
@@ -212,8 +237,10 @@ def slurm():
     """A running one-node SLURM (``SLURM_CONF`` set for this module), stopped at the end."""
     missing = [p for p in PROGRAMS if _which(p) is None]
     if missing:
-        pytest.skip(f"SLURM is not installed ({', '.join(missing)} not found). "
-                    "Fix: apt-get install slurm-wlm munge (as .ci/run does)")
+        pytest.skip(
+            f"SLURM is not installed ({', '.join(missing)} not found). "
+            "Fix: apt-get install slurm-wlm munge (as .ci/run does)"
+        )
     if os.geteuid() != 0:
         pytest.skip("slurmd and munged run as root here; these tests need root (CI runs them as root)")
     root = Path(tempfile.mkdtemp(prefix="surge-slurm-"))
@@ -283,7 +310,22 @@ def dataset(tmp_path_factory):
     """2,000 short texts in 40 Parquet files of 50 rows."""
     d = tmp_path_factory.mktemp("slurm-data")
     rng = np.random.default_rng(0)
-    words = np.array(["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"])
+    words = np.array(
+        [
+            "alpha",
+            "beta",
+            "gamma",
+            "delta",
+            "epsilon",
+            "zeta",
+            "eta",
+            "theta",
+            "iota",
+            "kappa",
+            "lambda",
+            "mu",
+        ]
+    )
     for f in range(FILES):
         n = ROWS // FILES
         texts = [" ".join(rng.choice(words, size=rng.integers(2, 12))) + f" {f}-{i}" for i in range(n)]
@@ -295,9 +337,16 @@ def _cluster(model_dir: Path, tmp: Path, delay: float = 0.0, **kwargs):
     """CPU jobs of one core each, scheduler and workers on loopback, logs under ``tmp``;
     the model sleeps ``delay`` s per SuperBatch in these jobs."""
     prologue = [f"export PYTHONPATH={model_dir}", f"export SURGE_SLURM_DELAY={delay}"]
-    opts = {"gpus": 0, "cores": 1, "memory": "2GB", "walltime": None, "interface": "lo",
-            "scheduler_options": {"dashboard_address": "127.0.0.1:0"},
-            "log_directory": str(tmp / "logs"), "job_script_prologue": prologue}
+    opts = {
+        "gpus": 0,
+        "cores": 1,
+        "memory": "2GB",
+        "walltime": None,
+        "interface": "lo",
+        "scheduler_options": {"dashboard_address": "127.0.0.1:0"},
+        "log_directory": str(tmp / "logs"),
+        "job_script_prologue": prologue,
+    }
     opts.update(kwargs)
     return jobqueue_cluster("slurm", **opts)
 
@@ -329,16 +378,23 @@ def test_a_gpu_job_script_is_accepted_and_scheduled_on_a_gres_node(slurm, tmp_pa
     SLURM and scheduled on the node that declares a GPU GRES, with the GRES allocated.
     Its worker then fails: this node has no CUDA (and, here, no dask-cuda), which is
     expected and is what the log shows."""
-    with jobqueue_cluster("slurm", gpus=1, cores=1, memory="1GB", walltime=None, interface="lo",
-                          scheduler_options={"dashboard_address": "127.0.0.1:0"},
-                          log_directory=str(tmp_path / "logs")) as cluster:
+    with jobqueue_cluster(
+        "slurm",
+        gpus=1,
+        cores=1,
+        memory="1GB",
+        walltime=None,
+        interface="lo",
+        scheduler_options={"dashboard_address": "127.0.0.1:0"},
+        log_directory=str(tmp_path / "logs"),
+    ) as cluster:
         script = cluster.job_script()
         assert "#SBATCH --gres=gpu:1" in script and "-m dask_cuda.cli" in script
         job_id = slurm.run("sbatch", "--parsable", input=script).split(";")[0]
         info = slurm.wait_job(job_id, {"FAILED", "COMPLETED", "CANCELLED", "TIMEOUT", "NODE_FAIL"})
-    assert info["JobState"] == "FAILED", info            # scheduled and started; its worker then died
+    assert info["JobState"] == "FAILED", info  # scheduled and started; its worker then died
     assert info["NodeList"] == slurm.node
-    assert info["JOB_GRES"] == "gpu:1", info             # the node's GPU GRES was allocated to it
+    assert info["JOB_GRES"] == "gpu:1", info  # the node's GPU GRES was allocated to it
     err = (tmp_path / "logs" / f"dask-worker-{job_id}.err").read_text()
     assert "dask_cuda" in err or "CUDA" in err, err[-2000:]
 
@@ -356,8 +412,10 @@ def undisturbed(slurm, model_dir, dataset, tmp_path_factory):
         done_s = time.perf_counter() - t0
         ttfo_from_scale_s = done_s - (result.seconds - result.ttfo_s)  # the first commit, on this clock
         jobs = _job_ids(cluster)
-    print(f"\n2 SLURM jobs: workers up {workers_up_s:.1f} s after scale(); first SuperBatch committed "
-          f"{ttfo_from_scale_s:.1f} s after scale(); encode() returned {done_s:.1f} s after scale()")
+    print(
+        f"\n2 SLURM jobs: workers up {workers_up_s:.1f} s after scale(); first SuperBatch committed "
+        f"{ttfo_from_scale_s:.1f} s after scale(); encode() returned {done_s:.1f} s after scale()"
+    )
     return {"output": tmp / "emb", "result": result, "logs": tmp / "logs", "jobs": jobs}
 
 
@@ -369,7 +427,7 @@ def test_two_jobs_write_every_row_exactly_once(undisturbed):
     assert len(per_file) == FILES
     assert (per_file["min"] == 0).all() and (per_file["max"] == ROWS // FILES - 1).all()
     assert (per_file["count"] == ROWS // FILES).all()
-    assert undisturbed["result"].superbatches > 2                     # both jobs had work to share
+    assert undisturbed["result"].superbatches > 2  # both jobs had work to share
 
 
 def test_worker_logs_land_in_log_directory(undisturbed):
@@ -403,8 +461,10 @@ def _cancel_mid_run(slurm, cluster, client, data: Path, output: Path, victims: i
     assert not runner.is_alive(), "the run neither finished nor stopped within 300 s of the scancel"
     for job_id in cancelled:
         assert slurm.wait_job(job_id, {"CANCELLED"})["JobState"] == "CANCELLED"
-    print(f"\nscancel {victims} job(s) after {committed} committed SuperBatch(es): "
-          f"{'stopped: ' + repr(outcome['error']) if 'error' in outcome else 'finished'}")
+    print(
+        f"\nscancel {victims} job(s) after {committed} committed SuperBatch(es): "
+        f"{'stopped: ' + repr(outcome['error']) if 'error' in outcome else 'finished'}"
+    )
     return outcome, committed
 
 
@@ -421,7 +481,9 @@ def _assert_identical(output: Path, reference: Path) -> None:
     assert np.array_equal(np.stack(got["embedding"]), np.stack(want["embedding"]))
 
 
-def test_preempted_job_then_resume_on_a_different_number_of_jobs(slurm, model_dir, dataset, undisturbed, tmp_path):
+def test_preempted_job_then_resume_on_a_different_number_of_jobs(
+    slurm, model_dir, dataset, undisturbed, tmp_path
+):
     """``scancel`` one of two jobs after the first commit. The run either finishes on the
     other worker or stops with a message that says how to resume. Rerunning on 1 job
     resumes and writes output identical to the undisturbed run."""
@@ -439,14 +501,19 @@ def test_preempted_job_then_resume_on_a_different_number_of_jobs(slurm, model_di
     _assert_identical(output, undisturbed["output"])
 
 
-def test_every_job_lost_stops_the_run_then_one_job_resumes_it(slurm, model_dir, dataset, undisturbed, tmp_path):
+def test_every_job_lost_stops_the_run_then_one_job_resumes_it(
+    slurm, model_dir, dataset, undisturbed, tmp_path
+):
     """Both jobs cancelled after the first commit. With ``no-workers-timeout`` set the
     scheduler gives up on the SuperBatches left (by default it waits for workers); the
     run stops, keeps its commits, and a rerun on 1 job encodes only the rest, into output
     identical to the undisturbed run. The error must say how to resume."""
     output = tmp_path / "emb"
-    with dask.config.set({"distributed.scheduler.no-workers-timeout": "10s"}), \
-            _cluster(model_dir, tmp_path, delay=1.0) as cluster, Client(cluster) as client:
+    with (
+        dask.config.set({"distributed.scheduler.no-workers-timeout": "10s"}),
+        _cluster(model_dir, tmp_path, delay=1.0) as cluster,
+        Client(cluster) as client,
+    ):
         cluster.scale(jobs=2)
         client.wait_for_workers(2, timeout=120)
         outcome, committed = _cancel_mid_run(slurm, cluster, client, dataset, output, victims=2)
@@ -455,9 +522,11 @@ def test_every_job_lost_stops_the_run_then_one_job_resumes_it(slurm, model_dir, 
     assert stopped["state"] == "incomplete" and stopped["superbatches_committed"] >= committed >= 1
     again = _rerun_on_one_job(model_dir, tmp_path / "rerun", dataset, output)
     assert again.resumed and again.skipped_superbatches == stopped["superbatches_committed"]
-    assert again.superbatches - again.skipped_superbatches >= 1        # the rerun did the rest
+    assert again.superbatches - again.skipped_superbatches >= 1  # the rerun did the rest
     _assert_identical(output, undisturbed["output"])
-    assert "rerun" in str(outcome["error"]).lower(), f"the error does not say how to resume: {outcome['error']!r}"
+    assert "rerun" in str(outcome["error"]).lower(), (
+        f"the error does not say how to resume: {outcome['error']!r}"
+    )
 
 
 def test_an_adaptive_cluster_replaces_a_preempted_job(slurm, model_dir, tmp_path):
@@ -479,10 +548,30 @@ def test_an_adaptive_cluster_replaces_a_preempted_job(slurm, model_dir, tmp_path
 
 def test_the_example_runs_as_documented(slurm, dataset, tmp_path):
     """``examples/slurm_encode.py`` with its CPU flag, as the README shows it."""
-    cmd = [sys.executable, str(REPO / "examples" / "slurm_encode.py"), str(dataset), str(tmp_path / "emb"),
-           "--cpu", "--jobs", "1", "--cores", "1", "--memory", "2GB", "--log-directory", str(tmp_path / "logs")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=480, cwd=tmp_path, check=False,
-                         env={**os.environ, "SLURM_CONF": str(slurm.conf)})
+    cmd = [
+        sys.executable,
+        str(REPO / "examples" / "slurm_encode.py"),
+        str(dataset),
+        str(tmp_path / "emb"),
+        "--cpu",
+        "--jobs",
+        "1",
+        "--cores",
+        "1",
+        "--memory",
+        "2GB",
+        "--log-directory",
+        str(tmp_path / "logs"),
+    ]
+    res = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=480,
+        cwd=tmp_path,
+        check=False,
+        env={**os.environ, "SLURM_CONF": str(slurm.conf)},
+    )
     print("\n" + res.stdout)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "first SuperBatch committed" in res.stdout

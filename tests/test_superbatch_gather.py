@@ -22,8 +22,13 @@ def _vectors(texts):
 
 def _frame(sizes, *, dtype="string[pyarrow]", null_at=None):
     texts = [f"text {i}" for i in range(sum(sizes))]
-    frame = pd.DataFrame({"text": pd.array(texts, dtype=dtype), "doc_id": np.arange(len(texts)),
-                          "label": pd.Categorical([("a", "b")[i % 2] for i in range(len(texts))])})
+    frame = pd.DataFrame(
+        {
+            "text": pd.array(texts, dtype=dtype),
+            "doc_id": np.arange(len(texts)),
+            "label": pd.Categorical([("a", "b")[i % 2] for i in range(len(texts))]),
+        }
+    )
     if null_at is not None:
         frame.loc[null_at, "text"] = None
     frame["text"] = frame["text"].astype(dtype)  # pandas infers its str dtype from str values

@@ -25,12 +25,17 @@ def _lower_bounds(requirements: list[str]) -> dict[str, str]:
 def test_the_lowest_leg_pins_the_declared_lower_bounds():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     declared = _lower_bounds(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
-    pinned = dict(line.split("==") for line in (ROOT / ".ci" / "lowest.txt").read_text().splitlines()
-                  if line.strip() and not line.startswith("#"))
+    pinned = dict(
+        line.split("==")
+        for line in (ROOT / ".ci" / "lowest.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    )
     assert set(pinned) == set(LEG)
     assert {name: declared.get(name) for name in LEG} == pinned
 
 
 def test_lower_bounds_are_read_from_requirements():
-    assert _lower_bounds(["dask[dataframe,distributed]>=2026.8.0,<2026.12", "pyyaml", "numpy >= 1.26.0"]) == \
-        {"dask": "2026.8.0", "numpy": "1.26.0"}
+    assert _lower_bounds(["dask[dataframe,distributed]>=2026.8.0,<2026.12", "pyyaml", "numpy >= 1.26.0"]) == {
+        "dask": "2026.8.0",
+        "numpy": "1.26.0",
+    }

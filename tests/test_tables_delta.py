@@ -27,19 +27,30 @@ def _frame(n: int = N, npartitions: int = NPART, offset: int = 0):
     import dask.dataframe as dd
 
     texts = [f"text {i} " + "word " * (i % 11) for i in range(offset, offset + n)]
-    return dd.from_pandas(pd.DataFrame({"text": texts, "doc_id": np.arange(offset, offset + n)}),
-                          npartitions=npartitions)
+    return dd.from_pandas(
+        pd.DataFrame({"text": texts, "doc_id": np.arange(offset, offset + n)}), npartitions=npartitions
+    )
 
 
 def _encode(out, ddf=None, **kw):
-    kw = {"model": checksum_model, "keep": ["doc_id"], "b_min": 100, "b_max": 200, "scheduler": "threads",
-          "progress": False, "format": "delta", **kw}
+    kw = {
+        "model": checksum_model,
+        "keep": ["doc_id"],
+        "b_min": 100,
+        "b_max": 200,
+        "scheduler": "threads",
+        "progress": False,
+        "format": "delta",
+        **kw,
+    }
     return (_frame() if ddf is None else ddf).surge.encode("text", output=str(out), **kw)
 
 
 def _superbatches(out, options=None) -> list[str]:
     history = deltalake.DeltaTable(str(out), storage_options=options).history()
-    return [sb for h in history if RUN_PROPERTY in h for sb in json.loads(h.get(SUPERBATCHES_PROPERTY) or "[]")]
+    return [
+        sb for h in history if RUN_PROPERTY in h for sb in json.loads(h.get(SUPERBATCHES_PROPERTY) or "[]")
+    ]
 
 
 def _rows(out, options=None) -> pd.DataFrame:
@@ -58,9 +69,22 @@ def _check_once(out, n: int = N, options=None) -> pd.DataFrame:
 def test_delta_output_holds_every_row_once_with_the_parquet_columns(tmp_path):
     res = _encode(tmp_path / "t.delta")
     df = _check_once(tmp_path / "t.delta")
-    ref = _frame().surge.encode("text", output=str(tmp_path / "pq"), model=checksum_model, keep=["doc_id"],
-                                b_min=100, b_max=200, scheduler="threads", progress=False)
-    pq = dask_surge.read_embeddings(ref.output).compute().sort_values(["partition", "row"]).reset_index(drop=True)
+    ref = _frame().surge.encode(
+        "text",
+        output=str(tmp_path / "pq"),
+        model=checksum_model,
+        keep=["doc_id"],
+        b_min=100,
+        b_max=200,
+        scheduler="threads",
+        progress=False,
+    )
+    pq = (
+        dask_surge.read_embeddings(ref.output)
+        .compute()
+        .sort_values(["partition", "row"])
+        .reset_index(drop=True)
+    )
     assert list(df.columns) == list(pq.columns)
     assert np.array_equal(np.stack(df.embedding), np.stack(pq.embedding))
     assert sorted(_superbatches(tmp_path / "t.delta")) == sorted(r.sb for r in res.records)
@@ -101,7 +125,9 @@ def test_an_append_by_someone_else_is_merged_and_a_delete_stops_the_run(tmp_path
     import dask
 
     def append(uri):
-        deltalake.write_deltalake(uri, deltalake.DeltaTable(uri).to_pyarrow_table().slice(0, 5), mode="append")
+        deltalake.write_deltalake(
+            uri, deltalake.DeltaTable(uri).to_pyarrow_table().slice(0, 5), mode="append"
+        )
 
     _after_first_commit(monkeypatch, append)
     with dask.config.set({"surge.table-commit-every": 2}):
@@ -111,8 +137,10 @@ def test_an_append_by_someone_else_is_merged_and_a_delete_stops_the_run(tmp_path
     monkeypatch.undo()
 
     _after_first_commit(monkeypatch, lambda uri: deltalake.DeltaTable(uri).delete("row = 0"))
-    with dask.config.set({"surge.table-commit-every": 1}), \
-            pytest.raises(SurgeOutputError, match=r"was changed by another writer .*DELETE"):
+    with (
+        dask.config.set({"surge.table-commit-every": 1}),
+        pytest.raises(SurgeOutputError, match=r"was changed by another writer .*DELETE"),
+    ):
         _encode(tmp_path / "d.delta", b_min=50, b_max=100)
 
 
@@ -142,8 +170,13 @@ print("rows", res.rows, flush=True)
 
 def _run(out, kill_after: int = 0, options=None):
     env = {**os.environ, "DASK_SURGE__TABLE_COMMIT_EVERY": "2"}
-    return subprocess.run([sys.executable, "-c", DRIVER, str(out), str(kill_after), json.dumps(options or {})],
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", DRIVER, str(out), str(kill_after), json.dumps(options or {})],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +211,12 @@ def test_delta_on_loopback_s3_killed_right_after_a_commit(tmp_path):
         done = _run(out, 0, options)
         assert done.returncode == 0, done.stderr[-3000:]
         # read in another process: deltalake holds the GIL while it waits on the server in this one
-        check = subprocess.run([sys.executable, "-c", CHECK, out, json.dumps(object_store_options(out, options))],
-                               capture_output=True, text=True, timeout=300)
+        check = subprocess.run(
+            [sys.executable, "-c", CHECK, out, json.dumps(object_store_options(out, options))],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert check.returncode == 0, check.stderr[-3000:]
         ids, sbs = json.loads(check.stdout)
         assert sorted(ids) == list(range(N)) and len(sbs) == len(set(sbs))

@@ -29,13 +29,22 @@ def _frame(n: int = N, npartitions: int = NPART, offset: int = 0):
     import dask.dataframe as dd
 
     texts = [f"text {i} " + "word " * (i % 11) for i in range(offset, offset + n)]
-    return dd.from_pandas(pd.DataFrame({"text": texts, "doc_id": np.arange(offset, offset + n)}),
-                          npartitions=npartitions)
+    return dd.from_pandas(
+        pd.DataFrame({"text": texts, "doc_id": np.arange(offset, offset + n)}), npartitions=npartitions
+    )
 
 
 def _encode(out, ddf=None, **kw):
-    kw = {"model": checksum_model, "keep": ["doc_id"], "b_min": 100, "b_max": 200, "scheduler": "threads",
-          "progress": False, "format": "lance", **kw}
+    kw = {
+        "model": checksum_model,
+        "keep": ["doc_id"],
+        "b_min": 100,
+        "b_max": 200,
+        "scheduler": "threads",
+        "progress": False,
+        "format": "lance",
+        **kw,
+    }
     return (_frame() if ddf is None else ddf).surge.encode("text", output=str(out), **kw)
 
 
@@ -50,12 +59,22 @@ def _history(out) -> list[tuple[int, str, dict]]:
 
 def _superbatches(out, run: str | None = None) -> list[str]:
     """Every SuperBatch key the table's versions name (of ``run``, or of any run)."""
-    return [sb for _, _, p in _history(out) if RUN_PROPERTY in p and (run is None or p[RUN_PROPERTY] == run)
-            for sb in json.loads(p[SUPERBATCHES_PROPERTY])]
+    return [
+        sb
+        for _, _, p in _history(out)
+        if RUN_PROPERTY in p and (run is None or p[RUN_PROPERTY] == run)
+        for sb in json.loads(p[SUPERBATCHES_PROPERTY])
+    ]
 
 
 def _rows(out) -> pd.DataFrame:
-    return lance.dataset(str(out)).to_table().to_pandas().sort_values(["partition", "row"]).reset_index(drop=True)
+    return (
+        lance.dataset(str(out))
+        .to_table()
+        .to_pandas()
+        .sort_values(["partition", "row"])
+        .reset_index(drop=True)
+    )
 
 
 def _check_once(out, n: int = N) -> pd.DataFrame:
@@ -69,9 +88,22 @@ def _check_once(out, n: int = N) -> pd.DataFrame:
 def test_lance_output_holds_every_row_once_with_the_parquet_columns(tmp_path):
     res = _encode(tmp_path / "t.lance")
     df = _check_once(tmp_path / "t.lance")
-    ref = _frame().surge.encode("text", output=str(tmp_path / "pq"), model=checksum_model, keep=["doc_id"],
-                                b_min=100, b_max=200, scheduler="threads", progress=False)
-    pq = dask_surge.read_embeddings(ref.output).compute().sort_values(["partition", "row"]).reset_index(drop=True)
+    ref = _frame().surge.encode(
+        "text",
+        output=str(tmp_path / "pq"),
+        model=checksum_model,
+        keep=["doc_id"],
+        b_min=100,
+        b_max=200,
+        scheduler="threads",
+        progress=False,
+    )
+    pq = (
+        dask_surge.read_embeddings(ref.output)
+        .compute()
+        .sort_values(["partition", "row"])
+        .reset_index(drop=True)
+    )
     assert list(df.columns) == list(pq.columns)  # partition, row, kept columns, text_hash, embedding
     assert np.array_equal(np.stack(df.embedding), np.stack(pq.embedding))
     assert df.text_hash.tolist() == pq.text_hash.tolist()
@@ -195,8 +227,10 @@ def test_a_delete_by_someone_else_during_the_run_stops_it(tmp_path, monkeypatch)
         lance.dataset(uri).delete("row = 0")
 
     _after_first_commit(monkeypatch, delete)
-    with __import__("dask").config.set({"surge.table-commit-every": 1}), \
-            pytest.raises(SurgeOutputError, match=r"was changed by another writer .*version 2: Delete"):
+    with (
+        __import__("dask").config.set({"surge.table-commit-every": 1}),
+        pytest.raises(SurgeOutputError, match=r"was changed by another writer .*version 2: Delete"),
+    ):
         _encode(tmp_path / "t.lance", b_min=50, b_max=100)
     monkeypatch.undo()
     with pytest.raises(SurgeOutputError, match="Delete"):  # and a rerun refuses the table
@@ -279,8 +313,10 @@ def test_two_runs_racing_on_one_table(tmp_path, reference):
     """Two processes of the same run at once: one claims the table, the other is refused or finds it
     done; a different run at once is refused. Either way no row and no SuperBatch twice."""
     out = tmp_path / "t.lance"
-    procs = [subprocess.Popen(_driver(out), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(_driver(out), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     codes = [p.returncode for p in procs]
     assert 0 in codes, results
@@ -296,16 +332,37 @@ def test_the_format_reaches_encode_from_the_config_and_the_cli(tmp_path, tiny_mo
     import dask
 
     with dask.config.set({"surge.format": "lance"}):
-        res = _frame(200, 2).surge.encode("text", output=str(tmp_path / "c.lance"), model=checksum_model,
-                                          scheduler="threads", progress=False)
+        res = _frame(200, 2).surge.encode(
+            "text",
+            output=str(tmp_path / "c.lance"),
+            model=checksum_model,
+            scheduler="threads",
+            progress=False,
+        )
     assert lance.dataset(str(tmp_path / "c.lance")).count_rows() == res.rows == 200
     from dask_surge.cli import main
 
     src = tmp_path / "in.parquet"
     _frame(50, 1).compute().to_parquet(src)
-    code = main(["encode", str(src), "--output", str(tmp_path / "cli.lance"), "--output-format", "lance", "--format", "parquet",
-                 "--text-column", "text", "--model", str(tiny_model), "--scheduler", "threads",
-                 "--no-progress"])
+    code = main(
+        [
+            "encode",
+            str(src),
+            "--output",
+            str(tmp_path / "cli.lance"),
+            "--output-format",
+            "lance",
+            "--format",
+            "parquet",
+            "--text-column",
+            "text",
+            "--model",
+            str(tiny_model),
+            "--scheduler",
+            "threads",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     assert lance.dataset(str(tmp_path / "cli.lance")).count_rows() == 50
 

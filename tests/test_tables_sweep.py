@@ -65,9 +65,20 @@ print("rows", res.rows, flush=True)
 """
 
 
-def _driver(src, out, cluster: str, options: dict | None, kill_after: int = 0, fmt: str = "lance") -> list[str]:
-    return [sys.executable, "-c", DRIVER, str(src), str(out), cluster, json.dumps(options or {}), str(kill_after),
-            fmt]
+def _driver(
+    src, out, cluster: str, options: dict | None, kill_after: int = 0, fmt: str = "lance"
+) -> list[str]:
+    return [
+        sys.executable,
+        "-c",
+        DRIVER,
+        str(src),
+        str(out),
+        cluster,
+        json.dumps(options or {}),
+        str(kill_after),
+        fmt,
+    ]
 
 
 def _env() -> dict:
@@ -99,12 +110,18 @@ print(json.dumps([df.doc_id.tolist(), np.stack(df.embedding.to_numpy()).tolist()
 
 def _check(out: str, options: dict | None, reference, fmt: str = "lance") -> None:
     """Read the table in another process (deltalake holds the GIL while it waits on this process's server)."""
-    check = subprocess.run([sys.executable, "-c", CHECK, fmt, out, json.dumps(object_store_options(out, options))],
-                           capture_output=True, text=True, timeout=300)
+    check = subprocess.run(
+        [sys.executable, "-c", CHECK, fmt, out, json.dumps(object_store_options(out, options))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stderr[-3000:]
     ids, embeddings, sbs = json.loads(check.stdout)
     assert ids == reference.doc_id.tolist()  # every row exactly once
-    np.testing.assert_array_equal(np.array(embeddings, dtype=np.float32), np.stack(reference.embedding.to_numpy()))
+    np.testing.assert_array_equal(
+        np.array(embeddings, dtype=np.float32), np.stack(reference.embedding.to_numpy())
+    )
     assert len(sbs) == len(set(sbs))  # no SuperBatch twice in the table's history
 
 
@@ -118,11 +135,17 @@ def places(tmp_path_factory):
     write_partitioned_parquet(src, SIZES, seed=3)
     with loopback_s3("surge-tables") as (_, options, _fs):
         ref_out = str(root / "clean.lance")
-        done = subprocess.run(_driver(src, ref_out, "threads", None), env=_env(), capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run(
+            _driver(src, ref_out, "threads", None), env=_env(), capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr[-3000:]
-        reference = _table(ref_out, None).to_table().to_pandas().sort_values(["partition", "row"]).reset_index(
-            drop=True)
+        reference = (
+            _table(ref_out, None)
+            .to_table()
+            .to_pandas()
+            .sort_values(["partition", "row"])
+            .reset_index(drop=True)
+        )
         yield src, {"local": (str(root), None), "s3": ("s3://surge-tables", options)}, reference
 
 
@@ -130,19 +153,32 @@ def test_lance_on_s3_killed_right_after_a_table_commit_resumes_exactly_once(plac
     src, where, reference = places
     prefix, options = where["s3"]
     out = f"{prefix}/after-commit.lance"
-    killed = subprocess.run(_driver(src, out, "threads", options, kill_after=1), env=_env(), capture_output=True,
-                            text=True, timeout=300)
+    killed = subprocess.run(
+        _driver(src, out, "threads", options, kill_after=1),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert len(_table(out, options).versions()) == 1
-    done = subprocess.run(_driver(src, out, "threads", options), env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        _driver(src, out, "threads", options), env=_env(), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     _check(out, options, reference)
 
 
 def _kill(proc: subprocess.Popen, target: str, rng: random.Random) -> str:
-    workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "nanny" not in " ".join(
-        p.cmdline()).lower() and p.ppid() != proc.pid] if target != "client" else []
+    workers = (
+        [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "nanny" not in " ".join(p.cmdline()).lower() and p.ppid() != proc.pid
+        ]
+        if target != "client"
+        else []
+    )
     if not workers:
         proc.send_signal(signal.SIGKILL)
         return "client"
@@ -162,21 +198,36 @@ def test_kill_anything_anywhere_then_resume_a_table_output(places, place, fmt):
     trials = 3 if os.environ.get("SURGE_SWEEP") == "reduced" else 12
     rng = random.Random(7)
     t0 = time.perf_counter()
-    clean = subprocess.run(_driver(src, f"{prefix}/timing-{place}.{fmt}", "processes", options, fmt=fmt), env=_env(),
-                           capture_output=True, text=True, timeout=300)
+    clean = subprocess.run(
+        _driver(src, f"{prefix}/timing-{place}.{fmt}", "processes", options, fmt=fmt),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert clean.returncode == 0, clean.stderr[-3000:]
     seconds = time.perf_counter() - t0
     _check(f"{prefix}/timing-{place}.{fmt}", options, reference, fmt)
     for t in range(trials):
         target = ("client", "worker", "both")[t % 3]
         out = f"{prefix}/out{t}.{fmt}"
-        proc = subprocess.Popen(_driver(src, out, "processes", options, fmt=fmt), env=_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True)
+        proc = subprocess.Popen(
+            _driver(src, out, "processes", options, fmt=fmt),
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
         time.sleep(rng.uniform(0.1, 0.9) * seconds)
         killed = _kill(proc, target, rng)
         proc.wait(timeout=120)
-        resumed = subprocess.run(_driver(src, out, "processes", options, fmt=fmt), env=_env(), capture_output=True,
-                                 text=True, timeout=300)
+        resumed = subprocess.run(
+            _driver(src, out, "processes", options, fmt=fmt),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert resumed.returncode == 0, (t, killed, resumed.stderr[-3000:])
         _check(out, options, reference, fmt)

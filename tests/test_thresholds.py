@@ -19,8 +19,11 @@ def _rows(sizes):
 
 
 @settings(max_examples=300, deadline=None)
-@given(sizes=st.lists(st.integers(0, 60), min_size=1, max_size=120), b_min=st.integers(1, 300),
-       workers=st.integers(1, 8))
+@given(
+    sizes=st.lists(st.integers(0, 60), min_size=1, max_size=120),
+    b_min=st.integers(1, 300),
+    workers=st.integers(1, 8),
+)
 def test_balancing_never_ends_later_and_replans_only_a_plan_that_could_end_sooner(sizes, b_min, workers):
     b_max = 4 * b_min
     rows = _rows(sizes)
@@ -68,8 +71,9 @@ def test_plan_and_encode_agree_on_the_balanced_thresholds(tmp_path, client):
     ddf = dd.read_parquet(str(tmp_path / "in"))
     with dask.config.set({"surge.b-max": 400}):
         shown = dask_surge.plan(ddf, "text", scheduler=client)
-        res = ddf.surge.encode("text", str(tmp_path / "out"), model=checksum_model, scheduler=client,
-                               progress=False)
+        res = ddf.surge.encode(
+            "text", str(tmp_path / "out"), model=checksum_model, scheduler=client, progress=False
+        )
     assert (res.b_min, res.superbatches) == (shown.b_min, len(shown.superbatches))
     back = dask_surge.read_embeddings(str(tmp_path / "out")).compute()
     assert len(back) == 700 and np.isfinite(np.stack(back["embedding"].to_numpy())).all()

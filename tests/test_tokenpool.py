@@ -58,7 +58,9 @@ def models(tmp_path_factory) -> dict[str, SentenceTransformer]:
 def test_pool_ids_lengths_and_overflow_match_the_packer(hf_tokenizer, prompt):
     packer = TextPacker(hf_tokenizer, 32, prompt=prompt, clock=StageClock())
     texts = texts_for(300)
-    encodings = packer._tokenizer.encode_batch([prompt + t for t in texts])  # the Rust tokenizer, text by text
+    encodings = packer._tokenizer.encode_batch(
+        [prompt + t for t in texts]
+    )  # the Rust tokenizer, text by text
     lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(texts))
     in_process = packer.tokenize(texts)  # texts joined (JoinedTokenizer): the same
     np.testing.assert_array_equal(in_process.lengths, lengths)
@@ -162,8 +164,11 @@ def test_include_prompt_false_and_long_text_modes(models):
         out = {}
         for processes in (0, 1):
             engine.tokenize_processes = processes
-            out[processes] = (engine.encode(texts), engine.encode_long(texts, long_texts="mean", chunk_overlap=8).embeddings,
-                              engine.encode_long(texts, long_texts="chunk", chunk_overlap=8).embeddings)
+            out[processes] = (
+                engine.encode(texts),
+                engine.encode_long(texts, long_texts="mean", chunk_overlap=8).embeddings,
+                engine.encode_long(texts, long_texts="chunk", chunk_overlap=8).embeddings,
+            )
         engine.tokenize_processes = 1
         with pytest.raises(Exception, match="tokens"):  # long_texts="error" names the first long text
             engine.encode_long(texts, long_texts="error")
@@ -183,10 +188,15 @@ def test_an_unreadable_text_is_the_same_error(models):
             engine.encode(["a", None, "b"])
         with pytest.raises(SurgeInputError, match=r"texts\[0\]=3"):
             engine.count_tokens([3])
-        lone = ["ok", "\ud800 lone surrogate"]  # the helper refuses it and the window is tokenized here: one error
+        lone = [
+            "ok",
+            "\ud800 lone surrogate",
+        ]  # the helper refuses it and the window is tokenized here: one error
         for processes in (0, 1):
             engine.tokenize_processes = processes
-            with pytest.raises(SurgeInputError, match=r"texts\[1\]='\\ud800 lone surrogate' holds a lone surrogate"):
+            with pytest.raises(
+                SurgeInputError, match=r"texts\[1\]='\\ud800 lone surrogate' holds a lone surrogate"
+            ):
                 engine.encode(lone)
         engine.tokenize_processes = 1
         assert engine.encode(["fine"]).shape == (1, engine.dimension)
@@ -239,8 +249,13 @@ def test_a_pool_left_open_is_cleaned_up_at_exit(tmp_path):
         print(" ".join([str(pid) for pid in pool.pids] + pool.segments), flush=True)
         KEEP = pool  # never closed: the exit must do it
     """)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    run = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert run.returncode == 0, run.stderr
     pid, *segments = run.stdout.split()
     assert len(segments) == 2 and not any(map(_segment_exists, segments))
@@ -256,7 +271,9 @@ def test_a_dead_helper_is_reported(hf_tokenizer):
         pool.tokenize(["warm"])
         segments = pool.segments
         os.kill(pool.pids[0], signal.SIGKILL)
-        with pytest.raises(TokenizerProcessError, match=r"signal 9.*Fix: .*surge.tuning.tokenize-processes") as err:
+        with pytest.raises(
+            TokenizerProcessError, match=r"signal 9.*Fix: .*surge.tuning.tokenize-processes"
+        ) as err:
             pool.tokenize(["a", "b"])
         assert err.value.died
         assert pool.pids == [] and not any(map(_segment_exists, segments))  # dropped, its blocks unlinked
@@ -331,7 +348,10 @@ def test_an_abandoned_iteration_frees_the_helpers(hf_tokenizer, monkeypatch):
 def test_config_is_validated(models, value):
     engine = TransformerEngine.from_sentence_transformer(models["tiny"])
     try:
-        with dask.config.set({"surge.tuning.tokenize-processes": value}), pytest.raises(SurgeValueError) as err:
+        with (
+            dask.config.set({"surge.tuning.tokenize-processes": value}),
+            pytest.raises(SurgeValueError) as err,
+        ):
             engine.encode(["a"])
     finally:
         engine.close()
@@ -361,16 +381,20 @@ def test_the_helper_imports_nothing_of_the_package_and_joins_texts(hf_tokenizer,
     # as the helper starts (python _tokenhelper.py: its folder first on sys.path), then its Helper as
     # main() builds it; the standard library's tokenize must be the one imported (no module of the
     # folder may shadow it, nor any other module the helper and its imports use)
-    probe = (f"import sys, runpy; sys.path.insert(0, {str(_HELPER.parent)!r}); "
-             f"g = runpy.run_path({str(_HELPER)!r}, run_name='probe'); "
-             f"h = g['Helper'](open({str(tmp_path / 'tok.json')!r}).read(), '', 16); "
-             "import tokenize, inspect; "
-             f"shadowed = sorted(n for n, m in sys.modules.items() if not n.startswith('_dask_surge_') and "
-             f"(getattr(m, '__file__', None) or '')"
-             f".startswith({str(_HELPER.parent)!r})); "
-             "print(h.joined is not None, sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('dask', 'dask_surge', 'distributed', 'pandas', 'torch', 'transformers')), shadowed)")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path)
+    probe = (
+        f"import sys, runpy; sys.path.insert(0, {str(_HELPER.parent)!r}); "
+        f"g = runpy.run_path({str(_HELPER)!r}, run_name='probe'); "
+        f"h = g['Helper'](open({str(tmp_path / 'tok.json')!r}).read(), '', 16); "
+        "import tokenize, inspect; "
+        f"shadowed = sorted(n for n, m in sys.modules.items() if not n.startswith('_dask_surge_') and "
+        f"(getattr(m, '__file__', None) or '')"
+        f".startswith({str(_HELPER.parent)!r})); "
+        "print(h.joined is not None, sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('dask', 'dask_surge', 'distributed', 'pandas', 'torch', 'transformers')), shadowed)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
     assert done.stdout.split() == ["True", "[]", "[]"], done.stdout + done.stderr
 
 

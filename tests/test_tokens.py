@@ -13,9 +13,20 @@ from dask_surge.testing import lognormal_sizes, make_partitioned_frame, make_tex
 
 
 def _params(**changes) -> CostParams:
-    base = dict(alpha_s=0.005, per_text_s=2e-5, per_token_s=4e-6, b0=8.0, workers=2, setup_s=0.001,
-                partition_s=0.002, overhead_s=0.05, io_per_row_s=1e-5, tokens_per_text=27.0, max_tokens=2048,
-                token_lengths=tuple(np.linspace(8, 50, 64)))
+    base = dict(
+        alpha_s=0.005,
+        per_text_s=2e-5,
+        per_token_s=4e-6,
+        b0=8.0,
+        workers=2,
+        setup_s=0.001,
+        partition_s=0.002,
+        overhead_s=0.05,
+        io_per_row_s=1e-5,
+        tokens_per_text=27.0,
+        max_tokens=2048,
+        token_lengths=tuple(np.linspace(8, 50, 64)),
+    )
     base.update(changes)
     return CostParams(**base)
 
@@ -31,7 +42,9 @@ def test_counter_matches_the_loaded_engine_without_loading_weights(monkeypatch):
     texts = ["", "hello world", " ".join(make_texts(400, seed=2))]  # the last is far over 256 tokens
     counted = token_counter(Encoder("default", device="cpu"))(texts)
     assert cache.loaded() == []  # and it loaded nothing
-    engine = TransformerEngine.from_sentence_transformer(SentenceTransformer(str(packaged_model_dir()), device="cpu"))
+    engine = TransformerEngine.from_sentence_transformer(
+        SentenceTransformer(str(packaged_model_dir()), device="cpu")
+    )
     assert counted.tolist() == engine.count_tokens(texts).astype(float).tolist()
     assert counted[-1] == engine.max_seq_length == 256  # truncated at the model's max_seq_length
 
@@ -52,9 +65,9 @@ def test_counter_of_an_in_memory_model_builds_no_engine(monkeypatch, tmp_path):
     counted = token_counter(Encoder(model, device="cpu"))(texts)
     assert cache.loaded() == []
     assert model.tokenizer.backend_tokenizer.truncation == settings  # the user's tokenizer is untouched
-    assert counted[-1] == 16 and counted.tolist() == [float(len(model.tokenizer(t, truncation=True,
-                                                                           max_length=16)["input_ids"]))
-                                                      for t in texts]
+    assert counted[-1] == 16 and counted.tolist() == [
+        float(len(model.tokenizer(t, truncation=True, max_length=16)["input_ids"])) for t in texts
+    ]
     # a directory keeping its tokenizer in a module subfolder
     nested = tmp_path / "nested"
     (nested / "0_Transformer").mkdir(parents=True)
@@ -90,8 +103,9 @@ def test_callable_encoder_gets_a_word_estimate_and_is_never_called():
 
 
 def test_sample_spreads_over_partitions_and_skips_nulls_and_empty_ones():
-    frames = [pd.DataFrame({"text": pd.array([f"p{i} r{j}" for j in range(50)], dtype="string")})
-              for i in range(20)]
+    frames = [
+        pd.DataFrame({"text": pd.array([f"p{i} r{j}" for j in range(50)], dtype="string")}) for i in range(20)
+    ]
     frames[3] = frames[3].iloc[:0]
     frames[19].loc[5:, "text"] = None
     import dask.dataframe as dd
@@ -134,12 +148,15 @@ def test_plan_predicts_from_the_datas_token_lengths():
     direct = predict(sizes, pl.params, b_min=200, b_max=800, superbatches=pl.superbatches)
     assert pl.predictions.loc["surge", "seconds"] == pytest.approx(direct.loc["surge", "seconds"])
     # sweep() uses them too
-    assert pl.sweep([200]).loc[200, "texts_per_s"] == pytest.approx(pl.predictions.loc["surge", "texts_per_s"])
+    assert pl.sweep([200]).loc[200, "texts_per_s"] == pytest.approx(
+        pl.predictions.loc["surge", "texts_per_s"]
+    )
     with dask.config.set({"surge.token-sample": None}):
         off = long.surge.plan("text", b_min=200, b_max=800, params=p)
     assert off.params == p and "calibration texts" in off.tokens_source
     assert off.predictions.loc["surge", "seconds"] == pytest.approx(
-        predict(sizes, p, b_min=200, b_max=800, superbatches=off.superbatches).loc["surge", "seconds"])
+        predict(sizes, p, b_min=200, b_max=800, superbatches=off.superbatches).loc["surge", "seconds"]
+    )
 
 
 def test_bad_token_sample_is_refused():

@@ -33,8 +33,9 @@ print(allocator._done, gc.isenabled(), dict(os.environ) == environ, tuning.appli
 def test_a_notebook_process_keeps_its_allocator_gc_environment_and_torch_flags(tiny_model):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     env.pop("RAYON_NUM_THREADS", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny_model)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     # mallopt never called (it records each setting it applies), gc on, the environment and torch's global
     # flags as they were, nothing applied by the worker plugin's tuning
@@ -43,7 +44,14 @@ def test_a_notebook_process_keeps_its_allocator_gc_environment_and_torch_flags(t
 
 # -- the declaration: one per setting, resolved per device --------------------------------------------
 
-CPU_MEASURED = ["allocator", "gc-pause", "rayon-threads", "pause-profiler", "cpu-kernels", "joined-tokenizing"]
+CPU_MEASURED = [
+    "allocator",
+    "gc-pause",
+    "rayon-threads",
+    "pause-profiler",
+    "cpu-kernels",
+    "joined-tokenizing",
+]
 
 
 def test_every_setting_is_declared_once_and_shipped_as_auto():
@@ -73,8 +81,10 @@ def test_the_token_pool_is_off_on_every_device_until_forced():
         assert tuning.setting("tokenize-processes", "cuda") == 3
 
 
-@pytest.mark.parametrize("name, value", [("allocator", "yes"), ("gc-pause", 1), ("tokenize-processes", -1),
-                                         ("tokenize-processes", True)])
+@pytest.mark.parametrize(
+    "name, value",
+    [("allocator", "yes"), ("gc-pause", 1), ("tokenize-processes", -1), ("tokenize-processes", True)],
+)
 def test_a_bad_value_is_named_with_the_rule_and_the_fix(name, value):
     with dask.config.set({f"surge.tuning.{name}": value}), pytest.raises(SurgeValueError) as err:
         tuning.setting(name, "cpu")
@@ -89,10 +99,12 @@ def test_process_settings_are_off_in_a_users_process_unless_forced(monkeypatch):
         with dask.config.set({f"surge.tuning.{name}": True}):
             assert tuning.active(name) is True
     monkeypatch.setattr(tuning, "keep_large_blocks", lambda: True)
-    assert tuning.apply_worker("cuda:0") == dict.fromkeys(["allocator", "gc-pause", "rayon-threads",
-                                                           "pause-profiler"], False)
-    assert tuning.apply_worker("cpu") == dict.fromkeys(["allocator", "gc-pause", "rayon-threads",
-                                                        "pause-profiler"], True)
+    assert tuning.apply_worker("cuda:0") == dict.fromkeys(
+        ["allocator", "gc-pause", "rayon-threads", "pause-profiler"], False
+    )
+    assert tuning.apply_worker("cpu") == dict.fromkeys(
+        ["allocator", "gc-pause", "rayon-threads", "pause-profiler"], True
+    )
     assert tuning.active("gc-pause") is True
     with dask.config.set({"surge.tuning.gc-pause": False}):  # forced off beats applied
         assert tuning.active("gc-pause") is False
@@ -115,7 +127,9 @@ def test_the_collector_stays_on_while_a_users_process_tokenizes(tiny_model, monk
         packer._joined = None  # text by text: the path that paused the collector
         seen: list[bool] = []
         encode_batch = packer._encode_batch
-        monkeypatch.setattr(packer, "_encode_batch", lambda texts: seen.append(gc.isenabled()) or encode_batch(texts))
+        monkeypatch.setattr(
+            packer, "_encode_batch", lambda texts: seen.append(gc.isenabled()) or encode_batch(texts)
+        )
         engine.encode(["a user's notebook", "tokenizes two texts"])
         assert seen == [True] and gc.isenabled()
         monkeypatch.setattr(tuning, "_applied", {"gc-pause": True})  # as the plugin leaves a CPU worker

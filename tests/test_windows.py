@@ -31,7 +31,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def real_documents(min_chars: int, max_chars: int, count: int) -> list[str]:
     """``count`` package descriptions between ``min_chars`` and ``max_chars`` long (deterministic choice)."""
     purelib = Path(sysconfig.get_paths()["purelib"])
-    docs = sorted({p.read_text(encoding="utf-8", errors="replace") for p in purelib.glob("*.dist-info/METADATA")})
+    docs = sorted(
+        {p.read_text(encoding="utf-8", errors="replace") for p in purelib.glob("*.dist-info/METADATA")}
+    )
     picked = [d for d in docs if min_chars <= len(d) <= max_chars]
     if len(picked) < count:
         pytest.skip(f"fewer than {count} installed package descriptions of {min_chars}-{max_chars} chars")
@@ -69,7 +71,12 @@ def check_tiling(text: str, windows, text_index: int, capacity: int, overlap: in
     ``overlap`` 0 they share nothing, with more each join shares chars or, where the word before it is
     longer than ``overlap`` tokens (windows start at word starts), the next starts after whitespace."""
     sel = windows.text == text_index
-    cs, ce, tokens, chunk = windows.char_start[sel], windows.char_end[sel], windows.tokens[sel], windows.chunk[sel]
+    cs, ce, tokens, chunk = (
+        windows.char_start[sel],
+        windows.char_end[sel],
+        windows.tokens[sel],
+        windows.chunk[sel],
+    )
     assert chunk.tolist() == list(range(len(chunk)))
     assert (tokens <= capacity).all() and (tokens > 0).all()
     assert (np.diff(cs) > 0).all() and (np.diff(ce) > 0).all()
@@ -140,14 +147,21 @@ def test_a_word_longer_than_the_window_has_left_does_not_repeat_windows(packaged
 
 #: Words of every kind a cutter meets: short ones, punctuation, and alphanumeric runs (base64, ids,
 #: DNA) from a few word pieces to longer than any window, or than WordPiece's 100 chars (one [UNK]).
-WORDS = st.one_of(st.text("abcdefghij", min_size=1, max_size=8), st.sampled_from([".", ",", "!", "(", "'"]),
-                  st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789", min_size=9, max_size=160),
-                  st.text("abcXYZ019+/=", min_size=9, max_size=60))
+WORDS = st.one_of(
+    st.text("abcdefghij", min_size=1, max_size=8),
+    st.sampled_from([".", ",", "!", "(", "'"]),
+    st.text("abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789", min_size=9, max_size=160),
+    st.text("abcXYZ019+/=", min_size=9, max_size=60),
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(words=st.lists(st.tuples(WORDS, st.sampled_from([" ", " ", "\n", ""])), min_size=1, max_size=60),
-       max_seq_length=st.integers(6, 40), overlap_share=st.floats(0, 0.49), slice_chars=st.sampled_from([None, 40, 97]))
+@given(
+    words=st.lists(st.tuples(WORDS, st.sampled_from([" ", " ", "\n", ""])), min_size=1, max_size=60),
+    max_seq_length=st.integers(6, 40),
+    overlap_share=st.floats(0, 0.49),
+    slice_chars=st.sampled_from([None, 40, 97]),
+)
 def test_windows_tile_any_text(packaged, words, max_seq_length, overlap_share, slice_chars):
     # whatever the words, the windows of a text follow each other, each ending past the last, and cover it
     # (consecutive windows overlap, by at most ``overlap`` tokens, unless the word before the join is longer)
@@ -161,7 +175,9 @@ def test_windows_tile_any_text(packaged, words, max_seq_length, overlap_share, s
     finally:
         windows_mod.SLICE_CHARS = saved
     check_tiling(text, w, 1, cutter.capacity, overlap)
-    if slice_chars is None:  # each join shares at most ``overlap`` tokens: none when the word before it is longer
+    if (
+        slice_chars is None
+    ):  # each join shares at most ``overlap`` tokens: none when the word before it is longer
         shared = int(w.tokens[w.text == 1].sum()) - content_tokens(packaged, text)
         assert 0 <= shared <= overlap * (int((w.text == 1).sum()) - 1)
 
@@ -195,8 +211,9 @@ def test_pack_windows_gives_the_ids_of_the_window_texts(packaged, docs):
     texts = [*docs, "", "short"]
     (group,) = list(cutter.groups(texts, overlap=16))
     w = group.windows
-    packed = packer.pack_windows(group.content, group.starts, w.tokens, 5, head=cutter.head, tail=cutter.tail,
-                                 max_tokens=2048)
+    packed = packer.pack_windows(
+        group.content, group.starts, w.tokens, 5, head=cutter.head, tail=cutter.tail, max_tokens=2048
+    )
     spans = [texts[t][a:b] for t, a, b in zip(w.text, w.char_start, w.char_end)]
     expected = [e.ids for e in packer._tokenizer.encode_batch([prompt + s for s in spans])]
     for pos, (row, start, length) in enumerate(zip(packed.where, packed.starts, packed.lengths)):
@@ -212,12 +229,18 @@ def test_bad_options_are_refused(packaged):
     enc = Encoder(device="cpu")
     with pytest.raises(SurgeValueError, match=r"long_texts='split'.*truncate"):
         enc.encode_long(["a"], long_texts="split")  # type: ignore[arg-type]
-    with pytest.raises(SurgeValueError, match=r"half the model's window of 254.*chunk_overlap < 127, e\.g\. the "
-                                              r"default 32\.$"):
+    with pytest.raises(
+        SurgeValueError,
+        match=r"half the model's window of 254.*chunk_overlap < 127, e\.g\. the "
+        r"default 32\.$",
+    ):
         enc.encode_long(["a"], long_texts="chunk", chunk_overlap=200)
     small = WindowCutter(packaged.tokenizer, 40)  # a window of 38: the default 32 does not fit it
-    with pytest.raises(SurgeValueError, match=r"window of 38 tokens.*chunk_overlap < 19, e\.g\. 18 \(the default 32 "
-                                              r"does not fit this window either\)\.$"):
+    with pytest.raises(
+        SurgeValueError,
+        match=r"window of 38 tokens.*chunk_overlap < 19, e\.g\. 18 \(the default 32 "
+        r"does not fit this window either\)\.$",
+    ):
         small.check_overlap(32)
     small.check_overlap(18)
     with pytest.raises(SurgeValueError, match="prompt"):
@@ -257,7 +280,8 @@ def test_chunk_windows_embed_as_their_spans(packaged, docs, engine):
 def test_both_backends_cut_the_same_windows(packaged, docs):
     fast = Encoder(packaged, device="cpu").encode_long(docs, long_texts="chunk", chunk_overlap=10)
     st = Encoder(packaged, device="cpu", engine="sentence-transformers").encode_long(
-        docs, long_texts="chunk", chunk_overlap=10)
+        docs, long_texts="chunk", chunk_overlap=10
+    )
     for field in ("text", "chunk", "char_start", "char_end", "tokens"):
         np.testing.assert_array_equal(getattr(fast.windows, field), getattr(st.windows, field))
     assert min_cosine(fast.embeddings, st.embeddings) >= 0.999
@@ -278,8 +302,9 @@ def test_mean_is_the_token_weighted_mean_of_the_chunks(tiny_dir, docs, engine):
         if normalize:
             rows = rows / np.linalg.norm(rows, axis=1, keepdims=True)
         weight = np.maximum(w.tokens, 1)[:, None]
-        expected = np.stack([(rows[w.text == i] * weight[w.text == i]).sum(0) / weight[w.text == i].sum()
-                             for i in range(4)])
+        expected = np.stack(
+            [(rows[w.text == i] * weight[w.text == i]).sum(0) / weight[w.text == i].sum() for i in range(4)]
+        )
         if normalize:
             expected /= np.linalg.norm(expected, axis=1, keepdims=True)
             np.testing.assert_allclose(np.linalg.norm(mean.embeddings, axis=1), 1, rtol=1e-5)
@@ -314,7 +339,9 @@ def test_error_names_the_first_text_over_the_window(packaged, docs, engine):
     err = info.value
     assert isinstance(err, SurgeInputError)
     assert (err.index, err.window) == (2, 254) and err.tokens == content_tokens(packaged, docs[0])
-    assert re.search(r"text 2 .* \d+ tokens, over the model's window of 254 .*long_texts='chunk'.*'mean'", str(err))
+    assert re.search(
+        r"text 2 .* \d+ tokens, over the model's window of 254 .*long_texts='chunk'.*'mean'", str(err)
+    )
 
 
 def test_prompt_with_include_prompt_false_pools_as_the_model(tiny_dir, docs):
@@ -353,7 +380,9 @@ def test_encode_long_after_close_loads_again(packaged):
     enc.encode_long(["a"])
     enc.close()
     assert enc.encode_long(["a", "b c"], long_texts="chunk").embeddings.shape == (2, 384)
-    engine = TransformerEngine.from_sentence_transformer(packaged)  # its own engine: the cached one stays open
+    engine = TransformerEngine.from_sentence_transformer(
+        packaged
+    )  # its own engine: the cached one stays open
     engine.close()
     with pytest.raises(SurgeValueError, match="closed"):
         engine.encode_long(["a"])

@@ -39,9 +39,16 @@ class _Run:
 
     def encode(self) -> dask_surge.EncodeResult:
         self.calls += 1
-        result = dask_surge.encode(dd.read_parquet(self.input), "text", f"{self.scratch}/out-{self.calls}",
-                                   model=self.encoder, b_min=B_MIN, b_max=B_MAX, scheduler="threads",
-                                   progress=False)
+        result = dask_surge.encode(
+            dd.read_parquet(self.input),
+            "text",
+            f"{self.scratch}/out-{self.calls}",
+            model=self.encoder,
+            b_min=B_MIN,
+            b_max=B_MAX,
+            scheduler="threads",
+            progress=False,
+        )
         assert result.rows == RUN_ROWS, result
         return result
 

@@ -26,8 +26,12 @@ class ParquetWrite:
     def setup(self, compression):
         emb = np.random.default_rng(0).standard_normal((ROWS, DIM), dtype=np.float32)
         emb /= np.linalg.norm(emb, axis=1, keepdims=True)
-        frame = pd.DataFrame({"partition": np.repeat(np.arange(ROWS // GROUP), GROUP),
-                              "row": np.tile(np.arange(GROUP), ROWS // GROUP)})
+        frame = pd.DataFrame(
+            {
+                "partition": np.repeat(np.arange(ROWS // GROUP), GROUP),
+                "row": np.tile(np.arange(GROUP), ROWS // GROUP),
+            }
+        )
         frame["embedding"] = pd.arrays.ArrowExtensionArray(embedding_array(emb))
         self.table = table_of(frame)
         self.groups = row_groups([GROUP] * (ROWS // GROUP))

@@ -152,8 +152,9 @@ def start_cluster(spec: dict):
             return cluster, Client(cluster)
     from distributed import LocalCluster
 
-    cluster = LocalCluster(n_workers=spec["workers"], threads_per_worker=1, dashboard_address=":0",
-                           processes=True)
+    cluster = LocalCluster(
+        n_workers=spec["workers"], threads_per_worker=1, dashboard_address=":0", processes=True
+    )
     return cluster, Client(cluster)
 
 
@@ -213,13 +214,24 @@ def footer_sizes(data_dir: str) -> list[int]:
 # --------------------------------------------------------------------------- methods
 def run_surge(spec, client, enc, out):
     ddf = read_input(spec)
-    res = ddf.surge.encode("text", output=out, model=enc, b_min=spec["b_min"], b_max=spec["b_max"],
-                           keep=["doc_id"], progress=False, scheduler=client)
+    res = ddf.surge.encode(
+        "text",
+        output=out,
+        model=enc,
+        b_min=spec["b_min"],
+        b_max=spec["b_max"],
+        keep=["doc_id"],
+        progress=False,
+        scheduler=client,
+    )
     return {
-        "calls": len(res.records), "library_ttfo_s": res.ttfo_s, "superbatches": res.superbatches,
+        "calls": len(res.records),
+        "library_ttfo_s": res.ttfo_s,
+        "superbatches": res.superbatches,
         "encode_s_sum": float(sum(r.encode_s for r in res.records)),
         "write_s_sum": float(sum(r.write_s for r in res.records)),
-        "library_seconds": res.seconds, "sizes_source": res.sizes_source,
+        "library_seconds": res.seconds,
+        "sizes_source": res.sizes_source,
     }
 
 
@@ -239,7 +251,7 @@ def run_fb(spec, client, enc, out):
     pdf = read_input(spec).compute()  # every row lands in the client: O(N) memory
     texts = pdf["text"].tolist()
     B = spec["fb_batch"]
-    batches = [texts[i:i + B] for i in range(0, len(texts), B)]
+    batches = [texts[i : i + B] for i in range(0, len(texts), B)]
     futures = client.map(_encode_batch, client.scatter(batches, hash=False), enc=enc, pure=False)
     emb = np.concatenate(client.gather(futures)) if batches else np.zeros((0, enc.dimension), np.float32)
     table = pa.table({"doc_id": pa.array(pdf["doc_id"].to_numpy()), "embedding": embedding_array(emb)})
@@ -262,7 +274,9 @@ def run_pbplb(spec, client, enc, out):
     futures = []
     for gi in sorted(range(len(groups)), key=lambda g: -loads[g]):  # big groups first (LPT order)
         g = groups[gi]
-        task = dask.delayed(_encode_group)([parts[p] for p in g], enc, os.path.join(out, f"group-{gi:05d}.parquet"))
+        task = dask.delayed(_encode_group)(
+            [parts[p] for p in g], enc, os.path.join(out, f"group-{gi:05d}.parquet")
+        )
         futures.append(client.compute(task, workers=[workers[assign[gi]]], allow_other_workers=False))
     client.gather(futures)
     per_worker = [sum(l for l, a in zip(loads, assign) if a == w) for w in range(len(workers))]
@@ -280,7 +294,9 @@ def run_st(spec, enc, out):
     table = pq.read_table(spec["data_dir"], columns=["text", "doc_id"])
     texts = table.column("text").to_pylist()
     emb = model.encode(texts, batch_size=spec["st_batch"], convert_to_numpy=True, show_progress_bar=False)
-    out_table = pa.table({"doc_id": table.column("doc_id"), "embedding": embedding_array(np.asarray(emb, np.float32))})
+    out_table = pa.table(
+        {"doc_id": table.column("doc_id"), "embedding": embedding_array(np.asarray(emb, np.float32))}
+    )
     _write_atomic(out_table, os.path.join(out, "part-0.parquet"))
     return {"calls": 1, "st_batch": spec["st_batch"]}
 
@@ -319,7 +335,9 @@ def measure(spec: dict, shared: dict | None = None) -> dict:
     elif method == "st":
         from sentence_transformers import SentenceTransformer
 
-        spec["_st_model"] = SentenceTransformer(spec["model_path"], device=spec["device"], local_files_only=True)
+        spec["_st_model"] = SentenceTransformer(
+            spec["model_path"], device=spec["device"], local_files_only=True
+        )
         spec["_st_model"].encode(["warm up"] * 8)
     else:
         cluster, client = start_cluster(spec)
@@ -359,17 +377,32 @@ def measure(spec: dict, shared: dict | None = None) -> dict:
     if ttfo is None:
         ttfo = watched if watched is not None else seconds
     rec = {
-        "method": method, "encoder": spec["encoder"], "n": n, "partitions": spec["partitions"],
-        "sigma": spec["sigma"], "b_min": spec["b_min"] if method == "surge" else None,
+        "method": method,
+        "encoder": spec["encoder"],
+        "n": n,
+        "partitions": spec["partitions"],
+        "sigma": spec["sigma"],
+        "b_min": spec["b_min"] if method == "surge" else None,
         "b_max": spec["b_max"] if method == "surge" else None,
-        "workers": 1 if method == "st" else spec["workers"], "device": spec["device"],
-        "seconds": seconds, "texts_per_s": n / seconds, "tokens": spec["tokens"],
-        "tokens_per_s": spec["tokens"] / seconds, "peak_rss_bytes": int(sampler.peak),
-        "baseline_rss_bytes": int(baseline), "peak_over_baseline_bytes": int(sampler.peak - baseline),
-        "peak_rss_by_role": sampler.peak_by_role, "rss_samples": sampler.samples,
-        "ttfo_s": ttfo, "watched_ttfo_s": watched, "rows_written": n_out, "setup_s": setup_s,
-        "torch_threads": torch.get_num_threads(), "loadavg_before": list(load_before),
-        "loadavg_after": list(os.getloadavg()), "suite": spec.get("suite"),
+        "workers": 1 if method == "st" else spec["workers"],
+        "device": spec["device"],
+        "seconds": seconds,
+        "texts_per_s": n / seconds,
+        "tokens": spec["tokens"],
+        "tokens_per_s": spec["tokens"] / seconds,
+        "peak_rss_bytes": int(sampler.peak),
+        "baseline_rss_bytes": int(baseline),
+        "peak_over_baseline_bytes": int(sampler.peak - baseline),
+        "peak_rss_by_role": sampler.peak_by_role,
+        "rss_samples": sampler.samples,
+        "ttfo_s": ttfo,
+        "watched_ttfo_s": watched,
+        "rows_written": n_out,
+        "setup_s": setup_s,
+        "torch_threads": torch.get_num_threads(),
+        "loadavg_before": list(load_before),
+        "loadavg_after": list(os.getloadavg()),
+        "suite": spec.get("suite"),
     }
     rec.update(extra)
     if n_out != n:

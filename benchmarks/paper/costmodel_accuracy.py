@@ -50,6 +50,7 @@ LAYOUTS = {"tiny": (12_000, 240, 256, 1024), "default": (1_200, 60, 128, 512)}
 
 def cpu_idle(interval: float = 0.5) -> float:
     """Share of the machine's CPU time that was idle over ``interval`` seconds (Linux ``/proc/stat``)."""
+
     def read() -> tuple[int, int]:
         with open("/proc/stat") as f:
             values = [int(x) for x in f.readline().split()[1:]]
@@ -131,33 +132,53 @@ def _calibrate(enc, client, args):
 
 
 def _print_params(name: str, seconds: float, params) -> None:
-    print(f"[{name}] calibrated in {seconds:.1f} s: alpha={params.alpha_s * 1e3:.2f} ms "
-          f"(idle {params.alpha_idle_s * 1e3:.2f} ms below c={params.busy_call_s * 1e3:.1f} ms) "
-          f"beta={params.beta_s * 1e3:.3f} ms/row b0={params.b0:.1f} "
-          f"pi={params.partition_s * 1e3:.2f} ms T0={params.overhead_s:.3f} s "
-          f"rho={params.io_per_row_s * 1e6:.1f} us/row", flush=True)
+    print(
+        f"[{name}] calibrated in {seconds:.1f} s: alpha={params.alpha_s * 1e3:.2f} ms "
+        f"(idle {params.alpha_idle_s * 1e3:.2f} ms below c={params.busy_call_s * 1e3:.1f} ms) "
+        f"beta={params.beta_s * 1e3:.3f} ms/row b0={params.b0:.1f} "
+        f"pi={params.partition_s * 1e3:.2f} ms T0={params.overhead_s:.3f} s "
+        f"rho={params.io_per_row_s * 1e6:.1f} us/row",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--encoders", default="tiny,default", help="comma-separated: tiny, default")
     parser.add_argument("--sigmas", default="1.0,1.72,2.5")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--calib-seconds", type=float, default=10.0)
-    parser.add_argument("--quiet-wait", type=float, default=60.0,
-                        help="before each timed run, wait up to this many seconds for an idle CPU (shared machine)")
-    parser.add_argument("--max-foreign", type=float, default=0.05,
-                        help="a run during which other processes used more than this share of the CPUs is "
-                             "discarded and repeated (at most --retries times); every attempt is recorded")
+    parser.add_argument(
+        "--quiet-wait",
+        type=float,
+        default=60.0,
+        help="before each timed run, wait up to this many seconds for an idle CPU (shared machine)",
+    )
+    parser.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.05,
+        help="a run during which other processes used more than this share of the CPUs is "
+        "discarded and repeated (at most --retries times); every attempt is recorded",
+    )
     parser.add_argument("--retries", type=int, default=4)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply rows and partitions (smoke: 0.2)")
     parser.add_argument("--seed", type=int, default=100)
-    parser.add_argument("--mean-words", type=float, default=20.0,
-                        help="words a text in the measured layouts (the probe uses ~20; try 80 for long texts)")
-    parser.add_argument("--calibrate-each", action="store_true",
-                        help="calibrate again before each layout (separates the model's error from the "
-                             "machine's drift over minutes; a user calibrates once)")
+    parser.add_argument(
+        "--mean-words",
+        type=float,
+        default=20.0,
+        help="words a text in the measured layouts (the probe uses ~20; try 80 for long texts)",
+    )
+    parser.add_argument(
+        "--calibrate-each",
+        action="store_true",
+        help="calibrate again before each layout (separates the model's error from the "
+        "machine's drift over minutes; a user calibrates once)",
+    )
     parser.add_argument("--out", default="benchmarks/results/costmodel_accuracy.json")
     args = parser.parse_args(argv)
 
@@ -176,23 +197,28 @@ def main(argv: list[str] | None = None) -> dict:
     setup = {
         "cluster": {"kind": "LocalCluster", "n_workers": args.workers, "threads_per_worker": 1},
         "timed": "SURGE: lazy ddf.surge.encode(...) built before the timer (includes the size pass), "
-                 "then client.compute(..., sync=True); PBP: client.compute(map_partitions(enc.embed)). "
-                 "Best (minimum) of the repeats, runs alternating; the probe also takes best-of-n. "
-                 "error_vs_median_pct compares with the median instead.",
+        "then client.compute(..., sync=True); PBP: client.compute(map_partitions(enc.embed)). "
+        "Best (minimum) of the repeats, runs alternating; the probe also takes best-of-n. "
+        "error_vs_median_pct compares with the median instead.",
     }
     encoders: dict = {}
     errors = []
-    with tempfile.TemporaryDirectory() as tmp, \
-            LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0") as cluster, \
-            Client(cluster) as client:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        LocalCluster(n_workers=args.workers, threads_per_worker=1, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
         for name in args.encoders.split(","):
             model = make_tiny_model(Path(tmp) / "tiny") if name == "tiny" else "default"
             enc = Encoder(model, device="cpu")
             register_encoder(client, enc)
             params, calib_s, calib_attempts = _calibrate(enc, client, args)
-            encoders[name] = {"model": str(model), "calibration_seconds": round(calib_s, 2),
-                                        "calibration_attempts_s_foreign_share": calib_attempts,
-                                        "params": params.to_dict()}
+            encoders[name] = {
+                "model": str(model),
+                "calibration_seconds": round(calib_s, 2),
+                "calibration_attempts_s_foreign_share": calib_attempts,
+                "params": params.to_dict(),
+            }
             _print_params(name, calib_s, params)
             rows, parts, b_min, b_max = LAYOUTS[name]
             rows, parts = int(rows * args.scale), max(4, int(parts * args.scale))
@@ -230,31 +256,64 @@ def main(argv: list[str] | None = None) -> dict:
                     predicted = float(pred.loc[policy, "seconds"])
                     err = 100.0 * (predicted - measured) / measured
                     errors.append(abs(err))
-                    run = {"encoder": name, "sigma": sigma, "policy": policy, "rows": int(sizes.sum()),
-                           "partitions": len(sizes), "b_min": b_min, "b_max": b_max,
-                           "calls": int(pred.loc[policy, "calls"]), "cv": float(sizes.std() / sizes.mean()),
-                           "measured_s": round(measured, 4), "repeats_s": [round(t, 4) for t in times[policy]],
-                           "median_s": round(statistics.median(times[policy]), 4),
-                           "error_vs_median_pct": round(100.0 * (predicted - statistics.median(times[policy]))
-                                                        / statistics.median(times[policy]), 2),
-                           "predicted_s": round(predicted, 4), "error_pct": round(err, 2),
-                           "tokens_source": planned.tokens_source,
-                           "predicted_with_calibration_tokens_s": round(float(pred_calib.loc[policy, "seconds"]), 4),
-                           "measured_texts_per_s": round(sizes.sum() / measured, 1),
-                           "predicted_texts_per_s": round(float(pred.loc[policy, "texts_per_s"]), 1),
-                           "loadavg": os.getloadavg()[0], "cpu_idle_before": [round(x, 3) for x in idles],
-                           "discarded_s_foreign_share": discarded[policy], "recalibrated": recalibrated}
+                    run = {
+                        "encoder": name,
+                        "sigma": sigma,
+                        "policy": policy,
+                        "rows": int(sizes.sum()),
+                        "partitions": len(sizes),
+                        "b_min": b_min,
+                        "b_max": b_max,
+                        "calls": int(pred.loc[policy, "calls"]),
+                        "cv": float(sizes.std() / sizes.mean()),
+                        "measured_s": round(measured, 4),
+                        "repeats_s": [round(t, 4) for t in times[policy]],
+                        "median_s": round(statistics.median(times[policy]), 4),
+                        "error_vs_median_pct": round(
+                            100.0
+                            * (predicted - statistics.median(times[policy]))
+                            / statistics.median(times[policy]),
+                            2,
+                        ),
+                        "predicted_s": round(predicted, 4),
+                        "error_pct": round(err, 2),
+                        "tokens_source": planned.tokens_source,
+                        "predicted_with_calibration_tokens_s": round(
+                            float(pred_calib.loc[policy, "seconds"]), 4
+                        ),
+                        "measured_texts_per_s": round(sizes.sum() / measured, 1),
+                        "predicted_texts_per_s": round(float(pred.loc[policy, "texts_per_s"]), 1),
+                        "loadavg": os.getloadavg()[0],
+                        "cpu_idle_before": [round(x, 3) for x in idles],
+                        "discarded_s_foreign_share": discarded[policy],
+                        "recalibrated": recalibrated,
+                    }
                     report["results"].append(run)
-                    print(f"[{name}] sigma={sigma:<4} {policy:5s} calls={run['calls']:4d} measured "
-                          f"{measured:7.3f} s predicted {predicted:7.3f} s error {err:+6.1f}%", flush=True)
+                    print(
+                        f"[{name}] sigma={sigma:<4} {policy:5s} calls={run['calls']:4d} measured "
+                        f"{measured:7.3f} s predicted {predicted:7.3f} s error {err:+6.1f}%",
+                        flush=True,
+                    )
     med_errors = [abs(r["error_vs_median_pct"]) for r in report["results"]]
     report["summary"] = {
-        "runs": len(errors), "median_abs_error_pct": round(float(np.median(errors)), 2),
+        "runs": len(errors),
+        "median_abs_error_pct": round(float(np.median(errors)), 2),
         "median_abs_error_vs_median_runs_pct": round(float(np.median(med_errors)), 2),
-        "run_to_run_spread_pct": round(float(np.median([100 * (max(r["repeats_s"]) - min(r["repeats_s"]))
-                                                        / min(r["repeats_s"]) for r in report["results"]])), 2),
-        "worst_abs_error_pct": round(float(np.max(errors)), 2), "target": "median <= 2%, worst <= 5%",
-        "setup": setup, "calibrations": encoders,
+        "run_to_run_spread_pct": round(
+            float(
+                np.median(
+                    [
+                        100 * (max(r["repeats_s"]) - min(r["repeats_s"])) / min(r["repeats_s"])
+                        for r in report["results"]
+                    ]
+                )
+            ),
+            2,
+        ),
+        "worst_abs_error_pct": round(float(np.max(errors)), 2),
+        "target": "median <= 2%, worst <= 5%",
+        "setup": setup,
+        "calibrations": encoders,
     }
     print(json.dumps(report["summary"]))
     return _results.save(report, args.out)

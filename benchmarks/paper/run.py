@@ -50,8 +50,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 TABLE_START = "<!-- BENCH-TABLE:START -->"
 TABLE_END = "<!-- BENCH-TABLE:END -->"
-REQUIRED = ("method", "encoder", "n", "partitions", "sigma", "texts_per_s", "tokens_per_s",
-            "peak_rss_bytes", "ttfo_s", "calls")
+REQUIRED = (
+    "method",
+    "encoder",
+    "n",
+    "partitions",
+    "sigma",
+    "texts_per_s",
+    "tokens_per_s",
+    "peak_rss_bytes",
+    "ttfo_s",
+    "calls",
+)
 LABELS = {"surge": "SURGE", "pbp": "PBP", "fb": "FB", "pbplb": "PB-PBP-LB", "st": "ST (1 process)"}
 
 
@@ -66,13 +76,24 @@ def _floats(s: str) -> list[float]:
 def parser() -> argparse.ArgumentParser:
     """The suite's one argument parser (defaults depend on --quick / --gpu, see ``defaults``)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="CI smoke run: tiny encoder, small N, one shared cluster")
-    p.add_argument("--gpu", action="store_true", help="device='cuda', dask-cuda LocalCUDACluster when importable")
-    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/paper_run[_gpu][_quick].json)")
-    p.add_argument("--workdir", default=None, help="datasets, models and scratch output (default benchmarks/results/tmp)")
-    p.add_argument("--readme", default=None,
-                   help="markdown file whose BENCH-TABLE block is regenerated (default benchmarks/README.md, "
-                        "not in --quick); 'none' to skip")
+    p.add_argument(
+        "--quick", action="store_true", help="CI smoke run: tiny encoder, small N, one shared cluster"
+    )
+    p.add_argument(
+        "--gpu", action="store_true", help="device='cuda', dask-cuda LocalCUDACluster when importable"
+    )
+    p.add_argument(
+        "--out", default=None, help="result JSON (default benchmarks/results/paper_run[_gpu][_quick].json)"
+    )
+    p.add_argument(
+        "--workdir", default=None, help="datasets, models and scratch output (default benchmarks/results/tmp)"
+    )
+    p.add_argument(
+        "--readme",
+        default=None,
+        help="markdown file whose BENCH-TABLE block is regenerated (default benchmarks/README.md, "
+        "not in --quick); 'none' to skip",
+    )
     p.add_argument("--suites", default="main,sigma,bmin,scaling,minilm")
     p.add_argument("--methods", default="surge,pbp,fb,pbplb,st", help="methods of the main/minilm suites")
     p.add_argument("--n", type=int, default=None, help="texts in the main workload")
@@ -83,8 +104,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--b-min", type=int, default=None, help="SURGE flush threshold (rows)")
     p.add_argument("--b-max", type=int, default=None, help="SURGE cap (rows; default 4 * b_min)")
     p.add_argument("--fb-batch", type=int, default=None, help="FB fixed batch size B (default b_min)")
-    p.add_argument("--k", type=int, default=None, help="PB-PBP-LB partitions per group (default b_min / mean size)")
-    p.add_argument("--st-batch", type=int, default=32, help="batch_size of the sentence-transformers reference")
+    p.add_argument(
+        "--k", type=int, default=None, help="PB-PBP-LB partitions per group (default b_min / mean size)"
+    )
+    p.add_argument(
+        "--st-batch", type=int, default=32, help="batch_size of the sentence-transformers reference"
+    )
     p.add_argument("--st-max-n", type=int, default=None, help="largest N for the single-process reference")
     p.add_argument("--bmin-n", type=int, default=None)
     p.add_argument("--bmin-values", type=_ints, default=None)
@@ -102,25 +127,54 @@ def parser() -> argparse.ArgumentParser:
 def defaults(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the size defaults of the chosen mode."""
     if args.quick:
-        d = dict(n=6000, partitions=60, b_min=1500, st_max_n=6000, bmin_n=6000, bmin_values=[500, 1500, 3000],
-                 scaling_n=[3000, 6000], minilm_n=300, minilm_partitions=10, minilm_b_min=100)
+        d = dict(
+            n=6000,
+            partitions=60,
+            b_min=1500,
+            st_max_n=6000,
+            bmin_n=6000,
+            bmin_values=[500, 1500, 3000],
+            scaling_n=[3000, 6000],
+            minilm_n=300,
+            minilm_partitions=10,
+            minilm_b_min=100,
+        )
         if "minilm" in args.suites.split(",") and "--suites" not in sys.argv:
             args.suites = "main,sigma,bmin,scaling"
     elif args.gpu:
-        d = dict(n=2_000_000, partitions=8000, b_min=100_000, st_max_n=500_000, bmin_n=1_000_000,
-                 bmin_values=[25_000, 50_000, 100_000, 250_000, 500_000],
-                 scaling_n=[250_000, 500_000, 1_000_000, 2_000_000], minilm_n=1_000_000,
-                 minilm_partitions=4000, minilm_b_min=100_000)
+        d = dict(
+            n=2_000_000,
+            partitions=8000,
+            b_min=100_000,
+            st_max_n=500_000,
+            bmin_n=1_000_000,
+            bmin_values=[25_000, 50_000, 100_000, 250_000, 500_000],
+            scaling_n=[250_000, 500_000, 1_000_000, 2_000_000],
+            minilm_n=1_000_000,
+            minilm_partitions=4000,
+            minilm_b_min=100_000,
+        )
     else:
-        d = dict(n=500_000, partitions=2000, b_min=20_000, st_max_n=100_000, bmin_n=125_000,
-                 bmin_values=[5_000, 10_000, 20_000, 50_000], scaling_n=[62_500, 125_000, 250_000, 500_000],
-                 minilm_n=2000, minilm_partitions=20, minilm_b_min=500)
+        d = dict(
+            n=500_000,
+            partitions=2000,
+            b_min=20_000,
+            st_max_n=100_000,
+            bmin_n=125_000,
+            bmin_values=[5_000, 10_000, 20_000, 50_000],
+            scaling_n=[62_500, 125_000, 250_000, 500_000],
+            minilm_n=2000,
+            minilm_partitions=20,
+            minilm_b_min=500,
+        )
     for k, v in d.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
     if args.workers is None:
         args.workers = _gpu_count() if args.gpu else 2
-    args.out = args.out or str(BENCH / "results" / f"paper_run{'_gpu' if args.gpu else ''}{'_quick' if args.quick else ''}.json")
+    args.out = args.out or str(
+        BENCH / "results" / f"paper_run{'_gpu' if args.gpu else ''}{'_quick' if args.quick else ''}.json"
+    )
     args.workdir = args.workdir or str(BENCH / "results" / "tmp")
     if args.readme is None:
         args.readme = "none" if args.quick else str(BENCH / "README.md")
@@ -153,7 +207,9 @@ def workload(workdir: Path, n: int, partitions: int, sigma: float, seed: int) ->
     if not (path / "_DONE").exists():
         sizes = lognormal_sizes(n, partitions, sigma=sigma, seed=seed)
         write_partitioned_parquet(path, sizes, seed=seed)
-        (path / "_DONE").write_text(json.dumps({"n_max": int(sizes.max()), "cv": float(sizes.std() / sizes.mean())}))
+        (path / "_DONE").write_text(
+            json.dumps({"n_max": int(sizes.max()), "cv": float(sizes.std() / sizes.mean())})
+        )
     return str(path)
 
 
@@ -175,7 +231,7 @@ def count_tokens(workdir: Path, encoder: str, mpath: str, n: int, seed: int) -> 
     texts = make_texts(n, seed=seed)  # the texts write_partitioned_parquet wrote, whatever the sizes
     total = 0
     for i in range(0, n, 20_000):
-        ids = tok(texts[i:i + 20_000], truncation=True, max_length=max_len)["input_ids"]
+        ids = tok(texts[i : i + 20_000], truncation=True, max_length=max_len)["input_ids"]
         total += sum(len(x) for x in ids)
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"tokens": total}))
@@ -204,9 +260,23 @@ def plan(args) -> list[dict]:
         if key in specs:
             specs[key]["suites"].append(suite)
             return
-        specs[key] = dict(key=key, suites=[suite], method=method, encoder=encoder, n=n, partitions=partitions,
-                          sigma=sigma, b_min=b_min, b_max=b_max, fb_batch=fb_batch, k=k, st_batch=args.st_batch,
-                          workers=args.workers, gpu=args.gpu, device="cuda" if args.gpu else "cpu")
+        specs[key] = dict(
+            key=key,
+            suites=[suite],
+            method=method,
+            encoder=encoder,
+            n=n,
+            partitions=partitions,
+            sigma=sigma,
+            b_min=b_min,
+            b_max=b_max,
+            fb_batch=fb_batch,
+            k=k,
+            st_batch=args.st_batch,
+            workers=args.workers,
+            gpu=args.gpu,
+            device="cuda" if args.gpu else "cpu",
+        )
 
     if "main" in suites:
         for m in methods:
@@ -243,9 +313,15 @@ def _run_process(specs: list[dict] | dict, timeout: int) -> list[dict]:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
     except subprocess.TimeoutExpired as err:
         keys = [s["key"] for s in (specs if isinstance(specs, list) else [specs])]
-        return [{"key": k, "error": f"timed out after {timeout} s"} for k in keys] if not err.stdout else \
-            [json.loads(l[7:]) for l in (err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout)
-             .splitlines() if l.startswith("RESULT ")]
+        return (
+            [{"key": k, "error": f"timed out after {timeout} s"} for k in keys]
+            if not err.stdout
+            else [
+                json.loads(l[7:])
+                for l in (err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout).splitlines()
+                if l.startswith("RESULT ")
+            ]
+        )
     out = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if proc.returncode != 0 or not out:
         tail = proc.stderr[-2000:]
@@ -266,14 +342,25 @@ def machine_facts() -> dict:
     import dask_surge
 
     facts = _results.machine()
-    facts.update({
-        "processor": platform.processor(),
-        "versions": {**facts["versions"], "dask_surge": dask_surge.__version__, "dask": dask.__version__,
-                     "distributed": distributed.__version__, "torch": torch.__version__,
-                     "pyarrow": pyarrow.__version__, "pandas": pandas.__version__, "numpy": numpy.__version__},
-        "cuda": torch.cuda.is_available(),
-        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else [],
-    })
+    facts.update(
+        {
+            "processor": platform.processor(),
+            "versions": {
+                **facts["versions"],
+                "dask_surge": dask_surge.__version__,
+                "dask": dask.__version__,
+                "distributed": distributed.__version__,
+                "torch": torch.__version__,
+                "pyarrow": pyarrow.__version__,
+                "pandas": pandas.__version__,
+                "numpy": numpy.__version__,
+            },
+            "cuda": torch.cuda.is_available(),
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available()
+            else [],
+        }
+    )
     try:
         import sentence_transformers
 
@@ -342,8 +429,11 @@ def _progress(r: dict) -> None:
     if r.get("error"):
         print(f"  {r.get('key')}: ERROR {r['error'][:300]}", flush=True)
     else:
-        print(f"  {r['key']}: {r['texts_per_s']:,.0f} texts/s, peak {r['peak_rss_bytes'] / 2**30:.2f} GiB, "
-              f"TTFO {r['ttfo_s']:.2f} s, {r['calls']} calls", flush=True)
+        print(
+            f"  {r['key']}: {r['texts_per_s']:,.0f} texts/s, peak {r['peak_rss_bytes'] / 2**30:.2f} GiB, "
+            f"TTFO {r['ttfo_s']:.2f} s, {r['calls']} calls",
+            flush=True,
+        )
 
 
 # --------------------------------------------------------------------------- summary
@@ -360,17 +450,30 @@ def summarize(records: list[dict], args) -> dict:
     main = {r["method"]: r for r in records if "main" in r.get("suites", []) and not r.get("error")}
     s, f, p, lb = (main.get(m) for m in ("surge", "fb", "pbp", "pbplb"))
     g = lambda r, k: r.get(k) if r else None  # noqa: E731
-    out: dict = {"workload": {"n": args.n, "partitions": args.partitions, "sigma": args.sigma,
-                              "b_min": args.b_min, "encoder": "tiny"}}
+    out: dict = {
+        "workload": {
+            "n": args.n,
+            "partitions": args.partitions,
+            "sigma": args.sigma,
+            "b_min": args.b_min,
+            "encoder": "tiny",
+        }
+    }
     out["surge_over_fb_throughput"] = _ratio(g(s, "texts_per_s"), g(f, "texts_per_s"))
     out["surge_over_pbp_throughput"] = _ratio(g(s, "texts_per_s"), g(p, "texts_per_s"))
     out["surge_over_pbplb_throughput"] = _ratio(g(s, "texts_per_s"), g(lb, "texts_per_s"))
     out["surge_over_st_throughput"] = _ratio(g(s, "texts_per_s"), g(main.get("st"), "texts_per_s"))
     out["surge_over_fb_peak_memory"] = _ratio(g(s, "peak_rss_bytes"), g(f, "peak_rss_bytes"))
-    out["surge_over_fb_peak_over_baseline"] = _ratio(g(s, "peak_over_baseline_bytes"), g(f, "peak_over_baseline_bytes"))
+    out["surge_over_fb_peak_over_baseline"] = _ratio(
+        g(s, "peak_over_baseline_bytes"), g(f, "peak_over_baseline_bytes")
+    )
     out["fb_over_surge_ttfo"] = _ratio(g(f, "ttfo_s"), g(s, "ttfo_s"))
-    scal = sorted(_find([r for r in records if "scaling" in r.get("suites", [])], method="surge"), key=lambda r: r["n"])
-    fbs = sorted(_find([r for r in records if "scaling" in r.get("suites", [])], method="fb"), key=lambda r: r["n"])
+    scal = sorted(
+        _find([r for r in records if "scaling" in r.get("suites", [])], method="surge"), key=lambda r: r["n"]
+    )
+    fbs = sorted(
+        _find([r for r in records if "scaling" in r.get("suites", [])], method="fb"), key=lambda r: r["n"]
+    )
     if len(scal) >= 2:
         mem = [r["peak_rss_bytes"] for r in scal]
         out["surge_peak_memory_vs_n"] = {r["n"]: r["peak_rss_bytes"] for r in scal}
@@ -378,8 +481,16 @@ def summarize(records: list[dict], args) -> dict:
     if len(fbs) >= 2:
         out["fb_peak_memory_vs_n"] = {r["n"]: r["peak_rss_bytes"] for r in fbs}
         out["fb_peak_memory_growth"] = fbs[-1]["peak_rss_bytes"] / fbs[0]["peak_rss_bytes"] - 1
-    sig = [r for r in records if r.get("method") == "surge" and r.get("encoder") == "tiny" and not r.get("error")
-           and r["n"] == args.n and r["partitions"] == args.partitions and r.get("b_min") == args.b_min]
+    sig = [
+        r
+        for r in records
+        if r.get("method") == "surge"
+        and r.get("encoder") == "tiny"
+        and not r.get("error")
+        and r["n"] == args.n
+        and r["partitions"] == args.partitions
+        and r.get("b_min") == args.b_min
+    ]
     if len({r["sigma"] for r in sig}) >= 2:
         tp = {r["sigma"]: r["texts_per_s"] for r in sig}
         mid = sum(tp.values()) / len(tp)
@@ -390,10 +501,14 @@ def summarize(records: list[dict], args) -> dict:
         "surge >= 0.95x fb throughput": _met(t["surge_over_fb_throughput"], lambda v: v >= 0.95),
         "surge >= 3x pbp throughput": _met(t["surge_over_pbp_throughput"], lambda v: v >= 3),
         "surge peak memory <= 1/5 fb": _met(t["surge_over_fb_peak_memory"], lambda v: v <= 0.2),
-        "surge peak memory flat within 20% over N": _met(t.get("surge_peak_memory_spread"), lambda v: v <= 0.2),
+        "surge peak memory flat within 20% over N": _met(
+            t.get("surge_peak_memory_spread"), lambda v: v <= 0.2
+        ),
         "fb peak memory grows with N": _met(t.get("fb_peak_memory_growth"), lambda v: v > 0.2),
         "surge TTFO >= 10x shorter than fb": _met(t["fb_over_surge_ttfo"], lambda v: v >= 10),
-        "surge throughput within 5% across sigma": _met(t.get("surge_sigma_max_deviation"), lambda v: v <= 0.05),
+        "surge throughput within 5% across sigma": _met(
+            t.get("surge_sigma_max_deviation"), lambda v: v <= 0.05
+        ),
     }
     return out
 
@@ -416,7 +531,7 @@ def plots(records: list[dict], args, folder: Path) -> list[str]:
     ok = [r for r in records if not r.get("error")]
     files = []
     colors = {"surge": "C0", "pbp": "C1", "fb": "C2", "pbplb": "C3", "st": "C7"}
-    gib = 2 ** 30
+    gib = 2**30
 
     def save(fig, name):
         path = folder / name
@@ -431,10 +546,24 @@ def plots(records: list[dict], args, folder: Path) -> list[str]:
         for m in ("surge", "fb"):
             rs = sorted((r for r in scal if r["method"] == m), key=lambda r: r["n"])
             if rs:
-                ax[0].plot([r["n"] for r in rs], [r["peak_rss_bytes"] / gib for r in rs], "o-", color=colors[m], label=LABELS[m])
-                ax[0].plot([r["n"] for r in rs], [r["peak_over_baseline_bytes"] / gib for r in rs], "o--",
-                           color=colors[m], alpha=0.5, label=f"{LABELS[m]} (above idle cluster)")
-                ax[1].plot([r["n"] for r in rs], [r["ttfo_s"] for r in rs], "o-", color=colors[m], label=LABELS[m])
+                ax[0].plot(
+                    [r["n"] for r in rs],
+                    [r["peak_rss_bytes"] / gib for r in rs],
+                    "o-",
+                    color=colors[m],
+                    label=LABELS[m],
+                )
+                ax[0].plot(
+                    [r["n"] for r in rs],
+                    [r["peak_over_baseline_bytes"] / gib for r in rs],
+                    "o--",
+                    color=colors[m],
+                    alpha=0.5,
+                    label=f"{LABELS[m]} (above idle cluster)",
+                )
+                ax[1].plot(
+                    [r["n"] for r in rs], [r["ttfo_s"] for r in rs], "o-", color=colors[m], label=LABELS[m]
+                )
         ax[0].set(xlabel="N texts", ylabel="peak RSS, all processes (GiB)", title="Peak memory vs N")
         ax[1].set(xlabel="N texts", ylabel="time to first output (s)", title="TTFO vs N", yscale="log")
         for a in ax:
@@ -445,13 +574,21 @@ def plots(records: list[dict], args, folder: Path) -> list[str]:
         fig, ax = plt.subplots(1, 3, figsize=(13, 4))  # Fig. 10: scaling
         for m in ("surge", "fb"):
             rs = sorted((r for r in scal if r["method"] == m), key=lambda r: r["n"])
-            ax[0].plot([r["n"] for r in rs], [r["texts_per_s"] for r in rs], "o-", color=colors[m], label=LABELS[m])
+            ax[0].plot(
+                [r["n"] for r in rs], [r["texts_per_s"] for r in rs], "o-", color=colors[m], label=LABELS[m]
+            )
         s = {r["n"]: r for r in scal if r["method"] == "surge"}
         f = {r["n"]: r for r in scal if r["method"] == "fb"}
         common = sorted(set(s) & set(f))
-        ax[1].plot(common, [f[n]["peak_rss_bytes"] / s[n]["peak_rss_bytes"] for n in common], "o-", label="total RSS")
-        ax[1].plot(common, [f[n]["peak_over_baseline_bytes"] / max(1, s[n]["peak_over_baseline_bytes"]) for n in common],
-                   "o--", label="above idle cluster")
+        ax[1].plot(
+            common, [f[n]["peak_rss_bytes"] / s[n]["peak_rss_bytes"] for n in common], "o-", label="total RSS"
+        )
+        ax[1].plot(
+            common,
+            [f[n]["peak_over_baseline_bytes"] / max(1, s[n]["peak_over_baseline_bytes"]) for n in common],
+            "o--",
+            label="above idle cluster",
+        )
         ax[2].plot(common, [f[n]["ttfo_s"] / s[n]["ttfo_s"] for n in common], "o-")
         ax[0].set(xlabel="N texts", ylabel="texts/s", title="Throughput vs N")
         ax[1].set(xlabel="N texts", ylabel="FB / SURGE", title="Peak memory ratio")
@@ -466,16 +603,25 @@ def plots(records: list[dict], args, folder: Path) -> list[str]:
     panels = [(sname, enc) for sname, enc in groups if any(sname in r["suites"] for r in ok)]
     sig = sorted({r["sigma"] for r in ok if "sigma" in r["suites"]})
     if panels or sig:  # Fig. 5: throughput by method (and by sigma)
-        fig, ax = plt.subplots(1, len(panels) + (1 if sig else 0), figsize=(5 * (len(panels) + bool(sig)), 4),
-                               squeeze=False)
+        fig, ax = plt.subplots(
+            1, len(panels) + (1 if sig else 0), figsize=(5 * (len(panels) + bool(sig)), 4), squeeze=False
+        )
         for i, (sname, enc) in enumerate(panels):
             rs = [r for r in ok if sname in r["suites"]]
             rs.sort(key=lambda r: list(LABELS).index(r["method"]))
-            bars = ax[0][i].bar([LABELS[r["method"]] for r in rs], [r["texts_per_s"] for r in rs],
-                                color=[colors[r["method"]] for r in rs])
+            bars = ax[0][i].bar(
+                [LABELS[r["method"]] for r in rs],
+                [r["texts_per_s"] for r in rs],
+                color=[colors[r["method"]] for r in rs],
+            )
             for b, r in zip(bars, rs):
-                ax[0][i].annotate(f"{r['texts_per_s']:,.0f}\n{r['calls']} calls", (b.get_x() + b.get_width() / 2, b.get_height()),
-                                  ha="center", va="bottom", fontsize=7)
+                ax[0][i].annotate(
+                    f"{r['texts_per_s']:,.0f}\n{r['calls']} calls",
+                    (b.get_x() + b.get_width() / 2, b.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
             n = max(r["n"] for r in rs)
             ax[0][i].set(ylabel="texts/s", title=f"{enc}: N={n:,} (ST: N={min(n, args.st_max_n):,})")
             ax[0][i].tick_params(axis="x", labelsize=8, rotation=15)
@@ -485,9 +631,14 @@ def plots(records: list[dict], args, folder: Path) -> list[str]:
             methods = sorted({r["method"] for r in rs}, key=list(LABELS).index)
             w = 0.8 / len(methods)
             for j, m in enumerate(methods):
-                vals = [next((r["texts_per_s"] for r in rs if r["method"] == m and r["sigma"] == s_), 0) for s_ in sig]
+                vals = [
+                    next((r["texts_per_s"] for r in rs if r["method"] == m and r["sigma"] == s_), 0)
+                    for s_ in sig
+                ]
                 a.bar([x + j * w for x in range(len(sig))], vals, w, color=colors[m], label=LABELS[m])
-            a.set_xticks([x + w * (len(methods) - 1) / 2 for x in range(len(sig))], [f"sigma={s_:g}" for s_ in sig])
+            a.set_xticks(
+                [x + w * (len(methods) - 1) / 2 for x in range(len(sig))], [f"sigma={s_:g}" for s_ in sig]
+            )
             a.set(ylabel="texts/s", title="Throughput across sigma")
             a.legend(fontsize=8)
         save(fig, "fig5_throughput_by_method.png")
@@ -514,29 +665,44 @@ def plots(records: list[dict], args, folder: Path) -> list[str]:
 
 # --------------------------------------------------------------------------- README table
 def table(report: dict) -> str:
-    rows = ["| suite | method | encoder | N | P | sigma | b_min | texts/s | tokens/s | peak RSS (GiB) | "
-            "above idle (GiB) | TTFO (s) | calls |", "|" + "---|" * 13]
-    for r in sorted(report["results"], key=lambda r: (",".join(r.get("suites", [])), r.get("encoder") or "",
-                                                     r.get("n") or 0, r.get("sigma") or 0,
-                                                     list(LABELS).index(r["method"]) if r.get("method") in LABELS else 9,
-                                                     r.get("b_min") or 0)):
+    rows = [
+        "| suite | method | encoder | N | P | sigma | b_min | texts/s | tokens/s | peak RSS (GiB) | "
+        "above idle (GiB) | TTFO (s) | calls |",
+        "|" + "---|" * 13,
+    ]
+    for r in sorted(
+        report["results"],
+        key=lambda r: (
+            ",".join(r.get("suites", [])),
+            r.get("encoder") or "",
+            r.get("n") or 0,
+            r.get("sigma") or 0,
+            list(LABELS).index(r["method"]) if r.get("method") in LABELS else 9,
+            r.get("b_min") or 0,
+        ),
+    ):
         if r.get("error"):
-            rows.append(f"| {','.join(r['suites'])} | {r.get('method')} | {r.get('encoder')} | {r.get('n')} | "
-                        f"{r.get('partitions')} | {r.get('sigma')} | | error: {r['error'][:60]} | | | | | |")
+            rows.append(
+                f"| {','.join(r['suites'])} | {r.get('method')} | {r.get('encoder')} | {r.get('n')} | "
+                f"{r.get('partitions')} | {r.get('sigma')} | | error: {r['error'][:60]} | | | | | |"
+            )
             continue
         rows.append(
             f"| {','.join(r['suites'])} | {LABELS.get(r['method'], r['method'])} | {r['encoder']} | {r['n']:,} | "
             f"{r['partitions']:,} | {r['sigma']:g} | {'' if r.get('b_min') is None else format(r['b_min'], ',')} | "
             f"{r['texts_per_s']:,.0f} | {r['tokens_per_s']:,.0f} | {r['peak_rss_bytes'] / 2**30:.2f} | "
-            f"{r['peak_over_baseline_bytes'] / 2**30:.2f} | {r['ttfo_s']:.2f} | {r['calls']:,} |")
+            f"{r['peak_over_baseline_bytes'] / 2**30:.2f} | {r['ttfo_s']:.2f} | {r['calls']:,} |"
+        )
     s = report["summary"]
     fmt = lambda v: "n/a" if v is None else f"{v:.2f}"  # noqa: E731
     lines = [
         f"Command: `{report['command']}`  ",
         f"Machine: {report['machine']['platform']}, {report['machine']['cpus']} CPUs, "
         f"load {report['machine']['loadavg_start'][0]:.1f} before / {report['machine']['loadavg_end'][0]:.1f} after; "
-        f"{s['benchmark_seconds'] / 60:.0f} min; git {report['git']}.", "",
-        "| ratio | value | target | met |", "|---|---|---|---|",
+        f"{s['benchmark_seconds'] / 60:.0f} min; git {report['git']}.",
+        "",
+        "| ratio | value | target | met |",
+        "|---|---|---|---|",
         f"| SURGE / FB throughput | {fmt(s['surge_over_fb_throughput'])} | >= 0.95 | {s['targets']['surge >= 0.95x fb throughput']} |",
         f"| SURGE / PBP throughput | {fmt(s['surge_over_pbp_throughput'])} | >= 3 | {s['targets']['surge >= 3x pbp throughput']} |",
         f"| SURGE / PB-PBP-LB throughput | {fmt(s['surge_over_pbplb_throughput'])} | | |",

@@ -122,8 +122,9 @@ except ImportError:  # run as a script (a helper process): no package around it
 class Helper:
     """The tokenizer and the blocks last used, for one helper process (or a test, in process)."""
 
-    def __init__(self, tokenizer_json: str, prompt: str, max_length: int, *, gc_pause: bool = True,
-                 joined: bool = True) -> None:
+    def __init__(
+        self, tokenizer_json: str, prompt: str, max_length: int, *, gc_pause: bool = True, joined: bool = True
+    ) -> None:
         from tokenizers import Tokenizer
 
         self.tokenizer = Tokenizer.from_str(tokenizer_json)
@@ -145,8 +146,17 @@ class Helper:
             block = self._blocks[role] = _SharedBlock(name, size)
         return block
 
-    def encode(self, in_name: str, in_size: int, n: int, data_bytes: int, out_name: str, out_size: int,
-               want_ids: bool, unit: str = "chars") -> tuple[str, int, float]:
+    def encode(
+        self,
+        in_name: str,
+        in_size: int,
+        n: int,
+        data_bytes: int,
+        out_name: str,
+        out_size: int,
+        want_ids: bool,
+        unit: str = "chars",
+    ) -> tuple[str, int, float]:
         """Serve one request (see the protocol above): ``("ok", tokens, cpu_seconds)``."""
         import numpy as np
 
@@ -218,8 +228,13 @@ def main() -> None:
     setup = read_message(requests)
     if setup is None:
         return
-    helper = Helper(setup["tokenizer"], setup["prompt"], setup["max_length"], gc_pause=setup.get("gc_pause", True),
-                    joined=setup.get("joined", True))
+    helper = Helper(
+        setup["tokenizer"],
+        setup["prompt"],
+        setup["max_length"],
+        gc_pause=setup.get("gc_pause", True),
+        joined=setup.get("joined", True),
+    )
     try:
         while (request := read_message(requests)) is not None:
             try:

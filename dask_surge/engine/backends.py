@@ -88,7 +88,9 @@ class Backend(Protocol):
         """
         ...
 
-    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> TextEmbeddings:
+    def encode_long(
+        self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int
+    ) -> TextEmbeddings:
         """Embed ``texts`` doing with those over the window what ``long_texts`` says (see
         :meth:`~dask_surge.models.encoders.Encoder.encode_long`; the options are checked already).
         The ``"fast"`` backend also takes an :class:`~dask_surge.io.texts.ArrowTexts`.
@@ -187,11 +189,16 @@ class FastBackend(_Released):
         with self._call():
             return self.engine.encode(texts, normalize=normalize)
 
-    def encode_long(self, texts: list[str] | ArrowTexts, normalize: bool, long_texts: str, chunk_overlap: int
-                    ) -> TextEmbeddings:
+    def encode_long(
+        self, texts: list[str] | ArrowTexts, normalize: bool, long_texts: str, chunk_overlap: int
+    ) -> TextEmbeddings:
         with self._call():
-            return self.engine.encode_long(texts, normalize=normalize, long_texts=long_texts,  # type: ignore[arg-type]
-                                           chunk_overlap=chunk_overlap)
+            return self.engine.encode_long(
+                texts,
+                normalize=normalize,
+                long_texts=long_texts,  # type: ignore[arg-type]
+                chunk_overlap=chunk_overlap,
+            )
 
     def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
         with self._call():
@@ -229,11 +236,17 @@ class SentenceTransformersBackend(_Released):
     def _encode(self, texts: list[str], normalize: bool) -> np.ndarray:
         with self._lock:
             return self.model.encode(
-                texts, prompt=self._prompt, batch_size=self._batch_size, normalize_embeddings=normalize,
-                convert_to_numpy=True, show_progress_bar=False,
+                texts,
+                prompt=self._prompt,
+                batch_size=self._batch_size,
+                normalize_embeddings=normalize,
+                convert_to_numpy=True,
+                show_progress_bar=False,
             )
 
-    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> TextEmbeddings:
+    def encode_long(
+        self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int
+    ) -> TextEmbeddings:
         """As the fast engine, with windows cut by the model's fast tokenizer and their texts run by ``model.encode``.
 
         ``"truncate"`` counts the texts over the window by tokenizing them (up to just past it).
@@ -247,14 +260,21 @@ class SentenceTransformersBackend(_Released):
                 def encode(groups: Iterator[WindowGroup]) -> Iterator[np.ndarray]:
                     for group in groups:
                         w = group.windows
-                        spans = [texts[t][a:b] for t, a, b in zip(w.text.tolist(), w.char_start.tolist(),
-                                                                     w.char_end.tolist())]
-                        yield np.asarray(self._encode(spans, normalize), dtype=np.float32).reshape(len(spans), -1)
+                        spans = [
+                            texts[t][a:b]
+                            for t, a, b in zip(w.text.tolist(), w.char_start.tolist(), w.char_end.tolist())
+                        ]
+                        yield np.asarray(self._encode(spans, normalize), dtype=np.float32).reshape(
+                            len(spans), -1
+                        )
 
-                return encode_windows(texts, long_texts, chunk_overlap, cutter, encode, self.dimension,
-                                      renormalize=renormalize)
+                return encode_windows(
+                    texts, long_texts, chunk_overlap, cutter, encode, self.dimension, renormalize=renormalize
+                )
             over = _over_window(self.window_cutter, texts, long_texts)
-            return TextEmbeddings(self._encode(texts, normalize), None, over, 0 if over is None else int(over.sum()))
+            return TextEmbeddings(
+                self._encode(texts, normalize), None, over, 0 if over is None else int(over.sum())
+            )
 
     def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
         """The model's window cutter (built once), or the error saying why there is none."""
@@ -294,8 +314,9 @@ class FamilyBackend(_Released):
     name = "sentence-transformers"
     engine = None
 
-    def __init__(self, model: Any, *, family: str, prompt: str | None, prompt_name: str | None,
-                 batch_size: int) -> None:
+    def __init__(
+        self, model: Any, *, family: str, prompt: str | None, prompt_name: str | None, batch_size: int
+    ) -> None:
         super().__init__()
         self.model, self.family = model, family
         self._prompt, self._prompt_name, self._batch_size = prompt, prompt_name, batch_size
@@ -308,7 +329,8 @@ class FamilyBackend(_Released):
     def encode(self, texts: list[str], normalize: bool) -> np.ndarray:
         raise SurgeValueError(
             f"the model writes {self.family} output, not one fixed-size vector per text, so it has no (n, d) "
-            "array to return. Fix: use dask_surge.encode (or Encoder.encode_long) for its rows.")
+            "array to return. Fix: use dask_surge.encode (or Encoder.encode_long) for its rows."
+        )
 
     def _encode(self, texts: list[str], normalize: bool) -> Any:
         model = self.model
@@ -326,7 +348,9 @@ class FamilyBackend(_Released):
                 return model.encode(texts, prompt_name=self._prompt_name, **kwargs)
             return model.encode_document(texts, **kwargs)
 
-    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> TextEmbeddings:
+    def encode_long(
+        self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int
+    ) -> TextEmbeddings:
         """The model's rows for ``texts`` (see the class); ``"truncate"`` counts the texts over the
         window by tokenizing them (up to just past it), ``"error"`` refuses the first.
 
@@ -340,7 +364,9 @@ class FamilyBackend(_Released):
         check_family_options(self.family, long_texts=long_texts)
         with self._call():
             over = _over_window(self.window_cutter, texts, long_texts)
-            return TextEmbeddings(self._encode(texts, normalize), None, over, 0 if over is None else int(over.sum()))
+            return TextEmbeddings(
+                self._encode(texts, normalize), None, over, 0 if over is None else int(over.sum())
+            )
 
     def window_cutter(self, long_texts: str = "chunk") -> WindowCutter:
         with self._call():
@@ -366,7 +392,9 @@ class FamilyBackend(_Released):
         self.model = None
 
 
-def _over_window(cutter: Callable[[str], WindowCutter], texts: list[str], long_texts: str) -> np.ndarray | None:
+def _over_window(
+    cutter: Callable[[str], WindowCutter], texts: list[str], long_texts: str
+) -> np.ndarray | None:
     """Which ``texts`` are over the window of ``cutter(long_texts)`` (a backend's window cutter), counted
     by tokenizing them up to just past it; with ``"error"`` the first is refused. None where the model
     has no fast tokenizer to count with and ``long_texts`` is ``"truncate"`` (else that error is raised).
@@ -395,7 +423,9 @@ def _window_cutter_of(model: Any, long_texts: str, prompt: str, length: int | No
     tokenizer = getattr(model, "tokenizer", None)
     length = getattr(model, "max_seq_length", None) if length is None else length
     if tokenizer is None or not getattr(tokenizer, "is_fast", False):
-        raise no_tokenizer(long_texts, f"the model's tokenizer ({type(tokenizer).__name__}) is not a fast one")
+        raise no_tokenizer(
+            long_texts, f"the model's tokenizer ({type(tokenizer).__name__}) is not a fast one"
+        )
     if not isinstance(length, int) or length < 1:
         raise no_tokenizer(long_texts, f"the model has no max_seq_length (it is {length!r})")
     return WindowCutter(tokenizer, length, prompt=prompt)
@@ -435,7 +465,9 @@ class CallableBackend(_Released):
             emb = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
         return emb
 
-    def encode_long(self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int) -> TextEmbeddings:
+    def encode_long(
+        self, texts: list[str], normalize: bool, long_texts: str, chunk_overlap: int
+    ) -> TextEmbeddings:
         """``"truncate"`` only: a plain callable has no tokenizer, so what it cuts is unknown (``truncated`` None).
 
         Raises
@@ -456,8 +488,17 @@ class CallableBackend(_Released):
 
 
 def choose_backend(
-    obj: Any, *, name: str, in_memory: bool, device: str | None = None, engine: str = "auto", dtype: str = "auto",
-    max_tokens: int | None = None, batch_size: int = 32, prompt: str | None = None, prompt_name: str | None = None,
+    obj: Any,
+    *,
+    name: str,
+    in_memory: bool,
+    device: str | None = None,
+    engine: str = "auto",
+    dtype: str = "auto",
+    max_tokens: int | None = None,
+    batch_size: int = 32,
+    prompt: str | None = None,
+    prompt_name: str | None = None,
 ) -> tuple[Backend, str]:
     """The backend that encodes with ``obj``, and why it was chosen.
 
@@ -505,12 +546,15 @@ def choose_backend(
         if engine == "fast":
             raise SurgeModelError(
                 f"engine='fast' runs dense models, but {name!r} is a {type(obj).__name__} ({family} output). "
-                "Fix: pass engine='auto' (its own encode runs inside the SuperBatches).")
+                "Fix: pass engine='auto' (its own encode runs inside the SuperBatches)."
+            )
         if in_memory:
             move_to(obj, device)
         # checks that prompt_name names one of the model's prompts; the model's own call applies it
         resolve_prompt(dict(obj.prompts), obj.default_prompt_name, prompt, prompt_name, source=repr(name))
-        backend = FamilyBackend(obj, family=family, prompt=prompt, prompt_name=prompt_name, batch_size=batch_size)
+        backend = FamilyBackend(
+            obj, family=family, prompt=prompt, prompt_name=prompt_name, batch_size=batch_size
+        )
         return backend, f"the model is a {type(obj).__name__} ({family} output): its own encode runs"
     if not isinstance(obj, SentenceTransformer):
         if prompt is not None or prompt_name is not None:
@@ -521,7 +565,9 @@ def choose_backend(
         return CallableBackend(obj), "a plain callable, not a SentenceTransformer: called as is"
     if in_memory:
         move_to(obj, device)
-    resolved = resolve_prompt(dict(obj.prompts), obj.default_prompt_name, prompt, prompt_name, source=repr(name))
+    resolved = resolve_prompt(
+        dict(obj.prompts), obj.default_prompt_name, prompt, prompt_name, source=repr(name)
+    )
     modules = layout_of_model(obj).modules  # the structure the plain rule judges (engine/layout.py)
     if engine == "sentence-transformers":
         reason = "engine='sentence-transformers' was asked for: SentenceTransformer.encode runs"
@@ -530,8 +576,9 @@ def choose_backend(
 
         if dtype == "auto":
             dtype = auto_dtype(str(obj.device), checkpoint_dtype(obj))
-        fast = TransformerEngine.from_sentence_transformer(obj, max_tokens=max_tokens, dtype=dtype,
-                                                           prompt="" if resolved is None else resolved)
+        fast = TransformerEngine.from_sentence_transformer(
+            obj, max_tokens=max_tokens, dtype=dtype, prompt="" if resolved is None else resolved
+        )
         if fast is not None:
             return FastBackend(obj, fast), _fast_reason(engine, modules)
         if engine == "fast":
@@ -541,16 +588,25 @@ def choose_backend(
                 f"({layout_of_model(obj).reason or 'its tokenizer is not a fast one'}). "
                 "Fix: pass engine='auto' to fall back to SentenceTransformer.encode."
             )
-        reason = (f"engine='auto' and the model ({' + '.join(modules)}) is not an encoder Transformer + Pooling "
-                  "(cls, mean, max or lasttoken) (+ Normalize), nor a rotary decoder one, that the fast engine runs "
-                  f"({layout_of_model(obj).reason or 'its tokenizer is not a fast one'}): "
-                  "SentenceTransformer.encode runs")
+        reason = (
+            f"engine='auto' and the model ({' + '.join(modules)}) is not an encoder Transformer + Pooling "
+            "(cls, mean, max or lasttoken) (+ Normalize), nor a rotary decoder one, that the fast engine runs "
+            f"({layout_of_model(obj).reason or 'its tokenizer is not a fast one'}): "
+            "SentenceTransformer.encode runs"
+        )
     return SentenceTransformersBackend(obj, prompt=resolved, batch_size=batch_size), reason
 
 
 def direct_backend(
-    path: str, *, name: str, device: str, engine: str = "auto", dtype: str = "auto", max_tokens: int | None = None,
-    prompt: str | None = None, prompt_name: str | None = None,
+    path: str,
+    *,
+    name: str,
+    device: str,
+    engine: str = "auto",
+    dtype: str = "auto",
+    max_tokens: int | None = None,
+    prompt: str | None = None,
+    prompt_name: str | None = None,
 ) -> tuple[Backend, str] | None:
     """The fast backend of the model directory ``path``, loaded without sentence-transformers when its
     files say it is a plain Transformer + Pooling (+ Normalize) encoder (see :mod:`dask_surge.engine.loading`);
@@ -574,7 +630,9 @@ def direct_backend(
     if layout is None:
         logger.debug("dask-surge: %s is loaded with sentence-transformers: %s", name, why)
         return None
-    resolved = resolve_prompt(layout.prompts, layout.default_prompt_name, prompt, prompt_name, source=repr(name))
+    resolved = resolve_prompt(
+        layout.prompts, layout.default_prompt_name, prompt, prompt_name, source=repr(name)
+    )
     module = load_direct(layout, device)
     if dtype == "auto":
         dtype = auto_dtype(str(device), checkpoint_dtype(module.auto_model))
@@ -582,9 +640,15 @@ def direct_backend(
         return None  # half precision on a CPU: sentence-transformers' load raises the error that says so
     from .transformer import TransformerEngine
 
-    fast = TransformerEngine(module, layout.pooling, normalize=layout.normalize, max_tokens=max_tokens,
-                             dtype=dtype, prompt="" if resolved is None else resolved,
-                             include_prompt=layout.include_prompt)
+    fast = TransformerEngine(
+        module,
+        layout.pooling,
+        normalize=layout.normalize,
+        max_tokens=max_tokens,
+        dtype=dtype,
+        prompt="" if resolved is None else resolved,
+        include_prompt=layout.include_prompt,
+    )
     backend = FastBackend(module.auto_model, fast)
     backend.loaded_by = module.loaded_by
     return backend, _fast_reason(engine, layout.modules)

@@ -55,7 +55,20 @@ from types import SimpleNamespace
 
 import numpy as np
 
-__all__ = ["CPU_MAX_TOKENS", "CPU_MAX_TOKENS_CAP", "activation_bytes_per_token", "cpu_max_tokens", "FIRST_BLOCK_TEXTS", "BLOCK_TEXTS", "BatchPlan", "cut", "plan_batches", "replay", "sort_order", "blocks"]
+__all__ = [
+    "CPU_MAX_TOKENS",
+    "CPU_MAX_TOKENS_CAP",
+    "activation_bytes_per_token",
+    "cpu_max_tokens",
+    "FIRST_BLOCK_TEXTS",
+    "BLOCK_TEXTS",
+    "BatchPlan",
+    "cut",
+    "plan_batches",
+    "replay",
+    "sort_order",
+    "blocks",
+]
 
 
 #: Token budget of one micro-batch on a CPU (rows x padded length): the budget that measured
@@ -119,7 +132,8 @@ def cpu_max_tokens(per_token_bytes: int) -> int:
 
 #: :func:`activation_bytes_per_token` of all-MiniLM-L6-v2 at its 256-token rows (27,648)
 _MINILM_BYTES_PER_TOKEN = activation_bytes_per_token(
-    SimpleNamespace(hidden_size=384, intermediate_size=1536, num_attention_heads=12), 256)
+    SimpleNamespace(hidden_size=384, intermediate_size=1536, num_attention_heads=12), 256
+)
 
 
 def _check(max_tokens: int, batch_rows: int) -> None:
@@ -162,8 +176,10 @@ def blocks(n: int, block: int = BLOCK_TEXTS, *, first: int = 0) -> list[int]:
     """
     if block < 1 or first < 0:
         name, value = ("block", block) if block < 1 else ("first", first)
-        raise ValueError(f"{name}={value!r} must be >= {1 if name == 'block' else 0} text(s): it sizes the sorting "
-                         f"blocks. Fix: pass e.g. block={BLOCK_TEXTS} or first={FIRST_BLOCK_TEXTS}.")
+        raise ValueError(
+            f"{name}={value!r} must be >= {1 if name == 'block' else 0} text(s): it sizes the sorting "
+            f"blocks. Fix: pass e.g. block={BLOCK_TEXTS} or first={FIRST_BLOCK_TEXTS}."
+        )
     if first and n >= 16 * first:
         return [0, *range(first, n, block)]
     return list(range(0, n, block))

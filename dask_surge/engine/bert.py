@@ -85,8 +85,10 @@ class BertConfig:
         checks = {
             "model_type": (raw.get("model_type") == "bert", "is not 'bert'"),
             "hidden_act": (raw.get("hidden_act", "gelu") == "gelu", "is not the exact GELU"),
-            "position_embedding_type": (raw.get("position_embedding_type", "absolute") in (None, "absolute"),
-                                        "is not absolute position embeddings"),
+            "position_embedding_type": (
+                raw.get("position_embedding_type", "absolute") in (None, "absolute"),
+                "is not absolute position embeddings",
+            ),
             "is_decoder": (not raw.get("is_decoder"), "makes a decoder"),
             "add_cross_attention": (not raw.get("add_cross_attention"), "adds cross-attention"),
             "is_encoder_decoder": (not raw.get("is_encoder_decoder"), "makes an encoder-decoder"),
@@ -96,8 +98,15 @@ class BertConfig:
         for key, (ok, rule) in checks.items():
             if not ok:
                 raise NotNativeBert(f"{key}={raw.get(key)!r} {rule}")
-        names = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                 "max_position_embeddings", "type_vocab_size")
+        names = (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+            "type_vocab_size",
+        )
         sizes = {name: raw.get(name) for name in names}
         bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
         if bad:
@@ -118,8 +127,12 @@ class BertOutput:
     last_hidden_state: torch.Tensor
 
 
-def pad_keys(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, multiple: int,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def pad_keys(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    multiple: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Pad attention's keys and values to a multiple of ``multiple`` tokens, the padding masked out.
 
     The attention is the same (the padded keys get no weight); only the kernel's loops change
@@ -181,7 +194,7 @@ class _SelfAttention(nn.Module):
         super().__init__()
         self.heads = cfg.num_attention_heads
         self.head_size = cfg.hidden_size // cfg.num_attention_heads
-        self.scaling = self.head_size ** -0.5
+        self.scaling = self.head_size**-0.5
         self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
@@ -195,7 +208,9 @@ class _SelfAttention(nn.Module):
         key = self.key(hidden).view(shape).transpose(1, 2)
         value = self.value(hidden).view(shape).transpose(1, 2)
         key, value, mask = pad_keys(key, value, mask, self.key_multiple)
-        out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=self.scaling)
+        out = nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=self.scaling
+        )
         return out.transpose(1, 2).reshape(batch, length, width)
 
 
@@ -271,14 +286,20 @@ class BertEncoder(nn.Module):
         self.embeddings = _Embeddings(config)
         self.encoder = _Stack(config)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None, return_dict: bool = True) -> BertOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        return_dict: bool = True,
+    ) -> BertOutput:
         hidden = self.embeddings(input_ids, token_type_ids)
         mask = attention_mask
         if mask is not None and mask.dim() == 2:
             keep = mask.bool()[:, None, None, :]
             mask = torch.zeros(keep.shape, dtype=hidden.dtype, device=hidden.device).masked_fill_(
-                ~keep, torch.finfo(hidden.dtype).min)
+                ~keep, torch.finfo(hidden.dtype).min
+            )
         for layer in self.encoder.layer:
             hidden = layer(hidden, mask)
         return BertOutput(hidden)
@@ -333,18 +354,23 @@ def load_bert(directory: str, device: str | torch.device) -> BertEncoder:
     except Exception as err:  # noqa: BLE001 - any unreadable file: transformers' load reports it its own way
         raise NotNativeBert(f"model.safetensors could not be read ({type(err).__name__}: {err})") from None
     if state and all(name.startswith("bert.") for name in state if not name.startswith("cls.")):
-        state = {name[len("bert."):]: t for name, t in state.items() if name.startswith("bert.")}
+        state = {name[len("bert.") :]: t for name, t in state.items() if name.startswith("bert.")}
     floating = [t.dtype for t in state.values() if t.is_floating_point()]
     config.dtype = str(floating[0]).removeprefix("torch.") if floating else None
-    wanted = {name: t.to(torch.float32) if t.is_floating_point() else t for name, t in state.items()
-              if not name.startswith(_UNUSED)}
+    wanted = {
+        name: t.to(torch.float32) if t.is_floating_point() else t
+        for name, t in state.items()
+        if not name.startswith(_UNUSED)
+    }
     with torch.device("meta"):
         model = BertEncoder(config)
     expected = set(model.state_dict())
     missing, extra = sorted(expected - set(wanted)), sorted(set(wanted) - expected)
     if missing or extra:
-        raise NotNativeBert(f"model.safetensors does not hold BERT's weights under BertModel's names "
-                            f"(missing {missing[:3]}, unexpected {extra[:3]})")
+        raise NotNativeBert(
+            f"model.safetensors does not hold BERT's weights under BertModel's names "
+            f"(missing {missing[:3]}, unexpected {extra[:3]})"
+        )
     try:
         model.load_state_dict(wanted, strict=True, assign=True)
     except RuntimeError as err:

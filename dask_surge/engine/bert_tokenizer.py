@@ -37,8 +37,13 @@ __all__ = ["BertTokenizerFiles", "NotNativeTokenizer", "load_bert_tokenizer"]
 #: transformers' ``model_max_length`` when neither the caller nor ``tokenizer_config.json`` sets one.
 UNBOUNDED_LENGTH = int(1e30)
 #: ``BertTokenizer``'s named special tokens and their defaults.
-_SPECIAL = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
-            "mask_token": "[MASK]"}
+_SPECIAL = {
+    "unk_token": "[UNK]",
+    "sep_token": "[SEP]",
+    "pad_token": "[PAD]",
+    "cls_token": "[CLS]",
+    "mask_token": "[MASK]",
+}
 _BERT_CLASSES = ("BertTokenizer", "BertTokenizerFast")
 
 
@@ -65,7 +70,9 @@ class BertTokenizerFiles:
     model_max_length: int
     pad_token_id: int
     all_special_ids: list[int]
-    model_input_names: list[str] = field(default_factory=lambda: ["input_ids", "token_type_ids", "attention_mask"])
+    model_input_names: list[str] = field(
+        default_factory=lambda: ["input_ids", "token_type_ids", "attention_mask"]
+    )
     truncation_side: str = "right"
     padding_side: str = "right"
     is_fast: bool = True
@@ -121,40 +128,62 @@ def load_bert_tokenizer(directory: str, *, model_max_length: int | None = None) 
     root = Path(directory)
     config = _read(root / "tokenizer_config.json", required=True)
     if config.get("tokenizer_class") not in _BERT_CLASSES:
-        raise NotNativeTokenizer(f"tokenizer_class={config.get('tokenizer_class')!r} is not one of {_BERT_CLASSES}")
+        raise NotNativeTokenizer(
+            f"tokenizer_class={config.get('tokenizer_class')!r} is not one of {_BERT_CLASSES}"
+        )
     mapped = _read(root / "special_tokens_map.json", required=False)
     try:
         backend = Tokenizer.from_file(str(root / "tokenizer.json"))
     except Exception as err:  # noqa: BLE001 - the Rust loader's errors are plain Exceptions
         raise NotNativeTokenizer(f"tokenizer.json could not be read ({type(err).__name__}: {err})") from None
     layout = json.loads(backend.to_str())
-    normalizer = {"type": "BertNormalizer", "clean_text": True,
-                  "handle_chinese_chars": config.get("tokenize_chinese_chars", True),
-                  "strip_accents": config.get("strip_accents"), "lowercase": config.get("do_lower_case", True)}
+    normalizer = {
+        "type": "BertNormalizer",
+        "clean_text": True,
+        "handle_chinese_chars": config.get("tokenize_chinese_chars", True),
+        "strip_accents": config.get("strip_accents"),
+        "lowercase": config.get("do_lower_case", True),
+    }
     if layout.get("normalizer") != normalizer:
-        raise NotNativeTokenizer(f"tokenizer.json's normalizer {layout.get('normalizer')} is not the {normalizer} "
-                                 "tokenizer_config.json asks for")
+        raise NotNativeTokenizer(
+            f"tokenizer.json's normalizer {layout.get('normalizer')} is not the {normalizer} "
+            "tokenizer_config.json asks for"
+        )
     if layout.get("pre_tokenizer") != {"type": "BertPreTokenizer"}:
-        raise NotNativeTokenizer(f"tokenizer.json's pre-tokenizer {layout.get('pre_tokenizer')} is not BertPreTokenizer")
-    tokens = {name: _content(config.get(name, mapped.get(name, default))) for name, default in _SPECIAL.items()}
+        raise NotNativeTokenizer(
+            f"tokenizer.json's pre-tokenizer {layout.get('pre_tokenizer')} is not BertPreTokenizer"
+        )
+    tokens = {
+        name: _content(config.get(name, mapped.get(name, default))) for name, default in _SPECIAL.items()
+    }
     ids = {name: backend.token_to_id(text) if text is not None else None for name, text in tokens.items()}
     if None in ids.values():
         raise NotNativeTokenizer(f"special tokens {tokens} are not all in the vocabulary")
     extra = config.get("additional_special_tokens") or config.get("extra_special_tokens") or []
-    extra_ids = [backend.token_to_id(_content(token) or "") for token in extra] if isinstance(extra, list) else [None]
+    extra_ids = (
+        [backend.token_to_id(_content(token) or "") for token in extra] if isinstance(extra, list) else [None]
+    )
     if None in extra_ids:
-        raise NotNativeTokenizer(f"the additional special tokens {extra!r} are not a list of tokens in the vocabulary")
+        raise NotNativeTokenizer(
+            f"the additional special tokens {extra!r} are not a list of tokens in the vocabulary"
+        )
     added = {token.get("content"): token.get("id") for token in layout.get("added_tokens") or []}
     declared = config.get("added_tokens_decoder") or {}
     if any(added.get(_content(token)) != int(index) for index, token in declared.items()):
         raise NotNativeTokenizer("tokenizer_config.json adds tokens that tokenizer.json does not hold")
     cls, sep = tokens["cls_token"], tokens["sep_token"]
     template = processors.TemplateProcessing(
-        single=f"{cls}:0 $A:0 {sep}:0", pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
-        special_tokens=[(cls, ids["cls_token"]), (sep, ids["sep_token"])])
-    if json.loads(template.__getstate__()) != layout.get("post_processor"):  # its JSON, as tokenizer.json holds it
+        single=f"{cls}:0 $A:0 {sep}:0",
+        pair=f"{cls}:0 $A:0 {sep}:0 $B:1 {sep}:1",
+        special_tokens=[(cls, ids["cls_token"]), (sep, ids["sep_token"])],
+    )
+    if json.loads(template.__getstate__()) != layout.get(
+        "post_processor"
+    ):  # its JSON, as tokenizer.json holds it
         raise NotNativeTokenizer("tokenizer.json's post-processor is not BERT's [CLS] ... [SEP] template")
-    length = model_max_length if model_max_length is not None else config.get("model_max_length", UNBOUNDED_LENGTH)
+    length = (
+        model_max_length if model_max_length is not None else config.get("model_max_length", UNBOUNDED_LENGTH)
+    )
     if isinstance(length, bool) or not isinstance(length, int) or length < 1:
         raise NotNativeTokenizer(f"model_max_length={length!r} is not a positive int")
     names = config.get("model_input_names") or ["input_ids", "token_type_ids", "attention_mask"]
@@ -162,5 +191,6 @@ def load_bert_tokenizer(directory: str, *, model_max_length: int | None = None) 
     if not all(side in ("left", "right") for side in sides.values()):
         raise NotNativeTokenizer(f"{sides} are not 'left' or 'right'")
     special = [i for i in (*ids.values(), *extra_ids) if i is not None]  # none is None: checked above
-    return BertTokenizerFiles(backend, length, ids["pad_token"] or 0, list(dict.fromkeys(special)), list(names),
-                              **sides)
+    return BertTokenizerFiles(
+        backend, length, ids["pad_token"] or 0, list(dict.fromkeys(special)), list(names), **sides
+    )

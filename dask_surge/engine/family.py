@@ -28,7 +28,11 @@ from .layout import read_layout
 __all__ = ["MODEL_TYPES", "family_of_files", "family_of_object"]
 
 #: sentence-transformers' model class (``model_type`` in ``config_sentence_transformers.json``) -> output family
-MODEL_TYPES: dict[str, str] = {"SentenceTransformer": DENSE, "SparseEncoder": SPARSE, "MultiVectorEncoder": MULTIVECTOR}
+MODEL_TYPES: dict[str, str] = {
+    "SentenceTransformer": DENSE,
+    "SparseEncoder": SPARSE,
+    "MultiVectorEncoder": MULTIVECTOR,
+}
 
 
 def family_of_files(path: str | os.PathLike) -> str:

@@ -102,8 +102,17 @@ class DeviceRunner:
         The model is a causal decoder (:func:`~dask_surge.engine.layout.is_decoder_config`).
     """
 
-    def __init__(self, hf: torch.nn.Module, pooling_modes: tuple[str, ...], *, dtype: str | None, pad_id: int,
-                 type_ids: bool, prompt_length: int, clock: StageClock) -> None:
+    def __init__(
+        self,
+        hf: torch.nn.Module,
+        pooling_modes: tuple[str, ...],
+        *,
+        dtype: str | None,
+        pad_id: int,
+        type_ids: bool,
+        prompt_length: int,
+        clock: StageClock,
+    ) -> None:
         model = hf.eval()
         self.device: torch.device = next(model.parameters()).device
         amp = DTYPES[dtype]
@@ -114,7 +123,9 @@ class DeviceRunner:
         elif amp is not None:
             model = _cast_copy(model, amp)  # native half weights: no autocast re-cast per call
         self.hf: torch.nn.Module | None = model
-        self.config: Any = getattr(model, "config")  # the HF config (a Module attribute mypy sees as Tensor | Module)
+        self.config: Any = getattr(
+            model, "config"
+        )  # the HF config (a Module attribute mypy sees as Tensor | Module)
         #: Dtype the encoder computes in (its weights'); pooling and normalization stay float32.
         self.compute_dtype = amp or torch.float32
         self.modes = pooling_modes
@@ -141,14 +152,26 @@ class DeviceRunner:
         """``packed`` as host tensors, pinned on CUDA (they travel to the device asynchronously)."""
         t0 = time.perf_counter()
         pin = self.device.type == "cuda"
-        window = DeviceBlock(plan=packed.plan, size=packed.size, ids=_host(packed.ids, pin),
-                         lengths=_host(packed.lengths, pin), starts=_host(packed.starts, pin),
-                         where=_host(packed.where, pin))
+        window = DeviceBlock(
+            plan=packed.plan,
+            size=packed.size,
+            ids=_host(packed.ids, pin),
+            lengths=_host(packed.lengths, pin),
+            starts=_host(packed.starts, pin),
+            where=_host(packed.where, pin),
+        )
         self.clock.count("pack", t0)
         return window
 
-    def run_block(self, window: DeviceBlock, out: torch.Tensor, normalize: bool, *, split_runs: bool = True,
-                   forward: Forward | None = None) -> None:
+    def run_block(
+        self,
+        window: DeviceBlock,
+        out: torch.Tensor,
+        normalize: bool,
+        *,
+        split_runs: bool = True,
+        forward: Forward | None = None,
+    ) -> None:
         """Device side of one window: every micro-batch, written into ``out`` at its rows.
 
         Each micro-batch's padded ids, attention mask and pooling weights are built on
@@ -172,8 +195,12 @@ class DeviceRunner:
             else:
                 length = lengths_d[start:stop]
                 valid = positions[None, :width] < length[:, None]  # (rows, width) on the device
-                gather = (starts_d[start:stop, None] + positions[None, :width]).clamp_(max=max(window.size - 1, 0))
-                ids = flat_d[gather] if window.size else torch.zeros(valid.shape, dtype=torch.int32, device=dev)
+                gather = (starts_d[start:stop, None] + positions[None, :width]).clamp_(
+                    max=max(window.size - 1, 0)
+                )
+                ids = (
+                    flat_d[gather] if window.size else torch.zeros(valid.shape, dtype=torch.int32, device=dev)
+                )
                 ids = ids.masked_fill_(~valid, self.pad_id)
                 pooled = forward(ids, valid)
             if normalize:
@@ -335,8 +362,16 @@ class DeviceRunner:
         left out of pooling, gets zeros, as there.
         """
         if mask is None and not self.prompt_length:
-            parts = [hidden[:, 0] if mode == "cls" else hidden.max(dim=1).values if mode == "max"
-                     else hidden[:, -1] if mode == "lasttoken" else hidden.mean(dim=1) for mode in self.modes]
+            parts = [
+                hidden[:, 0]
+                if mode == "cls"
+                else hidden.max(dim=1).values
+                if mode == "max"
+                else hidden[:, -1]
+                if mode == "lasttoken"
+                else hidden.mean(dim=1)
+                for mode in self.modes
+            ]
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         if mask is None:
             mask = torch.ones(hidden.shape[:2], dtype=torch.int32, device=hidden.device)
@@ -448,7 +483,9 @@ def _copy_out(out: torch.Tensor, staging: torch.Tensor, stream: Any = None) -> n
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         for k, a in enumerate(range(0, src.numel(), step)):
             b, half = min(a + step, src.numel()), k % 2
-            halves[half][: b - a].copy_(src[a:b], non_blocking=stream is not None)  # this half was read already
+            halves[half][: b - a].copy_(
+                src[a:b], non_blocking=stream is not None
+            )  # this half was read already
             if copied is not None:
                 copied[half].record(stream)
             if waiting is not None:
@@ -575,8 +612,9 @@ def _cast_copy(hf: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
         if id(tensor) in memo:
             continue
         cast = tensor.detach().to(dtype) if tensor.is_floating_point() else tensor
-        memo[id(tensor)] = torch.nn.Parameter(cast, requires_grad=False) if isinstance(
-            tensor, torch.nn.Parameter) else cast
+        memo[id(tensor)] = (
+            torch.nn.Parameter(cast, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else cast
+        )
     return copy.deepcopy(hf, memo)
 
 
@@ -654,9 +692,17 @@ CPU_KEY_MULTIPLE = 16
 _PADDED_SDPA = "dask_surge_padded_sdpa"
 
 
-def _padded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                 is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+def _padded_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, Any]:
     """transformers' SDPA attention with the keys padded to :data:`CPU_KEY_MULTIPLE`, the padding masked out.
 
     The same attention (the padded keys get no weight): only the kernel's loops change. Left
@@ -672,8 +718,17 @@ def _padded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
     if not causal and kwargs.get("position_bias") is None:
         key, value, attention_mask = pad_keys(key, value, attention_mask, CPU_KEY_MULTIPLE)
-    return _sdpa_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                        is_causal=is_causal, **kwargs)
+    return _sdpa_forward(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=dropout,
+        scaling=scaling,
+        is_causal=is_causal,
+        **kwargs,
+    )
 
 
 def _sdpa_forward(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:

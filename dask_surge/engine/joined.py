@@ -71,7 +71,9 @@ _MODELS = ("WordPiece",)
 def flat_ids(encodings: Any, count: int) -> np.ndarray:
     """The token ids of ``encodings`` (``count`` in all), one after the other, as int32 (C-level
     iteration over the lists the tokenizer hands back)."""
-    return np.fromiter(chain.from_iterable(map(operator.attrgetter("ids"), encodings)), dtype=np.int32, count=count)
+    return np.fromiter(
+        chain.from_iterable(map(operator.attrgetter("ids"), encodings)), dtype=np.int32, count=count
+    )
 
 
 def special_ends(tokenizer: Any) -> tuple[list[int], list[int]]:
@@ -94,7 +96,7 @@ def special_ends(tokenizer: Any) -> tuple[list[int], list[int]]:
     mask = probe.special_tokens_mask
     lead = next((i for i, m in enumerate(mask) if not m), len(mask))
     trail = next((i for i, m in enumerate(reversed(mask)) if not m), 0)
-    return list(probe.ids[:lead]), list(probe.ids[len(probe.ids) - trail:])
+    return list(probe.ids[:lead]), list(probe.ids[len(probe.ids) - trail :])
 
 
 def _threads() -> int:
@@ -120,7 +122,9 @@ class JoinedTokenizer:
         The special token ids put before and after each text; None reads them with :func:`special_ends`.
     """
 
-    def __init__(self, tokenizer: Any, separator: str, ends: tuple[list[int], list[int]] | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, separator: str, ends: tuple[list[int], list[int]] | None = None
+    ) -> None:
         truncation = tokenizer.truncation
         self.head, self.tail = (np.array(ids, dtype=np.int32) for ids in (ends or special_ends(tokenizer)))
         specials = len(self.head) + len(self.tail)
@@ -146,14 +150,21 @@ class JoinedTokenizer:
         >>> JoinedTokenizer.of(Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))) is None
         True
         """
+
         def kind(part: Any) -> str | None:
             return None if part is None else type(part).__name__
 
-        if (kind(tokenizer.model) not in _MODELS or kind(tokenizer.normalizer) not in (None, *_NORMALIZERS)
-                or kind(tokenizer.pre_tokenizer) not in _PRE_TOKENIZERS or tokenizer.padding is not None):
+        if (
+            kind(tokenizer.model) not in _MODELS
+            or kind(tokenizer.normalizer) not in (None, *_NORMALIZERS)
+            or kind(tokenizer.pre_tokenizer) not in _PRE_TOKENIZERS
+            or tokenizer.padding is not None
+        ):
             return None
         truncation = tokenizer.truncation
-        if truncation is not None and (int(truncation.get("stride") or 0) or int(truncation["max_length"]) < 3):
+        if truncation is not None and (
+            int(truncation.get("stride") or 0) or int(truncation["max_length"]) < 3
+        ):
             return None
         head, tail = special_ends(tokenizer)
         if truncation is not None and int(truncation["max_length"]) <= len(head) + len(tail):
@@ -161,8 +172,16 @@ class JoinedTokenizer:
         added = list(tokenizer.get_added_tokens_decoder().items())
         if any(any(c.isspace() for c in t.content) for _, t in added):
             return None  # it could match across the spaces around a separator, or at a text's joined edge
-        candidates = {i: t.content for i, t in added if t.special and not t.normalized and not t.lstrip
-                      and not t.rstrip and not t.single_word and t.content}
+        candidates = {
+            i: t.content
+            for i, t in added
+            if t.special
+            and not t.normalized
+            and not t.lstrip
+            and not t.rstrip
+            and not t.single_word
+            and t.content
+        }
         preferred = [candidates[i] for i in (*tail, *head) if i in candidates]
         for separator in preferred or list(candidates.values()):
             others = [t.content for _, t in added if t.content != separator]
@@ -229,8 +248,9 @@ class JoinedTokenizer:
             assert found is not None
         return self._cut(*found)
 
-    def _tokenize(self, groups: list[tuple[int, int]], strings: list[str]
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def _tokenize(
+        self, groups: list[tuple[int, int]], strings: list[str]
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """The ids of every group's string and each text's ``(start, stop)`` in them; None when a group's
         separators are not one between each two of its texts."""
         encodings = self._encode(strings, add_special_tokens=False)
@@ -246,15 +266,18 @@ class JoinedTokenizer:
         group_of = np.searchsorted(ends, seps, side="right")
         between = multi[group_of]  # a separator id in a group of one text is that text's own
         seps = seps[between]
-        if not np.array_equal(np.bincount(group_of[between], minlength=len(groups)), np.where(multi, counts - 1, 0)):
+        if not np.array_equal(
+            np.bincount(group_of[between], minlength=len(groups)), np.where(multi, counts - 1, 0)
+        ):
             return None
         # text spans in order: each group's begin and the token after each separator; each separator and the end
         starts = np.sort(np.concatenate([begins, seps + 1]))
         stops = np.sort(np.concatenate([seps, ends]))
         return ids, starts, stops
 
-    def _cut(self, ids: np.ndarray, starts: np.ndarray, stops: np.ndarray
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _cut(
+        self, ids: np.ndarray, starts: np.ndarray, stops: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Truncate each text's span as the tokenizer would and put the special tokens around it."""
         length = stops - starts
         keep = length if self.capacity is None else np.minimum(length, self.capacity)
@@ -272,5 +295,7 @@ class JoinedTokenizer:
         if total:
             before = np.cumsum(keep) - keep
             step = np.arange(total)
-            out[np.repeat(out_starts + n_head - before, keep) + step] = ids[np.repeat(source - before, keep) + step]
+            out[np.repeat(out_starts + n_head - before, keep) + step] = ids[
+                np.repeat(source - before, keep) + step
+            ]
         return lengths.astype(np.int32), overflow, out

@@ -21,8 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAST_POOLING", "POOL_FLAGS", "ROTARY_DECODERS", "ModelLayout", "is_decoder_config", "layout_of_model",
-           "plain_reason", "read_layout"]
+__all__ = [
+    "FAST_POOLING",
+    "POOL_FLAGS",
+    "ROTARY_DECODERS",
+    "ModelLayout",
+    "is_decoder_config",
+    "layout_of_model",
+    "plain_reason",
+    "read_layout",
+]
 
 #: the ``pooling_mode_*`` flags of a ``Pooling`` config -> the mode names ``Pooling.pooling_mode`` uses
 POOL_FLAGS: dict[str, str] = {
@@ -51,8 +59,14 @@ TEXT_ONLY: dict[str, Any] = {"text": {"method": "forward", "method_output_name":
 #: the stacks of a plain model
 _PLAIN_STACKS = (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"])
 #: modules whose effect on the embedding size the files say
-_SIZED_MODULES = ("Transformer", "Pooling", "Normalize", "Dense",
-                  "SpladePooling", "MultiVectorMask")  # a sparse model's pooling; a multi-vector model's token mask
+_SIZED_MODULES = (
+    "Transformer",
+    "Pooling",
+    "Normalize",
+    "Dense",
+    "SpladePooling",
+    "MultiVectorMask",
+)  # a sparse model's pooling; a multi-vector model's token mask
 _NORMALIZE_IO = ("sentence_embedding", "sentence_embedding")
 
 
@@ -72,14 +86,26 @@ def is_decoder_config(config: Mapping[str, Any]) -> bool:
     False
     """
     architectures = config.get("architectures") or ()
-    return (bool(config.get("is_decoder")) or config.get("model_type") in ROTARY_DECODERS | _ABSOLUTE_DECODERS
-            or any(str(a).endswith(_CAUSAL_ARCHITECTURES) for a in architectures))
+    return (
+        bool(config.get("is_decoder"))
+        or config.get("model_type") in ROTARY_DECODERS | _ABSOLUTE_DECODERS
+        or any(str(a).endswith(_CAUSAL_ARCHITECTURES) for a in architectures)
+    )
 
 
-def plain_reason(modules: Sequence[str], pooling: Sequence[str], *, module_types: Sequence[str] | None = None,
-                 settings: Mapping[str, Any] | None = None, is_decoder: bool = False, model_type: str | None = None,
-                 is_encoder_decoder: bool = False, truncate_dim: int | None = None, max_seq_length: Any = None,
-                 normalize_io: tuple[str, str] = _NORMALIZE_IO) -> str | None:
+def plain_reason(
+    modules: Sequence[str],
+    pooling: Sequence[str],
+    *,
+    module_types: Sequence[str] | None = None,
+    settings: Mapping[str, Any] | None = None,
+    is_decoder: bool = False,
+    model_type: str | None = None,
+    is_encoder_decoder: bool = False,
+    truncate_dim: int | None = None,
+    max_seq_length: Any = None,
+    normalize_io: tuple[str, str] = _NORMALIZE_IO,
+) -> str | None:
     """None when a model of this description is plain (the fast engine runs it), else why it is not.
 
     The same rule for a model's files and for a loaded model.
@@ -124,16 +150,24 @@ def plain_reason(modules: Sequence[str], pooling: Sequence[str], *, module_types
     """
     if list(modules) not in _PLAIN_STACKS:
         return f"modules {list(modules)} are not Transformer + Pooling (+ Normalize)"
-    if module_types is not None and not all(str(t).startswith("sentence_transformers.") for t in module_types):
+    if module_types is not None and not all(
+        str(t).startswith("sentence_transformers.") for t in module_types
+    ):
         return f"modules {list(module_types)} are not all sentence-transformers' own"
     if len(modules) == 3 and tuple(normalize_io) != _NORMALIZE_IO:
         return f"the Normalize module reads and writes {tuple(normalize_io)}, not the sentence embedding"
     if not pooling or not set(pooling) <= FAST_POOLING:
         return f"the pooling {list(pooling)} is not of {', '.join(sorted(FAST_POOLING))}"
     settings = settings or {}
-    odd = [key for key, default in (("transformer_task", "feature-extraction"), ("modality_config", TEXT_ONLY),
-                                    ("module_output_name", "token_embeddings"))
-           if settings.get(key, default) != default]
+    odd = [
+        key
+        for key, default in (
+            ("transformer_task", "feature-extraction"),
+            ("modality_config", TEXT_ONLY),
+            ("module_output_name", "token_embeddings"),
+        )
+        if settings.get(key, default) != default
+    ]
     if settings.get("processing_kwargs"):
         odd.append("processing_kwargs")
     if odd:
@@ -141,13 +175,18 @@ def plain_reason(modules: Sequence[str], pooling: Sequence[str], *, module_types
     if is_encoder_decoder:
         return "the Transformer is an encoder-decoder, not an encoder or a decoder alone"
     if is_decoder and model_type not in ROTARY_DECODERS:
-        return (f"a {model_type!r} decoder: the fast engine runs decoders of rotary (relative) positions only, "
-                f"{', '.join(sorted(ROTARY_DECODERS))}, whose right-padded rows give sentence-transformers' "
-                "left-padded vectors")
+        return (
+            f"a {model_type!r} decoder: the fast engine runs decoders of rotary (relative) positions only, "
+            f"{', '.join(sorted(ROTARY_DECODERS))}, whose right-padded rows give sentence-transformers' "
+            "left-padded vectors"
+        )
     if truncate_dim is not None:
         return f"truncate_dim={truncate_dim!r} is set"
-    if max_seq_length is not None and (isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int)
-                                       or not 0 < max_seq_length < 2**31):
+    if max_seq_length is not None and (
+        isinstance(max_seq_length, bool)
+        or not isinstance(max_seq_length, int)
+        or not 0 < max_seq_length < 2**31
+    ):
         return f"max_seq_length={max_seq_length!r} is not a positive int"
     return None
 
@@ -293,20 +332,43 @@ def _read_layout(path: str, files: dict[str, tuple[int, int] | None]) -> ModelLa
         modules = sorted(_read(root / "modules.json", files), key=lambda m: m.get("idx", 0))
         types = [str(m.get("type", "")) for m in modules]
     except (OSError, ValueError, TypeError, AttributeError) as err:
-        return ModelLayout(path, [], [], (), False, None, None, False,
-                           f"its files could not be read as a sentence-transformers model ({type(err).__name__}: {err})")
+        return ModelLayout(
+            path,
+            [],
+            [],
+            (),
+            False,
+            None,
+            None,
+            False,
+            f"its files could not be read as a sentence-transformers model ({type(err).__name__}: {err})",
+        )
     short = [t.rsplit(".", 1)[-1] for t in types]
     dimension = _dimension(modules, root, files)
-    base: dict[str, Any] = {"path": path, "modules": short, "module_types": types, "dimension": dimension,
-            "normalize": short[-1:] == ["Normalize"]}
+    base: dict[str, Any] = {
+        "path": path,
+        "modules": short,
+        "module_types": types,
+        "dimension": dimension,
+        "normalize": short[-1:] == ["Normalize"],
+    }
     try:
         where = root / str(modules[0].get("path", "")) if short[:1] == ["Transformer"] else None
         transformer_settings = _read_if_any(where / "sentence_bert_config.json", files) if where else {}
-        pooling_config = (_read(root / str(modules[1].get("path", "")) / "config.json", files)
-                          if short[1:2] == ["Pooling"] else {})
+        pooling_config = (
+            _read(root / str(modules[1].get("path", "")) / "config.json", files)
+            if short[1:2] == ["Pooling"]
+            else {}
+        )
         model_settings = _read_if_any(root / "config_sentence_transformers.json", files)
-        hf_path = next((c for c in ((where / "config.json", where / "_transformer" / "config.json") if where else ())
-                        if c.is_file()), None)
+        hf_path = next(
+            (
+                c
+                for c in ((where / "config.json", where / "_transformer" / "config.json") if where else ())
+                if c.is_file()
+            ),
+            None,
+        )
         hf_config = _read(hf_path, files) if hf_path is not None else {}
         if where is not None:
             files[str(where / "config.json")] = _stat(where / "config.json")
@@ -316,23 +378,41 @@ def _read_layout(path: str, files: dict[str, tuple[int, int] | None]) -> ModelLa
         pooling = _pooling_modes(pooling_config)
         # null in sentence_bert_config.json is the setting left at its default
         settings = {k: v for k, v in transformer_settings.items() if v is not None}
-        reason = plain_reason(short, pooling, module_types=types, settings=settings,
-                              is_decoder=is_decoder_config(hf_config), model_type=hf_config.get("model_type"),
-                              is_encoder_decoder=bool(hf_config.get("is_encoder_decoder")),
-                              truncate_dim=model_settings.get("truncate_dim"), max_seq_length=max_seq_length)
+        reason = plain_reason(
+            short,
+            pooling,
+            module_types=types,
+            settings=settings,
+            is_decoder=is_decoder_config(hf_config),
+            model_type=hf_config.get("model_type"),
+            is_encoder_decoder=bool(hf_config.get("is_encoder_decoder")),
+            truncate_dim=model_settings.get("truncate_dim"),
+            max_seq_length=max_seq_length,
+        )
         return ModelLayout(
-            **base, pooling=pooling, max_seq_length=max_seq_length if reason is None else None,
-            plain=reason is None, reason=reason or "", transformer=str(where) if where else None,
+            **base,
+            pooling=pooling,
+            max_seq_length=max_seq_length if reason is None else None,
+            plain=reason is None,
+            reason=reason or "",
+            transformer=str(where) if where else None,
             include_prompt=bool(pooling_config.get("include_prompt", True)),
             prompts=dict(prompts) if isinstance(prompts, dict) else {},
             default_prompt_name=model_settings.get("default_prompt_name"),
-            transformer_settings=dict(transformer_settings), model_settings=dict(model_settings),
-            hf_config=dict(hf_config), hf_config_path=str(hf_path) if hf_path is not None else None,
+            transformer_settings=dict(transformer_settings),
+            model_settings=dict(model_settings),
+            hf_config=dict(hf_config),
+            hf_config_path=str(hf_path) if hf_path is not None else None,
         )
     except (OSError, ValueError, TypeError, AttributeError, KeyError, IndexError) as err:
-        return ModelLayout(**base, pooling=(), max_seq_length=None, plain=False,
-                           reason=f"its files could not be read as a sentence-transformers model "
-                                  f"({type(err).__name__}: {err})")
+        return ModelLayout(
+            **base,
+            pooling=(),
+            max_seq_length=None,
+            plain=False,
+            reason=f"its files could not be read as a sentence-transformers model "
+            f"({type(err).__name__}: {err})",
+        )
 
 
 _CACHE: dict[str, tuple[dict[str, tuple[int, int] | None], ModelLayout]] = {}
@@ -394,25 +474,44 @@ def layout_of_model(model: Any) -> ModelLayout:
     mode = getattr(pooling_module, "pooling_mode", ()) if pooling_module is not None else ()
     pooling = (mode,) if isinstance(mode, str) else tuple(mode)
     transformer = modules[0] if short[:1] == ["Transformer"] else None
-    settings = {key: getattr(transformer, key) for key in
-                ("transformer_task", "modality_config", "module_output_name", "processing_kwargs")
-                if hasattr(transformer, key)}
+    settings = {
+        key: getattr(transformer, key)
+        for key in ("transformer_task", "modality_config", "module_output_name", "processing_kwargs")
+        if hasattr(transformer, key)
+    }
     config = getattr(getattr(transformer, "auto_model", None), "config", None)
     to_dict = getattr(config, "to_dict", None)
     hf_config = to_dict() if callable(to_dict) else {}
     normalize = modules[2] if len(modules) == 3 else None
-    normalize_io = (getattr(normalize, "module_input_name", _NORMALIZE_IO[0]),
-                    getattr(normalize, "module_output_name", _NORMALIZE_IO[1]))
-    reason = plain_reason(short, pooling, module_types=types, settings=settings,
-                          is_decoder=is_decoder_config(hf_config), model_type=hf_config.get("model_type"),
-                          is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
-                          truncate_dim=getattr(model, "truncate_dim", None), normalize_io=normalize_io,
-                          max_seq_length=getattr(transformer, "max_seq_length", None))
+    normalize_io = (
+        getattr(normalize, "module_input_name", _NORMALIZE_IO[0]),
+        getattr(normalize, "module_output_name", _NORMALIZE_IO[1]),
+    )
+    reason = plain_reason(
+        short,
+        pooling,
+        module_types=types,
+        settings=settings,
+        is_decoder=is_decoder_config(hf_config),
+        model_type=hf_config.get("model_type"),
+        is_encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
+        truncate_dim=getattr(model, "truncate_dim", None),
+        normalize_io=normalize_io,
+        max_seq_length=getattr(transformer, "max_seq_length", None),
+    )
     max_seq_length = getattr(transformer, "max_seq_length", None)
     return ModelLayout(
-        "", short, types, pooling, short[-1:] == ["Normalize"], None,
-        max_seq_length if isinstance(max_seq_length, int) else None, reason is None, reason or "",
+        "",
+        short,
+        types,
+        pooling,
+        short[-1:] == ["Normalize"],
+        None,
+        max_seq_length if isinstance(max_seq_length, int) else None,
+        reason is None,
+        reason or "",
         include_prompt=bool(getattr(pooling_module, "include_prompt", True)),
         prompts=dict(getattr(model, "prompts", None) or {}),
-        default_prompt_name=getattr(model, "default_prompt_name", None), hf_config=dict(hf_config),
+        default_prompt_name=getattr(model, "default_prompt_name", None),
+        hf_config=dict(hf_config),
     )

@@ -35,15 +35,27 @@ __all__ = ["DIRECT_MODEL_TYPES", "DirectModule", "direct_layout", "direct_reason
 #: ``config.json`` model types loaded directly: the encoders and the rotary decoders
 #: (:data:`~dask_surge.engine.layout.ROTARY_DECODERS`) that ``AutoModel`` loads as
 #: sentence-transformers' ``Transformer`` module does (no special case there for them)
-DIRECT_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "electra"}) | ROTARY_DECODERS
+DIRECT_MODEL_TYPES = (
+    frozenset({"bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "electra"}) | ROTARY_DECODERS
+)
 
 #: ``sentence_bert_config.json`` keys and the values that change nothing the engine does
-_NEUTRAL_TRANSFORMER = {"transformer_task": ("feature-extraction",), "module_output_name": ("token_embeddings",),
-                        "model_args": ({},), "tokenizer_args": ({},), "config_args": ({},),
-                        "processing_kwargs": ({}, None), "do_lower_case": (False,), "unpad_inputs": (None, False),
-                        "modality_config": (None, TEXT_ONLY), "query_length": (None,), "document_length": (None,),
-                        "query_expansion": (None,)}
+_NEUTRAL_TRANSFORMER = {
+    "transformer_task": ("feature-extraction",),
+    "module_output_name": ("token_embeddings",),
+    "model_args": ({},),
+    "tokenizer_args": ({},),
+    "config_args": ({},),
+    "processing_kwargs": ({}, None),
+    "do_lower_case": (False,),
+    "unpad_inputs": (None, False),
+    "modality_config": (None, TEXT_ONLY),
+    "query_length": (None,),
+    "document_length": (None,),
+    "query_expansion": (None,),
+}
 _NEUTRAL_MODEL = {"__version__", "prompts", "default_prompt_name", "similarity_fn_name", "model_type"}
+
 
 def direct_reason(layout: ModelLayout) -> str | None:
     """None when the model of ``layout`` loads directly (without sentence-transformers), else why not.
@@ -60,8 +72,11 @@ def direct_reason(layout: ModelLayout) -> str | None:
     """
     if not layout.plain:
         return layout.reason
-    odd = {k: v for k, v in layout.transformer_settings.items()
-           if k != "max_seq_length" and v not in _NEUTRAL_TRANSFORMER.get(k, ())}
+    odd = {
+        k: v
+        for k, v in layout.transformer_settings.items()
+        if k != "max_seq_length" and v not in _NEUTRAL_TRANSFORMER.get(k, ())
+    }
     if odd:
         return f"sentence_bert_config.json sets {sorted(odd)}"
     if len(layout.pooling) != 1:
@@ -70,10 +85,16 @@ def direct_reason(layout: ModelLayout) -> str | None:
         return f"config_sentence_transformers.json sets {sorted(set(layout.model_settings) - _NEUTRAL_MODEL)}"
     hf = layout.hf_config
     where = Path(layout.transformer or layout.path)
-    if layout.model_type not in DIRECT_MODEL_TYPES or hf.get("auto_map") \
-            or layout.hf_config_path != str(where / "config.json") or not (where / "tokenizer.json").is_file():
-        return (f"a {layout.model_type} model (custom code, a decoder or no tokenizer.json) is left to "
-                "sentence-transformers")
+    if (
+        layout.model_type not in DIRECT_MODEL_TYPES
+        or hf.get("auto_map")
+        or layout.hf_config_path != str(where / "config.json")
+        or not (where / "tokenizer.json").is_file()
+    ):
+        return (
+            f"a {layout.model_type} model (custom code, a decoder or no tokenizer.json) is left to "
+            "sentence-transformers"
+        )
     return None
 
 
@@ -143,8 +164,11 @@ def load_direct(layout: ModelLayout, device: str) -> DirectModule:
     try:
         tokenizer = load_bert_tokenizer(layout.transformer, model_max_length=layout.max_seq_length)
     except NotNativeTokenizer as why:
-        logger.debug("dask-surge: the tokenizer of %s is loaded with transformers' AutoTokenizer: %s",
-                     layout.transformer, why)
+        logger.debug(
+            "dask-surge: the tokenizer of %s is loaded with transformers' AutoTokenizer: %s",
+            layout.transformer,
+            why,
+        )
         from transformers import AutoTokenizer
 
         kwargs = {"model_max_length": layout.max_seq_length} if layout.max_seq_length is not None else {}
@@ -172,8 +196,9 @@ def _auto_model(path: str, device: str) -> Any:
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if hasattr(config, "use_cache"):  # sentence-transformers turns the cache off
         config.use_cache = False
-    model = AutoModel.from_pretrained(path, config=config, local_files_only=True, attn_implementation="sdpa",
-                                      dtype=torch.float32)
+    model = AutoModel.from_pretrained(
+        path, config=config, local_files_only=True, attn_implementation="sdpa", dtype=torch.float32
+    )
     model.to(device)
     model.eval()
     return model

@@ -135,8 +135,13 @@ class Windows:
     @classmethod
     def empty(cls) -> Windows:
         """No windows."""
-        return cls(np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64),
-                   np.zeros(0, np.int32))
+        return cls(
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int32),
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int32),
+        )
 
     @classmethod
     def concat(cls, parts: Sequence[Windows]) -> Windows:
@@ -151,8 +156,12 @@ class Windows:
             return parts[0]
         if not parts:
             return cls.empty()
-        return cls(*(np.concatenate([getattr(p, f) for p in parts])
-                     for f in ("text", "chunk", "char_start", "char_end", "tokens")))
+        return cls(
+            *(
+                np.concatenate([getattr(p, f) for p in parts])
+                for f in ("text", "chunk", "char_start", "char_end", "tokens")
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -248,7 +257,14 @@ class _GroupBuilder:
         self.arrays: list[np.ndarray] = []
         self.encodings: list = []  # short texts' encodings, their ids not yet in ``arrays``
         self.size = 0
-        self.meta: tuple[list[int], list[int], list[int], list[int], list[int], list[int]] = ([], [], [], [], [], [])
+        self.meta: tuple[list[int], list[int], list[int], list[int], list[int], list[int]] = (
+            [],
+            [],
+            [],
+            [],
+            [],
+            [],
+        )
 
     def __len__(self) -> int:
         return len(self.meta[0])
@@ -283,10 +299,15 @@ class _GroupBuilder:
         text, chunk, cs, ce, tokens, starts = self.meta
         content = np.concatenate(self.arrays) if self.arrays else np.zeros(0, np.int32)
         group = WindowGroup(
-            content=content.astype(np.int32, copy=False), starts=np.array(starts, dtype=np.int64),
-            windows=Windows(np.array(text, dtype=np.int64), np.array(chunk, dtype=np.int32),
-                            np.array(cs, dtype=np.int64), np.array(ce, dtype=np.int64),
-                            np.array(tokens, dtype=np.int32)),
+            content=content.astype(np.int32, copy=False),
+            starts=np.array(starts, dtype=np.int64),
+            windows=Windows(
+                np.array(text, dtype=np.int64),
+                np.array(chunk, dtype=np.int32),
+                np.array(cs, dtype=np.int64),
+                np.array(ce, dtype=np.int64),
+                np.array(tokens, dtype=np.int32),
+            ),
         )
         self.__init__()  # type: ignore[misc]
         return group
@@ -302,7 +323,9 @@ class _Stream:
         self.ids = np.zeros(0, np.int32)
         self.starts = np.zeros(0, np.int64)  # word starts, as indices into ids (ascending)
         self.end = 0  # where the last window cut ends, as an index into ids (0: none yet)
-        self.encodings: list[tuple[Any, int, int]] = []  # (encoding, text token index of its first, char base)
+        self.encodings: list[
+            tuple[Any, int, int]
+        ] = []  # (encoding, text token index of its first, char base)
 
     def add(self, encoding: Any, char_base: int) -> None:
         ids = np.fromiter(encoding.ids, dtype=np.int32, count=len(encoding))
@@ -357,8 +380,11 @@ class _Stream:
         self.starts = bounds[bounds >= s] - s
         self.end = max(end - s, 0)
         self.base += s
-        self.encodings = [e for i, e in enumerate(self.encodings)
-                          if i + 1 == len(self.encodings) or self.encodings[i + 1][1] > self.base]
+        self.encodings = [
+            e
+            for i, e in enumerate(self.encodings)
+            if i + 1 == len(self.encodings) or self.encodings[i + 1][1] > self.base
+        ]
         return segment, cuts
 
 
@@ -440,8 +466,11 @@ class WindowCutter:
         check_long_texts("chunk", overlap)
         if 2 * overlap >= self.capacity:
             fits = (self.capacity - 1) // 2
-            example = (f"the default {DEFAULT_CHUNK_OVERLAP}" if fits >= DEFAULT_CHUNK_OVERLAP
-                       else f"{fits} (the default {DEFAULT_CHUNK_OVERLAP} does not fit this window either)")
+            example = (
+                f"the default {DEFAULT_CHUNK_OVERLAP}"
+                if fits >= DEFAULT_CHUNK_OVERLAP
+                else f"{fits} (the default {DEFAULT_CHUNK_OVERLAP} does not fit this window either)"
+            )
             raise SurgeValueError(
                 f"chunk_overlap={overlap!r} is not smaller than half the model's window of {self.capacity} "
                 f"tokens: consecutive windows may share less than half a window. Fix: pass chunk_overlap < "
@@ -472,8 +501,9 @@ class WindowCutter:
             start = 0
             while True:
                 stop = _slice_end(text, start, SLICE_CHARS)
-                batch.append((index, start, text[start:stop] if start or stop < len(text) else text,
-                              stop >= len(text)))
+                batch.append(
+                    (index, start, text[start:stop] if start or stop < len(text) else text, stop >= len(text))
+                )
                 chars += stop - start
                 if chars >= BATCH_CHARS or len(batch) >= BLOCK_TEXTS:
                     yield batch
@@ -484,8 +514,9 @@ class WindowCutter:
         if batch:
             yield batch
 
-    def groups(self, texts: Sequence[str], overlap: int = DEFAULT_CHUNK_OVERLAP, *,
-               max_windows: int = BLOCK_TEXTS) -> Iterator[WindowGroup]:
+    def groups(
+        self, texts: Sequence[str], overlap: int = DEFAULT_CHUNK_OVERLAP, *, max_windows: int = BLOCK_TEXTS
+    ) -> Iterator[WindowGroup]:
         """The windows of ``texts``, in (text, chunk) order, in groups of about ``max_windows``.
 
         Each text is tokenized once (a text over :data:`SLICE_CHARS` characters slice by slice);
@@ -503,8 +534,11 @@ class WindowCutter:
         builder = _GroupBuilder()
         stream: _Stream | None = None
         for batch in self._pieces(texts):
-            whole = [k for k, (_, base, piece, last) in enumerate(batch) if not base and last
-                     and len(piece) <= fast_chars]
+            whole = [
+                k
+                for k, (_, base, piece, last) in enumerate(batch)
+                if not base and last and len(piece) <= fast_chars
+            ]
             encodings: list = [None] * len(batch)
             for k, enc in zip(whole, self._tokenize([batch[k][2] for k in whole], offsets=False)):
                 if len(enc) <= capacity:
@@ -550,7 +584,9 @@ class WindowCutter:
         texts = texts if isinstance(texts, list) else list(texts)
         limit = max(4096, 16 * self.capacity)
         heads = [t[: _slice_end(t, 0, limit)] if isinstance(t, str) and len(t) > limit else t for t in texts]
-        out = np.fromiter(map(len, self._tokenize(heads, offsets=False)), np.int64, len(texts)) > self.capacity
+        out = (
+            np.fromiter(map(len, self._tokenize(heads, offsets=False)), np.int64, len(texts)) > self.capacity
+        )
         again = [i for i, (t, h) in enumerate(zip(texts, heads)) if not out[i] and h is not t]
         if again:
             out[again] = [self.content_tokens(texts[i]) > self.capacity for i in again]
@@ -567,8 +603,14 @@ class WindowCutter:
             start = stop
 
 
-def collect(count: int, long_texts: str, parts: Iterable[tuple[Windows, np.ndarray]], dimension: int, *,
-            renormalize: bool) -> TextEmbeddings:
+def collect(
+    count: int,
+    long_texts: str,
+    parts: Iterable[tuple[Windows, np.ndarray]],
+    dimension: int,
+    *,
+    renormalize: bool,
+) -> TextEmbeddings:
     """The :class:`TextEmbeddings` of a ``"chunk"`` or ``"mean"`` call from its windows' embeddings.
 
     Parameters
@@ -623,9 +665,17 @@ def collect(count: int, long_texts: str, parts: Iterable[tuple[Windows, np.ndarr
     return TextEmbeddings(sums, None, truncated, over)
 
 
-def encode_windows(texts: Sequence[str], long_texts: str, overlap: int, cutter: WindowCutter,
-                   encode: Callable[[Iterator[WindowGroup]], Iterator[np.ndarray]], dimension: int, *,
-                   renormalize: bool, clock: Any = None) -> TextEmbeddings:
+def encode_windows(
+    texts: Sequence[str],
+    long_texts: str,
+    overlap: int,
+    cutter: WindowCutter,
+    encode: Callable[[Iterator[WindowGroup]], Iterator[np.ndarray]],
+    dimension: int,
+    *,
+    renormalize: bool,
+    clock: Any = None,
+) -> TextEmbeddings:
     """``"chunk"``/``"mean"``: cut ``texts`` with ``cutter``, embed each group with ``encode``, collect.
 
     ``clock`` (a :class:`~dask_surge.engine.tokenizing.StageClock`) counts the cutting, tokenizer

@@ -8,7 +8,15 @@ from typing import Any
 
 from ..errors import SurgeValueError
 
-__all__ = ["auto_dtype", "checkpoint_dtype", "default_device", "gpu_count", "move_to", "pick_device", "same_device"]
+__all__ = [
+    "auto_dtype",
+    "checkpoint_dtype",
+    "default_device",
+    "gpu_count",
+    "move_to",
+    "pick_device",
+    "same_device",
+]
 
 logger = logging.getLogger(__name__)
 

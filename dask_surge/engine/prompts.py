@@ -12,8 +12,14 @@ __all__ = ["resolve_prompt"]
 logger = logging.getLogger(__name__)
 
 
-def resolve_prompt(prompts: Mapping[str, str | None], default_prompt_name: str | None, prompt: str | None,
-                   prompt_name: str | None, *, source: str = "the model") -> str | None:
+def resolve_prompt(
+    prompts: Mapping[str, str | None],
+    default_prompt_name: str | None,
+    prompt: str | None,
+    prompt_name: str | None,
+    *,
+    source: str = "the model",
+) -> str | None:
     """The prompt text, with ``SentenceTransformer._resolve_prompt``'s rules.
 
     ``prompt`` wins (``""`` included: no prompt) and ``prompt_name`` is then ignored
@@ -37,6 +43,10 @@ def resolve_prompt(prompts: Mapping[str, str | None], default_prompt_name: str |
         if default_prompt_name is not None:
             return prompts.get(default_prompt_name)
     elif prompt_name is not None:
-        logger.warning("dask-surge: both prompt=%r and prompt_name=%r given; prompt_name is ignored, as "
-                       "sentence-transformers does", prompt, prompt_name)
+        logger.warning(
+            "dask-surge: both prompt=%r and prompt_name=%r given; prompt_name is ignored, as "
+            "sentence-transformers does",
+            prompt,
+            prompt_name,
+        )
     return prompt

@@ -32,8 +32,7 @@ from .batching import blocks as block_starts
 from .joined import JoinedTokenizer, flat_ids
 from .tokenpool import Pending, TokenizedBlock, TokenizerProcessError, TokenPool, auto_processes
 
-__all__ = ["STAGES", "PackedBlock", "StageClock", "TextPacker", "gc_paused", "prepared",
-           "unreadable_text"]
+__all__ = ["STAGES", "PackedBlock", "StageClock", "TextPacker", "gc_paused", "prepared", "unreadable_text"]
 
 
 logger = logging.getLogger(__name__)
@@ -187,11 +186,21 @@ class TextPacker:
         first use); 0 tokenizes in this process. Settable: :attr:`processes`.
     """
 
-    def __init__(self, hf_tokenizer: Any, max_seq_length: int, *, prompt: str = "", include_prompt: bool = True,
-                 clock: StageClock, processes: int = 0) -> None:
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        max_seq_length: int,
+        *,
+        prompt: str = "",
+        include_prompt: bool = True,
+        clock: StageClock,
+        processes: int = 0,
+    ) -> None:
         self.max_seq_length = int(max_seq_length)
         self.clock = clock
-        self._tokenizer = hf_tokenizer.backend_tokenizer.__class__.from_str(hf_tokenizer.backend_tokenizer.to_str())
+        self._tokenizer = hf_tokenizer.backend_tokenizer.__class__.from_str(
+            hf_tokenizer.backend_tokenizer.to_str()
+        )
         self._tokenizer.no_padding()
         self._tokenizer.enable_truncation(
             self.max_seq_length, strategy="longest_first", direction=hf_tokenizer.truncation_side
@@ -269,8 +278,14 @@ class TextPacker:
                 pool.close()
                 pool = None
             if pool is None and self.processes > 0 and self._pool_failure is None:
-                pool = self._pool = TokenPool(self.tokenizer_json(), self.max_seq_length, prompt=self.prompt,
-                                              processes=self.processes, gc_pause=tuned[0], joined=tuned[1])
+                pool = self._pool = TokenPool(
+                    self.tokenizer_json(),
+                    self.max_seq_length,
+                    prompt=self.prompt,
+                    processes=self.processes,
+                    gc_pause=tuned[0],
+                    joined=tuned[1],
+                )
             return pool
 
     def _pool_died(self, err: TokenizerProcessError) -> None:
@@ -347,8 +362,9 @@ class TextPacker:
             return tokenized.lengths
         return np.fromiter(map(len, tokenized), dtype=np.int32, count=len(texts))
 
-    def _submit(self, pool: TokenPool, texts: Sequence[str], *, ids: bool = True, block: bool = True
-                ) -> Pending | TokenizerProcessError | None:
+    def _submit(
+        self, pool: TokenPool, texts: Sequence[str], *, ids: bool = True, block: bool = True
+    ) -> Pending | TokenizerProcessError | None:
         """``pool.submit(texts)``; a :class:`TokenizerProcessError` is returned (a died one handled), not raised."""
         try:
             return pool.submit(texts, ids=ids, block=block)
@@ -377,7 +393,9 @@ class TextPacker:
             self._failed(err)
             return None
 
-    def blocks(self, texts: list[str] | ArrowTexts, *, background: bool = False) -> Iterator[tuple[int, Tokenized]]:
+    def blocks(
+        self, texts: list[str] | ArrowTexts, *, background: bool = False
+    ) -> Iterator[tuple[int, Tokenized]]:
         """Yield ``(offset, encodings)`` per block; with ``background`` the next block tokenizes meanwhile.
 
         Blocks follow :func:`~dask_surge.engine.batching.blocks`; with ``background`` (the device
@@ -421,8 +439,9 @@ class TextPacker:
                 yield start, encodings
                 del encodings  # before the next block's are taken
 
-    def _pooled_windows(self, pool: TokenPool, texts: list[str] | ArrowTexts, spans: list[tuple[int, int]]
-                        ) -> Iterator[tuple[int, Tokenized]]:
+    def _pooled_windows(
+        self, pool: TokenPool, texts: list[str] | ArrowTexts, spans: list[tuple[int, int]]
+    ) -> Iterator[tuple[int, Tokenized]]:
         """:meth:`blocks` through the helper processes: up to one block per helper in flight ahead of
         the one the caller packs. A block a helper could not take or finish is tokenized here; after a
         helper died, every later one is (the same ids either way)."""
@@ -490,8 +509,18 @@ class TextPacker:
             out[i] = bool(encodings[i].overflowing)
         return out
 
-    def pack_windows(self, content: np.ndarray, starts: np.ndarray, lengths: np.ndarray, offset: int, *,
-                     head: np.ndarray, tail: np.ndarray, max_tokens: int, split_runs: bool = True) -> PackedBlock:
+    def pack_windows(
+        self,
+        content: np.ndarray,
+        starts: np.ndarray,
+        lengths: np.ndarray,
+        offset: int,
+        *,
+        head: np.ndarray,
+        tail: np.ndarray,
+        max_tokens: int,
+        split_runs: bool = True,
+    ) -> PackedBlock:
         """Plan and pack blocks of token ids already cut (no tokenizing): each is ``head + content[a:b] + tail``.
 
         Parameters
@@ -536,13 +565,19 @@ class TextPacker:
             dst = np.repeat(out_starts + n_head - (np.cumsum(inner) - inner), inner) + np.arange(total)
             flat[dst] = content[dst + shift]
         block = PackedBlock(
-            plan=plan, size=int(flat.size), ids=flat, lengths=run_lengths.astype(np.int32),
-            starts=out_starts, where=plan.order + offset,
+            plan=plan,
+            size=int(flat.size),
+            ids=flat,
+            lengths=run_lengths.astype(np.int32),
+            starts=out_starts,
+            where=plan.order + offset,
         )
         self.clock.count("pack", t0)
         return block
 
-    def pack(self, encodings: Tokenized, offset: int, *, max_tokens: int, split_runs: bool = True) -> PackedBlock:
+    def pack(
+        self, encodings: Tokenized, offset: int, *, max_tokens: int, split_runs: bool = True
+    ) -> PackedBlock:
         """Plan one block (:func:`~dask_surge.engine.batching.plan_batches`) and gather its ids in run order."""
         if isinstance(encodings, TokenizedBlock):
             return self._pack_tokenized(encodings, offset, max_tokens=max_tokens, split_runs=split_runs)
@@ -552,22 +587,31 @@ class TextPacker:
         ordered = operator.itemgetter(*plan.order.tolist())(encodings) if len(encodings) > 1 else encodings
         flat = flat_ids(ordered, plan.real_tokens)
         block = PackedBlock(
-            plan=plan, size=int(flat.size), ids=flat, lengths=plan.lengths.astype(np.int32),
-            starts=(np.cumsum(plan.lengths) - plan.lengths).astype(np.int64), where=plan.order + offset,
+            plan=plan,
+            size=int(flat.size),
+            ids=flat,
+            lengths=plan.lengths.astype(np.int32),
+            starts=(np.cumsum(plan.lengths) - plan.lengths).astype(np.int64),
+            where=plan.order + offset,
         )
         self.clock.count("pack", t0)
         return block
 
-    def _pack_tokenized(self, block: TokenizedBlock, offset: int, *, max_tokens: int,
-                        split_runs: bool = True) -> PackedBlock:
+    def _pack_tokenized(
+        self, block: TokenizedBlock, offset: int, *, max_tokens: int, split_runs: bool = True
+    ) -> PackedBlock:
         """:meth:`pack` of a block tokenized as arrays (joined texts, or a helper): the same plan, the ids
         gathered with NumPy."""
         t0 = time.perf_counter()
         plan = plan_batches(block.lengths, max_tokens, split_runs=split_runs)
         flat = _gather(block.ids, block.starts, block.lengths, plan.order)
         packed = PackedBlock(
-            plan=plan, size=int(flat.size), ids=flat, lengths=plan.lengths.astype(np.int32),
-            starts=(np.cumsum(plan.lengths) - plan.lengths).astype(np.int64), where=plan.order + offset,
+            plan=plan,
+            size=int(flat.size),
+            ids=flat,
+            lengths=plan.lengths.astype(np.int32),
+            starts=(np.cumsum(plan.lengths) - plan.lengths).astype(np.int64),
+            where=plan.order + offset,
         )
         self.clock.count("pack", t0)
         return packed

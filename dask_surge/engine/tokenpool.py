@@ -130,7 +130,9 @@ class _Helper:
         self.index = index
         self.proc = subprocess.Popen(
             [sys.executable, str(_HELPER)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            close_fds=True,
         )
         self.blocks: dict[str, SharedMemory] = {}
         self.send(setup)
@@ -174,7 +176,8 @@ class _Helper:
             f"tokenizer helper process {self.proc.pid} {what}{hint}: {how}. The texts it held are tokenized "
             "in this process instead, with the same ids. Fix: give the worker more memory, or set "
             "surge.tuning.tokenize-processes to 0 to tokenize in the worker (dask.config.set({'surge.tuning.tokenize-processes': 0}) "
-            "or DASK_SURGE__TUNING__TOKENIZE_PROCESSES=0).", died=True
+            "or DASK_SURGE__TUNING__TOKENIZE_PROCESSES=0).",
+            died=True,
         )
 
     def close(self) -> None:
@@ -192,7 +195,8 @@ def _start(setup: dict[str, Any], index: int) -> _Helper:
     except OSError as err:
         raise TokenizerProcessError(
             f"could not start a tokenizer helper process ({err}). Texts are tokenized in this process instead. "
-            "Fix: set surge.tuning.tokenize-processes to 0 to tokenize in the worker.", died=True
+            "Fix: set surge.tuning.tokenize-processes to 0 to tokenize in the worker.",
+            died=True,
         ) from None
 
 
@@ -266,8 +270,9 @@ class Pending:
             raise
         try:
             if reply[0] != "ok":
-                raise TokenizerProcessError(f"tokenizer helper process {helper.pid} failed on a block: "
-                                            f"{reply[1]}: {reply[2]}")
+                raise TokenizerProcessError(
+                    f"tokenizer helper process {helper.pid} failed on a block: {reply[1]}: {reply[2]}"
+                )
             total = int(reply[1])
             out = helper.blocks["out"]
             flags_at, ids_at = out_layout(n)
@@ -275,8 +280,11 @@ class Pending:
             assert buf is not None
             lengths = np.frombuffer(buf, dtype=np.int32, count=n).copy()
             overflow = np.frombuffer(buf, dtype=np.uint8, count=n, offset=flags_at).astype(bool)
-            ids = (np.frombuffer(buf, dtype=np.int32, count=total, offset=ids_at).copy() if self._want_ids
-                   else np.empty(0, dtype=np.int32))
+            ids = (
+                np.frombuffer(buf, dtype=np.int32, count=total, offset=ids_at).copy()
+                if self._want_ids
+                else np.empty(0, dtype=np.int32)
+            )
             del buf
             return TokenizedBlock(lengths, overflow, ids)
         finally:
@@ -326,15 +334,28 @@ class TokenPool:
     True
     """
 
-    def __init__(self, tokenizer_json: str, max_length: int, *, prompt: str = "", processes: int = 1,
-                 gc_pause: bool = False, joined: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer_json: str,
+        max_length: int,
+        *,
+        prompt: str = "",
+        processes: int = 1,
+        gc_pause: bool = False,
+        joined: bool = True,
+    ) -> None:
         if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
             raise ValueError(f"processes={processes!r} must be a positive int")
         self.processes = processes
         self.max_length = int(max_length)
         # the helper imports nothing of the package: the tuning settings travel in its setup message
-        self._setup = {"tokenizer": tokenizer_json, "prompt": prompt, "max_length": self.max_length,
-                       "gc_pause": bool(gc_pause), "joined": bool(joined)}
+        self._setup = {
+            "tokenizer": tokenizer_json,
+            "prompt": prompt,
+            "max_length": self.max_length,
+            "gc_pause": bool(gc_pause),
+            "joined": bool(joined),
+        }
         # ids per text at most, beyond one per byte of text: the prompt's (one per byte), special tokens and a
         # word-start marker (a helper whose ids do not fit says so, and the block is tokenized here)
         self._per_text = len(prompt.encode("utf-8", "surrogatepass")) + 16

@@ -42,6 +42,7 @@ from .tokenizing import StageClock, TextPacker, prepared
 
 __all__ = ["TransformerEngine"]
 
+
 class TransformerEngine:
     """Fast ``encode`` for Transformer + Pooling (+ Normalize) sentence-transformers models, encoders and
     rotary decoders (last-token pooling) alike.
@@ -86,20 +87,35 @@ class TransformerEngine:
 
     _cutter: WindowCutter | None  # the long-text window cutter, built on first use (see cutter())
 
-    def __init__(self, transformer, pooling_modes, *, normalize, max_tokens, dtype, prompt="", include_prompt=True):
+    def __init__(
+        self, transformer, pooling_modes, *, normalize, max_tokens, dtype, prompt="", include_prompt=True
+    ):
         self._clock = StageClock()
         self._hf_tokenizer = transformer.tokenizer  # for the long-text window cutter, built on first use
         self._cutter = None
-        self.packer = TextPacker(transformer.tokenizer, int(transformer.max_seq_length), prompt=prompt or "",
-                                  include_prompt=include_prompt, clock=self._clock)
-        self.runner = DeviceRunner(transformer.auto_model, tuple(pooling_modes), dtype=dtype,
-                                    pad_id=self.packer.pad_id, type_ids=self.packer.type_ids,
-                                    prompt_length=self.packer.prompt_length, clock=self._clock)
+        self.packer = TextPacker(
+            transformer.tokenizer,
+            int(transformer.max_seq_length),
+            prompt=prompt or "",
+            include_prompt=include_prompt,
+            clock=self._clock,
+        )
+        self.runner = DeviceRunner(
+            transformer.auto_model,
+            tuple(pooling_modes),
+            dtype=dtype,
+            pad_id=self.packer.pad_id,
+            type_ids=self.packer.type_ids,
+            prompt_length=self.packer.prompt_length,
+            clock=self._clock,
+        )
         self.device = self.runner.device
         self._normalize = normalize
         self.max_seq_length = self.packer.max_seq_length
         self.dimension = self.runner.dimension
-        self.max_tokens = self.runner.auto_max_tokens(self.max_seq_length) if max_tokens is None else max_tokens
+        self.max_tokens = (
+            self.runner.auto_max_tokens(self.max_seq_length) if max_tokens is None else max_tokens
+        )
         self._lock = threading.Lock()
         #: Launch all device work from one dedicated thread (the device side's feeder); on by default on
         #: CUDA, where the calling threads then only tokenize and pack. Settable (tests set it on CPU).
@@ -134,7 +150,12 @@ class TransformerEngine:
 
     @classmethod
     def from_sentence_transformer(
-        cls, model, *, max_tokens: int | None = None, dtype: str | None = None, prompt: str | None = None,
+        cls,
+        model,
+        *,
+        max_tokens: int | None = None,
+        dtype: str | None = None,
+        prompt: str | None = None,
         prompt_name: str | None = None,
     ) -> TransformerEngine | None:
         """Build an engine for ``model``, or return None when its structure is not supported.
@@ -214,8 +235,15 @@ class TransformerEngine:
                 f"dtype={dtype!r} needs a CUDA device but the model is on {device}: half precision only runs "
                 "on CUDA. Fix: pass dtype=None (or 'float32') on CPU, or load the model with device='cuda'."
             )
-        return cls(transformer, layout.pooling, normalize=layout.normalize, max_tokens=max_tokens, dtype=dtype,
-                   prompt=prompt, include_prompt=layout.include_prompt)
+        return cls(
+            transformer,
+            layout.pooling,
+            normalize=layout.normalize,
+            max_tokens=max_tokens,
+            dtype=dtype,
+            prompt=prompt,
+            include_prompt=layout.include_prompt,
+        )
 
     def encode(self, texts: Sequence[str], *, normalize: bool = False) -> np.ndarray:
         """Embed ``texts`` and return the rows in the order of ``texts``.
@@ -251,7 +279,9 @@ class TransformerEngine:
         self._check_open()
         self._use_processes()
         texts = as_texts(texts)
-        return self._encode_with(len(texts), self._blocks(texts), self._prepare_block, normalize or self._normalize)
+        return self._encode_with(
+            len(texts), self._blocks(texts), self._prepare_block, normalize or self._normalize
+        )
 
     def _check_open(self) -> None:
         if self._closed:
@@ -260,8 +290,13 @@ class TransformerEngine:
                 "cannot encode. Fix: build a new engine with TransformerEngine.from_sentence_transformer(model)."
             )
 
-    def _encode_with(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], DeviceBlock],
-                     normalize: bool) -> np.ndarray:
+    def _encode_with(
+        self,
+        count: int,
+        windows: Iterable[tuple[int, Any]],
+        prepare: Callable[[Any, int], DeviceBlock],
+        normalize: bool,
+    ) -> np.ndarray:
         """``(count, dimension)`` embeddings: ``prepare(item, offset)`` of each ``(offset, item)`` of ``windows``, run."""
         if self.use_feeder:
             return self._encode_fed(count, windows, prepare, normalize)
@@ -271,8 +306,13 @@ class TransformerEngine:
                 self._run_block(window, out, normalize)
             return self.runner.finish(out)
 
-    def _encode_fed(self, count: int, windows: Iterable[tuple[int, Any]], prepare: Callable[[Any, int], DeviceBlock],
-                    normalize: bool) -> np.ndarray:
+    def _encode_fed(
+        self,
+        count: int,
+        windows: Iterable[tuple[int, Any]],
+        prepare: Callable[[Any, int], DeviceBlock],
+        normalize: bool,
+    ) -> np.ndarray:
         """Prepare windows in the calling thread; the feeder thread launches all device work."""
         with self._lock:
             feeder = self.runner.feeder_thread()
@@ -314,8 +354,14 @@ class TransformerEngine:
             self._cutter = WindowCutter(self._hf_tokenizer, self.max_seq_length, prompt=self.prompt)
         return self._cutter
 
-    def encode_long(self, texts: Sequence[str], *, normalize: bool = False, long_texts: LongTexts = "truncate",
-                    chunk_overlap: int = DEFAULT_CHUNK_OVERLAP) -> TextEmbeddings:
+    def encode_long(
+        self,
+        texts: Sequence[str],
+        *,
+        normalize: bool = False,
+        long_texts: LongTexts = "truncate",
+        chunk_overlap: int = DEFAULT_CHUNK_OVERLAP,
+    ) -> TextEmbeddings:
         """Embed ``texts``, doing with those over the window what ``long_texts`` says.
 
         See :meth:`dask_surge.models.encoders.Encoder.encode_long`. ``"truncate"`` and
@@ -341,8 +387,16 @@ class TransformerEngine:
         if long_texts in ("chunk", "mean"):
             cutter = self.cutter()
             cutter.check_overlap(chunk_overlap)
-            return encode_windows(as_list(texts), long_texts, chunk_overlap, cutter, lambda g: self._encode_groups(g, normalize),
-                                  self.dimension, renormalize=normalize, clock=self._clock)
+            return encode_windows(
+                as_list(texts),
+                long_texts,
+                chunk_overlap,
+                cutter,
+                lambda g: self._encode_groups(g, normalize),
+                self.dimension,
+                renormalize=normalize,
+                clock=self._clock,
+            )
         truncated = np.zeros(len(texts), dtype=bool)
 
         def prepare(encodings: Any, offset: int) -> DeviceBlock:
@@ -365,9 +419,16 @@ class TransformerEngine:
     def _prepare_group(self, group: WindowGroup, offset: int) -> DeviceBlock:
         """Host side of one group of windows: packed from their ids (no tokenizing), staged."""
         cutter = self.cutter()
-        packed = self.packer.pack_windows(group.content, group.starts, group.windows.tokens, offset,
-                                           head=cutter.head, tail=cutter.tail, max_tokens=self.max_tokens,
-                                           split_runs=self.split_runs)
+        packed = self.packer.pack_windows(
+            group.content,
+            group.starts,
+            group.windows.tokens,
+            offset,
+            head=cutter.head,
+            tail=cutter.tail,
+            max_tokens=self.max_tokens,
+            split_runs=self.split_runs,
+        )
         return self.runner.stage(packed)
 
     def close(self) -> None:

@@ -95,33 +95,82 @@ class Setting:
         env = "DASK_SURGE__TUNING__" + self.name.upper().replace("-", "_")
         raise SurgeValueError(
             f"{self.key}={value!r} is not allowed: it must be {allowed}. Fix: dask.config.set({{{self.key!r}: ...}}) "
-            f"or the {env} environment variable ('auto' for the default of the device, or {allowed}).")
+            f"or the {env} environment variable ('auto' for the default of the device, or {allowed})."
+        )
 
 
 _CPU_ONLY = {"cpu": True, "other": False}
 
 #: The settings, by name (the key under ``surge.tuning.``).
-SETTINGS: dict[str, Setting] = {s.name: s for s in (
-    Setting("allocator", "keep activation blocks on the heap (glibc mallopt: mmap threshold 32 MiB, trim at "
-            "twice that) instead of a fresh zero-filled mmap per block", "process", ("cpu",), _CPU_ONLY,
-            "benchmarks/allocator_ab.py"),
-    Setting("gc-pause", "hold off Python's cyclic garbage collector during one tokenizer call (one GC-tracked "
-            "object per text, no cycles), in the worker and its tokenizing helpers", "process", ("cpu",),
-            _CPU_ONLY, "benchmarks/gil_stages.py"),
-    Setting("rayon-threads", "size the Rust tokenizer's thread pool (RAYON_NUM_THREADS) to the worker's share "
-            "of its host's cores (a value already set is kept)", "process", ("cpu",), _CPU_ONLY,
-            "benchmarks/tokenizer_threads_ab.py"),
-    Setting("pause-profiler", "pause distributed's profiler on a worker while it runs SuperBatch tasks (its "
-            "stack walks take the GIL)", "process", ("cpu",), _CPU_ONLY, "benchmarks/gil_stages.py"),
-    Setting("cpu-kernels", "on a CPU, run the engine's copy of the model with linear layers through oneDNN on "
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting(
+            "allocator",
+            "keep activation blocks on the heap (glibc mallopt: mmap threshold 32 MiB, trim at "
+            "twice that) instead of a fresh zero-filled mmap per block",
+            "process",
+            ("cpu",),
+            _CPU_ONLY,
+            "benchmarks/allocator_ab.py",
+        ),
+        Setting(
+            "gc-pause",
+            "hold off Python's cyclic garbage collector during one tokenizer call (one GC-tracked "
+            "object per text, no cycles), in the worker and its tokenizing helpers",
+            "process",
+            ("cpu",),
+            _CPU_ONLY,
+            "benchmarks/gil_stages.py",
+        ),
+        Setting(
+            "rayon-threads",
+            "size the Rust tokenizer's thread pool (RAYON_NUM_THREADS) to the worker's share "
+            "of its host's cores (a value already set is kept)",
+            "process",
+            ("cpu",),
+            _CPU_ONLY,
+            "benchmarks/tokenizer_threads_ab.py",
+        ),
+        Setting(
+            "pause-profiler",
+            "pause distributed's profiler on a worker while it runs SuperBatch tasks (its "
+            "stack walks take the GIL)",
+            "process",
+            ("cpu",),
+            _CPU_ONLY,
+            "benchmarks/gil_stages.py",
+        ),
+        Setting(
+            "cpu-kernels",
+            "on a CPU, run the engine's copy of the model with linear layers through oneDNN on "
             "pre-packed weights (gelu fused) and attention on padded keys (your model object is left as it "
-            "was)", "engine", ("cpu",), _CPU_ONLY, "benchmarks/engine_cpu.py"),
-    Setting("tokenize-processes", "helper processes per worker that tokenize, handing ids back through shared "
-            "memory", "engine", (), {"other": 0}, "benchmarks/host_ceiling.py --tokenpool", numeric=True),
-    Setting("joined-tokenizing", "join texts into few tokenizer inputs (the same ids, far fewer Python "
-            "objects), where the tokenizer allows it", "engine", ("cpu",), _CPU_ONLY,
-            "benchmarks/gil_stages.py"),
-)}
+            "was)",
+            "engine",
+            ("cpu",),
+            _CPU_ONLY,
+            "benchmarks/engine_cpu.py",
+        ),
+        Setting(
+            "tokenize-processes",
+            "helper processes per worker that tokenize, handing ids back through shared memory",
+            "engine",
+            (),
+            {"other": 0},
+            "benchmarks/host_ceiling.py --tokenpool",
+            numeric=True,
+        ),
+        Setting(
+            "joined-tokenizing",
+            "join texts into few tokenizer inputs (the same ids, far fewer Python "
+            "objects), where the tokenizer allows it",
+            "engine",
+            ("cpu",),
+            _CPU_ONLY,
+            "benchmarks/gil_stages.py",
+        ),
+    )
+}
 
 #: name -> the value :func:`apply_worker` applied in this process (empty in a user's own process)
 _applied: dict[str, Any] = {}
@@ -131,7 +180,9 @@ def _declared(name: str) -> Setting:
     try:
         return SETTINGS[name]
     except KeyError:
-        raise SurgeValueError(f"unknown tuning setting {name!r}. Fix: use one of {sorted(SETTINGS)}.") from None
+        raise SurgeValueError(
+            f"unknown tuning setting {name!r}. Fix: use one of {sorted(SETTINGS)}."
+        ) from None
 
 
 def configured(name: str) -> Any:

@@ -83,8 +83,17 @@ from .graph import superbatch_collection
 from .plugins import register_encoder
 from .superbatch import SuperBatchTask
 
-__all__ = ["PROBE_VERSION", "CalibrationWarning", "Timing", "cache_dir", "cache_path", "calibrate",
-           "fit_encode_curve", "separated", "solve_dask_terms"]
+__all__ = [
+    "PROBE_VERSION",
+    "CalibrationWarning",
+    "Timing",
+    "cache_dir",
+    "cache_path",
+    "calibrate",
+    "fit_encode_curve",
+    "separated",
+    "solve_dask_terms",
+]
 
 logger = logging.getLogger(__name__)
 PROBE_VERSION = 7  # bump when the probe, or the speed of what it measures (the engine), changes
@@ -113,8 +122,13 @@ def cache_dir() -> Path:
 
 
 def _key(identity: dict, device: str, workers: int, threads: int) -> dict:
-    return {"identity": identity, "device": device, "workers": int(workers), "threads": int(threads),
-            "probe": PROBE_VERSION}
+    return {
+        "identity": identity,
+        "device": device,
+        "workers": int(workers),
+        "threads": int(threads),
+        "probe": PROBE_VERSION,
+    }
 
 
 def cache_path(key: dict) -> Path:
@@ -258,8 +272,9 @@ def _mad(secs) -> float:
     return float(np.median(np.abs(x - np.median(x))))
 
 
-def separated(one: Timing, large: Timing, *, sigmas: float = SEPARATION_SIGMAS,
-              min_ratio: float = SEPARATION_RATIO) -> bool:
+def separated(
+    one: Timing, large: Timing, *, sigmas: float = SEPARATION_SIGMAS, min_ratio: float = SEPARATION_RATIO
+) -> bool:
     """Whether the large call's extra time over a one-row call is per-row cost, not noise.
 
     The rule: the gap between the medians exceeds ``sigmas`` times the sum of the two
@@ -288,8 +303,9 @@ def separated(one: Timing, large: Timing, *, sigmas: float = SEPARATION_SIGMAS,
     return gap > sigmas * (one.spread_s + large.spread_s) and large.median_s >= min_ratio * one.median_s
 
 
-def _probe_curve(encoder, budget_s: float, seed: int = 7, *, clock=time.perf_counter,
-                 repeats: int = REPEATS) -> dict:
+def _probe_curve(
+    encoder, budget_s: float, seed: int = 7, *, clock=time.perf_counter, repeats: int = REPEATS
+) -> dict:
     """Time encode calls of growing size (runs where the model lives: a worker or here).
 
     Every call is repeated (``repeats`` times, a few more while the repeats disagree)
@@ -347,19 +363,23 @@ def _probe_curve(encoder, budget_s: float, seed: int = 7, *, clock=time.perf_cou
     top = int(min(len(texts["short"]), max(int(np.ceil(full)), max(affordable, default=1))))
     top_obs, large = measure("short", top, reps_for(per_row * top, 0.1))
     # grow the largest call until its per-row cost stands out of the noise, within the budget
-    while not separated(one, large) and 2 * top <= MAX_PROBE_ROWS \
-            and repeats * large.median_s * 2 < left():
+    while not separated(one, large) and 2 * top <= MAX_PROBE_ROWS and repeats * large.median_s * 2 < left():
         top *= 2
         grow(top)
         top_obs, large = measure("short", top, reps_for(large.median_s * 2, 0.1))
     obs.append(top_obs)
-    result = {"token_lengths": list(token_quantiles(lengths["short"])),
-              "tokens_per_text": float(lengths["short"].mean()),
-              "max_tokens": max_tokens, "batch_rows": batch_rows,
-              "mean_text_bytes": float(np.mean([len(t.encode()) for t in texts["short"]])),
-              "separable": bool(separated(one, large)),
-              "noise": {"one_row": [round(one.median_s, 6), round(one.spread_s, 6)],
-                        "largest": [top, round(large.median_s, 6), round(large.spread_s, 6)]}}
+    result = {
+        "token_lengths": list(token_quantiles(lengths["short"])),
+        "tokens_per_text": float(lengths["short"].mean()),
+        "max_tokens": max_tokens,
+        "batch_rows": batch_rows,
+        "mean_text_bytes": float(np.mean([len(t.encode()) for t in texts["short"]])),
+        "separable": bool(separated(one, large)),
+        "noise": {
+            "one_row": [round(one.median_s, 6), round(one.spread_s, 6)],
+            "largest": [top, round(large.median_s, 6), round(large.spread_s, 6)],
+        },
+    }
     if not result["separable"]:  # no curve to fit: stop here (the caller falls back to defaults)
         return dict(result, observations=obs)
     per_row = max(large.median_s / top, 1e-9)
@@ -385,8 +405,18 @@ def _waves(calls: int, workers: int) -> int:
     return -(-int(calls) // int(workers))
 
 
-def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, moderate: tuple, surge: tuple,
-                     big: tuple | None = None, io: tuple | None = None, setup_s: float = 0.0) -> dict:
+def solve_dask_terms(
+    cost,
+    *,
+    workers: int,
+    small: tuple,
+    large: tuple,
+    moderate: tuple,
+    surge: tuple,
+    big: tuple | None = None,
+    io: tuple | None = None,
+    setup_s: float = 0.0,
+) -> dict:
     """Solve Theorem 1's Dask terms from five probe runs' wall times.
 
     Each run is modelled as the cost model models it (``T0`` plus waves of
@@ -454,7 +484,9 @@ def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, moderate
     p_u, m_u, t_u = surge
     w_s, w_l, w_m = (_waves(p, workers) for p in (p_s, p_l, p_m))
     w_u = _waves(-(-p_u // m_u), workers)
-    rows_ok = io[1] > 1 and min(io[2:]) > 0 if io is not None else big is not None and m < big[1] and big[2] > 0
+    rows_ok = (
+        io[1] > 1 and min(io[2:]) > 0 if io is not None else big is not None and m < big[1] and big[2] > 0
+    )
     if w_l <= w_s or m < 1 or not rows_ok or m_u < 1 or min(t_s, t_l, t_m, t_u) <= 0:
         raise SurgeValueError(
             f"solve_dask_terms needs a large one-row run with more waves than the small one, moderate "
@@ -484,8 +516,14 @@ def solve_dask_terms(cost, *, workers: int, small: tuple, large: tuple, moderate
     a_u = idle + (alpha - idle) * (min(cost(m_u) / busy, 1.0) if busy > 0 else 1.0)
     per_wave_u = (t_u - overhead) / w_u  # alpha(c(m_u)) + pi m_u + c(m_u) + rho m_u
     pi = max((per_wave_u - a_u - cost(m_u) - rho * m_u) / m_u, 0.0)
-    return {"overhead_s": float(overhead), "alpha_s": float(alpha), "alpha_idle_s": float(idle),
-            "busy_call_s": float(busy), "io_per_row_s": float(rho), "partition_s": float(pi)}
+    return {
+        "overhead_s": float(overhead),
+        "alpha_s": float(alpha),
+        "alpha_idle_s": float(idle),
+        "busy_call_s": float(busy),
+        "io_per_row_s": float(rho),
+        "partition_s": float(pi),
+    }
 
 
 def _moderate_rows(cost, overhead_s: float, afford_rows: float) -> int:
@@ -531,7 +569,9 @@ class _FamilyRows:
 
     @property
     def meta(self) -> pd.DataFrame:
-        return pd.DataFrame({k: pd.arrays.ArrowExtensionArray(v) for k, v in self.task.empty_payload().items()})
+        return pd.DataFrame(
+            {k: pd.arrays.ArrowExtensionArray(v) for k, v in self.task.empty_payload().items()}
+        )
 
 
 def _partition_call(encoder) -> tuple[Callable[[pd.Series], Any], Any]:
@@ -567,7 +607,9 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
     meta = sbe.meta(make_partitioned_frame([1], seed=0)[["text"]]._meta)
 
     def pbp_null(sizes):
-        coll = make_partitioned_frame(sizes, seed=next(seeds))["text"].map_partitions(null.embed, meta=null.meta)
+        coll = make_partitioned_frame(sizes, seed=next(seeds))["text"].map_partitions(
+            null.embed, meta=null.meta
+        )
         return lambda: client.compute(coll, sync=True)
 
     def surge(sizes, m):
@@ -591,24 +633,33 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
     m_cap = int(np.clip(share / 2 / per_row, 32, 4096))
     # moderate partitions: encode at least the one-row per-call overhead (busy workers), >= 4 waves a share
     min_waves = 4
-    m_mod = min(_moderate_rows(cost, wave1 - cost(1), (share / min_waves - wave1) / per_row), max(m_cap // 4, 1))
+    m_mod = min(
+        _moderate_rows(cost, wave1 - cost(1), (share / min_waves - wave1) / per_row), max(m_cap // 4, 1)
+    )
     n_mod = int(np.clip(share / (wave1 + cost(m_mod) - cost(1)), min_waves, 200))
     m_sb = 8
     n_sb = int(np.clip(share / (wave1 + 8 * (wave1 + cost(8) / 8)), 4, 60))
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
-        runs = {"small": pbp([1] * W), "large": pbp([1] * (n_large * W)),
-                "io_1": pbp_null([1] * (2 * W)), "io_big": pbp_null([_IO_ROWS] * (2 * W)),
-                "surge": surge([1] * (n_sb * m_sb * W), m_sb)}
+        runs = {
+            "small": pbp([1] * W),
+            "large": pbp([1] * (n_large * W)),
+            "io_1": pbp_null([1] * (2 * W)),
+            "io_big": pbp_null([_IO_ROWS] * (2 * W)),
+            "surge": surge([1] * (n_sb * m_sb * W), m_sb),
+        }
         if m_mod > 1:  # with m = 1 the large one-row run is the moderate run
             runs["moderate"] = pbp([m_mod] * (n_mod * W))
         for name, fn in runs.items():
             times.setdefault(name, []).append(timed(fn))
     med = {name: float(np.median(t)) for name, t in times.items()}
-    runs = {"small": (W, med["small"]), "large": (n_large * W, med["large"]),
-            "moderate": (n_mod * W, m_mod, med["moderate"]) if m_mod > 1 else (n_large * W, 1, med["large"]),
-            "io": (2 * W, _IO_ROWS, med["io_1"], med["io_big"]),
-            "surge": (n_sb * m_sb * W, m_sb, med["surge"])}
+    runs = {
+        "small": (W, med["small"]),
+        "large": (n_large * W, med["large"]),
+        "moderate": (n_mod * W, m_mod, med["moderate"]) if m_mod > 1 else (n_large * W, 1, med["large"]),
+        "io": (2 * W, _IO_ROWS, med["io_1"], med["io_big"]),
+        "surge": (n_sb * m_sb * W, m_sb, med["surge"]),
+    }
     terms = solve_dask_terms(cost, workers=W, setup_s=setup_s, **runs)
     terms["probe"] = {k: [round(x, 4) if isinstance(x, float) else x for x in v] for k, v in runs.items()}
     return terms
@@ -628,8 +679,13 @@ def _model_bytes(encoder) -> float:
     if encoder.spec.kind == "path":
         root = Path(encoder.spec.source)
         files = root.rglob("*") if root.is_dir() else [root]
-        return float(sum(p.stat().st_size for p in files
-                         if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".onnx")))
+        return float(
+            sum(
+                p.stat().st_size
+                for p in files
+                if p.is_file() and p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".onnx")
+            )
+        )
     obj = encoder.source_object
     params = getattr(obj, "parameters", None)
     if callable(params):
@@ -665,8 +721,15 @@ def _shape(client) -> tuple[int, int]:
     return len(threads), int(max(threads))
 
 
-def calibrate(encoder: Any, *, client=None, seconds: float = 10, cache: bool = True,
-              refresh: bool = False, probe: bool = True) -> CostParams | None:
+def calibrate(
+    encoder: Any,
+    *,
+    client=None,
+    seconds: float = 10,
+    cache: bool = True,
+    refresh: bool = False,
+    probe: bool = True,
+) -> CostParams | None:
     """Measure the cost-model constants for ``encoder`` on ``client``'s cluster.
 
     Parameters
@@ -715,7 +778,9 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 10, cache: bool = T
     """
 
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise SurgeValueError(f"seconds={seconds!r} must be a positive number (probe budget). Fix: pass e.g. seconds=10.")
+        raise SurgeValueError(
+            f"seconds={seconds!r} must be a positive number (probe budget). Fix: pass e.g. seconds=10."
+        )
     enc = encoder if isinstance(encoder, Encoder) else Encoder(encoder)
     workers, tpw = _shape(client)
     device = _device(enc, client)
@@ -754,23 +819,40 @@ def calibrate(encoder: Any, *, client=None, seconds: float = 10, cache: bool = T
     # NNLS may put the whole fixed cost of a 1-row call into its forward pass; a call is never free
     setup = max(fit.setup_s, 1e-6)
     base = CostParams(
-        alpha_s=setup, per_text_s=fit.per_text_s, per_token_s=fit.per_token_s,
-        b0=fit.per_forward_s / beta, workers=workers, setup_s=setup, tokens_per_text=tau,
-        max_tokens=measured["max_tokens"], batch_rows=measured["batch_rows"],
+        alpha_s=setup,
+        per_text_s=fit.per_text_s,
+        per_token_s=fit.per_token_s,
+        b0=fit.per_forward_s / beta,
+        workers=workers,
+        setup_s=setup,
+        tokens_per_text=tau,
+        max_tokens=measured["max_tokens"],
+        batch_rows=measured["batch_rows"],
         token_lengths=tuple(measured["token_lengths"]),
-        bytes_per_row=_bytes_per_row(measured["mean_text_bytes"], tau), embedding_bytes_per_row=4.0 * enc.dimension,
-        model_bytes=_model_bytes(enc), threads_per_worker=tpw, device=device,
+        bytes_per_row=_bytes_per_row(measured["mean_text_bytes"], tau),
+        embedding_bytes_per_row=4.0 * enc.dimension,
+        model_bytes=_model_bytes(enc),
+        threads_per_worker=tpw,
+        device=device,
     )
-    meta: dict = {"curve": json.dumps([[round(x, 7) for x in o] for o in measured["observations"]]),
-                  "curve_columns": "rows, padded_tokens, forwards, seconds",
-                  "curve_rel_rms": round(fit.rel_rms, 5), "curve_noise": json.dumps(measured["noise"]),
-                  "identity": json.dumps(key["identity"], sort_keys=True),
-                  "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                  "workers": workers, "threads_per_worker": tpw, "load_per_cpu": load,
-                  "probe_attempts": attempts,
-                  # how sure: a fit that explains the curve within 5% on the first probe is "high"
-                  "confidence": "high" if attempts == 1 and fit.rel_rms <= 0.05 else
-                                "medium" if fit.rel_rms <= 0.15 else "low"}
+    meta: dict = {
+        "curve": json.dumps([[round(x, 7) for x in o] for o in measured["observations"]]),
+        "curve_columns": "rows, padded_tokens, forwards, seconds",
+        "curve_rel_rms": round(fit.rel_rms, 5),
+        "curve_noise": json.dumps(measured["noise"]),
+        "identity": json.dumps(key["identity"], sort_keys=True),
+        "calibrated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "workers": workers,
+        "threads_per_worker": tpw,
+        "load_per_cpu": load,
+        "probe_attempts": attempts,
+        # how sure: a fit that explains the curve within 5% on the first probe is "high"
+        "confidence": "high"
+        if attempts == 1 and fit.rel_rms <= 0.05
+        else "medium"
+        if fit.rel_rms <= 0.15
+        else "low",
+    }
     params = base
     if client is not None:
         left = max(seconds - (time.perf_counter() - t_start), seconds * 0.5)
@@ -790,8 +872,10 @@ def _measure_curve(enc, client, budget_s: float) -> dict:
     if client is None:
         return _probe_curve(enc, budget_s)
     register_encoder(client, enc)
-    futures = [client.submit(_probe_curve, enc, budget_s, pure=False, workers=[w])
-               for w in sorted(client.scheduler_info()["workers"])]
+    futures = [
+        client.submit(_probe_curve, enc, budget_s, pure=False, workers=[w])
+        for w in sorted(client.scheduler_info()["workers"])
+    ]
     probes = client.gather(futures)
     # a worker whose probe stayed in the noise (a busy core) would only blur the others' curve
     usable = [p for p in probes if p["separable"]] or probes[:1]

@@ -64,7 +64,6 @@ def local_cluster(**kwargs):
     import dask
     from distributed import LocalCluster
 
-
     check_main_guard(kwargs.get("processes", True))
     cuda, opts = _defaults()
     opts.update(kwargs)
@@ -90,13 +89,17 @@ def _defaults() -> tuple[bool, dict]:
         except ImportError:
             logger.warning(
                 "dask-surge: %d GPU(s) visible but dask-cuda is not installed; using a CPU "
-                "LocalCluster. Fix: pip install 'dask-surge[gpu]'.", gpus,
+                "LocalCluster. Fix: pip install 'dask-surge[gpu]'.",
+                gpus,
             )
         else:
             # a thread per SuperBatch in flight (surge.superbatches-per-gpu): while one runs on the GPU
             # (the engine serializes forward passes), the others read, tokenize or write their Parquet
-            return True, {"n_workers": gpus, "threads_per_worker": int(config.get("superbatches-per-gpu")),
-                          "resources": {"GPU": 1}}
+            return True, {
+                "n_workers": gpus,
+                "threads_per_worker": int(config.get("superbatches-per-gpu")),
+                "resources": {"GPU": 1},
+            }
     return False, {"n_workers": max(1, os.cpu_count() or 1), "threads_per_worker": 1}
 
 
@@ -156,8 +159,9 @@ def check_main_guard(processes: bool = True) -> None:
     import multiprocessing
 
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise SurgeError(_guard_message(getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the script",
-                                        None))
+        raise SurgeError(
+            _guard_message(getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the script", None)
+        )
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if main is None or not path or not str(path).endswith(".py") or not os.path.isfile(path):
@@ -181,9 +185,11 @@ def check_main_guard(processes: bool = True) -> None:
 
 def _guard_message(path: str, line: int | None) -> str:
     where = f"{path}, line {line}," if line is not None else f"{path}"
-    return (f"{where} starts a local Dask cluster at the script's top level, outside the "
-            f"`{MAIN_GUARD}` guard: its worker processes would run the script again and fail. Fix: put the "
-            f"script's code under `{MAIN_GUARD}` (see the quick start), or pass scheduler='threads'.")
+    return (
+        f"{where} starts a local Dask cluster at the script's top level, outside the "
+        f"`{MAIN_GUARD}` guard: its worker processes would run the script again and fail. Fix: put the "
+        f"script's code under `{MAIN_GUARD}` (see the quick start), or pass scheduler='threads'."
+    )
 
 
 def _is_main_test(test: ast.expr) -> bool:

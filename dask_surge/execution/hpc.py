@@ -111,7 +111,11 @@ def jobqueue_cluster(
     if memory is None:
         memory = "64GB" if gpus else f"{4 * cores}GB"
     opts: dict[str, Any] = {
-        "cores": cores, "memory": memory, "queue": queue, "account": account, "log_directory": log_directory,
+        "cores": cores,
+        "memory": memory,
+        "queue": queue,
+        "account": account,
+        "log_directory": log_directory,
     }
     if walltime is not None:
         opts["walltime"] = walltime
@@ -174,6 +178,13 @@ def gpu_jobqueue_cluster(
     >>> cluster.scale(jobs=8)                                       # doctest: +SKIP
     """
     return jobqueue_cluster(
-        kind, gpus=1, cores=cores, memory=memory, walltime=walltime, queue=queue, account=account,
-        cuda_worker=cuda_worker, **kwargs,
+        kind,
+        gpus=1,
+        cores=cores,
+        memory=memory,
+        walltime=walltime,
+        queue=queue,
+        account=account,
+        cuda_worker=cuda_worker,
+        **kwargs,
     )

@@ -42,8 +42,18 @@ from ..errors import SurgeError
 from ..io.parquet import ParquetPartitions, check_sources
 from ..planning.policy import SuperBatch
 
-__all__ = ["InputGraph", "Unit", "UnitSource", "cull", "dependents_of", "filed_as", "input_files", "private_tasks",
-           "task_arguments", "task_spec_graph"]
+__all__ = [
+    "InputGraph",
+    "Unit",
+    "UnitSource",
+    "cull",
+    "dependents_of",
+    "filed_as",
+    "input_files",
+    "private_tasks",
+    "task_arguments",
+    "task_spec_graph",
+]
 
 
 @dataclass(frozen=True)
@@ -126,7 +136,9 @@ def task_spec_graph(graph: Mapping) -> dict:
     12
     """
     persisted = {key: value for key, value in graph.items() if is_dask_future(value)}
-    converted = convert_legacy_graph({k: v for k, v in graph.items() if k not in persisted}, all_keys=set(graph))
+    converted = convert_legacy_graph(
+        {k: v for k, v in graph.items() if k not in persisted}, all_keys=set(graph)
+    )
     return {**{k: filed_as(k, v) for k, v in converted.items()}, **persisted}
 
 
@@ -164,8 +176,11 @@ def private_tasks(upstream: dict, dependents: dict, root, deps) -> set:
     private, stack = {root}, list(deps)
     while stack:  # a key is pushed again by each dependent: the last push decides
         dep = stack.pop()
-        if dep not in private and isinstance(upstream.get(dep), GraphNode) \
-                and dependents.get(dep, set()) <= private:
+        if (
+            dep not in private
+            and isinstance(upstream.get(dep), GraphNode)
+            and dependents.get(dep, set()) <= private
+        ):
             private.add(dep)
             stack.extend(upstream[dep].dependencies)
     return private
@@ -195,8 +210,13 @@ class UnitSource:
     reads the rest from their Parquet files.
     """
 
-    def __init__(self, external: tuple = (), nodes: Mapping[int, GraphNode] | None = None,
-                 reader: ParquetPartitions | None = None, shared: Mapping[int, Any] | None = None) -> None:
+    def __init__(
+        self,
+        external: tuple = (),
+        nodes: Mapping[int, GraphNode] | None = None,
+        reader: ParquetPartitions | None = None,
+        shared: Mapping[int, Any] | None = None,
+    ) -> None:
         self.external = external
         self.nodes = dict(nodes or {})
         self.reader = reader
@@ -224,8 +244,10 @@ class UnitSource:
                 yield p, frame
 
     def __repr__(self) -> str:
-        return (f"UnitSource({len(self.nodes)} fused, {len(self.shared)} shared, "
-                f"{len(self.reader.pieces) if self.reader is not None else 0} read)")
+        return (
+            f"UnitSource({len(self.nodes)} fused, {len(self.shared)} shared, "
+            f"{len(self.reader.pieces) if self.reader is not None else 0} read)"
+        )
 
 
 def _read_partition(reader: ParquetPartitions, partition: int):
@@ -262,7 +284,9 @@ class InputGraph:
         self.dependents: dict = {}
         npartitions = expr.npartitions
         if self.reader is None:
-            check_sources(expr)  # Parquet files whose types conflict, before any task (a plain read: when planned)
+            check_sources(
+                expr
+            )  # Parquet files whose types conflict, before any task (a plain read: when planned)
             with untuned():  # keep the planned partitions
                 opt = expr.optimize(fuse=True)
             self.name, npartitions = opt._name, opt.npartitions
@@ -347,6 +371,9 @@ def input_files(frame) -> list[tuple[Any, str]]:
                     found.append((fs, path.rstrip("/") or path))
         info = getattr(expr, "_dataset_info", None) if "Parquet" in type(expr).__name__ else None
         if isinstance(info, dict) and info.get("fs") is not None:
-            found += [(info["fs"], part["piece"][0]) for part in info.get("plan", {}).get("parts", [])
-                      if "piece" in part]
+            found += [
+                (info["fs"], part["piece"][0])
+                for part in info.get("plan", {}).get("parts", [])
+                if "piece" in part
+            ]
     return found

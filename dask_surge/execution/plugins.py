@@ -20,8 +20,16 @@ from ..engine.placement import default_device
 from ..models.encoders import Encoder
 from ..models.registry import install_object, uninstall_object
 
-__all__ = ["EncoderPlugin", "configure_worker_threads", "register_encoder", "plugin_name",
-           "models_ready", "share_tokenizer_cores", "tokenizer_threads", "workers_by_host"]
+__all__ = [
+    "EncoderPlugin",
+    "configure_worker_threads",
+    "register_encoder",
+    "plugin_name",
+    "models_ready",
+    "share_tokenizer_cores",
+    "tokenizer_threads",
+    "workers_by_host",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +65,14 @@ class EncoderPlugin(WorkerPlugin):
     >>> client.register_plugin(EncoderPlugin(Encoder("default")))  # doctest: +SKIP
     """
 
-    def __init__(self, encoder: Encoder, *, preload: bool = True, background: bool = False,
-                 host_workers: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        encoder: Encoder,
+        *,
+        preload: bool = True,
+        background: bool = False,
+        host_workers: Mapping[str, int] | None = None,
+    ) -> None:
         self.encoder = encoder
         self.obj = encoder.source_object
         self.preload = preload
@@ -84,8 +98,9 @@ class EncoderPlugin(WorkerPlugin):
         if not self.preload:
             return
         if self.background:
-            threading.Thread(target=self._load, args=(worker.address, False), name="surge-preload",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._load, args=(worker.address, False), name="surge-preload", daemon=True
+            ).start()
         else:
             await asyncio.to_thread(self._load, worker.address, True)
 
@@ -120,8 +135,11 @@ class EncoderPlugin(WorkerPlugin):
         token = self.encoder.spec.source
         # a token names the process that made it (obj-<pid>-...): elsewhere the object came with a plugin,
         # and goes when no plugin still registered here (another option set of the same model) needs it
-        others = [p for p in getattr(worker, "plugins", {}).values()
-                  if isinstance(p, EncoderPlugin) and p is not self and p.encoder.spec.source == token]
+        others = [
+            p
+            for p in getattr(worker, "plugins", {}).values()
+            if isinstance(p, EncoderPlugin) and p is not self and p.encoder.spec.source == token
+        ]
         if self.obj is not None and not others and not token.startswith(f"obj-{os.getpid()}-"):
             uninstall_object(token)
 
@@ -132,9 +150,14 @@ class EncoderPlugin(WorkerPlugin):
         except Exception as err:
             if strict:
                 raise
-            logger.warning("dask-surge: preloading %r on %s failed (%s: %s); the first SuperBatch "
-                           "that needs it loads it again and reports the error", self.encoder, address,
-                           type(err).__name__, err)
+            logger.warning(
+                "dask-surge: preloading %r on %s failed (%s: %s); the first SuperBatch "
+                "that needs it loads it again and reports the error",
+                self.encoder,
+                address,
+                type(err).__name__,
+                err,
+            )
             return
         logger.info("dask-surge: %r loaded on %s", self.encoder, address)
 
@@ -157,8 +180,12 @@ class EncoderPlugin(WorkerPlugin):
         workers = self.host_workers.get(get_address_host(address), 0)
         threads = share_tokenizer_cores(workers)  # None for a host of one worker, or one not counted
         if threads is not None:
-            logger.info("dask-surge: the tokenizer's thread pool on %s: %d threads (%d workers on its host)",
-                        address, threads, workers)
+            logger.info(
+                "dask-surge: the tokenizer's thread pool on %s: %d threads (%d workers on its host)",
+                address,
+                threads,
+                workers,
+            )
 
 
 def plugin_name(encoder: Encoder) -> str:
@@ -228,8 +255,11 @@ def configure_worker_threads(*, cpus: int | None = None) -> dict:
     cpus = max(1, int(cpus))
     pa.set_cpu_count(cpus)
     pa.set_io_thread_count(max(8, cpus))
-    return {"tokenizers_parallelism": os.environ["TOKENIZERS_PARALLELISM"], "arrow_cpu_count": pa.cpu_count(),
-            "arrow_io_thread_count": pa.io_thread_count()}
+    return {
+        "tokenizers_parallelism": os.environ["TOKENIZERS_PARALLELISM"],
+        "arrow_cpu_count": pa.cpu_count(),
+        "arrow_io_thread_count": pa.io_thread_count(),
+    }
 
 
 def tokenizer_threads(cores: int, workers: int) -> int:
@@ -306,5 +336,6 @@ def workers_by_host(client) -> dict[str, int]:
 
 def register_encoder(client, encoder: Encoder, *, preload: bool = True, background: bool = False) -> None:
     """Register :class:`EncoderPlugin` for ``encoder`` on ``client``'s workers (idempotent)."""
-    client.register_plugin(EncoderPlugin(encoder, preload=preload, background=background,
-                                         host_workers=workers_by_host(client)))
+    client.register_plugin(
+        EncoderPlugin(encoder, preload=preload, background=background, host_workers=workers_by_host(client))
+    )

@@ -24,7 +24,14 @@ from ..planning.sizes import known_sizes
 from ..results import EncodeResult
 from .runner import complete_result
 
-__all__ = ["preflight", "runs_in_process", "say_in_process", "small_files", "IN_PROCESS_ROWS", "IN_PROCESS_BYTES"]
+__all__ = [
+    "preflight",
+    "runs_in_process",
+    "say_in_process",
+    "small_files",
+    "IN_PROCESS_ROWS",
+    "IN_PROCESS_BYTES",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +44,9 @@ IN_PROCESS_ROWS = 5_000
 IN_PROCESS_BYTES = 2 * 1024**2
 
 
-def preflight(store: OutputStore, frame: Any, fingerprint: dict, *, overwrite: bool,
-              started: float) -> EncodeResult | None:
+def preflight(
+    store: OutputStore, frame: Any, fingerprint: dict, *, overwrite: bool, started: float
+) -> EncodeResult | None:
     """Check the output for the run of ``fingerprint`` before workers start (the location itself
     was checked when it was opened: :func:`~dask_surge.io.directory.check_output`).
 
@@ -56,12 +64,21 @@ def preflight(store: OutputStore, frame: Any, fingerprint: dict, *, overwrite: b
     """
     found = find_run(store, fingerprint)
     # a complete run answers here unless a killed process left its clean-up (the run's own path finishes it)
-    if found is not None and found.completion() is not None and not overwrite \
-            and not found.coverage().missing(frame.npartitions) and settled(found, found.committed()):
+    if (
+        found is not None
+        and found.completion() is not None
+        and not overwrite
+        and not found.coverage().missing(frame.npartitions)
+        and settled(found, found.committed())
+    ):
         return complete_result(found, store.location, started)
     current = current_run(store)
-    if current is not None and current.run_id != fingerprint_digest(fingerprint) and not overwrite \
-            and not (current.stopped() and not current.committed()):
+    if (
+        current is not None
+        and current.run_id != fingerprint_digest(fingerprint)
+        and not overwrite
+        and not (current.stopped() and not current.committed())
+    ):
         raise other_run_error(store.location, current, fingerprint)
     return None
 
@@ -96,6 +113,8 @@ def small_files(paths: Sequence[str]) -> bool:
 def say_in_process(rows: int) -> None:
     """Tell the user where a small run goes (and how to send it to a cluster)."""
     what = f"{rows:,} rows" if rows >= 0 else "a small input"
-    logger.warning("dask-surge: %s: encoding in this process (starting workers would take longer); pass a "
-                   "distributed Client or scheduler= to run elsewhere", what)
-
+    logger.warning(
+        "dask-surge: %s: encoding in this process (starting workers would take longer); pass a "
+        "distributed Client or scheduler= to run elsewhere",
+        what,
+    )

@@ -61,8 +61,13 @@ def tqdm_class() -> Any:
 #: once, when it is imported: one set later, in a notebook or a test, would be missed)
 ENV_OPTIONS: dict[str, Callable[[str], Any]] = {
     "disable": lambda v: v.strip().lower() not in ("", "0", "false", "no", "off"),
-    "mininterval": float, "maxinterval": float, "miniters": float, "smoothing": float, "ncols": int,
-    "colour": str, "ascii": lambda v: {"true": True, "false": False}.get(v.strip().lower(), v),
+    "mininterval": float,
+    "maxinterval": float,
+    "miniters": float,
+    "smoothing": float,
+    "ncols": int,
+    "colour": str,
+    "ascii": lambda v: {"true": True, "false": False}.get(v.strip().lower(), v),
 }
 
 
@@ -121,8 +126,15 @@ class RunProgress:
         env = _env_options()
         self.narrow = _columns(file, env.get("ncols")) < NARROW_COLUMNS
         self._format = NARROW_TOTAL if self.narrow else KNOWN_TOTAL
-        options: dict[str, Any] = {"total": None, "unit": " rows", "desc": self._desc(), "file": file,
-                                   "dynamic_ncols": True, "smoothing": 0.1, **env}
+        options: dict[str, Any] = {
+            "total": None,
+            "unit": " rows",
+            "desc": self._desc(),
+            "file": file,
+            "dynamic_ncols": True,
+            "smoothing": 0.1,
+            **env,
+        }
         if not enabled:
             options["disable"] = True
         self.bar = tqdm_class()(**options)
@@ -161,8 +173,9 @@ class RunProgress:
                 self.phase_name = name
                 self.bar.set_description_str(self._desc(), refresh=True)
 
-    def planned(self, *, rows: int | None, superbatches: int | None, done_rows: int = 0,
-                done_superbatches: int = 0) -> None:
+    def planned(
+        self, *, rows: int | None, superbatches: int | None, done_rows: int = 0, done_superbatches: int = 0
+    ) -> None:
         """What the run will do (totals: None when unknown) and what is already committed."""
         with self._lock:
             bar = self.bar
@@ -281,7 +294,11 @@ class RunProgress:
 #: (a worker killed by a signal, a task's error), and the run raises it.
 SHUTDOWN_NOISE: tuple[tuple[str, str, str | None], ...] = (
     ("distributed.nanny", "still alive after", None),  # close: a worker busy importing torch is killed
-    ("distributed", "during heartbeat", "CommClosedError"),  # a worker's last heartbeat after the scheduler left
+    (
+        "distributed",
+        "during heartbeat",
+        "CommClosedError",
+    ),  # a worker's last heartbeat after the scheduler left
     ("distributed", "", "CancelledError"),  # futures of a stopped run, cancelled by its end
     ("distributed", "CancelledError", None),
 )
@@ -318,8 +335,16 @@ def quiet_dask_shutdown() -> Iterator[None]:
     'Worker process 7 was killed by signal 9\\n'
     """
     noise = ShutdownNoise()
-    loggers = [logging.getLogger(n) for n in ("distributed", "distributed.nanny", "distributed.worker",
-                                              "distributed.client", "distributed.core")]
+    loggers = [
+        logging.getLogger(n)
+        for n in (
+            "distributed",
+            "distributed.nanny",
+            "distributed.worker",
+            "distributed.client",
+            "distributed.core",
+        )
+    ]
     handlers = {h for lg in (*loggers, logging.getLogger()) for h in lg.handlers}
     for target in (*loggers, *handlers):
         target.addFilter(noise)
@@ -341,8 +366,11 @@ def _columns(file, ncols: int | None) -> int:
             return os.get_terminal_size(stream.fileno()).columns
     except (AttributeError, OSError, ValueError):
         pass
-    return shutil.get_terminal_size((120, 24)).columns if stream in (sys.stderr, sys.__stderr__) and \
-        os.environ.get("COLUMNS") else 120
+    return (
+        shutil.get_terminal_size((120, 24)).columns
+        if stream in (sys.stderr, sys.__stderr__) and os.environ.get("COLUMNS")
+        else 120
+    )
 
 
 class _BarHandler(logging.Handler):
@@ -360,8 +388,11 @@ class _BarHandler(logging.Handler):
 
 
 def _is_console(handler: logging.Handler) -> bool:
-    return isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler) \
+    return (
+        isinstance(handler, logging.StreamHandler)
+        and not isinstance(handler, logging.FileHandler)
         and getattr(handler, "stream", None) in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+    )
 
 
 @contextlib.contextmanager

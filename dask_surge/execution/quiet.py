@@ -26,7 +26,11 @@ class QuietWorkerShutdown(WorkerPlugin):
 
     def setup(self, worker: Any) -> None:
         noise = ShutdownNoise()
-        for lg in (logging.getLogger("distributed"), logging.getLogger("distributed.worker"), logging.getLogger()):
+        for lg in (
+            logging.getLogger("distributed"),
+            logging.getLogger("distributed.worker"),
+            logging.getLogger(),
+        ):
             lg.addFilter(noise)
             for handler in lg.handlers:
                 handler.addFilter(noise)

@@ -137,7 +137,9 @@ def run_gone(manifest: Any, err: BaseException | None = None) -> SurgeOutputErro
         current = store.read(current_path(root)).decode(errors="replace").strip()
     retired = False
     with contextlib.suppress(Exception):
-        retired = any(n.startswith(f"{manifest.run_id}-") for n in store.listdir(f"{root}/{META_DIR}/retired"))
+        retired = any(
+            n.startswith(f"{manifest.run_id}-") for n in store.listdir(f"{root}/{META_DIR}/retired")
+        )
     if retired or (current and current != manifest.run_id):
         by = f"run {current}" if current and current != manifest.run_id else "its directory was retired"
         return SurgeOutputError(

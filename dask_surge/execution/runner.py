@@ -150,8 +150,12 @@ def write_run(request: RunRequest) -> EncodeResult:
             if found is not None:
                 found.table = True
         store.prove()  # an object store honours conditional creates, before the claim relies on one
-        if found is not None and found.completion() is not None and not request.overwrite \
-                and not found.coverage().missing(request.frame.npartitions):  # records, not the marker, are the truth
+        if (
+            found is not None
+            and found.completion() is not None
+            and not request.overwrite
+            and not found.coverage().missing(request.frame.npartitions)
+        ):  # records, not the marker, are the truth
             committed = found.committed()
             if not settled(found, committed):  # a process killed while it finished: finish its clean-up
                 with Claim.acquire(store, found.run_id, heartbeat=False):
@@ -180,25 +184,46 @@ def _say_recorded_thresholds(found: Manifest | None, request: RunRequest) -> Non
         return
     recorded = {"b_min": plan.b_min, "b_max": plan.b_max}
     asked = dict(zip(recorded, request.thresholds.requested))
-    differ = [f"{k}={v!r} (recorded: {recorded[k]!r})" for k, v in asked.items() if v != "auto" and v != recorded[k]]
+    differ = [
+        f"{k}={v!r} (recorded: {recorded[k]!r})" for k, v in asked.items() if v != "auto" and v != recorded[k]
+    ]
     if plan.max_bytes != request.max_bytes:
         differ.append(f"max_bytes={request.max_bytes!r} (recorded: {plan.max_bytes!r})")
     if differ:
         logger.warning(
             "dask-surge: resuming the run in %s with the thresholds it recorded when it started; %s "
-            "apply to a new run only (write to a new output, or pass overwrite=True).", request.output,
-            ", ".join(differ))
+            "apply to a new run only (write to a new output, or pass overwrite=True).",
+            request.output,
+            ", ".join(differ),
+        )
 
 
-def _new_plan(request: RunRequest, sizes: PartitionSizes | None, max_bytes: int | None, threads: int) -> RunPlan:
+def _new_plan(
+    request: RunRequest, sizes: PartitionSizes | None, max_bytes: int | None, threads: int
+) -> RunPlan:
     """What a new run records: the thresholds resolved for it, and how it runs."""
     th = request.thresholds(sizes, max_bytes)
     npartitions = request.frame.npartitions
     if sizes is None:
-        return RunPlan(th.b_min, th.b_max, "streaming", npartitions, max_bytes, th.reason,
-                       unit_partitions=unit_partitions(npartitions, threads))
-    return RunPlan(th.b_min, th.b_max, "planned", npartitions, max_bytes, th.reason, rows=sizes.total,
-                   first=config.get("first-superbatch"))
+        return RunPlan(
+            th.b_min,
+            th.b_max,
+            "streaming",
+            npartitions,
+            max_bytes,
+            th.reason,
+            unit_partitions=unit_partitions(npartitions, threads),
+        )
+    return RunPlan(
+        th.b_min,
+        th.b_max,
+        "planned",
+        npartitions,
+        max_bytes,
+        th.reason,
+        rows=sizes.total,
+        first=config.get("first-superbatch"),
+    )
 
 
 def _follow_model(bar: RunProgress, request: RunRequest) -> None:
@@ -223,24 +248,38 @@ def _table_overwrite(request: RunRequest) -> bool:
         raise SurgeOutputError(
             f"output={request.output!r} holds run {other.run_id} of dask-surge, not finished: appending another "
             "run now would leave its SuperBatches out of the table. Nothing was written. Fix: rerun that run "
-            "to finish it, then append; or write to a new path.")
+            "to finish it, then append; or write to a new path."
+        )
     return True
 
 
-def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar: RunProgress,
-                 table: Any = None) -> EncodeResult:
+def _claimed_run(
+    request: RunRequest, t0: float, wall0: float, claim: Claim, bar: RunProgress, table: Any = None
+) -> EncodeResult:
     """:func:`write_run` once the output directory is claimed."""
 
     frame, sbe, output, client = request.frame, request.encoder, request.output, request.client
     npartitions, threads = frame.npartitions, request.threads
     found = find_run(request.store, request.fingerprint)
     recorded = found.plan if found is not None else None
-    max_bytes = recorded.max_bytes if recorded is not None else request.max_bytes  # a resumed run keeps its own
-    sizes = None if recorded is not None and recorded.mode == "streaming" else known_sizes(frame, sbe.column, max_bytes)
+    max_bytes = (
+        recorded.max_bytes if recorded is not None else request.max_bytes
+    )  # a resumed run keeps its own
+    sizes = (
+        None
+        if recorded is not None and recorded.mode == "streaming"
+        else known_sizes(frame, sbe.column, max_bytes)
+    )
     overwrite = request.overwrite if table is None else _table_overwrite(request)
-    manifest, resumed = open_run(request.store, request.fingerprint, overwrite=overwrite,
-                                 plan=_new_plan(request, sizes, max_bytes, threads) if found is None else None)
-    manifest.table = table is not None  # a table output publishes nothing: its claim holder commits to the table
+    manifest, resumed = open_run(
+        request.store,
+        request.fingerprint,
+        overwrite=overwrite,
+        plan=_new_plan(request, sizes, max_bytes, threads) if found is None else None,
+    )
+    manifest.table = (
+        table is not None
+    )  # a table output publishes nothing: its claim holder commits to the table
     plan = manifest.plan
     if plan is None:  # pragma: no cover - a run of write_run always records one
         raise SurgeError(f"the run in {output!r} recorded no plan. Fix: rerun with overwrite=True.")
@@ -252,28 +291,40 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
     planned_sbs = None
     if plan.mode == "planned":
         if sizes is None:  # pragma: no cover - a planned run's input keeps its metadata sizes
-            raise SurgeError(f"the run in {output!r} was planned from known partition sizes, which the "
-                             "input no longer gives. Fix: rerun on the same input, or overwrite=True.")
+            raise SurgeError(
+                f"the run in {output!r} was planned from known partition sizes, which the "
+                "input no longer gives. Fix: rerun on the same input, or overwrite=True."
+            )
         cap = max_bytes if sizes.nbytes is not None else None
-        superbatches = plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap,
-                                         first=plan.first)  # the ramp this run recorded
+        superbatches = plan_superbatches(
+            sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap, first=plan.first
+        )  # the ramp this run recorded
         planned_sbs = len(superbatches)
         units = planned_units(superbatches, sizes.sizes, set(committed), coverage)
-        bar.planned(rows=sizes.total, superbatches=planned_sbs, done_rows=done_rows,
-                    done_superbatches=len(committed))
+        bar.planned(
+            rows=sizes.total, superbatches=planned_sbs, done_rows=done_rows, done_superbatches=len(committed)
+        )
     else:
         units = streaming_units(npartitions, int(plan.unit_partitions or 1), coverage)
         bar.planned(rows=None, superbatches=None, done_rows=done_rows, done_superbatches=len(committed))
     # the codec as the caller configured it (dask.config.set on the client), not as each worker's config says
-    runner = UnitRunner(SuperBatchWriter(sbe, manifest, config.get("compression"), table), b_min, b_max, max_bytes)
+    runner = UnitRunner(
+        SuperBatchWriter(sbe, manifest, config.get("compression"), table), b_min, b_max, max_bytes
+    )
     reports: list[SuperBatchReport] = []
     ttfo = None
     # on an object store this process publishes each commit as it hears of it (Manifest.tasks_publish)
     publisher = None if manifest.tasks_publish or manifest.defer_publish or table else Publisher(manifest)
     committer = None
     if table is not None:  # commits what a killed process left first, then batches as commits arrive
-        committer = TableCommitter(table, manifest, mode=request.mode, every=config.get("table-commit-every"),
-                                   seconds=config.get("table-commit-seconds"), claim=claim)
+        committer = TableCommitter(
+            table,
+            manifest,
+            mode=request.mode,
+            every=config.get("table-commit-every"),
+            seconds=config.get("table-commit-seconds"),
+            claim=claim,
+        )
         committer.start()
 
     def heard(sb: str, rows: int, file: str) -> None:
@@ -289,8 +340,14 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
             graph = InputGraph(frame)  # may already convert in-memory data (bad UTF-8 raises here)
             _follow_model(bar, request)
             with listen(manifest.run_id, heard, client):  # each commit as it happens (events.py)
-                for report in run_units(iter(units), lambda key, unit: graph.task(key, runner, unit), client,
-                                        request.scheduler, window, task_resources(client)):
+                for report in run_units(
+                    iter(units),
+                    lambda key, unit: graph.task(key, runner, unit),
+                    client,
+                    request.scheduler,
+                    window,
+                    task_resources(client),
+                ):
                     if report.committed and committer is not None:
                         committer.submit(report.sb)  # one whose commit was not announced
                     elif report.committed and publisher is not None:
@@ -331,22 +388,38 @@ def _claimed_run(request: RunRequest, t0: float, wall0: float, claim: Claim, bar
     committed = manifest.committed()
     coverage = manifest.coverage(committed)
     _check_complete(coverage, committed, npartitions, sizes, output)
-    summary = {"rows": coverage.total_rows, "superbatches": len(committed), "partitions": npartitions,
-               "nulls_skipped": sum(r.skipped for r in committed.values()), **text_counts(committed.values())}
+    summary = {
+        "rows": coverage.total_rows,
+        "superbatches": len(committed),
+        "partitions": npartitions,
+        "nulls_skipped": sum(r.skipped for r in committed.values()),
+        **text_counts(committed.values()),
+    }
     finish_run(manifest, committed, summary)
     bar.finish(coverage.total_rows, len(committed))
     return EncodeResult(
-        output=str(output), run_id=manifest.run_id, rows=coverage.total_rows, partitions=npartitions,
-        superbatches=len(committed), skipped_superbatches=len(committed) - sum(r.committed for r in reports),
-        seconds=time.perf_counter() - t0, ttfo_s=ttfo,
-        sizes_source=sizes.source if sizes is not None else "streamed", resumed=resumed, b_min=b_min, b_max=b_max,
-        thresholds_reason=plan.reason, records=tuple(reports), nulls_skipped=summary["nulls_skipped"],
+        output=str(output),
+        run_id=manifest.run_id,
+        rows=coverage.total_rows,
+        partitions=npartitions,
+        superbatches=len(committed),
+        skipped_superbatches=len(committed) - sum(r.committed for r in reports),
+        seconds=time.perf_counter() - t0,
+        ttfo_s=ttfo,
+        sizes_source=sizes.source if sizes is not None else "streamed",
+        resumed=resumed,
+        b_min=b_min,
+        b_max=b_max,
+        thresholds_reason=plan.reason,
+        records=tuple(reports),
+        nulls_skipped=summary["nulls_skipped"],
         engine=", ".join(sorted({r.engine for r in reports})),
-        output_rows=summary["output_rows"], truncated=summary["truncated"], encoded=summary["encoded"],
-        reused=summary["reused"], family=family_of_run(manifest.fingerprint),
+        output_rows=summary["output_rows"],
+        truncated=summary["truncated"],
+        encoded=summary["encoded"],
+        reused=summary["reused"],
+        family=family_of_run(manifest.fingerprint),
     )
-
-
 
 
 def _check_complete(coverage: Coverage, committed: dict, npartitions: int, sizes, output: str) -> None:
@@ -374,13 +447,23 @@ def complete_result(manifest: Manifest, output: str, t0: float) -> EncodeResult:
     done = manifest.completion() or {}
     plan = manifest.plan
     return EncodeResult(
-        output=str(output), run_id=manifest.run_id, rows=int(done.get("rows", 0)),
+        output=str(output),
+        run_id=manifest.run_id,
+        rows=int(done.get("rows", 0)),
         partitions=int(done.get("partitions", plan.partitions if plan is not None else 0)),
-        superbatches=int(done.get("superbatches", 0)), skipped_superbatches=int(done.get("superbatches", 0)),
-        seconds=time.perf_counter() - t0, ttfo_s=None, sizes_source="recorded", resumed=True,
-        b_min=plan.b_min if plan is not None else 0, b_max=plan.b_max if plan is not None else 0,
-        thresholds_reason=plan.reason if plan is not None else "", nulls_skipped=int(done.get("nulls_skipped", 0)),
-        output_rows=int(done.get("output_rows", 0)), truncated=int(done.get("truncated", 0)),
-        encoded=int(done.get("encoded", 0)), reused=int(done.get("reused", 0)),
+        superbatches=int(done.get("superbatches", 0)),
+        skipped_superbatches=int(done.get("superbatches", 0)),
+        seconds=time.perf_counter() - t0,
+        ttfo_s=None,
+        sizes_source="recorded",
+        resumed=True,
+        b_min=plan.b_min if plan is not None else 0,
+        b_max=plan.b_max if plan is not None else 0,
+        thresholds_reason=plan.reason if plan is not None else "",
+        nulls_skipped=int(done.get("nulls_skipped", 0)),
+        output_rows=int(done.get("output_rows", 0)),
+        truncated=int(done.get("truncated", 0)),
+        encoded=int(done.get("encoded", 0)),
+        reused=int(done.get("reused", 0)),
         family=family_of_run(manifest.fingerprint),
     )

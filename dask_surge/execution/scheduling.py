@@ -38,8 +38,9 @@ def task_resources(client) -> dict | None:
     return None
 
 
-def run_units(units, make_task, client, scheduler, in_flight: int,
-              resources: dict | None = None) -> Iterator[SuperBatchReport]:
+def run_units(
+    units, make_task, client, scheduler, in_flight: int, resources: dict | None = None
+) -> Iterator[SuperBatchReport]:
     """Yield SuperBatch reports as units finish, with at most ``in_flight`` units submitted.
 
     ``units`` is an iterator of :class:`Unit`; ``make_task(key, unit)`` gives a unit's graph. Units are submitted in order, so the first commits early (TTFO) and no
@@ -147,8 +148,12 @@ class WorkerWatch:
         now = self.clock()
         if self.gone_since is None:
             self.gone_since = now
-            logger.warning("every worker has left the cluster; %d SuperBatch task(s) wait for one "
-                           "(the run stops after surge.no-workers-timeout=%ss)", waiting, self.timeout)
+            logger.warning(
+                "every worker has left the cluster; %d SuperBatch task(s) wait for one "
+                "(the run stops after surge.no-workers-timeout=%ss)",
+                waiting,
+                self.timeout,
+            )
         elif now - self.gone_since >= self.timeout:
             raise NoWorkersLeft(
                 f"every worker left the cluster and none came back within surge.no-workers-timeout="

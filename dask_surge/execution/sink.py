@@ -64,15 +64,24 @@ class SuperBatchWriter:
     table: Any = None
 
     def __dask_tokenize__(self):
-        return ("SuperBatchWriter", self.encoder.__dask_tokenize__(), self.manifest.root, self.manifest.run_id,
-                self.compression, repr(self.table))
+        return (
+            "SuperBatchWriter",
+            self.encoder.__dask_tokenize__(),
+            self.manifest.root,
+            self.manifest.run_id,
+            self.compression,
+            repr(self.table),
+        )
 
     def _digests(self, parts, spans) -> tuple[tuple[int, str], ...]:
         """``(partition, digest of its whole text column)`` of the partitions that this SuperBatch
         shares with another (only those can be recomputed on resume after a partial commit).
         A SuperBatch holds one span per partition, in partition order, as ``parts`` are."""
-        return tuple((span.partition, partition_digest(to_host(part)[self.encoder.column]))
-                     for part, (span, n) in zip(parts, spans) if span.start > 0 or span.stop < n)
+        return tuple(
+            (span.partition, partition_digest(to_host(part)[self.encoder.column]))
+            for part, (span, n) in zip(parts, spans)
+            if span.start > 0 or span.stop < n
+        )
 
     def sees_output(self) -> None:
         """Raise unless this worker process reads the run's output as the client wrote it (once per
@@ -88,8 +97,9 @@ class SuperBatchWriter:
         """The first half of :meth:`__call__`: encode the SuperBatch (what needs its input partitions)."""
         started_at, t0 = time.time(), time.perf_counter()
         encoded = self.encoder.encode(parts, spans)
-        return PendingCommit(encoded, tuple(spans), self._digests(parts, spans), started_at,
-                            time.perf_counter() - t0)
+        return PendingCommit(
+            encoded, tuple(spans), self._digests(parts, spans), started_at, time.perf_counter() - t0
+        )
 
     def commit(self, batch: PendingCommit) -> SuperBatchReport:
         """The second half of :meth:`__call__`: write the encoded SuperBatch's Parquet file, commit it
@@ -105,19 +115,34 @@ class SuperBatchWriter:
         # a table output: the table's own data files now (uncommitted, no reader sees them); the record
         # carries what the claim holder's table commit needs (dask_surge.execution.tables)
         payload = self.table.write(table_of(frame)) if self.table is not None else ""
-        data = payload.encode() if self.table is not None else parquet_bytes(table_of(frame), groups, self.compression)
+        data = (
+            payload.encode()
+            if self.table is not None
+            else parquet_bytes(table_of(frame), groups, self.compression)
+        )
         attempt = uuid.uuid4().hex[:8]
         manifest, store = self.manifest, self.manifest.store
         staged, path = manifest.staging_path(key, attempt), manifest.data_path(key, attempt)
         skip_path, skip_data = manifest.skipped_path(key, attempt), skipped_bytes(skipped)
         record = CommitRecord(
-            sb=key, run=manifest.run_id, file=path.rsplit("/", 1)[-1], rows=encoded.texts, bytes=len(data),
+            sb=key,
+            run=manifest.run_id,
+            file=path.rsplit("/", 1)[-1],
+            rows=encoded.texts,
+            bytes=len(data),
             sha256=hashlib.sha256(data).hexdigest(),
             spans=tuple((s.partition, s.start, s.stop, int(n)) for s, n in spans),
-            skipped=len(skipped), skipped_file=skip_path.rsplit("/", 1)[-1] if skipped else "",
+            skipped=len(skipped),
+            skipped_file=skip_path.rsplit("/", 1)[-1] if skipped else "",
             skipped_sha256=hashlib.sha256(skip_data).hexdigest() if skipped else "",
-            attempt=attempt, pid=os.getpid(), committed_at=0.0, digests=batch.digests,
-            output_rows=len(frame), truncated=encoded.truncated, encoded=encoded.encoded, reused=encoded.reused,
+            attempt=attempt,
+            pid=os.getpid(),
+            committed_at=0.0,
+            digests=batch.digests,
+            output_rows=len(frame),
+            truncated=encoded.truncated,
+            encoded=encoded.encoded,
+            reused=encoded.reused,
             table=payload,
         )
         won, step = False, f"writing {staged!r}"
@@ -130,7 +155,9 @@ class SuperBatchWriter:
             step = f"creating the commit record {manifest.record_path(key)!r}"
             record = dataclasses.replace(record, committed_at=time.time())
             won = manifest.commit(record)
-            if won and manifest.tasks_publish:  # else the claim holder publishes it (see Manifest.tasks_publish)
+            if (
+                won and manifest.tasks_publish
+            ):  # else the claim holder publishes it (see Manifest.tasks_publish)
                 step = f"publishing {path!r}"
                 manifest.publish(record)  # now, and only now, under its part-*.parquet name
         except OSError as err:
@@ -142,23 +169,39 @@ class SuperBatchWriter:
                 raise run_gone(manifest, err) from err
             raise SurgeOutputError(
                 f"{step} for SuperBatch {key} ({encoded.texts} rows, {len(data):,} bytes) failed: "
-                f"{type(err).__name__}: {err}. " + (
-                    "The commit is recorded; a rerun publishes its file. " if won else
-                    "Committed SuperBatches are kept and no partial or uncommitted file is left where "
-                    "readers look. ") +
-                "Fix: free disk space or fix permissions, then rerun the same call to resume."
+                f"{type(err).__name__}: {err}. "
+                + (
+                    "The commit is recorded; a rerun publishes its file. "
+                    if won
+                    else "Committed SuperBatches are kept and no partial or uncommitted file is left where "
+                    "readers look. "
+                )
+                + "Fix: free disk space or fix permissions, then rerun the same call to resume."
             ) from err
         if not won:  # another attempt of this SuperBatch committed first: ours is an orphan
-            if self.table is None:  # (a table's orphan data files are named by no version: no reader sees them)
+            if (
+                self.table is None
+            ):  # (a table's orphan data files are named by no version: no reader sees them)
                 discard(store, staged)
             if skipped:
                 discard(store, skip_path)
         else:  # the client's progress moves now, not when the whole unit ends
             announce(manifest.run_id, key, encoded.texts + len(skipped), record.file)
         return SuperBatchReport(
-            sb=key, rows=encoded.texts, skipped=len(skipped), file=record.file if won else "", bytes=len(data),
-            spans=record.spans, started_at=batch.started_at, encode_s=batch.encode_s, write_s=time.perf_counter() - t1,
-            committed=won, committed_at=record.committed_at,
+            sb=key,
+            rows=encoded.texts,
+            skipped=len(skipped),
+            file=record.file if won else "",
+            bytes=len(data),
+            spans=record.spans,
+            started_at=batch.started_at,
+            encode_s=batch.encode_s,
+            write_s=time.perf_counter() - t1,
+            committed=won,
+            committed_at=record.committed_at,
             engine=self.encoder.encoder.backend,  # what encoded on this worker
-            output_rows=len(frame), truncated=encoded.truncated, encoded=encoded.encoded, reused=encoded.reused,
+            output_rows=len(frame),
+            truncated=encoded.truncated,
+            encoded=encoded.encoded,
+            reused=encoded.reused,
         )

@@ -71,5 +71,8 @@ def interrupted(manifest: Manifest, output: str, planned: int | None) -> None:
     of = f" of {planned}" if planned is not None else ""
     logger.warning(
         "dask-surge: interrupted; %d%s SuperBatches are committed in %s and kept. "
-        "Rerun the same call to resume from there.", len(manifest.committed()), of, output,
+        "Rerun the same call to resume from there.",
+        len(manifest.committed()),
+        of,
+        output,
     )

@@ -37,9 +37,16 @@ from ..models.encoders import Encoder
 from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
 from ..planning.policy import Span
 
-__all__ = ["SuperBatchRows", "SuperBatchTask", "distinct", "expand", "texts_of",
-           "arrow_texts",
-           "partition_digest", "concat_column"]
+__all__ = [
+    "SuperBatchRows",
+    "SuperBatchTask",
+    "distinct",
+    "expand",
+    "texts_of",
+    "arrow_texts",
+    "partition_digest",
+    "concat_column",
+]
 
 
 def distinct(hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -82,7 +89,11 @@ def expand(counts: np.ndarray, which: np.ndarray) -> np.ndarray:
     >>> expand(np.array([2, 0, 3]), np.array([2, 0, 0])).tolist()
     [2, 3, 4, 0, 1, 0, 1]
     """
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if len(counts) else np.zeros(0, np.int64)
+    starts = (
+        np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        if len(counts)
+        else np.zeros(0, np.int64)
+    )
     reps = counts[which].astype(np.int64)
     total = int(reps.sum())
     if total == 0:
@@ -152,8 +163,9 @@ def arrow_texts(series: pd.Series) -> ArrowTexts | None:
     return ArrowTexts(strings) if strings is not None and strings.null_count == 0 else None
 
 
-def texts_of(series: pd.Series, partition: int, start: int, on_null: str
-             ) -> tuple[list[str] | ArrowTexts, np.ndarray | None]:
+def texts_of(
+    series: pd.Series, partition: int, start: int, on_null: str
+) -> tuple[list[str] | ArrowTexts, np.ndarray | None]:
     """Return the texts of ``series`` as a sequence of ``str`` (an :class:`~dask_surge.io.texts.ArrowTexts`
     for Arrow strings with no null, else a list), enforcing the null policy, and the mask of
     rows kept (``None``: all of them).
@@ -270,8 +282,11 @@ class _Blocks:
         chunks = None
         if blocks[0].chunks is not None:
             chunks = {k: np.concatenate([b.chunks[k] for b in blocks]) for k in CHUNK_COLUMNS}  # type: ignore[index]
-        return _Blocks(np.concatenate([b.counts for b in blocks]),
-                       {k: pa.concat_arrays([b.payload[k] for b in blocks]) for k in blocks[0].payload}, chunks)
+        return _Blocks(
+            np.concatenate([b.counts for b in blocks]),
+            {k: pa.concat_arrays([b.payload[k] for b in blocks]) for k in blocks[0].payload},
+            chunks,
+        )
 
 
 def _runs(spans: Sequence[tuple[Span, int]], by_partition: dict) -> list[list[tuple[Span, int]]]:
@@ -298,7 +313,8 @@ def _check_finite_values(values: np.ndarray, family: str) -> None:
     if values.size and not np.isfinite(values).all():
         raise SurgeModelError(
             f"the {family} model produced NaN or inf values in this SuperBatch: its output must be finite. This "
-            "usually means a half-precision overflow or broken weights. Fix: pass dtype='float32', and check the model.")
+            "usually means a half-precision overflow or broken weights. Fix: pass dtype='float32', and check the model."
+        )
 
 
 @dataclass(frozen=True)
@@ -339,9 +355,21 @@ class SuperBatchTask:
     sparse_threshold: float | None = None
 
     def __dask_tokenize__(self):
-        return ("SuperBatchTask", self.column, self.keep, self.encoder.spec, self.normalize,
-                self.precision, self.on_null, self.truncate_dim, self.long_texts, self.chunk_overlap, self.reuse,
-                self.sparse_top_k, self.sparse_threshold)
+        return (
+            "SuperBatchTask",
+            self.column,
+            self.keep,
+            self.encoder.spec,
+            self.normalize,
+            self.precision,
+            self.on_null,
+            self.truncate_dim,
+            self.long_texts,
+            self.chunk_overlap,
+            self.reuse,
+            self.sparse_top_k,
+            self.sparse_threshold,
+        )
 
     @property
     def family(self) -> str:
@@ -388,7 +416,9 @@ class SuperBatchTask:
                     continue
             for span, _ in run:
                 part = to_host(by_partition[span.partition])
-                piece = part if span.start == 0 and span.stop == len(part) else part.iloc[span.start : span.stop]
+                piece = (
+                    part if span.start == 0 and span.stop == len(part) else part.iloc[span.start : span.stop]
+                )
                 values, kept = texts_of(piece[self.column], span.partition, span.start, self.on_null)
                 rows = np.arange(span.start, span.stop, dtype=np.int64)
                 if kept is not None:
@@ -424,19 +454,24 @@ class SuperBatchTask:
             _check_finite_values(values.values.to_numpy(zero_copy_only=False), family)
             return {INDICES: indices, VALUES: values}
         if family == MULTIVECTOR:
-            mats = [truncate(np.asarray(m, dtype=np.float32), self.truncate_dim, self.normalize)
-                    for m in out]  # type: ignore[attr-defined]
+            mats = [truncate(np.asarray(m, dtype=np.float32), self.truncate_dim, self.normalize) for m in out]  # type: ignore[attr-defined]
             vectors, tokens = multivector_arrays(mats, self.precision, dimension=self.dimension)
             _check_finite_values(vectors.flatten().flatten().to_numpy(zero_copy_only=False), family)
             return {VECTORS: vectors, TOKENS: tokens}
         return {EMBEDDING: embedding_array(truncate(out, self.truncate_dim, self.normalize), self.precision)}  # type: ignore[arg-type]
 
-    def _encode_blocks(self, texts: Sequence[str], where: Callable[[int], str]) -> tuple[_Blocks, np.ndarray | None]:
+    def _encode_blocks(
+        self, texts: Sequence[str], where: Callable[[int], str]
+    ) -> tuple[_Blocks, np.ndarray | None]:
         """Run the model on distinct ``texts``; ``where(i)`` names text ``i`` in errors. Returns the
         blocks and which texts were cut at the window (None: the model cannot tell)."""
         try:  # truncate first, then normalize what is kept (as sentence-transformers' truncate_dim)
-            out = self.encoder.encode_long(texts, normalize=self.normalize and self.truncate_dim is None,
-                                           long_texts=self.long_texts, chunk_overlap=self.chunk_overlap)
+            out = self.encoder.encode_long(
+                texts,
+                normalize=self.normalize and self.truncate_dim is None,
+                long_texts=self.long_texts,
+                chunk_overlap=self.chunk_overlap,
+            )
         except TextTooLong as err:
             raise _too_long(where(err.index), err.tokens, err.window) from None
         except SurgeInputError:
@@ -449,14 +484,18 @@ class SuperBatchTask:
             return _Blocks(np.ones(len(texts), np.int64), self.payload(out.embeddings)), truncated
         w = out.windows
         counts = np.bincount(w.text, minlength=len(texts)).astype(np.int64)
-        return _Blocks(counts, self.payload(out.embeddings),  # the windows' fields bear the columns' names
-                       {k: np.asarray(getattr(w, k), dtype=t) for k, t in CHUNK_COLUMNS.items()}), truncated
+        return _Blocks(
+            counts,
+            self.payload(out.embeddings),  # the windows' fields bear the columns' names
+            {k: np.asarray(getattr(w, k), dtype=t) for k, t in CHUNK_COLUMNS.items()},
+        ), truncated
 
     def _reused_blocks(self, hashes: np.ndarray) -> tuple[np.ndarray, _Blocks | None, np.ndarray]:
         """Which of the distinct ``hashes`` a ``reuse`` output holds, their rows there, and which of
         those found may be over the model's window (see :attr:`dask_surge.io.reuse.Reused.may_be_cut`)."""
         hit = open_index(self.reuse, self.reuse_storage_options).lookup(
-            hashes, columns=tuple(CHUNK_COLUMNS) if self.chunked else (), payload=FAMILY_COLUMNS[self.family])
+            hashes, columns=tuple(CHUNK_COLUMNS) if self.chunked else (), payload=FAMILY_COLUMNS[self.family]
+        )
         if not hit.found.any():
             return hit.found, None, hit.may_be_cut
         chunks = None
@@ -512,7 +551,8 @@ class SuperBatchTask:
         todo = np.flatnonzero(~found)
         if len(todo) or not parts_:
             fresh, mask = self._encode_blocks(
-                texts if len(todo) == len(texts) else take_texts(texts, first[todo]), where(todo))
+                texts if len(todo) == len(texts) else take_texts(texts, first[todo]), where(todo)
+            )
             parts_.append((todo, fresh))
             if mask is None:
                 uncounted = True
@@ -539,10 +579,18 @@ class SuperBatchTask:
         for name, column in blocks.payload.items():
             out[name] = pd.arrays.ArrowExtensionArray(column if in_order else column.take(pa.array(take)))
         truncated = -1 if uncounted else int(np.count_nonzero(cut[inverse]))  # each written text counts
-        return SuperBatchRows(out, skipped, texts=len(texts), truncated=truncated,
-                       encoded=len(todo), reused=int(np.count_nonzero(found[inverse])))
+        return SuperBatchRows(
+            out,
+            skipped,
+            texts=len(texts),
+            truncated=truncated,
+            encoded=len(todo),
+            reused=int(np.count_nonzero(found[inverse])),
+        )
 
-    def __call__(self, parts: Sequence[pd.DataFrame], sb_index: int, spans: Sequence[tuple[Span, int]]) -> pd.DataFrame:
+    def __call__(
+        self, parts: Sequence[pd.DataFrame], sb_index: int, spans: Sequence[tuple[Span, int]]
+    ) -> pd.DataFrame:
         return self.encode(parts, spans).frame
 
     def rows(self, texts: Sequence[str]) -> dict[str, pa.Array]:
@@ -583,6 +631,10 @@ class SuperBatchTask:
         {'embedding': 'fixed_size_list<item: float>[384]'}
         """
         family = self.family
-        empty: object = ([] if family == MULTIVECTOR else  # no token matrices; no sparse rows, of any width
-                         np.zeros((0, self.dimension if family == DENSE else 1), dtype=np.float32))
+        empty: object = (
+            []
+            if family == MULTIVECTOR
+            # no token matrices; no sparse rows, of any width
+            else np.zeros((0, self.dimension if family == DENSE else 1), dtype=np.float32)
+        )
         return self.payload(empty)

@@ -44,8 +44,19 @@ logger = logging.getLogger("dask_surge")
 __all__ = ["TableCommitter", "check_table_dir", "TABLE_ENTRIES"]
 
 #: what a directory may hold before a run makes it a Lance table: the table's own entries and ``_surge/``
-TABLE_ENTRIES = frozenset({"_surge", "data", "_versions", "_transactions", "_indices", "_deletions", "_refs",
-                           "_delta_log", "surge-data"})
+TABLE_ENTRIES = frozenset(
+    {
+        "_surge",
+        "data",
+        "_versions",
+        "_transactions",
+        "_indices",
+        "_deletions",
+        "_refs",
+        "_delta_log",
+        "surge-data",
+    }
+)
 
 
 def check_table_dir(store: OutputStore, exists: bool) -> None:
@@ -85,8 +96,16 @@ class TableCommitter:
         The run's claim: once it is lost, nothing more is committed.
     """
 
-    def __init__(self, table: Any, manifest: Manifest, *, mode: str = "create", every: int = 16,
-                 seconds: float = 5.0, claim: Any = None) -> None:
+    def __init__(
+        self,
+        table: Any,
+        manifest: Manifest,
+        *,
+        mode: str = "create",
+        every: int = 16,
+        seconds: float = 5.0,
+        claim: Any = None,
+    ) -> None:
         self.table, self.manifest, self.mode = table, manifest, mode
         self.every, self.seconds, self.claim = max(1, int(every)), float(seconds), claim
         self.run_id = manifest.run_id
@@ -113,7 +132,8 @@ class TableCommitter:
             if self.exists:
                 raise SurgeOutputError(
                     f"the table {self.table.location.url!r} is gone (deleted while the run wrote it). What the "
-                    "run committed to its manifest is kept. Fix: write to a new path.")
+                    "run committed to its manifest is kept. Fix: write to a new path."
+                )
             return
         if self.seen == 0 and h.first_ours is False and self.mode != "append":
             raise SurgeOutputError(
@@ -125,7 +145,8 @@ class TableCommitter:
         if h.duplicates:  # pragma: no cover - only two claim holders at once could do it
             raise SurgeOutputError(
                 f"the table {self.table.location.url!r} holds SuperBatch(es) {h.duplicates[:5]} of run "
-                f"{self.run_id} twice. Please report this with the table's history.")
+                f"{self.run_id} twice. Please report this with the table's history."
+            )
         if h.ops and self._ours_first is None:
             self._ours_first = min(h.ops)
         for version, op, run in h.foreign:
@@ -147,7 +168,7 @@ class TableCommitter:
         self._read()
         left = [sb for sb in self.manifest.committed() if sb not in self.done]
         for i in range(0, len(left), self.every):
-            self._commit(left[i:i + self.every])
+            self._commit(left[i : i + self.every])
         self._thread = threading.Thread(target=self._loop, name="dask-surge-table-commit", daemon=True)
         self._thread.start()
 
@@ -160,7 +181,8 @@ class TableCommitter:
             if not record.table:
                 raise SurgeOutputError(
                     f"SuperBatch {sb} of {self.manifest.root!r} was committed without table data files (a "
-                    "Parquet run's record?). Fix: write the table to a new path.")
+                    "Parquet run's record?). Fix: write the table to a new path."
+                )
             out.append((sb, record.table))
         return out
 
@@ -168,7 +190,8 @@ class TableCommitter:
         if self.claim is not None and self.claim.lost:
             raise SurgeOutputError(
                 f"the claim on {self.manifest.root!r} was lost (another process took it over); this process "
-                "commits nothing more to the table. Fix: let the other run finish, or rerun.")
+                "commits nothing more to the table. Fix: let the other run finish, or rerun."
+            )
         self._read()  # versions made since: ours (another process of this run) and others'
         batch = [sb for sb in dict.fromkeys(sbs) if sb not in self.done]
         if not batch:
@@ -192,12 +215,19 @@ class TableCommitter:
                 with self._cond:
                     while True:
                         due = self._since is not None and time.monotonic() - self._since >= self.seconds
-                        if self._closing or len(self._pending) >= self.every or due or (
-                                self._pending and self.first is None):
+                        if (
+                            self._closing
+                            or len(self._pending) >= self.every
+                            or due
+                            or (self._pending and self.first is None)
+                        ):
                             break
-                        self._cond.wait(None if self._since is None else
-                                        max(0.0, self.seconds - (time.monotonic() - self._since)))
-                    batch, self._pending = self._pending[:self.every], self._pending[self.every:]
+                        self._cond.wait(
+                            None
+                            if self._since is None
+                            else max(0.0, self.seconds - (time.monotonic() - self._since))
+                        )
+                    batch, self._pending = self._pending[: self.every], self._pending[self.every :]
                     self._since = time.monotonic() if self._pending else None
                     closing = self._closing and not self._pending
                 if batch:
@@ -235,7 +265,7 @@ class TableCommitter:
         if final:
             left = [sb for sb in self.manifest.committed() if sb not in self.done]
             for i in range(0, len(left), self.every):
-                self._commit(left[i:i + self.every])
+                self._commit(left[i : i + self.every])
 
     def abandon(self) -> None:
         """On an error: commit what can be committed, never raise (a rerun commits the rest)."""

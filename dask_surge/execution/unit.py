@@ -83,8 +83,11 @@ class UnitRunner:
                 rows, digest = expect[partition]
                 texts = to_host(frame)[self.writer.encoder.column]
                 if len(frame) != rows or (digest is not None and partition_digest(texts) != digest):
-                    what = (f"has {len(frame)} rows now but {rows} when part of it was committed"
-                            if len(frame) != rows else "holds other texts now than when part of it was committed")
+                    what = (
+                        f"has {len(frame)} rows now but {rows} when part of it was committed"
+                        if len(frame) != rows
+                        else "holds other texts now than when part of it was committed"
+                    )
                     raise SurgeInputError(
                         f"partition {partition} {what}: the input changed since the run started "
                         "(non-deterministic partitions?), so resuming would mix old and new rows. Nothing "
@@ -114,12 +117,17 @@ class UnitRunner:
 
         def emit(sbs: list[SuperBatch]) -> None:
             for sb in sbs:
-                spans = [(Span(held[s.partition][0], s.start, s.stop), len(held[s.partition][1])) for s in sb.spans]
+                spans = [
+                    (Span(held[s.partition][0], s.start, s.stop), len(held[s.partition][1])) for s in sb.spans
+                ]
                 local = sorted({s.partition for s in sb.spans})
                 self._commit([held[i][1] for i in local], spans, unit, committer)
                 last = sb.spans[-1]
-                for i in [i for i in held if i < last.partition or (i == last.partition
-                                                                    and last.stop == len(held[i][1]))]:
+                for i in [
+                    i
+                    for i in held
+                    if i < last.partition or (i == last.partition and last.stop == len(held[i][1]))
+                ]:
                     del held[i]  # consumed: release its rows
 
         for i, (partition, frame) in enumerate(frames):
@@ -180,6 +188,8 @@ class _Committer:
 
 _handed_over_lock = threading.Lock()
 _handed_over = 0  # tasks of this worker process waiting for their last commit out of its thread pool
+
+
 @contextlib.contextmanager
 def _thread_handed_over(pending: Future | None) -> Iterator[None]:
     """While a task waits for its last commit, the worker runs its next task in its place.
@@ -228,7 +238,9 @@ def _worker_threads() -> int:
     return int(worker.state.nthreads)
 
 
-def _expected(partitions: Sequence[int], coverage: Coverage | None) -> tuple[tuple[int, int, str | None], ...]:
+def _expected(
+    partitions: Sequence[int], coverage: Coverage | None
+) -> tuple[tuple[int, int, str | None], ...]:
     """What was committed for the partitions among ``partitions`` that are committed in part."""
     if coverage is None:
         return ()
@@ -236,8 +248,9 @@ def _expected(partitions: Sequence[int], coverage: Coverage | None) -> tuple[tup
     return tuple((p, e[0], e[1]) for p, e in found if e is not None)
 
 
-def planned_units(superbatches: Sequence[SuperBatch], sizes: Sequence[int], done: set,
-                  coverage: Coverage | None = None) -> list[Unit]:
+def planned_units(
+    superbatches: Sequence[SuperBatch], sizes: Sequence[int], done: set, coverage: Coverage | None = None
+) -> list[Unit]:
     """Units of the planned mode: each uncommitted SuperBatch alone, except that the slices
     of one partition larger than ``b_max`` travel together (so it is read once).
 
@@ -253,16 +266,27 @@ def planned_units(superbatches: Sequence[SuperBatch], sizes: Sequence[int], done
         if sb_key(sb.spans[0].partition, sb.spans[0].start) in done:
             continue
         first = sb.spans[0].partition
-        if chunks and len(sb.spans) == 1 and len(chunks[-1][-1].spans) == 1 \
-                and chunks[-1][-1].spans[-1].partition == first:
+        if (
+            chunks
+            and len(sb.spans) == 1
+            and len(chunks[-1][-1].spans) == 1
+            and chunks[-1][-1].spans[-1].partition == first
+        ):
             chunks[-1].append(sb)
         else:
             chunks.append([sb])
     units = []
     for chunk in chunks:
         parts = tuple(sorted({s.partition for sb in chunk for s in sb.spans}))
-        units.append(Unit(parts, tuple(chunk), frozenset(), tuple(int(sizes[p]) for p in parts),
-                          expect=_expected(parts, coverage)))
+        units.append(
+            Unit(
+                parts,
+                tuple(chunk),
+                frozenset(),
+                tuple(int(sizes[p]) for p in parts),
+                expect=_expected(parts, coverage),
+            )
+        )
     return units
 
 

@@ -35,8 +35,9 @@ def embedding_array(emb: np.ndarray, precision: str = "float32") -> pa.FixedSize
     """
     stored = quantize(emb, precision)
     flat = np.ascontiguousarray(stored).reshape(-1)
-    return pa.FixedSizeListArray.from_arrays(pa.array(flat, type=PRECISIONS[precision][1]),
-                                             stored_dimension(emb.shape[1], precision))
+    return pa.FixedSizeListArray.from_arrays(
+        pa.array(flat, type=PRECISIONS[precision][1]), stored_dimension(emb.shape[1], precision)
+    )
 
 
 def is_cudf(obj) -> bool:

@@ -33,9 +33,27 @@ from typing import Any
 from ..errors import SurgeOutputError
 from .store import LinkRefused, OutputStore
 
-__all__ = ["META_DIR", "DATA_FILE", "SIDE_FILE", "RUN_ID", "SB_PATTERN", "owned", "discard", "relocate",
-           "discard_tree", "set_aside", "refuse_links", "read_json", "corrupt", "check_output", "sb_key",
-           "attempt_of", "index_dir", "current_path", "LinkRefused"]
+__all__ = [
+    "META_DIR",
+    "DATA_FILE",
+    "SIDE_FILE",
+    "RUN_ID",
+    "SB_PATTERN",
+    "owned",
+    "discard",
+    "relocate",
+    "discard_tree",
+    "set_aside",
+    "refuse_links",
+    "read_json",
+    "corrupt",
+    "check_output",
+    "sb_key",
+    "attempt_of",
+    "index_dir",
+    "current_path",
+    "LinkRefused",
+]
 
 
 META_DIR = "_surge"
@@ -50,7 +68,9 @@ SB_PATTERN = r"\d{9}-\d{12}"
 
 
 #: a published data file: ``part-<run[:8]>-<sb>-<attempt>.parquet``
-DATA_FILE = re.compile(rf"^part-(?P<run>[0-9a-f]{{8}})-(?P<sb>{SB_PATTERN})-(?P<attempt>[0-9a-f]{{8}})\.parquet$")
+DATA_FILE = re.compile(
+    rf"^part-(?P<run>[0-9a-f]{{8}})-(?P<sb>{SB_PATTERN})-(?P<attempt>[0-9a-f]{{8}})\.parquet$"
+)
 
 
 #: a staged or skipped-null file: ``<sb>-<attempt>.parquet``
@@ -100,7 +120,7 @@ def owned(rel: str) -> bool:
 
 def _check_owned(store: OutputStore, path: str) -> None:
     base = store.root.rstrip("/") + "/"
-    if not path.startswith(base) or not owned(path[len(base):]):
+    if not path.startswith(base) or not owned(path[len(base) :]):
         raise SurgeOutputError(
             f"refusing to delete or move {path!r}: it is not a file dask-surge writes in the output "
             f"{store.root!r} (a run deletes and moves only its own files). Nothing was changed. This is a bug: "
@@ -223,7 +243,9 @@ def refuse_links(store: OutputStore) -> None:
         )
 
 
-def check_output(store: OutputStore, *, inputs: Sequence[tuple[Any, str]] = (), contents: bool = True) -> None:
+def check_output(
+    store: OutputStore, *, inputs: Sequence[tuple[Any, str]] = (), contents: bool = True
+) -> None:
     """Refuse an output location that a run could not own (before anything is written).
 
     The output must be a directory, not under a regular file, neither inside nor around one
@@ -301,7 +323,9 @@ def check_output(store: OutputStore, *, inputs: Sequence[tuple[Any, str]] = (), 
     refuse_links(store)
     names = store.listdir(root)
     ours = META_DIR in names
-    foreign = [n for n in names if not n.startswith(".") and n != META_DIR and not (ours and DATA_FILE.match(n))]
+    foreign = [
+        n for n in names if not n.startswith(".") and n != META_DIR and not (ours and DATA_FILE.match(n))
+    ]
     if foreign:
         shown = ", ".join(repr(n) for n in foreign[:3]) + (", ..." if len(foreign) > 3 else "")
         raise SurgeOutputError(

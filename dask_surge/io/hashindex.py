@@ -56,7 +56,15 @@ from .lease import holder_info, stale, store_age
 from .manifest import existing_run
 from .store import OutputStore
 
-__all__ = ["INDEX_FORMAT", "BUCKET_ENTRIES", "BUILD_BEAT_S", "BUILD_STALE_S", "LRU", "OutputIndex", "IndexDamaged"]
+__all__ = [
+    "INDEX_FORMAT",
+    "BUCKET_ENTRIES",
+    "BUILD_BEAT_S",
+    "BUILD_STALE_S",
+    "LRU",
+    "OutputIndex",
+    "IndexDamaged",
+]
 
 INDEX_FORMAT = 2
 #: entries per bucket the bucket count aims at (a bucket file is then ~16 MiB; sorting one takes ~4x that)
@@ -122,8 +130,16 @@ class LRU(OrderedDict):
 class OutputIndex:
     """The index of one earlier output (see the module docstring)."""
 
-    def __init__(self, store: OutputStore, *, bits: int | None, spill_bytes: int,
-                 max_buckets: int, rebuild: bool, bucket_entries: int = BUCKET_ENTRIES) -> None:
+    def __init__(
+        self,
+        store: OutputStore,
+        *,
+        bits: int | None,
+        spill_bytes: int,
+        max_buckets: int,
+        rebuild: bool,
+        bucket_entries: int = BUCKET_ENTRIES,
+    ) -> None:
         self.bucket_entries = bucket_entries
         path = store.location
         manifest = existing_run(store)
@@ -195,8 +211,12 @@ class OutputIndex:
         try:
             if isinstance(meta.get("bits"), int) and 0 <= meta["bits"] <= 24:
                 self._old_bits = meta["bits"]
-            if meta.get("format") != INDEX_FORMAT or meta.get("algorithm") != HASH_ALGORITHM \
-                    or meta.get("run") != self.manifest.run_id or meta.get("complete") != self.complete:
+            if (
+                meta.get("format") != INDEX_FORMAT
+                or meta.get("algorithm") != HASH_ALGORITHM
+                or meta.get("run") != self.manifest.run_id
+                or meta.get("complete") != self.complete
+            ):
                 return None
             if not len(meta["sha256"]) == len(meta["bytes"]) == len(meta["truncated"]) == len(meta["files"]):
                 return None
@@ -229,8 +249,11 @@ class OutputIndex:
         (plus one row group's hashes), then ~4x one bucket while sorting it."""
         records = self._records()
         files = [r.file for r in records]
-        checks = {"sha256": [r.sha256 for r in records], "bytes": [r.bytes for r in records],
-                  "truncated": [r.truncated for r in records]}
+        checks = {
+            "sha256": [r.sha256 for r in records],
+            "bytes": [r.bytes for r in records],
+            "truncated": [r.truncated for r in records],
+        }
         rows = sum(r.rows for r in records)
         bits = _bucket_bits(rows, self.bucket_entries) if bits is None else int(bits)
         nb = 1 << bits
@@ -259,7 +282,7 @@ class OutputIndex:
                 bounds = np.searchsorted(bucket, np.arange(nb + 1))
                 for b in np.flatnonzero(np.diff(bounds)).tolist():
                     with open(os.path.join(spill, f"{b}.bin"), "ab") as f:
-                        f.write(block[bounds[b]: bounds[b + 1]].tobytes())
+                        f.write(block[bounds[b] : bounds[b + 1]].tobytes())
                     counts[b] += bounds[b + 1] - bounds[b]
                 buffered = 0
 
@@ -296,9 +319,19 @@ class OutputIndex:
                     self.store.write(f"{self.dir}/{_bucket_name(b)}", buf.getbuffer())
                     bucket_entries.append(int(block.shape[1]))
                     del block, buf
-                meta = {"format": INDEX_FORMAT, "algorithm": HASH_ALGORITHM, "run": self.manifest.run_id,
-                        "complete": self.complete, "bits": bits, "rows": rows, "files": files, **checks,
-                        "chunked": bool(chunked), "bucket_entries": bucket_entries, "built": time.time()}
+                meta = {
+                    "format": INDEX_FORMAT,
+                    "algorithm": HASH_ALGORITHM,
+                    "run": self.manifest.run_id,
+                    "complete": self.complete,
+                    "bits": bits,
+                    "rows": rows,
+                    "files": files,
+                    **checks,
+                    "chunked": bool(chunked),
+                    "bucket_entries": bucket_entries,
+                    "built": time.time(),
+                }
                 self.store.write(f"{self.dir}/meta.json", json.dumps(meta, sort_keys=True).encode())
                 keep = {_bucket_name(b) for b in range(nb) if bucket_entries[b]}
                 for name in self._ls(self.dir):  # buckets of an index built before with other bits
@@ -362,8 +395,9 @@ class OutputIndex:
         if size != want_size:
             raise self._damaged(name, f"is {size:,} bytes, its commit record says {want_size:,}")
         if digest.hexdigest() != want:
-            raise self._damaged(name, f"has sha256 {digest.hexdigest()[:16]}..., its commit record says "
-                                      f"{want[:16]}...")
+            raise self._damaged(
+                name, f"has sha256 {digest.hexdigest()[:16]}..., its commit record says {want[:16]}..."
+            )
 
     def _file_entries(self, file_id: int, name: str) -> Iterator[tuple[np.ndarray, bool]]:
         """Index entries ``(m, 4)`` uint64 of one part file, a row group at a time; chunk runs joined."""
@@ -384,7 +418,11 @@ class OutputIndex:
                     "matched to texts. Fix: re-run once without reuse= (the new output records them); "
                     "later runs can reuse that output."
                 )
-            algo = (schema.field(TEXT_HASH).metadata or {}).get(HASH_METADATA_KEY, HASH_ALGORITHM.encode()).decode()
+            algo = (
+                (schema.field(TEXT_HASH).metadata or {})
+                .get(HASH_METADATA_KEY, HASH_ALGORITHM.encode())
+                .decode()
+            )
             if algo != HASH_ALGORITHM:
                 raise SurgeInputError(
                     f"reuse={self.path!r}: its {TEXT_HASH!r} column was computed with {algo!r}, this "
@@ -442,8 +480,11 @@ class OutputIndex:
             except (OSError, ValueError, EOFError) as err:
                 raise IndexDamaged(f"{path}: {type(err).__name__}: {err}") from err
             if arr.dtype != np.uint64 or arr.shape != (4, int(self.entries[b])):
-                raise IndexDamaged(f"{path}: shape {arr.shape} {arr.dtype}, expected (4, {int(self.entries[b])}) uint64")
+                raise IndexDamaged(
+                    f"{path}: shape {arr.shape} {arr.dtype}, expected (4, {int(self.entries[b])}) uint64"
+                )
             return arr
+
         return self._buckets.get_or(b, load)
 
     def lookup(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -462,7 +503,7 @@ class OutputIndex:
         for b in np.flatnonzero(np.diff(bounds)):
             if not self.entries[b]:
                 continue
-            idx = order[bounds[b]: bounds[b + 1]]
+            idx = order[bounds[b] : bounds[b + 1]]
             arr = self._bucket(int(b))
             hi, lo = arr[0], arr[1]
             qhi, qlo = q[idx, 0], q[idx, 1]
@@ -474,7 +515,7 @@ class OutputIndex:
             hit = np.asarray(lo[left[one]]) == qlo[one]
             pos[one[hit]] = left[one[hit]]
             for j in np.flatnonzero(span > 1):  # 64-bit prefix shared: rare (~n^2 / 2^65 pairs)
-                k = int(left[j]) + int(np.searchsorted(lo[left[j]: right[j]], qlo[j]))
+                k = int(left[j]) + int(np.searchsorted(lo[left[j] : right[j]], qlo[j]))
                 if k < right[j] and lo[k] == qlo[j]:
                     pos[j] = k
             ok = pos >= 0
@@ -517,5 +558,3 @@ def _dedupe(entries: np.ndarray) -> np.ndarray:
 
 
 # -- the public index ---------------------------------------------------------------------
-
-

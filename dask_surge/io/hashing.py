@@ -19,8 +19,15 @@ from ..errors import SurgeValueError
 from .layout import TEXT_HASH
 from .texts import ArrowTexts, as_list, is_string_view
 
-__all__ = ["HASH_ALGORITHM", "TEXT_HASH_TYPE", "text_hashes", "arrow_strings", "hash_column", "hashes_of",
-           "text_hash_field"]
+__all__ = [
+    "HASH_ALGORITHM",
+    "TEXT_HASH_TYPE",
+    "text_hashes",
+    "arrow_strings",
+    "hash_column",
+    "hashes_of",
+    "text_hash_field",
+]
 
 
 #: what :func:`text_hashes` computes; recorded in the column's field metadata and the index
@@ -47,7 +54,7 @@ def _digests_of_arrow(arr: pa.Array) -> bytes:
     offsets, data = ArrowTexts(arr).utf8()  # no null here: text_hashes refused them
     bounds = offsets.tolist()
     digest = xxhash.xxh3_128_digest
-    return b"".join([digest(data[bounds[i]: bounds[i + 1]]) for i in range(len(arr))])
+    return b"".join([digest(data[bounds[i] : bounds[i + 1]]) for i in range(len(arr))])
 
 
 def _null_error(n: int, first: int) -> SurgeValueError:
@@ -145,10 +152,15 @@ def arrow_strings(values) -> pa.Array | pa.ChunkedArray | None:
     True
     """
     if isinstance(values, (pa.Array, pa.ChunkedArray)):
-        if not (pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
-                or is_string_view(values.type)):
-            raise SurgeValueError(f"text_hashes got an Arrow {values.type} array; only strings are hashed. "
-                                  "Fix: pass the text column.")
+        if not (
+            pa.types.is_string(values.type)
+            or pa.types.is_large_string(values.type)
+            or is_string_view(values.type)
+        ):
+            raise SurgeValueError(
+                f"text_hashes got an Arrow {values.type} array; only strings are hashed. "
+                "Fix: pass the text column."
+            )
         return values
     array = getattr(values, "array", None)  # a pandas Series backed by Arrow
     pa_array = getattr(array, "_pa_array", None)
@@ -156,7 +168,9 @@ def arrow_strings(values) -> pa.Array | pa.ChunkedArray | None:
         with contextlib.suppress(Exception):
             if "pyarrow" in str(getattr(values, "dtype", "")):
                 pa_array = pa.chunked_array(pa.array(values))
-    if pa_array is not None and (pa.types.is_string(pa_array.type) or pa.types.is_large_string(pa_array.type)):
+    if pa_array is not None and (
+        pa.types.is_string(pa_array.type) or pa.types.is_large_string(pa_array.type)
+    ):
         return pa_array
     return None
 
@@ -178,8 +192,10 @@ def hash_column(hashes: np.ndarray) -> pa.FixedSizeBinaryArray:
     """
     h = np.asarray(hashes)
     if h.ndim != 2 or h.shape[1] != 2:
-        raise SurgeValueError(f"hash_column needs an (n, 2) uint64 array, got shape {h.shape}. "
-                              "Fix: pass what text_hashes returns.")
+        raise SurgeValueError(
+            f"hash_column needs an (n, 2) uint64 array, got shape {h.shape}. "
+            "Fix: pass what text_hashes returns."
+        )
     blob = np.ascontiguousarray(h.astype(">u8", copy=False)).tobytes()
     return pa.Array.from_buffers(TEXT_HASH_TYPE, len(h), [None, pa.py_buffer(blob)])
 
@@ -196,13 +212,17 @@ def hashes_of(array) -> np.ndarray:
     parts = []
     for c in chunks:
         if c.type != TEXT_HASH_TYPE:
-            raise SurgeValueError(f"a {TEXT_HASH} column is fixed_size_binary[16], got {c.type}. "
-                                  "Fix: pass the column hash_column wrote.")
+            raise SurgeValueError(
+                f"a {TEXT_HASH} column is fixed_size_binary[16], got {c.type}. "
+                "Fix: pass the column hash_column wrote."
+            )
         if c.null_count:
-            raise SurgeValueError(f"the {TEXT_HASH} column has {c.null_count} null(s); every written row "
-                                  "carries its text's hash. Fix: pass the column hash_column wrote.")
+            raise SurgeValueError(
+                f"the {TEXT_HASH} column has {c.null_count} null(s); every written row "
+                "carries its text's hash. Fix: pass the column hash_column wrote."
+            )
         buf = c.buffers()[1]
-        parts.append(np.frombuffer(buf, dtype=">u8")[2 * c.offset: 2 * (c.offset + len(c))])
+        parts.append(np.frombuffer(buf, dtype=">u8")[2 * c.offset : 2 * (c.offset + len(c))])
     if not parts:
         return np.empty((0, 2), dtype=np.uint64)
     return np.concatenate(parts).astype(np.uint64).reshape(-1, 2)
@@ -217,4 +237,6 @@ def text_hash_field() -> pa.Field:
     >>> f.name, f.nullable, f.metadata
     ('text_hash', False, {b'dask_surge.hash': b'xxh3_128-utf8'})
     """
-    return pa.field(TEXT_HASH, TEXT_HASH_TYPE, nullable=False, metadata={HASH_METADATA_KEY: HASH_ALGORITHM.encode()})
+    return pa.field(
+        TEXT_HASH, TEXT_HASH_TYPE, nullable=False, metadata={HASH_METADATA_KEY: HASH_ALGORITHM.encode()}
+    )

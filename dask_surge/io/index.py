@@ -86,7 +86,9 @@ def build_index(output: str | os.PathLike, *, metric: Metric = "cosine", path: s
     """
     output = os.fspath(output).rstrip("/")
     if metric not in ("cosine", "l2", "dot"):
-        raise SurgeInputError(f"metric={metric!r} is not a metric of build_index. Fix: choose cosine, l2 or dot.")
+        raise SurgeInputError(
+            f"metric={metric!r} is not a metric of build_index. Fix: choose cosine, l2 or dot."
+        )
     if _is_lance(output):
         lance = require("lance")
         ds = lance.dataset(output)
@@ -99,7 +101,9 @@ def build_index(output: str | os.PathLike, *, metric: Metric = "cosine", path: s
     x = _matrix(frame["embedding"])
     if metric == "cosine":
         x = _normalized(x)
-    index = faiss.IndexHNSWFlat(x.shape[1], 32, faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT)
+    index = faiss.IndexHNSWFlat(
+        x.shape[1], 32, faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+    )
     index.hnsw.efSearch = 64
     index.add(x)
     where = path or f"{output}.faiss"
@@ -107,8 +111,15 @@ def build_index(output: str | os.PathLike, *, metric: Metric = "cosine", path: s
     store.makedirs(store.root)
     keys = io.BytesIO()
     frame[["partition", "row"]].reset_index(drop=True).to_parquet(keys)
-    info = {"kind": "faiss", "path": where, "rows": len(x), "metric": metric, "index": "HNSW32", "ef_search": 64,
-            "output": output}
+    info = {
+        "kind": "faiss",
+        "path": where,
+        "rows": len(x),
+        "metric": metric,
+        "index": "HNSW32",
+        "ef_search": 64,
+        "output": output,
+    }
     # each file atomic; index.json last: an index is there once its description is
     store.write(f"{store.root}/index.faiss", faiss.serialize_index(index).tobytes())
     store.write(f"{store.root}/keys.parquet", keys.getvalue())
@@ -141,9 +152,17 @@ class SurgeIndex:
             return dist, keys
         out, dists = [], []
         for i, v in enumerate(q):
-            t = self._index.to_table(columns=["partition", "row"], nearest={"column": "embedding", "q": v, "k": k,
-                                                                           "metric": self.metric, "nprobes": 20,
-                                                                           "refine_factor": 10}).to_pandas()
+            t = self._index.to_table(
+                columns=["partition", "row"],
+                nearest={
+                    "column": "embedding",
+                    "q": v,
+                    "k": k,
+                    "metric": self.metric,
+                    "nprobes": 20,
+                    "refine_factor": 10,
+                },
+            ).to_pandas()
             dists.append(t.pop("_distance").to_numpy())
             t.insert(0, "rank", np.arange(len(t)))
             t.insert(0, "query", i)
@@ -159,7 +178,9 @@ def open_index(output: str | os.PathLike, *, path: str | None = None) -> SurgeIn
         ds = lance.dataset(output)
         indices = ds.describe_indices() if hasattr(ds, "describe_indices") else ds.list_indices()
         if not indices:
-            raise SurgeInputError(f"the Lance table {output!r} has no vector index. Fix: build_index({output!r}).")
+            raise SurgeInputError(
+                f"the Lance table {output!r} has no vector index. Fix: build_index({output!r})."
+            )
         return SurgeIndex("lance", output, "cosine", ds)
     faiss = require("faiss")
     where = path or f"{output}.faiss"
@@ -167,17 +188,26 @@ def open_index(output: str | os.PathLike, *, path: str | None = None) -> SurgeIn
         with open(os.path.join(where, "index.json")) as f:
             info = json.load(f)
     except FileNotFoundError:
-        raise SurgeInputError(f"no index at {where!r}. Fix: dask_surge.io.index.build_index({output!r}).") from None
-    return SurgeIndex("faiss", where, info["metric"], faiss.read_index(os.path.join(where, "index.faiss")),
-                      pd.read_parquet(os.path.join(where, "keys.parquet")))
+        raise SurgeInputError(
+            f"no index at {where!r}. Fix: dask_surge.io.index.build_index({output!r})."
+        ) from None
+    return SurgeIndex(
+        "faiss",
+        where,
+        info["metric"],
+        faiss.read_index(os.path.join(where, "index.faiss")),
+        pd.read_parquet(os.path.join(where, "keys.parquet")),
+    )
 
 
-def exact_neighbours(vectors: np.ndarray, queries: np.ndarray, k: int, metric: Metric = "cosine") -> np.ndarray:
+def exact_neighbours(
+    vectors: np.ndarray, queries: np.ndarray, k: int, metric: Metric = "cosine"
+) -> np.ndarray:
     """Row numbers of the exact ``k`` nearest ``vectors`` of each query (brute force)."""
     x, q = np.asarray(vectors, np.float32), np.asarray(queries, np.float32)
     if metric == "cosine":
         x, q = _normalized(x), _normalized(q)
-    scores = -(q @ x.T) if metric != "l2" else ((q ** 2).sum(1)[:, None] - 2 * q @ x.T + (x ** 2).sum(1)[None])
+    scores = -(q @ x.T) if metric != "l2" else ((q**2).sum(1)[:, None] - 2 * q @ x.T + (x**2).sum(1)[None])
     return np.argsort(scores, axis=1, kind="stable")[:, :k]
 
 

@@ -30,8 +30,22 @@ import numpy as np
 from ..errors import SurgeValueError
 from ..families import DENSE, MULTIVECTOR, SPARSE, check_family
 
-__all__ = ["PARTITION", "ROW", "CHUNK", "CHUNK_COLUMNS", "TEXT_HASH", "EMBEDDING", "INDICES", "VALUES", "VECTORS",
-           "TOKENS", "FAMILY_COLUMNS", "PAYLOAD_COLUMNS", "reserved_columns", "output_columns"]
+__all__ = [
+    "PARTITION",
+    "ROW",
+    "CHUNK",
+    "CHUNK_COLUMNS",
+    "TEXT_HASH",
+    "EMBEDDING",
+    "INDICES",
+    "VALUES",
+    "VECTORS",
+    "TOKENS",
+    "FAMILY_COLUMNS",
+    "PAYLOAD_COLUMNS",
+    "reserved_columns",
+    "output_columns",
+]
 
 #: the input partition a row came from, and the row's position in it
 PARTITION, ROW = "partition", "row"
@@ -52,7 +66,10 @@ VECTORS = "vectors"
 
 #: family (:mod:`dask_surge.families`) -> the columns that hold a row's output, last in the output, in this order
 FAMILY_COLUMNS: dict[str, tuple[str, ...]] = {
-    DENSE: (EMBEDDING,), SPARSE: (INDICES, VALUES), MULTIVECTOR: (VECTORS, TOKENS)}
+    DENSE: (EMBEDDING,),
+    SPARSE: (INDICES, VALUES),
+    MULTIVECTOR: (VECTORS, TOKENS),
+}
 #: The columns of model output (the Parquet writer gives them the output codec, no dictionary, no statistics);
 #: ``tokens`` is not one: a small count, compressed and with statistics like the other columns.
 PAYLOAD_COLUMNS = frozenset({EMBEDDING, INDICES, VALUES, VECTORS})
@@ -92,5 +109,6 @@ def output_columns(keep: Sequence[str], chunked: bool, family: str = DENSE) -> t
         raise SurgeValueError(
             "long_texts='chunk' writes a row per token window, and a multi-vector model already writes a vector "
             "per token of each text (family='multivector'): the two layouts do not combine. Fix: pass "
-            "long_texts='truncate' with a multi-vector model.")
+            "long_texts='truncate' with a multi-vector model."
+        )
     return (PARTITION, ROW, *(CHUNK_COLUMNS if chunked else ()), *keep, TEXT_HASH, *payload)

@@ -163,7 +163,9 @@ class Claim:
             return None
         token = str(info.get("token", ""))
         if re.fullmatch(r"[0-9a-f]{32}", token):
-            with contextlib.suppress(FileNotFoundError, ValueError):  # no beat yet: the time the claim was made
+            with contextlib.suppress(
+                FileNotFoundError, ValueError
+            ):  # no beat yet: the time the claim was made
                 info["heartbeat"] = float(store.read(Claim._beat_path(root, token)).decode())
         info.setdefault("heartbeat", info.get("started", 0.0))
         return info
@@ -225,8 +227,10 @@ class Claim:
                     )
                 claim._take_over(info)
             else:
-                raise SurgeOutputError(f"output={root!r}: could not claim it after 5 tries (another run "
-                                       "keeps claiming it). Fix: rerun when the other run is done.")
+                raise SurgeOutputError(
+                    f"output={root!r}: could not claim it after 5 tries (another run "
+                    "keeps claiming it). Fix: rerun when the other run is done."
+                )
         except SurgeOutputError:
             raise  # our own refusal (an OSError subclass): not a filesystem failure
         except OSError as err:
@@ -266,16 +270,19 @@ class Claim:
                 taker = read_json(store, marker)
             except SurgeOutputError:
                 taker = None  # torn: its writer died while writing it
-            if taker is not None and not self._stale(store, {**taker, "heartbeat": taker.get("started", 0.0)},
-                                                     marker):
+            if taker is not None and not self._stale(
+                store, {**taker, "heartbeat": taker.get("started", 0.0)}, marker
+            ):
                 raise SurgeOutputError(
                     f"output={root!r} is being claimed by another run (pid {taker.get('pid')} on "
                     f"{taker.get('host')} is taking over the stale claim of run {stale.get('run')}). Nothing "
                     "was written. Fix: wait for that run to finish, or write to another directory."
                 )
         else:
-            raise SurgeOutputError(f"output={root!r}: its stale claim could not be taken over (8 takeovers "
-                                   "died). Fix: remove _surge/CLAIM and _surge/.takeover-* by hand, then rerun.")
+            raise SurgeOutputError(
+                f"output={root!r}: its stale claim could not be taken over (8 takeovers "
+                "died). Fix: remove _surge/CLAIM and _surge/.takeover-* by hand, then rerun."
+            )
         info = Claim.holder(store)
         if info is not None and str(info.get("token", "")) == old:
             discard(store, Claim.path(root))

@@ -50,9 +50,26 @@ from .directory import (
 )
 from .store import OutputStore
 
-__all__ = ["FORMAT_VERSION", "Manifest", "RunPlan", "CommitRecord", "Coverage", "text_counts", "fingerprint_digest",
-           "open_run", "current_run", "existing_run", "find_run", "finish_run", "settle", "settled", "current_id",
-           "load_run", "write_meta", "other_run_error"]
+__all__ = [
+    "FORMAT_VERSION",
+    "Manifest",
+    "RunPlan",
+    "CommitRecord",
+    "Coverage",
+    "text_counts",
+    "fingerprint_digest",
+    "open_run",
+    "current_run",
+    "existing_run",
+    "find_run",
+    "finish_run",
+    "settle",
+    "settled",
+    "current_id",
+    "load_run",
+    "write_meta",
+    "other_run_error",
+]
 
 FORMAT_VERSION = 2  # 2: SuperBatches keyed by their first row; recorded thresholds
 
@@ -341,8 +358,10 @@ class Manifest:
         runs, between its commit and its publish; an overwrite not yet complete)."""
         records = list(records)
         published = set(self.store.listdir(self.root)) if records else set()
-        return [f"{self.root}/{r.file}" if r.file in published else self.staging_path(r.sb, attempt_of(r.file))
-                for r in records]
+        return [
+            f"{self.root}/{r.file}" if r.file in published else self.staging_path(r.sb, attempt_of(r.file))
+            for r in records
+        ]
 
     def skipped_files(self, records) -> list[str]:
         """Paths of the skipped-null files that ``records`` name."""
@@ -370,7 +389,9 @@ class Manifest:
         final = f"{self.root}/{file}"
         m = DATA_FILE.match(file)
         if m is None:
-            raise SurgeOutputError(f"{file!r} is not a data file of this layout. This is a bug: please report it.")
+            raise SurgeOutputError(
+                f"{file!r} is not a data file of this layout. This is a bug: please report it."
+            )
         staged = self.staging_path(sb, m.group("attempt"))
         try:
             relocate(self.store, staged, final)
@@ -494,8 +515,13 @@ def load_run(store: OutputStore, run_id: str) -> Manifest | None:
     _check_version(info, root)
     if not isinstance(info.get("fingerprint"), dict):
         raise corrupt(f"{root}/{META_DIR}/runs/{run_id}/run.json", ValueError("no fingerprint"))
-    return Manifest(store, run_id, info["fingerprint"], RunPlan.of(info.get("plan")),
-                    format_version=info["format_version"])
+    return Manifest(
+        store,
+        run_id,
+        info["fingerprint"],
+        RunPlan.of(info.get("plan")),
+        format_version=info["format_version"],
+    )
 
 
 def current_run(store: OutputStore) -> Manifest | None:
@@ -563,7 +589,11 @@ def find_run(store: OutputStore, fingerprint: dict) -> Manifest | None:
 
 
 def open_run(
-    store: OutputStore, fingerprint: dict, *, overwrite: bool = False, plan: RunPlan | None = None,
+    store: OutputStore,
+    fingerprint: dict,
+    *,
+    overwrite: bool = False,
+    plan: RunPlan | None = None,
 ) -> tuple[Manifest, bool]:
     """Open (resume) or create the run for ``fingerprint`` in the output ``store``.
 
@@ -600,9 +630,16 @@ def open_run(
             store.makedirs(manifest.commits_dir)
             store.makedirs(manifest.staging_dir)
             manifest.plan = plan
-            body = {"format_version": FORMAT_VERSION, "run": run_id, "fingerprint": fingerprint,
-                    "plan": plan.as_dict() if plan is not None else {}, "created": time.time()}
-            store.write(f"{manifest.run_dir}/run.json", json.dumps(body, sort_keys=True, default=str).encode())
+            body = {
+                "format_version": FORMAT_VERSION,
+                "run": run_id,
+                "fingerprint": fingerprint,
+                "plan": plan.as_dict() if plan is not None else {},
+                "created": time.time(),
+            }
+            store.write(
+                f"{manifest.run_dir}/run.json", json.dumps(body, sort_keys=True, default=str).encode()
+            )
         else:
             _check_version(info, store.root)
             manifest.plan = RunPlan.of(info.get("plan"))
@@ -693,11 +730,9 @@ def settle(manifest: Manifest, committed: dict[str, CommitRecord], *, retire_oth
     for side in ("staging", "skipped"):
         for name in store.listdir(f"{manifest.run_dir}/{side}"):
             path = f"{manifest.run_dir}/{side}/{name}"
-            if (side == "staging" or name not in keep_skipped) and owned(path[len(root) + 1:]):
+            if (side == "staging" or name not in keep_skipped) and owned(path[len(root) + 1 :]):
                 discard(store, path)  # staging leftovers; skipped files of attempts that lost the commit
     for run in store.listdir(index_dir(root, "").rstrip("/")):  # reuse indexes of runs now gone
         if run != manifest.run_id and RUN_ID.match(run):
             discard_tree(store, index_dir(root, run))
     discard_tree(store, f"{root}/{META_DIR}/retired")
-
-

@@ -59,12 +59,14 @@ def _precision(precision: object) -> tuple[Any, pa.DataType]:
         raise SurgeValueError(
             f"precision={precision!r} is not one a multi-vector output stores: token vectors are "
             f"{sorted(MULTIVECTOR_PRECISIONS)} (int8 and binary need a scale rule per token, not defined yet). "
-            "Fix: pass precision='float32' (default) or 'float16'.")
+            "Fix: pass precision='float32' (default) or 'float16'."
+        )
     return MULTIVECTOR_PRECISIONS[str(precision)]
 
 
-def multivector_arrays(matrices: Sequence[Any], precision: str = "float32",
-                       dimension: int | None = None) -> tuple[pa.ListArray, pa.Int32Array]:
+def multivector_arrays(
+    matrices: Sequence[Any], precision: str = "float32", dimension: int | None = None
+) -> tuple[pa.ListArray, pa.Int32Array]:
     """The ``vectors`` and ``tokens`` columns of multi-vector model output.
 
     Parameters
@@ -103,21 +105,27 @@ def multivector_arrays(matrices: Sequence[Any], precision: str = "float32",
             raise SurgeValueError(
                 f"multi-vector output {i} has shape {m.shape}: each text's must be (tokens, "
                 f"{dimension if dimension is not None else 'dim'}), one dimension for every text. Fix: pass the "
-                "model's per-text token embeddings (MultiVectorEncoder.encode returns them) unpooled and unstacked.")
+                "model's per-text token embeddings (MultiVectorEncoder.encode returns them) unpooled and unstacked."
+            )
         dimension = m.shape[1] if dimension is None else dimension
     if dimension is None:
         raise SurgeValueError(
             "multi-vector output of no texts has no dimension to type its column by. Fix: pass dimension= "
-            "(the model's token vector size).")
+            "(the model's token vector size)."
+        )
     counts = np.array([m.shape[0] for m in mats], dtype=np.int64)
     if counts.sum() > _INT32_MAX:
         raise SurgeValueError(
             f"{int(counts.sum())} token vectors do not fit one list column (at most {_INT32_MAX}). Fix: encode "
-            "fewer rows at a time (a smaller b_max).")
+            "fewer rows at a time (a smaller b_max)."
+        )
     offsets = np.zeros(len(mats) + 1, dtype=np.int32)
     np.cumsum(counts, out=offsets[1:])
-    stacked = np.concatenate([m.astype(np_dtype, copy=False) for m in mats]) if mats else \
-        np.zeros((0, int(dimension)), np_dtype)
+    stacked = (
+        np.concatenate([m.astype(np_dtype, copy=False) for m in mats])
+        if mats
+        else np.zeros((0, int(dimension)), np_dtype)
+    )
     inner = embedding_array(stacked, precision)  # every token vector, as an embedding column stores a row
     vectors = pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), inner)
     return vectors, pa.array(counts.astype(np.int32), type=pa.int32())
@@ -162,16 +170,21 @@ def to_matrices(data: Any, dtype: Any = np.float32) -> list[np.ndarray]:
         raise SurgeValueError(
             f"to_matrices reads the '{VECTORS}' column of a multi-vector output, and the data has none (columns "
             f"{list(data.columns)}). Fix: read an output written by a multi-vector model, with its "
-            f"'{VECTORS}' column.")
+            f"'{VECTORS}' column."
+        )
     else:
         col = data
-    if not isinstance(col, (pa.Array, pa.ChunkedArray)):  # a pandas column: object (nested lists) or ArrowDtype
+    if not isinstance(
+        col, (pa.Array, pa.ChunkedArray)
+    ):  # a pandas column: object (nested lists) or ArrowDtype
         col = pa.array(col)
     if isinstance(col, pa.ChunkedArray):
         col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
     if not pa.types.is_list(col.type) and not pa.types.is_large_list(col.type):
-        raise SurgeValueError(f"the '{VECTORS}' column has type {col.type}, not a list of token vectors. "
-                              "Fix: pass a multi-vector output's vectors column.")
+        raise SurgeValueError(
+            f"the '{VECTORS}' column has type {col.type}, not a list of token vectors. "
+            "Fix: pass a multi-vector output's vectors column."
+        )
     inner_type = col.type.value_type
     if pa.types.is_fixed_size_list(inner_type):
         dim = inner_type.list_size

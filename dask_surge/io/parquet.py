@@ -17,8 +17,19 @@ from ..errors import SurgeInputError
 from .frames import FrameRows
 from .store import arrow_local_fs
 
-__all__ = ["parquet_pieces", "ParquetPartitions", "arrow_fragments", "scan_files",
-           "string_types", "dataset_schema", "read_footers", "column_targets", "check_footers", "check_sources", "type_family"]
+__all__ = [
+    "parquet_pieces",
+    "ParquetPartitions",
+    "arrow_fragments",
+    "scan_files",
+    "string_types",
+    "dataset_schema",
+    "read_footers",
+    "column_targets",
+    "check_footers",
+    "check_sources",
+    "type_family",
+]
 
 
 def parquet_pieces(expr) -> tuple | None:
@@ -31,8 +42,11 @@ def parquet_pieces(expr) -> tuple | None:
     columns = None
     # dask does not push a projection of several columns into the read (keep= would then lose
     # the footer sizes and cost a full size pass): read those columns ourselves
-    if isinstance(expr, _compat.Projection) and isinstance(expr.frame, _compat.ReadParquetFSSpec) \
-            and isinstance(expr.operand("columns"), list):
+    if (
+        isinstance(expr, _compat.Projection)
+        and isinstance(expr.frame, _compat.ReadParquetFSSpec)
+        and isinstance(expr.operand("columns"), list)
+    ):
         columns, expr = list(expr.columns), expr.frame
     if not isinstance(expr, _compat.ReadParquetFSSpec) or expr.filters:
         return None
@@ -88,8 +102,9 @@ class ParquetPartitions:
 
     def subset(self, partitions) -> ParquetPartitions:
         """The reader of ``partitions`` alone (what one task ships)."""
-        return ParquetPartitions(self.fs, {p: self.pieces[p] for p in partitions}, self.columns, self.dtypes,
-                                 self.targets)
+        return ParquetPartitions(
+            self.fs, {p: self.pieces[p] for p in partitions}, self.columns, self.dtypes, self.targets
+        )
 
     def __repr__(self) -> str:
         return f"ParquetPartitions({len(self.pieces)} partitions, columns={list(self.columns)})"
@@ -130,10 +145,19 @@ class ParquetPartitions:
                     table = table.set_column(i, column, _cast(have, target))
                     continue
                 except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as err:
-                    raise SurgeInputError(_conflict(path, column, have.type, origin, target,
-                                                    f" ({err}); nothing of its SuperBatch was written")) from None
-            raise SurgeInputError(_conflict(path, column, have.type, origin, target,
-                                            "; nothing of its SuperBatch was written"))
+                    raise SurgeInputError(
+                        _conflict(
+                            path,
+                            column,
+                            have.type,
+                            origin,
+                            target,
+                            f" ({err}); nothing of its SuperBatch was written",
+                        )
+                    ) from None
+            raise SurgeInputError(
+                _conflict(path, column, have.type, origin, target, "; nothing of its SuperBatch was written")
+            )
         return table
 
     def _tables(self, pieces: list) -> list:
@@ -186,7 +210,9 @@ def _cast(column, target):
         if type_family(target) not in ("string", "binary"):
             raise
     if pa.types.is_dictionary(column.type):
-        column = pa.chunked_array([chunk.dictionary_decode() for chunk in column.chunks], column.type.value_type)
+        column = pa.chunked_array(
+            [chunk.dictionary_decode() for chunk in column.chunks], column.type.value_type
+        )
     plain = pa.large_string() if type_family(target) == "string" else pa.large_binary()
     return column.cast(plain).cast(target)
 
@@ -215,12 +241,23 @@ def type_family(pa_type) -> str:
     import pyarrow as pa
 
     t = pa_type.value_type if pa.types.is_dictionary(pa_type) else pa_type
-    kinds = (("null", pa.types.is_null), ("string", pa.types.is_string), ("string", pa.types.is_large_string),
-             ("string", pa.types.is_string_view), ("binary", pa.types.is_binary),
-             ("binary", pa.types.is_large_binary), ("binary", pa.types.is_binary_view),
-             ("number", pa.types.is_integer), ("number", pa.types.is_floating), ("number", pa.types.is_decimal),
-             ("bool", pa.types.is_boolean), ("timestamp", pa.types.is_timestamp), ("date", pa.types.is_date),
-             ("time", pa.types.is_time), ("duration", pa.types.is_duration))
+    kinds = (
+        ("null", pa.types.is_null),
+        ("string", pa.types.is_string),
+        ("string", pa.types.is_large_string),
+        ("string", pa.types.is_string_view),
+        ("binary", pa.types.is_binary),
+        ("binary", pa.types.is_large_binary),
+        ("binary", pa.types.is_binary_view),
+        ("number", pa.types.is_integer),
+        ("number", pa.types.is_floating),
+        ("number", pa.types.is_decimal),
+        ("bool", pa.types.is_boolean),
+        ("timestamp", pa.types.is_timestamp),
+        ("date", pa.types.is_date),
+        ("time", pa.types.is_time),
+        ("duration", pa.types.is_duration),
+    )
     return next((kind for kind, test in kinds if test(t)), str(t))
 
 
@@ -299,7 +336,9 @@ def column_targets(schema, columns: Sequence[str], paths: Sequence[str], footer)
     return [(c, *targets[c]) for c in columns if c in targets]
 
 
-def check_footers(targets: Sequence[tuple], columns: Sequence[str], footers: dict, text: str | None = None) -> None:
+def check_footers(
+    targets: Sequence[tuple], columns: Sequence[str], footers: dict, text: str | None = None
+) -> None:
     """Refuse, from their footers, files that miss a column the run reads or hold values of another
     kind in it than its target (:func:`column_targets`), and a ``text`` column whose files hold values
     that are not strings: before anything is encoded.
@@ -310,9 +349,17 @@ def check_footers(targets: Sequence[tuple], columns: Sequence[str], footers: dic
         Naming the file, the column, its type there and the file that holds the target type.
     """
     wanted = {c: (t, origin) for c, t, origin in targets}
-    if text in wanted and wanted[text][1] and type_family(wanted[text][0]) not in ("string", "binary", "null"):
+    if (
+        text in wanted
+        and wanted[text][1]
+        and type_family(wanted[text][0]) not in ("string", "binary", "null")
+    ):
         origin = wanted[text][1]
-        held = footers[origin].schema.to_arrow_schema().field(text).type if origin in footers else wanted[text][0]
+        held = (
+            footers[origin].schema.to_arrow_schema().field(text).type
+            if origin in footers
+            else wanted[text][0]
+        )
         raise SurgeInputError(
             f"the text column {text!r} holds {held} values ({origin!r}): only strings can be encoded. Nothing "
             f"was encoded. Fix: pass the column that holds the texts, or convert it first, e.g. "
@@ -329,8 +376,11 @@ def check_footers(targets: Sequence[tuple], columns: Sequence[str], footers: dic
             )
         for c, (target, origin) in wanted.items():
             have = arrow.field(c).type
-            if type_family(have) != type_family(target) and type_family(have) != "null" \
-                    and _holds_values(md, c):
+            if (
+                type_family(have) != type_family(target)
+                and type_family(have) != "null"
+                and _holds_values(md, c)
+            ):
                 raise SurgeInputError(_conflict(path, c, have, origin, target, "; nothing was encoded"))
 
 
@@ -350,14 +400,18 @@ def check_sources(expr) -> None:
         fs, pieces, columns = found
         paths = list(dict.fromkeys(path for path, _ in pieces))
         footers = read_footers(fs, paths)
-        check_footers(column_targets(dataset_schema(leaf), columns, paths, footers.__getitem__), columns, footers)
+        check_footers(
+            column_targets(dataset_schema(leaf), columns, paths, footers.__getitem__), columns, footers
+        )
 
 
 def _conflict(path: str, column: str, have, origin: str, target, what: str) -> str:
-    return (f"{path!r} holds column {column!r} as {have}, but {origin!r} holds {type_family(target)} values in "
-            f"it (the run reads it as {target}){what}. The files of one input must agree on each column's kind "
-            "of values where they hold any (an empty or all-null column may be of any type). Fix: rewrite "
-            f"{path!r} with {column!r} as {target}, or leave the file out of the input.")
+    return (
+        f"{path!r} holds column {column!r} as {have}, but {origin!r} holds {type_family(target)} values in "
+        f"it (the run reads it as {target}){what}. The files of one input must agree on each column's kind "
+        "of values where they hold any (an empty or all-null column may be of any type). Fix: rewrite "
+        f"{path!r} with {column!r} as {target}, or leave the file out of the input."
+    )
 
 
 def arrow_fragments(filesystem, paths: Sequence[str]) -> list:

@@ -134,10 +134,15 @@ def parquet_bytes(table: pa.Table, group_rows, compression: str | None = None) -
     sink = pa.BufferOutputStream()
     payload = _payload(tuple(table.column_names))
     other = [c for c in table.column_names if c not in payload]
-    codecs = {leaf: (codec if leaf.split(".", 1)[0] in payload else "zstd") for leaf in _leaf_paths(table.schema)}
+    codecs = {
+        leaf: (codec if leaf.split(".", 1)[0] in payload else "zstd") for leaf in _leaf_paths(table.schema)
+    }
     with pq.ParquetWriter(
-        sink, table.schema, use_dictionary=[c for c in other if c not in (PARTITION, ROW, TEXT_HASH)],
-        write_statistics=other, compression=codecs,
+        sink,
+        table.schema,
+        use_dictionary=[c for c in other if c not in (PARTITION, ROW, TEXT_HASH)],
+        write_statistics=other,
+        compression=codecs,
     ) as writer:
         offset = 0
         for rows in group_rows:

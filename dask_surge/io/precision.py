@@ -25,8 +25,15 @@ import pyarrow as pa
 
 from ..errors import SurgeValueError
 
-__all__ = ["PRECISIONS", "check_precision", "check_truncate_dim", "quantize", "stored_dimension",
-           "truncate", "to_float"]
+__all__ = [
+    "PRECISIONS",
+    "check_precision",
+    "check_truncate_dim",
+    "quantize",
+    "stored_dimension",
+    "truncate",
+    "to_float",
+]
 
 #: precision -> (numpy dtype, Arrow value type)
 PRECISIONS = {
@@ -69,8 +76,11 @@ def check_truncate_dim(truncate_dim: object, dimension: int) -> int | None:
     """
     if truncate_dim is None:
         return None
-    if isinstance(truncate_dim, bool) or not isinstance(truncate_dim, (int, np.integer)) \
-            or not 1 <= truncate_dim <= dimension:
+    if (
+        isinstance(truncate_dim, bool)
+        or not isinstance(truncate_dim, (int, np.integer))
+        or not 1 <= truncate_dim <= dimension
+    ):
         raise SurgeValueError(
             f"truncate_dim={truncate_dim!r} must be an int from 1 to the model's dimension {dimension}: it "
             f"keeps the first k dimensions. Fix: pass e.g. truncate_dim={max(1, dimension // 2)}, or None."
@@ -119,8 +129,11 @@ def quantize(emb: np.ndarray, precision: str) -> np.ndarray:
     if precision == "int8":
         return np.clip(np.rint(emb * 127.0), -127, 127).astype(np.int8)
     if precision == "binary":
-        return np.packbits(emb > 0, axis=1) if emb.shape[0] else np.zeros(
-            (0, stored_dimension(emb.shape[1], precision)), np.uint8)
+        return (
+            np.packbits(emb > 0, axis=1)
+            if emb.shape[0]
+            else np.zeros((0, stored_dimension(emb.shape[1], precision)), np.uint8)
+        )
     return np.ascontiguousarray(emb, dtype=np_dtype)
 
 

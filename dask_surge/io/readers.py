@@ -46,16 +46,20 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     rows = sum(r.rows for r in committed.values())
     skipped = sum(r.skipped for r in committed.values())
     return {
-        "output": output, "run": manifest.run_id,
+        "output": output,
+        "run": manifest.run_id,
         # the COMPLETE marker, and every partition still accounted for by a commit record
         "state": "complete" if done is not None and not coverage.missing(partitions or 0) else "incomplete",
-        "mode": planned.mode if planned else None, "b_min": planned.b_min if planned else None,
-        "b_max": planned.b_max if planned else None, "partitions_planned": partitions,
+        "mode": planned.mode if planned else None,
+        "b_min": planned.b_min if planned else None,
+        "b_max": planned.b_max if planned else None,
+        "partitions_planned": partitions,
         "partitions_committed": sum(1 for p in range(partitions or 0) if coverage.complete(p)),
         "superbatches_committed": len(committed),
         # a run records its SuperBatches' number only once it completes (streamed ones form as they go)
         "superbatches_planned": done["superbatches"] if done else None,
-        "rows_committed": rows, "rows_planned": done["rows"] if done else (planned.rows if planned else None),
+        "rows_committed": rows,
+        "rows_planned": done["rows"] if done else (planned.rows if planned else None),
         "nulls_skipped": skipped,
         "last_commit": max((r.committed_at for r in committed.values()), default=None),
         "model": model_name(manifest.fingerprint.get("model")),
@@ -116,8 +120,14 @@ def skipped_rows(output: str, storage_options: dict | None = None) -> pd.DataFra
     return out.sort_values([PARTITION, ROW], ignore_index=True)
 
 
-def read_embeddings(path: str, *, partition: int | None = None, columns: Sequence[str] | None = None,
-                    storage_options: dict | None = None, backend: Literal["pandas", "cudf"] = "pandas"):
+def read_embeddings(
+    path: str,
+    *,
+    partition: int | None = None,
+    columns: Sequence[str] | None = None,
+    storage_options: dict | None = None,
+    backend: Literal["pandas", "cudf"] = "pandas",
+):
     """Read the committed rows of an output directory as a Dask DataFrame.
 
     Only files named by commit records of the current run are read; orphan or
@@ -152,14 +162,18 @@ def read_embeddings(path: str, *, partition: int | None = None, columns: Sequenc
         raise SurgeInputError(
             f"{path!r} is a table output (format='lance' or 'delta'); its rows are in the table, not in part "
             f"files. Fix: read it with lance.dataset({path!r}).to_table() (or LanceDB), or "
-            f"deltalake.DeltaTable({path!r}).to_pandas().")
+            f"deltalake.DeltaTable({path!r}).to_pandas()."
+        )
     if partition is not None:
         records = [r for r in records if any(s[0] == partition and s[2] > s[1] for s in r.spans)]
     files = manifest.data_paths(records)
     if not files:
-        raise SurgeInputError(f"{path!r} has no committed rows" + (
-            f" for partition {partition}" if partition is not None else "") + ". Fix: run (or resume) "
-            "the encode into it first, or check the partition id against dask_surge.status(path).")
+        raise SurgeInputError(
+            f"{path!r} has no committed rows"
+            + (f" for partition {partition}" if partition is not None else "")
+            + ". Fix: run (or resume) "
+            "the encode into it first, or check the partition id against dask_surge.status(path)."
+        )
     names = list(columns) if columns else None
     if backend == "cudf" and names is None:
         names = [n for n in _PartReader(store).schema(files[0]).names if n != TEXT_HASH]
@@ -185,9 +199,14 @@ class _PartReader:
     output columns mapped zero-copy to pandas ArrowDtype columns. A column selection on the frame
     reads only those columns (``columns=``, as Dask projects them)."""
 
-    def __init__(self, store: OutputStore, partition: int | None = None,
-                 columns: Sequence[str] | None = None) -> None:
-        self.store, self.partition, self.columns = store, partition, None if columns is None else list(columns)
+    def __init__(
+        self, store: OutputStore, partition: int | None = None, columns: Sequence[str] | None = None
+    ) -> None:
+        self.store, self.partition, self.columns = (
+            store,
+            partition,
+            None if columns is None else list(columns),
+        )
 
     def __dask_tokenize__(self) -> tuple:
         return ("read-embeddings", self.store.__dask_tokenize__(), self.partition, self.columns)
@@ -228,7 +247,11 @@ def _split_hash(part):
     import numpy as np
 
     col = part.pop(TEXT_HASH)
-    raw = np.frombuffer(b"".join(col.tolist()), dtype=">u8").reshape(-1, 2) if len(col) else np.zeros((0, 2), ">u8")
+    raw = (
+        np.frombuffer(b"".join(col.tolist()), dtype=">u8").reshape(-1, 2)
+        if len(col)
+        else np.zeros((0, 2), ">u8")
+    )
     at = next((part.columns.get_loc(c) for c in part.columns if c in PAYLOAD_COLUMNS), len(part.columns))
     part.insert(at, "text_hash_hi", raw[:, 0].astype(np.uint64).view(np.int64))
     part.insert(at + 1, "text_hash_lo", raw[:, 1].astype(np.uint64).view(np.int64))
@@ -240,4 +263,6 @@ def _embedding_types(pa_type):
     (embeddings) and lists (a sparse row's ``indices`` and ``values``, a multi-vector row's ``vectors``)."""
     import pyarrow as pa
 
-    return pd.ArrowDtype(pa_type) if pa.types.is_fixed_size_list(pa_type) or pa.types.is_list(pa_type) else None
+    return (
+        pd.ArrowDtype(pa_type) if pa.types.is_fixed_size_list(pa_type) or pa.types.is_list(pa_type) else None
+    )

@@ -81,9 +81,15 @@ def embedding_identity(fingerprint: dict) -> dict:
 def _show(key: str, value: Any) -> str:
     if key == "model":
         name = model_name(value) or repr(value)
-        extras = {k: v for k, v in (value or {}).items()
-                  if k not in ("kind", "repo_id", "commit", "digest", "object") and v is not None} \
-            if isinstance(value, dict) else {}
+        extras = (
+            {
+                k: v
+                for k, v in (value or {}).items()
+                if k not in ("kind", "repo_id", "commit", "digest", "object") and v is not None
+            }
+            if isinstance(value, dict)
+            else {}
+        )
         return name + (f" ({', '.join(f'{k}={v!r}' for k, v in sorted(extras.items()))})" if extras else "")
     return f"{key}={value!r}"
 
@@ -123,8 +129,9 @@ def compatible(old_output: OutputStore, identity: dict) -> str | None:
     diffs = [k for k in keys if old.get(k) != identity.get(k)]
     if not diffs:
         return None
-    return "; ".join(f"it was made with {_show(k, old.get(k))}, this run uses {_show(k, identity.get(k))}"
-                     for k in diffs)
+    return "; ".join(
+        f"it was made with {_show(k, old.get(k))}, this run uses {_show(k, identity.get(k))}" for k in diffs
+    )
 
 
 # -- matches ------------------------------------------------------------------------------
@@ -141,11 +148,11 @@ class Matches:
     query ``i``'s rows are ``offsets[i]:offsets[i + 1]`` there.
     """
 
-    found: np.ndarray   # bool (n,)
+    found: np.ndarray  # bool (n,)
     source: np.ndarray  # int32 (n,): index into the index's outputs, -1 when not found
-    file: np.ndarray    # int64 (n,): file id within that output
-    row: np.ndarray     # int64 (n,): first row of the run in that file
-    count: np.ndarray   # int64 (n,): rows in the run, 0 when not found
+    file: np.ndarray  # int64 (n,): file id within that output
+    row: np.ndarray  # int64 (n,): first row of the run in that file
+    count: np.ndarray  # int64 (n,): rows in the run, 0 when not found
 
     @property
     def offsets(self) -> np.ndarray:
@@ -165,8 +172,13 @@ class Matches:
 
     @classmethod
     def empty(cls, n: int) -> Matches:
-        return cls(np.zeros(n, bool), np.full(n, -1, np.int32), np.zeros(n, np.int64), np.zeros(n, np.int64),
-                   np.zeros(n, np.int64))
+        return cls(
+            np.zeros(n, bool),
+            np.full(n, -1, np.int32),
+            np.zeros(n, np.int64),
+            np.zeros(n, np.int64),
+            np.zeros(n, np.int64),
+        )
 
 
 @dataclass(frozen=True)
@@ -252,14 +264,24 @@ class ReuseIndex:
     dask_surge.errors.SurgeInputError: ... holds no dask-surge run (...
     """
 
-    def __init__(self, outputs: str | Sequence[str], *, identity: dict | None = None,
-                 storage_options: dict | None = None, bits: int | None = None,
-                 bucket_entries: int = BUCKET_ENTRIES, spill_bytes: int = 32 << 20,
-                 cache_bytes: int = 64 << 20, max_open: int = 16, rebuild: bool = False) -> None:
+    def __init__(
+        self,
+        outputs: str | Sequence[str],
+        *,
+        identity: dict | None = None,
+        storage_options: dict | None = None,
+        bits: int | None = None,
+        bucket_entries: int = BUCKET_ENTRIES,
+        spill_bytes: int = 32 << 20,
+        cache_bytes: int = 64 << 20,
+        max_open: int = 16,
+        rebuild: bool = False,
+    ) -> None:
         paths = [outputs] if isinstance(outputs, (str, os.PathLike)) else list(outputs)
         if not paths:
-            raise SurgeValueError("reuse=[] names no output. Fix: pass one or more earlier output paths, or "
-                                  "leave reuse= out.")
+            raise SurgeValueError(
+                "reuse=[] names no output. Fix: pass one or more earlier output paths, or leave reuse= out."
+            )
         stores = [OutputStore.open(p, storage_options) for p in paths]
         if identity is not None:
             for p, store in zip(paths, stores):
@@ -271,8 +293,12 @@ class ReuseIndex:
                     )
         self.outputs = [str(p) for p in paths]
         self.stores = stores
-        self._opts = {"bits": bits, "spill_bytes": spill_bytes, "max_buckets": max_open,
-                      "bucket_entries": bucket_entries}
+        self._opts = {
+            "bits": bits,
+            "spill_bytes": spill_bytes,
+            "max_buckets": max_open,
+            "bucket_entries": bucket_entries,
+        }
         self.indexes = [OutputIndex(store, rebuild=rebuild, **self._opts) for store in stores]  # type: ignore[arg-type]
         self._files = LRU(max_open)
         self._groups = LRU(1 << 16, cache_bytes)
@@ -294,8 +320,9 @@ class ReuseIndex:
         """True when the outputs hold several rows per text (long-text chunking)."""
         return any(ix.chunked for ix in self.indexes)
 
-    def lookup(self, hashes: np.ndarray, columns: Sequence[str] | None = None,
-               payload: Sequence[str] = (EMBEDDING,)) -> Reused:
+    def lookup(
+        self, hashes: np.ndarray, columns: Sequence[str] | None = None, payload: Sequence[str] = (EMBEDDING,)
+    ) -> Reused:
         """:meth:`find` then :meth:`fetch`: which of ``hashes`` were committed, and their stored rows.
 
         ``columns``: what to copy besides the model's output; default: the chunk columns
@@ -319,8 +346,13 @@ class ReuseIndex:
         for s, ix in enumerate(self.indexes):
             here = matches.source[hit] == s
             may_be_cut[here] = ix.may_be_cut[matches.file[hit][here]]
-        return Reused(matches, matches.count[hit], {c: table.column(c).combine_chunks() for c in payload},
-                      {c: table.column(c).to_numpy() for c in extra}, may_be_cut)
+        return Reused(
+            matches,
+            matches.count[hit],
+            {c: table.column(c).combine_chunks() for c in payload},
+            {c: table.column(c).to_numpy() for c in extra},
+            may_be_cut,
+        )
 
     def _reopen_rebuilt(self) -> bool:
         """Reopen the outputs whose index on disk is no longer the one open here (it was rebuilt
@@ -358,14 +390,21 @@ class ReuseIndex:
                 self._verified = {k: v for k, v in self._verified.items() if k[0] != s}
                 found, file, row, count = ix.lookup(q[todo])
             at = todo[found]
-            m.found[at], m.source[at], m.file[at], m.row[at], m.count[at] = True, s, file[found], row[found], count[found]
+            m.found[at], m.source[at], m.file[at], m.row[at], m.count[at] = (
+                True,
+                s,
+                file[found],
+                row[found],
+                count[found],
+            )
             todo = todo[~found]
         return m
 
     def _group(self, s: int, f: int, g: int, columns: tuple[str, ...]) -> pa.Table:
         pf, _ = self._files.get_or((s, f), lambda: self._open(s, f))
-        return self._groups.get_or((s, f, g, columns), lambda: pf.read_row_group(g, columns=list(columns)),
-                                   lambda t: t.nbytes)
+        return self._groups.get_or(
+            (s, f, g, columns), lambda: pf.read_row_group(g, columns=list(columns)), lambda t: t.nbytes
+        )
 
     def fetch(self, matches: Matches, columns: Sequence[str] = ("embedding",)) -> pa.Table:
         """The stored rows of the found queries' runs, in query order (``matches.offsets``).
@@ -455,8 +494,9 @@ class ReuseIndex:
         ix = self.indexes[s]
         path = f"{ix.root}/{ix.files[f]}"
         pf = pq.ParquetFile(ix.store.source(path))
-        starts = np.concatenate([[0], np.cumsum([pf.metadata.row_group(i).num_rows
-                                                 for i in range(pf.num_row_groups)])]).astype(np.int64)
+        starts = np.concatenate(
+            [[0], np.cumsum([pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)])]
+        ).astype(np.int64)
         return pf, starts
 
     def _schema(self, columns: tuple[str, ...]) -> pa.Schema:
@@ -489,8 +529,9 @@ _OPEN_LOCK = threading.Lock()
 OPEN_INDEXES = 4
 
 
-def open_index(outputs: str | Sequence[str], storage_options: dict | None = None,
-               identity: dict | None = None) -> ReuseIndex:
+def open_index(
+    outputs: str | Sequence[str], storage_options: dict | None = None, identity: dict | None = None
+) -> ReuseIndex:
     """The process's :class:`ReuseIndex` of ``outputs``, opened (and built, if absent) once.
 
     For a worker's SuperBatch tasks: each call with the same outputs returns the same
@@ -514,7 +555,9 @@ def open_index(outputs: str | Sequence[str], storage_options: dict | None = None
         if key in _OPEN:
             cached = _OPEN[key]
             current = [current_run(store) for store in cached.stores]
-            if all(m is not None and m.run_id == ix.manifest.run_id for m, ix in zip(current, cached.indexes)):
+            if all(
+                m is not None and m.run_id == ix.manifest.run_id for m, ix in zip(current, cached.indexes)
+            ):
                 _OPEN.move_to_end(key)
                 return cached
             _OPEN.pop(key).close()  # an output was replaced since (an in-place update completed)

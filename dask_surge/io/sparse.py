@@ -60,8 +60,9 @@ def check_pruning(top_k: object = None, threshold: object = None) -> tuple[int |
     return k, (None if t is None else float(t))
 
 
-def sparse_arrays(emb: Any, *, top_k: int | None = None, threshold: float | None = None,
-                  rows: int | None = None) -> tuple[pa.ListArray, pa.ListArray]:
+def sparse_arrays(
+    emb: Any, *, top_k: int | None = None, threshold: float | None = None, rows: int | None = None
+) -> tuple[pa.ListArray, pa.ListArray]:
     """The ``indices`` and ``values`` columns of sparse model output.
 
     Parameters
@@ -118,16 +119,20 @@ def sparse_arrays(emb: Any, *, top_k: int | None = None, threshold: float | None
         bad = int(c.min()) if c.min() < 0 else int(c.max())
         raise SurgeValueError(
             f"a sparse row has vocabulary id {bad}: ids are stored as int32, from 0 to {_INT32_MAX}. Fix: pass "
-            "the model's output as is (rows of vocabulary weights), not ids shifted or from another tokenizer.")
+            "the model's output as is (rows of vocabulary weights), not ids shifted or from another tokenizer."
+        )
     if len(c) > _INT32_MAX:
         raise SurgeValueError(
             f"{len(c)} non-zero weights do not fit one list<int32> column (at most {_INT32_MAX}). "
-            "Fix: encode fewer rows at a time (a smaller b_max), or prune with top_k / threshold.")
+            "Fix: encode fewer rows at a time (a smaller b_max), or prune with top_k / threshold."
+        )
     offsets = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(np.bincount(r, minlength=n), out=offsets[1:])
     offsets_array = pa.array(offsets, type=pa.int32())
-    return (pa.ListArray.from_arrays(offsets_array, pa.array(c.astype(np.int32), type=pa.int32())),
-            pa.ListArray.from_arrays(offsets_array, pa.array(v.astype(np.float32), type=pa.float32())))
+    return (
+        pa.ListArray.from_arrays(offsets_array, pa.array(c.astype(np.int32), type=pa.int32())),
+        pa.ListArray.from_arrays(offsets_array, pa.array(v.astype(np.float32), type=pa.float32())),
+    )
 
 
 def _coo(emb: Any, rows: int | None) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
@@ -135,8 +140,12 @@ def _coo(emb: Any, rows: int | None) -> tuple[int, np.ndarray, np.ndarray, np.nd
     if getattr(emb, "is_sparse", False):  # a torch sparse COO tensor (io/ never imports torch)
         emb = emb.detach().coalesce()
         ij = emb.indices().cpu().numpy()
-        return _check_2d(tuple(emb.shape)), ij[0].astype(np.int64), ij[1].astype(np.int64), \
-            emb.values().float().cpu().numpy()
+        return (
+            _check_2d(tuple(emb.shape)),
+            ij[0].astype(np.int64),
+            ij[1].astype(np.int64),
+            emb.values().float().cpu().numpy(),
+        )
     if hasattr(emb, "tocoo"):  # scipy.sparse
         coo = emb.tocoo()
         coo.sum_duplicates()
@@ -152,14 +161,16 @@ def _coo(emb: Any, rows: int | None) -> tuple[int, np.ndarray, np.ndarray, np.nd
     raise SurgeValueError(
         f"sparse model output of type {type(emb).__name__} is not one dask-surge reads: a torch sparse or dense "
         "tensor, a numpy array, a scipy sparse matrix, or (ids, weights) pairs per row. Fix: pass "
-        "SparseEncoder.encode(texts, convert_to_sparse_tensor=True) as is.")
+        "SparseEncoder.encode(texts, convert_to_sparse_tensor=True) as is."
+    )
 
 
 def _check_2d(shape: tuple[int, ...]) -> int:
     if len(shape) != 2:
         raise SurgeValueError(
             f"sparse model output has shape {shape}: it must be (rows, vocabulary) with one row per text. "
-            "Fix: pass a list of texts to the model, not a single text.")
+            "Fix: pass a list of texts to the model, not a single text."
+        )
     return int(shape[0])
 
 
@@ -171,7 +182,8 @@ def _pairs(pairs: Sequence, rows: int | None) -> tuple[int, np.ndarray, np.ndarr
         if len(a) != len(b):
             raise SurgeValueError(
                 f"sparse row {i} has {len(a)} ids and {len(b)} weights: each id needs its weight. Fix: pass "
-                "(ids, weights) pairs of equal length.")
+                "(ids, weights) pairs of equal length."
+            )
         ids.append(a)
         weights.append(b)
     r: np.ndarray = np.repeat(np.arange(len(ids), dtype=np.int64), [len(a) for a in ids])
@@ -233,18 +245,23 @@ def to_csr(data: Any, vocab_size: int):
         raise SurgeValueError(
             f"to_csr reads the '{INDICES}' and '{VALUES}' columns of a sparse output, and the data has no "
             f"{e.args[0]!r} column. Fix: read an output written by a sparse model, with both columns "
-            f"(read_embeddings(path, columns=['{INDICES}', '{VALUES}'])).") from None
+            f"(read_embeddings(path, columns=['{INDICES}', '{VALUES}']))."
+        ) from None
     lengths = pc.fill_null(pc.list_value_length(indices), 0).to_numpy(zero_copy_only=False)
-    if not np.array_equal(lengths, pc.fill_null(pc.list_value_length(values), 0).to_numpy(zero_copy_only=False)):
+    if not np.array_equal(
+        lengths, pc.fill_null(pc.list_value_length(values), 0).to_numpy(zero_copy_only=False)
+    ):
         raise SurgeValueError(
             f"the '{INDICES}' and '{VALUES}' lists differ in length in some row: each id needs its weight. "
-            "Fix: read both columns from the same rows of one output.")
+            "Fix: read both columns from the same rows of one output."
+        )
     ids = indices.flatten().to_numpy(zero_copy_only=False)
     if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
         raise SurgeValueError(
             f"vocabulary id {int(ids.max()) if ids.max() >= vocab_size else int(ids.min())} is outside "
             f"vocab_size={vocab_size} (ids run from 0 to vocab_size - 1). Fix: pass the model's vocabulary size "
-            "(its embedding dimension).")
+            "(its embedding dimension)."
+        )
     indptr = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=indptr[1:])
     weights = values.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False)

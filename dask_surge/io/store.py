@@ -64,8 +64,20 @@ from typing import Any, ClassVar, Literal
 
 from ..errors import SurgeOutputError
 
-__all__ = ["LOCAL_PROTOCOLS", "STORE_PROTOCOLS", "GLOB_CHARACTERS", "LinkRefused", "OutputStore", "PosixStore",
-           "MemoryStore", "ObjectStore", "canonical_path", "is_posix", "protocol_of", "arrow_local_fs"]
+__all__ = [
+    "LOCAL_PROTOCOLS",
+    "STORE_PROTOCOLS",
+    "GLOB_CHARACTERS",
+    "LinkRefused",
+    "OutputStore",
+    "PosixStore",
+    "MemoryStore",
+    "ObjectStore",
+    "canonical_path",
+    "is_posix",
+    "protocol_of",
+    "arrow_local_fs",
+]
 
 
 #: filesystems whose rename and exclusive create the commit protocol relies on (tested)
@@ -174,8 +186,19 @@ def _mtime(info: dict) -> float | None:
 
 
 #: what an object store's ``info`` says of a key that changes when the key is written again
-_STORE_SIGNATURE = ("size", "ETag", "etag", "LastModified", "last_modified", "mtime", "generation", "md5Hash",
-                    "created", "version_id", "VersionId")
+_STORE_SIGNATURE = (
+    "size",
+    "ETag",
+    "etag",
+    "LastModified",
+    "last_modified",
+    "mtime",
+    "generation",
+    "md5Hash",
+    "created",
+    "version_id",
+    "VersionId",
+)
 
 
 class OutputStore:
@@ -201,8 +224,14 @@ class OutputStore:
     #: a rename is atomic here, so the task that commits a SuperBatch also publishes its file
     renames: ClassVar[bool] = True
 
-    def __init__(self, fs: Any, root: str, location: str, storage_options: dict | None = None,
-                 spelled: str | None = None) -> None:
+    def __init__(
+        self,
+        fs: Any,
+        root: str,
+        location: str,
+        storage_options: dict | None = None,
+        spelled: str | None = None,
+    ) -> None:
         self.fs, self.root, self.location = fs, root.rstrip("/") or "/", str(location)
         self.storage_options = dict(storage_options or {})
         #: the root as spelled (normalised, links not resolved): the same place where no link is on the way
@@ -212,8 +241,11 @@ class OutputStore:
         return f"{type(self).__name__}({self.url(self.root)!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, OutputStore) and (self.kind, self.root) == (other.kind, other.root) \
+        return (
+            isinstance(other, OutputStore)
+            and (self.kind, self.root) == (other.kind, other.root)
             and protocol_of(self.fs) == protocol_of(other.fs)
+        )
 
     def __hash__(self) -> int:
         return hash((self.kind, protocol_of(self.fs), self.root))
@@ -223,8 +255,9 @@ class OutputStore:
 
     # -- resolving a location
     @staticmethod
-    def open(location: str | os.PathLike, storage_options: dict | None = None, *, writing: bool = False
-             ) -> OutputStore:
+    def open(
+        location: str | os.PathLike, storage_options: dict | None = None, *, writing: bool = False
+    ) -> OutputStore:
         """The store of ``location`` (a local path or an fsspec URL) with ``storage_options``.
 
         ``writing=True`` refuses, before any filesystem is built, a location where the commit
@@ -278,8 +311,11 @@ class OutputStore:
         if not self._same_kind(fs):
             return False
         roots = {self.root, self.spelled}
-        return any(r == o.rstrip("/") or r.startswith(o.rstrip("/") + "/") for o in _spellings(path, fs)
-                   for r in roots)
+        return any(
+            r == o.rstrip("/") or r.startswith(o.rstrip("/") + "/")
+            for o in _spellings(path, fs)
+            for r in roots
+        )
 
     def _same_kind(self, fs: Any) -> bool:
         if is_posix(fs):
@@ -289,11 +325,13 @@ class OutputStore:
     def below(self, path: str) -> list[str]:
         """``path``'s components below the root; a :class:`SurgeOutputError` if it is not below it."""
         base = self.root.rstrip("/") + "/"
-        rel = path[len(base):] if path.startswith(base) else None
+        rel = path[len(base) :] if path.startswith(base) else None
         parts = rel.split("/") if rel else []
         if not parts or any(p in ("", ".", "..") for p in parts):
-            raise SurgeOutputError(f"{path!r} is not a path below the output {self.root!r}; dask-surge deletes and "
-                                   "moves only inside its output. This is a bug: please report it.")
+            raise SurgeOutputError(
+                f"{path!r} is not a path below the output {self.root!r}; dask-surge deletes and "
+                "moves only inside its output. This is a bug: please report it."
+            )
         return parts
 
     # -- reading
@@ -476,7 +514,7 @@ class PosixStore(OutputStore):
         return path  # pyarrow's own local reads (memory-mapped where it can)
 
     def _refused(self, parts: list[str], depth: int) -> LinkRefused:
-        where = f"{self.root.rstrip('/')}/{'/'.join(parts[:depth + 1])}"
+        where = f"{self.root.rstrip('/')}/{'/'.join(parts[: depth + 1])}"
         target = ""
         with contextlib.suppress(OSError):
             target = f" -> {os.readlink(where)!r}"
@@ -512,8 +550,10 @@ class PosixStore(OutputStore):
             with self._parent_fd(parts) as fd:
                 st = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
                 if stat.S_ISDIR(st.st_mode):
-                    raise SurgeOutputError(f"{path!r} is a directory where dask-surge expects one of its files; it "
-                                           "is left as it is. Fix: move it out of the output.")
+                    raise SurgeOutputError(
+                        f"{path!r} is a directory where dask-surge expects one of its files; it "
+                        "is left as it is. Fix: move it out of the output."
+                    )
                 os.unlink(parts[-1], dir_fd=fd)
         except FileNotFoundError:
             return False
@@ -529,7 +569,9 @@ class PosixStore(OutputStore):
         parts = self.below(path)
         left: list[str] = []
 
-        def sweep(pfd: int, name: str, rel: str) -> bool:  # True when the directory ``name`` in ``pfd`` is gone
+        def sweep(
+            pfd: int, name: str, rel: str
+        ) -> bool:  # True when the directory ``name`` in ``pfd`` is gone
             fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=pfd)
             try:
                 empty = walk(fd, rel)
@@ -615,8 +657,10 @@ class MemoryStore(OutputStore):
         if not self.fs.exists(path):
             return False
         if self.fs.isdir(path):
-            raise SurgeOutputError(f"{path!r} is a directory where dask-surge expects one of its files; it is left "
-                                   "as it is. Fix: move it out of the output.")
+            raise SurgeOutputError(
+                f"{path!r} is a directory where dask-surge expects one of its files; it is left "
+                "as it is. Fix: move it out of the output."
+            )
         self.fs.rm_file(path)
         return True
 
@@ -642,7 +686,7 @@ def _remove_keys(store: OutputStore, path: str, owned: Callable[[str], bool]) ->
         return []
     left = []
     for key in found:
-        rel = key[len(base):] if key.startswith(base) else key
+        rel = key[len(base) :] if key.startswith(base) else key
         if owned(rel):
             with contextlib.suppress(FileNotFoundError):
                 store.fs.rm_file(key)
@@ -668,7 +712,11 @@ class ObjectStore(OutputStore):
         except FileExistsError:
             return False
         except OSError as err:  # s3fs raises PermissionError/OSError for some 412 Precondition Failed answers
-            if "PreconditionFailed" in str(err) or "412" in str(err) or "At least one of the pre-conditions" in str(err):
+            if (
+                "PreconditionFailed" in str(err)
+                or "412" in str(err)
+                or "At least one of the pre-conditions" in str(err)
+            ):
                 return False
             raise
         return True

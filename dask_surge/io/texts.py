@@ -67,8 +67,10 @@ class ArrowTexts(Sequence[str]):
         if not (pa.types.is_string(arrow.type) or pa.types.is_large_string(arrow.type)):
             raise ValueError(f"ArrowTexts takes a string array, not {arrow.type}; Fix: pass the text column")
         if arrow.null_count:
-            raise ValueError(f"ArrowTexts takes no null, and this array holds {arrow.null_count}; "
-                             "Fix: leave the nulls out first (or use a list of str)")
+            raise ValueError(
+                f"ArrowTexts takes no null, and this array holds {arrow.null_count}; "
+                "Fix: leave the nulls out first (or use a list of str)"
+            )
         #: The Arrow string or large_string array.
         self.arrow: pa.Array = arrow
         self._list: list[str] | None = None
@@ -87,7 +89,9 @@ class ArrowTexts(Sequence[str]):
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
             if step != 1:
-                raise ValueError(f"ArrowTexts slices with step 1 only, not {step}; Fix: use as_list(texts)[...]")
+                raise ValueError(
+                    f"ArrowTexts slices with step 1 only, not {step}; Fix: use as_list(texts)[...]"
+                )
             part = ArrowTexts(self.arrow.slice(start, max(stop - start, 0)))
             if self._list is not None:
                 part._list = self._list[start:stop]
@@ -124,7 +128,11 @@ class ArrowTexts(Sequence[str]):
         n, arrow = len(self), self.arrow
         width = np.int64 if pa.types.is_large_string(arrow.type) else np.int32
         buffers = arrow.buffers()
-        raw = np.frombuffer(buffers[1], dtype=width)[arrow.offset : arrow.offset + n + 1] if n else np.zeros(1, width)
+        raw = (
+            np.frombuffer(buffers[1], dtype=width)[arrow.offset : arrow.offset + n + 1]
+            if n
+            else np.zeros(1, width)
+        )
         first, last = int(raw[0]), int(raw[-1])
         data = memoryview(buffers[2]).cast("B")[first:last] if buffers[2] is not None else memoryview(b"")
         return raw.astype(np.int64) - first, data

@@ -23,8 +23,10 @@ def _problems(manifest: Manifest) -> list[tuple[CommitRecord, str]]:
     sha256 differs from its record, with a line that says so."""
     problems = []
     for rec in manifest.committed().values():
-        for name, digest, where in ((rec.file, rec.sha256, manifest.root),
-                                    (rec.skipped_file, rec.skipped_sha256, f"{manifest.run_dir}/skipped")):
+        for name, digest, where in (
+            (rec.file, rec.sha256, manifest.root),
+            (rec.skipped_file, rec.skipped_sha256, f"{manifest.run_dir}/skipped"),
+        ):
             if not name:
                 continue
             h = hashlib.sha256()
@@ -36,8 +38,13 @@ def _problems(manifest: Manifest) -> list[tuple[CommitRecord, str]]:
                 problems.append((rec, f"{where}/{name}: missing (SuperBatch {rec.sb})"))
                 continue
             if h.hexdigest() != digest:
-                problems.append((rec, f"{where}/{name}: sha256 {h.hexdigest()[:16]}... differs from the recorded "
-                                      f"{digest[:16]}... (SuperBatch {rec.sb})"))
+                problems.append(
+                    (
+                        rec,
+                        f"{where}/{name}: sha256 {h.hexdigest()[:16]}... differs from the recorded "
+                        f"{digest[:16]}... (SuperBatch {rec.sb})",
+                    )
+                )
     return problems
 
 
@@ -59,13 +66,17 @@ def verify(path: str | OutputStore, storage_options: dict | None = None) -> list
     manifest = current_run(store)
     if manifest is None:
         return []
-    strays = [f"{manifest.root}/{n}: a data file that no commit record of the current run names (left by a "
-              "replaced or killed run; `part-*` readers would read its rows); --repair deletes it"
-              for n in _strays(manifest)]
-    foreign = [f"{manifest.root}/{n}: a file dask-surge did not write, which readers of the output "
-               f"({'`part-*` globs and ' if n.startswith('part-') else ''}the directory as a dataset) would read "
-               "as rows; move it out of the output (--repair leaves it: it is not dask-surge's)"
-               for n in _foreign(manifest)]
+    strays = [
+        f"{manifest.root}/{n}: a data file that no commit record of the current run names (left by a "
+        "replaced or killed run; `part-*` readers would read its rows); --repair deletes it"
+        for n in _strays(manifest)
+    ]
+    foreign = [
+        f"{manifest.root}/{n}: a file dask-surge did not write, which readers of the output "
+        f"({'`part-*` globs and ' if n.startswith('part-') else ''}the directory as a dataset) would read "
+        "as rows; move it out of the output (--repair leaves it: it is not dask-surge's)"
+        for n in _foreign(manifest)
+    ]
     return [line for _, line in _problems(manifest)] + strays + foreign
 
 
@@ -107,7 +118,9 @@ def repair(path: str | OutputStore, storage_options: dict | None = None) -> list
     def forget(manifest: Manifest, rec: CommitRecord, why: str) -> None:
         aside(manifest.record_path(rec.sb))
         discard(store, manifest.complete_path)
-        done.append(f"forgot SuperBatch {rec.sb} of run {manifest.run_id}: {why}; a rerun encodes those rows again")
+        done.append(
+            f"forgot SuperBatch {rec.sb} of run {manifest.run_id}: {why}; a rerun encodes those rows again"
+        )
 
     valid: dict[str, Manifest] = {}
     for run in [r for r in store.listdir(f"{meta}/runs") if RUN_ID.match(r)]:
@@ -134,8 +147,10 @@ def repair(path: str | OutputStore, storage_options: dict | None = None) -> list
     for manifest in valid.values():
         before = {n for n in store.listdir(manifest.commits_dir) if n.startswith(".torn-")}
         records = manifest.committed(repair=True)
-        done += [f"moved damaged commit record {n} aside" for n in
-                 {n for n in store.listdir(manifest.commits_dir) if n.startswith(".torn-")} - before]
+        done += [
+            f"moved damaged commit record {n} aside"
+            for n in {n for n in store.listdir(manifest.commits_dir) if n.startswith(".torn-")} - before
+        ]
         try:
             manifest.completion()
         except SurgeOutputError:
@@ -157,8 +172,10 @@ def repair(path: str | OutputStore, storage_options: dict | None = None) -> list
                 forget(manifest, rec, line)
         for name in _strays(manifest):
             discard(store, f"{root}/{name}")
-            done.append(f"deleted {name}: a data file of this layout that no commit record of the current run "
-                        "names (left by a replaced or killed run)")
+            done.append(
+                f"deleted {name}: a data file of this layout that no commit record of the current run "
+                "names (left by a replaced or killed run)"
+            )
     return done
 
 
@@ -173,5 +190,8 @@ def _strays(manifest: Manifest) -> list[str]:
 def _foreign(manifest: Manifest) -> list[str]:
     """Entries of the output that dask-surge did not write and that readers would take for data:
     anything but ``_``- or ``.``-prefixed names (which Parquet readers skip) and data files of this layout."""
-    return [n for n in manifest.store.listdir(manifest.root)
-            if not n.startswith(("_", ".")) and not DATA_FILE.match(n)]
+    return [
+        n
+        for n in manifest.store.listdir(manifest.root)
+        if not n.startswith(("_", ".")) and not DATA_FILE.match(n)
+    ]

@@ -97,7 +97,9 @@ def get(spec: EncoderSpec) -> Loaded:
     """
     loaded = _LOADED.get(spec)
     if loaded is not None and loaded.files and _files(spec) != loaded.files:  # the directory changed since
-        logger.info("dask-surge: the files of model %r changed since it was loaded: loading it again", spec.source)
+        logger.info(
+            "dask-surge: the files of model %r changed since it was loaded: loading it again", spec.source
+        )
         with _LOAD_LOCK:
             if _LOADED.get(spec) is loaded:
                 del _LOADED[spec]

@@ -137,10 +137,15 @@ class Encoder:
                 "SentenceTransformer, or a function texts -> (n, d) array."
             )
         spec_options = {k: v for k, v in given.items() if k != "revision"}  # the commit is recorded instead
-        spec_options.update(trust_remote_code=bool(trust_remote_code), model_kwargs=freeze(model_kwargs or {}))
+        spec_options.update(
+            trust_remote_code=bool(trust_remote_code), model_kwargs=freeze(model_kwargs or {})
+        )
         self.spec = EncoderSpec(
-            kind, source, **spec_options,
-            repo_id=resolved.repo_id if resolved else None, commit=resolved.commit if resolved else None,
+            kind,
+            source,
+            **spec_options,
+            repo_id=resolved.repo_id if resolved else None,
+            commit=resolved.commit if resolved else None,
         )
         if prompt_name is not None and prompt is None:
             prompts = configured_prompts(self.spec)
@@ -169,8 +174,11 @@ class Encoder:
         return self.spec.source if self.spec.kind == "path" else f"<in-memory {self.spec.source}>"
 
     def __repr__(self) -> str:
-        extra = "".join(f", {k}={getattr(self.spec, k)!r}" for k in ("prompt", "prompt_name")
-                        if getattr(self.spec, k) is not None)
+        extra = "".join(
+            f", {k}={getattr(self.spec, k)!r}"
+            for k in ("prompt", "prompt_name")
+            if getattr(self.spec, k) is not None
+        )
         if self.spec.model_kwargs:  # credentials (token=...) shown as "***"
             extra += f", model_kwargs={redact(thaw(self.spec.model_kwargs))!r}"
         return f"Encoder({self._name()!r}, device={self.spec.device!r}, dtype={self.spec.dtype!r}{extra})"
@@ -226,9 +234,13 @@ class Encoder:
             ident.update(digest=directory_digest(self.spec.source))
         else:
             obj = self.source_object
-            ident.update(object=type(obj).__module__ + "." + type(obj).__qualname__, digest=object_digest(obj))
+            ident.update(
+                object=type(obj).__module__ + "." + type(obj).__qualname__, digest=object_digest(obj)
+            )
         ident.update(prompt=self.spec.prompt, prompt_name=self.spec.prompt_name)
-        if (family := self.family) != DENSE:  # recorded only where it is not a vector per text: older runs keep theirs
+        if (
+            family := self.family
+        ) != DENSE:  # recorded only where it is not a vector per text: older runs keep theirs
             ident["family"] = family
         kwargs = without_secrets(thaw(self.spec.model_kwargs)) if self.spec.model_kwargs else None
         if kwargs:
@@ -501,8 +513,14 @@ class Encoder:
         """The model's window cutter (:meth:`~dask_surge.engine.backends.Backend.window_cutter`)."""
         return self._call(self._loaded(), lambda impl: impl.window_cutter("chunk"))[1]
 
-    def encode_long(self, texts: Sequence[str], *, normalize: bool = False, long_texts: LongTexts = "truncate",
-                    chunk_overlap: int | None = DEFAULT_CHUNK_OVERLAP) -> TextEmbeddings:
+    def encode_long(
+        self,
+        texts: Sequence[str],
+        *,
+        normalize: bool = False,
+        long_texts: LongTexts = "truncate",
+        chunk_overlap: int | None = DEFAULT_CHUNK_OVERLAP,
+    ) -> TextEmbeddings:
         """Encode texts, doing with those longer than the model's window what ``long_texts`` says.
 
         The window is the model's ``max_seq_length`` less its special tokens and the prompt's
@@ -563,15 +581,22 @@ class Encoder:
             empty: Any = np.zeros((0, loaded.dimension), dtype=np.float32) if family != MULTIVECTOR else []
             if long_texts != "truncate" and loaded.backend == "callable":
                 loaded.impl.encode_long([], normalize, long_texts, int(chunk_overlap))  # raises: no tokenizer
-            return TextEmbeddings(empty, Windows.empty() if long_texts == "chunk" else None,
-                               np.zeros(0, dtype=bool), 0)
+            return TextEmbeddings(
+                empty, Windows.empty() if long_texts == "chunk" else None, np.zeros(0, dtype=bool), 0
+            )
         # the fast engine takes Arrow-held texts as they are (its tokenizer helpers copy their bytes);
         # every other backend, a user's callable among them, gets a list of str of its own
-        loaded, out = self._call(loaded, lambda impl: impl.encode_long(
-            texts if impl.name == "fast" else list(texts), normalize, long_texts, int(chunk_overlap)))
+        loaded, out = self._call(
+            loaded,
+            lambda impl: impl.encode_long(
+                texts if impl.name == "fast" else list(texts), normalize, long_texts, int(chunk_overlap)
+            ),
+        )
         if family != DENSE:  # the model's own rows (see dask_surge.engine.backends.FamilyBackend)
             return out
-        emb = checked(out.embeddings, len(out.windows) if out.windows is not None else len(texts), loaded.backend)
+        emb = checked(
+            out.embeddings, len(out.windows) if out.windows is not None else len(texts), loaded.backend
+        )
         return out if emb is out.embeddings else replace(out, embeddings=emb)
 
     def __call__(self, texts: Any, *, normalize: bool = False) -> Any:
@@ -616,8 +641,11 @@ class Encoder:
             texts = texts.to_pandas()
         values = texts.tolist() if hasattr(texts, "tolist") else list(texts)
         valid = np.fromiter((isinstance(v, str) for v in values), dtype=bool, count=len(values))
-        nulls = ~valid & np.fromiter((v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))
-                                      for v in values), dtype=bool, count=len(values))
+        nulls = ~valid & np.fromiter(
+            (v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)) for v in values),
+            dtype=bool,
+            count=len(values),
+        )
         if (bad := np.flatnonzero(~valid & ~nulls)).size:
             raise SurgeInputError(
                 f"texts[{bad[0]}]={values[bad[0]]!r} is a {type(values[bad[0]]).__name__}, but every text must "
@@ -673,11 +701,11 @@ class Encoder:
 
 #: what the Encoder adds to an option's description in :data:`dask_surge.options.OPTIONS`
 _ENCODER_NOTES: dict[str, str] = {
-    "device": "``\"cuda:N\"`` must name a device the loading process sees (checked where the model "
-              "loads). An in-memory ``SentenceTransformer`` is moved to this device (to CUDA when "
-              "available, with ``device=None``) where it encodes.",
+    "device": '``"cuda:N"`` must name a device the loading process sees (checked where the model '
+    "loads). An in-memory ``SentenceTransformer`` is moved to this device (to CUDA when "
+    "available, with ``device=None``) where it encodes.",
     "engine": "The fast engine runs a model that is Transformer (an encoder, or a rotary decoder) + Pooling "
-              "(cls, mean, max or lasttoken), optionally + Normalize; :attr:`backend` says which ran.",
+    "(cls, mean, max or lasttoken), optionally + Normalize; :attr:`backend` says which ran.",
 }
 
 

@@ -47,8 +47,22 @@ __all__ = [
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 #: Files a PyTorch sentence-transformers model never reads: other frameworks' weights.
-_FOREIGN_WEIGHTS = ("onnx/*", "openvino/*", "*.onnx", "*.onnx_data", "*.h5", "*.msgpack", "*.ot", "*.tflite",
-                    "tf_model*", "flax_model*", "rust_model*", "coreml/*", "*.mlmodel", "*.gguf")
+_FOREIGN_WEIGHTS = (
+    "onnx/*",
+    "openvino/*",
+    "*.onnx",
+    "*.onnx_data",
+    "*.h5",
+    "*.msgpack",
+    "*.ot",
+    "*.tflite",
+    "tf_model*",
+    "flax_model*",
+    "rust_model*",
+    "coreml/*",
+    "*.mlmodel",
+    "*.gguf",
+)
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
 
@@ -89,7 +103,8 @@ def hub_cache_dir() -> Path:
     if explicit:
         return Path(os.path.expandvars(explicit)).expanduser()
     home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"
+    )
     return Path(os.path.expandvars(home)).expanduser() / "hub"
 
 
@@ -130,7 +145,9 @@ def _is_model_folder(path: Path) -> bool:
     return any((path / name).is_file() for name in ("modules.json", "config.json"))
 
 
-def cached_snapshot(repo_id: str, revision: str | None = None, *, cache: Path | None = None) -> HubSnapshot | None:
+def cached_snapshot(
+    repo_id: str, revision: str | None = None, *, cache: Path | None = None
+) -> HubSnapshot | None:
     """The snapshot of ``repo_id`` at ``revision`` if the cache holds it, else None; never uses the network.
 
     Parameters
@@ -222,8 +239,13 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> HubSnapshot:
     from huggingface_hub import snapshot_download
 
     try:
-        path = snapshot_download(repo_id, revision=commit, cache_dir=str(cache), ignore_patterns=list(
-            _FOREIGN_WEIGHTS), library_name="dask-surge")
+        path = snapshot_download(
+            repo_id,
+            revision=commit,
+            cache_dir=str(cache),
+            ignore_patterns=list(_FOREIGN_WEIGHTS),
+            library_name="dask-surge",
+        )
     except LocalEntryNotFoundError:
         raise _absent(repo_id, revision, cache, True) from None
     except Exception as err:
@@ -237,7 +259,11 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> HubSnapshot:
 
 
 def _has_weights(snapshot: Path) -> bool:
-    return any(snapshot.glob("*.safetensors")) or any(snapshot.glob("*.bin")) or any(snapshot.glob("*/*.safetensors"))
+    return (
+        any(snapshot.glob("*.safetensors"))
+        or any(snapshot.glob("*.bin"))
+        or any(snapshot.glob("*/*.safetensors"))
+    )
 
 
 def _resolve_commit(repo_id: str, revision: str | None, cache: Path, offline: bool) -> str:
@@ -253,8 +279,11 @@ def _resolve_commit(repo_id: str, revision: str | None, cache: Path, offline: bo
             raise LookupError(repo_id) from None
         return found.commit
     try:
-        return str(resolve_revision(repo_id, revision=revision, cache_dir=str(cache),
-                                    local_files_only=offline).resolved)
+        return str(
+            resolve_revision(
+                repo_id, revision=revision, cache_dir=str(cache), local_files_only=offline
+            ).resolved
+        )
     except RevisionResolutionError:
         raise LookupError(repo_id) from None
 

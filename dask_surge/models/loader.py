@@ -54,8 +54,11 @@ def load(spec: EncoderSpec) -> tuple[Backend, str]:
         source = resolve_hub_model(spec.repo_id, spec.commit).path
     kwargs = spec.kwargs
     family = family_of_files(source)
-    direct = (_load_direct(spec, source, device) if kwargs is None and not spec.trust_remote_code and family == DENSE
-              else None)
+    direct = (
+        _load_direct(spec, source, device)
+        if kwargs is None and not spec.trust_remote_code and family == DENSE
+        else None
+    )
     if direct is not None:
         return direct
     import sentence_transformers
@@ -65,13 +68,23 @@ def load(spec: EncoderSpec) -> tuple[Backend, str]:
         raise SurgeModelError(
             f"model={spec.repo_id or spec.source!r} is a {_MODEL_CLASSES[family]} ({family} output), which "
             f"sentence-transformers {sentence_transformers.__version__} does not have. Fix: pip install -U "
-            f"'sentence-transformers>={'6' if family == 'multivector' else '5'}'.")
+            f"'sentence-transformers>={'6' if family == 'multivector' else '5'}'."
+        )
     try:
-        model = cls(source, device=device, local_files_only=True, trust_remote_code=spec.trust_remote_code,
-                    model_kwargs=kwargs)
+        model = cls(
+            source,
+            device=device,
+            local_files_only=True,
+            trust_remote_code=spec.trust_remote_code,
+            model_kwargs=kwargs,
+        )
     except Exception as err:
-        hint = ("" if spec.trust_remote_code else " If the model ships its own code (auto_map in config.json), "
-                "pass trust_remote_code=True, for a model you trust.")
+        hint = (
+            ""
+            if spec.trust_remote_code
+            else " If the model ships its own code (auto_map in config.json), "
+            "pass trust_remote_code=True, for a model you trust."
+        )
         raise SurgeModelError(
             f"model={spec.repo_id or spec.source!r} could not be loaded as a sentence-transformers model "
             f"({type(err).__name__}: {scrub(str(err), kwargs)}). Fix: pass a Hub name, a directory written by "
@@ -89,11 +102,24 @@ def _load_direct(spec: EncoderSpec, source: str, device: str) -> tuple[Backend, 
     """
     name = spec.repo_id or source
     try:
-        return direct_backend(source, name=name, device=device, engine=spec.engine, dtype=spec.dtype,
-                              max_tokens=spec.max_tokens, prompt=spec.prompt, prompt_name=spec.prompt_name)
+        return direct_backend(
+            source,
+            name=name,
+            device=device,
+            engine=spec.engine,
+            dtype=spec.dtype,
+            max_tokens=spec.max_tokens,
+            prompt=spec.prompt,
+            prompt_name=spec.prompt_name,
+        )
     except Exception as err:  # noqa: BLE001 - any failure: the usual load decides, and reports its own error
-        logger.info("dask-surge: loading %s without sentence-transformers failed (%s: %s); loading it with "
-                    "sentence-transformers", name, type(err).__name__, scrub(str(err), spec.kwargs))
+        logger.info(
+            "dask-surge: loading %s without sentence-transformers failed (%s: %s); loading it with "
+            "sentence-transformers",
+            name,
+            type(err).__name__,
+            scrub(str(err), spec.kwargs),
+        )
         return None
 
 
@@ -101,8 +127,16 @@ def _wrap_object(obj: Any, spec: EncoderSpec) -> tuple[Backend, str]:
     """The backend that encodes with ``obj`` for ``spec``, and why (see :func:`~dask_surge.engine.backends.choose_backend`)."""
     name = spec.repo_id or (spec.source if spec.kind == "path" else type(obj).__name__)
     return choose_backend(
-        obj, name=name, in_memory=spec.kind == "object", device=spec.device, engine=spec.engine, dtype=spec.dtype,
-        max_tokens=spec.max_tokens, batch_size=spec.batch_size, prompt=spec.prompt, prompt_name=spec.prompt_name,
+        obj,
+        name=name,
+        in_memory=spec.kind == "object",
+        device=spec.device,
+        engine=spec.engine,
+        dtype=spec.dtype,
+        max_tokens=spec.max_tokens,
+        batch_size=spec.batch_size,
+        prompt=spec.prompt,
+        prompt_name=spec.prompt_name,
     )
 
 

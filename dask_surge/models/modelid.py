@@ -269,7 +269,9 @@ def _module_settings(model: Any) -> str:
             try:
                 parts.append(json.dumps(get_config(), sort_keys=True, default=str))
             except Exception as err:  # noqa: BLE001 - a custom module's config is best effort
-                logger.debug("dask-surge: no config of %s in the model digest (%s)", type(module).__name__, err)
+                logger.debug(
+                    "dask-surge: no config of %s in the model digest (%s)", type(module).__name__, err
+                )
         config = getattr(getattr(module, "auto_model", None), "config", None)
         if config is not None and hasattr(config, "to_json_string"):
             parts.append(config.to_json_string(use_diff=False))

@@ -14,7 +14,14 @@ from pathlib import Path
 from ..errors import SurgeModelError, SurgeValueError
 from .hub import cached_snapshot, looks_like_repo_id, resolve_hub_model
 
-__all__ = ["DEFAULT_MODEL_ALIASES", "PACKAGED_HUB_ID", "ResolvedModel", "packaged_dir", "resolve_model", "resolve_model_path"]
+__all__ = [
+    "DEFAULT_MODEL_ALIASES",
+    "PACKAGED_HUB_ID",
+    "ResolvedModel",
+    "packaged_dir",
+    "resolve_model",
+    "resolve_model_path",
+]
 
 #: Names of the packaged all-MiniLM-L6-v2. ``PACKAGED_HUB_ID`` is also a Hub name: a snapshot of it in
 #: the Hugging Face cache wins (it carries a commit), else the packaged copy (same weights) is used.
@@ -91,8 +98,10 @@ def resolve_model(model: str | os.PathLike, revision: str | None = None) -> Reso
     """
 
     if revision is not None and not isinstance(revision, str):
-        raise SurgeValueError(f"revision={revision!r} must be a str (a branch, tag or commit hash). "
-                              "Fix: pass e.g. revision='main' or a 40-hex commit.")
+        raise SurgeValueError(
+            f"revision={revision!r} must be a str (a branch, tag or commit hash). "
+            "Fix: pass e.g. revision='main' or a 40-hex commit."
+        )
     name = os.fspath(model)
     if isinstance(model, str) and name in DEFAULT_MODEL_ALIASES:
         if name == PACKAGED_HUB_ID:

@@ -50,8 +50,11 @@ def freeze(value: Any, key: Any = None) -> Any:
 
 def thaw(value: Any) -> Any:
     """The dict :func:`freeze` made ``value`` from (nested ones too); anything else as it is."""
-    if isinstance(value, tuple) and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str)
-                                        for v in value) and value:
+    if (
+        isinstance(value, tuple)
+        and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) for v in value)
+        and value
+    ):
         return {k: thaw(v) for k, v in value}
     return value
 

@@ -110,8 +110,18 @@ from ..engine.batching import BLOCK_TEXTS, replay
 from ..errors import SurgeValueError
 from .policy import plan_superbatches, validate_thresholds
 
-__all__ = ["CostParams", "predict", "phi_cv", "Advice", "advise", "auto_thresholds", "call_cost", "call_overhead",
-           "batch_shape", "token_quantiles"]
+__all__ = [
+    "CostParams",
+    "predict",
+    "phi_cv",
+    "Advice",
+    "advise",
+    "auto_thresholds",
+    "call_cost",
+    "call_overhead",
+    "batch_shape",
+    "token_quantiles",
+]
 
 POLICIES = ("surge", "pbp", "fb", "pb-pbp-lb")
 
@@ -324,7 +334,9 @@ def _freeze(v):
 
 
 _CHUNK = BLOCK_TEXTS  # the fast engine tokenizes and sorts at most this many texts at a time
-_GRID = np.unique(np.concatenate([np.arange(1, 129), np.round(np.geomspace(128, _CHUNK, 40))]).astype(np.int64))
+_GRID = np.unique(
+    np.concatenate([np.arange(1, 129), np.round(np.geomspace(128, _CHUNK, 40))]).astype(np.int64)
+)
 
 
 @functools.lru_cache(maxsize=64)
@@ -359,7 +371,9 @@ def batch_shape(rows, params: CostParams) -> tuple[np.ndarray, np.ndarray]:
     """
     b = np.maximum(np.asarray(rows, dtype=float), 1.0)
     if params.token_lengths:
-        ratio_t, fwd_t = _shape_table(tuple(params.token_lengths), int(params.max_tokens), int(params.batch_rows))
+        ratio_t, fwd_t = _shape_table(
+            tuple(params.token_lengths), int(params.max_tokens), int(params.batch_rows)
+        )
         lb, lg = np.log(np.minimum(b, _CHUNK)), np.log(_GRID.astype(float))
         ratio = np.interp(lb, lg, ratio_t)
         forwards = np.interp(np.minimum(b, _CHUNK), _GRID.astype(float), fwd_t) * np.maximum(b / _CHUNK, 1.0)
@@ -432,7 +446,9 @@ def _check_sizes(sizes) -> np.ndarray:
             "Fix: pass e.g. ddf.surge.plan('text').sizes.sizes."
         )
     if arr.size == 0:
-        raise SurgeValueError("sizes is empty: there is nothing to encode. Fix: pass one row count per partition.")
+        raise SurgeValueError(
+            "sizes is empty: there is nothing to encode. Fix: pass one row count per partition."
+        )
     if not np.issubdtype(arr.dtype, np.number) or np.any(arr < 0) or np.any(arr != np.floor(arr)):
         bad = next((x for x in arr.tolist() if not isinstance(x, (int, float)) or x < 0 or x != int(x)), None)
         raise SurgeValueError(
@@ -440,7 +456,9 @@ def _check_sizes(sizes) -> np.ndarray:
             "Fix: pass the row count of each partition."
         )
     if arr.sum() == 0:
-        raise SurgeValueError("sizes are all zero: there is nothing to encode. Fix: pass non-empty partitions.")
+        raise SurgeValueError(
+            "sizes are all zero: there is nothing to encode. Fix: pass non-empty partitions."
+        )
     return arr.astype(np.int64)
 
 
@@ -545,19 +563,26 @@ def predict(
     if k is None:
         k = max(1, round(float(b_min / max(n.mean(), 1.0))))
     if isinstance(k, bool) or int(k) != k or k < 1:
-        raise SurgeValueError(f"k={k!r} must be a positive int (partitions per PB-PBP-LB call). Fix: pass e.g. k=8.")
+        raise SurgeValueError(
+            f"k={k!r} must be a positive int (partitions per PB-PBP-LB call). Fix: pass e.g. k=8."
+        )
     k = int(k)
     B = b_min if fb_batch is None else fb_batch
     if isinstance(B, bool) or int(B) != B or B < 1:
-        raise SurgeValueError(f"fb_batch={fb_batch!r} must be a positive int (FB batch size in rows). Fix: pass e.g. 512.")
+        raise SurgeValueError(
+            f"fb_batch={fb_batch!r} must be a positive int (FB batch size in rows). Fix: pass e.g. 512."
+        )
     B = int(B)
     row_bytes = params.bytes_per_row + params.embedding_bytes_per_row
     io_total = N * params.io_per_row_s / W
     rows: dict[str, dict] = {}
 
     # SURGE: one call per SuperBatch, in plan order
-    sbs = list(superbatches) if superbatches is not None else plan_superbatches(
-        n.tolist(), b_min, b_max, nbytes=nbytes, max_bytes=max_bytes)
+    sbs = (
+        list(superbatches)
+        if superbatches is not None
+        else plan_superbatches(n.tolist(), b_min, b_max, nbytes=nbytes, max_bytes=max_bytes)
+    )
     b = np.array([sb.rows for sb in sbs], dtype=float)
     folded = np.array([len(sb.spans) for sb in sbs], dtype=float)
     t = _tokens_per_call(n, tok, [[(s.partition, s.rows) for s in sb.spans] for sb in sbs])
@@ -583,8 +608,13 @@ def predict(
     encode = float(np.sum(params.setup_s + call_cost(fb_rows, params, fb_tok)))
     seconds = params.overhead_s + gather + encode
     rows["fb"] = {
-        "seconds": seconds, "calls": nb, "peak_memory_bytes": params.model_bytes + N * row_bytes,
-        "ttfo_s": seconds, "encode_s": encode, "io_s": gather, "largest_call": int(fb_rows.max()),
+        "seconds": seconds,
+        "calls": nb,
+        "peak_memory_bytes": params.model_bytes + N * row_bytes,
+        "ttfo_s": seconds,
+        "encode_s": encode,
+        "io_s": gather,
+        "largest_call": int(fb_rows.max()),
     }
     df = pd.DataFrame.from_dict(rows, orient="index").loc[list(POLICIES)]
     df.insert(0, "texts_per_s", N / df["seconds"])
@@ -615,8 +645,13 @@ def _streamed(params: CostParams, b, t, folded, io_total, row_bytes, N, *, in_or
     seconds = params.overhead_s + fill + max(makespan, io_total)
     largest = int(b.max()) if len(b) else 0
     return {
-        "seconds": seconds, "calls": len(b), "peak_memory_bytes": params.model_bytes + largest * row_bytes,
-        "ttfo_s": params.overhead_s + fill + first, "encode_s": makespan, "io_s": io_total, "largest_call": largest,
+        "seconds": seconds,
+        "calls": len(b),
+        "peak_memory_bytes": params.model_bytes + largest * row_bytes,
+        "ttfo_s": params.overhead_s + fill + first,
+        "encode_s": makespan,
+        "io_s": io_total,
+        "largest_call": largest,
     }
 
 
@@ -666,9 +701,16 @@ class Advice:
         return self.text
 
 
-def advise(sizes: Sequence[int], params: CostParams, *, b_min: int, b_max: int,
-           nbytes: Sequence[int] | None = None, max_bytes: int | None = None,
-           superbatches: Sequence | None = None) -> Advice:
+def advise(
+    sizes: Sequence[int],
+    params: CostParams,
+    *,
+    b_min: int,
+    b_max: int,
+    nbytes: Sequence[int] | None = None,
+    max_bytes: int | None = None,
+    superbatches: Sequence | None = None,
+) -> Advice:
     """Say whether SuperBatching pays over one call per partition, and why.
 
     Examples
@@ -681,8 +723,15 @@ def advise(sizes: Sequence[int], params: CostParams, *, b_min: int, b_max: int,
     """
     n = _check_sizes(sizes)
     phi, cv = phi_cv(n.tolist(), params)
-    df = predict(n.tolist(), params, b_min=b_min, b_max=b_max, nbytes=nbytes, max_bytes=max_bytes,
-                 superbatches=superbatches)
+    df = predict(
+        n.tolist(),
+        params,
+        b_min=b_min,
+        b_max=b_max,
+        nbytes=nbytes,
+        max_bytes=max_bytes,
+        superbatches=superbatches,
+    )
     speedup = float(df.loc["pbp", "seconds"] / df.loc["surge", "seconds"])
     pays = speedup >= 1.05
     mean, n_max = float(n.mean()), int(n.max())
@@ -690,22 +739,30 @@ def advise(sizes: Sequence[int], params: CostParams, *, b_min: int, b_max: int,
         # the share of a one-call-per-partition run's time that fusing removes: the fixed cost of each call
         # (phi) and what small calls waste besides (partly filled micro-batches); phi alone can round to 0%
         saved = 1.0 - 1.0 / speedup
-        text = (f"Fusing pays: with one call per partition (mean {mean:,.0f} rows), about {saved:.0%} of the "
-                f"time would go to costs that SuperBatches amortize (the fixed cost of each call, phi={phi:.2f}, "
-                f"and small calls' partly filled micro-batches), so SuperBatches of b_min={b_min:,} rows should "
-                f"run {speedup:.1f}x faster.")
+        text = (
+            f"Fusing pays: with one call per partition (mean {mean:,.0f} rows), about {saved:.0%} of the "
+            f"time would go to costs that SuperBatches amortize (the fixed cost of each call, phi={phi:.2f}, "
+            f"and small calls' partly filled micro-batches), so SuperBatches of b_min={b_min:,} rows should "
+            f"run {speedup:.1f}x faster."
+        )
     elif phi < 0.05:
-        text = (f"Partitions are already large (mean {mean:,.0f} rows, phi={phi:.3f}): the per-call "
-                f"overhead is under 5% of each call, so expect under 5% gain "
-                f"({speedup:.2f}x); fuse for bounded memory and streaming output, not speed.")
+        text = (
+            f"Partitions are already large (mean {mean:,.0f} rows, phi={phi:.3f}): the per-call "
+            f"overhead is under 5% of each call, so expect under 5% gain "
+            f"({speedup:.2f}x); fuse for bounded memory and streaming output, not speed."
+        )
     else:
-        text = (f"Little to gain ({speedup:.2f}x) although phi={phi:.2f}: folding {len(n):,} partitions "
-                "costs about what it saves; raise b_min so each call amortizes more, or read partitions "
-                "inside the SuperBatch task (Parquet input).")
+        text = (
+            f"Little to gain ({speedup:.2f}x) although phi={phi:.2f}: folding {len(n):,} partitions "
+            "costs about what it saves; raise b_min so each call amortizes more, or read partitions "
+            "inside the SuperBatch task (Parquet input)."
+        )
     if cv > 1.0:
         mem = min(b_max, b_min - 1 + n_max)
-        text += (f" CV={cv:.2f}: the largest partition (n_max={n_max:,}) sets peak memory, so b_max "
-                 f"matters; a SuperBatch holds at most {mem:,} rows (b_min - 1 + n_max, capped at b_max).")
+        text += (
+            f" CV={cv:.2f}: the largest partition (n_max={n_max:,}) sets peak memory, so b_max "
+            f"matters; a SuperBatch holds at most {mem:,} rows (b_min - 1 + n_max, capped at b_max)."
+        )
     return Advice(phi=phi, cv=cv, predicted_speedup=speedup, pays=pays, text=text)
 
 
@@ -764,7 +821,9 @@ def auto_thresholds(
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise SurgeValueError(f"{name}={value!r} must be a positive number. Fix: pass e.g. {name}=2e9.")
     if isinstance(n_max, bool) or int(n_max) != n_max or n_max < 1:
-        raise SurgeValueError(f"n_max={n_max!r} must be a positive int (rows in the largest partition). Fix: pass max(sizes).")
+        raise SurgeValueError(
+            f"n_max={n_max!r} must be a positive int (rows in the largest partition). Fix: pass max(sizes)."
+        )
     if not 0 < overhead_share < 1:
         raise SurgeValueError(f"overhead_share={overhead_share!r} must be in (0, 1). Fix: pass e.g. 0.02.")
     row_bytes = params.bytes_per_row + params.embedding_bytes_per_row
@@ -783,39 +842,52 @@ def auto_thresholds(
     # (and their fixed cost) grow with b, so against beta the share never fell under 2% and b_eff
     # ran to the search bound (1e9 rows).
     per_row = float(call_cost([_CHUNK], params)[0]) / _CHUNK
+
     def share(b: float) -> float:
         c = float(call_cost([b], params)[0])
         total = float(call_overhead([c], params)[0]) + params.partition_s + c
         return (total - per_row * b) / total if total > 0 else 0.0
+
     b_eff = _bisect_min(lambda b: share(b) <= overhead_share, 1, 10**9)
+
     # largest b whose first SuperBatch finishes within the TTFO target
     def first(b: int) -> float:
         c = float(call_cost([b], params)[0])
         return params.overhead_s + float(call_overhead([c], params)[0]) + c + b * params.io_per_row_s
+
     b_ttfo = _bisect_max(lambda b: first(b) <= ttfo_target_s, 1, 10**9)
-    b_min, reason = b_eff, (f"b_min={b_eff:,} keeps fixed per-call cost under {overhead_share:.0%} of each "
-                            f"SuperBatch")
+    b_min, reason = (
+        b_eff,
+        (f"b_min={b_eff:,} keeps fixed per-call cost under {overhead_share:.0%} of each SuperBatch"),
+    )
     if b_ttfo < b_min:
         b_min = b_ttfo
-        reason = (f"b_min={b_ttfo:,} so the first output comes within {ttfo_target_s:g} s (the first-output "
-                  f"target, surge.ttfo-target; {b_eff:,} rows would cut fixed cost to {overhead_share:.0%})")
+        reason = (
+            f"b_min={b_ttfo:,} so the first output comes within {ttfo_target_s:g} s (the first-output "
+            f"target, surge.ttfo-target; {b_eff:,} rows would cut fixed cost to {overhead_share:.0%})"
+        )
     if fit < b_min:
         b_min = fit
-        reason = (f"b_min={fit:,} so a worker stays within the memory budget of {memory_budget_bytes:,.0f} bytes "
-                  f"(surge.memory-budget: the model's {params.model_bytes:,.0f} bytes + {row_bytes:,.0f} bytes a row)")
+        reason = (
+            f"b_min={fit:,} so a worker stays within the memory budget of {memory_budget_bytes:,.0f} bytes "
+            f"(surge.memory-budget: the model's {params.model_bytes:,.0f} bytes + {row_bytes:,.0f} bytes a row)"
+        )
     return _auto_b_max(params, b_min, b_max, fit, n_max, row_bytes, reason)
 
 
-def _auto_b_max(params: CostParams, b_min: int, b_max: int | None, fit: int, n_max: int, row_bytes: float,
-                reason: str) -> tuple[int, int, str]:
+def _auto_b_max(
+    params: CostParams, b_min: int, b_max: int | None, fit: int, n_max: int, row_bytes: float, reason: str
+) -> tuple[int, int, str]:
     if b_max is not None:
         if b_min > b_max:
             b_min, reason = int(b_max), reason + f", lowered to the given b_max={int(b_max):,}"
         return int(b_min), int(b_max), reason + f"; b_max={int(b_max):,} as given."
     b_max = max(b_min, min(fit, 4 * b_min))
     held = min(b_max, b_min - 1 + int(n_max))
-    reason += (f"; b_max={b_max:,} keeps a worker under the budget (at most {held:,} rows resident, "
-               f"{params.model_bytes + held * row_bytes:,.0f} bytes)")
+    reason += (
+        f"; b_max={b_max:,} keeps a worker under the budget (at most {held:,} rows resident, "
+        f"{params.model_bytes + held * row_bytes:,.0f} bytes)"
+    )
     return int(b_min), int(b_max), reason + "."
 
 

@@ -64,7 +64,6 @@ from ..options import identity_options, option
 __all__ = ["IDENTITY_OPTIONS", "input_identity", "fingerprint"]
 
 
-
 class _IdentityOptions(Mapping[str, bool]):
     """Every parameter of :func:`dask_surge.encode` -> whether it changes the embeddings or the output.
 
@@ -118,7 +117,6 @@ def _open_file_record(value: Any, where: str) -> Any:
     return {"files": [record], "protocol": protocol_of(fs)}
 
 
-
 # -- files --------------------------------------------------------------------------------
 
 _VERSION_FIELDS = ("VersionId", "version_id", "ETag", "etag", "generation", "md5Hash", "checksum")
@@ -131,7 +129,12 @@ def _file_record(name: str, info: Mapping, fs: Any) -> list:
     mtime, but no call sets the change time, and a file replaced by another gets a new inode."""
     version = next((info[k] for k in _VERSION_FIELDS if info.get(k) is not None), None)
     mtime = next((info[k] for k in _TIME_FIELDS if info.get(k) is not None), None)
-    record = [name, info.get("size"), None if version is None else str(version), None if mtime is None else str(mtime)]
+    record = [
+        name,
+        info.get("size"),
+        None if version is None else str(version),
+        None if mtime is None else str(mtime),
+    ]
     if is_posix(fs):
         st = os.stat(name)
         record += [st.st_ino, st.st_ctime_ns]
@@ -158,8 +161,9 @@ def _filesystem_of(text: str, leaf_fs: Any, storage_options: Mapping | None):
     return None
 
 
-def _location(value: Any, *, leaf_fs: Any, storage_options: Mapping | None, where: str,
-              strict: bool = True) -> dict | None:
+def _location(
+    value: Any, *, leaf_fs: Any, storage_options: Mapping | None, where: str, strict: bool = True
+) -> dict | None:
     """The record of the files a source's operand names (a path, glob or URL string, an fsspec
     ``OpenFile``), or None when it names none (it is then tokenized as a value).
 
@@ -172,8 +176,9 @@ def _location(value: Any, *, leaf_fs: Any, storage_options: Mapping | None, wher
     return None
 
 
-def _files(text: str, *, leaf_fs: Any, storage_options: Mapping | None, where: str,
-           strict: bool = True) -> dict | None:
+def _files(
+    text: str, *, leaf_fs: Any, storage_options: Mapping | None, where: str, strict: bool = True
+) -> dict | None:
     """The files a path, directory, glob or URL names, each with its size and version; None if it names
     none (or, unless ``strict``, cannot be listed)."""
     if not text or "\n" in text:
@@ -217,10 +222,12 @@ def _files(text: str, *, leaf_fs: Any, storage_options: Mapping | None, where: s
 
 
 def _unlisted(where: str, location: str, err: Exception) -> str:
-    return (f"{where}: the input {location!r} could not be listed to identify the run's input "
-            f"({type(err).__name__}: {err}). A run's identity is the files it reads (path, size, "
-            "version). Fix: check the path and its storage_options, or pass input_token='a name you "
-            "choose' to encode() to identify the input yourself.")
+    return (
+        f"{where}: the input {location!r} could not be listed to identify the run's input "
+        f"({type(err).__name__}: {err}). A run's identity is the files it reads (path, size, "
+        "version). Fix: check the path and its storage_options, or pass input_token='a name you "
+        "choose' to encode() to identify the input yourself."
+    )
 
 
 def _is_arrow_filesystem(value: Any) -> bool:
@@ -231,7 +238,9 @@ def _is_arrow_filesystem(value: Any) -> bool:
 def _is_filesystem(value: Any) -> bool:
     """An fsspec filesystem, or a ``pyarrow.fs`` one (``dd.read_parquet(..., filesystem=...)``)."""
     fsspec = sys.modules.get("fsspec")
-    return (fsspec is not None and isinstance(value, fsspec.AbstractFileSystem)) or _is_arrow_filesystem(value)
+    return (fsspec is not None and isinstance(value, fsspec.AbstractFileSystem)) or _is_arrow_filesystem(
+        value
+    )
 
 
 def _lister(fs: Any) -> Any:
@@ -266,7 +275,9 @@ def _node(expr: Any, memo: dict[str, Any]) -> Any:
     leaf = not expr.dependencies()
     params = dict(zip(expr._parameters, expr.operands))
     leaf_fs = next((v for v in params.values() if _is_filesystem(v)), None)
-    storage_options = params.get("storage_options") if isinstance(params.get("storage_options"), Mapping) else None
+    storage_options = (
+        params.get("storage_options") if isinstance(params.get("storage_options"), Mapping) else None
+    )
     operands: dict[str, Any] = {}
     for name, op in params.items():
         if _is_cache(name):
@@ -284,8 +295,9 @@ def _node(expr: Any, memo: dict[str, Any]) -> Any:
         files = None
         if leaf and not options:
             fs = _lister(leaf_fs) if name == "path" and leaf_fs is not None else None
-            files = functools.partial(_location, leaf_fs=fs, storage_options=storage_options, where=where,
-                                      strict=name == "path")
+            files = functools.partial(
+                _location, leaf_fs=fs, storage_options=storage_options, where=where, strict=name == "path"
+            )
         try:
             operands[name] = stable_token(op, where, files)
         except NotDeterministic as err:
@@ -344,13 +356,27 @@ def _json_fallback(value: Any) -> str:  # pragma: no cover - _token returns JSON
 
 #: the options the fingerprint records inside another entry: the model's identity (its content,
 #: revision, prompts, ``model_kwargs`` and the resolved compute dtype) and the input's
-_RECORDED_WITH = {"model": "model", "revision": "model", "prompt": "model", "prompt_name": "model",
-                  "model_kwargs": "model", "dtype": "model", "input_token": "ddf",
-                  "long_texts": "long_texts", "chunk_overlap": "long_texts"}
+_RECORDED_WITH = {
+    "model": "model",
+    "revision": "model",
+    "prompt": "model",
+    "prompt_name": "model",
+    "model_kwargs": "model",
+    "dtype": "model",
+    "input_token": "ddf",
+    "long_texts": "long_texts",
+    "chunk_overlap": "long_texts",
+}
 
 
-def fingerprint(frame: Any, task: Any, *, device: str | None = None,
-                input_token: str | None = None, options: dict | None = None) -> dict:
+def fingerprint(
+    frame: Any,
+    task: Any,
+    *,
+    device: str | None = None,
+    input_token: str | None = None,
+    options: dict | None = None,
+) -> dict:
     """What makes two runs the same run (and lets a rerun resume): what it encodes.
 
     The options in it are those :data:`dask_surge.planning.identity.IDENTITY_OPTIONS` marks as
@@ -392,9 +418,14 @@ def fingerprint(frame: Any, task: Any, *, device: str | None = None,
     """
 
     values = {
-        "ddf": input_identity(frame, token=input_token), "column": task.column, "keep": list(task.keep),
-        "model": task.encoder.identity(device), "normalize": task.normalize, "precision": task.precision,
-        "truncate_dim": task.truncate_dim, "on_null": task.on_null,
+        "ddf": input_identity(frame, token=input_token),
+        "column": task.column,
+        "keep": list(task.keep),
+        "model": task.encoder.identity(device),
+        "normalize": task.normalize,
+        "precision": task.precision,
+        "truncate_dim": task.truncate_dim,
+        "on_null": task.on_null,
     }
     if task.long_texts in ("chunk", "mean"):  # "truncate" and "error" write the same rows: one run
         values["long_texts"] = {"mode": task.long_texts, "chunk_overlap": task.chunk_overlap}

@@ -36,7 +36,14 @@ from dataclasses import dataclass
 
 from ..errors import SurgeValueError
 
-__all__ = ["Span", "SuperBatch", "plan_superbatches", "OnlinePlanner", "validate_thresholds", "validate_max_bytes"]
+__all__ = [
+    "Span",
+    "SuperBatch",
+    "plan_superbatches",
+    "OnlinePlanner",
+    "validate_thresholds",
+    "validate_max_bytes",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +206,9 @@ class OnlinePlanner:
     [1, 2, 4, 6]
     """
 
-    def __init__(self, b_min: int, b_max: int, max_bytes: int | None = None, *, first: int | None = None) -> None:
+    def __init__(
+        self, b_min: int, b_max: int, max_bytes: int | None = None, *, first: int | None = None
+    ) -> None:
         self.b_min, self.b_max = validate_thresholds(b_min, b_max)
         self.max_bytes = validate_max_bytes(max_bytes)
         self.first = validate_first(first)
@@ -241,7 +250,9 @@ class OnlinePlanner:
         """Add the next partition (``size`` rows, ``nbytes`` bytes of text if known);
         return the SuperBatches it completes."""
         if self._finished:
-            raise SurgeValueError("push() after finish(): this planner's plan is complete. Fix: create a new OnlinePlanner per run.")
+            raise SurgeValueError(
+                "push() after finish(): this planner's plan is complete. Fix: create a new OnlinePlanner per run."
+            )
         for name, value in (("size", size), ("nbytes", 0 if nbytes is None else nbytes)):
             if isinstance(value, bool) or int(value) != value or value < 0:
                 raise SurgeValueError(
@@ -278,8 +289,15 @@ class OnlinePlanner:
         return self._flush()
 
 
-def iter_superbatches(sizes: Iterable[int], b_min: int, b_max: int, *, nbytes: Iterable[int] | None = None,
-                      max_bytes: int | None = None, first: int | None = None) -> Iterator[SuperBatch]:
+def iter_superbatches(
+    sizes: Iterable[int],
+    b_min: int,
+    b_max: int,
+    *,
+    nbytes: Iterable[int] | None = None,
+    max_bytes: int | None = None,
+    first: int | None = None,
+) -> Iterator[SuperBatch]:
     """Lazily yield the SuperBatches for ``sizes`` (see :class:`OnlinePlanner`)."""
     planner = OnlinePlanner(b_min, b_max, max_bytes if nbytes is not None else None, first=first)
     sizes = list(sizes)
@@ -294,8 +312,15 @@ def iter_superbatches(sizes: Iterable[int], b_min: int, b_max: int, *, nbytes: I
     yield from planner.finish()
 
 
-def plan_superbatches(sizes: Iterable[int], b_min: int, b_max: int, *, nbytes: Iterable[int] | None = None,
-                      max_bytes: int | None = None, first: int | None = None) -> list[SuperBatch]:
+def plan_superbatches(
+    sizes: Iterable[int],
+    b_min: int,
+    b_max: int,
+    *,
+    nbytes: Iterable[int] | None = None,
+    max_bytes: int | None = None,
+    first: int | None = None,
+) -> list[SuperBatch]:
     """Plan SuperBatches for known partition sizes.
 
     Parameters

@@ -42,8 +42,17 @@ from .thresholds import Requested, Thresholds, resolve_thresholds, window_byte_c
 from .tokens import sample_texts, token_counter
 from .units import streamed_plan, unit_partitions
 
-__all__ = ["TextSample", "PlannedRun", "RunThresholds", "encoder_for", "windowed_bytes", "superbatches_for",
-           "thresholds_for", "params_for_data", "planned_run"]
+__all__ = [
+    "TextSample",
+    "PlannedRun",
+    "RunThresholds",
+    "encoder_for",
+    "windowed_bytes",
+    "superbatches_for",
+    "thresholds_for",
+    "params_for_data",
+    "planned_run",
+]
 
 
 def encoder_for(model: Any, given: Mapping[str, Any]) -> Encoder:
@@ -58,7 +67,11 @@ def encoder_for(model: Any, given: Mapping[str, Any]) -> Encoder:
     """
     taken = options_of("Encoder")
     if isinstance(model, Encoder):
-        extra = {o.name: given[o.name] for o in taken if given.get(o.name) is not None and given.get(o.name) is not False}
+        extra = {
+            o.name: given[o.name]
+            for o in taken
+            if given.get(o.name) is not None and given.get(o.name) is not False
+        }
         if extra:
             raise SurgeValueError(
                 f"{', '.join(f'{k}={redact(v)!r}' for k, v in extra.items())} given alongside a ready Encoder "
@@ -67,13 +80,20 @@ def encoder_for(model: Any, given: Mapping[str, Any]) -> Encoder:
             )
         return model
     model = config.get("model") if model is None else model
-    kwargs = {o.name: config.get(o.config, given.get(o.name)) if o.config
-              else o.default if given.get(o.name) is None else given[o.name] for o in taken}
+    kwargs = {
+        o.name: config.get(o.config, given.get(o.name))
+        if o.config
+        else o.default
+        if given.get(o.name) is None
+        else given[o.name]
+        for o in taken
+    }
     return Encoder(model, **kwargs)
 
 
-def windowed_bytes(max_bytes: int | None, b_max: Requested, encoder: Encoder, long_texts: str, overlap: int, *,
-                   gpu: bool) -> int | None:
+def windowed_bytes(
+    max_bytes: int | None, b_max: Requested, encoder: Encoder, long_texts: str, overlap: int, *, gpu: bool
+) -> int | None:
     """The byte cap, lowered in chunk/mean mode so a SuperBatch holds about ``b_max`` token windows
     (:func:`~dask_surge.planning.thresholds.window_byte_cap`): its memory counts windows, not texts.
     For a multi-vector model every token is a vector of the output, so a SuperBatch holds about
@@ -89,7 +109,9 @@ class TextSample:
     """Texts sampled from a frame (read once, when first asked for), and what the model makes of
     them: token lengths, and the token windows of chunk/mean mode (cut once)."""
 
-    def __init__(self, ddf: Any, column: str, sizes: PartitionSizes, model: Any, n: int, overlap: int) -> None:
+    def __init__(
+        self, ddf: Any, column: str, sizes: PartitionSizes, model: Any, n: int, overlap: int
+    ) -> None:
         self._args = (ddf, column, sizes.sizes, n)
         self.model, self.overlap = model, overlap
         self._texts: list[str] | None = None
@@ -123,21 +145,31 @@ class TextSample:
         if windowed not in self._lengths:
             if windowed:
                 w = self._cut()
-                self._lengths[windowed] = np.bincount(w.text, weights=w.tokens.astype(float)
-                                                      + self.encoder.window_overhead, minlength=len(self.texts))
+                self._lengths[windowed] = np.bincount(
+                    w.text,
+                    weights=w.tokens.astype(float) + self.encoder.window_overhead,
+                    minlength=len(self.texts),
+                )
             else:
                 self._lengths[windowed] = token_counter(self.encoder)(self.texts)
         return self._lengths[windowed]
 
 
-def superbatches_for(sizes: PartitionSizes, b_min: int, b_max: int, max_bytes: int | None, *,
-                     first: int | None = None) -> list[SuperBatch]:
+def superbatches_for(
+    sizes: PartitionSizes, b_min: int, b_max: int, max_bytes: int | None, *, first: int | None = None
+) -> list[SuperBatch]:
     """The SuperBatches a run plans ahead over these sizes: the byte cap applies where text bytes
     are known, and the first ones ramp up from ``first`` rows (None: ``surge.first-superbatch``,
     as a new run records it)."""
     cap = max_bytes if sizes.nbytes is not None else None
-    return plan_superbatches(sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap,
-                             first=config.get("first-superbatch") if first is None else first)
+    return plan_superbatches(
+        sizes.sizes,
+        b_min,
+        b_max,
+        nbytes=sizes.nbytes,
+        max_bytes=cap,
+        first=config.get("first-superbatch") if first is None else first,
+    )
 
 
 def _work(sizes: PartitionSizes, superbatches: list[SuperBatch]) -> list[int]:
@@ -146,8 +178,13 @@ def _work(sizes: PartitionSizes, superbatches: list[SuperBatch]) -> list[int]:
     tokens more than its rows, so rows alone balance the tail badly."""
     if sizes.nbytes is None:
         return [sb.rows for sb in superbatches]
-    return [sum(8 * s.rows + sizes.nbytes[s.partition] * s.rows // max(1, sizes.sizes[s.partition])
-                for s in sb.spans) for sb in superbatches]
+    return [
+        sum(
+            8 * s.rows + sizes.nbytes[s.partition] * s.rows // max(1, sizes.sizes[s.partition])
+            for s in sb.spans
+        )
+        for sb in superbatches
+    ]
 
 
 def params_for_data(params: CostParams, sample: TextSample | None, long_texts: str) -> tuple[CostParams, str]:
@@ -164,9 +201,17 @@ def params_for_data(params: CostParams, sample: TextSample | None, long_texts: s
     return params, f"a sample of {len(sample.texts):,} texts ({params.tokens_per_text:.1f} tokens a text)"
 
 
-def thresholds_for(requested: tuple[Requested, Requested], known: PartitionSizes | None,
-                   params: CostParams | None, *, gpu: bool, threads: int, max_bytes: int | None,
-                   sample: TextSample | None = None, long_texts: str = "truncate") -> Thresholds:
+def thresholds_for(
+    requested: tuple[Requested, Requested],
+    known: PartitionSizes | None,
+    params: CostParams | None,
+    *,
+    gpu: bool,
+    threads: int,
+    max_bytes: int | None,
+    sample: TextSample | None = None,
+    long_texts: str = "truncate",
+) -> Thresholds:
     """The thresholds of a new run, the same for :func:`dask_surge.plan` and :func:`dask_surge.encode`.
 
     Parameters
@@ -187,8 +232,14 @@ def thresholds_for(requested: tuple[Requested, Requested], known: PartitionSizes
     if known is None:
         return resolve_thresholds(b_min, b_max, gpu=gpu, workers=threads, params=params)
     return resolve_thresholds(
-        b_min, b_max, gpu=gpu, workers=threads, params=params, total_rows=known.total,
-        n_max=max(known.sizes, default=0), partitions=len(known.sizes),
+        b_min,
+        b_max,
+        gpu=gpu,
+        workers=threads,
+        params=params,
+        total_rows=known.total,
+        n_max=max(known.sizes, default=0),
+        partitions=len(known.sizes),
         superbatch_work=lambda lo, hi: _work(known, superbatches_for(known, lo, hi, max_bytes)),
     )
 
@@ -203,15 +254,33 @@ class PlannedRun:
     unit_partitions: int | None
 
 
-def planned_run(sizes: PartitionSizes, known: PartitionSizes | None, thresholds: Thresholds, *, threads: int,
-                max_bytes: int | None) -> PlannedRun:
+def planned_run(
+    sizes: PartitionSizes,
+    known: PartitionSizes | None,
+    thresholds: Thresholds,
+    *,
+    threads: int,
+    max_bytes: int | None,
+) -> PlannedRun:
     """The SuperBatches a new run with ``thresholds`` makes of ``sizes`` (as counted: ``known`` is
     what the run knows before it starts, None when it streams)."""
     if known is not None:
-        return PlannedRun(thresholds, superbatches_for(sizes, thresholds.b_min, thresholds.b_max, max_bytes), None)
+        return PlannedRun(
+            thresholds, superbatches_for(sizes, thresholds.b_min, thresholds.b_max, max_bytes), None
+        )
     per_unit = unit_partitions(len(sizes.sizes), threads)
-    return PlannedRun(thresholds, streamed_plan(sizes.sizes, thresholds.b_min, thresholds.b_max, per_unit,
-                                                nbytes=sizes.nbytes, max_bytes=max_bytes), per_unit)
+    return PlannedRun(
+        thresholds,
+        streamed_plan(
+            sizes.sizes,
+            thresholds.b_min,
+            thresholds.b_max,
+            per_unit,
+            nbytes=sizes.nbytes,
+            max_bytes=max_bytes,
+        ),
+        per_unit,
+    )
 
 
 @dataclass(frozen=True)
@@ -241,5 +310,13 @@ class RunThresholds:
         sample = None
         if params is not None and sizes is not None and sizes.total and self.token_sample is not None:
             sample = TextSample(self.frame, self.column, sizes, self.encoder, self.token_sample, self.overlap)
-        return thresholds_for(self.requested, sizes, params, gpu=self.gpu, threads=self.threads(),
-                              max_bytes=max_bytes, sample=sample, long_texts=self.long_texts)
+        return thresholds_for(
+            self.requested,
+            sizes,
+            params,
+            gpu=self.gpu,
+            threads=self.threads(),
+            max_bytes=max_bytes,
+            sample=sample,
+            long_texts=self.long_texts,
+        )

@@ -9,7 +9,14 @@ from .. import _compat
 from ..io.arrow import is_cudf
 from ..io.parquet import check_footers, column_targets, dataset_schema, parquet_pieces, read_footers
 
-__all__ = ["PartitionSizes", "partition_sizes", "known_sizes", "folded_sizes", "in_memory_sizes", "text_bytes"]
+__all__ = [
+    "PartitionSizes",
+    "partition_sizes",
+    "known_sizes",
+    "folded_sizes",
+    "in_memory_sizes",
+    "text_bytes",
+]
 
 
 @dataclass(frozen=True)
@@ -111,8 +118,9 @@ def in_memory_sizes(frame, column: str) -> PartitionSizes | None:
         return None
     col = data[column]
     pairs = list(itertools.pairwise(bounds))
-    return PartitionSizes(tuple(b - a for a, b in pairs), "metadata",
-                          tuple(text_bytes(col.iloc[a:b]) for a, b in pairs))
+    return PartitionSizes(
+        tuple(b - a for a, b in pairs), "metadata", tuple(text_bytes(col.iloc[a:b]) for a, b in pairs)
+    )
 
 
 def partition_sizes(frame, column: str | None = None) -> PartitionSizes:
@@ -144,8 +152,9 @@ def partition_sizes(frame, column: str | None = None) -> PartitionSizes:
     # layout): the sizes are those of the partitions the SuperBatches consume, as the
     # input graph (execution/inputs.py) computes them.
     with _compat.untuned():
-        counted = frame.map_partitions(_count, column, enforce_metadata=False,
-                                       meta={"rows": "int64", "bytes": "int64"}).compute()
+        counted = frame.map_partitions(
+            _count, column, enforce_metadata=False, meta={"rows": "int64", "bytes": "int64"}
+        ).compute()
     rows = tuple(int(n) for n in counted["rows"])
     return PartitionSizes(rows, "len-pass", tuple(int(m) for m in counted["bytes"]) if column else None)
 
@@ -169,7 +178,6 @@ def text_bytes(series) -> int:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-
     try:
         # cuDF: its own Arrow export; pandas: zero-copy for Arrow-backed strings
         arr = series.to_arrow() if is_cudf(series) else pa.array(series, from_pandas=True)
@@ -177,8 +185,12 @@ def text_bytes(series) -> int:
         return 0
     if pa.types.is_dictionary(arr.type):
         arr = arr.cast(arr.type.value_type)
-    if not (pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type)
-            or pa.types.is_binary(arr.type) or pa.types.is_large_binary(arr.type)):
+    if not (
+        pa.types.is_string(arr.type)
+        or pa.types.is_large_string(arr.type)
+        or pa.types.is_binary(arr.type)
+        or pa.types.is_large_binary(arr.type)
+    ):
         return 0
     return int(pc.sum(pc.binary_length(arr)).as_py() or 0)
 
@@ -202,16 +214,22 @@ def parquet_footer_sizes(frame, column: str) -> tuple[tuple[int, ...], tuple[int
     fs, pieces, columns = found
     paths = list(dict.fromkeys(path for path, _ in pieces))
     footers = read_footers(fs, paths)
-    check_footers(column_targets(dataset_schema(expr), columns, paths, footers.__getitem__), columns,
-                  footers, text=column)
+    check_footers(
+        column_targets(dataset_schema(expr), columns, paths, footers.__getitem__),
+        columns,
+        footers,
+        text=column,
+    )
 
     def groups(md):
         names = [md.schema.column(i).path for i in range(md.num_columns)]
         if column not in names:
             return None
         col = names.index(column)
-        return [(md.row_group(r).num_rows, md.row_group(r).column(col).total_uncompressed_size)
-                for r in range(md.num_row_groups)]
+        return [
+            (md.row_group(r).num_rows, md.row_group(r).column(col).total_uncompressed_size)
+            for r in range(md.num_row_groups)
+        ]
 
     per_file = {path: groups(md) for path, md in footers.items()}
     rows, nbytes = [], []

@@ -34,8 +34,16 @@ from ..errors import SurgeValueError
 from .costmodel import auto_thresholds
 from .policy import validate_thresholds
 
-__all__ = ["Thresholds", "requested_thresholds", "resolve_thresholds", "DEFAULTS", "window_byte_cap",
-           "MIN_SUPERBATCHES_PER_WORKER", "balanced_b_min", "makespan"]
+__all__ = [
+    "Thresholds",
+    "requested_thresholds",
+    "resolve_thresholds",
+    "DEFAULTS",
+    "window_byte_cap",
+    "MIN_SUPERBATCHES_PER_WORKER",
+    "balanced_b_min",
+    "makespan",
+]
 
 #: ``(b_min, b_max)`` for ``"auto"`` without a calibration, by device kind. On a CPU a
 #: SuperBatch is also the fast engine's sorting window: smaller ones pad more (a micro-batch
@@ -63,7 +71,9 @@ CHARS_PER_TOKEN = 3
 Requested = int | Literal["auto"]
 
 
-def window_byte_cap(max_bytes: int | None, b_max: Requested, capacity: int, overlap: int, *, gpu: bool) -> int:
+def window_byte_cap(
+    max_bytes: int | None, b_max: Requested, capacity: int, overlap: int, *, gpu: bool
+) -> int:
     """The byte cap of a SuperBatch whose texts are cut into token windows (``long_texts="chunk"``
     or ``"mean"``): what is encoded at once is windows, not texts, so the text bytes are capped
     at about ``b_max`` windows' worth (``b_max`` as requested, ``"auto"`` meaning its default),
@@ -127,10 +137,18 @@ def requested_thresholds(b_min: Any = None, b_max: Any = None) -> tuple[Requeste
     return raw_min, raw_max
 
 
-def resolve_thresholds(b_min: Any = None, b_max: Any = None, *, gpu: bool, workers: int = 1,
-                       total_rows: int | None = None, n_max: int | None = None,
-                       params: Any = None, superbatch_work: Callable[[int, int], Sequence[int]] | None = None,
-                       partitions: int = 0) -> Thresholds:
+def resolve_thresholds(
+    b_min: Any = None,
+    b_max: Any = None,
+    *,
+    gpu: bool,
+    workers: int = 1,
+    total_rows: int | None = None,
+    n_max: int | None = None,
+    params: Any = None,
+    superbatch_work: Callable[[int, int], Sequence[int]] | None = None,
+    partitions: int = 0,
+) -> Thresholds:
     """Resolve ``b_min`` / ``b_max`` for a run (see module docstring).
 
     Parameters
@@ -171,27 +189,41 @@ def resolve_thresholds(b_min: Any = None, b_max: Any = None, *, gpu: bool, worke
         lo, hi = validate_thresholds(raw_min, raw_max)
         return Thresholds(lo, hi, "as given")
     if params is not None:
-
         budget = config.get("memory-budget") or 2 * 1024**3
         # n_max unknown (streaming): the resident rows are bounded by b_max alone
-        lo, hi, why = auto_thresholds(params, memory_budget_bytes=budget, ttfo_target_s=config.get("ttfo-target"),
-                                      n_max=n_max or 2**62, b_min=given_min, b_max=given_max)
+        lo, hi, why = auto_thresholds(
+            params,
+            memory_budget_bytes=budget,
+            ttfo_target_s=config.get("ttfo-target"),
+            n_max=n_max or 2**62,
+            b_min=given_min,
+            b_max=given_max,
+        )
     else:
         auto_min, auto_max = DEFAULTS["gpu" if gpu else "cpu"]
         lo = given_min if given_min is not None else min(auto_min, given_max or auto_min)
         hi = given_max if given_max is not None else max(auto_max, lo)
-        why = (f"the {'GPU' if gpu else 'CPU'} default for {' and '.join(autos)} (no calibration of this model "
-               "on a cluster of this shape)")
+        why = (
+            f"the {'GPU' if gpu else 'CPU'} default for {' and '.join(autos)} (no calibration of this model "
+            "on a cluster of this shape)"
+        )
     if raw_min == "auto" and total_rows:
         spread = max(1, math.ceil(total_rows / (MIN_SUPERBATCHES_PER_WORKER * max(1, workers))))
         if spread < lo:
             lo = spread
             threads = f"{workers} worker thread{'s' if workers != 1 else ''}"
-            why += (f"; b_min lowered to {lo:,} to spread {total_rows:,} rows over {threads} (aiming at "
-                    f"{MIN_SUPERBATCHES_PER_WORKER} SuperBatches each)")
+            why += (
+                f"; b_min lowered to {lo:,} to spread {total_rows:,} rows over {threads} (aiming at "
+                f"{MIN_SUPERBATCHES_PER_WORKER} SuperBatches each)"
+            )
     lo, hi = validate_thresholds(lo, hi)
-    if raw_min == "auto" and superbatch_work is not None and workers > 1 and total_rows \
-            and total_rows <= BALANCE_MAX_SUPERBATCHES_PER_WORKER * workers * hi:
+    if (
+        raw_min == "auto"
+        and superbatch_work is not None
+        and workers > 1
+        and total_rows
+        and total_rows <= BALANCE_MAX_SUPERBATCHES_PER_WORKER * workers * hi
+    ):
         best = balanced_b_min(lo, hi, workers, superbatch_work, candidates=candidates)
         if best != lo:
             why += f"; b_min {lo:,} -> {best:,} so the last SuperBatches of {workers} worker threads end together"
@@ -215,8 +247,14 @@ def makespan(work: Sequence[int], workers: int) -> int:
     return max(free)
 
 
-def balanced_b_min(b_min: int, b_max: int, workers: int, superbatch_work: Callable[[int, int], Sequence[int]],
-                   *, candidates: int = 9) -> int:
+def balanced_b_min(
+    b_min: int,
+    b_max: int,
+    workers: int,
+    superbatch_work: Callable[[int, int], Sequence[int]],
+    *,
+    candidates: int = 9,
+) -> int:
     """The automatic ``b_min`` whose plan ends soonest on ``workers`` threads.
 
     With a few SuperBatches per thread, the last ones run alone while the other threads
@@ -243,8 +281,10 @@ def balanced_b_min(b_min: int, b_max: int, workers: int, superbatch_work: Callab
     work = superbatch_work(b_min, b_max)
     if makespan(work, workers) * max(1, workers) <= sum(work) * 1.01:
         return b_min  # within 1% of total / workers, which no plan beats (each row is in one SuperBatch)
-    tried = sorted({max(1, b_min - (b_min * i) // (2 * (candidates - 1))) for i in range(max(2, candidates))},
-                   reverse=True)
+    tried = sorted(
+        {max(1, b_min - (b_min * i) // (2 * (candidates - 1))) for i in range(max(2, candidates))},
+        reverse=True,
+    )
     spans = {lo: makespan(work if lo == b_min else superbatch_work(lo, b_max), workers) for lo in tried}
     best = min(spans.values())
     return next(lo for lo in tried if spans[lo] <= best * 1.01)

@@ -77,16 +77,19 @@ def _counter(tokenizer, limit: int, prompt: str = "") -> Callable[[Sequence[str]
     tokenizer.no_padding()
     tokenizer.enable_truncation(limit)
     if prompt:
-        return lambda texts: np.array([len(e.ids) for e in tokenizer.encode_batch([prompt + t for t in texts])],
-                                      dtype=float)
+        return lambda texts: np.array(
+            [len(e.ids) for e in tokenizer.encode_batch([prompt + t for t in texts])], dtype=float
+        )
     return lambda texts: np.array([len(e.ids) for e in tokenizer.encode_batch(list(texts))], dtype=float)
 
 
 def _max_seq_length(*dirs: Path) -> int:
     """``max_seq_length`` of a sentence-transformers directory, else the tokenizer's limit (first dir first)."""
     for root in dirs:
-        for name, key in (("sentence_bert_config.json", "max_seq_length"),
-                          ("tokenizer_config.json", "model_max_length")):
+        for name, key in (
+            ("sentence_bert_config.json", "max_seq_length"),
+            ("tokenizer_config.json", "model_max_length"),
+        ):
             try:
                 value = json.loads((root / name).read_text()).get(key)
             except (OSError, ValueError, AttributeError):
@@ -96,8 +99,16 @@ def _max_seq_length(*dirs: Path) -> int:
     return DEFAULT_TRUNCATION
 
 
-def sample_texts(frame, column: str, sizes: Sequence[int], *, n: int = 2048, partitions: int = 8,
-                 max_partitions: int = 64, seed: int = 0) -> list[str]:
+def sample_texts(
+    frame,
+    column: str,
+    sizes: Sequence[int],
+    *,
+    n: int = 2048,
+    partitions: int = 8,
+    max_partitions: int = 64,
+    seed: int = 0,
+) -> list[str]:
     """A sample of about ``n`` non-null texts from partitions spread over ``frame``.
 
     The partitions are evenly spaced among the non-empty ones (so a frame
@@ -139,8 +150,10 @@ def sample_texts(frame, column: str, sizes: Sequence[int], *, n: int = 2048, par
     picks = sorted({nonempty[round(x)] for x in np.linspace(0, len(nonempty) - 1, k)})
     total = sum(sizes[i] for i in picks)
     series = frame[column]
-    samples = [series.partitions[i].map_partitions(_sample, -(-n * sizes[i] // total), seed + i, meta=series._meta)
-               for i in picks]
+    samples = [
+        series.partitions[i].map_partitions(_sample, -(-n * sizes[i] // total), seed + i, meta=series._meta)
+        for i in picks
+    ]
     out = [t for part in dask.compute(*samples) for t in _to_list(part)]
     if len(out) > n:
         keep = np.random.default_rng(seed).choice(len(out), size=n, replace=False)

@@ -35,8 +35,15 @@ def unit_partitions(npartitions: int, threads: int) -> int:
     return max(1, min(MAX_UNIT_PARTITIONS, share))
 
 
-def streamed_plan(sizes: Sequence[int], b_min: int, b_max: int, per_unit: int, *,
-                  nbytes: Sequence[int] | None = None, max_bytes: int | None = None) -> list[SuperBatch]:
+def streamed_plan(
+    sizes: Sequence[int],
+    b_min: int,
+    b_max: int,
+    per_unit: int,
+    *,
+    nbytes: Sequence[int] | None = None,
+    max_bytes: int | None = None,
+) -> list[SuperBatch]:
     """The SuperBatches the streaming mode forms over these sizes: the policy applied
     inside each unit of ``per_unit`` partitions (what :func:`dask_surge.plan` shows).
 
@@ -51,8 +58,13 @@ def streamed_plan(sizes: Sequence[int], b_min: int, b_max: int, per_unit: int, *
     for start in range(0, len(sizes), per_unit):
         stop = start + per_unit
         unit_bytes = list(nbytes[start:stop]) if nbytes is not None and max_bytes else None
-        for sb in plan_superbatches(list(sizes[start:stop]), b_min, b_max, nbytes=unit_bytes,
-                                    max_bytes=max_bytes if unit_bytes is not None else None):
+        for sb in plan_superbatches(
+            list(sizes[start:stop]),
+            b_min,
+            b_max,
+            nbytes=unit_bytes,
+            max_bytes=max_bytes if unit_bytes is not None else None,
+        ):
             spans = tuple(Span(s.partition + start, s.start, s.stop) for s in sb.spans)
             out.append(SuperBatch(len(out), spans))
     return out

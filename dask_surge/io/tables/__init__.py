@@ -24,7 +24,15 @@ from .base import FORMATS, RUN_PROPERTY, SUPERBATCHES_PROPERTY, TABLE_FORMATS, H
 from .delta import DeltaOutput
 from .lance import LanceTable
 
-__all__ = ["FORMATS", "TABLE_FORMATS", "RUN_PROPERTY", "SUPERBATCHES_PROPERTY", "History", "require", "open_table"]
+__all__ = [
+    "FORMATS",
+    "TABLE_FORMATS",
+    "RUN_PROPERTY",
+    "SUPERBATCHES_PROPERTY",
+    "History",
+    "require",
+    "open_table",
+]
 
 
 def open_table(fmt: str, location: Any) -> Any:

@@ -19,8 +19,12 @@ RUN_PROPERTY = "dask-surge.run"
 SUPERBATCHES_PROPERTY = "dask-surge.superbatches"
 
 #: module -> (pip extra, the distribution that provides it)
-_EXTRAS = {"lance": ("lance", "pylance"), "deltalake": ("delta", "deltalake"),
-           "pyiceberg": ("iceberg", "pyiceberg"), "faiss": ("faiss", "faiss-cpu")}
+_EXTRAS = {
+    "lance": ("lance", "pylance"),
+    "deltalake": ("delta", "deltalake"),
+    "pyiceberg": ("iceberg", "pyiceberg"),
+    "faiss": ("faiss", "faiss-cpu"),
+}
 
 
 def require(module: str) -> Any:
@@ -36,7 +40,9 @@ def require(module: str) -> Any:
     except ImportError as err:
         extra, dist = _EXTRAS.get(module, (None, module))
         how = f'pip install "dask-surge[{extra}]"' if extra else f"pip install {dist}"
-        raise SurgeError(f"this needs the {dist!r} package, which is not installed ({err}). Fix: {how}.") from err
+        raise SurgeError(
+            f"this needs the {dist!r} package, which is not installed ({err}). Fix: {how}."
+        ) from err
 
 
 @dataclass

@@ -37,8 +37,17 @@ __all__ = ["DeltaOutput", "DATA_DIR"]
 #: where the workers' data files go, under the table's root (not the Parquet layout's part-* names)
 DATA_DIR = "surge-data"
 #: operations of another writer that leave every committed row in place
-_KEEPS_ROWS = frozenset({"WRITE (Append)", "OPTIMIZE", "VACUUM START", "VACUUM END", "SET TBLPROPERTIES",
-                         "ADD CONSTRAINT", "CREATE CHECKPOINT"})
+_KEEPS_ROWS = frozenset(
+    {
+        "WRITE (Append)",
+        "OPTIMIZE",
+        "VACUUM START",
+        "VACUUM END",
+        "SET TBLPROPERTIES",
+        "ADD CONSTRAINT",
+        "CREATE CHECKPOINT",
+    }
+)
 
 
 def _schema_text(schema: pa.Schema) -> str:
@@ -95,9 +104,13 @@ class DeltaOutput:
         rel = f"{DATA_DIR}/{uuid.uuid4().hex}.parquet"
         store = self.location.store()
         store.makedirs(f"{store.root}/{DATA_DIR}")
-        store.write(f"{store.root}/{rel}", blob)  # atomic (one PUT on a store); unreferenced until a commit names it
-        return json.dumps({"path": rel, "size": len(blob), "rows": data.num_rows, "schema": _schema_text(data.schema)},
-                          sort_keys=True)
+        store.write(
+            f"{store.root}/{rel}", blob
+        )  # atomic (one PUT on a store); unreferenced until a commit names it
+        return json.dumps(
+            {"path": rel, "size": len(blob), "rows": data.num_rows, "schema": _schema_text(data.schema)},
+            sort_keys=True,
+        )
 
     # -- the claim holder's side -------------------------------------------------------------------
 
@@ -112,8 +125,11 @@ class DeltaOutput:
             if version <= since:
                 continue
             mode = (entry.get("operationParameters") or {}).get("mode")
-            op = f"{entry.get('operation')} ({mode})" if entry.get("operation") == "WRITE" and mode else \
-                str(entry.get("operation"))
+            op = (
+                f"{entry.get('operation')} ({mode})"
+                if entry.get("operation") == "WRITE" and mode
+                else str(entry.get("operation"))
+            )
             if entry.get(RUN_PROPERTY) == run_id:
                 out.add_ours(version, json.loads(entry.get(SUPERBATCHES_PROPERTY) or "[]"), op)
             else:
@@ -131,7 +147,8 @@ class DeltaOutput:
         if mine != table:
             raise SurgeOutputError(
                 f"the Delta table {self.location.url!r} has columns {table}, but this run writes {mine}. Nothing "
-                "was committed to it. Fix: append only runs with the same columns, or write to a new table.")
+                "was committed to it. Fix: append only runs with the same columns, or write to a new table."
+            )
 
     def commit(self, run_id: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
         """Commit the files of ``batch`` (``(sb, payload)`` pairs) as one append whose commit info names
@@ -142,16 +159,26 @@ class DeltaOutput:
         payloads = [json.loads(p) for _, p in batch]
         schema = _schema_of(payloads[0]["schema"])
         if read_version == 0:  # mode="error": a table someone else created meanwhile is not ours to write
-            deltalake.DeltaTable.create(self.location.uri, schema, mode="error",
-                                        storage_options=self.location.options,
-                                        commit_properties=CommitProperties(custom_metadata={RUN_PROPERTY: run_id}))
+            deltalake.DeltaTable.create(
+                self.location.uri,
+                schema,
+                mode="error",
+                storage_options=self.location.options,
+                commit_properties=CommitProperties(custom_metadata={RUN_PROPERTY: run_id}),
+            )
         dt = deltalake.DeltaTable(self.location.uri, storage_options=self.location.options)
         now = int(time.time() * 1000)
-        adds = [AddAction(p["path"], int(p["size"]), {}, now, True, json.dumps({"numRecords": int(p["rows"])}))
-                for p in payloads]
+        adds = [
+            AddAction(p["path"], int(p["size"]), {}, now, True, json.dumps({"numRecords": int(p["rows"])}))
+            for p in payloads
+        ]
         props = CommitProperties(
-            custom_metadata={RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: json.dumps(sorted(sb for sb, _ in batch))},
-            app_transactions=[Transaction(f"dask-surge-{run_id}", dt.version() + 1)])
+            custom_metadata={
+                RUN_PROPERTY: run_id,
+                SUPERBATCHES_PROPERTY: json.dumps(sorted(sb for sb, _ in batch)),
+            },
+            app_transactions=[Transaction(f"dask-surge-{run_id}", dt.version() + 1)],
+        )
         dt.create_write_transaction(adds, mode="append", schema=schema, commit_properties=props)
         dt = deltalake.DeltaTable(self.location.uri, storage_options=self.location.options)
         return int(dt.version()) + 1

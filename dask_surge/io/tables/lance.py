@@ -83,8 +83,13 @@ class LanceTable:
 
         require("lance")
         try:
-            fragments = write_fragments(data, self.location.uri, schema=data.schema,
-                                        storage_options=self.location.options, max_rows_per_file=1 << 30)
+            fragments = write_fragments(
+                data,
+                self.location.uri,
+                schema=data.schema,
+                storage_options=self.location.options,
+                max_rows_per_file=1 << 30,
+            )
         except OSError as err:
             if "schema" not in str(err).lower():
                 raise
@@ -95,8 +100,10 @@ class LanceTable:
                 f"{[(f.name, str(f.type)) for f in data.schema]}. Nothing was committed to it. Fix: append "
                 "only runs with the same columns (keep=, model, precision), or write to a new table."
             ) from err
-        return json.dumps({"fragments": [f.to_json() for f in fragments], "schema": _schema_bytes(data.schema)},
-                          sort_keys=True)
+        return json.dumps(
+            {"fragments": [f.to_json() for f in fragments], "schema": _schema_bytes(data.schema)},
+            sort_keys=True,
+        )
 
     # -- the claim holder's side -------------------------------------------------------------------
 
@@ -144,17 +151,20 @@ class LanceTable:
         lance = require("lance")
         from lance.fragment import FragmentMetadata
 
-        fragments = [FragmentMetadata.from_json(json.dumps(f)) for _, p in batch
-                     for f in json.loads(p)["fragments"]]
+        fragments = [
+            FragmentMetadata.from_json(json.dumps(f)) for _, p in batch for f in json.loads(p)["fragments"]
+        ]
         props = {RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: json.dumps(sorted(sb for sb, _ in batch))}
         if read_version == 0:
             schema = _schema_of(json.loads(batch[0][1])["schema"])
             op = lance.LanceOperation.Overwrite(schema, fragments)
         else:
             op = lance.LanceOperation.Append(fragments)
-        ds = lance.LanceDataset.commit(self.location.uri, lance.Transaction(read_version, op,
-                                                                            transaction_properties=props),
-                                       storage_options=self.location.options)
+        ds = lance.LanceDataset.commit(
+            self.location.uri,
+            lance.Transaction(read_version, op, transaction_properties=props),
+            storage_options=self.location.options,
+        )
         return int(ds.version)
 
     def read(self) -> pa.Table:

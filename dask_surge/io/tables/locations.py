@@ -19,8 +19,13 @@ from ..store import OutputStore
 __all__ = ["TableLocation", "object_store_options"]
 
 #: fsspec/s3fs keys -> object_store keys (AWS)
-_S3_KEYS = {"key": "aws_access_key_id", "secret": "aws_secret_access_key", "token": "aws_session_token",
-            "endpoint_url": "aws_endpoint", "region_name": "aws_region"}
+_S3_KEYS = {
+    "key": "aws_access_key_id",
+    "secret": "aws_secret_access_key",
+    "token": "aws_session_token",
+    "endpoint_url": "aws_endpoint",
+    "region_name": "aws_region",
+}
 #: environment variables object_store reads itself; named so an error can say what is missing
 _SCHEMES = ("s3", "s3a", "file", "memory", "gs", "az", "abfs")
 
@@ -62,7 +67,9 @@ def object_store_options(url: str, storage_options: dict | None) -> dict[str, st
     endpoint = out.get("aws_endpoint") or os.environ.get("AWS_ENDPOINT_URL") or ""
     if endpoint.startswith("http://"):
         out["allow_http"] = "true"
-    out.setdefault("aws_region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1")
+    out.setdefault(
+        "aws_region", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    )
     return out
 
 
