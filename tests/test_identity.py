@@ -299,6 +299,8 @@ def test_other_thresholds_resume_with_the_recorded_ones(tmp_path, counting_encod
     out = str(tmp_path / "o")
     kw = dict(model=counting_encoder, scheduler="sync", progress=False)
     first = ddf.surge.encode("text", out, b_min=2, b_max=2, **kw)
+    # as if killed before it finished (a complete run answers before any of this: nothing to do)
+    os.unlink(f"{out}/_surge/runs/{first.run_id}/COMPLETE")
     again = ddf.surge.encode("text", out, b_min=4, b_max=8, max_bytes="1 MiB", **kw)
     assert again.run_id == first.run_id and again.superbatches == first.superbatches == 4
     assert "recorded when it started" in caplog.text and "b_min=4 (recorded: 2)" in caplog.text
