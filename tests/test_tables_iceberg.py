@@ -145,6 +145,29 @@ def test_a_missing_catalog_is_an_error_naming_the_setting(tmp_path, monkeypatch)
         _encode(tmp_path / "t.iceberg", ddf=_frame(100, 1))
 
 
+def test_float16_is_refused_and_int8_reads_back_as_the_same_values(tmp_path, catalog):
+    with pytest.raises(
+        SurgeOutputError, match=r"Iceberg has no 16-bit float .*Fix: pass precision='float32'"
+    ):
+        _encode(tmp_path / "h.iceberg", ddf=_frame(200, 2), precision="float16")
+    assert not catalog.table_exists("default.h")
+    with dask.config.set({"surge.iceberg-table": "default.i8"}):
+        _encode(tmp_path / "i8.iceberg", ddf=_frame(200, 2), precision="int8", normalize=True)
+    ref = _frame(200, 2).surge.encode(
+        "text",
+        output=str(tmp_path / "pq"),
+        model=checksum_model,
+        keep=["doc_id"],
+        precision="int8",
+        normalize=True,
+        scheduler="threads",
+        progress=False,
+    )
+    pq = dask_surge.read_embeddings(ref.output).compute().sort_values(["partition", "row"])
+    df = _rows(catalog, "default.i8")
+    assert np.array_equal(np.stack(df.embedding).astype(np.int64), np.stack(pq.embedding).astype(np.int64))
+
+
 def test_a_foreign_iceberg_table_is_refused_unless_mode_append(tmp_path, catalog):
     out = tmp_path / "t.iceberg"
     first = _encode(out, ddf=_frame(300, 3, offset=N))
@@ -205,7 +228,7 @@ import os, signal, sys, json
 import dask, dask.dataframe as dd, numpy as np, pandas as pd
 import dask_surge
 from dask_surge.testing import SleepyModel
-out, kill_after, catalog = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+out, kill_after, catalog, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4]) or None
 if kill_after:  # test hook: SIGKILL this process right after its k-th table commit (before any record of it)
     from dask_surge.io.tables.iceberg import IcebergTable
     real, calls = IcebergTable.commit, []
@@ -220,14 +243,23 @@ texts = [f"text {i} " + "word " * (i % 11) for i in range(N_ROWS)]
 ddf = dd.from_pandas(pd.DataFrame({"text": texts, "doc_id": np.arange(N_ROWS)}), npartitions=N_PARTS)
 with dask.config.set({"surge.iceberg-catalog": catalog, "surge.table-commit-every": 2}):
     res = ddf.surge.encode("text", output=out, format="iceberg", model=SleepyModel(0.02), keep=["doc_id"],
-                           b_min=50, b_max=100, scheduler="threads", progress=False)
+                           b_min=50, b_max=100, scheduler="threads", progress=False,
+                           storage_options=options)
 print("rows", res.rows, flush=True)
 """.replace("N_ROWS", str(N)).replace("N_PARTS", str(NPART))
 
 
-def _run(out, catalog_props, kill_after: int = 0):
+def _run(out, catalog_props, kill_after: int = 0, options=None):
     return subprocess.run(
-        [sys.executable, "-c", DRIVER, str(out), str(kill_after), json.dumps(catalog_props)],
+        [
+            sys.executable,
+            "-c",
+            DRIVER,
+            str(out),
+            str(kill_after),
+            json.dumps(catalog_props),
+            json.dumps(options or {}),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -263,3 +295,26 @@ def test_killed_right_after_an_iceberg_commit_a_rerun_never_commits_twice(tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     df = _check_once(catalog)
     assert np.array_equal(np.stack(df.embedding), np.stack(clean.embedding))
+
+
+def test_iceberg_on_loopback_s3_killed_right_after_a_commit(tmp_path, clean):
+    pytest.importorskip("moto.server")
+    from pyiceberg.catalog import load_catalog
+
+    from dask_surge.testing import loopback_s3
+
+    with loopback_s3("surge-iceberg") as (endpoint, options, _fs):
+        out = "s3://surge-iceberg/t.iceberg"
+        killed = _run(out, _props(tmp_path), 1, options)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        done = _run(out, _props(tmp_path), 0, options)
+        assert done.returncode == 0, done.stderr[-3000:]
+        props = _props(tmp_path)
+        catalog = load_catalog(
+            props.pop("name"),
+            **props,
+            **{"s3.endpoint": endpoint, "s3.access-key-id": "testing", "s3.secret-access-key": "testing"},
+        )
+        assert catalog.load_table("default.t").location() == out
+        df = _check_once(catalog)
+        assert np.array_equal(np.stack(df.embedding), np.stack(clean.embedding))

@@ -158,6 +158,8 @@ class IcebergTable:
         for key, value in self.location.options.items():  # the data files' store, unless the catalog says
             if key in _FILEIO_KEYS:
                 props.setdefault(_FILEIO_KEYS[key], value)
+        if self.location.options:  # an object store: fsspec (s3fs), as for dask-surge's own files
+            props.setdefault("py-io-impl", "pyiceberg.io.fsspec.FsspecFileIO")
         name = str(self.catalog_config.get("name") or "default")
         try:
             return load_catalog(name, **props)
