@@ -145,6 +145,15 @@ def test_a_missing_catalog_is_an_error_naming_the_setting(tmp_path, monkeypatch)
         _encode(tmp_path / "t.iceberg", ddf=_frame(100, 1))
 
 
+def test_a_missing_pyiceberg_is_an_error_naming_the_extra(tmp_path, catalog, monkeypatch):
+    from dask_surge.errors import SurgeError
+
+    monkeypatch.setitem(sys.modules, "pyiceberg", None)  # import pyiceberg now raises ImportError
+    with pytest.raises(SurgeError, match=r'pip install "dask-surge\[iceberg\]"'):
+        _encode(tmp_path / "t.iceberg", ddf=_frame(100, 1))
+    assert not (tmp_path / "t.iceberg").exists()
+
+
 def test_float16_is_refused_and_int8_reads_back_as_the_same_values(tmp_path, catalog):
     with pytest.raises(
         SurgeOutputError, match=r"Iceberg has no 16-bit float .*Fix: pass precision='float32'"
