@@ -232,6 +232,36 @@ def test_an_append_by_someone_else_is_merged_and_a_delete_stops_the_run(tmp_path
         _encode(tmp_path / "d.iceberg", b_min=50, b_max=100)
 
 
+def test_a_commit_that_loses_the_catalog_swap_to_another_writer_is_retried_on_top(
+    tmp_path, catalog, monkeypatch, caplog
+):
+    from pyiceberg.exceptions import CommitFailedException
+    from pyiceberg.table import Table
+
+    real, raced, failed = Table.add_files, [], []
+
+    def add_files(self, *args, **kwargs):
+        if not raced and self.metadata.snapshots:  # another writer commits after this process read the table
+            raced.append(1)
+            fresh = catalog.load_table("default.t")
+            fresh.append(fresh.scan(limit=3).to_arrow())
+        try:
+            return real(self, *args, **kwargs)
+        except CommitFailedException:
+            failed.append(1)
+            raise
+
+    monkeypatch.setattr(Table, "add_files", add_files)
+    with dask.config.set({"surge.table-commit-every": 2}):
+        _encode(tmp_path / "t.iceberg", b_min=50, b_max=100)
+    # the swap was lost (retried by this module, or by pyiceberg >= 0.12 itself), then the batch went in on top
+    assert raced and (failed == [1] or "concurrent update" in caplog.text)
+    counts = _rows(catalog).doc_id.value_counts()
+    assert set(counts.index) == set(range(N)) and (counts > 1).sum() == 3 and counts.max() == 2
+    sbs = _superbatches(catalog)
+    assert len(sbs) == len(set(sbs))
+
+
 DRIVER = """
 import os, signal, sys, json
 import dask, dask.dataframe as dd, numpy as np, pandas as pd
