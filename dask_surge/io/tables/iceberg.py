@@ -133,6 +133,7 @@ class IcebergTable:
         self.location = location
         self.catalog_config = dict(catalog or {})
         self.identifier = table_identifier(location.url, identifier)
+        self._catalog: Any = None  # loaded once, in the process that commits
 
     def __repr__(self) -> str:
         return f"IcebergTable({self.location.url!r}, {self.identifier!r})"
@@ -150,7 +151,12 @@ class IcebergTable:
     # -- the catalog -------------------------------------------------------------------------------
 
     def catalog(self) -> Any:
-        """The catalog (``pyiceberg.catalog.load_catalog`` of ``surge.iceberg-catalog``)."""
+        """The catalog (``pyiceberg.catalog.load_catalog`` of ``surge.iceberg-catalog``), loaded once."""
+        if self._catalog is None:
+            self._catalog = self._load_catalog()
+        return self._catalog
+
+    def _load_catalog(self) -> Any:
         require("pyiceberg")
         from pyiceberg.catalog import load_catalog
 
