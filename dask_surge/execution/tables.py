@@ -1,4 +1,4 @@
-"""Committing a run's SuperBatches to a table output (``format="lance"``, ``"delta"`` or ``"iceberg"``), exactly once.
+"""Committing a run's SuperBatches to a table output (``format="lance"``, ``"delta"``, ``"iceberg"``), exactly once.
 
 The SuperBatch tasks write their rows as the table's uncommitted data files and create
 their commit records in the manifest (``<output>/_surge/``) as for Parquet; the record

@@ -158,9 +158,8 @@ def read_embeddings(
     store = OutputStore.open(path, storage_options)
     manifest = existing_run(store)
     records = list(manifest.committed().values())  # in data order
-    if any(
-        r.table for r in records
-    ):  # a table output (format="lance"/"delta"/"iceberg"): the table holds the rows
+    # a table output (format="lance"/"delta"/"iceberg"): the table holds the rows
+    if any(r.table for r in records):
         raise SurgeInputError(
             f"{path!r} is a table output (format='lance', 'delta' or 'iceberg'); its rows are in the table, not "
             f"in part files. Fix: read it with lance.dataset({path!r}).to_table() (or LanceDB), "
