@@ -459,7 +459,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     if mode == "append" and out_format == "parquet":
         raise SurgeValueError(
             "mode='append' adds rows to a table output; a Parquet output holds one run. "
-            "Fix: pass format='lance' or 'delta', or leave mode='create'."
+            "Fix: pass format='lance', 'delta' or 'iceberg', or leave mode='create'."
         )
     if output is None:
         if task.on_null == "skip":
@@ -489,7 +489,9 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
             frame, task, device="cuda" if on_gpu else "cpu", input_token=input_token, options=opts
         )
     # a different run already there is refused, and a complete run answered, before any worker starts
-    done = preflight(store, frame, run_id, overwrite=overwrite, started=started)
+    # (mode="append" to a table: the run decides whether the run there may be followed, _table_overwrite)
+    appending = out_format != "parquet" and mode == "append"
+    done = preflight(store, frame, run_id, overwrite=overwrite or appending, started=started)
     if done is not None:
         return done
     small = runs_in_process(frame, column) if starting else None

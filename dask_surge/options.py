@@ -110,7 +110,7 @@ Compression = Literal["none", "snappy", "lz4", "zstd"]
 #: per overlapping token window, or one row of the windows' token-weighted mean.
 LongTexts = Literal["truncate", "error", "chunk", "mean"]
 #: What a written encode writes: Parquet part files, or a table (:mod:`dask_surge.io.tables`).
-OutputFormat = Literal["parquet", "lance", "delta"]
+OutputFormat = Literal["parquet", "lance", "delta", "iceberg"]
 #: Whether a table output must be new (or this run's), or may be a table the run did not create.
 TableMode = Literal["create", "append"]
 #: Where a written encode runs: a ``distributed.Client``, a local scheduler, or None (the
@@ -935,15 +935,17 @@ OPTIONS: tuple[Option, ...] = (
     _opt(
         "format",
         OutputFormat | None,
-        '{"parquet", "lance", "delta"}, optional',
+        '{"parquet", "lance", "delta", "iceberg"}, optional',
         """
          What ``output`` is: ``"parquet"`` (a directory of part files and the manifest) or
          ``"lance"`` (a Lance table: workers write its data files, the calling process commits
          them in batches, each table version naming the run and its SuperBatches, so a resume
-         never commits one twice; see the output formats in ``docs/output.md``), or ``"delta"``
-         (a Delta Lake table, committed the same way). Needs ``pip install "dask-surge[lance]"``
-         or ``"dask-surge[delta]"``.""",
-        "output format: parquet (part files), lance (a Lance table) or delta (a Delta Lake table)",
+         never commits one twice; see the output formats in ``docs/output.md``), ``"delta"``
+         (a Delta Lake table, committed the same way) or ``"iceberg"`` (an Iceberg table at
+         ``output``, in the catalog of ``surge.iceberg-catalog``, named by ``surge.iceberg-table``).
+         Needs ``pip install "dask-surge[lance]"``, ``"dask-surge[delta]"`` or ``"dask-surge[iceberg]"``.""",
+        "output format: parquet (part files), lance (a Lance table), delta (a Delta Lake table) or iceberg "
+        "(an Iceberg table)",
         default="parquet",
         config="format",
         vocabulary=OutputFormat,
@@ -1152,6 +1154,37 @@ OPTIONS: tuple[Option, ...] = (
         config="table-commit-seconds",
         validator=positive_number,
         schema={"type": "number", "exclusiveMinimum": 0},
+    ),
+    _opt(
+        "iceberg_catalog",
+        dict | None,
+        "dict, optional",
+        """
+         ``format="iceberg"``: the catalog the table is committed through, as
+         ``pyiceberg.catalog.load_catalog(name, **properties)`` takes it: ``name`` (``"default"``
+         unless given) and the catalog's properties (e.g. ``{"type": "sql", "uri":
+         "sqlite:///catalog.db"}``), merged by pyiceberg with its own ``.pyiceberg.yaml``; None is
+         pyiceberg's configured default catalog.""",
+        "iceberg outputs: the catalog (name and properties for pyiceberg's load_catalog); null: "
+        "pyiceberg's configured default catalog",
+        default=None,
+        config="iceberg-catalog",
+        validator=mapping("pass e.g. {'type': 'sql', 'uri': 'sqlite:///catalog.db'}"),
+        schema={"oneOf": [{"type": "object"}, _NULL]},
+    ),
+    _opt(
+        "iceberg_table",
+        str | None,
+        "str, optional",
+        """
+         ``format="iceberg"``: the table's identifier in the catalog (``"namespace.name"``); None
+         is ``default.<name>``, ``<name>`` the output path's last component without its
+         extension. The output path is the table's location.""",
+        "iceberg outputs: the table identifier (namespace.name); null: default.<last component of the output path>",
+        default=None,
+        config="iceberg-table",
+        validator=text(none=True),
+        schema={"oneOf": [{"type": "string"}, _NULL]},
     ),
     _opt(
         "superbatches_per_gpu",

@@ -1,4 +1,4 @@
-"""Committing a run's SuperBatches to a table output (``format="lance"`` or ``"delta"``), exactly once.
+"""Committing a run's SuperBatches to a table output (``format="lance"``, ``"delta"``, ``"iceberg"``), exactly once.
 
 The SuperBatch tasks write their rows as the table's uncommitted data files and create
 their commit records in the manifest (``<output>/_surge/``) as for Parquet; the record
@@ -43,7 +43,7 @@ logger = logging.getLogger("dask_surge")
 
 __all__ = ["TableCommitter", "check_table_dir", "TABLE_ENTRIES"]
 
-#: what a directory may hold before a run makes it a Lance table: the table's own entries and ``_surge/``
+#: what a directory may hold before a run makes it a table: the tables' own entries and ``_surge/``
 TABLE_ENTRIES = frozenset(
     {
         "_surge",
@@ -55,6 +55,7 @@ TABLE_ENTRIES = frozenset(
         "_refs",
         "_delta_log",
         "surge-data",
+        "metadata",
     }
 )
 

@@ -158,11 +158,12 @@ def read_embeddings(
     store = OutputStore.open(path, storage_options)
     manifest = existing_run(store)
     records = list(manifest.committed().values())  # in data order
-    if any(r.table for r in records):  # a table output (format="lance"/"delta"): the table holds the rows
+    # a table output (format="lance"/"delta"/"iceberg"): the table holds the rows
+    if any(r.table for r in records):
         raise SurgeInputError(
-            f"{path!r} is a table output (format='lance' or 'delta'); its rows are in the table, not in part "
-            f"files. Fix: read it with lance.dataset({path!r}).to_table() (or LanceDB), or "
-            f"deltalake.DeltaTable({path!r}).to_pandas()."
+            f"{path!r} is a table output (format='lance', 'delta' or 'iceberg'); its rows are in the table, not "
+            f"in part files. Fix: read it with lance.dataset({path!r}).to_table() (or LanceDB), "
+            f"deltalake.DeltaTable({path!r}).to_pandas(), or an Iceberg catalog's load_table(...).scan()."
         )
     if partition is not None:
         records = [r for r in records if any(s[0] == partition and s[2] > s[1] for s in r.spans)]

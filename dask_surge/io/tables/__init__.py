@@ -1,6 +1,7 @@
-"""Table outputs: the rows of a run committed to a Lance or Delta table instead of part files.
+"""Table outputs: the rows of a run committed to a Lance, Delta or Iceberg table instead of part files.
 
-What a table format offers dask-surge (:class:`~dask_surge.io.tables.lance.LanceTable`, :class:`~dask_surge.io.tables.delta.DeltaOutput`):
+What a table format offers dask-surge (:class:`~dask_surge.io.tables.lance.LanceTable`,
+:class:`~dask_surge.io.tables.delta.DeltaOutput`, :class:`~dask_surge.io.tables.iceberg.IcebergTable`):
 
 * ``write(arrow_table) -> payload``: on a worker, the SuperBatch's rows as the table's data
   files, not committed (no reader sees them); the payload (a JSON string) goes into the
@@ -19,9 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...config import get
 from ...errors import SurgeValueError
 from .base import FORMATS, RUN_PROPERTY, SUPERBATCHES_PROPERTY, TABLE_FORMATS, History, require
 from .delta import DeltaOutput
+from .iceberg import IcebergTable
 from .lance import LanceTable
 
 __all__ = [
@@ -46,4 +49,7 @@ def open_table(fmt: str, location: Any) -> Any:
     if fmt == "delta":
         require("deltalake")
         return DeltaOutput(location)
+    if fmt == "iceberg":  # the catalog and the identifier: surge.iceberg-catalog, surge.iceberg-table
+        require("pyiceberg")
+        return IcebergTable(location, get("iceberg-catalog"), get("iceberg-table"))
     raise SurgeValueError(f"format={fmt!r} is not a table format. Fix: choose one of {TABLE_FORMATS}.")

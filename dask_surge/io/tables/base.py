@@ -11,7 +11,7 @@ from ...errors import SurgeError
 __all__ = ["FORMATS", "TABLE_FORMATS", "RUN_PROPERTY", "SUPERBATCHES_PROPERTY", "History", "require"]
 
 #: every value of ``format=``; all but ``"parquet"`` are table formats
-FORMATS = ("parquet", "lance", "delta")
+FORMATS = ("parquet", "lance", "delta", "iceberg")
 TABLE_FORMATS = FORMATS[1:]
 #: commit-metadata key holding the run id of a table commit
 RUN_PROPERTY = "dask-surge.run"

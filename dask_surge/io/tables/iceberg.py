@@ -1,0 +1,341 @@
+"""Apache Iceberg table output: workers write Parquet data files, the claim holder commits them.
+
+A SuperBatch task writes its rows as one Parquet file under the table location's ``data/``
+(named by no manifest of the table: no reader sees it) and its commit record carries the
+file's path, size, rows and Arrow schema (:meth:`IcebergTable.write`). The process holding the
+run's claim commits batches of them (:meth:`IcebergTable.commit`: one pyiceberg ``add_files``
+per batch, a fast append: a new snapshot whose manifest lists the files, made current by the
+catalog's compare-and-swap of the table's metadata pointer), with the run id and the
+SuperBatch keys in the snapshot summary, so the table's own snapshots say which SuperBatches it
+holds (:meth:`IcebergTable.history`).
+
+**Which catalog, which table.** The output path is the table's location (its ``metadata/``,
+``data/`` and dask-surge's ``_surge/``). The catalog is ``pyiceberg.catalog.load_catalog(name,
+**properties)`` of the ``surge.iceberg-catalog`` mapping (``name``: the catalog's name,
+``"default"`` unless given; the rest: its properties, merged by pyiceberg with its own
+``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*`` configuration; None: pyiceberg's
+configured default catalog alone). The table identifier is ``surge.iceberg-table``
+(``"namespace.name"``), or when that is None ``default.<name>``, ``<name>`` being the output
+path's last component without its extension (``.../emb.iceberg`` -> ``default.emb``).
+
+Versions are the snapshots' sequence numbers (a format-v1 table: their 1-based position), so 0
+means "no snapshot". Creating the table makes no snapshot in Iceberg: the run that creates it
+names itself in the table's properties (:data:`~.base.RUN_PROPERTY`), which is how a later run
+knows the table is not its own. Iceberg has no fixed-size list: ``embedding`` is a
+``list<float>`` of constant length in the table's schema, ``text_hash`` a ``fixed[16]``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ...errors import SurgeOutputError, SurgeValueError
+from .base import RUN_PROPERTY, SUPERBATCHES_PROPERTY, History, require
+from .locations import TableLocation
+
+__all__ = ["IcebergTable", "DATA_DIR", "KEEPS_ROWS", "table_identifier"]
+
+#: where the workers' data files go, under the table's location (Iceberg's own convention)
+DATA_DIR = "data"
+#: snapshot operations of another writer that leave every committed row in place
+#: (``replace``: compaction, the same rows in other files)
+KEEPS_ROWS = frozenset({"append", "replace"})
+#: object_store keys (:attr:`TableLocation.options`) -> pyiceberg FileIO properties
+_FILEIO_KEYS = {
+    "aws_access_key_id": "s3.access-key-id",
+    "aws_secret_access_key": "s3.secret-access-key",
+    "aws_session_token": "s3.session-token",
+    "aws_endpoint": "s3.endpoint",
+    "aws_region": "s3.region",
+}
+#: commits lost to another writer's concurrent commit that are retried on the new metadata
+_RETRIES = 5
+
+
+def _schema_text(schema: pa.Schema) -> str:
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def _schema_of(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
+def _plain(uri: str) -> str:
+    """``uri`` without ``file://`` and a trailing ``/`` (to compare table locations)."""
+    return (uri[len("file://") :] if uri.startswith("file://") else uri).rstrip("/")
+
+
+def table_identifier(url: str, configured: str | None) -> str:
+    """The Iceberg identifier of the table at ``url``: ``configured``, else ``default.<last component>``.
+
+    Examples
+    --------
+    >>> table_identifier("/data/emb.iceberg", None)
+    'default.emb'
+    >>> table_identifier("s3://bucket/tables/my-embeddings/", None)
+    'default.my_embeddings'
+    >>> table_identifier("/data/emb.iceberg", "search.docs")
+    'search.docs'
+    """
+    if configured:
+        if "." not in configured.strip("."):
+            raise SurgeValueError(
+                f"surge.iceberg-table={configured!r} is not an Iceberg identifier: it needs a namespace. "
+                "Fix: dask.config.set({'surge.iceberg-table': 'namespace.table'}), or None to derive "
+                "'default.<name>' from the output path."
+            )
+        return configured
+    last = url.rstrip("/").rsplit("/", 1)[-1].split(".", 1)[0]
+    name = re.sub(r"\W", "_", last)
+    if not name:
+        raise SurgeValueError(
+            f"output={url!r} has no last path component to name its Iceberg table after. Fix: "
+            "dask.config.set({'surge.iceberg-table': 'namespace.table'}), or a path such as 'tables/emb.iceberg'."
+        )
+    return f"default.{name}"
+
+
+def _versions(metadata: Any) -> list[tuple[int, Any]]:
+    """``(version, snapshot)`` of the table's snapshots, oldest first (see the module's docstring)."""
+    snaps = sorted(metadata.snapshots, key=lambda s: (s.sequence_number or 0, s.timestamp_ms))
+    if int(metadata.format_version) >= 2:
+        return [(int(s.sequence_number), s) for s in snaps]
+    return [(i + 1, s) for i, s in enumerate(snaps)]
+
+
+class IcebergTable:
+    """One Iceberg table as a dask-surge output (picklable: workers write through it).
+
+    Parameters
+    ----------
+    location : TableLocation
+        Where the table is (its manifest is ``<output>/_surge/``).
+    catalog : dict, optional
+        ``surge.iceberg-catalog``: the catalog's ``name`` and properties (see the module's docstring).
+    identifier : str, optional
+        ``surge.iceberg-table``; None derives it from the location (:func:`table_identifier`).
+    """
+
+    name = "iceberg"
+
+    def __init__(
+        self, location: TableLocation, catalog: dict | None = None, identifier: str | None = None
+    ) -> None:
+        self.location = location
+        self.catalog_config = dict(catalog or {})
+        self.identifier = table_identifier(location.url, identifier)
+        self._catalog: Any = None  # loaded once, in the process that commits
+
+    def __repr__(self) -> str:
+        return f"IcebergTable({self.location.url!r}, {self.identifier!r})"
+
+    def __dask_tokenize__(self) -> tuple:
+        return ("IcebergTable", self.location.url, self.identifier)
+
+    def __reduce__(self):  # a worker writes data files only: the catalog's properties stay here
+        return (IcebergTable, (self.location, None, self.identifier))
+
+    def keeps_rows(self, op: str) -> bool:
+        """True when another writer's snapshot operation ``op`` leaves every committed row in place."""
+        return op in KEEPS_ROWS
+
+    # -- the catalog -------------------------------------------------------------------------------
+
+    def catalog(self) -> Any:
+        """The catalog (``pyiceberg.catalog.load_catalog`` of ``surge.iceberg-catalog``), loaded once."""
+        if self._catalog is None:
+            self._catalog = self._load_catalog()
+        return self._catalog
+
+    def _load_catalog(self) -> Any:
+        require("pyiceberg")
+        from pyiceberg.catalog import load_catalog
+
+        props = {k: str(v) for k, v in self.catalog_config.items() if k != "name" and v is not None}
+        for key, value in self.location.options.items():  # the data files' store, unless the catalog says
+            if key in _FILEIO_KEYS:
+                props.setdefault(_FILEIO_KEYS[key], value)
+        if self.location.options:  # an object store: fsspec (s3fs), as for dask-surge's own files
+            props.setdefault("py-io-impl", "pyiceberg.io.fsspec.FsspecFileIO")
+        name = str(self.catalog_config.get("name") or "default")
+        try:
+            return load_catalog(name, **props)
+        except (ValueError, NotImplementedError) as err:
+            raise SurgeValueError(
+                f"format='iceberg' could not open the Iceberg catalog {name!r} ({err}). Fix: name it with "
+                "dask.config.set({'surge.iceberg-catalog': {'type': 'sql', 'uri': 'sqlite:///catalog.db'}}) "
+                "(any properties pyiceberg.catalog.load_catalog takes), or configure pyiceberg's default "
+                "catalog in ~/.pyiceberg.yaml."
+            ) from err
+
+    def _open(self, catalog: Any = None) -> Any:
+        """The table, or None when the catalog does not name it; refuses one that lives elsewhere."""
+        from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+
+        catalog = catalog if catalog is not None else self.catalog()
+        try:
+            table = catalog.load_table(self.identifier)
+        except (NoSuchTableError, NoSuchNamespaceError):
+            return None
+        if _plain(table.location()) != _plain(self.location.uri):
+            raise SurgeOutputError(
+                f"the Iceberg catalog's table {self.identifier!r} lives at {table.location()!r}, not at "
+                f"output={self.location.url!r}. Nothing was written. Fix: "
+                "dask.config.set({'surge.iceberg-table': 'namespace.other_name'}) for a new table at this path, "
+                "or pass that table's location as output."
+            )
+        return table
+
+    def exists(self) -> bool:
+        """True when the catalog names the table (at this location).
+
+        Refuses a location that holds an Iceberg table's ``metadata/`` the catalog does not name:
+        that table belongs to another catalog or identifier.
+        """
+        if self._open() is not None:
+            return True
+        store = self.location.store()
+        if store.exists(f"{store.root}/metadata"):
+            raise SurgeOutputError(
+                f"output={self.location.url!r} holds an Iceberg table's metadata/, but the catalog has no table "
+                f"{self.identifier!r} there. Nothing was written. Fix: set surge.iceberg-table (and "
+                "surge.iceberg-catalog) to that table's name, register it (catalog.register_table), or write "
+                "to a new path."
+            )
+        return False
+
+    # -- the worker's side -----------------------------------------------------------------------
+
+    def write(self, data: pa.Table) -> str:
+        """Write ``data`` as one Parquet file under ``data/``, not committed; returns the payload
+        (JSON: its path relative to the table, size, rows and the Arrow schema)."""
+        require("pyiceberg")
+        halves = [f.name for f in data.schema if "halffloat" in str(f.type)]
+        if halves:
+            raise SurgeOutputError(
+                f"Iceberg has no 16-bit float type, and column(s) {halves} of this run are float16. Nothing was "
+                "committed. Fix: pass precision='float32' (or 'int8') for an Iceberg output, or format='parquet'."
+            )
+        buf = io.BytesIO()
+        pq.write_table(data, buf, compression="zstd")
+        blob = buf.getvalue()
+        rel = f"{DATA_DIR}/surge-{uuid.uuid4().hex}.parquet"
+        store = self.location.store()
+        store.makedirs(f"{store.root}/{DATA_DIR}")
+        store.write(f"{store.root}/{rel}", blob)  # one PUT on a store; unreferenced until a commit names it
+        return json.dumps(
+            {"path": rel, "size": len(blob), "rows": data.num_rows, "schema": _schema_text(data.schema)},
+            sort_keys=True,
+        )
+
+    # -- the claim holder's side -------------------------------------------------------------------
+
+    def history(self, run_id: str, since: int = 0) -> History:
+        """What the table's snapshots after ``since`` say (see :class:`~.base.History`); with
+        ``since=0`` the table's creation counts as its first version (ours when its properties name
+        ``run_id``)."""
+        table = self._open()
+        if table is None:
+            return History(exists=False)
+        versions = _versions(table.metadata)
+        out = History(exists=True, version=versions[-1][0] if versions else 0)
+        if since == 0:
+            creator = str(table.properties.get(RUN_PROPERTY) or "")
+            if creator == run_id:
+                out.first_ours = True
+            else:
+                out.note_foreign()
+                out.foreign.append((0, "create", creator))
+        for version, snap in versions:
+            if version <= since:
+                continue
+            summary = snap.summary
+            props = dict(summary.additional_properties) if summary is not None else {}
+            op = str(summary.operation.value) if summary is not None else "unknown"
+            if props.get(RUN_PROPERTY) == run_id:
+                out.add_ours(version, json.loads(props.get(SUPERBATCHES_PROPERTY) or "[]"), op)
+            else:
+                out.note_foreign()
+                out.foreign.append((version, op, str(props.get(RUN_PROPERTY) or "")))
+        return out
+
+    def check_schema(self, payload: str) -> None:
+        """Refuse ``payload``'s rows when their column names differ from the table's."""
+        table = self._open()
+        if table is None:
+            return
+        mine = [f.name for f in _schema_of(json.loads(payload)["schema"])]
+        theirs = [f.name for f in table.schema().fields]
+        if mine != theirs:
+            raise SurgeOutputError(
+                f"the Iceberg table {self.identifier!r} at {self.location.url!r} has columns {theirs}, but this "
+                f"run writes {mine}. Nothing was committed to it. Fix: append only runs with the same columns "
+                "(keep=, model, precision), or write to a new table."
+            )
+
+    def _create(self, catalog: Any, run_id: str, schema: pa.Schema) -> Any:
+        from pyiceberg.exceptions import TableAlreadyExistsError
+
+        namespace = self.identifier.rsplit(".", 1)[0]
+        catalog.create_namespace_if_not_exists(namespace)
+        try:
+            return catalog.create_table(
+                self.identifier, schema, location=self.location.uri, properties={RUN_PROPERTY: run_id}
+            )
+        except TableAlreadyExistsError as err:  # someone else created it meanwhile: not ours to write
+            raise SurgeOutputError(
+                f"the Iceberg table {self.identifier!r} was created by another writer while this run started. "
+                "Nothing was committed to it. Fix: write to a new path, or rerun with mode='append'."
+            ) from err
+        except (ValueError, TypeError) as err:  # a type Iceberg has no counterpart for
+            raise SurgeOutputError(
+                f"this run's columns {[(f.name, str(f.type)) for f in schema]} cannot be an Iceberg table's "
+                f"schema ({err}). Nothing was committed. Fix: pass precision='float32', or format='parquet'."
+            ) from err
+
+    def commit(self, run_id: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
+        """Commit the files of ``batch`` (``(sb, payload)`` pairs) as one fast append whose snapshot summary
+        names ``run_id`` and the SuperBatches; creates the table when the catalog does not name it.
+        Returns the new version (the snapshot's sequence number).
+
+        ``read_version`` is the version the caller's history read ended at; a commit another writer
+        made since is rebased over (pyiceberg reloads the table and appends again), as Lance and
+        delta-rs do.
+        """
+        from pyiceberg.exceptions import CommitFailedException
+
+        payloads = [json.loads(p) for _, p in batch]
+        catalog = self.catalog()
+        table = self._open(catalog)
+        if table is None:
+            table = self._create(catalog, run_id, _schema_of(payloads[0]["schema"]))
+        root = self.location.uri.rstrip("/")
+        paths = [f"{root}/{p['path']}" for p in payloads]
+        props = {RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: json.dumps(sorted(sb for sb, _ in batch))}
+        for attempt in range(_RETRIES + 1):
+            try:
+                table.add_files(paths, snapshot_properties=props)
+                break
+            except CommitFailedException:  # another writer's commit won the swap: nothing of ours landed
+                if attempt == _RETRIES:
+                    raise
+                table = catalog.load_table(self.identifier)
+        return _versions(table.metadata)[-1][0]
+
+    def read(self) -> pa.Table:
+        """Every committed row (the current snapshot)."""
+        table = self._open()
+        if table is None:
+            raise SurgeOutputError(
+                f"no Iceberg table {self.identifier!r} at {self.location.url!r}. Fix: pass the output of a run."
+            )
+        return table.scan().to_arrow()

@@ -1,0 +1,359 @@
+"""Apache Iceberg table output (``format="iceberg"``) through pyiceberg's SQL catalog on SQLite: every row
+exactly once in the table, its snapshots' summaries naming each SuperBatch once, whatever kills the process
+and whoever else writes the table."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import dask
+import numpy as np
+import pandas as pd
+import pytest
+
+import dask_surge
+from dask_surge import SurgeOutputError
+from dask_surge.errors import SurgeValueError
+from dask_surge.io.tables import RUN_PROPERTY, SUPERBATCHES_PROPERTY
+from dask_surge.testing import checksum_model
+
+pyiceberg = pytest.importorskip("pyiceberg")
+pytest.importorskip("sqlalchemy")
+
+N, NPART = 900, 9
+
+
+@pytest.fixture
+def catalog(tmp_path):
+    """A real pyiceberg SQL catalog on SQLite, configured as ``surge.iceberg-catalog``."""
+    from pyiceberg.catalog import load_catalog
+
+    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}/wh"}
+    with dask.config.set({"surge.iceberg-catalog": {"name": "surge-test", **props}}):
+        yield load_catalog("surge-test", **props)
+
+
+def _frame(n: int = N, npartitions: int = NPART, offset: int = 0):
+    import dask.dataframe as dd
+
+    texts = [f"text {i} " + "word " * (i % 11) for i in range(offset, offset + n)]
+    return dd.from_pandas(
+        pd.DataFrame({"text": texts, "doc_id": np.arange(offset, offset + n)}), npartitions=npartitions
+    )
+
+
+def _encode(out, ddf=None, **kw):
+    kw = {
+        "model": checksum_model,
+        "keep": ["doc_id"],
+        "b_min": 100,
+        "b_max": 200,
+        "scheduler": "threads",
+        "progress": False,
+        "format": "iceberg",
+        **kw,
+    }
+    return (_frame() if ddf is None else ddf).surge.encode("text", output=str(out), **kw)
+
+
+def _snapshots(catalog, name: str = "default.t"):
+    table = catalog.load_table(name)
+    return sorted(table.metadata.snapshots, key=lambda s: s.sequence_number)
+
+
+def _superbatches(catalog, name: str = "default.t") -> list[str]:
+    props = [dict(s.summary.additional_properties) for s in _snapshots(catalog, name)]
+    return [sb for p in props if RUN_PROPERTY in p for sb in json.loads(p.get(SUPERBATCHES_PROPERTY) or "[]")]
+
+
+def _rows(catalog, name: str = "default.t") -> pd.DataFrame:
+    df = catalog.load_table(name).scan().to_pandas()
+    return df.sort_values(["partition", "row"]).reset_index(drop=True)
+
+
+def _check_once(catalog, n: int = N, name: str = "default.t") -> pd.DataFrame:
+    df = _rows(catalog, name)
+    assert sorted(df.doc_id.tolist()) == list(range(n))
+    sbs = _superbatches(catalog, name)
+    assert len(sbs) == len(set(sbs))
+    return df
+
+
+def test_iceberg_output_holds_every_row_once_with_the_parquet_columns(tmp_path, catalog):
+    res = _encode(tmp_path / "t.iceberg")
+    table = catalog.load_table("default.t")
+    assert table.location().removeprefix("file://").rstrip("/") == str(tmp_path / "t.iceberg")
+    assert table.properties[RUN_PROPERTY] == res.run_id  # the run that created it
+    df = _check_once(catalog)
+    ref = _frame().surge.encode(
+        "text",
+        output=str(tmp_path / "pq"),
+        model=checksum_model,
+        keep=["doc_id"],
+        b_min=100,
+        b_max=200,
+        scheduler="threads",
+        progress=False,
+    )
+    pq = (
+        dask_surge.read_embeddings(ref.output)
+        .compute()
+        .sort_values(["partition", "row"])
+        .reset_index(drop=True)
+    )
+    assert list(df.columns) == list(pq.columns)
+    assert np.array_equal(np.stack(df.embedding), np.stack(pq.embedding))
+    assert df.text_hash.tolist() == pq.text_hash.tolist()
+    assert sorted(_superbatches(catalog)) == sorted(r.sb for r in res.records)
+    snaps = _snapshots(catalog)
+    assert {s.summary.operation.value for s in snaps} == {"append"}
+    assert {s.summary.additional_properties[RUN_PROPERTY] for s in snaps} == {res.run_id}
+    assert len(snaps) < len(res.records)  # batched: fewer snapshots than SuperBatches
+    before = catalog.load_table("default.t").metadata.last_sequence_number
+    assert _encode(tmp_path / "t.iceberg").resumed  # a rerun of a complete run commits nothing
+    assert catalog.load_table("default.t").metadata.last_sequence_number == before
+
+
+def test_the_table_identifier_comes_from_the_config_or_the_path(tmp_path, catalog):
+    with dask.config.set({"surge.iceberg-table": "search.docs"}):
+        _encode(tmp_path / "emb.iceberg", ddf=_frame(200, 2))
+    assert sorted(_rows(catalog, "search.docs").doc_id.tolist()) == list(range(200))
+    with (  # the name is taken, by a table elsewhere
+        dask.config.set({"surge.iceberg-table": "search.docs"}),
+        pytest.raises(SurgeOutputError, match=r"'search.docs' lives at .*Fix"),
+    ):
+        _encode(tmp_path / "other.iceberg", ddf=_frame(200, 2))
+    with (
+        dask.config.set({"surge.iceberg-table": "docs"}),
+        pytest.raises(SurgeValueError, match=r"surge.iceberg-table='docs' .*needs a namespace"),
+    ):
+        _encode(tmp_path / "x.iceberg", ddf=_frame(200, 2))
+
+
+def test_a_missing_catalog_is_an_error_naming_the_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.pyiceberg.yaml
+    for key in [k for k in os.environ if k.startswith("PYICEBERG_")]:
+        monkeypatch.delenv(key)
+    with (
+        dask.config.set({"surge.iceberg-catalog": None}),
+        pytest.raises(SurgeValueError, match=r"surge.iceberg-catalog"),
+    ):
+        _encode(tmp_path / "t.iceberg", ddf=_frame(100, 1))
+
+
+def test_a_missing_pyiceberg_is_an_error_naming_the_extra(tmp_path, catalog, monkeypatch):
+    from dask_surge.errors import SurgeError
+
+    monkeypatch.setitem(sys.modules, "pyiceberg", None)  # import pyiceberg now raises ImportError
+    with pytest.raises(SurgeError, match=r'pip install "dask-surge\[iceberg\]"'):
+        _encode(tmp_path / "t.iceberg", ddf=_frame(100, 1))
+    assert not (tmp_path / "t.iceberg").exists()
+
+
+def test_float16_is_refused_and_int8_reads_back_as_the_same_values(tmp_path, catalog):
+    with pytest.raises(
+        SurgeOutputError, match=r"Iceberg has no 16-bit float .*Fix: pass precision='float32'"
+    ):
+        _encode(tmp_path / "h.iceberg", ddf=_frame(200, 2), precision="float16")
+    assert not catalog.table_exists("default.h")
+    with dask.config.set({"surge.iceberg-table": "default.i8"}):
+        _encode(tmp_path / "i8.iceberg", ddf=_frame(200, 2), precision="int8", normalize=True)
+    ref = _frame(200, 2).surge.encode(
+        "text",
+        output=str(tmp_path / "pq"),
+        model=checksum_model,
+        keep=["doc_id"],
+        precision="int8",
+        normalize=True,
+        scheduler="threads",
+        progress=False,
+    )
+    pq = dask_surge.read_embeddings(ref.output).compute().sort_values(["partition", "row"])
+    df = _rows(catalog, "default.i8")
+    assert np.array_equal(np.stack(df.embedding).astype(np.int64), np.stack(pq.embedding).astype(np.int64))
+
+
+def test_a_foreign_iceberg_table_is_refused_unless_mode_append(tmp_path, catalog):
+    out = tmp_path / "t.iceberg"
+    first = _encode(out, ddf=_frame(300, 3, offset=N))
+    with pytest.raises(SurgeOutputError, match=r"already holds a different run"):
+        _encode(out)
+    res = _encode(out, mode="append")
+    assert sorted(_rows(catalog).doc_id.tolist()) == list(range(N + 300))
+    assert sorted(_superbatches(catalog)) == sorted(
+        [r.sb for r in first.records] + [r.sb for r in res.records]
+    )
+
+    # a table made by another writer (no _surge/, no snapshot yet): refused, then appended to when asked
+    other = tmp_path / "o.iceberg"
+    catalog.create_table("default.o", catalog.load_table("default.t").schema(), location=str(other))
+    with pytest.raises(SurgeOutputError, match=r"iceberg table that this run did not create .*create"):
+        _encode(other, ddf=_frame(200, 2))
+    _encode(other, ddf=_frame(200, 2), mode="append")
+    assert sorted(_rows(catalog, "default.o").doc_id.tolist()) == list(range(200))
+
+
+def _after_first_commit(monkeypatch, action):
+    from dask_surge.io.tables.iceberg import IcebergTable
+
+    real, done = IcebergTable.commit, []
+
+    def commit(self, run_id, batch, read_version):
+        version = real(self, run_id, batch, read_version)
+        if not done:
+            done.append(version)
+            action(self.catalog().load_table(self.identifier))
+        return version
+
+    monkeypatch.setattr(IcebergTable, "commit", commit)
+
+
+def test_an_append_by_someone_else_is_merged_and_a_delete_stops_the_run(tmp_path, catalog, monkeypatch):
+    def append(table):
+        table.append(table.scan(limit=5).to_arrow())
+
+    _after_first_commit(monkeypatch, append)
+    with dask.config.set({"surge.table-commit-every": 2, "surge.iceberg-table": "default.a"}):
+        _encode(tmp_path / "a.iceberg", b_min=50, b_max=100)
+    counts = _rows(catalog, "default.a").doc_id.value_counts()
+    assert set(counts.index) == set(range(N)) and (counts > 1).sum() == 5 and counts.max() == 2
+    assert len(set(_superbatches(catalog, "default.a"))) == len(_superbatches(catalog, "default.a"))
+    monkeypatch.undo()
+
+    _after_first_commit(monkeypatch, lambda table: table.delete("row = 0"))
+    with (
+        dask.config.set({"surge.table-commit-every": 1, "surge.iceberg-table": "default.d"}),
+        pytest.raises(SurgeOutputError, match=r"was changed by another writer .*(delete|overwrite)"),
+    ):
+        _encode(tmp_path / "d.iceberg", b_min=50, b_max=100)
+
+
+def test_a_commit_that_loses_the_catalog_swap_to_another_writer_is_retried_on_top(
+    tmp_path, catalog, monkeypatch, caplog
+):
+    from pyiceberg.exceptions import CommitFailedException
+    from pyiceberg.table import Table
+
+    real, raced, failed = Table.add_files, [], []
+
+    def add_files(self, *args, **kwargs):
+        if not raced and self.metadata.snapshots:  # another writer commits after this process read the table
+            raced.append(1)
+            fresh = catalog.load_table("default.t")
+            fresh.append(fresh.scan(limit=3).to_arrow())
+        try:
+            return real(self, *args, **kwargs)
+        except CommitFailedException:
+            failed.append(1)
+            raise
+
+    monkeypatch.setattr(Table, "add_files", add_files)
+    with dask.config.set({"surge.table-commit-every": 2}):
+        _encode(tmp_path / "t.iceberg", b_min=50, b_max=100)
+    # the swap was lost (retried by this module, or by pyiceberg >= 0.12 itself), then the batch went in on top
+    assert raced and (failed == [1] or "concurrent update" in caplog.text)
+    counts = _rows(catalog).doc_id.value_counts()
+    assert set(counts.index) == set(range(N)) and (counts > 1).sum() == 3 and counts.max() == 2
+    sbs = _superbatches(catalog)
+    assert len(sbs) == len(set(sbs))
+
+
+DRIVER = """
+import os, signal, sys, json
+import dask, dask.dataframe as dd, numpy as np, pandas as pd
+import dask_surge
+from dask_surge.testing import SleepyModel
+out, kill_after, catalog, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4]) or None
+if kill_after:  # test hook: SIGKILL this process right after its k-th table commit (before any record of it)
+    from dask_surge.io.tables.iceberg import IcebergTable
+    real, calls = IcebergTable.commit, []
+    def commit(self, *a, **k):
+        v = real(self, *a, **k)
+        calls.append(v)
+        if len(calls) == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return v
+    IcebergTable.commit = commit
+texts = [f"text {i} " + "word " * (i % 11) for i in range(N_ROWS)]
+ddf = dd.from_pandas(pd.DataFrame({"text": texts, "doc_id": np.arange(N_ROWS)}), npartitions=N_PARTS)
+with dask.config.set({"surge.iceberg-catalog": catalog, "surge.table-commit-every": 2}):
+    res = ddf.surge.encode("text", output=out, format="iceberg", model=SleepyModel(0.02), keep=["doc_id"],
+                           b_min=50, b_max=100, scheduler="threads", progress=False,
+                           storage_options=options)
+print("rows", res.rows, flush=True)
+""".replace("N_ROWS", str(N)).replace("N_PARTS", str(NPART))
+
+
+def _run(out, catalog_props, kill_after: int = 0, options=None):
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            DRIVER,
+            str(out),
+            str(kill_after),
+            json.dumps(catalog_props),
+            json.dumps(options or {}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _props(where) -> dict:
+    return {"name": "surge-kill", "type": "sql", "uri": f"sqlite:///{where}/catalog.db"}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The rows of an undisturbed run of the driver."""
+    from pyiceberg.catalog import load_catalog
+
+    where = tmp_path_factory.mktemp("iceberg-clean")
+    done = _run(where / "t.iceberg", _props(where))
+    assert done.returncode == 0, done.stderr[-3000:]
+    props = _props(where)
+    return _rows(load_catalog(props.pop("name"), **props))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_killed_right_after_an_iceberg_commit_a_rerun_never_commits_twice(tmp_path, k, clean):
+    from pyiceberg.catalog import load_catalog
+
+    killed = _run(tmp_path / "t.iceberg", _props(tmp_path), k)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    props = _props(tmp_path)
+    catalog = load_catalog(props.pop("name"), **props)
+    assert len(_snapshots(catalog)) == k  # the killed process committed k snapshots and recorded none
+    done = _run(tmp_path / "t.iceberg", _props(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    df = _check_once(catalog)
+    assert np.array_equal(np.stack(df.embedding), np.stack(clean.embedding))
+
+
+def test_iceberg_on_loopback_s3_killed_right_after_a_commit(tmp_path, clean):
+    pytest.importorskip("moto.server")
+    from pyiceberg.catalog import load_catalog
+
+    from dask_surge.testing import loopback_s3
+
+    with loopback_s3("surge-iceberg") as (endpoint, options, _fs):
+        out = "s3://surge-iceberg/t.iceberg"
+        killed = _run(out, _props(tmp_path), 1, options)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        done = _run(out, _props(tmp_path), 0, options)
+        assert done.returncode == 0, done.stderr[-3000:]
+        props = _props(tmp_path)
+        catalog = load_catalog(
+            props.pop("name"),
+            **props,
+            **{"s3.endpoint": endpoint, "s3.access-key-id": "testing", "s3.secret-access-key": "testing"},
+        )
+        assert catalog.load_table("default.t").location() == out
+        df = _check_once(catalog)
+        assert np.array_equal(np.stack(df.embedding), np.stack(clean.embedding))
