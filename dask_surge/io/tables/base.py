@@ -39,6 +39,14 @@ def require(module: str) -> Any:
         return importlib.import_module(module)
     except ImportError as err:
         extra, dist = _EXTRAS.get(module, (None, module))
+        if "numpy._core" in str(err):  # built for NumPy 2 (faiss-cpu >= 1.12 says numpy>=1.25, but needs 2)
+            import numpy
+
+            raise SurgeError(
+                f"the installed {dist!r} package was built for NumPy 2, and this environment has NumPy "
+                f"{numpy.__version__} ({err}). Fix: pip install 'numpy>=2', or an older {dist} built for NumPy 1 "
+                "(faiss-cpu<1.12)."
+            ) from err
         how = f'pip install "dask-surge[{extra}]"' if extra else f"pip install {dist}"
         raise SurgeError(
             f"this needs the {dist!r} package, which is not installed ({err}). Fix: {how}."
