@@ -93,3 +93,25 @@ def test_lance_index_on_a_lance_output(tmp_path, tiny_model):
     assert info["kind"] == "lance" and info["index_type"] == "IVF_FLAT"
     df = lance.dataset(str(out)).to_table().to_pandas()
     _check(open_index(out), df, 0.8)
+
+
+def test_a_lance_index_is_searched_with_the_metric_it_was_built_with(tmp_path):
+    # open_index reported (and searched with) cosine whatever metric the index was built with
+    lance = pytest.importorskip("lance")
+    import pyarrow as pa
+
+    x = np.random.default_rng(1).random((300, 8), dtype=np.float32)
+    table = pa.table(
+        {
+            "partition": np.zeros(300, np.int64),
+            "row": np.arange(300),
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), 8),
+        }
+    )
+    path = str(tmp_path / "t.lance")
+    lance.write_dataset(table, path)
+    assert build_index(path, metric="l2")["metric"] == "l2"
+    index = open_index(path)
+    assert index.metric == "l2"
+    _, keys = index.search(x[:3], k=1)
+    assert keys.row.tolist() == [0, 1, 2]  # each vector's nearest by l2 is itself

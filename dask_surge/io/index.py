@@ -170,6 +170,14 @@ class SurgeIndex:
         return np.stack(dists), pd.concat(out, ignore_index=True)
 
 
+def _lance_metric(index: Any) -> str:
+    """The metric a Lance vector index ranks by (``describe_indices``' ``details``); cosine where the
+    installed Lance does not say."""
+    details = index.get("details") if isinstance(index, dict) else getattr(index, "details", None)
+    metric = str(details.get("metric_type", "cosine")).lower() if isinstance(details, dict) else "cosine"
+    return metric if metric in ("cosine", "l2", "dot") else "cosine"
+
+
 def open_index(output: str | os.PathLike, *, path: str | None = None) -> SurgeIndex:
     """Open the index :func:`build_index` built for ``output`` (one call)."""
     output = os.fspath(output).rstrip("/")
@@ -181,7 +189,7 @@ def open_index(output: str | os.PathLike, *, path: str | None = None) -> SurgeIn
             raise SurgeInputError(
                 f"the Lance table {output!r} has no vector index. Fix: build_index({output!r})."
             )
-        return SurgeIndex("lance", output, "cosine", ds)
+        return SurgeIndex("lance", output, _lance_metric(indices[0]), ds)
     faiss = require("faiss")
     where = path or f"{output}.faiss"
     try:
