@@ -28,6 +28,8 @@ import numpy as np
 from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, write_partitioned_parquet
 
 __all__ = [
+    "numbered_texts",
+    "numbered_frame",
     "loopback_s3",
     "CountingEncoder",
     "DieOnce",
@@ -564,6 +566,30 @@ class CountingEncoder:
             out[i, 0] = len(t)
             out[i, 1 + zlib.crc32(str(t).encode("utf-8", "surrogatepass")) % (self.dim - 1)] = 1.0
         return out
+
+
+def numbered_texts(start: int, stop: int) -> list[str]:
+    """Texts ``"text i"`` followed by ``i % 11`` words, one for each ``i`` in ``range(start, stop)``:
+    every text distinct, of uneven lengths (the table-output tests' input).
+
+    Examples
+    --------
+    >>> numbered_texts(2, 4)
+    ['text 2 word word ', 'text 3 word word word ']
+    """
+    return [f"text {i} " + "word " * (i % 11) for i in range(start, stop)]
+
+
+def numbered_frame(n: int, npartitions: int, offset: int = 0):
+    """A Dask DataFrame of :func:`numbered_texts` ``offset .. offset + n`` in ``npartitions``
+    partitions, with ``doc_id`` (the number)."""
+    import dask.dataframe as dd
+    import pandas as pd
+
+    return dd.from_pandas(
+        pd.DataFrame({"text": numbered_texts(offset, offset + n), "doc_id": np.arange(offset, offset + n)}),
+        npartitions=npartitions,
+    )
 
 
 def checksum_model(texts) -> np.ndarray:

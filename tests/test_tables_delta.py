@@ -16,7 +16,7 @@ import pytest
 import dask_surge
 from dask_surge import SurgeOutputError
 from dask_surge.io.tables import RUN_PROPERTY, SUPERBATCHES_PROPERTY
-from dask_surge.testing import checksum_model
+from dask_surge.testing import checksum_model, numbered_frame
 
 deltalake = pytest.importorskip("deltalake")
 
@@ -24,12 +24,7 @@ N, NPART = 900, 9
 
 
 def _frame(n: int = N, npartitions: int = NPART, offset: int = 0):
-    import dask.dataframe as dd
-
-    texts = [f"text {i} " + "word " * (i % 11) for i in range(offset, offset + n)]
-    return dd.from_pandas(
-        pd.DataFrame({"text": texts, "doc_id": np.arange(offset, offset + n)}), npartitions=npartitions
-    )
+    return numbered_frame(n, npartitions, offset)
 
 
 def _encode(out, ddf=None, **kw):
@@ -148,7 +143,7 @@ DRIVER = """
 import os, signal, sys, json
 import dask.dataframe as dd, numpy as np, pandas as pd
 import dask_surge
-from dask_surge.testing import SleepyModel
+from dask_surge.testing import SleepyModel, numbered_frame
 out, kill_after, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]) or None
 if kill_after:  # test hook: SIGKILL this process right after its k-th table commit
     from dask_surge.io.tables.delta import DeltaOutput
@@ -160,8 +155,7 @@ if kill_after:  # test hook: SIGKILL this process right after its k-th table com
             os.kill(os.getpid(), signal.SIGKILL)
         return v
     DeltaOutput.commit = commit
-texts = [f"text {i} " + "word " * (i % 11) for i in range(N_ROWS)]
-ddf = dd.from_pandas(pd.DataFrame({"text": texts, "doc_id": np.arange(N_ROWS)}), npartitions=N_PARTS)
+ddf = numbered_frame(N_ROWS, N_PARTS)
 res = ddf.surge.encode("text", output=out, format="delta", model=SleepyModel(0.02), keep=["doc_id"],
                        b_min=50, b_max=100, scheduler="threads", progress=False, storage_options=options)
 print("rows", res.rows, flush=True)

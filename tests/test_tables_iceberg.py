@@ -19,7 +19,7 @@ import dask_surge
 from dask_surge import SurgeOutputError
 from dask_surge.errors import SurgeValueError
 from dask_surge.io.tables import RUN_PROPERTY, SUPERBATCHES_PROPERTY
-from dask_surge.testing import checksum_model
+from dask_surge.testing import checksum_model, numbered_frame
 
 pyiceberg = pytest.importorskip("pyiceberg")
 pytest.importorskip("sqlalchemy")
@@ -38,12 +38,7 @@ def catalog(tmp_path):
 
 
 def _frame(n: int = N, npartitions: int = NPART, offset: int = 0):
-    import dask.dataframe as dd
-
-    texts = [f"text {i} " + "word " * (i % 11) for i in range(offset, offset + n)]
-    return dd.from_pandas(
-        pd.DataFrame({"text": texts, "doc_id": np.arange(offset, offset + n)}), npartitions=npartitions
-    )
+    return numbered_frame(n, npartitions, offset)
 
 
 def _encode(out, ddf=None, **kw):
@@ -266,7 +261,7 @@ DRIVER = """
 import os, signal, sys, json
 import dask, dask.dataframe as dd, numpy as np, pandas as pd
 import dask_surge
-from dask_surge.testing import SleepyModel
+from dask_surge.testing import SleepyModel, numbered_frame
 out, kill_after, catalog, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4]) or None
 if kill_after:  # test hook: SIGKILL this process right after its k-th table commit (before any record of it)
     from dask_surge.io.tables.iceberg import IcebergTable
@@ -278,8 +273,7 @@ if kill_after:  # test hook: SIGKILL this process right after its k-th table com
             os.kill(os.getpid(), signal.SIGKILL)
         return v
     IcebergTable.commit = commit
-texts = [f"text {i} " + "word " * (i % 11) for i in range(N_ROWS)]
-ddf = dd.from_pandas(pd.DataFrame({"text": texts, "doc_id": np.arange(N_ROWS)}), npartitions=N_PARTS)
+ddf = numbered_frame(N_ROWS, N_PARTS)
 with dask.config.set({"surge.iceberg-catalog": catalog, "surge.table-commit-every": 2}):
     res = ddf.surge.encode("text", output=out, format="iceberg", model=SleepyModel(0.02), keep=["doc_id"],
                            b_min=50, b_max=100, scheduler="threads", progress=False,

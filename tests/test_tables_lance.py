@@ -18,7 +18,7 @@ import dask_surge
 from dask_surge import SurgeOutputError, SurgeValueError
 from dask_surge.errors import SurgeError
 from dask_surge.io.tables import RUN_PROPERTY, SUPERBATCHES_PROPERTY, require
-from dask_surge.testing import checksum_model
+from dask_surge.testing import checksum_model, numbered_frame
 
 lance = pytest.importorskip("lance")
 
@@ -26,12 +26,7 @@ N, NPART = 900, 9
 
 
 def _frame(n: int = N, npartitions: int = NPART, offset: int = 0):
-    import dask.dataframe as dd
-
-    texts = [f"text {i} " + "word " * (i % 11) for i in range(offset, offset + n)]
-    return dd.from_pandas(
-        pd.DataFrame({"text": texts, "doc_id": np.arange(offset, offset + n)}), npartitions=npartitions
-    )
+    return numbered_frame(n, npartitions, offset)
 
 
 def _encode(out, ddf=None, **kw):
@@ -243,7 +238,7 @@ DRIVER = """
 import os, signal, sys
 import dask.dataframe as dd, numpy as np, pandas as pd
 import dask_surge
-from dask_surge.testing import SleepyModel
+from dask_surge.testing import SleepyModel, numbered_frame
 out, kill_after_commits = sys.argv[1], int(sys.argv[2])
 if kill_after_commits:  # test hook: SIGKILL this process right after its k-th table commit
     from dask_surge.io.tables.lance import LanceTable
@@ -255,8 +250,7 @@ if kill_after_commits:  # test hook: SIGKILL this process right after its k-th t
             os.kill(os.getpid(), signal.SIGKILL)
         return v
     LanceTable.commit = commit
-texts = [f"text {i} " + "word " * (i % 11) for i in range(N_ROWS)]
-ddf = dd.from_pandas(pd.DataFrame({"text": texts, "doc_id": np.arange(N_ROWS)}), npartitions=N_PARTS)
+ddf = numbered_frame(N_ROWS, N_PARTS)
 print("started", flush=True)
 res = ddf.surge.encode("text", output=out, format="lance", model=SleepyModel(0.05), keep=["doc_id"],
                        b_min=50, b_max=100, scheduler="threads", progress=False)

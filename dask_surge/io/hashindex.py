@@ -220,10 +220,10 @@ class OutputIndex:
                 return None
             if not len(meta["sha256"]) == len(meta["bytes"]) == len(meta["truncated"]) == len(meta["files"]):
                 return None
-            present = set(self._ls(self.root))
+            present = set(self.store.listdir(self.root))
             if not set(meta["files"]) <= present:
                 return None  # a file it names is gone (repaired and rerun): stale
-            names = set(self._ls(self.dir))
+            names = set(self.store.listdir(self.dir))
             for b, n in enumerate(meta["bucket_entries"]):
                 if n and _bucket_name(b) not in names:
                     return None
@@ -236,9 +236,6 @@ class OutputIndex:
     def clear(self) -> None:
         """Drop the memory-mapped buckets this index holds."""
         self._buckets.clear()
-
-    def _ls(self, path: str) -> list[str]:
-        return self.store.listdir(path)
 
     # -- build
     def _records(self) -> list:
@@ -334,7 +331,7 @@ class OutputIndex:
                 }
                 self.store.write(f"{self.dir}/meta.json", json.dumps(meta, sort_keys=True).encode())
                 keep = {_bucket_name(b) for b in range(nb) if bucket_entries[b]}
-                for name in self._ls(self.dir):  # buckets of an index built before with other bits
+                for name in self.store.listdir(self.dir):  # buckets of an index built before with other bits
                     if name.startswith("bucket-") and name.endswith(".npy") and name not in keep:
                         discard(self.store, f"{self.dir}/{name}")
             except OSError as err:

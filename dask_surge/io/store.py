@@ -151,6 +151,12 @@ def _spellings(path: str, fs: Any) -> set[str]:
     return {spelled, os.path.realpath(spelled)}
 
 
+def _at_or_below(path: str, top: str) -> bool:
+    """True when ``path`` is ``top`` or below it (both normalised)."""
+    top = top.rstrip("/")
+    return path.rstrip("/") == top or path.startswith(top + "/")
+
+
 def canonical_path(path: str, fs: Any) -> str:
     """``path`` on ``fs`` in the form two spellings of one place share: on a POSIX filesystem
     absolute, with ``..``, ``.``, repeated slashes and links resolved (:func:`os.path.realpath`);
@@ -298,24 +304,19 @@ class OutputStore:
     def contains(self, path: str, fs: Any = None) -> bool:
         """True when ``path`` (on ``fs``, by default this store's) is the root or below it, on the
         same kind of filesystem, compared as spelled and with links resolved (:func:`canonical_path`)."""
-        fs = self.fs if fs is None else fs
-        if not self._same_kind(fs):
-            return False
-        roots = {self.root, self.spelled}
-        return any(o == r or o.startswith(r.rstrip("/") + "/") for o in _spellings(path, fs) for r in roots)
+        return any(_at_or_below(other, root) for other, root in self._pairs(path, fs))
 
     def within(self, path: str, fs: Any = None) -> bool:
         """True when the root is ``path`` (on ``fs``, by default this store's) or below it: the
         output would be inside that directory (compared as :meth:`contains` does)."""
+        return any(_at_or_below(root, other) for other, root in self._pairs(path, fs))
+
+    def _pairs(self, path: str, fs: Any) -> list[tuple[str, str]]:
+        """Each spelling of ``path`` with each of the root's; none on another kind of filesystem."""
         fs = self.fs if fs is None else fs
         if not self._same_kind(fs):
-            return False
-        roots = {self.root, self.spelled}
-        return any(
-            r == o.rstrip("/") or r.startswith(o.rstrip("/") + "/")
-            for o in _spellings(path, fs)
-            for r in roots
-        )
+            return []
+        return [(other, root) for other in _spellings(path, fs) for root in {self.root, self.spelled}]
 
     def _same_kind(self, fs: Any) -> bool:
         if is_posix(fs):
