@@ -22,16 +22,25 @@ def _lower_bounds(requirements: list[str]) -> dict[str, str]:
     return found
 
 
+def _names(requirements: list[str]) -> list[str]:
+    """The package name of each requirement, lower-cased."""
+    return [re.match(r"[A-Za-z0-9_.-]+", req.strip()).group(0).lower() for req in requirements]
+
+
 def test_the_lowest_leg_pins_the_declared_lower_bounds():
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    declared = _lower_bounds(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = _lower_bounds(project["dependencies"])
     pinned = dict(
         line.split("==")
         for line in (ROOT / ".ci" / "lowest.txt").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     )
-    assert set(pinned) == set(LEG)
-    assert {name: declared.get(name) for name in LEG} == pinned
+    assert {name: pinned.get(name) for name in LEG} == {name: declared.get(name) for name in LEG}
+    # any other pin holds an extra back to a build that works on the leg's versions (faiss-cpu on NumPy 1):
+    # it names a package of an extra, never a core dependency the leg does not mean to pin
+    extras = {name for reqs in project["optional-dependencies"].values() for name in _names(reqs)}
+    assert set(pinned) - set(LEG) <= extras - set(_names(project["dependencies"]))
 
 
 def test_lower_bounds_are_read_from_requirements():
