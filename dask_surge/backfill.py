@@ -191,13 +191,14 @@ def _check_keys(keys: pa.ChunkedArray, key: str, url: str) -> None:
             f"the key column {key!r} of {url!r} has {keys.null_count} null value(s); a row without a key "
             "cannot be written back. Fix: pass key= a column with a unique value in every row."
         )
-    values = pd.Series(keys.to_pandas())
-    repeated = values[values.duplicated(keep=False)]
+    counts = pc.value_counts(keys)
+    repeated = counts.filter(pc.greater(counts.field("counts"), 1))
     if len(repeated):
+        example, times = repeated[0]["values"].as_py(), repeated[0]["counts"].as_py()
         raise SurgeInputError(
-            f"the key column {key!r} of {url!r} is not unique: {repeated.nunique()} value(s) occur more than "
-            f"once (e.g. {repeated.iloc[0]!r}, {int((values == repeated.iloc[0]).sum())} times); the write-back "
-            "matches rows on the key. Fix: pass key= a column with a unique value in every row."
+            f"the key column {key!r} of {url!r} is not unique: {len(repeated)} value(s) occur more than "
+            f"once (e.g. {example!r}, {times} times); the write-back matches rows on the key. "
+            "Fix: pass key= a column with a unique value in every row."
         )
 
 
@@ -207,8 +208,9 @@ def _check_vectors(
     """Refuse vectors of type ``got`` that the table cannot hold, or its existing ``column`` cannot."""
     value, dim = got.value_type, got.list_size
     if not table.holds(value):
+        name = {"halffloat": "float16"}.get(str(value), str(value))
         raise SurgeInputError(
-            f"the model gives {value} vectors, and a {table.format} table has no {value} type. Nothing was "
+            f"the model gives {name} vectors, and a {table.format} table has no {name} type. Nothing was "
             f"written to {url!r}. Fix: pass precision='float32' (or 'int8' where it applies), or backfill a "
             "Lance table."
         )
@@ -290,8 +292,8 @@ def backfill(
         rows = todo[start : start + chunk_rows]
         part = pd.DataFrame({"text": texts.take(rows).to_pandas()})
         got = encode(dd.from_pandas(part, npartitions=1), "text", **options).compute().sort_values("row")
-        vectors = [np.asarray(v) for v in got["embedding"]]
-        emb = pa.FixedSizeListArray.from_arrays(pa.array(np.concatenate(vectors)), len(vectors[0]))
+        emb = pa.array(got["embedding"].array)  # fixed_size_list of the model's dtype, as encode() made it
+        emb = emb.combine_chunks() if isinstance(emb, pa.ChunkedArray) else emb
         if n == 0:
             _check_vectors(target, schema, column, emb.type, url)
         chunk = pa.table(
