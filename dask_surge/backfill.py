@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .api import encode
-from .errors import SurgeInputError
+from .errors import SurgeInputError, SurgeValueError
 from .io.hashing import hash_column, text_hashes
 from .io.store import OutputStore
 from .io.tables import require
@@ -268,6 +268,8 @@ def backfill(
         Not a Lance or Delta table; no such text or key column; a key that is null or repeated;
         an existing ``column`` of another type or dimension than the model's vectors.
     """
+    if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
+        raise SurgeValueError(f"chunk_rows={chunk_rows!r}: rows per table version. Fix: pass an int >= 1.")
     store = OutputStore.open(table, storage_options)
     where = TableLocation.of(store)
     target = _open_table(where, store)
@@ -294,6 +296,11 @@ def backfill(
         got = encode(dd.from_pandas(part, npartitions=1), "text", **options).compute().sort_values("row")
         emb = pa.array(got["embedding"].array)  # fixed_size_list of the model's dtype, as encode() made it
         emb = emb.combine_chunks() if isinstance(emb, pa.ChunkedArray) else emb
+        if not pa.types.is_fixed_size_list(emb.type):
+            raise SurgeInputError(
+                f"backfill writes one dense vector per row, and this model gives {emb.type}. Nothing was "
+                f"written to {url!r}. Fix: backfill with a dense embedding model."
+            )
         if n == 0:
             _check_vectors(target, schema, column, emb.type, url)
         chunk = pa.table(
