@@ -1,13 +1,17 @@
-"""Backfill an embedding column into an existing Lance table, in place, resumably.
+"""Backfill an embedding column into an existing Lance or Delta table, in place, resumably.
 
-:func:`backfill` embeds every row of a Lance table whose embedding is missing or was made from
-another text than the row holds now (the row's text hash against the hash recorded beside its
-embedding, as ``reuse=`` matches texts), and writes the embeddings into the table in place, one
-table version per chunk of rows (``LanceDataset.merge_insert`` on a key column). Each version is
-atomic: readers see the table as it was or with one more chunk embedded, never a half-written
-chunk. A kill loses at most the chunk in flight: a rerun finds the rows still missing and embeds
-only them. Rows added to the table later (with the column null) are picked up by the next
-backfill, and only they are encoded.
+:func:`backfill` embeds every row of a table whose embedding is missing or was made from another
+text than the row holds now (the row's text hash against the hash recorded beside its embedding,
+as ``reuse=`` matches texts), and writes the embeddings into the table in place, one table
+version per chunk of rows: a merge on a key column (Lance ``merge_insert``, Delta ``MERGE``)
+whose commit names the backfill (:data:`BACKFILL_PROPERTY`). Each version is atomic: readers see
+the table as it was or with one more chunk embedded, never a half-written chunk. A kill loses at
+most the chunk in flight: a rerun finds the rows still missing and embeds only them. Rows added
+to the table later (with the column null) are picked up by the next backfill, and only they are
+encoded.
+
+The loop is shared; what differs per format is small (:class:`_LanceTable`, :class:`_DeltaTable`):
+read columns, describe the embedding column, write a chunk (adding the columns when missing).
 
 The encoding itself is :func:`dask_surge.encode` without an output (on the active Dask client, or
 the scheduler given), so every encoder option applies.
@@ -15,7 +19,10 @@ the scheduler given), so every encoder option applies.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,15 +30,19 @@ import dask.dataframe as dd
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from .api import encode
-from .errors import SurgeInputError
+from .errors import SurgeInputError, SurgeValueError
 from .io.hashing import hash_column, text_hashes
 from .io.store import OutputStore
 from .io.tables import require
 from .io.tables.locations import TableLocation
 
-__all__ = ["BackfillResult", "backfill"]
+__all__ = ["BACKFILL_PROPERTY", "BackfillResult", "backfill"]
+
+#: commit-metadata key of a backfill's table versions: JSON ``{"id", "text", "column", "chunk", "rows"}``
+BACKFILL_PROPERTY = "dask-surge.backfill"
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,178 @@ class BackfillResult:
     encoded: int
     versions: int
     column: str
+
+
+class _LanceTable:
+    """A Lance table as :func:`backfill` reads and writes it."""
+
+    format = "Lance"
+
+    def __init__(self, where: TableLocation) -> None:
+        self.lance, self.where = require("lance"), where
+
+    def _open(self) -> Any:
+        return self.lance.dataset(self.where.uri, storage_options=self.where.options)
+
+    def schema(self) -> pa.Schema:
+        return self._open().schema
+
+    def scan(self, columns: list[str]) -> pa.Table:
+        return self._open().to_table(columns=columns)
+
+    def shape(self, column: str, kind: pa.DataType) -> tuple[pa.DataType | None, int | None]:
+        """``(value type, dimension)`` of the vectors ``column`` (of type ``kind``) holds; a Lance
+        vector column is a fixed-size list (anything else: ``(None, None)``)."""
+        return (kind.value_type, kind.list_size) if pa.types.is_fixed_size_list(kind) else (None, None)
+
+    def holds(self, kind: pa.DataType) -> bool:
+        """True: this format stores vectors of ``kind`` as they are."""
+        return True
+
+    def write(self, chunk: pa.Table, key: str, props: dict[str, str]) -> int:
+        """Add ``chunk``'s columns when missing (one version), then merge it on ``key`` (one version)."""
+        ds = self._open()
+        missing = [f for f in chunk.schema if f.name not in ds.schema.names]
+        if missing:
+            ds.add_columns(missing)
+            ds = self._open()
+        txn, _ = ds.merge_insert(key).when_matched_update_all().execute_uncommitted(chunk)
+        txn = dataclasses.replace(txn, transaction_properties={**(txn.transaction_properties or {}), **props})
+        self.lance.LanceDataset.commit(self.where.uri, txn, storage_options=self.where.options)
+        return 1 + bool(missing)
+
+
+class _DeltaTable:
+    """A Delta table as :func:`backfill` reads and writes it (the vectors are ``array<float>``)."""
+
+    format = "Delta"
+
+    def __init__(self, where: TableLocation) -> None:
+        self.deltalake, self.where = require("deltalake"), where
+
+    def _open(self) -> Any:
+        return self.deltalake.DeltaTable(self.where.uri, storage_options=self.where.options)
+
+    def schema(self) -> pa.Schema:
+        return self._open().to_pyarrow_dataset().schema
+
+    def scan(self, columns: list[str]) -> pa.Table:
+        return self._open().to_pyarrow_table(columns=columns)
+
+    def shape(self, column: str, kind: pa.DataType) -> tuple[pa.DataType | None, int | None]:
+        """``(value type, dimension)`` of the vectors ``column`` (of type ``kind``) holds: Delta has no
+        fixed-size list, so the dimension is the first vector's length (None: no vector yet)."""
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
+            return None, None
+        first = (
+            self._open().to_pyarrow_dataset().head(1, columns=[column], filter=pc.field(column).is_valid())
+        )
+        return kind.value_type, (len(first.column(0)[0]) if first.num_rows else None)
+
+    def holds(self, kind: pa.DataType) -> bool:
+        """True: Delta stores vectors of ``kind`` as they are (it has no float16 and no unsigned type)."""
+        return not (pa.types.is_float16(kind) or pa.types.is_unsigned_integer(kind))
+
+    def write(self, chunk: pa.Table, key: str, props: dict[str, str]) -> int:
+        """One ``MERGE`` on ``key`` that updates ``chunk``'s columns (added by schema evolution when
+        missing, in the same commit), with ``props`` in its commit info."""
+        from deltalake.transaction import CommitProperties
+
+        updates = {f"`{n}`": f"s.`{n}`" for n in chunk.schema.names if n != key}
+        merge = self._open().merge(
+            chunk,
+            f"t.`{key}` = s.`{key}`",
+            source_alias="s",
+            target_alias="t",
+            merge_schema=True,
+            commit_properties=CommitProperties(custom_metadata=props),
+        )
+        merge.when_matched_update(updates).execute()
+        return 1
+
+
+def _open_table(where: TableLocation, store: OutputStore) -> _LanceTable | _DeltaTable:
+    """The table at ``where``, by what its root holds (``_delta_log/``: Delta, ``_versions/``: Lance)."""
+    root = store.root
+    if store.exists(f"{root}/_delta_log"):
+        return _DeltaTable(where)
+    if store.exists(f"{root}/_versions"):
+        return _LanceTable(where)
+    if not store.exists(root):
+        what = "nothing is there"
+    elif not store.isdir(root):
+        what = "it is a file"
+    elif store.exists(f"{root}/metadata"):
+        what = "it looks like an Iceberg table (metadata/), which backfill does not write"
+    else:
+        names = store.listdir(root)
+        what = (
+            f"a directory holding {names[:5]}{' ...' if len(names) > 5 else ''}"
+            if names
+            else "an empty directory"
+        )
+    raise SurgeInputError(
+        f"{where.url!r} is not a Lance or Delta table: {what}. Fix: pass the root of a Lance table "
+        "(holding _versions/) or of a Delta table (holding _delta_log/)."
+    )
+
+
+def _check_columns(schema: pa.Schema, text: str, key: str, url: str) -> None:
+    names = schema.names
+    for name, what in ((text, "text"), (key, "key")):
+        if name not in names:
+            raise SurgeInputError(
+                f"the table {url!r} has no {what} column {name!r} (it has {names}). "
+                f"Fix: pass {what}= one of its columns."
+            )
+    kind = schema.field(text).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise SurgeInputError(
+            f"the text column {text!r} of {url!r} holds {kind}, not strings. Fix: pass text= a string column."
+        )
+
+
+def _check_keys(keys: pa.ChunkedArray, key: str, url: str) -> None:
+    """Refuse null or repeated keys: a MERGE would skip those rows, or write one embedding into several."""
+    if keys.null_count:
+        raise SurgeInputError(
+            f"the key column {key!r} of {url!r} has {keys.null_count} null value(s); a row without a key "
+            "cannot be written back. Fix: pass key= a column with a unique value in every row."
+        )
+    counts = pc.value_counts(keys)
+    repeated = counts.filter(pc.greater(counts.field("counts"), 1))
+    if len(repeated):
+        example, times = repeated[0]["values"].as_py(), repeated[0]["counts"].as_py()
+        raise SurgeInputError(
+            f"the key column {key!r} of {url!r} is not unique: {len(repeated)} value(s) occur more than "
+            f"once (e.g. {example!r}, {times} times); the write-back matches rows on the key. "
+            "Fix: pass key= a column with a unique value in every row."
+        )
+
+
+def _check_vectors(
+    table: _LanceTable | _DeltaTable, schema: pa.Schema, column: str, got: pa.FixedSizeListType, url: str
+) -> None:
+    """Refuse vectors of type ``got`` that the table cannot hold, or its existing ``column`` cannot."""
+    value, dim = got.value_type, got.list_size
+    if not table.holds(value):
+        name = {"halffloat": "float16"}.get(str(value), str(value))
+        raise SurgeInputError(
+            f"the model gives {name} vectors, and a {table.format} table has no {name} type. Nothing was "
+            f"written to {url!r}. Fix: pass precision='float32' (or 'int8' where it applies), or backfill a "
+            "Lance table."
+        )
+    if column not in schema.names:
+        return
+    kind = schema.field(column).type
+    have_value, have_dim = table.shape(column, kind)
+    if have_value != value or have_dim not in (None, dim):
+        shape = f" holding vectors of dimension {have_dim}" if have_dim is not None else ""
+        raise SurgeInputError(
+            f"the column {column!r} of {url!r} is {kind}{shape}, and the model gives {value} vectors of "
+            f"dimension {dim}. Nothing was written. Fix: pass another column=, or drop {column!r} (and "
+            f"{column + '_text_hash'!r}) from the table."
+        )
 
 
 def backfill(
@@ -59,9 +242,10 @@ def backfill(
     Parameters
     ----------
     table : str or path
-        A Lance table (local path or ``s3://`` URL).
+        A Lance or Delta table (local path or ``s3://`` URL); the format is read from what its
+        root holds (``_versions/`` or ``_delta_log/``).
     text : str
-        Its text column.
+        Its text column (rows with a null text are left alone).
     key : str
         A column whose values identify rows uniquely (the write-back matches rows on it).
     column : str
@@ -77,52 +261,55 @@ def backfill(
     Returns
     -------
     BackfillResult
+
+    Raises
+    ------
+    SurgeInputError
+        Not a Lance or Delta table; no such text or key column; a key that is null or repeated;
+        an existing ``column`` of another type or dimension than the model's vectors.
     """
-    lance = require("lance")
-    where = TableLocation.of(OutputStore.open(table, storage_options))
-    hash_col = f"{column}_text_hash"
-    try:
-        ds = lance.dataset(where.uri, storage_options=where.options)
-    except (ValueError, OSError) as err:
-        raise SurgeInputError(
-            f"no Lance table at {where.url!r} ({err}). Fix: pass a Lance table's path."
-        ) from err
-    names = ds.schema.names
-    for name, what in ((text, "text"), (key, "key")):
-        if name not in names:
-            raise SurgeInputError(
-                f"the table {where.url!r} has no {what} column {name!r} (it has {names}). "
-                f"Fix: pass {what}= one of its columns."
-            )
-    have = column in names and hash_col in names
-    scan = ds.to_table(columns=[key, text, *([hash_col] if have else [])]).to_pandas()
-    current = text_hashes(scan[text].fillna("").astype(object).to_numpy())
-    current_bytes = hash_column(current).to_pylist()
-    stale = (
-        np.ones(len(scan), dtype=bool)
-        if not have
-        else np.array([h is None or h != c for h, c in zip(scan[hash_col], current_bytes)], dtype=bool)
-    )
-    stale &= scan[text].notna().to_numpy()
-    todo = np.flatnonzero(stale)
+    if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
+        raise SurgeValueError(f"chunk_rows={chunk_rows!r}: rows per table version. Fix: pass an int >= 1.")
+    store = OutputStore.open(table, storage_options)
+    where = TableLocation.of(store)
+    target = _open_table(where, store)
+    url, hash_col = where.url, f"{column}_text_hash"
+    schema = target.schema()
+    _check_columns(schema, text, key, url)
+    have = column in schema.names and hash_col in schema.names
+    scan = target.scan([key, text, *([hash_col] if have else [])])
+    _check_keys(scan.column(key), key, url)
+    texts = scan.column(text)
+    valid = np.flatnonzero(np.asarray(texts.is_valid()))  # a row without a text has nothing to embed
+    current = hash_column(text_hashes(texts.take(valid))).cast(pa.binary())
+    if have:
+        recorded = scan.column(hash_col).take(valid).cast(pa.binary())
+        stale = ~np.asarray(pc.fill_null(pc.equal(recorded, current), False), dtype=bool)
+    else:
+        stale = np.ones(len(valid), dtype=bool)
+    todo, todo_hashes = valid[stale], current.filter(pa.array(stale))
+    props = {"id": uuid.uuid4().hex, "text": text, "column": column}
     versions = 0
-    for start in range(0, len(todo), chunk_rows):
+    for n, start in enumerate(range(0, len(todo), chunk_rows)):
         rows = todo[start : start + chunk_rows]
-        part = pd.DataFrame({"text": scan[text].to_numpy()[rows]})
-        got = encode(dd.from_pandas(part, npartitions=1), "text", **options).compute()
-        got = got.sort_values("row")
-        vectors = got["embedding"].to_numpy()
-        dim = len(vectors[0])
-        flat = np.concatenate([np.asarray(v) for v in vectors]) if len(vectors) else np.empty(0, np.float32)
-        emb = pa.FixedSizeListArray.from_arrays(pa.array(flat), dim)
-        hashes = pa.array([current_bytes[i] for i in rows], pa.binary(16))
-        ds = lance.dataset(where.uri, storage_options=where.options)
-        if column not in ds.schema.names:
-            ds.add_columns([pa.field(column, emb.type), pa.field(hash_col, pa.binary(16))])
-            versions += 1
-        keys = pa.array(scan[key].to_numpy()[rows], type=ds.schema.field(key).type)
-        chunk = pa.table({key: keys, column: emb, hash_col: hashes})
-        ds = lance.dataset(where.uri, storage_options=where.options)
-        ds.merge_insert(key).when_matched_update_all().execute(chunk)
-        versions += 1
-    return BackfillResult(rows=len(scan), encoded=len(todo), versions=versions, column=column)
+        part = pd.DataFrame({"text": texts.take(rows).to_pandas()})
+        got = encode(dd.from_pandas(part, npartitions=1), "text", **options).compute().sort_values("row")
+        emb = pa.array(got["embedding"].array)  # fixed_size_list of the model's dtype, as encode() made it
+        emb = emb.combine_chunks() if isinstance(emb, pa.ChunkedArray) else emb
+        if not pa.types.is_fixed_size_list(emb.type):
+            raise SurgeInputError(
+                f"backfill writes one dense vector per row, and this model gives {emb.type}. Nothing was "
+                f"written to {url!r}. Fix: backfill with a dense embedding model."
+            )
+        if n == 0:
+            _check_vectors(target, schema, column, emb.type, url)
+        chunk = pa.table(
+            {
+                key: scan.column(key).take(rows),
+                column: emb,
+                hash_col: todo_hashes[start : start + len(rows)].cast(pa.binary(16)),
+            }
+        )
+        meta = {BACKFILL_PROPERTY: json.dumps({**props, "chunk": n, "rows": len(rows)}, sort_keys=True)}
+        versions += target.write(chunk, key, meta)
+    return BackfillResult(rows=scan.num_rows, encoded=len(todo), versions=versions, column=column)

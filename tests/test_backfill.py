@@ -1,8 +1,9 @@
-"""Backfill an embedding column into an existing Lance table: in place, resumable after a kill,
-readable throughout, and a later backfill encodes only the rows added or changed since."""
+"""Backfill an embedding column into an existing Lance or Delta table: in place, resumable after a
+kill, readable throughout, and a later backfill encodes only the rows added or changed since."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,61 +13,167 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dask_surge.backfill import backfill
+from dask_surge.backfill import BACKFILL_PROPERTY, backfill
 from dask_surge.errors import SurgeInputError
 from dask_surge.testing import checksum_model
 
-lance = pytest.importorskip("lance")
-
 N = 1000
+FORMATS = ["lance", "delta"]
 
 
-def _table(path, n: int = N, start: int = 0):
-    texts = [f"row {i} " + "word " * (i % 9) for i in range(start, start + n)]
-    lance.write_dataset(
-        pa.table({"id": pa.array(range(start, start + n), pa.int64()), "text": texts}),
-        str(path),
-        max_rows_per_file=300,
-    )
+def _module(fmt: str):
+    return pytest.importorskip("lance" if fmt == "lance" else "deltalake")
 
 
-def _check(path) -> None:
-    """Every row with a text holds the embedding of its text."""
-    df = lance.dataset(str(path)).to_table().to_pandas()
+def _write(fmt: str, path, data: pa.Table, mode: str = "create") -> None:
+    if fmt == "lance":
+        _module(fmt).write_dataset(data, str(path), mode=mode, max_rows_per_file=300)
+    else:
+        _module(fmt).write_deltalake(str(path), data, mode="append" if mode == "append" else "error")
+
+
+def _table(fmt: str, path, n: int = N, start: int = 0, ids=None) -> None:
+    ids = list(range(start, start + n)) if ids is None else ids
+    texts = [f"row {i} " + "word " * (i % 9) for i in ids]
+    _write(fmt, path, pa.table({"id": pa.array(ids, pa.int64()), "text": texts}))
+
+
+def _read(fmt: str, path) -> pa.Table:
+    if fmt == "lance":
+        return _module(fmt).dataset(str(path)).to_table()
+    return _module(fmt).DeltaTable(str(path)).to_pyarrow_table()
+
+
+def _commit_properties(fmt: str, path) -> list[dict]:
+    """The commit metadata of every table version, oldest first."""
+    if fmt == "lance":
+        ds = _module(fmt).dataset(str(path))
+        txns = [ds.read_transaction(v["version"]) for v in ds.versions()]
+        return [(t.transaction_properties or {}) if t is not None else {} for t in txns]
+    return sorted(_module(fmt).DeltaTable(str(path)).history(), key=lambda h: h["version"])
+
+
+def _check(fmt: str, path) -> dict[int, np.ndarray]:
+    """Every row with a text holds the embedding of its text, each key once; returns key -> vector."""
+    df = _read(fmt, path).to_pandas().sort_values("id")
+    assert df.id.is_unique
     assert df.embedding.notna().all()
-    np.testing.assert_array_equal(np.stack(df.embedding.to_numpy()), checksum_model(df.text.tolist()))
+    assert _read(fmt, path).schema.field("embedding").type.value_type == pa.float32()  # as the model gives
+    vectors = np.stack(df.embedding.to_numpy())
+    np.testing.assert_array_equal(vectors, checksum_model(df.text.tolist()))
+    return dict(zip(df.id.tolist(), vectors))
 
 
-def test_backfill_then_only_new_and_changed_rows(tmp_path):
-    path = tmp_path / "t.lance"
-    _table(path)
-    first = backfill(path, "text", key="id", model=checksum_model, scheduler="threads", chunk_rows=400)
+def _run(path, **kw):
+    return backfill(path, "text", key="id", model=checksum_model, scheduler="threads", **kw)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_backfill_then_only_new_and_changed_rows(tmp_path, fmt):
+    path = tmp_path / f"t.{fmt}"
+    _table(fmt, path)
+    first = _run(path, chunk_rows=400)
     assert (first.rows, first.encoded) == (N, N)
-    _check(path)
-    version = lance.dataset(str(path)).version
-    again = backfill(path, "text", key="id", model=checksum_model, scheduler="threads")
-    assert again.encoded == 0 and again.versions == 0 and lance.dataset(str(path)).version == version
+    before = _check(fmt, path)
+    marks = [
+        json.loads(p[BACKFILL_PROPERTY]) for p in _commit_properties(fmt, path) if BACKFILL_PROPERTY in p
+    ]
+    assert [(m["chunk"], m["rows"], m["column"]) for m in marks] == [
+        (0, 400, "embedding"),
+        (1, 400, "embedding"),
+        (2, 200, "embedding"),
+    ]
+    assert len({m["id"] for m in marks}) == 1
+    versions = len(_commit_properties(fmt, path))
+    again = _run(path)
+    assert again.encoded == 0 and again.versions == 0 and len(_commit_properties(fmt, path)) == versions
     # 100 new rows (their embedding null), and one row's text changed
-    ds = lance.dataset(str(path))
+    schema = _read(fmt, path).schema
     new = pa.table(
         {
             "id": pa.array(range(N, N + 100), pa.int64()),
             "text": [f"new {i}" for i in range(100)],
-            "embedding": pa.nulls(100, ds.schema.field("embedding").type),
-            "embedding_text_hash": pa.nulls(100, pa.binary(16)),
+            "embedding": pa.nulls(100, schema.field("embedding").type),
+            "embedding_text_hash": pa.nulls(100, schema.field("embedding_text_hash").type),
         }
     )
-    lance.write_dataset(new, str(path), mode="append")
-    lance.dataset(str(path)).update({"text": "'a changed text'"}, where="id = 7")
-    later = backfill(path, "text", key="id", model=checksum_model, scheduler="threads")
+    _write(fmt, path, new, mode="append")
+    if fmt == "lance":
+        _module(fmt).dataset(str(path)).update({"text": "'a changed text'"}, where="id = 7")
+    else:
+        _module(fmt).DeltaTable(str(path)).update({"text": "'a changed text'"}, predicate="id = 7")
+    later = _run(path)
     assert (later.rows, later.encoded) == (N + 100, 101)
-    _check(path)
+    after = _check(fmt, path)
+    assert not np.array_equal(after[7], before[7])
+    for i in range(N):  # the old rows keep the embedding they had, but the changed one
+        if i != 7:
+            np.testing.assert_array_equal(after[i], before[i])
 
 
-def test_backfill_refuses_a_missing_column(tmp_path):
-    _table(tmp_path / "t.lance", 10)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_backfill_refuses_a_missing_column(tmp_path, fmt):
+    _table(fmt, tmp_path / "t", 10)
     with pytest.raises(SurgeInputError, match=r"no key column 'doc'"):
-        backfill(tmp_path / "t.lance", "text", key="doc", model=checksum_model, scheduler="threads")
+        backfill(tmp_path / "t", "text", key="doc", model=checksum_model, scheduler="threads")
+    with pytest.raises(SurgeInputError, match=r"no text column 'body'"):
+        backfill(tmp_path / "t", "body", key="id", model=checksum_model, scheduler="threads")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_backfill_refuses_repeated_keys_before_writing(tmp_path, fmt):
+    path = tmp_path / "t"
+    _table(fmt, path, ids=[0, 1, 2, 2, 3, 4, 4, 4])
+    with pytest.raises(
+        SurgeInputError, match=r"'id' .* not unique: 2 value\(s\) occur more than once \(e.g. 2, 2 times\)"
+    ):
+        _run(path)
+    assert "embedding" not in _read(fmt, path).schema.names
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_backfill_refuses_a_column_of_another_dimension(tmp_path, fmt):
+    path = tmp_path / "t"
+    _table(fmt, path, 5)
+    _run(path, column="emb")  # checksum_model: 2 numbers per text
+    schema = _read(fmt, path).schema
+    one = {"id": pa.array([5], pa.int64()), "text": ["a new row"]}
+    _write(
+        fmt,
+        path,
+        pa.table({**one, **{n: pa.nulls(1, schema.field(n).type) for n in ("emb", "emb_text_hash")}}),
+        "append",
+    )
+    versions = len(_commit_properties(fmt, path))
+
+    def three(texts):
+        return np.zeros((len(texts), 3), np.float32)
+
+    with pytest.raises(
+        SurgeInputError,
+        match=r"column 'emb' .* dimension 2, and the model gives float vectors of dimension 3.*Fix: pass another column=",
+    ):
+        backfill(path, "text", key="id", column="emb", model=three, scheduler="threads")
+    assert len(_commit_properties(fmt, path)) == versions
+
+
+def test_delta_refuses_float16_vectors(tmp_path):
+    _table("delta", tmp_path / "t", 5)
+    with pytest.raises(SurgeInputError, match=r"float16 vectors, and a Delta table has no float16 type"):
+        _run(tmp_path / "t", precision="float16")
+    assert "embedding" not in _read("delta", tmp_path / "t").schema.names
+
+
+def test_backfill_refuses_what_is_not_a_lance_or_delta_table(tmp_path):
+    import pandas as pd
+
+    with pytest.raises(SurgeInputError, match=r"is not a Lance or Delta table: nothing is there"):
+        _run(tmp_path / "nowhere")
+    pd.DataFrame({"id": [1], "text": ["a"]}).to_parquet(tmp_path / "part-0.parquet")
+    with pytest.raises(
+        SurgeInputError, match=r"a directory holding \['part-0.parquet'\]. Fix: pass the root of a Lance"
+    ):
+        _run(tmp_path)
 
 
 DRIVER = """
@@ -84,9 +191,10 @@ bf.backfill(sys.argv[1], "text", key="id", model=checksum_model, scheduler="thre
 """
 
 
-def test_a_killed_backfill_keeps_its_chunks_and_a_rerun_encodes_the_rest(tmp_path):
-    path = tmp_path / "t.lance"
-    _table(path)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_killed_backfill_keeps_its_chunks_and_a_rerun_encodes_the_rest(tmp_path, fmt):
+    path = tmp_path / f"t.{fmt}"
+    _table(fmt, path)
     killed = subprocess.run(
         [sys.executable, "-c", DRIVER, str(path)],
         capture_output=True,
@@ -95,8 +203,63 @@ def test_a_killed_backfill_keeps_its_chunks_and_a_rerun_encodes_the_rest(tmp_pat
         env=dict(os.environ),
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    df = lance.dataset(str(path)).to_table().to_pandas()  # readable: the first chunk in, the rest null
-    assert df.embedding.notna().sum() == 300 and len(df) == N
-    done = backfill(path, "text", key="id", model=checksum_model, scheduler="threads")
+    df = _read(fmt, path).to_pandas()  # readable: the first chunk in, the rest null
+    assert df.embedding.notna().sum() == 300 and len(df) == N and df.id.is_unique
+    done = _run(path)
     assert done.encoded == N - 300
-    _check(path)
+    _check(fmt, path)
+
+
+S3_DRIVER = """
+import json, sys
+import pyarrow as pa
+from dask_surge.backfill import backfill
+from dask_surge.io.tables.locations import object_store_options
+from dask_surge.testing import checksum_model
+fmt, url, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+store = object_store_options(url, options)
+def write(data, mode):
+    if fmt == "lance":
+        import lance
+        lance.write_dataset(data, url, mode=mode, storage_options=store)
+    else:
+        import deltalake
+        deltalake.write_deltalake(url, data, mode="append" if mode == "append" else "error", storage_options=store)
+def read():
+    if fmt == "lance":
+        import lance
+        return lance.dataset(url, storage_options=store).to_table()
+    import deltalake
+    return deltalake.DeltaTable(url, storage_options=store).to_pyarrow_table()
+write(pa.table({"id": pa.array(range(500), pa.int64()), "text": [f"row {i}" for i in range(500)]}), "create")
+run = lambda: backfill(url, "text", key="id", model=checksum_model, scheduler="threads", chunk_rows=200,
+                       storage_options=options).encoded
+first = run()
+schema = read().schema
+write(pa.table({"id": pa.array(range(500, 600), pa.int64()), "text": [f"new {i}" for i in range(100)],
+                "embedding": pa.nulls(100, schema.field("embedding").type),
+                "embedding_text_hash": pa.nulls(100, schema.field("embedding_text_hash").type)}), "append")
+second = run()
+df = read().to_pandas().sort_values("id")
+print(json.dumps([first, second, df.id.tolist(), df.text.tolist(), [list(map(float, v)) for v in df.embedding]]))
+"""
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_backfill_on_loopback_s3(tmp_path, fmt):
+    """In another process: deltalake holds the GIL while it waits on this process's moto server."""
+    pytest.importorskip("moto.server")
+    _module(fmt)
+    from dask_surge.testing import loopback_s3
+
+    with loopback_s3(f"surge-backfill-{fmt}") as (_, options, _fs):  # moto's buckets outlive a server
+        done = subprocess.run(
+            [sys.executable, "-c", S3_DRIVER, fmt, f"s3://surge-backfill-{fmt}/t", json.dumps(options)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second, ids, texts, vectors = json.loads(done.stdout)
+    assert (first, second) == (500, 100) and ids == list(range(600))
+    np.testing.assert_array_equal(np.array(vectors, np.float32), checksum_model(texts))
