@@ -81,9 +81,10 @@ def output_kind(store: OutputStore) -> str:
         return "lance"
     if store.isdir(f"{root}/_delta_log"):
         return "delta"
-    manifest = current_run(store)
-    if manifest is not None and any(r.table for r in manifest.committed().values()):
-        return "iceberg"
+    if store.isdir(f"{root}/metadata"):  # Iceberg's; confirmed by the run's records (a Parquet output has none)
+        manifest = current_run(store)
+        if manifest is not None and any(r.table for r in manifest.committed().values()):
+            return "iceberg"
     return "parquet"
 
 
@@ -359,8 +360,8 @@ def open_index(
                 f"the Lance table {output!r} has no vector index. Fix: build_index({output!r})."
             )
         indexed = _get(indices[0], "num_rows_indexed")
-        info = {"rows": ds.count_rows(), "rows_indexed": indexed}
-        return SurgeIndex("lance", output, _lance_metric(indices[0]), ds, info=info)
+        described = {"rows": ds.count_rows(), "rows_indexed": indexed}
+        return SurgeIndex("lance", output, _lance_metric(indices[0]), ds, info=described)
     faiss = require("faiss")
     where = _faiss_store(output, path, storage_options)
     info = _read_info(where)
@@ -421,7 +422,13 @@ def index_for(
         if found.kind == "faiss" and found.info is not None:
             return {**found.info, "built": False}
         if found.info is not None and found.info.get("rows_indexed") == found.info.get("rows"):
-            return {"kind": "lance", "path": found.path, "metric": metric, "rows": found.info["rows"], "built": False}
+            return {
+                "kind": "lance",
+                "path": found.path,
+                "metric": metric,
+                "rows": found.info["rows"],
+                "built": False,
+            }
     return {**build_index(output, metric=metric, storage_options=storage_options), "built": True}
 
 
