@@ -247,6 +247,36 @@ def test_faiss_index_beside_a_delta_output(tmp_path):
     pos = {(p, r): i for i, (p, r) in enumerate(zip(df.partition, df.row))}
     hits = [pos[(p, r)] for p, r in zip(keys.partition, keys.row)]
     assert np.allclose(np.einsum("ij,ij->i", unit[hits], unit[:5]), 1, atol=1e-5)
+    deltalake.write_deltalake(out, df.head(3), mode="append")  # another writer: the table's version moves on
+    with pytest.raises(
+        dask_surge.SurgeInputError, match=r"older than the output.*now holds .* at table version"
+    ):
+        open_index(out)
+    assert build_index(out)["rows"] == 403  # the table's rows, its other writers' too
+
+
+def test_faiss_index_beside_an_iceberg_output(tmp_path):
+    pytest.importorskip("pyiceberg")
+    import dask
+
+    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}/wh"}
+    out = str(tmp_path / "emb.iceberg")
+    with dask.config.set({"surge.iceberg-catalog": {"name": "surge-index", **props}}):
+        res = _encode(_small(), out, _len_model, format="iceberg", build_index="l2")
+        assert res.index["output_kind"] == "iceberg" and res.index["rows"] == 400
+        index = open_index(out)
+        x = _len_model(_small().compute().text.tolist())
+        _, keys = index.search(x[:3], k=1)
+        frame = _small()
+        hits = [
+            _len_model([frame.partitions[p].compute().text.iloc[r]])[0]
+            for p, r in zip(keys.partition, keys.row)
+        ]
+        assert np.allclose(hits, x[:3])  # each query's nearest by l2: itself (or a row with its vector)
+        # a second run appended to the table: the index is older than it
+        _encode(_small(seed=1), out, _len_model, format="iceberg", mode="append")
+        with pytest.raises(dask_surge.SurgeInputError, match="older than the output"):
+            open_index(out)
 
 
 def test_an_output_that_is_not_dense_vectors_is_refused(tmp_path):

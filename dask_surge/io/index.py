@@ -81,7 +81,9 @@ def output_kind(store: OutputStore) -> str:
         return "lance"
     if store.isdir(f"{root}/_delta_log"):
         return "delta"
-    if store.isdir(f"{root}/metadata"):  # Iceberg's; confirmed by the run's records (a Parquet output has none)
+    if store.isdir(
+        f"{root}/metadata"
+    ):  # Iceberg's; confirmed by the run's records (a Parquet output has none)
         manifest = current_run(store)
         if manifest is not None and any(r.table for r in manifest.committed().values()):
             return "iceberg"
@@ -121,7 +123,7 @@ def lance_index_params(rows: int, dim: int) -> dict:
     return {"index_type": "IVF_PQ", "num_partitions": partitions, "num_sub_vectors": dim // sub}
 
 
-def _stamp(store: OutputStore, kind: str, table: Any = None) -> dict:
+def _stamp(store: OutputStore, kind: str) -> dict:
     """What an index of the output at ``store`` was built from, and what invalidates it: the
     current run's id and committed rows (rows of its files: one per window with ``long_texts="chunk"``),
     and a Delta table's version. An output with no dask-surge run (a table written by another
@@ -141,8 +143,10 @@ def _stamp(store: OutputStore, kind: str, table: Any = None) -> dict:
             "rows_committed": sum(r.output_rows or r.rows for r in committed),
             "complete": manifest.completion() is not None,
         }
-    if kind == "delta" and table is not None:
-        stamp["table_version"] = int(table._open().version())
+    if kind == "delta":
+        location = TableLocation.of(store)
+        dt = require("deltalake").DeltaTable(location.uri, storage_options=location.options)
+        stamp["table_version"] = int(dt.version())
     return stamp
 
 
@@ -207,7 +211,7 @@ def build_index(
         return {"kind": "lance", "path": output, "rows": rows, "metric": metric, **params, **stamp}
     faiss = require("faiss")
     table = _table_of(kind, store) if kind != "parquet" else None
-    stamp = _stamp(store, kind, table)
+    stamp = _stamp(store, kind)
     if stamp["run"] is None:
         raise SurgeInputError(
             f"{output!r} holds no dask-surge run, so nothing says which rows an index of it would cover. "
@@ -220,7 +224,7 @@ def build_index(
         frame = table.read().select(columns).to_pandas()
     # a Parquet output holds exactly its run's committed rows; a table may also hold other writers' rows
     mismatch = table is None and len(frame) != stamp["rows_committed"]
-    if mismatch or _stamp(store, kind, table) != stamp:
+    if mismatch or _stamp(store, kind) != stamp:
         raise SurgeInputError(
             f"{output!r} changed while its index was built (a run is writing there: it held "
             f"{stamp['rows_committed']:,} committed rows, {len(frame):,} were read). Fix: build_index({output!r}) "
@@ -369,7 +373,7 @@ def open_index(
         raise SurgeInputError(
             f"no index at {where.location!r}. Fix: dask_surge.io.index.build_index({output!r})."
         )
-    now = _stamp(store, kind, _table_of(kind, store) if kind != "parquet" else None)
+    now = _stamp(store, kind)
     built = {k: info.get(k) for k in now}
     if built != now:
         raise SurgeInputError(
