@@ -311,6 +311,8 @@ def test_encode_builds_a_lance_index_on_a_lance_output(tmp_path):
     assert res.index["kind"] == "lance" and res.index["metric"] == "l2" and res.index["built"]
     assert "the Lance table's own IVF_FLAT index" in str(res)
     assert open_index(out).metric == "l2"
+    again = _encode(_small(), out, _len_model, format="lance", build_index="l2")
+    assert again.index["built"] is False and "own IVF_FLAT index" in str(again)
 
 
 def test_an_interrupted_run_builds_no_index(tmp_path):

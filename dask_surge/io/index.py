@@ -364,7 +364,11 @@ def open_index(
                 f"the Lance table {output!r} has no vector index. Fix: build_index({output!r})."
             )
         indexed = _get(indices[0], "num_rows_indexed")
-        described = {"rows": ds.count_rows(), "rows_indexed": indexed}
+        described = {
+            "rows": ds.count_rows(),
+            "rows_indexed": indexed,
+            "index_type": _get(indices[0], "index_type"),
+        }
         return SurgeIndex("lance", output, _lance_metric(indices[0]), ds, info=described)
     faiss = require("faiss")
     where = _faiss_store(output, path, storage_options)
@@ -426,13 +430,7 @@ def index_for(
         if found.kind == "faiss" and found.info is not None:
             return {**found.info, "built": False}
         if found.info is not None and found.info.get("rows_indexed") == found.info.get("rows"):
-            return {
-                "kind": "lance",
-                "path": found.path,
-                "metric": metric,
-                "rows": found.info["rows"],
-                "built": False,
-            }
+            return {"kind": "lance", "path": found.path, "metric": metric, **found.info, "built": False}
     return {**build_index(output, metric=metric, storage_options=storage_options), "built": True}
 
 
