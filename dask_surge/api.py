@@ -430,6 +430,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
             )
         },
     )
+    _check_build_index(opts["build_index"], output, family, opts["format"])
     keep = _check_columns(ddf, column, opts["keep"], chunked=long_texts == "chunk", family=family)
     on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
     task = SuperBatchTask(
@@ -493,7 +494,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     appending = out_format != "parquet" and mode == "append"
     done = preflight(store, frame, run_id, overwrite=overwrite or appending, started=started)
     if done is not None:
-        return done
+        return _indexed(done, opts["build_index"], storage_options)
     small = runs_in_process(frame, column) if starting else None
     if small is not None:  # starting workers would take longer than encoding this input
         say_in_process(small)
@@ -504,7 +505,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
         if client is not None:
             _register(task.encoder, client)
         _open_reuse(task, run_id)
-        return write_run(
+        result = write_run(
             RunRequest(
                 frame,
                 task,
@@ -522,6 +523,37 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
                 mode=mode,
             )
         )
+    return _indexed(result, opts["build_index"], storage_options)  # only a completed run gets here
+
+
+def _check_build_index(metric: Any, output: str | None, family: str, out_format: str) -> None:
+    """Refuse ``build_index`` where no index can follow the run, before any work: no output, an output
+    that is not dense vectors, or the index's library missing."""
+    if not metric:
+        return
+    if output is None:
+        raise SurgeValueError(
+            f"build_index={metric!r} indexes the output a written run leaves, and output=None returns a lazy "
+            "frame. Fix: pass output='path/', or leave build_index out."
+        )
+    if family != DENSE:
+        raise SurgeValueError(
+            f"build_index={metric!r}: this model's output is {family} (no 'embedding' vector per row); a "
+            "vector index is built over dense embeddings. Fix: leave build_index out."
+        )
+    from .io.tables import require
+
+    require("lance" if out_format == "lance" else "faiss")
+
+
+def _indexed(result: EncodeResult, metric: Any, storage_options: dict | None) -> EncodeResult:
+    """``result`` of a completed run, with the searchable index of its output built (or the one there
+    kept when it is up to date) when ``build_index`` asks for one."""
+    if metric:
+        from .io.index import index_for
+
+        result.index = index_for(result.output, metric, storage_options=storage_options)
+    return result
 
 
 @contextlib.contextmanager

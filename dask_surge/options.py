@@ -69,6 +69,8 @@ __all__ = [
     "OUTPUT_FORMATS",
     "OutputFormat",
     "TableMode",
+    "IndexMetric",
+    "INDEX_METRICS",
     "Invalid",
     "LONG_TEXTS",
     "DEFAULT_CHUNK_OVERLAP",
@@ -113,6 +115,8 @@ LongTexts = Literal["truncate", "error", "chunk", "mean"]
 OutputFormat = Literal["parquet", "lance", "delta", "iceberg"]
 #: Whether a table output must be new (or this run's), or may be a table the run did not create.
 TableMode = Literal["create", "append"]
+#: The distance a searchable index of the output ranks by (``build_index``).
+IndexMetric = Literal["cosine", "l2", "dot"]
 #: Where a written encode runs: a ``distributed.Client``, a local scheduler, or None (the
 #: active Client, else a local cluster started for the call).
 Scheduler = Any | Literal["sync", "synchronous", "threads"] | None
@@ -148,6 +152,7 @@ ENGINES: tuple[str, ...] = choices(EngineName)
 COMPRESSIONS: tuple[str, ...] = choices(Compression)
 LONG_TEXTS: tuple[str, ...] = choices(LongTexts)
 OUTPUT_FORMATS: tuple[str, ...] = choices(OutputFormat)
+INDEX_METRICS: tuple[str, ...] = choices(IndexMetric)
 #: Tokens two consecutive windows share in ``long_texts="chunk"``/``"mean"`` (the option's default).
 DEFAULT_CHUNK_OVERLAP = 32
 
@@ -352,6 +357,26 @@ def torch_device(value: Any) -> Any:
     )
 
 
+def index_metric(value: Any) -> Any:
+    """``build_index``: False (no index; None too), or the metric of the index (True: ``"cosine"``).
+
+    Examples
+    --------
+    >>> index_metric(True), index_metric(None), index_metric("l2")
+    ('cosine', False, 'l2')
+    """
+    if value is None or value is False:
+        return False
+    if value is True:
+        return "cosine"
+    if isinstance(value, str) and value in INDEX_METRICS:
+        return value
+    raise Invalid(
+        f"must be True, False, None or a metric among {INDEX_METRICS}",
+        "pass build_index=True (cosine), build_index='l2' or build_index='dot', or leave it out",
+    )
+
+
 def threshold(value: str) -> int | str:
     """Command-line form of ``b_min``/``b_max``: ``auto`` or a number of rows."""
     return value if value == "auto" else int(value)
@@ -377,6 +402,10 @@ class Cli:
     type: Callable[[str], Any] | None = None
     action: str | None = None
     help: str | None = None
+    #: argparse's ``nargs`` and ``const`` (``"?"``: the flag alone means ``const``) and ``metavar``
+    nargs: str | None = None
+    const: Any = None
+    metavar: str | None = None
 
 
 @dataclass(frozen=True)
@@ -972,6 +1001,28 @@ OPTIONS: tuple[Option, ...] = (
         cli=Cli(),
     ),
     _opt(
+        "build_index",
+        bool | IndexMetric | None,
+        'bool or {"cosine", "l2", "dot"}, optional',
+        """
+         Once the written run completes, build a searchable index of ``output`` ranked by this
+         metric (``True``: ``"cosine"``; ``False``: none): a Lance table's own vector index, FAISS
+         beside a Parquet, Delta or Iceberg output (``<output>.faiss/``). An index already there and
+         up to date is kept. What was built is the result's ``index``; open it with
+         :func:`dask_surge.io.index.open_index` (see the searchable index in ``docs/output.md``). A
+         run that fails or is interrupted builds nothing. Needs ``pip install "dask-surge[faiss]"``
+         (or ``[lance]`` for a Lance table).""",
+        "once the run completes, build a searchable index of the output: cosine (the flag alone), l2 or dot",
+        default=False,
+        config="build-index",
+        validator=index_metric,
+        vocabulary=IndexMetric,
+        schema={"oneOf": [{"type": "boolean"}, {"enum": list(INDEX_METRICS)}, _NULL]},
+        identity=False,
+        takers="encode",
+        cli=Cli(nargs="?", const="cosine", metavar="METRIC"),
+    ),
+    _opt(
         "scheduler",
         Scheduler,
         'None, distributed.Client, "threads" or "sync"',
@@ -1306,6 +1357,7 @@ class EncodeOptions(_ModelOptions, total=False):
     storage_options: dict | None
     format: OutputFormat | None
     mode: TableMode
+    build_index: bool | IndexMetric | None
     scheduler: Scheduler
     progress: bool | None
     input_token: str | None
@@ -1495,6 +1547,10 @@ def add_arguments(parser: Any, taker: str) -> None:
                 kwargs["type"] = opt.cli.type
             if opt.choices is not None:
                 kwargs["choices"] = opt.choices
+            if opt.cli.nargs is not None:
+                kwargs.update(nargs=opt.cli.nargs, const=opt.cli.const)
+            if opt.cli.metavar is not None:
+                kwargs["metavar"] = opt.cli.metavar
         parser.add_argument(opt.cli.flag or "--" + opt.name.replace("_", "-"), **kwargs)
 
 

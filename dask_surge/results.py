@@ -378,6 +378,9 @@ class EncodeResult:
     #: what one text became (:data:`dask_surge.families.FAMILIES`): "dense" (``embedding``), "sparse"
     #: (``indices``, ``values``) or "multivector" (``vectors``, ``tokens``)
     family: str = "dense"
+    #: the searchable index built once the run completed (``build_index=...``):
+    #: :func:`dask_surge.io.index.build_index`'s description, ``built`` False when the one there was kept
+    index: dict | None = None
     #: what writing each SuperBatch encoded in this call did, in the order they were received
     records: tuple[SuperBatchReport, ...] = field(default=(), repr=False)
 
@@ -430,7 +433,7 @@ class EncodeResult:
             return (
                 f"complete: {self.rows:,} rows in {self.superbatches:,} SuperBatches already in {self.output}, "
                 f"nothing to do (checked in {self.seconds:.1f} s)"
-            )
+            ) + self._index_words()
         ttfo = f"{self.ttfo_s:.2f} s" if self.ttfo_s is not None else "n/a"
         return (
             f"{self.rows:,} rows from {self.partitions:,} partitions in {self.superbatches:,} "
@@ -467,4 +470,20 @@ class EncodeResult:
                 if self.nulls_skipped
                 else ""
             )
+            + self._index_words()
+        )
+
+    def _index_words(self) -> str:
+        """The summary's line on the searchable index (``build_index``), or nothing."""
+        i = self.index
+        if not i:
+            return ""
+        how = "built" if i.get("built", True) else "already up to date, kept"
+        if i.get("kind") == "lance":
+            what = f"the Lance table's own {i.get('index_type', 'vector')} index"
+        else:
+            what = f"a FAISS {i.get('index', 'HNSW')} index at {i.get('path')}"
+        return (
+            f"\nsearchable index ({how}): {what}, {i.get('metric')} distance, {int(i.get('rows', 0)):,} rows; "
+            f"open it with dask_surge.io.index.open_index({self.output!r})"
         )

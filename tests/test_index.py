@@ -56,9 +56,8 @@ def test_faiss_index_beside_a_parquet_output(tmp_path, tiny_model):
         b_max=1000,
     )
     info = build_index(res.output)
-    assert (
-        info["kind"] == "faiss" and info["rows"] == 2000 and (tmp_path / "emb.faiss" / "index.faiss").exists()
-    )
+    assert info["kind"] == "faiss" and info["rows"] == 2000 and info["rows_committed"] == 2000
+    assert info["run"] == res.run_id and (tmp_path / "emb.faiss" / info["index_file"]).exists()
     df = dask_surge.read_embeddings(res.output).compute().reset_index(drop=True)
     _check(open_index(res.output), df, 0.9)
     # the output itself stays a valid output: a rerun resumes (nothing foreign inside it)
@@ -115,3 +114,256 @@ def test_a_lance_index_is_searched_with_the_metric_it_was_built_with(tmp_path):
     assert index.metric == "l2"
     _, keys = index.search(x[:3], k=1)
     assert keys.row.tolist() == [0, 1, 2]  # each vector's nearest by l2 is itself
+
+
+# -- staleness: an index older than its output is refused, never searched -------------------------------
+
+
+def _small(n: int = 400, seed: int = 0, npartitions: int = 8):
+    import dask.dataframe as dd
+
+    rng = np.random.default_rng(seed)
+    texts = [f"text {i} " + "x" * int(rng.integers(1, 40)) for i in range(n)]
+    return dd.from_pandas(pd.DataFrame({"text": texts}), npartitions=npartitions)
+
+
+def _encode(frame, out, model, **kw):
+    kw = {"scheduler": "sync", "progress": False, "b_min": 50, "b_max": 100, **kw}
+    return frame.surge.encode("text", output=out, model=model, **kw)
+
+
+def test_an_index_of_a_run_resumed_since_is_refused_until_rebuilt(tmp_path):
+    # before: open_index returned the index of the first 100 rows for a 400-row output, silently
+    from dask_surge.testing import InterruptAfter
+
+    out = str(tmp_path / "emb")
+    model = InterruptAfter(3)
+    with pytest.raises(KeyboardInterrupt):
+        _encode(_small(), out, model)
+    partial = build_index(out)
+    assert 0 < partial["rows"] < 400 and partial["complete"] is False
+    _encode(_small(), out, model)  # the same call again: resumes, commits the rest
+    with pytest.raises(dask_surge.SurgeInputError, match=r"older than the output.*Fix: build_index"):
+        open_index(out)
+    assert build_index(out)["rows"] == 400
+    index = open_index(out)
+    assert len(index._keys) == 400 and index.info["complete"] is True
+
+
+def test_an_index_of_an_overwritten_output_is_refused(tmp_path):
+    out = str(tmp_path / "emb")
+    first = _encode(_small(seed=0), out, _len_model)
+    build_index(out)
+    second = _encode(_small(seed=1), out, _len_model, overwrite=True)
+    assert second.run_id != first.run_id
+    with pytest.raises(
+        dask_surge.SurgeInputError, match=f"built from run {first.run_id}.*now holds run {second.run_id}"
+    ):
+        open_index(out)
+
+
+def _len_model(texts):
+    return np.array([[len(t), t.count("x") + 1.0, 1.0] for t in texts], dtype=np.float32)
+
+
+def test_a_rebuild_replaces_the_files_and_leaves_no_old_ones(tmp_path):
+    out = str(tmp_path / "emb")
+    _encode(_small(), out, _len_model)
+    first = build_index(out, metric="l2")
+    second = build_index(out)
+    files = sorted(p.name for p in (tmp_path / "emb.faiss").iterdir())
+    assert files == sorted(["index.json", second["index_file"], second["keys_file"]])
+    assert first["index_file"] != second["index_file"] and open_index(out).metric == "cosine"
+
+
+# -- other places: memory://, S3; other tables: Delta ---------------------------------------------------
+
+
+def test_faiss_index_of_a_memory_output(tiny_model):
+    import uuid
+
+    out = f"memory://surge-index-{uuid.uuid4().hex}/emb"
+    _encode(_frame(), out, tiny_model, b_min=500, b_max=1000)
+    info = build_index(out)
+    assert info["path"] == f"{out}.faiss"
+    df = dask_surge.read_embeddings(out).compute(scheduler="sync").reset_index(drop=True)
+    _check(open_index(out), df, 0.9)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from dask_surge.testing import loopback_s3
+
+    with loopback_s3("surge-index") as server:
+        yield server
+
+
+def test_faiss_index_beside_a_parquet_output_on_s3(s3, tiny_model):
+    _, options, fs = s3
+    out = "s3://surge-index/emb"
+    res = _encode(_frame(), out, tiny_model, b_min=500, b_max=1000, storage_options=options)
+    info = build_index(out, storage_options=options)
+    assert info["rows"] == 2000 and info["run"] == res.run_id
+    assert set(fs.ls("surge-index/emb.faiss", detail=False)) == {
+        f"surge-index/emb.faiss/{n}" for n in ("index.json", info["index_file"], info["keys_file"])
+    }
+    df = dask_surge.read_embeddings(out, storage_options=options).compute(scheduler="sync")
+    _check(open_index(out, storage_options=options), df.reset_index(drop=True), 0.9)
+    # overwritten on S3: the index beside it is refused
+    _encode(_small(), out, _len_model, overwrite=True, storage_options=options)
+    with pytest.raises(dask_surge.SurgeInputError, match="older than the output"):
+        open_index(out, storage_options=options)
+
+
+def test_lance_index_on_a_lance_output_on_s3(s3, tiny_model):
+    lance = pytest.importorskip("lance")
+    from dask_surge.io.tables.locations import object_store_options
+
+    _, options, fs = s3
+    out = "s3://surge-index/emb.lance"
+    _encode(_frame(), out, tiny_model, b_min=500, b_max=1000, format="lance", storage_options=options)
+    assert fs.isdir("surge-index/emb.lance/_versions")
+    info = build_index(out, storage_options=options)
+    assert info["kind"] == "lance" and info["rows"] == 2000
+    assert fs.ls("surge-index/emb.lance/_indices")  # the index is in the table, on S3
+    ds = lance.dataset(out, storage_options=object_store_options(out, options))
+    _check(open_index(out, storage_options=options), ds.to_table().to_pandas(), 0.8)
+
+
+def test_faiss_index_beside_a_delta_output(tmp_path):
+    pytest.importorskip("deltalake")
+    out = str(tmp_path / "emb.delta")
+    res = _encode(_small(), out, _len_model, format="delta")
+    info = build_index(out)
+    assert info["output_kind"] == "delta" and info["rows"] == 400 and info["run"] == res.run_id
+    import deltalake
+
+    df = deltalake.DeltaTable(out).to_pandas()
+    x = np.stack(df.embedding.to_numpy()).astype(np.float32)
+    _, keys = open_index(out).search(x[:5], k=1)
+    unit = x / np.linalg.norm(x, axis=1, keepdims=True)
+    pos = {(p, r): i for i, (p, r) in enumerate(zip(df.partition, df.row))}
+    hits = [pos[(p, r)] for p, r in zip(keys.partition, keys.row)]
+    assert np.allclose(np.einsum("ij,ij->i", unit[hits], unit[:5]), 1, atol=1e-5)
+    deltalake.write_deltalake(out, df.head(3), mode="append")  # another writer: the table's version moves on
+    with pytest.raises(
+        dask_surge.SurgeInputError, match=r"older than the output.*now holds .* at table version"
+    ):
+        open_index(out)
+    assert build_index(out)["rows"] == 403  # the table's rows, its other writers' too
+
+
+def test_faiss_index_beside_an_iceberg_output(tmp_path):
+    pytest.importorskip("pyiceberg")
+    import dask
+
+    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}/wh"}
+    out = str(tmp_path / "emb.iceberg")
+    with dask.config.set({"surge.iceberg-catalog": {"name": "surge-index", **props}}):
+        res = _encode(_small(), out, _len_model, format="iceberg", build_index="l2")
+        assert res.index["output_kind"] == "iceberg" and res.index["rows"] == 400
+        index = open_index(out)
+        x = _len_model(_small().compute().text.tolist())
+        _, keys = index.search(x[:3], k=1)
+        frame = _small()
+        hits = [
+            _len_model([frame.partitions[p].compute().text.iloc[r]])[0]
+            for p, r in zip(keys.partition, keys.row)
+        ]
+        assert np.allclose(hits, x[:3])  # each query's nearest by l2: itself (or a row with its vector)
+        # a second run appended to the table: the index is older than it
+        _encode(_small(seed=1), out, _len_model, format="iceberg", mode="append")
+        with pytest.raises(dask_surge.SurgeInputError, match="older than the output"):
+            open_index(out)
+
+
+def test_an_output_that_is_not_dense_vectors_is_refused(tmp_path):
+    with pytest.raises(dask_surge.SurgeInputError, match="holds no dask-surge run"):
+        build_index(str(tmp_path))
+    with pytest.raises(dask_surge.SurgeInputError, match="metric='hamming'"):
+        build_index(str(tmp_path), metric="hamming")  # type: ignore[arg-type]
+
+
+# -- encode(build_index=...) ------------------------------------------------------------------------------
+
+
+def test_encode_builds_the_index_once_the_run_completes(tmp_path, tiny_model):
+    out = str(tmp_path / "emb")
+    res = _encode(_frame(), out, tiny_model, b_min=500, b_max=1000, build_index=True)
+    assert res.index["kind"] == "faiss" and res.index["metric"] == "cosine" and res.index["built"]
+    assert res.index["rows"] == 2000 and res.as_dict()["index"]["run"] == res.run_id
+    assert "searchable index (built): a FAISS HNSW32 index" in str(res)
+    df = dask_surge.read_embeddings(out).compute().reset_index(drop=True)
+    _check(open_index(out), df, 0.9)
+    again = _encode(_frame(), out, tiny_model, b_min=500, b_max=1000, build_index="cosine")
+    assert again.nothing_to_do and again.index["built"] is False
+    assert "already up to date, kept" in str(again)
+    other = _encode(_frame(), out, tiny_model, b_min=500, b_max=1000, build_index="l2")
+    assert other.index["built"] and open_index(out).metric == "l2"
+
+
+def test_encode_builds_a_lance_index_on_a_lance_output(tmp_path):
+    pytest.importorskip("lance")
+    out = str(tmp_path / "emb.lance")
+    res = _encode(_small(), out, _len_model, format="lance", build_index="l2")
+    assert res.index["kind"] == "lance" and res.index["metric"] == "l2" and res.index["built"]
+    assert "the Lance table's own IVF_FLAT index" in str(res)
+    assert open_index(out).metric == "l2"
+    again = _encode(_small(), out, _len_model, format="lance", build_index="l2")
+    assert again.index["built"] is False and "own IVF_FLAT index" in str(again)
+
+
+def test_an_interrupted_run_builds_no_index(tmp_path):
+    from dask_surge.testing import InterruptAfter
+
+    out = str(tmp_path / "emb")
+    with pytest.raises(KeyboardInterrupt):
+        _encode(_small(), out, InterruptAfter(2), build_index=True)
+    assert not (tmp_path / "emb.faiss").exists()
+
+
+def test_build_index_is_refused_without_an_output_or_with_a_bad_value():
+    with pytest.raises(dask_surge.SurgeValueError, match=r"build_index='cosine'.*output=None.*Fix"):
+        _small().surge.encode("text", model=_len_model, build_index=True)
+    with pytest.raises(dask_surge.SurgeValueError, match=r"build_index='hamming'.*Fix"):
+        _small().surge.encode("text", "out", model=_len_model, build_index="hamming")
+
+
+def test_build_index_from_the_config_and_the_command_line(tmp_path):
+    import dask
+
+    from dask_surge import cli, config
+    from dask_surge.options import from_arguments
+
+    with dask.config.set({"surge.build-index": "dot"}):
+        assert config.bind("encode", {})["build_index"] == "dot"
+    assert config.bind("encode", {})["build_index"] is False
+    parser = cli.build_parser()
+    for flags, want in (([], None), (["--build-index"], "cosine"), (["--build-index", "l2"], "l2")):
+        args = parser.parse_args(["encode", "in.parquet", "--text-column", "t", "--output", "o", *flags])
+        assert from_arguments(args, "encode")["build_index"] == want
+    with pytest.raises(SystemExit):
+        parser.parse_args(["encode", "x", "--text-column", "t", "--output", "o", "--build-index", "cos"])
+
+
+# -- LanceDB reads what build_index built ----------------------------------------------------------------
+
+
+def test_lancedb_searches_a_lance_output_with_its_index(tmp_path, tiny_model):
+    lancedb = pytest.importorskip("lancedb")
+    lance = pytest.importorskip("lance")
+    out = tmp_path / "emb.lance"
+    _encode(_frame(), str(out), tiny_model, b_min=500, b_max=1000, format="lance", build_index=True)
+    table = lancedb.connect(str(tmp_path)).open_table("emb")
+    assert [i.index_type for i in table.list_indices()] == ["IvfFlat"]
+    df = lance.dataset(str(out)).to_table().to_pandas()
+    x = _vectors(df)
+    queries = np.arange(0, len(df), 20)
+    pos = {(p, r): i for i, (p, r) in enumerate(zip(df.partition, df.row))}
+    found = []
+    for q in queries:
+        hits = table.search(x[q]).distance_type("cosine").nprobes(20).refine_factor(10).limit(10).to_pandas()
+        found.append([pos[(p, r)] for p, r in zip(hits.partition, hits.row)])
+    assert recall_at_k(np.array(found), exact_neighbours(x, x[queries], 10)) >= 0.8

@@ -1,18 +1,31 @@
-"""A searchable index over an output: Lance's own ANN index on a Lance table, FAISS beside Parquet.
+"""A searchable index over an output: Lance's own ANN index on a Lance table, FAISS beside the others.
 
-:func:`build_index` builds it once a run has completed; :func:`open_index` opens it with one
-call and :meth:`SurgeIndex.search` returns the ``k`` nearest rows' keys (``partition``,
-``row``) and distances. :func:`recall_at_k` measures an index against exact search on the
-same vectors (the figure ``docs/performance.md`` states; it is measured, never assumed).
+:func:`build_index` builds it once a run has completed (``encode(..., build_index=True)`` does it for
+you); :func:`open_index` opens it with one call and :meth:`SurgeIndex.search` returns the ``k``
+nearest rows' keys (``partition``, ``row``) and distances. :func:`recall_at_k` measures an index
+against exact search on the same vectors (the figure ``docs/performance.md`` states; it is
+measured, never assumed). Every location is reached through the output's
+:class:`~dask_surge.io.store.OutputStore` (a local path, ``memory://`` or ``s3://`` with
+``storage_options``), never as a local path.
 
-* **Lance table** (``format="lance"``): the table's own vector index on ``embedding``
-  (``IVF_PQ`` from 5,000 rows, with about ``sqrt(rows)`` partitions and ``dim / 8`` (or
-  ``/ 4``, ``/ 2``, ``/ 1``) sub-vectors, what Lance's docs recommend; ``IVF_FLAT`` below), a new
-  table version that readers (LanceDB, ``lance.dataset(...).to_table(nearest=...)``) use.
-* **Parquet output**: a FAISS HNSW index (``HNSW32``, ``efSearch`` 64; no training) of the
-  committed rows, written beside the output at ``<output>.faiss/``: ``index.faiss``,
-  ``keys.parquet`` (the ``partition`` and ``row`` of each vector, in index order) and
-  ``index.json`` (the run, the metric, the count). cuVS is not used (no GPU index here).
+* **Lance table** (``format="lance"``, found by its ``_versions/``): the table's own vector
+  index on ``embedding`` (``IVF_PQ`` from 5,000 rows, with about ``sqrt(rows)`` partitions and
+  ``dim / 8`` (or ``/ 4``, ``/ 2``, ``/ 1``) sub-vectors, what Lance's docs recommend;
+  ``IVF_FLAT`` below), a new table version that readers (LanceDB,
+  ``lance.dataset(...).to_table(nearest=...)``) use. It never goes stale: rows committed after it
+  are searched exhaustively by Lance (slower, not wrong) until it is built again.
+* **Parquet output**, **Delta** and **Iceberg tables**: a FAISS HNSW index (``HNSW32``,
+  ``efSearch`` 64; no training) of the committed rows (a Parquet output's read with
+  :func:`~dask_surge.io.readers.read_embeddings`, a table's with its table library), written
+  beside the output at ``<output>.faiss/`` through the store: ``index-<id>.faiss``,
+  ``keys-<id>.parquet`` (the ``partition`` and ``row`` of each vector, in index order) and
+  ``index.json``, written last, which names those two files, the metric, the row count and what
+  the index was built from: the output's run id and its committed rows (and a table's version).
+  :func:`open_index` compares that with the output as it is now and refuses an index older than
+  it (the output overwritten, resumed with more rows, or appended to): its keys would name rows
+  that are not the output's.
+
+cuVS is not used: nothing here has a GPU to test it on.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import io
 import json
 import math
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,17 +42,52 @@ import numpy as np
 import pandas as pd
 
 from ..errors import SurgeInputError
+from ..families import DENSE, family_of_run
+from .manifest import current_run
 from .readers import read_embeddings
 from .store import OutputStore
-from .tables import require
+from .tables import open_table, require
+from .tables.locations import TableLocation
 
-__all__ = ["SurgeIndex", "build_index", "open_index", "recall_at_k", "exact_neighbours"]
+__all__ = [
+    "METRICS",
+    "SurgeIndex",
+    "build_index",
+    "open_index",
+    "index_for",
+    "recall_at_k",
+    "exact_neighbours",
+    "output_kind",
+]
 
 Metric = Literal["cosine", "l2", "dot"]
+#: the distances an index ranks by
+METRICS: tuple[str, ...] = ("cosine", "l2", "dot")
+#: the FAISS index beside an output: ``<output>`` + this
+FAISS_SUFFIX = ".faiss"
+#: the description of a FAISS index, written last
+INDEX_JSON = "index.json"
 
 
-def _is_lance(path: str) -> bool:
-    return os.path.isdir(os.path.join(path, "_versions"))
+def output_kind(store: OutputStore) -> str:
+    """What the output at ``store`` is: ``"lance"``, ``"delta"``, ``"iceberg"`` or ``"parquet"``.
+
+    Read from the store: a Lance table has ``_versions/``, a Delta table ``_delta_log/``; an Iceberg
+    table is a run whose commit records name table files (its catalog holds the rest); anything else
+    is a Parquet output.
+    """
+    root = store.root
+    if store.isdir(f"{root}/_versions"):
+        return "lance"
+    if store.isdir(f"{root}/_delta_log"):
+        return "delta"
+    if store.isdir(
+        f"{root}/metadata"
+    ):  # Iceberg's; confirmed by the run's records (a Parquet output has none)
+        manifest = current_run(store)
+        if manifest is not None and any(r.table for r in manifest.committed().values()):
+            return "iceberg"
+    return "parquet"
 
 
 def _matrix(values: Any) -> np.ndarray:
@@ -48,6 +97,13 @@ def _matrix(values: Any) -> np.ndarray:
 def _normalized(x: np.ndarray) -> np.ndarray:
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     return x / np.where(norms == 0, 1, norms)
+
+
+def _check_metric(metric: Any) -> None:
+    if metric not in METRICS:
+        raise SurgeInputError(
+            f"metric={metric!r} is not a metric of build_index. Fix: choose cosine, l2 or dot."
+        )
 
 
 def lance_index_params(rows: int, dim: int) -> dict:
@@ -67,37 +123,113 @@ def lance_index_params(rows: int, dim: int) -> dict:
     return {"index_type": "IVF_PQ", "num_partitions": partitions, "num_sub_vectors": dim // sub}
 
 
-def build_index(output: str | os.PathLike, *, metric: Metric = "cosine", path: str | None = None) -> dict:
+def _stamp(store: OutputStore, kind: str) -> dict:
+    """What an index of the output at ``store`` was built from, and what invalidates it: the
+    current run's id and committed rows (rows of its files: one per window with ``long_texts="chunk"``),
+    and a Delta table's version. An output with no dask-surge run (a table written by another
+    tool) stamps ``run`` None."""
+    manifest = current_run(store)
+    stamp: dict[str, Any] = {"run": None, "rows_committed": None}
+    if manifest is not None:
+        family = family_of_run(manifest.fingerprint)
+        if family != DENSE:
+            raise SurgeInputError(
+                f"{store.location!r} holds a {family} output (no 'embedding' column of one vector per row); "
+                "a vector index is built over dense embeddings. Fix: build the index of a dense model's output."
+            )
+        committed = manifest.committed().values()
+        stamp = {
+            "run": manifest.run_id,
+            "rows_committed": sum(r.output_rows or r.rows for r in committed),
+            "complete": manifest.completion() is not None,
+        }
+    if kind == "delta":
+        location = TableLocation.of(store)
+        dt = require("deltalake").DeltaTable(location.uri, storage_options=location.options)
+        stamp["table_version"] = int(dt.version())
+    return stamp
+
+
+def _faiss_store(output: str, path: str | None, storage_options: dict | None) -> OutputStore:
+    return OutputStore.open(path or f"{output}{FAISS_SUFFIX}", storage_options)
+
+
+def _table_of(kind: str, store: OutputStore) -> Any:
+    """The table object of a Delta or Iceberg output (its rows are read through its library)."""
+    return open_table(kind, TableLocation.of(store))
+
+
+def _lance_dataset(store: OutputStore) -> Any:
+    lance = require("lance")
+    location = TableLocation.of(store)
+    return lance.dataset(location.uri, storage_options=location.options)
+
+
+def build_index(
+    output: str | os.PathLike,
+    *,
+    metric: Metric = "cosine",
+    path: str | None = None,
+    storage_options: dict | None = None,
+) -> dict:
     """Build the searchable index of a completed output; returns what was built.
 
     Parameters
     ----------
     output : str or path
-        A Lance table written with ``format="lance"``, or a Parquet output directory.
+        A Lance table written with ``format="lance"``, a Parquet output directory, or a Delta or
+        Iceberg table output (for Iceberg, with the ``surge.iceberg-catalog`` it was written with).
     metric : {"cosine", "l2", "dot"}
         The distance the index ranks by.
     path : str, optional
-        Parquet outputs: where the FAISS index goes (default ``<output>.faiss``).
+        Outputs other than Lance: where the FAISS index goes (default ``<output>.faiss``).
+    storage_options : dict, optional
+        fsspec options of ``output`` (and of ``path``), as :func:`dask_surge.encode` takes them.
 
     Returns
     -------
     dict
-        ``kind`` (``"lance"`` or ``"faiss"``), ``path``, ``rows``, and the index's parameters.
+        ``kind`` (``"lance"`` or ``"faiss"``), ``path``, ``rows``, ``metric``, the index's
+        parameters, and what it was built from (``run``, ``rows_committed``).
+
+    Raises
+    ------
+    SurgeInputError
+        For a metric that is not one, an output with no committed rows or no dense embeddings, or an
+        output that changed while the index was built.
     """
+    _check_metric(metric)
     output = os.fspath(output).rstrip("/")
-    if metric not in ("cosine", "l2", "dot"):
-        raise SurgeInputError(
-            f"metric={metric!r} is not a metric of build_index. Fix: choose cosine, l2 or dot."
-        )
-    if _is_lance(output):
-        lance = require("lance")
-        ds = lance.dataset(output)
+    store = OutputStore.open(output, storage_options)
+    kind = output_kind(store)
+    if kind == "lance":
+        stamp = _stamp(store, kind)
+        ds = _lance_dataset(store)
         rows, dim = ds.count_rows(), ds.schema.field("embedding").type.list_size
         params = lance_index_params(rows, dim)
         ds.create_index("embedding", metric=metric, replace=True, **params)
-        return {"kind": "lance", "path": output, "rows": rows, "metric": metric, **params}
+        return {"kind": "lance", "path": output, "rows": rows, "metric": metric, **params, **stamp}
     faiss = require("faiss")
-    frame = read_embeddings(output, columns=["partition", "row", "embedding"]).compute()
+    table = _table_of(kind, store) if kind != "parquet" else None
+    stamp = _stamp(store, kind)
+    if stamp["run"] is None:
+        raise SurgeInputError(
+            f"{output!r} holds no dask-surge run, so nothing says which rows an index of it would cover. "
+            "Fix: pass the output of ddf.surge.encode(..., output=...)."
+        )
+    columns = ["partition", "row", "embedding"]
+    if table is None:
+        frame = read_embeddings(output, columns=columns, storage_options=storage_options).compute()
+    else:
+        frame = table.read().select(columns).to_pandas()
+    # a Parquet output holds exactly its run's committed rows; a table may also hold other writers' rows
+    mismatch = table is None and len(frame) != stamp["rows_committed"]
+    if mismatch or _stamp(store, kind) != stamp:
+        raise SurgeInputError(
+            f"{output!r} changed while its index was built (a run is writing there: it held "
+            f"{stamp['rows_committed']:,} committed rows, {len(frame):,} were read). Fix: build_index({output!r}) "
+            "again once the run completes."
+        )
     x = _matrix(frame["embedding"])
     if metric == "cosine":
         x = _normalized(x)
@@ -106,25 +238,41 @@ def build_index(output: str | os.PathLike, *, metric: Metric = "cosine", path: s
     )
     index.hnsw.efSearch = 64
     index.add(x)
-    where = path or f"{output}.faiss"
-    store = OutputStore.open(where)
-    store.makedirs(store.root)
+    where = _faiss_store(output, path, storage_options)
+    where.makedirs(where.root)
     keys = io.BytesIO()
     frame[["partition", "row"]].reset_index(drop=True).to_parquet(keys)
+    token = uuid.uuid4().hex[:12]
     info = {
         "kind": "faiss",
-        "path": where,
+        "path": where.location,
         "rows": len(x),
         "metric": metric,
         "index": "HNSW32",
         "ef_search": 64,
         "output": output,
+        "output_kind": kind,
+        "index_file": f"index-{token}.faiss",
+        "keys_file": f"keys-{token}.parquet",
+        **stamp,
     }
-    # each file atomic; index.json last: an index is there once its description is
-    store.write(f"{store.root}/index.faiss", faiss.serialize_index(index).tobytes())
-    store.write(f"{store.root}/keys.parquet", keys.getvalue())
-    store.write(f"{store.root}/index.json", json.dumps(info, sort_keys=True).encode())
+    old = _read_info(where)
+    # the data files under new names, index.json (atomic) last: it names them, so an index is there whole
+    # or not at all, and a rebuild killed half-way leaves the previous one as it was
+    where.write(f"{where.root}/{info['index_file']}", faiss.serialize_index(index).tobytes())
+    where.write(f"{where.root}/{info['keys_file']}", keys.getvalue())
+    where.write(f"{where.root}/{INDEX_JSON}", json.dumps(info, sort_keys=True).encode())
+    for name in (old or {}).get("index_file"), (old or {}).get("keys_file"):
+        if name and name not in (info["index_file"], info["keys_file"]):
+            where.unlink(f"{where.root}/{name}")
     return info
+
+
+def _read_info(where: OutputStore) -> dict | None:
+    try:
+        return json.loads(where.read(f"{where.root}/{INDEX_JSON}"))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 @dataclass
@@ -136,6 +284,8 @@ class SurgeIndex:
     metric: str
     _index: Any
     _keys: pd.DataFrame | None = None
+    #: what :func:`build_index` recorded (a FAISS index), or the Lance index's description
+    info: dict | None = None
 
     def search(self, queries: Any, k: int = 10) -> tuple[np.ndarray, pd.DataFrame]:
         """The ``k`` nearest rows of each query: ``(distances (q, k), keys)``; ``keys`` holds
@@ -175,37 +325,113 @@ def _lance_metric(index: Any) -> str:
     installed Lance does not say."""
     details = index.get("details") if isinstance(index, dict) else getattr(index, "details", None)
     metric = str(details.get("metric_type", "cosine")).lower() if isinstance(details, dict) else "cosine"
-    return metric if metric in ("cosine", "l2", "dot") else "cosine"
+    return metric if metric in METRICS else "cosine"
 
 
-def open_index(output: str | os.PathLike, *, path: str | None = None) -> SurgeIndex:
-    """Open the index :func:`build_index` built for ``output`` (one call)."""
+def _lance_indices(ds: Any) -> list:
+    return list(ds.describe_indices() if hasattr(ds, "describe_indices") else ds.list_indices())
+
+
+def open_index(
+    output: str | os.PathLike, *, path: str | None = None, storage_options: dict | None = None
+) -> SurgeIndex:
+    """Open the index :func:`build_index` built for ``output`` (one call).
+
+    Parameters
+    ----------
+    output : str or path
+        The output the index was built for.
+    path : str, optional
+        Where the FAISS index is, when it was built with ``path=``.
+    storage_options : dict, optional
+        fsspec options of ``output`` (and of ``path``).
+
+    Raises
+    ------
+    SurgeInputError
+        When there is no index, or the FAISS index is older than the output (built from another
+        run, or from fewer committed rows, or from another table version): it would return keys of
+        rows that are not the output's.
+    """
     output = os.fspath(output).rstrip("/")
-    if _is_lance(output):
-        lance = require("lance")
-        ds = lance.dataset(output)
-        indices = ds.describe_indices() if hasattr(ds, "describe_indices") else ds.list_indices()
+    store = OutputStore.open(output, storage_options)
+    kind = output_kind(store)
+    if kind == "lance":
+        ds = _lance_dataset(store)
+        indices = [i for i in _lance_indices(ds) if "embedding" in _field_names(i)]
         if not indices:
             raise SurgeInputError(
                 f"the Lance table {output!r} has no vector index. Fix: build_index({output!r})."
             )
-        return SurgeIndex("lance", output, _lance_metric(indices[0]), ds)
+        indexed = _get(indices[0], "num_rows_indexed")
+        described = {
+            "rows": ds.count_rows(),
+            "rows_indexed": indexed,
+            "index_type": _get(indices[0], "index_type"),
+        }
+        return SurgeIndex("lance", output, _lance_metric(indices[0]), ds, info=described)
     faiss = require("faiss")
-    where = path or f"{output}.faiss"
-    try:
-        with open(os.path.join(where, "index.json")) as f:
-            info = json.load(f)
-    except FileNotFoundError:
+    where = _faiss_store(output, path, storage_options)
+    info = _read_info(where)
+    if info is None:
         raise SurgeInputError(
-            f"no index at {where!r}. Fix: dask_surge.io.index.build_index({output!r})."
-        ) from None
-    return SurgeIndex(
-        "faiss",
-        where,
-        info["metric"],
-        faiss.read_index(os.path.join(where, "index.faiss")),
-        pd.read_parquet(os.path.join(where, "keys.parquet")),
-    )
+            f"no index at {where.location!r}. Fix: dask_surge.io.index.build_index({output!r})."
+        )
+    now = _stamp(store, kind)
+    built = {k: info.get(k) for k in now}
+    if built != now:
+        raise SurgeInputError(
+            f"the index at {where.location!r} is older than the output {output!r}: it was built from "
+            f"{_said(built)}, the output now holds {_said(now)} (overwritten, resumed or appended to since), so "
+            f"its keys would not name the output's rows. Fix: build_index({output!r}) again "
+            "(or encode(..., build_index=True))."
+        )
+    index = faiss.deserialize_index(np.frombuffer(where.read(f"{where.root}/{info['index_file']}"), np.uint8))
+    keys = pd.read_parquet(io.BytesIO(where.read(f"{where.root}/{info['keys_file']}")))
+    if index.ntotal != info["rows"] or len(keys) != info["rows"]:
+        raise SurgeInputError(
+            f"the index at {where.location!r} is damaged: index.json says {info['rows']:,} rows, its index "
+            f"holds {index.ntotal:,} and its keys {len(keys):,}. Fix: build_index({output!r}) again."
+        )
+    return SurgeIndex("faiss", where.location, info["metric"], index, keys, info)
+
+
+def _said(stamp: dict) -> str:
+    words = f"run {stamp.get('run')} with {stamp.get('rows_committed') or 0:,} committed rows"
+    return words + (f" at table version {stamp['table_version']}" if "table_version" in stamp else "")
+
+
+def _get(index: Any, name: str) -> Any:
+    return index.get(name) if isinstance(index, dict) else getattr(index, name, None)
+
+
+def _field_names(index: Any) -> list[str]:
+    names = _get(index, "field_names") or _get(index, "fields") or ["embedding"]
+    return [str(n) for n in names] if all(isinstance(n, str) for n in names) else ["embedding"]
+
+
+def index_for(
+    output: str | os.PathLike, metric: Metric = "cosine", *, storage_options: dict | None = None
+) -> dict:
+    """The index of ``output`` with ``metric``: the one there when it is up to date, else a new one
+    (:func:`build_index`). What :func:`dask_surge.encode` calls with ``build_index=...``.
+
+    Returns
+    -------
+    dict
+        :func:`build_index`'s description, with ``built`` False when the index there was kept.
+    """
+    _check_metric(metric)
+    try:
+        found = open_index(output, storage_options=storage_options)
+    except SurgeInputError:
+        found = None
+    if found is not None and found.metric == metric:
+        if found.kind == "faiss" and found.info is not None:
+            return {**found.info, "built": False}
+        if found.info is not None and found.info.get("rows_indexed") == found.info.get("rows"):
+            return {"kind": "lance", "path": found.path, "metric": metric, **found.info, "built": False}
+    return {**build_index(output, metric=metric, storage_options=storage_options), "built": True}
 
 
 def exact_neighbours(
