@@ -291,6 +291,14 @@ class SuperBatchReport:
     clock_shift : float
         Seconds :meth:`on_client_clock` added to its times (0: none): the clocks' difference plus
         the transfer, which varies from task to task; a timeline takes the run's smallest.
+    model_s : float
+        Seconds of ``encode_s`` spent in the model's call (tokenizing and forward passes; not
+        gathering, hashing or framing the rows): what the cost model's encode curve describes.
+    sequences, tokens, padded_tokens, forwards : int
+        What that call's forward passes computed: sequences (texts, or windows), real and padded
+        tokens, and forward passes (micro-batches); -1 where the backend does not count them (only
+        the fast engine does). A run refreshes its calibration from these
+        (:func:`dask_surge.execution.calibrate.refresh_from_run`).
     """
 
     sb: str
@@ -311,6 +319,11 @@ class SuperBatchReport:
     encoded: int = 0
     reused: int = 0
     clock_shift: float = 0.0
+    model_s: float = 0.0
+    sequences: int = -1
+    tokens: int = -1
+    padded_tokens: int = -1
+    forwards: int = -1
 
     def as_dict(self) -> dict:
         """The report as a plain dict (JSON-serializable)."""
