@@ -249,3 +249,24 @@ def test_a_written_run_refreshes_its_calibration(tiny_model, tmp_path, monkeypat
     assert all(r.sequences == r.encoded and r.forwards >= 1 and 0 < r.model_s <= r.encode_s for r in records)
     meta = dict(cal.calibrate(enc, client=client, probe=False).meta)
     assert meta["refreshes"] == 1 and 3 <= meta["refreshed_from"] <= len(records) - 2
+
+
+@pytest.mark.parametrize("long_texts", ["truncate", "chunk"])
+def test_the_fast_engine_counts_what_its_forward_passes_compute(tiny_model, long_texts):
+    """What a SuperBatch report's sequences, padded tokens and forwards come from: the engine's own
+    count of the micro-batches it ran (one sequence per window in chunk mode)."""
+    from dask_surge import Encoder
+    from dask_surge.engine.batching import replay
+
+    enc = Encoder(tiny_model, device="cpu")
+    texts = ["a dog", "a cat " * 300, "the quick brown fox jumps", *["word " * k for k in range(1, 40)]]
+    out = enc.encode_long(texts, long_texts=long_texts)
+    assert enc.backend == "fast" and out.shape is not None
+    assert out.shape.sequences == len(out.embeddings)
+    assert out.shape.tokens <= out.shape.padded_tokens and out.shape.forwards >= 1
+    if long_texts == "truncate":  # the batching rule replayed on the token counts gives the same
+        from dask_surge.planning.tokens import token_counter
+
+        lengths = -np.sort(-np.asarray(token_counter(enc)(texts)))
+        padded, forwards = replay(lengths, enc.engine.max_tokens, 0)
+        assert (out.shape.padded_tokens, out.shape.forwards) == (int(padded), forwards)
