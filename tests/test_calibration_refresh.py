@@ -116,6 +116,22 @@ def test_noisy_runs_converge_run_after_run():
     assert meta["refreshes"] == 4 and kept[-1, 4] == 4 and kept[0, 4] == 1
 
 
+def test_one_odd_run_moves_the_curve_only_part_of_the_way():
+    """Runs are averaged with recency weights: after three runs at the truth, one run twice as slow
+    (a busy moment) moves the curve towards it, not all the way; the next runs bring it back."""
+    p = _params_from_probe(_probe_points(1.3))
+    for seed in range(3):
+        p = cal.refresh_params(p, _run_points([1000] * 8, seed=seed), warmup=1, now=NOW)
+    slow = _run_points([1000] * 8)
+    slow[:, 3] *= 2.0
+    q = cal.refresh_params(p, slow, warmup=1, now=NOW)
+    moved = float(_curve(_coef(q), _shape([1000]))[0] / _curve(TRUTH, _shape([1000]))[0])
+    assert 1.2 < moved < 1.8 and dict(q.meta)["refresh_ratio"] == pytest.approx(2.0, rel=0.01)
+    for seed in range(4):
+        q = cal.refresh_params(q, _run_points([1000] * 8, seed=seed), warmup=1, now=NOW)
+    assert _rel_error(q, [1000]).max() < 0.05
+
+
 def test_a_fresh_calibration_stays_where_it_is():
     p = _params_from_probe(_probe_points(1.0))
     fresh = cal.refresh_params(p, _run_points([800] * 8), warmup=2, now=NOW)

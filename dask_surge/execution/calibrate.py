@@ -1034,23 +1034,26 @@ def refresh_params(
 
     1. The first ``warmup`` points (each worker's first SuperBatch: allocator, tokenizer and
        caches warm up there) and any point with no rows, forward passes or time are left out.
-    2. Each point's ratio of measured to predicted time is taken against the probe's own curve
-       (refitted from the probe's observations in ``params.meta["curve"]``; ``params``' curve
-       when they are not there); a point off the median ratio by more than
-       :data:`OUTLIER_FACTOR` (or 3 robust standard deviations, whichever is wider) is an
-       outlier and left out. Fewer than :data:`MIN_REFRESH_POINTS` left: None.
-    3. The probe's observations, scaled by that median ratio (the machine's speed now, against
-       when the probe ran: they keep the curve's shape at small calls, where runs have no
-       SuperBatches), and the runs' points (this run's and up to :data:`RUN_POINTS_KEPT` of earlier
-       runs', each older run weighing :data:`RUN_DECAY` times less) are fitted together
-       (:func:`fit_encode_curve`). Without the probe's observations, or when that fit fails, the
-       curve is scaled by the median ratio instead.
+    2. Each point's ratio of measured to predicted time is taken against a reference curve: the
+       probe's own (refitted from its observations in ``params.meta["curve"]``), else the curve
+       as it was before any run refreshed it; a point off the run's median ratio by more than
+       :data:`OUTLIER_FACTOR` (or 3 robust standard deviations, whichever is wider) is an outlier
+       and left out. Fewer than :data:`MIN_REFRESH_POINTS` left: None.
+    3. The points kept join the runs' points of the entry (the newest :data:`RUN_POINTS_KEPT`),
+       each older run weighing :data:`RUN_DECAY` times less. Their weighted mean log ratio to the
+       reference is the machine's speed now against the probe's (``refresh_speed``): an
+       exponentially weighted average over runs, so one noisy run moves the curve only part of
+       the way. The probe's observations, scaled by it (they keep the curve's shape at small
+       calls, where runs have no SuperBatches), and the runs' points are fitted together
+       (:func:`fit_encode_curve`). Without the probe's observations, or when that fit fails,
+       the reference curve is scaled by it instead.
 
     The per-call overheads that include the encode set-up (``alpha_s``, ``alpha_idle_s``) move
-    with the new set-up; ``busy_call_s`` (an encode time) scales with the ratio; the Dask terms
-    are kept. The result's ``meta`` says it was refreshed (``refreshes``, ``refreshed_at``,
-    ``refreshed_from``: the SuperBatches used, ``refresh_ratio``: measured over predicted before
-    the refresh) and keeps the run points (``run_points``).
+    with the new set-up; ``busy_call_s`` (an encode time) scales with ``refresh_ratio``; the Dask
+    terms are kept. The result's ``meta`` says it was refreshed (``refreshes``, ``refreshed_at``,
+    ``refreshed_from``: the SuperBatches used, ``refresh_ratio``: this run's median of measured
+    over predicted by the curve in use before the refresh, ``refresh_speed``) and keeps the run
+    points (``run_points``).
 
     Parameters
     ----------
@@ -1088,8 +1091,12 @@ def refresh_params(
     pts = pts[(pts[:, 0] > 0) & (pts[:, 1] >= 0) & (pts[:, 2] > 0) & (pts[:, 3] > 0)]
     if len(pts) < MIN_REFRESH_POINTS:
         return None
+    meta = dict(params.meta)
     probe = _probe_points(params)
-    ref = _curve_of(params)
+    # the reference the runs' speed is measured against: the probe's own curve (refitted from its
+    # points), else the curve as it was before any run refreshed it
+    base = _base_curve(meta)
+    ref = base if base is not None else _curve_of(params)
     if probe is not None:
         try:
             fit = fit_encode_curve(probe[:, 0], probe[:, 1], probe[:, 2], probe[:, 3])
@@ -1105,20 +1112,31 @@ def refresh_params(
     kept = pts[np.abs(lr - med) <= tol]
     if len(kept) < MIN_REFRESH_POINTS:
         return None
-    ratio = float(np.exp(np.median(np.log(kept[:, 3] / _predict_curve(ref, kept)))))
-    meta = dict(params.meta)
+    # what the curve in use predicted for this run, before the refresh (recorded)
+    before = _predict_curve(_curve_of(params), kept)
+    ratio = float(np.exp(np.median(np.log(kept[:, 3] / before)))) if np.all(before > 0) else float("nan")
     generation = int(meta.get("refreshes", 0)) + 1
     old = _run_points(meta)
     runs = np.vstack([old, np.column_stack([kept, np.full(len(kept), generation)])])[-RUN_POINTS_KEPT:]
-    coef = ref * ratio
+    weights = RUN_DECAY ** (generation - runs[:, 4])
+    # the machine's speed now against the reference: the runs' log ratios, newer runs weighing more
+    speed = float(np.exp(np.average(np.log(runs[:, 3] / _predict_curve(ref, runs)), weights=weights)))
+    coef = ref * speed
     if probe is not None:
-        data = np.vstack([probe[:, :4] * [1, 1, 1, ratio], runs[:, :4]])
-        weights = np.concatenate([np.ones(len(probe)), RUN_DECAY ** (generation - runs[:, 4])])
+        data = np.vstack([probe[:, :4] * [1, 1, 1, speed], runs[:, :4]])
         try:
-            fit = fit_encode_curve(data[:, 0], data[:, 1], data[:, 2], data[:, 3], weights=weights)
+            fit = fit_encode_curve(
+                data[:, 0],
+                data[:, 1],
+                data[:, 2],
+                data[:, 3],
+                weights=np.concatenate([np.ones(len(probe)), weights]),
+            )
             coef = np.array([fit.setup_s, fit.per_text_s, fit.per_token_s, fit.per_forward_s])
         except SurgeValueError:
             pass
+    elif base is None:
+        meta["curve_base"] = json.dumps([float(x) for x in ref])
     setup = max(float(coef[0]), 1e-6)
     beta = float(coef[1] + coef[2] * params.tokens_per_text)
     if beta <= 0:
@@ -1129,6 +1147,7 @@ def refresh_params(
         refreshed_at=now or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         refreshed_from=len(kept),
         refresh_ratio=round(ratio, 4),
+        refresh_speed=round(speed, 4),
         refresh_load_per_cpu=load,
         # a run measured the curve where runs use it: a low-confidence probe is no longer only that
         confidence="medium" if meta.get("confidence") == "low" else meta.get("confidence", "medium"),
@@ -1146,6 +1165,15 @@ def refresh_params(
         b0=float(coef[3]) / beta,
         meta=tuple(sorted(meta.items())),
     )
+
+
+def _base_curve(meta: dict) -> np.ndarray | None:
+    """The encode curve before any run refreshed it (kept where the probe's points are not)."""
+    try:
+        base = np.array(json.loads(meta.get("curve_base") or "null") or [], dtype=float)
+    except (TypeError, ValueError):
+        return None
+    return base if base.shape == (4,) else None
 
 
 def _run_points(meta: dict) -> np.ndarray:
