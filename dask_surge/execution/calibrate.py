@@ -999,8 +999,9 @@ MIN_REFRESH_POINTS = 3
 #: Runs' SuperBatch points kept in a calibration entry (the newest), refitted with the probe's.
 RUN_POINTS_KEPT = 64
 #: A SuperBatch whose time is off the run's median ratio to the curve by more than this factor (or
-#: 3 robust standard deviations, whichever is wider) is an outlier, left out of a refresh.
-OUTLIER_FACTOR = 1.5
+#: 3 robust standard deviations, whichever is wider) is an outlier, left out of a refresh. Wide: on
+#: a shared machine slow SuperBatches are part of what runs cost (a run's time is their sum).
+OUTLIER_FACTOR = 3.0
 #: Each older run's points weigh this much less than the next one's in the refit (recency).
 RUN_DECAY = 0.5
 
@@ -1040,8 +1041,8 @@ def refresh_params(
        :data:`OUTLIER_FACTOR` (or 3 robust standard deviations, whichever is wider) is an outlier
        and left out. Fewer than :data:`MIN_REFRESH_POINTS` left: None.
     3. The points kept join the runs' points of the entry (the newest :data:`RUN_POINTS_KEPT`),
-       each older run weighing :data:`RUN_DECAY` times less. Their weighted mean log ratio to the
-       reference is the machine's speed now against the probe's (``refresh_speed``): an
+       each older run weighing :data:`RUN_DECAY` times less. Their weighted time over the
+       reference's is the machine's speed now against the probe's (``refresh_speed``): an
        exponentially weighted average over runs, so one noisy run moves the curve only part of
        the way. The probe's observations, scaled by it (they keep the curve's shape at small
        calls, where runs have no SuperBatches), and the runs' points are fitted together
@@ -1051,8 +1052,8 @@ def refresh_params(
     The per-call overheads that include the encode set-up (``alpha_s``, ``alpha_idle_s``) move
     with the new set-up; ``busy_call_s`` (an encode time) scales with ``refresh_ratio``; the Dask
     terms are kept. The result's ``meta`` says it was refreshed (``refreshes``, ``refreshed_at``,
-    ``refreshed_from``: the SuperBatches used, ``refresh_ratio``: this run's median of measured
-    over predicted by the curve in use before the refresh, ``refresh_speed``) and keeps the run
+    ``refreshed_from``: the SuperBatches used, ``refresh_ratio``: this run's measured model time over
+    what the curve in use before the refresh predicted, ``refresh_speed``) and keeps the run
     points (``run_points``).
 
     Parameters
@@ -1114,13 +1115,14 @@ def refresh_params(
         return None
     # what the curve in use predicted for this run, before the refresh (recorded)
     before = _predict_curve(_curve_of(params), kept)
-    ratio = float(np.exp(np.median(np.log(kept[:, 3] / before)))) if np.all(before > 0) else float("nan")
+    ratio = float(kept[:, 3].sum() / before.sum()) if before.sum() > 0 else float("nan")
     generation = int(meta.get("refreshes", 0)) + 1
     old = _run_points(meta)
     runs = np.vstack([old, np.column_stack([kept, np.full(len(kept), generation)])])[-RUN_POINTS_KEPT:]
     weights = RUN_DECAY ** (generation - runs[:, 4])
-    # the machine's speed now against the reference: the runs' log ratios, newer runs weighing more
-    speed = float(np.exp(np.average(np.log(runs[:, 3] / _predict_curve(ref, runs)), weights=weights)))
+    # the machine's speed now against the reference: the runs' time over the reference's, newer runs
+    # weighing more (a ratio of sums: a run's time is the sum of its SuperBatches', slow ones included)
+    speed = float(np.sum(weights * runs[:, 3]) / np.sum(weights * _predict_curve(ref, runs)))
     coef = ref * speed
     if probe is not None:
         data = np.vstack([probe[:, :4] * [1, 1, 1, speed], runs[:, :4]])
