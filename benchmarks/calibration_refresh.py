@@ -53,14 +53,7 @@ def _burn(stop) -> None:  # pragma: no cover - a CPU burner process
             x += i * i
 
 
-def _entry(enc, client) -> dict:
-    from dask_surge.execution import calibrate as cal
-
-    p = cal.calibrate(enc, client=client, probe=False)
-    return {} if p is None else dict(p.meta)
-
-
-def _model_error(records, params, workers: int) -> float | None:
+def _model_error(records, params, workers: int, *, median: bool = False) -> float | None:
     """Sum of the curve's predicted model time over the sum measured, less 1 (counted SuperBatches
     only, each worker's first left out as the refresh does: it may wait for the model to load)."""
     from dask_surge.execution.calibrate import _curve_of
@@ -72,6 +65,8 @@ def _model_error(records, params, workers: int) -> float | None:
     a = np.array(pts, dtype=float)
     coef = _curve_of(params)
     pred = coef[0] + a[:, :3] @ coef[1:]
+    if median:  # the typical SuperBatch, against the sum: how skewed the SuperBatches' times are
+        return float(np.median(pred / a[:, 3]) - 1)
     return float(pred.sum() / a[:, 3].sum() - 1)
 
 
@@ -95,7 +90,10 @@ def one_run(phase: str, i: int, ddf_seed: int, args, model: str, enc, client, wo
         progress=False,
     )
     wall = time.perf_counter() - t0
-    after = _entry(enc, client)
+    from dask_surge.execution import calibrate as cal
+
+    refreshed = cal.calibrate(enc, client=client, probe=False)
+    after = dict(refreshed.meta)
     rec = {
         "phase": phase,
         "run": i,
@@ -110,12 +108,33 @@ def one_run(phase: str, i: int, ddf_seed: int, args, model: str, enc, client, wo
         "model_error": None
         if (e := _model_error(result.records, params, args.workers)) is None
         else round(e, 4),
+        "model_error_median_sb": None
+        if (e := _model_error(result.records, params, args.workers, median=True)) is None
+        else round(e, 4),
+        # the refreshed curve on the run it was refreshed from (the refresh's own fit)
+        "model_error_refreshed": None
+        if (e := _model_error(result.records, refreshed, args.workers)) is None
+        else round(e, 4),
         "model_s": round(sum(r.model_s for r in result.records), 3),
         "encode_s": round(sum(r.encode_s for r in result.records), 3),
         "write_s": round(sum(r.write_s for r in result.records), 3),
         "first_model_s": [
             round(r.model_s, 3) for r in sorted(result.records, key=lambda r: r.started_at)[: args.workers]
         ],
+        "predicted_encode_s": round(float(plan.predictions.loc["surge", "encode_s"]), 4),
+        "params": {
+            k: float(f"{getattr(params, k):.4g}")
+            for k in (
+                "setup_s",
+                "per_text_s",
+                "per_token_s",
+                "b0",
+                "alpha_s",
+                "partition_s",
+                "io_per_row_s",
+                "overhead_s",
+            )
+        },
         "confidence": before.get("confidence"),
         "refreshes_before": int(before.get("refreshes", 0)),
         "refreshes_after": int(after.get("refreshes", 0)),

@@ -132,6 +132,20 @@ def test_one_odd_run_moves_the_curve_only_part_of_the_way():
     assert _rel_error(q, [1000]).max() < 0.05
 
 
+def test_a_probe_of_another_shape_does_not_bend_the_level_runs_measured():
+    """A probe taken in other noise (a large set-up, a small per-row cost: a different shape) and a
+    run on the true machine: the refreshed curve gives the run's own time (it once came out 20-35%
+    under it on a shared machine, where the probe's points outweighed the run's)."""
+    other = np.array([0.05, 4e-5, 2e-6, 1e-4])
+    probe = _probe_points(1.0)
+    probe[:, 3] = _curve(other, probe) * np.random.default_rng(3).uniform(0.7, 1.3, len(probe))
+    p = _params_from_probe(probe)
+    run = _run_points(np.random.default_rng(4).integers(256, 1024, 12))
+    fresh = cal.refresh_params(p, run, warmup=2, now=NOW)
+    used = run[2:]
+    assert _curve(_coef(fresh), used).sum() == pytest.approx(used[:, 3].sum(), rel=1e-6)
+
+
 def test_a_fresh_calibration_stays_where_it_is():
     p = _params_from_probe(_probe_points(1.0))
     fresh = cal.refresh_params(p, _run_points([800] * 8), warmup=2, now=NOW)

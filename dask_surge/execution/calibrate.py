@@ -1046,8 +1046,10 @@ def refresh_params(
        exponentially weighted average over runs, so one noisy run moves the curve only part of
        the way. The probe's observations, scaled by it (they keep the curve's shape at small
        calls, where runs have no SuperBatches), and the runs' points are fitted together
-       (:func:`fit_encode_curve`). Without the probe's observations, or when that fit fails,
-       the reference curve is scaled by it instead.
+       (:func:`fit_encode_curve`), and the fit is scaled so that it gives the runs' weighted
+       time (the probe's points, taken on another day in other noise, may bend it where runs use
+       it: they shape the curve, the runs set its level). Without the probe's observations, or
+       when that fit fails, the reference curve is scaled by the speed instead.
 
     The per-call overheads that include the encode set-up (``alpha_s``, ``alpha_idle_s``) move
     with the new set-up; ``busy_call_s`` (an encode time) scales with ``refresh_ratio``; the Dask
@@ -1137,6 +1139,11 @@ def refresh_params(
             coef = np.array([fit.setup_s, fit.per_text_s, fit.per_token_s, fit.per_forward_s])
         except SurgeValueError:
             pass
+        # the level where runs use it is the runs' own: the probe's points (another day, other
+        # noise) may bend the fit there, so it is scaled to the runs' weighted time
+        fitted = np.sum(weights * _predict_curve(coef, runs))
+        if fitted > 0:
+            coef = coef * float(np.sum(weights * runs[:, 3]) / fitted)
     elif base is None:
         meta["curve_base"] = json.dumps([float(x) for x in ref])
     setup = max(float(coef[0]), 1e-6)
