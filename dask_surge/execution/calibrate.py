@@ -1235,7 +1235,15 @@ def refresh_from_run(
     counted = [r for r in records if r.committed and r.sequences > 0 and r.forwards > 0 and r.model_s > 0]
     if len(counted) < MIN_REFRESH_POINTS + 1:  # before even looking the calibration up
         return None
-    key = _key(enc.identity(), _device(enc, client), workers, tpw)
+    identity = enc.identity()
+    spec_device = enc.spec.device
+    devices = (
+        [("cuda" if spec_device.startswith("cuda") else spec_device)] if spec_device else ["cpu", "cuda"]
+    )
+    found = [d for d in devices if cache_path(_key(identity, d, workers, tpw)).exists()]
+    if not found:  # nothing to refresh: asked before any task goes to the cluster to ask its device
+        return None
+    key = _key(identity, found[0] if len(found) == 1 and spec_device else _device(enc, client), workers, tpw)
     path = cache_path(key)
     if not path.exists():
         return None
