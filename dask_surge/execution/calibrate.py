@@ -1117,7 +1117,7 @@ def refresh_params(
         return None
     # what the curve in use predicted for this run, before the refresh (recorded)
     before = _predict_curve(_curve_of(params), kept)
-    ratio = float(kept[:, 3].sum() / before.sum()) if before.sum() > 0 else float("nan")
+    ratio = float(kept[:, 3].sum() / before.sum()) if before.sum() > 0 else 1.0  # a zero curve: no ratio
     generation = int(meta.get("refreshes", 0)) + 1
     old = _run_points(meta)
     runs = np.vstack([old, np.column_stack([kept, np.full(len(kept), generation)])])[-RUN_POINTS_KEPT:]
