@@ -3,7 +3,7 @@
 Usage::
 
     python -m benchmarks.calibration_refresh [--texts 4000] [--partitions 200] [--workers 2]
-        [--b-min 256] [--b-max 1024] [--calib-seconds 10] [--stale scale|burner] [--scale 1.3]
+        [--b-min 256] [--b-max 1024] [--calib-seconds 10] [--stale scale|burner|both] [--scale 1.3]
         [--runs 2] [--out benchmarks/results/calibration_refresh.json]
 
 On a ``LocalCluster`` of ``--workers`` single-threaded workers, with a tiny random BERT model
@@ -11,9 +11,10 @@ On a ``LocalCluster`` of ``--workers`` single-threaded workers, with a tiny rand
 ``--partitions`` log-normal partitions (sigma 1.72):
 
 1. **fresh**: ``calibrate()`` into an empty cache (``$DASK_SURGE_CACHE_DIR``, a temporary folder);
-2. **stale**: the cache made stale, either by hand (``--stale scale``: the encode curve and the
+2. **stale**: the cache made stale, by hand (``--stale scale``: the encode curve and the
    probe's points scaled by ``--scale``, as a calibration taken on a machine that much slower)
-   or by a calibration taken while ``os.cpu_count()`` processes burn the CPUs (``--stale burner``).
+   and/or by a calibration taken while ``os.cpu_count()`` processes burn the CPUs
+   (``--stale burner``); ``both`` (the default) does one, then the other.
 
 In each phase ``--runs`` written runs follow one another (each a new input of the same size
 distribution, a new output): before each, ``ddf.surge.plan(..., calibrate=True)`` predicts the
@@ -146,11 +147,11 @@ def one_run(phase: str, i: int, ddf_seed: int, args, model: str, enc, client, wo
     return rec
 
 
-def make_stale(enc, client, args) -> dict:
-    """The cache entry made stale as ``--stale`` says; returns what was done."""
+def make_stale(enc, client, args, how: str) -> dict:
+    """The cache entry made stale ``how`` (``scale`` or ``burner``); returns what was done."""
     from dask_surge.execution import calibrate as cal
 
-    if args.stale == "burner":
+    if how == "burner":
         stop = mp.Event()
         procs = [mp.Process(target=_burn, args=(stop,), daemon=True) for _ in range(os.cpu_count() or 2)]
         for p in procs:
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--b-min", type=int, default=256)
     ap.add_argument("--b-max", type=int, default=1024)
     ap.add_argument("--calib-seconds", type=float, default=10.0)
-    ap.add_argument("--stale", choices=("scale", "burner"), default="scale")
+    ap.add_argument("--stale", choices=("scale", "burner", "both"), default="both")
     ap.add_argument("--scale", type=float, default=1.3)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--out", default=str(_results.RESULTS / "calibration_refresh.json"))
@@ -230,26 +231,23 @@ def main(argv: list[str] | None = None) -> dict:
             for i in range(args.runs):
                 report["results"].append(one_run("fresh", i, seed, args, model, enc, client, work))
                 seed += 1
-            report["summary"]["stale"] = make_stale(enc, client, args)
-            for i in range(args.runs):
-                report["results"].append(one_run("stale", i, seed, args, model, enc, client, work))
-                seed += 1
+            phases = ["fresh"]
+            for how in ("scale", "burner") if args.stale == "both" else (args.stale,):
+                phase = f"stale-{how}"
+                phases.append(phase)
+                report["summary"][phase] = make_stale(enc, client, args, how)
+                for i in range(args.runs):
+                    report["results"].append(one_run(phase, i, seed, args, model, enc, client, work))
+                    seed += 1
     res = report["results"]
 
     def err(phase: str, run: int, key: str = "error"):
         return next((r[key] for r in res if r["phase"] == phase and r["run"] == run), None)
 
-    report["summary"].update(
-        {
-            "fresh_first_error": err("fresh", 0),
-            "fresh_after_refresh_error": err("fresh", 1),
-            "stale_first_error": err("stale", 0),
-            "stale_after_refresh_error": err("stale", 1),
-            "stale_first_model_error": err("stale", 0, "model_error"),
-            "stale_after_refresh_model_error": err("stale", 1, "model_error"),
-            "under_5pct": {f"{r['phase']}-{r['run']}": abs(r["error"]) < 0.05 for r in res},
-        }
-    )
+    for phase in phases:  # the run on the cache as it was, then the runs after refreshes
+        report["summary"][f"{phase}_errors"] = [err(phase, i) for i in range(args.runs)]
+        report["summary"][f"{phase}_model_errors"] = [err(phase, i, "model_error") for i in range(args.runs)]
+    report["summary"]["under_5pct"] = {f"{r['phase']}-{r['run']}": abs(r["error"]) < 0.05 for r in res}
     _results.save(report, args.out)
     print(json.dumps(report["summary"], indent=1))
     return report
