@@ -505,6 +505,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
         if client is not None:
             _register(task.encoder, client)
         _open_reuse(task, run_id)
+        shape = _shape_of(client)  # as the run starts: a calibration is refreshed only if it held
         result = write_run(
             RunRequest(
                 frame,
@@ -523,6 +524,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
                 mode=mode,
             )
         )
+        _refresh_calibration(task.encoder, result, client, shape)
     return _indexed(result, opts["build_index"], storage_options)  # only a completed run gets here
 
 
@@ -554,6 +556,26 @@ def _indexed(result: EncodeResult, metric: Any, storage_options: dict | None) ->
 
         result.index = index_for(result.output, metric, storage_options=storage_options)
     return result
+
+
+def _shape_of(client) -> tuple[int, int] | None:
+    """The cluster's shape as a calibration's key records it (None where it cannot be read)."""
+    try:
+        return calibration.cluster_shape(client)
+    except Exception:  # noqa: BLE001 - only refreshing the calibration depends on it
+        return None
+
+
+def _refresh_calibration(encoder: Encoder, result: EncodeResult, client, shape) -> None:
+    """A written run refreshes the cached calibration of its model, device and cluster shape from
+    its SuperBatches' measured timings (:func:`dask_surge.execution.calibrate.refresh_from_run`),
+    so the cache converges to what runs cost. Never fails the run."""
+    if shape is None or len(result.records) <= calibration.MIN_REFRESH_POINTS:
+        return
+    try:
+        calibration.refresh_from_run(encoder, result.records, client=client, shape=shape)
+    except Exception as err:  # noqa: BLE001 - the run is written; a cache problem must not fail it
+        logger.warning("dask-surge: could not refresh the calibration from this run (%s)", err)
 
 
 @contextlib.contextmanager

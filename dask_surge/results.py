@@ -58,17 +58,18 @@ class SurgePlan:
     unit_partitions: int | None = None  # a streamed input: SuperBatches form unit by unit
     long_texts: dict | None = None
     reuse: dict | None = None
-    #: ``calibrate=True`` was asked for but the probe could not measure this machine (timing noise)
+    #: ``calibrate=True`` was asked for but gave no parameters (a noisy probe now gives low-confidence
+    #: ones, so this is left for a calibration that could not run at all)
     calibration_failed: bool = False
 
     def _no_params(self, what: str) -> SurgeValueError:
-        """The error of a method that needs cost-model parameters this plan lacks, saying why."""
+        """The error of a method that needs cost-model parameters this plan lacks, saying why; it
+        never asks a user who passed ``calibrate=True`` to pass it."""
         if self.calibration_failed:
             return SurgeValueError(
-                f"this plan has no cost-model parameters, so {what}: plan(..., calibrate=True) could not "
-                "separate this machine's encode costs from its timing noise, even with a second, longer "
-                "probe (the CalibrationWarning says by how much). Fix: calibrate again when the machine is "
-                "quieter, or pass params= from dask_surge.execution.calibrate.calibrate(model, seconds=30)."
+                f"this plan has no cost-model parameters, so {what}: the calibration asked for "
+                "(calibrate=True) gave none (the warning logged with it says why). Fix: pass params= from "
+                "dask_surge.execution.calibrate.calibrate(model, client=..., seconds=30)."
             )
         return SurgeValueError(
             f"this plan has no cost-model parameters, so {what}. "
@@ -108,6 +109,11 @@ class SurgePlan:
 
     def _basis(self) -> str:
         basis = "cost model, calibrated on this cluster"
+        if getattr(self.params, "confidence", None) == "low":
+            basis += (
+                " with low confidence (the probe could not separate the encode cost from timing noise; "
+                "runs refresh it)"
+            )
         return basis + (f"; tokens from {self.tokens_source}" if self.tokens_source else "")
 
     def _table(self):
@@ -291,6 +297,14 @@ class SuperBatchReport:
     clock_shift : float
         Seconds :meth:`on_client_clock` added to its times (0: none): the clocks' difference plus
         the transfer, which varies from task to task; a timeline takes the run's smallest.
+    model_s : float
+        Seconds of ``encode_s`` spent in the model's call (tokenizing and forward passes; not
+        gathering, hashing or framing the rows): what the cost model's encode curve describes.
+    sequences, tokens, padded_tokens, forwards : int
+        What that call's forward passes computed: sequences (texts, or windows), real and padded
+        tokens, and forward passes (micro-batches); -1 where the backend does not count them (only
+        the fast engine does). A run refreshes its calibration from these
+        (:func:`dask_surge.execution.calibrate.refresh_from_run`).
     """
 
     sb: str
@@ -311,6 +325,11 @@ class SuperBatchReport:
     encoded: int = 0
     reused: int = 0
     clock_shift: float = 0.0
+    model_s: float = 0.0
+    sequences: int = -1
+    tokens: int = -1
+    padded_tokens: int = -1
+    forwards: int = -1
 
     def as_dict(self) -> dict:
         """The report as a plain dict (JSON-serializable)."""

@@ -55,7 +55,7 @@ def test_a_report_is_frozen_and_reads_as_its_fields():
     report = _report()
     with pytest.raises(dataclasses.FrozenInstanceError):
         report.rows = 3  # type: ignore[misc]
-    assert report.as_dict()["spans"] == ((0, 0, 11, 11),) and len(report.as_dict()) == 18
+    assert report.as_dict()["spans"] == ((0, 0, 11, 11),) and len(report.as_dict()) == 23
     assert report["rows"] == report.rows == 10 and report["committed"] is True
     with pytest.raises(KeyError):
         report["as_dict"]

@@ -63,6 +63,7 @@ __all__ = [
     "FIRST_BLOCK_TEXTS",
     "BLOCK_TEXTS",
     "BatchPlan",
+    "CallShape",
     "cut",
     "plan_batches",
     "replay",
@@ -348,6 +349,47 @@ class BatchPlan:
     def padding_ratio(self) -> float:
         """``padded_tokens / real_tokens`` (1.0 is no padding; 1.0 for an empty block)."""
         return self.padded_tokens / self.real_tokens if self.real_tokens else 1.0
+
+
+class CallShape:
+    """What one encode call's forward passes computed, summed over its blocks (a tally).
+
+    The fast engine counts these as it runs (:class:`~dask_surge.engine.long_texts.TextEmbeddings`
+    ``.shape``), so a run can attribute its measured encode time to the cost model's terms
+    (per text, per padded token, per forward pass) without tokenizing again.
+
+    Attributes
+    ----------
+    sequences : int
+        Sequences run through the model (texts, or windows with ``long_texts="chunk"``/``"mean"``).
+    tokens, padded_tokens : int
+        Real tokens, and tokens the forward passes computed (padding included).
+    forwards : int
+        Forward passes (micro-batches).
+
+    Examples
+    --------
+    >>> shape = CallShape()
+    >>> shape.add(plan_batches(np.array([3, 9, 5, 9]), max_tokens=20))
+    >>> shape.sequences, shape.tokens, shape.padded_tokens, shape.forwards
+    (4, 26, 28, 2)
+    """
+
+    def __init__(self) -> None:
+        self.sequences = self.tokens = self.padded_tokens = self.forwards = 0
+
+    def add(self, plan: BatchPlan) -> None:
+        """Count one block's plan."""
+        self.sequences += len(plan.order)
+        self.tokens += plan.real_tokens
+        self.padded_tokens += plan.padded_tokens
+        self.forwards += plan.forwards
+
+    def __repr__(self) -> str:
+        return (
+            f"CallShape(sequences={self.sequences}, tokens={self.tokens}, "
+            f"padded_tokens={self.padded_tokens}, forwards={self.forwards})"
+        )
 
 
 def plan_batches(

@@ -30,7 +30,7 @@ import numpy as np
 from ..config import check_argument
 from ..errors import SurgeInputError, SurgeValueError
 from ..options import DEFAULT_CHUNK_OVERLAP
-from .batching import BLOCK_TEXTS
+from .batching import BLOCK_TEXTS, CallShape
 from .joined import flat_ids, special_ends
 from .tokenizing import unreadable_text
 
@@ -183,6 +183,9 @@ class TextEmbeddings:
     over : int
         Texts over the window: those cut (``"truncate"``), or those that made more than one
         window (``"chunk"``, ``"mean"``); 0 where unknown.
+    shape : CallShape or None
+        What the forward passes computed (sequences, real and padded tokens, forward passes),
+        counted by the fast engine; None where the backend does not say.
 
     Examples
     --------
@@ -195,6 +198,7 @@ class TextEmbeddings:
     windows: Windows | None
     truncated: np.ndarray | None
     over: int
+    shape: CallShape | None = None
 
 
 def check_long_texts(long_texts: Any, chunk_overlap: Any) -> None:

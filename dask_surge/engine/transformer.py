@@ -15,6 +15,7 @@ the pinned staging buffer; the attention-mask form probed once, when it is built
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from ..config import check_argument
 from ..errors import SurgeValueError
 from ..io.texts import ArrowTexts, as_list, as_texts
 from ..options import DEFAULT_CHUNK_OVERLAP, LongTexts
+from .batching import CallShape
 from .forward import DTYPES, DeviceBlock, DeviceRunner
 from .layout import layout_of_model
 from .long_texts import (
@@ -384,19 +386,21 @@ class TransformerEngine:
         check_long_texts(long_texts, chunk_overlap)
         texts = as_texts(texts)
         normalize = normalize or self._normalize
+        shape = CallShape()  # what this call's forward passes compute (blocks are prepared in this thread)
         if long_texts in ("chunk", "mean"):
             cutter = self.cutter()
             cutter.check_overlap(chunk_overlap)
-            return encode_windows(
+            out = encode_windows(
                 as_list(texts),
                 long_texts,
                 chunk_overlap,
                 cutter,
-                lambda g: self._encode_groups(g, normalize),
+                lambda g: self._encode_groups(g, normalize, shape),
                 self.dimension,
                 renormalize=normalize,
                 clock=self._clock,
             )
+            return dataclasses.replace(out, shape=shape)
         truncated = np.zeros(len(texts), dtype=bool)
 
         def prepare(encodings: Any, offset: int) -> DeviceBlock:
@@ -406,15 +410,27 @@ class TransformerEngine:
                 cutter = self.cutter()
                 raise TextTooLong(first, cutter.content_tokens(texts[first]), cutter.capacity)
             truncated[offset : offset + len(encodings)] = over
-            return self._prepare_block(encodings, offset)
+            block = self._prepare_block(encodings, offset)
+            shape.add(block.plan)
+            return block
 
         emb = self._encode_with(len(texts), self._blocks(texts), prepare, normalize)
-        return TextEmbeddings(emb, None, truncated, int(truncated.sum()))
+        return TextEmbeddings(emb, None, truncated, int(truncated.sum()), shape)
 
-    def _encode_groups(self, groups: Iterable[WindowGroup], normalize: bool) -> Iterator[np.ndarray]:
-        """Each group's windows' embeddings; on CUDA the next group is cut while this one runs."""
+    def _encode_groups(
+        self, groups: Iterable[WindowGroup], normalize: bool, shape: CallShape | None = None
+    ) -> Iterator[np.ndarray]:
+        """Each group's windows' embeddings; on CUDA the next group is cut while this one runs.
+        ``shape`` (optional) counts what their forward passes compute."""
+
+        def prepare(group: WindowGroup, offset: int) -> DeviceBlock:
+            block = self._prepare_group(group, offset)
+            if shape is not None:
+                shape.add(block.plan)
+            return block
+
         for group in _prefetch(groups, background=self.device.type == "cuda"):
-            yield self._encode_with(len(group), [(0, group)], self._prepare_group, normalize)
+            yield self._encode_with(len(group), [(0, group)], prepare, normalize)
 
     def _prepare_group(self, group: WindowGroup, offset: int) -> DeviceBlock:
         """Host side of one group of windows: packed from their ids (no tokenizing), staged."""

@@ -11,8 +11,10 @@ The probe measures, through the real code paths, the constants of Theorem 1:
    by another process does not bend the curve. On a busy machine the large call is
    doubled (up to 16,384 rows, within the budget) until its time stands out of the
    noise against a one-row call (:func:`separated`); when it never does, the probe
-   warns (:class:`CalibrationWarning`) and :func:`calibrate` returns ``None``:
-   callers then use the default thresholds, as without a calibration. For each
+   runs once more with twice the budget, and if that fails too, :func:`calibrate`
+   still returns parameters, from the bounds of the per-row cost the noise leaves
+   (:func:`_noise_curve`), with ``confidence="low"`` and one
+   :class:`CalibrationWarning` that says so. For each
    call the encoder's batching rule is replayed on the real token lengths
    (padded tokens, forward passes), and
    ``setup + per_text b + per_token padded + per_forward forwards`` is fitted
@@ -52,7 +54,11 @@ Without a client only step 1 runs (in this process): ``alpha`` is the encode
 set-up and the Dask terms are zero.
 
 Results are cached as JSON under ``~/.cache/dask-surge/`` (or
-``$DASK_SURGE_CACHE_DIR``), keyed by model identity, device and cluster shape.
+``$DASK_SURGE_CACHE_DIR``), keyed by model identity, device, cluster shape (workers,
+threads per worker) and probe version, with the machine's load when taken. Every written
+run refreshes the entry of its own key from its SuperBatches' measured timings
+(:func:`refresh_from_run`, :func:`refresh_params`), so the cache converges to what runs
+actually cost; a run under another shape, device or model never touches it.
 """
 
 from __future__ import annotations
@@ -89,8 +95,12 @@ __all__ = [
     "Timing",
     "cache_dir",
     "cache_path",
+    "MIN_REFRESH_POINTS",
     "calibrate",
+    "cluster_shape",
     "fit_encode_curve",
+    "refresh_from_run",
+    "refresh_params",
     "separated",
     "solve_dask_terms",
 ]
@@ -149,7 +159,7 @@ class CurveFit:
     rel_rms: float
 
 
-def fit_encode_curve(rows, padded_tokens, forwards, seconds) -> CurveFit:
+def fit_encode_curve(rows, padded_tokens, forwards, seconds, weights=None) -> CurveFit:
     """Fit the encode cost of measured calls by non-negative least squares.
 
     The model ``seconds = setup + per_text rows + per_token padded_tokens +
@@ -163,6 +173,9 @@ def fit_encode_curve(rows, padded_tokens, forwards, seconds) -> CurveFit:
     rows, padded_tokens, forwards, seconds : array-like
         One entry per observed call: its rows, padded tokens and forward passes
         (replayed from the encoder's batching rule) and its (median) time.
+    weights : array-like, optional
+        A weight per observation on its relative error (default 1 each): a run's refresh
+        (:func:`refresh_params`) weighs older runs' SuperBatches less.
 
     Returns
     -------
@@ -194,6 +207,14 @@ def fit_encode_curve(rows, padded_tokens, forwards, seconds) -> CurveFit:
             f"got {y.size} times for rows of shape {cols[0].shape}. Fix: measure more call sizes."
         )
     w = 1.0 / y
+    if weights is not None:
+        wt = np.asarray(weights, dtype=float)
+        if wt.shape != y.shape or not np.all(np.isfinite(wt)) or np.any(wt < 0) or not np.any(wt > 0):
+            raise SurgeValueError(
+                f"fit_encode_curve weights {wt.tolist()!r} must be finite, >= 0, not all 0, one per call "
+                f"({y.size}). Fix: pass one non-negative weight per observation."
+            )
+        w = w * np.sqrt(wt)  # least squares weighs squared residuals: sqrt makes a weight count linearly
     A = np.column_stack([np.ones_like(y), *cols])
     coef = _nnls(A * w[:, None], y * w)
     if coef[1] + coef[2] <= 0:
@@ -204,7 +225,8 @@ def fit_encode_curve(rows, padded_tokens, forwards, seconds) -> CurveFit:
             "medians, include calls large enough to take clearly longer than a one-row call, or measure "
             "on a quieter machine (calibrate() does the first two and falls back to defaults otherwise)."
         )
-    rms = float(np.sqrt(np.mean(((A @ coef - y) / y) ** 2)))
+    rel = (A @ coef - y) / y
+    rms = float(np.sqrt(np.average(rel**2, weights=None if weights is None else np.asarray(weights, float))))
     setup, per_text, per_token, per_forward = (float(c) for c in coef)
     return CurveFit(setup, per_text, per_token, per_forward, rms)
 
@@ -374,6 +396,7 @@ def _probe_curve(
         "max_tokens": max_tokens,
         "batch_rows": batch_rows,
         "mean_text_bytes": float(np.mean([len(t.encode()) for t in texts["short"]])),
+        "engine": encoder.backend,  # what encoded: a run refreshes this calibration only from the same
         "separable": bool(separated(one, large)),
         "noise": {
             "one_row": [round(one.median_s, 6), round(one.spread_s, 6)],
@@ -753,11 +776,13 @@ def calibrate(
     Returns
     -------
     CostParams or None
-        ``None`` when ``probe=False`` and nothing is cached, or when the probe could not
-        separate the per-row encode cost from timing noise within ``seconds`` (a busy
-        machine): a :class:`CalibrationWarning` then says so, nothing is cached, and
-        callers fall back to the defaults of an uncalibrated run (``plan()`` shows no
-        predictions, ``b_min="auto"`` uses ``surge.b-min`` / ``surge.b-max``).
+        ``None`` only when ``probe=False`` and nothing is cached. How sure the parameters are
+        is :attr:`CostParams.confidence <dask_surge.planning.costmodel.CostParams.confidence>`:
+        ``"low"`` when the probe could not separate the per-row encode cost from timing noise
+        within ``seconds``, even with a second probe of twice the budget (a busy machine): a
+        :class:`CalibrationWarning` then says so, with the bounds of the per-row cost
+        (``meta["per_row_interval_s"]``). Such a cached calibration is probed again by the next
+        ``calibrate()`` (not by a run's look-up, ``probe=False``), unless a run refreshed it.
 
     Raises
     ------
@@ -767,7 +792,7 @@ def calibrate(
     Warns
     -----
     CalibrationWarning
-        When the probe falls back (see Returns).
+        When the parameters are low-confidence (see Returns).
 
     Examples
     --------
@@ -790,7 +815,11 @@ def calibrate(
         try:
             data = json.loads(path.read_text())
             if data.get("key") == json.loads(json.dumps(key, default=str)):
-                return CostParams.from_dict(data["params"])
+                cached = CostParams.from_dict(data["params"])
+                # parameters from a probe lost in noise, no run refreshed yet: a probe asked for tries again
+                rough = "per_row_interval_s" in dict(cached.meta) and not dict(cached.meta).get("refreshes")
+                if not probe or not rough:
+                    return cached
         except (ValueError, KeyError, TypeError) as err:
             logger.warning("dask-surge: ignoring unreadable calibration cache %s (%s)", path, err)
     if not probe:
@@ -805,15 +834,18 @@ def calibrate(
         attempts = 2
         curve_budget *= 2
         measured = _measure_curve(enc, client, curve_budget)
-    if not measured["separable"]:
-        _warn_not_separable(enc, measured["noise"], seconds, client)
-        return None
-    rows, padded, forwards, secs = (np.array(x, dtype=float) for x in zip(*measured["observations"]))
-    try:
-        fit = fit_encode_curve(rows, padded, forwards, secs)
-    except SurgeValueError as err:  # the medians still do not grow with the call
-        _warn_not_separable(enc, measured["noise"], seconds, client, detail=str(err))
-        return None
+    fit, interval = None, None
+    if measured["separable"]:
+        rows, padded, forwards, secs = (np.array(x, dtype=float) for x in zip(*measured["observations"]))
+        try:
+            fit = fit_encode_curve(rows, padded, forwards, secs)
+        except SurgeValueError as err:  # the medians still do not grow with the call
+            detail = str(err)
+    else:
+        detail = ""
+    if fit is None:  # noise, even with a second, longer probe: parameters from its bounds, said to be rough
+        fit, interval = _noise_curve(measured["noise"])
+        _warn_not_separable(enc, measured["noise"], seconds, client, interval, detail=detail)
     tau = measured["tokens_per_text"]
     beta = fit.per_text_s + fit.per_token_s * tau
     # NNLS may put the whole fixed cost of a 1-row call into its forward pass; a call is never free
@@ -846,13 +878,19 @@ def calibrate(
         "threads_per_worker": tpw,
         "load_per_cpu": load,
         "probe_attempts": attempts,
-        # how sure: a fit that explains the curve within 5% on the first probe is "high"
-        "confidence": "high"
+        "engine": measured.get("engine"),
+        # how sure: a fit that explains the curve within 5% on the first probe is "high"; a curve
+        # the probe could not separate from the noise is "low", with the per-row cost's bounds
+        "confidence": "low"
+        if interval is not None
+        else "high"
         if attempts == 1 and fit.rel_rms <= 0.05
         else "medium"
         if fit.rel_rms <= 0.15
         else "low",
     }
+    if interval is not None:
+        meta["per_row_interval_s"] = json.dumps([float(x) for x in interval])
     params = base
     if client is not None:
         left = max(seconds - (time.perf_counter() - t_start), seconds * 0.5)
@@ -902,24 +940,336 @@ def _store(params: CostParams, key: dict) -> None:
 
 
 class CalibrationWarning(UserWarning):
-    """The calibration probe could not measure the encode cost: defaults are used instead."""
+    """The calibration probe could not separate the encode cost from timing noise: its parameters
+    are rough (``confidence="low"``)."""
 
 
-def _warn_not_separable(encoder, noise: dict, seconds: float, client, detail: str = "") -> None:
-    """Warn that the probe's per-row cost stayed in the noise; the caller falls back to defaults."""
+def _noise_curve(noise: dict) -> tuple[CurveFit, tuple[float, float]]:
+    """A rough encode curve from a probe whose per-row cost stayed in the noise, and the bounds of that cost.
+
+    The per-row cost is the large call's extra time over a one-row call per extra row, or, where
+    the large call was not even slower, its own time per row (an upper bound: set-up included);
+    its bounds widen the gap by three spreads (MADs) of each call on either side. The set-up is
+    the one-row call less that per-row cost.
+
+    Examples
+    --------
+    >>> fit, (lo, hi) = _noise_curve({"one_row": [0.34, 0.05], "largest": [1025, 0.40, 0.30]})
+    >>> round(fit.per_text_s, 7), round(fit.setup_s, 4), lo, round(hi, 6)
+    (5.86e-05, 0.3399, 0.0, 0.001084)
+    """
+    one_med, one_mad = (float(x) for x in noise["one_row"])
+    rows, big_med, big_mad = int(noise["largest"][0]), float(noise["largest"][1]), float(noise["largest"][2])
+    extra = max(rows - 1, 1)
+    gap = big_med - one_med
+    per_row = gap / extra if gap > 0 else big_med / max(rows, 1)
+    spread = 3 * (one_mad + big_mad)
+    lo, hi = max(gap - spread, 0.0) / extra, max(gap + spread, 0.0) / extra
+    hi = max(hi, per_row)
+    setup = max(one_med - per_row, 1e-6)
+    half = (hi - lo) / 2 / per_row if per_row > 0 else 1.0
+    return CurveFit(setup, max(per_row, 1e-12), 0.0, 0.0, min(half, 10.0)), (lo, hi)
+
+
+def _warn_not_separable(
+    encoder, noise: dict, seconds: float, client, interval: tuple[float, float], detail: str = ""
+) -> None:
+    """Warn, once, that the probe's per-row cost stayed in the noise, so its parameters are rough."""
     one_med, one_mad = noise["one_row"]
     rows, big_med, big_mad = noise["largest"]
     where = "its workers" if client is not None else "this process"
+    lo, hi = interval
     msg = (
         f"dask-surge: calibration of {encoder!r} could not separate the per-row encode cost from timing "
-        f"noise on {where}: a call of {rows:,} rows took {big_med:.4g} s (median, spread {big_mad:.2g} s) "
-        f"against {one_med:.4g} s (spread {one_mad:.2g} s) for one row, within seconds={seconds:g} "
-        f"(rule: the gap must exceed {SEPARATION_SIGMAS:g} spreads and the large call {SEPARATION_RATIO:g}x "
-        "the one-row call). Nothing is cached; plan() shows no predictions and b_min='auto' uses the "
-        "default thresholds (surge.b-min / surge.b-max). Fix: calibrate again on a quieter machine, or "
-        "with a longer probe (seconds=...)." + (f" ({detail})" if detail else "")
+        f"noise on {where}, even with a second, longer probe: a call of {rows:,} rows took {big_med:.4g} s "
+        f"(median, spread {big_mad:.2g} s) against {one_med:.4g} s (spread {one_mad:.2g} s) for one row, "
+        f"within seconds={seconds:g} (rule: the gap must exceed {SEPARATION_SIGMAS:g} spreads and the large "
+        f"call {SEPARATION_RATIO:g}x the one-row call). Its parameters are returned with confidence='low' "
+        f"(per-row cost between {lo:.3g} and {hi:.3g} s): plan() predictions and b_min='auto' are rough "
+        "until a run refreshes them from its measured SuperBatches. Fix: calibrate again on a quieter "
+        "machine, or with a longer probe (seconds=...)." + (f" ({detail})" if detail else "")
     )
     warnings.warn(msg, CalibrationWarning, stacklevel=3)
+
+
+# -- refreshing a calibration from a run ---------------------------------------------------------
+#: A run refreshes its calibration only from at least this many SuperBatches, once each worker's
+#: first (warm-up) SuperBatch and the outliers are left out: fewer say too little.
+MIN_REFRESH_POINTS = 3
+#: Runs' SuperBatch points kept in a calibration entry (the newest), refitted with the probe's.
+RUN_POINTS_KEPT = 64
+#: A SuperBatch whose time is off the run's median ratio to the curve by more than this factor (or
+#: 3 robust standard deviations, whichever is wider) is an outlier, left out of a refresh. Wide: on
+#: a shared machine slow SuperBatches are part of what runs cost (a run's time is their sum).
+OUTLIER_FACTOR = 3.0
+#: Each older run's points weigh this much less than the next one's in the refit (recency).
+RUN_DECAY = 0.5
+
+
+def _curve_of(params: CostParams) -> np.ndarray:
+    """``(setup, per_text, per_token, per_forward)`` of ``params``' encode curve (as the probe fits it)."""
+    return np.array([params.setup_s, params.per_text_s, params.per_token_s, params.beta_s * params.b0])
+
+
+def _predict_curve(coef: np.ndarray, pts: np.ndarray) -> np.ndarray:
+    return coef[0] + pts[:, :3] @ coef[1:]
+
+
+def _probe_points(params: CostParams) -> np.ndarray | None:
+    """The probe's observations ``(rows, padded tokens, forwards, seconds)`` kept in ``params.meta``."""
+    raw = dict(params.meta).get("curve")
+    try:
+        pts = np.array(json.loads(raw) if isinstance(raw, str) else raw or [], dtype=float)
+    except (TypeError, ValueError):
+        return None
+    return pts if pts.ndim == 2 and pts.shape[1] == 4 and len(pts) >= 4 else None
+
+
+def refresh_params(
+    params: CostParams, points, *, warmup: int = 1, now: str | None = None, load: float | None = None
+) -> CostParams | None:
+    """Refresh a calibration's encode curve from one run's measured SuperBatches.
+
+    A pure function: the parameters a run's SuperBatch timings make of ``params``, or None when
+    the run says too little to change them.
+
+    1. The first ``warmup`` points (each worker's first SuperBatch: allocator, tokenizer and
+       caches warm up there) and any point with no rows, forward passes or time are left out.
+    2. Each point's ratio of measured to predicted time is taken against a reference curve: the
+       probe's own (refitted from its observations in ``params.meta["curve"]``), else the curve
+       as it was before any run refreshed it; a point off the run's median ratio by more than
+       :data:`OUTLIER_FACTOR` (or 3 robust standard deviations, whichever is wider) is an outlier
+       and left out. Fewer than :data:`MIN_REFRESH_POINTS` left: None.
+    3. The points kept join the runs' points of the entry (the newest :data:`RUN_POINTS_KEPT`),
+       each older run weighing :data:`RUN_DECAY` times less. Their weighted time over the
+       reference's is the machine's speed now against the probe's (``refresh_speed``): an
+       exponentially weighted average over runs, so one noisy run moves the curve only part of
+       the way. The probe's observations, scaled by it (they keep the curve's shape at small
+       calls, where runs have no SuperBatches), and the runs' points are fitted together
+       (:func:`fit_encode_curve`), and the fit is scaled so that it gives the runs' weighted
+       time (the probe's points, taken on another day in other noise, may bend it where runs use
+       it: they shape the curve, the runs set its level). Without the probe's observations, or
+       when that fit fails, the reference curve is scaled by the speed instead.
+
+    The per-call overheads that include the encode set-up (``alpha_s``, ``alpha_idle_s``) move
+    with the new set-up; ``busy_call_s`` (an encode time) scales with ``refresh_ratio``; the Dask
+    terms are kept. The result's ``meta`` says it was refreshed (``refreshes``, ``refreshed_at``,
+    ``refreshed_from``: the SuperBatches used, ``refresh_ratio``: this run's measured model time over
+    what the curve in use before the refresh predicted, ``refresh_speed``) and keeps the run
+    points (``run_points``).
+
+    Parameters
+    ----------
+    params : CostParams
+        The cached calibration of the run's model, device and cluster shape.
+    points : array-like of shape (n, 4)
+        ``(sequences, padded tokens, forward passes, model seconds)`` of each SuperBatch of the
+        run, in the order they started (:class:`~dask_surge.results.SuperBatchReport`'s
+        ``sequences``, ``padded_tokens``, ``forwards`` and ``model_s``).
+    warmup : int
+        Leading points to leave out (the run's workers: each one's first SuperBatch).
+    now : str, optional
+        When (recorded as ``refreshed_at``; default: now).
+    load : float, optional
+        The machine's load per CPU during the run, recorded as ``refresh_load_per_cpu``.
+
+    Returns
+    -------
+    CostParams or None
+
+    Examples
+    --------
+    >>> truth = CostParams(0.002, 2e-4, 1e-5, 4.0, 1, setup_s=0.002, tokens_per_text=30.0)
+    >>> stale = truth.replace(per_text_s=2.6e-4, per_token_s=1.3e-5)   # 1.3x too slow
+    >>> b = np.arange(200, 1400, 100.0)
+    >>> pts = np.column_stack([b, 40 * b, np.ceil(40 * b / 2048), np.zeros_like(b)])
+    >>> pts[:, 3] = _predict_curve(_curve_of(truth), pts)
+    >>> fresh = refresh_params(stale, pts, now="2026-01-01T00:00:00")
+    >>> round(fresh.per_text_s / truth.per_text_s, 2), dict(fresh.meta)["refreshed_from"]
+    (1.0, 11)
+    >>> refresh_params(stale, pts[:3]) is None                        # too few SuperBatches
+    True
+    """
+    pts = np.asarray(points, dtype=float).reshape(-1, 4)[max(int(warmup), 0) :]
+    pts = pts[(pts[:, 0] > 0) & (pts[:, 1] >= 0) & (pts[:, 2] > 0) & (pts[:, 3] > 0)]
+    if len(pts) < MIN_REFRESH_POINTS:
+        return None
+    meta = dict(params.meta)
+    probe = _probe_points(params)
+    # the reference the runs' speed is measured against: the probe's own curve (refitted from its
+    # points), else the curve as it was before any run refreshed it
+    base = _base_curve(meta)
+    ref = base if base is not None else _curve_of(params)
+    if probe is not None:
+        try:
+            fit = fit_encode_curve(probe[:, 0], probe[:, 1], probe[:, 2], probe[:, 3])
+            ref = np.array([fit.setup_s, fit.per_text_s, fit.per_token_s, fit.per_forward_s])
+        except SurgeValueError:
+            probe = None
+    pred = _predict_curve(ref, pts)
+    if np.any(pred <= 0):
+        return None
+    lr = np.log(pts[:, 3] / pred)
+    med = float(np.median(lr))
+    tol = max(3 * 1.4826 * float(np.median(np.abs(lr - med))), np.log(OUTLIER_FACTOR))
+    kept = pts[np.abs(lr - med) <= tol]
+    if len(kept) < MIN_REFRESH_POINTS:
+        return None
+    # what the curve in use predicted for this run, before the refresh (recorded)
+    before = _predict_curve(_curve_of(params), kept)
+    ratio = float(kept[:, 3].sum() / before.sum()) if before.sum() > 0 else 1.0  # a zero curve: no ratio
+    generation = int(meta.get("refreshes", 0)) + 1
+    old = _run_points(meta)
+    runs = np.vstack([old, np.column_stack([kept, np.full(len(kept), generation)])])[-RUN_POINTS_KEPT:]
+    weights = RUN_DECAY ** (generation - runs[:, 4])
+    # the machine's speed now against the reference: the runs' time over the reference's, newer runs
+    # weighing more (a ratio of sums: a run's time is the sum of its SuperBatches', slow ones included)
+    speed = float(np.sum(weights * runs[:, 3]) / np.sum(weights * _predict_curve(ref, runs)))
+    coef = ref * speed
+    if probe is not None:
+        data = np.vstack([probe[:, :4] * [1, 1, 1, speed], runs[:, :4]])
+        try:
+            fit = fit_encode_curve(
+                data[:, 0],
+                data[:, 1],
+                data[:, 2],
+                data[:, 3],
+                weights=np.concatenate([np.ones(len(probe)), weights]),
+            )
+            coef = np.array([fit.setup_s, fit.per_text_s, fit.per_token_s, fit.per_forward_s])
+        except SurgeValueError:
+            pass
+        # the level where runs use it is the runs' own: the probe's points (another day, other
+        # noise) may bend the fit there, so it is scaled to the runs' weighted time
+        fitted = np.sum(weights * _predict_curve(coef, runs))
+        if fitted > 0:
+            coef = coef * float(np.sum(weights * runs[:, 3]) / fitted)
+    elif base is None:
+        meta["curve_base"] = json.dumps([float(x) for x in ref])
+    setup = max(float(coef[0]), 1e-6)
+    beta = float(coef[1] + coef[2] * params.tokens_per_text)
+    if beta <= 0:
+        return None
+    shift = setup - params.setup_s
+    meta.update(
+        refreshes=generation,
+        refreshed_at=now or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        refreshed_from=len(kept),
+        refresh_ratio=round(ratio, 4),
+        refresh_speed=round(speed, 4),
+        refresh_load_per_cpu=load,
+        # a run measured the curve where runs use it: a low-confidence probe is no longer only that
+        confidence="medium" if meta.get("confidence") == "low" else meta.get("confidence", "medium"),
+        run_points=json.dumps([[round(float(x), 7) for x in p] for p in runs]),
+    )
+    return params.replace(
+        setup_s=setup,
+        alpha_s=max(params.alpha_s + shift, setup),
+        alpha_idle_s=max(params.alpha_idle_s + shift, setup)
+        if params.busy_call_s > 0
+        else params.alpha_idle_s,
+        busy_call_s=params.busy_call_s * ratio,
+        per_text_s=float(coef[1]),
+        per_token_s=float(coef[2]),
+        b0=float(coef[3]) / beta,
+        meta=tuple(sorted(meta.items())),
+    )
+
+
+def _base_curve(meta: dict) -> np.ndarray | None:
+    """The encode curve before any run refreshed it (kept where the probe's points are not)."""
+    try:
+        base = np.array(json.loads(meta.get("curve_base") or "null") or [], dtype=float)
+    except (TypeError, ValueError):
+        return None
+    return base if base.shape == (4,) else None
+
+
+def _run_points(meta: dict) -> np.ndarray:
+    """Earlier runs' points kept in a calibration's meta: ``(rows, padded, forwards, seconds, run)``."""
+    try:
+        old = np.array(json.loads(meta.get("run_points") or "[]"), dtype=float)
+    except (TypeError, ValueError):
+        old = np.zeros((0, 5))
+    return old if old.ndim == 2 and old.shape[1] == 5 else np.zeros((0, 5))
+
+
+def cluster_shape(client) -> tuple[int, int]:
+    """``(workers, threads per worker)`` of ``client``'s cluster (``(1, 1)``: this process), as a
+    calibration's key records it; :func:`refresh_from_run` refreshes only a run whose shape held."""
+    return _shape(client)
+
+
+def refresh_from_run(
+    encoder: Any, records, *, client=None, shape: tuple[int, int] | None = None
+) -> CostParams | None:
+    """Refresh the cached calibration of a written run's model, device and cluster shape from its
+    SuperBatches (see :func:`refresh_params`); called by :func:`dask_surge.encode` once a run ends.
+
+    Nothing changes (None is returned) when there is no cached calibration for exactly that key
+    (a run never creates one), when the cluster's shape changed during the run (``shape``, taken
+    as it started), when the SuperBatches were encoded by another engine than the one calibrated,
+    or when too few of them counted what they computed (only the fast engine counts it; a
+    callable or ``sentence-transformers`` model is never refreshed).
+
+    Parameters
+    ----------
+    encoder : Encoder or model spec
+    records : sequence of SuperBatchReport
+        The run's SuperBatches (:attr:`dask_surge.EncodeResult.records`).
+    client : distributed.Client, optional
+        The run's cluster (None: the run ran in this process).
+    shape : (int, int), optional
+        :func:`cluster_shape` as the run started.
+
+    Returns
+    -------
+    CostParams or None
+        The refreshed parameters, also written to the cache.
+    """
+    enc = encoder if isinstance(encoder, Encoder) else Encoder(encoder)
+    workers, tpw = _shape(client)
+    if shape is not None and tuple(shape) != (workers, tpw):
+        logger.info("dask-surge: cluster shape changed during the run; calibration not refreshed")
+        return None
+    counted = [r for r in records if r.committed and r.sequences > 0 and r.forwards > 0 and r.model_s > 0]
+    if len(counted) < MIN_REFRESH_POINTS + 1:  # before even looking the calibration up
+        return None
+    identity = enc.identity()
+    spec_device = enc.spec.device
+    devices = (
+        [("cuda" if spec_device.startswith("cuda") else spec_device)] if spec_device else ["cpu", "cuda"]
+    )
+    found = [d for d in devices if cache_path(_key(identity, d, workers, tpw)).exists()]
+    if not found:  # nothing to refresh: asked before any task goes to the cluster to ask its device
+        return None
+    key = _key(identity, found[0] if len(found) == 1 and spec_device else _device(enc, client), workers, tpw)
+    path = cache_path(key)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("key") != json.loads(json.dumps(key, default=str)):
+            return None
+        params = CostParams.from_dict(data["params"])
+    except (ValueError, KeyError, TypeError) as err:
+        logger.warning("dask-surge: not refreshing unreadable calibration cache %s (%s)", path, err)
+        return None
+    engine = dict(params.meta).get("engine")
+    if engine is not None and any(r.engine != engine for r in counted):
+        return None
+    counted.sort(key=lambda r: r.started_at)
+    points = [(r.sequences, r.padded_tokens, r.forwards, r.model_s) for r in counted]
+    fresh = refresh_params(params, points, warmup=workers, load=_load())
+    if fresh is not None:
+        _store(fresh, key)
+        logger.info(
+            "dask-surge: calibration %s refreshed from %s SuperBatches (measured/predicted %.3g)",
+            path.name,
+            dict(fresh.meta)["refreshed_from"],
+            dict(fresh.meta)["refresh_ratio"],
+        )
+    return fresh
 
 
 def _bytes_per_row(mean_bytes: float, tokens_per_text: float) -> float:

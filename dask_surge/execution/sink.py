@@ -204,4 +204,19 @@ class SuperBatchWriter:
             truncated=encoded.truncated,
             encoded=encoded.encoded,
             reused=encoded.reused,
+            model_s=encoded.model_s,
+            **_shape_fields(encoded),
         )
+
+
+def _shape_fields(encoded: SuperBatchRows) -> dict[str, int]:
+    """The report's counts of what the model's call computed (-1 each where the backend does not say)."""
+    shape = encoded.shape
+    if shape is None:
+        return {}
+    return {
+        "sequences": int(shape.sequences),
+        "tokens": int(shape.tokens),
+        "padded_tokens": int(shape.padded_tokens),
+        "forwards": int(shape.forwards),
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -9,7 +10,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from ..engine.long_texts import TextTooLong, no_tokenizer
+from ..engine.batching import CallShape
+from ..engine.long_texts import TextEmbeddings, TextTooLong, no_tokenizer
 from ..engine.tokenizing import unreadable_text
 from ..errors import SurgeInputError, SurgeModelError, SurgeValueError
 from ..families import DENSE, MULTIVECTOR, SPARSE
@@ -245,6 +247,12 @@ class SuperBatchRows:
         Distinct texts that went through the model (repeats are encoded once).
     reused : int
         Texts whose embeddings were copied from a ``reuse`` output.
+    model_s : float
+        Seconds the model's call took (tokenizing and forward passes; not gathering, hashing or
+        framing): what the cost model's encode curve describes.
+    shape : CallShape or None
+        What that call's forward passes computed (sequences, real and padded tokens, forward
+        passes), where the backend counts it (the fast engine); None otherwise.
     """
 
     frame: pd.DataFrame
@@ -253,6 +261,8 @@ class SuperBatchRows:
     truncated: int = 0
     encoded: int = 0
     reused: int = 0
+    model_s: float = 0.0
+    shape: CallShape | None = None
 
 
 def _too_long(where: str, tokens: int, window: int) -> SurgeInputError:
@@ -462,9 +472,11 @@ class SuperBatchTask:
 
     def _encode_blocks(
         self, texts: Sequence[str], where: Callable[[int], str]
-    ) -> tuple[_Blocks, np.ndarray | None]:
+    ) -> tuple[_Blocks, np.ndarray | None, TextEmbeddings, float]:
         """Run the model on distinct ``texts``; ``where(i)`` names text ``i`` in errors. Returns the
-        blocks and which texts were cut at the window (None: the model cannot tell)."""
+        blocks, which texts were cut at the window (None: the model cannot tell), the model's output
+        and the seconds its call took."""
+        t0 = time.perf_counter()
         try:  # truncate first, then normalize what is kept (as sentence-transformers' truncate_dim)
             out = self.encoder.encode_long(
                 texts,
@@ -479,16 +491,27 @@ class SuperBatchTask:
             if (bad := unreadable_text(texts, lambda i: f"the text at {where(i)}")) is None:
                 raise
             raise bad from None
+        model_s = time.perf_counter() - t0
         truncated = None if out.truncated is None else np.asarray(out.truncated, dtype=bool)
         if out.windows is None:
-            return _Blocks(np.ones(len(texts), np.int64), self.payload(out.embeddings)), truncated
+            return (
+                _Blocks(np.ones(len(texts), np.int64), self.payload(out.embeddings)),
+                truncated,
+                out,
+                model_s,
+            )
         w = out.windows
         counts = np.bincount(w.text, minlength=len(texts)).astype(np.int64)
-        return _Blocks(
-            counts,
-            self.payload(out.embeddings),  # the windows' fields bear the columns' names
-            {k: np.asarray(getattr(w, k), dtype=t) for k, t in CHUNK_COLUMNS.items()},
-        ), truncated
+        return (
+            _Blocks(
+                counts,
+                self.payload(out.embeddings),  # the windows' fields bear the columns' names
+                {k: np.asarray(getattr(w, k), dtype=t) for k, t in CHUNK_COLUMNS.items()},
+            ),
+            truncated,
+            out,
+            model_s,
+        )
 
     def _reused_blocks(self, hashes: np.ndarray) -> tuple[np.ndarray, _Blocks | None, np.ndarray]:
         """Which of the distinct ``hashes`` a ``reuse`` output holds, their rows there, and which of
@@ -549,10 +572,12 @@ class SuperBatchTask:
                     else:
                         cut[check] = over
         todo = np.flatnonzero(~found)
+        model_s, shape = 0.0, None
         if len(todo) or not parts_:
-            fresh, mask = self._encode_blocks(
+            fresh, mask, model_out, model_s = self._encode_blocks(
                 texts if len(todo) == len(texts) else take_texts(texts, first[todo]), where(todo)
             )
+            shape = model_out.shape
             parts_.append((todo, fresh))
             if mask is None:
                 uncounted = True
@@ -586,6 +611,8 @@ class SuperBatchTask:
             truncated=truncated,
             encoded=len(todo),
             reused=int(np.count_nonzero(found[inverse])),
+            model_s=model_s,
+            shape=shape,
         )
 
     def __call__(

@@ -252,6 +252,19 @@ class CostParams:
             )
 
     @property
+    def confidence(self) -> str | None:
+        """How sure the calibration is: ``"high"``, ``"medium"`` or ``"low"`` (``meta["confidence"]``;
+        ``"low"``: the probe could not separate the encode cost from timing noise), None when not recorded.
+
+        Examples
+        --------
+        >>> CostParams(0.01, 1e-4, 0.0, 8, 2, meta={"confidence": "low"}).confidence
+        'low'
+        """
+        value = dict(self.meta).get("confidence")
+        return None if value is None else str(value)
+
+    @property
     def beta_s(self) -> float:
         """Asymptotic encode cost per row at ``tokens_per_text`` tokens a text."""
         return self.per_text_s + self.per_token_s * self.tokens_per_text
