@@ -5,7 +5,7 @@ Only commit records are trusted: a directory listing never is (see :mod:`dask_su
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import pandas as pd
@@ -13,7 +13,7 @@ import pandas as pd
 from ..errors import SurgeInputError, SurgeValueError
 from ..families import family_of_run
 from .layout import PARTITION, PAYLOAD_COLUMNS, ROW, TEXT_HASH
-from .manifest import CommitRecord, Manifest, current_run, existing_run, text_counts
+from .manifest import current_run, existing_run, text_counts
 from .store import OutputStore
 
 __all__ = ["read_embeddings", "skipped_rows", "status", "model_name", "frame_of"]
@@ -30,8 +30,6 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     token window with ``long_texts="chunk"``), ``truncated`` the texts cut at the model's
     window (-1: the model could not tell), ``encoded`` the distinct texts that went through the
     model and ``reused`` those copied from a ``reuse`` output; ``long_texts`` is the run's mode.
-    A table output (``format="lance"``, ``"delta"``, ``"iceberg"``) adds ``table``: its format,
-    versions, rows and last commit (:func:`~dask_surge.io.verify.table_summary`).
 
     Examples
     --------
@@ -68,16 +66,7 @@ def status(output: str, storage_options: dict | None = None) -> dict:
         "long_texts": (manifest.fingerprint.get("long_texts") or {}).get("mode", "truncate"),
         "family": family_of_run(manifest.fingerprint),
         **text_counts(committed.values()),
-        **_table(manifest, committed.values()),
     }
-
-
-def _table(manifest: Manifest, records: Iterable[CommitRecord]) -> dict:
-    """``{"table": ...}`` of a table output (:func:`~dask_surge.io.verify.table_summary`), else nothing."""
-    from .verify import table_format, table_summary
-
-    fmt = table_format(manifest.store, records)
-    return {} if fmt is None else {"table": table_summary(manifest.store, fmt, manifest.run_id)}
 
 
 def model_name(identity) -> str | None:

@@ -232,9 +232,9 @@ def _foreign(manifest: Manifest) -> list[str]:
 
 def table_format(store: OutputStore, records: Iterable[CommitRecord] | None = None) -> str | None:
     """The table format of the output in ``store`` (``"lance"``, ``"delta"``, ``"iceberg"``), or None for a
-    Parquet output: from the first of the commit records ``records`` (a table output's carry the table's
-    data files), else, with none, from the table's own entries (``_delta_log/``, ``_versions/``,
-    Iceberg's ``metadata/``).
+    Parquet output: from the first of the commit records ``records`` when given (a table output's carry
+    the table's data files), else from the table's own entries (``_delta_log/``, ``_versions/``,
+    Iceberg's ``metadata/``; before a table's first commit, the data files its workers wrote).
 
     Examples
     --------
@@ -253,6 +253,12 @@ def table_format(store: OutputStore, records: Iterable[CommitRecord] | None = No
     for entry, fmt in _TABLE_MARKS:
         if entry in names:
             return fmt
+    if "data" in names:  # workers wrote data files, no table commit yet
+        files = store.listdir(f"{store.root}/data")
+        if any(n.endswith(".lance") for n in files):
+            return "lance"
+        if any(n.startswith("surge-") and n.endswith(".parquet") for n in files):
+            return "iceberg"
     return None
 
 
