@@ -220,3 +220,19 @@ def test_superbatches_no_table_version_holds_are_named_until_a_rerun_commits_the
     assert any("fewer than expected" in p for p in problems), problems
     _encode(out, fmt, b_min=50, b_max=100)
     assert verify(str(out)) == []
+
+
+def test_a_lance_output_on_loopback_s3_verifies_and_names_a_missing_file(tmp_path):
+    pytest.importorskip("lance")
+    pytest.importorskip("moto.server")
+    from dask_surge.testing import loopback_s3
+
+    with loopback_s3("surge-verify") as (_, options, fs):
+        out = "s3://surge-verify/t.lance"
+        _encode(out, "lance", storage_options=options)
+        assert verify(out, options) == []
+        assert dask_surge.status(out, options)["table"]["rows"] == N
+        gone = sorted(fs.ls("surge-verify/t.lance/data"))[0]
+        fs.rm(gone)
+        problems = verify(out, options)
+        assert len(problems) == 1 and problems[0].startswith(gone) and "missing" in problems[0], problems
