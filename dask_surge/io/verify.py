@@ -325,19 +325,23 @@ def table_problems(manifest: Manifest, fmt: str) -> list[str]:
             f"{where} does not exist, but the manifest records {len(committed)} committed SuperBatch(es). {rerun}"
         ]
     problems = []
+    versions = table.version_rows()
+    # versions before the first one listed were cleaned up (Lance cleanup_old_versions, Delta log
+    # clean-up, Iceberg expire_snapshots): what they held cannot be named, only counted
+    cut = versions[0][0] if versions and versions[0][0] > 1 else None
     missing = sorted(sb for sb in committed if sb not in history.ours)
-    if missing:
+    if missing and cut is None:
         problems.append(
             f"{len(missing)} SuperBatch(es) the manifest records as committed are in no version of {where} "
             f"(their rows are not in the table): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. "
             + rerun
         )
-    for sb, versions in sorted(history.held.items()):
-        if len(versions) > 1:
+    for sb, holders in sorted(history.held.items()):
+        if len(holders) > 1:
             problems.append(
-                f"SuperBatch {sb} of run {manifest.run_id} is held by versions {versions} of {where}: its "
-                f"{_rows_of(committed.get(sb))}rows are in the table {len(versions)} times. Fix: restore the table "
-                f"to the version before {versions[1]} with the {fmt} library and rerun the same encode call (which "
+                f"SuperBatch {sb} of run {manifest.run_id} is held by versions {holders} of {where}: its "
+                f"{_rows_of(committed.get(sb))}rows are in the table {len(holders)} times. Fix: restore the table "
+                f"to the version before {holders[1]} with the {fmt} library and rerun the same encode call (which "
                 "commits what is then missing), or delete the rows that version added, or encode to a new path."
             )
     unknown = sorted(sb for sb in history.ours if sb not in committed)
@@ -348,11 +352,11 @@ def table_problems(manifest: Manifest, fmt: str) -> list[str]:
             "replaced manifest?). Fix: check those rows with the table library; the table, not the manifest, "
             "is what readers see."
         )
-    versions = table.version_rows()
     added: dict[int, int] = {}
     before = 0
     for version, _, rows in versions:
-        added[version], before = rows - before, rows
+        # the rows a version added (the first one listed, after a clean-up: not known)
+        added[version], before = (0 if version == cut else rows - before), rows
     first = min(history.ops) if history.ops else None
     foreign_rows = 0
     for version, op, run in history.foreign:
@@ -372,9 +376,15 @@ def table_problems(manifest: Manifest, fmt: str) -> list[str]:
         problems.append(
             f"{where} holds {now:,} rows, but the manifest records {ours:,} committed by run {manifest.run_id}"
             + (f" and other writers' versions added {foreign_rows:,}" if foreign_rows else "")
-            + f": {abs(diff):,} {'more' if diff > 0 else 'fewer'} than expected. Fix: see the other lines; a "
-            "table that lost rows is restored to a good version with the table library, or encoded again to a "
-            "new path."
+            + f": {abs(diff):,} {'more' if diff > 0 else 'fewer'} than expected"
+            + (
+                f" (its versions before {cut} were cleaned up, so rows other writers added then are not known, "
+                f"nor which of the run's {len(missing)} SuperBatch(es) not in a version listed now they held)"
+                if cut is not None
+                else ""
+            )
+            + ". Fix: see the other lines; a table that lost rows is restored to a good version with the table "
+            "library, or encoded again to a new path."
         )
     problems += _file_problems(table, where, fmt)
     return problems
