@@ -549,7 +549,7 @@ def _table_words(table: dict) -> str:
     >>> _table_words({"format": "lance", "versions": 3, "version": 3, "rows": 300, "run_versions": 2,
     ...               "last_commit": "2026-01-02T03:04:05+00:00"})
     'lance, 300 rows in version 3 (3 versions, 2 of this run); last table commit 2026-01-02T03:04:05+00:00'
-    >>> _table_words({"format": "delta", "versions": 0, "version": 0, "rows": 0, "run_versions": 0,
+    >>> _table_words({"format": "delta", "versions": 0, "version": None, "rows": 0, "run_versions": 0,
     ...               "last_commit": None})
     'delta: no table yet (a rerun of the same encode call commits what the manifest holds)'
     """

@@ -271,7 +271,8 @@ def _open(store: OutputStore, fmt: str) -> Any:
 
 def table_summary(store: OutputStore, fmt: str, run_id: str) -> dict:
     """What the table of a table output holds, for :func:`dask_surge.status`: its ``format``, ``versions``
-    (how many), ``version`` (the latest), ``rows`` (now), ``run_versions`` (those of run ``run_id``) and
+    (how many), ``version`` (the latest, as the table's library numbers it: Delta's from 0, Iceberg's the
+    snapshot's sequence number; None: no table yet), ``rows`` (now), ``run_versions`` (those of run ``run_id``) and
     ``last_commit`` (epoch seconds of the latest version; None: no table yet). A table that cannot be read
     says so in ``error``."""
     out: dict[str, Any] = {"format": fmt}
@@ -284,7 +285,9 @@ def table_summary(store: OutputStore, fmt: str, run_id: str) -> dict:
         return out
     out.update(
         versions=len(versions),
-        version=versions[-1][0] if versions else 0,
+        version=(versions[-1][0] - (fmt == "delta"))
+        if versions
+        else None,  # as the table's library numbers it
         rows=versions[-1][2] if versions else 0,
         run_versions=len(history.ops),
         last_commit=versions[-1][1] if versions else None,
@@ -339,10 +342,11 @@ def table_problems(manifest: Manifest, fmt: str) -> list[str]:
     for sb, holders in sorted(history.held.items()):
         if len(holders) > 1:
             problems.append(
-                f"SuperBatch {sb} of run {manifest.run_id} is held by versions {holders} of {where}: its "
-                f"{_rows_of(committed.get(sb))}rows are in the table {len(holders)} times. Fix: restore the table "
-                f"to the version before {holders[1]} with the {fmt} library and rerun the same encode call (which "
-                "commits what is then missing), or delete the rows that version added, or encode to a new path."
+                f"SuperBatch {sb} of run {manifest.run_id} is held by {', '.join(_version(fmt, v) for v in holders)} "
+                f"of {where}: its {_rows_of(committed.get(sb))}rows are in the table {len(holders)} times. Fix: "
+                f"restore the table to the one before {_version(fmt, holders[1])} with the {fmt} library and rerun "
+                "the same encode call (which commits what is then missing), or delete the rows that one added, or "
+                "encode to a new path."
             )
     unknown = sorted(sb for sb in history.ours if sb not in committed)
     if unknown:
@@ -365,9 +369,9 @@ def table_problems(manifest: Manifest, fmt: str) -> list[str]:
         else:
             who = f"dask-surge run {run}" if run else "another writer"
             problems.append(
-                f"version {version} of {where} ({op}, by {who}) came after this run's commits and may have "
-                "removed or changed its rows. Fix: if that change was meant, the table is as that writer left "
-                f"it; else restore the table to version {version - 1} with the {fmt} library."
+                f"{_version(fmt, version)} of {where} ({op}, by {who}) came after this run's commits and may "
+                "have removed or changed its rows. Fix: if that change was meant, the table is as that writer "
+                f"left it; else restore the table to the one before it with the {fmt} library."
             )
     ours = sum(_out_rows(rec) for rec in committed.values())
     now = versions[-1][2] if versions else 0
@@ -378,7 +382,8 @@ def table_problems(manifest: Manifest, fmt: str) -> list[str]:
             + (f" and other writers' versions added {foreign_rows:,}" if foreign_rows else "")
             + f": {abs(diff):,} {'more' if diff > 0 else 'fewer'} than expected"
             + (
-                f" (its versions before {cut} were cleaned up, so rows other writers added then are not known, "
+                f" (its versions before {_version(fmt, cut)} were cleaned up, so rows other writers added then "
+                "are not known, "
                 f"nor which of the run's {len(missing)} SuperBatch(es) not in a version listed now they held)"
                 if cut is not None
                 else ""
@@ -388,6 +393,22 @@ def table_problems(manifest: Manifest, fmt: str) -> list[str]:
         )
     problems += _file_problems(table, where, fmt)
     return problems
+
+
+def _version(fmt: str, version: int) -> str:
+    """A table version as the table's own library numbers it (``version`` as :mod:`.tables` counts:
+    Delta's shifted by one, Iceberg's a snapshot's sequence number).
+
+    Examples
+    --------
+    >>> _version("lance", 3), _version("delta", 3), _version("iceberg", 3)
+    ('version 3', 'version 2', 'the snapshot of sequence number 3')
+    """
+    if fmt == "delta":
+        return f"version {version - 1}"
+    if fmt == "iceberg":
+        return f"the snapshot of sequence number {version}"
+    return f"version {version}"
 
 
 def _rows_of(rec: CommitRecord | None) -> str:
