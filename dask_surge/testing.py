@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .io.tables import DeltaOutput, IcebergTable, LanceTable
 from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, write_partitioned_parquet
 
 __all__ = [
@@ -640,8 +641,6 @@ def table_class(fmt: str) -> Any:
     >>> table_class("delta").__name__
     'DeltaOutput'
     """
-    from .io.tables import DeltaOutput, IcebergTable, LanceTable
-
     return {"lance": LanceTable, "delta": DeltaOutput, "iceberg": IcebergTable}[fmt]
 
 

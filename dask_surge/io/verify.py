@@ -24,6 +24,8 @@ from .directory import DATA_FILE, META_DIR, RUN_ID, attempt_of, current_path, di
 from .lease import Claim
 from .manifest import CommitRecord, Manifest, current_id, current_run, load_run, write_meta
 from .store import OutputStore
+from .tables import open_table
+from .tables.locations import TableLocation
 
 __all__ = ["verify", "repair", "table_format", "table_problems", "table_summary"]
 
@@ -263,9 +265,6 @@ def table_format(store: OutputStore, records: Iterable[CommitRecord] | None = No
 
 
 def _open(store: OutputStore, fmt: str) -> Any:
-    from .tables import open_table
-    from .tables.locations import TableLocation
-
     return open_table(fmt, TableLocation.of(store))
 
 
