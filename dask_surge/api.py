@@ -26,13 +26,15 @@ from .execution.runner import RunRequest, write_run
 from .execution.stops import not_utf8
 from .execution.superbatch import SuperBatchTask
 from .families import DENSE, check_family_options
+from .io import readers
 from .io.directory import check_output
 from .io.hashing import text_hashes
 from .io.layout import reserved_columns
 from .io.precision import check_precision, check_truncate_dim
-from .io.readers import read_embeddings, skipped_rows, status
+from .io.readers import read_embeddings, skipped_rows
 from .io.reuse import ReuseIndex, embedding_identity
 from .io.store import OutputStore
+from .io.verify import table_format, table_summary
 from .models.encoders import Encoder
 from .options import EncodeOptions, PlanOptions, document, options_of, signature
 from .planning.costmodel import advise, predict
@@ -67,6 +69,30 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 SCHEDULERS = (None, "sync", "synchronous", "threads")
+
+
+def status(output: str, storage_options: dict | None = None) -> dict:
+    """Progress of the run in ``output``: partitions, SuperBatches and rows committed.
+
+    What :func:`dask_surge.io.readers.status` says of the run's manifest (``state``: ``"complete"``,
+    ``"incomplete"`` or ``"empty"``; ``rows_committed``, ``superbatches_committed``, ``last_commit``,
+    ``model``, ...); a table output (``format="lance"``, ``"delta"``, ``"iceberg"``) adds ``table``:
+    its format, ``rows`` and ``version`` now, ``versions`` (``run_versions`` of this run) and
+    ``last_commit`` (:func:`dask_surge.io.verify.table_summary`).
+
+    Examples
+    --------
+    >>> status("/nonexistent/path")["state"]
+    'empty'
+    """
+    info = readers.status(output, storage_options)
+    if info["state"] == "empty":
+        return info
+    store = OutputStore.open(output, storage_options)
+    fmt = table_format(store)
+    if fmt is not None:
+        info["table"] = table_summary(store, fmt, info["run"])
+    return info
 
 
 def _check_columns(

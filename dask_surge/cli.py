@@ -382,11 +382,10 @@ def cmd_status(args) -> int:
         info["problems"] = problems
     if info.get("model"):
         info["model"] = _model_words(info["model"])
-    if args.json and isinstance(
-        info.get("last_commit"), (int, float)
-    ):  # an ISO 8601 time, not an epoch number
-        info["last_commit_epoch"] = info["last_commit"]  # (and the number, for scripts that compute with it)
-        info["last_commit"] = _iso(info["last_commit"])
+    for where in (info, info.get("table") or {}):
+        if args.json and isinstance(where.get("last_commit"), (int, float)):  # ISO 8601, not an epoch number
+            where["last_commit_epoch"] = where["last_commit"]  # (and the number, for scripts that compute)
+            where["last_commit"] = _iso(where["last_commit"])
     print(json.dumps(info, indent=2, default=str) if args.json else format_status(info))
     return 0 if info["state"] == "complete" and not info.get("problems") else 1
 
@@ -508,6 +507,9 @@ def format_status(info: dict, now: float | None = None) -> str:
         rows.append(("last commit", f"{time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(last))} ({ago})"))
     else:
         rows.append(("last commit", "none yet"))
+    table = info.get("table")
+    if table:
+        rows.append(("table", _table_words(table)))
     if info["state"] == "complete":
         rows.append(("state", "complete"))
     else:
@@ -519,18 +521,49 @@ def format_status(info: dict, now: float | None = None) -> str:
         )
     if "verified" in info:
         problems = info.get("problems") or []
-        rows.append(
-            (
-                "verified",
+        if table:
+            verdict = (
+                f"every committed SuperBatch is in the {table['format']} table once; its rows and data files "
+                "check out"
+                if not problems
+                else f"{len(problems)} problem(s) (each says its fix; a table is never repaired by --repair)"
+            )
+        else:
+            verdict = (
                 "every committed file matches its sha256"
                 if not problems
                 else f"{len(problems)} problem(s); `dask-surge status --repair` brings the manifest back "
-                "to a state a rerun resumes from",
+                "to a state a rerun resumes from"
             )
-        )
+        rows.append(("verified", verdict))
         rows += [("", f"- {p}") for p in problems]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
+
+
+def _table_words(table: dict) -> str:
+    """A table output's ``table`` status in words.
+
+    Examples
+    --------
+    >>> _table_words({"format": "lance", "versions": 3, "version": 3, "rows": 300, "run_versions": 2,
+    ...               "last_commit": "2026-01-02T03:04:05+00:00"})
+    'lance, 300 rows in version 3 (3 versions, 2 of this run); last table commit 2026-01-02T03:04:05+00:00'
+    >>> _table_words({"format": "delta", "versions": 0, "version": None, "rows": 0, "run_versions": 0,
+    ...               "last_commit": None})
+    'delta: no table yet (a rerun of the same encode call commits what the manifest holds)'
+    """
+    fmt = table["format"]
+    if "error" in table:
+        return f"{fmt}: could not be read ({table['error']})"
+    if not table.get("versions"):
+        return f"{fmt}: no table yet (a rerun of the same encode call commits what the manifest holds)"
+    last = table.get("last_commit")
+    when = _iso(last) if isinstance(last, (int, float)) else str(last)
+    return (
+        f"{fmt}, {table['rows']:,} rows in version {table['version']} ({table['versions']} version"
+        f"{'s' if table['versions'] != 1 else ''}, {table['run_versions']} of this run); last table commit {when}"
+    )
 
 
 class _StderrHandler(logging.StreamHandler):

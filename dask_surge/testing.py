@@ -22,15 +22,22 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from .io.tables import DeltaOutput, IcebergTable, LanceTable
 from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, write_partitioned_parquet
 
 __all__ = [
     "numbered_texts",
     "numbered_frame",
     "loopback_s3",
+    "table_encode",
+    "table_class",
+    "table_driver",
+    "kill_after_table_commits",
+    "after_first_table_commit",
     "CountingEncoder",
     "DieOnce",
     "FailOnce",
@@ -601,6 +608,128 @@ def checksum_model(texts) -> np.ndarray:
     [[2.0, 1.0]]
     """
     return np.array([[len(t), sum(map(ord, t)) % 97] for t in texts], dtype=np.float32).reshape(len(texts), 2)
+
+
+#: rows and partitions of the table-output tests' input (:func:`numbered_frame`)
+TABLE_ROWS, TABLE_PARTITIONS = 900, 9
+
+
+def table_encode(out, fmt: str, ddf=None, **kw):
+    """Encode ``ddf`` (default: :func:`numbered_frame` of :data:`TABLE_ROWS` rows in
+    :data:`TABLE_PARTITIONS` partitions) into a ``fmt`` table at ``out`` with the table tests' settings:
+    :func:`checksum_model`, ``keep=["doc_id"]``, ``b_min=100``, ``b_max=200``, threads, no progress bar;
+    ``kw`` overrides them. Returns the :class:`~dask_surge.results.EncodeResult`."""
+    kw = {
+        "model": checksum_model,
+        "keep": ["doc_id"],
+        "b_min": 100,
+        "b_max": 200,
+        "scheduler": "threads",
+        "progress": False,
+        "format": fmt,
+        **kw,
+    }
+    frame = numbered_frame(TABLE_ROWS, TABLE_PARTITIONS) if ddf is None else ddf
+    return frame.surge.encode("text", output=str(out), **kw)
+
+
+def table_class(fmt: str) -> Any:
+    """The class of a ``fmt`` table output (``"lance"``, ``"delta"``, ``"iceberg"``).
+
+    Examples
+    --------
+    >>> table_class("delta").__name__
+    'DeltaOutput'
+    """
+    return {"lance": LanceTable, "delta": DeltaOutput, "iceberg": IcebergTable}[fmt]
+
+
+def kill_after_table_commits(fmt: str, k: int) -> None:
+    """A test hook: SIGKILL this process right after its ``k``-th commit to a ``fmt`` table, before it
+    records anything of that commit (``k=0``: no hook)."""
+    import signal
+
+    if not k:
+        return
+    table = table_class(fmt)
+    real, calls = table.commit, []
+
+    def commit(self, *args, **kwargs):
+        version = real(self, *args, **kwargs)
+        calls.append(version)
+        if len(calls) == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return version
+
+    table.commit = commit
+
+
+def after_first_table_commit(monkeypatch, fmt: str, action) -> list:
+    """Run ``action(table)`` (the dask-surge table object) once, right after a run's first commit to a
+    ``fmt`` table, through pytest's ``monkeypatch``; returns a list that then holds that commit's version."""
+    table = table_class(fmt)
+    real, done = table.commit, []  # type: ignore[var-annotated]
+
+    def commit(self, run_id, batch, read_version):
+        version = real(self, run_id, batch, read_version)
+        if not done:
+            done.append(version)
+            action(self)
+        return version
+
+    monkeypatch.setattr(table, "commit", commit)
+    return done
+
+
+_TABLE_DRIVER = """
+import contextlib, json, sys
+import dask
+from dask_surge.testing import SleepyModel, kill_after_table_commits, numbered_frame
+out, fmt, kill_after, options, catalog, sleep, n, parts = sys.argv[1:9]
+kill_after_table_commits(fmt, int(kill_after))
+ddf = numbered_frame(int(n), int(parts))
+catalog = json.loads(catalog)
+print("started", flush=True)
+with dask.config.set({"surge.iceberg-catalog": catalog}) if catalog else contextlib.nullcontext():
+    res = ddf.surge.encode("text", output=out, format=fmt, model=SleepyModel(float(sleep)), keep=["doc_id"],
+                           b_min=50, b_max=100, scheduler="threads", progress=False,
+                           storage_options=json.loads(options) or None)
+print("rows", res.rows, flush=True)
+"""
+
+
+def table_driver(
+    out,
+    fmt: str,
+    *,
+    kill_after: int = 0,
+    options: dict | None = None,
+    catalog: dict | None = None,
+    sleep: float = 0.02,
+    n: int = TABLE_ROWS,
+    npartitions: int = TABLE_PARTITIONS,
+) -> list[str]:
+    """The command line of a process that encodes :func:`numbered_frame` (``n`` rows, ``npartitions``) into
+    a ``fmt`` table at ``out`` (:class:`SleepyModel` of ``sleep`` seconds, ``b_min=50``, ``b_max=100``,
+    threads), printing ``started`` first and ``rows N`` when done; with ``kill_after`` it SIGKILLs itself
+    right after that many table commits (:func:`kill_after_table_commits`). ``options``: the output's
+    storage options; ``catalog``: ``surge.iceberg-catalog``."""
+    import json
+    import sys
+
+    return [
+        sys.executable,
+        "-c",
+        _TABLE_DRIVER,
+        str(out),
+        fmt,
+        str(kill_after),
+        json.dumps(options or {}),
+        json.dumps(catalog or {}),
+        str(sleep),
+        str(n),
+        str(npartitions),
+    ]
 
 
 _GATES: dict[str, threading.Event] = {}

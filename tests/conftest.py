@@ -68,6 +68,19 @@ def client(_session_client):
 
 
 @pytest.fixture
+def iceberg_catalog(tmp_path):
+    """A real pyiceberg SQL catalog on SQLite under ``tmp_path``, configured as ``surge.iceberg-catalog``
+    while the test runs (the table-output tests' catalog)."""
+    pytest.importorskip("pyiceberg")
+    pytest.importorskip("sqlalchemy")
+    from pyiceberg.catalog import load_catalog
+
+    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}/wh"}
+    with dask.config.set({"surge.iceberg-catalog": {"name": "surge-test", **props}}):
+        yield load_catalog("surge-test", **props)
+
+
+@pytest.fixture
 def counting_encoder():
     """A fresh :class:`dask_surge.testing.CountingEncoder` (installed module: workers can unpickle it)."""
     from dask_surge.testing import CountingEncoder

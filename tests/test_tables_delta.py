@@ -16,29 +16,23 @@ import pytest
 import dask_surge
 from dask_surge import SurgeOutputError
 from dask_surge.io.tables import RUN_PROPERTY, SUPERBATCHES_PROPERTY
-from dask_surge.testing import checksum_model, numbered_frame
+from dask_surge.testing import (
+    TABLE_PARTITIONS,
+    TABLE_ROWS,
+    after_first_table_commit,
+    checksum_model,
+    numbered_frame,
+    table_driver,
+    table_encode,
+)
 
 deltalake = pytest.importorskip("deltalake")
 
-N, NPART = 900, 9
-
-
-def _frame(n: int = N, npartitions: int = NPART, offset: int = 0):
-    return numbered_frame(n, npartitions, offset)
+N, NPART = TABLE_ROWS, TABLE_PARTITIONS
 
 
 def _encode(out, ddf=None, **kw):
-    kw = {
-        "model": checksum_model,
-        "keep": ["doc_id"],
-        "b_min": 100,
-        "b_max": 200,
-        "scheduler": "threads",
-        "progress": False,
-        "format": "delta",
-        **kw,
-    }
-    return (_frame() if ddf is None else ddf).surge.encode("text", output=str(out), **kw)
+    return table_encode(out, "delta", ddf, **kw)
 
 
 def _superbatches(out, options=None) -> list[str]:
@@ -64,7 +58,7 @@ def _check_once(out, n: int = N, options=None) -> pd.DataFrame:
 def test_delta_output_holds_every_row_once_with_the_parquet_columns(tmp_path):
     res = _encode(tmp_path / "t.delta")
     df = _check_once(tmp_path / "t.delta")
-    ref = _frame().surge.encode(
+    ref = numbered_frame(N, NPART).surge.encode(
         "text",
         output=str(tmp_path / "pq"),
         model=checksum_model,
@@ -92,7 +86,7 @@ def test_delta_output_holds_every_row_once_with_the_parquet_columns(tmp_path):
 
 def test_a_foreign_delta_table_is_refused_unless_mode_append(tmp_path):
     out = tmp_path / "t.delta"
-    first = _encode(out, ddf=_frame(300, 3, offset=N))
+    first = _encode(out, ddf=numbered_frame(300, 3, offset=N))
     deltalake.write_deltalake(str(out), _rows(out).head(0), mode="append")  # another writer, no rows
     with pytest.raises(SurgeOutputError, match=r"already holds a different run"):
         _encode(out)
@@ -102,18 +96,7 @@ def test_a_foreign_delta_table_is_refused_unless_mode_append(tmp_path):
 
 
 def _after_first_commit(monkeypatch, action):
-    from dask_surge.io.tables.delta import DeltaOutput
-
-    real, done = DeltaOutput.commit, []
-
-    def commit(self, run_id, batch, read_version):
-        version = real(self, run_id, batch, read_version)
-        if not done:
-            done.append(version)
-            action(self.location.uri)
-        return version
-
-    monkeypatch.setattr(DeltaOutput, "commit", commit)
+    after_first_table_commit(monkeypatch, "delta", lambda table: action(table.location.uri))
 
 
 def test_an_append_by_someone_else_is_merged_and_a_delete_stops_the_run(tmp_path, monkeypatch):
@@ -139,33 +122,10 @@ def test_an_append_by_someone_else_is_merged_and_a_delete_stops_the_run(tmp_path
         _encode(tmp_path / "d.delta", b_min=50, b_max=100)
 
 
-DRIVER = """
-import os, signal, sys, json
-import dask.dataframe as dd, numpy as np, pandas as pd
-import dask_surge
-from dask_surge.testing import SleepyModel, numbered_frame
-out, kill_after, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]) or None
-if kill_after:  # test hook: SIGKILL this process right after its k-th table commit
-    from dask_surge.io.tables.delta import DeltaOutput
-    real, calls = DeltaOutput.commit, []
-    def commit(self, *a, **k):
-        v = real(self, *a, **k)
-        calls.append(v)
-        if len(calls) == kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return v
-    DeltaOutput.commit = commit
-ddf = numbered_frame(N_ROWS, N_PARTS)
-res = ddf.surge.encode("text", output=out, format="delta", model=SleepyModel(0.02), keep=["doc_id"],
-                       b_min=50, b_max=100, scheduler="threads", progress=False, storage_options=options)
-print("rows", res.rows, flush=True)
-""".replace("N_ROWS", str(N)).replace("N_PARTS", str(NPART))
-
-
 def _run(out, kill_after: int = 0, options=None):
     env = {**os.environ, "DASK_SURGE__TABLE_COMMIT_EVERY": "2"}
     return subprocess.run(
-        [sys.executable, "-c", DRIVER, str(out), str(kill_after), json.dumps(options or {})],
+        table_driver(out, "delta", kill_after=kill_after, options=options),
         env=env,
         capture_output=True,
         text=True,

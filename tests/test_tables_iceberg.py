@@ -19,40 +19,30 @@ import dask_surge
 from dask_surge import SurgeOutputError
 from dask_surge.errors import SurgeValueError
 from dask_surge.io.tables import RUN_PROPERTY, SUPERBATCHES_PROPERTY
-from dask_surge.testing import checksum_model, numbered_frame
+from dask_surge.testing import (
+    TABLE_PARTITIONS,
+    TABLE_ROWS,
+    after_first_table_commit,
+    checksum_model,
+    numbered_frame,
+    table_driver,
+    table_encode,
+)
 
 pyiceberg = pytest.importorskip("pyiceberg")
 pytest.importorskip("sqlalchemy")
 
-N, NPART = 900, 9
+N, NPART = TABLE_ROWS, TABLE_PARTITIONS
 
 
 @pytest.fixture
-def catalog(tmp_path):
-    """A real pyiceberg SQL catalog on SQLite, configured as ``surge.iceberg-catalog``."""
-    from pyiceberg.catalog import load_catalog
-
-    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}/wh"}
-    with dask.config.set({"surge.iceberg-catalog": {"name": "surge-test", **props}}):
-        yield load_catalog("surge-test", **props)
-
-
-def _frame(n: int = N, npartitions: int = NPART, offset: int = 0):
-    return numbered_frame(n, npartitions, offset)
+def catalog(iceberg_catalog):
+    """A real pyiceberg SQL catalog on SQLite, configured as ``surge.iceberg-catalog`` (see conftest)."""
+    return iceberg_catalog
 
 
 def _encode(out, ddf=None, **kw):
-    kw = {
-        "model": checksum_model,
-        "keep": ["doc_id"],
-        "b_min": 100,
-        "b_max": 200,
-        "scheduler": "threads",
-        "progress": False,
-        "format": "iceberg",
-        **kw,
-    }
-    return (_frame() if ddf is None else ddf).surge.encode("text", output=str(out), **kw)
+    return table_encode(out, "iceberg", ddf, **kw)
 
 
 def _snapshots(catalog, name: str = "default.t"):
@@ -84,7 +74,7 @@ def test_iceberg_output_holds_every_row_once_with_the_parquet_columns(tmp_path, 
     assert table.location().removeprefix("file://").rstrip("/") == str(tmp_path / "t.iceberg")
     assert table.properties[RUN_PROPERTY] == res.run_id  # the run that created it
     df = _check_once(catalog)
-    ref = _frame().surge.encode(
+    ref = numbered_frame(N, NPART).surge.encode(
         "text",
         output=str(tmp_path / "pq"),
         model=checksum_model,
@@ -115,18 +105,18 @@ def test_iceberg_output_holds_every_row_once_with_the_parquet_columns(tmp_path, 
 
 def test_the_table_identifier_comes_from_the_config_or_the_path(tmp_path, catalog):
     with dask.config.set({"surge.iceberg-table": "search.docs"}):
-        _encode(tmp_path / "emb.iceberg", ddf=_frame(200, 2))
+        _encode(tmp_path / "emb.iceberg", ddf=numbered_frame(200, 2))
     assert sorted(_rows(catalog, "search.docs").doc_id.tolist()) == list(range(200))
     with (  # the name is taken, by a table elsewhere
         dask.config.set({"surge.iceberg-table": "search.docs"}),
         pytest.raises(SurgeOutputError, match=r"'search.docs' lives at .*Fix"),
     ):
-        _encode(tmp_path / "other.iceberg", ddf=_frame(200, 2))
+        _encode(tmp_path / "other.iceberg", ddf=numbered_frame(200, 2))
     with (
         dask.config.set({"surge.iceberg-table": "docs"}),
         pytest.raises(SurgeValueError, match=r"surge.iceberg-table='docs' .*needs a namespace"),
     ):
-        _encode(tmp_path / "x.iceberg", ddf=_frame(200, 2))
+        _encode(tmp_path / "x.iceberg", ddf=numbered_frame(200, 2))
 
 
 def test_a_missing_catalog_is_an_error_naming_the_setting(tmp_path, monkeypatch):
@@ -137,7 +127,7 @@ def test_a_missing_catalog_is_an_error_naming_the_setting(tmp_path, monkeypatch)
         dask.config.set({"surge.iceberg-catalog": None}),
         pytest.raises(SurgeValueError, match=r"surge.iceberg-catalog"),
     ):
-        _encode(tmp_path / "t.iceberg", ddf=_frame(100, 1))
+        _encode(tmp_path / "t.iceberg", ddf=numbered_frame(100, 1))
 
 
 def test_a_missing_pyiceberg_is_an_error_naming_the_extra(tmp_path, catalog, monkeypatch):
@@ -145,7 +135,7 @@ def test_a_missing_pyiceberg_is_an_error_naming_the_extra(tmp_path, catalog, mon
 
     monkeypatch.setitem(sys.modules, "pyiceberg", None)  # import pyiceberg now raises ImportError
     with pytest.raises(SurgeError, match=r'pip install "dask-surge\[iceberg\]"'):
-        _encode(tmp_path / "t.iceberg", ddf=_frame(100, 1))
+        _encode(tmp_path / "t.iceberg", ddf=numbered_frame(100, 1))
     assert not (tmp_path / "t.iceberg").exists()
 
 
@@ -153,11 +143,11 @@ def test_float16_is_refused_and_int8_reads_back_as_the_same_values(tmp_path, cat
     with pytest.raises(
         SurgeOutputError, match=r"Iceberg has no 16-bit float .*Fix: pass precision='float32'"
     ):
-        _encode(tmp_path / "h.iceberg", ddf=_frame(200, 2), precision="float16")
+        _encode(tmp_path / "h.iceberg", ddf=numbered_frame(200, 2), precision="float16")
     assert not catalog.table_exists("default.h")
     with dask.config.set({"surge.iceberg-table": "default.i8"}):
-        _encode(tmp_path / "i8.iceberg", ddf=_frame(200, 2), precision="int8", normalize=True)
-    ref = _frame(200, 2).surge.encode(
+        _encode(tmp_path / "i8.iceberg", ddf=numbered_frame(200, 2), precision="int8", normalize=True)
+    ref = numbered_frame(200, 2).surge.encode(
         "text",
         output=str(tmp_path / "pq"),
         model=checksum_model,
@@ -174,7 +164,7 @@ def test_float16_is_refused_and_int8_reads_back_as_the_same_values(tmp_path, cat
 
 def test_a_foreign_iceberg_table_is_refused_unless_mode_append(tmp_path, catalog):
     out = tmp_path / "t.iceberg"
-    first = _encode(out, ddf=_frame(300, 3, offset=N))
+    first = _encode(out, ddf=numbered_frame(300, 3, offset=N))
     with pytest.raises(SurgeOutputError, match=r"already holds a different run"):
         _encode(out)
     res = _encode(out, mode="append")
@@ -187,24 +177,15 @@ def test_a_foreign_iceberg_table_is_refused_unless_mode_append(tmp_path, catalog
     other = tmp_path / "o.iceberg"
     catalog.create_table("default.o", catalog.load_table("default.t").schema(), location=str(other))
     with pytest.raises(SurgeOutputError, match=r"iceberg table that this run did not create .*create"):
-        _encode(other, ddf=_frame(200, 2))
-    _encode(other, ddf=_frame(200, 2), mode="append")
+        _encode(other, ddf=numbered_frame(200, 2))
+    _encode(other, ddf=numbered_frame(200, 2), mode="append")
     assert sorted(_rows(catalog, "default.o").doc_id.tolist()) == list(range(200))
 
 
 def _after_first_commit(monkeypatch, action):
-    from dask_surge.io.tables.iceberg import IcebergTable
-
-    real, done = IcebergTable.commit, []
-
-    def commit(self, run_id, batch, read_version):
-        version = real(self, run_id, batch, read_version)
-        if not done:
-            done.append(version)
-            action(self.catalog().load_table(self.identifier))
-        return version
-
-    monkeypatch.setattr(IcebergTable, "commit", commit)
+    after_first_table_commit(
+        monkeypatch, "iceberg", lambda table: action(table.catalog().load_table(table.identifier))
+    )
 
 
 def test_an_append_by_someone_else_is_merged_and_a_delete_stops_the_run(tmp_path, catalog, monkeypatch):
@@ -257,42 +238,11 @@ def test_a_commit_that_loses_the_catalog_swap_to_another_writer_is_retried_on_to
     assert len(sbs) == len(set(sbs))
 
 
-DRIVER = """
-import os, signal, sys, json
-import dask, dask.dataframe as dd, numpy as np, pandas as pd
-import dask_surge
-from dask_surge.testing import SleepyModel, numbered_frame
-out, kill_after, catalog, options = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4]) or None
-if kill_after:  # test hook: SIGKILL this process right after its k-th table commit (before any record of it)
-    from dask_surge.io.tables.iceberg import IcebergTable
-    real, calls = IcebergTable.commit, []
-    def commit(self, *a, **k):
-        v = real(self, *a, **k)
-        calls.append(v)
-        if len(calls) == kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return v
-    IcebergTable.commit = commit
-ddf = numbered_frame(N_ROWS, N_PARTS)
-with dask.config.set({"surge.iceberg-catalog": catalog, "surge.table-commit-every": 2}):
-    res = ddf.surge.encode("text", output=out, format="iceberg", model=SleepyModel(0.02), keep=["doc_id"],
-                           b_min=50, b_max=100, scheduler="threads", progress=False,
-                           storage_options=options)
-print("rows", res.rows, flush=True)
-""".replace("N_ROWS", str(N)).replace("N_PARTS", str(NPART))
-
-
 def _run(out, catalog_props, kill_after: int = 0, options=None):
+    env = {**os.environ, "DASK_SURGE__TABLE_COMMIT_EVERY": "2"}
     return subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            DRIVER,
-            str(out),
-            str(kill_after),
-            json.dumps(catalog_props),
-            json.dumps(options or {}),
-        ],
+        table_driver(out, "iceberg", kill_after=kill_after, options=options, catalog=catalog_props),
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,

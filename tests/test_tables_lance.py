@@ -18,29 +18,23 @@ import dask_surge
 from dask_surge import SurgeOutputError, SurgeValueError
 from dask_surge.errors import SurgeError
 from dask_surge.io.tables import RUN_PROPERTY, SUPERBATCHES_PROPERTY, require
-from dask_surge.testing import checksum_model, numbered_frame
+from dask_surge.testing import (
+    TABLE_PARTITIONS,
+    TABLE_ROWS,
+    after_first_table_commit,
+    checksum_model,
+    numbered_frame,
+    table_driver,
+    table_encode,
+)
 
 lance = pytest.importorskip("lance")
 
-N, NPART = 900, 9
-
-
-def _frame(n: int = N, npartitions: int = NPART, offset: int = 0):
-    return numbered_frame(n, npartitions, offset)
+N, NPART = TABLE_ROWS, TABLE_PARTITIONS
 
 
 def _encode(out, ddf=None, **kw):
-    kw = {
-        "model": checksum_model,
-        "keep": ["doc_id"],
-        "b_min": 100,
-        "b_max": 200,
-        "scheduler": "threads",
-        "progress": False,
-        "format": "lance",
-        **kw,
-    }
-    return (_frame() if ddf is None else ddf).surge.encode("text", output=str(out), **kw)
+    return table_encode(out, "lance", ddf, **kw)
 
 
 def _history(out) -> list[tuple[int, str, dict]]:
@@ -83,7 +77,7 @@ def _check_once(out, n: int = N) -> pd.DataFrame:
 def test_lance_output_holds_every_row_once_with_the_parquet_columns(tmp_path):
     res = _encode(tmp_path / "t.lance")
     df = _check_once(tmp_path / "t.lance")
-    ref = _frame().surge.encode(
+    ref = numbered_frame(N, NPART).surge.encode(
         "text",
         output=str(tmp_path / "pq"),
         model=checksum_model,
@@ -126,7 +120,7 @@ def test_commits_are_batched_by_count_and_the_first_superbatch_goes_alone(tmp_pa
 
 def test_a_table_this_run_did_not_create_is_refused_unless_mode_append(tmp_path):
     out = tmp_path / "t.lance"
-    _encode(out, ddf=_frame(300, 3, offset=N))  # another run (other input) made the table
+    _encode(out, ddf=numbered_frame(300, 3, offset=N))  # another run (other input) made the table
     with pytest.raises(SurgeOutputError, match=r"already holds a different run"):
         _encode(out)
     assert len(_rows(out)) == 300  # untouched
@@ -185,19 +179,7 @@ def test_a_missing_package_names_the_extra(monkeypatch):
 
 def _after_first_commit(monkeypatch, action):
     """Run ``action(table_uri)`` once, right after the run's first table commit (a test hook)."""
-    from dask_surge.io.tables.lance import LanceTable
-
-    real, done = LanceTable.commit, []
-
-    def commit(self, run_id, batch, read_version):
-        version = real(self, run_id, batch, read_version)
-        if not done:
-            done.append(version)
-            action(self.location.uri)
-        return version
-
-    monkeypatch.setattr(LanceTable, "commit", commit)
-    return done
+    return after_first_table_commit(monkeypatch, "lance", lambda table: action(table.location.uri))
 
 
 def test_an_append_by_someone_else_during_the_run_is_merged(tmp_path, monkeypatch):
@@ -234,32 +216,9 @@ def test_a_delete_by_someone_else_during_the_run_stops_it(tmp_path, monkeypatch)
 
 # -- kills: the client killed anywhere, also between the table commit and anything after it ------
 
-DRIVER = """
-import os, signal, sys
-import dask.dataframe as dd, numpy as np, pandas as pd
-import dask_surge
-from dask_surge.testing import SleepyModel, numbered_frame
-out, kill_after_commits = sys.argv[1], int(sys.argv[2])
-if kill_after_commits:  # test hook: SIGKILL this process right after its k-th table commit
-    from dask_surge.io.tables.lance import LanceTable
-    real, calls = LanceTable.commit, []
-    def commit(self, *a, **k):
-        v = real(self, *a, **k)
-        calls.append(v)
-        if len(calls) == kill_after_commits:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return v
-    LanceTable.commit = commit
-ddf = numbered_frame(N_ROWS, N_PARTS)
-print("started", flush=True)
-res = ddf.surge.encode("text", output=out, format="lance", model=SleepyModel(0.05), keep=["doc_id"],
-                       b_min=50, b_max=100, scheduler="threads", progress=False)
-print("rows", res.rows, flush=True)
-""".replace("N_ROWS", str(N)).replace("N_PARTS", str(NPART))
-
 
 def _driver(out, kill_after_commits: int = 0) -> list[str]:
-    return [sys.executable, "-c", DRIVER, str(out), str(kill_after_commits)]
+    return table_driver(out, "lance", kill_after=kill_after_commits, sleep=0.05)
 
 
 def _env() -> dict:
@@ -326,7 +285,7 @@ def test_the_format_reaches_encode_from_the_config_and_the_cli(tmp_path, tiny_mo
     import dask
 
     with dask.config.set({"surge.format": "lance"}):
-        res = _frame(200, 2).surge.encode(
+        res = numbered_frame(200, 2).surge.encode(
             "text",
             output=str(tmp_path / "c.lance"),
             model=checksum_model,
@@ -337,7 +296,7 @@ def test_the_format_reaches_encode_from_the_config_and_the_cli(tmp_path, tiny_mo
     from dask_surge.cli import main
 
     src = tmp_path / "in.parquet"
-    _frame(50, 1).compute().to_parquet(src)
+    numbered_frame(50, 1).compute().to_parquet(src)
     code = main(
         [
             "encode",
@@ -362,7 +321,7 @@ def test_the_format_reaches_encode_from_the_config_and_the_cli(tmp_path, tiny_mo
 
 
 def test_read_embeddings_points_a_table_output_to_its_reader(tmp_path):
-    _encode(tmp_path / "t.lance", ddf=_frame(100, 1))
+    _encode(tmp_path / "t.lance", ddf=numbered_frame(100, 1))
     with pytest.raises(dask_surge.SurgeInputError, match=r"lance\.dataset"):
         dask_surge.read_embeddings(str(tmp_path / "t.lance"))
     assert dask_surge.status(str(tmp_path / "t.lance"))["state"] == "complete"

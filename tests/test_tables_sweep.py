@@ -1,11 +1,12 @@
-"""Kill sweep of table outputs (Lance and Delta): kill -9 the client, a worker, or both, at random points of runs on a
+"""Kill sweep of table outputs (Lance, Delta and Iceberg): kill -9 the client, a worker, or both, at random points of runs on a
 real 2-process cluster, on a local disk and on a loopback S3 endpoint, then resume: every row exactly
 once, embeddings equal to an undisturbed run, no SuperBatch twice in the table's history.
 
 Also, in the default suite: a Lance output on loopback S3, killed right after a table commit, resumed.
 
 The sweep is behind the ``slow`` marker; ``SURGE_SWEEP=reduced`` runs 3 trials per place (each kill
-target once), else 12.
+target once; Iceberg on S3: one, killing the client and a worker), else 12. Iceberg runs through pyiceberg's SQL catalog on SQLite (one catalog per place; on
+S3 the table's files are on the loopback endpoint, the catalog local), as tests/test_tables_iceberg.py does.
 """
 
 from __future__ import annotations
@@ -32,41 +33,32 @@ pytest.importorskip("moto.server")
 
 SIZES = [int(x) for x in np.random.default_rng(11).lognormal(3.0, 1.0, 40).astype(int) + 1]
 DRIVER = """
-import json, os, signal, sys
-import dask.dataframe as dd
+import contextlib, json, os, signal, sys
+import dask, dask.dataframe as dd
 import dask_surge
-from dask_surge.testing import SleepyModel
+from dask_surge.testing import SleepyModel, kill_after_table_commits
 
 src, out, cluster, options, kill_after = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
-fmt = sys.argv[6]
-if kill_after:  # test hook: SIGKILL this process right after its k-th table commit
-    from dask_surge.io.tables import DeltaOutput, LanceTable
-    Table = LanceTable if fmt == "lance" else DeltaOutput
-    real, calls = Table.commit, []
-    def commit(self, *a, **k):
-        v = real(self, *a, **k)
-        calls.append(v)
-        if len(calls) == kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return v
-    Table.commit = commit
+fmt, catalog = sys.argv[6], json.loads(sys.argv[7])
+kill_after_table_commits(fmt, kill_after)  # test hook: SIGKILL this process right after its k-th table commit
 ddf = dd.read_parquet(src)
 kw = dict(model=SleepyModel(0.04), b_min=30, b_max=90, keep=["doc_id"], progress=False, format=fmt,
           storage_options=options or None)
-if cluster == "processes":
-    from distributed import Client, LocalCluster
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as lc, Client(lc):
+with dask.config.set({"surge.iceberg-catalog": catalog}) if catalog else contextlib.nullcontext():
+    if cluster == "processes":
+        from distributed import Client, LocalCluster
+        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as lc, Client(lc):
+            print("started", flush=True)
+            res = ddf.surge.encode("text", out, **kw)
+    else:
         print("started", flush=True)
-        res = ddf.surge.encode("text", out, **kw)
-else:
-    print("started", flush=True)
-    res = ddf.surge.encode("text", out, scheduler="threads", **kw)
+        res = ddf.surge.encode("text", out, scheduler="threads", **kw)
 print("rows", res.rows, flush=True)
 """
 
 
 def _driver(
-    src, out, cluster: str, options: dict | None, kill_after: int = 0, fmt: str = "lance"
+    src, out, cluster: str, options: dict | None, kill_after: int = 0, fmt: str = "lance", catalog=None
 ) -> list[str]:
     return [
         sys.executable,
@@ -78,7 +70,14 @@ def _driver(
         json.dumps(options or {}),
         str(kill_after),
         fmt,
+        json.dumps(catalog or {}),
     ]
+
+
+def _catalog(root, place: str) -> dict:
+    """``surge.iceberg-catalog`` of a place: a SQL catalog on SQLite of its own (a table's name is its
+    output's last path component, the same at both places)."""
+    return {"name": f"surge-sweep-{place}", "type": "sql", "uri": f"sqlite:///{root}/catalog-{place}.db"}
 
 
 def _env() -> dict:
@@ -92,26 +91,44 @@ def _table(out: str, options: dict | None):
 CHECK = """
 import json, sys
 import numpy as np
-fmt, out, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+fmt, out, options, catalog = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
 if fmt == "lance":
     import lance
     ds = lance.dataset(out, storage_options=options)
     df = ds.to_table().to_pandas()
     props = [ds.read_transaction(v["version"]).transaction_properties or {} for v in ds.versions()]
-else:
+elif fmt == "delta":
     import deltalake
     dt = deltalake.DeltaTable(out, storage_options=options)
     df, props = dt.to_pandas(), dt.history()
+else:
+    from pyiceberg.catalog import load_catalog
+    from dask_surge.io.tables.iceberg import table_identifier
+    name = catalog.pop("name")
+    if options:  # the data files on the loopback S3 endpoint
+        catalog.update({"s3.endpoint": options["aws_endpoint"], "s3.access-key-id": options["aws_access_key_id"],
+                        "s3.secret-access-key": options["aws_secret_access_key"]})
+    table = load_catalog(name, **catalog).load_table(table_identifier(out, None))
+    df = table.scan().to_pandas()
+    props = [dict(s.summary.additional_properties) for s in table.metadata.snapshots]
 sbs = [sb for p in props if "dask-surge.run" in p for sb in json.loads(p.get("dask-surge.superbatches") or "[]")]
 df = df.sort_values(["partition", "row"])
 print(json.dumps([df.doc_id.tolist(), np.stack(df.embedding.to_numpy()).tolist(), sbs]))
 """
 
 
-def _check(out: str, options: dict | None, reference, fmt: str = "lance") -> None:
+def _check(out: str, options: dict | None, reference, fmt: str = "lance", catalog=None) -> None:
     """Read the table in another process (deltalake holds the GIL while it waits on this process's server)."""
     check = subprocess.run(
-        [sys.executable, "-c", CHECK, fmt, out, json.dumps(object_store_options(out, options))],
+        [
+            sys.executable,
+            "-c",
+            CHECK,
+            fmt,
+            out,
+            json.dumps(object_store_options(out, options)),
+            json.dumps(catalog or {}),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -146,11 +163,11 @@ def places(tmp_path_factory):
             .sort_values(["partition", "row"])
             .reset_index(drop=True)
         )
-        yield src, {"local": (str(root), None), "s3": ("s3://surge-tables", options)}, reference
+        yield src, {"local": (str(root), None), "s3": ("s3://surge-tables", options)}, reference, root
 
 
 def test_lance_on_s3_killed_right_after_a_table_commit_resumes_exactly_once(places):
-    src, where, reference = places
+    src, where, reference, _ = places
     prefix, options = where["s3"]
     out = f"{prefix}/after-commit.lance"
     killed = subprocess.run(
@@ -190,16 +207,24 @@ def _kill(proc: subprocess.Popen, target: str, rng: random.Random) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["lance", "delta"])
+@pytest.mark.parametrize("fmt", ["lance", "delta", "iceberg"])
 @pytest.mark.parametrize("place", ["local", "s3"])
 def test_kill_anything_anywhere_then_resume_a_table_output(places, place, fmt):
-    src, where, reference = places
+    src, where, reference, root = places
     prefix, options = where[place]
-    trials = 3 if os.environ.get("SURGE_SWEEP") == "reduced" else 12
+    if fmt == "iceberg":
+        pytest.importorskip("pyiceberg")
+        pytest.importorskip("sqlalchemy")
+    catalog = _catalog(root, place) if fmt == "iceberg" else None
+    reduced = os.environ.get("SURGE_SWEEP") == "reduced"
+    # reduced (CI): each kill target once; Iceberg on S3 (its slowest place: a commit is several object
+    # writes and a catalog swap) kills both the client and a worker once, to keep CI's sweep short
+    trials = (1 if (fmt, place) == ("iceberg", "s3") else 3) if reduced else 12
+    targets = ("both",) if trials == 1 else ("client", "worker", "both")
     rng = random.Random(7)
     t0 = time.perf_counter()
     clean = subprocess.run(
-        _driver(src, f"{prefix}/timing-{place}.{fmt}", "processes", options, fmt=fmt),
+        _driver(src, f"{prefix}/timing-{place}.{fmt}", "processes", options, fmt=fmt, catalog=catalog),
         env=_env(),
         capture_output=True,
         text=True,
@@ -207,12 +232,12 @@ def test_kill_anything_anywhere_then_resume_a_table_output(places, place, fmt):
     )
     assert clean.returncode == 0, clean.stderr[-3000:]
     seconds = time.perf_counter() - t0
-    _check(f"{prefix}/timing-{place}.{fmt}", options, reference, fmt)
+    _check(f"{prefix}/timing-{place}.{fmt}", options, reference, fmt, catalog)
     for t in range(trials):
-        target = ("client", "worker", "both")[t % 3]
+        target = targets[t % len(targets)]
         out = f"{prefix}/out{t}.{fmt}"
         proc = subprocess.Popen(
-            _driver(src, out, "processes", options, fmt=fmt),
+            _driver(src, out, "processes", options, fmt=fmt, catalog=catalog),
             env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -223,11 +248,11 @@ def test_kill_anything_anywhere_then_resume_a_table_output(places, place, fmt):
         killed = _kill(proc, target, rng)
         proc.wait(timeout=120)
         resumed = subprocess.run(
-            _driver(src, out, "processes", options, fmt=fmt),
+            _driver(src, out, "processes", options, fmt=fmt, catalog=catalog),
             env=_env(),
             capture_output=True,
             text=True,
             timeout=300,
         )
         assert resumed.returncode == 0, (t, killed, resumed.stderr[-3000:])
-        _check(out, options, reference, fmt)
+        _check(out, options, reference, fmt, catalog)

@@ -3,19 +3,39 @@
 :func:`verify` reports (``dask-surge status --verify``); :func:`repair` brings a damaged
 manifest back to a state a rerun can resume from (``--repair``). Neither deletes a file
 that is not dask-surge's (:func:`dask_surge.io.directory.discard`).
+
+A table output (``format="lance"``, ``"delta"``, ``"iceberg"``; :func:`table_format`) is checked
+against the table's own history instead (:func:`table_problems`): every SuperBatch the manifest
+records as committed is held by exactly one version of the run, the table's rows are the
+manifest's plus those other writers appended, and every data file the current version references
+is in the store. A table is never repaired (:func:`repair` refuses it): its history is the
+table's, and what is wrong there is put right with the table's own tools or by a rerun.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+from collections.abc import Iterable
+from typing import Any
 
-from ..errors import SurgeOutputError
+from ..errors import SurgeError, SurgeOutputError
 from .directory import DATA_FILE, META_DIR, RUN_ID, attempt_of, current_path, discard, refuse_links, set_aside
 from .lease import Claim
 from .manifest import CommitRecord, Manifest, current_id, current_run, load_run, write_meta
 from .store import OutputStore
+from .tables import open_table
+from .tables.locations import TableLocation
 
-__all__ = ["verify", "repair"]
+__all__ = ["verify", "repair", "table_format", "table_problems", "table_summary"]
+
+#: the entries that make an output directory a table of each format (see :func:`table_format`)
+_TABLE_MARKS = (
+    ("_delta_log", "delta"),
+    ("_versions", "lance"),
+    ("_transactions", "lance"),
+    ("metadata", "iceberg"),
+)
 
 
 def _problems(manifest: Manifest) -> list[tuple[CommitRecord, str]]:
@@ -66,6 +86,9 @@ def verify(path: str | OutputStore, storage_options: dict | None = None) -> list
     manifest = current_run(store)
     if manifest is None:
         return []
+    fmt = table_format(store, manifest.committed().values())
+    if fmt is not None:
+        return table_problems(manifest, fmt)
     strays = [
         f"{manifest.root}/{n}: a data file that no commit record of the current run names (left by a "
         "replaced or killed run; `part-*` readers would read its rows); --repair deletes it"
@@ -100,6 +123,15 @@ def repair(path: str | OutputStore, storage_options: dict | None = None) -> list
     store = path if isinstance(path, OutputStore) else OutputStore.open(path, storage_options)
     root = store.root
     refuse_links(store)
+    fmt = table_format(store)
+    if fmt is not None:
+        raise SurgeOutputError(
+            f"{store.location!r} is a {fmt} table output: its rows and their history are the table's, which a "
+            "repair does not rewrite (it would have to delete committed table versions or rows). Nothing was "
+            "changed. Fix: `dask-surge status --verify` names what is wrong; rerunning the same encode call "
+            "commits SuperBatches the table lacks (and sets damaged commit records aside); put other damage "
+            f"right with the {fmt} library (restore the table to a good version), or encode to a new path."
+        )
     holder = Claim.holder(store)
     if holder is not None and Claim.alive(store, holder):
         raise SurgeOutputError(
@@ -195,3 +227,226 @@ def _foreign(manifest: Manifest) -> list[str]:
         for n in manifest.store.listdir(manifest.root)
         if not n.startswith(("_", ".")) and not DATA_FILE.match(n)
     ]
+
+
+# -- table outputs ----------------------------------------------------------------------------------
+
+
+def table_format(store: OutputStore, records: Iterable[CommitRecord] | None = None) -> str | None:
+    """The table format of the output in ``store`` (``"lance"``, ``"delta"``, ``"iceberg"``), or None for a
+    Parquet output: from the first of the commit records ``records`` when given (a table output's carry
+    the table's data files), else from the table's own entries (``_delta_log/``, ``_versions/``,
+    Iceberg's ``metadata/``; before a table's first commit, the data files its workers wrote).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> table_format(OutputStore.open(tempfile.mkdtemp())) is None
+    True
+    """
+    for rec in records or ():
+        if not rec.table:
+            return None
+        payload = json.loads(rec.table)
+        if "fragments" in payload:
+            return "lance"
+        return "delta" if str(payload.get("path", "")).startswith("surge-data/") else "iceberg"
+    names = set(store.listdir(store.root))
+    for entry, fmt in _TABLE_MARKS:
+        if entry in names:
+            return fmt
+    if "data" in names:  # workers wrote data files, no table commit yet
+        files = store.listdir(f"{store.root}/data")
+        if any(n.endswith(".lance") for n in files):
+            return "lance"
+        if any(n.startswith("surge-") and n.endswith(".parquet") for n in files):
+            return "iceberg"
+    return None
+
+
+def _open(store: OutputStore, fmt: str) -> Any:
+    return open_table(fmt, TableLocation.of(store))
+
+
+def table_summary(store: OutputStore, fmt: str, run_id: str) -> dict:
+    """What the table of a table output holds, for :func:`dask_surge.status`: its ``format``, ``versions``
+    (how many), ``version`` (the latest, as the table's library numbers it: Delta's from 0, Iceberg's the
+    snapshot's sequence number; None: no table yet), ``rows`` (now), ``run_versions`` (those of run ``run_id``) and
+    ``last_commit`` (epoch seconds of the latest version; None: no table yet). A table that cannot be read
+    says so in ``error``."""
+    out: dict[str, Any] = {"format": fmt}
+    try:
+        table = _open(store, fmt)
+        versions = table.version_rows()
+        history = table.history(run_id)
+    except (SurgeError, OSError, ValueError) as err:
+        out["error"] = str(err)
+        return out
+    out.update(
+        versions=len(versions),
+        version=(versions[-1][0] - (fmt == "delta"))
+        if versions
+        else None,  # as the table's library numbers it
+        rows=versions[-1][2] if versions else 0,
+        run_versions=len(history.ops),
+        last_commit=versions[-1][1] if versions else None,
+    )
+    return out
+
+
+def _relative(uri: str, table_uri: str) -> str:
+    """A data file's path relative to the table, when it lies under it (else the URI as given)."""
+    plain = uri[len("file://") :] if uri.startswith("file://") else uri
+    root = table_uri[len("file://") :] if table_uri.startswith("file://") else table_uri
+    root = root.rstrip("/")
+    return plain[len(root) + 1 :] if plain.startswith(root + "/") else plain
+
+
+def table_problems(manifest: Manifest, fmt: str) -> list[str]:
+    """What is wrong with the table of a table output, one line each (empty: all good).
+
+    Checks that every SuperBatch the manifest records as committed is held by exactly one version of the
+    run (and that the run's versions hold no SuperBatch the manifest does not record), that the table's
+    rows now are the manifest's committed rows plus the rows other writers' versions added, and that every
+    data file the latest version references is in the store with the size the table records (Lance: and
+    ``LanceDataset.validate``).
+    """
+    store = manifest.store
+    table = _open(store, fmt)
+    where = f"the {fmt} table {table.location.url!r}"
+    committed = manifest.committed()
+    rerun = (
+        "Fix: rerun the same encode call (a resume commits the SuperBatches whose commit records exist but "
+        "which no table version holds; a run still writing commits them with its next batch)."
+    )
+    history = table.history(manifest.run_id)
+    if not history.exists:
+        if not committed:
+            return []
+        return [
+            f"{where} does not exist, but the manifest records {len(committed)} committed SuperBatch(es). {rerun}"
+        ]
+    problems = []
+    versions = table.version_rows()
+    # versions before the first one listed were cleaned up (Lance cleanup_old_versions, Delta log
+    # clean-up, Iceberg expire_snapshots): what they held cannot be named, only counted
+    cut = versions[0][0] if versions and versions[0][0] > 1 else None
+    missing = sorted(sb for sb in committed if sb not in history.ours)
+    if missing and cut is None:
+        problems.append(
+            f"{len(missing)} SuperBatch(es) the manifest records as committed are in no version of {where} "
+            f"(their rows are not in the table): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. "
+            + rerun
+        )
+    for sb, holders in sorted(history.held.items()):
+        if len(holders) > 1:
+            problems.append(
+                f"SuperBatch {sb} of run {manifest.run_id} is held by {', '.join(_version(fmt, v) for v in holders)} "
+                f"of {where}: its {_rows_of(committed.get(sb))}rows are in the table {len(holders)} times. Fix: "
+                f"restore the table to the one before {_version(fmt, holders[1])} with the {fmt} library and rerun "
+                "the same encode call (which commits what is then missing), or delete the rows that one added, or "
+                "encode to a new path."
+            )
+    unknown = sorted(sb for sb in history.ours if sb not in committed)
+    if unknown:
+        problems.append(
+            f"versions of {where} hold SuperBatch(es) of run {manifest.run_id} that its manifest does not "
+            f"record as committed: {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} (a damaged or "
+            "replaced manifest?). Fix: check those rows with the table library; the table, not the manifest, "
+            "is what readers see."
+        )
+    added: dict[int, int] = {}
+    before = 0
+    for version, _, rows in versions:
+        # the rows a version added (the first one listed, after a clean-up: not known)
+        added[version], before = (0 if version == cut else rows - before), rows
+    first = min(history.ops) if history.ops else None
+    foreign_rows = 0
+    for version, op, run in history.foreign:
+        if first is None or version < first or table.keeps_rows(op):
+            foreign_rows += added.get(version, 0)
+        else:
+            who = f"dask-surge run {run}" if run else "another writer"
+            problems.append(
+                f"{_version(fmt, version)} of {where} ({op}, by {who}) came after this run's commits and may "
+                "have removed or changed its rows. Fix: if that change was meant, the table is as that writer "
+                f"left it; else restore the table to the one before it with the {fmt} library."
+            )
+    ours = sum(_out_rows(rec) for rec in committed.values())
+    now = versions[-1][2] if versions else 0
+    if now != ours + foreign_rows:
+        diff = now - ours - foreign_rows
+        problems.append(
+            f"{where} holds {now:,} rows, but the manifest records {ours:,} committed by run {manifest.run_id}"
+            + (f" and other writers' versions added {foreign_rows:,}" if foreign_rows else "")
+            + f": {abs(diff):,} {'more' if diff > 0 else 'fewer'} than expected"
+            + (
+                f" (its versions before {_version(fmt, cut)} were cleaned up, so rows other writers added then "
+                "are not known, "
+                f"nor which of the run's {len(missing)} SuperBatch(es) not in a version listed now they held)"
+                if cut is not None
+                else ""
+            )
+            + ". Fix: see the other lines; a table that lost rows is restored to a good version with the table "
+            "library, or encoded again to a new path."
+        )
+    problems += _file_problems(table, where, fmt)
+    return problems
+
+
+def _version(fmt: str, version: int) -> str:
+    """A table version as the table's own library numbers it (``version`` as :mod:`.tables` counts:
+    Delta's shifted by one, Iceberg's a snapshot's sequence number).
+
+    Examples
+    --------
+    >>> _version("lance", 3), _version("delta", 3), _version("iceberg", 3)
+    ('version 3', 'version 2', 'the snapshot of sequence number 3')
+    """
+    if fmt == "delta":
+        return f"version {version - 1}"
+    if fmt == "iceberg":
+        return f"the snapshot of sequence number {version}"
+    return f"version {version}"
+
+
+def _rows_of(rec: CommitRecord | None) -> str:
+    return f"{_out_rows(rec):,} " if rec is not None else ""
+
+
+def _out_rows(rec: CommitRecord) -> int:
+    """The rows a SuperBatch put into the table (``output_rows``; 0 means ``rows``)."""
+    return rec.output_rows or rec.rows
+
+
+def _file_problems(table: Any, where: str, fmt: str) -> list[str]:
+    """Data files the latest version references that are missing or of another size than recorded."""
+    store = table.location.store()
+    problems = []
+    for path, size in table.data_files():
+        rel = _relative(path, table.location.uri)
+        full = f"{store.root}/{rel}" if "://" not in rel and not rel.startswith("/") else rel
+        try:
+            actual = store.fs.info(full).get("size")
+        except FileNotFoundError:
+            problems.append(
+                f"{full}: a data file the latest version of {where} references is missing (reading the table "
+                f"fails). Fix: restore the file from a backup, or restore the table with the {fmt} library to a "
+                "version that does not reference it and rerun the same encode call."
+            )
+            continue
+        if size is not None and actual is not None and int(actual) != size:
+            problems.append(
+                f"{full}: {int(actual):,} bytes, but {where} records {size:,} (the file was changed or "
+                "truncated). Fix: restore the file from a backup, or encode to a new path."
+            )
+    if fmt == "lance" and not problems:
+        ds = table._open()
+        try:
+            ds.validate()
+        except (OSError, ValueError, RuntimeError) as err:
+            problems.append(
+                f"{where} fails Lance's own check (LanceDataset.validate: {err}). Fix: restore the table to a "
+                "good version with lance (LanceDataset.restore), or encode to a new path."
+            )
+    return problems

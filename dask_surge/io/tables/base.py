@@ -82,6 +82,8 @@ class History:
     first_ours: bool | None = None
     #: version -> operation, of this run's versions
     ops: dict[int, str] = field(default_factory=dict)
+    #: SuperBatch key -> every version of the run that holds it (two or more: a duplicate)
+    held: dict[str, list[int]] = field(default_factory=dict)
 
     def add_ours(self, version: int, superbatches: list, op: str) -> None:
         """A version of this run was read: it holds ``superbatches``."""
@@ -92,6 +94,7 @@ class History:
             if sb in self.ours:
                 self.duplicates.append(str(sb))
             self.ours[str(sb)] = version
+            self.held.setdefault(str(sb), []).append(version)
 
     def note_foreign(self) -> None:
         """A version of another writer was read."""

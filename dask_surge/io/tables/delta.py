@@ -137,6 +137,28 @@ class DeltaOutput:
                 out.foreign.append((version, op, str(entry.get(RUN_PROPERTY) or "")))
         return out
 
+    def version_rows(self) -> list[tuple[int, float, int]]:
+        """``(version, commit time in epoch seconds, rows)`` of each version of the table, oldest first
+        (empty: no table); rows from the add actions' ``numRecords``."""
+        dt = self._open()
+        if dt is None:
+            return []
+        out = []
+        for entry in sorted(dt.history(), key=lambda e: e["version"]):
+            version = int(entry["version"])
+            at = deltalake_version(self.location, version)
+            out.append((version + 1, int(entry.get("timestamp") or 0) / 1000, _records(at)))
+        return out
+
+    def data_files(self) -> list[tuple[str, int | None]]:
+        """``(path relative to the table or a URI, size in bytes)`` of every data file the latest version
+        references."""
+        dt = self._open()
+        if dt is None:
+            return []
+        adds = _actions(dt)
+        return [(str(p), int(n)) for p, n in zip(adds["path"], adds["size_bytes"], strict=True)]
+
     def check_schema(self, payload: str) -> None:
         """Refuse ``payload``'s rows when their column names differ from the table's."""
         dt = self._open()
@@ -189,3 +211,23 @@ class DeltaOutput:
         if dt is None:
             raise SurgeOutputError(f"no Delta table at {self.location.url!r}. Fix: pass the output of a run.")
         return dt.to_pyarrow_table()
+
+
+def _actions(dt: Any) -> dict[str, list]:
+    """The add actions of ``dt``'s version as columns (``path``, ``size_bytes``, ``num_records``)."""
+    table = pa.table(dt.get_add_actions(flatten=True))
+    return {name: table.column(name).to_pylist() for name in ("path", "size_bytes", "num_records")}
+
+
+def _records(dt: Any) -> int:
+    """The rows of ``dt``'s version (its add actions' ``numRecords``; counted where one has no statistics)."""
+    counts = _actions(dt)["num_records"]
+    if any(c is None for c in counts):
+        return int(dt.to_pyarrow_dataset().count_rows())
+    return int(sum(counts))
+
+
+def deltalake_version(location: TableLocation, version: int) -> Any:
+    """The Delta table at ``location`` as of its (Delta, 0-based) ``version``."""
+    deltalake = require("deltalake")
+    return deltalake.DeltaTable(location.uri, version=version, storage_options=location.options)

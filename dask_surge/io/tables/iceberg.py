@@ -331,6 +331,29 @@ class IcebergTable:
                 table = catalog.load_table(self.identifier)
         return _versions(table.metadata)[-1][0]
 
+    def version_rows(self) -> list[tuple[int, float, int]]:
+        """``(version, commit time in epoch seconds, rows)`` of each snapshot, oldest first (empty: no
+        table or no snapshot); rows from the snapshot summary's ``total-records``."""
+        table = self._open()
+        if table is None:
+            return []
+        out = []
+        for version, snap in _versions(table.metadata):
+            summary = dict(snap.summary.additional_properties) if snap.summary is not None else {}
+            total = summary.get("total-records")
+            rows = (
+                int(total) if total is not None else len(table.scan(snapshot_id=snap.snapshot_id).to_arrow())
+            )
+            out.append((version, snap.timestamp_ms / 1000, rows))
+        return out
+
+    def data_files(self) -> list[tuple[str, int | None]]:
+        """``(URI, size in bytes)`` of every data file the current snapshot references."""
+        table = self._open()
+        if table is None or table.current_snapshot() is None:
+            return []
+        return [(t.file.file_path, int(t.file.file_size_in_bytes)) for t in table.scan().plan_files()]
+
     def read(self) -> pa.Table:
         """Every committed row (the current snapshot)."""
         table = self._open()

@@ -128,6 +128,31 @@ class LanceTable:
                 out.foreign.append((version, op, props.get(RUN_PROPERTY, "")))
         return out
 
+    def version_rows(self) -> list[tuple[int, float, int]]:
+        """``(version, commit time in epoch seconds, rows)`` of each version of the table, oldest first
+        (empty: no table)."""
+        ds = self._open()
+        if ds is None:
+            return []
+        out = []
+        for v in ds.versions():
+            total = (v.get("metadata") or {}).get("total_rows")
+            rows = int(total) if total is not None else ds.checkout_version(v["version"]).count_rows()
+            out.append((int(v["version"]), v["timestamp"].timestamp(), rows))
+        return out
+
+    def data_files(self) -> list[tuple[str, int | None]]:
+        """``(path relative to the table, size in bytes or None)`` of every data file the latest
+        version references."""
+        ds = self._open()
+        if ds is None:
+            return []
+        return [
+            (f"data/{d.path}", int(d.file_size_bytes) if d.file_size_bytes else None)
+            for frag in ds.get_fragments()
+            for d in frag.data_files()
+        ]
+
     def check_schema(self, payload: str) -> None:
         """Refuse ``payload``'s rows when their columns differ from the table's."""
         ds = self._open()
