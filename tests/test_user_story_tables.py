@@ -19,6 +19,8 @@ more rows and four kills.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import signal
@@ -57,7 +59,10 @@ QUERIES = [
 
 
 def docstring_texts(n: int) -> list[str]:
-    """``n`` distinct real texts: the first paragraphs of the standard library's docstrings, sorted."""
+    """``n`` distinct real texts: the first paragraphs of the standard library's docstrings, sorted.
+
+    Only stable within one moment of a process (a module's attributes grow as its submodules are
+    imported): call it once and keep the list."""
     import argparse
     import collections
     import datetime
@@ -191,21 +196,21 @@ print(json.dumps({"keys": df[["partition", "row"]].values.tolist(), "doc_id": df
 """
 
 
-def _start(args: list[str]) -> subprocess.Popen:
+def _start(args: list[str], log) -> subprocess.Popen:
     env = {**os.environ, "DASK_SURGE__TABLE_COMMIT_EVERY": "2", "DASK_SURGE__TABLE_COMMIT_SECONDS": "0.5"}
     return subprocess.Popen(
         [sys.executable, "-c", DRIVER, *args],
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=log,  # a file: a pipe nobody reads could fill and stall the process
         text=True,
         start_new_session=True,  # its own process group: the cluster it starts goes with it
     )
 
 
-def _kill_after_commits(proc: subprocess.Popen, commits: int, delay: float) -> list[str]:
-    """SIGKILL the user's process ``delay`` seconds after its ``commits``-th table commit returned;
-    returns the lines it printed. Its cluster (its process group) is reaped after it."""
+def _kill_after_commits(proc: subprocess.Popen, commits: int, delay: float, log) -> None:
+    """SIGKILL the user's process ``delay`` seconds after its ``commits``-th table commit returned.
+    Its cluster (its process group) is reaped after it."""
     assert proc.stdout is not None
     lines, seen = [], 0
     for line in proc.stdout:
@@ -216,13 +221,27 @@ def _kill_after_commits(proc: subprocess.Popen, commits: int, delay: float) -> l
             proc.send_signal(signal.SIGKILL)
             break
     proc.wait(timeout=60)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the orphaned scheduler and workers of its LocalCluster
-    except ProcessLookupError:
-        pass
-    assert proc.returncode == -signal.SIGKILL, (lines, proc.stderr.read()[-3000:] if proc.stderr else "")
+    with contextlib.suppress(ProcessLookupError):  # the orphaned scheduler and workers of its LocalCluster
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.stdout.close()
+    log.seek(0)
+    assert proc.returncode == -signal.SIGKILL, (lines, log.read()[-3000:])
     assert seen == commits, f"the run ended before its commit {commits}: {lines}"
-    return lines
+
+
+def _history(fs, fmt: str, out: str) -> list[str]:
+    """The files of the table's history as the store lists them: Lance versions, Delta log entries,
+    Iceberg metadata files (one more per snapshot)."""
+    path = out.removeprefix("s3://")
+    where, suffix = {
+        "lance": ("_versions", ".manifest"),
+        "delta": ("_delta_log", ".json"),
+        "iceberg": ("metadata", ".metadata.json"),
+    }[fmt]
+    try:
+        return [f for f in fs.ls(f"{path}/{where}", detail=False, refresh=True) if f.endswith(suffix)]
+    except FileNotFoundError:
+        return []
 
 
 @pytest.fixture(scope="module")
@@ -255,8 +274,16 @@ def story(tmp_path_factory, tiny_model):
         .reset_index(drop=True)
     )
     assert len(reference) == ROWS
-    with loopback_s3(BUCKET) as (endpoint, options, fs):
-        yield {"root": root, "src": src, "model": tiny_model, "reference": reference, "options": options, "fs": fs}
+    with loopback_s3(BUCKET) as (_, options, fs):
+        yield {
+            "root": root,
+            "src": src,
+            "texts": texts,
+            "model": tiny_model,
+            "reference": reference,
+            "options": options,
+            "fs": fs,
+        }
 
 
 @pytest.mark.parametrize("fmt", ["lance", "delta", "iceberg"])
@@ -266,16 +293,25 @@ def test_encode_to_a_table_on_s3_killed_twice_rerun_then_searched(story, fmt):
     catalog = {"name": "story", "type": "sql", "uri": f"sqlite:///{story['root']}/{fmt}-catalog.db"}
     args = [fmt, str(story["src"]), out, story["model"], json.dumps(story["options"]), json.dumps(catalog)]
 
-    # killed right after its first table commit, then (each rerun) later: after its second commit and a pause
-    _kill_after_commits(_start([*args, "0"]), 1, 0.0)
-    for k in range(1, KILLS):
-        _kill_after_commits(_start([*args, "0"]), 2, 0.1 * k)
-    done = _start([*args, "1"])
-    stdout, stderr = done.communicate(timeout=300)
-    assert done.returncode == 0, stderr[-3000:]
+    # killed right after its first table commit, then (each rerun) later: after two more commits and a pause
+    fs, history = story["fs"], []
+    with open(story["root"] / f"{fmt}-driver.log", "w+") as log:
+        _kill_after_commits(_start([*args, "0"], log), 1, 0.0, log)
+        history.append(len(_history(fs, fmt, out)))
+        for k in range(1, KILLS):
+            _kill_after_commits(_start([*args, "0"], log), 2, 0.1 * k, log)
+            history.append(len(_history(fs, fmt, out)))
+        killed = time.perf_counter() - t0
+        done = _start([*args, "1"], log)
+        stdout, _ = done.communicate(timeout=300)
+        log.seek(0)
+        assert done.returncode == 0, log.read()[-3000:]
+    # each kill came after commits visible in the table's history, each later than the one before
+    assert history[0] >= 1 and all(a < b for a, b in itertools.pairwise(history)), history
     result = json.loads(stdout.strip().splitlines()[-1].removeprefix("done "))
     assert result["rows"] == ROWS and result["resumed"]
     assert result["index"]["built"] is True
+    encoded = time.perf_counter() - t0
 
     read = subprocess.run(
         [
@@ -308,8 +344,12 @@ def test_encode_to_a_table_on_s3_killed_twice_rerun_then_searched(story, fmt):
     found = np.array([[pos[tuple(key)] for key in hits] for hits in got["found"]])
     exact = exact_neighbours(x, np.array(got["queries"], dtype=np.float32), 10)
     recall = recall_at_k(found, exact)
+    assert got["indexes"] == (["IvfFlat"] if fmt == "lance" else ["faiss"])  # what build_index=True built
     assert recall >= 0.9, (recall, got["indexes"])
-    print(f"{fmt}: {KILLS} kills, rerun, search recall@10 {recall:.2f}, {time.perf_counter() - t0:.1f} s")
+    print(
+        f"{fmt}: {ROWS} rows, {KILLS} kills ({killed:.1f} s), rerun ({encoded:.1f} s), "
+        f"search recall@10 {recall:.2f} ({time.perf_counter() - t0:.1f} s in all), history files {history}"
+    )
 
 
 BACKFILL = """
@@ -363,7 +403,7 @@ def test_backfill_an_existing_table_then_only_its_100_new_rows(story):
             BACKFILL,
             story["model"],
             json.dumps(story["options"]),
-            json.dumps(docstring_texts(n)),
+            json.dumps(story["texts"]),
             json.dumps(places),
         ],
         capture_output=True,
@@ -372,7 +412,7 @@ def test_backfill_an_existing_table_then_only_its_100_new_rows(story):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    texts = docstring_texts(n)
+    texts = story["texts"]
     by_id = reference.sort_values("doc_id")
     assert by_id.doc_id.tolist() == list(range(n))
     want = np.stack(by_id.embedding.to_numpy())  # the undisturbed encode of texts[i], row i
@@ -382,6 +422,6 @@ def test_backfill_an_existing_table_then_only_its_100_new_rows(story):
         assert got["second"] == [n, 100]  # only the 100 new rows encoded
         assert got["id"] == list(range(n)) and got["text"] == texts
         np.testing.assert_allclose(
-            np.array(got["embedding"], np.float32), want, rtol=1e-5, atol=1e-6
+            np.array(got["embedding"], np.float32), want, rtol=1e-5, atol=1e-6, err_msg=fmt
         )
     print(f"backfill (lance, delta): {time.perf_counter() - t0:.1f} s")
