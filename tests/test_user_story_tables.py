@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -208,22 +209,33 @@ def _start(args: list[str], log) -> subprocess.Popen:
     )
 
 
+def _reap(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the user's process group: the orphaned scheduler and workers of its
+    LocalCluster (they share its session)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def _kill_after_commits(proc: subprocess.Popen, commits: int, delay: float, log) -> None:
     """SIGKILL the user's process ``delay`` seconds after its ``commits``-th table commit returned.
-    Its cluster (its process group) is reaped after it."""
+    Its cluster (its process group) is reaped after it; a run stuck for 300 s is reaped too."""
     assert proc.stdout is not None
+    watchdog = threading.Timer(300, _reap, (proc,))
+    watchdog.start()
     lines, seen = [], 0
-    for line in proc.stdout:
-        lines.append(line.strip())
-        seen += line.startswith("commit ")
-        if seen == commits:
-            time.sleep(delay)
-            proc.send_signal(signal.SIGKILL)
-            break
-    proc.wait(timeout=60)
-    with contextlib.suppress(ProcessLookupError):  # the orphaned scheduler and workers of its LocalCluster
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.stdout.close()
+    try:
+        for line in proc.stdout:
+            lines.append(line.strip())
+            seen += line.startswith("commit ")
+            if seen == commits:
+                time.sleep(delay)
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(timeout=60)
+    finally:
+        watchdog.cancel()
+        _reap(proc)
+        proc.stdout.close()
     log.seek(0)
     assert proc.returncode == -signal.SIGKILL, (lines, log.read()[-3000:])
     assert seen == commits, f"the run ended before its commit {commits}: {lines}"
@@ -303,7 +315,10 @@ def test_encode_to_a_table_on_s3_killed_twice_rerun_then_searched(story, fmt):
             history.append(len(_history(fs, fmt, out)))
         killed = time.perf_counter() - t0
         done = _start([*args, "1"], log)
-        stdout, _ = done.communicate(timeout=300)
+        try:
+            stdout, _ = done.communicate(timeout=300)
+        finally:
+            _reap(done)
         log.seek(0)
         assert done.returncode == 0, log.read()[-3000:]
     # each kill came after commits visible in the table's history, each later than the one before
