@@ -29,11 +29,13 @@ from .families import DENSE, check_family_options
 from .io import readers
 from .io.directory import check_output
 from .io.hashing import text_hashes
+from .io.index import index_for
 from .io.layout import reserved_columns
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows
 from .io.reuse import ReuseIndex, embedding_identity
 from .io.store import OutputStore
+from .io.tables import require
 from .io.verify import table_format, table_summary
 from .models.encoders import Encoder
 from .options import EncodeOptions, PlanOptions, document, options_of, signature
@@ -569,8 +571,6 @@ def _check_build_index(metric: Any, output: str | None, family: str, out_format:
             f"build_index={metric!r}: this model's output is {family} (no 'embedding' vector per row); a "
             "vector index is built over dense embeddings. Fix: leave build_index out."
         )
-    from .io.tables import require
-
     require("lance" if out_format == "lance" else "faiss")
 
 
@@ -578,8 +578,6 @@ def _indexed(result: EncodeResult, metric: Any, storage_options: dict | None) ->
     """``result`` of a completed run, with the searchable index of its output built (or the one there
     kept when it is up to date) when ``build_index`` asks for one."""
     if metric:
-        from .io.index import index_for
-
         result.index = index_for(result.output, metric, storage_options=storage_options)
     return result
 
