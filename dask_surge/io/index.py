@@ -303,7 +303,8 @@ class SurgeIndex:
         out, dists = [], []
         for i, v in enumerate(q):
             t = self._index.to_table(
-                columns=["partition", "row"],
+                # the distance asked for by name: Lance warns (on stderr) of a search that leaves it implied
+                columns=["partition", "row", "_distance"],
                 nearest={
                     "column": "embedding",
                     "q": v,
