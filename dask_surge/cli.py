@@ -503,13 +503,12 @@ def format_status(info: dict, now: float | None = None) -> str:
         )
     last = info.get("last_commit")
     if last is not None:
-        ago = _ago(max(0.0, (time.time() if now is None else now) - last))
-        rows.append(("last commit", f"{time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(last))} ({ago})"))
+        rows.append(("last commit", _when(last, now)))
     else:
         rows.append(("last commit", "none yet"))
     table = info.get("table")
     if table:
-        rows.append(("table", _table_words(table)))
+        rows.append(("table", _table_words(table, now)))
     if info["state"] == "complete":
         rows.append(("state", "complete"))
     else:
@@ -541,7 +540,13 @@ def format_status(info: dict, now: float | None = None) -> str:
     return "\n".join(f"{k:<{width}}  {v}".rstrip() for k, v in rows)
 
 
-def _table_words(table: dict) -> str:
+def _when(epoch: float, now: float | None = None) -> str:
+    """A commit time as the status table shows it: local date and time, and how long ago."""
+    ago = _ago(max(0.0, (time.time() if now is None else now) - epoch))
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S %Z', time.localtime(epoch))} ({ago})"
+
+
+def _table_words(table: dict, now: float | None = None) -> str:
     """A table output's ``table`` status in words.
 
     Examples
@@ -559,7 +564,7 @@ def _table_words(table: dict) -> str:
     if not table.get("versions"):
         return f"{fmt}: no table yet (a rerun of the same encode call commits what the manifest holds)"
     last = table.get("last_commit")
-    when = _iso(last) if isinstance(last, (int, float)) else str(last)
+    when = _when(last, now) if isinstance(last, (int, float)) else str(last)
     return (
         f"{fmt}, {table['rows']:,} rows in version {table['version']} ({table['versions']} version"
         f"{'s' if table['versions'] != 1 else ''}, {table['run_versions']} of this run); last table commit {when}"
