@@ -597,7 +597,9 @@ def _refresh_calibration(encoder: Encoder, result: EncodeResult, client, shape) 
     if shape is None or len(result.records) <= calibration.MIN_REFRESH_POINTS:
         return
     try:
-        calibration.refresh_from_run(encoder, result.records, client=client, shape=shape)
+        calibration.refresh_from_run(
+            encoder, result.records, client=client, shape=shape, seconds=result.seconds
+        )
     except Exception as err:  # noqa: BLE001 - the run is written; a cache problem must not fail it
         logger.warning("dask-surge: could not refresh the calibration from this run (%s)", err)
 

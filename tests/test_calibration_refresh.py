@@ -251,6 +251,104 @@ def test_a_run_refreshes_only_its_own_key(tmp_path, monkeypatch):
     )
 
 
+def _run_calls(seed: int = 0, n: int = 40) -> np.ndarray:
+    """(rows, real tokens, partitions folded) of a run's SuperBatches: uneven, as SURGE forms them."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(200, 1000, n).astype(float)
+    return np.column_stack([rows, rows * 30.0, rng.integers(1, 9, n)])
+
+
+def _truth_params() -> CostParams:
+    """The machine the runs below ran on: its encode curve known, and what its runs cost beside it."""
+    p = _params_from_probe(_probe_points(1.0), workers=2)
+    return p.replace(overhead_s=0.8, io_per_row_s=4e-5)
+
+
+def _measured(calls: np.ndarray, p: CostParams) -> float:
+    from dask_surge.planning.costmodel import calls_seconds
+
+    return calls_seconds(calls[:, 0], p, tokens=calls[:, 1], folded=calls[:, 2])
+
+
+def test_a_run_measures_its_fixed_cost_and_per_row_rest():
+    """The probe times bare Dask tasks (T0 0.3 s, no rows written); a run that spent 0.8 s outside
+    its SuperBatches and 40 us a row writing sets both, and the model then gives its time."""
+    truth, calls = _truth_params(), _run_calls()
+    probe = truth.replace(overhead_s=0.3, io_per_row_s=0.0)
+    seconds = _measured(calls, truth)
+    assert _measured(calls, probe) / seconds - 1 < -0.1  # the probe's terms: over 10% fast
+    fresh = cal.refresh_run_terms(probe, calls, seconds=seconds, span_s=seconds - 0.8, now=NOW)
+    assert fresh is not None
+    assert fresh.overhead_s == pytest.approx(0.8) and fresh.io_per_row_s == pytest.approx(4e-5, rel=1e-3)
+    meta = dict(fresh.meta)
+    assert meta["run_terms_refreshes"] == 1 and meta["run_terms_at"] == NOW
+    assert meta["run_terms_error"] == pytest.approx(_measured(calls, probe) / seconds - 1, abs=1e-4)
+    # the next run, of other SuperBatches, is predicted from them
+    other = _run_calls(seed=1, n=25)
+    assert _measured(other, fresh) == pytest.approx(_measured(other, truth), rel=1e-3)
+    # the curve and the Dask terms it does not measure are kept
+    assert (fresh.per_text_s, fresh.alpha_s, fresh.partition_s) == (
+        probe.per_text_s,
+        probe.alpha_s,
+        probe.partition_s,
+    )
+
+
+def test_a_run_faster_than_the_model_sets_no_negative_rest():
+    """A run faster than the model's encode calls alone: nothing per row (never negative), and how
+    much longer the model predicts is recorded."""
+    truth, calls = _truth_params(), _run_calls()
+    seconds = 0.7 * _measured(calls, truth.replace(io_per_row_s=0.0))
+    fresh = cal.refresh_run_terms(truth, calls, seconds=seconds, span_s=seconds - 0.1, now=NOW)
+    assert fresh is not None and fresh.io_per_row_s == 0.0 and fresh.overhead_s == pytest.approx(0.1)
+    assert dict(fresh.meta)["run_terms_excess"] > 0
+
+
+def test_the_run_terms_follow_runs_weighted_by_recency():
+    """One slow run (a busy machine) moves the terms part of the way; the runs after it bring them
+    back: the newest runs weigh most, and only the newest RUN_TERMS_KEPT are kept."""
+    truth, calls = _truth_params(), _run_calls()
+    p = truth
+    slow = truth.replace(io_per_row_s=2e-4, overhead_s=3.0)
+    s = _measured(calls, slow)
+    p = cal.refresh_run_terms(p, calls, seconds=s, span_s=s - 3.0, now=NOW)
+    assert p is not None and p.io_per_row_s == pytest.approx(2e-4, rel=1e-3)  # the first run is all it knows
+    for i in range(cal.RUN_TERMS_KEPT + 2):
+        s = _measured(calls, truth)
+        nxt = cal.refresh_run_terms(p, calls, seconds=s, span_s=s - 0.8, now=NOW)
+        assert nxt is not None and nxt.io_per_row_s <= p.io_per_row_s  # each run moves it toward the truth
+        if i == 0:  # part of the way: the slow run still counts, half as much as the new one
+            assert 4e-5 * 1.5 < nxt.io_per_row_s < 2e-4 * 0.5
+        p = nxt
+    assert p.io_per_row_s == pytest.approx(4e-5, rel=0.02) and p.overhead_s == pytest.approx(0.8, rel=0.02)
+    assert len(json.loads(dict(p.meta)["run_terms"])) == cal.RUN_TERMS_KEPT
+
+
+def test_a_run_that_says_nothing_changes_nothing():
+    truth = _truth_params()
+    assert cal.refresh_run_terms(truth, np.zeros((0, 3)), seconds=1.0, span_s=0.5) is None
+    assert cal.refresh_run_terms(truth, _run_calls(), seconds=0.0, span_s=0.0) is None
+
+
+def test_refresh_from_run_refreshes_the_run_terms_given_the_run_seconds(tmp_path, monkeypatch):
+    """The run's seconds given (as encode() gives them), the cached entry's fixed cost becomes the
+    run's time outside its SuperBatches; without them the run terms are left as they are."""
+    from dask_surge import Encoder
+
+    monkeypatch.setenv("DASK_SURGE_CACHE_DIR", str(tmp_path))
+    enc = Encoder(_model, device="cpu")
+    stale = _params_from_probe(_probe_points(1.3), workers=1, meta={"curve": "[]", "engine": "fast"})
+    cal._store(stale, cal._key(enc.identity(), "cpu", 1, 1))
+    reports = (
+        _reports()
+    )  # started 1000.0 + i, committed 1000.5 + i: 7.5 s from the first start to the last end
+    kept = cal.refresh_from_run(enc, reports, client=None, shape=(1, 1))
+    assert kept is not None and kept.overhead_s == stale.overhead_s and "run_terms" not in dict(kept.meta)
+    fresh = cal.refresh_from_run(enc, reports, client=None, shape=(1, 1), seconds=9.0)
+    assert fresh is not None and fresh.overhead_s == pytest.approx(1.5)
+    assert cal.calibrate(enc, probe=False).overhead_s == pytest.approx(1.5)  # stored for the next plan
+
+
 @pytest.mark.slow  # a local cluster encodes and writes: about 20-40 s on 2 shared cores
 def test_a_written_run_refreshes_its_calibration(tiny_model, tmp_path, monkeypatch, client):
     """ddf.surge.encode(..., output=...) on a LocalCluster refreshes the cached calibration of its
@@ -279,6 +377,7 @@ def test_a_written_run_refreshes_its_calibration(tiny_model, tmp_path, monkeypat
     assert all(r.sequences == r.encoded and r.forwards >= 1 and 0 < r.model_s <= r.encode_s for r in records)
     meta = dict(cal.calibrate(enc, client=client, probe=False).meta)
     assert meta["refreshes"] == 1 and 3 <= meta["refreshed_from"] <= len(records) - 2
+    assert meta["run_terms_refreshes"] == 1  # and its fixed cost and per-row rest from the run's time
 
 
 @pytest.mark.parametrize("long_texts", ["truncate", "chunk"])

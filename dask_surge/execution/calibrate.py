@@ -81,7 +81,7 @@ from ..engine.batching import replay
 from ..errors import SurgeValueError
 from ..families import DENSE
 from ..models.encoders import Encoder
-from ..planning.costmodel import CostParams, call_cost, token_quantiles
+from ..planning.costmodel import CostParams, call_cost, calls_seconds, token_quantiles
 from ..planning.policy import plan_superbatches
 from ..planning.tokens import token_counter
 from ..synthetic import make_partitioned_frame, make_texts
@@ -1176,6 +1176,104 @@ def refresh_params(
     )
 
 
+#: How many runs' observations of the run terms a calibration keeps (the newest).
+RUN_TERMS_KEPT = 8
+
+
+def refresh_run_terms(
+    params: CostParams, calls, *, seconds: float, span_s: float, now: str | None = None
+) -> CostParams | None:
+    """Refresh a calibration's run terms from one run's measured time: the fixed cost of a run
+    (``overhead_s``, ``T0``) and the time per row the encode curve does not explain
+    (``io_per_row_s``, ``rho``: gathering and framing rows, writing and committing the output).
+
+    A pure function. The probe measures both on bare Dask tasks; a real run also plans, claims and
+    records its output, and writes every row. So each run measures them:
+
+    1. ``T0`` is the run's time outside its SuperBatches: ``seconds - span_s`` (before the first
+       one started and after the last one ended).
+    2. ``rho`` is the per-row time that makes the model's schedule of this run's own calls
+       (:func:`dask_surge.planning.costmodel.calls_seconds`, with the encode curve as it is now and
+       that ``T0``) take the measured ``seconds``; 0 when the model without it already takes as
+       long (recorded as ``run_terms_excess``: how much longer it predicts).
+    3. The result is the recency-weighted mean over the newest :data:`RUN_TERMS_KEPT` runs, each
+       older run weighing :data:`RUN_DECAY` times less, so one noisy run moves them only part of
+       the way. ``meta`` keeps the runs' observations (``run_terms``), ``run_terms_error`` (what
+       the model before this refresh predicted for this run's calls over the measured seconds,
+       less 1) and ``run_terms_at``.
+
+    Parameters
+    ----------
+    params : CostParams
+        The calibration (its encode curve already refreshed from the same run, when it could be).
+    calls : array-like of shape (n, 3)
+        ``(rows, real tokens, input partitions folded)`` of each SuperBatch, in the order they started.
+    seconds : float
+        The run's time (:attr:`dask_surge.EncodeResult.seconds`).
+    span_s : float
+        From the first SuperBatch's start to the last one's end.
+    now : str, optional
+        When (recorded as ``run_terms_at``; default: now).
+
+    Returns
+    -------
+    CostParams or None
+        None when the run says nothing (no calls, no rows, or no time).
+
+    Examples
+    --------
+    >>> truth = CostParams(0.01, 1e-4, 0.0, 0, 2, overhead_s=0.5, io_per_row_s=2e-5)
+    >>> calls = np.array([[400, 0, 3]] * 20, dtype=float)
+    >>> measured = calls_seconds(calls[:, 0], truth, folded=calls[:, 2])
+    >>> probe = truth.replace(overhead_s=0.02, io_per_row_s=0.0)   # bare Dask: no run's fixed cost, no writes
+    >>> fresh = refresh_run_terms(probe, calls, seconds=measured, span_s=measured - 0.5)
+    >>> round(fresh.overhead_s, 3), round(fresh.io_per_row_s / truth.io_per_row_s, 3)
+    (0.5, 1.0)
+    """
+    c = np.asarray(calls, dtype=float).reshape(-1, 3)
+    if len(c) == 0 or c[:, 0].sum() <= 0 or not (seconds > 0) or not np.all(np.isfinite(c)):
+        return None
+    rows, tokens, folded = c[:, 0], (c[:, 1] if np.all(c[:, 1] > 0) else None), c[:, 2]
+
+    def run_time(p: CostParams) -> float:
+        return calls_seconds(rows, p, tokens=tokens, folded=folded)
+
+    fixed = float(min(max(seconds - span_s, 0.0), seconds))
+    base = params.replace(overhead_s=fixed, io_per_row_s=0.0)
+    excess = run_time(base) - seconds
+    rho = 0.0
+    if excess < 0:  # the run took longer than its encode calls and fixed cost: the rest is per row
+        lo, hi = 0.0, seconds * int(params.workers) / float(rows.sum())
+        while run_time(base.replace(io_per_row_s=hi)) < seconds:  # pragma: no cover - hi is an upper bound
+            lo, hi = hi, 2 * hi
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if run_time(base.replace(io_per_row_s=mid)) < seconds else (lo, mid)
+        rho = hi
+    meta = dict(params.meta)
+    try:
+        old = [list(map(float, r)) for r in json.loads(meta.get("run_terms") or "[]")]
+    except (TypeError, ValueError):
+        old = []
+    generation = int(meta.get("run_terms_refreshes", 0)) + 1
+    runs = np.array([r for r in old if len(r) == 3] + [[generation, fixed, rho]], dtype=float)[
+        -RUN_TERMS_KEPT:
+    ]
+    w = RUN_DECAY ** (generation - runs[:, 0])
+    meta.update(
+        run_terms_refreshes=generation,
+        run_terms_at=now or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        run_terms_error=round(run_time(params) / seconds - 1, 4),
+        run_terms_excess=round(max(excess, 0.0), 4),
+        run_terms=json.dumps([[int(g), round(float(f), 6), float(f"{r:.6g}")] for g, f, r in runs]),
+    )
+    return params.replace(
+        overhead_s=float(np.sum(w * runs[:, 1]) / w.sum()),
+        io_per_row_s=float(np.sum(w * runs[:, 2]) / w.sum()),
+        meta=tuple(sorted(meta.items())),
+    )
+
+
 def _base_curve(meta: dict) -> np.ndarray | None:
     """The encode curve before any run refreshed it (kept where the probe's points are not)."""
     try:
@@ -1201,10 +1299,16 @@ def cluster_shape(client) -> tuple[int, int]:
 
 
 def refresh_from_run(
-    encoder: Any, records, *, client=None, shape: tuple[int, int] | None = None
+    encoder: Any,
+    records,
+    *,
+    client=None,
+    shape: tuple[int, int] | None = None,
+    seconds: float | None = None,
 ) -> CostParams | None:
     """Refresh the cached calibration of a written run's model, device and cluster shape from its
-    SuperBatches (see :func:`refresh_params`); called by :func:`dask_surge.encode` once a run ends.
+    SuperBatches (see :func:`refresh_params`) and, given the run's ``seconds``, its run terms (see
+    :func:`refresh_run_terms`); called by :func:`dask_surge.encode` once a run ends.
 
     Nothing changes (None is returned) when there is no cached calibration for exactly that key
     (a run never creates one), when the cluster's shape changed during the run (``shape``, taken
@@ -1221,6 +1325,8 @@ def refresh_from_run(
         The run's cluster (None: the run ran in this process).
     shape : (int, int), optional
         :func:`cluster_shape` as the run started.
+    seconds : float, optional
+        The run's time (:attr:`dask_surge.EncodeResult.seconds`); None leaves the run terms as they are.
 
     Returns
     -------
@@ -1262,13 +1368,21 @@ def refresh_from_run(
     points = [(r.sequences, r.padded_tokens, r.forwards, r.model_s) for r in counted]
     fresh = refresh_params(params, points, warmup=workers, load=_load())
     if fresh is not None:
-        _store(fresh, key)
         logger.info(
             "dask-surge: calibration %s refreshed from %s SuperBatches (measured/predicted %.3g)",
             path.name,
             dict(fresh.meta)["refreshed_from"],
             dict(fresh.meta)["refresh_ratio"],
         )
+    if seconds is not None:
+        ran = [r for r in records if r.model_s > 0]  # every SuperBatch this run encoded took its time
+        ends = [r.committed_at if r.task_end is None else r.task_end + r.clock_shift for r in ran]
+        calls = [(r.rows + r.skipped, max(r.tokens, 0), len(r.spans)) for r in ran]
+        span = max(ends) - min(r.started_at for r in ran)
+        terms = refresh_run_terms(fresh or params, calls, seconds=float(seconds), span_s=span)
+        fresh = terms or fresh
+    if fresh is not None:
+        _store(fresh, key)
     return fresh
 
 

@@ -62,7 +62,11 @@ call in PBP runs over partitions of a moderate size ``m`` (``c(m)`` about the
 one-row per-call overhead; ``busy_call_s = c(m)``), ``alpha_idle`` from the
 slope of the one-row runs, and ``pi``
 from SuperBatches of one-row partitions (see
-:func:`dask_surge.execution.calibrate.solve_dask_terms`). ``alpha`` and ``pi`` include
+:func:`dask_surge.execution.calibrate.solve_dask_terms`). Each written run then
+refreshes the encode curve from its SuperBatches' model time
+(:func:`dask_surge.execution.calibrate.refresh_params`) and ``T0`` and ``rho``
+from its measured time (:func:`dask_surge.execution.calibrate.refresh_run_terms`),
+so a cached calibration converges to what runs cost. ``alpha`` and ``pi`` include
 the scheduler round trips and the scheduler's and client's CPU per task.
 
 Why this ``c``: the encoder sorts a call's texts by token length and cuts
@@ -119,6 +123,7 @@ __all__ = [
     "auto_thresholds",
     "call_cost",
     "call_overhead",
+    "calls_seconds",
     "batch_shape",
     "token_quantiles",
 ]
@@ -161,10 +166,12 @@ class CostParams:
         inside the call's task).
     overhead_s : float
         Fixed cost ``T0`` of one run (graph submission, latency to the first task,
-        the final gather).
+        the final gather; once a written run refreshed it, also planning, claiming
+        and recording the output).
     io_per_row_s : float
         Time ``rho`` per row beyond the encode curve (shipping rows in and
-        embeddings out, building the output); overlaps with encoding on a GPU.
+        embeddings out, building the output; once a written run refreshed it, also
+        writing and committing it); overlaps with encoding on a GPU.
     tokens_per_text : float
         Mean tokens per text of the calibration texts (used when ``tokens`` is not given).
     max_tokens : int
@@ -635,6 +642,48 @@ def predict(
     df["largest_call"] = df["largest_call"].astype(np.int64)
     df.index.name = "policy"
     return df
+
+
+def calls_seconds(rows, params: CostParams, *, tokens=None, folded=None) -> float:
+    """Predicted seconds of a run made of these encode calls, in this order (SURGE's schedule).
+
+    What :func:`predict` gives for the ``"surge"`` row, for calls already formed: a run's own
+    SuperBatches, so a run's measured time can be compared with what the model says it costs
+    (:func:`dask_surge.execution.calibrate.refresh_run_terms`).
+
+    Parameters
+    ----------
+    rows : array-like of int
+        Rows of each call, in the order the calls started.
+    params : CostParams
+    tokens : array-like of float, optional
+        Real tokens of each call; default ``rows * params.tokens_per_text``.
+    folded : array-like of int, optional
+        Input partitions folded into each call; default none (no per-partition cost).
+
+    Returns
+    -------
+    float
+
+    Examples
+    --------
+    >>> p = CostParams(alpha_s=0.5, per_text_s=0.01, per_token_s=0.0, b0=0, workers=2, overhead_s=1.0)
+    >>> calls_seconds([100, 100, 100, 100], p)   # 1 + two calls of 0.5 + 1 on each worker
+    4.0
+    """
+    b = np.asarray(rows, dtype=float).reshape(-1)
+    t = None if tokens is None else np.asarray(tokens, dtype=float).reshape(-1)
+    p = np.zeros_like(b) if folded is None else np.asarray(folded, dtype=float).reshape(-1)
+    if (t is not None and t.shape != b.shape) or p.shape != b.shape or np.any(b < 0):
+        raise SurgeValueError(
+            f"calls_seconds got {b.shape[0]} calls but tokens {None if t is None else t.shape} and folded "
+            f"{p.shape}, or a negative row count: each call needs one non-negative row count, token "
+            "count and partition count. Fix: pass arrays of equal length."
+        )
+    N = float(b.sum())
+    io_total = N * params.io_per_row_s / int(params.workers)
+    row_bytes = params.bytes_per_row + params.embedding_bytes_per_row
+    return float(_streamed(params, b, t, p, io_total, row_bytes, N, in_order=True)["seconds"])
 
 
 def _io_overlaps(params: CostParams) -> bool:
