@@ -10,7 +10,8 @@ On a ``LocalCluster`` of ``--workers`` single-threaded workers, with a tiny rand
 (:func:`dask_surge.testing.make_tiny_model`, the fast engine) and ``--texts`` synthetic texts in
 ``--partitions`` log-normal partitions (sigma 1.72):
 
-1. **fresh**: ``calibrate()`` into an empty cache (``$DASK_SURGE_CACHE_DIR``, a temporary folder);
+1. **fresh**: ``calibrate()`` into an empty cache (``$DASK_SURGE_CACHE_DIR``, a temporary folder),
+   with the rehearsal run ``plan(calibrate=True)`` gives it;
 2. **stale**: the cache made stale, by hand (``--stale scale``: the encode curve and the
    probe's points scaled by ``--scale``, as a calibration taken on a machine that much slower)
    and/or by a calibration taken while ``os.cpu_count()`` processes burn the CPUs
@@ -141,10 +142,19 @@ def one_run(phase: str, i: int, ddf_seed: int, args, model: str, enc, client, wo
         "refreshes_after": int(after.get("refreshes", 0)),
         "refreshed_from": after.get("refreshed_from"),
         "refresh_ratio": after.get("refresh_ratio"),
+        # what the run's own refresh says: the model before it, on this run's SuperBatches, over its time
+        "run_terms_error": after.get("run_terms_error"),
         "load_1min": round(load, 2),
     }
     print(json.dumps(rec), flush=True)
     return rec
+
+
+def _rehearsal(enc, client):
+    """The rehearsal run plan(calibrate=True) gives the calibration (on the same client)."""
+    from dask_surge import api
+
+    return api._rehearsal(enc, client, None)
 
 
 def make_stale(enc, client, args, how: str) -> dict:
@@ -157,7 +167,9 @@ def make_stale(enc, client, args, how: str) -> dict:
         for p in procs:
             p.start()
         try:
-            params = cal.calibrate(enc, client=client, seconds=args.calib_seconds, refresh=True)
+            params = cal.calibrate(
+                enc, client=client, seconds=args.calib_seconds, refresh=True, rehearse=_rehearsal(enc, client)
+            )
         finally:
             stop.set()
             for p in procs:
@@ -220,7 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
             Client(cluster) as client,
         ):
             t0 = time.perf_counter()
-            params = cal.calibrate(enc, client=client, seconds=args.calib_seconds)
+            params = cal.calibrate(
+                enc, client=client, seconds=args.calib_seconds, rehearse=_rehearsal(enc, client)
+            )
             calib_s = time.perf_counter() - t0
             report["summary"]["calibration"] = {
                 "seconds": round(calib_s, 2),

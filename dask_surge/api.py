@@ -6,7 +6,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, get_overloads, overload
 
 import numpy as np
@@ -332,9 +332,19 @@ def _calibrated(encoder: Encoder, active, scheduler: Any):
     cluster, this process for ``"threads"``/``"sync"``, else the local cluster ``encode()``
     starts, started here for the probe."""
     if active is not None or scheduler is not None:
-        return calibration.calibrate(encoder, client=active)
+        return calibration.calibrate(encoder, client=active, rehearse=_rehearsal(encoder, active, scheduler))
     with _client_for(None) as client:
-        return calibration.calibrate(encoder, client=client)
+        return calibration.calibrate(encoder, client=client, rehearse=_rehearsal(encoder, client, None))
+
+
+def _rehearsal(encoder: Encoder, client, scheduler: Any) -> Callable[..., Any]:
+    """A calibration's rehearsal: one written :func:`encode` where the calibration measured."""
+
+    def rehearse(frame, **options: Any) -> None:
+        where = client if client is not None else scheduler  # encode() takes a Client as its scheduler
+        encode(frame, "text", model=encoder, scheduler=where, progress=False, **options)
+
+    return rehearse
 
 
 def _threads(client, scheduler: Any = None) -> int:

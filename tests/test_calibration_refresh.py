@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -347,6 +348,35 @@ def test_refresh_from_run_refreshes_the_run_terms_given_the_run_seconds(tmp_path
     fresh = cal.refresh_from_run(enc, reports, client=None, shape=(1, 1), seconds=9.0)
     assert fresh is not None and fresh.overhead_s == pytest.approx(1.5)
     assert cal.calibrate(enc, probe=False).overhead_s == pytest.approx(1.5)  # stored for the next plan
+
+
+def test_a_rehearsal_is_one_small_written_run_and_its_failure_keeps_the_probe(tmp_path, monkeypatch, caplog):
+    """calibrate(rehearse=...) after a probe: one written run with a warm-up SuperBatch a worker and
+    enough after them to refresh from; what its refresh stored is returned. A rehearsal that fails
+    (an output the workers cannot reach, a full disk) leaves the probe's parameters and says why."""
+    monkeypatch.setenv("DASK_SURGE_CACHE_DIR", str(tmp_path))
+    probe = _truth_params()  # 2 workers
+    key = cal._key({"model": "m"}, "cpu", 2, 1)
+    cal._store(probe, key)
+    seen: dict = {}
+
+    def rehearse(frame, **options):
+        seen.update(options, rows=len(frame), output_parent=os.path.dirname(options["output"]))
+        assert os.path.isdir(seen["output_parent"])  # a temporary folder, there while it runs
+        cal._store(probe.replace(overhead_s=1.25), key)  # what encode()'s refresh does
+
+    got = cal._rehearsed(probe, key, rehearse, seconds=10)
+    assert got.overhead_s == 1.25
+    assert seen["b_min"] == seen["b_max"] >= 16
+    assert seen["rows"] // seen["b_min"] >= cal.MIN_REFRESH_POINTS + 1 + 2 * probe.workers
+    assert not os.path.exists(seen["output_parent"])  # removed after the run
+
+    def broken(frame, **options):
+        raise OSError("No space left on device")
+
+    with caplog.at_level("WARNING"):
+        assert cal._rehearsed(probe, key, broken, seconds=10) == probe
+    assert "rehearsal run failed (No space left on device)" in caplog.text
 
 
 @pytest.mark.slow  # a local cluster encodes and writes: about 20-40 s on 2 shared cores

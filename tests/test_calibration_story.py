@@ -22,6 +22,8 @@ def test_plan_calibrates_where_encode_runs(tmp_path, monkeypatch, tiny_model):
 
     assert meta["workers"] == local_cluster_threads() and "load_per_cpu" in meta
     assert meta["confidence"] in ("high", "medium", "low")
+    # a written rehearsal run set what the probe's bare tasks cannot see: a run's fixed cost
+    assert meta["run_terms_refreshes"] == 1 and planned.params.overhead_s > 0
     result = ddf.surge.encode("text", output=str(tmp_path / "emb"), model=tiny_model, progress=False)
     assert "no calibration" not in result.thresholds_reason
     assert (result.b_min, result.b_max) == (planned.b_min, planned.b_max)

@@ -752,6 +752,7 @@ def calibrate(
     cache: bool = True,
     refresh: bool = False,
     probe: bool = True,
+    rehearse: Callable[..., Any] | None = None,
 ) -> CostParams | None:
     """Measure the cost-model constants for ``encoder`` on ``client``'s cluster.
 
@@ -772,6 +773,15 @@ def calibrate(
     probe : bool
         With ``False``, only look the parameters up in the cache and return
         ``None`` when they are not there (nothing is measured).
+    rehearse : callable, optional
+        Can be a function that runs one written encode of a frame on the same cluster, called as
+        ``rehearse(frame, b_min=..., b_max=..., output=...)`` (:func:`dask_surge.plan` passes one
+        that calls :func:`dask_surge.encode`), or None to skip the rehearsal. After a probe, it
+        runs a small written run (about a fifth of ``seconds`` of encoding, into a temporary
+        folder) whose refresh (:func:`refresh_from_run`) sets what the probe's bare Dask tasks
+        cannot see: a real run's fixed cost and per-row rest (:func:`refresh_run_terms`), and the
+        encode curve as a run pays it. A rehearsal that fails leaves the probe's parameters, with
+        one log line saying why.
 
     Returns
     -------
@@ -901,7 +911,40 @@ def calibrate(
     params = params.replace(meta=tuple(sorted(meta.items())))
     if cache:
         _store(params, key)
+        if rehearse is not None:
+            params = _rehearsed(params, key, rehearse, seconds)
     return params
+
+
+#: The share of the calibration's budget a rehearsal run encodes for (see :func:`calibrate`).
+REHEARSAL_SHARE = 0.2
+
+
+def _rehearsed(params: CostParams, key: dict, rehearse: Callable[..., Any], seconds: float) -> CostParams:
+    """``params`` refreshed by one small written run (``rehearse``), or as they were when it failed.
+
+    The run has a warm-up SuperBatch a worker and enough after them to refresh from, of at least
+    16 rows each, in log-normal partitions of about 40 rows, and encodes for about
+    :data:`REHEARSAL_SHARE` of ``seconds`` at the probe's speed (at most 50,000 rows)."""
+    import tempfile
+
+    from ..synthetic import lognormal_sizes
+
+    W = int(params.workers)
+    calls = MIN_REFRESH_POINTS + 1 + 2 * W
+    budget_rows = REHEARSAL_SHARE * seconds * W / max(params.beta_s, 1e-9)
+    rows = int(np.clip(budget_rows, 16 * calls, 50_000))
+    b = max(rows // calls, 1)
+    sizes = lognormal_sizes(rows, max(rows // 40, 1), sigma=1.0, seed=7)
+    frame = make_partitioned_frame(sizes.tolist(), seed=7)
+    try:
+        with tempfile.TemporaryDirectory(prefix="surge-rehearsal-") as tmp:
+            rehearse(frame, b_min=b, b_max=b, output=os.path.join(tmp, "out"))
+        data = json.loads(cache_path(key).read_text())
+        return CostParams.from_dict(data["params"])
+    except Exception as err:  # noqa: BLE001 - the probe's parameters stand without it
+        logger.warning("dask-surge: calibration rehearsal run failed (%s); using the probe's terms", err)
+        return params
 
 
 def _measure_curve(enc, client, budget_s: float) -> dict:
