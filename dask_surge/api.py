@@ -342,7 +342,7 @@ def _rehearsal(encoder: Encoder, client, scheduler: Any) -> Callable[..., Any]:
 
     def rehearse(frame, **options: Any) -> None:
         where = client if client is not None else scheduler  # encode() takes a Client as its scheduler
-        encode(frame, "text", model=encoder, scheduler=where, progress=False, **options)
+        encode(frame, "text", model=encoder, scheduler=where, progress=False, build_index=False, **options)
 
     return rehearse
 
