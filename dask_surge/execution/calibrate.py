@@ -1289,7 +1289,7 @@ def refresh_run_terms(
         lo, hi = 0.0, seconds * int(params.workers) / float(rows.sum())
         while run_time(base.replace(io_per_row_s=hi)) < seconds:  # pragma: no cover - hi is an upper bound
             lo, hi = hi, 2 * hi
-        for _ in range(60):
+        while hi - lo > 1e-4 * hi:  # to 0.01% (each step schedules the run's calls once)
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if run_time(base.replace(io_per_row_s=mid)) < seconds else (lo, mid)
         rho = hi
