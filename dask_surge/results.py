@@ -109,6 +109,10 @@ class SurgePlan:
 
     def _basis(self) -> str:
         basis = "cost model, calibrated on this cluster"
+        meta = dict(getattr(self.params, "meta", ()))
+        runs = max(int(meta.get("refreshes", 0) or 0), int(meta.get("run_terms_refreshes", 0) or 0))
+        if runs:
+            basis += f", refreshed by {runs:,} written run{'s' if runs > 1 else ''}"
         if getattr(self.params, "confidence", None) == "low":
             basis += (
                 " with low confidence (the probe could not separate the encode cost from timing noise; "

@@ -470,6 +470,10 @@ def test_plan_with_params_predicts_every_policy_and_advises():
     assert p.predictions.loc["surge", "calls"] == len(p.superbatches)
     assert p.advice.pays and p.advice.predicted_speedup > 1
     assert "predicted" in str(p) and "<table" in p._repr_html_()
+    assert "refreshed by" not in str(p)  # a calibration no run refreshed says so by saying nothing
+    refreshed = params().replace(meta={"refreshes": 2, "run_terms_refreshes": 3})
+    p3 = tiny_parts.surge.plan("text", b_min=1_000, b_max=4_000, params=refreshed)
+    assert "calibrated on this cluster, refreshed by 3 written runs" in str(p3)
     sweep = p.sweep([250, 1_000, 4_000])
     assert list(sweep.index) == [250, 1_000, 4_000]
     # few large partitions: fusing does not pay
