@@ -3,7 +3,8 @@
 Usage::
 
     python -m benchmarks.small_run [--texts 1000] [--files 10] [--repeats 3]
-                                   [--tree LABEL=PATH ...] [--out benchmarks/results/small_run.json]
+                                   [--tree LABEL=PATH ...] [--python PATH ...]
+                                   [--out benchmarks/results/small_run.json]
 
 Each measurement is a fresh ``python -m dask_surge.cli encode DIR --text-column text --output
 OUT --json`` process (nothing imported or started before the clock: the process start, the
@@ -20,6 +21,13 @@ earlier commit: ``git archive 188e679 dask_surge | tar -x -C /tmp/before``) inst
 checkout's, so before and after run side by side, alternating (``LABEL=.`` is this checkout);
 the default compares ``before`` (a ``git archive`` of ``--before``, made here) and ``after``
 (this checkout). Medians per tree and their ratios are in the summary.
+
+``--python PATH`` (repeatable) runs the CLI with that interpreter instead of this one (a user's
+own install: ``python -m venv /tmp/venv-base && /tmp/venv-base/bin/pip install torch==2.13.0 &&
+/tmp/venv-base/bin/pip install -e .``, no test extra); with more than one, every tree runs under
+every interpreter and the labels become ``TREE@PYTHON``. Each record names its interpreter
+(``python``) and whether ``scipy`` was importable there (``scipy``: ``dask.array`` imports it
+when it is, on the CLI's import path).
 """
 
 from __future__ import annotations
@@ -67,8 +75,16 @@ def write_input(where: Path, texts: list[str], files: int) -> Path:
     return data
 
 
-def one(tree: Path, data: Path, out: Path) -> dict[str, Any]:
-    """One cold CLI encode of ``data`` into ``out`` with the package under ``tree``, then a rerun."""
+def has_scipy(python: str) -> bool:
+    """Whether ``python`` can import scipy (found, not imported)."""
+    code = "import importlib.util as u; print(u.find_spec('scipy') is not None)"
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True)
+    return done.stdout.strip() == "True"
+
+
+def one(tree: Path, data: Path, out: Path, python: str = sys.executable) -> dict[str, Any]:
+    """One cold CLI encode of ``data`` into ``out`` with the package under ``tree`` and the
+    interpreter ``python``, then a rerun."""
     env = dict(
         os.environ,
         PYTHONPATH=str(tree),
@@ -77,7 +93,7 @@ def one(tree: Path, data: Path, out: Path) -> dict[str, Any]:
         DASK_SURGE_CACHE_DIR=str(out.parent / f"cache-{out.name}"),
     )
     cmd = [
-        sys.executable,
+        python,
         "-m",
         "dask_surge.cli",
         "encode",
@@ -128,8 +144,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--tree", action="append", default=[], help="LABEL=PATH (repeatable); default before, after"
     )
+    ap.add_argument(
+        "--python",
+        action="append",
+        default=[],
+        help="interpreter that runs the CLI (repeatable); default this one",
+    )
     ap.add_argument("--out", default=str(_results.RESULTS / "small_run.json"))
     args = ap.parse_args(argv)
+    pythons = args.python or [sys.executable]
+    scipy = {python: has_scipy(python) for python in pythons}
     work = Path(tempfile.mkdtemp(prefix="surge-small-run-"))
     trees: list[tuple[str, Path]] = []
     for spec in args.tree:
@@ -143,12 +167,19 @@ def main(argv: list[str] | None = None) -> dict:
         ).stdout
         subprocess.run(["tar", "-x", "-C", str(before)], input=archive, check=True)
         trees = [("before", before), ("after", ROOT)]
+    runs = [  # each tree under each interpreter
+        (f"{label}@{python}" if len(pythons) > 1 else label, tree, python)
+        for python in pythons
+        for label, tree in trees
+    ]
     data = write_input(work, short_texts(args.texts), args.files)
     records = []
     for repeat in range(args.repeats):
-        for label, tree in trees:  # alternating: the machine's load drifts over minutes
-            r = one(tree, data, work / f"out-{label}-{repeat}")
-            r.update(tree=label, repeat=repeat, loadavg=list(os.getloadavg()))
+        for n, (label, tree, python) in enumerate(runs):  # alternating: the machine's load drifts
+            r = one(tree, data, work / f"out-{n}-{repeat}", python)
+            r.update(
+                tree=label, repeat=repeat, python=python, scipy=scipy[python], loadavg=list(os.getloadavg())
+            )
             records.append(r)
             print(
                 f"[{label} #{repeat}] first file {r['first_file_s']:.2f} s after the process start "
@@ -160,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     report["results"] = records
     keys = ("first_file_s", "wall_s", "rerun_wall_s")
     medians = {
-        k: {label: statistics.median(r[k] for r in records if r["tree"] == label) for label, _ in trees}
+        k: {label: statistics.median(r[k] for r in records if r["tree"] == label) for label, _, _ in runs}
         for k in keys
     }
     summary: dict[str, Any] = {
@@ -168,11 +199,13 @@ def main(argv: list[str] | None = None) -> dict:
         "texts": args.texts,
         "files": args.files,
         "target_first_file_s": 3.0,
+        "scipy_importable": scipy,
     }
-    if len(trees) > 1:
-        base = trees[0][0]
-        summary["ratio_vs_" + base] = {
-            k: {label: round(v / medians[k][base], 3) for label, v in m.items()} for k, m in medians.items()
+    if len(trees) > 1:  # each tree against the first under the same interpreter
+        first = {python: label for label, _, python in reversed(runs)}
+        base = {label: first[python] for label, _, python in runs}
+        summary["ratio_vs_" + trees[0][0]] = {
+            k: {label: round(v / m[base[label]], 3) for label, v in m.items()} for k, m in medians.items()
         }
     report["summary"] = summary
     saved = _results.save(report, args.out)

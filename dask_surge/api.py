@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, get_overloads, overload
@@ -19,7 +20,6 @@ from .execution import calibrate as calibration  # called through the module: te
 from .execution.cluster import local_cluster, local_cluster_threads
 from .execution.graph import superbatch_collection
 from .execution.inputs import input_files
-from .execution.plugins import register_encoder
 from .execution.preflight import preflight, runs_in_process, say_in_process
 from .execution.progress import RunProgress, logging_through
 from .execution.runner import RunRequest, write_run
@@ -360,9 +360,16 @@ def _threads(client, scheduler: Any = None) -> int:
 
 
 def _active_client():
-    try:
-        from distributed import get_client
+    """The active distributed Client, or None.
 
+    Where ``distributed`` was never imported no Client can exist, and it is not imported to
+    find that out: the in-process path of a small run never loads it (``tests/test_lazy_import.py``).
+    """
+    if "distributed" not in sys.modules:
+        return None
+    from distributed import get_client
+
+    try:
         return get_client()
     except ValueError:
         return None
@@ -683,12 +690,10 @@ def _register(encoder: Encoder, client=None) -> None:
     it in the background while the client plans, which brings the first output closer on a
     cold cluster (``python -m benchmarks.fixed_cost``)."""
     if client is None:
-        try:
-            from distributed import get_client
-
-            client = get_client()
-        except ValueError:
+        client = _active_client()
+        if client is None:
             return
+    from .execution.plugins import register_encoder  # imports distributed: only with a Client
 
     register_encoder(client, encoder, background=True)
 

@@ -154,25 +154,55 @@ def test_compat_names_exist_in_the_pinned_dask():
     assert hasattr(_compat.ReadParquetFSSpec, "_dataset_info") and hasattr(_compat.Task, "fuse")
 
 
-def test_function_level_imports_are_for_heavy_dependencies_only():
-    """Inside functions, only the torch-importing modules (the engine's transformer, the BERT encoder) and
-    third-party modules are imported."""
-    torch_modules = {"transformer", "bert"}
+#: the modules of the package imported inside functions, where they are needed: each imports a heavy
+#: dependency at its top (torch: the engine's transformer, the BERT encoder; distributed: the worker
+#: plugins, which only a run with a Client needs, so a small run in this process never imports it)
+HEAVY_MODULES = {
+    "dask_surge.engine.transformer",
+    "dask_surge.engine.bert",
+    "dask_surge.execution.plugins",
+    "dask_surge.execution.quiet",
+}
+
+
+def _lazy_imports(path: Path, source: str) -> list[str]:
+    """The package's modules other than :data:`HEAVY_MODULES` that ``source`` (the module at ``path``)
+    imports inside a function."""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
     lazy = []
-    for path in PACKAGE.rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for fn in ast.walk(tree):
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                for node in ast.walk(fn):
-                    if (
-                        isinstance(node, ast.ImportFrom)
-                        and node.level > 0
-                        and node.module not in torch_modules
-                    ):
+    for fn in ast.walk(ast.parse(source)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.level > 0:
+                    base = package[: len(package) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                    if target not in HEAVY_MODULES:
                         lazy.append(
                             f"{path.relative_to(PACKAGE)}:{node.lineno} from {'.' * node.level}{node.module}"
                         )
+    return lazy
+
+
+def test_function_level_imports_are_for_heavy_dependencies_only():
+    """Inside functions, only :data:`HEAVY_MODULES` (the modules that import torch or distributed) and
+    third-party modules are imported."""
+    lazy = []
+    for path in PACKAGE.rglob("*.py"):
+        lazy += _lazy_imports(path, path.read_text())
     assert lazy == []
+
+
+def test_the_function_level_import_check_can_fail():
+    source = (
+        "def f():\n    from .plugins import register_encoder\n    from .runner import write_run\n"
+        "    from ..engine.bert import load_bert\n    from ..engine import tuning\n"
+    )
+    assert _lazy_imports(PACKAGE / "execution" / "x.py", source) == [
+        "execution/x.py:3 from .runner",
+        "execution/x.py:5 from ..engine",
+    ]
 
 
 #: calls that delete or move files, and where they may stand outside ``io/store.py`` (what they touch is

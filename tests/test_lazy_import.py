@@ -41,6 +41,24 @@ def test_the_worker_side_plugin_module_does_not_import_dask_dataframe():
     assert out == "[]"
 
 
+def test_a_small_run_in_this_process_does_not_import_distributed(tmp_path, tiny_model):
+    # the CLI's small path (encoding in this process, no Client) has no use for distributed: importing it
+    # would only delay the first output of a cold run (issue 63)
+    data, out = tmp_path / "input", tmp_path / "out"
+    data.mkdir()
+    code = f"""
+        import pathlib, sys
+        import pandas as pd
+        pd.DataFrame({{"text": ["a first text", "a second one", "and a third"]}}).to_parquet(
+            {str(data / "part-0.parquet")!r})
+        from dask_surge import cli
+        code = cli.main(["encode", {str(data)!r}, "--text-column", "text", "--output", {str(out)!r},
+                         "--model", {tiny_model!r}])
+        print(code, len(list(pathlib.Path({str(out)!r}).glob("part-*.parquet"))), "distributed" in sys.modules)
+    """
+    assert _run(code).splitlines()[-1] == "0 1 False"  # exit code, part files, distributed imported
+
+
 @pytest.mark.parametrize("order", ["dask_surge first", "dask.dataframe first"])
 def test_the_accessor_is_registered_in_either_import_order(order):
     imports = (

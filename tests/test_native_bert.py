@@ -281,3 +281,31 @@ def test_a_cold_bert_load_imports_no_transformers():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split("\n")[-2] == "dask-surge (2, 384) []", done.stdout
+
+
+def test_the_engine_gives_its_own_bert_the_4d_mask_without_a_probe(tiny_dir, monkeypatch):
+    # BertEncoder turns a 2D mask into the 4D additive one itself (the test above checks both give what
+    # transformers gives), so the engine sets mask4d without the probe's two forward passes (issue 63:
+    # they came before a cold run's first SuperBatch); any other model is still probed
+    from dask_surge.engine.forward import DeviceRunner
+    from dask_surge.engine.tokenizing import StageClock
+
+    calls = []
+    real = BertEncoder.forward
+    monkeypatch.setattr(BertEncoder, "forward", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    model = load_bert(_transformer_dir(tiny_dir), "cpu")
+    runner = DeviceRunner(
+        model, ("mean",), dtype=None, pad_id=0, type_ids=True, prompt_length=0, clock=StageClock()
+    )
+    assert runner.mask4d and calls == []
+
+    class Wrapped(torch.nn.Module):  # the same model, not a BertEncoder: probed, and the probe agrees
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs):
+            return self.inner(**kwargs)
+
+    monkeypatch.setattr(DeviceRunner, "_encoder", lambda self: Wrapped(model))
+    assert runner._takes_4d_mask() is True and calls == [1, 1]

@@ -94,7 +94,7 @@ def test_outside_a_worker_nothing_is_paused(monkeypatch):
     def no_worker_lookup():
         raise AssertionError("the config said no: the worker must not be looked up")
 
-    monkeypatch.setattr(module, "_current_worker", no_worker_lookup)
+    monkeypatch.setattr(module, "current_worker", no_worker_lookup)
     with dask.config.set({"surge.tuning.pause-profiler": False}), profiler_paused() as held:
         assert held is False
 

@@ -340,10 +340,17 @@ class DeviceRunner:
         return {"input_ids": ids, "attention_mask": valid.to(torch.int64), **extra}
 
     def _takes_4d_mask(self) -> bool:
-        """True when the encoder gives the same output for the 4D additive mask as for the 2D mask."""
+        """True when the encoder gives the same output for the 4D additive mask as for the 2D mask.
+
+        Probed with two forward passes on a two-row input, except for dask-surge's own BERT
+        (:class:`~dask_surge.engine.bert.BertEncoder`), which turns a 2D mask into this very 4D mask
+        itself: no probe, so the load ends sooner before a cold run's first SuperBatch.
+        """
+        hf = self._encoder()
+        if isinstance(hf, BertEncoder):
+            return True
         extra = self._probe_input(self.pad_id, self.type_ids)
         valid = extra.pop("attention_mask").bool()
-        hf = self._encoder()
         try:
             with torch.inference_mode():
                 two = hf(attention_mask=self.attention_mask(valid, four_d=False), **extra).last_hidden_state

@@ -86,7 +86,6 @@ from ..planning.policy import plan_superbatches
 from ..planning.tokens import token_counter
 from ..synthetic import make_partitioned_frame, make_texts
 from .graph import superbatch_collection
-from .plugins import register_encoder
 from .superbatch import SuperBatchTask
 
 __all__ = [
@@ -625,6 +624,8 @@ def _dask_probe(encoder, client, cost, workers: int, budget_s: float, setup_s: f
         return lambda: client.compute(coll, sync=True)
 
     null = Encoder(_NullModel(encoder.dimension))  # costs nothing: its runs time the per-row I/O alone
+    from .plugins import register_encoder  # imports distributed: only with a Client
+
     register_encoder(client, null)
     sbe = SuperBatchTask("text", (), encoder)
     meta = sbe.meta(make_partitioned_frame([1], seed=0)[["text"]]._meta)
@@ -952,6 +953,8 @@ def _measure_curve(enc, client, budget_s: float) -> dict:
     calls in a run share the machine the same way), pooled over the workers that separated it."""
     if client is None:
         return _probe_curve(enc, budget_s)
+    from .plugins import register_encoder  # imports distributed: only with a Client
+
     register_encoder(client, enc)
     futures = [
         client.submit(_probe_curve, enc, budget_s, pure=False, workers=[w])

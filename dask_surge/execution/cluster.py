@@ -11,7 +11,6 @@ import types
 from .. import config
 from ..engine.placement import gpu_count
 from ..errors import SurgeError
-from .quiet import QuietWorkerShutdown
 
 __all__ = ["local_cluster", "local_cluster_threads", "check_main_guard", "MAIN_GUARD"]
 
@@ -63,6 +62,8 @@ def local_cluster(**kwargs):
     """
     import dask
     from distributed import LocalCluster
+
+    from .quiet import QuietWorkerShutdown  # a worker plugin: imports distributed, as starting a cluster does
 
     check_main_guard(kwargs.get("processes", True))
     cuda, opts = _defaults()

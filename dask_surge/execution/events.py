@@ -22,7 +22,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 
-from distributed import get_worker
+from .profiler import current_worker
 
 __all__ = ["TOPIC", "announce", "listen"]
 
@@ -56,9 +56,8 @@ def announce(run: str, sb: str, rows: int, file: str = "") -> None:
         if listener is not None:
             listener(sb, int(rows), file)
             return
-        try:
-            worker = get_worker()
-        except ValueError:  # not in a distributed worker, and nobody here listens
+        worker = current_worker()
+        if worker is None:  # not in a distributed worker, and nobody here listens
             return
         worker.log_event(TOPIC, {"run": run, "sb": sb, "rows": int(rows), "file": file})
     except Exception as err:  # noqa: BLE001  # pragma: no cover - a lost announcement costs nothing

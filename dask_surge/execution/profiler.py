@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 from ..engine import tuning
 
-__all__ = ["profiler_paused"]
+__all__ = ["current_worker", "profiler_paused"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,19 @@ _holders: dict[int, int] = {}
 _stopped: set[int] = set()
 
 
-def _current_worker() -> Any:
-    """The worker running this task, or None outside a worker."""
+def current_worker() -> Any:
+    """The distributed worker running this thread's task, or None outside a worker.
+
+    A process that never imported ``distributed`` runs no worker: it is not imported to find that
+    out (a small run in the user's process never loads it, ``tests/test_lazy_import.py``).
+
+    Examples
+    --------
+    >>> current_worker() is None  # no worker runs this doctest
+    True
+    """
+    if "distributed" not in sys.modules:
+        return None
     try:
         from distributed import get_worker
 
@@ -92,7 +104,7 @@ def profiler_paused(enabled: bool | None = None) -> Iterator[bool]:
     """
     if enabled is None:
         enabled = tuning.active("pause-profiler")
-    worker = _current_worker() if enabled else None
+    worker = current_worker() if enabled else None
     held = worker is not None and worker.periodic_callbacks.get("profile") is not None
     if held:
         with _lock:

@@ -41,7 +41,6 @@ from ..planning.units import unit_partitions
 from ..results import EncodeResult, SuperBatchReport
 from .events import listen
 from .inputs import InputGraph
-from .plugins import models_ready
 from .progress import RunProgress, logging_through
 from .publisher import Publisher
 from .reach import check_workers_see_output
@@ -231,6 +230,8 @@ def _follow_model(bar: RunProgress, request: RunRequest) -> None:
     background), else in this process (the first SuperBatch loads it)."""
     encoder, client = request.encoder.encoder, request.client
     if client is not None:
+        from .plugins import models_ready  # imports distributed: only with a Client
+
         bar.follow_model(lambda: models_ready(client, encoder), workers=True)
     else:
         bar.follow_model(lambda: (int(encoder.is_loaded), 1), workers=False)

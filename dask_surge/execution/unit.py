@@ -44,7 +44,7 @@ from ..planning.policy import OnlinePlanner, Span, SuperBatch
 from ..planning.sizes import text_bytes
 from ..results import SuperBatchReport
 from .inputs import Unit, UnitSource, task_arguments
-from .profiler import profiler_paused
+from .profiler import current_worker, profiler_paused
 from .sink import SuperBatchWriter
 from .superbatch import partition_digest
 
@@ -226,13 +226,11 @@ def _thread_handed_over(pending: Future | None) -> Iterator[None]:
 
 def _worker_threads() -> int:
     """Threads of the distributed worker whose thread pool runs this thread (0: none does)."""
-    try:
-        from distributed import get_worker
-        from distributed.threadpoolexecutor import thread_state
-
-        worker = get_worker()
-    except (ImportError, ValueError):
+    worker = current_worker()
+    if worker is None:
         return 0
+    from distributed.threadpoolexecutor import thread_state
+
     if getattr(thread_state, "executor", None) is None or not getattr(thread_state, "proceed", False):
         return 0  # not one of the worker's pool threads, or one that already left it
     return int(worker.state.nthreads)
