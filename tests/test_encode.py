@@ -576,7 +576,7 @@ def test_first_superbatch_is_small_and_a_resume_keeps_the_recorded_ramp(tmp_path
     assert [r.rows for r in res.records][:5] == [4, 8, 16, 32, 32]  # thresholds 4, 8, 16, then b_min
     assert counting_encoder.calls[-len(res.records) :] == [r.rows for r in res.records]  # a model call each
     run = json.loads(next(out.glob("_surge/runs/*/run.json")).read_text())
-    assert run["plan"]["first"] == 4
+    assert run["plan"]["first"] == 4 and run["plan"]["cut_ramp"] is True
     records = sorted((out / "_surge" / "runs").glob("*/commits/*.json"))
     for rec in records[:2]:  # the first two SuperBatches as if never committed
         rec.unlink()
@@ -591,6 +591,37 @@ def test_first_superbatch_is_small_and_a_resume_keeps_the_recorded_ramp(tmp_path
     with dask.config.set({"surge.first-superbatch": 4}):  # plan() shows the SuperBatches a new run makes
         planned = dask_surge.plan(ddf, "text", b_min=32, b_max=64, scheduler="sync")
     assert [sb.rows for sb in planned.superbatches] == [r.rows for r in res.records]
+
+
+def test_the_ramp_cuts_partitions_and_a_resume_redoes_exactly_the_lost_pieces(tmp_path, counting_encoder):
+    """Partitions larger than the ramp's thresholds are cut: the first SuperBatch holds
+    surge.first-superbatch rows, not a whole partition; pieces of one partition in several
+    SuperBatches come back once each, and a resume after losing two such commits encodes exactly
+    their rows. A run recorded before cutting (no ``cut_ramp``) keeps planning whole partitions."""
+    from dask_surge.io.manifest import RunPlan
+    from dask_surge.testing import write_partitioned_parquet
+
+    sizes = [10] * 12
+    write_partitioned_parquet(tmp_path / "in", sizes)
+    ddf = dd.read_parquet(str(tmp_path / "in"))
+    out = tmp_path / "emb"
+    kw = dict(model=counting_encoder, b_min=32, b_max=64, scheduler="sync", progress=False)
+    with dask.config.set({"surge.first-superbatch": 4}):
+        res = ddf.surge.encode("text", str(out), **kw)
+    assert [r.rows for r in res.records] == [4, 8, 16, 32, 40, 20]  # cut at 4, 8, 16 rows, then b_min
+    assert [s[:3] for s in res.records[1].spans] == [(0, 4, 10), (1, 0, 2)]
+    records = sorted((out / "_surge" / "runs").glob("*/commits/*.json"))
+    assert len(records) == 6
+    for rec in records[1:3]:  # the SuperBatches of 8 and 16 rows, as if never committed
+        rec.unlink()
+    next(out.glob("_surge/runs/*/COMPLETE")).unlink()
+    counting_encoder.calls.clear()
+    again = ddf.surge.encode("text", str(out), **kw)
+    assert sorted(counting_encoder.calls) == [8, 16] and again.rows == sum(sizes)
+    back = dask_surge.read_embeddings(str(out)).compute()
+    assert len(back) == sum(sizes) == len(back[["partition", "row"]].drop_duplicates())
+    old = RunPlan.of({"b_min": 32, "b_max": 64, "mode": "planned", "partitions": 12, "first": 4})
+    assert old is not None and old.cut_ramp is False and "cut_ramp" not in old.as_dict()
 
 
 def test_kept_columns_of_every_dtype_come_through_whole_and_in_order():

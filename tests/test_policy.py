@@ -241,6 +241,49 @@ def test_a_ramp_keeps_every_row_once_and_the_cap_and_ramps_its_thresholds(layout
                 assert sb.rows - sizes[sb.spans[-1].partition] < threshold
 
 
+@settings(max_examples=300, deadline=None)
+@given(layouts(), st.integers(min_value=1, max_value=400))
+def test_a_cut_ramp_holds_each_of_its_superbatches_at_its_threshold(layout, first):
+    """A new run's ramp cuts partitions: while it lasts each SuperBatch holds exactly its threshold
+    (the last one of the input at most), whatever the partitions; then the plan is SURGE's over
+    what is left, every row still once and in order."""
+    sizes, b_min, b_max = layout
+    plan = plan_superbatches(sizes, b_min, b_max, first=first, cut=True)
+    flat = [(s.partition, r) for sb in plan for s in sb.spans for r in range(s.start, s.stop)]
+    assert flat == [(p, r) for p, n in enumerate(sizes) for r in range(n)]
+    assert [sb.index for sb in plan] == list(range(len(plan)))
+    assert all(sb.rows <= b_max for sb in plan)
+    for k, sb in enumerate(plan):
+        threshold = min(b_min, first * 2**k)
+        if threshold < b_min:
+            assert sb.rows <= threshold
+            if k < len(plan) - 1:
+                assert sb.rows == threshold
+    if first >= b_min:  # no ramp: nothing to cut
+        assert plan == plan_superbatches(sizes, b_min, b_max)
+
+
+def test_a_cut_ramp_gives_a_first_superbatch_of_first_rows_from_large_partitions():
+    """The small-run case: ten partitions of 100 rows, first 32: the first output waits for 32 rows,
+    not a whole partition of 100 (the ramp of whole partitions)."""
+    whole = [sb.rows for sb in plan_superbatches([100] * 10, b_min=704, b_max=1024, first=32)]
+    cut = plan_superbatches([100] * 10, b_min=704, b_max=1024, first=32, cut=True)
+    assert whole[:3] == [100, 100, 200]
+    assert [sb.rows for sb in cut] == [32, 64, 128, 256, 512, 8]  # thresholds 32..512 < b_min: all cut
+    assert cut[1].spans == (Span(0, 32, 96),)  # the rest of partition 0 goes on to the next ones
+
+
+def test_a_cut_ramp_keeps_the_byte_cap():
+    """A piece the ramp cuts never takes a SuperBatch over the byte cap (bytes pro rata the rows)."""
+    plan = plan_superbatches(
+        [4, 100], b_min=64, b_max=128, first=8, cut=True, nbytes=[4_000, 100_000], max_bytes=6_000
+    )
+    per_row = {0: 1_000, 1: 1_000}
+    for sb in plan:
+        assert sum((s.stop - s.start) * per_row[s.partition] for s in sb.spans) <= 6_000
+    assert sum(sb.rows for sb in plan) == 104
+
+
 @settings(max_examples=200, deadline=None)
 @given(layouts())
 def test_a_ramp_from_b_min_or_more_is_no_ramp(layout):

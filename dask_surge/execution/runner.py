@@ -222,6 +222,7 @@ def _new_plan(
         th.reason,
         rows=sizes.total,
         first=config.get("first-superbatch"),
+        cut_ramp=True,
     )
 
 
@@ -298,7 +299,7 @@ def _claimed_run(
             )
         cap = max_bytes if sizes.nbytes is not None else None
         superbatches = plan_superbatches(
-            sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap, first=plan.first
+            sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap, first=plan.first, cut=plan.cut_ramp
         )  # the ramp this run recorded
         planned_sbs = len(superbatches)
         units = planned_units(superbatches, sizes.sizes, set(committed), coverage)

@@ -111,13 +111,17 @@ class RunPlan:
     rows: int | None = None  # planned mode: the rows the sizes promised
     unit_partitions: int | None = None  # streaming mode: partitions per unit
     first: int | None = None  # planned mode: the ramp's first threshold (None: b_min from the start)
+    cut_ramp: bool = False  # the ramp cuts partitions at its thresholds (runs recorded before: whole ones)
 
     def as_dict(self) -> dict:
-        """The ``plan`` of ``run.json``: ``rows``, ``unit_partitions`` and ``first`` only where set."""
+        """The ``plan`` of ``run.json``: ``rows``, ``unit_partitions`` and ``first`` only where set,
+        ``cut_ramp`` only where true."""
         out = asdict(self)
         for key in ("rows", "unit_partitions", "first"):
             if out[key] is None:
                 del out[key]
+        if not out["cut_ramp"]:
+            del out["cut_ramp"]
         return out
 
     @classmethod
@@ -130,6 +134,7 @@ class RunPlan:
         for key in ("b_min", "b_max", "partitions"):
             values[key] = int(values.get(key, 0))
         values.setdefault("mode", "streaming" if "unit_partitions" in values else "planned")
+        values["cut_ramp"] = values.get("cut_ramp") is True
         return cls(**values)
 
 

@@ -184,6 +184,12 @@ class OnlinePlanner:
         it is one small SuperBatch, not ``b_min`` rows), then the thresholds double up to
         ``b_min``; ``b_max`` caps them all. Can be a positive int, or None (the default)
         for ``b_min`` from the start.
+    cut : bool
+        With a ramp: while it lasts, a SuperBatch also holds at most its threshold, the
+        partition that would overflow it cut at the threshold (the rest goes on to the next
+        ones), so the first SuperBatch holds exactly ``first`` rows however large the
+        partitions are. A new run's ramp cuts; a run recorded with whole-partition ramps
+        (False, the default) re-plans them as it made them.
 
     Examples
     --------
@@ -204,14 +210,27 @@ class OnlinePlanner:
     >>> p = OnlinePlanner(b_min=5, b_max=8, first=1)
     >>> [sb.rows for n in [1, 1, 1, 1, 3, 2, 2, 2] for sb in p.push(n)] + [sb.rows for sb in p.finish()]
     [1, 2, 4, 6]
+
+    A cut ramp over partitions of 10 rows: the first SuperBatches hold 2, then 4 rows.
+
+    >>> p = OnlinePlanner(b_min=5, b_max=8, first=2, cut=True)
+    >>> [(sb.rows, sb.spans[0].start) for sb in p.push(10) + p.finish()]
+    [(2, 0), (4, 2), (4, 6)]
     """
 
     def __init__(
-        self, b_min: int, b_max: int, max_bytes: int | None = None, *, first: int | None = None
+        self,
+        b_min: int,
+        b_max: int,
+        max_bytes: int | None = None,
+        *,
+        first: int | None = None,
+        cut: bool = False,
     ) -> None:
         self.b_min, self.b_max = validate_thresholds(b_min, b_max)
         self.max_bytes = validate_max_bytes(max_bytes)
         self.first = validate_first(first)
+        self.cut = bool(cut)
         self._buffer: list[Span] = []
         self._rows = 0
         self._bytes = 0
@@ -259,24 +278,39 @@ class OnlinePlanner:
                     f"partition {self._next_partition} has {name} {value!r}: sizes must be "
                     f"non-negative integers (rows, bytes). Fix: pass the row count (and text bytes) of each partition."
                 )
-        n, i = int(size), self._next_partition
-        m = int(nbytes or 0) if self.max_bytes and n else 0  # an empty partition holds no text
+        total, i = int(size), self._next_partition
+        m = int(nbytes or 0) if self.max_bytes and total else 0  # an empty partition holds no text
         cap = self.max_bytes or 0
         self._next_partition += 1
         out: list[SuperBatch] = []
+        base = 0  # rows of this partition the ramp took (a cut ramp)
+        while self.cut and self.threshold < self.b_min and self._rows + (total - base) > self.threshold:
+            if cap and m > cap:  # a partition over the byte cap is sliced by it, not by the ramp
+                break
+            take = self.threshold - self._rows  # >= 1: the buffer is flushed once it reaches it
+            if cap and self._buffer and self._bytes + m * take // total > cap:
+                out += self._flush()  # the piece would overflow the byte cap: it starts the next one
+                continue
+            self._buffer.append(Span(i, base, base + take))
+            self._rows += take
+            base += take
+            out += self._flush()
+        n = total - base
+        if base:  # the rest of a cut partition: its share of the bytes
+            m = m * n // total
         if n > self.b_max or (cap and m > cap):
             out += self._flush()
             step = self.b_max if not (cap and m > cap) else max(1, min(self.b_max, n * cap // m))
-            for start in range(0, n, step):
-                out.append(self._emit([Span(i, start, min(start + step, n))]))
+            for start in range(base, total, step):
+                out.append(self._emit([Span(i, start, min(start + step, total))]))
         elif self._rows + n > self.b_max or (cap and self._bytes + m > cap):
             out += self._flush()
-            self._buffer, self._rows, self._bytes = [Span(i, 0, n)], n, m
+            self._buffer, self._rows, self._bytes = [Span(i, base, total)], n, m
             # b_min <= b_max and n <= b_max: a lone partition may itself reach b_min
             if self._rows >= self.threshold:
                 out += self._flush()
-        else:
-            self._buffer.append(Span(i, 0, n))
+        elif n or not base:  # (nothing left of a cut partition: it is all in the ramp's SuperBatches)
+            self._buffer.append(Span(i, base, total))
             self._rows += n
             self._bytes += m
             if self._rows >= self.threshold:
@@ -297,9 +331,10 @@ def iter_superbatches(
     nbytes: Iterable[int] | None = None,
     max_bytes: int | None = None,
     first: int | None = None,
+    cut: bool = False,
 ) -> Iterator[SuperBatch]:
     """Lazily yield the SuperBatches for ``sizes`` (see :class:`OnlinePlanner`)."""
-    planner = OnlinePlanner(b_min, b_max, max_bytes if nbytes is not None else None, first=first)
+    planner = OnlinePlanner(b_min, b_max, max_bytes if nbytes is not None else None, first=first, cut=cut)
     sizes = list(sizes)
     byte_sizes = [None] * len(sizes) if nbytes is None else list(nbytes)
     if len(byte_sizes) != len(sizes):
@@ -320,6 +355,7 @@ def plan_superbatches(
     nbytes: Iterable[int] | None = None,
     max_bytes: int | None = None,
     first: int | None = None,
+    cut: bool = False,
 ) -> list[SuperBatch]:
     """Plan SuperBatches for known partition sizes.
 
@@ -340,6 +376,9 @@ def plan_superbatches(
     first : int, optional
         The ramp (see :class:`OnlinePlanner`): the first SuperBatches flush at ``first``,
         ``2 * first``... rows up to ``b_min``. None: at ``b_min`` from the start.
+    cut : bool
+        Whether the ramp cuts partitions to hold its SuperBatches at their thresholds (see
+        :class:`OnlinePlanner`).
 
     Returns
     -------
@@ -359,7 +398,9 @@ def plan_superbatches(
     >>> [sb.rows for sb in plan_superbatches([2, 2], 5, 8, nbytes=[10**6, 10**6], max_bytes=1_500_000)]
     [2, 2]
     """
-    return list(iter_superbatches(sizes, b_min, b_max, nbytes=nbytes, max_bytes=max_bytes, first=first))
+    return list(
+        iter_superbatches(sizes, b_min, b_max, nbytes=nbytes, max_bytes=max_bytes, first=first, cut=cut)
+    )
 
 
 def max_superbatch_rows(sizes: Sequence[int], b_min: int, b_max: int) -> int:

@@ -160,7 +160,7 @@ def superbatches_for(
 ) -> list[SuperBatch]:
     """The SuperBatches a run plans ahead over these sizes: the byte cap applies where text bytes
     are known, and the first ones ramp up from ``first`` rows (None: ``surge.first-superbatch``,
-    as a new run records it)."""
+    as a new run records it), cutting partitions at the ramp's thresholds as a new run does."""
     cap = max_bytes if sizes.nbytes is not None else None
     return plan_superbatches(
         sizes.sizes,
@@ -169,6 +169,7 @@ def superbatches_for(
         nbytes=sizes.nbytes,
         max_bytes=cap,
         first=config.get("first-superbatch") if first is None else first,
+        cut=True,
     )
 
 
