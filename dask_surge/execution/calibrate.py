@@ -67,6 +67,7 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -84,7 +85,7 @@ from ..models.encoders import Encoder
 from ..planning.costmodel import CostParams, call_cost, calls_seconds, token_quantiles
 from ..planning.policy import plan_superbatches
 from ..planning.tokens import token_counter
-from ..synthetic import make_partitioned_frame, make_texts
+from ..synthetic import lognormal_sizes, make_partitioned_frame, make_texts
 from .graph import superbatch_collection
 from .superbatch import SuperBatchTask
 
@@ -927,10 +928,6 @@ def _rehearsed(params: CostParams, key: dict, rehearse: Callable[..., Any], seco
     The run has a warm-up SuperBatch a worker and enough after them to refresh from, of at least
     16 rows each, in log-normal partitions of about 40 rows, and encodes for about
     :data:`REHEARSAL_SHARE` of ``seconds`` at the probe's speed (at most 50,000 rows)."""
-    import tempfile
-
-    from ..synthetic import lognormal_sizes
-
     W = int(params.workers)
     calls = MIN_REFRESH_POINTS + 1 + 2 * W
     budget_rows = REHEARSAL_SHARE * seconds * W / max(params.beta_s, 1e-9)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 from .. import config
+from .._compat import named_graph
 from ..results import SuperBatchReport
 from .inputs import Unit
 
@@ -47,9 +49,10 @@ def run_units(
     worker holds more than a bounded number of them.
     """
     counter = iter(range(10**12))
+    tag = uuid.uuid4().hex[:16]  # this run's unit keys: no other graph has them
 
     def submit(unit: Unit):
-        key = (f"surge-unit-{id(units):x}", next(counter))
+        key = (f"surge-unit-{tag}", next(counter))
         return key, make_task(key, unit)
 
     if client is None:
@@ -77,7 +80,10 @@ def run_units(
                 exhausted = True
                 return
             key, graph = submit(unit)
-            future = client.get(graph, key, sync=False, resources=resources)
+            # named by its unique key: Dask would otherwise tokenize the graph, pickling its data
+            future = client.get(
+                named_graph(graph, f"{key[0]}-{key[1]}"), key, sync=False, resources=resources
+            )
             live.append(future)
             waiting.add(future)
             future.add_done_callback(lambda _: finished.set())
