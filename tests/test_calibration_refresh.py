@@ -295,14 +295,28 @@ def test_a_run_measures_its_fixed_cost_and_per_row_rest():
     )
 
 
-def test_a_run_faster_than_the_model_sets_no_negative_rest():
-    """A run faster than the model's encode calls alone: nothing per row (never negative), and how
-    much longer the model predicts is recorded."""
+def test_a_run_faster_than_the_model_lowers_its_superbatch_cost_never_rho_below_zero():
+    """The probe's per-call cost is one Dask task's; a run's SuperBatches share their unit's task. A
+    run faster than the model says sets the SuperBatch's own cost (not rho, never negative), which
+    SURGE's predictions use and the one-task-a-call baselines do not; a run faster than even a free
+    SuperBatch says how much (run_terms_excess)."""
+    from dask_surge.planning.costmodel import predict
+
     truth, calls = _truth_params(), _run_calls()
-    seconds = 0.7 * _measured(calls, truth.replace(io_per_row_s=0.0))
-    fresh = cal.refresh_run_terms(truth, calls, seconds=seconds, span_s=seconds - 0.1, now=NOW)
-    assert fresh is not None and fresh.io_per_row_s == 0.0 and fresh.overhead_s == pytest.approx(0.1)
-    assert dict(fresh.meta)["run_terms_excess"] > 0
+    units = truth.replace(superbatch_s=0.002, io_per_row_s=0.0)  # a SuperBatch costs less than a task
+    seconds = _measured(calls, units)
+    fresh = cal.refresh_run_terms(truth, calls, seconds=seconds, span_s=seconds - 0.8, now=NOW)
+    assert fresh is not None and fresh.io_per_row_s == 0.0
+    assert fresh.superbatch_s == pytest.approx(0.002, rel=1e-3) and fresh.alpha_s == truth.alpha_s
+    assert dict(fresh.meta)["run_terms_excess"] == 0.0
+    sizes = [int(n) for n in calls[:, 0]]
+    got, was = (predict(sizes, p, b_min=300, b_max=2000) for p in (fresh, fresh.replace(superbatch_s=None)))
+    assert got.loc["surge", "seconds"] < was.loc["surge", "seconds"]
+    assert got.loc["pbp", "seconds"] == was.loc["pbp", "seconds"]  # one task a call: alpha, as probed
+    seconds = 0.7 * _measured(calls, truth.replace(io_per_row_s=0.0, superbatch_s=0.0))
+    fastest = cal.refresh_run_terms(truth, calls, seconds=seconds, span_s=seconds - 0.1, now=NOW)
+    assert fastest is not None and fastest.io_per_row_s == 0.0 and fastest.superbatch_s == 0.0
+    assert fastest.overhead_s == pytest.approx(0.1) and dict(fastest.meta)["run_terms_excess"] > 0
 
 
 def test_the_run_terms_follow_runs_weighted_by_recency():

@@ -1227,18 +1227,22 @@ def refresh_run_terms(
     params: CostParams, calls, *, seconds: float, span_s: float, now: str | None = None
 ) -> CostParams | None:
     """Refresh a calibration's run terms from one run's measured time: the fixed cost of a run
-    (``overhead_s``, ``T0``) and the time per row the encode curve does not explain
-    (``io_per_row_s``, ``rho``: gathering and framing rows, writing and committing the output).
+    (``overhead_s``, ``T0``), the time per row the encode curve does not explain
+    (``io_per_row_s``, ``rho``: gathering and framing rows, writing and committing the output) and
+    the fixed cost of a SuperBatch (``superbatch_s``).
 
-    A pure function. The probe measures both on bare Dask tasks; a real run also plans, claims and
-    records its output, and writes every row. So each run measures them:
+    A pure function. The probe measures them on bare Dask tasks, one call a task; a real run also
+    plans, claims and records its output, writes every row, and runs several SuperBatches in one
+    task. So each run measures them:
 
     1. ``T0`` is the run's time outside its SuperBatches: ``seconds - span_s`` (before the first
        one started and after the last one ended).
-    2. ``rho`` is the per-row time that makes the model's schedule of this run's own calls
-       (:func:`dask_surge.planning.costmodel.calls_seconds`, with the encode curve as it is now and
-       that ``T0``) take the measured ``seconds``; 0 when the model without it already takes as
-       long (recorded as ``run_terms_excess``: how much longer it predicts).
+    2. The model's schedule of this run's own calls
+       (:func:`dask_surge.planning.costmodel.calls_seconds`, with the encode curve as it is now,
+       that ``T0``, no ``rho`` and the SuperBatch cost as it is) is compared with ``seconds``.
+       Shorter: ``rho`` is the per-row time that makes it take ``seconds``. Longer: no ``rho``,
+       and ``superbatch_s`` is the cost that makes it take ``seconds`` (0 when even that is not
+       enough: how much longer it still predicts is ``run_terms_excess``).
     3. The result is the recency-weighted mean over the newest :data:`RUN_TERMS_KEPT` runs, each
        older run weighing :data:`RUN_DECAY` times less, so one noisy run moves them only part of
        the way. ``meta`` keeps the runs' observations (``run_terms``), ``run_terms_error`` (what
@@ -1282,39 +1286,56 @@ def refresh_run_terms(
         return calls_seconds(rows, p, tokens=tokens, folded=folded)
 
     fixed = float(min(max(seconds - span_s, 0.0), seconds))
-    base = params.replace(overhead_s=fixed, io_per_row_s=0.0)
+    per_sb = params.alpha_s if params.superbatch_s is None else params.superbatch_s
+    base = params.replace(overhead_s=fixed, io_per_row_s=0.0, superbatch_s=per_sb)
     excess = run_time(base) - seconds
     rho = 0.0
     if excess < 0:  # the run took longer than its encode calls and fixed cost: the rest is per row
-        lo, hi = 0.0, seconds * int(params.workers) / float(rows.sum())
-        while run_time(base.replace(io_per_row_s=hi)) < seconds:  # pragma: no cover - hi is an upper bound
-            lo, hi = hi, 2 * hi
-        while hi - lo > 1e-4 * hi:  # to 0.01% (each step schedules the run's calls once)
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if run_time(base.replace(io_per_row_s=mid)) < seconds else (lo, mid)
-        rho = hi
+        upper = seconds * int(params.workers) / float(rows.sum())
+        rho = _solve(lambda x: run_time(base.replace(io_per_row_s=x)), seconds, upper)
+        excess = 0.0
+    elif excess > 0:  # faster: its SuperBatches cost less each than it says (a unit shares one dispatch)
+        zero = run_time(base.replace(superbatch_s=0.0))
+        if zero >= seconds:
+            per_sb = 0.0
+        else:
+            per_sb = _solve(lambda x: run_time(base.replace(superbatch_s=x)), seconds, per_sb)
+        excess = max(zero - seconds, 0.0)
     meta = dict(params.meta)
     try:
         old = [list(map(float, r)) for r in json.loads(meta.get("run_terms") or "[]")]
     except (TypeError, ValueError):
         old = []
     generation = int(meta.get("run_terms_refreshes", 0)) + 1
-    runs = np.array([r for r in old if len(r) == 3] + [[generation, fixed, rho]], dtype=float)[
-        -RUN_TERMS_KEPT:
-    ]
+    runs = np.array([r for r in old if len(r) == 4] + [[generation, fixed, rho, per_sb]], dtype=float)
+    runs = runs[-RUN_TERMS_KEPT:]
     w = RUN_DECAY ** (generation - runs[:, 0])
+    mean = np.sum(w[:, None] * runs[:, 1:], axis=0) / w.sum()
     meta.update(
         run_terms_refreshes=generation,
         run_terms_at=now or time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         run_terms_error=round(run_time(params) / seconds - 1, 4),
-        run_terms_excess=round(max(excess, 0.0), 4),
-        run_terms=json.dumps([[int(g), round(float(f), 6), float(f"{r:.6g}")] for g, f, r in runs]),
+        run_terms_excess=round(excess, 4),
+        run_terms=json.dumps([[int(r[0]), *(float(f"{x:.6g}") for x in r[1:])] for r in runs]),
     )
     return params.replace(
-        overhead_s=float(np.sum(w * runs[:, 1]) / w.sum()),
-        io_per_row_s=float(np.sum(w * runs[:, 2]) / w.sum()),
+        overhead_s=float(mean[0]),
+        io_per_row_s=float(mean[1]),
+        superbatch_s=float(mean[2]),
         meta=tuple(sorted(meta.items())),
     )
+
+
+def _solve(run_time: Callable[[float], float], seconds: float, hi: float) -> float:
+    """The least ``x >= 0`` with ``run_time(x) >= seconds``, to 0.01%, for a ``run_time`` that grows
+    with ``x`` from below ``seconds`` (each step schedules the run's calls once)."""
+    lo, hi = 0.0, max(hi, 1e-12)
+    while run_time(hi) < seconds:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1e-4 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if run_time(mid) < seconds else (lo, mid)
+    return hi
 
 
 def _base_curve(meta: dict) -> np.ndarray | None:

@@ -26,7 +26,9 @@ the *padded* tokens the forward passes actually compute, ``f(b)`` the number of
 forward passes (micro-batches) and ``beta b0`` the fixed cost of one forward
 pass, written as the cost of ``b0`` rows at the asymptotic per-row cost
 ``beta = beta_0 + gamma tau`` (``tau`` tokens a text), each call is a job of
-length ``s_k = alpha(c_k) + pi p_k + c_k`` with ``c_k = c(b_k, t_k)``. Jobs go
+length ``s_k = alpha(c_k) + pi p_k + c_k`` with ``c_k = c(b_k, t_k)`` (a SURGE run's
+SuperBatches share their unit's task, so once runs measured it, a SuperBatch pays
+``superbatch_s`` instead of ``alpha(c_k)``). Jobs go
 to workers in plan order, each to the earliest-free worker (SURGE, PBP: Dask's queue of
 root tasks hands them out in priority order as workers free up), or, for PB-PBP-LB, largest first to the least-loaded worker (LPT). Then
 
@@ -149,6 +151,11 @@ class CostParams:
         Encode time ``c`` from which a call pays the full ``alpha_s``; calls
         with ``c < busy_call_s`` pay ``alpha_idle_s + (alpha_s - alpha_idle_s)
         c / busy_call_s``. 0 (default): every call pays ``alpha_s``.
+    superbatch_s : float or None
+        Fixed cost of one SuperBatch in a SURGE run, where a task runs several of them
+        one after the other (a unit) and one task's dispatch is shared by them: measured
+        by written runs (:func:`dask_surge.execution.calibrate.refresh_run_terms`). Can be
+        a float, or None (the probe's) for the per-call cost every call pays (``alpha``).
     per_text_s : float
         Encode cost per text, independent of its length (tokenization, framing).
     per_token_s : float
@@ -224,6 +231,7 @@ class CostParams:
     device: str = "cpu"
     alpha_idle_s: float = 0.0
     busy_call_s: float = 0.0
+    superbatch_s: float | None = None
     meta: tuple = ()
 
     def __post_init__(self) -> None:
@@ -232,7 +240,7 @@ class CostParams:
         object.__setattr__(self, "token_lengths", tuple(float(x) for x in self.token_lengths))
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("device", "meta", "token_lengths"):
+            if f.name in ("device", "meta", "token_lengths") or (f.name == "superbatch_s" and value is None):
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
                 raise SurgeValueError(
@@ -606,7 +614,7 @@ def predict(
     b = np.array([sb.rows for sb in sbs], dtype=float)
     folded = np.array([len(sb.spans) for sb in sbs], dtype=float)
     t = _tokens_per_call(n, tok, [[(s.partition, s.rows) for s in sb.spans] for sb in sbs])
-    rows["surge"] = _streamed(params, b, t, folded, io_total, row_bytes, N, in_order=True)
+    rows["surge"] = _streamed(params, b, t, folded, io_total, row_bytes, N, in_order=True, superbatches=True)
 
     # PBP: one call (and one task) per partition
     t = tok if tok is not None else None
@@ -683,7 +691,9 @@ def calls_seconds(rows, params: CostParams, *, tokens=None, folded=None) -> floa
     N = float(b.sum())
     io_total = N * params.io_per_row_s / int(params.workers)
     row_bytes = params.bytes_per_row + params.embedding_bytes_per_row
-    return float(_streamed(params, b, t, p, io_total, row_bytes, N, in_order=True)["seconds"])
+    return float(
+        _streamed(params, b, t, p, io_total, row_bytes, N, in_order=True, superbatches=True)["seconds"]
+    )
 
 
 def _io_overlaps(params: CostParams) -> bool:
@@ -691,9 +701,16 @@ def _io_overlaps(params: CostParams) -> bool:
     return not params.device.startswith("cpu")
 
 
-def _streamed(params: CostParams, b, t, folded, io_total, row_bytes, N, *, in_order: bool) -> dict:
+def _streamed(
+    params: CostParams, b, t, folded, io_total, row_bytes, N, *, in_order: bool, superbatches: bool = False
+) -> dict:
     enc = call_cost(b, params, t)
-    jobs = call_overhead(enc, params) + params.partition_s * folded + enc
+    fixed = (
+        np.full_like(enc, params.superbatch_s)
+        if superbatches and params.superbatch_s is not None
+        else call_overhead(enc, params)
+    )
+    jobs = fixed + params.partition_s * folded + enc
     if _io_overlaps(params):
         fill = float(b[0]) * params.io_per_row_s if len(b) else 0.0
     else:
