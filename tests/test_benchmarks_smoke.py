@@ -437,3 +437,22 @@ def test_store_output_compares_s3_with_a_local_disk_and_counts_requests(tmp_path
     assert summary["ratio_s3_over_local_seconds"] > 0
     assert summary["requests_per_superbatch"]["list_objects_v2"] == 0  # listing at start and finish only
     assert summary["requests_per_superbatch"]["put_object"] == 2  # the staged file and its commit record
+
+
+def test_unit_submit_runs_both_submissions_on_one_cluster(tmp_path):
+    report = _run(
+        "unit_submit",
+        "--texts",
+        "300",
+        "--partitions",
+        "30",
+        "--workers",
+        "1",
+        "--rounds",
+        "1",
+        "--out",
+        str(tmp_path / "u.json"),
+    )
+    assert [r["arm"] for r in report["results"]] == ["named", "tokenized"]
+    assert all(r["wall_s"] > 0 and r["client_cpu_s"] > 0 for r in report["results"])
+    assert set(report["summary"]["tokenized_over_named"]) == {"wall_s", "client_cpu_s"}
