@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
@@ -144,17 +145,18 @@ def test_repeated_texts_go_through_the_model_once_per_superbatch(tmp_path):
     texts = _paragraphs(40)
     column = [texts[i % 10] for i in range(40)]  # each of 10 texts four times
     enc = CountingEncoder(dim=4)
-    out = dask_surge.encode(
-        dd.from_pandas(pd.DataFrame({"text": column}), npartitions=2),
-        "text",
-        output=str(tmp_path / "o"),
-        model=enc,
-        b_min=40,
-        b_max=40,
-        scheduler="sync",
-        progress=False,
-    )
-    assert out.encoded == 10 and out.rows == 40
+    with dask.config.set({"surge.first-superbatch": None}):  # one SuperBatch of all 40 rows, no ramp
+        out = dask_surge.encode(
+            dd.from_pandas(pd.DataFrame({"text": column}), npartitions=2),
+            "text",
+            output=str(tmp_path / "o"),
+            model=enc,
+            b_min=40,
+            b_max=40,
+            scheduler="sync",
+            progress=False,
+        )
+    assert out.superbatches == 1 and out.encoded == 10 and out.rows == 40
     assert sum(enc.calls) == 10 + 1  # the distinct texts, and the dimension probe
     df = _read(str(tmp_path / "o"))
     np.testing.assert_array_equal(np.stack(df["embedding"]), enc(column))
