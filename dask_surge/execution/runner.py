@@ -34,7 +34,7 @@ from ..io.manifest import (
 from ..io.store import OutputStore
 from ..io.tables import open_table
 from ..io.tables.locations import TableLocation
-from ..planning.policy import plan_superbatches
+from ..planning.run import new_ramp, superbatches_for
 from ..planning.sizes import PartitionSizes, known_sizes
 from ..planning.thresholds import Requested, Thresholds
 from ..planning.units import unit_partitions
@@ -213,6 +213,7 @@ def _new_plan(
             th.reason,
             unit_partitions=unit_partitions(npartitions, threads),
         )
+    first, cut = new_ramp()
     return RunPlan(
         th.b_min,
         th.b_max,
@@ -221,8 +222,8 @@ def _new_plan(
         max_bytes,
         th.reason,
         rows=sizes.total,
-        first=config.get("first-superbatch"),
-        cut_ramp=True,
+        first=first,
+        cut_ramp=cut,
     )
 
 
@@ -297,9 +298,8 @@ def _claimed_run(
                 f"the run in {output!r} was planned from known partition sizes, which the "
                 "input no longer gives. Fix: rerun on the same input, or overwrite=True."
             )
-        cap = max_bytes if sizes.nbytes is not None else None
-        superbatches = plan_superbatches(
-            sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap, first=plan.first, cut=plan.cut_ramp
+        superbatches = superbatches_for(
+            sizes, b_min, b_max, max_bytes, ramp=(plan.first, plan.cut_ramp)
         )  # the ramp this run recorded
         planned_sbs = len(superbatches)
         units = planned_units(superbatches, sizes.sizes, set(committed), coverage)

@@ -48,6 +48,7 @@ __all__ = [
     "RunThresholds",
     "encoder_for",
     "windowed_bytes",
+    "new_ramp",
     "superbatches_for",
     "thresholds_for",
     "params_for_data",
@@ -155,21 +156,34 @@ class TextSample:
         return self._lengths[windowed]
 
 
+def new_ramp() -> tuple[int | None, bool]:
+    """The ramp a new run plans with and records: ``(first, cut)``, the first SuperBatch's rows
+    (``surge.first-superbatch``; None: ``b_min`` from the start) and whether the ramp cuts
+    partitions at its thresholds (a new run's does; runs recorded before did not).
+
+    Examples
+    --------
+    >>> new_ramp()[1]
+    True
+    """
+    return config.get("first-superbatch"), True
+
+
 def superbatches_for(
-    sizes: PartitionSizes, b_min: int, b_max: int, max_bytes: int | None, *, first: int | None = None
+    sizes: PartitionSizes,
+    b_min: int,
+    b_max: int,
+    max_bytes: int | None,
+    *,
+    ramp: tuple[int | None, bool] | None = None,
 ) -> list[SuperBatch]:
     """The SuperBatches a run plans ahead over these sizes: the byte cap applies where text bytes
-    are known, and the first ones ramp up from ``first`` rows (None: ``surge.first-superbatch``,
-    as a new run records it), cutting partitions at the ramp's thresholds as a new run does."""
+    are known, and the first ones ramp up as ``ramp`` says: ``(first, cut)`` as a run recorded it,
+    or None for a new run's (:func:`new_ramp`)."""
+    first, cut = new_ramp() if ramp is None else ramp
     cap = max_bytes if sizes.nbytes is not None else None
     return plan_superbatches(
-        sizes.sizes,
-        b_min,
-        b_max,
-        nbytes=sizes.nbytes,
-        max_bytes=cap,
-        first=config.get("first-superbatch") if first is None else first,
-        cut=True,
+        sizes.sizes, b_min, b_max, nbytes=sizes.nbytes, max_bytes=cap, first=first, cut=cut
     )
 
 
