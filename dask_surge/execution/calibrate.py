@@ -822,18 +822,17 @@ def calibrate(
     workers, tpw = _shape(client)
     device = _device(enc, client)
     key = _key(enc.identity(), device, workers, tpw)
-    path = cache_path(key)
-    if cache and not refresh and path.exists():
+    if cache and not refresh:
         try:
-            data = json.loads(path.read_text())
-            if data.get("key") == json.loads(json.dumps(key, default=str)):
-                cached = CostParams.from_dict(data["params"])
-                # parameters from a probe lost in noise, no run refreshed yet: a probe asked for tries again
-                rough = "per_row_interval_s" in dict(cached.meta) and not dict(cached.meta).get("refreshes")
-                if not probe or not rough:
-                    return cached
+            cached = _cached(key)
         except (ValueError, KeyError, TypeError) as err:
-            logger.warning("dask-surge: ignoring unreadable calibration cache %s (%s)", path, err)
+            logger.warning("dask-surge: ignoring unreadable calibration cache %s (%s)", cache_path(key), err)
+            cached = None
+        if cached is not None:
+            # parameters from a probe lost in noise, no run refreshed yet: a probe asked for tries again
+            rough = "per_row_interval_s" in dict(cached.meta) and not dict(cached.meta).get("refreshes")
+            if not probe or not rough:
+                return cached
     if not probe:
         return None
 
@@ -938,8 +937,7 @@ def _rehearsed(params: CostParams, key: dict, rehearse: Callable[..., Any], seco
     try:
         with tempfile.TemporaryDirectory(prefix="surge-rehearsal-") as tmp:
             rehearse(frame, b_min=b, b_max=b, output=os.path.join(tmp, "out"))
-        data = json.loads(cache_path(key).read_text())
-        return CostParams.from_dict(data["params"])
+        return _cached(key) or params
     except Exception as err:  # noqa: BLE001 - the probe's parameters stand without it
         logger.warning("dask-surge: calibration rehearsal run failed (%s); using the probe's terms", err)
         return params
@@ -969,6 +967,19 @@ def _load() -> float | None:
         return round(os.getloadavg()[0] / max(1, os.cpu_count() or 1), 2)
     except (AttributeError, OSError):
         return None
+
+
+def _cached(key: dict) -> CostParams | None:
+    """The parameters cached for ``key`` (what :func:`_store` wrote), or None when there are none or
+    the file is another key's. Raises ValueError, KeyError or TypeError on a file it cannot read
+    (each caller says what it does without it)."""
+    path = cache_path(key)
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if data.get("key") != json.loads(json.dumps(key, default=str)):
+        return None
+    return CostParams.from_dict(data["params"])
 
 
 def _store(params: CostParams, key: dict) -> None:
@@ -1415,15 +1426,12 @@ def refresh_from_run(
         return None
     key = _key(identity, found[0] if len(found) == 1 and spec_device else _device(enc, client), workers, tpw)
     path = cache_path(key)
-    if not path.exists():
-        return None
     try:
-        data = json.loads(path.read_text())
-        if data.get("key") != json.loads(json.dumps(key, default=str)):
-            return None
-        params = CostParams.from_dict(data["params"])
+        params = _cached(key)
     except (ValueError, KeyError, TypeError) as err:
         logger.warning("dask-surge: not refreshing unreadable calibration cache %s (%s)", path, err)
+        return None
+    if params is None:
         return None
     engine = dict(params.meta).get("engine")
     if engine is not None and any(r.engine != engine for r in counted):
