@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import signal
+import subprocess
 import threading
 import time
 import zlib
@@ -37,6 +40,7 @@ __all__ = [
     "table_class",
     "table_driver",
     "kill_after_table_commits",
+    "kill_run",
     "after_first_table_commit",
     "CountingEncoder",
     "DieOnce",
@@ -642,6 +646,33 @@ def table_class(fmt: str) -> Any:
     'DeltaOutput'
     """
     return {"lance": LanceTable, "delta": DeltaOutput, "iceberg": IcebergTable}[fmt]
+
+
+def kill_run(proc: subprocess.Popen, target: str, rng: random.Random) -> str:
+    """SIGKILL a run's process ``proc`` (``target="client"``), one of its Dask worker processes
+    (``"worker"``), or a worker and then, up to 0.5 s later, the client (``"both"``); returns what
+    was killed: ``"client"`` when no worker process runs (yet, or any more), as a kill sweep's
+    driver starts and ends them. A process that exits while the workers are listed is passed over.
+    """
+    import psutil  # (distributed's dependency) only for the kill sweeps
+
+    workers = []
+    if target != "client":
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            try:
+                if "nanny" not in " ".join(p.cmdline()).lower() and p.ppid() != proc.pid:
+                    workers.append(p)
+            except psutil.NoSuchProcess:  # it exited while listed: not there to kill
+                continue
+    if not workers:  # no worker (or asked for the client): kill the client
+        proc.send_signal(signal.SIGKILL)
+        return "client"
+    with contextlib.suppress(psutil.NoSuchProcess):  # the worker exited on its own meanwhile
+        rng.choice(workers).send_signal(signal.SIGKILL)
+    if target == "both":
+        time.sleep(rng.uniform(0.0, 0.5))
+        proc.send_signal(signal.SIGKILL)
+    return target
 
 
 def kill_after_table_commits(fmt: str, k: int) -> None:

@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
-import psutil
 import pytest
 
 import dask_surge
 from dask_surge.io.manifest import current_run
 from dask_surge.io.store import OutputStore
 from dask_surge.io.verify import verify
-from dask_surge.testing import write_partitioned_parquet
+from dask_surge.testing import kill_run, write_partitioned_parquet
 
 pytestmark = pytest.mark.slow
 
@@ -70,27 +68,6 @@ def sweep_input(tmp_path_factory):
     return src, reference, seconds
 
 
-def _kill(proc: subprocess.Popen, target: str, rng: random.Random) -> str:
-    """Kill the client, one worker process, or a worker then the client; returns what was killed."""
-    workers = (
-        [
-            p
-            for p in psutil.Process(proc.pid).children(recursive=True)
-            if "nanny" not in " ".join(p.cmdline()).lower() and p.ppid() != proc.pid
-        ]
-        if target != "client"
-        else []
-    )
-    if not workers:  # no worker yet (or asked for the client): kill the client
-        proc.send_signal(signal.SIGKILL)
-        return "client"
-    rng.choice(workers).send_signal(signal.SIGKILL)
-    if target == "both":
-        time.sleep(rng.uniform(0.0, 0.5))
-        proc.send_signal(signal.SIGKILL)
-    return target
-
-
 def test_kill_anything_anywhere_then_resume(tmp_path, sweep_input):
     src, reference, seconds = sweep_input
     trials = 4 if os.environ.get("SURGE_SWEEP") == "reduced" else 25
@@ -105,7 +82,7 @@ def test_kill_anything_anywhere_then_resume(tmp_path, sweep_input):
         )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
         time.sleep(rng.uniform(0.1, 0.9) * seconds[mode])
-        killed = _kill(proc, target, rng)
+        killed = kill_run(proc, target, rng)
         proc.wait(timeout=120)
         resumed = subprocess.run(_driver(src, out, mode), capture_output=True, text=True, timeout=300)
         assert resumed.returncode == 0, (t, mode, killed, resumed.stderr[-3000:])
@@ -178,7 +155,7 @@ def test_kill_a_chunk_mode_run_then_resume_to_the_same_windows(tmp_path):
         )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
         time.sleep(rng.uniform(0.3, 0.9) * seconds)
-        killed = _kill(proc, ("worker", "client", "both")[t % 3], rng)
+        killed = kill_run(proc, ("worker", "client", "both")[t % 3], rng)
         proc.wait(timeout=120)
         resumed = subprocess.run(
             [sys.executable, "-c", CHUNK_DRIVER, str(src), str(out)],

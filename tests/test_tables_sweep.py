@@ -20,11 +20,11 @@ import sys
 import time
 
 import numpy as np
-import psutil
 import pytest
 
 from dask_surge.io.tables.locations import object_store_options
 from dask_surge.synthetic import write_partitioned_parquet
+from dask_surge.testing import kill_run
 
 lance = pytest.importorskip("lance")
 pytest.importorskip("deltalake")
@@ -186,26 +186,6 @@ def test_lance_on_s3_killed_right_after_a_table_commit_resumes_exactly_once(plac
     _check(out, options, reference)
 
 
-def _kill(proc: subprocess.Popen, target: str, rng: random.Random) -> str:
-    workers = (
-        [
-            p
-            for p in psutil.Process(proc.pid).children(recursive=True)
-            if "nanny" not in " ".join(p.cmdline()).lower() and p.ppid() != proc.pid
-        ]
-        if target != "client"
-        else []
-    )
-    if not workers:
-        proc.send_signal(signal.SIGKILL)
-        return "client"
-    rng.choice(workers).send_signal(signal.SIGKILL)
-    if target == "both":
-        time.sleep(rng.uniform(0.0, 0.5))
-        proc.send_signal(signal.SIGKILL)
-    return target
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["lance", "delta", "iceberg"])
 @pytest.mark.parametrize("place", ["local", "s3"])
@@ -245,7 +225,7 @@ def test_kill_anything_anywhere_then_resume_a_table_output(places, place, fmt):
         )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
         time.sleep(rng.uniform(0.1, 0.9) * seconds)
-        killed = _kill(proc, target, rng)
+        killed = kill_run(proc, target, rng)
         proc.wait(timeout=120)
         resumed = subprocess.run(
             _driver(src, out, "processes", options, fmt=fmt, catalog=catalog),
