@@ -688,7 +688,7 @@ def _lazy(frame, task: SuperBatchTask, thresholds: RunThresholds, max_bytes: int
 def _register(encoder: Encoder, client=None) -> None:
     """Ship the encoder to the workers of ``client`` (or the active one) once; they load
     it in the background while the client plans, which brings the first output closer on a
-    cold cluster (``python -m benchmarks.fixed_cost``)."""
+    cold cluster (the fixed-cost study in ``docs/ab_studies.md``)."""
     if client is None:
         client = _active_client()
         if client is None:
