@@ -87,8 +87,8 @@ def __dir__() -> list[str]:
 # Dask's extension API (``register_dataframe_accessor``, in dask_surge/accessor.py), which imports
 # ``dask.dataframe``; a fresh Dask worker imports this package to unpickle the encoder plugin and its
 # first task, and would pay that import before it starts loading the model. Measured side by side in
-# fresh interpreters that imported ``distributed`` (``python -m benchmarks.accessor_import``,
-# benchmarks/results/accessor_import.json): importing the worker's modules takes 0.39 s deferred against
+# fresh interpreters that imported ``distributed`` (docs/ab_studies.md, "The accessor's registration"):
+# importing the worker's modules takes 0.39 s deferred against
 # 2.75 s with the plain registration (median of 10 alternating pairs, +2.45 s, on the 2-core machine
 # under load; issue 27's cold-start target is 5 s to the first output). So the registration waits for
 # ``dask.dataframe``: at once when it is imported already, else from a one-shot import hook.

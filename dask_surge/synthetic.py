@@ -1,7 +1,7 @@
 """Synthetic English-like texts and partitioned frames with log-normal partition sizes.
 
 Production code uses these generators (the calibration probe, ``dask-surge demo``);
-:mod:`dask_surge.testing` re-exports them for tests and benchmarks. Everything is
+:mod:`dask_surge.testing` re-exports them for tests and measurements. Everything is
 deterministic for a given ``seed``.
 """
 

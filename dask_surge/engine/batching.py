@@ -73,10 +73,10 @@ __all__ = [
 
 
 #: Token budget of one micro-batch on a CPU (rows x padded length): the budget that measured
-#: fastest on 2 cores (``python -m benchmarks.engine_cpu --max-tokens``).
+#: fastest on 2 cores (``docs/ab_studies.md``, "Micro-batch token budget by model width").
 CPU_MAX_TOKENS = 2048
 #: The most tokens :func:`cpu_max_tokens` gives a narrow model's micro-batch: past it, a larger
-#: micro-batch gains little speed for twice the memory (``benchmarks.engine_cpu --max-tokens``).
+#: micro-batch gains little speed for twice the memory (the same study).
 CPU_MAX_TOKENS_CAP = 8192
 #: Texts tokenized and length-sorted together: larger blocks sort into less padding (issue 17,
 #: ``docs/ab_studies.md``).
@@ -84,7 +84,7 @@ BLOCK_TEXTS = 65_536
 #: Texts of a large call's first block where the device overlaps the host (see :func:`blocks`):
 #: the device starts once these are tokenized, not after the whole first full block. The rest stays
 #: in full blocks: growing blocks geometrically added far more padded tokens than a small first block
-#: then full ones (``benchmarks/first_window.py``, ``docs/ab_studies.md``).
+#: then full ones (``docs/ab_studies.md``, "A short first window").
 FIRST_BLOCK_TEXTS = 2048
 
 

@@ -3,7 +3,7 @@
 The Rust tokenizer's Python API hands back one ``Encoding`` per text: a Python object, the
 Python list of its ids, and on free its token strings, offsets and masks. For short texts that
 is most of the GIL a worker spends tokenizing, and a good part of the tokenizer's own CPU
-(``docs/ab_studies.md``, ``benchmarks/gil_stages.py``). It is the tuning setting
+(``docs/ab_studies.md``, "Joined tokenizing"). It is the tuning setting
 ``surge.tuning.joined-tokenizing`` (``docs/tuning.md``).
 
 :class:`JoinedTokenizer` joins each group of consecutive texts with the model's separator token
@@ -59,7 +59,7 @@ import numpy as np
 __all__ = ["GROUP_TEXTS", "JoinedTokenizer", "flat_ids", "special_ends"]
 
 #: At most this many texts are joined into one string (the group sizes that took the least CPU per
-#: text in ``python -m benchmarks.joined_tokenize``; ``docs/ab_studies.md``).
+#: text in the joined-tokenizing study, ``docs/ab_studies.md``).
 GROUP_TEXTS = 256
 #: ... and at least this many groups are made per tokenizer thread, so every core has work.
 GROUPS_PER_THREAD = 4

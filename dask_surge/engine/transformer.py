@@ -125,7 +125,7 @@ class TransformerEngine:
         self._closed = False
         #: Cut micro-batches where the sorted length changes (:func:`dask_surge.engine.batching.cut`,
         #: ``split_runs``), and run the one-length ones without an attention mask. Settable
-        #: (benchmarks compare both); the embeddings are the same either way.
+        #: (``docs/ab_studies.md`` compares both); the embeddings are the same either way.
         self.split_runs = True
         #: The prompt put before every text ("" for none), resolved as ``SentenceTransformer.encode`` does.
         self.prompt = self.packer.prompt
@@ -146,7 +146,7 @@ class TransformerEngine:
 
         ``tokenize`` (Rust tokenizer), ``pack`` (plan and int32 ids), ``device`` (running or,
         on CUDA, launching the micro-batches), ``finish`` (finite check, wait for the device, copy
-        back); with ``calls`` and ``texts``. For benchmarks and diagnosis; read, don't rely on it.
+        back); with ``calls`` and ``texts``. For measurement and diagnosis; read, don't rely on it.
         """
         return self._clock.stats
 

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 #: an input of at most this many rows (known from metadata) runs in this process when no
 #: cluster is given: on 2 cores a local cluster takes 6-10 s to start, more than such an
-#: input takes to encode (``python -m benchmarks.small_run``)
+#: input takes to encode (``docs/performance.md``, a new user's small run)
 IN_PROCESS_ROWS = 5_000
 
 #: the same for an input whose rows are not known ahead (CSV, JSON lines): its files' total size

@@ -54,8 +54,8 @@ __all__ = [
 DEFAULTS = {"gpu": (100_000, 400_000), "cpu": (8_192, 32_768)}
 
 #: an automatic b_min gives each worker thread at least this many SuperBatches: with fewer,
-#: the last one runs alone while the others idle (the ``bmin`` suite of
-#: ``python -m benchmarks.paper.run`` shows it)
+#: the last one runs alone while the others idle (the ``bmin`` suite of the paper's
+#: reproduction shows it, ``docs/performance.md``)
 MIN_SUPERBATCHES_PER_WORKER = 4
 
 #: balancing looks at plans with at most this many SuperBatches per worker thread: beyond, the
