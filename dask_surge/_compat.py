@@ -1,10 +1,16 @@
-"""Every private Dask name dask-surge uses, imported in this one place.
+"""Every private Dask and distributed name dask-surge uses, in this one place.
 
 dask-expr has no public extension point for what dask-surge does (a graph expression that
 fuses planned partitions into one task per SuperBatch, row counts from Parquet footers
-without a pass), so it subclasses and inspects private classes. They are imported here
-only, so a Dask release that moves them breaks one module, and ``tests/test_layout.py``
-checks each against the pinned Dask range (``pyproject.toml``: ``dask>=2026.8.0,<2026.12``).
+without a pass), so it subclasses and inspects private classes; and a SuperBatch task asks
+its distributed worker what no public API says (its thread count, whether this thread is
+one of its pool's, its profiler's callback). The classes are imported here only, and the
+private attributes read here only (:func:`expr_operands`, :func:`worker_pool_threads`,
+:func:`profile_callback`), so a Dask release that moves them breaks one module:
+``tests/test_layout.py`` checks each against the pinned Dask range (``pyproject.toml``:
+``dask>=2026.8.0,<2026.12``), and that no other module imports them or reads such an attribute.
+distributed is imported inside the functions that need it: a process that runs no worker
+never loads it.
 """
 
 from __future__ import annotations
@@ -38,11 +44,14 @@ __all__ = [
     "Task",
     "TaskRef",
     "convert_legacy_graph",
+    "expr_operands",
     "is_dask_future",
     "named_graph",
     "new_collection",
+    "profile_callback",
     "simplified",
     "untuned",
+    "worker_pool_threads",
 ]
 
 #: dask.dataframe's names, imported on first use (PEP 562): a worker running SuperBatch tasks
@@ -73,7 +82,7 @@ def named_graph(graph: dict, token: str) -> Any:
     ``Client.get`` wraps a dict graph in ``LLGExpr(graph)``, whose name Dask computes by
     tokenizing the whole graph: it pickles every value the graph embeds, so a unit over an
     in-memory input's partitions paid a pickle round trip of its data on the client before it
-    was submitted (see ``benchmarks/results/unit_submit.json``). A graph whose keys no other
+    was submitted. A graph whose keys no other
     graph has can be named by a token as unique as they are.
 
     Examples
@@ -129,3 +138,49 @@ def untuned() -> Any:
     import dask
 
     return dask.config.set({"optimization.tune.active": False})
+
+
+def expr_operands(expr: Any) -> dict[str, Any]:
+    """A dask-expr expression's operands by name (its private ``_parameters`` beside ``operands``).
+
+    Examples
+    --------
+    >>> import pandas as pd, dask.dataframe as dd
+    >>> ops = expr_operands(dd.from_pandas(pd.DataFrame({"t": ["a"]}), npartitions=1)[["t"]].expr)
+    >>> ops["columns"]
+    ['t']
+    """
+    return dict(zip(expr._parameters, expr.operands))
+
+
+def worker_pool_threads(worker: Any) -> int:
+    """Threads of ``worker``'s pool when this thread is one of them and still in it, else 0.
+
+    distributed marks its pool threads in the private ``thread_state`` (``executor``, and
+    ``proceed`` until the thread secedes); ``worker.state.nthreads`` is its thread count.
+
+    Examples
+    --------
+    >>> worker_pool_threads(None)  # not on a worker's pool thread
+    0
+    """
+    if worker is None:
+        return 0
+    from distributed.threadpoolexecutor import thread_state
+
+    if getattr(thread_state, "executor", None) is None or not getattr(thread_state, "proceed", False):
+        return 0  # not one of the worker's pool threads, or one that already left it
+    return int(worker.state.nthreads)
+
+
+def profile_callback(worker: Any) -> Any:
+    """``worker``'s statistical profiler callback (a tornado ``PeriodicCallback``), or None when
+    it runs without one (``distributed.worker.profile.enabled: False``) or is not a worker.
+
+    Examples
+    --------
+    >>> profile_callback(None) is None
+    True
+    """
+    callbacks = getattr(worker, "periodic_callbacks", None)
+    return None if callbacks is None else callbacks.get("profile")

@@ -144,6 +144,90 @@ def test_private_dask_names_are_imported_in_compat_only():
     assert offenders == []
 
 
+#: private attributes of Dask and distributed objects: read in ``_compat.py`` only (issue 70)
+_PRIVATE_DASK_ATTRIBUTES = {
+    "_parameters",  # a dask-expr expression's operand names
+    "_determ_token",
+    "periodic_callbacks",  # a worker's profiler and heartbeat callbacks
+    "thread_state",  # distributed's marks on its pool threads
+    "_dataset_info",  # dask-expr's Parquet reader
+    "_partitions",
+    "_series",
+    "_locations",
+}
+#: attributes of a worker's private ``WorkerState`` (``worker.state.<name>``)
+_WORKER_STATE = {"nthreads", "tasks", "executing", "ready", "long_running", "executed_count"}
+#: private Dask attributes still read outside ``_compat.py``, each to be moved there (never added to)
+_KNOWN_PRIVATE_ATTRIBUTES = {
+    ("execution/inputs.py", "_dataset_info"),
+    ("io/parquet.py", "_dataset_info"),
+    ("io/parquet.py", "_partitions"),
+    ("io/parquet.py", "_series"),
+    ("planning/sizes.py", "_locations"),
+}
+
+
+def _private_dask_attributes(source: str) -> list[tuple[int, str]]:
+    """Where ``source`` reads a private Dask or distributed attribute (``x._parameters``,
+    ``worker.periodic_callbacks``, ``worker.state.nthreads``) or imports ``thread_state``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            if node.attr in _PRIVATE_DASK_ATTRIBUTES:
+                found.append((node.lineno, node.attr))
+            elif (
+                node.attr in _WORKER_STATE
+                and isinstance(node.value, ast.Attribute)
+                and node.value.attr == "state"
+            ):
+                found.append((node.lineno, f"state.{node.attr}"))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            found += [(node.lineno, a.name) for a in node.names if a.name in _PRIVATE_DASK_ATTRIBUTES]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+            args = node.args
+            if (
+                len(args) >= 2
+                and isinstance(args[1], ast.Constant)
+                and args[1].value in _PRIVATE_DASK_ATTRIBUTES
+            ):
+                found.append((node.lineno, str(args[1].value)))
+    return sorted(found)
+
+
+def test_private_dask_attributes_are_read_in_compat_only():
+    """issue 70: not only the imports; the private attributes of Dask's expressions and of a distributed
+    worker are read in ``_compat.py`` too, so a Dask release that renames one breaks one module."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = str(path.relative_to(PACKAGE))
+        if rel == "_compat.py":
+            continue
+        found += [
+            f"{rel}:{line} {attr}"
+            for line, attr in _private_dask_attributes(path.read_text())
+            if (rel, attr) not in _KNOWN_PRIVATE_ATTRIBUTES
+        ]
+    assert found == []
+
+
+def test_the_private_attribute_check_can_fail():
+    source = (
+        "params = dict(zip(expr._parameters, expr.operands))\n"
+        "cb = worker.periodic_callbacks.get('profile')\n"
+        "from distributed.threadpoolexecutor import thread_state\n"
+        "n = worker.state.nthreads\n"
+        "x = getattr(w, 'periodic_callbacks', None)\n"
+        "ok = worker.nthreads + self.state + expr.operands\n"
+    )
+    assert _private_dask_attributes(source) == [
+        (1, "_parameters"),
+        (2, "periodic_callbacks"),
+        (3, "thread_state"),
+        (4, "state.nthreads"),
+        (5, "periodic_callbacks"),
+    ]
+
+
 def test_compat_names_exist_in_the_pinned_dask():
     from dask_surge import _compat
 

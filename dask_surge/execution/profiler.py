@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from .._compat import profile_callback
 from ..engine import tuning
 
 __all__ = ["current_worker", "profiler_paused"]
@@ -55,7 +56,7 @@ def current_worker() -> Any:
 def _sync(worker: Any) -> None:
     """On the worker's event loop: stop its profile callback while tasks hold it paused, start it
     again once none does, and only if this module stopped it (one the user stopped stays stopped)."""
-    callback = worker.periodic_callbacks.get("profile")
+    callback = profile_callback(worker)
     if callback is None:
         return
     key = id(worker)
@@ -105,7 +106,7 @@ def profiler_paused(enabled: bool | None = None) -> Iterator[bool]:
     if enabled is None:
         enabled = tuning.active("pause-profiler")
     worker = current_worker() if enabled else None
-    held = worker is not None and worker.periodic_callbacks.get("profile") is not None
+    held = worker is not None and profile_callback(worker) is not None
     if held:
         with _lock:
             first = not _holders.get(id(worker))

@@ -35,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+from .._compat import worker_pool_threads
 from ..errors import SurgeInputError
 from ..io.arrow import to_host
 from ..io.directory import sb_key
@@ -226,14 +227,7 @@ def _thread_handed_over(pending: Future | None) -> Iterator[None]:
 
 def _worker_threads() -> int:
     """Threads of the distributed worker whose thread pool runs this thread (0: none does)."""
-    worker = current_worker()
-    if worker is None:
-        return 0
-    from distributed.threadpoolexecutor import thread_state
-
-    if getattr(thread_state, "executor", None) is None or not getattr(thread_state, "proceed", False):
-        return 0  # not one of the worker's pool threads, or one that already left it
-    return int(worker.state.nthreads)
+    return worker_pool_threads(current_worker())
 
 
 def _expected(

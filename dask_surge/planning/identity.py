@@ -52,7 +52,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .._compat import BaseExpr as Expr
-from .._compat import simplified
+from .._compat import expr_operands, simplified
 from .._version import __version__
 from ..config import get as config_get
 from ..errors import SurgeInputError
@@ -273,7 +273,7 @@ def _node(expr: Any, memo: dict[str, Any]) -> Any:
         return {"same_as": memo[key][0]}
 
     leaf = not expr.dependencies()
-    params = dict(zip(expr._parameters, expr.operands))
+    params = expr_operands(expr)
     leaf_fs = next((v for v in params.values() if _is_filesystem(v)), None)
     storage_options = (
         params.get("storage_options") if isinstance(params.get("storage_options"), Mapping) else None
