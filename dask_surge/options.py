@@ -1282,6 +1282,38 @@ OPTIONS: tuple[Option, ...] = (
         },
     ),
     _opt(
+        "dedicated_workers",
+        bool,
+        "bool",
+        """
+         Whether this worker process runs dask-surge only, so that ``surge.tuning.*`` settings that
+         cannot be undone (the allocator's thresholds) apply on ``"auto"``: read in each worker's own
+         config. dask-surge's clusters (:func:`dask_surge.local_cluster`, its jobqueue clusters) set it in
+         the workers they start; on a cluster of your own it stays False and a run leaves the workers as
+         it found them (``docs/tuning.md``).""",
+        "the worker runs dask-surge only: settings that cannot be undone (allocator) apply on auto; "
+        "dask-surge's own clusters set it in their workers",
+        default=False,
+        config="dedicated-workers",
+        validator=boolean(),
+        schema={"type": "boolean"},
+    ),
+    _opt(
+        "keep_model",
+        bool,
+        "bool",
+        """
+         Whether the model stays loaded on the workers once a written run ends (the next run of
+         the same model starts without loading it). False unregisters dask-surge's worker plugin
+         at the end of the run: every worker closes the model and frees its memory (on a GPU, for
+         the next RAPIDS step), and a worker that joins later loads nothing (``docs/tuning.md``).""",
+        "keep the model loaded on the workers after a written run (false: unloaded, GPU memory freed)",
+        default=False,
+        config="keep-model",
+        validator=boolean(),
+        schema={"type": "boolean"},
+    ),
+    _opt(
         "in_flight",
         int | None,
         "int, optional",
