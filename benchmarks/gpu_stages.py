@@ -41,12 +41,6 @@ engine     the engine alone in this process, loaded as the workers load it (leng
            host memory before and after more calls (bounded by the staging buffer);
            SentenceTransformer.encode (fp16, batch 1024) on the same texts; BERT-base's
            engine and forward alone
-inflight   set B with 2, then 4 SuperBatches in flight per GPU (surge.superbatches-per-gpu and threads)
-decoder    a decoder embedder shaped as Qwen3-Embedding-0.6B (random weights; hidden 1024, 28 layers,
-           16 heads, 8 key/value heads, head_dim 128, intermediate 3072, last-token pooling, left
-           padding), with the carried MiniLM tokenizer, so its vocabulary is 30,522, not 151,669: the
-           fast engine (loaded as the workers load it, fp16) against SentenceTransformer.encode in
-           fp16 on the same texts, and the two's cosine; the tiny decoder in the dry run
 cosine     real MiniLM weights against CPU fp32 embeddings: the headline is fp16 loaded as the
            workers load it; bf16, and the engine built on sentence-transformers' load, beside it
 pytest     the gpu-marked tests, on the carried fp16 MiniLM copy
@@ -63,8 +57,10 @@ import contextlib
 import json
 import os
 import platform
+import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -89,7 +85,6 @@ SIZES = {
         "engine_texts": 200_000,
         "st_texts": 40_000,
         "bert_texts": 40_000,
-        "decoder_texts": 10_000,
     },
     "try": {
         "rows_a": 3_000,
@@ -97,7 +92,6 @@ SIZES = {
         "engine_texts": 400,
         "st_texts": 200,
         "bert_texts": 200,
-        "decoder_texts": 200,
     },
 }
 
@@ -502,6 +496,55 @@ def stage_host(s: Session) -> None:
 GIL_TARGET_US = 4.0
 
 
+def _gil_profile(raw: str) -> dict:
+    """Where the samples of a ``py-spy record --gil --threads --format raw`` profile fall: per thread
+    (``Dask-Default-Threads`` of ``thread (1234): Dask-Default-Threads-1234-0``) and per leaf frame."""
+    threads: dict[str, int] = {}
+    own: dict[str, int] = {}
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = [f.strip() for f in stack.split(";")]
+        name = frames.pop(0) if frames and frames[0].startswith("thread (") else ""
+        name = re.sub(r"[-_]?\d+", "", name.split("): ", 1)[-1]).strip("-_") or name
+        threads[name] = threads.get(name, 0) + int(count)
+        if frames:
+            own[frames[-1]] = own.get(frames[-1], 0) + int(count)
+
+    def ranked(d: dict[str, int]) -> list[tuple[str, int]]:
+        return sorted(d.items(), key=lambda kv: -kv[1])[:40]
+
+    return {"samples": sum(threads.values()), "threads": ranked(threads), "self": ranked(own)}
+
+
+def _gil_seconds(client, run, rate: int = 250) -> dict:
+    """``run()`` while ``py-spy record --gil`` samples every worker; its result, GIL seconds per worker
+    and where the samples fell (:func:`_gil_profile`)."""
+    pids = list(client.run(os.getpid).values())
+    tmp = Path(tempfile.mkdtemp())
+    spies = []
+    for pid in pids:
+        out = tmp / f"{pid}.txt"
+        cmd = ["py-spy", "record", "--pid", str(pid), "--gil", "--rate", str(rate), "--format", "raw"]
+        cmd += ["--output", str(out), "--threads", "--nonblocking"]
+        spies.append((pid, out, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
+    time.sleep(1.0)  # let py-spy attach
+    result = run()
+    profiles = {}
+    for pid, out, proc in spies:
+        proc.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+        proc.wait(timeout=60)
+        profiles[str(pid)] = _gil_profile(out.read_text() if out.is_file() else "")
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "result": result,
+        "gil_s_by_worker": {pid: prof["samples"] / rate for pid, prof in profiles.items()},
+        "rate_hz": rate,
+        "profile_by_worker": profiles,
+    }
+
+
 def _gil_sampled(s: Session, client, run) -> tuple[dict, dict]:
     """``run()`` (a :func:`_surge` run) while ``py-spy record --gil`` samples every worker, and what
     the samples say: the GIL microseconds per text the workers held, by thread, and the event
@@ -512,9 +555,7 @@ def _gil_sampled(s: Session, client, run) -> tuple[dict, dict]:
     """
     if shutil.which("py-spy") is None:
         return run(), {"skipped": "py-spy is not on PATH (gpu_session.sh installs the wheel .gpu/ carries)"}
-    import host_ceiling  # benchmarks/, on the path as this script's folder
-
-    sampled = host_ceiling.gil_seconds(client, run, threads=True)
+    sampled = _gil_seconds(client, run)
     result = sampled["result"]
     rows, seconds = result["rows"], result["seconds"]
     profiles = sampled["profile_by_worker"]
@@ -522,7 +563,10 @@ def _gil_sampled(s: Session, client, run) -> tuple[dict, dict]:
     held = sum(sampled["gil_s_by_worker"].values())
     if not held:
         return result, {"error": "py-spy took no sample of the workers (ptrace refused here?)"}
-    by_thread = host_ceiling.gil_by_thread(sampled)  # seconds
+    by_thread: dict[str, float] = {}  # GIL seconds per thread name, the workers summed
+    for prof in profiles.values():
+        for name, samples in prof["threads"]:
+            by_thread[name] = by_thread.get(name, 0.0) + samples / sampled["rate_hz"]
     us = held * 1e6 / rows
     return result, {
         "gil_us_per_text": round(us, 3),
@@ -599,29 +643,6 @@ def stage_surge_minilm(s: Session) -> None:
 
 def stage_surge_bert(s: Session) -> None:
     s.emit("ok", **_stage_surge(s, "bert", "b"))
-
-
-def stage_inflight(s: Session) -> None:
-    """Set B with 2, then 4 SuperBatches in flight per GPU: the ``surge.superbatches-per-gpu`` key, set
-    where the client computes the tasks' GPU resource share, and as many worker threads."""
-    import dask
-
-    runs = {}
-    for n in (2, 4):
-        with dask.config.set({"surge.superbatches-per-gpu": n}):
-            runs[n] = _stage_surge(s, "minilm", "b", threads=n, tag=f"_n{n}")
-        s.emit(
-            superbatches_per_gpu=n,
-            texts_per_s=runs[n]["texts_per_s"],
-            seconds=runs[n]["seconds"],
-            task_resources=runs[n]["task_resources"],
-        )
-    s.emit(
-        "ok",
-        texts_per_s={n: r["texts_per_s"] for n, r in runs.items()},
-        task_resources={n: r["task_resources"] for n, r in runs.items()},
-        ratio_4_over_2=runs[4]["texts_per_s"] / runs[2]["texts_per_s"],
-    )
 
 
 def _encoder(s: Session, which: str = "minilm"):
@@ -790,117 +811,6 @@ def stage_engine(s: Session) -> None:
     bert["engine_over_forward_only"] = bert["engine_texts_per_s"] / bert["forward_only"]["texts_per_s"]
     enc.close()
     out["bert"] = bert
-    s.emit("ok", **out)
-
-
-#: Qwen3-Embedding-0.6B's shape (its config.json), less the vocabulary: the carried tokenizer's is used.
-QWEN3_06B_SHAPE = {
-    "hidden_size": 1024,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 3072,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1_000_000,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-}
-
-
-def _decoder_model(s: Session) -> str:
-    """The decoder embedder the ``decoder`` stage times: random weights in Qwen3-Embedding-0.6B's shape
-    (:data:`QWEN3_06B_SHAPE`), saved in fp16 with the MiniLM model's tokenizer padding left, last-token
-    pooling, Normalize and a query prompt; :func:`~dask_surge.testing.make_tiny_decoder_model` in the dry run."""
-    from dask_surge.testing import make_tiny_decoder_model
-
-    path = s.work / "decoder"
-    if s.trying or (path / "modules.json").is_file():
-        return make_tiny_decoder_model(path)
-    import torch
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.base.modules import Normalize, Transformer
-    from sentence_transformers.sentence_transformer.modules import Pooling
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
-
-    tokenizer = AutoTokenizer.from_pretrained(s.model("minilm"))
-    tokenizer.padding_side = "left"
-    config = Qwen3Config(vocab_size=tokenizer.vocab_size, **QWEN3_06B_SHAPE)
-    torch.manual_seed(0)
-    with torch.device(s.device):  # random init on the GPU, in seconds
-        model = Qwen3Model(config).to(torch.float16)
-    base = s.work / "decoder-base"
-    model.save_pretrained(str(base))
-    tokenizer.save_pretrained(str(base))
-    del model
-    modules = [
-        Transformer(str(base), max_seq_length=512),
-        Pooling(1024, pooling_mode="lasttoken"),
-        Normalize(),
-    ]
-    SentenceTransformer(
-        modules=modules,
-        device="cpu",
-        prompts={"query": "Instruct: Given a query, retrieve relevant passages\nQuery: "},
-    ).save(str(path))
-    return str(path)
-
-
-def stage_decoder(s: Session) -> None:
-    """A Qwen3-0.6B-shaped decoder embedder: the fast engine (as the workers load it) against
-    SentenceTransformer.encode in fp16 (batch 256) on the same texts, and their cosine."""
-    import numpy as np
-    import torch
-    from sentence_transformers import SentenceTransformer
-
-    from dask_surge import Encoder
-    from dask_surge.testing import make_texts, min_cosine
-
-    t = time.perf_counter()
-    path = _decoder_model(s)
-    out: dict = {
-        "model": "qwen3-0.6b-shaped" if not s.trying else "tiny-decoder",
-        "build_s": time.perf_counter() - t,
-        "shape": QWEN3_06B_SHAPE if not s.trying else "tiny",
-        "vocab_note": "the MiniLM tokenizer's 30,522",
-    }
-    texts = make_texts(s.sizes["decoder_texts"], seed=11)
-    enc = Encoder(path, device=s.device)
-    engine = enc.engine
-    impl = enc._loaded().impl
-    s.loaded_by = getattr(impl, "loaded_by", None)
-    out.update(
-        backend=enc.backend,
-        backend_reason=enc.backend_reason,
-        texts=len(texts),
-        weights_dtype=str(next(engine.runner.hf.parameters()).dtype) if engine is not None else None,
-    )
-    if engine is None:
-        s.emit("error", reason="the fast engine did not take the decoder", **out)
-        enc.close()
-        return
-    out.update(_engine_rate(s, engine, texts))
-    got = engine.encode(texts[:512])
-    s.emit(**out)
-    enc.close()
-    del engine, enc
-    if s.device == "cuda":
-        torch.cuda.empty_cache()
-    model = SentenceTransformer(path, device=s.device)
-    st16 = model.to(torch.float16) if s.device == "cuda" else model
-    st16.encode(texts[:256], batch_size=256)
-    _sync(s.device)
-    t = time.perf_counter()
-    st16.encode(texts, batch_size=256, convert_to_numpy=True)
-    _sync(s.device)
-    st_s = time.perf_counter() - t
-    want = np.asarray(st16.encode(texts[:512], batch_size=256, convert_to_numpy=True), dtype=np.float32)
-    out.update(
-        st_loaded_by="sentence-transformers",
-        st_texts_per_s=len(texts) / st_s,
-        engine_over_st=out["engine_texts_per_s"] / (len(texts) / st_s),
-        min_cosine=min_cosine(got, want),
-    )
     s.emit("ok", **out)
 
 

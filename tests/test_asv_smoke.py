@@ -1,7 +1,8 @@
 """The asv suite (``benchmarks/asv.conf.json``, ``benchmarks/asv_bench/``) imports and is
 well formed: ``asv check --python=same`` from ``benchmarks/``; the quick run (each benchmark
-once, ~1.5 min on 2 cores) is marked slow. Skipped where asv is not installed
-(``pip install asv``)."""
+once, ~1.5 min on 2 cores). Development tooling, not the package: both are in the slow leg
+(``pytest -m slow``, run by .ci/run), so the default suite tests only dask_surge. Skipped where
+asv is not installed (``pip install asv``)."""
 
 import os
 import shutil
@@ -11,7 +12,10 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-pytestmark = pytest.mark.skipif(shutil.which("asv") is None, reason="asv is not installed (pip install asv)")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("asv") is None, reason="asv is not installed (pip install asv)"),
+    pytest.mark.slow,  # development tooling: the slow leg, not the default suite
+]
 
 
 def _asv(*args: str, timeout: int) -> str:
@@ -30,7 +34,6 @@ def test_asv_check_finds_no_problem():
     assert "No problems found" in out
 
 
-@pytest.mark.slow
 def test_asv_quick_run_runs_every_benchmark():
     out = _asv("run", "--quick", "--show-stderr", timeout=400)
     for name in (
