@@ -73,9 +73,13 @@ def test_the_cpu_worker_plugin_applies_it_in_a_worker_process(tiny_model, monkey
     plugin = plugins.EncoderPlugin(Encoder(str(tiny_model), device="cpu"), preload=False)
     plugin._tune()  # the client's own process (a user's notebook): left alone
     assert calls == [] and tuning.applied() == {}
-    plugin.client_process = ("elsewhere", -1)  # a worker process of its own
+    plugin.client_process = ("elsewhere", -1)  # a worker process of its own, on a user's cluster: not applied
     plugin._tune()
-    assert calls == [1] and tuning.active("gc-pause")
+    assert calls == [] and tuning.active("gc-pause") and not tuning.active("allocator")
+    with dask.config.set({"surge.dedicated-workers": True}):  # a worker dask-surge started
+        plugin._tune()
+    assert calls == [1] and tuning.active("allocator")
+    monkeypatch.setattr(tuning, "_applied", {})
     gpu = plugins.EncoderPlugin(Encoder(str(tiny_model), device="cuda"), preload=False)
     gpu.client_process = ("elsewhere", -1)
     gpu._tune()  # measured only on a CPU: off on a GPU worker

@@ -60,7 +60,8 @@ def test_every_setting_is_declared_once_and_shipped_as_auto():
         shipped = yaml.safe_load(f)["surge"]["tuning"]
     assert shipped == dict.fromkeys(tuning.SETTINGS, "auto")
     for opt in tuning.SETTINGS.values():
-        assert opt.key == f"surge.tuning.{opt.name}" and opt.does and opt.benchmark
+        assert opt.key == f"surge.tuning.{opt.name}" and opt.does and opt.measured
+        assert "benchmarks/" not in opt.measured
         assert dask.config.get(opt.key) == "auto"
 
 
@@ -102,12 +103,25 @@ def test_process_settings_are_off_in_a_users_process_unless_forced(monkeypatch):
     assert tuning.apply_worker("cuda:0") == dict.fromkeys(
         ["allocator", "gc-pause", "rayon-threads", "pause-profiler"], False
     )
-    assert tuning.apply_worker("cpu") == dict.fromkeys(
-        ["allocator", "gc-pause", "rayon-threads", "pause-profiler"], True
-    )
+    # a worker of a user's cluster: the allocator, which cannot be undone, is left alone on auto
+    assert tuning.apply_worker("cpu") == {
+        **dict.fromkeys(["gc-pause", "rayon-threads", "pause-profiler"], True),
+        "allocator": False,
+    }
     assert tuning.active("gc-pause") is True
     with dask.config.set({"surge.tuning.gc-pause": False}):  # forced off beats applied
         assert tuning.active("gc-pause") is False
+    with dask.config.set({"surge.dedicated-workers": True}):  # a worker dask-surge started
+        assert tuning.apply_worker("cpu") == dict.fromkeys(
+            ["allocator", "gc-pause", "rayon-threads", "pause-profiler"], True
+        )
+    # the plugin leaving: what can be undone is; the allocator stays recorded as applied
+    assert tuning.release_worker() == {"allocator": True}
+    assert not tuning.active("gc-pause") and tuning.active("allocator")
+
+
+def test_only_the_allocator_cannot_be_undone():
+    assert [n for n, s in tuning.SETTINGS.items() if not s.undoable] == ["allocator"]
 
 
 # -- the settings where they apply ---------------------------------------------------------------------

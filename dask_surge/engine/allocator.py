@@ -3,9 +3,14 @@
 A Dask nanny starts its worker with ``MALLOC_TRIM_THRESHOLD_=65536``, which also freezes
 glibc's ``mmap`` threshold at 128 KiB: every activation block of a CPU forward pass above
 that is then a fresh, zero-filled ``mmap``. :func:`keep_large_blocks` sets both thresholds
-as glibc's own dynamic rule would (``mmap`` at 32 MiB, trim at twice that). It is a
-process-wide setting: the worker plugin applies it in a CPU worker process of its own,
-never in a user's own process (``python -m benchmarks.allocator_ab`` measures it).
+as glibc's own dynamic rule would (``mmap`` at 32 MiB, trim at twice that): 1.19x on MiniLM
+on a CPU cluster (``docs/ab_studies.md``, "Allocator").
+
+``mallopt`` has no undo, and it overrides the trim threshold distributed chose for its worker:
+so the worker plugin applies it on ``auto`` only in a CPU worker process dask-surge started
+(``surge.dedicated-workers``, set by its own clusters), or where the user turns it on
+(``surge.tuning.allocator: true``), never in a user's own process nor on a user's cluster
+(``docs/tuning.md``). :func:`applied` says whether this process took it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import ctypes
 import sys
 
-__all__ = ["MMAP_THRESHOLD", "keep_large_blocks"]
+__all__ = ["MMAP_THRESHOLD", "applied", "keep_large_blocks"]
 
 #: glibc's ``M_TRIM_THRESHOLD`` and ``M_MMAP_THRESHOLD`` parameters of ``mallopt``
 _M_TRIM_THRESHOLD = -1
@@ -52,3 +57,15 @@ def keep_large_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
     mallopt(_M_TRIM_THRESHOLD, 2 * int(threshold))  # glibc's dynamic rule: trim at twice the mmap threshold
     _done.append(int(threshold))
     return True
+
+
+def applied() -> int | None:
+    """The threshold :func:`keep_large_blocks` set in this process, or None where it never did (the
+    allocator is as the process started it).
+
+    Examples
+    --------
+    >>> applied() is None  # this process never called keep_large_blocks  # doctest: +SKIP
+    True
+    """
+    return _done[0] if _done else None

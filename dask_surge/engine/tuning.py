@@ -3,8 +3,8 @@
 A :class:`Setting` says what one setting does, its config key, the device types it was
 measured on and its value per device type. ``auto`` (the shipped value of every key) takes
 that declared value: on where it was measured, off elsewhere (on a GPU, a setting measured
-only on a CPU stays off until a GPU run shows it helps; ``benchmarks/gpu_session.sh``
-keeps an arm for each). ``true``/``false`` (or a number of processes) forces it.
+only on a CPU stays off until a GPU run shows it helps; the GPU session keeps an arm for
+each, ``docs/tuning.md``). ``true``/``false`` (or a number of processes) forces it.
 
 Two scopes. A ``"process"`` setting changes the whole process (its allocator, its garbage
 collector, an environment variable, distributed's profiler): only the worker plugin applies
@@ -12,6 +12,11 @@ it (:func:`apply_worker`), in a worker process of its own, so a user's own proce
 its state unless the user forces the setting. An ``"engine"`` setting only changes how one
 engine runs (its copy of a model, its tokenizer): it is read by :func:`setting` wherever
 the engine runs.
+
+A process setting that cannot be undone (``undoable=False``: the allocator, ``mallopt``)
+applies on ``auto`` only on a worker that runs dask-surge only (``surge.dedicated-workers``,
+which dask-surge's own clusters set in their workers); the others are undone when the worker
+plugin leaves (:func:`release_worker`), so a user's cluster is left as it was found.
 
 Examples
 --------
@@ -33,11 +38,21 @@ from typing import Any, Literal
 
 import dask.config
 
+from ..config import get as config_get
 from ..errors import SurgeValueError
 from ..options import Invalid, boolean, non_negative_int
 from .allocator import keep_large_blocks
 
-__all__ = ["SETTINGS", "Setting", "active", "apply_worker", "applied", "configured", "setting"]
+__all__ = [
+    "SETTINGS",
+    "Setting",
+    "active",
+    "apply_worker",
+    "applied",
+    "configured",
+    "release_worker",
+    "setting",
+]
 
 Scope = Literal["process", "engine"]
 
@@ -58,10 +73,13 @@ class Setting:
         Device types a benchmark showed it helps on (``docs/ab_studies.md``).
     default : dict of str to object
         The value ``auto`` takes per device type (a type not listed takes ``default["other"]``).
-    benchmark : str
-        The benchmark that measures it.
+    measured : str
+        Where its measurement is written up (a section of ``docs/ab_studies.md``).
     numeric : bool
         True when the value is a count (``int >= 0``) rather than on/off.
+    undoable : bool
+        False for a process setting that cannot be undone (``mallopt``): ``auto`` applies it only on a
+        worker that runs dask-surge only (``surge.dedicated-workers``).
     """
 
     name: str
@@ -69,8 +87,9 @@ class Setting:
     scope: Scope
     measured_on: tuple[str, ...]
     default: Mapping[str, Any] = field(default_factory=dict)
-    benchmark: str = ""
+    measured: str = ""
     numeric: bool = False
+    undoable: bool = True
 
     @property
     def key(self) -> str:
@@ -112,7 +131,8 @@ SETTINGS: dict[str, Setting] = {
             "process",
             ("cpu",),
             _CPU_ONLY,
-            "benchmarks/allocator_ab.py",
+            "docs/ab_studies.md: Allocator (1.19x, MiniLM on CPU workers)",
+            undoable=False,
         ),
         Setting(
             "gc-pause",
@@ -121,7 +141,7 @@ SETTINGS: dict[str, Setting] = {
             "process",
             ("cpu",),
             _CPU_ONLY,
-            "benchmarks/gil_stages.py",
+            "docs/ab_studies.md: Pause the garbage collector around tokenizing",
         ),
         Setting(
             "rayon-threads",
@@ -130,7 +150,7 @@ SETTINGS: dict[str, Setting] = {
             "process",
             ("cpu",),
             _CPU_ONLY,
-            "benchmarks/tokenizer_threads_ab.py",
+            "docs/ab_studies.md: The Rust tokenizer's thread share",
         ),
         Setting(
             "pause-profiler",
@@ -139,7 +159,7 @@ SETTINGS: dict[str, Setting] = {
             "process",
             ("cpu",),
             _CPU_ONLY,
-            "benchmarks/gil_stages.py",
+            "docs/ab_studies.md: Distributed's worker profiler off",
         ),
         Setting(
             "cpu-kernels",
@@ -149,7 +169,7 @@ SETTINGS: dict[str, Setting] = {
             "engine",
             ("cpu",),
             _CPU_ONLY,
-            "benchmarks/engine_cpu.py",
+            "docs/ab_studies.md: The encoder on a CPU (oneDNN linears)",
         ),
         Setting(
             "tokenize-processes",
@@ -157,7 +177,7 @@ SETTINGS: dict[str, Setting] = {
             "engine",
             (),
             {"other": 0},
-            "benchmarks/host_ceiling.py --tokenpool",
+            "docs/ab_studies.md: Tokenizing helper processes (the token pool)",
             numeric=True,
         ),
         Setting(
@@ -167,7 +187,7 @@ SETTINGS: dict[str, Setting] = {
             "engine",
             ("cpu",),
             _CPU_ONLY,
-            "benchmarks/gil_stages.py",
+            "docs/ab_studies.md: Joined tokenizing",
         ),
     )
 }
@@ -245,9 +265,11 @@ def apply_worker(device: str) -> dict[str, bool]:
     """Apply the process settings in this worker process, for a worker that encodes on ``device``.
 
     Only :class:`~dask_surge.execution.plugins.EncoderPlugin` calls it, in a worker process of its
-    own. The allocator takes effect here; the others are recorded, for :func:`active` to read
-    where they apply (the tokenizer's threads when the model loads, the garbage collector pause
-    around each tokenizer call, the profiler pause around SuperBatch tasks).
+    own. The allocator takes effect here, on ``auto`` only where ``surge.dedicated-workers`` is
+    on in this worker's config (it cannot be undone); the others are recorded, for :func:`active`
+    to read where they apply (the tokenizer's threads when the model loads, the garbage collector
+    pause around each tokenizer call, the profiler pause around SuperBatch tasks), until
+    :func:`release_worker`.
 
     Parameters
     ----------
@@ -264,8 +286,35 @@ def apply_worker(device: str) -> dict[str, bool]:
     >>> apply_worker("cpu")  # in a worker: EncoderPlugin.setup calls it  # doctest: +SKIP
     {'allocator': True, 'gc-pause': True, 'rayon-threads': True, 'pause-profiler': True}
     """
-    done = {opt.name: bool(setting(opt.name, device)) for opt in SETTINGS.values() if opt.scope == "process"}
+    dedicated = bool(config_get("dedicated-workers"))
+    done = {
+        opt.name: bool(setting(opt.name, device))
+        and (opt.undoable or dedicated or configured(opt.name) != "auto")
+        for opt in SETTINGS.values()
+        if opt.scope == "process"
+    }
     if done["allocator"]:
         done["allocator"] = keep_large_blocks()
     _applied.update(done)
     return done
+
+
+def release_worker() -> dict[str, Any]:
+    """Undo what :func:`apply_worker` recorded in this process, once no worker plugin needs it: the
+    settings :func:`active` reads are off again (the allocator, which cannot be undone, stays
+    recorded as it was applied).
+
+    Returns
+    -------
+    dict
+        What stays applied (``{"allocator": True}`` where it was, else empty).
+
+    Examples
+    --------
+    >>> release_worker()  # a user's own process: nothing was applied
+    {}
+    """
+    for name in list(_applied):
+        if SETTINGS[name].undoable:
+            del _applied[name]
+    return dict(_applied)
