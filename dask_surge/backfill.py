@@ -185,20 +185,37 @@ def _check_columns(schema: pa.Schema, text: str, key: str, url: str) -> None:
 
 
 def _check_keys(keys: pa.ChunkedArray, key: str, url: str) -> None:
-    """Refuse null or repeated keys: a MERGE would skip those rows, or write one embedding into several."""
+    """Refuse keys a MERGE cannot match one to one, compared as the table compares them: null or NaN
+    keys (they equal no key: the row is never written back) and keys equal to another (``0.0`` and
+    ``-0.0`` are one key: a MERGE would write one embedding into several rows, or fail)."""
+    where = f"the key column {key!r} of {url!r}"
+    fix = "Nothing was written. Fix: pass key= a column with a unique value in every row (an integer or string id)."
     if keys.null_count:
         raise SurgeInputError(
-            f"the key column {key!r} of {url!r} has {keys.null_count} null value(s); a row without a key "
-            "cannot be written back. Fix: pass key= a column with a unique value in every row."
+            f"{where} has {keys.null_count} null value(s); a row without a key cannot be written back. {fix}"
         )
+    signed_zeros = False
+    if pa.types.is_floating(keys.type):
+        values = keys.to_numpy()
+        nans = int(np.isnan(values).sum())
+        if nans:
+            raise SurgeInputError(
+                f"{where} has {nans} NaN value(s); NaN equals no key (not even itself), so the write-back "
+                f"would match no row and its embedding would never be written. {fix}"
+            )
+        signed_zeros = bool(np.any((values == 0) & np.signbit(values)))
+        keys = pa.chunked_array(
+            [pa.array(values + values.dtype.type(0))]
+        )  # -0.0 + 0.0 is 0.0, as a MERGE sees it
     counts = pc.value_counts(keys)
     repeated = counts.filter(pc.greater(counts.field("counts"), 1))
     if len(repeated):
         example, times = repeated[0]["values"].as_py(), repeated[0]["counts"].as_py()
+        rule = " as the table compares keys" if signed_zeros else ""
+        note = "; 0.0 and -0.0 are one key" if signed_zeros and example == 0 else ""
         raise SurgeInputError(
-            f"the key column {key!r} of {url!r} is not unique: {len(repeated)} value(s) occur more than "
-            f"once (e.g. {example!r}, {times} times); the write-back matches rows on the key. "
-            "Fix: pass key= a column with a unique value in every row."
+            f"{where} is not unique{rule}: {len(repeated)} value(s) occur more than once (e.g. {example!r}, "
+            f"{times} times{note}); the write-back matches rows on the key. {fix}"
         )
 
 
