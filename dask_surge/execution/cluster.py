@@ -12,11 +12,15 @@ from .. import config
 from ..engine.placement import gpu_count
 from ..errors import SurgeError
 
-__all__ = ["local_cluster", "local_cluster_threads", "check_main_guard", "MAIN_GUARD"]
+__all__ = ["DEDICATED", "local_cluster", "local_cluster_threads", "check_main_guard", "MAIN_GUARD"]
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+
+#: the config dask-surge's own clusters give their workers: they run dask-surge only
+#: (``surge.dedicated-workers``), so ``auto`` applies the settings that cannot be undone
+DEDICATED = {"surge.dedicated-workers": True}
 
 
 def local_cluster(**kwargs):
@@ -44,6 +48,10 @@ def local_cluster(**kwargs):
     (``distributed.worker.profile.enabled: False``): sampling every thread's stack costs
     the workers' event loops CPU that the host path needs (``docs/ab_studies.md``). Start
     your own cluster for the dashboard's profile page.
+
+    Its workers are dask-surge's own (``surge.dedicated-workers: true`` in their config): the
+    process settings that cannot be undone (the allocator's thresholds, ``docs/tuning.md``) apply
+    there on ``auto``, and never on the workers of a cluster you started yourself.
 
     Parameters
     ----------
@@ -77,7 +85,8 @@ def local_cluster(**kwargs):
         from dask_cuda import LocalCUDACluster
 
         cls = LocalCUDACluster
-    with dask.config.set({"distributed.worker.profile.enabled": False}):  # the nannies hand it to the workers
+    # the nannies hand this config to their workers: no profiler, and workers that run dask-surge only
+    with dask.config.set({"distributed.worker.profile.enabled": False, **DEDICATED}):
         return cls(**_loopback(opts))
 
 

@@ -10,6 +10,10 @@ Needs the ``jobqueue`` extra (``pip install 'dask-surge[jobqueue]'``).
 
 A job that is preempted or cancelled takes its worker with it; the SuperBatches other
 workers committed are kept, and rerunning the same ``encode`` call resumes the run.
+
+Its workers are dask-surge's own: each job exports ``DASK_SURGE__DEDICATED_WORKERS=True``
+(``surge.dedicated-workers``), so the process settings that cannot be undone (the allocator's
+thresholds, ``docs/tuning.md``) apply there on ``auto``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from ..errors import SurgeValueError
 __all__ = ["gpu_jobqueue_cluster", "jobqueue_cluster"]
 
 KINDS = ("slurm", "pbs")
+
+#: the line each job runs before its workers start: they run dask-surge only (``surge.dedicated-workers``)
+DEDICATED_EXPORT = "export DASK_SURGE__DEDICATED_WORKERS=True"
 
 
 def jobqueue_cluster(
@@ -70,7 +77,9 @@ def jobqueue_cluster(
         ``slurm-<jobid>.out`` in the directory you submitted from).
     **kwargs
         Passed to the dask-jobqueue cluster class (they win over the defaults), e.g.
-        ``job_script_prologue=["module load cuda"]``, ``scheduler_options``, ``interface``.
+        ``job_script_prologue=["module load cuda"]`` (run after the line that marks the workers
+        as dask-surge's own, ``DASK_SURGE__DEDICATED_WORKERS=True``), ``scheduler_options``,
+        ``interface``.
 
     Returns
     -------
@@ -136,6 +145,7 @@ def jobqueue_cluster(
             opts["resource_spec"] = f"select=1:ncpus={cores}:ngpus=1:mem={memory}"
         cls = dask_jobqueue.PBSCluster
     opts.update(kwargs)
+    opts["job_script_prologue"] = [DEDICATED_EXPORT, *(kwargs.get("job_script_prologue") or ())]
     return cls(**opts)
 
 
