@@ -1,7 +1,7 @@
 """A benchmark-side seam: the engine's forward pass replaced by zeros, in the benchmark's own processes.
 
-A host-side benchmark (read, tokenize, sort, pad, write; ``host_ceiling.py``, the GPU
-session's ``host`` stage) times everything but the model. The package has no switch for
+A host-side benchmark (read, tokenize, sort, pad, write; the GPU session's ``host``
+stage) times everything but the model. The package has no switch for
 it: this module patches :meth:`dask_surge.engine.forward.DeviceRunner.forward` to return
 zeros of the right shape, in this process (:func:`patch`) or in every worker process
 (:class:`NoopForward`, a ``distributed.WorkerPlugin`` that :func:`register` sends by value,

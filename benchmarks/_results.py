@@ -2,8 +2,8 @@
 
 Each script saves one JSON object of this shape (``SCHEMA`` lists the keys, in order)::
 
-    {"benchmark": "fixed_cost",                       # the script's module name
-     "command": "python -m benchmarks.fixed_cost ...", # reproduces the run from the repo root
+    {"benchmark": "store_output",                       # the script's module name
+     "command": "python -m benchmarks.store_output ...", # reproduces the run from the repo root
      "machine": {"platform", "cpus", "memory_bytes", "python", "versions", "loadavg_start",
                  "loadavg_end"},
      "git": "ad8dc60+uncommitted",                     # HEAD, marked when dask_surge/ or benchmarks/ differ
