@@ -324,6 +324,55 @@ def test_an_output_inside_the_input_directory_is_refused(tmp_path, counting_enco
     assert _tree(src) == before
 
 
+def _read_dir(path: str) -> pd.DataFrame:
+    return pd.read_parquet(path)
+
+
+@pytest.mark.parametrize(
+    "reader",
+    ["read_parquet('in')", "read_parquet('./in')", "read_parquet('link')", "from_map(['in'])"],
+)
+@pytest.mark.parametrize("output", ["in/emb", "in//emb", "./in/../in/emb", "link/emb"])
+def test_an_output_inside_the_input_is_refused_however_either_is_spelled(
+    tmp_path, monkeypatch, counting_encoder, reader, output
+):
+    """Issue 67 (a): a relative input with no separator (``read_parquet("in")``), or one read through a
+    link, is the same directory as ``output="in/emb"``, ``"in//emb"`` or ``"link/emb"``: refused
+    before anything is written (it used to be accepted, and ``read_parquet("in")`` then read the
+    embeddings back as input rows)."""
+    monkeypatch.chdir(tmp_path)
+    src = tmp_path / "in"
+    src.mkdir()
+    for i in range(2):
+        pd.DataFrame({"text": [f"t{i}-{j}" for j in range(4)]}).to_parquet(src / f"{i}.parquet")
+    os.symlink("in", "link")
+    before = _tree(src)
+    frame = {
+        "read_parquet('in')": lambda: dd.read_parquet("in"),
+        "read_parquet('./in')": lambda: dd.read_parquet("./in"),
+        "read_parquet('link')": lambda: dd.read_parquet("link"),
+        "from_map(['in'])": lambda: dd.from_map(
+            _read_dir, ["in"], meta=pd.DataFrame({"text": pd.Series([], dtype="str")})
+        ),
+    }[reader]()
+    with pytest.raises(SurgeOutputError, match=r"inside the input directory .*Nothing was written.*Fix:"):
+        frame.surge.encode("text", output, model=counting_encoder, scheduler="sync", progress=False)
+    assert _tree(src) == before
+
+
+def test_the_files_read_csv_and_read_json_open_are_inputs(tmp_path, monkeypatch):
+    """``read_csv`` and ``read_json`` keep no path string, only the files they open: each is an input
+    (an output around one of them is refused), named absolute however the reader was given it."""
+    from dask_surge.execution.inputs import input_files
+
+    monkeypatch.chdir(tmp_path)
+    pd.DataFrame({"text": ["a", "b"]}).to_csv("c.csv", index=False)
+    pd.DataFrame({"text": ["a", "b"]}).to_json("j.json", orient="records", lines=True)
+    for frame, name in ((dd.read_csv("c.csv"), "c.csv"), (dd.read_json("j.json", lines=True), "j.json")):
+        paths = [os.path.realpath(p) for _, p in input_files(frame)]
+        assert str((tmp_path / name).resolve()) in paths
+
+
 # --- claims -------------------------------------------------------------------------------------------
 
 

@@ -22,7 +22,10 @@ stay separate tasks, computed once; the unit task is given their values.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +43,8 @@ from .._compat import (
 )
 from ..errors import SurgeError
 from ..io.parquet import ParquetPartitions, check_sources
+from ..io.store import is_posix
+from ..planning.identity import _GLOB, _is_cache, _is_filesystem, _lister
 from ..planning.policy import SuperBatch
 
 __all__ = [
@@ -333,11 +338,91 @@ class InputGraph:
         return {key: task, **extra, **cull(self.graph, ext)}
 
 
+#: operands of Dask's readers that never name a file (a column named like a directory is no input)
+_NOT_PATHS = frozenset(
+    {
+        "columns", "index", "filters", "categories", "engine", "filesystem", "split_row_groups",
+        "blocksize", "aggregate_files", "parquet_file_extension", "label", "user_meta", "meta",
+        "user_divisions", "columns_arg_required", "enforce_metadata", "prefix", "storage_options",
+        "dtype_backend",
+    }
+)  # fmt: skip
+
+
+def _operand_values(value: Any, seen: set[int], depth: int = 0) -> Iterator[Any]:
+    """The strings, path-like objects and fsspec ``OpenFile`` objects in an operand of a source: inside
+    lists, tuples, dict values, ``functools.partial`` arguments, task-spec nodes (``read_csv``'s
+    blocks) and the tasks of a ``Delayed`` (``read_json``'s)."""
+    if isinstance(value, (str, os.PathLike)) or _is_open_file(value):
+        yield value
+        return
+    if depth > 12 or id(value) in seen:
+        return
+    seen.add(id(value))
+    children: Any = ()
+    if isinstance(value, (list, tuple, set, frozenset)):
+        children = value
+    elif isinstance(value, dict):
+        children = [v for k, v in value.items() if k not in _NOT_PATHS]
+    elif isinstance(value, functools.partial):
+        children = [value.args, value.keywords]
+    elif isinstance(value, GraphNode):
+        children = [getattr(value, "args", ()), getattr(value, "kwargs", {}), getattr(value, "value", None)]
+    elif not isinstance(value, BaseExpr) and callable(getattr(value, "__dask_graph__", None)):
+        with contextlib.suppress(Exception):  # a Delayed: the tasks of its graph
+            children = list(dict(value.__dask_graph__()).values())
+    for child in children:
+        yield from _operand_values(child, seen, depth + 1)
+
+
+def _is_open_file(value: Any) -> bool:
+    core = sys.modules.get("fsspec.core")
+    return core is not None and isinstance(value, core.OpenFile)
+
+
+def _located(text: str, *, path: bool, leaf_fs: Any, storage_options: Any) -> tuple[Any, str] | None:
+    """``(filesystem, path)`` of a string a source names, or None when it names no location.
+
+    ``path``: the reader's own ``path`` operand, a location however it is spelled (``"in"``, relative
+    to the working directory, as the reader reads it). Any other string is one when it is a URL, holds
+    a separator or a glob character, or names a file or directory that exists (``from_map(f, ["in"])``).
+    """
+    from fsspec.core import url_to_fs
+
+    if not text or "\n" in text or len(text) > 4096:
+        return None
+    if not path and not (
+        "://" in text
+        or "::" in text
+        or "/" in text
+        or os.sep in text
+        or _GLOB.search(text)
+        or os.path.exists(text)
+    ):
+        return None
+    try:
+        if path and leaf_fs is not None and not is_posix(leaf_fs):
+            fs = _lister(leaf_fs)
+            name = fs._strip_protocol(text) if hasattr(fs, "_strip_protocol") else text
+            return fs, name.rstrip("/") or name
+        options = dict(storage_options) if isinstance(storage_options, Mapping) else {}
+        fs, name = url_to_fs(text, **options)
+        if is_posix(fs):  # fsspec makes it absolute but keeps ".." ("/cwd/../data")
+            name = os.path.normpath(name)
+    except Exception:  # noqa: BLE001 - an unknown protocol, a string merely holding "://", a store client that cannot start
+        return None
+    return fs, name.rstrip("/") or name
+
+
 def input_files(frame) -> list[tuple[Any, str]]:
     """Paths that the input's readers name, each with its fsspec filesystem (and as that
-    filesystem names it): a file, a directory or a glob for each path operand of the
-    expression's leaves, and a plain ``read_parquet``'s files. Nothing is listed or read (used
-    to keep outputs out of inputs: :func:`dask_surge.io.directory.check_output`).
+    filesystem names it: absolute, ``.``, ``..`` and repeated slashes collapsed; the output compares
+    them with links resolved, :meth:`~dask_surge.io.store.OutputStore.contains`): a file, a directory
+    or a glob for each path operand of the expression's sources (a reader's ``path`` however it is
+    spelled, ``"in"`` as much as ``"/data/in/"``; a string ``from_map`` is given that holds a
+    separator or names an existing file; the files ``read_csv`` and ``read_json`` open), and a plain
+    ``read_parquet``'s files. Nothing is read (used to keep outputs out of inputs:
+    :func:`dask_surge.io.directory.check_output`).
 
     Examples
     --------
@@ -346,34 +431,38 @@ def input_files(frame) -> list[tuple[Any, str]]:
     >>> pd.DataFrame({"text": ["a"]}).to_parquet(os.path.join(d, "x.parquet"))
     >>> any(p.endswith("x.parquet") for _, p in input_files(dd.read_parquet(d)))
     True
+    >>> from_map = dd.from_map(pd.read_parquet, [os.path.relpath(d)])  # relative, a directory that exists
+    >>> os.path.abspath(d) in [p for _, p in input_files(from_map)]
+    True
     """
-    from fsspec.core import url_to_fs
+    found: dict[tuple[int, str], tuple[Any, str]] = {}
 
-    found: list[tuple[Any, str]] = []
-
-    def strings(value) -> list[str]:
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value):
-            return list(value)
-        return []
+    def add(fs, path: str) -> None:
+        found.setdefault((id(fs), path), (fs, path))
 
     for expr in frame.expr.walk():
         if expr.dependencies():
             continue
-        for value in expr.operands:
-            for s in strings(value):
-                if "/" in s or os.sep in s or "://" in s:
-                    try:
-                        fs, path = url_to_fs(s)
-                    except (ValueError, ImportError):  # not a path after all
-                        continue
-                    found.append((fs, path.rstrip("/") or path))
+        params = dict(zip(expr._parameters, expr.operands))
+        if not params and expr.operands:  # a source whose operands have no names (Delayed objects)
+            params = {f"_{i}": op for i, op in enumerate(expr.operands)}
+        leaf_fs = next((v for v in params.values() if _is_filesystem(v)), None)
+        storage_options = params.get("storage_options")
+        for name, value in params.items():
+            if name in _NOT_PATHS or _is_cache(name):
+                continue
+            for item in _operand_values(value, set()):
+                if _is_open_file(item):
+                    add(item.fs, os.path.normpath(item.path) if is_posix(item.fs) else item.path)
+                    continue
+                located = _located(
+                    os.fspath(item), path=name == "path", leaf_fs=leaf_fs, storage_options=storage_options
+                )
+                if located is not None:
+                    add(*located)
         info = getattr(expr, "_dataset_info", None) if "Parquet" in type(expr).__name__ else None
         if isinstance(info, dict) and info.get("fs") is not None:
-            found += [
-                (info["fs"], part["piece"][0])
-                for part in info.get("plan", {}).get("parts", [])
-                if "piece" in part
-            ]
-    return found
+            for part in info.get("plan", {}).get("parts", []):
+                if "piece" in part:
+                    add(info["fs"], part["piece"][0])
+    return list(found.values())
