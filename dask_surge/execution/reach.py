@@ -18,6 +18,7 @@ Examples
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import uuid
@@ -126,10 +127,31 @@ def check_workers_see_output(client: Any, store: OutputStore) -> None:
         )
 
 
+def _other_run(store: OutputStore, root: str, run_id: str) -> tuple[float | None, float | None]:
+    """``(created, completed)`` of run ``run_id`` of the output as this process sees it (from its
+    ``run.json`` and the time of its ``COMPLETE`` marker); None where it cannot tell."""
+    created = completed = None
+    run_dir = f"{root}/{META_DIR}/runs/{run_id}"
+    with contextlib.suppress(Exception):
+        value = json.loads(store.read(f"{run_dir}/run.json")).get("created")
+        created = float(value) if isinstance(value, (int, float)) else None
+    with contextlib.suppress(Exception):
+        if store.exists(f"{run_dir}/COMPLETE"):
+            completed = store.mtime(f"{run_dir}/COMPLETE") or created or 0.0
+    return created, completed
+
+
 def run_gone(manifest: Any, err: BaseException | None = None) -> SurgeOutputError:
-    """Why a task does not find its run's directory: another run replaced it (``CURRENT`` names
-    another run, or it was fenced off into ``retired/``), or this worker does not see the output the
-    client sees (a worker that joined after the start without the shared path or the credentials)."""
+    """Why a task does not find its run's directory, from what this worker sees at the output:
+
+    - this run fenced off into ``retired/``, or another run that completed after this one was
+      created named in ``CURRENT``: another run replaced it (only a completed run retires others);
+    - another run named in ``CURRENT`` that has not completed, or completed before this run was
+      created: a different run's output is at that path on this worker's disk (it does not share the
+      client's output directory: a worker that joined after the start, with its own disk there), or
+      another run holds it; either way none replaced this one;
+    - no run at all: this worker does not see the output the client sees.
+    """
     store, root = manifest.store, manifest.root
     host = socket.gethostname()
     current = None
@@ -140,8 +162,30 @@ def run_gone(manifest: Any, err: BaseException | None = None) -> SurgeOutputErro
         retired = any(
             n.startswith(f"{manifest.run_id}-") for n in store.listdir(f"{root}/{META_DIR}/retired")
         )
-    if retired or (current and current != manifest.run_id):
-        by = f"run {current}" if current and current != manifest.run_id else "its directory was retired"
+    other = current if current and current != manifest.run_id else None
+    replaced = retired
+    if other is not None and not retired:
+        _, completed = _other_run(store, root, other)
+        mine = getattr(manifest, "created", None)
+        replaced = completed is not None and (mine is None or completed >= mine)
+        if not replaced:
+            state, why = (
+                ("complete", "it completed before this run was created")
+                if completed is not None
+                else ("not complete", "a run replaces another only once it completes")
+            )
+            return SurgeOutputError(
+                f"a worker on host {host!r} sees a different run's output at {root!r}: run {other} ({state}), "
+                f"not this run's directory {manifest.run_dir!r} (run {manifest.run_id}, which the client "
+                f"created). Run {other} did not replace this one: {why}. Either the workers do not share the "
+                "client's output directory (a worker that joined after the run started, an adaptive or "
+                "replaced worker, has its own disk at that path), or another run holds it. Nothing of this "
+                "task was written. Fix: mount the output at the same path on every worker (NFS, Lustre, GPFS) "
+                "or write to an object-store URL (s3://bucket/prefix) every worker reaches, and give one "
+                "output path to one run at a time; then rerun the same call to resume."
+            )
+    if replaced:
+        by = f"run {current}" if other is not None else "its directory was retired"
         return SurgeOutputError(
             f"run {manifest.run_id} of {root!r} was replaced by another run ({by}) while this task ran: its "
             f"run's directory {manifest.run_dir!r} is gone. "

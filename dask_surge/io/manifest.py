@@ -312,6 +312,9 @@ class Manifest:
     #: True for a table output (``format="lance"``): no file is ever published under the root; the
     #: claim holder commits to the table instead (:mod:`dask_surge.execution.tables`)
     table: bool = False
+    #: when the run was created (``run.json``'s ``created``): a run that completed before it cannot have
+    #: replaced it (:func:`dask_surge.execution.reach.run_gone`)
+    created: float | None = None
 
     @property
     def fs(self) -> Any:
@@ -526,7 +529,13 @@ def load_run(store: OutputStore, run_id: str) -> Manifest | None:
         info["fingerprint"],
         RunPlan.of(info.get("plan")),
         format_version=info["format_version"],
+        created=_created(info),
     )
+
+
+def _created(info: dict) -> float | None:
+    created = info.get("created")
+    return float(created) if isinstance(created, (int, float)) and not isinstance(created, bool) else None
 
 
 def current_run(store: OutputStore) -> Manifest | None:
@@ -587,6 +596,7 @@ def find_run(store: OutputStore, fingerprint: dict) -> Manifest | None:
     if info is None or info.get("format_version") != FORMAT_VERSION:
         return None
     manifest.plan = RunPlan.of(info.get("plan"))
+    manifest.created = _created(info)
     current = current_id(store)
     if manifest.completion() is not None and current != run_id:
         return None  # a complete run that another run replaced since: not ours to trust
@@ -634,13 +644,13 @@ def open_run(
         if info is None:
             store.makedirs(manifest.commits_dir)
             store.makedirs(manifest.staging_dir)
-            manifest.plan = plan
+            manifest.plan, manifest.created = plan, time.time()
             body = {
                 "format_version": FORMAT_VERSION,
                 "run": run_id,
                 "fingerprint": fingerprint,
                 "plan": plan.as_dict() if plan is not None else {},
-                "created": time.time(),
+                "created": manifest.created,
             }
             store.write(
                 f"{manifest.run_dir}/run.json", json.dumps(body, sort_keys=True, default=str).encode()
@@ -648,6 +658,7 @@ def open_run(
         else:
             _check_version(info, store.root)
             manifest.plan = RunPlan.of(info.get("plan"))
+            manifest.created = _created(info)
             store.makedirs(manifest.staging_dir)
             manifest.clear_stopped()  # resumed
         if current is None or empty_other:
