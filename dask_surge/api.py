@@ -546,9 +546,7 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
         scheduler, starting = "threads", False
     # the bar opens now: starting a cluster (workers importing torch) is the first thing a user waits for
     bar = RunProgress(enabled=progress, phase="starting workers" if starting else "planning")
-    with bar, logging_through(bar), _client_for(scheduler) as client:
-        if client is not None:
-            _register(task.encoder, client)
+    with bar, logging_through(bar), _client_for(scheduler) as client, _registered(task.encoder, client):
         _open_reuse(task, run_id)
         shape = _shape_of(client)  # as the run starts: a calibration is refreshed only if it held
         result = write_run(
@@ -696,6 +694,19 @@ def _register(encoder: Encoder, client=None) -> None:
     from .execution.plugins import register_encoder  # imports distributed: only with a Client
 
     register_encoder(client, encoder, background=True)
+
+
+@contextlib.contextmanager
+def _registered(encoder: Encoder, client) -> Iterator[None]:
+    """:func:`_register` for a written run on ``client``, whose end leaves the workers as they were and
+    unloads the model unless ``surge.keep-model`` (:func:`dask_surge.execution.plugins.registered`)."""
+    if client is None:
+        yield
+        return
+    from .execution.plugins import registered  # imports distributed: only with a Client
+
+    with registered(client, encoder, background=True):
+        yield
 
 
 _DOC_TEMPLATES = {"encode": encode.__doc__, "plan": plan.__doc__}
