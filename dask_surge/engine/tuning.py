@@ -314,7 +314,7 @@ def release_worker() -> dict[str, Any]:
     >>> release_worker()  # a user's own process: nothing was applied
     {}
     """
-    for name in list(_applied):
-        if SETTINGS[name].undoable:
+    for name, value in list(_applied.items()):
+        if SETTINGS[name].undoable or not value:  # what cannot be undone stays recorded where it applied
             del _applied[name]
     return dict(_applied)

@@ -1,20 +1,30 @@
-"""Dask worker plugins: load the encoder once per worker process, and set its thread pools."""
+"""Dask worker plugins: load the encoder once per worker process, and set its thread pools.
+
+A guest on the user's cluster: what a plugin changes in a worker process (``TOKENIZERS_PARALLELISM``,
+``RAYON_NUM_THREADS``, Arrow's thread pools, the tuning flags the garbage collector and profiler
+pauses read) is restored when the last of dask-surge's plugins leaves that process, and a written run
+ends by unregistering its plugin (:func:`registered`) unless ``surge.keep-model`` keeps the model
+loaded (``docs/tuning.md``).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import socket
 import threading
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from dask.base import tokenize
 from distributed.comm import get_address_host
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from .. import config
 from ..engine import tuning
 from ..engine.placement import default_device
 from ..models.encoders import Encoder
@@ -23,7 +33,12 @@ from ..models.registry import install_object, uninstall_object
 __all__ = [
     "EncoderPlugin",
     "configure_worker_threads",
+    "finish_run",
+    "hold_worker_settings",
     "register_encoder",
+    "registered",
+    "release_encoders",
+    "release_worker_settings",
     "plugin_name",
     "models_ready",
     "share_tokenizer_cores",
@@ -86,17 +101,19 @@ class EncoderPlugin(WorkerPlugin):
     async def setup(self, worker) -> None:
         """Install an in-memory model in this worker process and, with ``preload``, load the model.
 
-        First the process-wide tuning settings for the worker's device (``surge.tuning.*``,
-        :mod:`dask_surge.engine.tuning`), in a worker process of its own only. Loading runs in a
-        thread: it takes seconds, during which a worker whose event loop were blocked would miss
-        heartbeats and look dead.
+        First the thread pools (:func:`hold_worker_settings`, restored when the last plugin leaves
+        this process) and the process-wide tuning settings for the worker's device
+        (``surge.tuning.*``, :mod:`dask_surge.engine.tuning`), in a worker process of its own only.
+        Loading runs in a thread: it takes seconds, during which a worker whose event loop were
+        blocked would miss heartbeats and look dead.
         """
-        configure_worker_threads()
+        hold_worker_settings((id(worker), self.name))
         self._tune()
         if self.obj is not None:
             install_object(self.encoder.spec.source, self.obj)
         if not self.preload:
             return
+        self._share_cores(worker.address)  # before the load: no task can tokenize before the model is there
         if self.background:
             threading.Thread(
                 target=self._load, args=(worker.address, False), name="surge-preload", daemon=True
@@ -105,7 +122,8 @@ class EncoderPlugin(WorkerPlugin):
             await asyncio.to_thread(self._load, worker.address, True)
 
     def teardown(self, worker) -> None:
-        """Release the model this plugin loaded, unless the same plugin is registered again.
+        """Restore what this plugin changed in the process (:func:`release_worker_settings`, at once)
+        and release the model it loaded, unless the same plugin is registered again.
 
         Releasing closes the encoder (:meth:`Encoder.close`: the engine's feeder thread, its
         pinned staging buffer, the model's weights, torch's CUDA cache) and, in a worker
@@ -117,6 +135,7 @@ class EncoderPlugin(WorkerPlugin):
         the worker's event loop and is skipped when a plugin of this name is back by then
         (the next run keeps the loaded model).
         """
+        release_worker_settings((id(worker), self.name))
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # called outside an event loop: nothing can replace it
@@ -145,7 +164,6 @@ class EncoderPlugin(WorkerPlugin):
 
     def _load(self, address: str, strict: bool) -> None:
         try:
-            self._share_cores(address)  # before the load: no task can tokenize before the model is there
             self.encoder.load()
         except Exception as err:
             if strict:
@@ -262,12 +280,93 @@ def configure_worker_threads(*, cpus: int | None = None) -> dict:
     }
 
 
+#: the environment variables a plugin may set in its worker process, restored when the last one leaves
+_ENV = ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS")
+_settings_lock = threading.Lock()
+#: (id(worker), plugin name) of the plugins of this process that hold its settings
+_holders: set[tuple[int, str]] = set()
+#: the process's settings before the first of them changed any: restored when the last one leaves
+_before: dict[str, Any] = {}
+
+
+def _arrow_pools() -> tuple[int, int]:
+    import pyarrow as pa
+
+    return pa.cpu_count(), pa.io_thread_count()
+
+
+def hold_worker_settings(holder: tuple[int, str]) -> dict:
+    """Set this process's thread pools for a worker plugin (:func:`configure_worker_threads`), saving
+    first, when no other plugin holds them, what they were: :func:`release_worker_settings` restores them.
+
+    Parameters
+    ----------
+    holder : tuple
+        ``(id(worker), plugin name)``: each plugin on each worker of the process holds them once.
+
+    Returns
+    -------
+    dict
+        What :func:`configure_worker_threads` set.
+    """
+    with _settings_lock:
+        if not _holders:
+            _before.clear()
+            _before.update(env={k: os.environ.get(k) for k in _ENV}, arrow=_arrow_pools())
+        _holders.add(holder)
+        return configure_worker_threads()
+
+
+def release_worker_settings(holder: tuple[int, str]) -> bool:
+    """Let go of what ``holder`` holds (:func:`hold_worker_settings`); the last holder of the process
+    puts its environment variables and Arrow's thread pools back as they were, and turns off the
+    tuning settings the plugin recorded (:func:`dask_surge.engine.tuning.release_worker`; the
+    allocator, which cannot be undone, applies only on dedicated workers).
+
+    Returns
+    -------
+    bool
+        True when this restored the process's settings (``holder`` was the last).
+
+    Examples
+    --------
+    >>> saved = os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    >>> _ = hold_worker_settings((0, "a")), hold_worker_settings((0, "b"))
+    >>> os.environ["TOKENIZERS_PARALLELISM"]
+    'true'
+    >>> release_worker_settings((0, "a")), release_worker_settings((0, "b")), release_worker_settings((0, "b"))
+    (False, True, False)
+    >>> "TOKENIZERS_PARALLELISM" in os.environ
+    False
+    >>> os.environ.update({"TOKENIZERS_PARALLELISM": saved} if saved is not None else {})
+    """
+    with _settings_lock:
+        if holder not in _holders:
+            return False
+        _holders.discard(holder)
+        if _holders or not _before:
+            return False
+        for key, value in _before["env"].items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        import pyarrow as pa
+
+        cpu, io = _before["arrow"]
+        pa.set_cpu_count(cpu)
+        pa.set_io_thread_count(io)
+        _before.clear()
+        tuning.release_worker()
+        return True
+
+
 def tokenizer_threads(cores: int, workers: int) -> int:
     """Threads of the Rust tokenizer's pool for one of ``workers`` worker processes sharing ``cores`` cores.
 
     Each process's pool otherwise starts a thread per core: two workers on two cores would run
-    four tokenizer threads, more CPU per text for no more texts/s (``docs/ab_studies.md``,
-    ``benchmarks/tokenizer_threads_ab.py``).
+    four tokenizer threads, more CPU per text for no more texts/s (``docs/ab_studies.md``, "The
+    Rust tokenizer's thread share").
 
     Examples
     --------
@@ -334,8 +433,107 @@ def workers_by_host(client) -> dict[str, int]:
     return {h: n for h, n in hosts.items() if h}
 
 
+#: (id(client), plugin name) -> the runs of this process using that plugin now (:func:`registered`)
+_runs: Counter[tuple[int, str]] = Counter()
+_runs_lock = threading.Lock()
+
+
 def register_encoder(client, encoder: Encoder, *, preload: bool = True, background: bool = False) -> None:
     """Register :class:`EncoderPlugin` for ``encoder`` on ``client``'s workers (idempotent)."""
     client.register_plugin(
         EncoderPlugin(encoder, preload=preload, background=background, host_workers=workers_by_host(client))
     )
+
+
+@contextlib.contextmanager
+def registered(
+    client, encoder: Encoder, *, background: bool = False, keep: bool | None = None
+) -> Iterator[None]:
+    """:func:`register_encoder` for the ``with`` block (a written run), then :func:`finish_run`: the
+    workers are left as they were, and the model unloaded unless kept.
+
+    Two runs of one model at once on one client share the plugin: the last to end finishes it.
+
+    Parameters
+    ----------
+    keep : bool, optional
+        Keep the model loaded on the workers once the block ends; None: ``surge.keep-model``.
+    """
+    name = plugin_name(encoder)
+    with _runs_lock:
+        _runs[(id(client), name)] += 1
+    try:
+        register_encoder(client, encoder, background=background)
+        yield
+    finally:
+        with _runs_lock:
+            _runs[(id(client), name)] -= 1
+            last = _runs[(id(client), name)] <= 0
+            if last:
+                del _runs[(id(client), name)]
+        if last:
+            finish_run(client, encoder, keep=keep)
+
+
+def _restore_settings(name: str, dask_worker=None) -> bool:
+    """On a worker (through ``Client.run``): restore what plugin ``name`` changed in its process."""
+    return release_worker_settings((id(dask_worker), name))
+
+
+def finish_run(client, encoder: Encoder, *, keep: bool | None = None) -> None:
+    """End a run of ``encoder`` on ``client``'s workers as a guest: each worker's environment
+    variables, Arrow thread pools and tuning flags go back as they were, and unless ``keep`` the
+    plugin is unregistered, so every worker closes the model (its weights, torch's CUDA cache) and a
+    worker that joins later loads nothing.
+
+    A cluster that is gone or failing leaves nothing to restore: its error is logged, not raised
+    over the run's own outcome.
+
+    Parameters
+    ----------
+    keep : bool, optional
+        True keeps the plugin, and so the loaded model, for the next run; None: ``surge.keep-model``
+        (shipped False: a GPU's memory goes back to the next step, a cuDF or cuML one, say).
+    """
+    keep = bool(config.get("keep-model", keep))
+    name = plugin_name(encoder)
+    try:
+        if keep:
+            client.run(_restore_settings, name, on_error="return")
+        else:
+            client.unregister_worker_plugin(name)
+    except Exception as err:  # noqa: BLE001 - the run's own result or error is what the caller gets
+        logger.warning(
+            "dask-surge: could not %s on the workers (%s: %s)",
+            "restore the settings" if keep else "unload the model",
+            type(err).__name__,
+            err,
+        )
+
+
+def _encoder_plugins(dask_worker=None) -> list[str]:
+    """On a worker (through ``Client.run``): the names of dask-surge's encoder plugins there."""
+    return [n for n, p in getattr(dask_worker, "plugins", {}).items() if isinstance(p, EncoderPlugin)]
+
+
+def release_encoders(client) -> list[str]:
+    """Unregister every dask-surge encoder plugin on ``client``'s workers: their models are closed and
+    their settings restored. For what a written run does not end itself: a lazy frame
+    (``ddf.surge.encode(column)`` with no output) keeps its model loaded for when it is computed, and a
+    run with ``surge.keep-model`` keeps it for the next one.
+
+    Returns
+    -------
+    list of str
+        The plugin names unregistered.
+
+    Examples
+    --------
+    >>> release_encoders(client)  # doctest: +SKIP
+    ['dask-surge-encoder-1b2c3d4e5f60']
+    """
+    found = client.run(_encoder_plugins, on_error="return")
+    names = sorted({n for names in found.values() if isinstance(names, list) for n in names})
+    for name in names:
+        client.unregister_worker_plugin(name)
+    return names
