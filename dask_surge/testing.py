@@ -701,8 +701,8 @@ def after_first_table_commit(monkeypatch, fmt: str, action) -> list:
     table = table_class(fmt)
     real, done = table.commit, []  # type: ignore[var-annotated]
 
-    def commit(self, run_id, batch, read_version):
-        version = real(self, run_id, batch, read_version)
+    def commit(self, *args, **kwargs):
+        version = real(self, *args, **kwargs)
         if not done:
             done.append(version)
             action(self)

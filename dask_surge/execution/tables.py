@@ -11,9 +11,18 @@ metadata names the run and every SuperBatch in it.
 commit, and before each later one, the committer reads the versions it has not seen: a
 SuperBatch a version of this run already holds is never committed again, also when the
 process that committed it died before anything else recorded it; a resume (a rerun of the
-same call) commits the SuperBatches whose records exist but which no version holds. Of
-two processes of one run only the claim holder commits (:class:`~dask_surge.io.lease.Claim`:
-a lost claim stops the committer before its next commit).
+same call) commits the SuperBatches whose records exist but which no version holds.
+
+**Fenced.** Of two processes of one run only the claim holder's commits land, also when the other
+was paused (SIGSTOP, a suspended job, a VM pause) between reading the history and committing, and
+wakes after its claim was taken over. A check of the claim cannot do this (the process can stop
+right after it), so the table itself refuses: every commit is conditional on the version its
+history was read at (each format's conditional commit, see :mod:`dask_surge.io.tables`), and a
+claim holder's first version is a *fence* naming its claim token, which makes every commit
+prepared before it fail in the store (:class:`~dask_surge.io.tables.CommitConflict`). A committer
+whose commit is refused reads the history again: a version another claim holder made after its
+own start means its claim is gone, and it stops; otherwise (another writer's append won the race)
+it commits again on the new version.
 
 **Batching.** A batch is committed once it holds ``surge.table-commit-every``
 SuperBatches, or ``surge.table-commit-seconds`` after its first one arrived, whichever
@@ -32,16 +41,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
 from ..errors import SurgeOutputError
 from ..io.manifest import CommitRecord, Manifest
 from ..io.store import OutputStore
+from ..io.tables import CommitConflict
 
 logger = logging.getLogger("dask_surge")
 
 __all__ = ["TableCommitter", "check_table_dir", "TABLE_ENTRIES"]
+
+#: commits refused in a row by the store (other writers winning each race) before the run stops
+_ATTEMPTS = 12
 
 #: what a directory may hold before a run makes it a table: the tables' own entries and ``_surge/``
 TABLE_ENTRIES = frozenset(
@@ -94,7 +108,8 @@ class TableCommitter:
     seconds : float
         Seconds a SuperBatch waits for others before its batch is committed.
     claim : Claim, optional
-        The run's claim: once it is lost, nothing more is committed.
+        The run's claim: once it is lost, nothing more is committed; its token names this process's
+        versions (a random token without one).
     """
 
     def __init__(
@@ -110,6 +125,11 @@ class TableCommitter:
         self.table, self.manifest, self.mode = table, manifest, mode
         self.every, self.seconds, self.claim = max(1, int(every)), float(seconds), claim
         self.run_id = manifest.run_id
+        self.token: str = claim.token if claim is not None else uuid.uuid4().hex
+        self._floor: int | None = (
+            None  # the version read at start: another token's version after it fences us
+        )
+        self._fenced = False  # this process's fence version is in the table
         self.done: set[str] = set()
         self.seen = 0  # the table version whose history this process has read up to
         self.exists = False
@@ -143,6 +163,13 @@ class TableCommitter:
                 f"{' by dask-surge run ' + h.foreign[0][2] if h.foreign[0][2] else ''}). Nothing was written. "
                 "Fix: write to a new path, or pass mode='append' to add this run's rows to it (same columns)."
             )
+        taken = [
+            v for v, tok in h.fences if tok != self.token and self._floor is not None and v > self._floor
+        ]
+        if taken:
+            raise self._lost(
+                f"version {taken[0]} of the table was made by the process that took the claim over"
+            )
         if h.duplicates:  # pragma: no cover - only two claim holders at once could do it
             raise SurgeOutputError(
                 f"the table {self.table.location.url!r} holds SuperBatch(es) {h.duplicates[:5]} of run "
@@ -163,10 +190,20 @@ class TableCommitter:
         self.done.update(h.ours)
         self.exists, self.seen = True, max(self.seen, h.version)
 
+    def _lost(self, why: str) -> SurgeOutputError:
+        return SurgeOutputError(
+            f"the claim on {self.manifest.root!r} was taken over by another process ({why}); this process "
+            "commits nothing more to the table, and the table refuses what it had prepared. What it committed "
+            "before is kept. Fix: let the other run finish, or rerun the same call."
+        )
+
     def start(self) -> None:
-        """Read the table's history, commit what a killed process left (records no version
+        """Read the table's history, fence it, commit what a killed process left (records no version
         holds), then commit in the background as :meth:`submit` hands SuperBatches over."""
         self._read()
+        self._floor = self.seen
+        if self.exists:  # else the first commit creates the table, which fences it
+            self._attempt(None)
         left = [sb for sb in self.manifest.committed() if sb not in self.done]
         for i in range(0, len(left), self.every):
             self._commit(left[i : i + self.every])
@@ -188,27 +225,56 @@ class TableCommitter:
         return out
 
     def _commit(self, sbs: list[str]) -> None:
-        if self.claim is not None and self.claim.lost:
-            raise SurgeOutputError(
-                f"the claim on {self.manifest.root!r} was lost (another process took it over); this process "
-                "commits nothing more to the table. Fix: let the other run finish, or rerun."
-            )
-        self._read()  # versions made since: ours (another process of this run) and others'
-        batch = [sb for sb in dict.fromkeys(sbs) if sb not in self.done]
-        if not batch:
-            return
-        payloads = self._payloads(batch)
-        if self.mode == "append" and self.exists and not self._schema_checked:
-            self.table.check_schema(payloads[0][1])
-            self._schema_checked = True
-        version = self.table.commit(self.run_id, payloads, self.seen if self.exists else 0)
-        self.done.update(batch)
-        self.versions += 1
-        self.exists = True
-        if self._ours_first is None:
-            self._ours_first = version
-        if self.first is None:
-            self.first = time.time()
+        """Commit the SuperBatches ``sbs`` that no version holds yet (after this process's fence)."""
+        while not self._attempt(sbs):
+            pass
+
+    def _attempt(self, sbs: list[str] | None) -> bool:
+        """One try: read the versions made since, then make this process's fence when it has none yet,
+        else commit what of ``sbs`` (None: nothing) no version holds. False: the fence was made now,
+        or the store refused the commit (read again and retry)."""
+        for tries in range(_ATTEMPTS):
+            if self.claim is not None and self.claim.lost:
+                raise self._lost("its heartbeat found the claim file replaced")
+            self._read()  # versions made since: ours, another process's of this run, others'
+            batch = [sb for sb in dict.fromkeys(sbs or ()) if sb not in self.done]
+            if self._fenced and not batch:
+                return True
+            payloads = self._payloads(batch) if batch else []
+            if self.mode == "append" and self.exists and payloads and not self._schema_checked:
+                self.table.check_schema(payloads[0][1])
+                self._schema_checked = True
+            read = self.seen if self.exists else 0
+            try:
+                if not self._fenced:
+                    if not payloads and not self.exists:
+                        return True  # nothing to create the table with yet: the first commit fences it
+                    if self.claim is not None and not self.claim.held():
+                        raise self._lost("the claim file names another process")
+                    version = self.table.fence(
+                        self.run_id, self.token, read, payloads[0][1] if payloads else ""
+                    )
+                    self._fenced = True
+                    done = not batch  # the batch goes in with the next try, read after the fence
+                else:
+                    version = self.table.commit(self.run_id, self.token, payloads, read)
+                    self.done.update(batch)
+                    self.versions += 1
+                    if self.first is None:
+                        self.first = time.time()
+                    done = True
+            except CommitConflict as err:
+                logger.debug("dask-surge: table commit refused (%s); reading its history again", err)
+                time.sleep(min(0.05 * 2**tries, 2.0))
+                continue
+            self.exists = True
+            if self._ours_first is None:
+                self._ours_first = version
+            return done
+        raise SurgeOutputError(
+            f"the table {self.table.location.url!r} refused {_ATTEMPTS} commits in a row: other writers commit "
+            "to it faster than this run can. What the run committed is kept. Fix: rerun the same call."
+        )
 
     def _loop(self) -> None:
         try:

@@ -22,7 +22,16 @@ from typing import Any
 
 from ...config import get
 from ...errors import SurgeValueError
-from .base import FORMATS, RUN_PROPERTY, SUPERBATCHES_PROPERTY, TABLE_FORMATS, History, require
+from .base import (
+    FENCE_PROPERTY,
+    FORMATS,
+    RUN_PROPERTY,
+    SUPERBATCHES_PROPERTY,
+    TABLE_FORMATS,
+    CommitConflict,
+    History,
+    require,
+)
 from .delta import DeltaOutput
 from .iceberg import IcebergTable
 from .lance import LanceTable
@@ -32,6 +41,8 @@ __all__ = [
     "TABLE_FORMATS",
     "RUN_PROPERTY",
     "SUPERBATCHES_PROPERTY",
+    "FENCE_PROPERTY",
+    "CommitConflict",
     "History",
     "require",
     "open_table",

@@ -6,9 +6,18 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import SurgeError
+from ...errors import SurgeError, SurgeOutputError
 
-__all__ = ["FORMATS", "TABLE_FORMATS", "RUN_PROPERTY", "SUPERBATCHES_PROPERTY", "History", "require"]
+__all__ = [
+    "FORMATS",
+    "TABLE_FORMATS",
+    "RUN_PROPERTY",
+    "SUPERBATCHES_PROPERTY",
+    "FENCE_PROPERTY",
+    "CommitConflict",
+    "History",
+    "require",
+]
 
 #: every value of ``format=``; all but ``"parquet"`` are table formats
 FORMATS = ("parquet", "lance", "delta", "iceberg")
@@ -17,6 +26,9 @@ TABLE_FORMATS = FORMATS[1:]
 RUN_PROPERTY = "dask-surge.run"
 #: commit-metadata key holding the JSON list of SuperBatch keys of a table commit
 SUPERBATCHES_PROPERTY = "dask-surge.superbatches"
+#: commit-metadata key holding the claim token of the process that made the version (every version a
+#: run makes names it; a *fence* version, which holds no SuperBatch, is where a claim holder's commits begin)
+FENCE_PROPERTY = "dask-surge.fence"
 
 #: module -> (pip extra, the distribution that provides it)
 _EXTRAS = {
@@ -53,6 +65,17 @@ def require(module: str) -> Any:
         ) from err
 
 
+class CommitConflict(SurgeOutputError):
+    """The store refused a table commit: the table moved on since the version the commit was based on.
+
+    Nothing of the commit landed. Raised by a format's ``fence`` and ``commit`` when the store's own
+    conditional commit fails (Lance: a conflicting transaction; Delta: an application transaction of
+    the run committed since; Iceberg: the branch's snapshot changed; a table created meanwhile). The
+    committer reads the table's history again and decides: retry, or stop when another process's
+    fence came after its own (:class:`~dask_surge.execution.tables.TableCommitter`).
+    """
+
+
 @dataclass
 class History:
     """What a table's history says to a run (see :meth:`LanceTable.history`).
@@ -72,6 +95,9 @@ class History:
         dask-surge run id, or ``""``), in order.
     first_ours : bool or None
         Whether the first version read was this run's (None: none read).
+    fences : list of (int, str)
+        ``(version, claim token)`` of every version of this run that names the token of the process
+        that made it (:data:`FENCE_PROPERTY`), in order.
     """
 
     exists: bool
@@ -84,12 +110,16 @@ class History:
     ops: dict[int, str] = field(default_factory=dict)
     #: SuperBatch key -> every version of the run that holds it (two or more: a duplicate)
     held: dict[str, list[int]] = field(default_factory=dict)
+    fences: list[tuple[int, str]] = field(default_factory=list)
 
-    def add_ours(self, version: int, superbatches: list, op: str) -> None:
-        """A version of this run was read: it holds ``superbatches``."""
+    def add_ours(self, version: int, superbatches: list, op: str, token: str = "") -> None:
+        """A version of this run was read: it holds ``superbatches``; ``token``: the claim token of the
+        process that made it (empty: a build that wrote none)."""
         if self.first_ours is None:
             self.first_ours = True
         self.ops[version] = op
+        if token:
+            self.fences.append((version, token))
         for sb in superbatches:
             if sb in self.ours:
                 self.duplicates.append(str(sb))

@@ -5,9 +5,17 @@ A SuperBatch task writes its rows as one Parquet file under the table's ``surge-
 file's add-action facts (:meth:`DeltaOutput.write`). The process holding the run's claim
 commits batches of them (:meth:`DeltaOutput.commit`: one ``create_write_transaction`` of
 ``AddAction`` s in append mode per batch, a new ``_delta_log/N.json``, written only if absent),
-with the run id and the SuperBatch keys in the commit's ``commitInfo`` (custom metadata) and an
-idempotent-transaction action (``txn``: app id ``dask-surge-<run>``), so the table's own
-history says which SuperBatches it holds (:meth:`DeltaOutput.history`).
+with the run id, the SuperBatch keys and the claim holder's token in the commit's ``commitInfo``
+(custom metadata) and an application-transaction action (``txn``: app id ``dask-surge-<run>``), so
+the table's own history says which SuperBatches it holds (:meth:`DeltaOutput.history`).
+
+**Fencing.** Every commit of the run carries that ``txn``, and is made from the table as of the
+version its history was read at (never the latest): delta-rs's conflict checker refuses a commit
+when a commit that won since carries a ``txn`` of the same app id, while other writers' appends
+(no such ``txn``) are rebased over. A claim holder's first commit is a *fence*
+(:meth:`DeltaOutput.fence`: the table's creation, which fails when one exists, or an empty commit
+with the ``txn``), so a commit a paused process prepared before its claim was taken over is refused
+by the table itself.
 
 Delta has no fixed-size list type: ``embedding`` is an ``array<float>`` of constant length in
 the Delta schema (the Parquet files keep the fixed-size list), and ``text_hash`` is ``binary``.
@@ -29,7 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ...errors import SurgeOutputError
-from .base import RUN_PROPERTY, SUPERBATCHES_PROPERTY, History, require
+from .base import FENCE_PROPERTY, RUN_PROPERTY, SUPERBATCHES_PROPERTY, CommitConflict, History, require
 from .locations import TableLocation
 
 __all__ = ["DeltaOutput", "DATA_DIR"]
@@ -131,7 +139,8 @@ class DeltaOutput:
                 else str(entry.get("operation"))
             )
             if entry.get(RUN_PROPERTY) == run_id:
-                out.add_ours(version, json.loads(entry.get(SUPERBATCHES_PROPERTY) or "[]"), op)
+                sbs = json.loads(entry.get(SUPERBATCHES_PROPERTY) or "[]")
+                out.add_ours(version, sbs, op, str(entry.get(FENCE_PROPERTY) or ""))
             else:
                 out.note_foreign()
                 out.foreign.append((version, op, str(entry.get(RUN_PROPERTY) or "")))
@@ -172,38 +181,84 @@ class DeltaOutput:
                 "was committed to it. Fix: append only runs with the same columns, or write to a new table."
             )
 
-    def commit(self, run_id: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
-        """Commit the files of ``batch`` (``(sb, payload)`` pairs) as one append whose commit info names
-        ``run_id`` and the SuperBatches; creates the table first when ``read_version`` is 0."""
+    def _transact(
+        self, run_id: str, token: str, sbs: list[str], adds: list, schema: pa.Schema | None, read_version: int
+    ) -> int:
+        """One commit of ``adds`` onto the table as of ``read_version`` (this module's numbering), with
+        the run's ``txn`` (see the module's docstring); :class:`~.base.CommitConflict` when refused."""
         deltalake = require("deltalake")
-        from deltalake.transaction import AddAction, CommitProperties, Transaction
+        from deltalake.exceptions import CommitFailedError
+        from deltalake.transaction import CommitProperties, Transaction
+
+        dt = deltalake.DeltaTable(
+            self.location.uri, version=read_version - 1, storage_options=self.location.options
+        )
+        props = CommitProperties(
+            custom_metadata={
+                RUN_PROPERTY: run_id,
+                SUPERBATCHES_PROPERTY: json.dumps(sorted(sbs)),
+                FENCE_PROPERTY: token,
+            },
+            app_transactions=[Transaction(f"dask-surge-{run_id}", read_version)],
+        )
+        try:
+            dt.create_write_transaction(
+                adds, mode="append", schema=dt.schema() if schema is None else schema, commit_properties=props
+            )
+        except CommitFailedError as err:
+            raise CommitConflict(
+                f"Delta refused the commit read at version {read_version - 1}: {err}"
+            ) from err
+        latest = deltalake.DeltaTable(self.location.uri, storage_options=self.location.options)
+        for entry in latest.history(16):  # newest first: ours, unless other writers committed since
+            if entry.get(FENCE_PROPERTY) == token and entry.get(SUPERBATCHES_PROPERTY) == json.dumps(
+                sorted(sbs)
+            ):
+                return int(entry["version"]) + 1
+        return int(latest.version()) + 1
+
+    def fence(self, run_id: str, token: str, read_version: int, payload: str) -> int:
+        """Make the version that begins the commits of the claim holder ``token``: create the table
+        (``read_version`` 0; refused when a table exists), else an empty commit carrying the run's
+        ``txn`` at ``read_version``. Returns the new version; raises :class:`~.base.CommitConflict`
+        when the table refuses."""
+        deltalake = require("deltalake")
+        from deltalake.exceptions import DeltaError
+        from deltalake.transaction import CommitProperties
+
+        if read_version > 0:
+            return self._transact(run_id, token, [], [], None, read_version)
+        try:
+            deltalake.DeltaTable.create(
+                self.location.uri,
+                _schema_of(json.loads(payload)["schema"]),
+                mode="error",  # exclusive: the log's first entry is written only if absent
+                storage_options=self.location.options,
+                commit_properties=CommitProperties(
+                    custom_metadata={RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: "[]", FENCE_PROPERTY: token}
+                ),
+            )
+        except DeltaError as err:
+            if "already exists" not in str(err):
+                raise
+            raise CommitConflict(f"a Delta table was created at {self.location.url!r} meanwhile") from err
+        return 1
+
+    def commit(self, run_id: str, token: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
+        """Commit the files of ``batch`` (``(sb, payload)`` pairs) as one append whose commit info names
+        ``run_id``, the SuperBatches and the claim holder ``token``, onto the table as of
+        ``read_version`` (it exists: :meth:`fence` made it). Returns the new version; raises
+        :class:`~.base.CommitConflict` when the table refuses (a commit of the run since)."""
+        from deltalake.transaction import AddAction
 
         payloads = [json.loads(p) for _, p in batch]
         schema = _schema_of(payloads[0]["schema"])
-        if read_version == 0:  # mode="error": a table someone else created meanwhile is not ours to write
-            deltalake.DeltaTable.create(
-                self.location.uri,
-                schema,
-                mode="error",
-                storage_options=self.location.options,
-                commit_properties=CommitProperties(custom_metadata={RUN_PROPERTY: run_id}),
-            )
-        dt = deltalake.DeltaTable(self.location.uri, storage_options=self.location.options)
         now = int(time.time() * 1000)
         adds = [
             AddAction(p["path"], int(p["size"]), {}, now, True, json.dumps({"numRecords": int(p["rows"])}))
             for p in payloads
         ]
-        props = CommitProperties(
-            custom_metadata={
-                RUN_PROPERTY: run_id,
-                SUPERBATCHES_PROPERTY: json.dumps(sorted(sb for sb, _ in batch)),
-            },
-            app_transactions=[Transaction(f"dask-surge-{run_id}", dt.version() + 1)],
-        )
-        dt.create_write_transaction(adds, mode="append", schema=schema, commit_properties=props)
-        dt = deltalake.DeltaTable(self.location.uri, storage_options=self.location.options)
-        return int(dt.version()) + 1
+        return self._transact(run_id, token, [sb for sb, _ in batch], adds, schema, read_version)
 
     def read(self) -> pa.Table:
         """Every committed row (the latest version)."""

@@ -5,9 +5,17 @@ A SuperBatch task writes its rows as one Parquet file under the table location's
 file's path, size, rows and Arrow schema (:meth:`IcebergTable.write`). The process holding the
 run's claim commits batches of them (:meth:`IcebergTable.commit`: one pyiceberg ``add_files``
 per batch, a fast append: a new snapshot whose manifest lists the files, made current by the
-catalog's compare-and-swap of the table's metadata pointer), with the run id and the
-SuperBatch keys in the snapshot summary, so the table's own snapshots say which SuperBatches it
-holds (:meth:`IcebergTable.history`).
+catalog's compare-and-swap of the table's metadata pointer), with the run id, the SuperBatch
+keys and the claim holder's token in the snapshot summary, so the table's own snapshots say which
+SuperBatches it holds (:meth:`IcebergTable.history`).
+
+**Fencing.** A commit is made only onto the snapshot its history was read at: the table is
+loaded, its current version compared with that one, and the append carries pyiceberg's
+``assert-ref-snapshot-id`` requirement, with pyiceberg's own retry (which would rebase the append
+onto a newer snapshot) turned off for it, so the catalog refuses the swap when any snapshot
+landed since. A claim holder's first commit is a *fence* (:meth:`IcebergTable.fence`: an append
+of no file), so a commit a paused process prepared before its claim was taken over is refused by
+the catalog.
 
 **Which catalog, which table.** The output path is the table's location (its ``metadata/``,
 ``data/`` and dask-surge's ``_surge/``). The catalog is ``pyiceberg.catalog.load_catalog(name,
@@ -39,7 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ...errors import SurgeOutputError, SurgeValueError
-from .base import RUN_PROPERTY, SUPERBATCHES_PROPERTY, History, require
+from .base import FENCE_PROPERTY, RUN_PROPERTY, SUPERBATCHES_PROPERTY, CommitConflict, History, require
 from .locations import TableLocation
 
 __all__ = ["IcebergTable", "DATA_DIR", "KEEPS_ROWS", "table_identifier"]
@@ -57,8 +65,6 @@ _FILEIO_KEYS = {
     "aws_endpoint": "s3.endpoint",
     "aws_region": "s3.region",
 }
-#: commits lost to another writer's concurrent commit that are retried on the new metadata
-_RETRIES = 5
 
 
 def _schema_text(schema: pa.Schema) -> str:
@@ -262,7 +268,8 @@ class IcebergTable:
             props = dict(summary.additional_properties) if summary is not None else {}
             op = str(summary.operation.value) if summary is not None else "unknown"
             if props.get(RUN_PROPERTY) == run_id:
-                out.add_ours(version, json.loads(props.get(SUPERBATCHES_PROPERTY) or "[]"), op)
+                sbs = json.loads(props.get(SUPERBATCHES_PROPERTY) or "[]")
+                out.add_ours(version, sbs, op, str(props.get(FENCE_PROPERTY) or ""))
             else:
                 out.note_foreign()
                 out.foreign.append((version, op, str(props.get(RUN_PROPERTY) or "")))
@@ -291,8 +298,11 @@ class IcebergTable:
             return catalog.create_table(
                 self.identifier, schema, location=self.location.uri, properties={RUN_PROPERTY: run_id}
             )
-        except TableAlreadyExistsError as err:  # someone else created it meanwhile: not ours to write
-            raise SurgeOutputError(
+        except TableAlreadyExistsError as err:
+            table = self._open(catalog)
+            if table is not None and str(table.properties.get(RUN_PROPERTY) or "") == run_id:
+                raise CommitConflict(f"another process of run {run_id} created {self.identifier!r}") from err
+            raise SurgeOutputError(  # someone else created it meanwhile: not ours to write
                 f"the Iceberg table {self.identifier!r} was created by another writer while this run started. "
                 "Nothing was committed to it. Fix: write to a new path, or rerun with mode='append'."
             ) from err
@@ -302,34 +312,61 @@ class IcebergTable:
                 f"schema ({err}). Nothing was committed. Fix: pass precision='float32', or format='parquet'."
             ) from err
 
-    def commit(self, run_id: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
-        """Commit the files of ``batch`` (``(sb, payload)`` pairs) as one fast append whose snapshot summary
-        names ``run_id`` and the SuperBatches; creates the table when the catalog does not name it.
-        Returns the new version (the snapshot's sequence number).
-
-        ``read_version`` is the version the caller's history read ended at; a commit another writer
-        made since is rebased over (pyiceberg reloads the table and appends again), as Lance and
-        delta-rs do.
-        """
+    def _append(self, table: Any, read_version: int, paths: list[str], props: dict) -> int:
+        """A fast append of ``paths`` onto ``table`` as loaded, only if its current version is
+        ``read_version`` and no snapshot lands before the catalog's swap (see the module's docstring)."""
         from pyiceberg.exceptions import CommitFailedException
 
-        payloads = [json.loads(p) for _, p in batch]
+        versions = _versions(table.metadata)
+        current = versions[-1][0] if versions else 0
+        if current != read_version:
+            raise CommitConflict(f"the Iceberg table is at version {current}, not {read_version}")
+        # pyiceberg retries a failed swap on the newest snapshot unless the table says not to: this commit's
+        # own view of the properties says so (nothing of it is written to the table)
+        table.metadata = table.metadata.model_copy(
+            update={"properties": {**table.metadata.properties, "commit.retry.num-retries": "0"}}
+        )
+        try:
+            with table.transaction() as tx:
+                if paths:
+                    tx.add_files(paths, snapshot_properties=props)
+                else:
+                    with tx.update_snapshot(snapshot_properties=props).fast_append():
+                        pass
+        except CommitFailedException as err:
+            raise CommitConflict(
+                f"the Iceberg catalog refused the commit read at version {read_version}"
+            ) from err
+        return _versions(table.metadata)[-1][0]
+
+    def fence(self, run_id: str, token: str, read_version: int, payload: str) -> int:
+        """Make the version that begins the commits of the claim holder ``token``: an append of no file
+        onto the snapshot at ``read_version``, creating the table first when the catalog does not name
+        it. Returns the new version; raises :class:`~.base.CommitConflict` when the catalog refuses."""
         catalog = self.catalog()
         table = self._open(catalog)
         if table is None:
-            table = self._create(catalog, run_id, _schema_of(payloads[0]["schema"]))
+            table = self._create(catalog, run_id, _schema_of(json.loads(payload)["schema"]))
+        props = {RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: "[]", FENCE_PROPERTY: token}
+        return self._append(table, read_version, [], props)
+
+    def commit(self, run_id: str, token: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
+        """Commit the files of ``batch`` (``(sb, payload)`` pairs) as one fast append whose snapshot summary
+        names ``run_id``, the SuperBatches and the claim holder ``token``, onto the snapshot at
+        ``read_version`` (the table exists: :meth:`fence` made it). Returns the new version (the
+        snapshot's sequence number); raises :class:`~.base.CommitConflict` when the catalog refuses.
+        """
+        table = self._open()
+        if table is None:
+            raise CommitConflict(f"the Iceberg table {self.identifier!r} is gone")
         root = self.location.uri.rstrip("/")
-        paths = [f"{root}/{p['path']}" for p in payloads]
-        props = {RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: json.dumps(sorted(sb for sb, _ in batch))}
-        for attempt in range(_RETRIES + 1):
-            try:
-                table.add_files(paths, snapshot_properties=props)
-                break
-            except CommitFailedException:  # another writer's commit won the swap: nothing of ours landed
-                if attempt == _RETRIES:
-                    raise
-                table = catalog.load_table(self.identifier)
-        return _versions(table.metadata)[-1][0]
+        paths = [f"{root}/{json.loads(p)['path']}" for _, p in batch]
+        props = {
+            RUN_PROPERTY: run_id,
+            SUPERBATCHES_PROPERTY: json.dumps(sorted(sb for sb, _ in batch)),
+            FENCE_PROPERTY: token,
+        }
+        return self._append(table, read_version, paths, props)
 
     def version_rows(self) -> list[tuple[int, float, int]]:
         """``(version, commit time in epoch seconds, rows)`` of each snapshot, oldest first (empty: no

@@ -5,9 +5,16 @@ A SuperBatch task writes its rows as Lance data files under the table's ``data/`
 manifest version names them. Its commit record (``_surge/`` inside the table) carries the
 fragments' metadata (:meth:`LanceTable.write`'s payload). The process holding the run's
 claim appends batches of them (:meth:`LanceTable.commit`: one
-``LanceOperation.Append`` per batch, a new table version) with the run id and the
-SuperBatch keys in the transaction's properties, so the table's own history says which
-SuperBatches it holds (:meth:`LanceTable.history`).
+``LanceOperation.Append`` per batch, a new table version) with the run id, the
+SuperBatch keys and its claim token in the transaction's properties, so the table's own
+history says which SuperBatches it holds (:meth:`LanceTable.history`).
+
+**Fencing.** A claim holder's first version is a *fence* (:meth:`LanceTable.fence`): the
+table's creation (``mode="create"``, which fails when a table exists), or a
+``LanceOperation.Project`` onto the table's own schema, which changes no row but conflicts
+with every ``Append`` read at an earlier version. So an ``Append`` that a paused process
+prepared before another process took its claim over is refused by Lance itself
+(``CommitConflictError``), whatever the paused process checked before it stopped.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 
 from ...errors import SurgeOutputError
-from .base import RUN_PROPERTY, SUPERBATCHES_PROPERTY, History, require
+from .base import FENCE_PROPERTY, RUN_PROPERTY, SUPERBATCHES_PROPERTY, CommitConflict, History, require
 from .locations import TableLocation
 
 __all__ = ["LanceTable", "KEEPS_ROWS"]
@@ -122,7 +129,8 @@ class LanceTable:
             props = (txn.transaction_properties or {}) if txn is not None else {}
             op = type(txn.operation).__name__ if txn is not None else "unknown"
             if props.get(RUN_PROPERTY) == run_id:
-                out.add_ours(version, json.loads(props.get(SUPERBATCHES_PROPERTY, "[]")), op)
+                sbs = json.loads(props.get(SUPERBATCHES_PROPERTY, "[]"))
+                out.add_ours(version, sbs, op, props.get(FENCE_PROPERTY, ""))
             else:
                 out.note_foreign()
                 out.foreign.append((version, op, props.get(RUN_PROPERTY, "")))
@@ -169,27 +177,70 @@ class LanceTable:
                 "precision), or write to a new table."
             )
 
-    def commit(self, run_id: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
-        """Append the fragments of ``batch`` (``(sb, payload)`` pairs) as one table version whose
-        transaction properties name ``run_id`` and the SuperBatches; creates the table when
-        ``read_version`` is 0. Returns the new version."""
+    def fence(self, run_id: str, token: str, read_version: int, payload: str) -> int:
+        """Make the version that begins the commits of the claim holder ``token``: create the table
+        (``read_version`` 0; refused when a table exists) or commit a ``Project`` onto its own schema
+        at ``read_version`` (no row changes; every ``Append`` read earlier now conflicts). Returns the
+        new version; raises :class:`~.base.CommitConflict` when Lance refuses."""
         lance = require("lance")
+        from lance.commit import CommitConflictError
+
+        props = {RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: "[]", FENCE_PROPERTY: token}
+        try:
+            if read_version == 0:
+                schema = _schema_of(json.loads(payload)["schema"])
+                ds = lance.write_dataset(
+                    schema.empty_table(),
+                    self.location.uri,
+                    mode="create",
+                    storage_options=self.location.options,
+                    transaction_properties=props,
+                )
+            else:
+                schema = self._open(read_version).schema
+                ds = lance.LanceDataset.commit(
+                    self.location.uri,
+                    lance.Transaction(
+                        read_version, lance.LanceOperation.Project(schema), transaction_properties=props
+                    ),
+                    storage_options=self.location.options,
+                )
+        except CommitConflictError as err:
+            raise CommitConflict(f"Lance refused the fence at version {read_version}: {err}") from err
+        except OSError as err:
+            if "already exists" not in str(err):
+                raise
+            raise CommitConflict(f"a Lance table was created at {self.location.url!r} meanwhile") from err
+        return int(ds.version)
+
+    def commit(self, run_id: str, token: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
+        """Append the fragments of ``batch`` (``(sb, payload)`` pairs) as one table version whose
+        transaction properties name ``run_id``, the SuperBatches and the claim holder ``token``, read at
+        ``read_version`` (the table exists: :meth:`fence` made it). Returns the new version; raises
+        :class:`~.base.CommitConflict` when Lance refuses it (a fence or a conflicting change since
+        ``read_version``)."""
+        lance = require("lance")
+        from lance.commit import CommitConflictError
         from lance.fragment import FragmentMetadata
 
         fragments = [
             FragmentMetadata.from_json(json.dumps(f)) for _, p in batch for f in json.loads(p)["fragments"]
         ]
-        props = {RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: json.dumps(sorted(sb for sb, _ in batch))}
-        if read_version == 0:
-            schema = _schema_of(json.loads(batch[0][1])["schema"])
-            op = lance.LanceOperation.Overwrite(schema, fragments)
-        else:
-            op = lance.LanceOperation.Append(fragments)
-        ds = lance.LanceDataset.commit(
-            self.location.uri,
-            lance.Transaction(read_version, op, transaction_properties=props),
-            storage_options=self.location.options,
-        )
+        props = {
+            RUN_PROPERTY: run_id,
+            SUPERBATCHES_PROPERTY: json.dumps(sorted(sb for sb, _ in batch)),
+            FENCE_PROPERTY: token,
+        }
+        try:
+            ds = lance.LanceDataset.commit(
+                self.location.uri,
+                lance.Transaction(
+                    read_version, lance.LanceOperation.Append(fragments), transaction_properties=props
+                ),
+                storage_options=self.location.options,
+            )
+        except CommitConflictError as err:
+            raise CommitConflict(f"Lance refused the commit read at version {read_version}: {err}") from err
         return int(ds.version)
 
     def read(self) -> pa.Table:

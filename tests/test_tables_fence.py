@@ -1,0 +1,147 @@
+"""A paused claim holder never commits (issue 67): every table format fences its commits in the store.
+
+Run A holds the claim and is *paused* (SIGSTOP, a suspended SLURM job, a VM pause) at a step of a table
+commit: before its fence (the table's creation), or after reading the table's history and before its
+first or second commit of SuperBatches. Its claim goes stale (no heartbeat past the claim's lifetime),
+run B (the same call, another process) takes the claim over and completes the run; then A wakes and
+goes on with the commit it had prepared. The table must refuse it: every row once, every SuperBatch in
+one version, B's result true, A stopped with a message that says its claim was taken over.
+
+The pause is simulated in A's own process, deterministically: A's commit is intercepted at the chosen
+step, its heartbeat stopped and its heartbeat file aged past the claim's lifetime (what a pause does),
+B runs to completion in a subprocess, then A's prepared commit proceeds. The SIGSTOP sweep over real
+processes is in tests/test_tables_sweep.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from dask_surge.errors import SurgeOutputError
+from dask_surge.io.lease import Claim
+from dask_surge.io.store import OutputStore
+from dask_surge.io.tables import SUPERBATCHES_PROPERTY
+from dask_surge.testing import (
+    TABLE_PARTITIONS,
+    TABLE_ROWS,
+    SleepyModel,
+    numbered_frame,
+    table_class,
+    table_driver,
+)
+
+pytest.importorskip("lance")
+pytest.importorskip("deltalake")
+pytest.importorskip("pyiceberg")
+
+SLEEP = 0.01
+
+
+def _age_claim(out) -> None:
+    """What a pause past the claim's lifetime does: no heartbeat since long ago."""
+    store = OutputStore.open(str(out))
+    info = Claim.holder(store)
+    assert info is not None
+    beat = f"{out}/_surge/.heartbeat-{info['token']}"
+    old = time.time() - 600
+    for path in (beat, f"{out}/_surge/CLAIM"):
+        if os.path.exists(path):
+            os.utime(path, (old, old))
+
+
+def _stop_heartbeats() -> None:
+    import threading
+
+    for t in threading.enumerate():  # a paused process beats no more
+        if t.name == "dask-surge-claim":
+            t._target.__self__._stop.set()  # type: ignore[attr-defined]
+
+
+def _rows_and_versions(fmt: str, out, catalog) -> tuple[list[int], list[list[str]]]:
+    if fmt == "lance":
+        import lance
+
+        ds = lance.dataset(str(out))
+        ids = ds.to_table(columns=["doc_id"]).column("doc_id").to_pylist()
+        props = [ds.read_transaction(v["version"]).transaction_properties or {} for v in ds.versions()]
+    elif fmt == "delta":
+        import deltalake
+
+        dt = deltalake.DeltaTable(str(out))
+        ids = dt.to_pyarrow_table(columns=["doc_id"]).column("doc_id").to_pylist()
+        props = dt.history()
+    else:
+        table = catalog.load_table("default.t")
+        ids = table.scan(selected_fields=("doc_id",)).to_arrow().column("doc_id").to_pylist()
+        props = [dict(s.summary.additional_properties) for s in table.metadata.snapshots]
+    held = [sbs for p in props if (sbs := json.loads(p.get(SUPERBATCHES_PROPERTY) or "[]"))]
+    return ids, held
+
+
+@pytest.mark.parametrize("fmt", ["lance", "delta", "iceberg"])
+@pytest.mark.parametrize("step", ["fence", "commit-1", "commit-2"])
+def test_a_paused_claim_holder_commits_nothing_after_a_takeover(tmp_path, monkeypatch, fmt, step, request):
+    catalog = request.getfixturevalue("iceberg_catalog") if fmt == "iceberg" else None
+    import dask
+
+    out = tmp_path / f"t.{fmt}"
+    cls = table_class(fmt)
+    which, k = ("fence", 1) if step == "fence" else ("commit", int(step[-1]))
+    real, calls, b = getattr(cls, which), [], {}
+
+    def paused(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == k:  # A stops here: past its claim's lifetime, B takes over and finishes
+            _stop_heartbeats()
+            _age_claim(out)
+            cat = dask.config.get("surge.iceberg-catalog") if fmt == "iceberg" else None
+            done = subprocess.run(
+                table_driver(out, fmt, catalog=cat, sleep=SLEEP),
+                env={**os.environ, "DASK_SURGE__TABLE_COMMIT_EVERY": "2"},
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            b.update(rc=done.returncode, out=done.stdout, err=done.stderr)
+        return real(self, *args, **kwargs)  # A wakes and goes on with what it prepared
+
+    monkeypatch.setattr(cls, which, paused)
+    with (
+        dask.config.set({"surge.table-commit-every": 2, "surge.table-commit-seconds": 3600}),
+        pytest.raises(SurgeOutputError, match="taken over by another process"),
+    ):
+        numbered_frame(TABLE_ROWS, TABLE_PARTITIONS).surge.encode(
+            "text",
+            output=str(out),
+            format=fmt,
+            model=SleepyModel(SLEEP),
+            keep=["doc_id"],
+            b_min=50,
+            b_max=100,
+            scheduler="threads",
+            progress=False,
+        )
+    assert b["rc"] == 0, b["err"][-3000:]
+    assert f"rows {TABLE_ROWS}" in b["out"]  # B's result is true
+    ids, held = _rows_and_versions(fmt, out, catalog)
+    assert sorted(ids) == list(range(TABLE_ROWS))  # every row once
+    flat = [sb for sbs in held for sb in sbs]
+    assert len(flat) == len(set(flat))  # every SuperBatch in one version
+    monkeypatch.undo()
+    again = numbered_frame(TABLE_ROWS, TABLE_PARTITIONS).surge.encode(
+        "text",
+        output=str(out),
+        format=fmt,
+        model=SleepyModel(SLEEP),
+        keep=["doc_id"],
+        b_min=50,
+        b_max=100,
+        scheduler="threads",
+        progress=False,
+    )
+    assert again.rows == TABLE_ROWS
