@@ -248,12 +248,23 @@ def _scheduler(value):
         "--scheduler tcp://10.0.0.5:8786, or leave --scheduler out to start a local cluster."
     )
     try:
-        parse_address(value)
+        from distributed.comm.registry import get_backend
+
+        get_backend(parse_address(value)[0])  # http://host:8787 (a dashboard's) is no comm address
         from distributed.comm.addressing import parse_host_port
 
         parse_host_port(value.split("://", 1)[-1])
     except (ValueError, TypeError) as err:
         raise SurgeValueError(f"--scheduler {value}: not {rule} ({err}). {fix}") from None
+    from .execution.reach import not_a_scheduler
+
+    other = not_a_scheduler(value)  # distributed's handshake read has no timeout: it would hang, or worse
+    if other is not None:
+        raise SurgeValueError(
+            f"--scheduler {value}: not a Dask scheduler: {other}. Fix: pass the address `dask scheduler` "
+            "prints (tcp://host:8786 by default; a dashboard's http://host:8787 is not it), or leave "
+            "--scheduler out to start a local cluster."
+        )
     timeout = dask.config.get("distributed.comm.timeouts.connect")
     try:
         return Client(value, timeout=timeout)

@@ -441,3 +441,112 @@ def test_ctrl_c_prints_one_message(tmp_path, tiny_model):
     said = [line for line in err.splitlines() if "interrupted" in line]
     assert len(said) == 1, err
     assert "committed" in said[0] and "Rerun the same command" in said[0] and "same call" not in said[0]
+
+
+# -- a --scheduler address where something else listens (issue 67, d) ---------------------------
+
+
+def _serve_in_thread(handler_of_connection):
+    """A TCP server on 127.0.0.1 (a free port) whose accepted connections each get
+    ``handler_of_connection(sock)`` in a thread; returns ``(port, stop)``."""
+    import socket
+    import threading
+
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    stopped = threading.Event()
+    conns = []
+
+    def loop():
+        while not stopped.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            conns.append(conn)
+            threading.Thread(target=handler_of_connection, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=loop, daemon=True).start()
+
+    def stop():
+        stopped.set()
+        server.close()
+        for c in conns:
+            c.close()
+
+    return server.getsockname()[1], stop
+
+
+def _http_server():
+    import http.server
+    import threading
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    def stop():
+        httpd.shutdown()
+        httpd.server_close()
+
+    return httpd.server_address[1], stop
+
+
+def _ssh_like_server():
+    import time
+
+    def greet(conn):
+        try:
+            conn.sendall(b"SSH-2.0-OpenSSH_9.6\r\n")
+            time.sleep(30)
+        except OSError:
+            pass
+
+    return _serve_in_thread(greet)
+
+
+@pytest.mark.parametrize(
+    "server,what",
+    [(_http_server, r"(an HTTP server|sent nothing)"), (_ssh_like_server, r"sent b'SSH-2\.0-OpenSSH")],
+)
+def test_a_scheduler_address_that_is_not_a_dask_scheduler_is_one_line_at_once(tmp_path, server, what):
+    """``--scheduler`` at a port that accepts TCP but is no Dask scheduler (an HTTP server such as the
+    dashboard, an SSH server): refused within seconds in one line naming the address, what answers
+    and the fix; it used to hang with no output (the handshake read has no timeout in distributed), or
+    end in a traceback allocating 3 EiB (the reply's first 8 bytes read as a frame length)."""
+    import re
+    import subprocess
+    import time
+
+    write_partitioned_parquet(tmp_path / "in", [2])
+    port, stop = server()
+    address = f"tcp://127.0.0.1:{port}"
+    code = (
+        "import sys; from dask_surge.cli import main; "
+        f"sys.exit(main(['encode', {str(tmp_path / 'in')!r}, '--text-column', 'text', '--output', "
+        f"{str(tmp_path / 'o')!r}, '--scheduler', {address!r}, '--no-progress']))"
+    )
+    try:
+        t0 = time.perf_counter()
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        took = time.perf_counter() - t0
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"--scheduler {address} (not a Dask scheduler) still running after 60 s")
+    finally:
+        stop()
+    err = done.stderr.strip()
+    assert done.returncode == 2, err[-3000:]
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err[-3000:]
+    assert re.search(rf"--scheduler {re.escape(address)}: not a Dask scheduler: .*{what}.*Fix: ", err), err
+    assert took < 30, took
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_dashboard_url_as_scheduler_is_one_line(tmp_path, capsys):
+    """The dashboard's ``http://host:8787`` pasted as --scheduler was distributed's ValueError traceback
+    (unknown address scheme 'http')."""
+    write_partitioned_parquet(tmp_path / "in", [2])
+    argv = ["encode", str(tmp_path / "in"), "--text-column", "text", "--output", str(tmp_path / "o")]
+    assert main([*argv, "--scheduler", "http://127.0.0.1:8787", "--no-progress"]) == 2
+    err = _one_error_line(capsys)
+    assert "--scheduler http://127.0.0.1:8787: not a Dask scheduler's address" in err and "'http'" in err
+    assert not (tmp_path / "o").exists()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import struct
 import threading
 import uuid
 import zlib
@@ -29,7 +30,7 @@ from ..errors import SurgeOutputError
 from ..io.directory import META_DIR, current_path, discard
 from ..io.store import OutputStore
 
-__all__ = ["check_workers_see_output", "worker_sees", "task_sees_run", "run_gone"]
+__all__ = ["check_workers_see_output", "not_a_scheduler", "run_gone", "task_sees_run", "worker_sees"]
 
 
 #: the runs whose ``run.json`` this process has read (store, run id): a SuperBatch task
@@ -215,3 +216,61 @@ def task_sees_run(manifest: Any) -> None:
         raise run_gone(manifest, err) from err
     with _SEEN_LOCK:
         _SEEN.add(key)
+
+
+#: the most bytes a Dask comm's greeting (its handshake: compression, Python and pickle versions) takes
+_GREETING_MAX = 64 * 2**20
+
+
+def not_a_scheduler(address: str, wait: float = 3.0) -> str | None:
+    """What listens at the TCP ``address`` when it is not a Dask scheduler; None when it greets as one
+    (or the address is not plain TCP, or nothing accepts: the caller's ``Client`` then says so).
+
+    A Dask scheduler writes its handshake (a framed message: an 8-byte length, then the frames) to
+    every connection it accepts, before it reads anything. ``distributed`` reads the reply without a
+    timeout and takes its first 8 bytes for a frame length, so a client at a port where something else
+    listens hangs (an HTTP server waits for a request) or allocates exabytes (``"HTTP/1.0"`` read as a
+    length). Here nothing is sent: the peer's first bytes, read for at most ``wait`` seconds, tell.
+
+    Examples
+    --------
+    >>> not_a_scheduler("inproc://x") is None  # not plain TCP: not probed
+    True
+    """
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    scheme, location = parse_address(address)
+    if scheme != "tcp":
+        return None
+    host, port = parse_host_port(location)
+    try:
+        sock = socket.create_connection((host, port), timeout=max(wait, 1.0))
+    except OSError:
+        return None
+    data, closed = b"", False
+    try:
+        sock.settimeout(wait)
+        while len(data) < 16 and not closed:
+            chunk = sock.recv(16 - len(data))
+            closed = not chunk
+            data += chunk
+    except OSError:  # nothing more within `wait` (a timeout), or a reset
+        pass
+    finally:
+        sock.close()
+    if not data and closed:
+        return "it accepted the connection and closed it without a word, where a Dask scheduler greets it"
+    if not data:
+        return (
+            f"it accepted the connection and sent nothing within {wait:g} s, where a Dask scheduler greets "
+            "each connection at once (an HTTP server, such as a Dask dashboard on port 8787, waits for a "
+            "request)"
+        )
+    if data.startswith(b"HTTP/"):
+        return f"an HTTP server answers there (it sent {data!r})"
+    if len(data) >= 8:
+        (total,) = struct.unpack("<Q", data[:8])
+        nframes = struct.unpack("<Q", data[8:16])[0] if len(data) >= 16 else 1
+        if 0 < total <= _GREETING_MAX and 0 < nframes <= 1024 and 8 * (nframes + 1) <= total:
+            return None
+    return f"it sent {data!r}, not a Dask handshake"
