@@ -380,24 +380,31 @@ def _is_open_file(value: Any) -> bool:
     return core is not None and isinstance(value, core.OpenFile)
 
 
-def _located(text: str, *, path: bool, leaf_fs: Any, storage_options: Any) -> tuple[Any, str] | None:
+def _here() -> frozenset[str]:
+    """The names in the working directory (a bare name is a path when one of them: one listing, not a
+    ``stat`` per string of a ``from_map`` over millions of texts)."""
+    try:
+        return frozenset([*os.listdir("."), ".", ".."])
+    except OSError:
+        return frozenset()
+
+
+def _located(
+    text: str, *, path: bool, leaf_fs: Any, storage_options: Any, here: frozenset[str] = frozenset()
+) -> tuple[Any, str] | None:
     """``(filesystem, path)`` of a string a source names, or None when it names no location.
 
     ``path``: the reader's own ``path`` operand, a location however it is spelled (``"in"``, relative
     to the working directory, as the reader reads it). Any other string is one when it is a URL, holds
-    a separator or a glob character, or names a file or directory that exists (``from_map(f, ["in"])``).
+    a separator or a glob character, or is one of ``here`` (the working directory's names:
+    ``from_map(f, ["in"])``).
     """
     from fsspec.core import url_to_fs
 
     if not text or "\n" in text or len(text) > 4096:
         return None
     if not path and not (
-        "://" in text
-        or "::" in text
-        or "/" in text
-        or os.sep in text
-        or _GLOB.search(text)
-        or os.path.exists(text)
+        "://" in text or "::" in text or "/" in text or os.sep in text or _GLOB.search(text) or text in here
     ):
         return None
     try:
@@ -436,6 +443,7 @@ def input_files(frame) -> list[tuple[Any, str]]:
     True
     """
     found: dict[tuple[int, str], tuple[Any, str]] = {}
+    here = _here()
 
     def add(fs, path: str) -> None:
         found.setdefault((id(fs), path), (fs, path))
@@ -456,7 +464,11 @@ def input_files(frame) -> list[tuple[Any, str]]:
                     add(item.fs, os.path.normpath(item.path) if is_posix(item.fs) else item.path)
                     continue
                 located = _located(
-                    os.fspath(item), path=name == "path", leaf_fs=leaf_fs, storage_options=storage_options
+                    os.fspath(item),
+                    path=name == "path",
+                    leaf_fs=leaf_fs,
+                    storage_options=storage_options,
+                    here=here,
                 )
                 if located is not None:
                     add(*located)
