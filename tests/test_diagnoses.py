@@ -56,3 +56,20 @@ def test_a_worker_whose_disk_holds_a_run_in_progress_says_what_it_sees(tmp_path,
     with pytest.raises(SurgeOutputError, match=DIFFERENT_DISK) as err:
         task_sees_run(_as_the_worker_sees_it(run, worker_out))
     assert "not complete" in str(err.value) and "was replaced by another run" not in str(err.value)
+
+
+def test_a_worker_whose_disk_holds_another_copy_of_this_run_says_so(tmp_path):
+    """The same call run earlier on the worker's own disk: the run id matches, the run.json is another
+    (created at another time). The task used to go on and commit where the client never reads."""
+    worker_out = tmp_path / "worker" / "out"
+    open_run(OutputStore.open(str(worker_out)), {"t": "the client's run"})  # earlier, on the worker's disk
+    time.sleep(0.05)
+    run, _ = open_run(OutputStore.open(str(tmp_path / "client" / "out")), {"t": "the client's run"})
+    with pytest.raises(
+        SurgeOutputError,
+        match=rf"a worker on host .* sees another copy of run {run.run_id} at .*: its run\.json was created "
+        r".* not when the client created it .*Either the workers do not share the client's output "
+        r"directory.*Nothing of this task was written\. Fix: mount the output at the same path",
+    ):
+        task_sees_run(_as_the_worker_sees_it(run, worker_out))
+    task_sees_run(run)  # the client's own copy: no error

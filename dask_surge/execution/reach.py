@@ -37,7 +37,7 @@ __all__ = ["check_workers_see_output", "not_a_scheduler", "run_gone", "task_sees
 #: proves it sees its run's output once per worker process and run (:func:`task_sees_run`). What
 #: invalidates an entry: nothing needs to: a run replaced since makes the task's commit fail, which is
 #: then diagnosed afresh (:func:`run_gone`)
-_SEEN: set[tuple[OutputStore, str]] = set()
+_SEEN: set[tuple[OutputStore, str, float | None]] = set()
 _SEEN_LOCK = threading.Lock()
 
 
@@ -206,16 +206,40 @@ def run_gone(manifest: Any, err: BaseException | None = None) -> SurgeOutputErro
 
 def task_sees_run(manifest: Any) -> None:
     """On a worker, before a SuperBatch task writes: raise :func:`run_gone`'s error unless this
-    process reads its run's ``run.json`` (checked once per worker process and run)."""
-    key = (manifest.store, manifest.run_id)
+    process reads its run's ``run.json``, and an error unless that ``run.json`` is the one the client
+    created (another copy of the same run on this worker's own disk; checked once per worker process
+    and run)."""
+    created = getattr(manifest, "created", None)
+    key = (manifest.store, manifest.run_id, created)
     if key in _SEEN:
         return
     try:
-        manifest.store.read(f"{manifest.run_dir}/run.json")
+        data = manifest.store.read(f"{manifest.run_dir}/run.json")
     except (OSError, ValueError) as err:
         raise run_gone(manifest, err) from err
+    seen = None
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        seen = json.loads(data).get("created")
+    if created is not None and isinstance(seen, (int, float)) and seen != created:
+        raise SurgeOutputError(
+            f"a worker on host {socket.gethostname()!r} sees another copy of run {manifest.run_id} at "
+            f"{manifest.root!r}: its run.json was created {_ago(seen)}, not when the client created it "
+            f"({_ago(created)}). Either the workers do not share the client's output directory (a worker "
+            "that joined after the run started has its own disk at that path, holding an earlier run of "
+            "the same call), or the output was deleted and the run started afresh. Nothing of this task was "
+            "written. Fix: mount the output at the same path on every worker (NFS, Lustre, GPFS) or write to "
+            "an object-store URL (s3://bucket/prefix) every worker reaches; then rerun the same call to resume."
+        )
     with _SEEN_LOCK:
         _SEEN.add(key)
+
+
+def _ago(when: float) -> str:
+    """``when`` (a POSIX time) as UTC and how long ago."""
+    import time
+
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(when))
+    return f"{stamp}, {max(time.time() - when, 0):.0f} s ago"
 
 
 #: the most bytes a Dask comm's greeting (its handshake: compression, Python and pickle versions) takes
