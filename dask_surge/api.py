@@ -35,7 +35,8 @@ from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows
 from .io.reuse import ReuseIndex, embedding_identity
 from .io.store import OutputStore
-from .io.tables import require
+from .io.tables import open_table, require
+from .io.tables.locations import TableLocation
 from .io.verify import table_format, table_summary
 from .models.encoders import Encoder
 from .options import EncodeOptions, PlanOptions, document, options_of, signature
@@ -537,7 +538,8 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     # a different run already there is refused, and a complete run answered, before any worker starts
     # (mode="append" to a table: the run decides whether the run there may be followed, _table_overwrite)
     appending = out_format != "parquet" and mode == "append"
-    done = preflight(store, frame, run_id, overwrite=overwrite or appending, started=started)
+    table = None if out_format == "parquet" else open_table(out_format, TableLocation.of(store))
+    done = preflight(store, frame, run_id, overwrite=overwrite or appending, started=started, table=table)
     if done is not None:
         return _indexed(done, opts["build_index"], storage_options)
     small = runs_in_process(frame, column) if starting else None

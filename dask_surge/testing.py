@@ -25,11 +25,10 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from .io.tables import DeltaOutput, IcebergTable, LanceTable
+from .io.tables import table_class
 from .synthetic import lognormal_sizes, make_partitioned_frame, make_texts, write_partitioned_parquet
 
 __all__ = [
@@ -635,17 +634,6 @@ def table_encode(out, fmt: str, ddf=None, **kw):
     }
     frame = numbered_frame(TABLE_ROWS, TABLE_PARTITIONS) if ddf is None else ddf
     return frame.surge.encode("text", output=str(out), **kw)
-
-
-def table_class(fmt: str) -> Any:
-    """The class of a ``fmt`` table output (``"lance"``, ``"delta"``, ``"iceberg"``).
-
-    Examples
-    --------
-    >>> table_class("delta").__name__
-    'DeltaOutput'
-    """
-    return {"lance": LanceTable, "delta": DeltaOutput, "iceberg": IcebergTable}[fmt]
 
 
 def kill_run(proc: subprocess.Popen, target: str, rng: random.Random) -> str:

@@ -23,6 +23,7 @@ from ..io.store import OutputStore
 from ..planning.sizes import known_sizes
 from ..results import EncodeResult
 from .runner import complete_result
+from .tables import table_settled
 
 __all__ = [
     "preflight",
@@ -45,10 +46,19 @@ IN_PROCESS_BYTES = 2 * 1024**2
 
 
 def preflight(
-    store: OutputStore, frame: Any, fingerprint: dict, *, overwrite: bool, started: float
+    store: OutputStore,
+    frame: Any,
+    fingerprint: dict,
+    *,
+    overwrite: bool,
+    started: float,
+    table: Any = None,
 ) -> EncodeResult | None:
     """Check the output for the run of ``fingerprint`` before workers start (the location itself
     was checked when it was opened: :func:`~dask_surge.io.directory.check_output`).
+
+    ``table``: the table object of a table output (its history must hold each committed
+    SuperBatch once before a complete run is answered), or None for Parquet.
 
     Returns
     -------
@@ -70,6 +80,7 @@ def preflight(
         and not overwrite
         and not found.coverage().missing(frame.npartitions)
         and settled(found, found.committed())
+        and (table is None or table_settled(table, found))
     ):
         return complete_result(found, store.location, started)
     current = current_run(store)
@@ -79,7 +90,7 @@ def preflight(
         and not overwrite
         and not (current.stopped() and not current.committed())
     ):
-        raise other_run_error(store.location, current, fingerprint)
+        raise other_run_error(store.location, current, fingerprint, table=table is not None)
     return None
 
 

@@ -48,7 +48,7 @@ from .scheduling import run_units, task_resources
 from .sink import SuperBatchWriter
 from .stops import interrupted, stopped_error
 from .superbatch import SuperBatchTask
-from .tables import TableCommitter, check_table_dir
+from .tables import TableCommitter, check_table_output, table_settled
 from .unit import UnitRunner, planned_units, streaming_units
 
 __all__ = ["RunRequest", "ThresholdResolver", "write_run", "complete_result"]
@@ -144,8 +144,10 @@ def write_run(request: RunRequest) -> EncodeResult:
         table = request.table()
         found = find_run(store, request.fingerprint)
         _say_recorded_thresholds(found, request)
-        if table is not None:  # a new or empty directory, or a table (whose history decides)
-            check_table_dir(store, table.exists())
+        if (
+            table is not None
+        ):  # a new or empty directory, or a table (whose history decides): before any write
+            check_table_output(store, table, fingerprint_digest(request.fingerprint), request.mode)
             if found is not None:
                 found.table = True
         store.prove()  # an object store honours conditional creates, before the claim relies on one
@@ -154,7 +156,8 @@ def write_run(request: RunRequest) -> EncodeResult:
             and found.completion() is not None
             and not request.overwrite
             and not found.coverage().missing(request.frame.npartitions)
-        ):  # records, not the marker, are the truth
+            and (table is None or table_settled(table, found))
+        ):  # records (and a table's history), not the marker, are the truth
             committed = found.committed()
             if not settled(found, committed):  # a process killed while it finished: finish its clean-up
                 with Claim.acquire(store, found.run_id, heartbeat=False):
@@ -279,6 +282,7 @@ def _claimed_run(
         request.fingerprint,
         overwrite=overwrite,
         plan=_new_plan(request, sizes, max_bytes, threads) if found is None else None,
+        table=table is not None,
     )
     manifest.table = (
         table is not None

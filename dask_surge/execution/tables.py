@@ -46,50 +46,67 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import SurgeOutputError
+from ..io.directory import META_DIR
 from ..io.manifest import CommitRecord, Manifest
 from ..io.store import OutputStore
-from ..io.tables import CommitConflict
+from ..io.tables import CommitConflict, detect
 
 logger = logging.getLogger("dask_surge")
 
-__all__ = ["TableCommitter", "check_table_dir", "TABLE_ENTRIES"]
+__all__ = ["TableCommitter", "check_table_output", "table_settled"]
 
 #: commits refused in a row by the store (other writers winning each race) before the run stops
 _ATTEMPTS = 12
 
-#: what a directory may hold before a run makes it a table: the tables' own entries and ``_surge/``
-TABLE_ENTRIES = frozenset(
-    {
-        "_surge",
-        "data",
-        "_versions",
-        "_transactions",
-        "_indices",
-        "_deletions",
-        "_refs",
-        "_delta_log",
-        "surge-data",
-        "metadata",
-    }
-)
+
+def _foreign_table(table: Any, h: Any) -> SurgeOutputError:
+    """The refusal of a table (history ``h``) that this run did not create, without ``mode="append"``."""
+    version, op, run = h.foreign[0]
+    return SurgeOutputError(
+        f"output={table.location.url!r} is a {table.name} table that this run did not create (version "
+        f"{version}: {op}{' by dask-surge run ' + run if run else ''}). Nothing was written. Fix: write to a "
+        "new path, or pass mode='append' to add this run's rows to it (same columns)."
+    )
 
 
-def check_table_dir(store: OutputStore, exists: bool) -> None:
-    """Refuse to make the output a table when it holds anything but a table's own entries.
-
-    ``exists``: a table is already there (then the table's history decides, not the listing).
-    """
-    if exists:
-        return
+def check_table_output(store: OutputStore, table: Any, run_id: str, mode: str) -> bool:
+    """Refuse, before anything is written, an output a ``table.name`` run of ``run_id`` cannot write:
+    a table of another format; a directory holding anything but the format's own entries and
+    ``_surge/``; a table this run did not create, unless ``mode="append"``. Returns whether the
+    table exists (then its history decides what the run commits)."""
     root = store.root
-    names = set(store.listdir(root))
-    foreign = sorted(n for n in names if n not in TABLE_ENTRIES and not n.startswith("."))
-    if foreign:
+    names = set(store.listdir(root)) if store.isdir(root) else set()
+    other = detect(names)
+    if other is not None and other != table.name:
         raise SurgeOutputError(
-            f"output={root!r} holds {foreign[:5]}, which is neither a table nor dask-surge's own; a table "
-            "output is written only into a new directory, an empty one, or a table. Nothing was written. "
-            "Fix: choose a new path for the table."
+            f"output={root!r} holds a {other} table; this run writes format={table.name!r}, which cannot go "
+            f"into it. Nothing was written. Fix: pass format={other!r} (with mode='append' to add rows to "
+            "that table, same columns), or write to a new path."
         )
+    exists = bool(table.exists())
+    if not exists:
+        foreign = sorted(
+            n for n in names if n not in table.ENTRIES and n != META_DIR and not n.startswith(".")
+        )
+        if foreign:
+            raise SurgeOutputError(
+                f"output={root!r} holds {foreign[:5]}, which is neither a {table.name} table nor dask-surge's "
+                "own; a table output is written only into a new directory, an empty one, or a table. Nothing "
+                "was written. Fix: choose a new path for the table."
+            )
+        return False
+    h = table.history(run_id)
+    if h.first_ours is False and mode != "append":
+        raise _foreign_table(table, h)
+    return True
+
+
+def table_settled(table: Any, manifest: Manifest) -> bool:
+    """True when the table's history holds every SuperBatch ``manifest`` records as committed, each in
+    one version: a complete run needs no work. False sends a rerun into the run, whose committer
+    commits what is missing and repairs what an earlier build left twice."""
+    h = table.history(manifest.run_id)
+    return not h.duplicates and all(sb in h.ours for sb in manifest.committed())
 
 
 class TableCommitter:
@@ -131,6 +148,8 @@ class TableCommitter:
         )
         self._fenced = False  # this process's fence version is in the table
         self.done: set[str] = set()
+        self.duplicates: list[str] = []
+        self._read_held: set[str] = set()  # SuperBatches the history reads found held
         self.seen = 0  # the table version whose history this process has read up to
         self.exists = False
         self.first: float | None = None  # wall clock of the first commit of this process
@@ -157,23 +176,13 @@ class TableCommitter:
                 )
             return
         if self.seen == 0 and h.first_ours is False and self.mode != "append":
-            raise SurgeOutputError(
-                f"output={self.table.location.url!r} is a {self.table.name} table that this run did not "
-                f"create (version {h.foreign[0][0]}: {h.foreign[0][1]}"
-                f"{' by dask-surge run ' + h.foreign[0][2] if h.foreign[0][2] else ''}). Nothing was written. "
-                "Fix: write to a new path, or pass mode='append' to add this run's rows to it (same columns)."
-            )
+            raise _foreign_table(self.table, h)
         taken = [
             v for v, tok in h.fences if tok != self.token and self._floor is not None and v > self._floor
         ]
         if taken:
             raise self._lost(
                 f"version {taken[0]} of the table was made by the process that took the claim over"
-            )
-        if h.duplicates:  # pragma: no cover - only two claim holders at once could do it
-            raise SurgeOutputError(
-                f"the table {self.table.location.url!r} holds SuperBatch(es) {h.duplicates[:5]} of run "
-                f"{self.run_id} twice. Please report this with the table's history."
             )
         if h.ops and self._ours_first is None:
             self._ours_first = min(h.ops)
@@ -187,6 +196,13 @@ class TableCommitter:
                     "manifest is kept. Fix: write to a new path (appends, compaction and index builds by "
                     "others are merged; other changes are not)."
                 )
+        if h.replaced:  # an earlier build's stale Overwrite: what versions before it held is gone
+            self.done.clear()
+            self._read_held.clear()
+        # two versions of the run hold them (also across reads): repaired at start
+        twice = set(self.duplicates) | set(h.duplicates) | {sb for sb in h.held if sb in self._read_held}
+        self.duplicates = sorted(twice - set(h.repaired))
+        self._read_held.update(h.ours)
         self.done.update(h.ours)
         self.exists, self.seen = True, max(self.seen, h.version)
 
@@ -204,6 +220,8 @@ class TableCommitter:
         self._floor = self.seen
         if self.exists:  # else the first commit creates the table, which fences it
             self._attempt(None)
+        while self.duplicates:  # an earlier build's stale commit: the second copy goes
+            self._repair()
         left = [sb for sb in self.manifest.committed() if sb not in self.done]
         for i in range(0, len(left), self.every):
             self._commit(left[i : i + self.every])
@@ -224,6 +242,31 @@ class TableCommitter:
             out.append((sb, record.table))
         return out
 
+    def _repair(self) -> None:
+        """Remove the second copy of the SuperBatches two versions of the run hold (an earlier build's
+        commit by a process whose claim was taken over), in one version of this (fenced) process."""
+        for tries in range(_ATTEMPTS):
+            sbs = list(self.duplicates)
+            try:
+                version = self.table.repair(self.run_id, self.token, sbs, self.seen)
+            except CommitConflict:
+                time.sleep(min(0.05 * 2**tries, 2.0))
+                self._read()
+                continue
+            logger.warning(
+                "dask-surge: the table %s held SuperBatch(es) %s of run %s twice (committed by an earlier "
+                "version of dask-surge after its claim was taken over); version %s removed the second copy.",
+                self.table.location.url,
+                ", ".join(sbs[:5]),
+                self.run_id,
+                version,
+            )
+            self._read()
+            return
+        raise SurgeOutputError(
+            f"the table {self.table.location.url!r} refused {_ATTEMPTS} repairs in a row. Fix: rerun the same call."
+        )
+
     def _commit(self, sbs: list[str]) -> None:
         """Commit the SuperBatches ``sbs`` that no version holds yet (after this process's fence)."""
         while not self._attempt(sbs):
@@ -237,6 +280,12 @@ class TableCommitter:
             if self.claim is not None and self.claim.lost:
                 raise self._lost("its heartbeat found the claim file replaced")
             self._read()  # versions made since: ours, another process's of this run, others'
+            if self.duplicates and sbs is not None:  # pragma: no cover - a fenced table cannot get one
+                raise SurgeOutputError(
+                    f"the table {self.table.location.url!r} holds SuperBatch(es) {self.duplicates[:5]} of run "
+                    f"{self.run_id} in two versions, committed while this run wrote it. What the run committed "
+                    "is kept. Fix: rerun the same call (its start repairs the table: the second copy is removed)."
+                )
             batch = [sb for sb in dict.fromkeys(sbs or ()) if sb not in self.done]
             if self._fenced and not batch:
                 return True

@@ -267,7 +267,7 @@ def check_output(
     contents : bool
         Also refuse a directory holding entries dask-surge did not write (a Parquet output); a
         table output's own entries are the table's to judge
-        (:func:`dask_surge.execution.tables.check_table_dir`).
+        (:func:`dask_surge.execution.tables.check_table_output`).
 
     Raises
     ------

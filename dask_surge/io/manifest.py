@@ -577,13 +577,20 @@ def _differences(old: dict, new: dict) -> list[str]:
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
-def other_run_error(location: str, other: Manifest, fingerprint: dict) -> SurgeOutputError:
-    """The refusal of a run of ``fingerprint`` in an output that holds the different run ``other``."""
+def other_run_error(
+    location: str, other: Manifest, fingerprint: dict, *, table: bool = False
+) -> SurgeOutputError:
+    """The refusal of a run of ``fingerprint`` in an output that holds the different run ``other``
+    (``table``: the output is a table, which is never overwritten)."""
     diff = "; ".join(_differences(other.fingerprint, fingerprint)) or "(format)"
+    fix = (
+        "pass mode='append' to add this run's rows to the table once that run is complete (same columns)"
+        if table
+        else "pass overwrite=True (the old output is replaced only once the new run has completed)"
+    )
     return SurgeOutputError(
         f"output={location!r} already holds a different run ({diff}). Nothing was written. "
-        "Fix: write to a new path, or pass overwrite=True (the old output is replaced "
-        "only once the new run has completed)."
+        f"Fix: write to a new path, or {fix}."
     )
 
 
@@ -609,6 +616,7 @@ def open_run(
     *,
     overwrite: bool = False,
     plan: RunPlan | None = None,
+    table: bool = False,
 ) -> tuple[Manifest, bool]:
     """Open (resume) or create the run for ``fingerprint`` in the output ``store``.
 
@@ -635,7 +643,7 @@ def open_run(
     other = current if current is not None and current.run_id != run_id else None
     empty_other = other is not None and other.stopped() and not other.committed()
     if other is not None and not overwrite and not empty_other:
-        raise other_run_error(path, other, fingerprint)
+        raise other_run_error(path, other, fingerprint, table=table)
     refuse_links(store)
     # while another run is current, this one's files wait in staging/ until it completes (settle)
     manifest.defer_publish = other is not None and not empty_other

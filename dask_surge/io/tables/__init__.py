@@ -25,6 +25,7 @@ from ...errors import SurgeValueError
 from .base import (
     FENCE_PROPERTY,
     FORMATS,
+    REPAIRED_PROPERTY,
     RUN_PROPERTY,
     SUPERBATCHES_PROPERTY,
     TABLE_FORMATS,
@@ -42,11 +43,47 @@ __all__ = [
     "RUN_PROPERTY",
     "SUPERBATCHES_PROPERTY",
     "FENCE_PROPERTY",
+    "REPAIRED_PROPERTY",
     "CommitConflict",
     "History",
     "require",
     "open_table",
+    "detect",
+    "table_class",
 ]
+
+#: format -> the class of its table output
+_CLASSES: dict[str, Any] = {"lance": LanceTable, "delta": DeltaOutput, "iceberg": IcebergTable}
+
+
+def table_class(fmt: str) -> Any:
+    """The class of a ``fmt`` table output.
+
+    Examples
+    --------
+    >>> table_class("delta").__name__
+    'DeltaOutput'
+    """
+    try:
+        return _CLASSES[fmt]
+    except KeyError:
+        raise SurgeValueError(
+            f"format={fmt!r} is not a table format. Fix: choose one of {TABLE_FORMATS}."
+        ) from None
+
+
+def detect(names: Any) -> str | None:
+    """The table format whose marker (Lance ``_versions/``, Delta ``_delta_log/``, Iceberg
+    ``metadata/``) is among ``names`` (a directory's entries), or None: the one rule by which an
+    existing table's format is recognised.
+
+    Examples
+    --------
+    >>> detect(["_delta_log", "part-0.parquet"]), detect(["data", "_versions"]), detect(["x"])
+    ('delta', 'lance', None)
+    """
+    names = set(names)
+    return next((fmt for fmt, cls in _CLASSES.items() if cls.MARKER in names), None)
 
 
 def open_table(fmt: str, location: Any) -> Any:
@@ -54,13 +91,8 @@ def open_table(fmt: str, location: Any) -> Any:
 
     Raises an error naming the extra to install when the format's package is missing.
     """
-    if fmt == "lance":
-        require("lance")
-        return LanceTable(location)
-    if fmt == "delta":
-        require("deltalake")
-        return DeltaOutput(location)
+    cls = table_class(fmt)
+    require({"lance": "lance", "delta": "deltalake", "iceberg": "pyiceberg"}[fmt])
     if fmt == "iceberg":  # the catalog and the identifier: surge.iceberg-catalog, surge.iceberg-table
-        require("pyiceberg")
-        return IcebergTable(location, get("iceberg-catalog"), get("iceberg-table"))
-    raise SurgeValueError(f"format={fmt!r} is not a table format. Fix: choose one of {TABLE_FORMATS}.")
+        return cls(location, get("iceberg-catalog"), get("iceberg-table"))
+    return cls(location)

@@ -14,6 +14,7 @@ __all__ = [
     "RUN_PROPERTY",
     "SUPERBATCHES_PROPERTY",
     "FENCE_PROPERTY",
+    "REPAIRED_PROPERTY",
     "CommitConflict",
     "History",
     "require",
@@ -29,6 +30,9 @@ SUPERBATCHES_PROPERTY = "dask-surge.superbatches"
 #: commit-metadata key holding the claim token of the process that made the version (every version a
 #: run makes names it; a *fence* version, which holds no SuperBatch, is where a claim holder's commits begin)
 FENCE_PROPERTY = "dask-surge.fence"
+#: commit-metadata key of a repair version: the JSON list of SuperBatches whose second copy it removed
+#: (the table's history names them twice; from then on only their first version holds them)
+REPAIRED_PROPERTY = "dask-surge.repaired"
 
 #: module -> (pip extra, the distribution that provides it)
 _EXTRAS = {
@@ -111,15 +115,41 @@ class History:
     #: SuperBatch key -> every version of the run that holds it (two or more: a duplicate)
     held: dict[str, list[int]] = field(default_factory=dict)
     fences: list[tuple[int, str]] = field(default_factory=list)
+    #: a version of the run replaced every row (what versions before it held is gone)
+    replaced: bool = False
+    #: SuperBatches whose second copy a version of the run removed
+    repaired: list[str] = field(default_factory=list)
 
-    def add_ours(self, version: int, superbatches: list, op: str, token: str = "") -> None:
+    def add_ours(
+        self,
+        version: int,
+        superbatches: list,
+        op: str,
+        token: str = "",
+        *,
+        replaces: bool = False,
+        repaired: list | None = None,
+    ) -> None:
         """A version of this run was read: it holds ``superbatches``; ``token``: the claim token of the
-        process that made it (empty: a build that wrote none)."""
+        process that made it (empty: a build that wrote none); ``replaces``: it replaced the table's
+        rows (what earlier versions held is gone); ``repaired``: SuperBatches whose second copy it
+        removed (see :data:`REPAIRED_PROPERTY`)."""
         if self.first_ours is None:
             self.first_ours = True
         self.ops[version] = op
         if token:
             self.fences.append((version, token))
+        if replaces:
+            self.replaced = True
+            self.ours.clear()
+            self.held.clear()
+            self.duplicates.clear()
+        for sb in repaired or ():
+            self.repaired.append(sb)
+            if sb in self.held:
+                self.held[sb] = self.held[sb][:1]
+                self.ours[sb] = self.held[sb][0]
+            self.duplicates = [d for d in self.duplicates if d != sb]
         for sb in superbatches:
             if sb in self.ours:
                 self.duplicates.append(str(sb))

@@ -37,7 +37,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ...errors import SurgeOutputError
-from .base import FENCE_PROPERTY, RUN_PROPERTY, SUPERBATCHES_PROPERTY, CommitConflict, History, require
+from .base import (
+    FENCE_PROPERTY,
+    REPAIRED_PROPERTY,
+    RUN_PROPERTY,
+    SUPERBATCHES_PROPERTY,
+    CommitConflict,
+    History,
+    require,
+)
 from .locations import TableLocation
 
 __all__ = ["DeltaOutput", "DATA_DIR"]
@@ -76,6 +84,10 @@ class DeltaOutput:
     """
 
     name = "delta"
+    #: the entry of a directory that says a table of this format is there
+    MARKER = "_delta_log"
+    #: what the format's own directory holds (a new output may hold these and ``_surge/`` only)
+    ENTRIES = frozenset({"_delta_log", DATA_DIR})
 
     def __init__(self, location: TableLocation) -> None:
         self.location = location
@@ -140,7 +152,8 @@ class DeltaOutput:
             )
             if entry.get(RUN_PROPERTY) == run_id:
                 sbs = json.loads(entry.get(SUPERBATCHES_PROPERTY) or "[]")
-                out.add_ours(version, sbs, op, str(entry.get(FENCE_PROPERTY) or ""))
+                repaired = json.loads(entry.get(REPAIRED_PROPERTY) or "[]")
+                out.add_ours(version, sbs, op, str(entry.get(FENCE_PROPERTY) or ""), repaired=repaired)
             else:
                 out.note_foreign()
                 out.foreign.append((version, op, str(entry.get(RUN_PROPERTY) or "")))
@@ -182,7 +195,14 @@ class DeltaOutput:
             )
 
     def _transact(
-        self, run_id: str, token: str, sbs: list[str], adds: list, schema: pa.Schema | None, read_version: int
+        self,
+        run_id: str,
+        token: str,
+        sbs: list[str],
+        adds: list,
+        schema: pa.Schema | None,
+        read_version: int,
+        extra: dict | None = None,
     ) -> int:
         """One commit of ``adds`` onto the table as of ``read_version`` (this module's numbering), with
         the run's ``txn`` (see the module's docstring); :class:`~.base.CommitConflict` when refused."""
@@ -198,6 +218,7 @@ class DeltaOutput:
                 RUN_PROPERTY: run_id,
                 SUPERBATCHES_PROPERTY: json.dumps(sorted(sbs)),
                 FENCE_PROPERTY: token,
+                **(extra or {}),
             },
             app_transactions=[Transaction(f"dask-surge-{run_id}", read_version)],
         )
@@ -243,6 +264,14 @@ class DeltaOutput:
                 raise
             raise CommitConflict(f"a Delta table was created at {self.location.url!r} meanwhile") from err
         return 1
+
+    def repair(self, run_id: str, token: str, superbatches: list[str], read_version: int) -> int:
+        """Record that ``superbatches``, which the history names twice, are in the table once: a Delta
+        snapshot holds each file path once (the log's replay keeps one add per path), so a stale second
+        commit of the same files added no row. One empty commit whose :data:`~.base.REPAIRED_PROPERTY`
+        names them, read at ``read_version``. Returns its version."""
+        extra = {REPAIRED_PROPERTY: json.dumps(sorted(superbatches))}
+        return self._transact(run_id, token, [], [], None, read_version, extra)
 
     def commit(self, run_id: str, token: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
         """Commit the files of ``batch`` (``(sb, payload)`` pairs) as one append whose commit info names

@@ -47,7 +47,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ...errors import SurgeOutputError, SurgeValueError
-from .base import FENCE_PROPERTY, RUN_PROPERTY, SUPERBATCHES_PROPERTY, CommitConflict, History, require
+from .base import (
+    FENCE_PROPERTY,
+    REPAIRED_PROPERTY,
+    RUN_PROPERTY,
+    SUPERBATCHES_PROPERTY,
+    CommitConflict,
+    History,
+    require,
+)
 from .locations import TableLocation
 
 __all__ = ["IcebergTable", "DATA_DIR", "KEEPS_ROWS", "table_identifier"]
@@ -132,6 +140,10 @@ class IcebergTable:
     """
 
     name = "iceberg"
+    #: the entry of a directory that says a table of this format is there
+    MARKER = "metadata"
+    #: what the format's own directory holds (a new output may hold these and ``_surge/`` only)
+    ENTRIES = frozenset({"metadata", DATA_DIR})
 
     def __init__(
         self, location: TableLocation, catalog: dict | None = None, identifier: str | None = None
@@ -269,7 +281,8 @@ class IcebergTable:
             op = str(summary.operation.value) if summary is not None else "unknown"
             if props.get(RUN_PROPERTY) == run_id:
                 sbs = json.loads(props.get(SUPERBATCHES_PROPERTY) or "[]")
-                out.add_ours(version, sbs, op, str(props.get(FENCE_PROPERTY) or ""))
+                repaired = json.loads(props.get(REPAIRED_PROPERTY) or "[]")
+                out.add_ours(version, sbs, op, str(props.get(FENCE_PROPERTY) or ""), repaired=repaired)
             else:
                 out.note_foreign()
                 out.foreign.append((version, op, str(props.get(RUN_PROPERTY) or "")))
@@ -348,6 +361,21 @@ class IcebergTable:
         if table is None:
             table = self._create(catalog, run_id, _schema_of(json.loads(payload)["schema"]))
         props = {RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: "[]", FENCE_PROPERTY: token}
+        return self._append(table, read_version, [], props)
+
+    def repair(self, run_id: str, token: str, superbatches: list[str], read_version: int) -> int:
+        """Record that ``superbatches``, which the history names twice, are in the table once (pyiceberg
+        refuses to add a file the table already references, so a second commit added no row): an append
+        of no file whose :data:`~.base.REPAIRED_PROPERTY` names them, onto ``read_version``."""
+        table = self._open()
+        if table is None:
+            raise CommitConflict(f"the Iceberg table {self.identifier!r} is gone")
+        props = {
+            RUN_PROPERTY: run_id,
+            SUPERBATCHES_PROPERTY: "[]",
+            FENCE_PROPERTY: token,
+            REPAIRED_PROPERTY: json.dumps(sorted(superbatches)),
+        }
         return self._append(table, read_version, [], props)
 
     def commit(self, run_id: str, token: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:

@@ -27,7 +27,15 @@ from typing import Any
 import pyarrow as pa
 
 from ...errors import SurgeOutputError
-from .base import FENCE_PROPERTY, RUN_PROPERTY, SUPERBATCHES_PROPERTY, CommitConflict, History, require
+from .base import (
+    FENCE_PROPERTY,
+    REPAIRED_PROPERTY,
+    RUN_PROPERTY,
+    SUPERBATCHES_PROPERTY,
+    CommitConflict,
+    History,
+    require,
+)
 from .locations import TableLocation
 
 __all__ = ["LanceTable", "KEEPS_ROWS"]
@@ -54,6 +62,10 @@ class LanceTable:
     """
 
     name = "lance"
+    #: the entry of a directory that says a table of this format is there
+    MARKER = "_versions"
+    #: what the format's own directory holds (a new output may hold these and ``_surge/`` only)
+    ENTRIES = frozenset({"data", "_versions", "_transactions", "_indices", "_deletions", "_refs"})
 
     def __init__(self, location: TableLocation) -> None:
         self.location = location
@@ -130,7 +142,14 @@ class LanceTable:
             op = type(txn.operation).__name__ if txn is not None else "unknown"
             if props.get(RUN_PROPERTY) == run_id:
                 sbs = json.loads(props.get(SUPERBATCHES_PROPERTY, "[]"))
-                out.add_ours(version, sbs, op, props.get(FENCE_PROPERTY, ""))
+                out.add_ours(
+                    version,
+                    sbs,
+                    op,
+                    props.get(FENCE_PROPERTY, ""),
+                    replaces=op == "Overwrite",  # an earlier build's stale Overwrite replaced every row
+                    repaired=json.loads(props.get(REPAIRED_PROPERTY, "[]")),
+                )
             else:
                 out.note_foreign()
                 out.foreign.append((version, op, props.get(RUN_PROPERTY, "")))
@@ -212,6 +231,43 @@ class LanceTable:
                 raise
             raise CommitConflict(f"a Lance table was created at {self.location.url!r} meanwhile") from err
         return int(ds.version)
+
+    def repair(self, run_id: str, token: str, superbatches: list[str], read_version: int) -> int:
+        """Remove the second copy of SuperBatches the table's history names twice (an earlier build's
+        stale commit): every fragment that references a data file an older fragment references too is
+        deleted (the same file twice is never two rows' worth of data), in one version whose
+        :data:`~.base.REPAIRED_PROPERTY` names ``superbatches``, read at ``read_version``. Returns it."""
+        lance = require("lance")
+        from lance.commit import CommitConflictError
+
+        ds = self._open(read_version)
+        seen: set[str] = set()
+        extra = []
+        for frag in sorted(ds.get_fragments(), key=lambda f: f.fragment_id):
+            paths = tuple(d.path for d in frag.data_files())
+            if paths and all(p in seen for p in paths):
+                extra.append(frag.fragment_id)
+            seen.update(paths)
+        props = {
+            RUN_PROPERTY: run_id,
+            SUPERBATCHES_PROPERTY: "[]",
+            FENCE_PROPERTY: token,
+            REPAIRED_PROPERTY: json.dumps(sorted(superbatches)),
+        }
+        op = (
+            lance.LanceOperation.Delete([], extra, "dask-surge: a second copy of committed fragments")
+            if extra
+            else lance.LanceOperation.Project(ds.schema)
+        )
+        try:
+            out = lance.LanceDataset.commit(
+                self.location.uri,
+                lance.Transaction(read_version, op, transaction_properties=props),
+                storage_options=self.location.options,
+            )
+        except CommitConflictError as err:
+            raise CommitConflict(f"Lance refused the repair read at version {read_version}: {err}") from err
+        return int(out.version)
 
     def commit(self, run_id: str, token: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
         """Append the fragments of ``batch`` (``(sb, payload)`` pairs) as one table version whose
