@@ -101,13 +101,14 @@ class EncoderPlugin(WorkerPlugin):
     async def setup(self, worker) -> None:
         """Install an in-memory model in this worker process and, with ``preload``, load the model.
 
-        First the thread pools (:func:`hold_worker_settings`, restored when the last plugin leaves
-        this process) and the process-wide tuning settings for the worker's device
-        (``surge.tuning.*``, :mod:`dask_surge.engine.tuning`), in a worker process of its own only.
+        First, in a worker process of its own only, the thread pools (:func:`hold_worker_settings`,
+        restored when the last plugin leaves this process) and the process-wide tuning settings for
+        the worker's device (``surge.tuning.*``, :mod:`dask_surge.engine.tuning`).
         Loading runs in a thread: it takes seconds, during which a worker whose event loop were
         blocked would miss heartbeats and look dead.
         """
-        hold_worker_settings((id(worker), self.name))
+        if self._own_process():  # the user's own process (an in-process worker) keeps its pools
+            hold_worker_settings((id(worker), self.name))
         self._tune()
         if self.obj is not None:
             install_object(self.encoder.spec.source, self.obj)
