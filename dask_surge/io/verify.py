@@ -339,13 +339,13 @@ def table_problems(manifest: Manifest, fmt: str) -> list[str]:
             + rerun
         )
     for sb, holders in sorted(history.held.items()):
-        if len(holders) > 1:
+        if len(holders) > 1:  # the rows the table holds now are counted below: say only what the history says
             problems.append(
-                f"SuperBatch {sb} of run {manifest.run_id} is held by {', '.join(_version(fmt, v) for v in holders)} "
-                f"of {where}: its {_rows_of(committed.get(sb))}rows are in the table {len(holders)} times. Fix: "
-                f"restore the table to the one before {_version(fmt, holders[1])} with the {fmt} library and rerun "
-                "the same encode call (which commits what is then missing), or delete the rows that one added, or "
-                "encode to a new path."
+                f"SuperBatch {sb} of run {manifest.run_id} is committed by {len(holders)} versions of {where} "
+                f"({', '.join(_version(fmt, v) for v in holders)}; a commit of a process whose claim was taken "
+                "over, by a dask-surge before the fenced commits). Fix: rerun the same encode call: its start "
+                "repairs the table (the second copy's rows are removed, and the repair is recorded in the "
+                "table's history)."
             )
     unknown = sorted(sb for sb in history.ours if sb not in committed)
     if unknown:

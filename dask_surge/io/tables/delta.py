@@ -269,7 +269,20 @@ class DeltaOutput:
         """Record that ``superbatches``, which the history names twice, are in the table once: a Delta
         snapshot holds each file path once (the log's replay keeps one add per path), so a stale second
         commit of the same files added no row. One empty commit whose :data:`~.base.REPAIRED_PROPERTY`
-        names them, read at ``read_version``. Returns its version."""
+        names them, read at ``read_version``. Returns its version; refuses (changing nothing) when a
+        second commit added other files (its rows are in the table twice)."""
+        h = self.history(run_id)
+        for version in sorted({v for sb in superbatches for v in h.held.get(sb, [])[1:]}):
+            before = set(_actions(deltalake_version(self.location, version - 2))["path"])
+            added = set(_actions(deltalake_version(self.location, version - 1))["path"]) - before
+            if added:
+                raise SurgeOutputError(
+                    f"version {version - 1} of the Delta table {self.location.url!r} added file(s) "
+                    f"{sorted(added)[:3]} holding SuperBatch(es) {sorted(superbatches)[:5]} a second time: its "
+                    "rows are in the table twice, and Delta cannot drop those files without rewriting them. "
+                    "Nothing was changed. Fix: encode to a new path (or delete those rows with deltalake and "
+                    "write to a new path: a run stops on a table whose rows others deleted)."
+                )
         extra = {REPAIRED_PROPERTY: json.dumps(sorted(superbatches))}
         return self._transact(run_id, token, [], [], None, read_version, extra)
 

@@ -364,12 +364,23 @@ class IcebergTable:
         return self._append(table, read_version, [], props)
 
     def repair(self, run_id: str, token: str, superbatches: list[str], read_version: int) -> int:
-        """Record that ``superbatches``, which the history names twice, are in the table once (pyiceberg
-        refuses to add a file the table already references, so a second commit added no row): an append
-        of no file whose :data:`~.base.REPAIRED_PROPERTY` names them, onto ``read_version``."""
+        """Record that ``superbatches``, which the history names twice, are in the table once when the
+        later snapshots that name them added no data file (pyiceberg refuses to add a file the table
+        already references): an append of no file whose :data:`~.base.REPAIRED_PROPERTY` names them,
+        onto ``read_version``; refuses (changing nothing) when one added files."""
         table = self._open()
         if table is None:
             raise CommitConflict(f"the Iceberg table {self.identifier!r} is gone")
+        h = self.history(run_id)
+        later = {v for sb in superbatches for v in h.held.get(sb, [])[1:]}
+        for version, snap in _versions(table.metadata):
+            added = dict(snap.summary.additional_properties).get("added-data-files") if snap.summary else None
+            if version in later and int(added or 0) > 0:
+                raise SurgeOutputError(
+                    f"snapshot {snap.snapshot_id} of the Iceberg table {self.identifier!r} added {added} data "
+                    f"file(s) holding SuperBatch(es) {sorted(superbatches)[:5]} a second time: their rows are in "
+                    "the table twice. Nothing was changed. Fix: encode to a new path."
+                )
         props = {
             RUN_PROPERTY: run_id,
             SUPERBATCHES_PROPERTY: "[]",

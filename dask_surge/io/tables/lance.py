@@ -234,19 +234,28 @@ class LanceTable:
 
     def repair(self, run_id: str, token: str, superbatches: list[str], read_version: int) -> int:
         """Remove the second copy of SuperBatches the table's history names twice (an earlier build's
-        stale commit): every fragment that references a data file an older fragment references too is
-        deleted (the same file twice is never two rows' worth of data), in one version whose
-        :data:`~.base.REPAIRED_PROPERTY` names ``superbatches``, read at ``read_version``. Returns it."""
+        stale commit): the fragments a later version added when every SuperBatch it names is such a
+        second copy, and every fragment that references a data file an older fragment references too,
+        are deleted in one version whose :data:`~.base.REPAIRED_PROPERTY` names ``superbatches``, read
+        at ``read_version``. Returns it."""
         lance = require("lance")
         from lance.commit import CommitConflictError
 
         ds = self._open(read_version)
+        now = {f.fragment_id for f in ds.get_fragments()}
+        h = self.history(run_id)
+        dups = set(superbatches)
+        extra: set[int] = set()
+        for version in {v for sb in superbatches for v in h.held.get(sb, [])[1:]}:
+            names = {sb for sb, held in h.held.items() if version in held}
+            if names <= dups:  # every SuperBatch it names is a second copy: the fragments it added go
+                before = {f.fragment_id for f in self._open(version - 1).get_fragments()}
+                extra |= ({f.fragment_id for f in self._open(version).get_fragments()} - before) & now
         seen: set[str] = set()
-        extra = []
         for frag in sorted(ds.get_fragments(), key=lambda f: f.fragment_id):
             paths = tuple(d.path for d in frag.data_files())
-            if paths and all(p in seen for p in paths):
-                extra.append(frag.fragment_id)
+            if paths and all(p in seen for p in paths):  # the same data file twice is never two rows' worth
+                extra.add(frag.fragment_id)
             seen.update(paths)
         props = {
             RUN_PROPERTY: run_id,
@@ -255,7 +264,7 @@ class LanceTable:
             REPAIRED_PROPERTY: json.dumps(sorted(superbatches)),
         }
         op = (
-            lance.LanceOperation.Delete([], extra, "dask-surge: a second copy of committed fragments")
+            lance.LanceOperation.Delete([], sorted(extra), "dask-surge: a second copy of committed fragments")
             if extra
             else lance.LanceOperation.Project(ds.schema)
         )
