@@ -279,6 +279,24 @@ def test_faiss_index_beside_an_iceberg_output(tmp_path):
             open_index(out)
 
 
+def test_an_iceberg_index_is_stale_once_another_writer_appends(tmp_path):
+    """Issue 67: the index recorded no table version for Iceberg, so after another writer's append (no
+    dask-surge run, the same committed rows) it was opened and its keys missed the new rows."""
+    pytest.importorskip("pyiceberg")
+    import dask
+    from pyiceberg.catalog import load_catalog
+
+    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}/wh"}
+    out = str(tmp_path / "emb.iceberg")
+    with dask.config.set({"surge.iceberg-catalog": {"name": "surge-index", **props}}):
+        _encode(_small(), out, _len_model, format="iceberg", build_index="l2")
+        open_index(out)  # fresh
+        table = load_catalog("surge-index", **props).load_table("default.emb")
+        table.append(table.scan(limit=5).to_arrow())  # another tool's append
+        with pytest.raises(dask_surge.SurgeInputError, match="older than the output"):
+            open_index(out)
+
+
 def test_an_output_that_is_not_dense_vectors_is_refused(tmp_path):
     with pytest.raises(dask_surge.SurgeInputError, match="holds no dask-surge run"):
         build_index(str(tmp_path))

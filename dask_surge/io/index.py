@@ -126,7 +126,7 @@ def lance_index_params(rows: int, dim: int) -> dict:
 def _stamp(store: OutputStore, kind: str) -> dict:
     """What an index of the output at ``store`` was built from, and what invalidates it: the
     current run's id and committed rows (rows of its files: one per window with ``long_texts="chunk"``),
-    and a Delta table's version. An output with no dask-surge run (a table written by another
+    and a table's own version (:meth:`table_version`: Delta's version, Iceberg's current snapshot id). An output with no dask-surge run (a table written by another
     tool) stamps ``run`` None."""
     manifest = current_run(store)
     stamp: dict[str, Any] = {"run": None, "rows_committed": None}
@@ -143,10 +143,8 @@ def _stamp(store: OutputStore, kind: str) -> dict:
             "rows_committed": sum(r.output_rows or r.rows for r in committed),
             "complete": manifest.completion() is not None,
         }
-    if kind == "delta":
-        location = TableLocation.of(store)
-        dt = require("deltalake").DeltaTable(location.uri, storage_options=location.options)
-        stamp["table_version"] = int(dt.version())
+    if kind != "parquet":  # the table's own version (Delta's, Iceberg's snapshot id): any change moves it
+        stamp["table_version"] = _table_of(kind, store).table_version()
     return stamp
 
 

@@ -172,6 +172,12 @@ class DeltaOutput:
             out.append((version + 1, int(entry.get("timestamp") or 0) / 1000, _records(at)))
         return out
 
+    def table_version(self) -> int | None:
+        """The table's own version now, as its library names it (None: no table): what an index of the
+        table records, so that any later commit (an append or delete by anyone) makes the index stale."""
+        dt = self._open()
+        return None if dt is None else int(dt.version())
+
     def data_files(self) -> list[tuple[str, int | None]]:
         """``(path relative to the table or a URI, size in bytes)`` of every data file the latest version
         references."""

@@ -423,6 +423,13 @@ class IcebergTable:
             out.append((version, snap.timestamp_ms / 1000, rows))
         return out
 
+    def table_version(self) -> int | None:
+        """The table's own version now, as its library names it (None: no table): what an index of the
+        table records, so that any later commit (an append or delete by anyone) makes the index stale."""
+        table = self._open()
+        snap = None if table is None else table.current_snapshot()
+        return None if snap is None else int(snap.snapshot_id)
+
     def data_files(self) -> list[tuple[str, int | None]]:
         """``(URI, size in bytes)`` of every data file the current snapshot references."""
         table = self._open()

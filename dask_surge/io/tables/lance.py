@@ -168,6 +168,12 @@ class LanceTable:
             out.append((int(v["version"]), v["timestamp"].timestamp(), rows))
         return out
 
+    def table_version(self) -> int | None:
+        """The table's own version now, as its library names it (None: no table): what an index of the
+        table records, so that any later commit (an append or delete by anyone) makes the index stale."""
+        ds = self._open()
+        return None if ds is None else int(ds.version)
+
     def data_files(self) -> list[tuple[str, int | None]]:
         """``(path relative to the table, size in bytes or None)`` of every data file the latest
         version references."""
