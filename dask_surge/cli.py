@@ -18,6 +18,7 @@ from .engine.placement import gpu_count
 from .errors import SurgeError, SurgeInputError, SurgeValueError
 from .execution.cluster import local_cluster
 from .execution.preflight import say_in_process, small_files
+from .execution.reach import not_a_scheduler
 from .families import DENSE
 from .io.layout import FAMILY_COLUMNS, PARTITION, ROW
 from .io.verify import repair, verify
@@ -256,8 +257,6 @@ def _scheduler(value):
         parse_host_port(value.split("://", 1)[-1])
     except (ValueError, TypeError) as err:
         raise SurgeValueError(f"--scheduler {value}: not {rule} ({err}). {fix}") from None
-    from .execution.reach import not_a_scheduler
-
     other = not_a_scheduler(value)  # distributed's handshake read has no timeout: it would hang, or worse
     if other is not None:
         raise SurgeValueError(

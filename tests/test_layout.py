@@ -159,7 +159,6 @@ _PRIVATE_DASK_ATTRIBUTES = {
 _WORKER_STATE = {"nthreads", "tasks", "executing", "ready", "long_running", "executed_count"}
 #: private Dask attributes still read outside ``_compat.py``, each to be moved there (never added to)
 _KNOWN_PRIVATE_ATTRIBUTES = {
-    ("execution/inputs.py", "_parameters"),  # input_files (6f1da34): _compat.expr_operands reads it
     ("execution/inputs.py", "_dataset_info"),
     ("io/parquet.py", "_dataset_info"),
     ("io/parquet.py", "_partitions"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,13 +39,13 @@ from .._compat import (
     Task,
     TaskRef,
     convert_legacy_graph,
+    expr_operands,
     is_dask_future,
     untuned,
 )
 from ..errors import SurgeError
 from ..io.parquet import ParquetPartitions, check_sources
 from ..io.store import is_posix
-from ..planning.identity import _GLOB, _is_cache, _is_filesystem, _lister
 from ..planning.policy import SuperBatch
 
 __all__ = [
@@ -349,6 +350,21 @@ _NOT_PATHS = frozenset(
 )  # fmt: skip
 
 
+_GLOB = re.compile(r"[*?\[]")
+
+
+def _filesystem(value: Any) -> Any:
+    """``value`` as an fsspec filesystem when it is one (a ``pyarrow.fs`` one wrapped), else None."""
+    fsspec, pafs = sys.modules.get("fsspec"), sys.modules.get("pyarrow.fs")
+    if fsspec is not None and isinstance(value, fsspec.AbstractFileSystem):
+        return value
+    if pafs is not None and isinstance(value, pafs.FileSystem):
+        from fsspec.implementations.arrow import ArrowFSWrapper
+
+        return ArrowFSWrapper(value)
+    return None
+
+
 def _operand_values(value: Any, seen: set[int], depth: int = 0) -> Iterator[Any]:
     """The strings, path-like objects and fsspec ``OpenFile`` objects in an operand of a source: inside
     lists, tuples, dict values, ``functools.partial`` arguments, task-spec nodes (``read_csv``'s
@@ -409,7 +425,7 @@ def _located(
         return None
     try:
         if path and leaf_fs is not None and not is_posix(leaf_fs):
-            fs = _lister(leaf_fs)
+            fs = leaf_fs
             name = fs._strip_protocol(text) if hasattr(fs, "_strip_protocol") else text
             return fs, name.rstrip("/") or name
         options = dict(storage_options) if isinstance(storage_options, Mapping) else {}
@@ -451,13 +467,13 @@ def input_files(frame) -> list[tuple[Any, str]]:
     for expr in frame.expr.walk():
         if expr.dependencies():
             continue
-        params = dict(zip(expr._parameters, expr.operands))
+        params = expr_operands(expr)
         if not params and expr.operands:  # a source whose operands have no names (Delayed objects)
-            params = {f"_{i}": op for i, op in enumerate(expr.operands)}
-        leaf_fs = next((v for v in params.values() if _is_filesystem(v)), None)
+            params = {f"operand {i}": op for i, op in enumerate(expr.operands)}
+        leaf_fs = next((fs for fs in map(_filesystem, params.values()) if fs is not None), None)
         storage_options = params.get("storage_options")
         for name, value in params.items():
-            if name in _NOT_PATHS or _is_cache(name):
+            if name in _NOT_PATHS or name.startswith("_"):  # Dask's own: _partitions, caches
                 continue
             for item in _operand_values(value, set()):
                 if _is_open_file(item):
