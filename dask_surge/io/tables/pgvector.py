@@ -1,0 +1,1044 @@
+"""PostgreSQL + pgvector table output: workers stage rows, the claim holder moves them in one transaction.
+
+A SuperBatch task COPYs its rows (binary COPY, vectors through pgvector's own adapter) into an
+UNLOGGED staging table ``<table>__surge_staging`` beside the output table, under a random staging
+key, in a transaction of its own (:meth:`PgVectorTable.write`): no reader of the output table sees
+them. Its payload (the SuperBatch's commit record) holds that key, the row count and the Arrow
+schema: never the URI, never a password.
+
+The process holding the run's claim commits batches of them (:meth:`PgVectorTable.commit`), each
+in ONE transaction: lock the output table's row in ``<schema>.surge_tables`` (``SELECT ... FOR
+UPDATE``: commits to one table are serialized, so its versions are numbered in commit order);
+refuse (:class:`~.base.CommitConflict`) when a version of the run was committed after the version
+the committer read; record every SuperBatch in ``<schema>.surge_commits`` (primary key ``(tbl, run,
+sb)``: a second commit of a SuperBatch fails on the constraint); ``INSERT INTO <table> SELECT ...
+FROM <staging>``; delete the staged rows; record the version in ``<schema>.surge_versions``; bump
+the table's version. The rows and their commit record land together or not at all, and a reader
+(any isolation level) never sees part of a SuperBatch.
+
+**Fencing.** A claim holder's first version is a *fence* (:meth:`PgVectorTable.fence`): the
+output table's creation (with the staging and bookkeeping tables and ``CREATE EXTENSION vector``)
+when ``read_version`` is 0, else a version that holds no SuperBatch. Every commit checks, under the
+row lock, that no version of the run came after the one it read, so a paused process whose claim
+was taken over lands nothing. Each session sets ``idle_in_transaction_session_timeout``, so a
+process paused inside a commit transaction (holding the lock) is rolled back by the server instead
+of blocking the new claim holder.
+
+**Versions.** ``surge_tables.version`` counts the versions dask-surge made of the table (any run);
+0 means "no table". A table dask-surge did not create (``mode="append"``) reads as version 1, made
+by another writer (op ``CREATE TABLE``). Changes other clients make with plain SQL (INSERT,
+DELETE) are not versions: this module cannot see them.
+
+**Not a directory.** The output is a database table, so :attr:`PgVectorTable.MARKER` is None and
+:attr:`PgVectorTable.ENTRIES` is empty (no directory entries mark it). Credentials stay in libpq's
+channels (``PGPASSWORD``, ``~/.pgpass``, the URI): every message formats the URI through
+:func:`redact_uri`, which drops the password. Table and column names are always
+``psycopg.sql.Identifier`` s.
+
+**Index and search.** :meth:`PgVectorTable.build_index` builds an HNSW index
+(``CREATE INDEX CONCURRENTLY``); :meth:`PgVectorTable.search` returns the ``k`` nearest rows' distances:
+cosine ``<=>`` (1 - cosine similarity), l2 ``<->`` (the Euclidean distance, not its square) and dot
+``<#>`` (the negative inner product); smaller is nearer for all three.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from ...errors import SurgeError, SurgeOutputError, SurgeValueError
+from .base import CommitConflict, History
+
+__all__ = [
+    "PgVectorTable",
+    "PgLocation",
+    "redact_uri",
+    "KEEPS_ROWS",
+    "STAGING_SUFFIX",
+    "METRICS",
+]
+
+#: the staging table of ``<table>`` is ``<table>__surge_staging`` (same schema)
+STAGING_SUFFIX = "__surge_staging"
+#: the bookkeeping tables, one set per schema (keyed by the output table's name)
+TABLES, VERSIONS, COMMITS = "surge_tables", "surge_versions", "surge_commits"
+#: operations of a version that leave every committed row in place
+KEEPS_ROWS = frozenset({"CREATE", "CREATE TABLE", "FENCE", "APPEND", "REPAIR"})
+#: metric -> (pgvector operator, operator class suffix)
+METRICS = {"cosine": ("<=>", "cosine_ops"), "l2": ("<->", "l2_ops"), "dot": ("<#>", "ip_ops")}
+#: PostgreSQL's identifier length limit (NAMEDATALEN - 1 bytes); longer names are truncated silently
+_MAX_NAME = 63
+_INDEX_SUFFIX = {"cosine": "__surge_hnsw_cos", "l2": "__surge_hnsw_l2", "dot": "__surge_hnsw_ip"}
+_SECRET_KEYS = ("password", "sslpassword")
+_KV_SECRET = re.compile(r"(?i)(?<![\w.])(?:ssl)?password\s*=\s*(?:'(?:[^'\\]|\\.)*'|\S*)\s*")
+_FIX_INSTALL = 'pip install "dask-surge[pgvector]"'
+
+
+def _modules() -> tuple[Any, Any]:
+    """``(psycopg, pgvector.psycopg)``, or an error naming the extra to install."""
+    try:
+        return importlib.import_module("psycopg"), importlib.import_module("pgvector.psycopg")
+    except ImportError as err:
+        raise SurgeError(
+            f"a pgvector output needs the 'psycopg' and 'pgvector' packages, which are not installed "
+            f"({err}). Fix: {_FIX_INSTALL}."
+        ) from err
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` (a libpq URI or ``key=value`` string) without its password: what every message shows.
+
+    Everything between ``://`` and the last ``@`` before the query keeps only the user name;
+    ``password`` and ``sslpassword`` parameters are dropped.
+
+    Examples
+    --------
+    >>> redact_uri("postgresql://alice:s3cret@db.example:5432/app")
+    'postgresql://alice@db.example:5432/app'
+    >>> redact_uri("postgres://bob:p@ss/w@h1:5432,h2/db?password=x&sslmode=require")
+    'postgres://bob@h1:5432,h2/db?sslmode=require'
+    >>> redact_uri("postgresql://postgres:@/postgres?host=/tmp/pg")
+    'postgresql://postgres@/postgres?host=/tmp/pg'
+    >>> redact_uri("host=db user=carol password='a b' dbname=app")
+    'host=db user=carol dbname=app'
+    """
+    m = re.match(r"(?is)^(postgres(?:ql)?://)(.*)$", uri)
+    if m is None:
+        return _KV_SECRET.sub("", uri).strip()
+    scheme, rest = m.groups()
+    head, q, query = rest.partition("?")
+    if "@" in head:  # user info: up to the last '@' (a password may hold '@' or '/')
+        userinfo, _, hosts = head.rpartition("@")
+        user = userinfo.split(":", 1)[0]
+        head = f"{user}@{hosts}" if user else hosts
+    if q:
+        query, h, frag = query.partition("#")
+        kept = [p for p in query.split("&") if p.split("=", 1)[0].lower() not in _SECRET_KEYS]
+        query = ("?" + "&".join(kept) if kept else "") + h + frag
+    return scheme + head + query
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+@dataclass(frozen=True)
+class PgLocation:
+    """Where a pgvector output is: the libpq ``uri`` (never shown: see :attr:`url`), ``schema``, ``table``."""
+
+    uri: str = field(repr=False)
+    schema: str
+    table: str
+
+    @property
+    def url(self) -> str:
+        """The location as messages show it: the URI without its password, ``#schema.table``."""
+        return f"{redact_uri(self.uri)}#{self.schema}.{self.table}"
+
+
+# -- columns ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Column:
+    name: str
+    ddl: str  # the PostgreSQL type as format_type() spells it (vector types: without their schema)
+    copy: str  # the type name for binary COPY's set_types
+    kind: str  # "scalar", "vector" or "halfvec"
+
+
+def _scalar(name: str, t: pa.DataType) -> tuple[str, str]:
+    for test, ddl, copy in (
+        (pa.types.is_int64, "bigint", "int8"),
+        (pa.types.is_int32, "integer", "int4"),
+        (pa.types.is_int16, "smallint", "int2"),
+        (pa.types.is_float64, "double precision", "float8"),
+        (pa.types.is_float32, "real", "float4"),
+        (pa.types.is_string, "text", "text"),
+        (pa.types.is_large_string, "text", "text"),
+        (pa.types.is_boolean, "boolean", "bool"),
+        (pa.types.is_binary, "bytea", "bytea"),
+        (pa.types.is_large_binary, "bytea", "bytea"),
+        (pa.types.is_fixed_size_binary, "bytea", "bytea"),
+    ):
+        if test(t):
+            return ddl, copy
+    raise SurgeOutputError(
+        f"column {name!r} has Arrow type {t}, which the pgvector output cannot store. Nothing was written. "
+        "Fix: keep only columns of type int64, int32, float64, float32, string, bool or binary (keep=), "
+        "or cast the column before encoding."
+    )
+
+
+def _columns(schema: pa.Schema, dim: int | None = None) -> list[_Column]:
+    """The table's columns for rows of Arrow ``schema`` (``dim``: the embedding's length when it is a
+    variable-size list); refuses what pgvector cannot hold, naming the fix."""
+    names = set(schema.names)
+    if "embedding" not in names:
+        family = (
+            "a multi-vector (ColBERT) output"
+            if "vectors" in names
+            else "a sparse output"
+            if {"indices", "values"} <= names
+            else "no 'embedding' column"
+        )
+        raise SurgeOutputError(
+            f"the pgvector output stores a dense model's 'embedding' column, and this run writes {family} "
+            f"(columns {schema.names}). Nothing was written. Fix: use a dense model, or format='parquet' "
+            "(or 'lance') for sparse and multi-vector outputs."
+        )
+    out = []
+    for f in schema:
+        if f.name != "embedding":
+            ddl, copy = _scalar(f.name, f.type)
+            out.append(_Column(f.name, ddl, copy, "scalar"))
+            continue
+        t = f.type
+        if not (pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)):
+            raise SurgeOutputError(
+                f"the 'embedding' column has Arrow type {t}, not a list of floats. Nothing was written. "
+                "Fix: encode with a dense model (float32 or float16 precision)."
+            )
+        value = t.value_type
+        if pa.types.is_float32(value):
+            kind = "vector"
+        elif pa.types.is_float16(value):
+            kind = "halfvec"
+        else:
+            raise SurgeOutputError(
+                f"the 'embedding' column holds {value} values; pgvector stores float32 (vector) and float16 "
+                "(halfvec) vectors. Nothing was written. Fix: pass precision='float32' (or 'float16') for a "
+                "pgvector output."
+            )
+        d = t.list_size if pa.types.is_fixed_size_list(t) else dim
+        if not d or d > 16000:
+            raise SurgeOutputError(
+                f"the 'embedding' column has {d} dimensions; a pgvector {kind} column holds 1 to 16000. "
+                "Nothing was written. Fix: use a model with fewer dimensions (or truncate with dimensions=)."
+            )
+        out.append(_Column(f.name, f"{kind}({d})", kind, kind))
+    return out
+
+
+def _schema_text(schema: pa.Schema) -> str:
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def _schema_of(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
+def _payload_columns(payload: dict) -> list[_Column]:
+    return _columns(_schema_of(payload["schema"]), payload.get("dim"))
+
+
+def _embedding_rows(column: pa.ChunkedArray | pa.Array, kind: str) -> list[Any]:
+    """The ``embedding`` column as one numpy array per row (None for a null), for pgvector's dumpers."""
+    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if isinstance(arr, pa.ExtensionArray):  # pragma: no cover - no extension type is written
+        arr = arr.storage
+    dtype = np.float16 if kind == "halfvec" else np.float32
+    if pa.types.is_fixed_size_list(arr.type):
+        d = arr.type.list_size
+        flat = arr.values.slice(arr.offset * d, len(arr) * d).to_numpy(zero_copy_only=False)
+        matrix = np.asarray(flat, dtype=dtype).reshape(len(arr), d)
+        rows: list[Any] = list(matrix)
+    else:
+        rows = [None if v is None else np.asarray(v, dtype=dtype) for v in arr.to_pylist()]
+    if arr.null_count:
+        valid = arr.is_valid().to_pylist()
+        rows = [r if ok else None for r, ok in zip(rows, valid, strict=True)]
+    return rows
+
+
+# -- the table ---------------------------------------------------------------------------------------
+
+
+class PgVectorTable:
+    """One PostgreSQL table (pgvector ``vector`` / ``halfvec`` embeddings) as a dask-surge output.
+
+    Picklable (workers write through it): it holds the URI and the names, never a connection.
+
+    Parameters
+    ----------
+    uri : str
+        A libpq connection URI (``postgresql://user@host:port/db``) or ``key=value`` string. Keep the
+        password out of it: libpq reads ``PGPASSWORD`` and ``~/.pgpass``.
+    table : str or (str, str)
+        The output table: ``"name"`` (schema ``public``), ``"schema.name"`` (split at the first dot),
+        or a ``(schema, name)`` pair for names that hold a dot. Any characters are allowed: names are
+        always quoted identifiers.
+    schema : str, optional
+        The schema, when ``table`` is a bare name.
+    """
+
+    name = "pgvector"
+    #: a database table has no directory entry that marks it
+    MARKER: str | None = None
+    #: nor directory entries of its own
+    ENTRIES: frozenset[str] = frozenset()
+
+    def __init__(self, uri: str, table: str | tuple[str, str], *, schema: str | None = None) -> None:
+        if isinstance(table, tuple):
+            schema, table = table
+        elif schema is None and "." in table:
+            schema, table = table.split(".", 1)
+        schema = schema or "public"
+        for what, value, room in (
+            ("table", table, _MAX_NAME - max(len(STAGING_SUFFIX), *map(len, _INDEX_SUFFIX.values()))),
+            ("schema", schema, _MAX_NAME),
+        ):
+            if not value or "\x00" in value or len(value.encode()) > room:
+                raise SurgeValueError(
+                    f"the pgvector output's {what} name {value!r} must be 1 to {room} bytes without NUL "
+                    f"(PostgreSQL names are at most {_MAX_NAME} bytes, and the staging table adds "
+                    f"{STAGING_SUFFIX!r}). Fix: choose a shorter name."
+                )
+        self.location = PgLocation(uri, schema, table)
+
+    def __repr__(self) -> str:
+        return f"PgVectorTable({self.location.url!r})"
+
+    def __dask_tokenize__(self) -> tuple:
+        return ("PgVectorTable", self.location.url)
+
+    def keeps_rows(self, op: str) -> bool:
+        """True when another writer's operation ``op`` leaves every committed row in place."""
+        return op in KEEPS_ROWS
+
+    # -- connections -----------------------------------------------------------------------------
+
+    def _secret(self) -> str | None:
+        psycopg, _ = _modules()
+        try:
+            params = psycopg.conninfo.conninfo_to_dict(self.location.uri)
+        except psycopg.Error:
+            return None
+        return params.get("password") or None
+
+    def _scrub(self, text: Any) -> str:
+        """``text`` on one line, without the URI's password anywhere in it."""
+        out = _one_line(str(text)).replace(self.location.uri, redact_uri(self.location.uri))
+        secret = self._secret()
+        return out.replace(secret, "***") if secret else out
+
+    def _where(self) -> str:
+        psycopg, _ = _modules()
+        try:
+            params = psycopg.conninfo.conninfo_to_dict(self.location.uri)
+        except psycopg.Error:
+            params = {}
+        host = params.get("host") or params.get("hostaddr") or os.environ.get("PGHOST") or "localhost"
+        port = params.get("port") or os.environ.get("PGPORT") or "5432"
+        return f"{host}:{port}" if not str(host).startswith("/") else f"{host} (socket, port {port})"
+
+    @contextmanager
+    def _session(self, *, vectors: bool = False) -> Iterator[Any]:
+        """A connection (autocommit: transactions are explicit) closed on exit; ``vectors``: with
+        pgvector's types registered (the extension exists)."""
+        psycopg, pgv = _modules()
+        try:
+            params = psycopg.conninfo.conninfo_to_dict(self.location.uri)
+        except psycopg.Error:
+            params = {}
+        extra = {
+            k: v
+            for k, v in (("connect_timeout", "10"), ("application_name", "dask-surge"))
+            if k not in params
+        }
+        try:
+            conn = psycopg.connect(self.location.uri, autocommit=True, **extra)
+        except psycopg.Error as err:
+            raise SurgeOutputError(
+                f"cannot connect to PostgreSQL at {self._where()} for the pgvector output "
+                f"{self.location.url!r}: {self._scrub(err)}. Fix: start the server or correct the host and "
+                "port in the URI; give a password through PGPASSWORD or ~/.pgpass, not the URI."
+            ) from None
+        try:
+            # a process paused inside a transaction (holding the table's lock) is rolled back by the
+            # server; a lock held elsewhere for long is a refused commit, not a hang
+            conn.execute("SET idle_in_transaction_session_timeout = '120s'")
+            conn.execute("SET lock_timeout = '60s'")
+            if vectors:
+                pgv.register_vector(conn)
+            yield conn
+        finally:
+            conn.close()
+
+    def _names(self, sql: Any) -> dict[str, Any]:
+        s, t = self.location.schema, self.location.table
+        return {
+            "target": sql.Identifier(s, t),
+            "staging": sql.Identifier(s, t + STAGING_SUFFIX),
+            "tables": sql.Identifier(s, TABLES),
+            "versions": sql.Identifier(s, VERSIONS),
+            "commits": sql.Identifier(s, COMMITS),
+        }
+
+    def _regclass(self, conn: Any, *parts: str) -> bool:
+        from psycopg import sql
+
+        name = sql.Identifier(*parts).as_string(conn)
+        return conn.execute("SELECT to_regclass(%s) IS NOT NULL", (name,)).fetchone()[0]
+
+    def _ensure_extension(self, conn: Any) -> str:
+        """The schema pgvector's types are in; creates the extension when missing (or says how)."""
+        psycopg, _ = _modules()
+        sel = (
+            "SELECT n.nspname FROM pg_extension e JOIN pg_namespace n ON n.oid = e.extnamespace "
+            "WHERE e.extname = 'vector'"
+        )
+        row = conn.execute(sel).fetchone()
+        if row is not None:
+            return str(row[0])
+        db = conn.info.dbname
+        if conn.execute("SELECT 1 FROM pg_available_extensions WHERE name = 'vector'").fetchone() is None:
+            raise SurgeOutputError(
+                f"the PostgreSQL server at {self._where()} has no pgvector extension (no 'vector' among its "
+                "available extensions). Nothing was written. Fix: install pgvector on the server (the "
+                "postgresql-<version>-pgvector package, or the pgvector/pgvector image), then rerun."
+            )
+        try:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        except psycopg.errors.InsufficientPrivilege:
+            raise SurgeOutputError(
+                f"the pgvector extension is not created in database {db!r} at {self._where()}, and role "
+                f"{conn.info.user!r} may not create it. Nothing was written. Fix: have a superuser run "
+                f"`CREATE EXTENSION vector;` in database {db!r}, then rerun."
+            ) from None
+        except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject):
+            pass  # created by another process meanwhile
+        return str(conn.execute(sel).fetchone()[0])
+
+    def _ddl(self, conn: Any, statements: Sequence[Any]) -> None:
+        """Run idempotent ``CREATE ... IF NOT EXISTS`` statements in one transaction, retried when a
+        concurrent creator wins the race (PostgreSQL raises a unique violation then)."""
+        psycopg, _ = _modules()
+        for tries in range(5):
+            try:
+                with conn.transaction():
+                    for statement in statements:
+                        conn.execute(statement)
+                return
+            except (
+                psycopg.errors.UniqueViolation,
+                psycopg.errors.DuplicateTable,
+                psycopg.errors.DuplicateObject,
+            ):
+                if tries == 4:
+                    raise
+                time.sleep(0.05 * 2**tries)
+            except psycopg.errors.InsufficientPrivilege as err:
+                raise SurgeOutputError(
+                    f"role {conn.info.user!r} may not create tables in schema {self.location.schema!r} of "
+                    f"{self.location.url!r} ({self._scrub(err)}). Nothing was written. Fix: GRANT CREATE ON "
+                    f"SCHEMA to that role, or choose a schema it owns."
+                ) from None
+
+    def _ensure(self, conn: Any) -> str:
+        """The extension, the schema and the bookkeeping tables exist; returns pgvector's schema."""
+        from psycopg import sql
+
+        ext = self._ensure_extension(conn)
+        n = self._names(sql)
+        statements = []
+        if (
+            conn.execute("SELECT 1 FROM pg_namespace WHERE nspname = %s", (self.location.schema,)).fetchone()
+            is None
+        ):
+            statements.append(
+                sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(self.location.schema))
+            )
+        if not all(self._regclass(conn, self.location.schema, t) for t in (TABLES, VERSIONS, COMMITS)):
+            statements += [
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (tbl text PRIMARY KEY, version bigint NOT NULL, "
+                    "arrow_schema text, dim integer)"
+                ).format(n["tables"]),
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (tbl text NOT NULL, version bigint NOT NULL, run text NOT NULL, "
+                    "token text NOT NULL, superbatches jsonb NOT NULL, repaired jsonb NOT NULL DEFAULT '[]', "
+                    "op text NOT NULL, rows bigint NOT NULL DEFAULT 0, at timestamptz NOT NULL DEFAULT now(), "
+                    "PRIMARY KEY (tbl, version))"
+                ).format(n["versions"]),
+                sql.SQL(
+                    "CREATE TABLE IF NOT EXISTS {} (tbl text NOT NULL, run text NOT NULL, sb text NOT NULL, "
+                    "version bigint NOT NULL, token text NOT NULL, PRIMARY KEY (tbl, run, sb))"
+                ).format(n["commits"]),
+            ]
+        if statements:
+            self._ddl(conn, statements)
+        return ext
+
+    def _column_defs(self, ext: str, columns: Sequence[_Column]) -> Any:
+        from psycopg import sql
+
+        defs = []
+        for c in columns:
+            kind: Any
+            if c.kind == "scalar":
+                kind = sql.SQL(c.ddl)  # one of _scalar's own fixed names
+            else:
+                dim = int(c.ddl[c.ddl.index("(") + 1 : -1])
+                kind = sql.SQL("{}({})").format(sql.Identifier(ext, c.kind), sql.Literal(dim))
+            defs.append(sql.SQL("{} {}").format(sql.Identifier(c.name), kind))
+        return sql.SQL(", ").join(defs)
+
+    def _columns_now(self, conn: Any, name: str) -> list[tuple[str, str]]:
+        """``(column, type)`` of table ``name`` of the schema, as :class:`_Column` spells types."""
+        from psycopg import sql
+
+        rows = conn.execute(
+            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = "
+            "to_regclass(%s) AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+            (sql.Identifier(self.location.schema, name).as_string(conn),),
+        ).fetchall()
+        out = []
+        for col, kind in rows:
+            last = kind.rsplit(".", 1)[-1]
+            out.append((col, last if last.startswith(("vector(", "halfvec(")) else kind))
+        return out
+
+    def _ensure_staging(self, conn: Any, ext: str, columns: Sequence[_Column]) -> None:
+        from psycopg import sql
+
+        name = self.location.table + STAGING_SUFFIX
+        want = [("surge_key", "text"), *[(c.name, c.ddl) for c in columns]]
+        if not self._regclass(conn, self.location.schema, name):
+            staging = self._names(sql)["staging"]
+            self._ddl(
+                conn,
+                [
+                    sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} (surge_key text NOT NULL, {})").format(
+                        staging, self._column_defs(ext, columns)
+                    ),
+                    sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (surge_key)").format(
+                        sql.Identifier(name[: _MAX_NAME - 4] + "_key"), staging
+                    ),
+                ],
+            )
+        have = self._columns_now(conn, name)
+        if have != want:
+            raise SurgeOutputError(
+                f"the staging table {self.location.schema}.{name} of {self.location.url!r} has columns "
+                f"{have[1:]}, but this run writes {want[1:]}. Nothing was written. Fix: write to a new table, "
+                "or drop the staging table when no run is writing (it holds uncommitted rows only)."
+            )
+
+    # -- the worker's side -----------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        """True when the output table exists."""
+        with self._session() as conn:
+            return self._regclass(conn, self.location.schema, self.location.table)
+
+    def write(self, data: pa.Table) -> str:
+        """COPY ``data``'s rows into the staging table under a new random key, in a transaction of its
+        own (no reader of the output table sees them); returns the payload (JSON: the key, the rows,
+        the embedding's dimensions and the Arrow schema; no URI)."""
+        from psycopg import sql
+
+        emb = data.schema.field("embedding").type if "embedding" in data.schema.names else None
+        dim = None
+        if emb is not None and not pa.types.is_fixed_size_list(emb):  # a list: its length, from the data
+            lengths = pc.list_value_length(data.column("embedding")).drop_null().unique().to_pylist()
+            if len(lengths) > 1:
+                raise SurgeOutputError(
+                    f"the 'embedding' column holds vectors of {sorted(lengths)[:5]} dimensions; a pgvector "
+                    "column holds one. Nothing was written. Fix: encode with one model and dimensions=."
+                )
+            dim = int(lengths[0]) if lengths else None
+        columns = _columns(data.schema, dim)
+        key = uuid.uuid4().hex
+        values = [
+            _embedding_rows(data.column(c.name), c.kind)
+            if c.kind != "scalar"
+            else data.column(c.name).to_pylist()
+            for c in columns
+        ]
+        staging = self._names(sql)["staging"]
+        copy_sql = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
+            staging, sql.SQL(", ").join(sql.Identifier(n) for n in ["surge_key", *(c.name for c in columns)])
+        )
+        halves = [i for i, c in enumerate(columns) if c.kind == "halfvec"]
+        with self._session() as conn:
+            ext = self._ensure(conn)
+            self._ensure_staging(conn, ext, columns)
+            from pgvector import HalfVector
+            from pgvector.psycopg import register_vector
+
+            register_vector(conn)
+            for i in halves:
+                values[i] = [None if v is None else HalfVector(v) for v in values[i]]
+            with conn.transaction(), conn.cursor() as cur, cur.copy(copy_sql) as copy:
+                copy.set_types(["text", *(c.copy for c in columns)])
+                for row in zip(*values, strict=True):
+                    copy.write_row((key, *row))
+        payload = {"key": key, "rows": data.num_rows, "schema": _schema_text(data.schema)}
+        if dim is not None:
+            payload["dim"] = dim
+        return json.dumps(payload, sort_keys=True)
+
+    # -- the claim holder's side -------------------------------------------------------------------
+
+    def _adopted(self, conn: Any) -> int | None:
+        """The table's version in ``surge_tables`` (None: dask-surge has no row for it)."""
+        from psycopg import sql
+
+        if not self._regclass(conn, self.location.schema, TABLES):
+            return None
+        row = conn.execute(
+            sql.SQL("SELECT version FROM {} WHERE tbl = %s").format(self._names(sql)["tables"]),
+            (self.location.table,),
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+    def history(self, run_id: str, since: int = 0) -> History:
+        """What the table's versions after ``since`` say: the SuperBatches each version of run ``run_id``
+        holds, and the versions other runs made (one consistent snapshot)."""
+        from psycopg import sql
+
+        n = self._names(sql)
+        with self._session() as conn, conn.transaction():
+            conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            if not self._regclass(conn, self.location.schema, self.location.table):
+                return History(exists=False)
+            version = self._adopted(conn)
+            if version is None:  # a table dask-surge did not create: one version, another writer's
+                out = History(exists=True, version=1)
+                if since < 1:
+                    out.note_foreign()
+                    out.foreign.append((1, "CREATE TABLE", ""))
+                return out
+            rows = conn.execute(
+                sql.SQL(
+                    "SELECT version, run, token, superbatches, repaired, op FROM {} WHERE tbl = %s AND "
+                    "version > %s ORDER BY version"
+                ).format(n["versions"]),
+                (self.location.table, since),
+            ).fetchall()
+        out = History(exists=True, version=version)
+        for v, run, token, sbs, repaired, op in rows:
+            if run == run_id:
+                out.add_ours(int(v), list(sbs), op, token, repaired=list(repaired))
+            else:
+                out.note_foreign()
+                out.foreign.append((int(v), op, run))
+        return out
+
+    def table_version(self) -> int | None:
+        """The table's version now (None: no table): every commit of any run moves it."""
+        with self._session() as conn:
+            if not self._regclass(conn, self.location.schema, self.location.table):
+                return None
+            version = self._adopted(conn)
+            return 1 if version is None else version
+
+    def version_rows(self) -> list[tuple[int, float, int]]:
+        """``(version, commit time in epoch seconds, rows)`` of each version dask-surge made, oldest
+        first (rows: what the versions up to it added)."""
+        from psycopg import sql
+
+        with self._session() as conn:
+            if self._adopted(conn) is None:
+                return []
+            rows = conn.execute(
+                sql.SQL(
+                    "SELECT version, extract(epoch FROM at)::float8, sum(rows) OVER (ORDER BY version) FROM {} "
+                    "WHERE tbl = %s ORDER BY version"
+                ).format(self._names(sql)["versions"]),
+                (self.location.table,),
+            ).fetchall()
+        return [(int(v), float(at), int(r)) for v, at, r in rows]
+
+    def data_files(self) -> list[tuple[str, int | None]]:
+        """A database table has no data files of its own to list: empty."""
+        return []
+
+    def check_schema(self, payload: str) -> None:
+        """Refuse ``payload``'s rows when their columns differ from the table's."""
+        mine = [(c.name, c.ddl) for c in _payload_columns(json.loads(payload))]
+        with self._session() as conn:
+            if not self._regclass(conn, self.location.schema, self.location.table):
+                return
+            table = self._columns_now(conn, self.location.table)
+        if mine != table:
+            raise SurgeOutputError(
+                f"the PostgreSQL table {self.location.url!r} has columns {table}, but this run writes {mine}. "
+                "Nothing was committed to it. Fix: append only runs with the same columns (keep=, model, "
+                "precision), or write to a new table."
+            )
+
+    def _bump(
+        self,
+        conn: Any,
+        run_id: str,
+        token: str,
+        read_version: int,
+        op: str,
+        sbs: Sequence[str] = (),
+        rows: int = 0,
+        repaired: Sequence[str] = (),
+    ) -> int:
+        """Inside the caller's transaction: lock the table's version row, refuse when a version of the
+        run came after ``read_version``, record the new version; returns it."""
+        from psycopg import sql
+        from psycopg.types.json import Jsonb
+
+        n, t = self._names(sql), self.location.table
+        lock = sql.SQL("SELECT version FROM {} WHERE tbl = %s FOR UPDATE").format(n["tables"])
+        row = conn.execute(lock, (t,)).fetchone()
+        if row is None:  # the first version dask-surge makes of a table it did not create
+            if not self._regclass(conn, self.location.schema, t):
+                raise CommitConflict(f"the table {self.location.url!r} is gone")
+            cur = conn.execute(
+                sql.SQL("INSERT INTO {} (tbl, version) VALUES (%s, 1) ON CONFLICT DO NOTHING").format(
+                    n["tables"]
+                ),
+                (t,),
+            )
+            if cur.rowcount == 1:
+                conn.execute(
+                    sql.SQL(
+                        "INSERT INTO {} (tbl, version, run, token, superbatches, op) VALUES "
+                        "(%s, 1, '', '', '[]', 'CREATE TABLE')"
+                    ).format(n["versions"]),
+                    (t,),
+                )
+            row = conn.execute(lock, (t,)).fetchone()
+        current = int(row[0])
+        last = conn.execute(
+            sql.SQL("SELECT coalesce(max(version), 0) FROM {} WHERE tbl = %s AND run = %s").format(
+                n["versions"]
+            ),
+            (t, run_id),
+        ).fetchone()[0]
+        if int(last) > read_version:
+            raise CommitConflict(
+                f"version {last} of run {run_id} came after version {read_version}, which this commit read "
+                f"(the table {self.location.url!r} is at {current})"
+            )
+        version = current + 1
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (tbl, version, run, token, superbatches, repaired, op, rows) "
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)"
+            ).format(n["versions"]),
+            (t, version, run_id, token, Jsonb(sorted(sbs)), Jsonb(sorted(repaired)), op, rows),
+        )
+        conn.execute(sql.SQL("UPDATE {} SET version = %s WHERE tbl = %s").format(n["tables"]), (version, t))
+        return version
+
+    def fence(self, run_id: str, token: str, read_version: int, payload: str) -> int:
+        """Make the version that begins the commits of the claim holder ``token``: create the table
+        (``read_version`` 0; refused when one exists) or a version holding no SuperBatch, after
+        ``read_version`` (refused when a version of the run came after it). Returns the new version;
+        raises :class:`~.base.CommitConflict` when refused."""
+        psycopg, _ = _modules()
+        from psycopg import sql
+
+        n, t = self._names(sql), self.location.table
+        with self._session() as conn:
+            ext = self._ensure(conn)
+            try:
+                with conn.transaction():
+                    if read_version > 0:
+                        return self._bump(conn, run_id, token, read_version, "FENCE")
+                    if self._regclass(conn, self.location.schema, t):
+                        raise CommitConflict(f"a table was created at {self.location.url!r} meanwhile")
+                    facts = json.loads(payload)
+                    schema = _schema_of(facts["schema"])
+                    columns = _columns(schema, facts.get("dim"))
+                    for table in (n["versions"], n["commits"], n["tables"]):  # a dropped table's records
+                        conn.execute(sql.SQL("DELETE FROM {} WHERE tbl = %s").format(table), (t,))
+                    conn.execute(
+                        sql.SQL("CREATE TABLE {} ({})").format(n["target"], self._column_defs(ext, columns))
+                    )
+                    conn.execute(
+                        sql.SQL(
+                            "INSERT INTO {} (tbl, version, arrow_schema, dim) VALUES (%s, 0, %s, %s)"
+                        ).format(n["tables"]),
+                        (t, facts["schema"], facts.get("dim")),
+                    )
+                    return self._bump(conn, run_id, token, 0, "CREATE")
+            except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable) as err:
+                raise CommitConflict(
+                    f"the table {self.location.url!r} was created meanwhile ({self._scrub(err)})"
+                ) from None
+            except psycopg.errors.LockNotAvailable as err:
+                raise CommitConflict(f"the table's version row stayed locked ({self._scrub(err)})") from None
+
+    def commit(self, run_id: str, token: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
+        """Move the staged rows of ``batch`` (``(sb, payload)`` pairs) into the table and record them,
+        in one transaction, as one version of ``run_id`` made by ``token``, read at ``read_version``.
+        Returns the new version; raises :class:`~.base.CommitConflict` when a version of the run came
+        after ``read_version`` or a SuperBatch of the batch is committed already (nothing lands)."""
+        psycopg, _ = _modules()
+        from psycopg import sql
+
+        n, t = self._names(sql), self.location.table
+        facts = [(sb, json.loads(p)) for sb, p in batch]
+        sbs = [sb for sb, _ in facts]
+        keys = [f["key"] for _, f in facts]
+        rows = sum(int(f["rows"]) for _, f in facts)
+        names = sql.SQL(", ").join(sql.Identifier(c.name) for c in _payload_columns(facts[0][1]))
+        with self._session() as conn:
+            try:
+                with conn.transaction():
+                    version = self._bump(conn, run_id, token, read_version, "APPEND", sbs, rows)
+                    conn.execute(
+                        sql.SQL(
+                            "INSERT INTO {} (tbl, run, sb, version, token) SELECT %s, %s, unnest(%s::text[]), %s, %s"
+                        ).format(n["commits"]),
+                        (t, run_id, sbs, version, token),
+                    )
+                    moved = conn.execute(
+                        sql.SQL("INSERT INTO {} ({}) SELECT {} FROM {} WHERE surge_key = ANY(%s)").format(
+                            n["target"], names, names, n["staging"]
+                        ),
+                        (keys,),
+                    ).rowcount
+                    if moved != rows:
+                        raise SurgeOutputError(
+                            f"the staging table of {self.location.url!r} holds {moved} of the {rows} staged rows of "
+                            f"SuperBatch(es) {sbs[:5]} (dropped or emptied since they were written?). Nothing was "
+                            "committed. Fix: write to a new table (or delete this run's _surge/ records so its "
+                            "SuperBatches are encoded again)."
+                        )
+                    conn.execute(
+                        sql.SQL("DELETE FROM {} WHERE surge_key = ANY(%s)").format(n["staging"]), (keys,)
+                    )
+            except psycopg.errors.UniqueViolation as err:
+                raise CommitConflict(
+                    f"the table {self.location.url!r} holds SuperBatch(es) of {sbs[:5]} already ({self._scrub(err)})"
+                ) from None
+            except psycopg.errors.LockNotAvailable as err:
+                raise CommitConflict(f"the table's version row stayed locked ({self._scrub(err)})") from None
+        return version
+
+    def repair(self, run_id: str, token: str, superbatches: list[str], read_version: int) -> int:
+        """Record that ``superbatches`` are held once. ``surge_commits``' primary key lets no SuperBatch
+        in twice, so there is no second copy to remove: one version naming them, read at
+        ``read_version``. Returns it."""
+        psycopg, _ = _modules()
+        with self._session() as conn:
+            try:
+                with conn.transaction():
+                    return self._bump(conn, run_id, token, read_version, "REPAIR", repaired=superbatches)
+            except psycopg.errors.LockNotAvailable as err:
+                raise CommitConflict(f"the table's version row stayed locked ({self._scrub(err)})") from None
+
+    # -- readers -----------------------------------------------------------------------------------
+
+    def _vector_column(self, conn: Any) -> tuple[str, int]:
+        """``(kind, dimensions)`` of the table's ``embedding`` column."""
+        for col, kind in self._columns_now(conn, self.location.table):
+            if col == "embedding" and kind.startswith(("vector(", "halfvec(")):
+                name, _, d = kind.partition("(")
+                return name, int(d.rstrip(")"))
+        raise SurgeOutputError(
+            f"the table {self.location.url!r} has no pgvector 'embedding' column. Fix: pass a dask-surge "
+            "pgvector output."
+        )
+
+    def read(self) -> pa.Table:
+        """Every committed row, ordered by ``(partition, row)`` when the table has them, as Arrow (the
+        schema the run wrote; ``embedding`` a ``fixed_size_list`` of float32 or float16)."""
+        from psycopg import sql
+
+        with self._session() as conn:
+            if not self._regclass(conn, self.location.schema, self.location.table):
+                raise SurgeOutputError(f"no table at {self.location.url!r}. Fix: pass the output of a run.")
+            self._ensure_extension(conn)
+            from pgvector.psycopg import register_vector
+
+            register_vector(conn)
+            stored = None
+            if self._adopted(conn) is not None:
+                row = conn.execute(
+                    sql.SQL("SELECT arrow_schema FROM {} WHERE tbl = %s").format(self._names(sql)["tables"]),
+                    (self.location.table,),
+                ).fetchone()
+                stored = _schema_of(row[0]) if row and row[0] else None
+            have = [c for c, _ in self._columns_now(conn, self.location.table)]
+            order = [c for c in ("partition", "row") if c in have]
+            query = sql.SQL("SELECT {} FROM {}").format(
+                sql.SQL(", ").join(sql.Identifier(c) for c in have), self._names(sql)["target"]
+            )
+            if order:
+                query += sql.SQL(" ORDER BY {}").format(sql.SQL(", ").join(sql.Identifier(c) for c in order))
+            with conn.cursor(binary=True) as cur:
+                cur.execute(query)
+                rows = cur.fetchall()
+                kinds = dict(self._columns_now(conn, self.location.table))
+        columns = list(zip(*rows, strict=True)) if rows else [() for _ in have]
+        arrays = {}
+        for name, values in zip(have, columns, strict=True):
+            kind = kinds[name]
+            if kind.startswith(("vector(", "halfvec(")):
+                d = int(kind[kind.index("(") + 1 : -1])
+                dtype = np.float16 if kind.startswith("halfvec") else np.float32
+                flat = np.concatenate(
+                    [
+                        np.zeros(d, dtype) if v is None else v.to_numpy().astype(dtype, copy=False)
+                        for v in values
+                    ]
+                    or [np.zeros(0, dtype)]
+                )
+                mask = pa.array([v is None for v in values], pa.bool_()) if None in values else None
+                arrays[name] = pa.FixedSizeListArray.from_arrays(pa.array(flat), d, mask=mask)
+            else:
+                arrays[name] = pa.array(list(values))
+        if stored is not None and stored.names == have:
+            out = [
+                arrays[f.name].cast(f.type) if arrays[f.name].type != f.type else arrays[f.name]
+                for f in stored
+            ]
+            return pa.Table.from_arrays(out, schema=stored)
+        if not rows:
+            return pa.table({name: pa.array([], _arrow_of(kinds[name])) for name in have})
+        return pa.table(arrays)
+
+    # -- index and search --------------------------------------------------------------------------
+
+    def build_index(self, metric: str = "cosine", *, m: int = 16, ef_construction: int = 64) -> str:
+        """Build an HNSW index of ``embedding`` for ``metric`` (``"cosine"``, ``"l2"`` or ``"dot"``),
+        ``CREATE INDEX CONCURRENTLY`` (writers go on meanwhile); an invalid index left by a failed build
+        is dropped first. Returns the index's name."""
+        from psycopg import sql
+
+        _, ops = _metric(metric)
+        name = self.location.table + _INDEX_SUFFIX[metric]
+        with self._session() as conn:
+            ext = self._ensure_extension(conn)
+            kind, dim = self._vector_column(conn)
+            most = 2000 if kind == "vector" else 4000
+            if dim > most:
+                raise SurgeOutputError(
+                    f"pgvector's HNSW index takes {kind} columns of up to {most} dimensions, and "
+                    f"{self.location.url!r} has {dim}. Fix: encode with precision='float16' (halfvec: up to "
+                    "4000), or fewer dimensions (dimensions=)."
+                )
+            index = sql.Identifier(self.location.schema, name)
+            valid = conn.execute(
+                "SELECT i.indisvalid FROM pg_index i WHERE i.indexrelid = to_regclass(%s)",
+                (index.as_string(conn),),
+            ).fetchone()
+            if valid is not None and not valid[0]:
+                conn.execute(sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(index))
+            conn.execute(
+                sql.SQL(
+                    "CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ON {} USING hnsw (embedding {}) "
+                    "WITH (m = {}, ef_construction = {})"
+                ).format(
+                    sql.Identifier(name),
+                    self._names(sql)["target"],
+                    sql.Identifier(ext, f"{kind}_{ops}"),
+                    sql.Literal(int(m)),
+                    sql.Literal(int(ef_construction)),
+                )
+            )
+        return name
+
+    def _search_sql(self, conn: Any, metric: str, k: int) -> Any:
+        from psycopg import sql
+
+        op, _ = _metric(metric)
+        ext = self._ensure_extension(conn)
+        kind, _ = self._vector_column(conn)
+        distance = sql.SQL("embedding OPERATOR({}.{}) CAST(%s AS {})").format(
+            sql.Identifier(ext), sql.SQL(op), sql.Identifier(ext, kind)
+        )
+        return sql.SQL("SELECT partition, row, {} AS d FROM {} ORDER BY {} LIMIT {}").format(
+            distance, self._names(sql)["target"], distance, sql.Literal(int(k))
+        )
+
+    def search(
+        self,
+        queries: Any,
+        k: int = 10,
+        *,
+        metric: str = "cosine",
+        ef_search: int | None = None,
+        exact: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ``k`` nearest rows of each query (``queries``: an ``(n, d)`` array) by ``metric``.
+
+        Returns ``(distances, partitions, rows)``, each ``(n, k)`` (fewer columns when the table has
+        fewer rows), nearest first; distances as pgvector computes them: cosine ``1 - cos``, l2 the
+        Euclidean distance (not squared), dot the negative inner product. ``ef_search`` sets
+        ``hnsw.ef_search`` (pgvector's default: 40); ``exact`` scans the table (no index).
+        """
+        q = np.atleast_2d(np.asarray(queries, dtype=np.float32))
+        out_d, out_p, out_r = [], [], []
+        with self._session(vectors=True) as conn, conn.transaction():
+            query = self._search_sql(conn, metric, k)
+            if ef_search is not None:
+                conn.execute("SELECT set_config('hnsw.ef_search', %s, true)", (str(int(ef_search)),))
+            if exact:
+                conn.execute("SELECT set_config('enable_indexscan', 'off', true)")
+            with conn.cursor(binary=True) as cur:
+                for vec in q:
+                    cur.execute(query, (vec, vec), prepare=True)
+                    got = cur.fetchall()
+                    out_p.append([int(r[0]) for r in got])
+                    out_r.append([int(r[1]) for r in got])
+                    out_d.append([float(r[2]) for r in got])
+        width = min((len(x) for x in out_d), default=0)
+        return (
+            np.array([x[:width] for x in out_d], dtype=np.float64).reshape(len(q), width),
+            np.array([x[:width] for x in out_p], dtype=np.int64).reshape(len(q), width),
+            np.array([x[:width] for x in out_r], dtype=np.int64).reshape(len(q), width),
+        )
+
+    def search_plan(self, query: Any, k: int = 10, *, metric: str = "cosine", exact: bool = False) -> str:
+        """The ``EXPLAIN`` of :meth:`search`'s statement for one query (to see whether an index serves it)."""
+        from psycopg import sql
+
+        vec = np.asarray(query, dtype=np.float32).ravel()
+        with self._session(vectors=True) as conn, conn.transaction():
+            if exact:
+                conn.execute("SELECT set_config('enable_indexscan', 'off', true)")
+            plan = conn.execute(
+                sql.SQL("EXPLAIN ") + self._search_sql(conn, metric, k), (vec, vec)
+            ).fetchall()
+        return "\n".join(r[0] for r in plan)
+
+
+def _metric(metric: str) -> tuple[str, str]:
+    try:
+        return METRICS[metric]
+    except KeyError:
+        raise SurgeValueError(
+            f"metric={metric!r} is not one pgvector indexes. Fix: pass one of {sorted(METRICS)}."
+        ) from None
+
+
+def _arrow_of(kind: str) -> pa.DataType:
+    """The Arrow type of a PostgreSQL column type as :class:`_Column` spells it."""
+    if kind.startswith(("vector(", "halfvec(")):
+        d = int(kind[kind.index("(") + 1 : -1])
+        return pa.list_(pa.float16() if kind.startswith("halfvec") else pa.float32(), d)
+    return {
+        "bigint": pa.int64(),
+        "integer": pa.int32(),
+        "smallint": pa.int16(),
+        "double precision": pa.float64(),
+        "real": pa.float32(),
+        "text": pa.string(),
+        "boolean": pa.bool_(),
+        "bytea": pa.binary(),
+    }.get(kind, pa.string())
