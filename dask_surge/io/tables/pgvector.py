@@ -362,10 +362,16 @@ class PgVectorTable:
         try:
             conn = psycopg.connect(self.location.uri, autocommit=True, **extra)
         except psycopg.Error as err:
+            why = self._scrub(err)
+            fix = (
+                "give the role's password through PGPASSWORD or ~/.pgpass (not the URI), or check the user name"
+                if "password" in why or "authentication" in why
+                else "start the server or correct the host and port in the URI; give a password through "
+                "PGPASSWORD or ~/.pgpass, not the URI"
+            )
             raise SurgeOutputError(
                 f"cannot connect to PostgreSQL at {self._where()} for the pgvector output "
-                f"{self.location.url!r}: {self._scrub(err)}. Fix: start the server or correct the host and "
-                "port in the URI; give a password through PGPASSWORD or ~/.pgpass, not the URI."
+                f"{self.location.url!r}: {why}. Fix: {fix}."
             ) from None
         try:
             # a process paused inside a transaction (holding the table's lock) is rolled back by the

