@@ -191,6 +191,7 @@ def test_readers_never_see_part_of_a_superbatch(uri):
         done.set()
         thread.join()
     assert all(rows == expected for rows, expected in seen), [s for s in seen if s[0] != s[1]][:3]
+    assert len(set(seen)) >= 3  # the reader saw states between commits, not only the first and last
     assert count(uri, "once.readers") == sum(sizes.values())
     assert _sql(uri, "SELECT count(*) FROM once.readers__surge_staging") == [(0,)]
 
@@ -237,6 +238,30 @@ def test_float16_is_stored_as_halfvec(uri):
     assert np.array_equal(
         got.column("embedding").combine_chunks().values.to_numpy().view(np.uint16), want.view(np.uint16)
     )
+
+
+def test_nan_is_refused_in_one_line_and_nothing_is_staged(uri):
+    t = PgVectorTable(uri, "vals.nan")
+    data = frame(0, 3, dim=4, dtype=np.float16)
+    emb = np.array([[1, 2, 3, 4], [np.nan, 0, 0, 0], [0, 0, 0, 1]], np.float16)
+    data = data.set_column(4, "embedding", pa.FixedSizeListArray.from_arrays(pa.array(emb.ravel()), 4))
+    with pytest.raises(SurgeOutputError, match="NaN") as err:
+        t.write(data)
+    assert "\n" not in str(err.value) and "Fix:" in str(err.value)
+    assert count(uri, "vals.nan__surge_staging") == 0
+
+
+@pytest.mark.parametrize(("unlogged", "persistence"), [(True, "u"), (False, "p")])
+def test_the_staging_table_is_unlogged_unless_asked_and_keeps_its_columns(uri, unlogged, persistence):
+    name = f"vals.staged_{persistence}"
+    t = PgVectorTable(uri, name, unlogged=unlogged)
+    t.write(frame(0, 2))
+    got = _sql(
+        uri, "SELECT relpersistence FROM pg_class WHERE oid = to_regclass(%s)", (name + "__surge_staging",)
+    )
+    assert got == [(persistence,)]
+    with pytest.raises(SurgeOutputError, match=r"staging table .* has columns"):
+        t.write(frame(0, 2, dim=3))
 
 
 @pytest.mark.parametrize(

@@ -283,6 +283,10 @@ class PgVectorTable:
         always quoted identifiers.
     schema : str, optional
         The schema, when ``table`` is a bare name.
+    unlogged : bool
+        Stage rows in an UNLOGGED table (default: no WAL for rows that are copied again at commit). A
+        server crash empties an UNLOGGED table: SuperBatches staged but not yet committed then cannot
+        be committed (the commit says so). False: a logged staging table, which survives a crash.
     """
 
     name = "pgvector"
@@ -291,7 +295,10 @@ class PgVectorTable:
     #: nor directory entries of its own
     ENTRIES: frozenset[str] = frozenset()
 
-    def __init__(self, uri: str, table: str | tuple[str, str], *, schema: str | None = None) -> None:
+    def __init__(
+        self, uri: str, table: str | tuple[str, str], *, schema: str | None = None, unlogged: bool = True
+    ) -> None:
+        self.unlogged = bool(unlogged)
         if isinstance(table, tuple):
             schema, table = table
         elif schema is None and "." in table:
@@ -429,11 +436,13 @@ class PgVectorTable:
             pass  # created by another process meanwhile
         return str(conn.execute(sel).fetchone()[0])
 
-    def _ddl(self, conn: Any, statements: Sequence[Any]) -> None:
-        """Run idempotent ``CREATE ... IF NOT EXISTS`` statements in one transaction, retried when a
-        concurrent creator wins the race (PostgreSQL raises a unique violation then)."""
+    def _ddl(self, conn: Any, statements: Sequence[Any], present: Any = None) -> None:
+        """Run ``CREATE`` statements in one transaction, unless ``present()`` says their work is done;
+        retried when a concurrent creator wins the race (PostgreSQL raises a unique violation then)."""
         psycopg, _ = _modules()
         for tries in range(5):
+            if present is not None and present():
+                return
             try:
                 with conn.transaction():
                     for statement in statements:
@@ -523,19 +532,18 @@ class PgVectorTable:
 
         name = self.location.table + STAGING_SUFFIX
         want = [("surge_key", "text"), *[(c.name, c.ddl) for c in columns]]
-        if not self._regclass(conn, self.location.schema, name):
-            staging = self._names(sql)["staging"]
-            self._ddl(
-                conn,
-                [
-                    sql.SQL("CREATE UNLOGGED TABLE IF NOT EXISTS {} (surge_key text NOT NULL, {})").format(
-                        staging, self._column_defs(ext, columns)
-                    ),
-                    sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (surge_key)").format(
-                        sql.Identifier(name[: _MAX_NAME - 4] + "_key"), staging
-                    ),
-                ],
-            )
+        staging = self._names(sql)["staging"]
+        self._ddl(
+            conn,
+            [
+                sql.SQL("CREATE {} TABLE {} (surge_key text NOT NULL, {})").format(
+                    sql.SQL("UNLOGGED" if self.unlogged else ""), staging, self._column_defs(ext, columns)
+                ),
+                # unnamed: PostgreSQL picks a name no other index of the schema has
+                sql.SQL("CREATE INDEX ON {} (surge_key)").format(staging),
+            ],
+            present=lambda: self._regclass(conn, self.location.schema, name),
+        )
         have = self._columns_now(conn, name)
         if have != want:
             raise SurgeOutputError(
@@ -580,6 +588,7 @@ class PgVectorTable:
             staging, sql.SQL(", ").join(sql.Identifier(n) for n in ["surge_key", *(c.name for c in columns)])
         )
         halves = [i for i, c in enumerate(columns) if c.kind == "halfvec"]
+        psycopg, _ = _modules()
         with self._session() as conn:
             ext = self._ensure(conn)
             self._ensure_staging(conn, ext, columns)
@@ -589,10 +598,17 @@ class PgVectorTable:
             register_vector(conn)
             for i in halves:
                 values[i] = [None if v is None else HalfVector(v) for v in values[i]]
-            with conn.transaction(), conn.cursor() as cur, cur.copy(copy_sql) as copy:
-                copy.set_types(["text", *(c.copy for c in columns)])
-                for row in zip(*values, strict=True):
-                    copy.write_row((key, *row))
+            try:
+                with conn.transaction(), conn.cursor() as cur, cur.copy(copy_sql) as copy:
+                    copy.set_types(["text", *(c.copy for c in columns)])
+                    for row in zip(*values, strict=True):
+                        copy.write_row((key, *row))
+            except psycopg.errors.DataException as err:
+                raise SurgeOutputError(
+                    f"PostgreSQL refused a value of this SuperBatch for {self.location.url!r} "
+                    f"({self._scrub(err)}). Nothing was written. Fix: pgvector stores no NaN or infinity: "
+                    "check the model's output (float16 overflows past 65504: pass precision='float32')."
+                ) from None
         payload = {"key": key, "rows": data.num_rows, "schema": _schema_text(data.schema)}
         if dim is not None:
             payload["dim"] = dim
@@ -820,7 +836,8 @@ class PgVectorTable:
                     if moved != rows:
                         raise SurgeOutputError(
                             f"the staging table of {self.location.url!r} holds {moved} of the {rows} staged rows of "
-                            f"SuperBatch(es) {sbs[:5]} (dropped or emptied since they were written?). Nothing was "
+                            f"SuperBatch(es) {sbs[:5]} (dropped or emptied since they were written? a server crash "
+                            "empties an UNLOGGED staging table). Nothing was "
                             "committed. Fix: write to a new table (or delete this run's _surge/ records so its "
                             "SuperBatches are encoded again)."
                         )
