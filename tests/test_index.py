@@ -273,6 +273,14 @@ def test_faiss_index_beside_an_iceberg_output(tmp_path):
             for p, r in zip(keys.partition, keys.row)
         ]
         assert np.allclose(hits, x[:3])  # each query's nearest by l2: itself (or a row with its vector)
+        # the hits' own columns, read from the table by their keys
+        dist, found = index.search(x[:3], k=2, columns=True)
+        assert (dist[:, 0] == 0).all() and len(found) == 6 and "embedding" not in found.columns
+        from pyiceberg.catalog import load_catalog
+
+        rows = load_catalog("surge-index", **props).load_table("default.emb").scan().to_pandas()
+        by_key = dict(zip(zip(rows.partition, rows.row), rows.text_hash))
+        assert [by_key[(p, r)] for p, r in zip(found.partition, found.row)] == found.text_hash.tolist()
         # a second run appended to the table: the index is older than it
         _encode(_small(seed=1), out, _len_model, format="iceberg", mode="append")
         with pytest.raises(dask_surge.SurgeInputError, match="older than the output"):
@@ -385,3 +393,106 @@ def test_lancedb_searches_a_lance_output_with_its_index(tmp_path, tiny_model):
         hits = table.search(x[q]).distance_type("cosine").nprobes(20).refine_factor(10).limit(10).to_pandas()
         found.append([pos[(p, r)] for p, r in zip(hits.partition, hits.row)])
     assert recall_at_k(np.array(found), exact_neighbours(x, x[queries], 10)) >= 0.8
+
+
+# -- one distance on every index: smaller is nearer, the same value for the same rows ------------------
+
+
+def _kept(n: int = 300):
+    import dask.dataframe as dd
+
+    rng = np.random.default_rng(3)
+    texts = [
+        f"doc {i} " + " ".join(rng.choice(["a", "bb", "ccc", "dd"], size=int(rng.integers(2, 9))))
+        for i in range(n)
+    ]
+    frame = pd.DataFrame({"text": texts, "doc_id": [f"d{i:04d}" for i in range(n)]})
+    return dd.from_pandas(frame, npartitions=3)
+
+
+@pytest.fixture(scope="module")
+def lance_and_delta(tmp_path_factory, tiny_model):
+    """The same run (same model, same input, keep=["doc_id"]) written as a Lance and a Delta table."""
+    pytest.importorskip("lance")
+    pytest.importorskip("deltalake")
+    base = tmp_path_factory.mktemp("one-distance")
+    outs = {}
+    for fmt in ("lance", "delta"):
+        outs[fmt] = str(base / f"emb.{fmt}")
+        _encode(_kept(), outs[fmt], tiny_model, format=fmt, keep=["doc_id"])
+    import deltalake
+
+    df = deltalake.DeltaTable(outs["delta"]).to_pandas().sort_values(["partition", "row"], ignore_index=True)
+    return outs, df
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2", "dot"])
+def test_lance_and_faiss_return_the_same_neighbours_and_distances(lance_and_delta, metric):
+    # before: Lance returned distances (rising), FAISS cosine similarities (falling), both "distances"
+    from dask_surge.io.index import exact_distances
+
+    outs, df = lance_and_delta
+    x = _vectors(df)
+    rng = np.random.default_rng(5)
+    queries = np.concatenate(
+        [x[::37] + rng.normal(0, 0.05, x[::37].shape), rng.normal(0, 1, (4, x.shape[1]))]
+    )
+    found = {}
+    for fmt, out in outs.items():
+        info = build_index(out, metric=metric)
+        assert info["kind"] == ("lance" if fmt == "lance" else "faiss") and info["metric"] == metric
+        index = open_index(out)
+        assert index.metric == metric
+        found[fmt] = index.search(queries.astype(np.float32), k=5, columns=["doc_id"])
+    (d_lance, h_lance), (d_faiss, h_faiss) = found["lance"], found["delta"]
+    assert h_lance[["query", "rank", "partition", "row", "doc_id"]].equals(
+        h_faiss[["query", "rank", "partition", "row", "doc_id"]]
+    )
+    scale = max(1.0, float(np.abs(d_lance).max()))
+    assert np.abs(d_lance - d_faiss).max() <= 1e-5 * scale, np.abs(d_lance - d_faiss).max()
+    # the distance is the metric's own, as exact_distances defines it (1 - cos, squared L2, 1 - dot)
+    pos = {(p, r): i for i, (p, r) in enumerate(zip(df.partition, df.row))}
+    rows = np.array([pos[(p, r)] for p, r in zip(h_lance.partition, h_lance.row)]).reshape(d_lance.shape)
+    exact = exact_distances(x, queries, metric)
+    assert np.allclose(np.take_along_axis(exact, rows, 1), d_lance, atol=1e-5 * scale)
+    assert np.allclose(np.sort(exact, axis=1)[:, :5], d_lance, atol=1e-5 * scale)  # the nearest 5, exactly
+    # the kept column is the row's own
+    assert (h_faiss.doc_id == df.doc_id.to_numpy()[rows.ravel()]).all()
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2", "dot"])
+def test_distances_rise_with_rank_on_every_index(lance_and_delta, metric):
+    outs, df = lance_and_delta
+    x = _vectors(df)
+    for out in outs.values():
+        build_index(out, metric=metric)
+        dist, hits = open_index(out).search(x[:10] + 0.01, k=8)
+        assert dist.shape == (10, 8) and np.isfinite(dist).all()
+        assert (np.diff(dist, axis=1) >= -1e-6).all(), dist
+        assert np.allclose(hits.distance.to_numpy(), dist.ravel())
+        assert list(hits.columns) == ["query", "rank", "partition", "row", "distance"]
+        if metric == "cosine":
+            assert ((dist >= -1e-6) & (dist <= 2 + 1e-6)).all()
+        if metric == "l2":
+            assert (dist >= 0).all()
+
+
+def test_search_returns_the_kept_columns_of_a_parquet_output(tmp_path):
+    out = str(tmp_path / "emb")
+    _encode(_kept(120), out, _len_model, keep=["doc_id"])
+    build_index(out, metric="l2")
+    df = dask_surge.read_embeddings(out).compute().reset_index(drop=True)
+    x = _vectors(df)
+    index = open_index(out)
+    _, hits = index.search(x[:4], k=3, columns=True)
+    assert list(hits.columns)[:5] == ["query", "rank", "partition", "row", "distance"]
+    assert {"doc_id", "text_hash"} <= set(hits.columns)
+    assert "embedding" not in hits.columns and len(hits) == 12
+    by_key = df.set_index(["partition", "row"]).doc_id
+    assert [by_key[(p, r)] for p, r in zip(hits.partition, hits.row)] == hits.doc_id.tolist()
+    assert (hits.groupby("query").distance.first() == 0).all()  # each query finds its own vector first
+    dist, more = index.search(x[:1], k=130)  # more than the output holds: the missing places are inf
+    found = int(np.isfinite(dist[0]).sum())
+    assert dist.shape == (1, 130) and found <= 120 and np.isinf(dist[0, found:]).all() and len(more) == found
+    with pytest.raises(dask_surge.SurgeInputError, match=r"columns=\['nope'\].*Fix"):
+        index.search(x[:1], columns=["nope"])

@@ -2,7 +2,10 @@
 
 :func:`build_index` builds it once a run has completed (``encode(..., build_index=True)`` does it for
 you); :func:`open_index` opens it with one call and :meth:`SurgeIndex.search` returns the ``k``
-nearest rows' keys (``partition``, ``row``) and distances. :func:`recall_at_k` measures an index
+nearest rows' keys (``partition``, ``row``), their distances and, asked for, their columns. Every
+index returns the same distance, Lance's, smaller is nearer (:func:`exact_distances`: cosine
+1 - cosine similarity, l2 the squared Euclidean distance, dot 1 - inner product), so a threshold
+means one thing on every output. :func:`recall_at_k` measures an index
 against exact search on the same vectors (the figure ``docs/performance.md`` states; it is
 measured, never assumed). Every location is reached through the output's
 :class:`~dask_surge.io.store.OutputStore` (a local path, ``memory://`` or ``s3://`` with
@@ -18,12 +21,16 @@ measured, never assumed). Every location is reached through the output's
   ``efSearch`` 64; no training) of the committed rows (a Parquet output's read with
   :func:`~dask_surge.io.readers.read_embeddings`, a table's with its table library), written
   beside the output at ``<output>.faiss/`` through the store: ``index-<id>.faiss``,
-  ``keys-<id>.parquet`` (the ``partition`` and ``row`` of each vector, in index order) and
+  ``keys-<id>.parquet`` (the ``partition`` and ``row``, and ``chunk`` in chunk mode, of each
+  vector, in index order) and
   ``index.json``, written last, which names those two files, the metric, the row count and what
   the index was built from: the output's run id and its committed rows (and a table's version).
   :func:`open_index` compares that with the output as it is now and refuses an index older than
   it (the output overwritten, resumed with more rows, or appended to): its keys would name rows
-  that are not the output's.
+  that are not the output's. Cosine is an inner-product graph of unit vectors, l2 an L2 graph, and
+  dot an L2 graph of the vectors with one more dimension (``max_norm`` in ``index.json``; an HNSW
+  graph of inner products misses neighbours); each hit's distance is then computed exactly from its
+  stored vector, as Lance refines its own.
 
 cuVS is not used: nothing here has a GPU to test it on.
 """
@@ -46,7 +53,7 @@ from ..families import DENSE, family_of_run
 from .manifest import current_run
 from .readers import read_embeddings
 from .store import OutputStore
-from .tables import open_table, require
+from .tables import detect, open_table, require
 from .tables.locations import TableLocation
 
 __all__ = [
@@ -57,6 +64,7 @@ __all__ = [
     "index_for",
     "recall_at_k",
     "exact_neighbours",
+    "exact_distances",
     "output_kind",
 ]
 
@@ -72,22 +80,18 @@ INDEX_JSON = "index.json"
 def output_kind(store: OutputStore) -> str:
     """What the output at ``store`` is: ``"lance"``, ``"delta"``, ``"iceberg"`` or ``"parquet"``.
 
-    Read from the store: a Lance table has ``_versions/``, a Delta table ``_delta_log/``; an Iceberg
-    table is a run whose commit records name table files (its catalog holds the rest); anything else
-    is a Parquet output.
+    The table format is :func:`~dask_surge.io.tables.detect`'s, from the root's entries (the one
+    rule by which a table's format is recognised). An Iceberg ``metadata/`` is confirmed by the
+    run's commit records naming table files (the catalog holds the rest); anything else is a
+    Parquet output.
     """
     root = store.root
-    if store.isdir(f"{root}/_versions"):
-        return "lance"
-    if store.isdir(f"{root}/_delta_log"):
-        return "delta"
-    if store.isdir(
-        f"{root}/metadata"
-    ):  # Iceberg's; confirmed by the run's records (a Parquet output has none)
+    kind = detect(store.listdir(root)) if store.isdir(root) else None
+    if kind == "iceberg":  # confirmed by the run's records (a Parquet output has none)
         manifest = current_run(store)
-        if manifest is not None and any(r.table for r in manifest.committed().values()):
-            return "iceberg"
-    return "parquet"
+        if manifest is None or not any(r.table for r in manifest.committed().values()):
+            kind = None
+    return kind or "parquet"
 
 
 def _matrix(values: Any) -> np.ndarray:
@@ -215,11 +219,15 @@ def build_index(
             f"{output!r} holds no dask-surge run, so nothing says which rows an index of it would cover. "
             "Fix: pass the output of ddf.surge.encode(..., output=...)."
         )
-    columns = ["partition", "row", "embedding"]
     if table is None:
-        frame = read_embeddings(output, columns=columns, storage_options=storage_options).compute()
+        key = [c for c in KEY if c in _column_names(kind, store)]
+        frame = read_embeddings(
+            output, columns=[*key, "embedding"], storage_options=storage_options
+        ).compute()
     else:
-        frame = table.read().select(columns).to_pandas()
+        read = table.read()
+        key = [c for c in KEY if c in read.schema.names]
+        frame = read.select([*key, "embedding"]).to_pandas()
     # a Parquet output holds exactly its run's committed rows; a table may also hold other writers' rows
     mismatch = table is None and len(frame) != stamp["rows_committed"]
     if mismatch or _stamp(store, kind) != stamp:
@@ -229,17 +237,20 @@ def build_index(
             "again once the run completes."
         )
     x = _matrix(frame["embedding"])
-    if metric == "cosine":
+    reduction: dict[str, Any] = {}
+    if metric == "cosine":  # unit vectors: the inner product is the cosine similarity
         x = _normalized(x)
+    elif metric == "dot":  # searched by L2 (an HNSW graph over inner products misses neighbours)
+        x, reduction["max_norm"] = _dot_as_l2(x)
     index = faiss.IndexHNSWFlat(
-        x.shape[1], 32, faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
+        x.shape[1], 32, faiss.METRIC_INNER_PRODUCT if metric == "cosine" else faiss.METRIC_L2
     )
     index.hnsw.efSearch = 64
     index.add(x)
     where = _faiss_store(output, path, storage_options)
     where.makedirs(where.root)
     keys = io.BytesIO()
-    frame[["partition", "row"]].reset_index(drop=True).to_parquet(keys)
+    frame[key].reset_index(drop=True).to_parquet(keys)
     token = uuid.uuid4().hex[:12]
     info = {
         "kind": "faiss",
@@ -248,6 +259,7 @@ def build_index(
         "metric": metric,
         "index": "HNSW32",
         "ef_search": 64,
+        **reduction,
         "output": output,
         "output_kind": kind,
         "index_file": f"index-{token}.faiss",
@@ -273,6 +285,20 @@ def _read_info(where: OutputStore) -> dict | None:
         return None
 
 
+#: the columns that name a row of an output: ``chunk`` too with ``long_texts="chunk"``
+KEY = ("partition", "row", "chunk")
+
+
+def _dot_as_l2(x: np.ndarray) -> tuple[np.ndarray, float]:
+    """``x`` with one more dimension, ``sqrt(M**2 - |x|**2)`` (``M`` the largest norm, returned): the
+    nearest of them by L2 to a query with a 0 there are its largest inner products, so a dot index is
+    an L2 graph (Bachrach et al., 2014), which HNSW searches as well as any other."""
+    sq = (x.astype(np.float64) ** 2).sum(1)
+    top = float(sq.max()) if len(sq) else 0.0
+    extra = np.sqrt(np.maximum(top - sq, 0)).astype(np.float32)[:, None]
+    return np.ascontiguousarray(np.hstack([x, extra])), math.sqrt(top)
+
+
 @dataclass
 class SurgeIndex:
     """An opened index (:func:`open_index`)."""
@@ -284,25 +310,71 @@ class SurgeIndex:
     _keys: pd.DataFrame | None = None
     #: what :func:`build_index` recorded (a FAISS index), or the Lance index's description
     info: dict | None = None
+    #: the output the index is of (its rows' columns are read from it)
+    _output: OutputStore | None = None
+    output_kind: str = "parquet"
 
-    def search(self, queries: Any, k: int = 10) -> tuple[np.ndarray, pd.DataFrame]:
-        """The ``k`` nearest rows of each query: ``(distances (q, k), keys)``; ``keys`` holds
-        ``query``, ``rank``, ``partition`` and ``row``."""
+    def search(
+        self, queries: Any, k: int = 10, *, columns: list[str] | bool | None = None
+    ) -> tuple[np.ndarray, pd.DataFrame]:
+        """The ``k`` nearest rows of each query, nearest first.
+
+        Every index kind (Lance's own, FAISS beside a Parquet, Delta or Iceberg output, on a local
+        path, ``memory://`` or ``s3://``) returns the same distance for the metric the index was
+        built with (:attr:`metric`), **smaller is nearer**, as Lance returns it
+        (:func:`exact_distances` computes it exactly):
+
+        * ``cosine``: 1 - cosine similarity, in [0, 2] (pgvector's ``<=>``);
+        * ``l2``: the **squared** Euclidean distance (FAISS's and Lance's; its square root is
+          the Euclidean distance, pgvector's ``<->``);
+        * ``dot``: 1 - inner product (Lance's; pgvector's ``<#>`` is the negative inner
+          product, this minus 1), negative for close vectors of length above 1.
+
+        Parameters
+        ----------
+        queries : array-like
+            One query vector, or a ``(q, dim)`` matrix of them.
+        k : int
+            How many rows each query finds.
+        columns : list of str, True or None
+            The output's columns to add to each hit, read from the output by the hit's key
+            (``partition``, ``row``; ``chunk`` too in chunk mode). Can be a list of column names,
+            True for every column but ``embedding`` (the ``keep`` columns, ``text_hash``, ...), or
+            None to return the keys and distances only.
+
+        Returns
+        -------
+        distances : numpy.ndarray
+            ``(q, k)``, rising along each row; ``inf`` where a query found fewer than ``k`` rows
+            (an output of fewer rows).
+        hits : pandas.DataFrame
+            One row per hit, in ``query`` then ``rank`` order: ``query``, ``rank``, ``partition``,
+            ``row`` (``chunk``), ``distance`` (the same as ``distances``), then ``columns``.
+
+        Raises
+        ------
+        SurgeInputError
+            When ``columns`` names a column the output does not have.
+        """
         q = np.atleast_2d(np.asarray(queries, dtype=np.float32))
+        wanted = self._columns(columns)
         if self.kind == "faiss":
-            if self.metric == "cosine":
-                q = _normalized(q)
-            dist, ids = self._index.search(np.ascontiguousarray(q), k)
+            dist, ids = self._faiss_search(q, k)
             assert self._keys is not None
-            keys = self._keys.iloc[ids.ravel()].reset_index(drop=True)
-            keys.insert(0, "rank", np.tile(np.arange(k), len(q)))
-            keys.insert(0, "query", np.repeat(np.arange(len(q)), k))
+            hit = ids.ravel() >= 0
+            keys = self._keys.iloc[ids.ravel()[hit]].reset_index(drop=True)
+            keys.insert(0, "rank", np.tile(np.arange(k), len(q))[hit])
+            keys.insert(0, "query", np.repeat(np.arange(len(q)), k)[hit])
+            keys["distance"] = dist.ravel()[hit]
+            if wanted:
+                keys = self._with_columns(keys, wanted)
             return dist, keys
-        out, dists = [], []
+        key = [c for c in KEY if c in self._index.schema.names]
+        out, dists = [], np.full((len(q), k), np.inf)
         for i, v in enumerate(q):
             t = self._index.to_table(
                 # the distance asked for by name: Lance warns (on stderr) of a search that leaves it implied
-                columns=["partition", "row", "_distance"],
+                columns=[*key, *(c for c in wanted if c not in key), "_distance"],
                 nearest={
                     "column": "embedding",
                     "q": v,
@@ -312,11 +384,120 @@ class SurgeIndex:
                     "refine_factor": 10,
                 },
             ).to_pandas()
-            dists.append(t.pop("_distance").to_numpy())
+            d = t.pop("_distance").to_numpy(np.float64)
+            dists[i, : len(d)] = d
             t.insert(0, "rank", np.arange(len(t)))
             t.insert(0, "query", i)
+            t.insert(2 + len(key), "distance", d)
             out.append(t)
-        return np.stack(dists), pd.concat(out, ignore_index=True)
+        return dists, pd.concat(out, ignore_index=True)
+
+    def _faiss_search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The FAISS index's ``k`` nearest ids of each query, with their exact distances (the hits'
+        stored vectors against the query, as Lance refines its own), nearest first; -1 and inf past
+        the rows there are."""
+        stored = q
+        if self.metric == "cosine":
+            q = stored = _normalized(q)
+        elif self.metric == "dot" and "max_norm" in (self.info or {}):  # an L2 graph: the query with a 0
+            q = np.hstack([q, np.zeros((len(q), 1), np.float32)])
+        _, ids = self._index.search(np.ascontiguousarray(q), k)
+        found = ids >= 0
+        vectors = self._index.reconstruct_batch(np.where(found, ids, 0).ravel()).reshape(len(q), k, -1)
+        vectors = vectors[..., : stored.shape[1]].astype(np.float64)
+        if self.metric == "l2":
+            dist = ((vectors - stored.astype(np.float64)[:, None, :]) ** 2).sum(-1)
+        else:
+            dist = 1 - np.einsum("qkd,qd->qk", vectors, stored.astype(np.float64))
+        dist = np.where(found, dist, np.inf)
+        order = np.argsort(dist, axis=1, kind="stable")
+        return np.take_along_axis(dist, order, 1), np.take_along_axis(ids, order, 1)
+
+    def _columns(self, columns: list[str] | bool | None) -> list[str]:
+        """The column names ``columns`` asks for (checked against the output's)."""
+        if columns is None or columns is False:
+            return []
+        names = _column_names(self.output_kind, self._index if self.kind == "lance" else self._output)
+        if columns is True:
+            return [c for c in names if c not in KEY and c != "embedding"]
+        wanted = [columns] if isinstance(columns, str) else list(columns)
+        missing = [c for c in wanted if c not in names]
+        if missing:
+            raise SurgeInputError(
+                f"columns={missing!r}: the output has no such column. Fix: choose among {names}, or pass "
+                "columns=True for all of them but embedding."
+            )
+        return wanted
+
+    def _with_columns(self, keys: pd.DataFrame, wanted: list[str]) -> pd.DataFrame:
+        """``keys`` with the ``wanted`` columns of the rows they name, read from the output."""
+        assert self._output is not None
+        on = [c for c in KEY if c in keys.columns]
+        extra = [c for c in wanted if c not in on]
+        rows = _read_rows(self.output_kind, self._output, keys[on].drop_duplicates(), on, extra)
+        return keys.merge(rows.drop_duplicates(on), on=on, how="left")
+
+
+def _column_names(kind: str, source: Any) -> list[str]:
+    """The columns of an output: ``source`` a Lance dataset, or the store of another output."""
+    if kind == "lance":
+        return list(source.schema.names)
+    if kind == "parquet":
+        return list(read_embeddings(source.location, storage_options=source.storage_options).columns)
+    if kind == "delta":
+        return list(_delta_dataset(source).schema.names)
+    return [f.name for f in _iceberg_table(source).schema().fields]
+
+
+def _delta_dataset(store: OutputStore) -> Any:
+    deltalake = require("deltalake")
+    location = TableLocation.of(store)
+    return deltalake.DeltaTable(location.uri, storage_options=location.options).to_pyarrow_dataset()
+
+
+def _iceberg_table(store: OutputStore) -> Any:
+    table = _table_of("iceberg", store)
+    return table.catalog().load_table(table.identifier)
+
+
+def _read_rows(
+    kind: str, store: OutputStore, keys: pd.DataFrame, on: list[str], columns: list[str]
+) -> pd.DataFrame:
+    """The ``on`` + ``columns`` of the output's rows named by ``keys``, read only from where they
+    can be: a Parquet output's files of their partitions, a table's files its filter keeps."""
+    parts = sorted(int(p) for p in keys.partition.unique())
+    rows = sorted(int(r) for r in keys.row.unique())
+    if kind == "parquet":
+        import dask
+
+        frames = dask.compute(
+            *(
+                read_embeddings(
+                    store.location,
+                    partition=p,
+                    columns=[*on, *columns],
+                    storage_options=store.storage_options,
+                )
+                for p in parts
+            ),
+            scheduler="threads",
+        )
+        found = pd.concat(frames, ignore_index=True)
+    elif kind == "delta":
+        import pyarrow.compute as pc
+
+        wanted = pc.field("partition").isin(parts) & pc.field("row").isin(rows)
+        found = _delta_dataset(store).to_table(columns=[*on, *columns], filter=wanted).to_pandas()
+    else:
+        from pyiceberg import expressions
+
+        among: Any = expressions.In  # typed by pydantic's fields, called by its own signature
+        scan = _iceberg_table(store).scan(
+            row_filter=expressions.And(among("partition", parts), among("row", rows)),
+            selected_fields=(*on, *columns),
+        )
+        found = scan.to_arrow().to_pandas()
+    return keys.merge(found, on=on, how="inner")
 
 
 def _lance_metric(index: Any) -> str:
@@ -368,7 +549,9 @@ def open_index(
             "rows_indexed": indexed,
             "index_type": _get(indices[0], "index_type"),
         }
-        return SurgeIndex("lance", output, _lance_metric(indices[0]), ds, info=described)
+        return SurgeIndex(
+            "lance", output, _lance_metric(indices[0]), ds, info=described, _output=store, output_kind=kind
+        )
     faiss = require("faiss")
     where = _faiss_store(output, path, storage_options)
     info = _read_info(where)
@@ -392,7 +575,9 @@ def open_index(
             f"the index at {where.location!r} is damaged: index.json says {info['rows']:,} rows, its index "
             f"holds {index.ntotal:,} and its keys {len(keys):,}. Fix: build_index({output!r}) again."
         )
-    return SurgeIndex("faiss", where.location, info["metric"], index, keys, info)
+    return SurgeIndex(
+        "faiss", where.location, info["metric"], index, keys, info, _output=store, output_kind=kind
+    )
 
 
 def _said(stamp: dict) -> str:
@@ -433,15 +618,33 @@ def index_for(
     return {**build_index(output, metric=metric, storage_options=storage_options), "built": True}
 
 
+def exact_distances(vectors: Any, queries: Any, metric: Metric = "cosine") -> np.ndarray:
+    """The distance of each query to each vector, ``(queries, vectors)``, as :meth:`SurgeIndex.search`
+    returns it: ``cosine`` 1 - cosine similarity, ``l2`` the squared Euclidean distance, ``dot``
+    1 - inner product (what Lance returns for each; smaller is nearer).
+
+    Examples
+    --------
+    >>> v, q = np.array([[1.0, 0.0], [0.0, 2.0]]), np.array([[3.0, 4.0]])
+    >>> exact_distances(v, q, "cosine").round(3).tolist(), exact_distances(v, q, "l2").tolist()
+    ([[0.4, 0.2]], [[20.0, 13.0]])
+    >>> exact_distances(v, q, "dot").tolist()
+    [[-2.0, -7.0]]
+    """
+    _check_metric(metric)
+    x, q = np.atleast_2d(np.asarray(vectors, np.float64)), np.atleast_2d(np.asarray(queries, np.float64))
+    if metric == "l2":
+        return np.maximum((q**2).sum(1)[:, None] - 2 * q @ x.T + (x**2).sum(1)[None], 0)
+    if metric == "cosine":
+        x, q = _normalized(x), _normalized(q)
+    return 1 - q @ x.T
+
+
 def exact_neighbours(
     vectors: np.ndarray, queries: np.ndarray, k: int, metric: Metric = "cosine"
 ) -> np.ndarray:
     """Row numbers of the exact ``k`` nearest ``vectors`` of each query (brute force)."""
-    x, q = np.asarray(vectors, np.float32), np.asarray(queries, np.float32)
-    if metric == "cosine":
-        x, q = _normalized(x), _normalized(q)
-    scores = -(q @ x.T) if metric != "l2" else ((q**2).sum(1)[:, None] - 2 * q @ x.T + (x**2).sum(1)[None])
-    return np.argsort(scores, axis=1, kind="stable")[:, :k]
+    return np.argsort(exact_distances(vectors, queries, metric), axis=1, kind="stable")[:, :k]
 
 
 def recall_at_k(found: np.ndarray, exact: np.ndarray) -> float:
