@@ -18,6 +18,7 @@ __all__ = [
     "CommitConflict",
     "History",
     "require",
+    "variable_lists",
 ]
 
 #: every value of ``format=``; all but ``"parquet"`` are table formats
@@ -78,6 +79,29 @@ class CommitConflict(SurgeOutputError):
     committer reads the table's history again and decides: retry, or stop when another process's
     fence came after its own (:class:`~dask_surge.execution.tables.TableCommitter`).
     """
+
+
+def variable_lists(data: Any) -> Any:
+    """``data`` (a ``pyarrow.Table``) with every fixed-size list column as a list of the same values:
+    the type a Delta or Iceberg table declares for a vector (neither format has a fixed-size list), so
+    that the data files hold what the table's schema says and every reader (polars, DuckDB, Spark)
+    reads them; the length stays constant by construction. Zero-copy (the values are shared).
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> t = pa.table({"e": pa.FixedSizeListArray.from_arrays(pa.array([1.0, 2.0], pa.float32()), 2)})
+    >>> str(variable_lists(t).schema.field("e").type)
+    'list<item: float>'
+    """
+    import pyarrow as pa
+
+    columns = []
+    for column in data.columns:
+        if pa.types.is_fixed_size_list(column.type):
+            column = column.cast(pa.list_(column.type.value_field))
+        columns.append(column)
+    return pa.Table.from_arrays(columns, names=data.column_names)
 
 
 @dataclass

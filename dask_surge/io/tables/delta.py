@@ -45,6 +45,7 @@ from .base import (
     CommitConflict,
     History,
     require,
+    variable_lists,
 )
 from .locations import TableLocation
 
@@ -118,6 +119,7 @@ class DeltaOutput:
         """Write ``data`` as one Parquet file under ``surge-data/``, not committed; returns the payload
         (JSON: its path relative to the table, size, rows and the Arrow schema)."""
         require("deltalake")
+        data = variable_lists(data)  # the type the table's schema declares for a vector
         buf = io.BytesIO()
         pq.write_table(data, buf, compression="zstd")
         blob = buf.getvalue()

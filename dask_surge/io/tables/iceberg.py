@@ -55,6 +55,7 @@ from .base import (
     CommitConflict,
     History,
     require,
+    variable_lists,
 )
 from .locations import TableLocation
 
@@ -243,6 +244,7 @@ class IcebergTable:
                 f"Iceberg has no 16-bit float type, and column(s) {halves} of this run are float16. Nothing was "
                 "committed. Fix: pass precision='float32' (or 'int8') for an Iceberg output, or format='parquet'."
             )
+        data = variable_lists(data)  # the type the table's schema declares for a vector
         buf = io.BytesIO()
         pq.write_table(data, buf, compression="zstd")
         blob = buf.getvalue()
