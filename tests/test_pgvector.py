@@ -235,6 +235,9 @@ def test_float16_is_stored_as_halfvec(uri):
     got = t.read()
     assert got.schema.field("embedding").type == pa.list_(pa.float16(), 12)
     want = data.column("embedding").combine_chunks().values.to_numpy()
+    t.build_index("cosine")  # halfvec_cosine_ops
+    d, _, rows = t.search(want.reshape(20, 12)[:4].astype(np.float32), 1, metric="l2", exact=True)
+    assert rows[:, 0].tolist() == [0, 1, 2, 3] and np.allclose(d, 0)
     assert np.array_equal(
         got.column("embedding").combine_chunks().values.to_numpy().view(np.uint16), want.view(np.uint16)
     )

@@ -339,8 +339,8 @@ class PgVectorTable:
     def _scrub(self, text: Any) -> str:
         """``text`` on one line, without the URI's password anywhere in it."""
         out = _one_line(str(text)).replace(self.location.uri, redact_uri(self.location.uri))
-        secret = self._secret()
-        return out.replace(secret, "***") if secret else out
+        secret = self._secret()  # libpq prints no password; this is for what a server might echo
+        return out.replace(secret, "***") if secret and len(secret) >= 4 else out
 
     def _where(self) -> str:
         psycopg, _ = _modules()
@@ -459,8 +459,9 @@ class PgVectorTable:
             except psycopg.errors.InsufficientPrivilege as err:
                 raise SurgeOutputError(
                     f"role {conn.info.user!r} may not create tables in schema {self.location.schema!r} of "
-                    f"{self.location.url!r} ({self._scrub(err)}). Nothing was written. Fix: GRANT CREATE ON "
-                    f"SCHEMA to that role, or choose a schema it owns."
+                    f"{self.location.url!r} ({self._scrub(err)}). Nothing was written. Fix: have the schema's owner run "
+                    f"`GRANT CREATE ON SCHEMA {self.location.schema} TO {conn.info.user};`, or choose a schema "
+                    "the role owns."
                 ) from None
 
     def _ensure(self, conn: Any) -> str:
