@@ -157,6 +157,21 @@ def test_a_second_commit_of_a_superbatch_fails_on_the_constraint_and_rows_stay_o
     assert _sql(uri, "SELECT count(*) FROM once.twice__surge_staging WHERE surge_key = %s", (key,)) == [(4,)]
 
 
+def test_another_runs_commits_do_not_fence_this_run(uri):
+    t = PgVectorTable(uri, "once.two_runs")
+    px, py, px2 = t.write(frame(0, 2)), t.write(frame(1, 3)), t.write(frame(2, 4))
+    v = t.commit("x", "tx", [("sb0", px)], t.fence("x", "tx", 0, px))
+    read_by_x = v
+    vy = t.fence("y", "ty", v, "")
+    t.commit("y", "ty", [("sb0", py)], vy)  # the same SuperBatch key, another run: its own record
+    assert t.commit("x", "tx", [("sb1", px2)], read_by_x) == 5  # appends of others are merged
+    h = t.history("x")
+    assert h.ours == {"sb0": 2, "sb1": 5} and h.foreign == [(3, "FENCE", "y"), (4, "APPEND", "y")]
+    assert all(t.keeps_rows(op) for _, op, _ in h.foreign)
+    assert t.repair("x", "tx", ["sb0"], 5) == 6 and t.history("x").repaired == ["sb0"]
+    assert [r for _, _, r in t.version_rows()] == [0, 2, 2, 5, 9, 9]
+
+
 def test_a_second_creation_is_refused(uri):
     t = PgVectorTable(uri, "once.created")
     p = t.write(frame(0, 2))
