@@ -302,8 +302,16 @@ def cmd_encode(args) -> int:
 
 def _rows_unknown(args) -> bool:
     """Whether the input's rows are not known ahead (CSV, JSON lines: read_input's own readers);
-    Parquet's come from its footers, and encode() judges those itself."""
-    fmt = args.format or _detect_format(args.inputs)
+    Parquet's come from its footers, and encode() judges those itself. The *input's* format
+    (``--format``), never the output's (``--output-format``).
+
+    Examples
+    --------
+    >>> argv = ["encode", "in.parquet", "--text-column", "t", "--output", "o", "--output-format", "lance"]
+    >>> _rows_unknown(build_parser().parse_args(argv))
+    False
+    """
+    fmt = args.input_format or _detect_format(args.inputs)
     return fmt != "parquet"
 
 
