@@ -496,3 +496,26 @@ def test_search_returns_the_kept_columns_of_a_parquet_output(tmp_path):
     assert dist.shape == (1, 130) and found <= 120 and np.isinf(dist[0, found:]).all() and len(more) == found
     with pytest.raises(dask_surge.SurgeInputError, match=r"columns=\['nope'\].*Fix"):
         index.search(x[:1], columns=["nope"])
+
+
+def test_a_chunk_mode_index_names_each_window(tmp_path, tiny_model):
+    # the keys were (partition, row): a text's windows were one key, and its columns came back once per window
+    import dask.dataframe as dd
+
+    texts = [" ".join(f"w{j}" for j in range(i % 7 * 60 + 5)) for i in range(40)]
+    frame = pd.DataFrame({"text": texts, "doc_id": [f"d{i}" for i in range(40)]})
+    out = str(tmp_path / "emb")
+    _encode(dd.from_pandas(frame, npartitions=2), out, tiny_model, long_texts="chunk", keep=["doc_id"])
+    df = dask_surge.read_embeddings(out).compute().reset_index(drop=True)
+    assert df.chunk.max() > 0
+    build_index(out, metric="l2")
+    index = open_index(out)
+    assert list(index._keys.columns) == ["partition", "row", "chunk"]
+    windows = np.flatnonzero(df.chunk.to_numpy() > 0)[:5]
+    dist, hits = index.search(_vectors(df)[windows], k=3, columns=["char_start", "doc_id"])
+    assert len(hits) == 15 and "chunk" in hits.columns
+    assert (dist[:, 0] == 0).all()  # each window finds itself (or the same window of a same text)
+    by_key = df.set_index(["partition", "row", "chunk"])
+    for _, hit in hits.iterrows():
+        own = by_key.loc[(hit.partition, hit.row, hit.chunk)]
+        assert (own.char_start, own.doc_id) == (hit.char_start, hit.doc_id)
