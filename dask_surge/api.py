@@ -478,22 +478,8 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     )
     _check_build_index(opts["build_index"], output, family, opts["format"])
     keep = _check_columns(ddf, column, opts["keep"], chunked=long_texts == "chunk", family=family)
-    on_gpu = (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
-    task = SuperBatchTask(
-        column,
-        keep,
-        encoder,
-        normalize=opts["normalize"],
-        precision=check_precision(opts["precision"], opts["normalize"]),
-        on_null=opts["on_null"],
-        truncate_dim=check_truncate_dim(opts["truncate_dim"], encoder.dimension),
-        long_texts=long_texts,
-        chunk_overlap=overlap,
-        reuse=_absolute(opts["reuse"]),
-        reuse_storage_options=storage_options if any("://" in r for r in opts["reuse"]) else None,
-        sparse_top_k=opts["sparse_top_k"],
-        sparse_threshold=opts["sparse_threshold"],
-    )
+    on_gpu = _on_gpu(encoder)
+    task = _task(column, keep, encoder, opts)
     max_bytes = windowed_bytes(opts["max_bytes"], requested[1], encoder, long_texts, overlap, gpu=on_gpu)
     frame = ddf[[column, *[k for k in keep if k != column]]]
     out_format, mode = opts["format"], opts["mode"]
@@ -619,6 +605,60 @@ def _refresh_calibration(encoder: Encoder, result: EncodeResult, client, shape) 
         )
     except Exception as err:  # noqa: BLE001 - the run is written; a cache problem must not fail it
         logger.warning("dask-surge: could not refresh the calibration from this run (%s)", err)
+
+
+def _on_gpu(encoder: Any) -> bool:
+    return (encoder.spec.device or ("cuda" if gpu_count() else "cpu")).startswith("cuda")
+
+
+def _task(column: str, keep: tuple[str, ...], encoder: Any, opts: dict) -> SuperBatchTask:
+    """What a SuperBatch of a run with the bound options ``opts`` does (the one place they become a task)."""
+    storage_options = opts["storage_options"]
+    return SuperBatchTask(
+        column,
+        keep,
+        encoder,
+        normalize=opts["normalize"],
+        precision=check_precision(opts["precision"], opts["normalize"]),
+        on_null=opts["on_null"],
+        truncate_dim=check_truncate_dim(opts["truncate_dim"], encoder.dimension),
+        long_texts=opts["long_texts"],
+        chunk_overlap=opts["chunk_overlap"],
+        reuse=_absolute(opts["reuse"]),
+        reuse_storage_options=storage_options if any("://" in r for r in opts["reuse"]) else None,
+        sparse_top_k=opts["sparse_top_k"],
+        sparse_threshold=opts["sparse_threshold"],
+    )
+
+
+def embedding_identity_for(**options: Any) -> dict:
+    """What makes the embeddings of ``encode(..., **options)``: the model (its content, or repo and
+    commit), prompt, normalization, precision, ``truncate_dim``, long-text mode and compute dtype, as a
+    run's fingerprint records them (:func:`dask_surge.io.reuse.embedding_identity`), without encoding
+    anything. What :func:`dask_surge.backfill.backfill` records beside the column it fills.
+
+    Examples
+    --------
+    >>> from dask_surge.testing import checksum_model
+    >>> a = embedding_identity_for(model=checksum_model)
+    >>> a == embedding_identity_for(model=checksum_model, scheduler="sync"), a == embedding_identity_for(
+    ...     model=checksum_model, truncate_dim=1)
+    (True, False)
+    """
+    import dask.dataframe as dd
+    import pandas as pd
+
+    opts = config.bind("encode", options)
+    encoder = encoder_for(opts["model"], opts)
+    frame = dd.from_pandas(pd.DataFrame({"text": [""]}), npartitions=1)
+    run = fingerprint(
+        frame,
+        _task("text", (), encoder, opts),
+        device="cuda" if _on_gpu(encoder) else "cpu",
+        input_token="identity",
+        options=opts,
+    )
+    return embedding_identity(run)
 
 
 @contextlib.contextmanager

@@ -32,9 +32,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .api import encode
+from .api import embedding_identity_for, encode
 from .errors import SurgeInputError, SurgeValueError
 from .io.hashing import hash_column, text_hashes
+from .io.reuse import identity_difference
 from .io.store import OutputStore
 from .io.tables import require
 from .io.tables.locations import TableLocation
@@ -43,6 +44,11 @@ __all__ = ["BACKFILL_PROPERTY", "BackfillResult", "backfill"]
 
 #: commit-metadata key of a backfill's table versions: JSON ``{"id", "text", "column", "chunk", "rows"}``
 BACKFILL_PROPERTY = "dask-surge.backfill"
+#: table property (Delta) or config key (Lance) prefix: ``<prefix><column>`` holds the JSON embedding
+#: identity (model, prompt, normalization, precision, truncate_dim...) that made the column's vectors
+EMBEDDING_PROPERTY = "dask-surge.embedding."
+#: options of :func:`dask_surge.encode` that mean nothing to a backfill (it writes one column in place)
+_NOT_FOR_BACKFILL = ("output", "format", "mode", "overwrite", "keep", "reuse", "build_index", "input_token")
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,15 @@ class _LanceTable:
     def holds(self, kind: pa.DataType) -> bool:
         """True: this format stores vectors of ``kind`` as they are."""
         return True
+
+    def recorded(self, name: str) -> str | None:
+        """The table's config value ``name`` (None: not set)."""
+        return self._open().config().get(name)
+
+    def record(self, name: str, value: str) -> int:
+        """Set the table's config value ``name`` (one version)."""
+        self._open().update_config({name: value})
+        return 1
 
     def write(self, chunk: pa.Table, key: str, props: dict[str, str]) -> int:
         """Add ``chunk``'s columns when missing (one version), then merge it on ``key`` (one version)."""
@@ -124,6 +139,15 @@ class _DeltaTable:
     def holds(self, kind: pa.DataType) -> bool:
         """True: Delta stores vectors of ``kind`` as they are (it has no float16 and no unsigned type)."""
         return not (pa.types.is_float16(kind) or pa.types.is_unsigned_integer(kind))
+
+    def recorded(self, name: str) -> str | None:
+        """The table property ``name`` (None: not set)."""
+        return self._open().metadata().configuration.get(name)
+
+    def record(self, name: str, value: str) -> int:
+        """Set the table property ``name`` (one commit, ``SET TBLPROPERTIES``)."""
+        self._open().alter.set_table_properties({name: value}, raise_if_not_exists=False)
+        return 1
 
     def write(self, chunk: pa.Table, key: str, props: dict[str, str]) -> int:
         """One ``MERGE`` on ``key`` that updates ``chunk``'s columns (added by schema evolution when
@@ -244,36 +268,61 @@ def _check_vectors(
         )
 
 
+def _location(location: Any) -> str:
+    """A path or URL, or the path of a ``deltalake.DeltaTable``, a ``lance`` dataset or a LanceDB table."""
+    if isinstance(location, (str, os.PathLike)):
+        return os.fspath(location)
+    for attr in ("table_uri", "uri"):  # deltalake.DeltaTable, lance.LanceDataset
+        value = getattr(location, attr, None)
+        if isinstance(value, str):
+            return value
+    if callable(getattr(location, "to_lance", None)):  # a LanceDB table
+        return str(location.to_lance().uri)
+    raise SurgeValueError(
+        f"backfill({type(location).__name__} ...): the location is a path or URL of a Lance or Delta table, a "
+        "deltalake.DeltaTable, a lance dataset or a LanceDB table. Fix: pass one of those."
+    )
+
+
 def backfill(
-    table: str | os.PathLike,
+    location: Any,
     text: str,
     *,
     key: str,
     column: str = "embedding",
     chunk_rows: int = 10_000,
+    rebuild: bool = False,
     storage_options: dict | None = None,
     **options: Any,
 ) -> BackfillResult:
-    """Embed ``table[text]`` into ``table[column]`` where it is missing or stale, in place.
+    """Embed ``text`` into ``column`` of the table at ``location`` where it is missing or stale, in place.
 
     Parameters
     ----------
-    table : str or path
-        A Lance or Delta table (local path or ``s3://`` URL); the format is read from what its
-        root holds (``_versions/`` or ``_delta_log/``).
+    location : str, path, or table object
+        A Lance or Delta table: a local path or ``s3://`` URL (the format is read from what its root
+        holds: ``_versions/`` or ``_delta_log/``), or a ``deltalake.DeltaTable``, a ``lance`` dataset or
+        a LanceDB table (its path is used; pass ``storage_options`` for an object store).
     text : str
         Its text column (rows with a null text are left alone).
     key : str
         A column whose values identify rows uniquely (the write-back matches rows on it).
     column : str
         The embedding column to add or update; ``<column>_text_hash`` beside it records the hash of
-        the text each embedding was made from.
+        the text each embedding was made from, and the table records the model and options that made
+        the column (a table property ``dask-surge.embedding.<column>``).
     chunk_rows : int
         Rows embedded and written per table version.
+    rebuild : bool
+        Can be True to re-encode every row with these options (and record them), or False (default)
+        to encode only new or changed rows, refusing options other than those the column was made with.
     storage_options : dict, optional
-        fsspec-style options of an ``s3://`` table.
+        fsspec-style options of an ``s3://`` table, or None for a local one.
     **options
-        Options of :func:`dask_surge.encode` (``model``, ``normalize``, ``scheduler``...).
+        Options of :func:`dask_surge.encode` that make embeddings or run them (``model``,
+        ``normalize``, ``prompt``, ``precision``, ``truncate_dim``, ``scheduler``, ``progress``...);
+        those that mean nothing here (``output``, ``format``, ``mode``, ``overwrite``, ``keep``,
+        ``reuse``, ``build_index``) are refused.
 
     Returns
     -------
@@ -283,8 +332,22 @@ def backfill(
     ------
     SurgeInputError
         Not a Lance or Delta table; no such text or key column; a key that is null or repeated;
-        an existing ``column`` of another type or dimension than the model's vectors.
+        an existing ``column`` of another type or dimension than the model's vectors, or made with
+        other options (the difference is named).
     """
+    given = sorted(k for k in _NOT_FOR_BACKFILL if k in options)
+    if given:
+        raise SurgeValueError(
+            f"backfill(..., {', '.join(f'{k}=' for k in given)}): {'these options mean' if len(given) > 1 else 'this option means'} "
+            "nothing to a backfill, which writes one column of the table in place. Nothing was written. Fix: "
+            "leave them out (build an index of the table with its own library, e.g. lance's create_index)."
+        )
+    if options.get("long_texts") == "chunk":
+        raise SurgeValueError(
+            "backfill(..., long_texts='chunk'): a chunked text is several vectors, and a backfill writes one per "
+            "row. Nothing was written. Fix: long_texts='truncate' (default) or 'error'."
+        )
+    table = _location(location)
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise SurgeValueError(f"chunk_rows={chunk_rows!r}: rows per table version. Fix: pass an int >= 1.")
     store = OutputStore.open(table, storage_options)
@@ -293,20 +356,34 @@ def backfill(
     url, hash_col = where.url, f"{column}_text_hash"
     schema = target.schema()
     _check_columns(schema, text, key, url)
+    identity = embedding_identity_for(**options)
+    name = EMBEDDING_PROPERTY + column
+    recorded = target.recorded(name)
+    if recorded is not None and not rebuild:
+        differ = identity_difference(json.loads(recorded), identity, now="this backfill uses")
+        if differ:
+            raise SurgeInputError(
+                f"the column {column!r} of {url!r} was made with other options: {differ}. Its vectors and new "
+                "ones would not be comparable. Nothing was written. Fix: pass the options it was made with, "
+                "rebuild=True to re-encode every row with these, or another column=."
+            )
     have = column in schema.names and hash_col in schema.names
     scan = target.scan([key, text, *([hash_col] if have else [])])
     _check_keys(scan.column(key), key, url)
     texts = scan.column(text)
     valid = np.flatnonzero(np.asarray(texts.is_valid()))  # a row without a text has nothing to embed
     current = hash_column(text_hashes(texts.take(valid))).cast(pa.binary())
-    if have:
-        recorded = scan.column(hash_col).take(valid).cast(pa.binary())
-        stale = ~np.asarray(pc.fill_null(pc.equal(recorded, current), False), dtype=bool)
+    if have and not rebuild:
+        hashes = scan.column(hash_col).take(valid).cast(pa.binary())
+        stale = ~np.asarray(pc.fill_null(pc.equal(hashes, current), False), dtype=bool)
     else:
         stale = np.ones(len(valid), dtype=bool)
     todo, todo_hashes = valid[stale], current.filter(pa.array(stale))
     props = {"id": uuid.uuid4().hex, "text": text, "column": column}
     versions = 0
+    record = (
+        recorded is None or rebuild
+    )  # before the first chunk's rows: a killed backfill's column is named too
     for n, start in enumerate(range(0, len(todo), chunk_rows)):
         rows = todo[start : start + chunk_rows]
         part = pd.DataFrame({"text": texts.take(rows).to_pandas()})
@@ -320,6 +397,9 @@ def backfill(
             )
         if n == 0:
             _check_vectors(target, schema, column, emb.type, url)
+            if record:
+                versions += target.record(name, json.dumps(identity, sort_keys=True, default=str))
+                record = False
         chunk = pa.table(
             {
                 key: scan.column(key).take(rows),
@@ -329,4 +409,8 @@ def backfill(
         )
         meta = {BACKFILL_PROPERTY: json.dumps({**props, "chunk": n, "rows": len(rows)}, sort_keys=True)}
         versions += target.write(chunk, key, meta)
+    if (
+        record and column in schema.names
+    ):  # nothing to encode: the column (of an earlier build) gets its record
+        versions += target.record(name, json.dumps(identity, sort_keys=True, default=str))
     return BackfillResult(rows=scan.num_rows, encoded=len(todo), versions=versions, column=column)

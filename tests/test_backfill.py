@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 
 from dask_surge.backfill import BACKFILL_PROPERTY, backfill
-from dask_surge.errors import SurgeInputError
+from dask_surge.errors import SurgeInputError, SurgeValueError
 from dask_surge.testing import checksum_model
 
 N = 1000
@@ -153,7 +153,7 @@ def test_backfill_refuses_a_column_of_another_dimension(tmp_path, fmt):
         SurgeInputError,
         match=r"column 'emb' .* dimension 2, and the model gives float vectors of dimension 3.*Fix: pass another column=",
     ):
-        backfill(path, "text", key="id", column="emb", model=three, scheduler="threads")
+        backfill(path, "text", key="id", column="emb", model=three, scheduler="threads", rebuild=True)
     assert len(_commit_properties(fmt, path)) == versions
 
 
@@ -263,3 +263,79 @@ def test_backfill_on_loopback_s3(tmp_path, fmt):
     first, second, ids, texts, vectors = json.loads(done.stdout)
     assert (first, second) == (500, 100) and ids == list(range(600))
     np.testing.assert_array_equal(np.array(vectors, np.float32), checksum_model(texts))
+
+
+# -- what made the column is recorded, and other options are refused (issue 68) ---------------------
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_backfill_with_other_options_is_refused_naming_them(tmp_path, fmt):
+    path = tmp_path / f"t.{fmt}"
+    _table(fmt, path, 20)
+    _run(path)
+    with pytest.raises(
+        SurgeInputError, match=r"made with other options: .*truncate_dim.*Fix: .*rebuild=True"
+    ):
+        _run(path, truncate_dim=1)
+    _check(fmt, path)  # untouched: every vector still the model's own
+    again = _run(path)  # the same options: nothing to do, no refusal
+    assert again.encoded == 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rebuild_re_encodes_every_row_and_records_the_new_options(tmp_path, fmt):
+    path = tmp_path / f"t.{fmt}"
+    _table(fmt, path, 20)
+    _run(path)
+    res = _run(path, normalize=True, rebuild=True)
+    assert res.encoded == 20
+    df = _read(fmt, path).to_pandas()
+    assert np.allclose(np.linalg.norm(np.stack(df.embedding.to_numpy()), axis=1), 1.0, atol=1e-5)
+    assert _run(path, normalize=True).encoded == 0  # recorded: a rerun with them is at ease
+    with pytest.raises(SurgeInputError, match=r"normalize=True, this backfill uses normalize=False"):
+        _run(path)
+
+
+@pytest.mark.parametrize("option", ["build_index", "format", "keep", "output"])
+def test_options_that_mean_nothing_to_a_backfill_are_refused(tmp_path, option):
+    path = tmp_path / "t.lance"
+    _table("lance", path, 5)
+    before = len(_commit_properties("lance", path))
+    value = {"build_index": True, "format": "delta", "keep": ["id"], "output": "x"}[option]
+    with pytest.raises(
+        SurgeValueError, match=rf"{option}=.*means nothing to a backfill.*Nothing was written"
+    ):
+        _run(path, **{option: value})
+    assert len(_commit_properties("lance", path)) == before
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_table_object_is_accepted_where_a_path_is(tmp_path, fmt):
+    path = tmp_path / f"t.{fmt}"
+    _table(fmt, path, 10)
+    if fmt == "lance":
+        import lancedb
+
+        obj = lancedb.connect(str(tmp_path)).open_table("t")
+    else:
+        import deltalake
+
+        obj = deltalake.DeltaTable(str(path))
+    assert backfill(obj, "text", key="id", model=checksum_model, scheduler="threads").encoded == 10
+    _check(fmt, path)
+
+
+def test_a_delta_table_is_appended_to_after_a_backfill_with_the_schema_merged(tmp_path):
+    """What docs/output.md says to do: a plain append of the original columns fails after a backfill
+    added its two; with schema_mode="merge" it works, and the next backfill encodes only those rows."""
+    import deltalake
+
+    path = tmp_path / "t.delta"
+    _table("delta", path, 10)
+    _run(path)
+    new = pa.table({"id": pa.array([100, 101], pa.int64()), "text": ["new one", "new two"]})
+    with pytest.raises(Exception, match=r"(?i)schema"):
+        deltalake.write_deltalake(str(path), new, mode="append")
+    deltalake.write_deltalake(str(path), new, mode="append", schema_mode="merge")
+    assert _run(path).encoded == 2
+    _check("delta", path)

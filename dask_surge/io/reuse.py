@@ -47,7 +47,15 @@ from .manifest import current_run, existing_run
 from .readers import model_name
 from .store import OutputStore
 
-__all__ = ["embedding_identity", "compatible", "Matches", "Reused", "ReuseIndex", "open_index"]
+__all__ = [
+    "identity_difference",
+    "embedding_identity",
+    "compatible",
+    "Matches",
+    "Reused",
+    "ReuseIndex",
+    "open_index",
+]
 
 #: fingerprint keys that identify the input or the output's shape, not how a text is embedded
 NON_EMBEDDING_KEYS = ("input", "column", "keep", "partitions", "library")
@@ -124,14 +132,24 @@ def compatible(old_output: OutputStore, identity: dict) -> str | None:
     >>> compatible(old, {**ident, "precision": "float16"})
     "it was made with precision='float32', this run uses precision='float16'"
     """
-    old = embedding_identity(existing_run(old_output).fingerprint)
-    keys = sorted(set(old) | set(identity), key=lambda k: (k != "model", k))
-    diffs = [k for k in keys if old.get(k) != identity.get(k)]
+    return identity_difference(embedding_identity(existing_run(old_output).fingerprint), identity)
+
+
+def identity_difference(old: dict, new: dict, *, now: str = "this run uses") -> str | None:
+    """How the embedding identity ``new`` differs from ``old``, in words (None: the same).
+
+    Examples
+    --------
+    >>> identity_difference({"normalize": False}, {"normalize": True})
+    'it was made with normalize=False, this run uses normalize=True'
+    >>> identity_difference({"normalize": False}, {"normalize": False}) is None
+    True
+    """
+    keys = sorted(set(old) | set(new), key=lambda k: (k != "model", k))
+    diffs = [k for k in keys if old.get(k) != new.get(k)]
     if not diffs:
         return None
-    return "; ".join(
-        f"it was made with {_show(k, old.get(k))}, this run uses {_show(k, identity.get(k))}" for k in diffs
-    )
+    return "; ".join(f"it was made with {_show(k, old.get(k))}, {now} {_show(k, new.get(k))}" for k in diffs)
 
 
 # -- matches ------------------------------------------------------------------------------
