@@ -453,6 +453,14 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     >>> out.compute()[["partition", "row"]].values.tolist()
     [[0, 0], [0, 1], [1, 0]]
     """
+    from .io.tables.iceberg import named_catalog
+
+    with named_catalog(options):  # the Iceberg catalog it names (a Catalog object too), in this thread only
+        return _encode(ddf, column, output, **options)
+
+
+def _encode(ddf: Any, column: str, output: str | None, **options: Any) -> Any:
+    """:func:`encode`, with the Iceberg catalog it names in use (:func:`~.io.tables.iceberg.named_catalog`)."""
     started = time.perf_counter()  # TTFO counts from the call (model load and cluster start included)
     opts = config.bind("encode", options)
     long_texts, overlap = opts["long_texts"], opts["chunk_overlap"]

@@ -9,8 +9,10 @@ generated) are declared once, in :data:`dask_surge.options.OPTIONS`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import dask.config
@@ -20,7 +22,7 @@ from .errors import SurgeValueError
 from .options import Invalid, Option, config_options, option, options_of
 from .options import bind as bind_given
 
-__all__ = ["DEFAULTS_PATH", "OPTIONS", "get", "bind", "check_argument"]
+__all__ = ["DEFAULTS_PATH", "OPTIONS", "get", "given", "bind", "check_argument"]
 
 DEFAULTS_PATH = os.path.join(os.path.dirname(__file__), "surge.yaml")
 
@@ -35,12 +37,41 @@ dask.config.update_defaults(_defaults)
 OPTIONS: dict[str, Option] = config_options()
 
 
+#: ``surge.<key>`` -> the value a running call was given for it (:func:`given`): this thread's, this call's
+_GIVEN: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("surge_given", default={})
+
+
 def _check(name: str, value: Any) -> Any:
     opt = config_options()[name]
     try:
-        return opt.check(value)
+        return opt.check_config(value)
     except Invalid as err:
         raise SurgeValueError(opt.config_error(value, err)) from None
+
+
+@contextlib.contextmanager
+def given(values: Mapping[str, Any]) -> Iterator[None]:
+    """While the block runs, :func:`get` of each ``surge.<key>`` in ``values`` answers the value a call was
+    given for it (None leaves the key to the config), in this thread and this process only.
+
+    For what a call names that dask.config cannot hold: a pyiceberg ``Catalog`` object given as
+    ``encode(..., iceberg_catalog=catalog)`` is read where the config would be (opening the table,
+    building its index) but is never put in dask.config, which is shipped to every worker. The values
+    are the caller's, checked as arguments (:func:`check_argument`).
+
+    Examples
+    --------
+    >>> with given({"iceberg-table": "search.docs"}):
+    ...     get("iceberg-table")
+    'search.docs'
+    >>> get("iceberg-table") is None
+    True
+    """
+    token = _GIVEN.set({**_GIVEN.get(), **{k: v for k, v in values.items() if v is not None}})
+    try:
+        yield
+    finally:
+        _GIVEN.reset(token)
 
 
 def get(name: str, value: Any = None) -> Any:
@@ -59,6 +90,8 @@ def get(name: str, value: Any = None) -> Any:
     if name not in known:
         raise SurgeValueError(f"unknown option surge.{name!r}. Fix: use one of {sorted(known)}.")
     if value is None:
+        if name in _GIVEN.get():  # a running call's own value (see given), checked as its argument
+            return _GIVEN.get()[name]
         value = dask.config.get(f"surge.{name}")
     return _check(name, value)
 

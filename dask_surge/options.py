@@ -50,6 +50,7 @@ import difflib
 import inspect
 import math
 import operator
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, get_args
@@ -278,6 +279,91 @@ def mapping(fix: str = "pass a dict") -> Validator:
     return check
 
 
+def _is_catalog(value: Any) -> bool:
+    """A ``pyiceberg.catalog.Catalog`` (pyiceberg is not imported for it: without it loaded, none exists)."""
+    import sys
+
+    module = sys.modules.get("pyiceberg.catalog")
+    return module is not None and isinstance(value, module.Catalog)
+
+
+_CATALOG_FIX = (
+    "pass a catalog's name as pyiceberg's load_catalog takes it (iceberg_catalog='prod', from "
+    ".pyiceberg.yaml or PYICEBERG_CATALOG__PROD__URI), its properties "
+    "({'type': 'sql', 'uri': 'sqlite:///catalog.db'}), or a pyiceberg Catalog object"
+)
+
+
+def iceberg_catalog(value: Any) -> Any:
+    """``iceberg_catalog=``: a catalog's name, a dict of its properties, a pyiceberg ``Catalog``, or None.
+
+    Examples
+    --------
+    >>> iceberg_catalog("prod"), iceberg_catalog({"type": "sql"}), iceberg_catalog(None)
+    ('prod', {'type': 'sql'}, None)
+    """
+    if value is None or _is_catalog(value):
+        return value
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    if isinstance(value, dict) and isinstance(value.get("name", ""), str | None):
+        return value
+    raise Invalid(
+        "is not an Iceberg catalog: it must be a catalog's name, a dict of its properties "
+        "(with an optional 'name'), a pyiceberg Catalog, or None",
+        _CATALOG_FIX,
+    )
+
+
+def iceberg_catalog_config(value: Any) -> Any:
+    """``surge.iceberg-catalog``: a name or a dict of properties, or None; a ``Catalog`` object cannot be
+    in dask.config, which is shipped to every worker (and a Catalog does not serialise)."""
+    if _is_catalog(value):
+        raise Invalid(
+            "is a pyiceberg Catalog object, which dask.config cannot hold: the config is shipped to every "
+            "worker, and a Catalog does not serialise",
+            "pass the object to the call instead, encode(..., iceberg_catalog=catalog), or put its name or "
+            "properties in the config",
+        )
+    return iceberg_catalog(value)
+
+
+#: an Iceberg identifier: a namespace (itself dotted or not) and a name
+_IDENTIFIER = r"[^.]+(\.[^.]+)+"
+
+
+def iceberg_identifier(value: Any) -> Any:
+    """``iceberg_table=``: ``"namespace.name"``, or None (derived from the output path)."""
+    if value is None:
+        return value
+    if isinstance(value, str) and re.fullmatch(_IDENTIFIER, value):
+        return value
+    raise Invalid(
+        "is not an Iceberg identifier: it needs a namespace, 'namespace.table'",
+        "pass e.g. iceberg_table='default.embeddings', or None to derive 'default.<name>' from the output path",
+    )
+
+
+def catalog_argument(value: str) -> Any:
+    """Command-line form of ``iceberg_catalog``: a catalog's name, or its properties as a JSON object.
+
+    Examples
+    --------
+    >>> catalog_argument("prod"), catalog_argument('{"type": "sql"}')
+    ('prod', {'type': 'sql'})
+    """
+    import json
+
+    if value.lstrip().startswith("{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as err:
+            import argparse
+
+            raise argparse.ArgumentTypeError(f"not a JSON object of catalog properties ({err})") from None
+    return value
+
+
 def non_negative_int(fix: str, *, none: bool = False) -> Validator:
     """An int >= 0 (not a bool), or also None."""
 
@@ -444,6 +530,9 @@ class Option:
         The functions that take it as a keyword (none: config only).
     cli : Cli, optional
         Its command-line flag (none: not on the command line).
+    config_validator : callable, optional
+        The rule of the ``surge.<key>`` value where it is narrower than the argument's (a value
+        dask.config cannot ship to workers); None: :attr:`validator`.
     """
 
     name: str
@@ -459,6 +548,7 @@ class Option:
     identity: bool = False
     takers: frozenset[str] = frozenset()
     cli: Cli | None = None
+    config_validator: Validator | None = None
 
     def __post_init__(self) -> None:
         if not self.takers <= set(TAKERS):
@@ -481,6 +571,10 @@ class Option:
         if self.vocabulary is not None:
             return one_of(self.vocabulary)(value)
         return value
+
+    def check_config(self, value: Any) -> Any:
+        """The ``surge.<key>`` value validated (:attr:`config_validator`, else :meth:`check`)."""
+        return self.config_validator(value) if self.config_validator is not None else self.check(value)
 
     def argument_error(self, value: Any, err: Invalid, shown: Any = None) -> str:
         """The message for a bad keyword argument ``name=value`` (``shown`` replaces the value, e.g. redacted)."""
@@ -971,7 +1065,7 @@ OPTIONS: tuple[Option, ...] = (
          them in batches, each table version naming the run and its SuperBatches, so a resume
          never commits one twice; see the output formats in ``docs/output.md``), ``"delta"``
          (a Delta Lake table, committed the same way) or ``"iceberg"`` (an Iceberg table at
-         ``output``, in the catalog of ``surge.iceberg-catalog``, named by ``surge.iceberg-table``).
+         ``output``, in the catalog ``iceberg_catalog`` names, as ``iceberg_table``).
          Needs ``pip install "dask-surge[lance]"``, ``"dask-surge[delta]"`` or ``"dask-surge[iceberg]"``.""",
         "output format: parquet (part files), lance (a Lance table), delta (a Delta Lake table) or iceberg "
         "(an Iceberg table)",
@@ -999,6 +1093,53 @@ OPTIONS: tuple[Option, ...] = (
         identity=False,
         takers="encode",
         cli=Cli(),
+    ),
+    _opt(
+        "iceberg_catalog",
+        str | dict | Any | None,
+        "str, dict or pyiceberg.catalog.Catalog, optional",
+        """
+         ``format="iceberg"``: the catalog the table is committed through, named as pyiceberg names
+         one: a catalog's name (``"prod"``: ``pyiceberg.catalog.load_catalog("prod")``, from
+         ``.pyiceberg.yaml`` or ``PYICEBERG_CATALOG__PROD__*`` variables), a dict of its properties
+         (``name``, ``"default"`` unless given, and e.g. ``{"type": "sql", "uri":
+         "sqlite:///catalog.db"}``, merged by pyiceberg with its own configuration of that name), or
+         a ``pyiceberg.catalog.Catalog`` object (used in the calling process only: workers write
+         data files and never see it; dask.config cannot hold one). None is pyiceberg's configured
+         default catalog.""",
+        "iceberg outputs: the catalog, by name (from .pyiceberg.yaml or PYICEBERG_CATALOG__<NAME>__*) or "
+        "its properties; null: pyiceberg's default catalog",
+        default=None,
+        config="iceberg-catalog",
+        validator=iceberg_catalog,
+        config_validator=iceberg_catalog_config,
+        schema={"oneOf": [{"type": "string", "pattern": r"\S"}, {"type": "object"}, _NULL]},
+        identity=False,
+        takers="encode",
+        cli=Cli(
+            type=catalog_argument,
+            metavar="NAME",
+            help="iceberg outputs: the catalog's name, from .pyiceberg.yaml or PYICEBERG_CATALOG__<NAME>__* "
+            "variables (or its properties as a JSON object); default: surge.iceberg-catalog, else pyiceberg's "
+            "default catalog",
+        ),
+    ),
+    _opt(
+        "iceberg_table",
+        str | None,
+        "str, optional",
+        """
+         ``format="iceberg"``: the table's identifier in the catalog (``"namespace.name"``); None
+         is ``default.<name>``, ``<name>`` the output path's last component without its
+         extension. The output path is the table's location.""",
+        "iceberg outputs: the table identifier (namespace.name); null: default.<last component of the output path>",
+        default=None,
+        config="iceberg-table",
+        validator=iceberg_identifier,
+        schema={"oneOf": [{"type": "string", "pattern": f"^{_IDENTIFIER}$"}, _NULL]},
+        identity=False,
+        takers="encode",
+        cli=Cli(metavar="NAMESPACE.NAME"),
     ),
     _opt(
         "build_index",
@@ -1207,37 +1348,6 @@ OPTIONS: tuple[Option, ...] = (
         schema={"type": "number", "exclusiveMinimum": 0},
     ),
     _opt(
-        "iceberg_catalog",
-        dict | None,
-        "dict, optional",
-        """
-         ``format="iceberg"``: the catalog the table is committed through, as
-         ``pyiceberg.catalog.load_catalog(name, **properties)`` takes it: ``name`` (``"default"``
-         unless given) and the catalog's properties (e.g. ``{"type": "sql", "uri":
-         "sqlite:///catalog.db"}``), merged by pyiceberg with its own ``.pyiceberg.yaml``; None is
-         pyiceberg's configured default catalog.""",
-        "iceberg outputs: the catalog (name and properties for pyiceberg's load_catalog); null: "
-        "pyiceberg's configured default catalog",
-        default=None,
-        config="iceberg-catalog",
-        validator=mapping("pass e.g. {'type': 'sql', 'uri': 'sqlite:///catalog.db'}"),
-        schema={"oneOf": [{"type": "object"}, _NULL]},
-    ),
-    _opt(
-        "iceberg_table",
-        str | None,
-        "str, optional",
-        """
-         ``format="iceberg"``: the table's identifier in the catalog (``"namespace.name"``); None
-         is ``default.<name>``, ``<name>`` the output path's last component without its
-         extension. The output path is the table's location.""",
-        "iceberg outputs: the table identifier (namespace.name); null: default.<last component of the output path>",
-        default=None,
-        config="iceberg-table",
-        validator=text(none=True),
-        schema={"oneOf": [{"type": "string"}, _NULL]},
-    ),
-    _opt(
         "superbatches_per_gpu",
         int,
         "int",
@@ -1389,6 +1499,8 @@ class EncodeOptions(_ModelOptions, total=False):
     storage_options: dict | None
     format: OutputFormat | None
     mode: TableMode
+    iceberg_catalog: str | dict | Any | None
+    iceberg_table: str | None
     build_index: bool | IndexMetric | None
     scheduler: Scheduler
     progress: bool | None

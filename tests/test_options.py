@@ -246,6 +246,8 @@ def test_identity_options_are_unchanged_by_the_table():
         "storage_options": False,
         "format": False,
         "mode": False,
+        "iceberg_catalog": False,  # where the table is named, not what it holds
+        "iceberg_table": False,
         "build_index": False,  # an index follows the run; it never makes a different run
         "scheduler": False,
         "progress": False,

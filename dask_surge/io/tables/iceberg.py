@@ -18,11 +18,15 @@ of no file), so a commit a paused process prepared before its claim was taken ov
 the catalog.
 
 **Which catalog, which table.** The output path is the table's location (its ``metadata/``,
-``data/`` and dask-surge's ``_surge/``). The catalog is ``pyiceberg.catalog.load_catalog(name,
-**properties)`` of the ``surge.iceberg-catalog`` mapping (``name``: the catalog's name,
-``"default"`` unless given; the rest: its properties, merged by pyiceberg with its own
-``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*`` configuration; None: pyiceberg's
-configured default catalog alone). The table identifier is ``surge.iceberg-table``
+``data/`` and dask-surge's ``_surge/``). The catalog is named as pyiceberg users name one, by
+``encode(..., iceberg_catalog=...)`` (``--iceberg-catalog``), else ``surge.iceberg-catalog``: a
+catalog's name (``"prod"``: ``pyiceberg.catalog.load_catalog("prod")``, configured in
+``.pyiceberg.yaml`` or ``PYICEBERG_CATALOG__PROD__*``), a dict of its properties (``name``,
+``"default"`` unless given; the rest merged by pyiceberg with its own configuration of that name),
+a ``pyiceberg.catalog.Catalog`` object (the argument only: it is used in the calling process, never
+put in dask.config, which is shipped to workers, nor pickled with the table, since workers write
+data files only: :meth:`IcebergTable.__reduce__`), or None (pyiceberg's configured default
+catalog). The table identifier is ``iceberg_table`` / ``surge.iceberg-table``
 (``"namespace.name"``), or when that is None ``default.<name>``, ``<name>`` being the output
 path's last component without its extension (``.../emb.iceberg`` -> ``default.emb``).
 
@@ -36,11 +40,12 @@ knows the table is not its own. Iceberg has no fixed-size list: ``embedding`` is
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -127,6 +132,83 @@ def _versions(metadata: Any) -> list[tuple[int, Any]]:
     return [(i + 1, s) for i, s in enumerate(snaps)]
 
 
+def _shown(spec: Any) -> str:
+    """How a message names the catalog ``spec``."""
+    if spec is None or isinstance(spec, str | dict):
+        return f"iceberg_catalog={spec!r}"
+    return f"iceberg_catalog={type(spec).__name__}({getattr(spec, 'name', '?')!r})"
+
+
+def load_catalog(spec: Any, defaults: Mapping[str, str] | None = None) -> Any:
+    """The pyiceberg catalog ``spec`` names: a name, a dict of properties (``name`` and the rest), a
+    ``Catalog`` (itself) or None (pyiceberg's default); ``defaults``: properties the spec's own win over.
+
+    A catalog that cannot be opened is one :class:`~dask_surge.errors.SurgeValueError` line naming it and
+    the fix (pyiceberg's reason, first line, inside).
+    """
+    if spec is not None and not isinstance(spec, str | dict):
+        return spec  # a Catalog object: the caller's, as it is
+    require("pyiceberg")
+    from pyiceberg.catalog import load_catalog as load
+
+    given = dict(spec) if isinstance(spec, dict) else {}
+    name = spec if isinstance(spec, str) else given.pop("name", None)
+    try:
+        from pyiceberg import catalog as module
+
+        if name is None:  # pyiceberg's default-catalog, else "default", as its load_catalog(None)
+            name = module._ENV_CONFIG.get_default_catalog_name()
+        configured = module._ENV_CONFIG.get_catalog_config(str(name)) or {}  # .pyiceberg.yaml, PYICEBERG_*
+        props = {k: v for k, v in (defaults or {}).items() if k not in configured}  # the catalog's own win
+        props.update({k: str(v) for k, v in given.items() if v is not None})
+        return load(str(name), **props)
+    except Exception as err:  # any reason the catalog does not open is one line
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        env = "PYICEBERG_CATALOG__" + re.sub(r"\W", "_", str(name)).upper() + "__URI"
+        if isinstance(spec, dict):
+            fix = "correct its properties (e.g. {'type': 'sql', 'uri': 'sqlite:///catalog.db'})"
+        else:
+            fix = (
+                f"configure catalog {name!r} in ~/.pyiceberg.yaml (or $PYICEBERG_HOME's; catalog: {name}: uri: ...) "
+                f"or {env}, or name another with iceberg_catalog='prod' or its properties"
+            )
+        raise SurgeValueError(
+            f"{_shown(spec)} (or surge.iceberg-catalog) could not be opened as an Iceberg catalog "
+            f"{name!r}: {why}. Fix: {fix}; from Python a pyiceberg Catalog object also does."
+        ) from err
+
+
+@contextlib.contextmanager
+def named_catalog(options: Mapping[str, Any]) -> Iterator[None]:
+    """While an ``encode`` call with keyword ``options`` runs, the Iceberg catalog and identifier it was
+    given are the ones its table is opened with, in this thread only (:func:`dask_surge.config.given`):
+    a Catalog object is never put in dask.config. With ``format="iceberg"`` the catalog is opened first,
+    so a catalog that cannot be used is one line before any worker starts; given beside another format,
+    an error."""
+    import dask
+
+    from ...config import check_argument, get, given
+
+    catalog, identifier = options.get("iceberg_catalog"), options.get("iceberg_table")
+    catalog = check_argument("iceberg_catalog", catalog)
+    identifier = check_argument("iceberg_table", identifier)
+    fmt = options.get("format") or dask.config.get("surge.format", None)
+    if fmt != "iceberg":
+        named = [_shown(catalog)] if catalog is not None else []
+        named += [f"iceberg_table={identifier!r}"] if identifier is not None else []
+        if named:
+            raise SurgeValueError(
+                f"{' and '.join(named)} {'names' if len(named) == 1 else 'name'} an Iceberg output's table, "
+                f"and format={fmt!r} writes none. Fix: pass format='iceberg', or leave "
+                f"{'it' if len(named) == 1 else 'them'} out."
+            )
+        yield
+        return
+    load_catalog(get("iceberg-catalog") if catalog is None else catalog)  # fails here, in one line
+    with given({"iceberg-catalog": catalog, "iceberg-table": identifier}):
+        yield
+
+
 class IcebergTable:
     """One Iceberg table as a dask-surge output (picklable: workers write through it).
 
@@ -146,13 +228,13 @@ class IcebergTable:
     #: what the format's own directory holds (a new output may hold these and ``_surge/`` only)
     ENTRIES = frozenset({"metadata", DATA_DIR})
 
-    def __init__(
-        self, location: TableLocation, catalog: dict | None = None, identifier: str | None = None
-    ) -> None:
+    def __init__(self, location: TableLocation, catalog: Any = None, identifier: str | None = None) -> None:
         self.location = location
-        self.catalog_config = dict(catalog or {})
+        #: the catalog as named: a name, a dict of properties, a pyiceberg Catalog, or None (the default)
+        self.catalog_spec = catalog
         self.identifier = table_identifier(location.url, identifier)
-        self._catalog: Any = None  # loaded once, in the process that commits
+        # loaded once, in the process that commits (a Catalog object given is that catalog)
+        self._catalog: Any = None if catalog is None or isinstance(catalog, str | dict) else catalog
 
     def __repr__(self) -> str:
         return f"IcebergTable({self.location.url!r}, {self.identifier!r})"
@@ -160,7 +242,7 @@ class IcebergTable:
     def __dask_tokenize__(self) -> tuple:
         return ("IcebergTable", self.location.url, self.identifier)
 
-    def __reduce__(self):  # a worker writes data files only: the catalog's properties stay here
+    def __reduce__(self):  # a worker writes data files only: the catalog (a Catalog object too) stays here
         return (IcebergTable, (self.location, None, self.identifier))
 
     def keeps_rows(self, op: str) -> bool:
@@ -170,31 +252,19 @@ class IcebergTable:
     # -- the catalog -------------------------------------------------------------------------------
 
     def catalog(self) -> Any:
-        """The catalog (``pyiceberg.catalog.load_catalog`` of ``surge.iceberg-catalog``), loaded once."""
+        """The catalog (:func:`load_catalog` of :attr:`catalog_spec`), loaded once."""
         if self._catalog is None:
             self._catalog = self._load_catalog()
         return self._catalog
 
     def _load_catalog(self) -> Any:
-        require("pyiceberg")
-        from pyiceberg.catalog import load_catalog
-
-        props = {k: str(v) for k, v in self.catalog_config.items() if k != "name" and v is not None}
+        props: dict[str, str] = {}
         for key, value in self.location.options.items():  # the data files' store, unless the catalog says
             if key in _FILEIO_KEYS:
-                props.setdefault(_FILEIO_KEYS[key], value)
+                props[_FILEIO_KEYS[key]] = value
         if self.location.options:  # an object store: fsspec (s3fs), as for dask-surge's own files
-            props.setdefault("py-io-impl", "pyiceberg.io.fsspec.FsspecFileIO")
-        name = str(self.catalog_config.get("name") or "default")
-        try:
-            return load_catalog(name, **props)
-        except (ValueError, NotImplementedError) as err:
-            raise SurgeValueError(
-                f"format='iceberg' could not open the Iceberg catalog {name!r} ({err}). Fix: name it with "
-                "dask.config.set({'surge.iceberg-catalog': {'type': 'sql', 'uri': 'sqlite:///catalog.db'}}) "
-                "(any properties pyiceberg.catalog.load_catalog takes), or configure pyiceberg's default "
-                "catalog in ~/.pyiceberg.yaml."
-            ) from err
+            props["py-io-impl"] = "pyiceberg.io.fsspec.FsspecFileIO"
+        return load_catalog(self.catalog_spec, props)
 
     def _open(self, catalog: Any = None) -> Any:
         """The table, or None when the catalog does not name it; refuses one that lives elsewhere."""
