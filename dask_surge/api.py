@@ -35,8 +35,7 @@ from .io.precision import check_precision, check_truncate_dim
 from .io.readers import read_embeddings, skipped_rows
 from .io.reuse import ReuseIndex, embedding_identity
 from .io.store import OutputStore
-from .io.tables import open_table, require
-from .io.tables.locations import TableLocation
+from .io.tables import open_output, output_class, require
 from .io.verify import table_format, table_summary
 from .models.encoders import Encoder
 from .options import EncodeOptions, PlanOptions, document, options_of, signature
@@ -484,24 +483,15 @@ def _encode(ddf: Any, column: str, output: str | None, **options: Any) -> Any:
             )
         },
     )
-    _check_build_index(opts["build_index"], output, family, opts["format"])
+    _check_build_index(opts["build_index"], output, family, output_class(opts["format"]))
     keep = _check_columns(ddf, column, opts["keep"], chunked=long_texts == "chunk", family=family)
     on_gpu = _on_gpu(encoder)
     task = _task(column, keep, encoder, opts)
     max_bytes = windowed_bytes(opts["max_bytes"], requested[1], encoder, long_texts, overlap, gpu=on_gpu)
     frame = ddf[[column, *[k for k in keep if k != column]]]
     out_format, mode = opts["format"], opts["mode"]
-    if out_format != "parquet" and (output is None or overwrite):
-        raise SurgeValueError(
-            f"format={out_format!r} writes a table at output=..., which it never replaces"
-            + ("; output=None returns a lazy frame" if output is None else ": overwrite=True is for Parquet")
-            + ". Fix: pass output='path/table' and no overwrite (a new path, or mode='append' to add to a table)."
-        )
-    if mode == "append" and out_format == "parquet":
-        raise SurgeValueError(
-            "mode='append' adds rows to a table output; a Parquet output holds one run. "
-            "Fix: pass format='lance', 'delta' or 'iceberg', or leave mode='create'."
-        )
+    kind = output_class(out_format)  # what the format can hold and do, before any work
+    kind.check_options(output=output, mode=mode, overwrite=overwrite, precision=task.precision)
     if output is None:
         if task.on_null == "skip":
             raise SurgeValueError(
@@ -521,9 +511,7 @@ def _encode(ddf: Any, column: str, output: str | None, **options: Any) -> Any:
     # the output is resolved once, and what needs no worker is checked before any starts: where it can
     # live, that it is not inside (or around) the input, that it holds nothing dask-surge did not write
     store = OutputStore.open(output, storage_options, writing=True)
-    check_output(
-        store, inputs=input_files(frame), contents=out_format == "parquet"
-    )  # a table: its history decides
+    check_output(store, inputs=input_files(frame), contents=not kind.batched)  # a table: its history decides
     starting = scheduler is None and _active_client() is None  # _client_for starts a local cluster
     with _planning_texts(column):
         run_id = fingerprint(
@@ -531,8 +519,8 @@ def _encode(ddf: Any, column: str, output: str | None, **options: Any) -> Any:
         )
     # a different run already there is refused, and a complete run answered, before any worker starts
     # (mode="append" to a table: the run decides whether the run there may be followed, _table_overwrite)
-    appending = out_format != "parquet" and mode == "append"
-    table = None if out_format == "parquet" else open_table(out_format, TableLocation.of(store))
+    appending = kind.appends and mode == "append"
+    table = open_output(out_format, store) if kind.batched else None
     done = preflight(store, frame, run_id, overwrite=overwrite or appending, started=started, table=table)
     if done is not None:
         return _indexed(done, opts["build_index"], storage_options)
@@ -567,7 +555,7 @@ def _encode(ddf: Any, column: str, output: str | None, **options: Any) -> Any:
     return _indexed(result, opts["build_index"], storage_options)  # only a completed run gets here
 
 
-def _check_build_index(metric: Any, output: str | None, family: str, out_format: str) -> None:
+def _check_build_index(metric: Any, output: str | None, family: str, kind: Any) -> None:
     """Refuse ``build_index`` where no index can follow the run, before any work: no output, an output
     that is not dense vectors, or the index's library missing."""
     if not metric:
@@ -582,7 +570,7 @@ def _check_build_index(metric: Any, output: str | None, family: str, out_format:
             f"build_index={metric!r}: this model's output is {family} (no 'embedding' vector per row); a "
             "vector index is built over dense embeddings. Fix: leave build_index out."
         )
-    require("lance" if out_format == "lance" else "faiss")
+    require(kind.LIBRARY if kind.native_index else "faiss")
 
 
 def _indexed(result: EncodeResult, metric: Any, storage_options: dict | None) -> EncodeResult:

@@ -32,8 +32,7 @@ from ..io.manifest import (
     text_counts,
 )
 from ..io.store import OutputStore
-from ..io.tables import open_table
-from ..io.tables.locations import TableLocation
+from ..io.tables import open_output, output_class
 from ..planning.run import new_ramp, superbatches_for
 from ..planning.sizes import PartitionSizes, known_sizes
 from ..planning.thresholds import Requested, Thresholds
@@ -107,16 +106,16 @@ class RunRequest:
     started: float | None = None
     #: a bar the caller opened already (from the first second: while it started a cluster); None: a new one
     bar: RunProgress | None = None
-    #: ``"parquet"`` (part files), or a table format (:mod:`dask_surge.execution.tables`)
+    #: the output's format (:func:`dask_surge.io.tables.output_class`): part files, or a table its claim
+    #: holder commits batches to (:mod:`dask_surge.execution.tables`)
     format: str = "parquet"
     #: ``"append"``: a table output may be one this run did not create
     mode: str = "create"
 
     def table(self) -> Any:
-        """The table of a table output (None for Parquet)."""
-        if self.format == "parquet":
-            return None
-        return open_table(self.format, TableLocation.of(self.store))
+        """The table of an output whose claim holder commits batches (None: each SuperBatch's record
+        is its commit, as for Parquet)."""
+        return open_output(self.format, self.store) if output_class(self.format).batched else None
 
     @property
     def output(self) -> str:

@@ -53,8 +53,8 @@ from ..families import DENSE, family_of_run
 from .manifest import current_run
 from .readers import read_embeddings
 from .store import OutputStore
-from .tables import detect, open_table, require
-from .tables.locations import TableLocation
+from .tables import detect_output, open_output, require
+from .tables.lance import lance_index_params
 
 __all__ = [
     "METRICS",
@@ -65,7 +65,7 @@ __all__ = [
     "recall_at_k",
     "exact_neighbours",
     "exact_distances",
-    "output_kind",
+    "lance_index_params",
 ]
 
 Metric = Literal["cosine", "l2", "dot"]
@@ -75,23 +75,6 @@ METRICS: tuple[str, ...] = ("cosine", "l2", "dot")
 FAISS_SUFFIX = ".faiss"
 #: the description of a FAISS index, written last
 INDEX_JSON = "index.json"
-
-
-def output_kind(store: OutputStore) -> str:
-    """What the output at ``store`` is: ``"lance"``, ``"delta"``, ``"iceberg"`` or ``"parquet"``.
-
-    The table format is :func:`~dask_surge.io.tables.detect`'s, from the root's entries (the one
-    rule by which a table's format is recognised). An Iceberg ``metadata/`` is confirmed by the
-    run's commit records naming table files (the catalog holds the rest); anything else is a
-    Parquet output.
-    """
-    root = store.root
-    kind = detect(store.listdir(root)) if store.isdir(root) else None
-    if kind == "iceberg":  # confirmed by the run's records (a Parquet output has none)
-        manifest = current_run(store)
-        if manifest is None or not any(r.table for r in manifest.committed().values()):
-            kind = None
-    return kind or "parquet"
 
 
 def _matrix(values: Any) -> np.ndarray:
@@ -110,24 +93,7 @@ def _check_metric(metric: Any) -> None:
         )
 
 
-def lance_index_params(rows: int, dim: int) -> dict:
-    """What :func:`build_index` asks Lance for, for ``rows`` vectors of ``dim`` dimensions.
-
-    Examples
-    --------
-    >>> lance_index_params(100_000, 384)
-    {'index_type': 'IVF_PQ', 'num_partitions': 316, 'num_sub_vectors': 48}
-    >>> lance_index_params(1_000, 32)
-    {'index_type': 'IVF_FLAT', 'num_partitions': 31}
-    """
-    partitions = max(1, int(math.sqrt(rows)))
-    if rows < 5_000:
-        return {"index_type": "IVF_FLAT", "num_partitions": partitions}
-    sub = next(d for d in (8, 4, 2, 1) if dim % d == 0)
-    return {"index_type": "IVF_PQ", "num_partitions": partitions, "num_sub_vectors": dim // sub}
-
-
-def _stamp(store: OutputStore, kind: str) -> dict:
+def _stamp(store: OutputStore, out: Any) -> dict:
     """What an index of the output at ``store`` was built from, and what invalidates it: the
     current run's id and committed rows (rows of its files: one per window with ``long_texts="chunk"``),
     and a table's own version (:meth:`table_version`: Delta's version, Iceberg's current snapshot id). An output with no dask-surge run (a table written by another
@@ -147,24 +113,13 @@ def _stamp(store: OutputStore, kind: str) -> dict:
             "rows_committed": sum(r.output_rows or r.rows for r in committed),
             "complete": manifest.completion() is not None,
         }
-    if kind != "parquet":  # the table's own version (Delta's, Iceberg's snapshot id): any change moves it
-        stamp["table_version"] = _table_of(kind, store).table_version()
+    if out.batched:  # the table's own version (Delta's, Iceberg's snapshot id): any change moves it
+        stamp["table_version"] = out.table_version()
     return stamp
 
 
 def _faiss_store(output: str, path: str | None, storage_options: dict | None) -> OutputStore:
     return OutputStore.open(path or f"{output}{FAISS_SUFFIX}", storage_options)
-
-
-def _table_of(kind: str, store: OutputStore) -> Any:
-    """The table object of a Delta or Iceberg output (its rows are read through its library)."""
-    return open_table(kind, TableLocation.of(store))
-
-
-def _lance_dataset(store: OutputStore) -> Any:
-    lance = require("lance")
-    location = TableLocation.of(store)
-    return lance.dataset(location.uri, storage_options=location.options)
 
 
 def build_index(
@@ -203,24 +158,21 @@ def build_index(
     _check_metric(metric)
     output = os.fspath(output).rstrip("/")
     store = OutputStore.open(output, storage_options)
-    kind = output_kind(store)
-    if kind == "lance":
-        stamp = _stamp(store, kind)
-        ds = _lance_dataset(store)
-        rows, dim = ds.count_rows(), ds.schema.field("embedding").type.list_size
-        params = lance_index_params(rows, dim)
-        ds.create_index("embedding", metric=metric, replace=True, **params)
-        return {"kind": "lance", "path": output, "rows": rows, "metric": metric, **params, **stamp}
+    out = open_output(detect_output(store), store)
+    if out.native_index:  # the format's own index, inside the table
+        stamp = _stamp(store, out)
+        built = out.build_native_index(metric)
+        return {"kind": out.name, "path": output, "metric": metric, **built, **stamp}
     faiss = require("faiss")
-    table = _table_of(kind, store) if kind != "parquet" else None
-    stamp = _stamp(store, kind)
+    table = out if out.batched else None
+    stamp = _stamp(store, out)
     if stamp["run"] is None:
         raise SurgeInputError(
             f"{output!r} holds no dask-surge run, so nothing says which rows an index of it would cover. "
             "Fix: pass the output of ddf.surge.encode(..., output=...)."
         )
     if table is None:
-        key = [c for c in KEY if c in _column_names(kind, store)]
+        key = [c for c in KEY if c in out.columns()]
         frame = read_embeddings(
             output, columns=[*key, "embedding"], storage_options=storage_options
         ).compute()
@@ -230,7 +182,7 @@ def build_index(
         frame = read.select([*key, "embedding"]).to_pandas()
     # a Parquet output holds exactly its run's committed rows; a table may also hold other writers' rows
     mismatch = table is None and len(frame) != stamp["rows_committed"]
-    if mismatch or _stamp(store, kind) != stamp:
+    if mismatch or _stamp(store, out) != stamp:
         raise SurgeInputError(
             f"{output!r} changed while its index was built (a run is writing there: it held "
             f"{stamp['rows_committed']:,} committed rows, {len(frame):,} were read). Fix: build_index({output!r}) "
@@ -261,7 +213,7 @@ def build_index(
         "ef_search": 64,
         **reduction,
         "output": output,
-        "output_kind": kind,
+        "output_kind": out.name,
         "index_file": f"index-{token}.faiss",
         "keys_file": f"keys-{token}.parquet",
         **stamp,
@@ -310,9 +262,8 @@ class SurgeIndex:
     _keys: pd.DataFrame | None = None
     #: what :func:`build_index` recorded (a FAISS index), or the Lance index's description
     info: dict | None = None
-    #: the output the index is of (its rows' columns are read from it)
-    _output: OutputStore | None = None
-    output_kind: str = "parquet"
+    #: the output the index is of (an :class:`~dask_surge.io.tables.Output`: its rows' columns are read from it)
+    _output: Any = None
 
     def search(
         self, queries: Any, k: int = 10, *, columns: list[str] | bool | None = None
@@ -369,21 +320,10 @@ class SurgeIndex:
             if wanted:
                 keys = self._with_columns(keys, wanted)
             return dist, keys
-        key = [c for c in KEY if c in self._index.schema.names]
+        key = [c for c in KEY if c in self._output.columns()]
         out, dists = [], np.full((len(q), k), np.inf)
         for i, v in enumerate(q):
-            t = self._index.to_table(
-                # the distance asked for by name: Lance warns (on stderr) of a search that leaves it implied
-                columns=[*key, *(c for c in wanted if c not in key), "_distance"],
-                nearest={
-                    "column": "embedding",
-                    "q": v,
-                    "k": k,
-                    "metric": self.metric,
-                    "nprobes": 20,
-                    "refine_factor": 10,
-                },
-            ).to_pandas()
+            t = self._output.nearest(v, k, self.metric, [*key, *(c for c in wanted if c not in key)])
             d = t.pop("_distance").to_numpy(np.float64)
             dists[i, : len(d)] = d
             t.insert(0, "rank", np.arange(len(t)))
@@ -417,7 +357,7 @@ class SurgeIndex:
         """The column names ``columns`` asks for (checked against the output's)."""
         if columns is None or columns is False:
             return []
-        names = _column_names(self.output_kind, self._index if self.kind == "lance" else self._output)
+        names = self._output.columns()
         if columns is True:
             return [c for c in names if c not in KEY and c != "embedding"]
         wanted = [columns] if isinstance(columns, str) else list(columns)
@@ -434,82 +374,8 @@ class SurgeIndex:
         assert self._output is not None
         on = [c for c in KEY if c in keys.columns]
         extra = [c for c in wanted if c not in on]
-        rows = _read_rows(self.output_kind, self._output, keys[on].drop_duplicates(), on, extra)
+        rows = self._output.read_rows(keys[on].drop_duplicates(), on, extra)
         return keys.merge(rows.drop_duplicates(on), on=on, how="left")
-
-
-def _column_names(kind: str, source: Any) -> list[str]:
-    """The columns of an output: ``source`` a Lance dataset, or the store of another output."""
-    if kind == "lance":
-        return list(source.schema.names)
-    if kind == "parquet":
-        return list(read_embeddings(source.location, storage_options=source.storage_options).columns)
-    if kind == "delta":
-        return list(_delta_dataset(source).schema.names)
-    return [f.name for f in _iceberg_table(source).schema().fields]
-
-
-def _delta_dataset(store: OutputStore) -> Any:
-    deltalake = require("deltalake")
-    location = TableLocation.of(store)
-    return deltalake.DeltaTable(location.uri, storage_options=location.options).to_pyarrow_dataset()
-
-
-def _iceberg_table(store: OutputStore) -> Any:
-    table = _table_of("iceberg", store)
-    return table.catalog().load_table(table.identifier)
-
-
-def _read_rows(
-    kind: str, store: OutputStore, keys: pd.DataFrame, on: list[str], columns: list[str]
-) -> pd.DataFrame:
-    """The ``on`` + ``columns`` of the output's rows named by ``keys``, read only from where they
-    can be: a Parquet output's files of their partitions, a table's files its filter keeps."""
-    parts = sorted(int(p) for p in keys.partition.unique())
-    rows = sorted(int(r) for r in keys.row.unique())
-    if kind == "parquet":
-        import dask
-
-        frames = dask.compute(
-            *(
-                read_embeddings(
-                    store.location,
-                    partition=p,
-                    columns=[*on, *columns],
-                    storage_options=store.storage_options,
-                )
-                for p in parts
-            ),
-            scheduler="threads",
-        )
-        found = pd.concat(frames, ignore_index=True)
-    elif kind == "delta":
-        import pyarrow.compute as pc
-
-        wanted = pc.field("partition").isin(parts) & pc.field("row").isin(rows)
-        found = _delta_dataset(store).to_table(columns=[*on, *columns], filter=wanted).to_pandas()
-    else:
-        from pyiceberg import expressions
-
-        among: Any = expressions.In  # typed by pydantic's fields, called by its own signature
-        scan = _iceberg_table(store).scan(
-            row_filter=expressions.And(among("partition", parts), among("row", rows)),
-            selected_fields=(*on, *columns),
-        )
-        found = scan.to_arrow().to_pandas()
-    return keys.merge(found, on=on, how="inner")
-
-
-def _lance_metric(index: Any) -> str:
-    """The metric a Lance vector index ranks by (``describe_indices``' ``details``); cosine where the
-    installed Lance does not say."""
-    details = index.get("details") if isinstance(index, dict) else getattr(index, "details", None)
-    metric = str(details.get("metric_type", "cosine")).lower() if isinstance(details, dict) else "cosine"
-    return metric if metric in METRICS else "cosine"
-
-
-def _lance_indices(ds: Any) -> list:
-    return list(ds.describe_indices() if hasattr(ds, "describe_indices") else ds.list_indices())
 
 
 def open_index(
@@ -535,23 +401,15 @@ def open_index(
     """
     output = os.fspath(output).rstrip("/")
     store = OutputStore.open(output, storage_options)
-    kind = output_kind(store)
-    if kind == "lance":
-        ds = _lance_dataset(store)
-        indices = [i for i in _lance_indices(ds) if "embedding" in _field_names(i)]
-        if not indices:
+    out = open_output(detect_output(store), store)
+    if out.native_index:  # the format's own index, inside the table
+        found = out.describe_native_index()
+        if found is None:
             raise SurgeInputError(
-                f"the Lance table {output!r} has no vector index. Fix: build_index({output!r})."
+                f"the {out.name} table {output!r} has no vector index. Fix: build_index({output!r})."
             )
-        indexed = _get(indices[0], "num_rows_indexed")
-        described = {
-            "rows": ds.count_rows(),
-            "rows_indexed": indexed,
-            "index_type": _get(indices[0], "index_type"),
-        }
-        return SurgeIndex(
-            "lance", output, _lance_metric(indices[0]), ds, info=described, _output=store, output_kind=kind
-        )
+        metric, described = found
+        return SurgeIndex(out.name, output, metric, None, info=described, _output=out)
     faiss = require("faiss")
     where = _faiss_store(output, path, storage_options)
     info = _read_info(where)
@@ -559,7 +417,7 @@ def open_index(
         raise SurgeInputError(
             f"no index at {where.location!r}. Fix: dask_surge.io.index.build_index({output!r})."
         )
-    now = _stamp(store, kind)
+    now = _stamp(store, out)
     built = {k: info.get(k) for k in now}
     if built != now:
         raise SurgeInputError(
@@ -575,23 +433,12 @@ def open_index(
             f"the index at {where.location!r} is damaged: index.json says {info['rows']:,} rows, its index "
             f"holds {index.ntotal:,} and its keys {len(keys):,}. Fix: build_index({output!r}) again."
         )
-    return SurgeIndex(
-        "faiss", where.location, info["metric"], index, keys, info, _output=store, output_kind=kind
-    )
+    return SurgeIndex("faiss", where.location, info["metric"], index, keys, info, _output=out)
 
 
 def _said(stamp: dict) -> str:
     words = f"run {stamp.get('run')} with {stamp.get('rows_committed') or 0:,} committed rows"
     return words + (f" at table version {stamp['table_version']}" if "table_version" in stamp else "")
-
-
-def _get(index: Any, name: str) -> Any:
-    return index.get(name) if isinstance(index, dict) else getattr(index, name, None)
-
-
-def _field_names(index: Any) -> list[str]:
-    names = _get(index, "field_names") or _get(index, "fields") or ["embedding"]
-    return [str(n) for n in names] if all(isinstance(n, str) for n in names) else ["embedding"]
 
 
 def index_for(
@@ -614,7 +461,7 @@ def index_for(
         if found.kind == "faiss" and found.info is not None:
             return {**found.info, "built": False}
         if found.info is not None and found.info.get("rows_indexed") == found.info.get("rows"):
-            return {"kind": "lance", "path": found.path, "metric": metric, **found.info, "built": False}
+            return {"kind": found.kind, "path": found.path, "metric": metric, **found.info, "built": False}
     return {**build_index(output, metric=metric, storage_options=storage_options), "built": True}
 
 

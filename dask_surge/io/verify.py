@@ -15,7 +15,6 @@ table's, and what is wrong there is put right with the table's own tools or by a
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,18 +23,9 @@ from .directory import DATA_FILE, META_DIR, RUN_ID, attempt_of, current_path, di
 from .lease import Claim
 from .manifest import CommitRecord, Manifest, current_id, current_run, load_run, write_meta
 from .store import OutputStore
-from .tables import open_table
-from .tables.locations import TableLocation
+from .tables import detect_output, open_output, output_class
 
 __all__ = ["verify", "repair", "table_format", "table_problems", "table_summary"]
-
-#: the entries that make an output directory a table of each format (see :func:`table_format`)
-_TABLE_MARKS = (
-    ("_delta_log", "delta"),
-    ("_versions", "lance"),
-    ("_transactions", "lance"),
-    ("metadata", "iceberg"),
-)
 
 
 def _problems(manifest: Manifest) -> list[tuple[CommitRecord, str]]:
@@ -233,10 +223,9 @@ def _foreign(manifest: Manifest) -> list[str]:
 
 
 def table_format(store: OutputStore, records: Iterable[CommitRecord] | None = None) -> str | None:
-    """The table format of the output in ``store`` (``"lance"``, ``"delta"``, ``"iceberg"``), or None for a
-    Parquet output: from the first of the commit records ``records`` when given (a table output's carry
-    the table's data files), else from the table's own entries (``_delta_log/``, ``_versions/``,
-    Iceberg's ``metadata/``; before a table's first commit, the data files its workers wrote).
+    """The table format of the output in ``store``, or None for an output whose SuperBatches are its
+    commits (Parquet): :func:`~dask_surge.io.tables.detect_output` (from the commit records
+    ``records`` when given).
 
     Examples
     --------
@@ -244,28 +233,12 @@ def table_format(store: OutputStore, records: Iterable[CommitRecord] | None = No
     >>> table_format(OutputStore.open(tempfile.mkdtemp())) is None
     True
     """
-    for rec in records or ():
-        if not rec.table:
-            return None
-        payload = json.loads(rec.table)
-        if "fragments" in payload:
-            return "lance"
-        return "delta" if str(payload.get("path", "")).startswith("surge-data/") else "iceberg"
-    names = set(store.listdir(store.root))
-    for entry, fmt in _TABLE_MARKS:
-        if entry in names:
-            return fmt
-    if "data" in names:  # workers wrote data files, no table commit yet
-        files = store.listdir(f"{store.root}/data")
-        if any(n.endswith(".lance") for n in files):
-            return "lance"
-        if any(n.startswith("surge-") and n.endswith(".parquet") for n in files):
-            return "iceberg"
-    return None
+    fmt = detect_output(store, records)
+    return fmt if output_class(fmt).batched else None
 
 
 def _open(store: OutputStore, fmt: str) -> Any:
-    return open_table(fmt, TableLocation.of(store))
+    return open_output(fmt, store)
 
 
 def table_summary(store: OutputStore, fmt: str, run_id: str) -> dict:

@@ -1,27 +1,21 @@
-"""Table outputs: the rows of a run committed to a Lance, Delta or Iceberg table instead of part files.
+"""Outputs: every format a run writes, behind one interface, found through one registry.
 
-What a table format offers dask-surge (:class:`~dask_surge.io.tables.lance.LanceTable`,
-:class:`~dask_surge.io.tables.delta.DeltaOutput`, :class:`~dask_surge.io.tables.iceberg.IcebergTable`):
-
-* ``write(arrow_table) -> payload``: on a worker, the SuperBatch's rows as the table's data
-  files, not committed (no reader sees them); the payload (a JSON string) goes into the
-  SuperBatch's commit record in the manifest (``<output>/_surge/``);
-* ``commit(run_id, [(sb, payload), ...], read_version) -> version``: in the process holding
-  the run's claim, one table version holding those SuperBatches, its commit metadata naming
-  the run (:data:`RUN_PROPERTY`) and the SuperBatches (:data:`SUPERBATCHES_PROPERTY`);
-* ``history(run_id, since) -> History``: what the table's own history says: which
-  SuperBatches of the run it holds, and what other writers did.
-
-The policy (when to commit, what a resume does, what another writer's change does) is
-:mod:`dask_surge.execution.tables`'. Where a table lives is :mod:`.locations`' job.
+:class:`~.base.Output` is the interface (its docstring is the contract); each format is one class
+in one module: :class:`~.parquet.ParquetOutput` (part files and the manifest),
+:class:`~.lance.LanceTable`, :class:`~.delta.DeltaOutput` and :class:`~.iceberg.IcebergTable`
+(:class:`~.base.TableOutput` s: workers write the table's uncommitted data files, the claim holder
+commits them in fenced batches, :mod:`dask_surge.execution.tables`). This module is the registry:
+:func:`output_class` by ``format=``, :func:`open_output` on a store, :func:`detect` of what a
+directory holds. Nothing outside this package asks which format an output is; what differs is
+what the classes declare (:attr:`~.base.Output.batched`, :attr:`~.base.Output.native_index`,
+:attr:`~.base.Output.merges_columns`, ...). Where a table lives is :mod:`.locations`' job.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ...config import get
-from ...errors import SurgeValueError
+from ..store import OutputStore
 from .base import (
     FENCE_PROPERTY,
     FORMATS,
@@ -31,11 +25,14 @@ from .base import (
     TABLE_FORMATS,
     CommitConflict,
     History,
+    Output,
+    TableOutput,
     require,
 )
 from .delta import DeltaOutput
 from .iceberg import IcebergTable
 from .lance import LanceTable
+from .parquet import ParquetOutput
 
 __all__ = [
     "FORMATS",
@@ -47,29 +44,86 @@ __all__ = [
     "CommitConflict",
     "History",
     "require",
-    "open_table",
+    "Output",
+    "TableOutput",
+    "output_class",
+    "open_output",
     "detect",
+    "detect_output",
     "table_class",
 ]
 
-#: format -> the class of its table output
-_CLASSES: dict[str, Any] = {"lance": LanceTable, "delta": DeltaOutput, "iceberg": IcebergTable}
+#: format -> its class: the registry (``format=`` takes these names)
+_CLASSES: dict[str, Any] = {
+    "parquet": ParquetOutput,
+    "lance": LanceTable,
+    "delta": DeltaOutput,
+    "iceberg": IcebergTable,
+}
 
 
-def table_class(fmt: str) -> Any:
-    """The class of a ``fmt`` table output.
+def output_class(fmt: str) -> Any:
+    """The class of the ``fmt`` output.
 
     Examples
     --------
-    >>> table_class("delta").__name__
-    'DeltaOutput'
+    >>> output_class("delta").__name__, output_class("parquet").batched
+    ('DeltaOutput', False)
     """
+    from ...errors import SurgeValueError
+
     try:
         return _CLASSES[fmt]
     except KeyError:
         raise SurgeValueError(
-            f"format={fmt!r} is not a table format. Fix: choose one of {TABLE_FORMATS}."
+            f"format={fmt!r} is not an output format. Fix: choose one of {FORMATS}."
         ) from None
+
+
+def table_class(fmt: str) -> Any:
+    """The class of the ``fmt`` table output (:func:`output_class` of a batched format)."""
+    from ...errors import SurgeValueError
+
+    cls = output_class(fmt)
+    if not cls.batched:
+        raise SurgeValueError(f"format={fmt!r} is not a table format. Fix: choose one of {TABLE_FORMATS}.")
+    return cls
+
+
+def open_output(fmt: str, store: OutputStore) -> Any:
+    """The ``fmt`` output at ``store``; an error naming the extra to install when the format's
+    library is missing."""
+    cls = output_class(fmt)
+    if cls.LIBRARY:
+        require(cls.LIBRARY)
+    return cls.at(store)
+
+
+def detect_output(store: OutputStore, records: Any = None) -> str:
+    """The format of the output at ``store``, the one rule by which an existing output's format is
+    recognised: the format whose table data the run's commit records carry (``records``, else the
+    current run's; a table killed before its first commit has no marker yet), else the format whose
+    marker the root holds (a table another tool wrote), else Parquet.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> detect_output(OutputStore.open(tempfile.mkdtemp()))
+    'parquet'
+    """
+    from ..manifest import current_run
+
+    if records is None:
+        manifest = current_run(store) if store.isdir(store.root) else None
+        records = manifest.committed().values() if manifest is not None else ()
+    for rec in records:
+        if not rec.table:
+            return "parquet"
+        return next(
+            (fmt for fmt, cls in _CLASSES.items() if cls.batched and cls.owns_payload(rec.table)), "parquet"
+        )
+    names = store.listdir(store.root) if store.isdir(store.root) else []
+    return detect(names) or "parquet"
 
 
 def detect(names: Any) -> str | None:
@@ -83,16 +137,4 @@ def detect(names: Any) -> str | None:
     ('delta', 'lance', None)
     """
     names = set(names)
-    return next((fmt for fmt, cls in _CLASSES.items() if cls.MARKER in names), None)
-
-
-def open_table(fmt: str, location: Any) -> Any:
-    """The table object of format ``fmt`` at ``location`` (a :class:`~.locations.TableLocation`).
-
-    Raises an error naming the extra to install when the format's package is missing.
-    """
-    cls = table_class(fmt)
-    require({"lance": "lance", "delta": "deltalake", "iceberg": "pyiceberg"}[fmt])
-    if fmt == "iceberg":  # the catalog and the identifier: surge.iceberg-catalog, surge.iceberg-table
-        return cls(location, get("iceberg-catalog"), get("iceberg-table"))
-    return cls(location)
+    return next((fmt for fmt, cls in _CLASSES.items() if cls.can_open(names)), None)

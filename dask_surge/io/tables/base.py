@@ -1,10 +1,14 @@
-"""What every table format shares: the commit-metadata keys, :class:`History`, :func:`require`."""
+"""The output interface: :class:`Output` (every format) and :class:`TableOutput` (formats whose claim
+holder commits batches), with what they share: the commit-metadata keys, :class:`History`,
+:class:`CommitConflict`, :func:`require`."""
 
 from __future__ import annotations
 
 import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ...errors import SurgeError, SurgeOutputError
 
@@ -17,6 +21,8 @@ __all__ = [
     "REPAIRED_PROPERTY",
     "CommitConflict",
     "History",
+    "Output",
+    "TableOutput",
     "require",
     "variable_lists",
 ]
@@ -68,6 +74,189 @@ def require(module: str) -> Any:
         raise SurgeError(
             f"this needs the {dist!r} package, which is not installed ({err}). Fix: {how}."
         ) from err
+
+
+class Output(ABC):
+    """One output format: where a run's rows go, and everything a user does with them after.
+
+    Each format is one subclass in one module of this package, found through one registry
+    (:func:`dask_surge.io.tables.output_class`, :func:`~dask_surge.io.tables.detect`); nothing
+    outside the package asks which format it holds. What differs between formats is said by the
+    class attributes below (capabilities), never by the format's name.
+
+    The contract every format keeps (asked of each by ``tests/test_output_contract.py``):
+
+    * every row of a run once, with the columns ``partition``, ``row``, kept columns, ``text_hash``
+      and ``embedding``; a rerun resumes and never commits a SuperBatch twice, also after a kill
+      or a pause of the claim holder (:class:`TableOutput`: fenced commits);
+    * options the format cannot hold are refused before any work (:meth:`check_options`), and an
+      output that is not the run's to write (someone else's table, a table of another format) is
+      refused before anything is written;
+    * the vector column's type is one the format's own schema declares, which DuckDB, polars and
+      pyarrow read as a list or array of floats;
+    * an index's search returns a distance for its metric, smaller is nearer.
+
+    Attributes
+    ----------
+    name : str
+        The value of ``format=``.
+    MARKER : str or None
+        The entry of a directory that says an output of this format is there (None: none, e.g. a
+        Parquet output, recognised by its run, or a database).
+    ENTRIES : frozenset of str
+        What the format's own directory holds (a new output may hold these and ``_surge/`` only).
+    batched : bool
+        True: the claim holder commits SuperBatches to the format in batches (:class:`TableOutput`);
+        False: a SuperBatch's commit record is its commit (Parquet's part files).
+    native_index : bool
+        True: the format's own vector index; False: a FAISS index beside the output.
+    appends : bool
+        ``mode="append"`` adds a run's rows to an output of this format that another run made.
+    overwrites : bool
+        ``overwrite=True`` replaces an output of this format (its rows stay readable until the new
+        run completes).
+    merges_columns : bool
+        :func:`dask_surge.backfill.backfill` adds or refreshes a column of a table of this format.
+    precisions : frozenset of str
+        The ``precision=`` values whose vectors the format can hold.
+    """
+
+    name: ClassVar[str]
+    MARKER: ClassVar[str | None] = None
+    ENTRIES: ClassVar[frozenset[str]] = frozenset()
+    batched: ClassVar[bool] = True
+    native_index: ClassVar[bool] = False
+    appends: ClassVar[bool] = True
+    overwrites: ClassVar[bool] = False
+    merges_columns: ClassVar[bool] = False
+    precisions: ClassVar[frozenset[str]] = frozenset({"float32", "float16", "int8", "binary"})
+    #: the module the format needs (an optional dependency; None: none)
+    LIBRARY: ClassVar[str | None] = None
+
+    @classmethod
+    def at(cls, store: Any) -> Output:
+        """The output of this format in ``store`` (an :class:`~dask_surge.io.store.OutputStore`)."""
+        from .locations import TableLocation
+
+        return cls(TableLocation.of(store))  # type: ignore[call-arg]
+
+    @classmethod
+    def can_open(cls, names: Iterable[str]) -> bool:
+        """True when a directory holding ``names`` holds an output of this format (xarray's
+        ``guess_can_open``)."""
+        return cls.MARKER is not None and cls.MARKER in set(names)
+
+    @classmethod
+    def check_options(cls, *, output: Any, mode: str, overwrite: bool, precision: str) -> None:
+        """Refuse, before any work, options this format cannot honour.
+
+        Examples
+        --------
+        >>> from dask_surge.io.tables import output_class
+        >>> output_class("delta").check_options(output="t", mode="create", overwrite=False, precision="float16")
+        Traceback (most recent call last):
+        ...
+        dask_surge.errors.SurgeValueError: format='delta' cannot hold precision='float16' vectors ...
+        """
+        from ...errors import SurgeValueError
+
+        if output is None and cls.batched:
+            raise SurgeValueError(
+                f"format={cls.name!r} writes a table at output=...; output=None returns a lazy frame. Fix: pass "
+                "output='path/table'."
+            )
+        if overwrite and not cls.overwrites:
+            raise SurgeValueError(
+                f"format={cls.name!r} writes a table at output=..., which it never replaces: overwrite=True is "
+                "for Parquet. Fix: pass output='path/table' and no overwrite (a new path, or mode='append' to "
+                "add to a table)."
+            )
+        if mode == "append" and not cls.appends:
+            raise SurgeValueError(
+                f"mode='append' adds rows to a table output; a {cls.name} output holds one run. Fix: pass "
+                "format='lance', 'delta' or 'iceberg', or leave mode='create'."
+            )
+        if precision not in cls.precisions:
+            raise SurgeValueError(
+                f"format={cls.name!r} cannot hold precision={precision!r} vectors (its types: "
+                f"{sorted(cls.precisions)}). Nothing was encoded. Fix: pass precision='float32', or "
+                "format='lance' or 'parquet'."
+            )
+
+    @abstractmethod
+    def exists(self) -> bool:
+        """True when an output of this format is at the location."""
+
+    @abstractmethod
+    def read(self) -> Any:
+        """Every committed row, as a ``pyarrow.Table``."""
+
+    @abstractmethod
+    def table_version(self) -> Any:
+        """What an index of the output records so that any later change makes it stale (None: the
+        run's id and rows say it: a Parquet output)."""
+
+    @abstractmethod
+    def columns(self) -> list[str]:
+        """The names of the output's columns."""
+
+    @abstractmethod
+    def read_rows(self, keys: Any, on: list[str], columns: list[str]) -> Any:
+        """The ``on`` + ``columns`` of the rows whose ``on`` values ``keys`` (a pandas frame) names,
+        read only from where they can be, as a pandas frame (an index's hits joined to their rows)."""
+
+
+class TableOutput(Output):
+    """A format whose rows are committed by the claim holder in batches (Lance, Delta, Iceberg, a
+    database): workers :meth:`write` data nobody reads yet, the claim holder :meth:`fence` s and
+    :meth:`commit` s them, conditional on the version its :meth:`history` was read at, so the store
+    refuses a commit prepared before another process took the claim over
+    (:class:`~dask_surge.execution.tables.TableCommitter`)."""
+
+    @classmethod
+    @abstractmethod
+    def owns_payload(cls, payload: str) -> bool:
+        """True when ``payload`` (a commit record's table data, :meth:`write`'s) is this format's: how
+        a table output killed before its first commit is recognised (no table there yet)."""
+
+    @abstractmethod
+    def write(self, data: Any) -> str:
+        """On a worker: ``data``'s rows as the format's uncommitted data; returns the payload (JSON)
+        the SuperBatch's commit record carries."""
+
+    @abstractmethod
+    def fence(self, run_id: str, token: str, read_version: int, payload: str) -> int:
+        """The claim holder ``token``'s first version (creating the table at ``read_version`` 0);
+        :class:`CommitConflict` when the store refuses."""
+
+    @abstractmethod
+    def commit(self, run_id: str, token: str, batch: Sequence[tuple[str, str]], read_version: int) -> int:
+        """One version holding ``batch``'s SuperBatches, only if no version of the run came after
+        ``read_version``; :class:`CommitConflict` when the store refuses."""
+
+    @abstractmethod
+    def repair(self, run_id: str, token: str, superbatches: list[str], read_version: int) -> int:
+        """Remove (or record the absence of) a second copy of ``superbatches``."""
+
+    @abstractmethod
+    def history(self, run_id: str, since: int = 0) -> History:
+        """What the versions after ``since`` say of run ``run_id`` and of other writers."""
+
+    @abstractmethod
+    def keeps_rows(self, op: str) -> bool:
+        """True when another writer's operation ``op`` leaves every committed row in place."""
+
+    @abstractmethod
+    def check_schema(self, payload: str) -> None:
+        """Refuse ``payload``'s rows when their columns differ from the table's."""
+
+    @abstractmethod
+    def version_rows(self) -> list[tuple[int, float, int]]:
+        """``(version, commit time, rows)`` of each version, oldest first."""
+
+    @abstractmethod
+    def data_files(self) -> list[tuple[str, int | None]]:
+        """``(path, size)`` of every data file the latest version references."""
 
 
 class CommitConflict(SurgeOutputError):

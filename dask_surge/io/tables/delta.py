@@ -44,6 +44,7 @@ from .base import (
     SUPERBATCHES_PROPERTY,
     CommitConflict,
     History,
+    TableOutput,
     require,
     variable_lists,
 )
@@ -75,7 +76,7 @@ def _schema_of(text: str) -> pa.Schema:
     return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
 
 
-class DeltaOutput:
+class DeltaOutput(TableOutput):
     """One Delta table as a dask-surge output (picklable: workers write through it).
 
     Parameters
@@ -86,9 +87,17 @@ class DeltaOutput:
 
     name = "delta"
     #: the entry of a directory that says a table of this format is there
+    LIBRARY = "deltalake"
+    merges_columns = True
+    precisions = frozenset({"float32", "int8", "binary"})  # Delta has no float16
     MARKER = "_delta_log"
     #: what the format's own directory holds (a new output may hold these and ``_surge/`` only)
     ENTRIES = frozenset({"_delta_log", DATA_DIR})
+
+    @classmethod
+    def owns_payload(cls, payload: str) -> bool:
+        """True when ``payload`` (a commit record's table data) is this format's."""
+        return str(json.loads(payload).get("path", "")).startswith(f"{DATA_DIR}/")
 
     def __init__(self, location: TableLocation) -> None:
         self.location = location
@@ -309,6 +318,27 @@ class DeltaOutput:
             for p in payloads
         ]
         return self._transact(run_id, token, [sb for sb, _ in batch], adds, schema, read_version)
+
+    def dataset(self) -> Any:
+        """The latest version as a ``pyarrow.dataset.Dataset``."""
+        dt = self._open()
+        if dt is None:
+            raise SurgeOutputError(f"no Delta table at {self.location.url!r}. Fix: pass the output of a run.")
+        return dt.to_pyarrow_dataset()
+
+    def columns(self) -> list[str]:
+        """The table's columns."""
+        return list(self.dataset().schema.names)
+
+    def read_rows(self, keys: Any, on: list[str], columns: list[str]) -> Any:
+        """The rows ``keys`` names, through a filter on ``partition`` and ``row``."""
+        import pyarrow.compute as pc
+
+        parts = sorted(int(p) for p in keys.partition.unique())
+        rows = sorted(int(r) for r in keys.row.unique())
+        wanted = pc.field("partition").isin(parts) & pc.field("row").isin(rows)
+        found = self.dataset().to_table(columns=[*on, *columns], filter=wanted).to_pandas()
+        return keys.merge(found, on=on, how="inner")
 
     def read(self) -> pa.Table:
         """Every committed row (the latest version)."""

@@ -59,6 +59,7 @@ from .base import (
     SUPERBATCHES_PROPERTY,
     CommitConflict,
     History,
+    TableOutput,
     require,
     variable_lists,
 )
@@ -209,7 +210,7 @@ def named_catalog(options: Mapping[str, Any]) -> Iterator[None]:
         yield
 
 
-class IcebergTable:
+class IcebergTable(TableOutput):
     """One Iceberg table as a dask-surge output (picklable: workers write through it).
 
     Parameters
@@ -224,9 +225,16 @@ class IcebergTable:
 
     name = "iceberg"
     #: the entry of a directory that says a table of this format is there
+    LIBRARY = "pyiceberg"
+    precisions = frozenset({"float32", "int8", "binary"})  # Iceberg has no float16
     MARKER = "metadata"
     #: what the format's own directory holds (a new output may hold these and ``_surge/`` only)
     ENTRIES = frozenset({"metadata", DATA_DIR})
+
+    @classmethod
+    def owns_payload(cls, payload: str) -> bool:
+        """True when ``payload`` (a commit record's table data) is this format's."""
+        return str(json.loads(payload).get("path", "")).startswith(f"{DATA_DIR}/surge-")
 
     def __init__(self, location: TableLocation, catalog: Any = None, identifier: str | None = None) -> None:
         self.location = location
@@ -235,6 +243,14 @@ class IcebergTable:
         self.identifier = table_identifier(location.url, identifier)
         # loaded once, in the process that commits (a Catalog object given is that catalog)
         self._catalog: Any = None if catalog is None or isinstance(catalog, str | dict) else catalog
+
+    @classmethod
+    def at(cls, store: Any) -> IcebergTable:
+        """The table at ``store``'s location, in the catalog ``surge.iceberg-catalog`` names, under the
+        identifier ``surge.iceberg-table`` (None: derived from the path)."""
+        from ...config import get
+
+        return cls(TableLocation.of(store), get("iceberg-catalog"), get("iceberg-table"))
 
     def __repr__(self) -> str:
         return f"IcebergTable({self.location.url!r}, {self.identifier!r})"
@@ -308,12 +324,6 @@ class IcebergTable:
         """Write ``data`` as one Parquet file under ``data/``, not committed; returns the payload
         (JSON: its path relative to the table, size, rows and the Arrow schema)."""
         require("pyiceberg")
-        halves = [f.name for f in data.schema if "halffloat" in str(f.type)]
-        if halves:
-            raise SurgeOutputError(
-                f"Iceberg has no 16-bit float type, and column(s) {halves} of this run are float16. Nothing was "
-                "committed. Fix: pass precision='float32' (or 'int8') for an Iceberg output, or format='parquet'."
-            )
         data = variable_lists(data)  # the type the table's schema declares for a vector
         buf = io.BytesIO()
         pq.write_table(data, buf, compression="zstd")
@@ -508,6 +518,31 @@ class IcebergTable:
         if table is None or table.current_snapshot() is None:
             return []
         return [(t.file.file_path, int(t.file.file_size_in_bytes)) for t in table.scan().plan_files()]
+
+    def _loaded(self) -> Any:
+        table = self._open()
+        if table is None:
+            raise SurgeOutputError(
+                f"no Iceberg table {self.identifier!r} at {self.location.url!r}. Fix: pass the output of a run."
+            )
+        return table
+
+    def columns(self) -> list[str]:
+        """The table's columns."""
+        return [f.name for f in self._loaded().schema().fields]
+
+    def read_rows(self, keys: Any, on: list[str], columns: list[str]) -> Any:
+        """The rows ``keys`` names, through a scan filtered on ``partition`` and ``row``."""
+        from pyiceberg import expressions
+
+        parts = sorted(int(p) for p in keys.partition.unique())
+        rows = sorted(int(r) for r in keys.row.unique())
+        among: Any = expressions.In  # typed by pydantic's fields, called by its own signature
+        scan = self._loaded().scan(
+            row_filter=expressions.And(among("partition", parts), among("row", rows)),
+            selected_fields=(*on, *columns),
+        )
+        return keys.merge(scan.to_arrow().to_pandas(), on=on, how="inner")
 
     def read(self) -> pa.Table:
         """Every committed row (the current snapshot)."""

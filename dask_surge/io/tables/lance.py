@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,11 +35,12 @@ from .base import (
     SUPERBATCHES_PROPERTY,
     CommitConflict,
     History,
+    TableOutput,
     require,
 )
 from .locations import TableLocation
 
-__all__ = ["LanceTable", "KEEPS_ROWS"]
+__all__ = ["LanceTable", "KEEPS_ROWS", "lance_index_params"]
 
 #: operations of another writer that leave every committed row in place (a run goes on after them)
 KEEPS_ROWS = frozenset({"Append", "CreateIndex", "Rewrite", "UpdateConfig", "UpdateMap"})
@@ -52,7 +54,7 @@ def _schema_of(text: str) -> pa.Schema:
     return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
 
 
-class LanceTable:
+class LanceTable(TableOutput):
     """One Lance dataset as a dask-surge output (picklable: workers write through it).
 
     Parameters
@@ -63,9 +65,17 @@ class LanceTable:
 
     name = "lance"
     #: the entry of a directory that says a table of this format is there
+    LIBRARY = "lance"
+    native_index = True
+    merges_columns = True
     MARKER = "_versions"
     #: what the format's own directory holds (a new output may hold these and ``_surge/`` only)
     ENTRIES = frozenset({"data", "_versions", "_transactions", "_indices", "_deletions", "_refs"})
+
+    @classmethod
+    def owns_payload(cls, payload: str) -> bool:
+        """True when ``payload`` (a commit record's table data) is this format's."""
+        return "fragments" in json.loads(payload)
 
     def __init__(self, location: TableLocation) -> None:
         self.location = location
@@ -314,9 +324,109 @@ class LanceTable:
             raise CommitConflict(f"Lance refused the commit read at version {read_version}: {err}") from err
         return int(ds.version)
 
-    def read(self) -> pa.Table:
-        """Every committed row (the latest version)."""
+    def dataset(self) -> Any:
+        """The latest version (a ``lance.LanceDataset``)."""
         ds = self._open()
         if ds is None:
             raise SurgeOutputError(f"no Lance table at {self.location.url!r}. Fix: pass the output of a run.")
-        return ds.to_table()
+        return ds
+
+    def read(self) -> pa.Table:
+        """Every committed row (the latest version)."""
+        return self.dataset().to_table()
+
+    def columns(self) -> list[str]:
+        """The table's columns."""
+        return list(self.dataset().schema.names)
+
+    def read_rows(self, keys: Any, on: list[str], columns: list[str]) -> Any:
+        """The rows ``keys`` names (a scan of the key and asked columns, joined)."""
+        found = self.dataset().to_table(columns=[*on, *columns]).to_pandas()
+        return keys.merge(found, on=on, how="inner")
+
+    # -- the table's own vector index ----------------------------------------------------------
+
+    def build_native_index(self, metric: str) -> dict:
+        """Build (replace) Lance's vector index on ``embedding`` for ``metric``; returns its ``rows``
+        and parameters (:func:`lance_index_params`)."""
+        ds = self.dataset()
+        rows, dim = ds.count_rows(), ds.schema.field("embedding").type.list_size
+        params = lance_index_params(rows, dim)
+        ds.create_index("embedding", metric=metric, replace=True, **params)
+        return {"rows": rows, **params}
+
+    def describe_native_index(self) -> tuple[str, dict] | None:
+        """``(metric, description)`` of the vector index on ``embedding`` (None: there is none)."""
+        ds = self.dataset()
+        indices = [i for i in _indices(ds) if "embedding" in _field_names(i)]
+        if not indices:
+            return None
+        described = {
+            "rows": ds.count_rows(),
+            "rows_indexed": _get(indices[0], "num_rows_indexed"),
+            "index_type": _get(indices[0], "index_type"),
+        }
+        return _metric_of(indices[0]), described
+
+    def nearest(self, vector: Any, k: int, metric: str, columns: list[str]) -> Any:
+        """The ``k`` rows nearest ``vector`` by the index (``metric``), with ``columns`` and Lance's
+        ``_distance`` (smaller is nearer), as a pandas frame."""
+        return (
+            self.dataset()
+            .to_table(
+                # the distance asked for by name: Lance warns (on stderr) of a search that leaves it implied
+                columns=[*columns, "_distance"],
+                nearest={
+                    "column": "embedding",
+                    "q": vector,
+                    "k": k,
+                    "metric": metric,
+                    "nprobes": 20,
+                    "refine_factor": 10,
+                },
+            )
+            .to_pandas()
+        )
+
+
+def lance_index_params(rows: int, dim: int) -> dict:
+    """What :meth:`LanceTable.build_native_index` asks Lance for, for ``rows`` vectors of ``dim``
+    dimensions.
+
+    Examples
+    --------
+    >>> lance_index_params(100_000, 384)
+    {'index_type': 'IVF_PQ', 'num_partitions': 316, 'num_sub_vectors': 48}
+    >>> lance_index_params(1_000, 32)
+    {'index_type': 'IVF_FLAT', 'num_partitions': 31}
+    """
+    partitions = max(1, int(math.sqrt(rows)))
+    if rows < 5_000:
+        return {"index_type": "IVF_FLAT", "num_partitions": partitions}
+    sub = next(d for d in (8, 4, 2, 1) if dim % d == 0)
+    return {"index_type": "IVF_PQ", "num_partitions": partitions, "num_sub_vectors": dim // sub}
+
+
+#: the metrics Lance's index ranks by, as dask-surge names them
+_METRICS = ("cosine", "l2", "dot")
+
+
+def _metric_of(index: Any) -> str:
+    """The metric a Lance vector index ranks by (``describe_indices``' ``details``); cosine where the
+    installed Lance does not say."""
+    details = index.get("details") if isinstance(index, dict) else getattr(index, "details", None)
+    metric = str(details.get("metric_type", "cosine")).lower() if isinstance(details, dict) else "cosine"
+    return metric if metric in _METRICS else "cosine"
+
+
+def _indices(ds: Any) -> list:
+    return list(ds.describe_indices() if hasattr(ds, "describe_indices") else ds.list_indices())
+
+
+def _get(index: Any, name: str) -> Any:
+    return index.get(name) if isinstance(index, dict) else getattr(index, name, None)
+
+
+def _field_names(index: Any) -> list[str]:
+    names = _get(index, "field_names") or _get(index, "fields") or ["embedding"]
+    return [str(n) for n in names] if all(isinstance(n, str) for n in names) else ["embedding"]
