@@ -14,6 +14,7 @@ from pathlib import Path, PurePosixPath
 
 from ._version import __version__
 from .api import encode, plan, read_embeddings, status
+from .config import check_argument, given
 from .engine.placement import gpu_count
 from .errors import SurgeError, SurgeInputError, SurgeValueError
 from .execution.cluster import local_cluster
@@ -110,6 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
         "encode is writing there), then show the status",
     )
     st.add_argument("--json", action="store_true", help="print the status as JSON (for scripts)")
+    for name in ("iceberg_catalog", "iceberg_table"):  # an Iceberg output's table is read through its catalog
+        cli = option(name).cli
+        assert cli is not None
+        st.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=cli.type or str,
+            metavar=cli.metavar,
+            help=f"{cli.help or option(name).summary} (as the encode was given it)",
+        )
     return parser
 
 
@@ -390,6 +401,32 @@ def cmd_status(args) -> int:
             f"{args.output!r} does not exist, so it holds no dask-surge run. Fix: pass the "
             "directory given as --output (or output=) to the encode."
         )
+    named = {  # an Iceberg output's catalog and table, as the encode named them (else the config's)
+        "iceberg-catalog": check_argument("iceberg_catalog", args.iceberg_catalog),
+        "iceberg-table": check_argument("iceberg_table", args.iceberg_table),
+    }
+    with given(named):
+        info = _status(args)
+    print(json.dumps(info, indent=2, default=str) if args.json else format_status(info))
+    table = info.get("table") or {}
+    if "error" in table:  # what it says of the run stands; that the table cannot be read is an error
+        raise SurgeValueError(
+            f"the {table['format']} table of {args.output!r} could not be read: "
+            + " ".join(str(table["error"]).split())
+            + ("" if table["format"] != "iceberg" or "Fix:" in str(table["error"]) else _NAME_THE_CATALOG)
+        )
+    return 0 if info["state"] == "complete" and not info.get("problems") else 1
+
+
+#: how ``status`` is told where an Iceberg output's table is
+_NAME_THE_CATALOG = (
+    ". Fix: name the catalog and table as the encode did, --iceberg-catalog NAME and --iceberg-table "
+    "NAMESPACE.NAME (or surge.iceberg-catalog and surge.iceberg-table)."
+)
+
+
+def _status(args) -> dict:
+    """What ``status`` prints: :func:`dask_surge.status`, repaired and verified first where asked."""
     if args.repair:
         for line in repair(args.output) or ["nothing to repair"]:
             print(f"repair: {line}", file=sys.stderr)
@@ -404,8 +441,7 @@ def cmd_status(args) -> int:
         if args.json and isinstance(where.get("last_commit"), (int, float)):  # ISO 8601, not an epoch number
             where["last_commit_epoch"] = where["last_commit"]  # (and the number, for scripts that compute)
             where["last_commit"] = _iso(where["last_commit"])
-    print(json.dumps(info, indent=2, default=str) if args.json else format_status(info))
-    return 0 if info["state"] == "complete" and not info.get("problems") else 1
+    return info
 
 
 def _iso(epoch: float) -> str:

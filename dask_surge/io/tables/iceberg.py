@@ -166,16 +166,19 @@ def load_catalog(spec: Any, defaults: Mapping[str, str] | None = None) -> Any:
     except Exception as err:  # any reason the catalog does not open is one line
         why = (str(err).strip().splitlines() or [type(err).__name__])[0]
         env = "PYICEBERG_CATALOG__" + re.sub(r"\W", "_", str(name)).upper() + "__URI"
-        if isinstance(spec, dict):
-            fix = "correct its properties (e.g. {'type': 'sql', 'uri': 'sqlite:///catalog.db'})"
+        configure = f"configure catalog {name!r} in ~/.pyiceberg.yaml (or $PYICEBERG_HOME's) or {env}"
+        if spec is None:
+            what = f"pyiceberg's default catalog {name!r} (neither iceberg_catalog= nor surge.iceberg-catalog names one)"
+            fix = f"name the table's catalog, iceberg_catalog='NAME' (from .pyiceberg.yaml), or {configure}"
+        elif isinstance(spec, dict):
+            what = f"the Iceberg catalog {name!r} of iceberg_catalog={{...}} (or surge.iceberg-catalog)"
+            fix = "correct its properties (e.g. {'type': 'sql', 'uri': 'sqlite:///catalog.db'}), or pass its name"
         else:
-            fix = (
-                f"configure catalog {name!r} in ~/.pyiceberg.yaml (or $PYICEBERG_HOME's; catalog: {name}: uri: ...) "
-                f"or {env}, or name another with iceberg_catalog='prod' or its properties"
-            )
+            what = f"{_shown(spec)} (or surge.iceberg-catalog)"
+            fix = f"{configure}, or pass the name of a configured catalog or its properties"
         raise SurgeValueError(
-            f"{_shown(spec)} (or surge.iceberg-catalog) could not be opened as an Iceberg catalog "
-            f"{name!r}: {why}. Fix: {fix}; from Python a pyiceberg Catalog object also does."
+            f"{what} could not be opened as an Iceberg catalog: {why}. Fix: {fix}; from Python a pyiceberg "
+            "Catalog object also does."
         ) from err
 
 
