@@ -10,8 +10,9 @@ most the chunk in flight: a rerun finds the rows still missing and embeds only t
 to the table later (with the column null) are picked up by the next backfill, and only they are
 encoded.
 
-The loop is shared; what differs per format is small (:class:`_LanceTable`, :class:`_DeltaTable`):
-read columns, describe the embedding column, write a chunk (adding the columns when missing).
+The loop is shared; what differs per format is the output class's (:attr:`~dask_surge.io.tables.Output.merges_columns`:
+:class:`~dask_surge.io.tables.lance.LanceTable`, :class:`~dask_surge.io.tables.delta.DeltaOutput`): its dataset,
+the shape of its vector column, the types it holds, its recorded options, and one chunk's merge.
 
 The encoding itself is :func:`dask_surge.encode` without an output (on the active Dask client, or
 the scheduler given), so every encoder option applies.
@@ -19,7 +20,6 @@ the scheduler given), so every encoder option applies.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import uuid
@@ -37,7 +37,7 @@ from .errors import SurgeInputError, SurgeValueError
 from .io.hashing import hash_column, text_hashes
 from .io.reuse import identity_difference
 from .io.store import OutputStore
-from .io.tables import require
+from .io.tables import FORMATS, detect, detect_output, open_output, output_class
 from .io.tables.locations import TableLocation
 
 __all__ = ["BACKFILL_PROPERTY", "BackfillResult", "backfill"]
@@ -61,135 +61,31 @@ class BackfillResult:
     column: str
 
 
-class _LanceTable:
-    """A Lance table as :func:`backfill` reads and writes it."""
-
-    format = "Lance"
-
-    def __init__(self, where: TableLocation) -> None:
-        self.lance, self.where = require("lance"), where
-
-    def _open(self) -> Any:
-        return self.lance.dataset(self.where.uri, storage_options=self.where.options)
-
-    def schema(self) -> pa.Schema:
-        return self._open().schema
-
-    def scan(self, columns: list[str]) -> pa.Table:
-        return self._open().to_table(columns=columns)
-
-    def shape(self, column: str, kind: pa.DataType) -> tuple[pa.DataType | None, int | None]:
-        """``(value type, dimension)`` of the vectors ``column`` (of type ``kind``) holds; a Lance
-        vector column is a fixed-size list (anything else: ``(None, None)``)."""
-        return (kind.value_type, kind.list_size) if pa.types.is_fixed_size_list(kind) else (None, None)
-
-    def holds(self, kind: pa.DataType) -> bool:
-        """True: this format stores vectors of ``kind`` as they are."""
-        return True
-
-    def recorded(self, name: str) -> str | None:
-        """The table's config value ``name`` (None: not set)."""
-        return self._open().config().get(name)
-
-    def record(self, name: str, value: str) -> int:
-        """Set the table's config value ``name`` (one version)."""
-        self._open().update_config({name: value})
-        return 1
-
-    def write(self, chunk: pa.Table, key: str, props: dict[str, str]) -> int:
-        """Add ``chunk``'s columns when missing (one version), then merge it on ``key`` (one version)."""
-        ds = self._open()
-        missing = [f for f in chunk.schema if f.name not in ds.schema.names]
-        if missing:
-            ds.add_columns(missing)
-            ds = self._open()
-        txn, _ = ds.merge_insert(key).when_matched_update_all().execute_uncommitted(chunk)
-        txn = dataclasses.replace(txn, transaction_properties={**(txn.transaction_properties or {}), **props})
-        self.lance.LanceDataset.commit(self.where.uri, txn, storage_options=self.where.options)
-        return 1 + bool(missing)
-
-
-class _DeltaTable:
-    """A Delta table as :func:`backfill` reads and writes it (the vectors are ``array<float>``)."""
-
-    format = "Delta"
-
-    def __init__(self, where: TableLocation) -> None:
-        self.deltalake, self.where = require("deltalake"), where
-
-    def _open(self) -> Any:
-        return self.deltalake.DeltaTable(self.where.uri, storage_options=self.where.options)
-
-    def schema(self) -> pa.Schema:
-        return self._open().to_pyarrow_dataset().schema
-
-    def scan(self, columns: list[str]) -> pa.Table:
-        return self._open().to_pyarrow_table(columns=columns)
-
-    def shape(self, column: str, kind: pa.DataType) -> tuple[pa.DataType | None, int | None]:
-        """``(value type, dimension)`` of the vectors ``column`` (of type ``kind``) holds: Delta has no
-        fixed-size list, so the dimension is the first vector's length (None: no vector yet)."""
-        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
-            return None, None
-        first = (
-            self._open().to_pyarrow_dataset().head(1, columns=[column], filter=pc.field(column).is_valid())
-        )
-        return kind.value_type, (len(first.column(0)[0]) if first.num_rows else None)
-
-    def holds(self, kind: pa.DataType) -> bool:
-        """True: Delta stores vectors of ``kind`` as they are (it has no float16 and no unsigned type)."""
-        return not (pa.types.is_float16(kind) or pa.types.is_unsigned_integer(kind))
-
-    def recorded(self, name: str) -> str | None:
-        """The table property ``name`` (None: not set)."""
-        return self._open().metadata().configuration.get(name)
-
-    def record(self, name: str, value: str) -> int:
-        """Set the table property ``name`` (one commit, ``SET TBLPROPERTIES``)."""
-        self._open().alter.set_table_properties({name: value}, raise_if_not_exists=False)
-        return 1
-
-    def write(self, chunk: pa.Table, key: str, props: dict[str, str]) -> int:
-        """One ``MERGE`` on ``key`` that updates ``chunk``'s columns (added by schema evolution when
-        missing, in the same commit), with ``props`` in its commit info."""
-        from deltalake.transaction import CommitProperties
-
-        updates = {f"`{n}`": f"s.`{n}`" for n in chunk.schema.names if n != key}
-        merge = self._open().merge(
-            chunk,
-            f"t.`{key}` = s.`{key}`",
-            source_alias="s",
-            target_alias="t",
-            merge_schema=True,
-            commit_properties=CommitProperties(custom_metadata=props),
-        )
-        merge.when_matched_update(updates).execute()
-        return 1
-
-
-def _open_table(where: TableLocation, store: OutputStore) -> _LanceTable | _DeltaTable:
-    """The table at ``where``, by what its root holds (``_delta_log/``: Delta, ``_versions/``: Lance)."""
+def _open_table(store: OutputStore) -> Any:
+    """The table at ``store`` (:func:`~dask_surge.io.tables.detect_output`), if its format merges a column
+    (:attr:`~dask_surge.io.tables.Output.merges_columns`); else an error naming what is there."""
     root = store.root
-    if store.exists(f"{root}/_delta_log"):
-        return _DeltaTable(where)
-    if store.exists(f"{root}/_versions"):
-        return _LanceTable(where)
+    fmt = detect_output(store)
+    if output_class(fmt).merges_columns:
+        return open_output(fmt, store)
+    able = [name for name in FORMATS if output_class(name).merges_columns]
+    names = store.listdir(root) if store.isdir(root) else []
     if not store.exists(root):
         what = "nothing is there"
     elif not store.isdir(root):
         what = "it is a file"
-    elif store.exists(f"{root}/metadata"):
-        what = "it looks like an Iceberg table (metadata/), which backfill does not write"
+    elif fmt != "parquet" or detect(names):
+        what = f"it is a table of format {detect(names) or fmt!r}, which backfill does not write"
     else:
-        names = store.listdir(root)
         what = (
             f"a directory holding {names[:5]}{' ...' if len(names) > 5 else ''}"
             if names
             else "an empty directory"
         )
+    markers = " or ".join(f"{output_class(f).MARKER}/ ({f})" for f in able)
     raise SurgeInputError(
-        f"{where.url!r} is not a Lance or Delta table: {what}. Fix: pass the root of a Lance table "
-        "(holding _versions/) or of a Delta table (holding _delta_log/)."
+        f"{store.location!r} is not a table backfill writes ({', '.join(able)}): {what}. Fix: pass the root "
+        f"of such a table (holding {markers})."
     )
 
 
@@ -243,22 +139,20 @@ def _check_keys(keys: pa.ChunkedArray, key: str, url: str) -> None:
         )
 
 
-def _check_vectors(
-    table: _LanceTable | _DeltaTable, schema: pa.Schema, column: str, got: pa.FixedSizeListType, url: str
-) -> None:
+def _check_vectors(table: Any, schema: pa.Schema, column: str, got: pa.FixedSizeListType, url: str) -> None:
     """Refuse vectors of type ``got`` that the table cannot hold, or its existing ``column`` cannot."""
     value, dim = got.value_type, got.list_size
     if not table.holds(value):
         name = {"halffloat": "float16"}.get(str(value), str(value))
         raise SurgeInputError(
-            f"the model gives {name} vectors, and a {table.format} table has no {name} type. Nothing was "
+            f"the model gives {name} vectors, and a {table.name.capitalize()} table has no {name} type. Nothing was "
             f"written to {url!r}. Fix: pass precision='float32' (or 'int8' where it applies), or backfill a "
             "Lance table."
         )
     if column not in schema.names:
         return
     kind = schema.field(column).type
-    have_value, have_dim = table.shape(column, kind)
+    have_value, have_dim = table.vector_shape(column, kind)
     if have_value != value or have_dim not in (None, dim):
         shape = f" holding vectors of dimension {have_dim}" if have_dim is not None else ""
         raise SurgeInputError(
@@ -352,9 +246,9 @@ def backfill(
         raise SurgeValueError(f"chunk_rows={chunk_rows!r}: rows per table version. Fix: pass an int >= 1.")
     store = OutputStore.open(table, storage_options)
     where = TableLocation.of(store)
-    target = _open_table(where, store)
+    target = _open_table(store)
     url, hash_col = where.url, f"{column}_text_hash"
-    schema = target.schema()
+    schema = target.dataset().schema
     _check_columns(schema, text, key, url)
     identity = embedding_identity_for(**options)
     name = EMBEDDING_PROPERTY + column
@@ -368,7 +262,7 @@ def backfill(
                 "rebuild=True to re-encode every row with these, or another column=."
             )
     have = column in schema.names and hash_col in schema.names
-    scan = target.scan([key, text, *([hash_col] if have else [])])
+    scan = target.dataset().to_table(columns=[key, text, *([hash_col] if have else [])])
     _check_keys(scan.column(key), key, url)
     texts = scan.column(text)
     valid = np.flatnonzero(np.asarray(texts.is_valid()))  # a row without a text has nothing to embed
@@ -408,7 +302,7 @@ def backfill(
             }
         )
         meta = {BACKFILL_PROPERTY: json.dumps({**props, "chunk": n, "rows": len(rows)}, sort_keys=True)}
-        versions += target.write(chunk, key, meta)
+        versions += target.merge_chunk(chunk, key, meta)
     if (
         record and column in schema.names
     ):  # nothing to encode: the column (of an earlier build) gets its record

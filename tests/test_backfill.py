@@ -167,11 +167,15 @@ def test_delta_refuses_float16_vectors(tmp_path):
 def test_backfill_refuses_what_is_not_a_lance_or_delta_table(tmp_path):
     import pandas as pd
 
-    with pytest.raises(SurgeInputError, match=r"is not a Lance or Delta table: nothing is there"):
+    with pytest.raises(
+        SurgeInputError, match=r"is not a table backfill writes \(lance, delta\): nothing is there"
+    ):
         _run(tmp_path / "nowhere")
     pd.DataFrame({"id": [1], "text": ["a"]}).to_parquet(tmp_path / "part-0.parquet")
     with pytest.raises(
-        SurgeInputError, match=r"a directory holding \['part-0.parquet'\]. Fix: pass the root of a Lance"
+        SurgeInputError,
+        match=r"a directory holding \['part-0.parquet'\]. Fix: pass the root of such a table \(holding "
+        r"_versions/ \(lance\) or _delta_log/ \(delta\)\)",
     ):
         _run(tmp_path)
 

@@ -340,6 +340,49 @@ class DeltaOutput(TableOutput):
         found = self.dataset().to_table(columns=[*on, *columns], filter=wanted).to_pandas()
         return keys.merge(found, on=on, how="inner")
 
+    # -- a column merged into the table (dask_surge.backfill) -------------------------------------
+
+    def vector_shape(self, column: str, kind: pa.DataType) -> tuple[pa.DataType | None, int | None]:
+        """``(value type, dimension)`` of the vectors ``column`` (of type ``kind``) holds: Delta has no
+        fixed-size list, so the dimension is the first vector's length (None: no vector yet)."""
+        import pyarrow.compute as pc
+
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)):
+            return None, None
+        first = self.dataset().head(1, columns=[column], filter=pc.field(column).is_valid())
+        return kind.value_type, (len(first.column(0)[0]) if first.num_rows else None)
+
+    def holds(self, kind: pa.DataType) -> bool:
+        """True: Delta stores vectors of ``kind`` as they are (it has no float16 and no unsigned type)."""
+        return not (pa.types.is_float16(kind) or pa.types.is_unsigned_integer(kind))
+
+    def recorded(self, name: str) -> str | None:
+        """The table property ``name`` (None: not set)."""
+        dt = self._open()
+        return None if dt is None else dt.metadata().configuration.get(name)
+
+    def record(self, name: str, value: str) -> int:
+        """Set the table property ``name`` (one commit, ``SET TBLPROPERTIES``)."""
+        self._open().alter.set_table_properties({name: value}, raise_if_not_exists=False)
+        return 1
+
+    def merge_chunk(self, chunk: pa.Table, key: str, props: dict[str, str]) -> int:
+        """One ``MERGE`` on ``key`` that updates ``chunk``'s columns (added by schema evolution when
+        missing, in the same commit), with ``props`` in its commit info. Returns the versions made."""
+        from deltalake.transaction import CommitProperties
+
+        updates = {f"`{n}`": f"s.`{n}`" for n in chunk.schema.names if n != key}
+        merge = self._open().merge(
+            chunk,
+            f"t.`{key}` = s.`{key}`",
+            source_alias="s",
+            target_alias="t",
+            merge_schema=True,
+            commit_properties=CommitProperties(custom_metadata=props),
+        )
+        merge.when_matched_update(updates).execute()
+        return 1
+
     def read(self) -> pa.Table:
         """Every committed row (the latest version)."""
         dt = self._open()

@@ -344,6 +344,42 @@ class LanceTable(TableOutput):
         found = self.dataset().to_table(columns=[*on, *columns]).to_pandas()
         return keys.merge(found, on=on, how="inner")
 
+    # -- a column merged into the table (dask_surge.backfill) -------------------------------------
+
+    def vector_shape(self, column: str, kind: pa.DataType) -> tuple[pa.DataType | None, int | None]:
+        """``(value type, dimension)`` of the vectors ``column`` (of type ``kind``) holds; a Lance
+        vector column is a fixed-size list (anything else: ``(None, None)``)."""
+        return (kind.value_type, kind.list_size) if pa.types.is_fixed_size_list(kind) else (None, None)
+
+    def holds(self, kind: pa.DataType) -> bool:
+        """True: Lance stores vectors of ``kind`` as they are."""
+        return True
+
+    def recorded(self, name: str) -> str | None:
+        """The table's config value ``name`` (None: not set)."""
+        return self.dataset().config().get(name)
+
+    def record(self, name: str, value: str) -> int:
+        """Set the table's config value ``name`` (one version)."""
+        self.dataset().update_config({name: value})
+        return 1
+
+    def merge_chunk(self, chunk: pa.Table, key: str, props: dict[str, str]) -> int:
+        """Add ``chunk``'s columns when missing (one version), then merge it on ``key`` (one version whose
+        transaction properties hold ``props``). Returns the versions made."""
+        import dataclasses
+
+        lance = require("lance")
+        ds = self.dataset()
+        missing = [f for f in chunk.schema if f.name not in ds.schema.names]
+        if missing:
+            ds.add_columns(missing)
+            ds = self.dataset()
+        txn, _ = ds.merge_insert(key).when_matched_update_all().execute_uncommitted(chunk)
+        txn = dataclasses.replace(txn, transaction_properties={**(txn.transaction_properties or {}), **props})
+        lance.LanceDataset.commit(self.location.uri, txn, storage_options=self.location.options)
+        return 1 + bool(missing)
+
     # -- the table's own vector index ----------------------------------------------------------
 
     def build_native_index(self, metric: str) -> dict:
