@@ -8,7 +8,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, get_overloads, overload
+from typing import TYPE_CHECKING, Any, Literal, get_overloads, overload
 
 import numpy as np
 import pandas as pd
@@ -32,10 +32,10 @@ from .io.hashing import text_hashes
 from .io.index import index_for
 from .io.layout import reserved_columns
 from .io.precision import check_precision, check_truncate_dim
-from .io.readers import read_embeddings, skipped_rows
+from .io.readers import frame_of, skipped_rows
 from .io.reuse import ReuseIndex, embedding_identity
 from .io.store import OutputStore
-from .io.tables import open_output, output_class, require
+from .io.tables import detect_output, open_output, output_class, require
 from .io.verify import table_format, table_summary
 from .models.encoders import Encoder
 from .options import EncodeOptions, PlanOptions, document, options_of, signature
@@ -763,3 +763,66 @@ def _derive_from_options() -> None:
 
 
 _derive_from_options()
+
+
+def read_embeddings(
+    path: str,
+    *,
+    partition: int | None = None,
+    columns: Any = None,
+    storage_options: dict | None = None,
+    backend: Literal["pandas", "cudf"] = "pandas",
+):
+    """Read the rows of an output as a Dask DataFrame, whatever its format.
+
+    A Parquet output's committed part files only (files no commit record names are never read:
+    :func:`dask_surge.io.readers.read_embeddings`); a table output's rows as its latest version
+    holds them, read through the table's own library (:meth:`~dask_surge.io.tables.Output.read`),
+    sorted by ``(partition, row)``.
+
+    Parameters
+    ----------
+    path : str
+        The output of :func:`encode` (a directory, or a table's location).
+    partition : int, optional
+        Only this input partition's rows, or None for every row.
+    columns : sequence of str, optional
+        The columns to read, or None for all of them.
+    storage_options : dict, optional
+        fsspec options of an object store, or None for a local path.
+    backend : {"pandas", "cudf"}
+        ``"cudf"`` returns a dask-cuDF DataFrame (needs RAPIDS).
+
+    Examples
+    --------
+    >>> import tempfile, pandas as pd, dask.dataframe as dd
+    >>> from dask_surge.testing import checksum_model
+    >>> out = tempfile.mkdtemp()
+    >>> ddf = dd.from_pandas(pd.DataFrame({"text": ["a", "b"]}), npartitions=1)
+    >>> _ = encode(ddf, "text", output=out, model=checksum_model, scheduler="sync", progress=False)
+    >>> read_embeddings(out, columns=["row"]).compute().row.tolist()
+    [0, 1]
+    """
+    import dask.dataframe as dd
+
+    store = OutputStore.open(path, storage_options)
+    fmt = detect_output(store)
+    if not output_class(fmt).batched:
+        return readers.read_embeddings(
+            path, partition=partition, columns=columns, storage_options=storage_options, backend=backend
+        )
+    table = open_output(fmt, store).read()
+    if partition is not None:
+        import pyarrow.compute as pc
+
+        table = table.filter(pc.equal(table.column("partition"), partition))
+    if columns:
+        table = table.select(list(columns))
+    frame = frame_of(table)
+    if {"partition", "row"} <= set(frame.columns):
+        frame = frame.sort_values(["partition", "row"], ignore_index=True)
+    import dask
+
+    with dask.config.set({"dataframe.convert-string": False}):  # text_hash stays bytes, as for part files
+        out = dd.from_pandas(frame, npartitions=max(1, -(-len(frame) // 100_000)), sort=False)
+    return out.to_backend("cudf") if backend == "cudf" else out
