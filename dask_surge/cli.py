@@ -22,6 +22,8 @@ from .execution.preflight import say_in_process, small_files
 from .execution.reach import not_a_scheduler
 from .families import DENSE
 from .io.layout import FAMILY_COLUMNS, PARTITION, ROW
+from .io.store import OutputStore
+from .io.tables import open_output
 from .io.verify import repair, verify
 from .models.modelid import directory_digest
 from .models.resolve import packaged_dir
@@ -407,22 +409,34 @@ def cmd_status(args) -> int:
     }
     with given(named):
         info = _status(args)
+        table = info.get("table") or {}
+        if table and "error" not in table and not table.get("versions"):
+            table.update(_not_found(args.output, table["format"]))
     print(json.dumps(info, indent=2, default=str) if args.json else format_status(info))
-    table = info.get("table") or {}
     if "error" in table:  # what it says of the run stands; that the table cannot be read is an error
+        why = " ".join(str(table["error"]).split())
         raise SurgeValueError(
-            f"the {table['format']} table of {args.output!r} could not be read: "
-            + " ".join(str(table["error"]).split())
-            + ("" if table["format"] != "iceberg" or "Fix:" in str(table["error"]) else _NAME_THE_CATALOG)
+            f"the {table['format']} table of {args.output!r} could not be read: {why}"
+            + (_NAME_THE_CATALOG if table["format"] == "iceberg" and "iceberg_catalog='" not in why else "")
         )
     return 0 if info["state"] == "complete" and not info.get("problems") else 1
 
 
 #: how ``status`` is told where an Iceberg output's table is
 _NAME_THE_CATALOG = (
-    ". Fix: name the catalog and table as the encode did, --iceberg-catalog NAME and --iceberg-table "
-    "NAMESPACE.NAME (or surge.iceberg-catalog and surge.iceberg-table)."
+    " (status reads it through the catalog and identifier the encode named: pass them as "
+    "--iceberg-catalog NAME and --iceberg-table NAMESPACE.NAME)"
 )
+
+
+def _not_found(output: str, fmt: str) -> dict:
+    """``{"error": ...}`` when ``output`` holds a ``fmt`` table its library does not find there (an Iceberg
+    table that the catalog, as named, does not hold); else nothing (no table yet)."""
+    try:
+        open_output(fmt, OutputStore.open(output)).exists()
+    except (SurgeError, OSError) as err:
+        return {"error": str(err)}
+    return {}
 
 
 def _status(args) -> dict:

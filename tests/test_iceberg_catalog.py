@@ -213,6 +213,9 @@ def test_the_command_line_flags_and_the_status_exit_code(tmp_path, prod, tiny_mo
     assert main(["status", out]) == 2
     err = capsys.readouterr().err
     assert "--iceberg-catalog" in err and "Traceback" not in err
+    # the catalog without the identifier: the table at the path is not the one it names, an error too
+    assert main(["status", out, "--iceberg-catalog", "prod"]) == 2
+    assert "'default.emb'" in capsys.readouterr().err
     assert main(["status", out, "--iceberg-catalog", "prod", "--iceberg-table", "search.docs"]) == 0
     assert "100 rows" in capsys.readouterr().out
 
