@@ -162,6 +162,10 @@ def test_a_catalog_object_in_the_config_is_one_line_before_any_worker(tmp_path, 
         _encode(tmp_path / "emb.iceberg", scheduler=None)  # would start a process cluster
     text = _one_line(err)
     assert "surge.iceberg-catalog" in text and "iceberg_catalog=" in text
+    with dask.config.set({"surge.iceberg-catalog": catalog}), pytest.raises(SurgeValueError) as err:
+        _encode(tmp_path / "emb.iceberg", scheduler=None, iceberg_catalog=catalog)  # the config still ships
+    assert "surge.iceberg-catalog" in _one_line(err)
+    assert not (tmp_path / "emb.iceberg").exists()
 
 
 def test_a_catalog_for_another_format_is_refused(tmp_path, prod):

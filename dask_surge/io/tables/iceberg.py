@@ -194,6 +194,7 @@ def named_catalog(options: Mapping[str, Any]) -> Iterator[None]:
     from ...config import check_argument, get, given
 
     catalog, identifier = options.get("iceberg_catalog"), options.get("iceberg_table")
+    configured = get("iceberg-catalog")  # always: a Catalog object there would break any cluster's start
     catalog = check_argument("iceberg_catalog", catalog)
     identifier = check_argument("iceberg_table", identifier)
     fmt = options.get("format") or dask.config.get("surge.format", None)
@@ -208,7 +209,7 @@ def named_catalog(options: Mapping[str, Any]) -> Iterator[None]:
             )
         yield
         return
-    load_catalog(get("iceberg-catalog") if catalog is None else catalog)  # fails here, in one line
+    load_catalog(configured if catalog is None else catalog)  # fails here, in one line
     with given({"iceberg-catalog": catalog, "iceberg-table": identifier}):
         yield
 
