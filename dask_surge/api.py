@@ -35,7 +35,7 @@ from .io.precision import check_precision, check_truncate_dim
 from .io.readers import frame_of, skipped_rows
 from .io.reuse import ReuseIndex, embedding_identity
 from .io.store import OutputStore
-from .io.tables import detect_output, open_output, output_class, require
+from .io.tables import detect_output, named_catalog, open_output, output_class, require
 from .io.verify import table_format, table_summary
 from .models.encoders import Encoder
 from .options import EncodeOptions, PlanOptions, document, options_of, signature
@@ -452,8 +452,6 @@ def encode(ddf: Any, column: str, output: str | None = None, **options: Unpack[E
     >>> out.compute()[["partition", "row"]].values.tolist()
     [[0, 0], [0, 1], [1, 0]]
     """
-    from .io.tables.iceberg import named_catalog
-
     with named_catalog(options):  # the Iceberg catalog it names (a Catalog object too), in this thread only
         return _encode(ddf, column, output, **options)
 

@@ -74,7 +74,7 @@ def _open_table(store: OutputStore) -> Any:
         what = "nothing is there"
     elif not store.isdir(root):
         what = "it is a file"
-    elif fmt != "parquet" or detect(names):
+    elif output_class(fmt).batched or detect(names):
         what = f"it is a table of format {detect(names) or fmt!r}, which backfill does not write"
     else:
         what = (

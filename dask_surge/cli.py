@@ -23,7 +23,7 @@ from .execution.reach import not_a_scheduler
 from .families import DENSE
 from .io.layout import FAMILY_COLUMNS, PARTITION, ROW
 from .io.store import OutputStore
-from .io.tables import open_output
+from .io.tables import open_output, output_class
 from .io.verify import repair, verify
 from .models.modelid import directory_digest
 from .models.resolve import packaged_dir
@@ -417,7 +417,11 @@ def cmd_status(args) -> int:
         why = " ".join(str(table["error"]).split())
         raise SurgeValueError(
             f"the {table['format']} table of {args.output!r} could not be read: {why}"
-            + (_NAME_THE_CATALOG if table["format"] == "iceberg" and "iceberg_catalog='" not in why else "")
+            + (
+                _NAME_THE_CATALOG
+                if output_class(table["format"]).catalogued and "iceberg_catalog='" not in why
+                else ""
+            )
         )
     return 0 if info["state"] == "complete" and not info.get("problems") else 1
 

@@ -502,8 +502,8 @@ class EncodeResult:
         if not i:
             return ""
         how = "built" if i.get("built", True) else "already up to date, kept"
-        if i.get("kind") == "lance":
-            what = f"the Lance table's own {i.get('index_type', 'vector')} index"
+        if i.get("kind") != "faiss":  # the table format's own index
+            what = f"the {str(i.get('kind')).capitalize()} table's own {i.get('index_type', 'vector')} index"
         else:
             what = f"a FAISS {i.get('index', 'HNSW')} index at {i.get('path')}"
         return (

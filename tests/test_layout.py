@@ -383,6 +383,58 @@ def test_the_kind_check_can_fail():
     )
 
 
+#: the values of ``format=`` (an output's format): asked only inside the output package (``io/tables/``)
+_FORMAT_NAMES = frozenset({"parquet", "lance", "delta", "iceberg", "pgvector"})
+#: comparisons with a format name that are not about an output's format: the CLI's *input* formats
+#: (``--format parquet|csv|json``), which share the word "parquet"
+_INPUT_FORMAT_CHECKS = frozenset({("cli.py", "fmt == 'parquet'"), ("cli.py", "fmt != 'parquet'")})
+
+
+def _format_branches(source: str) -> list[tuple[int, str]]:
+    """``(line, expression)`` of every comparison of something with an output format's name (``fmt ==
+    "delta"``, ``kind in ("lance", ...)``) and every mapping keyed by two or more of them, in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            named = any(isinstance(c, ast.Constant) and c.value in _FORMAT_NAMES for c in sides) or any(
+                isinstance(c, ast.Tuple | ast.Set | ast.List)
+                and any(isinstance(e, ast.Constant) and e.value in _FORMAT_NAMES for e in c.elts)
+                for c in sides
+            )
+            if named:
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Dict):
+            keys = {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+            if len(keys & _FORMAT_NAMES) >= 2:
+                found.append((node.lineno, "a mapping keyed by format names"))
+    return found
+
+
+def test_nothing_outside_the_output_package_asks_which_format_an_output_is():
+    """issue 68: Parquet was the case ``table is None`` and the format of an output was detected three
+    times with three rules; now every format is a class of ``dask_surge/io/tables/`` and what differs is
+    what the classes declare (``batched``, ``native_index``, ``merges_columns``...)."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = str(path.relative_to(PACKAGE))
+        if rel.startswith("io/tables/"):
+            continue
+        found += [
+            f"{rel}:{line}: {expr}"
+            for line, expr in _format_branches(path.read_text())
+            if (rel, expr) not in _INPUT_FORMAT_CHECKS
+        ]
+    assert found == []
+
+
+def test_the_format_check_can_fail():
+    assert _format_branches('if fmt == "delta":\n    pass\n') == [(1, "fmt == 'delta'")]
+    assert _format_branches('x = kind in ("lance", "iceberg")\n') == [(1, "kind in ('lance', 'iceberg')")]
+    assert _format_branches('m = {"lance": 1, "delta": 2}\n') == [(1, "a mapping keyed by format names")]
+    assert _format_branches('if fmt == "csv":\n    pass\n') == []
+
+
 def _private_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
     """Every private name one module of ``sources`` (module name -> its source and whether it is a package's
     ``__init__``) takes from another: ``from X import _name`` and ``X._name``, X a module of ``sources``.

@@ -257,7 +257,7 @@ def table_summary(store: OutputStore, fmt: str, run_id: str) -> dict:
         return out
     out.update(
         versions=len(versions),
-        version=(versions[-1][0] - (fmt == "delta"))
+        version=table.library_version(versions[-1][0])
         if versions
         else None,  # as the table's library numbers it
         rows=versions[-1][2] if versions else 0,
@@ -315,7 +315,7 @@ def table_problems(manifest: Manifest, fmt: str) -> list[str]:
         if len(holders) > 1:  # the rows the table holds now are counted below: say only what the history says
             problems.append(
                 f"SuperBatch {sb} of run {manifest.run_id} is committed by {len(holders)} versions of {where} "
-                f"({', '.join(_version(fmt, v) for v in holders)}; a commit of a process whose claim was taken "
+                f"({', '.join(table.describe_version(v) for v in holders)}; a commit of a process whose claim was taken "
                 "over, by a dask-surge before the fenced commits). Fix: rerun the same encode call: its start "
                 "repairs the table (the second copy's rows are removed, and the repair is recorded in the "
                 "table's history)."
@@ -341,7 +341,7 @@ def table_problems(manifest: Manifest, fmt: str) -> list[str]:
         else:
             who = f"dask-surge run {run}" if run else "another writer"
             problems.append(
-                f"{_version(fmt, version)} of {where} ({op}, by {who}) came after this run's commits and may "
+                f"{table.describe_version(version)} of {where} ({op}, by {who}) came after this run's commits and may "
                 "have removed or changed its rows. Fix: if that change was meant, the table is as that writer "
                 f"left it; else restore the table to the one before it with the {fmt} library."
             )
@@ -354,7 +354,7 @@ def table_problems(manifest: Manifest, fmt: str) -> list[str]:
             + (f" and other writers' versions added {foreign_rows:,}" if foreign_rows else "")
             + f": {abs(diff):,} {'more' if diff > 0 else 'fewer'} than expected"
             + (
-                f" (its versions before {_version(fmt, cut)} were cleaned up, so rows other writers added then "
+                f" (its versions before {table.describe_version(cut)} were cleaned up, so rows other writers added then "
                 "are not known, "
                 f"nor which of the run's {len(missing)} SuperBatch(es) not in a version listed now they held)"
                 if cut is not None
@@ -365,22 +365,6 @@ def table_problems(manifest: Manifest, fmt: str) -> list[str]:
         )
     problems += _file_problems(table, where, fmt)
     return problems
-
-
-def _version(fmt: str, version: int) -> str:
-    """A table version as the table's own library numbers it (``version`` as :mod:`.tables` counts:
-    Delta's shifted by one, Iceberg's a snapshot's sequence number).
-
-    Examples
-    --------
-    >>> _version("lance", 3), _version("delta", 3), _version("iceberg", 3)
-    ('version 3', 'version 2', 'the snapshot of sequence number 3')
-    """
-    if fmt == "delta":
-        return f"version {version - 1}"
-    if fmt == "iceberg":
-        return f"the snapshot of sequence number {version}"
-    return f"version {version}"
 
 
 def _rows_of(rec: CommitRecord | None) -> str:
@@ -413,13 +397,10 @@ def _file_problems(table: Any, where: str, fmt: str) -> list[str]:
                 f"{full}: {int(actual):,} bytes, but {where} records {size:,} (the file was changed or "
                 "truncated). Fix: restore the file from a backup, or encode to a new path."
             )
-    if fmt == "lance" and not problems:
-        ds = table._open()
-        try:
-            ds.validate()
-        except (OSError, ValueError, RuntimeError) as err:
-            problems.append(
-                f"{where} fails Lance's own check (LanceDataset.validate: {err}). Fix: restore the table to a "
-                "good version with lance (LanceDataset.restore), or encode to a new path."
-            )
+    if not problems:  # the table library's own check, where it has one
+        problems += [
+            f"{where}: {found}. Fix: restore the table to a good version with the {fmt} library, or encode to "
+            "a new path."
+            for found in table.validate()
+        ]
     return problems

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...errors import SurgeValueError
+from ..manifest import current_run
 from ..store import OutputStore
 from .base import (
     FENCE_PROPERTY,
@@ -30,7 +32,7 @@ from .base import (
     require,
 )
 from .delta import DeltaOutput
-from .iceberg import IcebergTable
+from .iceberg import IcebergTable, named_catalog
 from .lance import LanceTable
 from .parquet import ParquetOutput
 
@@ -51,6 +53,7 @@ __all__ = [
     "detect",
     "detect_output",
     "table_class",
+    "named_catalog",
 ]
 
 #: format -> its class: the registry (``format=`` takes these names)
@@ -70,8 +73,6 @@ def output_class(fmt: str) -> Any:
     >>> output_class("delta").__name__, output_class("parquet").batched
     ('DeltaOutput', False)
     """
-    from ...errors import SurgeValueError
-
     try:
         return _CLASSES[fmt]
     except KeyError:
@@ -82,8 +83,6 @@ def output_class(fmt: str) -> Any:
 
 def table_class(fmt: str) -> Any:
     """The class of the ``fmt`` table output (:func:`output_class` of a batched format)."""
-    from ...errors import SurgeValueError
-
     cls = output_class(fmt)
     if not cls.batched:
         raise SurgeValueError(f"format={fmt!r} is not a table format. Fix: choose one of {TABLE_FORMATS}.")
@@ -111,8 +110,6 @@ def detect_output(store: OutputStore, records: Any = None) -> str:
     >>> detect_output(OutputStore.open(tempfile.mkdtemp()))
     'parquet'
     """
-    from ..manifest import current_run
-
     if records is None:
         manifest = current_run(store) if store.isdir(store.root) else None
         records = manifest.committed().values() if manifest is not None else ()

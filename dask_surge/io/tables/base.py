@@ -10,7 +10,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ...errors import SurgeError, SurgeOutputError
+from ...errors import SurgeError, SurgeOutputError, SurgeValueError
+from .locations import TableLocation
 
 __all__ = [
     "FORMATS",
@@ -132,12 +133,12 @@ class Output(ABC):
     precisions: ClassVar[frozenset[str]] = frozenset({"float32", "float16", "int8", "binary"})
     #: the module the format needs (an optional dependency; None: none)
     LIBRARY: ClassVar[str | None] = None
+    #: the output is found through a catalog, not by its location alone (Iceberg)
+    catalogued: ClassVar[bool] = False
 
     @classmethod
     def at(cls, store: Any) -> Output:
         """The output of this format in ``store`` (an :class:`~dask_surge.io.store.OutputStore`)."""
-        from .locations import TableLocation
-
         return cls(TableLocation.of(store))  # type: ignore[call-arg]
 
     @classmethod
@@ -158,8 +159,6 @@ class Output(ABC):
         ...
         dask_surge.errors.SurgeValueError: format='delta' cannot hold precision='float16' vectors ...
         """
-        from ...errors import SurgeValueError
-
         if output is None and cls.batched:
             raise SurgeValueError(
                 f"format={cls.name!r} writes a table at output=...; output=None returns a lazy frame. Fix: pass "
@@ -257,6 +256,20 @@ class TableOutput(Output):
     @abstractmethod
     def data_files(self) -> list[tuple[str, int | None]]:
         """``(path, size)`` of every data file the latest version references."""
+
+    def library_version(self, version: int) -> int:
+        """``version`` (as :meth:`history` counts, 0 meaning no table) as the table's own library
+        numbers it."""
+        return version
+
+    def describe_version(self, version: int) -> str:
+        """``version`` in the words of the table's own library (for messages)."""
+        return f"version {self.library_version(version)}"
+
+    def validate(self) -> list[str]:
+        """What the table's library finds wrong with the latest version, one line each (empty: all good,
+        or the library has no check)."""
+        return []
 
 
 class CommitConflict(SurgeOutputError):

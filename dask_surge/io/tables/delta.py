@@ -198,6 +198,10 @@ class DeltaOutput(TableOutput):
         adds = _actions(dt)
         return [(str(p), int(n)) for p, n in zip(adds["path"], adds["size_bytes"], strict=True)]
 
+    def library_version(self, version: int) -> int:
+        """Delta numbers its versions from 0 (this module from 1, 0 meaning no table)."""
+        return version - 1
+
     def check_schema(self, payload: str) -> None:
         """Refuse ``payload``'s rows when their column names differ from the table's."""
         dt = self._open()

@@ -51,6 +51,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ...config import check_argument, get, given
 from ...errors import SurgeOutputError, SurgeValueError
 from .base import (
     FENCE_PROPERTY,
@@ -191,8 +192,6 @@ def named_catalog(options: Mapping[str, Any]) -> Iterator[None]:
     an error."""
     import dask
 
-    from ...config import check_argument, get, given
-
     catalog, identifier = options.get("iceberg_catalog"), options.get("iceberg_table")
     configured = get("iceberg-catalog")  # always: a Catalog object there would break any cluster's start
     catalog = check_argument("iceberg_catalog", catalog)
@@ -230,6 +229,7 @@ class IcebergTable(TableOutput):
     name = "iceberg"
     #: the entry of a directory that says a table of this format is there
     LIBRARY = "pyiceberg"
+    catalogued = True
     precisions = frozenset({"float32", "int8", "binary"})  # Iceberg has no float16
     MARKER = "metadata"
     #: what the format's own directory holds (a new output may hold these and ``_surge/`` only)
@@ -252,8 +252,6 @@ class IcebergTable(TableOutput):
     def at(cls, store: Any) -> IcebergTable:
         """The table at ``store``'s location, in the catalog ``surge.iceberg-catalog`` names, under the
         identifier ``surge.iceberg-table`` (None: derived from the path)."""
-        from ...config import get
-
         return cls(TableLocation.of(store), get("iceberg-catalog"), get("iceberg-table"))
 
     def __repr__(self) -> str:
@@ -373,6 +371,10 @@ class IcebergTable(TableOutput):
                 out.note_foreign()
                 out.foreign.append((version, op, str(props.get(RUN_PROPERTY) or "")))
         return out
+
+    def describe_version(self, version: int) -> str:
+        """An Iceberg version is a snapshot's sequence number."""
+        return f"the snapshot of sequence number {version}"
 
     def check_schema(self, payload: str) -> None:
         """Refuse ``payload``'s rows when their column names differ from the table's."""

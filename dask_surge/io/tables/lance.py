@@ -196,6 +196,14 @@ class LanceTable(TableOutput):
             for d in frag.data_files()
         ]
 
+    def validate(self) -> list[str]:
+        """``LanceDataset.validate``'s finding on the latest version (empty: none)."""
+        try:
+            self.dataset().validate()
+        except (OSError, ValueError, RuntimeError) as err:
+            return [f"Lance's own check of {self.location.url!r} fails: {err}"]
+        return []
+
     def check_schema(self, payload: str) -> None:
         """Refuse ``payload``'s rows when their columns differ from the table's."""
         ds = self._open()

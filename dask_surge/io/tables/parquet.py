@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..manifest import current_run
+from ..readers import read_embeddings
 from ..store import OutputStore
 from .base import Output
 
@@ -61,8 +62,6 @@ class ParquetOutput(Output):
         return None
 
     def _frame(self, **kw: Any) -> Any:
-        from ..readers import read_embeddings
-
         return read_embeddings(self.store.location, storage_options=self.store.storage_options or None, **kw)
 
     def columns(self) -> list[str]:
