@@ -1,5 +1,10 @@
 """PostgreSQL + pgvector table output: workers stage rows, the claim holder moves them in one transaction.
 
+Not yet a ``format=`` of :func:`dask_surge.encode` (issue 69): the class keeps the
+:class:`~.base.TableOutput` protocol and is tested against a real server
+(``tests/test_pgvector.py``); the registry takes it once a database output has a place for its
+manifest and its options (``table=``).
+
 A SuperBatch task COPYs its rows (binary COPY, vectors through pgvector's own adapter) into an
 UNLOGGED staging table ``<table>__surge_staging`` beside the output table, under a random staging
 key, in a transaction of its own (:meth:`PgVectorTable.write`): no reader of the output table sees
