@@ -19,6 +19,12 @@ def _ast_depth_bug() -> bool:
 
 
 def pytest_configure(config):
+    # registered here, beside the suite that uses it (pyproject.toml lists the markers of the legs users run)
+    config.addinivalue_line(
+        "markers",
+        "under_load: the outcome hangs on timing (clusters, worker deaths, timeouts, the real probe): "
+        ".ci/run runs these again while a CPU burner keeps every core busy",
+    )
     # On those interpreters pytest's long tracebacks, which parse each frame's source with ast,
     # can crash the report of a failure with "INTERNALERROR ... SystemError: AST constructor
     # recursion depth mismatch" (pytest-dev/pytest#10874, #11724; seen here under hypothesis).

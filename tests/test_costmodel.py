@@ -231,6 +231,7 @@ def test_params_json_round_trip():
         CostParams.from_dict({**d, "bogus": 1})
 
 
+@pytest.mark.under_load
 def test_calibrate_in_process_smoke(tiny_model, tmp_path, monkeypatch):
     """The real probe on a real model. Its timings are real, so on a saturated machine it may
     legitimately fall back (tests below drive that logic with a fake clock): then it must say
@@ -345,6 +346,7 @@ def test_fit_encode_curve_refuses_noise_with_a_fix():
         fit_encode_curve(rows, [30.0 * r for r in rows], [1] * 6, secs[::-1])
 
 
+@pytest.mark.under_load
 def test_calibrate_on_a_cluster_runs_every_probe_path(tiny_model, tmp_path, monkeypatch, client):
     """The Dask half of the probe (per-partition calls, null encoder, SuperBatch runs) on a real
     2-process cluster: it builds and times its lazy SuperBatch graphs (a regression: it once

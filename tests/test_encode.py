@@ -109,6 +109,7 @@ def test_upstream_tasks_run_once_when_superbatches_share_a_partition():
     assert df["row"].tolist() == [r for n in sizes for r in range(n)]
 
 
+@pytest.mark.under_load
 def test_encode_fuses_over_a_persisted_frame(client):
     ddf = make_partitioned_frame([4, 1, 6, 2], seed=5).persist()
     out = ddf.surge.encode(
@@ -246,6 +247,7 @@ def test_memory_filesystem(counting_encoder):
     assert sorted(zip(back.partition, back.row)) == [(0, 0), (0, 1)] + [(1, r) for r in range(5)] + [(2, 0)]
 
 
+@pytest.mark.under_load
 def test_distributed_cluster_end_to_end(tmp_path, tiny_model, client):
     sizes = [30, 1, 0, 12, 7, 80, 2]
     ddf = make_partitioned_frame(sizes, seed=5)
@@ -275,6 +277,7 @@ def test_distributed_cluster_end_to_end(tmp_path, tiny_model, client):
     assert all(k <= i + 1 for i, k in enumerate(units)), units
 
 
+@pytest.mark.under_load
 def test_a_client_passed_as_scheduler_need_not_be_the_current_one(tmp_path, tiny_model, _session_client):
     """``scheduler=client`` with no current client (``Client(..., set_as_default=False)``, a second
     cluster beside the default one): the run follows that client's futures on its own loop
@@ -301,6 +304,7 @@ def test_a_client_passed_as_scheduler_need_not_be_the_current_one(tmp_path, tiny
     assert back.doc_id.tolist() == list(range(sum(sizes)))
 
 
+@pytest.mark.under_load
 def test_lazy_compute_gives_the_scheduler_superbatch_priorities():
     """compute() of the lazy result keeps the SuperBatch priorities (plan order first): Dask
     reads annotations from the top expression only, and its gather step used to hide them,
@@ -339,6 +343,7 @@ def test_lazy_compute_gives_the_scheduler_superbatch_priorities():
     assert [got[k] for k in range(len(plan))] == [-(len(plan) - k) for k in range(len(plan))]
 
 
+@pytest.mark.under_load
 def test_in_memory_model_ships_through_plugin(client, counting_encoder):
     ddf = make_partitioned_frame([3, 2, 4])
     df = ddf.surge.encode("text", model=counting_encoder, b_min=4, b_max=8).compute()
