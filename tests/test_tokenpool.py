@@ -131,7 +131,9 @@ def test_packed_windows_are_the_same(hf_tokenizer, monkeypatch):
 @pytest.mark.parametrize("name", ["packaged", "tiny"])
 def test_embeddings_are_identical_with_the_pool_on_and_off(models, name):
     model = models[name]
-    texts = texts_for(150, seed=2)
+    # the packaged MiniLM on 50 texts (and the edge cases, some over its window): 150 took 36 s of the default
+    # suite on 2 shared cores (issue 70) for the same check; the tiny model keeps all 150
+    texts = texts_for(150 if name == "tiny" else 50, seed=2)
     for prompt in ("", "query: "):
         engine = TransformerEngine.from_sentence_transformer(model, prompt=prompt)
         assert engine is not None
