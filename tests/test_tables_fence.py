@@ -42,6 +42,21 @@ pytest.importorskip("pyiceberg")
 SLEEP = 0.01
 
 
+def _run(out, fmt: str, **kw):
+    return numbered_frame(TABLE_ROWS, TABLE_PARTITIONS).surge.encode(
+        "text",
+        output=str(out),
+        format=fmt,
+        model=SleepyModel(SLEEP),
+        keep=["doc_id"],
+        b_min=50,
+        b_max=100,
+        scheduler="threads",
+        progress=False,
+        **kw,
+    )
+
+
 def _age_claim(out) -> None:
     """What a pause past the claim's lifetime does: no heartbeat since long ago."""
     store = OutputStore.open(str(out))
@@ -115,17 +130,7 @@ def test_a_paused_claim_holder_commits_nothing_after_a_takeover(tmp_path, monkey
         dask.config.set({"surge.table-commit-every": 2, "surge.table-commit-seconds": 3600}),
         pytest.raises(SurgeOutputError, match="taken over by another process"),
     ):
-        numbered_frame(TABLE_ROWS, TABLE_PARTITIONS).surge.encode(
-            "text",
-            output=str(out),
-            format=fmt,
-            model=SleepyModel(SLEEP),
-            keep=["doc_id"],
-            b_min=50,
-            b_max=100,
-            scheduler="threads",
-            progress=False,
-        )
+        _run(out, fmt)
     assert b["rc"] == 0, b["err"][-3000:]
     assert f"rows {TABLE_ROWS}" in b["out"]  # B's result is true
     ids, held = _rows_and_versions(fmt, out, catalog)
@@ -133,36 +138,11 @@ def test_a_paused_claim_holder_commits_nothing_after_a_takeover(tmp_path, monkey
     flat = [sb for sbs in held for sb in sbs]
     assert len(flat) == len(set(flat))  # every SuperBatch in one version
     monkeypatch.undo()
-    again = numbered_frame(TABLE_ROWS, TABLE_PARTITIONS).surge.encode(
-        "text",
-        output=str(out),
-        format=fmt,
-        model=SleepyModel(SLEEP),
-        keep=["doc_id"],
-        b_min=50,
-        b_max=100,
-        scheduler="threads",
-        progress=False,
-    )
+    again = _run(out, fmt)
     assert again.rows == TABLE_ROWS
 
 
 # -- a table an earlier build left with a SuperBatch twice (or replaced) is repaired by a rerun ------------
-
-
-def _run(out, fmt: str, **kw):
-    return numbered_frame(TABLE_ROWS, TABLE_PARTITIONS).surge.encode(
-        "text",
-        output=str(out),
-        format=fmt,
-        model=SleepyModel(SLEEP),
-        keep=["doc_id"],
-        b_min=50,
-        b_max=100,
-        scheduler="threads",
-        progress=False,
-        **kw,
-    )
 
 
 def _first_payload(res) -> tuple[str, str]:
@@ -282,7 +262,14 @@ def test_the_refusal_of_another_run_in_a_table_names_a_fix_the_run_accepts(tmp_p
     out = tmp_path / "t.lance"
     _run(out, "lance")
     other = numbered_frame(200, 4, offset=TABLE_ROWS)
-    kw = dict(output=str(out), format="lance", model=SleepyModel(SLEEP), keep=["doc_id"], b_min=50, b_max=100)
+    kw = {
+        "output": str(out),
+        "format": "lance",
+        "model": SleepyModel(SLEEP),
+        "keep": ["doc_id"],
+        "b_min": 50,
+        "b_max": 100,
+    }
     with pytest.raises(SurgeOutputError, match=r"different run.*Fix: .*mode='append'") as err:
         other.surge.encode("text", scheduler="threads", progress=False, **kw)
     assert "overwrite=True" not in str(err.value)

@@ -26,6 +26,9 @@ __all__ = [
     "TableOutput",
     "require",
     "variable_lists",
+    "write_data_file",
+    "schema_text",
+    "schema_of",
 ]
 
 #: every value of ``format=``; all but ``"parquet"`` are table formats
@@ -304,6 +307,53 @@ def variable_lists(data: Any) -> Any:
             column = column.cast(pa.list_(column.type.value_field))
         columns.append(column)
     return pa.Table.from_arrays(columns, names=data.column_names)
+
+
+def schema_text(schema: Any) -> str:
+    """An Arrow schema as the text a payload carries (its IPC bytes, base64).
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> schema_of(schema_text(pa.schema([("row", pa.int64())]))).names
+    ['row']
+    """
+    import base64
+
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def schema_of(text: str) -> Any:
+    """The Arrow schema of :func:`schema_text`'s ``text``."""
+    import base64
+
+    import pyarrow as pa
+
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
+def write_data_file(location: Any, data: Any, rel: str) -> str:
+    """Write ``data`` (a ``pyarrow.Table``) as one Parquet file at ``rel`` below the table ``location``
+    (a :class:`~.locations.TableLocation`), its vectors as the lists a Delta or Iceberg schema declares
+    (:func:`variable_lists`): one atomic write (one PUT on an object store), referenced by nothing until
+    a commit names it. Returns the payload its commit record carries (JSON: ``path``, ``size``, ``rows``
+    and the Arrow ``schema``)."""
+    import io
+    import json
+
+    import pyarrow.parquet as pq
+
+    data = variable_lists(data)
+    buf = io.BytesIO()
+    pq.write_table(data, buf, compression="zstd")
+    blob = buf.getvalue()
+    store = location.store()
+    store.makedirs(f"{store.root}/{rel.rsplit('/', 1)[0]}")
+    store.write(f"{store.root}/{rel}", blob)
+    return json.dumps(
+        {"path": rel, "size": len(blob), "rows": data.num_rows, "schema": schema_text(data.schema)},
+        sort_keys=True,
+    )
 
 
 @dataclass

@@ -25,8 +25,6 @@ Table versions are reported shifted by one (Delta's version 0 is this module's 1
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import time
 import uuid
@@ -34,7 +32,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ...errors import SurgeOutputError
 from .base import (
@@ -46,7 +43,8 @@ from .base import (
     History,
     TableOutput,
     require,
-    variable_lists,
+    schema_of,
+    write_data_file,
 )
 from .locations import TableLocation
 
@@ -68,14 +66,6 @@ _KEEPS_ROWS = frozenset(
 )
 
 
-def _schema_text(schema: pa.Schema) -> str:
-    return base64.b64encode(schema.serialize().to_pybytes()).decode()
-
-
-def _schema_of(text: str) -> pa.Schema:
-    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
-
-
 class DeltaOutput(TableOutput):
     """One Delta table as a dask-surge output (picklable: workers write through it).
 
@@ -86,10 +76,10 @@ class DeltaOutput(TableOutput):
     """
 
     name = "delta"
-    #: the entry of a directory that says a table of this format is there
     LIBRARY = "deltalake"
     merges_columns = True
     precisions = frozenset({"float32", "int8", "binary"})  # Delta has no float16
+    #: the entry of a directory that says a table of this format is there
     MARKER = "_delta_log"
     #: what the format's own directory holds (a new output may hold these and ``_surge/`` only)
     ENTRIES = frozenset({"_delta_log", DATA_DIR})
@@ -128,20 +118,7 @@ class DeltaOutput(TableOutput):
         """Write ``data`` as one Parquet file under ``surge-data/``, not committed; returns the payload
         (JSON: its path relative to the table, size, rows and the Arrow schema)."""
         require("deltalake")
-        data = variable_lists(data)  # the type the table's schema declares for a vector
-        buf = io.BytesIO()
-        pq.write_table(data, buf, compression="zstd")
-        blob = buf.getvalue()
-        rel = f"{DATA_DIR}/{uuid.uuid4().hex}.parquet"
-        store = self.location.store()
-        store.makedirs(f"{store.root}/{DATA_DIR}")
-        store.write(
-            f"{store.root}/{rel}", blob
-        )  # atomic (one PUT on a store); unreferenced until a commit names it
-        return json.dumps(
-            {"path": rel, "size": len(blob), "rows": data.num_rows, "schema": _schema_text(data.schema)},
-            sort_keys=True,
-        )
+        return write_data_file(self.location, data, f"{DATA_DIR}/{uuid.uuid4().hex}.parquet")
 
     # -- the claim holder's side -------------------------------------------------------------------
 
@@ -207,7 +184,7 @@ class DeltaOutput(TableOutput):
         dt = self._open()
         if dt is None:
             return
-        mine = [f.name for f in _schema_of(json.loads(payload)["schema"])]
+        mine = [f.name for f in schema_of(json.loads(payload)["schema"])]
         table = [f.name for f in dt.schema().fields]
         if mine != table:
             raise SurgeOutputError(
@@ -273,7 +250,7 @@ class DeltaOutput(TableOutput):
         try:
             deltalake.DeltaTable.create(
                 self.location.uri,
-                _schema_of(json.loads(payload)["schema"]),
+                schema_of(json.loads(payload)["schema"]),
                 mode="error",  # exclusive: the log's first entry is written only if absent
                 storage_options=self.location.options,
                 commit_properties=CommitProperties(
@@ -315,7 +292,7 @@ class DeltaOutput(TableOutput):
         from deltalake.transaction import AddAction
 
         payloads = [json.loads(p) for _, p in batch]
-        schema = _schema_of(payloads[0]["schema"])
+        schema = schema_of(payloads[0]["schema"])
         now = int(time.time() * 1000)
         adds = [
             AddAction(p["path"], int(p["size"]), {}, now, True, json.dumps({"numRecords": int(p["rows"])}))

@@ -39,9 +39,7 @@ knows the table is not its own. Iceberg has no fixed-size list: ``embedding`` is
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import io
 import json
 import re
 import uuid
@@ -49,7 +47,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from ...config import check_argument, get, given
 from ...errors import SurgeOutputError, SurgeValueError
@@ -62,7 +59,8 @@ from .base import (
     History,
     TableOutput,
     require,
-    variable_lists,
+    schema_of,
+    write_data_file,
 )
 from .locations import TableLocation
 
@@ -81,14 +79,6 @@ _FILEIO_KEYS = {
     "aws_endpoint": "s3.endpoint",
     "aws_region": "s3.region",
 }
-
-
-def _schema_text(schema: pa.Schema) -> str:
-    return base64.b64encode(schema.serialize().to_pybytes()).decode()
-
-
-def _schema_of(text: str) -> pa.Schema:
-    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
 
 
 def _plain(uri: str) -> str:
@@ -227,10 +217,10 @@ class IcebergTable(TableOutput):
     """
 
     name = "iceberg"
-    #: the entry of a directory that says a table of this format is there
     LIBRARY = "pyiceberg"
     catalogued = True
     precisions = frozenset({"float32", "int8", "binary"})  # Iceberg has no float16
+    #: the entry of a directory that says a table of this format is there
     MARKER = "metadata"
     #: what the format's own directory holds (a new output may hold these and ``_surge/`` only)
     ENTRIES = frozenset({"metadata", DATA_DIR})
@@ -326,18 +316,7 @@ class IcebergTable(TableOutput):
         """Write ``data`` as one Parquet file under ``data/``, not committed; returns the payload
         (JSON: its path relative to the table, size, rows and the Arrow schema)."""
         require("pyiceberg")
-        data = variable_lists(data)  # the type the table's schema declares for a vector
-        buf = io.BytesIO()
-        pq.write_table(data, buf, compression="zstd")
-        blob = buf.getvalue()
-        rel = f"{DATA_DIR}/surge-{uuid.uuid4().hex}.parquet"
-        store = self.location.store()
-        store.makedirs(f"{store.root}/{DATA_DIR}")
-        store.write(f"{store.root}/{rel}", blob)  # one PUT on a store; unreferenced until a commit names it
-        return json.dumps(
-            {"path": rel, "size": len(blob), "rows": data.num_rows, "schema": _schema_text(data.schema)},
-            sort_keys=True,
-        )
+        return write_data_file(self.location, data, f"{DATA_DIR}/surge-{uuid.uuid4().hex}.parquet")
 
     # -- the claim holder's side -------------------------------------------------------------------
 
@@ -381,7 +360,7 @@ class IcebergTable(TableOutput):
         table = self._open()
         if table is None:
             return
-        mine = [f.name for f in _schema_of(json.loads(payload)["schema"])]
+        mine = [f.name for f in schema_of(json.loads(payload)["schema"])]
         theirs = [f.name for f in table.schema().fields]
         if mine != theirs:
             raise SurgeOutputError(
@@ -447,7 +426,7 @@ class IcebergTable(TableOutput):
         catalog = self.catalog()
         table = self._open(catalog)
         if table is None:
-            table = self._create(catalog, run_id, _schema_of(json.loads(payload)["schema"]))
+            table = self._create(catalog, run_id, schema_of(json.loads(payload)["schema"]))
         props = {RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: "[]", FENCE_PROPERTY: token}
         return self._append(table, read_version, [], props)
 

@@ -19,7 +19,6 @@ prepared before another process took its claim over is refused by Lance itself
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 from collections.abc import Sequence
@@ -37,6 +36,8 @@ from .base import (
     History,
     TableOutput,
     require,
+    schema_of,
+    schema_text,
 )
 from .locations import TableLocation
 
@@ -44,14 +45,6 @@ __all__ = ["LanceTable", "KEEPS_ROWS", "lance_index_params"]
 
 #: operations of another writer that leave every committed row in place (a run goes on after them)
 KEEPS_ROWS = frozenset({"Append", "CreateIndex", "Rewrite", "UpdateConfig", "UpdateMap"})
-
-
-def _schema_bytes(schema: pa.Schema) -> str:
-    return base64.b64encode(schema.serialize().to_pybytes()).decode()
-
-
-def _schema_of(text: str) -> pa.Schema:
-    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
 
 
 class LanceTable(TableOutput):
@@ -64,10 +57,10 @@ class LanceTable(TableOutput):
     """
 
     name = "lance"
-    #: the entry of a directory that says a table of this format is there
     LIBRARY = "lance"
     native_index = True
     merges_columns = True
+    #: the entry of a directory that says a table of this format is there
     MARKER = "_versions"
     #: what the format's own directory holds (a new output may hold these and ``_surge/`` only)
     ENTRIES = frozenset({"data", "_versions", "_transactions", "_indices", "_deletions", "_refs"})
@@ -130,7 +123,7 @@ class LanceTable(TableOutput):
                 "only runs with the same columns (keep=, model, precision), or write to a new table."
             ) from err
         return json.dumps(
-            {"fragments": [f.to_json() for f in fragments], "schema": _schema_bytes(data.schema)},
+            {"fragments": [f.to_json() for f in fragments], "schema": schema_text(data.schema)},
             sort_keys=True,
         )
 
@@ -209,7 +202,7 @@ class LanceTable(TableOutput):
         ds = self._open()
         if ds is None:
             return
-        ours = _schema_of(json.loads(payload)["schema"])
+        ours = schema_of(json.loads(payload)["schema"])
         theirs = ds.schema
         mine = [(f.name, f.type) for f in ours]
         table = [(f.name, f.type) for f in theirs]
@@ -231,7 +224,7 @@ class LanceTable(TableOutput):
         props = {RUN_PROPERTY: run_id, SUPERBATCHES_PROPERTY: "[]", FENCE_PROPERTY: token}
         try:
             if read_version == 0:
-                schema = _schema_of(json.loads(payload)["schema"])
+                schema = schema_of(json.loads(payload)["schema"])
                 ds = lance.write_dataset(
                     schema.empty_table(),
                     self.location.uri,

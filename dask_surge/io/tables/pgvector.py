@@ -48,7 +48,6 @@ cosine ``<=>`` (1 - cosine similarity), l2 ``<->`` (the Euclidean distance, not 
 
 from __future__ import annotations
 
-import base64
 import importlib
 import json
 import os
@@ -65,7 +64,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ...errors import SurgeError, SurgeOutputError, SurgeValueError
-from .base import CommitConflict, History
+from .base import CommitConflict, History, schema_of, schema_text
 
 __all__ = [
     "PgVectorTable",
@@ -238,16 +237,8 @@ def _columns(schema: pa.Schema, dim: int | None = None) -> list[_Column]:
     return out
 
 
-def _schema_text(schema: pa.Schema) -> str:
-    return base64.b64encode(schema.serialize().to_pybytes()).decode()
-
-
-def _schema_of(text: str) -> pa.Schema:
-    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
-
-
 def _payload_columns(payload: dict) -> list[_Column]:
-    return _columns(_schema_of(payload["schema"]), payload.get("dim"))
+    return _columns(schema_of(payload["schema"]), payload.get("dim"))
 
 
 def _embedding_rows(column: pa.ChunkedArray | pa.Array, kind: str) -> list[Any]:
@@ -615,7 +606,7 @@ class PgVectorTable:
                     f"({self._scrub(err)}). Nothing was written. Fix: pgvector stores no NaN or infinity: "
                     "check the model's output (float16 overflows past 65504: pass precision='float32')."
                 ) from None
-        payload = {"key": key, "rows": data.num_rows, "schema": _schema_text(data.schema)}
+        payload = {"key": key, "rows": data.num_rows, "schema": schema_text(data.schema)}
         if dim is not None:
             payload["dim"] = dim
         return json.dumps(payload, sort_keys=True)
@@ -788,7 +779,7 @@ class PgVectorTable:
                     if self._regclass(conn, self.location.schema, t):
                         raise CommitConflict(f"a table was created at {self.location.url!r} meanwhile")
                     facts = json.loads(payload)
-                    schema = _schema_of(facts["schema"])
+                    schema = schema_of(facts["schema"])
                     columns = _columns(schema, facts.get("dim"))
                     for table in (n["versions"], n["commits"], n["tables"]):  # a dropped table's records
                         conn.execute(sql.SQL("DELETE FROM {} WHERE tbl = %s").format(table), (t,))
@@ -901,7 +892,7 @@ class PgVectorTable:
                     sql.SQL("SELECT arrow_schema FROM {} WHERE tbl = %s").format(self._names(sql)["tables"]),
                     (self.location.table,),
                 ).fetchone()
-                stored = _schema_of(row[0]) if row and row[0] else None
+                stored = schema_of(row[0]) if row and row[0] else None
             have = [c for c, _ in self._columns_now(conn, self.location.table)]
             order = [c for c in ("partition", "row") if c in have]
             query = sql.SQL("SELECT {} FROM {}").format(
