@@ -448,9 +448,10 @@ def test_kill_a_family_run_then_resume_to_the_same_rows(
     "which",
     [
         # slow leg (issue 70): 150-200 s of the default suite on 2 shared cores, where the multi-vector case
-        # takes 10-15 s through the same family-framed probe (_FamilyRows, SuperBatchTask.rows). Not
-        # profiled; the likely cost is the Dask probe's I/O-only runs, whose null model writes dense rows of
-        # the sparse model's dimension (30,522 float32: 2,048 rows x 4 partitions, about 1 GB a round)
+        # takes 10-15 s through the same family-framed probe (_FamilyRows, SuperBatchTask.rows). Part of the
+        # cost is the Dask probe's I/O-only runs, whose null model returns dense rows of the sparse model's
+        # width (30,522 float32 x 2,048 rows x 4 partitions, about 1 GB a round): with those runs cut to 64
+        # rows (calibrate._IO_ROWS, tried once) this case still took 66 s here
         pytest.param("sparse", marks=pytest.mark.slow),
         "multivector",
     ],
