@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import importlib.util
 import json
 import os
 import signal
@@ -70,6 +71,12 @@ def _shape(kind: pa.DataType) -> tuple:
     """A vector type as ``(fixed-size?, value type, dimension)``, whatever its item field is named."""
     fixed = pa.types.is_fixed_size_list(kind)
     return fixed, kind.value_type, kind.list_size if fixed else None
+
+
+def _needs(*modules: str) -> pytest.MarkDecorator:
+    """Skip a format's tests where its library is not installed (before its shared run is made)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}")
 
 
 @pytest.fixture(scope="module")
@@ -178,8 +185,8 @@ class OutputContract:
         assert len(sbs) == len(set(sbs)), sbs
         return df
 
-    def needs(self, clause: str) -> None:
-        if clause == "table" and not self.table:
+    def needs_table(self) -> None:
+        if not self.table:
             pytest.skip(f"{self.fmt} commits part files, not table versions")
 
     def drive(self, out, kill_after: int = 0, **kw) -> subprocess.CompletedProcess:
@@ -254,7 +261,7 @@ class OutputContract:
     def test_killed_right_after_a_commit_a_rerun_never_commits_twice(self, tmp_path, reference):
         """The process dies between a table commit and anything it would record after it: a run after its
         second commit (a batch), then its rerun after its first; a third run completes it."""
-        self.needs("table")
+        self.needs_table()
         out = self.path(tmp_path)
         for k, before in ((2, 0), (1, 2)):
             killed = self.drive(out, k)
@@ -278,7 +285,7 @@ class OutputContract:
         assert np.array_equal(_vectors(self.check_once(out)), _vectors(reference))
 
     def test_another_writers_append_during_the_run_is_merged(self, tmp_path, monkeypatch):
-        self.needs("table")
+        self.needs_table()
         out = self.path(tmp_path)
         after_first_table_commit(
             monkeypatch, self.fmt, lambda _: self.append(out, self.arrow(out).slice(0, 5))
@@ -292,7 +299,7 @@ class OutputContract:
         assert len(sbs) == len(set(sbs))
 
     def test_another_writers_delete_during_the_run_stops_it(self, tmp_path, monkeypatch):
-        self.needs("table")
+        self.needs_table()
         out = self.path(tmp_path)
         after_first_table_commit(monkeypatch, self.fmt, lambda _: self.delete(out, "row = 0"))
         changed = rf"was changed by another writer .*{self.delete_word}"
@@ -575,16 +582,13 @@ class TestParquet(OutputContract):
 
 
 class TestLance(OutputContract):
+    pytestmark = _needs("lance")
     fmt = "lance"
     module = extra = "lance"
     backfills = True
     native_index = True
     vector_type = pa.list_(pa.float32(), 2)
     delete_word = "Delete"
-
-    @pytest.fixture(autouse=True)
-    def _lance(self):
-        pytest.importorskip("lance")
 
     def _ds(self, out):
         import lance
@@ -640,15 +644,12 @@ class TestLance(OutputContract):
 
 
 class TestDelta(OutputContract):
+    pytestmark = _needs("deltalake")
     fmt = "delta"
     module, extra = "deltalake", "delta"
     backfills = True
     holds_float16 = False
     delete_word = "DELETE"
-
-    @pytest.fixture(autouse=True)
-    def _deltalake(self):
-        pytest.importorskip("deltalake")
 
     def _dt(self, out, options=None):
         import deltalake
@@ -735,6 +736,8 @@ class TestIceberg(OutputContract):
     """Through pyiceberg's SQL catalog on SQLite: the catalog of an output is the one beside it (the
     test's ``iceberg_catalog``, or the shared run's own); the table is ``default.<name>``."""
 
+    pytestmark = _needs("pyiceberg", "sqlalchemy")
+
     fmt = "iceberg"
     module, extra = "pyiceberg", "iceberg"
     holds_float16 = False
@@ -743,10 +746,8 @@ class TestIceberg(OutputContract):
     _catalogs: ClassVar[dict[str, dict]] = {}
 
     @pytest.fixture(autouse=True)
-    def _catalog(self, request, tmp_path):
-        pytest.importorskip("pyiceberg")
-        pytest.importorskip("sqlalchemy")
-        request.getfixturevalue("iceberg_catalog")  # configured while the test runs
+    def _catalog(self, iceberg_catalog, tmp_path):
+        """The test's catalog (tests/conftest.py), configured while it runs, is its outputs' catalog."""
         self._catalogs[str(tmp_path)] = dict(dask.config.get("surge.iceberg-catalog"))
 
     @contextlib.contextmanager
