@@ -6,7 +6,7 @@ Also, in the default suite: a Lance output on loopback S3, killed right after a 
 
 The sweep is behind the ``slow`` marker; ``SURGE_SWEEP=reduced`` runs 3 trials per place (each kill
 target once; Iceberg on S3: one, killing the client and a worker), else 12. Iceberg runs through pyiceberg's SQL catalog on SQLite (one catalog per place; on
-S3 the table's files are on the loopback endpoint, the catalog local), as tests/test_tables_iceberg.py does.
+S3 the table's files are on the loopback endpoint, the catalog local), as tests/test_output_contract.py does.
 """
 
 from __future__ import annotations
