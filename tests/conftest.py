@@ -52,14 +52,74 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
-@pytest.fixture(scope="session")
-def _session_client():
-    """One real 2-process local cluster for the session, made current only by :func:`client`."""
-    from distributed import Client, LocalCluster
+class _SessionCluster:
+    """One real 2-process local cluster for the session, started when a test first asks for it.
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address="127.0.0.1:0") as cluster:
-        with Client(cluster, set_as_default=False) as c:
-            yield c
+    A test that leaves it without workers (every worker process gone and not restarted by its nanny
+    within a minute) would leave every later test that computes on it waiting for workers until
+    pytest-timeout ends it, 10 minutes each: the next test that asks gets a new cluster instead, and
+    the session's summary says so (:func:`pytest_terminal_summary`)."""
+
+    WORKERS = 2
+
+    def __init__(self) -> None:
+        self.cluster = None
+        self.client = None
+        self.replaced: list[str] = []
+
+    def get(self, asking: str):
+        from distributed import Client, LocalCluster
+
+        if self.client is not None and not self._has_workers():
+            self.replaced.append(asking)
+            self.close()
+        if self.client is None:
+            self.cluster = LocalCluster(
+                n_workers=self.WORKERS, threads_per_worker=1, dashboard_address="127.0.0.1:0"
+            )
+            self.client = Client(self.cluster, set_as_default=False)
+        return self.client
+
+    def _has_workers(self) -> bool:
+        if len(self.client.nthreads()) >= self.WORKERS:
+            return True
+        try:  # a worker the nanny is restarting (a test killed it on purpose) comes back
+            self.client.wait_for_workers(self.WORKERS, timeout=60)
+        except Exception:  # noqa: BLE001 - TimeoutError, or a scheduler that is gone too
+            return False
+        return True
+
+    def close(self) -> None:
+        for closing in (self.client, self.cluster):
+            if closing is not None:
+                try:
+                    closing.close()
+                except Exception:  # noqa: BLE001 - a broken cluster may not close cleanly
+                    pass
+        self.client = self.cluster = None
+
+
+_SESSION_CLUSTER = _SessionCluster()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _SESSION_CLUSTER.close()
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _SESSION_CLUSTER.replaced:
+        terminalreporter.write_line(
+            "the session's local cluster had lost its workers and was started again before: "
+            + ", ".join(_SESSION_CLUSTER.replaced),
+            yellow=True,
+        )
+
+
+@pytest.fixture
+def _session_client(request):
+    """The session's real 2-process local cluster (:class:`_SessionCluster`), made current only by
+    :func:`client`."""
+    return _SESSION_CLUSTER.get(request.node.nodeid)
 
 
 @pytest.fixture
