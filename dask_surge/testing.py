@@ -39,6 +39,7 @@ __all__ = [
     "table_class",
     "table_driver",
     "kill_after_table_commits",
+    "stop_at_table_commit",
     "kill_run",
     "after_first_table_commit",
     "CountingEncoder",
@@ -683,6 +684,28 @@ def kill_after_table_commits(fmt: str, k: int) -> None:
     table.commit = commit
 
 
+def stop_at_table_commit(fmt: str, step: str) -> None:
+    """A test hook: SIGSTOP this process (a pause, as a suspended job is paused) right before its first
+    table ``fence`` (``step="fence"``) or its ``k``-th ``commit`` (``step="commit-k"``), after printing
+    ``stopping`` (``step=""``: no hook). A SIGCONT lets it go on with what it prepared."""
+    import signal
+
+    if not step:
+        return
+    which, k = ("fence", 1) if step == "fence" else ("commit", int(step.rsplit("-", 1)[1]))
+    table = table_class(fmt)
+    real, calls = getattr(table, which), []
+
+    def paused(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == k:
+            print("stopping", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return real(self, *args, **kwargs)
+
+    setattr(table, which, paused)
+
+
 def after_first_table_commit(monkeypatch, fmt: str, action) -> list:
     """Run ``action(table)`` (the dask-surge table object) once, right after a run's first commit to a
     ``fmt`` table, through pytest's ``monkeypatch``; returns a list that then holds that commit's version."""
@@ -701,11 +724,15 @@ def after_first_table_commit(monkeypatch, fmt: str, action) -> list:
 
 
 _TABLE_DRIVER = """
-import contextlib, json, sys
+import contextlib, json, os, sys
 import dask
-from dask_surge.testing import SleepyModel, kill_after_table_commits, numbered_frame
+import dask_surge.io.lease
+from dask_surge.testing import SleepyModel, kill_after_table_commits, numbered_frame, stop_at_table_commit
 out, fmt, kill_after, options, catalog, sleep, n, parts = sys.argv[1:9]
 kill_after_table_commits(fmt, int(kill_after))
+stop_at_table_commit(fmt, os.environ.get("SURGE_TEST_STOP_AT", ""))
+if os.environ.get("SURGE_TEST_CLAIM_TTL"):  # a claim's lifetime, shortened so a test need not wait 60 s
+    dask_surge.io.lease.CLAIM_TTL_S = float(os.environ["SURGE_TEST_CLAIM_TTL"])
 ddf = numbered_frame(int(n), int(parts))
 catalog = json.loads(catalog)
 print("started", flush=True)

@@ -178,7 +178,10 @@ def test_lance_on_s3_killed_right_after_a_table_commit_resumes_exactly_once(plac
         timeout=300,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert len(_table(out, options).versions()) == 1
+    ds = _table(out, options)
+    props = [ds.read_transaction(v["version"]).transaction_properties or {} for v in ds.versions()]
+    held = [p for p in props if json.loads(p.get("dask-surge.superbatches") or "[]")]
+    assert len(held) == 1  # its fence (no SuperBatch), then the one commit it made before the kill
     done = subprocess.run(
         _driver(src, out, "threads", options), env=_env(), capture_output=True, text=True, timeout=300
     )
@@ -236,3 +239,89 @@ def test_kill_anything_anywhere_then_resume_a_table_output(places, place, fmt):
         )
         assert resumed.returncode == 0, (t, killed, resumed.stderr[-3000:])
         _check(out, options, reference, fmt, catalog)
+
+
+# -- paused, not killed: SIGSTOP of the claim holder at a step of a commit (issue 67) -------------------
+
+
+def _pause_and_take_over(src_out: str, fmt: str, step: str, options, catalog) -> tuple[str, str, str]:
+    """Run A until it stops itself (SIGSTOP) right before ``step``; let its claim go stale; run B (the same
+    call) to completion; SIGCONT A and let it go on. Returns A's stderr, B's stdout and B's stderr."""
+    from dask_surge.testing import table_driver
+
+    ttl = {**_env(), "SURGE_TEST_CLAIM_TTL": "2"}  # B judges a claim stale after 2 s without a heartbeat
+    a = subprocess.Popen(
+        table_driver(src_out, fmt, options=options, catalog=catalog, sleep=0.01),
+        env={**_env(), "SURGE_TEST_STOP_AT": step},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert a.stdout is not None
+        for line in a.stdout:
+            if line.startswith("stopping"):
+                break
+        else:
+            raise AssertionError(f"A never reached {step}: {a.stderr.read()[-3000:] if a.stderr else ''}")
+        time.sleep(0.5)  # A is stopped (SIGSTOP is delivered at once); its heartbeat with it
+        time.sleep(3)  # past B's claim lifetime
+        b = subprocess.run(
+            table_driver(src_out, fmt, options=options, catalog=catalog, sleep=0.01),
+            env=ttl,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        a.send_signal(signal.SIGCONT)
+    _, a_err = a.communicate(timeout=300)
+    return a_err, b.stdout, b.stderr
+
+
+def _rows_once(fmt: str, out: str, options, catalog) -> None:
+    from dask_surge.testing import TABLE_ROWS
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHECK,
+            fmt,
+            out,
+            json.dumps(object_store_options(out, options)),
+            json.dumps(catalog or {}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc_ids, _, sbs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(doc_ids) == list(range(TABLE_ROWS))  # every row once
+    assert len(sbs) == len(set(sbs))  # every SuperBatch in one version
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["lance", "delta", "iceberg"])
+@pytest.mark.parametrize("place", ["local", "s3"])
+def test_a_paused_claim_holder_commits_nothing_after_a_takeover(places, place, fmt):
+    """SIGSTOP of the claim holder right before its fence or its first or second commit, past its claim's
+    lifetime; a second process takes the claim over and completes the run; SIGCONT: the table refuses what
+    the first had prepared, it stops saying its claim was taken over, and every row is there once.
+    SURGE_SWEEP=reduced (CI): one step per format and place, else all three."""
+    if fmt == "iceberg":
+        pytest.importorskip("pyiceberg")
+        pytest.importorskip("sqlalchemy")
+    _, where, _, root = places
+    prefix, options = where[place]
+    catalog = _catalog(root, f"pause-{place}") if fmt == "iceberg" else None
+    steps = ["fence", "commit-1", "commit-2"]
+    if os.environ.get("SURGE_SWEEP") == "reduced":
+        steps = [steps[(["lance", "delta", "iceberg"].index(fmt) + (place == "s3")) % 3]]
+    for step in steps:
+        out = f"{prefix}/paused-{fmt}-{step}.{fmt}"
+        a_err, b_out, b_err = _pause_and_take_over(out, fmt, step, options, catalog)
+        assert "rows" in b_out, b_err[-3000:]  # B completed and said so
+        assert "taken over by another process" in a_err, a_err[-3000:]  # A's message is true
+        _rows_once(fmt, out, options, catalog)
