@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import SurgeValueError
+from ...errors import SurgeOutputError, SurgeValueError
 from ..manifest import current_run
 from ..store import OutputStore
 from .base import (
@@ -111,8 +111,11 @@ def detect_output(store: OutputStore, records: Any = None) -> str:
     'parquet'
     """
     if records is None:
-        manifest = current_run(store) if store.isdir(store.root) else None
-        records = manifest.committed().values() if manifest is not None else ()
+        try:
+            manifest = current_run(store) if store.isdir(store.root) else None
+            records = manifest.committed().values() if manifest is not None else ()
+        except SurgeOutputError:  # a damaged manifest: the root's markers decide (what reads it next says so)
+            records = ()
     for rec in records:
         if not rec.table:
             return "parquet"
