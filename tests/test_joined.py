@@ -121,9 +121,16 @@ def test_same_ids_as_one_text_at_a_time(texts, size, max_length, direction, fami
 
 
 def test_same_ids_on_real_text_in_default_groups():
-    from benchmarks._realtext import docstring_paragraphs
+    import importlib.util
+    from pathlib import Path
 
-    texts = docstring_paragraphs(3000)
+    # the real-text source the benchmarks share, loaded by its path (plain pytest puts no repo root on sys.path)
+    where = Path(__file__).resolve().parent.parent / "benchmarks" / "_realtext.py"
+    spec = importlib.util.spec_from_file_location("surge_realtext", where)
+    assert spec is not None and spec.loader is not None
+    realtext = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(realtext)
+    texts = realtext.docstring_paragraphs(3000)
     tok = minilm(256)
     joined = JoinedTokenizer.of(tok)
     assert joined is not None
