@@ -199,3 +199,11 @@ def parquet_reads(monkeypatch):
 
     monkeypatch.setattr(ParquetPartitions, "_tables", counted)
     return reads
+
+
+# Dask workers unpickle what a test module sends them (Client.run, map_partitions) by importing it, as
+# tests.<module>: the checkout's root on the path makes tests/ importable there (spawned worker processes
+# start with this process's sys.path), also under plain `pytest` as CI and the README run it
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.append(_ROOT)

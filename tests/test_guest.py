@@ -19,11 +19,6 @@ import pytest
 from dask_surge import Encoder
 from dask_surge.execution import plugins
 
-# the functions this module sends to workers (Client.run) travel by value: workers cannot import a test
-# module (plain `pytest`, as CI and the README run it, puts no tests/ on their path)
-cloudpickle = pytest.importorskip("cloudpickle")
-cloudpickle.register_pickle_by_value(__import__("sys").modules[__name__])
-
 
 def _state(dask_worker) -> dict:
     """What a run could change in a worker process, as seen from the worker (through ``Client.run``)."""
