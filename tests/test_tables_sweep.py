@@ -117,8 +117,9 @@ print(json.dumps([df.doc_id.tolist(), np.stack(df.embedding.to_numpy()).tolist()
 """
 
 
-def _check(out: str, options: dict | None, reference, fmt: str = "lance", catalog=None) -> None:
-    """Read the table in another process (deltalake holds the GIL while it waits on this process's server)."""
+def _read_back(out: str, options: dict | None, fmt: str, catalog) -> tuple[list, list, list]:
+    """``(doc ids, embeddings, SuperBatches named by the history)`` of the table, read in another process
+    (deltalake holds the GIL while it waits on this process's server)."""
     check = subprocess.run(
         [
             sys.executable,
@@ -134,7 +135,12 @@ def _check(out: str, options: dict | None, reference, fmt: str = "lance", catalo
         timeout=300,
     )
     assert check.returncode == 0, check.stderr[-3000:]
-    ids, embeddings, sbs = json.loads(check.stdout)
+    return json.loads(check.stdout.strip().splitlines()[-1])
+
+
+def _check(out: str, options: dict | None, reference, fmt: str = "lance", catalog=None) -> None:
+    """Every row once, with the reference's embeddings, and no SuperBatch twice in the table's history."""
+    ids, embeddings, sbs = _read_back(out, options, fmt, catalog)
     assert ids == reference.doc_id.tolist()  # every row exactly once
     np.testing.assert_array_equal(
         np.array(embeddings, dtype=np.float32), np.stack(reference.embedding.to_numpy())
@@ -282,22 +288,7 @@ def _pause_and_take_over(src_out: str, fmt: str, step: str, options, catalog) ->
 def _rows_once(fmt: str, out: str, options, catalog) -> None:
     from dask_surge.testing import TABLE_ROWS
 
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            CHECK,
-            fmt,
-            out,
-            json.dumps(object_store_options(out, options)),
-            json.dumps(catalog or {}),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    doc_ids, _, sbs = json.loads(done.stdout.strip().splitlines()[-1])
+    doc_ids, _, sbs = _read_back(out, options, fmt, catalog)
     assert sorted(doc_ids) == list(range(TABLE_ROWS))  # every row once
     assert len(sbs) == len(set(sbs))  # every SuperBatch in one version
 
