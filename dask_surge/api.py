@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_overloads, overload
 
@@ -34,8 +35,8 @@ from .io.layout import reserved_columns
 from .io.precision import check_precision, check_truncate_dim
 from .io.readers import frame_of, skipped_rows
 from .io.reuse import ReuseIndex, embedding_identity
-from .io.store import OutputStore
-from .io.tables import detect_output, named_catalog, open_output, output_class, require
+from .io.tables import detect_output, named_catalog, open_output, output_class, output_store, require
+from .io.tables.pgvector import is_address, secrets_plugin
 from .io.verify import table_format, table_summary
 from .models.encoders import Encoder
 from .options import EncodeOptions, PlanOptions, document, options_of, signature
@@ -87,10 +88,12 @@ def status(output: str, storage_options: dict | None = None) -> dict:
     >>> status("/nonexistent/path")["state"]
     'empty'
     """
-    info = readers.status(output, storage_options)
+    store = output_store(output, storage_options)  # a database's: its runs' state directory
+    info = readers.status(store.url(store.root) if is_address(output) else output, storage_options)
+    if is_address(output):
+        info["output"] = store.location
     if info["state"] == "empty":
         return info
-    store = OutputStore.open(output, storage_options)
     fmt = table_format(store)
     if fmt is not None:
         info["table"] = table_summary(store, fmt, info["run"])
@@ -508,7 +511,8 @@ def _encode(ddf: Any, column: str, output: str | None, **options: Any) -> Any:
         )
     # the output is resolved once, and what needs no worker is checked before any starts: where it can
     # live, that it is not inside (or around) the input, that it holds nothing dask-surge did not write
-    store = OutputStore.open(output, storage_options, writing=True)
+    # (a database's output is its table; the run's manifest is in a state directory of its own)
+    store = output_store(output, storage_options, fmt=out_format, table=options.get("table"), writing=True)
     check_output(store, inputs=input_files(frame), contents=not kind.batched)  # a table: its history decides
     starting = scheduler is None and _active_client() is None  # _client_for starts a local cluster
     with _planning_texts(column):
@@ -528,7 +532,13 @@ def _encode(ddf: Any, column: str, output: str | None, **options: Any) -> Any:
         scheduler, starting = "threads", False
     # the bar opens now: starting a cluster (workers importing torch) is the first thing a user waits for
     bar = RunProgress(enabled=progress, phase="starting workers" if starting else "planning")
-    with bar, logging_through(bar), _client_for(scheduler) as client, _registered(task.encoder, client):
+    with (
+        bar,
+        logging_through(bar),
+        _client_for(scheduler) as client,
+        _registered(task.encoder, client),
+        _secrets(table, client),
+    ):
         _open_reuse(task, run_id)
         shape = _shape_of(client)  # as the run starts: a calibration is refreshed only if it held
         result = write_run(
@@ -745,6 +755,25 @@ def _registered(encoder: Encoder, client) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _secrets(table: Any, client) -> Iterator[None]:
+    """While a run on ``client`` writes ``table``, its workers hold in memory the password its URI was
+    given with (:func:`~.io.tables.pgvector.secrets_plugin`; none: libpq's ``PGPASSWORD`` or
+    ``~/.pgpass`` serve each process, and nothing is registered). A local scheduler runs in this
+    process, which holds it already."""
+    plugin = secrets_plugin(table) if client is not None else None
+    if plugin is None:
+        yield
+        return
+    name = f"dask-surge-secrets-{uuid.uuid4().hex[:12]}"
+    client.register_plugin(plugin, name=name)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):  # a cluster that is gone holds nothing any more
+            client.unregister_worker_plugin(name)
+
+
 _DOC_TEMPLATES = {"encode": encode.__doc__, "plan": plan.__doc__}
 
 
@@ -803,7 +832,7 @@ def read_embeddings(
     """
     import dask.dataframe as dd
 
-    store = OutputStore.open(path, storage_options)
+    store = output_store(path, storage_options)  # a database's: its runs' state directory
     fmt = detect_output(store)
     if not output_class(fmt).batched:
         return readers.read_embeddings(

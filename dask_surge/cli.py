@@ -22,8 +22,7 @@ from .execution.preflight import say_in_process, small_files
 from .execution.reach import not_a_scheduler
 from .families import DENSE
 from .io.layout import FAMILY_COLUMNS, PARTITION, ROW
-from .io.store import OutputStore
-from .io.tables import open_output, output_class
+from .io.tables import open_output, output_class, output_store
 from .io.verify import repair, verify
 from .models.modelid import directory_digest
 from .models.resolve import packaged_dir
@@ -113,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         "encode is writing there), then show the status",
     )
     st.add_argument("--json", action="store_true", help="print the status as JSON (for scripts)")
-    for name in ("iceberg_catalog", "iceberg_table"):  # an Iceberg output's table is read through its catalog
+    # an Iceberg output's table is read through its catalog; a pgvector output's is named by --table
+    for name in ("iceberg_catalog", "iceberg_table", "table"):
         cli = option(name).cli
         assert cli is not None
         st.add_argument(
@@ -406,6 +406,7 @@ def cmd_status(args) -> int:
     named = {  # an Iceberg output's catalog and table, as the encode named them (else the config's)
         "iceberg-catalog": check_argument("iceberg_catalog", args.iceberg_catalog),
         "iceberg-table": check_argument("iceberg_table", args.iceberg_table),
+        "table": check_argument("table", args.table),  # a pgvector output's table (or the URI's #schema.name)
     }
     with given(named):
         info = _status(args)
@@ -437,7 +438,7 @@ def _not_found(output: str, fmt: str) -> dict:
     """``{"error": ...}`` when ``output`` holds a ``fmt`` table its library does not find there (an Iceberg
     table that the catalog, as named, does not hold); else nothing (no table yet)."""
     try:
-        open_output(fmt, OutputStore.open(output)).exists()
+        open_output(fmt, output_store(output)).exists()
     except (SurgeError, OSError) as err:
         return {"error": str(err)}
     return {}
@@ -446,11 +447,11 @@ def _not_found(output: str, fmt: str) -> dict:
 def _status(args) -> dict:
     """What ``status`` prints: :func:`dask_surge.status`, repaired and verified first where asked."""
     if args.repair:
-        for line in repair(args.output) or ["nothing to repair"]:
+        for line in repair(output_store(args.output)) or ["nothing to repair"]:
             print(f"repair: {line}", file=sys.stderr)
     info = status(args.output)
     if args.verify:
-        problems = verify(args.output)
+        problems = verify(output_store(args.output))
         info["verified"] = not problems
         info["problems"] = problems
     if info.get("model"):

@@ -113,7 +113,7 @@ Compression = Literal["none", "snappy", "lz4", "zstd"]
 #: per overlapping token window, or one row of the windows' token-weighted mean.
 LongTexts = Literal["truncate", "error", "chunk", "mean"]
 #: What a written encode writes: Parquet part files, or a table (:mod:`dask_surge.io.tables`).
-OutputFormat = Literal["parquet", "lance", "delta", "iceberg"]
+OutputFormat = Literal["parquet", "lance", "delta", "iceberg", "pgvector"]
 #: Whether a table output must be new (or this run's), or may be a table the run did not create.
 TableMode = Literal["create", "append"]
 #: The distance a searchable index of the output ranks by (``build_index``).
@@ -341,6 +341,32 @@ def iceberg_identifier(value: Any) -> Any:
     raise Invalid(
         "is not an Iceberg identifier: it needs a namespace, 'namespace.table'",
         "pass e.g. iceberg_table='default.embeddings', or None to derive 'default.<name>' from the output path",
+    )
+
+
+def sql_table(value: Any) -> Any:
+    """``table=``: a PostgreSQL table's name (``"name"`` or ``"schema.name"``), or None.
+
+    Examples
+    --------
+    >>> sql_table("search.docs"), sql_table(None)
+    ('search.docs', None)
+    """
+    if value is None or (isinstance(value, str) and value.strip() and "\x00" not in value):
+        return value
+    raise Invalid(
+        "is not a table name: it must be a non-empty str, 'name' or 'schema.name'",
+        "pass e.g. table='doc_embeddings' with format='pgvector'",
+    )
+
+
+def state_directory(value: Any) -> Any:
+    """``surge.pgvector-state``: a directory path (or fsspec URL), or None (the user's cache directory)."""
+    if value is None or (isinstance(value, str) and value.strip()):
+        return value
+    raise Invalid(
+        "is not a directory: it must be a path (shared by every process on a cluster) or null",
+        "set e.g. '/shared/dask-surge/pgvector', or null for ~/.cache/dask-surge/pgvector",
     )
 
 
@@ -1058,17 +1084,20 @@ OPTIONS: tuple[Option, ...] = (
     _opt(
         "format",
         OutputFormat | None,
-        '{"parquet", "lance", "delta", "iceberg"}, optional',
+        '{"parquet", "lance", "delta", "iceberg", "pgvector"}, optional',
         """
          What ``output`` is: ``"parquet"`` (a directory of part files and the manifest) or
          ``"lance"`` (a Lance table: workers write its data files, the calling process commits
          them in batches, each table version naming the run and its SuperBatches, so a resume
          never commits one twice; see the output formats in ``docs/output.md``), ``"delta"``
-         (a Delta Lake table, committed the same way) or ``"iceberg"`` (an Iceberg table at
-         ``output``, in the catalog ``iceberg_catalog`` names, as ``iceberg_table``).
-         Needs ``pip install "dask-surge[lance]"``, ``"dask-surge[delta]"`` or ``"dask-surge[iceberg]"``.""",
-        "output format: parquet (part files), lance (a Lance table), delta (a Delta Lake table) or iceberg "
-        "(an Iceberg table)",
+         (a Delta Lake table, committed the same way), ``"iceberg"`` (an Iceberg table at
+         ``output``, in the catalog ``iceberg_catalog`` names, as ``iceberg_table``) or
+         ``"pgvector"`` (the PostgreSQL table ``table`` in the database ``output``, a
+         ``postgresql://user@host:5432/db`` URI, each batch of SuperBatches committed in one
+         transaction). Needs ``pip install "dask-surge[lance]"``, ``"dask-surge[delta]"``,
+         ``"dask-surge[iceberg]"`` or ``"dask-surge[pgvector]"``.""",
+        "output format: parquet (part files), lance (a Lance table), delta (a Delta Lake table), iceberg "
+        "(an Iceberg table) or pgvector (a PostgreSQL table)",
         default="parquet",
         config="format",
         vocabulary=OutputFormat,
@@ -1140,6 +1169,24 @@ OPTIONS: tuple[Option, ...] = (
         identity=False,
         takers="encode",
         cli=Cli(metavar="NAMESPACE.NAME"),
+    ),
+    _opt(
+        "table",
+        str | None,
+        "str, optional",
+        """
+         ``format="pgvector"``: the table in the database ``output`` names, as pandas'
+         ``to_sql`` takes ``name``: ``"doc_embeddings"`` (schema ``public``) or
+         ``"schema.name"``; any characters (names are always quoted identifiers). The run's
+         manifest is kept in a state directory of its own (``surge.pgvector-state``).""",
+        "pgvector outputs: the table (name or schema.name) in the database --output names",
+        default=None,
+        config="table",
+        validator=sql_table,
+        schema={"oneOf": [{"type": "string", "pattern": r"\S"}, _NULL]},
+        identity=False,
+        takers="encode",
+        cli=Cli(metavar="NAME"),
     ),
     _opt(
         "build_index",
@@ -1348,6 +1395,22 @@ OPTIONS: tuple[Option, ...] = (
         schema={"type": "number", "exclusiveMinimum": 0},
     ),
     _opt(
+        "pgvector_state",
+        str | None,
+        "str, optional",
+        """
+         Where a pgvector output's run keeps its manifest, claim and heartbeat (a database table has
+         no directory beside it): one subdirectory per table, named by a hash of the server,
+         database, user and table. Can be a path (on a cluster: one every process sees, a shared
+         filesystem) or None for the user's cache directory (``~/.cache/dask-surge/pgvector``).""",
+        "pgvector outputs: the directory of their runs' manifests (shared by every process on a cluster); "
+        "null: ~/.cache/dask-surge/pgvector",
+        default=None,
+        config="pgvector-state",
+        validator=state_directory,
+        schema={"oneOf": [{"type": "string", "pattern": r"\S"}, _NULL]},
+    ),
+    _opt(
         "superbatches_per_gpu",
         int,
         "int",
@@ -1501,6 +1564,7 @@ class EncodeOptions(_ModelOptions, total=False):
     mode: TableMode
     iceberg_catalog: str | dict | Any | None
     iceberg_table: str | None
+    table: str | None
     build_index: bool | IndexMetric | None
     scheduler: Scheduler
     progress: bool | None

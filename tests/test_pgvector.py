@@ -7,10 +7,7 @@ directory) serves the module; each test writes its own table.
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import shutil
-import tempfile
 import threading
 import warnings
 from urllib.parse import quote
@@ -35,20 +32,9 @@ PASSWORD = "S3cr3t-p@ss/w:rd?x"
 
 
 @pytest.fixture(scope="module")
-def server():
-    # a directory of its own: pytest prunes old basetemp directories, also while another session's
-    # server still runs in one
-    root = tempfile.mkdtemp(prefix="dask-surge-pgvector-")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            srv = pgserver.get_server(os.path.join(root, "data"), cleanup_mode="stop")
-        with psycopg.connect(srv.get_uri(), autocommit=True) as conn:
-            conn.execute("CREATE EXTENSION IF NOT EXISTS vector")
-        yield srv
-        srv.cleanup()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def server(pg_server):
+    """The session's server (tests/conftest.py)."""
+    return pg_server
 
 
 @pytest.fixture
@@ -342,7 +328,8 @@ def test_redact_uri_drops_every_form_of_password():
         assert "S3cr3t" not in shown and "alice" in shown and "db" in shown, shown
 
 
-def test_the_password_never_appears_in_payloads_or_messages(server, uri):
+def _password_role(server, uri) -> str:
+    """The URI (password in it) of role ``surge_pw``, which must give its password, owner of schema ``pw``."""
     _sql(
         uri,
         "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'surge_pw') THEN "
@@ -355,7 +342,12 @@ def test_the_password_never_appears_in_payloads_or_messages(server, uri):
         hba.write_text("local all surge_pw scram-sha-256\n" + text)
         _sql(uri, "SELECT pg_reload_conf()")
     socket = uri.split("host=", 1)[1]
-    secret = f"postgresql://surge_pw:{quote(PASSWORD, safe='')}@/postgres?host={socket}"
+    return f"postgresql://surge_pw:{quote(PASSWORD, safe='')}@/postgres?host={socket}"
+
+
+def test_the_password_never_appears_in_payloads_or_messages(server, uri):
+    secret = _password_role(server, uri)
+    socket = uri.split("host=", 1)[1]
     with pytest.raises(
         SurgeOutputError, match=r"no password supplied.*Fix: give the role's password"
     ):  # it is checked
@@ -448,8 +440,9 @@ def test_hnsw_index_is_used_and_distances_match_numpy(uri):
 
     unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
     cos = 1 - (queries / np.linalg.norm(queries, axis=1, keepdims=True)) @ unit.T
-    l2 = np.linalg.norm(queries[:, None, :] - emb[None, :, :], axis=2)  # Euclidean, not squared
-    dot = -(queries @ emb.T)
+    # every output's distances (dask_surge.io.index.exact_distances): pgvector's <-> squared, 1 + <#>
+    l2 = ((queries[:, None, :].astype(np.float64) - emb[None, :, :]) ** 2).sum(axis=2)
+    dot = 1 - queries.astype(np.float64) @ emb.T
     for metric, want in (("cosine", cos), ("l2", l2), ("dot", dot)):
         d, p, r = t.search(queries, 10, metric=metric, exact=True)
         order = np.argsort(want, axis=1, kind="stable")[:, :10]
@@ -471,3 +464,129 @@ def test_hnsw_index_is_used_and_distances_match_numpy(uri):
         np.testing.assert_allclose(d[qi], got, rtol=1e-4, atol=1e-4)
     l2_index = t.build_index("l2")
     assert l2_index in t.search_plan(queries[0], 5, metric="l2")
+
+
+# -- encode(..., format="pgvector") ----------------------------------------------------------------------
+
+#: every spelling of the password a leak could take
+SPELLINGS = (PASSWORD, quote(PASSWORD, safe=""), quote(PASSWORD), "S3cr3t")
+
+
+def _leaks(blob) -> list[str]:
+    text = blob if isinstance(blob, str) else bytes(blob).decode("latin-1")
+    return [s for s in SPELLINGS if s in text]
+
+
+def test_encode_names_the_table_by_keyword_config_or_the_cli(uri, tmp_path, tiny_model):
+    import dask
+
+    import dask_surge
+    from dask_surge.cli import main
+    from dask_surge.testing import checksum_model, numbered_frame
+
+    kw = {"model": checksum_model, "keep": ["doc_id"], "scheduler": "threads", "progress": False}
+    with dask.config.set({"surge.pgvector-state": str(tmp_path / "state")}):
+        res = dask_surge.encode(
+            numbered_frame(120, 2), "text", output=uri, format="pgvector", table="api.docs", **kw
+        )
+        assert res.rows == count(uri, "api.docs") == 120 and res.output.endswith("#api.docs")
+        with dask.config.set({"surge.format": "pgvector", "surge.table": "cfg.docs"}):
+            numbered_frame(80, 2).surge.encode("text", output=uri, **kw)
+        assert count(uri, "cfg.docs") == 80
+        assert dask_surge.status(res.output)["state"] == "complete"  # the result's output names the table
+        src = tmp_path / "in.parquet"
+        numbered_frame(40, 1).compute().to_parquet(src)
+        argv = ["encode", str(src), "--output", uri, "--output-format", "pgvector", "--table", "cli.docs"]
+        argv += [
+            "--text-column",
+            "text",
+            "--model",
+            str(tiny_model),
+            "--scheduler",
+            "threads",
+            "--no-progress",
+        ]
+        assert main(argv) == 0
+        assert count(uri, "cli.docs") == 40
+        assert main(["status", uri, "--table", "cli.docs"]) == 0
+        with pytest.raises(Exception, match=r"no table is named.*Fix: pass table="):
+            dask_surge.encode(numbered_frame(10, 1), "text", output=uri, format="pgvector", **kw)
+        with pytest.raises(Exception, match=r"table='docs' names a PostgreSQL table"):
+            dask_surge.encode(numbered_frame(10, 1), "text", output=str(tmp_path / "o"), table="docs", **kw)
+
+
+def test_the_state_directory_is_one_per_table_and_holds_no_password(tmp_path):
+    import dask
+
+    from dask_surge.io.tables.pgvector import MARKER_FILE, state_root, state_store
+
+    assert state_root().endswith("dask-surge/pgvector")  # the user's cache directory by default
+    with dask.config.set({"surge.pgvector-state": str(tmp_path)}):
+        a = state_store(f"postgresql://alice:{quote(PASSWORD, safe='')}@db:5432/app", "s.docs", writing=True)
+        b = state_store("postgresql://alice@db:5432/app#s.docs")  # the password is not the table's identity
+        c = state_store("postgresql://alice@db:5432/app", "s.other")
+        d = state_store("postgresql://bob@db:5432/app", "s.docs")
+    assert a.root == b.root and len({a.root, c.root, d.root}) == 3
+    assert a.root.startswith(str(tmp_path)) and a.location == "postgresql://alice@db:5432/app#s.docs"
+    marker = json.loads((tmp_path / a.root.rsplit("/", 1)[1] / MARKER_FILE).read_text())
+    assert marker == {"uri": "postgresql://alice@db:5432/app", "schema": "s", "table": "docs"}
+    assert not _leaks(a.location) and not _leaks(repr(a))
+
+
+def test_a_password_in_the_uri_reaches_no_graph_state_log_or_worker_disk(
+    server, uri, client, tmp_path, caplog, capfd, monkeypatch
+):
+    """On a real 2-process cluster: the workers connect (the role must give its password), yet the graphs
+    sent to the scheduler, the state directory, the logs, the result and the workers' directories hold
+    no spelling of it, and the workers forget it when the run ends."""
+    import logging
+
+    import cloudpickle
+    import dask
+
+    from dask_surge.testing import checksum_model, numbered_frame
+
+    secret = _password_role(server, uri)
+    graphs: list[bytes] = []
+    real = type(client).get
+
+    def get(self, dsk, *args, **kwargs):  # what the client sends the scheduler
+        graphs.append(cloudpickle.dumps(dsk))
+        return real(self, dsk, *args, **kwargs)
+
+    monkeypatch.setattr(type(client), "get", get)
+    state = tmp_path / "state"
+    with dask.config.set({"surge.pgvector-state": str(state)}), caplog.at_level(logging.DEBUG):
+        res = numbered_frame(300, 3).surge.encode(
+            "text",
+            output=secret,
+            format="pgvector",
+            table="pw.encoded",
+            keep=["doc_id"],
+            model=checksum_model,
+            b_min=100,
+            b_max=200,
+            scheduler=client,
+            progress=False,
+        )
+    assert res.rows == count(uri, "pw.encoded") == 300 and graphs
+    assert any(b"surge_pw@" in g for g in graphs)  # the table is in them, its URI redacted
+    out, err = capfd.readouterr()
+    files = [p.read_bytes() for p in state.rglob("*") if p.is_file()]
+
+    def worker_files(dask_worker):
+        import pathlib
+
+        root = pathlib.Path(dask_worker.local_directory)
+        return [p.read_bytes() for p in root.rglob("*") if p.is_file()]
+
+    on_workers = [b for blobs in client.run(worker_files).values() for b in blobs]
+    for blob in [*graphs, *files, *on_workers, caplog.text, out, err, repr(res), str(res.output)]:
+        assert not _leaks(blob), _leaks(blob)
+
+    def remembered():
+        from dask_surge.io.tables import pgvector
+
+        return sorted(pgvector._SECRETS)
+
+    assert all(not keys for keys in client.run(remembered).values())  # gone with the run's plugin

@@ -17,6 +17,9 @@ measured, never assumed). Every location is reached through the output's
   ``IVF_FLAT`` below), a new table version that readers (LanceDB,
   ``lance.dataset(...).to_table(nearest=...)``) use. It never goes stale: rows committed after it
   are searched exhaustively by Lance (slower, not wrong) until it is built again.
+* **pgvector table** (``format="pgvector"``): PostgreSQL's own HNSW index (``CREATE INDEX
+  CONCURRENTLY``, pgvector's ``vector_cosine_ops``, ``vector_l2_ops`` or ``vector_ip_ops``), searched
+  through SQL; pgvector's ``<->`` and ``<#>`` are returned as the distances below.
 * **Parquet output**, **Delta** and **Iceberg tables**: a FAISS HNSW index (``HNSW32``,
   ``efSearch`` 64; no training) of the committed rows (a Parquet output's read with
   :func:`~dask_surge.io.readers.read_embeddings`, a table's with its table library), written
@@ -53,7 +56,7 @@ from ..families import DENSE, family_of_run
 from .manifest import current_run
 from .readers import read_embeddings
 from .store import OutputStore
-from .tables import detect_output, open_output, require
+from .tables import detect_output, open_output, output_store, require
 from .tables.lance import lance_index_params
 
 __all__ = [
@@ -157,7 +160,7 @@ def build_index(
     """
     _check_metric(metric)
     output = os.fspath(output).rstrip("/")
-    store = OutputStore.open(output, storage_options)
+    store = output_store(output, storage_options)  # a database's: its runs' state directory
     out = open_output(detect_output(store), store)
     if out.native_index:  # the format's own index, inside the table
         stamp = _stamp(store, out)
@@ -400,7 +403,7 @@ def open_index(
         rows that are not the output's.
     """
     output = os.fspath(output).rstrip("/")
-    store = OutputStore.open(output, storage_options)
+    store = output_store(output, storage_options)  # a database's: its runs' state directory
     out = open_output(detect_output(store), store)
     if out.native_index:  # the format's own index, inside the table
         found = out.describe_native_index()

@@ -23,7 +23,7 @@ from .directory import DATA_FILE, META_DIR, RUN_ID, attempt_of, current_path, di
 from .lease import Claim
 from .manifest import CommitRecord, Manifest, current_id, current_run, load_run, write_meta
 from .store import OutputStore
-from .tables import detect_output, open_output, output_class
+from .tables import detect_output, open_output, output_class, output_store
 
 __all__ = ["verify", "repair", "table_format", "table_problems", "table_summary"]
 
@@ -71,7 +71,7 @@ def verify(path: str | OutputStore, storage_options: dict | None = None) -> list
     >>> verify(tempfile.mkdtemp())
     []
     """
-    store = path if isinstance(path, OutputStore) else OutputStore.open(path, storage_options)
+    store = path if isinstance(path, OutputStore) else output_store(path, storage_options)
     refuse_links(store)
     manifest = current_run(store)
     if manifest is None:
@@ -110,7 +110,7 @@ def repair(path: str | OutputStore, storage_options: dict | None = None) -> list
     >>> repair(tempfile.mkdtemp())
     []
     """
-    store = path if isinstance(path, OutputStore) else OutputStore.open(path, storage_options)
+    store = path if isinstance(path, OutputStore) else output_store(path, storage_options)
     root = store.root
     refuse_links(store)
     fmt = table_format(store)

@@ -4,9 +4,11 @@
 in one module: :class:`~.parquet.ParquetOutput` (part files and the manifest),
 :class:`~.lance.LanceTable`, :class:`~.delta.DeltaOutput` and :class:`~.iceberg.IcebergTable`
 (:class:`~.base.TableOutput` s: workers write the table's uncommitted data files, the claim holder
-commits them in fenced batches, :mod:`dask_surge.execution.tables`). This module is the registry:
-:func:`output_class` by ``format=``, :func:`open_output` on a store, :func:`detect` of what a
-directory holds. Nothing outside this package asks which format an output is; what differs is
+commits them in fenced batches, :mod:`dask_surge.execution.tables`) and
+:class:`~.pgvector.PgVectorTable` (a PostgreSQL table: workers stage rows with binary COPY, the claim
+holder moves them in one transaction per batch; its run's state lives in a state directory, not at
+the output). This module is the registry: :func:`output_class` by ``format=``, :func:`output_store`
+of what a user names, :func:`open_output` on a store, :func:`detect` of what a directory holds. Nothing outside this package asks which format an output is; what differs is
 what the classes declare (:attr:`~.base.Output.batched`, :attr:`~.base.Output.native_index`,
 :attr:`~.base.Output.merges_columns`, ...). Where a table lives is :mod:`.locations`' job.
 """
@@ -35,6 +37,7 @@ from .delta import DeltaOutput
 from .iceberg import IcebergTable, named_catalog
 from .lance import LanceTable
 from .parquet import ParquetOutput
+from .pgvector import PgVectorTable, is_address, redact_uri, state_store
 
 __all__ = [
     "FORMATS",
@@ -50,6 +53,7 @@ __all__ = [
     "TableOutput",
     "output_class",
     "open_output",
+    "output_store",
     "detect",
     "detect_output",
     "table_class",
@@ -62,6 +66,7 @@ _CLASSES: dict[str, Any] = {
     "lance": LanceTable,
     "delta": DeltaOutput,
     "iceberg": IcebergTable,
+    "pgvector": PgVectorTable,
 }
 
 
@@ -87,6 +92,40 @@ def table_class(fmt: str) -> Any:
     if not cls.batched:
         raise SurgeValueError(f"format={fmt!r} is not a table format. Fix: choose one of {TABLE_FORMATS}.")
     return cls
+
+
+def output_store(
+    output: Any,
+    storage_options: dict | None = None,
+    *,
+    fmt: str | None = None,
+    table: str | None = None,
+    writing: bool = False,
+) -> OutputStore:
+    """The store of the output a user names: ``output`` itself (a path or URL), or for a database
+    (``postgresql://...``) the state directory its runs keep their manifest in
+    (:func:`~.pgvector.state_store`, ``table`` naming the table, else the URI's ``#schema.table``, else
+    ``surge.table``). ``fmt``: the format asked for, which a database's URI must be.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> output_store(tempfile.mkdtemp()).kind
+    'posix'
+    """
+    if is_address(output):
+        if fmt is not None and fmt != PgVectorTable.name:
+            raise SurgeValueError(
+                f"output={redact_uri(output)!r} is a PostgreSQL database, and format={fmt!r} writes "
+                "files. Fix: pass format='pgvector' and table='name' (or an output path for this format)."
+            )
+        return state_store(output, table, storage_options, writing=writing)
+    if table is not None:
+        raise SurgeValueError(
+            f"table={table!r} names a PostgreSQL table, and output={str(output)!r} is not a PostgreSQL URI. Fix: "
+            "pass format='pgvector' with output='postgresql://user@host:5432/db', or leave table out."
+        )
+    return OutputStore.open(output, storage_options, writing=writing)
 
 
 def open_output(fmt: str, store: OutputStore) -> Any:

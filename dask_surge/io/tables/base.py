@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 #: every value of ``format=``; all but ``"parquet"`` are table formats
-FORMATS = ("parquet", "lance", "delta", "iceberg")
+FORMATS = ("parquet", "lance", "delta", "iceberg", "pgvector")
 TABLE_FORMATS = FORMATS[1:]
 #: commit-metadata key holding the run id of a table commit
 RUN_PROPERTY = "dask-surge.run"

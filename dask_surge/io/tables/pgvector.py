@@ -1,9 +1,14 @@
 """PostgreSQL + pgvector table output: workers stage rows, the claim holder moves them in one transaction.
 
-Not yet a ``format=`` of :func:`dask_surge.encode` (issue 69): the class keeps the
-:class:`~.base.TableOutput` protocol and is tested against a real server
-(``tests/test_pgvector.py``); the registry takes it once a database output has a place for its
-manifest and its options (``table=``).
+``encode(ddf, "text", output="postgresql://user@host:5432/db", format="pgvector",
+table="doc_embeddings")`` (issue 69). The table is the output; the run's manifest, claim and
+heartbeat, which every other format keeps in ``_surge/`` beside its data, live in a *state
+directory* (:func:`state_store`): ``surge.pgvector-state`` (default: the user's cache directory,
+``~/.cache/dask-surge/pgvector``), one subdirectory per table, named by a hash of the password-free
+server address (host, port, database, user) and the qualified table name, holding
+:data:`MARKER_FILE` (the table's redacted URI and name) and ``_surge/``. On a cluster that directory
+must be one every process sees (a shared filesystem), as any output's; the run checks it before any
+work.
 
 A SuperBatch task COPYs its rows (binary COPY, vectors through pgvector's own adapter) into an
 UNLOGGED staging table ``<table>__surge_staging`` beside the output table, under a random staging
@@ -34,20 +39,26 @@ of blocking the new claim holder.
 by another writer (op ``CREATE TABLE``). Changes other clients make with plain SQL (INSERT,
 DELETE) are not versions: this module cannot see them.
 
-**Not a directory.** The output is a database table, so :attr:`PgVectorTable.MARKER` is None and
-:attr:`PgVectorTable.ENTRIES` is empty (no directory entries mark it). Credentials stay in libpq's
-channels (``PGPASSWORD``, ``~/.pgpass``, the URI): every message formats the URI through
-:func:`redact_uri`, which drops the password. Table and column names are always
-``psycopg.sql.Identifier`` s.
+**Credentials.** They stay in libpq's channels (``PGPASSWORD``, ``~/.pgpass``, ``PGSSLMODE``
+and the rest, read by libpq in each process): every message formats the URI through
+:func:`redact_uri`, which drops the password, and a table pickles (into a task graph, to a worker)
+and tokenizes with the redacted URI only. A password given in the URI stays in the process that was
+given it (:data:`_SECRETS`, keyed by the redacted URI); worker processes get it in memory, through a
+Dask worker plugin for the run's duration (:func:`secrets_plugin`), never on disk. Table and column
+names are always ``psycopg.sql.Identifier`` s.
 
 **Index and search.** :meth:`PgVectorTable.build_index` builds an HNSW index
-(``CREATE INDEX CONCURRENTLY``); :meth:`PgVectorTable.search` returns the ``k`` nearest rows' distances:
-cosine ``<=>`` (1 - cosine similarity), l2 ``<->`` (the Euclidean distance, not its square) and dot
-``<#>`` (the negative inner product); smaller is nearer for all three.
+(``CREATE INDEX CONCURRENTLY``); :meth:`PgVectorTable.search` returns the ``k`` nearest rows'
+distances as every output's index does (:func:`dask_surge.io.index.exact_distances`): cosine
+``<=>`` (1 - cosine similarity), l2 the square of ``<->`` (pgvector's is the Euclidean distance) and
+dot ``1 + <#>`` (pgvector's is the negative inner product), smaller nearer; the SQL orders by
+pgvector's own operator, so the HNSW index serves it.
 """
 
 from __future__ import annotations
 
+import getpass
+import hashlib
 import importlib
 import json
 import os
@@ -63,13 +74,21 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ...config import get
 from ...errors import SurgeError, SurgeOutputError, SurgeValueError
-from .base import CommitConflict, History, schema_of, schema_text
+from ..store import OutputStore
+from .base import CommitConflict, History, TableOutput, schema_of, schema_text
 
 __all__ = [
     "PgVectorTable",
     "PgLocation",
     "redact_uri",
+    "is_address",
+    "split_output",
+    "state_root",
+    "state_store",
+    "secrets_plugin",
+    "MARKER_FILE",
     "KEEPS_ROWS",
     "STAGING_SUFFIX",
     "METRICS",
@@ -89,6 +108,11 @@ _INDEX_SUFFIX = {"cosine": "__surge_hnsw_cos", "l2": "__surge_hnsw_l2", "dot": "
 _SECRET_KEYS = ("password", "sslpassword")
 _KV_SECRET = re.compile(r"(?i)(?<![\w.])(?:ssl)?password\s*=\s*(?:'(?:[^'\\]|\\.)*'|\S*)\s*")
 _FIX_INSTALL = 'pip install "dask-surge[pgvector]"'
+#: the file of a pgvector output's state directory that names its table (redacted URI, schema, name)
+MARKER_FILE = "pgvector.json"
+#: redacted URI -> the password its URI held: this process's only (see the module's docstring)
+_SECRETS: dict[str, str] = {}
+_SCHEMES = ("postgresql://", "postgres://")
 
 
 def _modules() -> tuple[Any, Any]:
@@ -151,6 +175,10 @@ class PgLocation:
     def url(self) -> str:
         """The location as messages show it: the URI without its password, ``#schema.table``."""
         return f"{redact_uri(self.uri)}#{self.schema}.{self.table}"
+
+    def store(self) -> None:
+        """A database table has no store of data files (:meth:`PgVectorTable.data_files` is empty)."""
+        return None
 
 
 # -- columns ---------------------------------------------------------------------------------------
@@ -263,10 +291,11 @@ def _embedding_rows(column: pa.ChunkedArray | pa.Array, kind: str) -> list[Any]:
 # -- the table ---------------------------------------------------------------------------------------
 
 
-class PgVectorTable:
+class PgVectorTable(TableOutput):
     """One PostgreSQL table (pgvector ``vector`` / ``halfvec`` embeddings) as a dask-surge output.
 
-    Picklable (workers write through it): it holds the URI and the names, never a connection.
+    Picklable (workers write through it): it holds the URI and the names, never a connection, and
+    pickles with the URI's password left out (:meth:`__reduce__`; see the module's docstring).
 
     Parameters
     ----------
@@ -286,10 +315,55 @@ class PgVectorTable:
     """
 
     name = "pgvector"
-    #: a database table has no directory entry that marks it
-    MARKER: str | None = None
-    #: nor directory entries of its own
-    ENTRIES: frozenset[str] = frozenset()
+    LIBRARY = "psycopg"
+    native_index = True
+    #: vector(d) and halfvec(d); pgvector's bit type is not written (int8 and binary are refused)
+    precisions = frozenset({"float32", "float16"})
+    #: the file of the state directory that names the table (:func:`state_store`)
+    MARKER = MARKER_FILE
+    #: what the state directory holds besides ``_surge/``
+    ENTRIES = frozenset({MARKER_FILE})
+
+    @classmethod
+    def owns_payload(cls, payload: str) -> bool:
+        """True when ``payload`` (a commit record's table data) is this format's: a staging key, no file."""
+        facts = json.loads(payload)
+        return isinstance(facts, dict) and "key" in facts and "path" not in facts and "fragments" not in facts
+
+    @classmethod
+    def at(cls, store: Any) -> PgVectorTable:
+        """The table the state directory ``store`` (:func:`state_store`) names in its :data:`MARKER_FILE`."""
+        try:
+            facts = json.loads(store.read(f"{store.root}/{MARKER_FILE}"))
+        except (FileNotFoundError, NotADirectoryError):
+            raise SurgeOutputError(
+                f"{store.location!r} names no pgvector table: its state directory {store.root!r} holds no "
+                f"{MARKER_FILE}. Fix: pass output='postgresql://...' and table= as the encode was given them "
+                "(with the same surge.pgvector-state)."
+            ) from None
+        return cls(facts["uri"], (facts["schema"], facts["table"]))
+
+    @classmethod
+    def check_options(cls, *, output: Any, mode: str, overwrite: bool, precision: str) -> None:
+        """Refuse, before any work, an ``output`` that is not a PostgreSQL URI, and what
+        :meth:`.base.Output.check_options` refuses."""
+        if output is not None and not is_address(str(output)):
+            raise SurgeValueError(
+                f"format='pgvector' writes a PostgreSQL table, and output={str(output)!r} is not a PostgreSQL "
+                "URI. Fix: pass output='postgresql://user@host:5432/db' and table='name' (the password through "
+                "PGPASSWORD or ~/.pgpass)."
+            )
+        if output is None:
+            raise SurgeValueError(
+                "format='pgvector' writes a PostgreSQL table at output=...; output=None returns a lazy frame. "
+                "Fix: pass output='postgresql://user@host:5432/db' and table='name'."
+            )
+        if overwrite:
+            raise SurgeValueError(
+                "format='pgvector' writes a PostgreSQL table, which it never replaces: overwrite=True is for "
+                "Parquet. Fix: pass a new table=, or mode='append' to add this run's rows to the table."
+            )
+        super().check_options(output=output, mode=mode, overwrite=overwrite, precision=precision)
 
     def __init__(
         self, uri: str, table: str | tuple[str, str], *, schema: str | None = None, unlogged: bool = True
@@ -318,6 +392,14 @@ class PgVectorTable:
     def __dask_tokenize__(self) -> tuple:
         return ("PgVectorTable", self.location.url)
 
+    def __reduce__(self) -> tuple:
+        """Pickle with the redacted URI: a password the URI holds stays in this process (:data:`_SECRETS`,
+        where a copy unpickled here finds it; workers get it from :func:`secrets_plugin`)."""
+        key, secret = redact_uri(self.location.uri), self._secret()
+        if secret:
+            _SECRETS[key] = secret
+        return (_rebuild, (key, self.location.schema, self.location.table, self.unlogged))
+
     def keeps_rows(self, op: str) -> bool:
         """True when another writer's operation ``op`` leaves every committed row in place."""
         return op in KEEPS_ROWS
@@ -325,12 +407,13 @@ class PgVectorTable:
     # -- connections -----------------------------------------------------------------------------
 
     def _secret(self) -> str | None:
+        """The password of the URI, else the one this process was given for it (:data:`_SECRETS`)."""
         psycopg, _ = _modules()
         try:
             params = psycopg.conninfo.conninfo_to_dict(self.location.uri)
         except psycopg.Error:
             return None
-        return params.get("password") or None
+        return params.get("password") or _SECRETS.get(redact_uri(self.location.uri)) or None
 
     def _scrub(self, text: Any) -> str:
         """``text`` on one line, without the URI's password anywhere in it."""
@@ -362,6 +445,8 @@ class PgVectorTable:
             for k, v in (("connect_timeout", "10"), ("application_name", "dask-surge"))
             if k not in params
         }
+        if "password" not in params and redact_uri(self.location.uri) in _SECRETS:  # kept out of the URI
+            extra["password"] = _SECRETS[redact_uri(self.location.uri)]
         try:
             conn = psycopg.connect(self.location.uri, autocommit=True, **extra)
         except psycopg.Error as err:
@@ -973,7 +1058,11 @@ class PgVectorTable:
             )
         return name
 
-    def _search_sql(self, conn: Any, metric: str, k: int) -> Any:
+    def _search_sql(
+        self, conn: Any, metric: str, k: int, columns: Sequence[str] = ("partition", "row")
+    ) -> Any:
+        """The statement of the ``k`` nearest rows' ``columns`` and pgvector's distance (last), ordered by
+        pgvector's own operator (what an HNSW index serves); the query vector is its two parameters."""
         from psycopg import sql
 
         op, _ = _metric(metric)
@@ -982,9 +1071,115 @@ class PgVectorTable:
         distance = sql.SQL("embedding OPERATOR({}.{}) CAST(%s AS {})").format(
             sql.Identifier(ext), sql.SQL(op), sql.Identifier(ext, kind)
         )
-        return sql.SQL("SELECT partition, row, {} AS d FROM {} ORDER BY {} LIMIT {}").format(
-            distance, self._names(sql)["target"], distance, sql.Literal(int(k))
+        return sql.SQL("SELECT {}{} AS surge_distance FROM {} ORDER BY {} LIMIT {}").format(
+            sql.SQL("").join(sql.SQL("{}, ").format(sql.Identifier(c)) for c in columns),
+            distance,
+            self._names(sql)["target"],
+            distance,
+            sql.Literal(int(k)),
         )
+
+    # -- the index as every output's (dask_surge.io.index) ----------------------------------------
+
+    def columns(self) -> list[str]:
+        """The names of the table's columns."""
+        with self._session() as conn:
+            return [c for c, _ in self._columns_now(conn, self.location.table)]
+
+    def read_rows(self, keys: Any, on: list[str], columns: list[str]) -> Any:
+        """The ``on`` + ``columns`` of the rows whose ``on`` values (integers: ``partition``, ``row``,
+        ``chunk``) ``keys`` (a pandas frame) names: one statement joining the table to the keys."""
+        import pandas as pd
+        from psycopg import sql
+
+        wanted = [*on, *columns]
+        alias = [sql.Identifier(f"k{i}") for i in range(len(on))]
+        query = sql.SQL("SELECT {} FROM {} AS t JOIN unnest({}) AS k({}) ON {}").format(
+            sql.SQL(", ").join(sql.SQL("t.{}").format(sql.Identifier(c)) for c in wanted),
+            self._names(sql)["target"],
+            sql.SQL(", ").join(sql.SQL("%s::bigint[]") for _ in on),
+            sql.SQL(", ").join(alias),
+            sql.SQL(" AND ").join(
+                sql.SQL("t.{} = k.{}").format(sql.Identifier(c), a) for c, a in zip(on, alias, strict=True)
+            ),
+        )
+        params = [[int(v) for v in keys[c]] for c in on]
+        with self._session(vectors="embedding" in columns) as conn:
+            rows = conn.execute(query, params).fetchall()
+        if not rows:
+            return pd.DataFrame({c: pd.Series([], dtype="int64" if c in on else object) for c in wanted})
+        frame = pd.DataFrame(rows, columns=wanted)
+        if "embedding" in columns:
+            frame["embedding"] = [None if v is None else np.asarray(v.to_numpy()) for v in frame["embedding"]]
+        return frame
+
+    def _surge_indexes(self, conn: Any) -> list[tuple[str, str]]:
+        """``(metric, name)`` of the valid HNSW indexes :meth:`build_index` made on the table."""
+        from psycopg import sql
+
+        target = self._names(sql)["target"].as_string(conn)
+        names = {
+            r[0]
+            for r in conn.execute(
+                "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+                "WHERE i.indrelid = to_regclass(%s) AND i.indisvalid",
+                (target,),
+            ).fetchall()
+        }
+        t = self.location.table
+        return [(m, t + suffix) for m, suffix in _INDEX_SUFFIX.items() if t + suffix in names]
+
+    def _count(self, conn: Any) -> int:
+        from psycopg import sql
+
+        return int(
+            conn.execute(sql.SQL("SELECT count(*) FROM {}").format(self._names(sql)["target"])).fetchone()[0]
+        )
+
+    def build_native_index(self, metric: str) -> dict:
+        """Build the HNSW index of ``embedding`` for ``metric`` (:meth:`build_index`, ``CONCURRENTLY``) and
+        drop dask-surge's index of another metric, as Lance replaces its own; returns its ``rows`` and
+        parameters (what :func:`dask_surge.io.index.build_index` reports)."""
+        from psycopg import sql
+
+        name = self.build_index(metric)
+        with self._session() as conn:
+            for _, other in self._surge_indexes(conn):
+                if other != name:
+                    conn.execute(
+                        sql.SQL("DROP INDEX CONCURRENTLY IF EXISTS {}").format(
+                            sql.Identifier(self.location.schema, other)
+                        )
+                    )
+            rows = self._count(conn)
+        return {"rows": rows, "index_type": "HNSW", "index": name, "m": 16, "ef_construction": 64}
+
+    def describe_native_index(self) -> tuple[str, dict] | None:
+        """``(metric, description)`` of the HNSW index :meth:`build_index` made (None: there is none). An
+        HNSW index holds every row (PostgreSQL adds each row as it is inserted)."""
+        with self._session() as conn:
+            if not self._regclass(conn, self.location.schema, self.location.table):
+                return None
+            found = self._surge_indexes(conn)
+            if not found:
+                return None
+            metric, name = found[0]
+            rows = self._count(conn)
+        return metric, {"rows": rows, "rows_indexed": rows, "index_type": "HNSW", "index": name}
+
+    def nearest(self, vector: Any, k: int, metric: str, columns: list[str]) -> Any:
+        """The ``k`` rows nearest ``vector`` by ``metric`` through the HNSW index (``hnsw.ef_search`` at
+        least 64 and ``k``), with ``columns`` and ``_distance`` (as every output's index returns it,
+        :func:`_distances`), as a pandas frame, nearest first."""
+        import pandas as pd
+
+        vec = np.asarray(vector, dtype=np.float32).ravel()
+        with self._session(vectors=True) as conn, conn.transaction():
+            conn.execute("SELECT set_config('hnsw.ef_search', %s, true)", (str(min(1000, max(64, int(k)))),))
+            rows = conn.execute(self._search_sql(conn, metric, k, columns), (vec, vec)).fetchall()
+        frame = pd.DataFrame(rows, columns=[*columns, "_distance"])
+        frame["_distance"] = _distances(metric, frame["_distance"].to_numpy(np.float64))
+        return frame
 
     def search(
         self,
@@ -998,9 +1193,9 @@ class PgVectorTable:
         """The ``k`` nearest rows of each query (``queries``: an ``(n, d)`` array) by ``metric``.
 
         Returns ``(distances, partitions, rows)``, each ``(n, k)`` (fewer columns when the table has
-        fewer rows), nearest first; distances as pgvector computes them: cosine ``1 - cos``, l2 the
-        Euclidean distance (not squared), dot the negative inner product. ``ef_search`` sets
-        ``hnsw.ef_search`` (pgvector's default: 40); ``exact`` scans the table (no index).
+        fewer rows), nearest first; distances as every output's index returns them (:func:`_distances`):
+        cosine ``1 - cos``, l2 the squared Euclidean distance, dot ``1 - inner product``. ``ef_search``
+        sets ``hnsw.ef_search`` (pgvector's default: 40); ``exact`` scans the table (no index).
         """
         q = np.atleast_2d(np.asarray(queries, dtype=np.float32))
         out_d, out_p, out_r = [], [], []
@@ -1016,7 +1211,7 @@ class PgVectorTable:
                     got = cur.fetchall()
                     out_p.append([int(r[0]) for r in got])
                     out_r.append([int(r[1]) for r in got])
-                    out_d.append([float(r[2]) for r in got])
+                    out_d.append(_distances(metric, np.array([float(r[2]) for r in got])).tolist())
         width = min((len(x) for x in out_d), default=0)
         return (
             np.array([x[:width] for x in out_d], dtype=np.float64).reshape(len(q), width),
@@ -1036,6 +1231,25 @@ class PgVectorTable:
                 sql.SQL("EXPLAIN ") + self._search_sql(conn, metric, k), (vec, vec)
             ).fetchall()
         return "\n".join(r[0] for r in plan)
+
+
+def _distances(metric: str, pg: np.ndarray) -> np.ndarray:
+    """pgvector's distances ``pg`` for ``metric`` as every output's index returns them
+    (:func:`dask_surge.io.index.exact_distances`): cosine ``<=>`` as it is (1 - cosine similarity), l2
+    ``<->`` squared (pgvector's is the Euclidean distance), dot ``1 + <#>`` (pgvector's is the negative
+    inner product); the order is pgvector's either way.
+
+    Examples
+    --------
+    >>> _distances("l2", np.array([3.0])).tolist(), _distances("dot", np.array([-7.0])).tolist()
+    ([9.0], [-6.0])
+    """
+    pg = np.asarray(pg, dtype=np.float64)
+    if metric == "l2":
+        return pg * pg
+    if metric == "dot":
+        return 1.0 + pg
+    return pg
 
 
 def _metric(metric: str) -> tuple[str, str]:
@@ -1062,3 +1276,175 @@ def _arrow_of(kind: str) -> pa.DataType:
         "boolean": pa.bool_(),
         "bytea": pa.binary(),
     }.get(kind, pa.string())
+
+
+# -- where a pgvector output's run keeps its state -------------------------------------------------
+
+
+def _rebuild(uri: str, schema: str, table: str, unlogged: bool) -> PgVectorTable:
+    """A table unpickled (see :meth:`PgVectorTable.__reduce__`)."""
+    return PgVectorTable(uri, (schema, table), unlogged=unlogged)
+
+
+def is_address(output: Any) -> bool:
+    """True when ``output`` is a PostgreSQL URI (``postgresql://`` or ``postgres://``), not a path.
+
+    Examples
+    --------
+    >>> is_address("postgresql://app@db:5432/search"), is_address("/data/emb")
+    (True, False)
+    """
+    return isinstance(output, str) and output.lower().startswith(_SCHEMES)
+
+
+def split_output(output: str, table: str | None = None) -> tuple[str, str]:
+    """``(uri, table)`` of a pgvector ``output``: the table is ``table``, else the ``#schema.table`` that
+    ends the URI (as :attr:`PgLocation.url` shows a location, so a result's ``output`` names it
+    again), else ``surge.table``.
+
+    Examples
+    --------
+    >>> split_output("postgresql://app@db/search#public.docs")
+    ('postgresql://app@db/search', 'public.docs')
+    >>> split_output("postgresql://app@db/search", "docs")
+    ('postgresql://app@db/search', 'docs')
+    """
+    uri, named = output, ""
+    cut = output.rfind("#")
+    if cut > output.rfind("@") and cut > output.find("://") + 2:  # not a '#' of the user info
+        uri, named = output[:cut], output[cut + 1 :]
+    if table and named and table != named and f"public.{table}" != named:
+        raise SurgeValueError(
+            f"output={redact_uri(output)!r} names table {named!r}, and table={table!r}. Fix: name the table "
+            "once (table='schema.name', or the URI's #schema.name)."
+        )
+    name = table or named or get("table")
+    if not name:
+        raise SurgeValueError(
+            f"output={redact_uri(uri)!r} is a PostgreSQL database, and no table is named. Fix: pass "
+            "table='doc_embeddings' (or 'schema.name'), --table NAME on the command line, or set surge.table."
+        )
+    return uri, str(name)
+
+
+def state_root() -> str:
+    """Where pgvector outputs keep their runs' state: ``surge.pgvector-state``, else the user's cache
+    directory's ``dask-surge/pgvector`` (``platformdirs.user_cache_dir``; ``~/.cache/dask-surge/pgvector``
+    on Linux). On a cluster, set it to a path every process sees."""
+    configured = get("pgvector-state")
+    if configured:
+        return os.path.expanduser(str(configured))
+    try:
+        import platformdirs
+
+        base = platformdirs.user_cache_dir("dask-surge", appauthor=False)
+    except ImportError:  # pragma: no cover - platformdirs comes with distributed's dependencies
+        base = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "dask-surge")
+    return os.path.join(os.path.expanduser(base), "pgvector")
+
+
+def _server(uri: str) -> dict[str, str]:
+    """Host, port, database and user of ``uri`` (with libpq's environment defaults): the server and
+    role the table belongs to, without the password."""
+    psycopg, _ = _modules()
+    try:
+        params = psycopg.conninfo.conninfo_to_dict(uri)
+    except psycopg.Error:
+        raise SurgeValueError(
+            f"output={redact_uri(uri)!r} is not a libpq connection URI. Fix: pass "
+            "output='postgresql://user@host:5432/db' (percent-encode special characters)."
+        ) from None
+    user = str(params.get("user") or os.environ.get("PGUSER") or getpass.getuser())
+    return {
+        "host": str(params.get("host") or params.get("hostaddr") or os.environ.get("PGHOST") or ""),
+        "port": str(params.get("port") or os.environ.get("PGPORT") or "5432"),
+        "dbname": str(params.get("dbname") or os.environ.get("PGDATABASE") or user),
+        "user": user,
+    }
+
+
+def state_store(
+    output: str,
+    table: str | None = None,
+    storage_options: dict | None = None,
+    *,
+    writing: bool = False,
+) -> Any:
+    """The state directory of the pgvector output ``output`` (a PostgreSQL URI) and ``table``
+    (:func:`split_output`), as an :class:`~dask_surge.io.store.OutputStore` whose ``location`` is the
+    table as messages show it (:attr:`PgLocation.url`, no password).
+
+    The directory is ``<state_root()>/<db.schema.table>-<hash>``, the hash of the server, database,
+    user and qualified table name, so one table's runs always find their manifest there. ``writing``:
+    create it and its :data:`MARKER_FILE` (the redacted URI, schema and table). A password in the URI
+    is kept in this process (:data:`_SECRETS`) and nowhere else.
+    """
+    uri, name = split_output(output, table)
+    pg = PgVectorTable(uri, name)  # names checked
+    loc, server = pg.location, _server(uri)
+    key = json.dumps([*(server[k] for k in ("host", "port", "dbname", "user")), loc.schema, loc.table])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{server['dbname']}.{loc.schema}.{loc.table}")[:60]
+    store = OutputStore.open(
+        f"{state_root().rstrip('/')}/{readable}-{digest}", storage_options, writing=writing
+    )
+    store.location = loc.url
+    secret = pg._secret()
+    if secret:
+        _SECRETS[redact_uri(uri)] = secret
+    if writing:
+        marker = f"{store.root}/{MARKER_FILE}"
+        if not store.exists(marker):
+            store.makedirs(store.root)
+            facts = {"uri": redact_uri(uri), "schema": loc.schema, "table": loc.table}
+            store.write(marker, json.dumps(facts, sort_keys=True).encode())
+    return store
+
+
+def secrets_plugin(table: Any) -> Any:
+    """A Dask worker plugin that holds the password of ``table`` 's URI (given in the URI, kept in this
+    process) in each worker's memory while it is registered (None: there is none to pass; libpq's
+    ``PGPASSWORD`` and ``~/.pgpass`` are read by each process itself).
+
+    The plugin travels to the scheduler and the workers over Dask's own connections (TLS where the
+    cluster is configured with it), as task data does, is never written to disk, and its repr shows the
+    redacted URI only; unregistering it (the run's end) removes the password from the workers."""
+    if not isinstance(table, PgVectorTable):
+        return None
+    key = redact_uri(table.location.uri)
+    secret = table._secret()
+    return _plugin_class()({key: secret}) if secret else None
+
+
+def _plugin_class() -> type:
+    """The worker plugin class of :func:`secrets_plugin`, made on first use (it needs ``distributed``);
+    pickled by reference as ``dask_surge.io.tables.pgvector._SecretsPlugin`` (see ``__getattr__``)."""
+    cls = globals().get("_SECRETS_PLUGIN")
+    if cls is None:
+        from distributed import WorkerPlugin
+
+        class _SecretsPlugin(WorkerPlugin):
+            def __init__(self, secrets: dict[str, str]) -> None:
+                self.secrets = dict(secrets)
+                self.added: list[str] = []
+
+            def __repr__(self) -> str:
+                return f"_SecretsPlugin({sorted(self.secrets)})"
+
+            def setup(self, worker: Any) -> None:
+                self.added = [k for k in self.secrets if k not in _SECRETS]
+                _SECRETS.update(self.secrets)
+
+            def teardown(self, worker: Any) -> None:
+                for k in self.added:  # only what it put there (an in-process worker shares the client's)
+                    _SECRETS.pop(k, None)
+
+        _SecretsPlugin.__module__, _SecretsPlugin.__qualname__ = __name__, "_SecretsPlugin"
+        globals()["_SECRETS_PLUGIN"] = cls = _SecretsPlugin
+    return cls
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_SecretsPlugin":
+        return _plugin_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
