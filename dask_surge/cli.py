@@ -23,6 +23,7 @@ from .execution.reach import not_a_scheduler
 from .families import DENSE
 from .io.layout import FAMILY_COLUMNS, PARTITION, ROW
 from .io.tables import open_output, output_class, output_store
+from .io.tables.pgvector import redact_uri
 from .io.verify import repair, verify
 from .models.modelid import directory_digest
 from .models.resolve import packaged_dir
@@ -417,7 +418,7 @@ def cmd_status(args) -> int:
     if "error" in table:  # what it says of the run stands; that the table cannot be read is an error
         why = " ".join(str(table["error"]).split())
         raise SurgeValueError(
-            f"the {table['format']} table of {args.output!r} could not be read: {why}"
+            f"the {table['format']} table of {redact_uri(args.output)!r} could not be read: {why}"
             + (
                 _NAME_THE_CATALOG
                 if output_class(table["format"]).catalogued and "iceberg_catalog='" not in why
