@@ -2,8 +2,9 @@
 cluster (:mod:`dask_surge.execution.unit`, :mod:`dask_surge.execution.scheduling`), finish it.
 
 What each unit does is :class:`~dask_surge.execution.unit.UnitRunner`; the errors a stopped run
-raises are :mod:`dask_surge.execution.stops`; on an object store the claim holder publishes with
-:class:`~dask_surge.execution.publisher.Publisher`.
+raises are :mod:`dask_surge.execution.stops`; the output (:class:`~dask_surge.io.tables.Output`) stages
+each SuperBatch's rows and makes the committed ones readable (part files published, or a table's
+batches committed), the same calls for every format.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ..io.manifest import (
     text_counts,
 )
 from ..io.store import OutputStore
-from ..io.tables import open_output, output_class
+from ..io.tables import Output, detect, open_output
 from ..planning.run import new_ramp, superbatches_for
 from ..planning.sizes import PartitionSizes, known_sizes
 from ..planning.thresholds import Requested, Thresholds
@@ -41,13 +42,11 @@ from ..results import EncodeResult, SuperBatchReport
 from .events import listen
 from .inputs import InputGraph
 from .progress import RunProgress, logging_through
-from .publisher import Publisher
 from .reach import check_workers_see_output
 from .scheduling import run_units, task_resources
 from .sink import SuperBatchWriter
 from .stops import interrupted, stopped_error
 from .superbatch import SuperBatchTask
-from .tables import TableCommitter, check_table_output, table_settled
 from .unit import UnitRunner, planned_units, streaming_units
 
 __all__ = ["RunRequest", "ThresholdResolver", "write_run", "complete_result"]
@@ -107,15 +106,10 @@ class RunRequest:
     #: a bar the caller opened already (from the first second: while it started a cluster); None: a new one
     bar: RunProgress | None = None
     #: the output's format (:func:`dask_surge.io.tables.output_class`): part files, or a table its claim
-    #: holder commits batches to (:mod:`dask_surge.execution.tables`)
+    #: holder commits batches to (:mod:`dask_surge.io.tables.commits`)
     format: str = "parquet"
     #: ``"append"``: a table output may be one this run did not create
     mode: str = "create"
-
-    def table(self) -> Any:
-        """The table of an output whose claim holder commits batches (None: each SuperBatch's record
-        is its commit, as for Parquet)."""
-        return open_output(self.format, self.store) if output_class(self.format).batched else None
 
     @property
     def output(self) -> str:
@@ -140,22 +134,20 @@ def write_run(request: RunRequest) -> EncodeResult:
             stack.enter_context(logging_through(bar))
         bar.phase("planning")
         store, output = request.store, request.output
-        table = request.table()
+        out = open_output(request.format, store)
         found = find_run(store, request.fingerprint)
         _say_recorded_thresholds(found, request)
-        if (
-            table is not None
-        ):  # a new or empty directory, or a table (whose history decides): before any write
-            check_table_output(store, table, fingerprint_digest(request.fingerprint), request.mode)
-            if found is not None:
-                found.table = True
+        # before any write: what the location holds (detect: the registry's rule for a table's format)
+        out.check_target(store, fingerprint_digest(request.fingerprint), request.mode, detect)
+        if found is not None:
+            out.bind(found)
         store.prove()  # an object store honours conditional creates, before the claim relies on one
         if (
             found is not None
             and found.completion() is not None
             and not request.overwrite
             and not found.coverage().missing(request.frame.npartitions)
-            and (table is None or table_settled(table, found))
+            and out.settled(found)
         ):  # records (and a table's history), not the marker, are the truth
             committed = found.committed()
             if not settled(found, committed):  # a process killed while it finished: finish its clean-up
@@ -168,7 +160,7 @@ def write_run(request: RunRequest) -> EncodeResult:
             check_workers_see_output(request.client, store)
         claim = Claim.acquire(store, fingerprint_digest(request.fingerprint))
         try:
-            return _claimed_run(request, t0, wall0, claim, bar, table)
+            return _claimed_run(request, t0, wall0, claim, bar, out)
         finally:
             claim.release()
 
@@ -241,14 +233,14 @@ def _follow_model(bar: RunProgress, request: RunRequest) -> None:
         bar.follow_model(lambda: (int(encoder.is_loaded), 1), workers=False)
 
 
-def _table_overwrite(request: RunRequest) -> bool:
-    """``overwrite`` for :func:`open_run` of a table output: ``mode="append"`` replaces the manifest of
+def _follows_run(request: RunRequest) -> bool:
+    """Whether :func:`open_run` may replace the manifest of another run: ``mode="append"`` follows
     another dask-surge run that completed (its rows stay in the table: they are committed there)."""
+    if request.mode != "append":
+        return False  # open_run refuses, naming what differs
     other = current_run(request.store)
     if other is None or other.run_id == fingerprint_digest(request.fingerprint):
         return False
-    if request.mode != "append":
-        return False  # open_run refuses, naming what differs
     if other.completion() is None:
         raise SurgeOutputError(
             f"output={request.output!r} holds run {other.run_id} of dask-surge, not finished: appending another "
@@ -259,7 +251,7 @@ def _table_overwrite(request: RunRequest) -> bool:
 
 
 def _claimed_run(
-    request: RunRequest, t0: float, wall0: float, claim: Claim, bar: RunProgress, table: Any = None
+    request: RunRequest, t0: float, wall0: float, claim: Claim, bar: RunProgress, out: Output
 ) -> EncodeResult:
     """:func:`write_run` once the output directory is claimed."""
 
@@ -275,17 +267,14 @@ def _claimed_run(
         if recorded is not None and recorded.mode == "streaming"
         else known_sizes(frame, sbe.column, max_bytes)
     )
-    overwrite = request.overwrite if table is None else _table_overwrite(request)
     manifest, resumed = open_run(
         request.store,
         request.fingerprint,
-        overwrite=overwrite,
+        overwrite=request.overwrite or _follows_run(request),
         plan=_new_plan(request, sizes, max_bytes, threads) if found is None else None,
-        table=table is not None,
+        table=out.appends,  # the fix a different run there is told: mode="append", or overwrite=True
     )
-    manifest.table = (
-        table is not None
-    )  # a table output publishes nothing: its claim holder commits to the table
+    out.bind(manifest)
     plan = manifest.plan
     if plan is None:  # pragma: no cover - a run of write_run always records one
         raise SurgeError(f"the run in {output!r} recorded no plan. Fix: rerun with overwrite=True.")
@@ -314,30 +303,16 @@ def _claimed_run(
         bar.planned(rows=None, superbatches=None, done_rows=done_rows, done_superbatches=len(committed))
     # the codec as the caller configured it (dask.config.set on the client), not as each worker's config says
     runner = UnitRunner(
-        SuperBatchWriter(sbe, manifest, config.get("compression"), table), b_min, b_max, max_bytes
+        SuperBatchWriter(sbe, manifest, config.get("compression"), out), b_min, b_max, max_bytes
     )
     reports: list[SuperBatchReport] = []
-    ttfo = None
-    # on an object store this process publishes each commit as it hears of it (Manifest.tasks_publish)
-    publisher = None if manifest.tasks_publish or manifest.defer_publish or table else Publisher(manifest)
-    committer = None
-    if table is not None:  # commits what a killed process left first, then batches as commits arrive
-        committer = TableCommitter(
-            table,
-            manifest,
-            mode=request.mode,
-            every=config.get("table-commit-every"),
-            seconds=config.get("table-commit-seconds"),
-            claim=claim,
-        )
-        committer.start()
+    # makes commits readable as they arrive (publishes part files, or commits to a table in batches)
+    committer = out.committer(manifest, mode=request.mode, claim=claim)
 
     def heard(sb: str, rows: int, file: str) -> None:
         bar.commit(sb, rows)
-        if publisher is not None and file:
-            publisher.submit(sb, file)
-        if committer is not None and file:
-            committer.submit(sb)
+        if file:
+            committer.submit(sb, file)
 
     if units:
         window = config.get("in-flight") or 2 * max(1, threads)
@@ -353,13 +328,8 @@ def _claimed_run(
                     window,
                     task_resources(client),
                 ):
-                    if report.committed and committer is not None:
-                        committer.submit(report.sb)  # one whose commit was not announced
-                    elif report.committed and publisher is not None:
-                        publisher.submit(report.sb, report.file)  # one whose commit was not announced
-                    elif report.committed:  # when its file became readable, not when the client heard
-                        first = report.committed_at - wall0
-                        ttfo = first if ttfo is None else min(ttfo, first)
+                    if report.committed:  # one whose commit was not announced
+                        committer.submit(report.sb, report.file, report.committed_at)
                     reports.append(report)
                     bar.commit(report.sb, report.rows + report.skipped)  # one that was not announced
                     if claim.lost:
@@ -369,12 +339,7 @@ def _claimed_run(
                             "run stopped; what it committed is kept. Fix: let the other run finish, or rerun."
                         )
         except BaseException as err:
-            if committer is not None:  # what committed is readable in the table (a rerun commits the rest)
-                committer.abandon()
-            if publisher is not None:  # what committed is readable by part-* globs, as on a filesystem
-                publisher.close()
-                with contextlib.suppress(Exception):
-                    manifest.publish_pending(manifest.committed())
+            committer.abandon()  # what committed is readable (a rerun commits the rest)
             # a run that stops before its first commit may then be replaced (see open_run)
             manifest.mark_stopped(f"{type(err).__name__}: {err}")
             if isinstance(err, KeyboardInterrupt):
@@ -383,13 +348,8 @@ def _claimed_run(
             if better is not None:
                 raise better from err
             raise
-    if publisher is not None:
-        publisher.close()
-        if publisher.first is not None:
-            ttfo = publisher.first - wall0
-    if committer is not None:  # every committed SuperBatch into the table before the run counts as complete
-        committer.close()
-        ttfo = committer.first - wall0 if committer.first is not None else None
+    committer.close()  # every committed SuperBatch readable before the run counts as complete
+    ttfo = committer.first - wall0 if committer.first is not None else None
     committed = manifest.committed()
     coverage = manifest.coverage(committed)
     _check_complete(coverage, committed, npartitions, sizes, output)

@@ -1,9 +1,9 @@
-"""Writing SuperBatches: part files (:mod:`dask_surge.io.partfiles`) committed through the manifest."""
+"""Writing SuperBatches: their rows staged by the output (:meth:`~dask_surge.io.tables.Output.stage`: a
+part file, or a table's uncommitted data files), committed through the manifest."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import time
@@ -11,14 +11,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..errors import SurgeOutputError
 from ..io.arrow import to_host
 from ..io.directory import discard, sb_key
-from ..io.layout import PARTITION
 from ..io.manifest import CommitRecord, Manifest
-from ..io.partfiles import parquet_bytes, row_groups, skipped_bytes, table_of
+from ..io.partfiles import skipped_bytes, table_of
+from ..io.tables.parquet import ParquetOutput
 from ..results import SuperBatchReport
 from .events import announce
 from .reach import run_gone, task_sees_run
@@ -60,8 +58,13 @@ class SuperBatchWriter:
     manifest: Manifest
     #: codec of the embedding column, resolved where the run starts (None: the worker's surge.compression)
     compression: str | None = None
-    #: a table output (:mod:`dask_surge.io.tables`): the rows go into its uncommitted data files, not a part file
-    table: Any = None
+    #: where the rows go (:class:`~dask_surge.io.tables.Output`: part files, or a table's uncommitted
+    #: data files); default: the manifest's output as Parquet
+    output: Any = None
+
+    def __post_init__(self) -> None:
+        if self.output is None:
+            object.__setattr__(self, "output", ParquetOutput(self.manifest.store))
 
     def __dask_tokenize__(self):
         return (
@@ -70,7 +73,7 @@ class SuperBatchWriter:
             self.manifest.root,
             self.manifest.run_id,
             self.compression,
-            repr(self.table),
+            repr(self.output),
         )
 
     def _digests(self, parts, spans) -> tuple[tuple[int, str], ...]:
@@ -102,58 +105,48 @@ class SuperBatchWriter:
         )
 
     def commit(self, batch: PendingCommit) -> SuperBatchReport:
-        """The second half of :meth:`__call__`: write the encoded SuperBatch's Parquet file, commit it
-        (exclusive, fsynced record) and publish it. Needs nothing of the input, so a unit runs it on its
+        """The second half of :meth:`__call__`: stage the encoded SuperBatch's rows, commit them
+        (exclusive, fsynced record) and publish them. Needs nothing of the input, so a unit runs it on its
         writer thread while it encodes its next SuperBatch (see :class:`dask_surge.execution.unit.UnitRunner`)."""
         t1 = time.perf_counter()
         encoded, spans = batch.encoded, batch.spans
         first = spans[0][0]
         key = sb_key(first.partition, first.start)
         frame, skipped = encoded.frame, encoded.skipped
-        # rows of each source partition (one span each); skipped nulls are not among them
-        groups = row_groups(np.unique(frame[PARTITION].to_numpy(), return_counts=True)[1])
-        # a table output: the table's own data files now (uncommitted, no reader sees them); the record
-        # carries what the claim holder's table commit needs (dask_surge.execution.tables)
-        payload = self.table.write(table_of(frame)) if self.table is not None else ""
-        data = (
-            payload.encode()
-            if self.table is not None
-            else parquet_bytes(table_of(frame), groups, self.compression)
-        )
         attempt = uuid.uuid4().hex[:8]
         manifest, store = self.manifest, self.manifest.store
         staged, path = manifest.staging_path(key, attempt), manifest.data_path(key, attempt)
         skip_path, skip_data = manifest.skipped_path(key, attempt), skipped_bytes(skipped)
-        record = CommitRecord(
-            sb=key,
-            run=manifest.run_id,
-            file=path.rsplit("/", 1)[-1],
-            rows=encoded.texts,
-            bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
-            spans=tuple((s.partition, s.start, s.stop, int(n)) for s, n in spans),
-            skipped=len(skipped),
-            skipped_file=skip_path.rsplit("/", 1)[-1] if skipped else "",
-            skipped_sha256=hashlib.sha256(skip_data).hexdigest() if skipped else "",
-            attempt=attempt,
-            pid=os.getpid(),
-            committed_at=0.0,
-            digests=batch.digests,
-            output_rows=len(frame),
-            truncated=encoded.truncated,
-            encoded=encoded.encoded,
-            reused=encoded.reused,
-            table=payload,
-        )
-        won, step = False, f"writing {staged!r}"
+        won, step, size = False, f"writing {staged!r}", 0
         try:
             if skipped:  # the ids of skipped nulls, beside the commit record (any number of them)
                 store.makedirs(skip_path.rsplit("/", 1)[0])
                 store.write(skip_path, skip_data)
-            if self.table is None:
-                store.write(staged, data)  # not where readers look: _surge/runs/<run>/staging/
+            # not where readers look: _surge/runs/<run>/staging/, or a table's data files no version names
+            written = self.output.stage(table_of(frame), store, staged, self.compression)
+            size = written.size
             step = f"creating the commit record {manifest.record_path(key)!r}"
-            record = dataclasses.replace(record, committed_at=time.time())
+            record = CommitRecord(
+                sb=key,
+                run=manifest.run_id,
+                file=path.rsplit("/", 1)[-1],
+                rows=encoded.texts,
+                bytes=size,
+                sha256=written.sha256,
+                spans=tuple((s.partition, s.start, s.stop, int(n)) for s, n in spans),
+                skipped=len(skipped),
+                skipped_file=skip_path.rsplit("/", 1)[-1] if skipped else "",
+                skipped_sha256=hashlib.sha256(skip_data).hexdigest() if skipped else "",
+                attempt=attempt,
+                pid=os.getpid(),
+                committed_at=time.time(),
+                digests=batch.digests,
+                output_rows=len(frame),
+                truncated=encoded.truncated,
+                encoded=encoded.encoded,
+                reused=encoded.reused,
+                table=written.payload,
+            )
             won = manifest.commit(record)
             if (
                 won and manifest.tasks_publish
@@ -168,7 +161,7 @@ class SuperBatchWriter:
             if isinstance(err, FileNotFoundError) and not store.exists(manifest.run_dir):
                 raise run_gone(manifest, err) from err
             raise SurgeOutputError(
-                f"{step} for SuperBatch {key} ({encoded.texts} rows, {len(data):,} bytes) failed: "
+                f"{step} for SuperBatch {key} ({encoded.texts} rows{f', {size:,} bytes' if size else ''}) failed: "
                 f"{type(err).__name__}: {err}. "
                 + (
                     "The commit is recorded; a rerun publishes its file. "
@@ -179,12 +172,9 @@ class SuperBatchWriter:
                 + "Fix: free disk space or fix permissions, then rerun the same call to resume."
             ) from err
         if not won:  # another attempt of this SuperBatch committed first: ours is an orphan
-            if (
-                self.table is None
-            ):  # (a table's orphan data files are named by no version: no reader sees them)
-                discard(store, staged)
-            if skipped:
-                discard(store, skip_path)
+            for leftover in (written.path, skip_path if skipped else ""):
+                if leftover:
+                    discard(store, leftover)
         else:  # the client's progress moves now, not when the whole unit ends
             announce(manifest.run_id, key, encoded.texts + len(skipped), record.file)
         return SuperBatchReport(
@@ -192,7 +182,7 @@ class SuperBatchWriter:
             rows=encoded.texts,
             skipped=len(skipped),
             file=record.file if won else "",
-            bytes=len(data),
+            bytes=size,
             spans=record.spans,
             started_at=batch.started_at,
             encode_s=batch.encode_s,

@@ -4,13 +4,16 @@ holder commits batches), with what they share: the commit-metadata keys, :class:
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ...errors import SurgeError, SurgeOutputError, SurgeValueError
+from ... import config
+from ...errors import SurgeError, SurgeValueError
+from .commits import CommitConflict, TableCommitter, check_table_output, table_settled
 from .locations import TableLocation
 
 __all__ = [
@@ -23,6 +26,7 @@ __all__ = [
     "CommitConflict",
     "History",
     "Output",
+    "Staged",
     "TableOutput",
     "require",
     "variable_lists",
@@ -207,13 +211,77 @@ class Output(ABC):
         """The ``on`` + ``columns`` of the rows whose ``on`` values ``keys`` (a pandas frame) names,
         read only from where they can be, as a pandas frame (an index's hits joined to their rows)."""
 
+    # -- a run (dask_surge.execution: the same calls on every format) ----------------------------------
+
+    @abstractmethod
+    def stage(self, data: Any, store: Any, path: str, compression: str | None) -> Staged:
+        """On a worker: a SuperBatch's rows (``data``, a ``pyarrow.Table``) written where no reader sees
+        them until its commit record is created (``path``: the record's staging file in ``store``, an
+        :class:`~dask_surge.io.store.OutputStore`; ``compression``: the vectors' Parquet codec)."""
+
+    def check_target(self, store: Any, run_id: str, mode: str, detect: Callable[[Any], str | None]) -> None:
+        """Before anything is written: refuse an output run ``run_id`` cannot write (``detect``: the
+        registry's rule naming the table format a directory's entries hold,
+        :func:`~dask_surge.io.tables.detect`; the caller's :func:`~dask_surge.io.directory.check_output`
+        checked the location already)."""
+
+    def bind(self, manifest: Any) -> None:
+        """Set ``manifest`` (a run in this output, :class:`~dask_surge.io.manifest.Manifest`) to how this
+        format makes committed rows readable (part files published under the root, or none)."""
+
+    def settled(self, manifest: Any) -> bool:
+        """True when the output holds every SuperBatch ``manifest`` records as committed, each once (a
+        complete run then needs no work)."""
+        return True
+
+    @abstractmethod
+    def committer(self, manifest: Any, *, mode: str, claim: Any) -> Any:
+        """What makes the run's committed SuperBatches readable, started: ``submit(sb, file, at=None)`` as
+        each commit is heard (``at``: when its record was created, from the unit's report), ``close()``
+        at the run's end, ``abandon()`` on its error, ``first``: the wall clock when rows first became
+        readable (None: not by this process)."""
+
 
 class TableOutput(Output):
     """A format whose rows are committed by the claim holder in batches (Lance, Delta, Iceberg, a
     database): workers :meth:`write` data nobody reads yet, the claim holder :meth:`fence` s and
     :meth:`commit` s them, conditional on the version its :meth:`history` was read at, so the store
     refuses a commit prepared before another process took the claim over
-    (:class:`~dask_surge.execution.tables.TableCommitter`)."""
+    (:class:`~.commits.TableCommitter`)."""
+
+    def stage(self, data: Any, store: Any, path: str, compression: str | None) -> Staged:
+        """The table's uncommitted data files (:meth:`write`); the commit record carries their payload."""
+        payload = self.write(data)
+        blob = payload.encode()
+        return Staged(payload, len(blob), hashlib.sha256(blob).hexdigest())
+
+    def check_target(self, store: Any, run_id: str, mode: str, detect: Callable[[Any], str | None]) -> None:
+        """Refuse a table of another format, a directory holding anything else, or a table this run did
+        not create without ``mode="append"`` (:func:`~.commits.check_table_output`)."""
+        check_table_output(store, self, run_id, mode, detect)
+
+    def bind(self, manifest: Any) -> None:
+        """No part file is ever published: the claim holder commits the rows to the table."""
+        manifest.table = True
+
+    def settled(self, manifest: Any) -> bool:
+        """True when the table's history holds every committed SuperBatch once
+        (:func:`~.commits.table_settled`)."""
+        return table_settled(self, manifest)
+
+    def committer(self, manifest: Any, *, mode: str, claim: Any) -> Any:
+        """A started :class:`~.commits.TableCommitter`: it commits what a killed process
+        left first, then batches (``surge.table-commit-every``, ``surge.table-commit-seconds``)."""
+        committer = TableCommitter(
+            self,
+            manifest,
+            mode=mode,
+            every=config.get("table-commit-every"),
+            seconds=config.get("table-commit-seconds"),
+            claim=claim,
+        )
+        committer.start()
+        return committer
 
     @classmethod
     @abstractmethod
@@ -275,15 +343,19 @@ class TableOutput(Output):
         return []
 
 
-class CommitConflict(SurgeOutputError):
-    """The store refused a table commit: the table moved on since the version the commit was based on.
+@dataclass(frozen=True)
+class Staged:
+    """A SuperBatch's rows as :meth:`Output.stage` wrote them, for its commit record."""
 
-    Nothing of the commit landed. Raised by a format's ``fence`` and ``commit`` when the store's own
-    conditional commit fails (Lance: a conflicting transaction; Delta: an application transaction of
-    the run committed since; Iceberg: the branch's snapshot changed; a table created meanwhile). The
-    committer reads the table's history again and decides: retry, or stop when another process's
-    fence came after its own (:class:`~dask_surge.execution.tables.TableCommitter`).
-    """
+    #: what the record carries for the format's commit (:attr:`~dask_surge.io.manifest.CommitRecord.table`;
+    #: ``""``: the record is the commit)
+    payload: str
+    #: bytes and SHA-256 of what was written (the record's ``bytes``, ``sha256``)
+    size: int
+    sha256: str
+    #: the file an attempt that lost its commit removes (``""``: none; a table's data files are named by
+    #: no version)
+    path: str = ""
 
 
 def variable_lists(data: Any) -> Any:
