@@ -32,8 +32,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from . import config
 from .api import embedding_identity_for, encode
 from .errors import SurgeInputError, SurgeValueError
+from .execution.progress import RunProgress, logging_through
 from .io.hashing import hash_column, text_hashes
 from .io.reuse import identity_difference
 from .io.store import OutputStore
@@ -244,67 +246,74 @@ def backfill(
     table = _location(location)
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise SurgeValueError(f"chunk_rows={chunk_rows!r}: rows per table version. Fix: pass an int >= 1.")
-    store = OutputStore.open(table, storage_options)
-    where = TableLocation.of(store)
-    target = _open_table(store)
-    url, hash_col = where.url, f"{column}_text_hash"
-    schema = target.dataset().schema
-    _check_columns(schema, text, key, url)
-    identity = embedding_identity_for(**options)
-    name = EMBEDDING_PROPERTY + column
-    recorded = target.recorded(name)
-    if recorded is not None and not rebuild:
-        differ = identity_difference(json.loads(recorded), identity, now="this backfill uses")
-        if differ:
-            raise SurgeInputError(
-                f"the column {column!r} of {url!r} was made with other options: {differ}. Its vectors and new "
-                "ones would not be comparable. Nothing was written. Fix: pass the options it was made with, "
-                "rebuild=True to re-encode every row with these, or another column=."
+    identity = embedding_identity_for(**options)  # every option checked (progress= too), nothing encoded
+    with RunProgress(enabled=config.get("progress", options.get("progress"))) as bar, logging_through(bar):
+        store = OutputStore.open(table, storage_options)
+        where = TableLocation.of(store)
+        target = _open_table(store)
+        url, hash_col = where.url, f"{column}_text_hash"
+        schema = target.dataset().schema
+        _check_columns(schema, text, key, url)
+        name = EMBEDDING_PROPERTY + column
+        recorded = target.recorded(name)
+        if recorded is not None and not rebuild:
+            differ = identity_difference(json.loads(recorded), identity, now="this backfill uses")
+            if differ:
+                raise SurgeInputError(
+                    f"the column {column!r} of {url!r} was made with other options: {differ}. Its vectors and new "
+                    "ones would not be comparable. Nothing was written. Fix: pass the options it was made with, "
+                    "rebuild=True to re-encode every row with these, or another column=."
+                )
+        have = column in schema.names and hash_col in schema.names
+        scan = target.dataset().to_table(columns=[key, text, *([hash_col] if have else [])])
+        _check_keys(scan.column(key), key, url)
+        texts = scan.column(text)
+        valid = np.flatnonzero(np.asarray(texts.is_valid()))  # a row without a text has nothing to embed
+        current = hash_column(text_hashes(texts.take(valid))).cast(pa.binary())
+        if have and not rebuild:
+            hashes = scan.column(hash_col).take(valid).cast(pa.binary())
+            stale = ~np.asarray(pc.fill_null(pc.equal(hashes, current), False), dtype=bool)
+        else:
+            stale = np.ones(len(valid), dtype=bool)
+        todo, todo_hashes = valid[stale], current.filter(pa.array(stale))
+        chunks = -(-len(todo) // chunk_rows)
+        bar.planned(rows=len(todo), superbatches=chunks)
+        bar.phase("encoding")
+        props = {"id": uuid.uuid4().hex, "text": text, "column": column}
+        versions = 0
+        record = (
+            recorded is None or rebuild
+        )  # before the first chunk's rows: a killed backfill's column is named too
+        for n, start in enumerate(range(0, len(todo), chunk_rows)):
+            rows = todo[start : start + chunk_rows]
+            part = pd.DataFrame({"text": texts.take(rows).to_pandas()})
+            got = encode(dd.from_pandas(part, npartitions=1), "text", **options).compute().sort_values("row")
+            # fixed_size_list of the model's dtype, as encode() made it
+            emb = pa.array(got["embedding"].array)
+            emb = emb.combine_chunks() if isinstance(emb, pa.ChunkedArray) else emb
+            if not pa.types.is_fixed_size_list(emb.type):
+                raise SurgeInputError(
+                    f"backfill writes one dense vector per row, and this model gives {emb.type}. Nothing was "
+                    f"written to {url!r}. Fix: backfill with a dense embedding model."
+                )
+            if n == 0:
+                _check_vectors(target, schema, column, emb.type, url)
+                if record:
+                    versions += target.record(name, json.dumps(identity, sort_keys=True, default=str))
+                    record = False
+            chunk = pa.table(
+                {
+                    key: scan.column(key).take(rows),
+                    column: emb,
+                    hash_col: todo_hashes[start : start + len(rows)].cast(pa.binary(16)),
+                }
             )
-    have = column in schema.names and hash_col in schema.names
-    scan = target.dataset().to_table(columns=[key, text, *([hash_col] if have else [])])
-    _check_keys(scan.column(key), key, url)
-    texts = scan.column(text)
-    valid = np.flatnonzero(np.asarray(texts.is_valid()))  # a row without a text has nothing to embed
-    current = hash_column(text_hashes(texts.take(valid))).cast(pa.binary())
-    if have and not rebuild:
-        hashes = scan.column(hash_col).take(valid).cast(pa.binary())
-        stale = ~np.asarray(pc.fill_null(pc.equal(hashes, current), False), dtype=bool)
-    else:
-        stale = np.ones(len(valid), dtype=bool)
-    todo, todo_hashes = valid[stale], current.filter(pa.array(stale))
-    props = {"id": uuid.uuid4().hex, "text": text, "column": column}
-    versions = 0
-    record = (
-        recorded is None or rebuild
-    )  # before the first chunk's rows: a killed backfill's column is named too
-    for n, start in enumerate(range(0, len(todo), chunk_rows)):
-        rows = todo[start : start + chunk_rows]
-        part = pd.DataFrame({"text": texts.take(rows).to_pandas()})
-        got = encode(dd.from_pandas(part, npartitions=1), "text", **options).compute().sort_values("row")
-        emb = pa.array(got["embedding"].array)  # fixed_size_list of the model's dtype, as encode() made it
-        emb = emb.combine_chunks() if isinstance(emb, pa.ChunkedArray) else emb
-        if not pa.types.is_fixed_size_list(emb.type):
-            raise SurgeInputError(
-                f"backfill writes one dense vector per row, and this model gives {emb.type}. Nothing was "
-                f"written to {url!r}. Fix: backfill with a dense embedding model."
-            )
-        if n == 0:
-            _check_vectors(target, schema, column, emb.type, url)
-            if record:
-                versions += target.record(name, json.dumps(identity, sort_keys=True, default=str))
-                record = False
-        chunk = pa.table(
-            {
-                key: scan.column(key).take(rows),
-                column: emb,
-                hash_col: todo_hashes[start : start + len(rows)].cast(pa.binary(16)),
-            }
-        )
-        meta = {BACKFILL_PROPERTY: json.dumps({**props, "chunk": n, "rows": len(rows)}, sort_keys=True)}
-        versions += target.merge_chunk(chunk, key, meta)
-    if (
-        record and column in schema.names
-    ):  # nothing to encode: the column (of an earlier build) gets its record
-        versions += target.record(name, json.dumps(identity, sort_keys=True, default=str))
-    return BackfillResult(rows=scan.num_rows, encoded=len(todo), versions=versions, column=column)
+            meta = {BACKFILL_PROPERTY: json.dumps({**props, "chunk": n, "rows": len(rows)}, sort_keys=True)}
+            versions += target.merge_chunk(chunk, key, meta)
+            bar.commit(f"chunk-{n}", len(rows))
+        if (
+            record and column in schema.names
+        ):  # nothing to encode: the column (of an earlier build) gets its record
+            versions += target.record(name, json.dumps(identity, sort_keys=True, default=str))
+        bar.finish(len(todo), chunks)
+        return BackfillResult(rows=scan.num_rows, encoded=len(todo), versions=versions, column=column)

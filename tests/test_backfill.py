@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -343,3 +344,25 @@ def test_a_delta_table_is_appended_to_after_a_backfill_with_the_schema_merged(tm
     deltalake.write_deltalake(str(path), new, mode="append", schema_mode="merge")
     assert _run(path).encoded == 2
     _check("delta", path)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_backfill_shows_progress_as_encode_does(tmp_path, fmt, capsys, monkeypatch):
+    monkeypatch.setenv("TQDM_MININTERVAL", "0")  # every update drawn: nothing depends on timing
+    monkeypatch.setenv("TQDM_MINITERS", "1")
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    path = tmp_path / f"t.{fmt}"
+    _table(fmt, path, n=50)
+    capsys.readouterr()
+    _run(path, chunk_rows=20, progress=True)
+    states = [
+        s.strip()
+        for s in re.split(r"[\r\n]", capsys.readouterr().err)
+        if s.strip().startswith("dask-surge [")
+    ]
+    assert any(s.startswith("dask-surge [encoding]") for s in states), states
+    assert states[-1].startswith("dask-surge [done]") and "50/50 rows" in states[-1], states[-1]
+    quiet = tmp_path / f"u.{fmt}"
+    _table(fmt, quiet, n=5)
+    assert _run(quiet, progress=False).encoded == 5
+    assert "dask-surge" not in capsys.readouterr().err
