@@ -36,6 +36,7 @@ from . import config
 from .api import embedding_identity_for, encode
 from .errors import SurgeInputError, SurgeValueError
 from .execution.progress import RunProgress, logging_through
+from .execution.runner import loadable_name
 from .io.hashing import hash_column, text_hashes
 from .io.reuse import identity_difference
 from .io.store import OutputStore
@@ -315,5 +316,9 @@ def backfill(
             record and column in schema.names
         ):  # nothing to encode: the column (of an earlier build) gets its record
             versions += target.record(name, json.dumps(identity, sort_keys=True, default=str))
+        if column in schema.names or len(todo):  # where the format records how vectors were made (LanceDB)
+            versions += target.record_embedding(
+                identity, text, loadable_name(identity.get("model")), vector=column
+            )
         bar.finish(len(todo), chunks)
         return BackfillResult(rows=scan.num_rows, encoded=len(todo), versions=versions, column=column)

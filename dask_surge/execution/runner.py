@@ -32,8 +32,11 @@ from ..io.manifest import (
     settled,
     text_counts,
 )
+from ..io.reuse import embedding_identity
 from ..io.store import OutputStore
 from ..io.tables import Output, detect, open_output
+from ..models.modelid import directory_digest
+from ..models.resolve import packaged_dir
 from ..planning.run import new_ramp, superbatches_for
 from ..planning.sizes import PartitionSizes, known_sizes
 from ..planning.thresholds import Requested, Thresholds
@@ -49,7 +52,7 @@ from .stops import interrupted, stopped_error
 from .superbatch import SuperBatchTask
 from .unit import UnitRunner, planned_units, streaming_units
 
-__all__ = ["RunRequest", "ThresholdResolver", "write_run", "complete_result"]
+__all__ = ["RunRequest", "ThresholdResolver", "write_run", "complete_result", "loadable_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -353,6 +356,8 @@ def _claimed_run(
     committed = manifest.committed()
     coverage = manifest.coverage(committed)
     _check_complete(coverage, committed, npartitions, sizes, output)
+    identity = embedding_identity(manifest.fingerprint)  # where the format records how vectors were made
+    out.record_embedding(identity, sbe.column, loadable_name(identity.get("model")), run=manifest.run_id)
     summary = {
         "rows": coverage.total_rows,
         "superbatches": len(committed),
@@ -385,6 +390,29 @@ def _claimed_run(
         reused=summary["reused"],
         family=family_of_run(manifest.fingerprint),
     )
+
+
+def loadable_name(model: Any) -> str | None:
+    """The name sentence-transformers loads the model a run's identity records (``model``) by: a Hub
+    model's repo id, ``"all-MiniLM-L6-v2"`` for the packaged copy; None for any other (a local
+    directory, an in-memory model).
+
+    Examples
+    --------
+    >>> loadable_name({"kind": "path", "repo_id": "BAAI/bge-small-en-v1.5", "commit": "c0"})
+    'BAAI/bge-small-en-v1.5'
+    >>> loadable_name({"kind": "object", "digest": "ab"}) is None
+    True
+    """
+    if not isinstance(model, dict) or model.get("kind") != "path":
+        return None
+    if model.get("repo_id"):
+        return str(model["repo_id"])
+    try:
+        packaged = directory_digest(packaged_dir("default"))
+    except (SurgeError, OSError):
+        return None
+    return "all-MiniLM-L6-v2" if model.get("digest") == packaged else None
 
 
 def _check_complete(coverage: Coverage, committed: dict, npartitions: int, sizes, output: str) -> None:

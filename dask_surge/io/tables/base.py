@@ -241,6 +241,22 @@ class Output(ABC):
         at the run's end, ``abandon()`` on its error, ``first``: the wall clock when rows first became
         readable (None: not by this process)."""
 
+    def record_embedding(
+        self,
+        identity: dict,
+        source: str,
+        name: str | None,
+        *,
+        vector: str = "embedding",
+        run: str | None = None,
+    ) -> int:
+        """Record, where the format has a convention for it (LanceDB's embedding functions), that
+        ``vector`` holds the embeddings of ``source`` made as ``identity`` says
+        (:func:`~dask_surge.io.reuse.embedding_identity`) by the model sentence-transformers loads as
+        ``name`` (None: none it loads by name), in a version of run ``run``'s own (None: of no run);
+        returns the versions made (0: none)."""
+        return 0
+
 
 class TableOutput(Output):
     """A format whose rows are committed by the claim holder in batches (Lance, Delta, Iceberg, a

@@ -41,7 +41,7 @@ from .base import (
 )
 from .locations import TableLocation
 
-__all__ = ["LanceTable", "KEEPS_ROWS", "lance_index_params"]
+__all__ = ["LanceTable", "KEEPS_ROWS", "lance_index_params", "lancedb_function"]
 
 #: operations of another writer that leave every committed row in place (a run goes on after them)
 KEEPS_ROWS = frozenset({"Append", "CreateIndex", "Rewrite", "UpdateConfig", "UpdateMap"})
@@ -381,6 +381,43 @@ class LanceTable(TableOutput):
         lance.LanceDataset.commit(self.location.uri, txn, storage_options=self.location.options)
         return 1 + bool(missing)
 
+    def record_embedding(
+        self,
+        identity: dict,
+        source: str,
+        name: str | None,
+        *,
+        vector: str = "embedding",
+        run: str | None = None,
+    ) -> int:
+        """Record in the table's schema metadata, as LanceDB's embedding-function registry reads it
+        (:func:`lancedb_function`), that ``vector`` holds the embeddings of ``source``, so that
+        ``lancedb.connect(...).open_table(...).search("text")`` embeds its query with the same model:
+        one ``Project`` version (of run ``run``'s own: its commit metadata names it), none when
+        LanceDB's ``sentence-transformers`` function would not make the same vectors or the same is
+        recorded already (an entry of another model for ``vector`` is removed)."""
+        lance = require("lance")
+
+        entry = lancedb_function(identity, source, vector, name)
+        ds = self.dataset()
+        meta = dict(ds.schema.metadata or {})
+        recorded = json.loads(meta.get(_LANCEDB_KEY, b"[]"))
+        functions = [f for f in recorded if f.get("vector_column") != vector] + ([entry] if entry else [])
+        if functions == recorded:
+            return 0
+        meta[_LANCEDB_KEY] = json.dumps(functions).encode()
+        props = {RUN_PROPERTY: run, SUPERBATCHES_PROPERTY: "[]"} if run else {}
+        lance.LanceDataset.commit(
+            self.location.uri,
+            lance.Transaction(
+                ds.version,
+                lance.LanceOperation.Project(ds.schema.with_metadata(meta)),
+                transaction_properties=props,
+            ),
+            storage_options=self.location.options,
+        )
+        return 1
+
     # -- the table's own vector index ----------------------------------------------------------
 
     def build_native_index(self, metric: str) -> dict:
@@ -424,6 +461,47 @@ class LanceTable(TableOutput):
             )
             .to_pandas()
         )
+
+
+#: the schema-metadata key of LanceDB's embedding functions (``lancedb.embeddings.registry``)
+_LANCEDB_KEY = b"embedding_functions"
+#: keys of an embedding identity whose value LanceDB's ``sentence-transformers`` function can reproduce
+_PLAIN = {"model", "normalize", "precision", "truncate_dim", "dimension", "on_null"}
+
+
+def lancedb_function(identity: dict, source: str, vector: str, name: str | None) -> dict | None:
+    """LanceDB's embedding-function entry (an item of the schema metadata ``embedding_functions``: the
+    registry's ``name``, the function's ``model`` arguments, ``source_column``, ``vector_column``) for
+    vectors made as ``identity`` says (:func:`~dask_surge.io.reuse.embedding_identity`) by the model
+    sentence-transformers loads as ``name``; None when LanceDB's ``sentence-transformers`` function
+    would not make the same vectors: no such name (a local directory, an in-memory model), a prompt,
+    ``model_kwargs``, ``truncate_dim``, a precision other than float32, a long-text mode or a family
+    other than dense.
+
+    Examples
+    --------
+    >>> model = {"kind": "path", "repo_id": "BAAI/bge-small-en-v1.5", "commit": "c0", "prompt": None}
+    >>> entry = lancedb_function({"model": model, "normalize": True}, "text", "embedding", "BAAI/bge-small-en-v1.5")
+    >>> entry["name"], entry["model"], entry["source_column"], entry["vector_column"]
+    ('sentence-transformers', {'name': 'BAAI/bge-small-en-v1.5', 'normalize': True}, 'text', 'embedding')
+    >>> lancedb_function({"model": model, "precision": "int8"}, "text", "embedding", "BAAI/bge-small-en-v1.5")
+    """
+    model = identity.get("model")
+    if (
+        name is None
+        or not isinstance(model, dict)
+        or set(identity) - _PLAIN
+        or identity.get("precision", "float32") != "float32"
+        or identity.get("truncate_dim") is not None
+        or any(model.get(k) for k in ("prompt", "prompt_name", "model_kwargs", "family"))
+    ):
+        return None
+    return {
+        "name": "sentence-transformers",
+        "model": {"name": name, "normalize": bool(identity.get("normalize"))},
+        "source_column": source,
+        "vector_column": vector,
+    }
 
 
 def lance_index_params(rows: int, dim: int) -> dict:
