@@ -401,6 +401,38 @@ def test_a_database_without_pgvector_says_who_must_create_it(uri):
         t.write(frame(0, 1))
 
 
+def test_encode_into_a_database_without_pgvector_is_refused_before_any_work(uri, tmp_path):
+    import dask
+
+    import dask_surge
+    from dask_surge.testing import numbered_frame
+
+    test_a_database_without_pgvector_says_who_must_create_it(uri)  # role and database, no extension
+    socket = uri.split("host=", 1)[1]
+    calls = []
+
+    def model(texts):
+        calls.append(len(texts))
+        return np.ones((len(texts), 2), np.float32)
+
+    with (
+        dask.config.set({"surge.pgvector-state": str(tmp_path)}),
+        pytest.raises(SurgeOutputError, match=r"have a superuser run `CREATE EXTENSION vector;`") as err,
+    ):
+        dask_surge.encode(
+            numbered_frame(50, 1),
+            "text",
+            output=f"postgresql://surge_noext@/noext?host={socket}",
+            format="pgvector",
+            table="docs",
+            model=model,
+            scheduler="threads",
+            progress=False,
+        )
+    assert all(n == 1 for n in calls), calls  # the model's one-text probe at most: no SuperBatch encoded
+    assert "\n" not in str(err.value)
+
+
 def test_a_table_dask_surge_did_not_create_is_a_foreign_version(uri):
     _sql(uri, "CREATE SCHEMA IF NOT EXISTS own")
     _sql(

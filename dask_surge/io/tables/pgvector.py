@@ -405,6 +405,14 @@ class PgVectorTable(TableOutput):
         """True when another writer's operation ``op`` leaves every committed row in place."""
         return op in KEEPS_ROWS
 
+    def check_target(self, store: Any, run_id: str, mode: str, detect: Any) -> None:
+        """Before any work: the server is reachable and has the pgvector extension (created where it is
+        missing and the role may; else one line says who must), then what every table output refuses
+        (:meth:`.base.TableOutput.check_target`)."""
+        with self._session() as conn:
+            self._ensure_extension(conn)
+        super().check_target(store, run_id, mode, detect)
+
     # -- connections -----------------------------------------------------------------------------
 
     def _secret(self) -> str | None:
