@@ -522,8 +522,8 @@ def _encode(ddf: Any, column: str, output: str | None, **options: Any) -> Any:
     # a different run already there is refused, and a complete run answered, before any worker starts
     # (mode="append" to a table: the run decides whether the run there may be followed, _table_overwrite)
     appending = kind.appends and mode == "append"
-    table = open_output(out_format, store) if kind.batched else None
-    done = preflight(store, frame, run_id, overwrite=overwrite or appending, started=started, table=table)
+    target = open_output(out_format, store)
+    done = preflight(store, frame, run_id, overwrite=overwrite or appending, started=started, output=target)
     if done is not None:
         return _indexed(done, opts["build_index"], storage_options)
     small = runs_in_process(frame, column) if starting else None
@@ -537,7 +537,7 @@ def _encode(ddf: Any, column: str, output: str | None, **options: Any) -> Any:
         logging_through(bar),
         _client_for(scheduler) as client,
         _registered(task.encoder, client),
-        _secrets(table, client),
+        _secrets(target, client),
     ):
         _open_reuse(task, run_id)
         shape = _shape_of(client)  # as the run starts: a calibration is refreshed only if it held

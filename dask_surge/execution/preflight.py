@@ -23,7 +23,6 @@ from ..io.store import OutputStore
 from ..planning.sizes import known_sizes
 from ..results import EncodeResult
 from .runner import complete_result
-from .tables import table_settled
 
 __all__ = [
     "preflight",
@@ -52,13 +51,13 @@ def preflight(
     *,
     overwrite: bool,
     started: float,
-    table: Any = None,
+    output: Any,
 ) -> EncodeResult | None:
     """Check the output for the run of ``fingerprint`` before workers start (the location itself
     was checked when it was opened: :func:`~dask_surge.io.directory.check_output`).
 
-    ``table``: the table object of a table output (its history must hold each committed
-    SuperBatch once before a complete run is answered), or None for Parquet.
+    ``output``: the run's :class:`~dask_surge.io.tables.Output` at ``store`` (it says whether what a
+    complete run committed is all there and readable: a table's history holds each SuperBatch once).
 
     Returns
     -------
@@ -73,6 +72,8 @@ def preflight(
         output holds a different run (without ``overwrite``).
     """
     found = find_run(store, fingerprint)
+    if found is not None:
+        output.bind(found)
     # a complete run answers here unless a killed process left its clean-up (the run's own path finishes it)
     if (
         found is not None
@@ -80,7 +81,7 @@ def preflight(
         and not overwrite
         and not found.coverage().missing(frame.npartitions)
         and settled(found, found.committed())
-        and (table is None or table_settled(table, found))
+        and output.settled(found)
     ):
         return complete_result(found, store.location, started)
     current = current_run(store)
@@ -90,7 +91,7 @@ def preflight(
         and not overwrite
         and not (current.stopped() and not current.committed())
     ):
-        raise other_run_error(store.location, current, fingerprint, table=table is not None)
+        raise other_run_error(store.location, current, fingerprint, table=output.appends)
     return None
 
 
