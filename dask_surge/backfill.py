@@ -1,17 +1,19 @@
-"""Backfill an embedding column into an existing Lance or Delta table, in place, resumably.
+"""Backfill an embedding column into an existing Lance, Delta or PostgreSQL table, in place, resumably.
 
 :func:`backfill` embeds every row of a table whose embedding is missing or was made from another
 text than the row holds now (the row's text hash against the hash recorded beside its embedding,
 as ``reuse=`` matches texts), and writes the embeddings into the table in place, one table
-version per chunk of rows: a merge on a key column (Lance ``merge_insert``, Delta ``MERGE``)
-whose commit names the backfill (:data:`BACKFILL_PROPERTY`). Each version is atomic: readers see
+version per chunk of rows: a merge on a key column (Lance ``merge_insert``, Delta ``MERGE``,
+PostgreSQL ``UPDATE ... FROM`` a binary-COPYed temporary table, one transaction) whose commit names
+the backfill (:data:`BACKFILL_PROPERTY`). Each version is atomic: readers see
 the table as it was or with one more chunk embedded, never a half-written chunk. A kill loses at
 most the chunk in flight: a rerun finds the rows still missing and embeds only them. Rows added
 to the table later (with the column null) are picked up by the next backfill, and only they are
 encoded.
 
 The loop is shared; what differs per format is the output class's (:attr:`~dask_surge.io.tables.Output.merges_columns`:
-:class:`~dask_surge.io.tables.lance.LanceTable`, :class:`~dask_surge.io.tables.delta.DeltaOutput`): its dataset,
+:class:`~dask_surge.io.tables.lance.LanceTable`, :class:`~dask_surge.io.tables.delta.DeltaOutput`,
+:class:`~dask_surge.io.tables.pgvector.PgVectorTable`): its dataset,
 the shape of its vector column, the types it holds, its recorded options, and one chunk's merge.
 
 The encoding itself is :func:`dask_surge.encode` without an output (on the active Dask client, or
@@ -40,15 +42,16 @@ from .execution.runner import loadable_name
 from .io.hashing import hash_column, text_hashes
 from .io.reuse import identity_difference
 from .io.store import OutputStore
-from .io.tables import FORMATS, detect, detect_output, open_output, output_class
-from .io.tables.locations import TableLocation
+from .io.tables import FORMATS, detect, detect_output, display_name, open_output, output_class, output_store
+from .io.tables.pgvector import is_address
+from .options import Invalid, option
 
 __all__ = ["BACKFILL_PROPERTY", "BackfillResult", "backfill"]
 
 #: commit-metadata key of a backfill's table versions: JSON ``{"id", "text", "column", "chunk", "rows"}``
 BACKFILL_PROPERTY = "dask-surge.backfill"
-#: table property (Delta) or config key (Lance) prefix: ``<prefix><column>`` holds the JSON embedding
-#: identity (model, prompt, normalization, precision, truncate_dim...) that made the column's vectors
+#: table property (Delta), config key (Lance) or key of the column's comment (PostgreSQL) prefix:
+#: ``<prefix><column>`` holds the JSON embedding identity (model, prompt, normalization, precision, truncate_dim...) that made the column's vectors
 EMBEDDING_PROPERTY = "dask-surge.embedding."
 #: options of :func:`dask_surge.encode` that mean nothing to a backfill (it writes one column in place)
 _NOT_FOR_BACKFILL = ("output", "format", "mode", "overwrite", "keep", "reuse", "build_index", "input_token")
@@ -72,6 +75,8 @@ def _open_table(store: OutputStore) -> Any:
     if output_class(fmt).merges_columns:
         return open_output(fmt, store)
     able = [name for name in FORMATS if output_class(name).merges_columns]
+    databases = [f for f in able if getattr(output_class(f), "database", False)]
+    able = [f for f in able if f not in databases]
     names = store.listdir(root) if store.isdir(root) else []
     if not store.exists(root):
         what = "nothing is there"
@@ -88,7 +93,9 @@ def _open_table(store: OutputStore) -> Any:
     markers = " or ".join(f"{output_class(f).MARKER}/ ({f})" for f in able)
     raise SurgeInputError(
         f"{store.location!r} is not a table backfill writes ({', '.join(able)}): {what}. Fix: pass the root "
-        f"of such a table (holding {markers})."
+        f"of such a table (holding {markers})"
+        + "".join(f", or a PostgreSQL URI with table= ({f})" for f in databases)
+        + "."
     )
 
 
@@ -97,13 +104,14 @@ def _check_columns(schema: pa.Schema, text: str, key: str, url: str) -> None:
     for name, what in ((text, "text"), (key, "key")):
         if name not in names:
             raise SurgeInputError(
-                f"the table {url!r} has no {what} column {name!r} (it has {names}). "
+                f"the table {url!r} has no {what} column {name!r} (it has {names}). Nothing was written. "
                 f"Fix: pass {what}= one of its columns."
             )
     kind = schema.field(text).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
         raise SurgeInputError(
-            f"the text column {text!r} of {url!r} holds {kind}, not strings. Fix: pass text= a string column."
+            f"the text column {text!r} of {url!r} holds {kind}, not strings. Nothing was written. Fix: pass "
+            "text= a string column."
         )
 
 
@@ -148,7 +156,7 @@ def _check_vectors(table: Any, schema: pa.Schema, column: str, got: pa.FixedSize
     if not table.holds(value):
         name = {"halffloat": "float16"}.get(str(value), str(value))
         raise SurgeInputError(
-            f"the model gives {name} vectors, and a {table.name.capitalize()} table has no {name} type. Nothing was "
+            f"the model gives {name} vectors, and a {display_name(table.name)} table has no {name} type. Nothing was "
             f"written to {url!r}. Fix: pass precision='float32' (or 'int8' where it applies), or backfill a "
             "Lance table."
         )
@@ -177,6 +185,7 @@ def _location(location: Any) -> str:
         return str(location.to_lance().uri)
     raise SurgeValueError(
         f"backfill({type(location).__name__} ...): the location is a path or URL of a Lance or Delta table, a "
+        "PostgreSQL URI (with table=), a "
         "deltalake.DeltaTable, a lance dataset or a LanceDB table. Fix: pass one of those."
     )
 
@@ -186,6 +195,7 @@ def backfill(
     text: str,
     *,
     key: str,
+    table: str | None = None,
     column: str = "embedding",
     chunk_rows: int = 10_000,
     rebuild: bool = False,
@@ -199,15 +209,26 @@ def backfill(
     location : str, path, or table object
         A Lance or Delta table: a local path or ``s3://`` URL (the format is read from what its root
         holds: ``_versions/`` or ``_delta_log/``), or a ``deltalake.DeltaTable``, a ``lance`` dataset or
-        a LanceDB table (its path is used; pass ``storage_options`` for an object store).
+        a LanceDB table (its path is used; pass ``storage_options`` for an object store). Or a
+        PostgreSQL database, ``"postgresql://user@host:5432/db"`` (the password through ``PGPASSWORD``
+        or ``~/.pgpass``; one in the URI is shown nowhere), whose table ``table`` names.
     text : str
         Its text column (rows with a null text are left alone).
     key : str
-        A column whose values identify rows uniquely (the write-back matches rows on it).
+        A column whose values identify rows uniquely (the write-back matches rows on it; a
+        PostgreSQL table's primary key).
+    table : str, optional
+        For a PostgreSQL ``location``: the existing table, as ``encode``'s ``table=`` names one
+        (``"name"`` or ``"schema.name"``; else the URI's ``#schema.name``, else ``surge.table``).
+        Each chunk is one transaction: ``ALTER TABLE ... ADD COLUMN`` (the first: ``vector(d)``, or
+        ``halfvec(d)`` for float16, and ``bytea`` for the hash), a binary ``COPY`` into a temporary
+        table and ``UPDATE ... FROM`` it joined on ``key``; the model and options are the JSON of the
+        column's ``COMMENT``.
     column : str
         The embedding column to add or update; ``<column>_text_hash`` beside it records the hash of
         the text each embedding was made from, and the table records the model and options that made
-        the column (a table property ``dask-surge.embedding.<column>``).
+        the column (a table property ``dask-surge.embedding.<column>``; PostgreSQL: that key of the
+        column's comment).
     chunk_rows : int
         Rows embedded and written per table version.
     rebuild : bool
@@ -228,7 +249,7 @@ def backfill(
     Raises
     ------
     SurgeInputError
-        Not a Lance or Delta table; no such text or key column; a key that is null or repeated;
+        Not a Lance, Delta or PostgreSQL table; no such text or key column; a key that is null or repeated;
         an existing ``column`` of another type or dimension than the model's vectors, or made with
         other options (the difference is named).
     """
@@ -244,15 +265,25 @@ def backfill(
             "backfill(..., long_texts='chunk'): a chunked text is several vectors, and a backfill writes one per "
             "row. Nothing was written. Fix: long_texts='truncate' (default) or 'error'."
         )
-    table = _location(location)
+    place = _location(location)
+    try:
+        option("table").check(table)
+    except Invalid as err:
+        raise SurgeValueError(option("table").argument_error(table, err) + " Nothing was written.") from None
+    if table is not None and not is_address(place):
+        raise SurgeValueError(
+            f"backfill(..., table={table!r}) names a PostgreSQL table, and {place!r} is not a PostgreSQL URI. "
+            "Nothing was written. Fix: pass 'postgresql://user@host:5432/db' first, or leave table= out for a "
+            "Lance or Delta table."
+        )
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise SurgeValueError(f"chunk_rows={chunk_rows!r}: rows per table version. Fix: pass an int >= 1.")
     identity = embedding_identity_for(**options)  # every option checked (progress= too), nothing encoded
     with RunProgress(enabled=config.get("progress", options.get("progress"))) as bar, logging_through(bar):
-        store = OutputStore.open(table, storage_options)
-        where = TableLocation.of(store)
+        # a database's: the state directory its runs keep (a backfill writes nothing there)
+        store = output_store(place, storage_options, table=table)
         target = _open_table(store)
-        url, hash_col = where.url, f"{column}_text_hash"
+        url, hash_col = target.location.url, f"{column}_text_hash"  # a database's: without its password
         schema = target.dataset().schema
         _check_columns(schema, text, key, url)
         name = EMBEDDING_PROPERTY + column

@@ -12,6 +12,7 @@ import pandas as pd
 from .errors import SurgeValueError
 from .families import DENSE
 from .io.layout import FAMILY_COLUMNS
+from .io.tables import display_name
 from .planning.costmodel import predict
 from .planning.policy import SuperBatch
 from .planning.sizes import PartitionSizes
@@ -503,7 +504,7 @@ class EncodeResult:
             return ""
         how = "built" if i.get("built", True) else "already up to date, kept"
         if i.get("kind") != "faiss":  # the table format's own index
-            what = f"the {str(i.get('kind')).capitalize()} table's own {i.get('index_type', 'vector')} index"
+            what = f"the {display_name(str(i.get('kind')))} table's own {i.get('index_type', 'vector')} index"
         else:
             what = f"a FAISS {i.get('index', 'HNSW')} index at {i.get('path')}"
         return (

@@ -678,3 +678,253 @@ def test_a_server_crash_mid_run_then_the_same_call_writes_every_row_once(tmp_pat
         assert np.array_equal(np.stack(got.embedding), expect[got.doc_id.to_numpy()])
     finally:
         srv.cleanup()
+
+
+# -- backfill an existing table in place (item 4) ------------------------------------------------------
+
+BACKFILL_DRIVER = """
+import os, signal, sys
+import dask_surge.backfill as bf
+from dask_surge.testing import checksum_model
+real, calls = bf.encode, []
+def encode(*a, **k):  # test hook: SIGKILL this process while it encodes its second chunk
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a, **k)
+bf.encode = encode
+bf.backfill(sys.argv[1], "text", key="id", table=sys.argv[2], model=checksum_model, scheduler="threads",
+            chunk_rows=int(sys.argv[3]), progress=False)
+"""
+
+
+def _text(i: int) -> str:
+    return f"row {i} " + "word " * (i % 9)
+
+
+def _source(uri, table: str, ids, key_type: str = "bigint") -> None:
+    """A user's table made with plain SQL: ``id`` its primary key, ``text``, ``title``."""
+    schema = table.split(".")[0]
+    _sql(uri, f"CREATE SCHEMA IF NOT EXISTS {schema}")
+    _sql(uri, f"CREATE TABLE {table} (id {key_type} PRIMARY KEY, title text, text text)")
+    _add(uri, table, ids)
+
+
+def _add(uri, table: str, ids) -> None:
+    with psycopg.connect(uri, autocommit=True) as conn, conn.cursor() as cur:
+        cur.executemany(
+            f"INSERT INTO {table} (id, title, text) VALUES (%s, %s, %s)",
+            [(i, f"t{i}", _text(i)) for i in ids],
+        )
+
+
+def _backfill(uri, table: str, **kw):
+    from dask_surge.backfill import backfill
+    from dask_surge.testing import checksum_model
+
+    kw = {"model": checksum_model, "scheduler": "threads", "progress": False, **kw}
+    return backfill(uri, "text", key="id", table=table, **kw)
+
+
+def _dim() -> int:
+    from dask_surge.testing import checksum_model
+
+    return int(checksum_model(["x"]).shape[1])
+
+
+def _backfilled(uri, table: str) -> dict:
+    """id -> vector of every row; every row's vector is its text's, made by the model directly."""
+    from pgvector.psycopg import register_vector
+
+    from dask_surge.testing import checksum_model
+
+    with psycopg.connect(uri, autocommit=True) as conn:
+        register_vector(conn)
+        rows = conn.execute(f"SELECT id, text, embedding FROM {table} ORDER BY id").fetchall()
+    assert all(r[2] is not None for r in rows)
+    vectors = np.stack([np.asarray(r[2].to_numpy()) for r in rows])
+    np.testing.assert_array_equal(vectors, checksum_model([r[1] for r in rows]))
+    return {r[0]: v for r, v in zip(rows, vectors, strict=True)}
+
+
+def _columns(uri, table: str) -> list[str]:
+    return [
+        r[0]
+        for r in _sql(
+            uri,
+            "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0 AND NOT "
+            "attisdropped ORDER BY attnum",
+            (table,),
+        )
+    ]
+
+
+def test_backfill_a_table_then_only_the_100_added_and_3_edited_rows(uri):
+    _source(uri, "bf.docs", range(500))
+    first = _backfill(uri, "bf.docs", chunk_rows=200)
+    assert (first.rows, first.encoded, first.versions, first.column) == (500, 500, 4, "embedding")
+    before = _backfilled(uri, "bf.docs")
+    assert _columns(uri, "bf.docs") == ["id", "title", "text", "embedding", "embedding_text_hash"]
+    kind = _sql(
+        uri,
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = 'bf.docs'::regclass "
+        "AND attname = 'embedding'",
+    )[0][0]
+    assert kind == f"vector({_dim()})"
+    (comment,) = _sql(uri, "SELECT col_description('bf.docs'::regclass, 4)")[0]
+    recorded = json.loads(comment)["dask-surge.embedding.embedding"]
+    assert "model" in recorded and recorded["precision"] == "float32"
+
+    _add(uri, "bf.docs", range(500, 600))  # 100 rows added, their vector null
+    _sql(uri, "UPDATE bf.docs SET text = 'an edited text ' || id WHERE id IN (7, 250, 499)")
+    second = _backfill(uri, "bf.docs")
+    assert (second.rows, second.encoded) == (600, 103)
+    after = _backfilled(uri, "bf.docs")
+    for i in range(500):  # the old rows keep their vectors, but the edited ones
+        assert np.array_equal(after[i], before[i]) == (i not in (7, 250, 499))
+    third = _backfill(uri, "bf.docs")
+    assert (third.encoded, third.versions) == (0, 0)
+
+
+def test_a_backfill_with_another_prompt_is_refused_naming_it(uri, tiny_model):
+    from dask_surge.errors import SurgeInputError
+
+    _source(uri, "bfp.docs", range(30))
+    assert _backfill(uri, "bfp.docs", model=str(tiny_model)).encoded == 30
+    _add(uri, "bfp.docs", range(30, 40))
+    with pytest.raises(
+        SurgeInputError,
+        match=r"made with other options: .*prompt='query: '.*Nothing was written.*rebuild=True",
+    ):
+        _backfill(uri, "bfp.docs", model=str(tiny_model), prompt="query: ")
+    assert _sql(uri, "SELECT count(*) FROM bfp.docs WHERE embedding IS NULL")[0][0] == 10  # nothing written
+    assert _backfill(uri, "bfp.docs", model=str(tiny_model)).encoded == 10
+    assert _sql(uri, "SELECT count(*) FROM bfp.docs WHERE embedding IS NULL")[0][0] == 0
+
+
+def test_backfill_a_padded_text_key_and_float16_vectors_as_halfvec(uri):
+    _sql(uri, "CREATE SCHEMA IF NOT EXISTS bfh")
+    _sql(uri, "CREATE TABLE bfh.docs (id character(6) PRIMARY KEY, text text)")  # matched as text
+    _sql(uri, "INSERT INTO bfh.docs SELECT 'k' || g, 'text ' || g FROM generate_series(1, 20) g")
+    assert _backfill(uri, "bfh.docs", precision="float16", chunk_rows=8).encoded == 20
+    kind = _sql(
+        uri,
+        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = 'bfh.docs'::regclass "
+        "AND attname = 'embedding'",
+    )[0][0]
+    assert kind == f"halfvec({_dim()})"
+    assert _sql(uri, "SELECT count(*) FROM bfh.docs WHERE embedding IS NULL")[0][0] == 0
+
+
+def test_backfill_bad_input_is_one_line_naming_value_and_fix_and_writes_nothing(server, uri):
+    from dask_surge.backfill import backfill
+    from dask_surge.errors import SurgeInputError, SurgeOutputError, SurgeValueError
+    from dask_surge.testing import checksum_model
+
+    secret = _password_role(server, uri)  # a password in the URI is shown nowhere
+    _sql(uri, "CREATE TABLE IF NOT EXISTS pw.src (id bigint PRIMARY KEY, body text, n integer)")
+    _sql(uri, "ALTER TABLE pw.src OWNER TO surge_pw")
+    _sql(uri, "INSERT INTO pw.src VALUES (1, 'a', 1), (2, 'b', 2) ON CONFLICT DO NOTHING")
+    kw = {"model": checksum_model, "scheduler": "threads", "progress": False}
+    cases = [
+        (
+            {"text": "body", "key": "doc", "table": "pw.src"},
+            SurgeInputError,
+            r"no key column 'doc' .*Fix: pass key=",
+        ),
+        (
+            {"text": "text", "key": "id", "table": "pw.src"},
+            SurgeInputError,
+            r"no text column 'text' .*Fix: pass text=",
+        ),
+        (
+            {"text": "n", "key": "id", "table": "pw.src"},
+            SurgeInputError,
+            r"text column 'n' .* holds int32, not strings",
+        ),
+        (
+            {"text": "body", "key": "id", "table": "pw.nope"},
+            SurgeOutputError,
+            r"no table pw\.nope .*Fix: pass table= an existing",
+        ),
+        ({"text": "body", "key": "id", "table": ""}, SurgeValueError, r"table='' is not a table name.*Fix:"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match) as got:
+            backfill(secret, **args, **kw)
+        message = str(got.value)
+        assert "\n" not in message and "S3cr3t" not in message and "Nothing was written" in message, message
+    assert _columns(uri, "pw.src") == ["id", "body", "n"]
+    with pytest.raises(
+        SurgeValueError, match=r"table='src'\) names a PostgreSQL table, and .* is not a PostgreSQL URI"
+    ):
+        backfill("/tmp/some/lance", "body", key="id", table="src", **kw)
+    done = backfill(secret, "body", key="id", table="pw.src", **kw)
+    assert done.encoded == 2 and _columns(uri, "pw.src")[-2:] == ["embedding", "embedding_text_hash"]
+
+
+def test_a_killed_backfill_keeps_its_chunks_and_a_rerun_completes_every_row_once(uri):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    _source(uri, "bfk.docs", range(700))
+    killed = subprocess.run(
+        [sys.executable, "-c", BACKFILL_DRIVER, uri, "bfk.docs", "300"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert _sql(uri, "SELECT count(*), count(embedding), count(embedding_text_hash) FROM bfk.docs")[0] == (
+        700,
+        300,
+        300,
+    )
+    done = _backfill(uri, "bfk.docs", chunk_rows=300)
+    assert (done.rows, done.encoded) == (700, 400)
+    assert len(_backfilled(uri, "bfk.docs")) == 700
+    assert _backfill(uri, "bfk.docs").encoded == 0
+
+
+def test_a_postgresql_location_is_detected_as_pgvector_before_any_state(uri, tmp_path):
+    import dask
+
+    from dask_surge.errors import SurgeInputError
+    from dask_surge.io.index import open_index
+    from dask_surge.io.tables import detect_output, display_name, output_store
+
+    with dask.config.set({"surge.pgvector-state": str(tmp_path / "none-yet")}):
+        for address in ("postgresql://app@db:5432/search", "postgres://app@db/search"):
+            assert detect_output(output_store(address, table="docs")) == "pgvector"
+        with pytest.raises(
+            SurgeInputError, match=r"the pgvector table .* has no vector index. Fix: build_index"
+        ):
+            open_index(f"{uri}#nothing.here")
+    assert not (tmp_path / "none-yet").exists()
+    assert display_name("pgvector") == "pgvector" and display_name("delta") == "Delta"
+
+
+def test_build_index_without_psycopg_names_the_pgvector_extra(monkeypatch):
+    import sys
+
+    from dask_surge.errors import SurgeError
+    from dask_surge.io.tables.base import require
+
+    monkeypatch.setitem(sys.modules, "psycopg", None)
+    with pytest.raises(
+        SurgeError, match=r"'psycopg' package, which is not installed .*dask-surge\[pgvector\]"
+    ):
+        require("psycopg")
+
+
+def test_a_results_summary_names_the_pgvector_table_in_lower_case():
+    from dask_surge.results import EncodeResult
+
+    res = EncodeResult("postgresql://app@db/search#public.docs", "r", 10, 1, 1, 0, 1.0, 0.5, "sizes", False)
+    res.index = {"kind": "pgvector", "index_type": "HNSW", "metric": "cosine", "rows": 10}
+    assert "the pgvector table's own HNSW index" in res._index_words()
+    res.index = {"kind": "lance", "index_type": "IVF_FLAT", "metric": "cosine", "rows": 10}
+    assert "the Lance table's own IVF_FLAT index" in res._index_words()

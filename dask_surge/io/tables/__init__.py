@@ -58,6 +58,7 @@ __all__ = [
     "detect_output",
     "table_class",
     "named_catalog",
+    "display_name",
 ]
 
 #: format -> its class: the registry (``format=`` takes these names)
@@ -84,6 +85,18 @@ def output_class(fmt: str) -> Any:
         raise SurgeValueError(
             f"format={fmt!r} is not an output format. Fix: choose one of {FORMATS}."
         ) from None
+
+
+def display_name(fmt: str) -> str:
+    """The ``fmt`` format as messages name it: its class's ``DISPLAY``, else its name capitalized.
+
+    Examples
+    --------
+    >>> display_name("lance"), display_name("pgvector")
+    ('Lance', 'pgvector')
+    """
+    cls = _CLASSES.get(fmt)
+    return str(getattr(cls, "DISPLAY", None) or str(fmt).capitalize())
 
 
 def table_class(fmt: str) -> Any:
@@ -141,7 +154,9 @@ def detect_output(store: OutputStore, records: Any = None) -> str:
     """The format of the output at ``store``, the one rule by which an existing output's format is
     recognised: the format whose table data the run's commit records carry (``records``, else the
     current run's; a table killed before its first commit has no marker yet), else the format whose
-    marker the root holds (a table another tool wrote), else Parquet.
+    marker the root holds (a table another tool wrote), else Parquet. A database's store
+    (:func:`output_store` of a ``postgresql://`` URI: its location is the URI) is its format's, also
+    before any run made its state directory.
 
     Examples
     --------
@@ -149,6 +164,8 @@ def detect_output(store: OutputStore, records: Any = None) -> str:
     >>> detect_output(OutputStore.open(tempfile.mkdtemp()))
     'parquet'
     """
+    if is_address(getattr(store, "location", None)):
+        return PgVectorTable.name
     if records is None:
         try:
             manifest = current_run(store) if store.isdir(store.root) else None

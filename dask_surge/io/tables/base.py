@@ -55,6 +55,7 @@ _EXTRAS = {
     "deltalake": ("delta", "deltalake"),
     "pyiceberg": ("iceberg", "pyiceberg"),
     "faiss": ("faiss", "faiss-cpu"),
+    "psycopg": ("pgvector", "psycopg"),
 }
 
 

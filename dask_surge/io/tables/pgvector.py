@@ -316,8 +316,14 @@ class PgVectorTable(TableOutput):
     """
 
     name = "pgvector"
+    #: the format as messages name it (:func:`~dask_surge.io.tables.display_name`)
+    DISPLAY = "pgvector"
     LIBRARY = "psycopg"
     native_index = True
+    #: :func:`dask_surge.backfill.backfill` adds a vector column to an existing table in place
+    merges_columns = True
+    #: addressed by a PostgreSQL URI (and ``table=``), not by a directory holding a marker
+    database = True
     #: vector(d) and halfvec(d); pgvector's bit type is not written (int8 and binary are refused)
     precisions = frozenset({"float32", "float16"})
     #: the file of the state directory that names the table (:func:`state_store`)
@@ -337,6 +343,10 @@ class PgVectorTable(TableOutput):
         try:
             facts = json.loads(store.read(f"{store.root}/{MARKER_FILE}"))
         except (FileNotFoundError, NotADirectoryError):
+            named = getattr(store, "location", None)
+            if is_address(named):  # no run of dask-surge wrote it: the table the location names
+                uri, table = split_output(str(named))  # the password, if any, is in _SECRETS
+                return cls(uri, table)
             raise SurgeOutputError(
                 f"{store.location!r} names no pgvector table: its state directory {store.root!r} holds no "
                 f"{MARKER_FILE}. Fix: pass output='postgresql://...' and table= as the encode was given them "
@@ -386,6 +396,8 @@ class PgVectorTable(TableOutput):
                     f"{STAGING_SUFFIX!r}). Fix: choose a shorter name."
                 )
         self.location = PgLocation(uri, schema, table)
+        #: what :meth:`record` keeps for a column not added yet (name -> value)
+        self._pending: dict[str, str] = {}
 
     def __repr__(self) -> str:
         return f"PgVectorTable({self.location.url!r})"
@@ -1026,6 +1038,203 @@ class PgVectorTable(TableOutput):
             return pa.table({name: pa.array([], _arrow_of(kinds[name])) for name in have})
         return pa.table(arrays)
 
+    # -- a column merged into an existing table (dask_surge.backfill) -----------------------------
+
+    def _missing_table(self) -> SurgeOutputError:
+        return SurgeOutputError(
+            f"there is no table {self.location.schema}.{self.location.table} at {self.location.url!r}; a "
+            "backfill adds a vector column to a table that exists. Nothing was written. Fix: pass table= an "
+            "existing table ('name' or 'schema.name'), or create it first (encode(..., format='pgvector') "
+            "makes a new table of embeddings)."
+        )
+
+    def dataset(self) -> _PgScan:
+        """The table as a backfill scans it (:class:`_PgScan`: its Arrow ``schema`` and ``to_table``);
+        the pgvector extension is created where it is missing (or one line says who must) before
+        anything is encoded. An error naming the fix when there is no such table."""
+        with self._session() as conn:
+            if not self._regclass(conn, self.location.schema, self.location.table):
+                raise self._missing_table()
+            self._ensure_extension(conn)
+            return _PgScan(self, self._columns_now(conn, self.location.table))
+
+    def vector_shape(self, column: str, kind: pa.DataType) -> tuple[pa.DataType | None, int | None]:
+        """``(value type, dimension)`` of the vectors ``column`` (of Arrow type ``kind``, as
+        :class:`_PgScan` maps ``vector(d)`` and ``halfvec(d)``) holds; a ``vector`` without a declared
+        dimension: ``(float32, None)``; anything else ``(None, None)``."""
+        if pa.types.is_fixed_size_list(kind):
+            return kind.value_type, kind.list_size
+        if pa.types.is_list(kind) and (
+            pa.types.is_float32(kind.value_type) or pa.types.is_float16(kind.value_type)
+        ):
+            return kind.value_type, None
+        return None, None
+
+    def holds(self, kind: pa.DataType) -> bool:
+        """True for float32 (``vector``) and float16 (``halfvec``) vectors: pgvector's dense types."""
+        return pa.types.is_float32(kind) or pa.types.is_float16(kind)
+
+    def _comments(self, conn: Any) -> dict[str, dict]:
+        """column -> the JSON object its comment holds (columns whose comment is not one are left out)."""
+        from psycopg import sql
+
+        rows = conn.execute(
+            "SELECT a.attname, col_description(a.attrelid, a.attnum) FROM pg_attribute a WHERE a.attrelid = "
+            "to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped",
+            (self._names(sql)["target"].as_string(conn),),
+        ).fetchall()
+        out = {}
+        for col, text in rows:
+            try:
+                facts = json.loads(text) if text else None
+            except ValueError:
+                continue
+            if isinstance(facts, dict):
+                out[col] = facts
+        return out
+
+    def recorded(self, name: str) -> str | None:
+        """The value ``name`` holds in the comment of the column it names (:func:`_recorded_column`):
+        ``COMMENT ON COLUMN`` holds a JSON object ``{name: value}``; None: not recorded."""
+        column = _recorded_column(name)
+        with self._session() as conn:
+            facts = self._comments(conn).get(column, {})
+        if name not in facts:
+            return None
+        value = facts[name]
+        return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+    def record(self, name: str, value: str) -> int:
+        """Record ``value`` as ``name`` in the comment of the column ``name`` names (one transaction;
+        returns 1). Where that column does not exist yet, the comment is made in the transaction that
+        adds it (the first :meth:`merge_chunk`), so a column is never without its record (returns 0)."""
+        column = _recorded_column(name)
+        with self._session() as conn:
+            if column not in dict(self._columns_now(conn, self.location.table)):
+                self._pending[name] = value
+                return 0
+            with conn.transaction():
+                self._comment(conn, column, {name: value})
+        return 1
+
+    def _comment(self, conn: Any, column: str, values: dict[str, str]) -> None:
+        """Inside the caller's transaction: set ``values`` in the JSON object ``column`` 's comment holds."""
+        from psycopg import sql
+
+        facts = self._comments(conn).get(column, {})
+        for name, value in values.items():
+            try:
+                facts[name] = json.loads(value)
+            except ValueError:
+                facts[name] = value
+        conn.execute(
+            sql.SQL("COMMENT ON COLUMN {}.{} IS {}").format(
+                self._names(sql)["target"],
+                sql.Identifier(column),
+                sql.Literal(json.dumps(facts, sort_keys=True)),
+            )
+        )
+
+    def merge_chunk(self, chunk: pa.Table, key: str, props: dict[str, str]) -> int:
+        """Merge ``chunk`` into the table on ``key``: where its vector or hash column is missing, one
+        transaction adds it (``vector(d)`` / ``halfvec(d)``, ``bytea``; nullable, no default: a
+        catalog change only, its lock held for an instant) with the comment :meth:`record` kept for it;
+        then ONE transaction binary-COPYs ``chunk`` into a temporary table and ``UPDATE`` s the table's
+        rows from it, joined on ``key``: readers see the chunk whole or not at all. ``props`` (the
+        backfill's JSON) is that transaction's ``dask_surge.backfill`` setting (a trigger's
+        ``current_setting`` sees it). Returns the transactions made (1 or 2)."""
+        psycopg, _ = _modules()
+        from pgvector import HalfVector
+        from pgvector.psycopg import register_vector
+        from psycopg import sql
+
+        target = self._names(sql)["target"]
+        vector = next(f for f in chunk.schema if pa.types.is_fixed_size_list(f.type))
+        rest = [f for f in chunk.schema if f.name not in (key, vector.name)]
+        kind = "halfvec" if pa.types.is_float16(vector.type.value_type) else "vector"
+        dim = vector.type.list_size
+        stage = sql.Identifier(f"surge_backfill_{uuid.uuid4().hex[:12]}")
+        made = 0
+        with self._session() as conn:
+            ext = self._ensure_extension(conn)
+            register_vector(conn)
+            have = dict(self._columns_now(conn, self.location.table))
+            if key not in have:
+                raise SurgeOutputError(
+                    f"the key column {key!r} of {self.location.url!r} is gone (it has {sorted(have)}). Nothing of "
+                    "this chunk was written. Fix: pass key= one of its columns."
+                )
+            native = _KEY_COPY.get(_base_type(have[key]))
+            missing = [f for f in (vector, *rest) if f.name not in have]
+            try:
+                if missing:
+                    with conn.transaction():
+                        for f in missing:
+                            kind_sql = (
+                                sql.SQL("{}({})").format(sql.Identifier(ext, kind), sql.Literal(dim))
+                                if f is vector
+                                else sql.SQL("bytea")
+                            )
+                            conn.execute(
+                                sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS {} {}").format(
+                                    target, sql.Identifier(f.name), kind_sql
+                                )
+                            )
+                        pending = {
+                            n: v for n, v in self._pending.items() if _recorded_column(n) == vector.name
+                        }
+                        if pending:
+                            self._comment(conn, vector.name, pending)
+                    made += 1
+                    for n in [n for n in self._pending if _recorded_column(n) == vector.name]:
+                        del self._pending[n]
+                with conn.transaction():
+                    conn.execute("SELECT set_config('dask_surge.backfill', %s, true)", (_setting(props),))
+                    k = sql.Identifier(key)
+                    conn.execute(
+                        sql.SQL(
+                            "CREATE TEMPORARY TABLE {} ON COMMIT DROP AS SELECT {} AS k, {} FROM {} WITH NO DATA"
+                        ).format(
+                            stage,
+                            k if native else sql.SQL("{}::text").format(k),
+                            sql.SQL(", ").join(sql.Identifier(f.name) for f in (vector, *rest)),
+                            target,
+                        )
+                    )
+                    names = ["k", vector.name, *(f.name for f in rest)]
+                    copy_sql = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT BINARY)").format(
+                        stage, sql.SQL(", ").join(sql.Identifier(n) for n in names)
+                    )
+                    keys = chunk.column(key).to_pylist()
+                    vectors = _embedding_rows(chunk.column(vector.name), kind)
+                    if kind == "halfvec":
+                        vectors = [None if v is None else HalfVector(v) for v in vectors]
+                    columns = [keys, vectors, *(chunk.column(f.name).to_pylist() for f in rest)]
+                    with conn.cursor() as cur, cur.copy(copy_sql) as copy:
+                        copy.set_types([native or "text", kind, *("bytea" for _ in rest)])
+                        for row in zip(*columns, strict=True):
+                            copy.write_row(row)
+                    on = sql.SQL("t.{} = s.k" if native else "t.{}::text = s.k").format(k)
+                    conn.execute(
+                        sql.SQL("UPDATE {} AS t SET {} FROM {} AS s WHERE {}").format(
+                            target,
+                            sql.SQL(", ").join(
+                                sql.SQL("{} = s.{}").format(sql.Identifier(n), sql.Identifier(n))
+                                for n in names[1:]
+                            ),
+                            stage,
+                            on,
+                        )
+                    )
+                made += 1
+            except psycopg.Error as err:
+                raise SurgeOutputError(
+                    f"PostgreSQL refused a backfill chunk of {self.location.url!r} ({self._scrub(err)}). Nothing of "
+                    "this chunk was written (the chunks before it are in). Fix: correct what it names, then rerun "
+                    "the same backfill: it continues with the rows still missing."
+                ) from None
+        return made
+
     # -- index and search --------------------------------------------------------------------------
 
     def build_index(self, metric: str = "cosine", *, m: int = 16, ef_construction: int = 64) -> str:
@@ -1240,6 +1449,127 @@ class PgVectorTable(TableOutput):
                 sql.SQL("EXPLAIN ") + self._search_sql(conn, metric, k), (vec, vec)
             ).fetchall()
         return "\n".join(r[0] for r in plan)
+
+
+#: the prefix of the names :meth:`PgVectorTable.record` keeps in a column's comment: ``<prefix><column>``
+#: (:data:`dask_surge.backfill.EMBEDDING_PROPERTY`)
+RECORD_PREFIX = "dask-surge.embedding."
+#: a key column's type (without its modifiers) -> the type its binary COPY sends; other keys are staged
+#: as text and matched through ``::text``
+_KEY_COPY = {
+    "bigint": "int8",
+    "integer": "int4",
+    "smallint": "int2",
+    "text": "text",
+    "character varying": "varchar",
+    "double precision": "float8",
+    "real": "float4",
+    "bytea": "bytea",
+    "boolean": "bool",
+}
+#: a column's type (without its modifiers) -> its Arrow type as a backfill scans it (a key's type among
+#: these is in :data:`_KEY_COPY` too, or is no key; any other type is read as text, ``::text``, as a
+#: key of it is matched)
+_SCAN_TYPES = {
+    "bigint": pa.int64(),
+    "integer": pa.int32(),
+    "smallint": pa.int16(),
+    "double precision": pa.float64(),
+    "real": pa.float32(),
+    "text": pa.string(),
+    "character varying": pa.string(),
+    "bytea": pa.binary(),
+    "boolean": pa.bool_(),
+    "real[]": pa.list_(pa.float32()),
+    "double precision[]": pa.list_(pa.float64()),
+    "vector": pa.list_(pa.float32()),
+    "halfvec": pa.list_(pa.float16()),
+}
+
+
+def _base_type(kind: str) -> str:
+    """``kind`` (``format_type``'s) without its modifiers: ``character varying(20)`` -> ``character varying``.
+
+    Examples
+    --------
+    >>> _base_type("character varying(20)"), _base_type("vector(8)"), _base_type("real[]")
+    ('character varying', 'vector', 'real[]')
+    """
+    return re.sub(r"\(\d+(?:,\d+)?\)", "", kind).strip()
+
+
+def _recorded_column(name: str) -> str:
+    """The column whose comment holds ``name`` (``<RECORD_PREFIX><column>``)."""
+    if not name.startswith(RECORD_PREFIX) or len(name) == len(RECORD_PREFIX):
+        raise SurgeValueError(
+            f"{name!r} is not a record a pgvector table keeps: it keeps {RECORD_PREFIX}<column> in the column's "
+            "comment. Fix: name a column."
+        )
+    return name[len(RECORD_PREFIX) :]
+
+
+class _PgScan:
+    """A table as :func:`dask_surge.backfill.backfill` scans it: its Arrow ``schema`` (``vector(d)`` a
+    fixed-size list of float32, ``halfvec(d)`` of float16, types it does not know as text, read through
+    ``::text``) and :meth:`to_table`."""
+
+    def __init__(self, table: PgVectorTable, columns: list[tuple[str, str]]) -> None:
+        self._table, self.kinds = table, dict(columns)
+        fields = []
+        for name, kind in columns:
+            if kind.startswith(("vector(", "halfvec(")):
+                fields.append(pa.field(name, _arrow_of(kind)))
+            else:
+                fields.append(pa.field(name, _SCAN_TYPES.get(_base_type(kind), pa.string())))
+        self.schema = pa.schema(fields)
+
+    def to_table(self, columns: Sequence[str]) -> pa.Table:
+        """``columns`` of every row (one consistent snapshot), as Arrow of :attr:`schema` 's types."""
+        from psycopg import sql
+
+        t = self._table
+        wanted = [self.schema.field(c) for c in columns]
+        select = [
+            sql.Identifier(f.name)
+            if _base_type(self.kinds[f.name]) in _SCAN_TYPES
+            else sql.SQL("{}::text").format(sql.Identifier(f.name))
+            for f in wanted
+        ]  # as merge_chunk matches a key: by value where its COPY sends the type, else as text
+        with t._session(vectors=True) as conn:
+            rows = conn.execute(
+                sql.SQL("SELECT {} FROM {}").format(sql.SQL(", ").join(select), t._names(sql)["target"])
+            ).fetchall()
+        values = list(zip(*rows, strict=True)) if rows else [() for _ in wanted]
+        arrays = []
+        for f, col in zip(wanted, values, strict=True):
+            if pa.types.is_fixed_size_list(f.type) or pa.types.is_list(f.type):
+                lists = [None if v is None else np.asarray(_numpy(v)).tolist() for v in col]
+                arrays.append(pa.array(lists, f.type))
+            else:
+                arrays.append(pa.array(list(col), f.type))
+        return pa.Table.from_arrays(arrays, schema=pa.schema(wanted))
+
+
+def _setting(props: dict[str, str]) -> str:
+    """``props`` (values of JSON text, or text) as one JSON object, the values parsed where they are JSON.
+
+    Examples
+    --------
+    >>> _setting({"dask-surge.backfill": '{"chunk": 0}', "note": "x"})
+    '{"dask-surge.backfill": {"chunk": 0}, "note": "x"}'
+    """
+    out: dict[str, Any] = {}
+    for name, value in props.items():
+        try:
+            out[name] = json.loads(value)
+        except ValueError:
+            out[name] = value
+    return json.dumps(out, sort_keys=True)
+
+
+def _numpy(value: Any) -> Any:
+    """A pgvector ``Vector`` / ``HalfVector`` (or a list) as numpy."""
+    return value.to_numpy() if hasattr(value, "to_numpy") else value
 
 
 def _distances(metric: str, pg: np.ndarray) -> np.ndarray:
