@@ -25,6 +25,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +42,8 @@ __all__ = [
     "kill_after_table_commits",
     "stop_at_table_commit",
     "kill_run",
+    "encode_seconds",
+    "worker_processes",
     "after_first_table_commit",
     "CountingEncoder",
     "DieOnce",
@@ -637,22 +640,57 @@ def table_encode(out, fmt: str, ddf=None, **kw):
     return frame.surge.encode("text", output=str(out), **kw)
 
 
+def encode_seconds(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> float:
+    """Seconds a kill sweep's driver ``cmd`` takes from printing ``started`` (its cluster is up) to printing
+    its ``rows`` line (the encode returned; the cluster then closes): the span a kill at a fraction of it
+    lands in while the workers run. Raises when the driver fails."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "started", proc.stderr.read() if proc.stderr else ""
+        t0 = time.perf_counter()
+        ended = any(line.startswith("rows") for line in iter(proc.stdout.readline, ""))  # stops at "rows"
+        seconds = time.perf_counter() - t0
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0 or not ended:
+        raise RuntimeError(f"the clean run failed (exit {proc.returncode}): {err[-3000:]}")
+    return seconds
+
+
+def worker_processes(pid: int) -> list[Any]:
+    """The Dask worker processes below process ``pid`` (``psutil.Process`` objects): those that listen
+    on a TCP port, the worker's own. Whatever the start method (``spawn``: children of the process that
+    runs the nannies; ``forkserver``: the fork server's children; a ``dask worker`` command: the nanny's),
+    this leaves out multiprocessing's resource tracker and fork server and the helper processes a worker
+    starts (tokenizing), none of which listens on TCP. A process that exits while listed is passed over.
+    """
+    import psutil  # (distributed's dependency) only for the kill sweeps
+
+    found = []
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            if any(c.status == psutil.CONN_LISTEN for c in p.net_connections(kind="tcp")):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # exited while listed: not there to kill
+            continue
+    return found
+
+
 def kill_run(proc: subprocess.Popen, target: str, rng: random.Random) -> str:
     """SIGKILL a run's process ``proc`` (``target="client"``), one of its Dask worker processes
     (``"worker"``), or a worker and then, up to 0.5 s later, the client (``"both"``); returns what
     was killed: ``"client"`` when no worker process runs (yet, or any more), as a kill sweep's
     driver starts and ends them. A process that exits while the workers are listed is passed over.
+
+    A worker is a process below ``proc`` that listens on a TCP port (:func:`worker_processes`).
     """
     import psutil  # (distributed's dependency) only for the kill sweeps
 
-    workers = []
-    if target != "client":
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            try:
-                if "nanny" not in " ".join(p.cmdline()).lower() and p.ppid() != proc.pid:
-                    workers.append(p)
-            except psutil.NoSuchProcess:  # it exited while listed: not there to kill
-                continue
+    workers = worker_processes(proc.pid) if target != "client" else []
     if not workers:  # no worker (or asked for the client): kill the client
         proc.send_signal(signal.SIGKILL)
         return "client"
