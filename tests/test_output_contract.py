@@ -956,6 +956,7 @@ class TestPgVector(OutputContract):
     fmt = "pgvector"
     module, extra = "psycopg", "pgvector"
     native_index = True
+    backfills = True
     vector_type = pa.list_(pa.float32(), 2)
     uri: ClassVar[str] = ""
     state: ClassVar[str] = ""
@@ -1143,9 +1144,6 @@ class TestPgVector(OutputContract):
         rows = self.rows(out)
         doc = dict(zip(zip(rows.partition, rows.row), rows.doc_id))
         assert hits.doc_id.tolist() == [doc[(p, r)] for p, r in zip(hits.partition, hits.row)]
-
-    def test_backfill_encodes_only_new_rows_or_is_refused(self):
-        pytest.skip("backfill of a PostgreSQL table is issue 69, item 4: not yet")
 
     def test_the_data_files_hold_the_type_the_output_declares(self, done):
         """The table declares ``vector(2)``, which reads back as a fixed-size list of float32."""
