@@ -42,6 +42,7 @@ __all__ = [
     "kill_after_table_commits",
     "stop_at_table_commit",
     "kill_run",
+    "BACKFILL_KILLED",
     "encode_seconds",
     "worker_processes",
     "after_first_table_commit",
@@ -638,6 +639,25 @@ def table_encode(out, fmt: str, ddf=None, **kw):
     }
     frame = numbered_frame(TABLE_ROWS, TABLE_PARTITIONS) if ddf is None else ddf
     return frame.surge.encode("text", output=str(out), **kw)
+
+
+#: ``python -c BACKFILL_KILLED location table chunk_rows``: a backfill of ``location``'s ``text`` column
+#: keyed by ``id`` (``table`` for a PostgreSQL location, ``""`` for none) with :func:`checksum_model`,
+#: that SIGKILLs its own process while it encodes its second chunk
+BACKFILL_KILLED = """
+import os, signal, sys
+import dask_surge.backfill as bf
+from dask_surge.testing import checksum_model
+real, calls = bf.encode, []
+def encode(*a, **k):  # test hook: SIGKILL this process while it encodes its second chunk
+    calls.append(1)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a, **k)
+bf.encode = encode
+bf.backfill(sys.argv[1], "text", key="id", table=sys.argv[2] or None, model=checksum_model,
+            scheduler="threads", chunk_rows=int(sys.argv[3]), progress=False)
+"""
 
 
 def encode_seconds(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 300) -> float:

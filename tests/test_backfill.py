@@ -16,7 +16,7 @@ import pytest
 
 from dask_surge.backfill import BACKFILL_PROPERTY, backfill
 from dask_surge.errors import SurgeInputError, SurgeValueError
-from dask_surge.testing import checksum_model
+from dask_surge.testing import BACKFILL_KILLED, checksum_model
 
 N = 1000
 FORMATS = ["lance", "delta"]
@@ -181,27 +181,12 @@ def test_backfill_refuses_what_is_not_a_lance_or_delta_table(tmp_path):
         _run(tmp_path)
 
 
-DRIVER = """
-import os, signal, sys
-import dask_surge.backfill as bf
-from dask_surge.testing import checksum_model
-real, calls = bf.encode, []
-def encode(*a, **k):  # test hook: SIGKILL this process while it encodes its second chunk
-    calls.append(1)
-    if len(calls) == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(*a, **k)
-bf.encode = encode
-bf.backfill(sys.argv[1], "text", key="id", model=checksum_model, scheduler="threads", chunk_rows=300)
-"""
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_killed_backfill_keeps_its_chunks_and_a_rerun_encodes_the_rest(tmp_path, fmt):
     path = tmp_path / f"t.{fmt}"
     _table(fmt, path)
     killed = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(path)],
+        [sys.executable, "-c", BACKFILL_KILLED, str(path), "", "300"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -220,7 +205,7 @@ import json, sys
 import pyarrow as pa
 from dask_surge.backfill import backfill
 from dask_surge.io.tables.locations import object_store_options
-from dask_surge.testing import checksum_model
+from dask_surge.testing import BACKFILL_KILLED, checksum_model
 fmt, url, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 store = object_store_options(url, options)
 def write(data, mode):

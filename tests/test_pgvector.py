@@ -682,21 +682,6 @@ def test_a_server_crash_mid_run_then_the_same_call_writes_every_row_once(tmp_pat
 
 # -- backfill an existing table in place (item 4) ------------------------------------------------------
 
-BACKFILL_DRIVER = """
-import os, signal, sys
-import dask_surge.backfill as bf
-from dask_surge.testing import checksum_model
-real, calls = bf.encode, []
-def encode(*a, **k):  # test hook: SIGKILL this process while it encodes its second chunk
-    calls.append(1)
-    if len(calls) == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return real(*a, **k)
-bf.encode = encode
-bf.backfill(sys.argv[1], "text", key="id", table=sys.argv[2], model=checksum_model, scheduler="threads",
-            chunk_rows=int(sys.argv[3]), progress=False)
-"""
-
 
 def _text(i: int) -> str:
     return f"row {i} " + "word " * (i % 9)
@@ -869,9 +854,11 @@ def test_a_killed_backfill_keeps_its_chunks_and_a_rerun_completes_every_row_once
     import subprocess
     import sys
 
+    from dask_surge.testing import BACKFILL_KILLED
+
     _source(uri, "bfk.docs", range(700))
     killed = subprocess.run(
-        [sys.executable, "-c", BACKFILL_DRIVER, uri, "bfk.docs", "300"],
+        [sys.executable, "-c", BACKFILL_KILLED, uri, "bfk.docs", "300"],
         capture_output=True,
         text=True,
         timeout=300,

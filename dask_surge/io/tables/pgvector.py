@@ -1467,9 +1467,9 @@ _KEY_COPY = {
     "bytea": "bytea",
     "boolean": "bool",
 }
-#: a column's type (without its modifiers) -> its Arrow type as a backfill scans it (a key's type among
-#: these is in :data:`_KEY_COPY` too, or is no key; any other type is read as text, ``::text``, as a
-#: key of it is matched)
+#: a column's type (without its modifiers) -> its Arrow type, as a table is read and a backfill scans
+#: it (a key's type among these is in :data:`_KEY_COPY` too, or is no key; any other type is read as
+#: text, ``::text``, as a key of it is matched)
 _SCAN_TYPES = {
     "bigint": pa.int64(),
     "integer": pa.int32(),
@@ -1515,13 +1515,7 @@ class _PgScan:
 
     def __init__(self, table: PgVectorTable, columns: list[tuple[str, str]]) -> None:
         self._table, self.kinds = table, dict(columns)
-        fields = []
-        for name, kind in columns:
-            if kind.startswith(("vector(", "halfvec(")):
-                fields.append(pa.field(name, _arrow_of(kind)))
-            else:
-                fields.append(pa.field(name, _SCAN_TYPES.get(_base_type(kind), pa.string())))
-        self.schema = pa.schema(fields)
+        self.schema = pa.schema([pa.field(name, _arrow_of(kind)) for name, kind in columns])
 
     def to_table(self, columns: Sequence[str]) -> pa.Table:
         """``columns`` of every row (one consistent snapshot), as Arrow of :attr:`schema` 's types."""
@@ -1601,20 +1595,19 @@ def _metric(metric: str) -> tuple[str, str]:
 
 
 def _arrow_of(kind: str) -> pa.DataType:
-    """The Arrow type of a PostgreSQL column type as :class:`_Column` spells it."""
+    """The Arrow type of a PostgreSQL column type as :class:`_Column` spells it (``format_type``'s):
+    ``vector(d)`` a fixed-size list of float32, ``halfvec(d)`` of float16, the others by
+    :data:`_SCAN_TYPES`, text where it has none.
+
+    Examples
+    --------
+    >>> _arrow_of("vector(3)"), _arrow_of("character varying(20)"), _arrow_of("uuid")
+    (FixedSizeListType(fixed_size_list<item: float>[3]), DataType(string), DataType(string))
+    """
     if kind.startswith(("vector(", "halfvec(")):
         d = int(kind[kind.index("(") + 1 : -1])
         return pa.list_(pa.float16() if kind.startswith("halfvec") else pa.float32(), d)
-    return {
-        "bigint": pa.int64(),
-        "integer": pa.int32(),
-        "smallint": pa.int16(),
-        "double precision": pa.float64(),
-        "real": pa.float32(),
-        "text": pa.string(),
-        "boolean": pa.bool_(),
-        "bytea": pa.binary(),
-    }.get(kind, pa.string())
+    return _SCAN_TYPES.get(_base_type(kind), pa.string())
 
 
 # -- where a pgvector output's run keeps its state -------------------------------------------------
