@@ -22,7 +22,10 @@ from dask_surge.io.store import OutputStore
 
 @pytest.fixture
 def every_update(monkeypatch):
-    """tqdm draws every update (no time-based throttling: the tests must not depend on timing)."""
+    """tqdm draws every update (no time-based throttling: the tests must not depend on timing), as wide
+    as a buffer that is not a terminal (120 columns), whatever ``COLUMNS`` the runner sets (pytest-xdist's
+    workers: 80, a narrow bar without the SuperBatch count)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.setenv("TQDM_MININTERVAL", "0")
     monkeypatch.setenv("TQDM_MINITERS", "1")
     monkeypatch.delenv("TQDM_DISABLE", raising=False)
