@@ -147,7 +147,7 @@ print("done", json.dumps({"rows": res.rows, "resumed": bool(res.resumed), "index
 
 # What the user reads back, each table with its own library, and searches.
 READ = """
-import json, sys
+import json, os, sys
 import numpy as np
 import dask, dask.dataframe as dd, pandas as pd
 import dask_surge
@@ -193,7 +193,8 @@ sbs = [sb for p in props if "dask-surge.run" in p for sb in json.loads(p.get("da
 df = df.sort_values(["partition", "row"])
 print(json.dumps({"keys": df[["partition", "row"]].values.tolist(), "doc_id": df.doc_id.tolist(),
                   "embedding": np.stack(df.embedding.to_numpy()).tolist(), "superbatches": sbs,
-                  "queries": qv.tolist(), "found": found, "indexes": indexes}))
+                  "queries": qv.tolist(), "found": found, "indexes": indexes}), flush=True)
+os._exit(0)  # deltalake's runtime, torn down at interpreter exit, aborts the process now and then (exit -6)
 """
 
 
@@ -368,7 +369,7 @@ def test_encode_to_a_table_on_s3_killed_twice_rerun_then_searched(story, fmt):
 
 
 BACKFILL = """
-import json, sys
+import json, os, sys
 import numpy as np, pandas as pd, pyarrow as pa
 import dask.dataframe as dd
 from distributed import Client, LocalCluster
@@ -402,7 +403,8 @@ with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_a
         report[fmt] = {"first": [first.rows, first.encoded], "second": [second.rows, second.encoded],
                        "id": df.id.tolist(), "text": df.text.tolist(),
                        "embedding": np.stack(df.embedding.to_numpy()).tolist()}
-print(json.dumps(report))
+print(json.dumps(report), flush=True)
+os._exit(0)  # as the reader above: deltalake's runtime torn down at exit aborts now and then
 """
 
 
