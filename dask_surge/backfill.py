@@ -43,6 +43,7 @@ from .io.hashing import hash_column, text_hashes
 from .io.reuse import identity_difference
 from .io.store import OutputStore
 from .io.tables import FORMATS, detect, detect_output, display_name, open_output, output_class, output_store
+from .io.tables.base import EMBEDDING_PROPERTY
 from .io.tables.pgvector import is_address
 from .options import Invalid, option
 
@@ -50,9 +51,6 @@ __all__ = ["BACKFILL_PROPERTY", "BackfillResult", "backfill"]
 
 #: commit-metadata key of a backfill's table versions: JSON ``{"id", "text", "column", "chunk", "rows"}``
 BACKFILL_PROPERTY = "dask-surge.backfill"
-#: table property (Delta), config key (Lance) or key of the column's comment (PostgreSQL) prefix:
-#: ``<prefix><column>`` holds the JSON embedding identity (model, prompt, normalization, precision, truncate_dim...) that made the column's vectors
-EMBEDDING_PROPERTY = "dask-surge.embedding."
 #: options of :func:`dask_surge.encode` that mean nothing to a backfill (it writes one column in place)
 _NOT_FOR_BACKFILL = ("output", "format", "mode", "overwrite", "keep", "reuse", "build_index", "input_token")
 
@@ -75,7 +73,7 @@ def _open_table(store: OutputStore) -> Any:
     if output_class(fmt).merges_columns:
         return open_output(fmt, store)
     able = [name for name in FORMATS if output_class(name).merges_columns]
-    databases = [f for f in able if getattr(output_class(f), "database", False)]
+    databases = [f for f in able if output_class(f).database]
     able = [f for f in able if f not in databases]
     names = store.listdir(root) if store.isdir(root) else []
     if not store.exists(root):

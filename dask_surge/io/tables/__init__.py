@@ -96,7 +96,7 @@ def display_name(fmt: str) -> str:
     ('Lance', 'pgvector')
     """
     cls = _CLASSES.get(fmt)
-    return str(getattr(cls, "DISPLAY", None) or str(fmt).capitalize())
+    return (cls.DISPLAY if cls is not None else None) or str(fmt).capitalize()
 
 
 def table_class(fmt: str) -> Any:

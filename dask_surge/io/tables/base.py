@@ -48,6 +48,10 @@ FENCE_PROPERTY = "dask-surge.fence"
 #: commit-metadata key of a repair version: the JSON list of SuperBatches whose second copy it removed
 #: (the table's history names them twice; from then on only their first version holds them)
 REPAIRED_PROPERTY = "dask-surge.repaired"
+#: table property (Delta), config key (Lance) or key of the column's comment (PostgreSQL) prefix:
+#: ``<prefix><column>`` holds the JSON embedding identity (model, prompt, normalization, precision,
+#: truncate_dim...) that made a backfilled column's vectors (:func:`dask_surge.backfill.backfill`)
+EMBEDDING_PROPERTY = "dask-surge.embedding."
 
 #: module -> (pip extra, the distribution that provides it)
 _EXTRAS = {
@@ -126,6 +130,10 @@ class Output(ABC):
         run completes).
     merges_columns : bool
         :func:`dask_surge.backfill.backfill` adds or refreshes a column of a table of this format.
+    database : bool
+        Addressed by a database URI (and ``table=``), not by a directory holding a :attr:`MARKER`.
+    DISPLAY : str or None
+        The format as messages name it (None: its :attr:`name` capitalized).
     precisions : frozenset of str
         The ``precision=`` values whose vectors the format can hold.
     """
@@ -138,6 +146,8 @@ class Output(ABC):
     appends: ClassVar[bool] = True
     overwrites: ClassVar[bool] = False
     merges_columns: ClassVar[bool] = False
+    database: ClassVar[bool] = False
+    DISPLAY: ClassVar[str | None] = None
     precisions: ClassVar[frozenset[str]] = frozenset({"float32", "float16", "int8", "binary"})
     #: the module the format needs (an optional dependency; None: none)
     LIBRARY: ClassVar[str | None] = None

@@ -77,7 +77,7 @@ import pyarrow.compute as pc
 from ...config import get
 from ...errors import SurgeError, SurgeOutputError, SurgeValueError
 from ..store import OutputStore
-from .base import CommitConflict, History, TableOutput, schema_of, schema_text
+from .base import EMBEDDING_PROPERTY, CommitConflict, History, TableOutput, schema_of, schema_text
 
 __all__ = [
     "PgVectorTable",
@@ -1121,12 +1121,7 @@ class PgVectorTable(TableOutput):
         """Inside the caller's transaction: set ``values`` in the JSON object ``column`` 's comment holds."""
         from psycopg import sql
 
-        facts = self._comments(conn).get(column, {})
-        for name, value in values.items():
-            try:
-                facts[name] = json.loads(value)
-            except ValueError:
-                facts[name] = value
+        facts = {**self._comments(conn).get(column, {}), **_json_values(values)}
         conn.execute(
             sql.SQL("COMMENT ON COLUMN {}.{} IS {}").format(
                 self._names(sql)["target"],
@@ -1186,10 +1181,13 @@ class PgVectorTable(TableOutput):
                         if pending:
                             self._comment(conn, vector.name, pending)
                     made += 1
-                    for n in [n for n in self._pending if _recorded_column(n) == vector.name]:
+                    for n in pending:  # recorded with the column: nothing left to keep for it
                         del self._pending[n]
                 with conn.transaction():
-                    conn.execute("SELECT set_config('dask_surge.backfill', %s, true)", (_setting(props),))
+                    conn.execute(
+                        "SELECT set_config('dask_surge.backfill', %s, true)",
+                        (json.dumps(_json_values(props), sort_keys=True),),
+                    )
                     k = sql.Identifier(key)
                     conn.execute(
                         sql.SQL(
@@ -1451,9 +1449,6 @@ class PgVectorTable(TableOutput):
         return "\n".join(r[0] for r in plan)
 
 
-#: the prefix of the names :meth:`PgVectorTable.record` keeps in a column's comment: ``<prefix><column>``
-#: (:data:`dask_surge.backfill.EMBEDDING_PROPERTY`)
-RECORD_PREFIX = "dask-surge.embedding."
 #: a key column's type (without its modifiers) -> the type its binary COPY sends; other keys are staged
 #: as text and matched through ``::text``
 _KEY_COPY = {
@@ -1499,13 +1494,13 @@ def _base_type(kind: str) -> str:
 
 
 def _recorded_column(name: str) -> str:
-    """The column whose comment holds ``name`` (``<RECORD_PREFIX><column>``)."""
-    if not name.startswith(RECORD_PREFIX) or len(name) == len(RECORD_PREFIX):
+    """The column whose comment holds ``name`` (``<EMBEDDING_PROPERTY><column>``)."""
+    if not name.startswith(EMBEDDING_PROPERTY) or len(name) == len(EMBEDDING_PROPERTY):
         raise SurgeValueError(
-            f"{name!r} is not a record a pgvector table keeps: it keeps {RECORD_PREFIX}<column> in the column's "
+            f"{name!r} is not a record a pgvector table keeps: it keeps {EMBEDDING_PROPERTY}<column> in the column's "
             "comment. Fix: name a column."
         )
-    return name[len(RECORD_PREFIX) :]
+    return name[len(EMBEDDING_PROPERTY) :]
 
 
 class _PgScan:
@@ -1544,21 +1539,21 @@ class _PgScan:
         return pa.Table.from_arrays(arrays, schema=pa.schema(wanted))
 
 
-def _setting(props: dict[str, str]) -> str:
-    """``props`` (values of JSON text, or text) as one JSON object, the values parsed where they are JSON.
+def _json_values(values: dict[str, str]) -> dict[str, Any]:
+    """``values`` (JSON text, or text) with each value parsed where it is JSON, kept as text where not.
 
     Examples
     --------
-    >>> _setting({"dask-surge.backfill": '{"chunk": 0}', "note": "x"})
-    '{"dask-surge.backfill": {"chunk": 0}, "note": "x"}'
+    >>> _json_values({"dask-surge.backfill": '{"chunk": 0}', "note": "x"})
+    {'dask-surge.backfill': {'chunk': 0}, 'note': 'x'}
     """
     out: dict[str, Any] = {}
-    for name, value in props.items():
+    for name, value in values.items():
         try:
             out[name] = json.loads(value)
         except ValueError:
             out[name] = value
-    return json.dumps(out, sort_keys=True)
+    return out
 
 
 def _numpy(value: Any) -> Any:
