@@ -39,10 +39,13 @@ _VERSIONS = (
     "distributed",
     "torch",
     "transformers",
+    "sentence-transformers",
     "tokenizers",
     "pyarrow",
     "pandas",
     "numpy",
+    "dask-cuda",  # where installed (the GPU session); a package that is not is left out
+    "nvidia-ml-py",
 )
 
 
@@ -123,8 +126,21 @@ def save(report: dict, out: str | os.PathLike) -> dict:
     ordered = {k: report[k] for k in SCHEMA}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(ordered, indent=1, default=str) + "\n")
+    path.write_text(dumps(ordered) + "\n")
     return ordered
+
+
+def dumps(obj: object, depth: int = 0) -> str:
+    """JSON with the report's fields on lines of their own and one line per record, so that a rerun's
+    diff reads record by record (a value that fits in 100 characters stays on one line)."""
+    flat = json.dumps(obj, default=str)
+    if depth >= 2 or len(flat) <= 100 or not isinstance(obj, dict | list) or not obj:
+        return flat
+    pad = " " * (depth + 1)
+    if isinstance(obj, dict):
+        lines = [f"{pad}{json.dumps(k)}: {dumps(v, depth + 1)}" for k, v in obj.items()]
+        return "{\n" + ",\n".join(lines) + "\n" + " " * depth + "}"
+    return "[\n" + ",\n".join(pad + dumps(v, depth + 1) for v in obj) + "\n" + " " * depth + "]"
 
 
 #: How a measurement run in a fresh process (``--one``) hands its record to the parent: one stdout line.

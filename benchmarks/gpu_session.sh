@@ -6,7 +6,6 @@
 # Prepare .gpu/ on the CPU machine first (about 50 MiB; .gpu/ is ignored by git):
 #   mkdir -p .gpu && cp ../shared/device-wheels/*.whl ../shared/gpu/arch_model.py .gpu/ \
 #     && cp -r ../shared/gpu/minilm-assets .gpu/
-#   python -m pip download -q --no-deps -d .gpu py-spy==0.4.3   # the host stage's GIL sampler (3 MiB)
 #   python benchmarks/gpu_prepare.py   # real MiniLM weights in fp16 + CPU fp32 reference embeddings
 # CPU dry run (tiny models and sizes, same stages and files, timeouts scaled by 0.5; part of the tests):
 #   SURGE_GPU_TRY=1 OUT=/tmp/gpu-try bash benchmarks/gpu_session.sh
@@ -65,7 +64,7 @@ if [ -z "$TRY" ]; then
     python3 .gpu/arch_model.py --arch minilm-l6 --out /tmp/minilm --assets .gpu/minilm-assets &&
     python3 .gpu/arch_model.py --arch bert-base --out /tmp/bert --assets .gpu/minilm-assets' >> "$LOG" 2>&1
   RC=$?
-  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH  # py-spy's binary, from its wheel
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
   SCALE=1
   ARGS=(--minilm /tmp/minilm --bert /tmp/bert)
 else

@@ -33,8 +33,9 @@ REQUIRED = (
 METHODS = {"surge", "pbp", "fb", "pbplb", "st"}
 
 
-def _run(module: str, *args: str, timeout: int = 540) -> dict:
-    """``python -m benchmarks.<module> ... --out`` from the repository root; the saved report."""
+def _run(module: str, *args: str, timeout: int = 540) -> tuple[dict, str]:
+    """``python -m benchmarks.<module> ... --out`` from the repository root; the saved report (its file
+    read back, one line per record) and what the run printed."""
     out = Path(args[args.index("--out") + 1])
     proc = subprocess.run(
         [sys.executable, "-m", f"benchmarks.{module}", *args],
@@ -44,9 +45,13 @@ def _run(module: str, *args: str, timeout: int = 540) -> dict:
         cwd=str(ROOT),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    text = out.read_text()
+    report = json.loads(text)
     _check_schema(report, module)
-    return report
+    lines = text.splitlines()  # one line per record, between the list's own lines
+    start = lines.index(' "results": [')
+    assert lines[start + 1 + len(report["results"])] == " ],", lines[start : start + 3]
+    return report, proc.stdout
 
 
 def _check_schema(report: dict, module: str) -> None:
@@ -73,6 +78,7 @@ def test_save_rejects_a_report_off_the_schema(tmp_path):
     report = _results.new_report("benchmarks.example", ["--x", "1"], {"x": 1})
     report["results"].append({"value": 1})
     saved = _results.save(report, tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text()) == saved
     assert tuple(saved) == SCHEMA and saved["command"] == "python -m benchmarks.example --x 1"
     with pytest.raises(ValueError, match="extra"):
         _results.save({**report, "runs": []}, tmp_path / "bad.json")
@@ -92,16 +98,13 @@ def test_no_benchmark_script_of_ours_patches_sys_path():
 
 def test_quick_benchmark_writes_complete_records(tmp_path):
     out = tmp_path / "results" / "quick.json"
-    readme = tmp_path / "README.md"
-    report = _run(
+    report, printed = _run(
         "paper.run",
         "--quick",
         "--out",
         str(out),
         "--workdir",
         str(tmp_path / "work"),
-        "--readme",
-        str(readme),
     )
     assert {"dask", "distributed", "torch"} <= set(report["machine"]["versions"])
     records = report["results"]
@@ -125,13 +128,14 @@ def test_quick_benchmark_writes_complete_records(tmp_path):
     ):
         if report["summary"].get("figures"):  # matplotlib is optional
             assert (out.with_suffix("") / fig).stat().st_size > 0
-    text = readme.read_text()
-    assert "<!-- BENCH-TABLE:START -->" in text and "| SURGE |" in text
+    # the printed tables: the ratios against the paper's targets, then one row per record
+    assert "| SURGE / FB throughput |" in printed
+    assert printed.count("| SURGE |") == sum(r["method"] == "surge" for r in records)
 
 
 def test_store_output_compares_s3_with_a_local_disk_and_counts_requests(tmp_path):
     pytest.importorskip("moto.server")
-    report = _run(
+    report, _ = _run(
         "store_output",
         "--n",
         "1200",

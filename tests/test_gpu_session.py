@@ -87,11 +87,8 @@ def test_dry_run_writes_one_line_per_stage_into_at_most_four_files(tmp_path):
         assert final[name]["status"] in ("ok", "skipped"), final[name]
     assert final["session"]["status"] == "done"
     assert final["host"]["surge_noop"]["rows"] > 0 and final["host"]["tokenizer_in_worker"]["texts_per_s"] > 0
-    gil = final["host"]["gil"]  # py-spy's GIL figure, or why there is none (no py-spy, ptrace refused)
-    assert gil.get("gil_us_per_text", 0) > 0 or gil.get("skipped") or gil.get("error"), gil
-    if shutil.which("py-spy") is None:
-        assert "not on PATH" in gil["skipped"]
-    assert 0 < final["busy"]["busy_fraction"] <= 1.0
+    busy = final["busy"]
+    assert 0 < busy["busy_fraction"] <= 1.0 and busy["forwards"] == busy["one_call"]["forwards"] > 0
     assert final["surge_minilm"]["engine"] == ["fast"] and final["surge_minilm"]["worker"]["backends"] == [
         "fast"
     ]

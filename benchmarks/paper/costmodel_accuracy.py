@@ -1,12 +1,7 @@
 """Accuracy of the cost model (Theorem 1): predicted vs measured wall time.
 
-Usage::
-
-    python -m benchmarks.paper.costmodel_accuracy [--encoders tiny,default] [--sigmas 1.0,1.72,2.5]
-                                                  [--repeats 3] [--calib-seconds 10] [--quiet-wait 60]
-                                                  [--max-foreign 0.05] [--retries 4] [--mean-words 20]
-                                                  [--calibrate-each]
-                                                  [--out benchmarks/results/costmodel_accuracy.json]
+Usage: ``python -m benchmarks.paper.costmodel_accuracy --encoders tiny,default --repeats 3`` (``--help``
+lists every option).
 
 For each encoder the script calibrates once (:func:`dask_surge.execution.calibrate.calibrate`,
 uniform one-row, moderate and large partitions, SuperBatches of one-row partitions),

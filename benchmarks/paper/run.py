@@ -25,8 +25,8 @@ memory is the summed RSS of the measuring process and all its descendants
 (scheduler, nannies, workers), sampled every 50 ms. Results: one JSON file in the schema
 of ``benchmarks/_results.py`` (machine facts, the exact command, one record per (method,
 encoder, workload) in ``results``, the ratios against the targets in ``summary``), PNG
-figures in a folder of the same name, and the table in ``benchmarks/README.md`` (between
-the BENCH-TABLE markers).
+figures in a folder of the same name; the run ends by printing every record and the ratios
+against the paper's targets as markdown tables (``docs/performance.md`` quotes them).
 """
 
 from __future__ import annotations
@@ -42,14 +42,12 @@ from pathlib import Path
 
 from .. import _results
 
-BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: results/ and README.md
+BENCH = Path(__file__).resolve().parents[1]  # benchmarks/: results/
 ROOT = BENCH.parent
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-TABLE_START = "<!-- BENCH-TABLE:START -->"
-TABLE_END = "<!-- BENCH-TABLE:END -->"
 REQUIRED = (
     "method",
     "encoder",
@@ -87,12 +85,6 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--workdir", default=None, help="datasets, models and scratch output (default benchmarks/results/tmp)"
-    )
-    p.add_argument(
-        "--readme",
-        default=None,
-        help="markdown file whose BENCH-TABLE block is regenerated (default benchmarks/README.md, "
-        "not in --quick); 'none' to skip",
     )
     p.add_argument("--suites", default="main,sigma,bmin,scaling,minilm")
     p.add_argument("--methods", default="surge,pbp,fb,pbplb,st", help="methods of the main/minilm suites")
@@ -176,8 +168,6 @@ def defaults(args: argparse.Namespace) -> argparse.Namespace:
         BENCH / "results" / f"paper_run{'_gpu' if args.gpu else ''}{'_quick' if args.quick else ''}.json"
     )
     args.workdir = args.workdir or str(BENCH / "results" / "tmp")
-    if args.readme is None:
-        args.readme = "none" if args.quick else str(BENCH / "README.md")
     return args
 
 
@@ -419,9 +409,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_plots:
         report["summary"]["figures"] = plots(records, args, out.with_suffix(""))
         report = _results.save(report, out)
-    if args.readme != "none":
-        update_readme(Path(args.readme), report, out)
-    print(json.dumps(report["summary"], indent=1))
+    print(table(report), flush=True)
     return report
 
 
@@ -663,7 +651,7 @@ def plots(records: list[dict], args, folder: Path) -> list[str]:
     return files
 
 
-# --------------------------------------------------------------------------- README table
+# --------------------------------------------------------------------------- the printed tables
 def table(report: dict) -> str:
     rows = [
         "| suite | method | encoder | N | P | sigma | b_min | texts/s | tokens/s | peak RSS (GiB) | "
@@ -715,21 +703,6 @@ def table(report: dict) -> str:
         "",
     ]
     return "\n".join(lines + rows)
-
-
-def update_readme(path: Path, report: dict, out: Path) -> None:
-    text = path.read_text() if path.exists() else f"# Benchmarks\n\n{TABLE_START}\n{TABLE_END}\n"
-    if TABLE_START not in text:
-        text += f"\n{TABLE_START}\n{TABLE_END}\n"
-    head, rest = text.split(TABLE_START, 1)
-    _, tail = rest.split(TABLE_END, 1)
-    try:
-        src = out.resolve().relative_to(path.resolve().parent)
-    except ValueError:
-        src = out
-    body = f"Results from `{src}` ({report['created']}).\n\n" + table(report)
-    path.write_text(f"{head}{TABLE_START}\n{body}\n{TABLE_END}{tail}")
-    print(f"updated {path}", flush=True)
 
 
 if __name__ == "__main__":
