@@ -16,17 +16,12 @@ import pytest
 import dask_surge
 from dask_surge import SurgeOutputError
 from dask_surge.io.manifest import current_run
-from dask_surge.synthetic import lognormal_sizes, write_partitioned_parquet
 from dask_surge.io.store import OutputStore
+from dask_surge.synthetic import lognormal_sizes, write_partitioned_parquet
+from dask_surge.testing import loopback_s3
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
-
-CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
+pytest.importorskip("moto.server")
 SIZES = [int(s) for s in lognormal_sizes(1500, 30, seed=3)]
 N = sum(SIZES)
 
@@ -37,27 +32,14 @@ def s3(tmp_path_factory):
     bucket ``surge`` with ``in/`` (``SIZES`` rows in Parquet files, ``doc_id`` 0..N-1)."""
     import s3fs
 
-    saved = {k: os.environ.get(k) for k in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        endpoint = f"http://{host}:{port}"
-        options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
+    with loopback_s3("surge") as (endpoint, options, _):
+        # the filesystem instance dask's readers get for these options (fsspec caches instances), so
+        # that objects the tests change drop out of the listings those readers cached
         fs = s3fs.S3FileSystem(**options)
-        fs.mkdir("surge")
         local = tmp_path_factory.mktemp("s3-input") / "in"
         write_partitioned_parquet(local, SIZES, seed=5)
         fs.put(f"{local}/", "surge/in/", recursive=True)
         yield endpoint, options, fs
-    finally:
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _doc_ids(path) -> list[int]:
