@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import numpy as np
@@ -97,6 +98,16 @@ PIECES = [
 text = st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=12)), max_size=12).map("".join)
 
 
+@functools.cache
+def _tokenizers(
+    max_length: int | None, direction: str, family: str
+) -> tuple[Tokenizer, JoinedTokenizer | None]:
+    """One tokenizer and its joined form per setting, shared by the examples below (loading them for each
+    example took most of the test's time; neither changes when it encodes)."""
+    tok = minilm(max_length, direction, family)
+    return tok, JoinedTokenizer.of(tok)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     texts=st.lists(text, max_size=40),
@@ -106,8 +117,7 @@ text = st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=12)), max_si
     family=st.sampled_from(["bert", "mpnet"]),
 )
 def test_same_ids_as_one_text_at_a_time(texts, size, max_length, direction, family):
-    tok = minilm(max_length, direction, family)
-    joined = JoinedTokenizer.of(tok)
+    tok, joined = _tokenizers(max_length, direction, family)
     assert joined is not None
     expected = per_text(tok, texts)
     groups, strings = joined.groups(texts, size=size)

@@ -5,6 +5,10 @@ from pathlib import Path
 
 import pytest
 
+# each notebook runs whole in a fresh Jupyter kernel, with its own cluster and model (34 s for the two): in the
+# slow leg (.ci/run runs it on every change), beside the README's longest snippet
+pytestmark = pytest.mark.slow
+
 nbformat = pytest.importorskip("nbformat", reason="notebook tests need the [test] extra (nbformat)")
 nbclient = pytest.importorskip("nbclient", reason="notebook tests need the [test] extra (nbclient)")
 

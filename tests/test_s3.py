@@ -126,6 +126,7 @@ def _committed(out) -> int:
         return 0
 
 
+@pytest.mark.slow  # a CLI kill-and-resume trial (14 s): those run in the slow leg (.ci/run)
 def test_cli_s3_input_killed_mid_run_resumes_exactly(tmp_path, s3, tiny_model):
     endpoint, _, _ = s3
     env = {**os.environ, "AWS_ENDPOINT_URL": endpoint}  # how the CLI (s3fs, boto) is pointed at a store
