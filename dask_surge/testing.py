@@ -1225,8 +1225,7 @@ def loopback_s3(bucket: str):
     serving = threading.Thread(target=server.serve_forever, name="loopback-s3", daemon=True)
     serving.start()
     try:
-        host, port = server.server_address[:2]
-        endpoint = f"http://{host}:{port}"
+        endpoint = f"http://127.0.0.1:{server.server_port}"
         options = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": endpoint}}
         fs = s3fs.S3FileSystem(use_listings_cache=False, **options)
         fs.mkdir(bucket)
