@@ -710,6 +710,8 @@ class TestDelta(OutputContract):
         out, res = done
         assert self._dt(out).transaction_version(f"dask-surge-{res.run_id}") is not None
 
+    # 13-15 s on 2 cores: in the slow leg, beside tests/test_tables_sweep.py's kill trials on S3 for each format
+    @pytest.mark.slow
     def test_on_loopback_s3_killed_right_after_a_commit(self, tmp_path):
         pytest.importorskip("moto.server")
         from dask_surge.io.tables.locations import object_store_options
@@ -895,6 +897,8 @@ class TestIceberg(OutputContract):
         sbs = self.superbatches(out)
         assert len(sbs) == len(set(sbs))
 
+    # 13-15 s on 2 cores: in the slow leg, beside tests/test_tables_sweep.py's kill trials on S3 for each format
+    @pytest.mark.slow
     def test_on_loopback_s3_killed_right_after_a_commit(self, tmp_path, reference):
         pytest.importorskip("moto.server")
         from pyiceberg.catalog import load_catalog

@@ -197,6 +197,7 @@ def places(tmp_path_factory):
         yield src, {"local": (str(root), None), "s3": ("s3://surge-tables", options)}, reference, root
 
 
+@pytest.mark.slow  # one S3 kill (20 s with its server and reference run): beside the sweep's S3 trials
 def test_lance_on_s3_killed_right_after_a_table_commit_resumes_exactly_once(places):
     src, where, reference, _ = places
     prefix, options = where["s3"]
